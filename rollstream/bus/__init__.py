@@ -1,0 +1,30 @@
+"""The Redis Streams bus: connections, publishing, the group reader and retention."""
+
+from rollstream.bus.connection import (
+    CONNECTION_ERRORS,
+    backoff_delays,
+    connect,
+    read_password,
+    wait_until_ready,
+)
+from rollstream.bus.publish import Publisher, RunNotSetUpError, ensure_group, setup_run
+from rollstream.bus.reader import GroupReader, Message, ReaderStats
+from rollstream.bus.retention import TrimResult, safe_min_id, trim_stream
+
+__all__ = [
+    "CONNECTION_ERRORS",
+    "GroupReader",
+    "Message",
+    "Publisher",
+    "ReaderStats",
+    "RunNotSetUpError",
+    "TrimResult",
+    "backoff_delays",
+    "connect",
+    "ensure_group",
+    "read_password",
+    "safe_min_id",
+    "setup_run",
+    "trim_stream",
+    "wait_until_ready",
+]

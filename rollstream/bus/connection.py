@@ -1,0 +1,114 @@
+"""Redis connections: URL parsing, passwords from env or file, jittered backoff until Redis answers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+log = logging.getLogger(__name__)
+
+#: Errors that mean "Redis is (temporarily) unreachable": retried with backoff, never fatal.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.BusyLoadingError,
+    ConnectionResetError,
+    BrokenPipeError,
+)
+
+#: Environment variables a worker reads its Redis password from (never from the command line).
+PASSWORD_ENV = "ROLLSTREAM_REDIS_PASSWORD"
+USERNAME_ENV = "ROLLSTREAM_REDIS_USERNAME"
+PASSWORD_FILE_ENV = "ROLLSTREAM_REDIS_PASSWORD_FILE"
+
+
+def backoff_delays(base_s: float = 0.05, cap_s: float = 5.0) -> Iterator[float]:
+    """Endless full-jitter exponential backoff delays in seconds."""
+    attempt = 0
+    while True:
+        yield random.uniform(0, min(cap_s, base_s * (2**attempt)))
+        attempt = min(attempt + 1, 30)
+
+
+def read_password(password_file: str | None = None) -> str | None:
+    """The Redis password from $ROLLSTREAM_REDIS_PASSWORD, or a file named by config or env (stripped)."""
+    if os.environ.get(PASSWORD_ENV):
+        return os.environ[PASSWORD_ENV]
+    path = password_file or os.environ.get(PASSWORD_FILE_ENV)
+    if path:
+        return Path(path).read_text().strip()
+    return None
+
+
+def connect(
+    url: str,
+    *,
+    socket_timeout_s: float = 10.0,
+    password: str | None = None,
+    username: str | None = None,
+    client_name: str | None = None,
+    retries: int = 3,
+) -> redis.Redis:
+    """A bytes-returning client for url with socket timeout above any BLOCK. retries > 0: redis-py retries
+    transparently (publishers); retries=0: errors surface so a GroupReader can re-read its own pending."""
+    kwargs: dict = dict(
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=min(socket_timeout_s, 5.0),
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries=retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError] if retries else [],
+        health_check_interval=30,
+        decode_responses=False,
+    )
+    counter = _ConnectCounter()
+    kwargs["redis_connect_func"] = counter
+    if password is not None:
+        kwargs["password"] = password
+    if username is None:
+        username = os.environ.get(USERNAME_ENV)
+    if username is not None:
+        kwargs["username"] = username
+    if client_name:
+        kwargs["client_name"] = client_name
+    client = redis.Redis.from_url(url, **kwargs)
+    client.connection_pool.rollstream_connects = counter  # type: ignore[attr-defined]
+    return client
+
+
+class _ConnectCounter:
+    """redis_connect_func that runs the normal handshake and counts (re)connections of a pool."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, conn: redis.connection.AbstractConnection) -> None:
+        conn.on_connect()
+        self.count += 1
+
+
+def connection_count(r: redis.Redis) -> int:
+    """How many socket connections this client's pool has opened so far (-1 when not made by connect())."""
+    counter = getattr(r.connection_pool, "rollstream_connects", None)
+    return counter.count if counter is not None else -1
+
+
+def wait_until_ready(r: redis.Redis, timeout_s: float = 60.0, stop: threading.Event | None = None) -> None:
+    """Ping with backoff until Redis answers; raise ConnectionError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    for delay in backoff_delays():
+        try:
+            r.ping()
+            return
+        except CONNECTION_ERRORS as e:
+            if time.monotonic() + delay > deadline or (stop is not None and stop.is_set()):
+                raise redis.ConnectionError(f"redis not reachable after {timeout_s:.0f}s: {e}") from e
+            log.warning("redis not reachable (%s); retrying in %.2fs", e, delay)
+            time.sleep(delay)

@@ -1,0 +1,55 @@
+"""Publishing events: XADD with readable header fields then the payload; pipelined batches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis
+
+from rollstream.names import AGGREGATOR_GROUP, TRAINER_GROUP, Keys
+from schemas import Event, encode
+
+
+class RunNotSetUpError(RuntimeError):
+    """XADD NOMKSTREAM found no stream: the run was never set up (or was deleted)."""
+
+
+def setup_run(r: redis.Redis, keys: Keys) -> None:
+    """Create the run's consumed streams and their groups (idempotent), then mark the run set up."""
+    for stream, group in ((keys.rollouts, TRAINER_GROUP), (keys.metrics, AGGREGATOR_GROUP)):
+        ensure_group(r, stream, group)
+    r.set(keys.setup, b"1")
+
+
+def ensure_group(r: redis.Redis, stream: str, group: str, start_id: str = "0") -> None:
+    """XGROUP CREATE … MKSTREAM, ignoring BUSYGROUP (the group already exists)."""
+    try:
+        r.xgroup_create(stream, group, id=start_id, mkstream=True)
+    except redis.ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+class Publisher:
+    """Appends encoded events to streams; with nomkstream=True a missing stream is an error, not created."""
+
+    def __init__(self, r: redis.Redis, *, nomkstream: bool = True) -> None:
+        self.r = r
+        self.nomkstream = nomkstream
+
+    def publish(self, stream: str, event: Event, entry_id: str = "*") -> str:
+        """XADD one event; returns its entry id."""
+        new_id = self.r.xadd(stream, encode(event), id=entry_id, nomkstream=self.nomkstream)  # type: ignore[arg-type]
+        if new_id is None:
+            raise RunNotSetUpError(f"stream {stream} does not exist: run `rollstream run` or setup_run first")
+        return new_id.decode() if isinstance(new_id, bytes) else str(new_id)
+
+    def publish_many(self, stream: str, events: Sequence[Event]) -> list[str]:
+        """XADD several events in one pipelined round trip; returns their ids in order."""
+        pipe = self.r.pipeline(transaction=False)
+        for ev in events:
+            pipe.xadd(stream, encode(ev), nomkstream=self.nomkstream)  # type: ignore[arg-type]
+        ids = pipe.execute()
+        if any(i is None for i in ids):
+            raise RunNotSetUpError(f"stream {stream} does not exist: run `rollstream run` or setup_run first")
+        return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]

@@ -1,0 +1,336 @@
+"""The one consumer-group reader every worker uses.
+
+Order of work in each poll: (1) our own pending entries from id 0 (at start, after a reconnect and after a
+handler failure), (2) every so often entries idle longer than claim_idle_s from other consumers
+(XAUTOCLAIM), (3) new entries (`>`). Each entry is decoded; one that fails to decode, or has been
+delivered max_deliveries times, goes to `dead` with a reason and is acked in the same MULTI. Acks happen
+after the handler's effect, in batches: automatically in `run`, or by the caller through `ack` (the
+trainer acks only once a checkpoint covers a step). Entries held unacked are kept fresh with
+XCLAIM JUSTID (which resets idle time without counting a delivery) so no one else claims them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from rollstream.bus.connection import CONNECTION_ERRORS, backoff_delays, connection_count
+from rollstream.bus.publish import ensure_group
+from schemas import DEFAULT_LIMITS, DeadLetter, DecodeError, Event, Limits, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+@dataclass
+class Message:
+    """One decoded stream entry handed to a handler."""
+
+    id: str
+    fields: Mapping[bytes, bytes]
+    event: Event
+    deliveries: int = 1
+
+
+@dataclass
+class ReaderStats:
+    """Counters a worker can log or publish."""
+
+    delivered: int = 0
+    acked: int = 0
+    dead: int = 0
+    claimed: int = 0
+    reconnects: int = 0
+    handler_errors: int = 0
+    read_s: float = 0.0
+    decode_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class GroupReader:
+    """Reads one stream as one consumer of one group, with claim, dead-letter, batched acks and reconnect."""
+
+    def __init__(
+        self,
+        r: redis.Redis,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        dead_stream: str,
+        block_ms: int = 1000,
+        count: int = 64,
+        claim_idle_s: float = 60.0,
+        max_deliveries: int = 5,
+        limits: Limits | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.r: Any = r  # redis-py's stubs type stream replies loosely; we parse them here
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.dead_stream = dead_stream
+        self.block_ms = block_ms
+        self.count = count
+        self.claim_idle_ms = int(claim_idle_s * 1000)
+        self.max_deliveries = max_deliveries
+        self.limits = limits
+        self.stop = stop or threading.Event()
+        self.stats = ReaderStats()
+        self._read_own_pending = True
+        self._pending_cursor = "0"
+        self._next_claim = 0.0
+        self._claim_cursor = "0-0"
+        self._inflight: set[str] = set()
+        self._last_touch = time.monotonic()
+        self._group_ready = False
+        self._connects = 0
+
+    # -- setup -------------------------------------------------------------------------------------
+
+    def ensure_group(self) -> None:
+        """Create the group (idempotent; MKSTREAM) so a reader may start before any producer."""
+        ensure_group(self.r, self.stream, self.group)
+        self._group_ready = True
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def poll(self, block_ms: int | None = None) -> list[Message]:
+        """One read: own pending first, then claims, then new entries. Returns decoded messages (maybe [])."""
+        if not self._group_ready:
+            self.ensure_group()
+        self._check_reconnected()
+        self._touch_inflight()
+        if self._read_own_pending:
+            msgs = self._read_pending()
+            if msgs is not None:
+                return msgs
+        if time.monotonic() >= self._next_claim:
+            msgs = self._claim()
+            if msgs:
+                return msgs
+        t0 = time.perf_counter()
+        resp = self.r.xreadgroup(
+            self.group,
+            self.consumer,
+            {self.stream: ">"},
+            count=self.count,
+            block=self.block_ms if block_ms is None else block_ms,
+        )
+        self.stats.read_s += time.perf_counter() - t0
+        entries = resp[0][1] if resp else []
+        return self._accept(entries, deliveries=None)
+
+    def _read_pending(self) -> list[Message] | None:
+        """Our own PEL from the cursor; None once it is drained (then we switch to `>`)."""
+        t0 = time.perf_counter()
+        resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: self._pending_cursor}, count=self.count)
+        self.stats.read_s += time.perf_counter() - t0
+        entries = resp[0][1] if resp else []
+        entries = [(i, f) for i, f in entries if _s(i) not in self._inflight]
+        if not entries:
+            if resp and resp[0][1]:
+                # Everything left is already in flight in this process: advance past it.
+                self._pending_cursor = _s(resp[0][1][-1][0])
+                return []
+            self._read_own_pending = False
+            self._pending_cursor = "0"
+            return None
+        self._pending_cursor = _s(entries[-1][0])
+        return self._accept(entries, deliveries=self._delivery_counts(entries))
+
+    def _claim(self) -> list[Message]:
+        """XAUTOCLAIM entries idle past claim_idle_s (their consumer died or hung)."""
+        resp = self.r.xautoclaim(
+            self.stream, self.group, self.consumer, self.claim_idle_ms, start_id=self._claim_cursor, count=self.count
+        )
+        cursor, entries = _s(resp[0]), resp[1]
+        self._claim_cursor = cursor
+        if cursor == "0-0":
+            self._next_claim = time.monotonic() + max(self.claim_idle_ms / 4000, 0.05)
+        entries = [(i, f) for i, f in entries if _s(i) not in self._inflight]
+        if entries:
+            self.stats.claimed += len(entries)
+            log.warning("%s: claimed %d idle entries from %s", self.consumer, len(entries), self.stream)
+        return self._accept(entries, deliveries=self._delivery_counts(entries))
+
+    def _delivery_counts(self, entries: list) -> dict[str, int]:
+        if not entries:
+            return {}
+        rows = self.r.xpending_range(
+            self.stream, self.group, min=entries[0][0], max=entries[-1][0], count=len(entries) * 4 + 16
+        )
+        return {_s(row["message_id"]): int(row["times_delivered"]) for row in rows}
+
+    def _accept(self, entries: list, deliveries: dict[str, int] | None) -> list[Message]:
+        """Decode entries; dead-letter the undecodable and the over-delivered; return the rest."""
+        out: list[Message] = []
+        for raw_id, fields in entries:
+            entry_id = _s(raw_id)
+            if fields is None:  # deleted while pending: nothing to process or dead-letter
+                log.error("%s: entry %s vanished while pending; acking", self.stream, entry_id)
+                self.ack([entry_id])
+                continue
+            count = 1 if deliveries is None else deliveries.get(entry_id, 1)
+            if count > self.max_deliveries:
+                self.dead_letter(entry_id, fields, f"delivered {count} times (max_deliveries={self.max_deliveries})")
+                continue
+            t0 = time.perf_counter()
+            try:
+                event = decode(fields, self.limits or DEFAULT_LIMITS)
+            except DecodeError as e:
+                self.dead_letter(entry_id, fields, f"decode: {e}")
+                continue
+            finally:
+                self.stats.decode_s += time.perf_counter() - t0
+            out.append(Message(entry_id, fields, event, count))
+            self._inflight.add(entry_id)
+        self.stats.delivered += len(out)
+        return out
+
+    # -- effects -----------------------------------------------------------------------------------
+
+    def ack(self, ids: Iterable[str]) -> int:
+        """XACK ids in one call (after their effect); returns how many were pending."""
+        ids = list(ids)
+        if not ids:
+            return 0
+        n = int(self.r.xack(self.stream, self.group, *ids))
+        self._inflight.difference_update(ids)
+        self.stats.acked += n
+        return n
+
+    def release(self, ids: Iterable[str]) -> None:
+        """Forget ids without acking (they stay pending and are re-read from our PEL on the next poll)."""
+        self._inflight.difference_update(ids)
+        self._read_own_pending = True
+        self._pending_cursor = "0"
+
+    def dead_letter(self, entry_id: str, fields: Mapping[bytes, bytes], reason: str) -> None:
+        """Copy an entry to `dead` with a reason and ack it, atomically (MULTI/EXEC)."""
+        dl = DeadLetter(
+            source=self.stream,
+            source_id=entry_id,
+            reason=reason[:1000],
+            fields={_s(k): bytes(v) for k, v in fields.items()},
+        )
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.dead_stream, encode(dl))  # type: ignore[arg-type]
+        pipe.xack(self.stream, self.group, entry_id)
+        pipe.execute()
+        self._inflight.discard(entry_id)
+        self.stats.dead += 1
+        log.error("%s: %s -> dead: %s", self.stream, entry_id, reason)
+
+    def _touch_inflight(self) -> None:
+        """Reset idle time of entries we still hold (XCLAIM JUSTID does not count a delivery)."""
+        if not self._inflight or time.monotonic() - self._last_touch < self.claim_idle_ms / 3000:
+            return
+        ids = sorted(self._inflight)
+        for i in range(0, len(ids), 512):
+            self.r.xclaim(self.stream, self.group, self.consumer, 0, ids[i : i + 512], justid=True)
+        self._last_touch = time.monotonic()
+
+    @property
+    def inflight(self) -> int:
+        """Entries handed out by this reader and not yet acked."""
+        return len(self._inflight)
+
+    # -- loop --------------------------------------------------------------------------------------
+
+    def on_reconnect(self) -> None:
+        """After a connection loss: re-read our own pending entries (those not already held) and re-check
+        the group (Redis may have restarted)."""
+        self.stats.reconnects += 1
+        self._read_own_pending = True
+        self._pending_cursor = "0"
+        self._group_ready = False
+
+    def _check_reconnected(self) -> None:
+        """redis-py may reconnect silently inside a command; a new socket means a response may have been
+        lost, so our own pending entries are re-read."""
+        n = connection_count(self.r)
+        if n != self._connects:
+            if self._connects > 0:
+                log.warning("%s: redis connection was re-established; re-reading own pending", self.consumer)
+                self.on_reconnect()
+                self._group_ready = True
+            self._connects = n
+
+    def poll_retrying(self, block_ms: int | None = None) -> list[Message]:
+        """`poll`, but a connection loss is retried with jittered backoff until it works or stop is set."""
+        delays = backoff_delays()
+        while not self.stop.is_set():
+            try:
+                return self.poll(block_ms)
+            except CONNECTION_ERRORS as e:
+                delay = next(delays)
+                log.warning("%s: redis connection lost (%s); retry in %.2fs", self.consumer, e, delay)
+                self.on_reconnect()
+                self.stop.wait(delay)
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                log.warning("%s: group %s missing (redis restarted?); recreating", self.consumer, self.group)
+                self.on_reconnect()
+        return []
+
+    def run(
+        self,
+        handler: Callable[[list[Message]], None],
+        *,
+        max_messages: int | None = None,
+        burst: bool = False,
+        auto_ack: bool = True,
+    ) -> int:
+        """Feed batches to handler until stop is set (or max_messages handled, or, in burst mode, nothing is
+        left). Acks each batch after handler returns when auto_ack. A handler exception leaves the batch
+        pending; it is re-read from our PEL and dead-lettered after max_deliveries. Returns messages handled."""
+        handled = 0
+        while not self.stop.is_set():
+            if max_messages is not None and handled >= max_messages:
+                break
+            msgs = self.poll_retrying(block_ms=50 if burst else None)
+            if not msgs:
+                if burst and not self._read_own_pending:
+                    break
+                continue
+            if max_messages is not None and handled + len(msgs) > max_messages:
+                extra = msgs[max_messages - handled :]
+                msgs = msgs[: max_messages - handled]
+                self.release(m.id for m in extra)
+            try:
+                handler(msgs)
+            except Exception:
+                self.stats.handler_errors += 1
+                log.exception("%s: handler failed on %d entries; they stay pending", self.consumer, len(msgs))
+                self.release(m.id for m in msgs)
+                continue
+            handled += len(msgs)
+            if auto_ack:
+                self._ack_retrying([m.id for m in msgs])
+        return handled
+
+    def _ack_retrying(self, ids: list[str]) -> None:
+        delays = backoff_delays()
+        while True:
+            try:
+                self.ack(ids)
+                return
+            except CONNECTION_ERRORS as e:
+                if self.stop.is_set() and self.stop_now:
+                    return
+                delay = next(delays)
+                log.warning("%s: ack failed (%s); retry in %.2fs", self.consumer, e, delay)
+                time.sleep(delay)
+
+    stop_now: bool = False

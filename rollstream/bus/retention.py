@@ -1,0 +1,78 @@
+"""Retention that never drops unread data: MINID below the slowest group's oldest unacked or undelivered
+entry, plus a byte-budget cap as a safety net that logs loudly when it bites."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import redis
+
+log = logging.getLogger(__name__)
+
+
+def _s(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def _parse(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _next_id(entry_id: str) -> str:
+    ms, seq = _parse(entry_id)
+    return f"{ms}-{seq + 1}"
+
+
+@dataclass
+class TrimResult:
+    """What one retention pass did to one stream."""
+
+    stream: str
+    minid: str | None
+    trimmed_minid: int
+    trimmed_cap: int
+    bytes_before: int
+
+
+def safe_min_id(r: redis.Redis, stream: str) -> str | None:
+    """The smallest id any group still needs (oldest pending or first undelivered); None if no groups."""
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:
+        return None
+    if not groups:
+        return None
+    floors: list[tuple[int, int]] = []
+    for g in groups:
+        name = _s(g["name"])
+        floor = _parse(_next_id(_s(g["last-delivered-id"])))
+        if int(g["pending"]) > 0:
+            summary = r.xpending(stream, name)
+            if summary and summary.get("min"):
+                floor = min(floor, _parse(_s(summary["min"])))
+        floors.append(floor)
+    ms, seq = min(floors)
+    return f"{ms}-{seq}"
+
+
+def trim_stream(r: redis.Redis, stream: str, max_bytes: int | None = None) -> TrimResult:
+    """Trim stream by MINID below what every group still needs; then, only if it is still over max_bytes,
+    cap it by length and log an error naming how many entries (possibly unread) were dropped."""
+    minid = safe_min_id(r, stream)
+    trimmed = 0
+    if minid is not None:
+        trimmed = int(r.xtrim(stream, minid=minid, approximate=False))
+    used = int(r.memory_usage(stream) or 0) if max_bytes else 0
+    capped = 0
+    if max_bytes and used > max_bytes:
+        length = int(r.xlen(stream))
+        keep = max(1, int(length * max_bytes / used * 0.9))
+        capped = int(r.xtrim(stream, maxlen=keep, approximate=False))
+        log.error(
+            "RETENTION CAP BIT on %s: %d bytes > budget %d; dropped %d oldest entries (consumers are too far "
+            "behind: unread data may be lost; raise bus.max_stream_bytes or add consumers)",
+            stream, used, max_bytes, capped,
+        )
+    return TrimResult(stream, minid, trimmed, capped, used)

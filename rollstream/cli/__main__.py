@@ -1,0 +1,5 @@
+"""`python -m rollstream.cli` = the `rollstream` command."""
+
+from rollstream.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,258 @@
+"""The typed model of pipeline.yaml: one pydantic model for the whole run, overrides as dotted key=value."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(Exception):
+    """A pipeline.yaml or override that does not validate; the message names field, value and rule."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    """Where the run lives."""
+
+    name: str = Field("demo", description="Run name; every Redis key is rs:{<name>}:…", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    redis_url: str | None = Field(
+        None, description="Redis URL (redis://, rediss://, unix://); null = start an embedded redis-server"
+    )
+    password_file: str | None = Field(None, description="File holding the Redis password (instead of the URL)")
+    dir: str = Field("runs", description="Parent folder of run directories (logs, checkpoints, supervisord config)")
+    seed: int = Field(0, description="Seed for prompts, model init and sampling")
+    device: str = Field("auto", description="torch device: auto (cuda when present), cpu or cuda[:N]")
+
+
+class DataConfig(_Section):
+    """Prompts and batch sizes."""
+
+    task: Literal["reverse", "arith"] = Field("reverse", description="Built-in task: reverse digits or arithmetic with a calculator tool")
+    train_batch_size: int = Field(16, ge=1, description="Samples (prompts) per global step")
+    min_digits: int = Field(3, ge=1, description="Reverse task: shortest digit string")
+    max_digits: int = Field(6, ge=1, description="Reverse task: longest digit string")
+    prompts_file: str | None = Field(None, description="JSONL prompt file instead of the seeded generator")
+    epoch_size: int = Field(4096, ge=1, description="Generated prompts per epoch (seeded generator mode)")
+    val_size: int = Field(64, ge=0, description="Held-out prompts used for validation")
+    max_response_length: int = Field(12, ge=1, description="Max generated tokens per turn")
+
+    @model_validator(mode="after")
+    def _digits(self) -> DataConfig:
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"min_digits={self.min_digits} must be <= max_digits={self.max_digits}")
+        return self
+
+
+class ModelConfig(_Section):
+    """The policy network."""
+
+    backend: Literal["tiny", "hf"] = Field("tiny", description="tiny = built-in char GPT; hf = transformers causal LM")
+    hf_path: str | None = Field(None, description="Local directory of the HF model and tokenizer (backend=hf)")
+    d_model: int = Field(64, ge=8, description="Tiny GPT: embedding width")
+    n_layer: int = Field(2, ge=1, description="Tiny GPT: transformer blocks")
+    n_head: int = Field(4, ge=1, description="Tiny GPT: attention heads")
+    max_seq_len: int = Field(64, ge=8, description="Tiny GPT: longest prompt+response in tokens")
+
+    @model_validator(mode="after")
+    def _shape(self) -> ModelConfig:
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if self.backend == "hf" and not self.hf_path:
+            raise ValueError("backend=hf needs hf_path")
+        return self
+
+
+class MultiTurnConfig(_Section):
+    """Multi-turn tool use."""
+
+    enable: bool = Field(False, description="Run the tool agent loop (arith task)")
+    max_turns: int = Field(3, ge=1, description="Most assistant turns per trajectory")
+
+
+class RolloutConfig(_Section):
+    """The producers."""
+
+    n: int = Field(8, ge=1, description="Trajectories per prompt (GRPO group size)")
+    num_producers: int = Field(2, ge=1, description="Producer processes started by `rollstream run`")
+    prompts_per_dispatch: int = Field(4, ge=1, description="Prompts a producer takes budget for and generates in one batch")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass")
+    staleness_threshold: float = Field(
+        0.0, ge=0, description="Pacing: at most train_batch_size*(1+staleness_threshold) prompts outstanding"
+    )
+    partial_rollout: bool = Field(True, description="Swap weights mid-trajectory (start<end) instead of finishing under old weights")
+    sync_every_tokens: int = Field(4, ge=1, description="Decode tokens between checks for newer weights")
+    stats_every_s: float = Field(5.0, gt=0, description="Seconds between ProducerStats events (also sent on each new version)")
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Multi-turn tool use")
+
+
+class ActorConfig(_Section):
+    """The policy-gradient update."""
+
+    ppo_mini_batch_size: int = Field(8, ge=1, description="Samples per local update (one optimizer step)")
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO clip epsilon (low side, and high side unless clip_ratio_high)")
+    clip_ratio_high: float | None = Field(None, gt=0, description="PPO clip epsilon, high side (DAPO clip-higher)")
+    behave_imp_cap: float = Field(5.0, gt=0, description="Cap C of the truncated weight min(pi_prox/pi_behave, C)")
+    off_policy_mode: Literal["decoupled", "bypass"] = Field(
+        "decoupled", description="decoupled = proximal log-probs pinned per global step; bypass = behaviour log-probs as old policy"
+    )
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        "token-mean", description="How token losses are aggregated"
+    )
+    kl_coef: float = Field(0.0, ge=0, description="Weight of KL to the frozen reference policy (0 = off)")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight")
+
+
+class TrainerConfig(_Section):
+    """The trainer consumer."""
+
+    parameter_sync_step: int = Field(2, ge=1, description="Local updates per global step (one weight publish each)")
+    max_off_policy_threshold: int = Field(2, description="Drop samples with staleness (global_step - param_version) above this")
+    num_warmup_batches: int = Field(1, ge=0, description="Global steps before validation and timing metrics settle")
+    total_global_steps: int = Field(50, ge=1, description="Stop after this many global steps")
+    save_freq: int = Field(1, ge=1, description="Checkpoint every this many global steps (rollouts acked only after)")
+    test_freq: int = Field(5, ge=0, description="Validate every this many versions (0 = never)")
+
+    @model_validator(mode="after")
+    def _threshold(self) -> TrainerConfig:
+        if self.max_off_policy_threshold < 1:
+            raise ValueError(f"max_off_policy_threshold={self.max_off_policy_threshold} must be >= 1 (1 = on-policy only)")
+        return self
+
+
+class BusConfig(_Section):
+    """Redis Streams transport."""
+
+    block_ms: int = Field(1000, ge=1, description="XREADGROUP BLOCK time")
+    read_count: int = Field(64, ge=1, description="Entries per XREADGROUP call")
+    claim_idle_s: float = Field(60.0, gt=0, description="XAUTOCLAIM entries idle longer than this from dead consumers")
+    max_deliveries: int = Field(5, ge=1, description="Deliveries before an entry goes to dead")
+    socket_timeout_s: float = Field(10.0, gt=0, description="Socket timeout (must exceed block_ms)")
+    max_stream_bytes: int = Field(2 << 30, ge=1 << 20, description="Safety-net byte cap per stream (logged loudly when it bites)")
+    trim_every_s: float = Field(10.0, gt=0, description="Seconds between retention passes")
+    weights_inline_max_bytes: int = Field(64 << 20, ge=0, description="Weight blobs up to this size go in Redis, larger to files")
+    max_entry_bytes: int = Field(64 << 20, ge=1024, description="Largest payload/array field accepted on decode")
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> BusConfig:
+        if self.socket_timeout_s * 1000 <= self.block_ms:
+            raise ValueError(f"socket_timeout_s={self.socket_timeout_s} must exceed block_ms={self.block_ms} ms")
+        return self
+
+
+class AggregatorConfig(_Section):
+    """The metrics aggregator consumer."""
+
+    incomplete_timeout_s: float = Field(120.0, gt=0, description="Report a global step still incomplete after this")
+    total_gpus: int = Field(1, ge=1, description="GPUs behind perf/throughput")
+    jsonl: bool = Field(True, description="Write records to <run dir>/records.jsonl")
+    tensorboard: bool = Field(True, description="Also write TensorBoard scalars when tensorboard is installed")
+    wandb_project: str | None = Field(None, description="Also log to this wandb project when wandb is installed")
+
+
+class PipelineConfig(_Section):
+    """The whole run (pipeline.yaml)."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity and Redis")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompts and batch sizes")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy network")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Producers")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="Policy update")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Trainer consumer")
+    bus: BusConfig = Field(default_factory=BusConfig, description="Redis Streams transport")
+    aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig, description="Metrics aggregator")
+
+    @model_validator(mode="after")
+    def _batch_sizes(self) -> PipelineConfig:
+        tbs, pss, mbs = (
+            self.data.train_batch_size,
+            self.trainer.parameter_sync_step,
+            self.actor.ppo_mini_batch_size,
+        )
+        if tbs != pss * mbs:
+            raise ValueError(
+                f"data.train_batch_size={tbs} must equal trainer.parameter_sync_step={pss} "
+                f"* actor.ppo_mini_batch_size={mbs} (= {pss * mbs})"
+            )
+        return self
+
+    @property
+    def max_outstanding(self) -> int:
+        """Pacing bound: train_batch_size * (1 + staleness_threshold) prompts dispatched but not consumed."""
+        return int(self.data.train_batch_size * (1 + self.rollout.staleness_threshold))
+
+    def run_dir(self) -> Path:
+        """The run's own folder: <run.dir>/<run.name>."""
+        return Path(self.run.dir) / self.run.name
+
+
+def _format_error(err: ValidationError, data: dict[str, Any]) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{loc}: unknown key (value {e['input']!r})")
+        elif loc:
+            lines.append(f"{loc}={e['input']!r}: {msg}")
+        else:
+            lines.append(msg)
+    return "invalid config: " + "; ".join(lines)
+
+
+def _parse_scalar(text: str) -> Any:
+    # YAML scalar rules give ints, floats, bools and null; the model then types them.
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted `a.b.c=value` overrides to a raw config dict (values parsed as YAML scalars)."""
+    for item in overrides:
+        m = re.fullmatch(r"([A-Za-z_][\w.]*)=(.*)", item, flags=re.S)
+        if not m:
+            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        path, value = m.group(1).split("."), _parse_scalar(m.group(2))
+        node = data
+        for part in path[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Load pipeline.yaml (or defaults when path is None), apply overrides, validate; raise ConfigError."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config {path}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded or {}
+    data = apply_overrides(data, list(overrides or []))
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, data)) from None
+
+
+def config_to_yaml(cfg: PipelineConfig) -> str:
+    """The resolved config as YAML (logged at start, written into the run dir)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,39 @@
+"""Build the policy, task and prompt source a config describes (shared by producers and the trainer)."""
+
+from __future__ import annotations
+
+from rollstream.config import PipelineConfig
+from rollstream.model import BasePolicy, CharTokenizer, GPTConfig, load_policy
+from rollstream.tasks import PromptSource, Task, make_task
+
+
+def build_task(cfg: PipelineConfig) -> Task:
+    """The task named by data.task with its size settings."""
+    if cfg.data.task == "reverse":
+        return make_task("reverse", min_digits=cfg.data.min_digits, max_digits=cfg.data.max_digits)
+    return make_task(cfg.data.task)
+
+
+def build_prompt_source(cfg: PipelineConfig, task: Task | None = None) -> PromptSource:
+    """Training prompts (epochs, seeded) plus the held-out validation split."""
+    if cfg.data.prompts_file:
+        return PromptSource.from_jsonl(cfg.data.prompts_file, seed=cfg.run.seed, val_size=cfg.data.val_size)
+    return PromptSource.from_task(
+        task or build_task(cfg), seed=cfg.run.seed, epoch_size=cfg.data.epoch_size, val_size=cfg.data.val_size
+    )
+
+
+def build_policy(cfg: PipelineConfig, device: str | None = None) -> BasePolicy:
+    """The policy with initial weights from run.seed (identical on every process for the same seed)."""
+    m = cfg.model
+    dev = device or cfg.run.device
+    if m.backend == "hf":
+        return load_policy("hf", path=m.hf_path, device=dev)
+    gcfg = GPTConfig(
+        vocab_size=CharTokenizer().vocab_size,
+        d_model=m.d_model,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        max_seq_len=m.max_seq_len,
+    )
+    return load_policy("tiny", cfg=gcfg, seed=cfg.run.seed, device=dev)

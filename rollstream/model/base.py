@@ -1,0 +1,290 @@
+"""What every policy backend shares: trajectories, the batched sampling loop, log-probs, weight bytes.
+
+A backend (tiny GPT or HF causal LM) supplies four small methods: prefill a left-padded batch into a
+fresh KV cache, decode one token per row, drop rows from the cache, and compute the logits that
+predict the last `response_len` tokens of a full batch. Both generation and `log_probs` use position
+ids computed from the attention mask, so a left-padded batch gives the same numbers either way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import Tensor, nn
+
+from rollstream.model.tokenizer import Tokenizer
+
+
+@dataclass
+class Trajectory:
+    """One sampled response to one prompt.
+
+    `log_probs[i]` is the behaviour log-prob of `response_ids[i]`: log_softmax of the raw logits
+    (temperature 1, no top-p) of the weights that sampled it; this is what `Policy.log_probs`
+    recomputes. `swap_points` lists response indices i at which new weights took effect (tokens
+    from i on were sampled, with a re-prefilled cache, under the newer weights).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finished: bool = False  # eos was produced (it is the last response id)
+    swap_points: list[int] = field(default_factory=list)
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """Resolve "auto" to cuda when available, else cpu; anything else as given."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad token rows to one length: (ids [B,L] long, attention_mask [B,L] long)."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if len(r):
+            ids[i, width - len(r) :] = torch.tensor(list(r), dtype=torch.long)
+            mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def build_batch(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
+) -> tuple[Tensor, Tensor, int]:
+    """Trainer batch: left-padded prompts then right-padded responses -> (ids [B,T], mask [B,T], R)."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    p_ids, p_mask = left_pad(prompts, pad_id)
+    R = max((len(r) for r in responses), default=0)
+    r_ids = torch.full((len(responses), R), pad_id, dtype=torch.long)
+    r_mask = torch.zeros((len(responses), R), dtype=torch.long)
+    for i, r in enumerate(responses):
+        r_ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+        r_mask[i, : len(r)] = 1
+    return torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), R
+
+
+def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
+    """Zero all but the smallest set of most likely tokens whose mass reaches top_p; renormalise. [B,V]."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more likely tokens
+    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # the top token always survives
+    out = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return out / out.sum(-1, keepdim=True)
+
+
+def sample_tokens(
+    logits: Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    greedy: bool,
+) -> tuple[Tensor, Tensor]:
+    """logits [B,V] -> (tokens [B] long, policy log-prob [B] at temperature 1 without top-p)."""
+    logits = logits.float()
+    logp = F.log_softmax(logits, dim=-1)
+    if greedy or temperature == 0.0:
+        tok = logits.argmax(-1)
+    else:
+        probs = top_p_filter(F.softmax(logits / temperature, dim=-1), top_p)
+        if generator is not None and generator.device.type != probs.device.type:
+            tok = torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1)
+            tok = tok.to(logits.device)
+        else:
+            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _alias_groups(module: nn.Module) -> list[list[str]]:
+    """State-dict names grouped by shared storage (tied weights), first name kept in bytes."""
+    groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
+    for name, t in module.state_dict(keep_vars=False).items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def state_dict_to_bytes(module: nn.Module) -> bytes:
+    """safetensors bytes of the module's state dict (tied tensors stored once, under the first name)."""
+    sd = module.state_dict()
+    keep = {names[0] for names in _alias_groups(module)}
+    return st_save({k: v.detach().contiguous() for k, v in sd.items() if k in keep})
+
+
+def load_state_dict_from_bytes(module: nn.Module, data: bytes) -> None:
+    """Copy safetensors bytes into the module in place; refuse unknown or missing (non-tied) names."""
+    sd = st_load(data)
+    expected = set(module.state_dict())
+    unexpected = sorted(set(sd) - expected)
+    if unexpected:
+        raise ValueError(f"weights have unknown tensors: {unexpected[:5]}")
+    covered = set(sd)
+    for names in _alias_groups(module):
+        if covered.intersection(names):
+            covered.update(names)
+    missing = sorted(expected - covered)
+    if missing:
+        raise ValueError(f"weights lack tensors: {missing[:5]}")
+    module.load_state_dict(sd, strict=False)
+
+
+class BasePolicy(ABC):
+    """The policy interface the producer and trainer use: generate, log_probs, weights as bytes."""
+
+    module: nn.Module
+    tokenizer: Tokenizer
+    device: torch.device
+
+    # ---- backend hooks ---------------------------------------------------------------------------
+    @abstractmethod
+    def _prefill(self, ids: Tensor, mask: Tensor, capacity: int) -> tuple[Tensor, Any]:
+        """ids, mask [B,T] (left-padded) -> (logits [B,V] of the next token, new cache of `capacity`)."""
+
+    @abstractmethod
+    def _decode(self, tokens: Tensor, mask: Tensor, cache: Any) -> Tensor:
+        """tokens [B,1] appended after the cache, mask [B,Tcache+1] -> logits [B,V] of the next token."""
+
+    @abstractmethod
+    def _select_cache(self, cache: Any, rows: Tensor) -> Any:
+        """Cache restricted to batch rows `rows`."""
+
+    @abstractmethod
+    def _response_logits(self, ids: Tensor, mask: Tensor, response_len: int) -> Tensor:
+        """Full forward of ids/mask [B,T] -> logits [B,R,V] predicting ids[:, -R:]."""
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """Longest prompt + response the model's positions allow, or None when unbounded/unknown."""
+        return None
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+        greedy: bool = False,
+        sync_every_tokens: int = 0,
+        on_chunk: Callable[[], bool] | None = None,
+    ) -> list[Trajectory]:
+        """Sample n responses per prompt in one left-padded KV-cached batch; prompt-major order.
+
+        Sampling uses softmax(logits / temperature) with top-p (argmax when `greedy` or
+        temperature == 0); stored log-probs are the plain policy log-probs (see Trajectory). A row
+        stops after eos. Every `sync_every_tokens` decoded tokens (while rows remain), `on_chunk()`
+        is called; True means new weights were loaded, and the cache of the unfinished rows is
+        re-prefilled under them. `generator` None uses torch's global RNG.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if max_new_tokens < 0 or temperature < 0 or not 0.0 < top_p <= 1.0:
+            raise ValueError(f"bad sampling args: {max_new_tokens=} {temperature=} {top_p=}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        limit = self.max_seq_len
+        longest = max((len(p) for p in prompts), default=0)
+        if limit is not None and longest + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt length {longest} + max_new_tokens {max_new_tokens} > max_seq_len {limit}"
+            )
+        trajs = [Trajectory(prompt_ids=list(p)) for p in prompts for _ in range(n)]
+        if not trajs or max_new_tokens == 0:
+            return trajs
+        eos = self.tokenizer.eos_id
+        ids, mask = left_pad([t.prompt_ids for t in trajs], self.tokenizer.pad_id)
+        seq, seq_mask = ids.to(self.device), mask.to(self.device)  # [b,T] of the rows still alive
+        alive = list(range(len(trajs)))  # trajectory index of each alive row
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                logits, cache = self._prefill(seq, seq_mask, seq.shape[1] + max_new_tokens)
+                for step in range(max_new_tokens):
+                    tok, logp = sample_tokens(logits, temperature, top_p, generator, greedy)  # [b], [b]
+                    keep: list[int] = []
+                    for j, (t, lp) in enumerate(zip(tok.tolist(), logp.tolist(), strict=True)):
+                        traj = trajs[alive[j]]
+                        traj.response_ids.append(t)
+                        traj.log_probs.append(lp)
+                        if t == eos:
+                            traj.finished = True
+                        else:
+                            keep.append(j)
+                    if step + 1 == max_new_tokens or not keep:
+                        break
+                    seq = torch.cat([seq, tok[:, None]], 1)
+                    seq_mask = torch.cat([seq_mask, torch.ones_like(tok)[:, None]], 1)
+                    if len(keep) < len(alive):  # drop finished rows from the batch and the cache
+                        rows = torch.tensor(keep, device=self.device)
+                        seq, seq_mask, tok = seq[rows], seq_mask[rows], tok[rows]
+                        cache = self._select_cache(cache, rows)
+                        alive = [alive[j] for j in keep]
+                    left = max_new_tokens - step - 1
+                    if sync_every_tokens > 0 and on_chunk is not None and (step + 1) % sync_every_tokens == 0:
+                        if on_chunk():
+                            for j in alive:
+                                trajs[j].swap_points.append(step + 1)
+                            first = int(seq_mask.any(0).nonzero()[0])  # drop all-pad leading columns
+                            seq, seq_mask = seq[:, first:], seq_mask[:, first:]
+                            logits, cache = self._prefill(seq, seq_mask, seq.shape[1] + left)
+                            continue
+                    logits = self._decode(tok[:, None], seq_mask, cache)
+        finally:
+            self.module.train(was_training)
+        return trajs
+
+    # ---- scoring ---------------------------------------------------------------------------------
+    def forward_logprobs_entropy(
+        self, input_ids: Tensor, attention_mask: Tensor, response_len: int
+    ) -> tuple[Tensor, Tensor]:
+        """Per-token log-prob and entropy [B,R] of the last R tokens (grad follows torch grad mode)."""
+        if response_len < 1 or response_len >= input_ids.shape[1]:
+            raise ValueError(f"response_len {response_len} must be in [1, {input_ids.shape[1] - 1}]")
+        ids = input_ids.to(self.device)
+        logits = self._response_logits(ids, attention_mask.to(self.device), response_len).float()
+        logp_all = F.log_softmax(logits, dim=-1)  # [B,R,V]
+        logp = logp_all.gather(-1, ids[:, -response_len:, None]).squeeze(-1)  # [B,R]
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B,R]
+        return logp, entropy
+
+    def log_probs(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
+        """Per-token log-probs [B,R] of the last R tokens of a left-padded batch."""
+        return self.forward_logprobs_entropy(input_ids, attention_mask, response_len)[0]
+
+    # ---- weights and modes -----------------------------------------------------------------------
+    def state_dict_bytes(self) -> bytes:
+        """The weights as safetensors bytes."""
+        return state_dict_to_bytes(self.module)
+
+    def load_state_dict_bytes(self, data: bytes) -> None:
+        """Load safetensors bytes (from `state_dict_bytes`) into the weights in place."""
+        load_state_dict_from_bytes(self.module, data)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The trainable parameters (for the optimizer)."""
+        return self.module.parameters()
+
+    def train(self, mode: bool = True) -> BasePolicy:
+        """Put the module in train mode; returns self."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> BasePolicy:
+        """Put the module in eval mode; returns self."""
+        self.module.eval()
+        return self

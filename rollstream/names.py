@@ -1,0 +1,108 @@
+"""Every Redis key of a run, built from the run name. No other module writes a key string."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Consumer groups.
+TRAINER_GROUP = "trainer"
+AGGREGATOR_GROUP = "aggregator"
+
+# The `dead` stream's own fields (ahead of the original entry's fields, which are prefixed).
+DEAD_ORIGINAL_PREFIX = "orig:"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The key layout of one run: rs:{<run>}:<name>. The braces keep a run in one Cluster slot."""
+
+    run: str
+
+    @property
+    def prefix(self) -> str:
+        """Common prefix of every key of this run."""
+        return f"rs:{{{self.run}}}:"
+
+    def _k(self, name: str) -> str:
+        return f"{self.prefix}{name}"
+
+    @property
+    def rollouts(self) -> str:
+        """Stream of RolloutSample entries (producers -> trainer)."""
+        return self._k("rollouts")
+
+    @property
+    def metrics(self) -> str:
+        """Stream of StepMetrics / ValidateMetrics / ProducerStats (-> aggregator)."""
+        return self._k("metrics")
+
+    @property
+    def records(self) -> str:
+        """Stream of SyncStepRecord entries with explicit id <global_step>-1."""
+        return self._k("records")
+
+    @property
+    def params(self) -> str:
+        """Stream of ParamVersion entries (trainer -> producers)."""
+        return self._k("params")
+
+    @property
+    def dead(self) -> str:
+        """Dead-letter stream."""
+        return self._k("dead")
+
+    @property
+    def fates(self) -> str:
+        """Stream of per-sample outcomes recorded by the trainer (trained / dropped), one entry per id."""
+        return self._k("fates")
+
+    def weights(self, version: int) -> str:
+        """String holding the safetensors bytes of a parameter version."""
+        return self._k(f"weights:{version}")
+
+    def budget(self, version: int) -> str:
+        """Counter: dispatch budget left for a version."""
+        return self._k(f"budget:{version}")
+
+    @property
+    def dispatched(self) -> str:
+        """Counter: prompts dispatched by all producers."""
+        return self._k("dispatched")
+
+    @property
+    def consumed(self) -> str:
+        """Counter: prompts consumed by the trainer (trained or dropped)."""
+        return self._k("consumed")
+
+    @property
+    def producer_inflight(self) -> str:
+        """Hash: producer name -> prompts it dispatched and has not yet published."""
+        return self._k("producer_inflight")
+
+    @property
+    def dispatch_log(self) -> str:
+        """Stream: one entry per budget grant or take (version, amount, outstanding) for audit."""
+        return self._k("dispatch_log")
+
+    @property
+    def trainer(self) -> str:
+        """Hash: trainer global_step, param_version, heartbeat."""
+        return self._k("trainer")
+
+    @property
+    def producers(self) -> str:
+        """Hash: producer name -> param_version it is using (for weight garbage collection and status)."""
+        return self._k("producers")
+
+    @property
+    def setup(self) -> str:
+        """String set once the run's streams and groups exist (publishers then use NOMKSTREAM)."""
+        return self._k("setup")
+
+    def all_streams(self) -> list[str]:
+        """Every stream of the run, for status and cleanup."""
+        return [self.rollouts, self.metrics, self.records, self.params, self.dead, self.fates, self.dispatch_log]
+
+    def pattern(self) -> str:
+        """SCAN pattern matching every key of the run."""
+        return f"{self.prefix}*"

@@ -1,0 +1,124 @@
+"""Producer pacing (verl fully-async's budget with carry-over), shared by all producers through atomic
+Redis operations.
+
+max_outstanding = train_batch_size * (1 + staleness_threshold). When the trainer publishes version v it
+grants budget:v = max_outstanding - outstanding, where outstanding = dispatched - consumed, and deletes
+every older budget. A producer takes budget from the newest version before dispatching prompts; one that
+finds none waits for the next version. Hence outstanding never exceeds max_outstanding.
+Every grant and take is logged on the `dispatch_log` stream so the bound can be checked from the log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from rollstream.names import Keys
+
+# KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log, budget:v-1 … (older ones to delete)
+# ARGV: version, max_outstanding
+_GRANT = """
+local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
+local budget = tonumber(ARGV[2]) - outstanding
+if budget < 0 then budget = 0 end
+redis.call('SET', KEYS[1], budget)
+redis.call('HSET', KEYS[4], 'budget_version', ARGV[1])
+for i = 6, #KEYS do redis.call('DEL', KEYS[i]) end
+redis.call('XADD', KEYS[5], '*', 'op', 'grant', 'version', ARGV[1], 'amount', budget,
+           'outstanding', outstanding, 'max_outstanding', ARGV[2])
+return {budget, outstanding}
+"""
+
+# KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log, producer-inflight hash
+# ARGV: version, want, producer
+_TAKE = """
+local current = tonumber(redis.call('HGET', KEYS[4], 'budget_version') or '-1')
+if current ~= tonumber(ARGV[1]) then return {-1, current} end
+local left = tonumber(redis.call('GET', KEYS[1]) or '0')
+local take = math.min(left, tonumber(ARGV[2]))
+if take <= 0 then return {0, current} end
+redis.call('DECRBY', KEYS[1], take)
+local dispatched = redis.call('INCRBY', KEYS[2], take)
+redis.call('HINCRBY', KEYS[6], ARGV[3], take)
+local outstanding = dispatched - tonumber(redis.call('GET', KEYS[3]) or '0')
+redis.call('XADD', KEYS[5], '*', 'op', 'take', 'version', ARGV[1], 'amount', take,
+           'outstanding', outstanding, 'producer', ARGV[3])
+return {take, current}
+"""
+
+# KEYS: dispatched, producer-inflight hash, dispatch_log ; ARGV: producer
+_RELEASE = """
+local n = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+if n > 0 then
+  redis.call('DECRBY', KEYS[1], n)
+  redis.call('XADD', KEYS[3], '*', 'op', 'release', 'amount', n, 'producer', ARGV[1])
+end
+redis.call('HSET', KEYS[2], ARGV[1], 0)
+return n
+"""
+
+
+@dataclass(frozen=True)
+class Take:
+    """Result of a budget take: how many prompts may be dispatched, and the version the budget is for."""
+
+    amount: int
+    budget_version: int
+
+    @property
+    def stale(self) -> bool:
+        """True when the caller asked for an older version than the one budget is granted for."""
+        return self.amount < 0
+
+
+def grant_budget(r: redis.Redis, keys: Keys, version: int, max_outstanding: int) -> tuple[int, int]:
+    """Trainer side, on publishing `version`: set its budget with carry-over; returns (budget, outstanding)."""
+    older = [keys.budget(v) for v in range(max(0, version - 8), version)]
+    res: Any = r.eval(
+        _GRANT, 5 + len(older), keys.budget(version), keys.dispatched, keys.consumed, keys.trainer,
+        keys.dispatch_log, *older, version, max_outstanding,
+    )
+    return int(res[0]), int(res[1])
+
+
+def take_budget(r: redis.Redis, keys: Keys, version: int, want: int, producer: str) -> Take:
+    """Producer side: atomically take up to `want` dispatches from `version`'s budget."""
+    res: Any = r.eval(
+        _TAKE, 6, keys.budget(version), keys.dispatched, keys.consumed, keys.trainer, keys.dispatch_log,
+        keys.producer_inflight, version, want, producer,
+    )
+    return Take(int(res[0]), int(res[1]))
+
+
+def mark_published(pipe: Any, keys: Keys, producer: str, count: int = 1) -> None:
+    """Queue, on the producer's publish pipeline, that `count` dispatched prompts are now on the log."""
+    pipe.hincrby(keys.producer_inflight, producer, -count)
+
+
+def release_unpublished(r: redis.Redis, keys: Keys, producer: str) -> int:
+    """On producer (re)start: prompts it dispatched but never published (it crashed) stop counting as
+    outstanding, so a crash cannot shrink every later budget. Returns how many were released."""
+    return int(r.eval(_RELEASE, 3, keys.dispatched, keys.producer_inflight, keys.dispatch_log, producer))  # type: ignore[arg-type]
+
+
+def record_consumed(r: redis.Redis | Any, keys: Keys, count: int) -> None:
+    """Trainer side (may be a pipeline): `count` prompts were consumed (trained, dropped or dead)."""
+    if count:
+        r.incrby(keys.consumed, count)
+
+
+def outstanding(r: redis.Redis, keys: Keys) -> int:
+    """Prompts dispatched and not yet consumed."""
+    d, c = r.mget(keys.dispatched, keys.consumed)  # type: ignore[misc]
+    return int(d or 0) - int(c or 0)
+
+
+def current_budget(r: redis.Redis, keys: Keys) -> tuple[int, int]:
+    """(version budget is granted for, budget left) — (-1, 0) before the first grant."""
+    v: Any = r.hget(keys.trainer, "budget_version")
+    if v is None:
+        return -1, 0
+    left: Any = r.get(keys.budget(int(v)))
+    return int(v), int(left or 0)

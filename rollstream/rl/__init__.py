@@ -1,0 +1,37 @@
+"""RL math for rollstream: advantages, masked reductions, PPO losses, KL, batch metrics (pure torch)."""
+
+from rollstream.rl.advantages import grpo_advantages
+from rollstream.rl.masked import AggMode, agg_loss, masked_mean, masked_sum
+from rollstream.rl.metrics import length_metrics, reward_metrics, staleness_metrics, tensor_summary
+from rollstream.rl.ppo import (
+    KLKind,
+    PPOMode,
+    behave_importance_weight,
+    clipped_surrogate,
+    dual_clip,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    ppo_loss,
+)
+
+__all__ = [
+    "AggMode",
+    "KLKind",
+    "PPOMode",
+    "agg_loss",
+    "behave_importance_weight",
+    "clipped_surrogate",
+    "dual_clip",
+    "entropy_from_logits",
+    "grpo_advantages",
+    "kl_penalty",
+    "length_metrics",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "ppo_loss",
+    "reward_metrics",
+    "staleness_metrics",
+    "tensor_summary",
+]

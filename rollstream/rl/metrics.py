@@ -1,0 +1,52 @@
+"""Batch statistics for the trainer's metric events (plain python floats, namespaced names).
+
+Names are chosen so the MetricsAggregator rules fold them correctly across local updates:
+`…/max` folds by max, `…/min` by min, everything else by sample-weighted average.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def tensor_summary(values: torch.Tensor, prefix: str) -> dict[str, float]:
+    """`{prefix}/mean`, `/max`, `/min` of a tensor's elements; {} when it is empty."""
+    flat = values.detach().reshape(-1).to(torch.float64)
+    if flat.numel() == 0:
+        return {}
+    return {
+        f"{prefix}/mean": float(flat.mean()),
+        f"{prefix}/max": float(flat.max()),
+        f"{prefix}/min": float(flat.min()),
+    }
+
+
+def reward_metrics(rewards: torch.Tensor, prefix: str = "critic/rewards") -> dict[str, float]:
+    """Mean/max/min of per-trajectory rewards [N] under `critic/rewards/…` (verl's names)."""
+    return tensor_summary(rewards, prefix)
+
+
+def length_metrics(response_mask: torch.Tensor, prefix: str = "response_length") -> dict[str, float]:
+    """Response length mean/max/min and `clip_ratio` (share hitting T) from a mask [B, T]."""
+    lengths = response_mask.detach().to(torch.float64).sum(dim=-1)  # [B]
+    out = tensor_summary(lengths, prefix)
+    if out:
+        max_len = response_mask.shape[-1]
+        out[f"{prefix}/clip_ratio"] = float((lengths >= max_len).to(torch.float64).mean())
+    return out
+
+
+def staleness_metrics(
+    staleness: Sequence[int | float], prefix: str = "training/off_policy/staleness"
+) -> dict[str, float]:
+    """Mean/max/min of per-sample staleness (g − param_version) under `…/off_policy/staleness/`."""
+    if len(staleness) == 0:
+        return {}
+    values = [float(s) for s in staleness]
+    return {
+        f"{prefix}/mean": sum(values) / len(values),
+        f"{prefix}/max": max(values),
+        f"{prefix}/min": min(values),
+    }

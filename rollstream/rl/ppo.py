@@ -1,0 +1,162 @@
+"""Policy-gradient losses: decoupled PPO (AReaL / verl non-bypass) and its bypass variant.
+
+Three policies meet in an off-policy update:
+  pi_behave  the weights that sampled the tokens (log-probs carried by the rollout sample)
+  pi_prox    the trainer's weights at the start of the global step (recomputed once, pinned for K updates)
+  pi_theta   the weights being optimised now (the only tensor that carries gradient)
+
+decoupled: ratio = pi_theta / pi_prox is clipped as in PPO, and each token's loss is weighted by the
+           detached, truncated importance weight w = min(pi_prox / pi_behave, C).
+bypass:    pi_prox := pi_behave (verl's `use_rollout_log_probs`); no weight, no extra forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from rollstream.rl.masked import AggMode, agg_loss, masked_mean
+
+PPOMode = Literal["decoupled", "bypass"]
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+
+_LOG_RATIO_CLAMP = 20.0  # exp(±20) stays finite in fp32; padding tokens may hold any log-prob
+_LOW_VAR_KL_CLAMP = 10.0  # verl clamps the k3 estimate to [-10, 10]
+
+
+# ---------------------------------------------------------------------------------------------
+# log-probs, entropy, KL
+# ---------------------------------------------------------------------------------------------
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each label: logits [B, T, V], labels [B, T] -> [B, T] (fp32)."""
+    logp_all = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
+    return logp_all.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)  # [B, T]
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Categorical entropy per position: logits [..., V] -> [...] (fp32)."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)  # [..., V]
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)  # [...]
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind = "low_var_kl") -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimate [B, T] from sampled-token log-probs [B, T].
+
+    kl / k1:         logp - ref_logp
+    abs:             |logp - ref_logp|
+    mse / k2:        0.5 * (logp - ref_logp)^2
+    low_var_kl / k3: exp(ref - logp) - (ref - logp) - 1, log-ratio clamped to [-20, 20] and
+                     the estimate clamped to [-10, 10] as verl does (Schulman's k3, always >= 0)
+    """
+    diff = logp - ref_logp  # [B, T]
+    if kind in ("kl", "k1"):
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * diff.square()
+    if kind in ("low_var_kl", "k3"):
+        log_ratio = (-diff).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # log(pi_ref / pi_theta)
+        k3 = torch.exp(log_ratio) - log_ratio - 1.0
+        return k3.clamp(-_LOW_VAR_KL_CLAMP, _LOW_VAR_KL_CLAMP)
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO surrogate pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO per-token loss max(-A r, -A clip(r, 1-lo, 1+hi)) [B, T] and where the clip was active [B, T]."""
+    loss_unclipped = -adv * ratio  # [B, T]
+    loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
+    return torch.maximum(loss_unclipped, loss_clipped), loss_clipped > loss_unclipped
+
+
+def dual_clip(loss: torch.Tensor, adv: torch.Tensor, clip_c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO: cap the loss at -A*c where A < 0; returns (loss [B, T], capped [B, T])."""
+    loss_cap = -adv * clip_c  # [B, T]
+    capped = (adv < 0) & (loss > loss_cap)
+    return torch.where(capped, loss_cap, loss), capped
+
+
+def behave_importance_weight(
+    prox_logp: torch.Tensor, behave_logp: torch.Tensor, cap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Detached w = min(pi_prox / pi_behave, cap) [B, T] and where the cap bit (raw > cap) [B, T]."""
+    log_w = (prox_logp - behave_logp).detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    raw = torch.exp(log_w)  # [B, T]
+    if cap is None:
+        return raw, torch.zeros_like(raw, dtype=torch.bool)
+    return raw.clamp(max=cap), raw > cap
+
+
+def ppo_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor | None,
+    behave_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    behave_imp_cap: float | None = 5.0,
+    mode: PPOMode = "decoupled",
+    loss_agg_mode: AggMode = "token-mean",
+    dual_clip_c: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled (or bypass) clipped PPO loss (scalar) and its `actor/…` metrics as python floats.
+
+    Shapes: logp, prox_logp, behave_logp, mask [B, T]; advantages [B] (broadcast over tokens)
+    or [B, T]. Only `logp` carries gradient; everything else is detached here. `prox_logp` may be
+    None in bypass mode. `clip_eps_high` defaults to `clip_eps` (set it higher for DAPO clip-higher).
+    `behave_imp_cap` None means an untruncated weight. `dual_clip_c` (verl's clip_ratio_c, e.g. 3.0)
+    is off by default.
+    """
+    if mode not in ("decoupled", "bypass"):
+        raise ValueError(f"unknown PPO mode {mode!r}")
+    behave = behave_logp.detach()  # [B, T]
+    if mode == "bypass":
+        prox = behave
+    elif prox_logp is None:
+        raise ValueError("decoupled PPO needs prox_logp (or use mode='bypass')")
+    else:
+        prox = prox_logp.detach()  # [B, T]
+    adv = advantages.detach().to(logp.dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)  # [B, 1]
+    adv = adv.expand_as(logp)  # [B, T]
+    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
+
+    # 1. trust region against the proximal policy
+    log_ratio = (logp - prox).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    pg_losses, clipped = clipped_surrogate(ratio, adv, clip_eps, clip_high)  # [B, T]
+    capped = torch.zeros_like(clipped)
+    if dual_clip_c is not None:
+        pg_losses, capped = dual_clip(pg_losses, adv, dual_clip_c)
+
+    # 2. off-policy correction from behaviour to proximal policy
+    if mode == "decoupled":
+        weight, truncated = behave_importance_weight(prox, behave, behave_imp_cap)  # [B, T]
+        pg_losses = pg_losses * weight
+    else:
+        weight, truncated = torch.ones_like(pg_losses), torch.zeros_like(clipped)
+
+    # 3. reduce to a scalar
+    loss = agg_loss(pg_losses, mask, loss_agg_mode)
+    metrics = {
+        "actor/pg_loss": float(loss.detach()),
+        "actor/pg_clipfrac": float(masked_mean(clipped.to(logp.dtype), mask)),
+        "actor/pg_clipfrac_lower": float(masked_mean(capped.to(logp.dtype), mask)),
+        "actor/ppo_kl": float(masked_mean(-log_ratio.detach(), mask)),
+        "actor/behave_imp_weight_mean": float(masked_mean(weight, mask)),
+        "actor/behave_imp_weight_truncated_frac": float(masked_mean(truncated.to(logp.dtype), mask)),
+    }
+    return loss, metrics

@@ -1,0 +1,147 @@
+"""Weight blobs: safetensors bytes under `weights:<version>` (small) or a `file://` path written atomically
+(large), announced by a ParamVersion entry on `params`; loaded with a sha256 check; old versions removed
+once no producer uses them."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from rollstream.bus import Publisher
+from rollstream.names import Keys
+from schemas import DecodeError, ParamVersion, decode
+
+log = logging.getLogger(__name__)
+
+
+class WeightsError(RuntimeError):
+    """A weight blob is missing or its sha256 does not match its ParamVersion."""
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def publish_weights(
+    r: redis.Redis,
+    keys: Keys,
+    version: int,
+    blob: bytes,
+    *,
+    global_step: int,
+    inline_max_bytes: int,
+    file_dir: Path | None = None,
+) -> ParamVersion:
+    """Store the blob (inline or as a file) then XADD its ParamVersion to `params`; returns the event."""
+    digest = hashlib.sha256(blob).hexdigest()
+    if len(blob) <= inline_max_bytes:
+        r.set(keys.weights(version), blob)
+        uri = keys.weights(version)
+    else:
+        if file_dir is None:
+            raise WeightsError(f"blob of {len(blob)} bytes > inline limit {inline_max_bytes} and no file_dir")
+        path = (file_dir / f"weights-{version:08d}.safetensors").resolve()
+        _atomic_write(path, blob)
+        uri = f"file://{path}"
+    pv = ParamVersion(version=version, uri=uri, sha256=digest, bytes=len(blob), global_step=global_step)
+    Publisher(r, nomkstream=False).publish(keys.params, pv)
+    log.info("published param_version %d (%d bytes, %s)", version, len(blob), uri)
+    return pv
+
+
+def latest_param_version(r: redis.Redis, keys: Keys) -> ParamVersion | None:
+    """The newest ParamVersion on `params`, or None when nothing was published yet."""
+    rows: Any = r.xrevrange(keys.params, count=1)
+    if not rows:
+        return None
+    try:
+        ev = decode(rows[0][1])
+    except DecodeError as e:
+        raise WeightsError(f"params entry {rows[0][0]!r} does not decode: {e}") from e
+    if not isinstance(ev, ParamVersion):
+        raise WeightsError(f"params entry {rows[0][0]!r} is a {ev.type}, not a param_version")
+    return ev
+
+
+def wait_for_param_version(
+    r: redis.Redis, keys: Keys, newer_than: int = -1, timeout_s: float | None = None, stop: Any = None
+) -> ParamVersion | None:
+    """Block until a ParamVersion newer than `newer_than` exists (polls `params`); None on timeout/stop."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        pv = latest_param_version(r, keys)
+        if pv is not None and pv.version > newer_than:
+            return pv
+        if stop is not None and stop.is_set():
+            return None
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
+def load_weights(r: redis.Redis, pv: ParamVersion) -> bytes:
+    """Fetch the blob a ParamVersion names and verify its sha256."""
+    if pv.uri.startswith("file://"):
+        try:
+            blob = Path(pv.uri.removeprefix("file://")).read_bytes()
+        except OSError as e:
+            raise WeightsError(f"version {pv.version}: cannot read {pv.uri}: {e}") from e
+    else:
+        got: Any = r.get(pv.uri)
+        if got is None:
+            raise WeightsError(f"version {pv.version}: blob {pv.uri} is gone")
+        blob = bytes(got)
+    digest = hashlib.sha256(blob).hexdigest()
+    if digest != pv.sha256:
+        raise WeightsError(f"version {pv.version}: sha256 {digest[:12]}… != announced {pv.sha256[:12]}…")
+    return blob
+
+
+def register_producer_version(r: redis.Redis, keys: Keys, producer: str, version: int) -> None:
+    """Record which version a producer now generates with (for weight GC and `status`)."""
+    r.hset(keys.producers, producer, version)
+
+
+def producer_versions(r: redis.Redis, keys: Keys) -> dict[str, int]:
+    """Producer name -> the param_version it last reported using."""
+    raw: Any = r.hgetall(keys.producers)
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def gc_weights(
+    r: redis.Redis, keys: Keys, latest: int, *, keep_last: int = 2, file_dir: Path | None = None
+) -> list[int]:
+    """Delete blobs (inline, and files in file_dir) older than every producer's version and the last
+    `keep_last`; returns the versions removed."""
+    in_use = producer_versions(r, keys).values()
+    floor = min([latest - keep_last + 1, *in_use])
+    removed = []
+    for key in r.scan_iter(match=keys.weights(0).rsplit(":", 1)[0] + ":*", count=1000):
+        v = int(key.rsplit(b":", 1)[1])
+        if v < floor:
+            r.delete(key)
+            removed.append(v)
+    if file_dir is not None and file_dir.is_dir():
+        for path in file_dir.glob("weights-*.safetensors"):
+            v = int(path.stem.split("-")[1])
+            if v < floor:
+                path.unlink(missing_ok=True)
+                removed.append(v)
+    return sorted(set(removed))

@@ -1,0 +1,114 @@
+"""What every worker process shares: argv -> config, its name, logging, two-stage SIGTERM, a Redis client.
+
+A worker runs in the foreground under supervisord. The first SIGTERM/SIGINT sets `stop` (finish the
+current unit of work, ack, exit 0); the second exits at once with EXIT_FORCED, acking nothing unfinished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+
+import redis
+
+from rollstream.bus import connect, read_password, wait_until_ready
+from rollstream.config import ConfigError, PipelineConfig, config_to_yaml, load_config
+from rollstream.names import Keys
+
+log = logging.getLogger(__name__)
+
+# Named exit codes a supervisor (or a test) can read.
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_CONFIG = 2
+EXIT_FORCED = 3  # second SIGTERM: left at once
+EXIT_REDIS = 4  # Redis never became reachable
+
+#: Environment variable holding the Redis URL when `run.redis_url` is null (set by `rollstream run`).
+REDIS_URL_ENV = "ROLLSTREAM_REDIS_URL"
+
+
+def setup_logging(name: str, level: str | None = None) -> None:
+    """Log lines to stderr as `time level name: message` (called by worker mains, never at import)."""
+    logging.basicConfig(
+        level=level or os.environ.get("ROLLSTREAM_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def redis_url_for(cfg: PipelineConfig) -> str:
+    """The URL to use: run.redis_url, else $ROLLSTREAM_REDIS_URL, else the default local Redis."""
+    return cfg.run.redis_url or os.environ.get(REDIS_URL_ENV) or "redis://127.0.0.1:6379/0"
+
+
+@dataclass
+class WorkerContext:
+    """A started worker: config, name, keys, Redis client and the stop flag its loops watch."""
+
+    cfg: PipelineConfig
+    name: str
+    keys: Keys
+    r: redis.Redis
+    stop: threading.Event = field(default_factory=threading.Event)
+    signals: int = 0
+
+    def install_signal_handlers(self) -> None:
+        """First SIGTERM/SIGINT sets stop; the second exits immediately with EXIT_FORCED."""
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            self.signals += 1
+            if self.signals >= 2:
+                os.write(2, f"{self.name}: second signal {signum}: exiting now\n".encode())
+                os._exit(EXIT_FORCED)
+            os.write(2, f"{self.name}: signal {signum}: finishing current work then exiting\n".encode())
+            self.stop.set()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+def parse_worker_args(prog: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse `<prog> pipeline.yaml [key=value ...] [--name NAME] [--burst]`."""
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("config", help="path to pipeline.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
+    p.add_argument("--name", default=None, help="worker name (default: $SUPERVISOR_PROCESS_NAME or the role)")
+    p.add_argument("--burst", action="store_true", help="exit once there is nothing left to do (tests)")
+    return p.parse_args(argv)
+
+
+def start_worker(role: str, argv: Sequence[str] | None = None, *, client_retries: int = 0) -> tuple[WorkerContext, argparse.Namespace]:
+    """Parse args, load config (exit 2 on a bad one), set up logging and signals, connect with backoff."""
+    args = parse_worker_args(f"python -m {role}", argv)
+    name = args.name or os.environ.get("SUPERVISOR_PROCESS_NAME") or role.rsplit(".", 1)[-1]
+    setup_logging(name)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
+    log.info("resolved config:\n%s", config_to_yaml(cfg))
+    r = connect(
+        redis_url_for(cfg),
+        socket_timeout_s=cfg.bus.socket_timeout_s,
+        password=read_password(cfg.run.password_file),
+        client_name=f"{cfg.run.name}:{name}",
+        retries=client_retries,
+    )
+    ctx = WorkerContext(cfg=cfg, name=name, keys=Keys(cfg.run.name), r=r)
+    ctx.install_signal_handlers()
+    try:
+        wait_until_ready(r, timeout_s=120, stop=ctx.stop)
+    except redis.ConnectionError as e:
+        log.error("%s", e)
+        raise SystemExit(EXIT_REDIS) from None
+    return ctx, args

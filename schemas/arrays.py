@@ -1,0 +1,115 @@
+"""Arrays <-> (dtype string, shape, raw bytes): the zero-copy half of the codec (no msgpack here).
+
+numpy arrays use the numpy dtype string (`'<f4'`); torch tensors use `'torch.<name>'` (`'torch.bfloat16'`)
+and travel as their raw native-endian bytes. Decoding never copies: it views the given buffer.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from typing import Any
+
+import numpy as np
+
+from schemas.errors import DecodeError
+
+TORCH_PREFIX = "torch."
+MAX_NDIM = 32
+# numpy kinds allowed on the wire: bool, signed, unsigned, float, complex (never object/void/str).
+WIRE_KINDS = "biufc"
+# Without torch installed, torch dtypes decode to these numpy dtypes (bf16 as its raw uint16 bits).
+TORCH_TO_NUMPY = {
+    "bool": "|b1", "uint8": "|u1", "int8": "|i1", "int16": "<i2", "uint16": "<u2", "int32": "<i4",
+    "uint32": "<u4", "int64": "<i8", "uint64": "<u8", "float16": "<f2", "float32": "<f4",
+    "float64": "<f8", "complex64": "<c8", "complex128": "<c16", "bfloat16": "<u2",
+}  # fmt: skip
+
+
+def is_torch_tensor(obj: object) -> bool:
+    """True when obj is a torch.Tensor; never imports torch (a tensor implies torch is loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def array_to_wire(obj: Any) -> tuple[str, list[int], memoryview]:
+    """Return (dtype string, shape, flat byte view) of a numpy array or torch tensor, copying only if needed."""
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in WIRE_KINDS or obj.dtype.fields is not None:
+            raise TypeError(f"cannot encode numpy dtype {obj.dtype} (allowed kinds: {WIRE_KINDS})")
+        arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)  # (makes 0-d 1-d: keep obj.shape)
+        return arr.dtype.str, list(obj.shape), arr.reshape(-1).view(np.uint8).data
+    if is_torch_tensor(obj):
+        t = obj.detach().cpu().contiguous()
+        name = str(t.dtype).removeprefix(TORCH_PREFIX)
+        raw = t.reshape(-1).view(sys.modules["torch"].uint8) if t.numel() else None
+        data = memoryview(raw.numpy()) if raw is not None else memoryview(b"")
+        return TORCH_PREFIX + name, list(t.shape), data
+    raise TypeError(f"not an array: {type(obj).__name__}")
+
+
+def check_shape(shape: Any) -> tuple[int, ...]:
+    """Validate a decoded shape: a short list of non-negative ints."""
+    if not isinstance(shape, list | tuple) or len(shape) > MAX_NDIM:
+        raise DecodeError(f"array shape must be a list of at most {MAX_NDIM} ints")
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise DecodeError(f"array shape has a negative or non-int dim: {list(shape)[:8]}")
+    return tuple(shape)
+
+
+def _numpy_dtype(dtype_str: str) -> np.dtype:
+    """Parse a numpy dtype string and allow only plain numeric/bool kinds."""
+    try:
+        dt = np.dtype(dtype_str)
+    except (TypeError, ValueError) as exc:
+        raise DecodeError(f"unknown array dtype {dtype_str[:40]!r}") from exc
+    if dt.kind not in WIRE_KINDS or dt.fields is not None or dt.subdtype is not None or dt.str != dtype_str:
+        raise DecodeError(f"array dtype {dtype_str[:40]!r} not allowed on the wire")
+    return dt
+
+
+def _check_nbytes(buf: memoryview, shape: tuple[int, ...], itemsize: int, dtype_str: str) -> None:
+    """Reject a buffer whose length is not prod(shape) * itemsize (computed with unbounded ints)."""
+    want = math.prod(shape) * itemsize
+    if buf.nbytes != want:
+        raise DecodeError(f"array {dtype_str}{list(shape)[:8]} needs {want} bytes, got {buf.nbytes}")
+
+
+def array_from_wire(dtype_str: Any, shape_in: Any, data: Any) -> Any:
+    """View `data` (bytes-like) as an array of dtype/shape without copying; torch dtypes give tensors."""
+    if not isinstance(dtype_str, str):
+        raise DecodeError("array dtype must be a string")
+    shape = check_shape(shape_in)
+    try:
+        buf = memoryview(data).cast("B")
+    except TypeError as exc:
+        raise DecodeError(f"array data is {type(data).__name__}, not bytes") from exc
+    if dtype_str.startswith(TORCH_PREFIX):
+        return _torch_from_wire(dtype_str.removeprefix(TORCH_PREFIX), shape, buf)
+    dt = _numpy_dtype(dtype_str)
+    _check_nbytes(buf, shape, dt.itemsize, dtype_str)
+    return np.frombuffer(buf, dtype=dt).reshape(shape)
+
+
+def _torch_from_wire(name: str, shape: tuple[int, ...], buf: memoryview) -> Any:
+    """Decode a torch tensor zero-copy; without torch, fall back to a numpy view (bf16 as uint16)."""
+    try:
+        import torch
+    except ImportError:
+        if name not in TORCH_TO_NUMPY:
+            raise DecodeError(f"torch dtype {name[:40]!r} cannot be decoded without torch") from None
+        dt = np.dtype(TORCH_TO_NUMPY[name])
+        _check_nbytes(buf, shape, dt.itemsize, TORCH_PREFIX + name)
+        return np.frombuffer(buf, dtype=dt).reshape(shape)
+    dtype = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise DecodeError(f"unknown torch dtype {name[:40]!r}")
+    _check_nbytes(buf, shape, dtype.itemsize, TORCH_PREFIX + name)
+    if buf.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write to it
+        t = torch.from_numpy(raw)
+    return t.view(dtype).reshape(shape)

@@ -1,0 +1,228 @@
+"""The events on the log: pydantic v2 models with a `type` discriminator and a schema version."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, ClassVar, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas.batch import DataProto
+
+HeaderValue = str | int | float
+
+
+class EventBase(BaseModel):
+    """Common fields: `type` (set by each subclass), `schema_version`, `created_at` (unix seconds)."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    SCHEMA: ClassVar[int] = 1
+    # Names of fields copied, in this order, into the human-readable XADD header (after type, schema).
+    HEADER: ClassVar[tuple[str, ...]] = ()
+
+    type: str
+    schema_version: int = 1
+    created_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_schema(cls, data: Any) -> Any:
+        """Default `schema_version` to the class's SCHEMA (so subclasses that bump SCHEMA stay right)."""
+        if isinstance(data, dict) and "schema_version" not in data:
+            data = {**data, "schema_version": cls.SCHEMA}
+        return data
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> EventBase:
+        """Only the current schema version is a valid model; older ones are upgraded by the codec."""
+        if self.schema_version != self.SCHEMA:
+            raise ValueError(f"schema_version {self.schema_version} != current {self.SCHEMA}")
+        return self
+
+    def header(self) -> dict[str, HeaderValue]:
+        """Human-readable header values for the XADD entry (informational; the payload is authoritative)."""
+        return {name: getattr(self, name) for name in self.HEADER}
+
+
+def _finite(arr: np.ndarray, what: str) -> None:
+    """Raise ValueError when a float array holds NaN or inf."""
+    if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
+        raise ValueError(f"{what} contains NaN/inf")
+
+
+class RolloutSample(EventBase):
+    """One prompt's group of n trajectories, as a producer publishes it (verl's RolloutSample)."""
+
+    HEADER: ClassVar[tuple[str, ...]] = ("sample_id", "param_version", "epoch", "producer", "n", "num_tokens")
+
+    type: Literal["rollout"] = "rollout"
+    sample_id: str
+    epoch: int
+    param_version: int
+    full_batch: DataProto
+    agent_loop_output_list: list[dict[str, Any]]
+    processing_times: list[float]
+    tool_calls: list[float] = Field(default_factory=list)
+    param_version_start: list[int]
+    param_version_end: list[int]
+    rollout_status: dict[str, float | int] = Field(default_factory=dict)
+    producer: str
+
+    @model_validator(mode="after")
+    def _check_rollout(self) -> RolloutSample:
+        """Per-trajectory lists match the batch; versions ordered; log-probs and rewards finite."""
+        n = len(self.full_batch)
+        if n < 1:
+            raise ValueError("full_batch has no trajectories")
+        for name in (
+            "agent_loop_output_list",
+            "processing_times",
+            "param_version_start",
+            "param_version_end",
+        ):
+            got = len(getattr(self, name))
+            if got != n:
+                raise ValueError(f"{name} has {got} entries, full_batch has {n}")
+        for i, (start, end) in enumerate(zip(self.param_version_start, self.param_version_end, strict=True)):
+            if start > end:
+                raise ValueError(f"param_version_start[{i}]={start} > param_version_end[{i}]={end}")
+        tensors = self.full_batch.tensors
+        lp = tensors.get("rollout_log_probs")
+        if lp is not None:
+            if lp.dtype.kind != "f":
+                raise ValueError(f"rollout_log_probs must be float, got {lp.dtype}")
+            _finite(lp, "rollout_log_probs")
+            responses = tensors.get("responses")
+            if responses is not None and responses.shape != lp.shape:
+                raise ValueError(f"rollout_log_probs shape {lp.shape} != responses shape {responses.shape}")
+        for key in ("token_level_scores", "rewards"):
+            if key in tensors:
+                _finite(tensors[key], key)
+        return self
+
+    @property
+    def n(self) -> int:
+        """Number of trajectories in the group."""
+        return len(self.full_batch)
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens: sum of response_mask, else attention over the response part, else responses.size."""
+        t = self.full_batch.tensors
+        if "response_mask" in t:
+            return int(t["response_mask"].sum())
+        responses = t.get("responses")
+        if responses is None:
+            return 0
+        if "attention_mask" in t and responses.ndim == 2:
+            width = responses.shape[1]
+            return int(t["attention_mask"][:, t["attention_mask"].shape[1] - width :].sum())
+        return int(responses.size)
+
+    def header(self) -> dict[str, HeaderValue]:
+        """Header with `tokens` for num_tokens."""
+        h = super().header()
+        h["tokens"] = h.pop("num_tokens")
+        return h
+
+
+class ParamVersion(EventBase):
+    """A published policy version: where the weights are and how to check them."""
+
+    HEADER: ClassVar[tuple[str, ...]] = ("version", "uri", "sha256", "bytes", "global_step")
+
+    type: Literal["param_version"] = "param_version"
+    version: int = Field(ge=0)
+    uri: str
+    sha256: str
+    bytes: int = Field(ge=0)
+    global_step: int
+
+
+class StepMetrics(EventBase):
+    """Trainer metrics of one local update, or the end of a global step (`step_end`)."""
+
+    HEADER: ClassVar[tuple[str, ...]] = ("global_step", "local_step", "sample_count")
+
+    type: Literal["local_update", "step_end"]
+    global_step: int
+    local_step: int
+    sample_count: int
+    num_local_updates: int = 0
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class SyncStepRecord(EventBase):
+    """Metrics of one global (sync) step, folded from its local updates by the aggregator."""
+
+    HEADER: ClassVar[tuple[str, ...]] = ("global_step", "num_local_updates")
+
+    type: Literal["record"] = "record"
+    global_step: int
+    num_local_updates: int
+    metrics: dict[str, float] = Field(default_factory=dict)
+    source_ids: list[str] = Field(default_factory=list)
+
+
+class ValidateMetrics(EventBase):
+    """Validation metrics of one param version."""
+
+    HEADER: ClassVar[tuple[str, ...]] = ("param_version", "global_step")
+
+    type: Literal["validation"] = "validation"
+    param_version: int
+    global_step: int
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class ProducerStats(EventBase):
+    """Periodic statistics of one rollout producer."""
+
+    HEADER: ClassVar[tuple[str, ...]] = ("producer", "param_version", "samples", "tokens")
+
+    type: Literal["producer"] = "producer"
+    producer: str
+    param_version: int
+    samples: int
+    tokens: int
+    gen_tokens_per_s: float
+    idle_ratio: float
+    versions_in_use: list[int] = Field(default_factory=list)
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class DeadLetter(EventBase):
+    """An entry that failed to decode or handle: where it came from, why, and its original fields."""
+
+    HEADER: ClassVar[tuple[str, ...]] = ("source", "source_id", "reason")
+
+    type: Literal["dead"] = "dead"
+    source: str
+    source_id: str
+    reason: str
+    fields: dict[str, bytes] = Field(default_factory=dict)
+
+
+Event = Annotated[
+    RolloutSample
+    | ParamVersion
+    | StepMetrics
+    | SyncStepRecord
+    | ValidateMetrics
+    | ProducerStats
+    | DeadLetter,
+    Field(discriminator="type"),
+]
+
+EVENT_MODELS: dict[str, type[EventBase]] = {
+    "rollout": RolloutSample,
+    "param_version": ParamVersion,
+    "local_update": StepMetrics,
+    "step_end": StepMetrics,
+    "record": SyncStepRecord,
+    "validation": ValidateMetrics,
+    "producer": ProducerStats,
+    "dead": DeadLetter,
+}

@@ -1,0 +1,41 @@
+"""Schema upgrade registry: functions that upcast an old payload dict one schema version at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from schemas.errors import DecodeError
+
+Upgrade = Callable[[dict[str, Any]], dict[str, Any]]
+_UPGRADES: dict[tuple[str, int], Upgrade] = {}
+
+
+def register_upgrade(event_type: str, from_version: int, fn: Upgrade) -> None:
+    """Register fn turning a `event_type` payload dict of schema `from_version` into `from_version + 1`."""
+    key = (event_type, from_version)
+    if key in _UPGRADES:
+        raise ValueError(f"an upgrade for {event_type!r} from schema {from_version} is already registered")
+    _UPGRADES[key] = fn
+
+
+def unregister_upgrade(event_type: str, from_version: int) -> None:
+    """Remove a registered upgrade (no-op if absent); used by tests."""
+    _UPGRADES.pop((event_type, from_version), None)
+
+
+def upgrade(event_type: str, data: dict[str, Any], current: int) -> dict[str, Any]:
+    """Apply registered upgrades in sequence until `data` is at schema `current`."""
+    version = data.get("schema_version")
+    if type(version) is not int:
+        raise DecodeError(f"{event_type}: payload has no int schema_version")
+    if version > current:
+        raise DecodeError(f"{event_type}: schema_version {version} is newer than supported {current}")
+    while version < current:
+        fn = _UPGRADES.get((event_type, version))
+        if fn is None:
+            raise DecodeError(f"{event_type}: no upgrade from schema_version {version}")
+        data = fn(dict(data))
+        version += 1
+        data["schema_version"] = version
+    return data

@@ -1,0 +1,47 @@
+"""Shared fixtures: a real Redis (never a mock), one key namespace per test, cleaned up afterwards."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from rollstream.names import Keys
+
+REDIS_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def delete_run(r: redis.Redis, keys: Keys) -> None:
+    """Delete every key of a run namespace."""
+    batch = list(r.scan_iter(match=keys.pattern(), count=1000))
+    for i in range(0, len(batch), 500):
+        r.delete(*batch[i : i + 500])
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """URL of the test Redis."""
+    return REDIS_URL
+
+
+@pytest.fixture
+def r() -> Iterator[redis.Redis]:
+    """A bytes client on the test Redis."""
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=10)
+    try:
+        client.ping()
+    except redis.ConnectionError as e:
+        pytest.fail(f"tests need a real Redis at {REDIS_URL} (run scripts/setup.sh): {e}")
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def keys(r: redis.Redis) -> Iterator[Keys]:
+    """A fresh run namespace for this test; all its keys are deleted afterwards."""
+    k = Keys(f"t-{uuid.uuid4().hex[:12]}")
+    yield k
+    delete_run(r, k)

@@ -1,0 +1,254 @@
+"""The Redis Streams bus against a real Redis: publish, group read, dead letters, claims, retention."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import redis
+
+from rollstream.bus import GroupReader, Message, Publisher, RunNotSetUpError, setup_run, trim_stream
+from rollstream.fake import fake_rollout_sample
+from rollstream.names import TRAINER_GROUP, Keys
+from schemas import DeadLetter, RolloutSample, decode, encode
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def reader(r: redis.Redis, keys: Keys, consumer: str = "c1", **kw: object) -> GroupReader:
+    opts: dict = dict(dead_stream=keys.dead, block_ms=50, count=16, claim_idle_s=30.0, max_deliveries=3)
+    opts.update(kw)
+    return GroupReader(r, keys.rollouts, TRAINER_GROUP, consumer, **opts)
+
+
+def publish_samples(r: redis.Redis, keys: Keys, count: int, start: int = 0) -> list[str]:
+    setup_run(r, keys)
+    pub = Publisher(r)
+    return pub.publish_many(keys.rollouts, [fake_rollout_sample(f"s{i}", seed=i) for i in range(start, start + count)])
+
+
+def dead_entries(r: redis.Redis, keys: Keys) -> list[DeadLetter]:
+    out = []
+    for _, fields in r.xrange(keys.dead):
+        ev = decode(fields)
+        assert isinstance(ev, DeadLetter)
+        out.append(ev)
+    return out
+
+
+def test_publish_requires_setup(r: redis.Redis, keys: Keys) -> None:
+    with pytest.raises(RunNotSetUpError):
+        Publisher(r).publish(keys.rollouts, fake_rollout_sample("x"))
+    assert not r.exists(keys.rollouts)
+
+
+def test_round_trip_through_group(r: redis.Redis, keys: Keys) -> None:
+    sent = [fake_rollout_sample(f"s{i}", seed=i, param_version=i % 3) for i in range(10)]
+    setup_run(r, keys)
+    Publisher(r).publish_many(keys.rollouts, sent)
+    got: list[Message] = []
+    handled = reader(r, keys).run(got.extend, burst=True)
+    assert handled == 10
+    by_id = {m.event.sample_id: m.event for m in got if isinstance(m.event, RolloutSample)}
+    for s in sent:
+        d = by_id[s.sample_id]
+        assert d.param_version == s.param_version
+        for k, v in s.full_batch.tensors.items():
+            assert (d.full_batch.tensors[k] == v).all()
+    # acked after the handler: nothing pending
+    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+
+
+def test_headers_are_plain_text_in_redis_cli(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+    setup_run(r, keys)
+    Publisher(r).publish(keys.rollouts, fake_rollout_sample("abc-123", param_version=7, epoch=2, producer="rollout_01"))
+    out = subprocess.run(
+        ["redis-cli", "-u", redis_url, "--no-raw", "XRANGE", keys.rollouts, "-", "+"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    lines = [ln.split(")", 1)[-1].strip().strip('"') for ln in out.splitlines()]
+    for name, value in (("sample_id", "abc-123"), ("param_version", "7"), ("epoch", "2"), ("producer", "rollout_01")):
+        i = lines.index(name)
+        assert lines[i + 1] == value
+
+
+def test_malformed_entries_go_to_dead_and_reader_continues(r: redis.Redis, keys: Keys) -> None:
+    setup_run(r, keys)
+    good = encode(fake_rollout_sample("good-1"))
+    payload = msgpack.packb({"type": "rollout", "schema_version": 1})
+    bad_entries = {
+        "garbage": {"type": b"rollout", "payload": b"\xc1\xff\x00garbage"},
+        "truncated": {"type": b"rollout", "payload": bytes(good["payload"])[:-7]},
+        "future schema": {"type": b"rollout", "payload": msgpack.packb({"type": "rollout", "schema_version": 99})},
+        "missing field": {"type": b"rollout", "payload": payload},
+        "no payload": {"type": b"rollout", "sample_id": b"x"},
+    }
+    r.xadd(keys.rollouts, good)  # type: ignore[arg-type]
+    for fields in bad_entries.values():
+        r.xadd(keys.rollouts, fields)  # type: ignore[arg-type]
+    r.xadd(keys.rollouts, encode(fake_rollout_sample("good-2")))  # type: ignore[arg-type]
+    got: list[Message] = []
+    reader(r, keys).run(got.extend, burst=True)
+    assert sorted(m.event.sample_id for m in got if isinstance(m.event, RolloutSample)) == ["good-1", "good-2"]
+    dead = dead_entries(r, keys)
+    assert len(dead) == len(bad_entries)
+    assert all(d.reason.startswith("decode:") and d.source == keys.rollouts for d in dead)
+    reasons = " | ".join(d.reason for d in dead)
+    assert "schema" in reasons and "payload" in reasons
+    # originals are kept for inspection
+    assert any(d.fields.get("payload", b"").startswith(b"\xc1\xff") for d in dead)
+    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+
+
+def test_oversized_field_is_dead_lettered(r: redis.Redis, keys: Keys) -> None:
+    from schemas import Limits
+
+    setup_run(r, keys)
+    Publisher(r).publish(keys.rollouts, fake_rollout_sample("big", n=4, response_len=4096))
+    got: list[Message] = []
+    reader(r, keys, limits=Limits(max_bin_len=1024, max_field_bytes=1024)).run(got.extend, burst=True)
+    assert got == []
+    [d] = dead_entries(r, keys)
+    assert d.source_id and "decode" in d.reason
+
+
+def test_repeatedly_failing_entry_is_dead_after_max_deliveries(r: redis.Redis, keys: Keys) -> None:
+    publish_samples(r, keys, 3)
+    calls: dict[str, int] = {}
+
+    def handler(msgs: list[Message]) -> None:
+        for m in msgs:
+            calls[m.event.sample_id] = calls.get(m.event.sample_id, 0) + 1  # type: ignore[union-attr]
+        if any(m.event.sample_id == "s1" for m in msgs):  # type: ignore[union-attr]
+            raise RuntimeError("poison")
+
+    rd = reader(r, keys, count=1, max_deliveries=3)
+    rd.run(handler, burst=True)
+    assert calls["s0"] == 1 and calls["s2"] == 1
+    assert calls["s1"] == 3
+    [d] = dead_entries(r, keys)
+    assert "delivered 4 times" in d.reason
+    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+
+
+def test_restart_drains_own_pending_first(r: redis.Redis, keys: Keys) -> None:
+    publish_samples(r, keys, 6)
+    first = reader(r, keys, count=4)
+    msgs = first.poll()
+    assert len(msgs) == 4  # delivered, never acked: the process "died"
+    again = reader(r, keys, count=10)  # same consumer name, new process
+    replay = again.poll()
+    assert [m.id for m in replay] == [m.id for m in msgs]
+    assert all(m.deliveries == 2 for m in replay)
+    again.ack(m.id for m in replay)
+    rest = again.poll()
+    assert len(rest) == 2
+
+
+def test_reconnect_rereads_own_pending(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+    from rollstream.bus import connect
+
+    setup_run(r, keys)
+    client = connect(redis_url)
+    rd = reader(r, keys, consumer="victim")
+    rd.r = client
+    assert rd.poll() == []
+    publish_samples(r, keys, 2)
+    # The server delivers to "victim" but the reply is lost with the connection.
+    r.xreadgroup(TRAINER_GROUP, "victim", {keys.rollouts: ">"}, count=10)
+    r.client_kill_filter(_id=client.client_id())
+    got: list[Message] = []
+    for _ in range(5):
+        got = got or rd.poll_retrying()
+    assert rd.stats.reconnects == 1
+    assert len(got) == 2 and all(m.deliveries == 2 for m in got)
+
+
+def test_claimed_after_sigkill_and_acked_once(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+    publish_samples(r, keys, 12)
+    effects = keys.prefix + "effects"
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time, redis
+        from rollstream.bus import GroupReader
+        from rollstream.names import Keys, TRAINER_GROUP
+        r = redis.Redis.from_url({redis_url!r})
+        keys = Keys({keys.run!r})
+        rd = GroupReader(r, keys.rollouts, TRAINER_GROUP, "doomed", dead_stream=keys.dead, count=5, block_ms=50)
+        def handler(msgs):
+            for m in msgs:
+                r.rpush({effects!r}, "doomed:" + m.event.sample_id)
+            print("HOLDING", flush=True)
+            time.sleep(60)
+        rd.run(handler, max_messages=5)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert p.stdout is not None and p.stdout.readline().strip() == "HOLDING"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 5
+
+    survivor = reader(r, keys, consumer="survivor", claim_idle_s=0.2)
+    seen: list[str] = []
+    time.sleep(0.3)
+
+    def handler(msgs: list[Message]) -> None:
+        for m in msgs:
+            seen.append(m.event.sample_id)  # type: ignore[union-attr]
+
+    deadline = time.time() + 10
+    while len(seen) < 12 and time.time() < deadline:
+        survivor.run(handler, burst=True)
+    assert sorted(seen) == sorted(f"s{i}" for i in range(12))  # each handled once by the survivor
+    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+    assert survivor.stats.acked == 12  # acked exactly once each
+    assert survivor.stats.claimed == 5
+
+
+def test_held_entries_are_not_claimed_by_others(r: redis.Redis, keys: Keys) -> None:
+    publish_samples(r, keys, 3)
+    holder = reader(r, keys, consumer="holder", claim_idle_s=0.3)
+    held = holder.poll()
+    assert len(held) == 3
+    for _ in range(4):
+        time.sleep(0.15)
+        holder.poll(block_ms=1)  # keeps its in-flight entries fresh
+    thief = reader(r, keys, consumer="thief", claim_idle_s=0.3)
+    assert thief.poll(block_ms=1) == []
+
+
+def test_trim_never_removes_unread(r: redis.Redis, keys: Keys) -> None:
+    ids = publish_samples(r, keys, 20)
+    # a second, lagging group that has read nothing
+    r.xgroup_create(keys.rollouts, "lagging", id="0")
+    fast = reader(r, keys, count=20)
+    fast.run(lambda msgs: None, burst=True)
+    trim_stream(r, keys.rollouts)
+    assert r.xlen(keys.rollouts) == 20  # lagging group has read nothing
+    # lagging reads 8, acks 5 (3 pending): only the 5 acked may go
+    lag = GroupReader(r, keys.rollouts, "lagging", "l1", dead_stream=keys.dead, count=8, block_ms=10)
+    msgs = lag.poll()
+    lag.ack(m.id for m in msgs[:5])
+    trim_stream(r, keys.rollouts)
+    remaining = [i.decode() for i, _ in r.xrange(keys.rollouts)]
+    assert remaining == ids[5:]
+    # and the pending + undelivered ones are all still readable
+    rest = lag.release([m.id for m in msgs[5:]]) or lag.poll()
+    assert [m.id for m in rest] == ids[5:8]
+
+
+def test_byte_cap_bites_loudly(r: redis.Redis, keys: Keys, caplog: pytest.LogCaptureFixture) -> None:
+    setup_run(r, keys)
+    Publisher(r).publish_many(keys.rollouts, [fake_rollout_sample(f"b{i}", response_len=2048) for i in range(40)])
+    before = r.xlen(keys.rollouts)
+    res = trim_stream(r, keys.rollouts, max_bytes=1 << 20)
+    assert res.trimmed_cap > 0 and r.xlen(keys.rollouts) < before
+    assert "RETENTION CAP BIT" in caplog.text

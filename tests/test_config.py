@@ -1,0 +1,85 @@
+"""pipeline.yaml model: defaults, overrides, cross-field rules and readable errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollstream.config import ConfigError, PipelineConfig, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_shipped_pipeline_yaml_loads() -> None:
+    cfg = load_config(ROOT / "pipeline.yaml")
+    assert cfg.data.train_batch_size == cfg.trainer.parameter_sync_step * cfg.actor.ppo_mini_batch_size
+
+
+def test_overrides_are_typed() -> None:
+    cfg = load_config(
+        None,
+        ["trainer.parameter_sync_step=4", "data.train_batch_size=32", "rollout.partial_rollout=false",
+         "rollout.temperature=0.7", "rollout.multi_turn.enable=true", "run.redis_url=redis://h:1/2"],
+    )
+    assert cfg.trainer.parameter_sync_step == 4
+    assert cfg.rollout.partial_rollout is False
+    assert cfg.rollout.temperature == 0.7
+    assert cfg.rollout.multi_turn.enable is True
+    assert cfg.run.redis_url == "redis://h:1/2"
+
+
+def test_bad_train_batch_size_names_all_three() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["data.train_batch_size=10"])
+    msg = str(e.value)
+    assert "data.train_batch_size=10" in msg
+    assert "trainer.parameter_sync_step=2" in msg
+    assert "actor.ppo_mini_batch_size=8" in msg
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("trainer.max_off_policy_threshold=0", "max_off_policy_threshold=0"),
+        ("rollout.staleness_threshold=-1", "rollout.staleness_threshold=-1"),
+        ("rollout.n=zero", "rollout.n='zero'"),
+        ("trainer.no_such_key=1", "trainer.no_such_key: unknown key"),
+        ("bus.block_ms=20000", "socket_timeout_s"),
+    ],
+)
+def test_bad_values_are_named(override: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert needle in str(e.value)
+
+
+def test_malformed_override() -> None:
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        load_config(None, ["nonsense"])
+
+
+def test_every_field_has_a_description() -> None:
+    def walk(model: type) -> list[str]:
+        missing = []
+        for name, f in model.model_fields.items():  # type: ignore[attr-defined]
+            if not f.description:
+                missing.append(f"{model.__name__}.{name}")
+            ann = f.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                missing += walk(ann)
+        return missing
+
+    assert walk(PipelineConfig) == []
+
+
+def test_cli_error_has_no_traceback() -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "rollstream.cli", "config", str(ROOT / "pipeline.yaml"), "data.train_batch_size=3"],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert "data.train_batch_size=3" in p.stderr

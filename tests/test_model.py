@@ -1,0 +1,246 @@
+"""Tests of the tiny policy: tokenizer, GPT KV cache, generation, behaviour log-probs, weight bytes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rollstream.model import (
+    GPT,
+    CharTokenizer,
+    GPTConfig,
+    Policy,
+    Tokenizer,
+    Trajectory,
+    build_batch,
+    load_policy,
+)
+from rollstream.model.gpt import positions_from_mask
+
+TOK = CharTokenizer()
+CFG = GPTConfig(vocab_size=TOK.vocab_size)
+PROMPTS = ["1+2=", "12+34=", "7", "(3*4)-5=?"]  # different lengths -> left padding
+
+
+def make_policy(seed: int = 0) -> Policy:
+    """A default-size CPU policy."""
+    return Policy.from_config(CFG, seed=seed, device="cpu")
+
+
+def encoded(prompts: list[str] = PROMPTS) -> list[list[int]]:
+    """Prompts as ids with bos."""
+    return [TOK.encode(p, add_bos=True) for p in prompts]
+
+
+def max_logprob_error(
+    policy: Policy, trajs: list[Trajectory], upto: int | None = None, start: int = 0
+) -> float:
+    """Largest |stored - fresh forward| over response tokens start..upto of every trajectory."""
+    ids, mask, R = build_batch([t.prompt_ids for t in trajs], [t.response_ids for t in trajs], TOK.pad_id)
+    with torch.no_grad():
+        fresh = policy.log_probs(ids, mask, R)
+    err = 0.0
+    for i, t in enumerate(trajs):
+        for j in range(start, len(t.response_ids) if upto is None else min(upto, len(t.response_ids))):
+            err = max(err, abs(fresh[i, j].item() - t.log_probs[j]))
+    return err
+
+
+# ---- tokenizer -------------------------------------------------------------------------------------
+
+
+def test_tokenizer_round_trip_and_ids() -> None:
+    text = "0123456789+-*/=()<>?:.,; abcxyz[]|"
+    ids = TOK.encode(text, add_bos=True)
+    assert ids[0] == TOK.bos_id == 1 and TOK.pad_id == 0 and TOK.eos_id == 2
+    assert TOK.decode(ids) == text
+    assert TOK.decode([*ids, TOK.eos_id, TOK.pad_id], skip_special=False) == "<bos>" + text + "<eos><pad>"
+    assert TOK.vocab_size == 3 + 25 + 26 + 3
+    assert TOK.encode("0") == [3]
+    assert isinstance(TOK, Tokenizer)
+
+
+def test_tokenizer_unknown_char_names_it() -> None:
+    with pytest.raises(ValueError, match="'A'"):
+        TOK.encode("1+A")
+    with pytest.raises(ValueError, match="token id 999"):
+        TOK.decode([999])
+
+
+# ---- GPT -------------------------------------------------------------------------------------------
+
+
+def test_default_size_is_about_100k_params() -> None:
+    n = sum(p.numel() for p in make_policy().parameters())
+    assert 80_000 < n < 130_000
+
+
+def test_kv_cache_decode_equals_full_forward() -> None:
+    model = make_policy().module
+    assert isinstance(model, GPT)
+    ids = torch.tensor([enc + [5] * (10 - len(enc)) for enc in encoded()])  # [4,10]
+    ids[2, :3] = TOK.pad_id  # left padding on one row
+    mask = (torch.arange(10)[None, :] >= torch.tensor([0, 0, 3, 0])[:, None]).long()
+    with torch.no_grad():
+        full = model(ids, 0, None, positions_from_mask(mask), mask)  # [4,10,V]
+        cache = model.new_cache(4, 10)
+        step = model(ids[:, :6], 0, cache, positions_from_mask(mask[:, :6]), mask[:, :6])
+        parts = [step]
+        for t in range(6, 10):
+            pos = positions_from_mask(mask[:, : t + 1])[:, -1:]
+            parts.append(model(ids[:, t : t + 1], cache.length, cache, pos, mask[:, : t + 1]))
+    cached = torch.cat(parts, 1)
+    real = mask.bool()
+    assert torch.allclose(cached[real], full[real], atol=1e-5)
+    assert torch.isfinite(cached).all()
+
+
+def test_position_limit_is_enforced() -> None:
+    policy = make_policy()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        policy.generate([[1] * 60], n=1, max_new_tokens=8)
+
+
+# ---- generation ------------------------------------------------------------------------------------
+
+
+def test_generate_shapes_and_order() -> None:
+    policy = make_policy()
+    prompts = encoded()
+    trajs = policy.generate(prompts, n=3, max_new_tokens=12, generator=torch.Generator().manual_seed(0))
+    assert len(trajs) == len(prompts) * 3
+    for i, t in enumerate(trajs):
+        assert t.prompt_ids == prompts[i // 3]  # prompt-major, interleaved
+        assert 1 <= len(t.response_ids) == len(t.log_probs) <= 12
+        assert t.finished == (t.response_ids[-1] == TOK.eos_id)
+        assert TOK.eos_id not in t.response_ids[:-1]
+        assert t.finished or len(t.response_ids) == 12
+        assert all(lp <= 0.0 for lp in t.log_probs)
+    assert policy.generate([], n=2, max_new_tokens=4) == []
+
+
+def test_generate_is_deterministic_with_seed_and_generator() -> None:
+    def run(gen_seed: int) -> list[list[int]]:
+        trajs = make_policy(0).generate(encoded(), 4, 10, generator=torch.Generator().manual_seed(gen_seed))
+        return [t.response_ids for t in trajs]
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_behaviour_logprobs_match_fresh_forward() -> None:
+    policy = make_policy()
+    trajs = policy.generate(encoded(), n=8, max_new_tokens=20, generator=torch.Generator().manual_seed(0))
+    assert any(t.finished for t in trajs) and not all(t.finished for t in trajs)  # rows dropped mid-batch
+    assert max_logprob_error(policy, trajs) < 1e-4
+
+
+def test_logprobs_are_policy_logprobs_regardless_of_sampling_tricks() -> None:
+    policy = make_policy()
+    gen = torch.Generator().manual_seed(3)
+    trajs = policy.generate(encoded(), n=4, max_new_tokens=16, temperature=0.7, top_p=0.9, generator=gen)
+    assert max_logprob_error(policy, trajs) < 1e-4
+
+
+def test_greedy_is_deterministic_and_tiny_top_p_is_greedy() -> None:
+    policy = make_policy()
+    a = policy.generate(encoded(), 2, 12, greedy=True, generator=torch.Generator().manual_seed(0))
+    b = policy.generate(encoded(), 2, 12, greedy=True)
+    c = policy.generate(encoded(), 2, 12, top_p=1e-6, generator=torch.Generator().manual_seed(9))
+    assert [t.response_ids for t in a] == [t.response_ids for t in b] == [t.response_ids for t in c]
+    assert a[0].response_ids == a[1].response_ids
+    assert max_logprob_error(policy, a) < 1e-4
+
+
+def test_on_chunk_without_swap_changes_nothing() -> None:
+    policy = make_policy()
+    calls: list[int] = []
+
+    def on_chunk() -> bool:
+        calls.append(1)
+        return False
+
+    a = policy.generate(encoded(), 2, 12, generator=torch.Generator().manual_seed(0))
+    b = policy.generate(
+        encoded(), 2, 12, generator=torch.Generator().manual_seed(0), sync_every_tokens=4, on_chunk=on_chunk
+    )
+    assert [t.response_ids for t in a] == [t.response_ids for t in b]
+    assert [t.log_probs for t in a] == [t.log_probs for t in b]
+    assert 1 <= len(calls) <= 2 and all(not t.swap_points for t in b)
+
+
+def test_on_chunk_swap_reprefills_under_new_weights() -> None:
+    policy = make_policy(0)
+    old_bytes = policy.state_dict_bytes()
+    new_bytes = make_policy(1).state_dict_bytes()
+    swaps: list[int] = []
+
+    def on_chunk() -> bool:
+        if not swaps:
+            policy.load_state_dict_bytes(new_bytes)  # what a producer does on a new param version
+            swaps.append(1)
+            return True
+        return False
+
+    trajs = policy.generate(
+        encoded(), 6, 16, generator=torch.Generator().manual_seed(0), sync_every_tokens=5, on_chunk=on_chunk
+    )
+    alive = [t for t in trajs if len(t.response_ids) > 5]
+    assert alive and all(t.swap_points == [5] for t in alive)
+    assert all(not t.swap_points for t in trajs if len(t.response_ids) <= 5)
+    assert max_logprob_error(policy, trajs, start=5) < 1e-4  # after the swap: exact under NEW weights
+    assert max_logprob_error(policy, trajs, upto=5) > 1e-2  # before it: not the new weights' numbers
+    policy.load_state_dict_bytes(old_bytes)
+    assert max_logprob_error(policy, trajs, upto=5) < 1e-4  # ... but the old ones'
+    assert max_logprob_error(policy, alive, start=5) > 1e-2
+
+
+# ---- scoring and weights ---------------------------------------------------------------------------
+
+
+def test_log_probs_train_mode_has_grad_and_entropy() -> None:
+    policy = make_policy().train()
+    trajs = policy.generate(encoded(), 2, 8, generator=torch.Generator().manual_seed(0))
+    assert policy.module.training  # generate restores the mode
+    ids, mask, R = build_batch([t.prompt_ids for t in trajs], [t.response_ids for t in trajs], TOK.pad_id)
+    logp, ent = policy.forward_logprobs_entropy(ids, mask, R)
+    assert logp.shape == ent.shape == (len(trajs), R)
+    assert logp.requires_grad
+    logp.sum().backward()
+    assert all(p.grad is not None for p in policy.parameters())
+    vocab = torch.log(torch.tensor(float(TOK.vocab_size)))
+    assert ((ent > 0) & (ent <= vocab + 1e-4)).all()
+
+
+def test_state_dict_bytes_round_trip() -> None:
+    a, b = make_policy(0), make_policy(1)
+    assert a.state_dict_bytes() == make_policy(0).state_dict_bytes()  # seed -> weights
+    assert a.state_dict_bytes() != b.state_dict_bytes()
+    b.load_state_dict_bytes(a.state_dict_bytes())
+    ta = a.generate(encoded(), 3, 10, generator=torch.Generator().manual_seed(4))
+    tb = b.generate(encoded(), 3, 10, generator=torch.Generator().manual_seed(4))
+    assert [t.response_ids for t in ta] == [t.response_ids for t in tb]
+    assert [t.log_probs for t in ta] == [t.log_probs for t in tb]
+
+
+def test_load_refuses_foreign_weights() -> None:
+    other = Policy.from_config(GPTConfig(vocab_size=TOK.vocab_size, n_layer=1), seed=0, device="cpu")
+    with pytest.raises(ValueError, match="lack"):
+        make_policy().load_state_dict_bytes(other.state_dict_bytes())
+    with pytest.raises(ValueError, match="unknown"):
+        other.load_state_dict_bytes(make_policy().state_dict_bytes())
+
+
+def test_load_policy_factory() -> None:
+    policy = load_policy("tiny", cfg=CFG, seed=0, device="cpu")
+    assert isinstance(policy, Policy) and policy.device == torch.device("cpu")
+    with pytest.raises(ValueError, match="backend"):
+        load_policy("nope")
+
+
+def test_import_has_no_transformers_side_effect() -> None:
+    code = "import sys, rollstream.model, rollstream.model.hf; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

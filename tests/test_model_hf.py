@@ -1,0 +1,101 @@
+"""Tests of HFPolicy against a tiny random Llama saved to a temp dir (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rollstream.model import CharTokenizer, Tokenizer, Trajectory, build_batch, load_policy  # noqa: E402
+from rollstream.model.hf import HFPolicy, make_tiny_hf_model  # noqa: E402
+
+PROMPTS = ["1+2=", "12+34=", "7", "(3*4)-5=?"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny HF model + tokenizer on disk."""
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny_hf"), seed=0)
+
+
+def load(path: Path) -> HFPolicy:
+    """Load on CPU."""
+    return HFPolicy.from_pretrained(path, device="cpu")
+
+
+def encoded(policy: HFPolicy) -> list[list[int]]:
+    """Prompts as ids with bos."""
+    return [policy.tokenizer.encode(p, add_bos=True) for p in PROMPTS]
+
+
+def max_logprob_error(policy: HFPolicy, trajs: list[Trajectory], start: int = 0) -> float:
+    """Largest |stored - fresh forward| over response tokens from `start` on."""
+    ids, mask, R = build_batch(
+        [t.prompt_ids for t in trajs], [t.response_ids for t in trajs], policy.tokenizer.pad_id
+    )
+    with torch.no_grad():
+        fresh = policy.log_probs(ids, mask, R)
+    return max(
+        (
+            abs(fresh[i, j].item() - t.log_probs[j])
+            for i, t in enumerate(trajs)
+            for j in range(start, len(t.log_probs))
+        ),
+        default=0.0,
+    )
+
+
+def test_tokenizer_matches_char_tokenizer(model_dir: Path) -> None:
+    tok = load(model_dir).tokenizer
+    assert isinstance(tok, Tokenizer)
+    char = CharTokenizer()
+    text = "(12+34)=46; ok [a|b]"
+    assert tok.encode(text, add_bos=True) == char.encode(text, add_bos=True)
+    assert tok.decode(char.encode(text, add_bos=True) + [char.eos_id]) == text
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, 2, char.vocab_size)
+
+
+def test_generate_and_logprobs_agree(model_dir: Path) -> None:
+    policy = load(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    trajs = policy.generate(encoded(policy), n=6, max_new_tokens=24, generator=gen)
+    assert len(trajs) == 24 and all(t.prompt_ids == encoded(policy)[i // 6] for i, t in enumerate(trajs))
+    assert any(t.finished for t in trajs) and not all(t.finished for t in trajs)
+    assert max_logprob_error(policy, trajs) < 1e-4
+    again = policy.generate(
+        encoded(policy), n=6, max_new_tokens=24, generator=torch.Generator().manual_seed(0)
+    )
+    assert [t.response_ids for t in again] == [t.response_ids for t in trajs]
+
+
+def test_swap_mid_generation(model_dir: Path, tmp_path: Path) -> None:
+    policy = load(model_dir)
+    new_bytes = load(make_tiny_hf_model(tmp_path / "other", seed=1)).state_dict_bytes()
+    swapped: list[int] = []
+
+    def on_chunk() -> bool:
+        if swapped:
+            return False
+        policy.load_state_dict_bytes(new_bytes)
+        swapped.append(1)
+        return True
+
+    gen = torch.Generator().manual_seed(0)
+    trajs = policy.generate(encoded(policy), 4, 16, generator=gen, sync_every_tokens=6, on_chunk=on_chunk)
+    assert all(t.swap_points == [6] for t in trajs if len(t.response_ids) > 6)
+    assert max_logprob_error(policy, trajs, start=6) < 1e-4
+
+
+def test_state_dict_bytes_round_trip(model_dir: Path, tmp_path: Path) -> None:
+    a = load(model_dir)
+    b = load_policy("hf", path=make_tiny_hf_model(tmp_path / "b", seed=1), device="cpu")
+    assert a.state_dict_bytes() != b.state_dict_bytes()
+    b.load_state_dict_bytes(a.state_dict_bytes())
+    assert a.state_dict_bytes() == b.state_dict_bytes()
+    ta = a.generate(encoded(a), 2, 10, generator=torch.Generator().manual_seed(5))
+    tb = b.generate(encoded(a), 2, 10, generator=torch.Generator().manual_seed(5))
+    assert [t.response_ids for t in ta] == [t.response_ids for t in tb]
+    assert [t.log_probs for t in ta] == [t.log_probs for t in tb]

@@ -1,0 +1,222 @@
+"""RL math against hand-computed values (CPU, no Redis)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rollstream.rl import (
+    agg_loss,
+    entropy_from_logits,
+    grpo_advantages,
+    kl_penalty,
+    length_metrics,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    ppo_loss,
+    reward_metrics,
+    staleness_metrics,
+)
+
+approx = pytest.approx
+
+
+# --- advantages -------------------------------------------------------------------------------
+
+
+def test_grpo_advantages_population_std_gives_unit_values() -> None:
+    # mean 0.5, population std 0.5 -> (r - 0.5) / 0.5 = ±1
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), n=4, unbiased=False)
+    assert adv.tolist() == approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+
+
+def test_grpo_advantages_default_is_verl_unbiased_std() -> None:
+    # sample std = sqrt(1/3) -> 0.5 / 0.57735 = 0.866025
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), n=4)
+    assert adv.tolist() == approx([0.866025, -0.866025, -0.866025, 0.866025], abs=1e-5)
+
+
+def test_grpo_advantages_2d_input_and_all_equal_group_is_zero() -> None:
+    adv = grpo_advantages(torch.tensor([[1.0, 0.0], [3.0, 3.0]]), n=2)
+    # group 0: std (unbiased) = sqrt(0.5) = 0.7071 -> ±0.5/0.7071; group 1: all equal -> 0
+    assert adv.shape == (4,)
+    assert adv.tolist() == approx([0.707106, -0.707106, 0.0, 0.0], abs=1e-5)
+
+
+def test_grpo_advantages_without_std_norm_and_singleton_groups() -> None:
+    adv = grpo_advantages(torch.tensor([2.0, 0.0, 1.0, 1.0]), n=2, norm_by_std=False)
+    assert adv.tolist() == approx([1.0, -1.0, 0.0, 0.0])
+    # verl: a singleton group has mean 0 and std 1, so the raw reward survives
+    assert grpo_advantages(torch.tensor([0.5, 2.0]), n=1).tolist() == approx([0.5, 2.0], abs=1e-5)
+
+
+def test_grpo_advantages_rejects_ragged_groups() -> None:
+    with pytest.raises(ValueError, match="groups of n=3"):
+        grpo_advantages(torch.zeros(4), n=3)
+
+
+# --- masked reductions and aggregation ----------------------------------------------------------
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
+
+
+def test_masked_sum_and_mean() -> None:
+    assert masked_sum(LOSS, MASK).item() == 7.0
+    assert masked_mean(LOSS, MASK).item() == approx(7 / 3)
+    assert masked_mean(LOSS, MASK, dim=-1).tolist() == approx([1.5, 4.0])
+    assert masked_mean(LOSS, torch.zeros_like(MASK)).item() == 0.0  # empty mask: 0, never NaN
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("token-mean", 7 / 3), ("seq-mean-token-sum", (3 + 4) / 2), ("seq-mean-token-mean", (1.5 + 4) / 2)],
+)
+def test_agg_loss_modes(mode: str, expected: float) -> None:
+    assert agg_loss(LOSS, MASK, mode).item() == approx(expected)  # type: ignore[arg-type]
+
+
+def test_agg_loss_empty_row() -> None:
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert agg_loss(LOSS, mask, "seq-mean-token-sum").item() == approx(3 / 2)  # divides by B
+    assert agg_loss(LOSS, mask, "seq-mean-token-mean").item() == approx(1.5)  # skips empty rows
+    with pytest.raises(ValueError):
+        agg_loss(LOSS, mask, "bogus")  # type: ignore[arg-type]
+
+
+# --- PPO ----------------------------------------------------------------------------------------
+# One sequence, three tokens, A = +1, clip 0.2, cap C = 5:
+#   token  pi_theta  pi_prox  pi_behave  ratio  w_raw  w   clipped?  loss
+#   0      0.4       0.4      0.4        1.0    1      1   no        -1.0 * 1 = -1.0
+#   1      0.6       0.4      0.2        1.5    2      2   yes       -1.2 * 2 = -2.4
+#   2      0.2       0.4      0.04       0.5    10     5   no        -0.5 * 5 = -2.5
+
+P_THETA = torch.tensor([[0.4, 0.6, 0.2]])
+P_PROX = torch.tensor([[0.4, 0.4, 0.4]])
+P_BEHAVE = torch.tensor([[0.4, 0.2, 0.04]])
+ONES = torch.ones(1, 3)
+
+
+def _logs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return P_THETA.log().requires_grad_(True), P_PROX.log().requires_grad_(True), P_BEHAVE.log()
+
+
+def test_ppo_decoupled_by_hand() -> None:
+    logp, prox, behave = _logs()
+    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), ONES, clip_eps=0.2, behave_imp_cap=5.0)
+    assert loss.item() == approx(-5.9 / 3)
+    assert m["actor/pg_loss"] == approx(-5.9 / 3)
+    assert m["actor/pg_clipfrac"] == approx(1 / 3)
+    assert m["actor/behave_imp_weight_mean"] == approx(8 / 3)
+    assert m["actor/behave_imp_weight_truncated_frac"] == approx(1 / 3)
+    assert m["actor/ppo_kl"] == approx((0 - math.log(1.5) - math.log(0.5)) / 3)
+    assert all(isinstance(v, float) for v in m.values())
+
+
+def test_ppo_decoupled_negative_advantage_by_hand() -> None:
+    # A = -1: token 0: 1*1; token 1: max(1.5, 1.2)=1.5 (unclipped) *2; token 2: max(0.5, 0.8)=0.8 (clipped) *5
+    logp, prox, behave = _logs()
+    loss, m = ppo_loss(logp, prox, behave, torch.tensor([[-1.0, -1.0, -1.0]]), ONES)
+    assert loss.item() == approx((1 + 3 + 4) / 3)
+    assert m["actor/pg_clipfrac"] == approx(1 / 3)
+
+
+def test_ppo_bypass_by_hand() -> None:
+    # prox := behave: ratios 1, 3, 5 -> losses -1, -1.2 (clipped), -1.2 (clipped); no weight
+    logp, _, behave = _logs()
+    loss, m = ppo_loss(logp, None, behave, torch.tensor([1.0]), ONES, mode="bypass")
+    assert loss.item() == approx(-3.4 / 3)
+    assert m["actor/pg_clipfrac"] == approx(2 / 3)
+    assert m["actor/behave_imp_weight_mean"] == 1.0
+    assert m["actor/behave_imp_weight_truncated_frac"] == 0.0
+    assert m["actor/ppo_kl"] == approx((math.log(0.2 / 0.6) + math.log(0.04 / 0.2)) / 3)
+
+
+def test_ppo_uncapped_weight_mask_and_clip_high() -> None:
+    logp, prox, behave = _logs()
+    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), ONES, behave_imp_cap=None)
+    assert loss.item() == approx((-1.0 - 2.4 - 5.0) / 3)
+    assert m["actor/behave_imp_weight_truncated_frac"] == 0.0
+    # clip_eps_high = 0.6 lets ratio 1.5 through: token 1 loss -1.5 * 2
+    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), ONES, clip_eps_high=0.6)
+    assert loss.item() == approx((-1.0 - 3.0 - 2.5) / 3)
+    assert m["actor/pg_clipfrac"] == 0.0
+    # masking token 2 out: mean over tokens 0 and 1
+    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), torch.tensor([[1, 1, 0]]))
+    assert loss.item() == approx((-1.0 - 2.4) / 2)
+    assert m["actor/behave_imp_weight_truncated_frac"] == 0.0
+
+
+def test_ppo_dual_clip() -> None:
+    # A = -1, ratio 4 (pi_theta 0.8 vs prox 0.2), bypass: loss max(4, 1.2) = 4, dual clip caps at 3
+    logp, behave = torch.tensor([[0.8]]).log(), torch.tensor([[0.2]]).log()
+    loss, m = ppo_loss(
+        logp, None, behave, torch.tensor([-1.0]), torch.ones(1, 1), mode="bypass", dual_clip_c=3.0
+    )
+    assert loss.item() == approx(3.0)
+    assert m["actor/pg_clipfrac_lower"] == 1.0
+
+
+def test_ppo_gradient_flows_only_through_logp() -> None:
+    logp, prox, behave = _logs()
+    behave.requires_grad_(True)
+    adv = torch.tensor([1.0], requires_grad=True)
+    loss, _ = ppo_loss(logp, prox, behave, adv, ONES)
+    loss.backward()
+    assert prox.grad is None and behave.grad is None and adv.grad is None
+    # d/dlogp of -A*w*ratio/3: token 0: -1/3; token 1 clipped: 0; token 2: -0.5*5/3
+    assert logp.grad is not None
+    assert logp.grad[0].tolist() == approx([-1 / 3, 0.0, -2.5 / 3])
+
+
+def test_ppo_rejects_missing_prox_in_decoupled_mode() -> None:
+    logp, _, behave = _logs()
+    with pytest.raises(ValueError, match="prox_logp"):
+        ppo_loss(logp, None, behave, torch.tensor([1.0]), ONES)
+
+
+# --- KL, entropy, log-probs ---------------------------------------------------------------------
+
+
+def test_kl_penalty_estimators() -> None:
+    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    # k3: r = ref/pi = 0.5 -> r - log r - 1 = 0.5 + 0.693147 - 1
+    assert kl_penalty(logp, ref, "low_var_kl").item() == approx(0.5 + math.log(2) - 1)
+    assert kl_penalty(logp, ref, "kl").item() == approx(math.log(2))
+    assert kl_penalty(logp, ref, "abs").item() == approx(math.log(2))
+    assert kl_penalty(logp, ref, "mse").item() == approx(0.5 * math.log(2) ** 2)
+    # ref far more likely than pi: exp(15) - 15 - 1 is clamped to 10
+    assert kl_penalty(torch.tensor([-15.0]), torch.tensor([0.0]), "low_var_kl").item() == 10.0
+
+
+def test_entropy_and_logprobs_from_logits() -> None:
+    assert entropy_from_logits(torch.zeros(2, 3, 4)).flatten().tolist() == approx([math.log(4)] * 6)
+    assert entropy_from_logits(torch.tensor([0.0, -1e4])).item() == approx(0.0, abs=1e-6)
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])  # probs 0.25, 0.75
+    assert logprobs_from_logits(logits, torch.tensor([[1]])).item() == approx(math.log(0.75))
+
+
+# --- metrics helpers ----------------------------------------------------------------------------
+
+
+def test_metric_helpers() -> None:
+    assert reward_metrics(torch.tensor([1.0, 0.0, 0.5])) == approx(
+        {"critic/rewards/mean": 0.5, "critic/rewards/max": 1.0, "critic/rewards/min": 0.0}
+    )
+    assert length_metrics(torch.tensor([[1, 1, 1], [1, 0, 0]])) == approx(
+        {
+            "response_length/mean": 2.0,
+            "response_length/max": 3.0,
+            "response_length/min": 1.0,
+            "response_length/clip_ratio": 0.5,
+        }
+    )
+    assert staleness_metrics([1, 2, 3, 2]) == {
+        "training/off_policy/staleness/mean": 2.0,
+        "training/off_policy/staleness/max": 3.0,
+        "training/off_policy/staleness/min": 1.0,
+    }
+    assert staleness_metrics([]) == {}
