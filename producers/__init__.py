@@ -1,0 +1,1 @@
+"""Rollout producers: prompt -> generate (policy) -> reward -> RolloutSample -> XADD (run `python -m producers`)."""

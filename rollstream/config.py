@@ -90,6 +90,9 @@ class RolloutConfig(_Section):
     partial_rollout: bool = Field(True, description="Swap weights mid-trajectory (start<end) instead of finishing under old weights")
     sync_every_tokens: int = Field(4, ge=1, description="Decode tokens between checks for newer weights")
     stats_every_s: float = Field(5.0, gt=0, description="Seconds between ProducerStats events (also sent on each new version)")
+    torch_threads: int = Field(
+        1, ge=0, description="torch intra-op threads per producer process (0 = torch default); 1 avoids oversubscribed cores"
+    )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Multi-turn tool use")
 
 
@@ -158,6 +161,11 @@ class AggregatorConfig(_Section):
     jsonl: bool = Field(True, description="Write records to <run dir>/records.jsonl")
     tensorboard: bool = Field(True, description="Also write TensorBoard scalars when tensorboard is installed")
     wandb_project: str | None = Field(None, description="Also log to this wandb project when wandb is installed")
+    max_deliveries: int = Field(
+        1000,
+        ge=1,
+        description="Deliveries before a metrics entry goes to dead (high: a restart re-delivers kept-pending entries)",
+    )
 
 
 class PipelineConfig(_Section):

@@ -80,6 +80,11 @@ class Keys:
         return self._k("producer_inflight")
 
     @property
+    def producer_cursor(self) -> str:
+        """Hash: producer name -> "epoch:index" of its next prompt (advanced with each publish, resumed on restart)."""
+        return self._k("producer_cursor")
+
+    @property
     def dispatch_log(self) -> str:
         """Stream: one entry per budget grant or take (version, amount, outstanding) for audit."""
         return self._k("dispatch_log")
@@ -98,6 +103,11 @@ class Keys:
     def setup(self) -> str:
         """String set once the run's streams and groups exist (publishers then use NOMKSTREAM)."""
         return self._k("setup")
+
+    @property
+    def sink_cursor(self) -> str:
+        """Hash: aggregator sink name -> last global step it wrote (so a restart never writes a step twice)."""
+        return self._k("sink_cursor")
 
     def all_streams(self) -> list[str]:
         """Every stream of the run, for status and cleanup."""

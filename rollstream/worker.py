@@ -83,7 +83,7 @@ def parse_worker_args(prog: str, argv: Sequence[str] | None = None) -> argparse.
     p.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     p.add_argument("--name", default=None, help="worker name (default: $SUPERVISOR_PROCESS_NAME or the role)")
     p.add_argument("--burst", action="store_true", help="exit once there is nothing left to do (tests)")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 def start_worker(role: str, argv: Sequence[str] | None = None, *, client_retries: int = 0) -> tuple[WorkerContext, argparse.Namespace]:

@@ -1,0 +1,21 @@
+"""`python -m consumers.aggregator pipeline.yaml [key=value ...] [--name N] [--burst]`: run the aggregator."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from consumers.aggregator.worker import AggregatorWorker
+from rollstream.worker import EXIT_OK, start_worker
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Start the worker, fold until SIGTERM (or until drained with --burst), exit 0."""
+    ctx, args = start_worker("consumers.aggregator", argv)
+    worker = AggregatorWorker(ctx.cfg, ctx.r, ctx.keys, name=ctx.name, stop=ctx.stop)
+    worker.run(burst=args.burst)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""A synthetic metrics log shaped like the trainer's and producers' (for tests and the fold benchmark)."""
+
+from __future__ import annotations
+
+import random
+
+from schemas import EventBase, ProducerStats, StepMetrics, ValidateMetrics
+
+
+def local_update(g: int, k: int, sample_count: int, metrics: dict[str, float]) -> StepMetrics:
+    """A `local_update` event of global step g, local step k."""
+    return StepMetrics(type="local_update", global_step=g, local_step=k, sample_count=sample_count, metrics=metrics)
+
+
+def step_end(g: int, k: int, metrics: dict[str, float] | None = None, created_at: float = 100.0) -> StepMetrics:
+    """The `step_end` event of global step g after k local updates."""
+    return StepMetrics(
+        type="step_end",
+        global_step=g,
+        local_step=k,
+        sample_count=0,
+        num_local_updates=k,
+        metrics=metrics or {},
+        created_at=created_at,
+    )
+
+
+def producer_stats(name: str, samples: int, gen_tokens_per_s: float, idle_ratio: float, pv: int) -> ProducerStats:
+    """A ProducerStats event (tokens = 10 per sample)."""
+    return ProducerStats(
+        producer=name,
+        param_version=pv,
+        samples=samples,
+        tokens=samples * 10,
+        gen_tokens_per_s=gen_tokens_per_s,
+        idle_ratio=idle_ratio,
+    )
+
+
+def validation(version: int, metrics: dict[str, float]) -> ValidateMetrics:
+    """A ValidateMetrics event of a param version."""
+    return ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
+
+
+# Metric names covering every aggregation rule.
+BASE_METRICS = (
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "timing_s/update",
+    "response_length/max",
+    "response_length/min",
+    "critic/score/mean",
+    "training/off_policy/dropped_samples",
+    "fully_async/partial/total_partial_num",
+)
+
+
+def fake_metrics_log(
+    num_steps: int,
+    *,
+    local_updates: int = 2,
+    producers: int = 2,
+    metrics_per_update: int = 10,
+    test_freq: int = 5,
+    first_step: int = 1,
+    seed: int = 0,
+) -> list[EventBase]:
+    """Events of `num_steps` global steps in the order a run emits them: producer stats, local updates,
+    a validation every `test_freq` versions, then the step_end."""
+    rng = random.Random(seed)
+    names = list(BASE_METRICS) + [f"extra/m{i}" for i in range(max(0, metrics_per_update - len(BASE_METRICS)))]
+    names = names[:metrics_per_update]
+    events: list[EventBase] = []
+    clock = 1_700_000_000.0
+    for g in range(first_step, first_step + num_steps):
+        for p in range(producers):
+            clock += 0.1
+            events.append(
+                ProducerStats(
+                    producer=f"rollout_{p:02d}",
+                    param_version=g - 1,
+                    samples=g * 8 + p,
+                    tokens=g * 100 + p,
+                    gen_tokens_per_s=round(rng.uniform(50, 150), 3),
+                    idle_ratio=round(rng.random(), 3),
+                    created_at=clock,
+                )
+            )
+        for k in range(1, local_updates + 1):
+            clock += 0.5
+            metrics = {name: round(rng.uniform(0, 10), 4) for name in names}
+            events.append(
+                StepMetrics(
+                    type="local_update",
+                    global_step=g,
+                    local_step=k,
+                    sample_count=rng.randint(4, 8),
+                    metrics=metrics,
+                    created_at=clock,
+                )
+            )
+        if test_freq and g % test_freq == 0:
+            clock += 0.1
+            events.append(
+                ValidateMetrics(param_version=g, global_step=g, metrics={"val/acc": rng.random()}, created_at=clock)
+            )
+        clock += 0.1
+        events.append(
+            StepMetrics(
+                type="step_end",
+                global_step=g,
+                local_step=local_updates,
+                sample_count=0,
+                num_local_updates=local_updates,
+                metrics={"timing_s/step": 1.0 + rng.random(), "timing_s/gen": rng.random()},
+                created_at=clock,
+            )
+        )
+    return events

@@ -1,0 +1,250 @@
+"""The aggregator's fold: metrics events, in log order, -> one SyncStepRecord per global step.
+
+Pure: no Redis, no clock. Fed `(entry_id, event)` pairs; returns each record as soon as its step is
+complete, together with the entry ids that may be acked once that record is written.
+
+A global step g is complete when its `step_end` is in and local updates 1..K are all in
+(K = step_end.num_local_updates). Its record's metrics are built in this order, later layers
+overriding same-named keys (verl merges its sync metrics over the aggregated ones):
+
+  1. `MetricsAggregator` over local updates 1..K (local_step order, each weighted by its sample_count)
+  2. the step_end's metrics (sync-step metrics override the aggregated ones)
+  3. the derived keys (`perf/throughput`, `fully_async/trainer/idle_ratio`, …) recomputed on the merge
+  4. the metrics of the ValidateMetrics for version g, when it arrived before completion (names as emitted)
+  5. the latest ProducerStats per producer seen so far: `producer/<name>/{samples,tokens,
+     gen_tokens_per_s,idle_ratio,param_version}`, `producer/total_samples`, `producer/gen_tokens_per_s`
+     (sums) and `producer/idle_ratio` (mean)
+  6. `training/global_step` = g
+
+A ValidateMetrics for version 0 (validation before training) completes at once as a record of step 0.
+Repeats of an event (a retrained step re-emits its local updates, a duplicate XADD, a redelivery) are
+resolved by entry id: the LAST one in log order (highest id) wins, an id already seen is ignored.
+Events of a step that already has a record are late: ignored and acked. Record metric keys are sorted and
+`created_at` is the step_end's, so the same log always gives the same records, byte for byte.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from consumers.aggregator.metrics import MetricsAggregator, add_derived_metrics
+from schemas import EventBase, ProducerStats, StepMetrics, SyncStepRecord, ValidateMetrics
+
+log = logging.getLogger(__name__)
+
+E = TypeVar("E", bound=EventBase)
+Entry = tuple[str, Any]  # (entry id, event)
+
+
+def id_key(entry_id: str) -> tuple[int, int]:
+    """Sort key of a stream entry id `<ms>-<seq>` (log order)."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _newer(entry_id: str, than: str) -> bool:
+    return id_key(entry_id) > id_key(than)
+
+
+@dataclass
+class _Step:
+    """Events of one global step collected so far (each slot holds the latest entry by id)."""
+
+    updates: dict[int, tuple[str, StepMetrics]] = field(default_factory=dict)
+    end: tuple[str, StepMetrics] | None = None
+    validation: tuple[str, ValidateMetrics] | None = None
+
+    def ids(self) -> list[str]:
+        """Every entry id held for this step."""
+        ids = [i for i, _ in self.updates.values()]
+        ids += [slot[0] for slot in (self.end, self.validation) if slot is not None]
+        return ids
+
+    def missing(self) -> str:
+        """What the step still waits for, in words."""
+        have = sorted(self.updates)
+        if self.end is None:
+            extra = " and a validation" if self.validation is not None else ""
+            return f"missing step_end (have local updates {have}{extra})"
+        k = self.end[1].num_local_updates
+        lacking = [i for i in range(1, k + 1) if i not in self.updates]
+        return f"missing local updates {lacking} of {k}"
+
+
+@dataclass(frozen=True)
+class Completed:
+    """A finished step: its record and the ids to ack in the same transaction as writing it."""
+
+    record: SyncStepRecord
+    ack_ids: list[str]
+
+
+@dataclass
+class FoldStats:
+    """Counters of what the fold set aside (for logs and tests)."""
+
+    superseded: int = 0  # older copies of a (step, slot) or a producer's stats
+    duplicates: int = 0  # an entry id fed twice
+    late: int = 0  # events of a step that already has a record
+    foreign: int = 0  # event types that do not belong on the metrics stream
+
+
+class Fold:
+    """The state machine: feed events in log order, get records; keeps only incomplete steps in memory."""
+
+    def __init__(self, total_gpus: int = 1, done_steps: Iterable[int] = ()) -> None:
+        """`done_steps`: steps that already have a record (a restarted worker reads them from `records`)."""
+        self.total_gpus = total_gpus
+        self.stats = FoldStats()
+        self._steps: dict[int, _Step] = {}
+        self._done: set[int] = set(done_steps)
+        self._producers: dict[str, tuple[str, ProducerStats]] = {}
+        self._ackable: list[str] = []
+
+    # -- input ----------------------------------------------------------------------------------------
+
+    def feed(self, entry_id: str, event: Any) -> list[Completed]:
+        """Fold one event; returns the records it completed ([] or one)."""
+        if isinstance(event, StepMetrics):
+            return self._step_event(entry_id, event)
+        if isinstance(event, ValidateMetrics):
+            return self._validation(entry_id, event)
+        if isinstance(event, ProducerStats):
+            self._producer(entry_id, event)
+            return []
+        self.stats.foreign += 1
+        log.warning("metrics entry %s is a %r event; ignored", entry_id, getattr(event, "type", "?"))
+        self._ackable.append(entry_id)
+        return []
+
+    def _keep_latest(self, held: tuple[str, E] | None, entry_id: str, event: E) -> tuple[str, E]:
+        """The slot's new content: the entry with the higher id; the other one becomes ackable."""
+        if held is None:
+            return entry_id, event
+        if held[0] == entry_id:
+            self.stats.duplicates += 1
+            return held
+        self.stats.superseded += 1
+        if _newer(entry_id, held[0]):
+            self._ackable.append(held[0])
+            return entry_id, event
+        self._ackable.append(entry_id)
+        return held
+
+    def _late(self, entry_id: str, what: str) -> bool:
+        """Set aside an event of a step that already has a record."""
+        self.stats.late += 1
+        log.warning("metrics entry %s (%s) arrived after its step's record; ignored", entry_id, what)
+        self._ackable.append(entry_id)
+        return True
+
+    def _step_event(self, entry_id: str, ev: StepMetrics) -> list[Completed]:
+        g = ev.global_step
+        if g in self._done:
+            self._late(entry_id, f"{ev.type} of step {g}")
+            return []
+        step = self._steps.setdefault(g, _Step())
+        if ev.type == "step_end":
+            step.end = self._keep_latest(step.end, entry_id, ev)
+        else:
+            step.updates[ev.local_step] = self._keep_latest(step.updates.get(ev.local_step), entry_id, ev)
+        return self._maybe_complete(g)
+
+    def _validation(self, entry_id: str, ev: ValidateMetrics) -> list[Completed]:
+        v = ev.param_version
+        if v in self._done:
+            self._late(entry_id, f"validation of version {v}")
+            return []
+        step = self._steps.setdefault(v, _Step())
+        step.validation = self._keep_latest(step.validation, entry_id, ev)
+        return self._maybe_complete(v)
+
+    def _producer(self, entry_id: str, ev: ProducerStats) -> None:
+        self._producers[ev.producer] = self._keep_latest(self._producers.get(ev.producer), entry_id, ev)
+
+    # -- completion -----------------------------------------------------------------------------------
+
+    def _maybe_complete(self, g: int) -> list[Completed]:
+        step = self._steps[g]
+        if g == 0 and step.validation is not None and step.end is None and not step.updates:
+            return [self._complete(g, step, [], step.validation[1].created_at)]
+        if step.end is None:
+            return []
+        k = step.end[1].num_local_updates
+        if any(i not in step.updates for i in range(1, k + 1)):
+            return []
+        return [self._complete(g, step, [step.updates[i] for i in range(1, k + 1)], step.end[1].created_at)]
+
+    def _complete(
+        self, g: int, step: _Step, updates: list[tuple[str, StepMetrics]], created_at: float
+    ) -> Completed:
+        agg = MetricsAggregator(self.total_gpus)
+        for _, ev in updates:
+            agg.add_step_metrics(ev.metrics, ev.sample_count)
+        metrics = agg.get_aggregated_metrics()
+        sources = [i for i, _ in updates]
+        if step.end is not None:
+            metrics.update(step.end[1].metrics)
+            add_derived_metrics(metrics, self.total_gpus)
+            sources.append(step.end[0])
+        if step.validation is not None:
+            metrics.update(step.validation[1].metrics)
+            sources.append(step.validation[0])
+        metrics.update(self.producer_metrics())
+        sources += [i for i, _ in self._producers.values()]
+        metrics["training/global_step"] = float(g)
+        extra = sorted(set(step.updates) - set(range(1, len(updates) + 1)))
+        if extra:
+            log.warning("step %d: local updates %s beyond num_local_updates=%d ignored", g, extra, len(updates))
+        record = SyncStepRecord(
+            global_step=g,
+            num_local_updates=len(updates),
+            metrics=dict(sorted(metrics.items())),
+            source_ids=sorted(sources, key=id_key),
+            created_at=created_at,
+        )
+        del self._steps[g]
+        self._done.add(g)
+        return Completed(record, sorted(step.ids(), key=id_key))
+
+    def producer_metrics(self) -> dict[str, float]:
+        """Metrics of the latest stats of each producer seen so far, with totals across producers."""
+        out: dict[str, float] = {}
+        latest = [ev for _, (_, ev) in sorted(self._producers.items())]
+        for ev in latest:
+            prefix = f"producer/{ev.producer}/"
+            out[prefix + "samples"] = float(ev.samples)
+            out[prefix + "tokens"] = float(ev.tokens)
+            out[prefix + "gen_tokens_per_s"] = float(ev.gen_tokens_per_s)
+            out[prefix + "idle_ratio"] = float(ev.idle_ratio)
+            out[prefix + "param_version"] = float(ev.param_version)
+        if latest:
+            out["producer/total_samples"] = float(sum(ev.samples for ev in latest))
+            out["producer/gen_tokens_per_s"] = math.fsum(ev.gen_tokens_per_s for ev in latest)
+            out["producer/idle_ratio"] = math.fsum(ev.idle_ratio for ev in latest) / len(latest)
+        return out
+
+    # -- output ---------------------------------------------------------------------------------------
+
+    def take_ackable(self) -> list[str]:
+        """Ids no future record needs (superseded, late, foreign), cleared on return; ack them any time."""
+        ids, self._ackable = self._ackable, []
+        return ids
+
+    def pending(self) -> dict[int, str]:
+        """Incomplete steps -> what each still misses."""
+        return {g: step.missing() for g, step in sorted(self._steps.items())}
+
+    def first_id(self, g: int) -> str:
+        """The lowest entry id held for an incomplete step ('' when none)."""
+        ids = self._steps[g].ids() if g in self._steps else []
+        return min(ids, key=id_key) if ids else ""
+
+    @property
+    def done_steps(self) -> frozenset[int]:
+        """Steps that have a record."""
+        return frozenset(self._done)

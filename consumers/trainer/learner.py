@@ -1,0 +1,148 @@
+"""The policy-gradient update of one local step (decoupled PPO / bypass, GRPO advantages).
+
+  begin_step()   at the first local update of global step g: freeze a copy of the weights (version g-1)
+                 as the proximal policy; it is pinned for the step's K local updates (decoupled mode)
+  update(batch)  one mini-batch -> advantages -> prox/ref log-probs (no grad) -> forward -> loss ->
+                 backward -> clip -> AdamW step; returns the update's metrics
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+import torch
+
+from rollstream.config import PipelineConfig
+from rollstream.factory import build_policy
+from rollstream.model import BasePolicy
+from rollstream.rl import agg_loss, grpo_advantages, kl_penalty, length_metrics, ppo_loss, reward_metrics
+from schemas import DataProto
+
+log = logging.getLogger(__name__)
+
+
+def trim_padding(ids: torch.Tensor, mask: torch.Tensor, R: int) -> tuple[int, int]:
+    """(first column, response width) after dropping all-pad prompt columns on the left and all-pad
+    response columns on the right of a [B, P+R] batch."""
+    P = ids.shape[1] - R
+    prompt_cols = mask[:, :P].any(0).nonzero()
+    first = int(prompt_cols[0]) if len(prompt_cols) else P - 1
+    resp_cols = mask[:, P:].any(0).nonzero()
+    width = int(resp_cols[-1]) + 1 if len(resp_cols) else 1
+    return min(first, P - 1), width
+
+
+def group_advantages(rewards: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+    """GRPO advantages [B] for contiguous groups of the given sizes."""
+    if len(set(group_sizes)) == 1:
+        return grpo_advantages(rewards, n=group_sizes[0])
+    parts, start = [], 0
+    for n in group_sizes:
+        parts.append(grpo_advantages(rewards[start : start + n], n=n))
+        start += n
+    return torch.cat(parts)
+
+
+class Learner:
+    """The trainable policy, its AdamW optimizer, and the frozen proximal / reference copies."""
+
+    def __init__(self, cfg: PipelineConfig) -> None:
+        """Build the policy (version-0 weights from the seed) and its optimizer."""
+        self.cfg = cfg
+        self.actor = cfg.actor
+        self.policy: BasePolicy = build_policy(cfg)
+        self.device = self.policy.device
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=self.actor.lr, weight_decay=self.actor.weight_decay
+        )
+        self.prox: BasePolicy | None = None
+        if self.actor.off_policy_mode == "decoupled":
+            self.prox = build_policy(cfg)
+            self.prox.eval()
+        self.ref: BasePolicy | None = None
+        if self.actor.kl_coef > 0:
+            self.ref = build_policy(cfg)  # the version-0 weights, from the same seed
+            self.ref.eval()
+
+    def begin_step(self) -> None:
+        """Pin the current weights as the proximal policy for the global step's local updates."""
+        if self.prox is not None:
+            self.prox.module.load_state_dict(self.policy.module.state_dict())
+
+    def update(self, batch: DataProto) -> dict[str, float]:
+        """One optimizer step on a mini-batch; returns its actor/critic/length/timing metrics."""
+        t = batch.tensors
+        ids = torch.from_numpy(np.ascontiguousarray(t["input_ids"])).long()  # [B, P+R]
+        mask = torch.from_numpy(np.ascontiguousarray(t["attention_mask"])).long()  # [B, P+R]
+        R = int(t["responses"].shape[1])
+        resp_mask = torch.from_numpy(np.ascontiguousarray(t["response_mask"])).float()  # [B, R]
+        behave = torch.from_numpy(np.ascontiguousarray(t["rollout_log_probs"])).float()  # [B, R]
+        rewards = torch.from_numpy(np.ascontiguousarray(t["rewards"])).float()  # [B]
+        first, width = trim_padding(ids, mask, R)
+        P = ids.shape[1] - R
+        ids, mask = ids[:, first : P + width], mask[:, first : P + width]
+        resp_mask, behave = resp_mask[:, :width], behave[:, :width]
+        dev = self.device
+        ids, mask, resp_mask, behave = ids.to(dev), mask.to(dev), resp_mask.to(dev), behave.to(dev)
+
+        # 1. GRPO advantages per sample group
+        adv = group_advantages(rewards, list(batch.meta_info["group_sizes"])).to(dev)  # [B]
+
+        # 2. proximal / reference log-probs (frozen, no grad)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            prox_logp = self.prox.log_probs(ids, mask, width) if self.prox is not None else None
+            ref_logp = self.ref.log_probs(ids, mask, width) if self.ref is not None else None
+        t_old = time.perf_counter() - t0
+
+        # 3. forward, loss, backward, step
+        t0 = time.perf_counter()
+        self.policy.train()
+        logp, entropy = self.policy.forward_logprobs_entropy(ids, mask, width)  # [B, R] each
+        loss, metrics = ppo_loss(
+            logp, prox_logp, behave, adv, resp_mask,
+            clip_eps=self.actor.clip_ratio, clip_eps_high=self.actor.clip_ratio_high,
+            behave_imp_cap=self.actor.behave_imp_cap, mode=self.actor.off_policy_mode,
+            loss_agg_mode=self.actor.loss_agg_mode,
+        )
+        ent = agg_loss(entropy, resp_mask, self.actor.loss_agg_mode)
+        if self.actor.entropy_coef > 0:
+            loss = loss - self.actor.entropy_coef * ent
+        if ref_logp is not None:
+            kl = agg_loss(kl_penalty(logp, ref_logp, "low_var_kl"), resp_mask, self.actor.loss_agg_mode)
+            loss = loss + self.actor.kl_coef * kl
+            metrics["actor/kl_loss"] = float(kl.detach())
+            metrics["actor/kl_coef"] = self.actor.kl_coef
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), self.actor.grad_clip))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            log.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+        t_update = time.perf_counter() - t0
+
+        # 4. metrics
+        row_tokens = mask.sum(-1).double()  # [B]
+        metrics.update({
+            "actor/loss": float(loss.detach()),
+            "actor/entropy": float(ent.detach()),
+            "actor/grad_norm": grad_norm,
+            "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
+            "critic/rewards/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "critic/advantages/mean": float(adv.mean()),
+            "perf/total_num_tokens": float(row_tokens.sum()),
+            "global_seqlen/min": float(row_tokens.min()),
+            "global_seqlen/max": float(row_tokens.max()),
+            "global_seqlen/minmax_diff": float(row_tokens.max() - row_tokens.min()),
+            "timing_s/update_actor": t_update,
+        })
+        if self.prox is not None or self.ref is not None:
+            metrics["timing_s/old_log_prob"] = t_old
+        metrics.update(reward_metrics(rewards))
+        metrics.update(length_metrics(resp_mask.cpu()))
+        return metrics

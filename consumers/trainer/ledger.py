@@ -1,0 +1,168 @@
+"""What a global step consumed, and the one MULTI/EXEC that commits it to the log.
+
+A `StepLedger` lists every sample a step consumed (its `Fate`: trained or dropped), the rollout entry ids
+to ack (including redelivered duplicates) and the step's `step_end` event. Ledgers of the steps since
+the previous checkpoint are stored in the checkpoint, and committed only once that file is durable:
+
+  MULTI
+    XADD fates <g>-<i> …   one entry per consumed sample; an explicit id makes a replay fail harmlessly
+    XACK rollouts trainer …
+    INCRBY consumed …      only for steps not already counted (see count_consumed)
+    HSET trainer global_step param_version committed_step consumed_step heartbeat
+    XADD metrics step_end  (so step_end is emitted exactly once)
+  EXEC
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.pacing import record_consumed
+from schemas import StepMetrics, encode
+
+log = logging.getLogger(__name__)
+
+TRAINED = "trained"
+DROPPED = "dropped"
+
+
+@dataclass
+class Fate:
+    """The outcome of one consumed sample."""
+
+    sample_id: str
+    entry_id: str
+    fate: str
+    staleness: int
+    param_version: int
+
+
+@dataclass
+class StepLedger:
+    """Everything one global step consumed and must commit."""
+
+    global_step: int
+    fates: list[Fate] = field(default_factory=list)
+    ack_ids: list[str] = field(default_factory=list)
+    step_end: StepMetrics | None = None
+
+    @property
+    def consumed(self) -> int:
+        """Prompts this step consumed (trained or dropped) for pacing."""
+        return len(self.fates)
+
+    def to_plain(self) -> dict[str, Any]:
+        """A msgpack-able dict (for the checkpoint metadata)."""
+        return {
+            "global_step": self.global_step,
+            "fates": [asdict(f) for f in self.fates],
+            "ack_ids": list(self.ack_ids),
+            "step_end": self.step_end.model_dump() if self.step_end is not None else None,
+        }
+
+    @classmethod
+    def from_plain(cls, d: dict[str, Any]) -> StepLedger:
+        """Inverse of to_plain."""
+        end = d.get("step_end")
+        return cls(
+            global_step=int(d["global_step"]),
+            fates=[Fate(**f) for f in d["fates"]],
+            ack_ids=list(d["ack_ids"]),
+            step_end=StepMetrics.model_validate(end) if end is not None else None,
+        )
+
+
+def _int_field(r: redis.Redis, keys: Keys, name: str) -> int:
+    raw: Any = r.hget(keys.trainer, name)
+    return int(raw) if raw is not None else 0
+
+
+def committed_step(r: redis.Redis, keys: Keys) -> int:
+    """The last global step whose commit executed (0 before any)."""
+    return _int_field(r, keys, "committed_step")
+
+
+def count_consumed(r: redis.Redis, keys: Keys, ledger: StepLedger) -> None:
+    """Count a finished but not yet checkpointed step toward `consumed` now (pacing needs it before the
+    next grant), once: guarded by the trainer hash's consumed_step, in one MULTI."""
+    if ledger.global_step <= _int_field(r, keys, "consumed_step"):
+        return
+    pipe = r.pipeline(transaction=True)
+    record_consumed(pipe, keys, ledger.consumed)
+    pipe.hset(keys.trainer, "consumed_step", ledger.global_step)
+    pipe.execute()
+
+
+def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_version: int) -> None:
+    """Commit checkpointed steps in one MULTI/EXEC (see the module docstring). A replay after a crash is
+    harmless: fates ids already present are refused by Redis, the other commands still run, and step_end
+    / consumed are written only for steps past the trainer hash's committed_step / consumed_step."""
+    if not ledgers:
+        return
+    last = max(lg.global_step for lg in ledgers)
+    counted = _int_field(r, keys, "consumed_step")
+    done = committed_step(r, keys)  # steps whose step_end is already on the log
+    pipe = r.pipeline(transaction=True)
+    n_fates = 0
+    for lg in ledgers:
+        for i, f in enumerate(lg.fates, start=1):
+            pipe.xadd(
+                keys.fates,
+                {
+                    "sample_id": f.sample_id,
+                    "source_id": f.entry_id,
+                    "fate": f.fate,
+                    "staleness": f.staleness,
+                    "param_version": f.param_version,
+                    "global_step": lg.global_step,
+                },
+                id=f"{lg.global_step}-{i}",
+            )
+            n_fates += 1
+    ack_ids = [i for lg in ledgers for i in lg.ack_ids]
+    if ack_ids:
+        pipe.xack(keys.rollouts, TRAINER_GROUP, *ack_ids)
+    record_consumed(pipe, keys, sum(lg.consumed for lg in ledgers if lg.global_step > counted))
+    pipe.hset(
+        keys.trainer,
+        mapping={
+            "global_step": last,
+            "param_version": param_version,
+            "committed_step": max(last, done),
+            "consumed_step": max(last, counted),
+            "heartbeat": time.time(),
+        },
+    )
+    for lg in ledgers:
+        if lg.step_end is not None and lg.global_step > done:
+            pipe.xadd(keys.metrics, encode(lg.step_end))  # type: ignore[arg-type]
+    results = pipe.execute(raise_on_error=False)
+    for res in results[:n_fates]:
+        if isinstance(res, Exception):
+            if "equal or smaller" not in str(res):
+                raise res
+            log.warning("commit replay: fates entry already present (%s)", res)
+    for res in results[n_fates:]:
+        if isinstance(res, Exception):
+            raise res
+
+
+def committed_sample_ids(r: redis.Redis, keys: Keys, page: int = 1000) -> set[str]:
+    """Every sample_id recorded in `fates` (trained or dropped in a committed step)."""
+    out: set[str] = set()
+    start = "-"
+    while True:
+        rows: Any = r.xrange(keys.fates, min=start, max="+", count=page)
+        for _, fields in rows:
+            out.add(fields[b"sample_id"].decode())
+        if len(rows) < page:
+            return out
+        last = rows[-1][0].decode()
+        ms, seq = last.split("-")
+        start = f"{ms}-{int(seq) + 1}"

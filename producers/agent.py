@@ -1,0 +1,212 @@
+"""Agent loops: generation batches -> finished AgentTrajectories.
+
+`partial_single_turn_agent`: one `policy.generate` call for all rows (prompts x n).
+`async_partial_tool_agent` (arith + calculator): generate a turn, cut it after its first complete
+`[calc:EXPR]`, run the tool, append the result tokens (response_mask 0, log-prob 0), and generate the
+next turn with the whole history as the prompt, up to `max_turns` turns.
+
+Weight sync: with partial rollout on, every `sync_every_tokens` decoded tokens (and between turns) the
+loop asks its `VersionSource` to load newer weights; `Trajectory.swap_points` then says from which
+token on each row used them, which gives each trajectory's first and last generating version.
+With partial rollout off, weights never change inside a call (start == end).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from producers.data import AGENT_SINGLE_TURN, AGENT_TOOL, AgentTrajectory
+from rollstream.config import PipelineConfig
+from rollstream.model import Tokenizer, Trajectory
+from rollstream.tasks import Task
+from schemas import DataProto
+
+
+class GeneratingPolicy(Protocol):
+    """What an agent loop needs from a policy (BasePolicy, or a scripted fake in tests)."""
+
+    tokenizer: Tokenizer
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """Longest prompt + response the model allows, or None."""
+        ...
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+        greedy: bool = False,
+        sync_every_tokens: int = 0,
+        on_chunk: Callable[[], bool] | None = None,
+    ) -> list[Trajectory]:
+        """Sample n responses per prompt (prompt-major)."""
+        ...
+
+
+class VersionSource(Protocol):
+    """The weights a loop generates with: their version, and a way to load newer ones."""
+
+    @property
+    def version(self) -> int:
+        """Param version currently loaded in the policy."""
+        ...
+
+    def refresh(self) -> bool:
+        """Load the newest published weights when newer than `version`; True when it did."""
+        ...
+
+
+@dataclass
+class FixedVersion:
+    """A VersionSource that never changes (loops without a bus, tests)."""
+
+    version: int = 0
+
+    def refresh(self) -> bool:
+        """Never loads anything."""
+        return False
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Sampling and sync settings of the agent loops (from `rollout.*` and `data.max_response_length`)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    partial_rollout: bool = True
+    sync_every_tokens: int = 4
+    max_turns: int = 3
+
+    @classmethod
+    def from_config(cls, cfg: PipelineConfig) -> GenerationSettings:
+        """The settings a pipeline config describes."""
+        ro = cfg.rollout
+        return cls(
+            max_new_tokens=cfg.data.max_response_length,
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+            partial_rollout=ro.partial_rollout,
+            sync_every_tokens=ro.sync_every_tokens,
+            max_turns=ro.multi_turn.max_turns,
+        )
+
+
+def _generate_turn(
+    policy: GeneratingPolicy,
+    histories: list[list[int]],
+    max_new_tokens: int,
+    settings: GenerationSettings,
+    weights: VersionSource,
+    generator: torch.Generator | None,
+) -> tuple[list[Trajectory], int, list[int]]:
+    """One generate call over `histories` (n=1 each) -> (trajectories, version at start, version after each swap)."""
+    swaps: list[int] = []
+
+    def on_chunk() -> bool:
+        if weights.refresh():
+            swaps.append(weights.version)
+            return True
+        return False
+
+    start = weights.version
+    out = policy.generate(
+        histories,
+        n=1,
+        max_new_tokens=max_new_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        generator=generator,
+        sync_every_tokens=settings.sync_every_tokens if settings.partial_rollout else 0,
+        on_chunk=on_chunk if settings.partial_rollout else None,
+    )
+    return out, start, swaps
+
+
+def _version_of_last_token(traj: Trajectory, kept: int, start: int, swaps: list[int]) -> int:
+    """Version that generated token kept-1: a row alive at swap k saw swaps 0..k, so count its swap points."""
+    seen = sum(1 for s in traj.swap_points if s < kept)
+    return swaps[seen - 1] if seen else start
+
+
+def tool_cut(task: Task, tokenizer: Tokenizer, ids: Sequence[int]) -> int | None:
+    """Length of the shortest prefix of `ids` that ends with a complete tool call (None: no call before eos)."""
+    for k in range(1, len(ids) + 1):
+        if ids[k - 1] == tokenizer.eos_id:
+            return None
+        if task.tool(tokenizer.decode(ids[:k])) is not None:
+            return k
+    return None
+
+
+def run_agent_loop(
+    policy: GeneratingPolicy,
+    task: Task,
+    batch: DataProto,
+    settings: GenerationSettings,
+    weights: VersionSource,
+    generator: torch.Generator | None = None,
+) -> list[AgentTrajectory]:
+    """Generate every row of `batch` (prepared prompts, `input_ids` rows) with the loop its
+    meta_info `agent_name` names; returns one AgentTrajectory per row, in row order."""
+    agent = batch.meta_info.get("agent_name", AGENT_SINGLE_TURN)
+    if agent not in (AGENT_SINGLE_TURN, AGENT_TOOL):
+        raise ValueError(f"unknown agent_name {agent!r} (expected {AGENT_SINGLE_TURN} or {AGENT_TOOL})")
+    ids, mask = batch.tensors["input_ids"], batch.tensors["attention_mask"]
+    rows = [[int(t) for t, m in zip(r, mr, strict=True) if m] for r, mr in zip(ids, mask, strict=True)]
+    max_turns = settings.max_turns if agent == AGENT_TOOL else 1
+    tok = policy.tokenizer
+    limit = policy.max_seq_len
+
+    trajs = [AgentTrajectory(prompt_ids=r) for r in rows]
+    active = list(range(len(trajs)))
+    for turn in range(max_turns):
+        if not active:
+            break
+        if turn > 0 and settings.partial_rollout:
+            weights.refresh()  # between turns: newer weights for the next turn
+        histories = [trajs[i].prompt_ids + trajs[i].response_ids for i in active]
+        room = settings.max_new_tokens if limit is None else limit - max(len(h) for h in histories)
+        max_new = min(settings.max_new_tokens, room)
+        if max_new <= 0:
+            break  # no room left in the context window: trajectories end unfinished
+        t0 = time.perf_counter()
+        out, start, swaps = _generate_turn(policy, histories, max_new, settings, weights, generator)
+        turn_s = time.perf_counter() - t0
+
+        next_active: list[int] = []
+        for i, g in zip(active, out, strict=True):
+            t = trajs[i]
+            cut = tool_cut(task, tok, g.response_ids) if agent == AGENT_TOOL else None
+            kept = len(g.response_ids) if cut is None else cut
+            if kept:
+                if t.version_start < 0:
+                    t.version_start = start
+                t.version_end = _version_of_last_token(g, kept, start, swaps)
+            t.extend(g.response_ids[:kept], g.log_probs[:kept], generated=True)
+            t.num_turns += 1
+            t.processing_time_s += turn_s
+            if cut is None:
+                t.finished = g.finished
+                continue
+            call_text = tok.decode(g.response_ids[:kept])
+            c0 = time.perf_counter()
+            result = task.tool(call_text) or ""
+            call_s = time.perf_counter() - c0
+            t.tool_call_s.append(call_s)
+            t.processing_time_s += call_s
+            t.extend(tok.encode(result), None, generated=False)
+            if turn + 1 < max_turns:
+                next_active.append(i)
+        active = next_active
+    return trajs

@@ -1,0 +1,161 @@
+"""Producer-side data: a prompt -> the generation batch (verl's prepare_single_generation_data), and
+finished trajectories -> one RolloutSample in the wire conventions the trainer reads."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rollstream.model import Tokenizer, build_batch
+from rollstream.tasks import Prompt, RewardResult
+from schemas import DataProto, RolloutSample
+
+#: Agent loop names (verl's): multi-turn tool agent, and plain single-turn generation.
+AGENT_TOOL = "async_partial_tool_agent"
+AGENT_SINGLE_TURN = "partial_single_turn_agent"
+
+
+@dataclass
+class AgentTrajectory:
+    """One finished trajectory of an agent loop: tokens, per-token masks and log-probs, versions, timings.
+
+    `response_mask[i]` is 1 for a model-generated token and 0 for a tool-result token; `log_probs[i]`
+    is the behaviour log-prob of a generated token (0.0 for tool tokens). `version_start`/`version_end`
+    are the param versions that generated the first/last generated token.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finished: bool = False
+    num_turns: int = 0
+    version_start: int = -1
+    version_end: int = -1
+    processing_time_s: float = 0.0
+    tool_call_s: list[float] = field(default_factory=list)
+
+    def extend(self, ids: Sequence[int], log_probs: Sequence[float] | None, generated: bool) -> None:
+        """Append tokens: generated ones with their log-probs (mask 1), tool ones with 0.0 (mask 0)."""
+        self.response_ids.extend(ids)
+        self.response_mask.extend([int(generated)] * len(ids))
+        self.log_probs.extend(log_probs if log_probs is not None else [0.0] * len(ids))
+
+    @property
+    def generated_tokens(self) -> int:
+        """Number of model-generated response tokens."""
+        return sum(self.response_mask)
+
+
+def _object_array(values: Sequence[Any]) -> np.ndarray:
+    """A 1-d object array holding `values` as they are."""
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
+
+
+def prepare_single_generation_data(
+    prompt: Prompt, n: int, multi_turn: bool, tokenizer: Tokenizer, *, sample_id: str | None = None
+) -> DataProto:
+    """One prompt as a generation batch: its row (bos + prompt ids) repeated n times interleaved, one
+    group `uid` (= sample_id, else the prompt uid) for all rows, meta_info `agent_name` chosen by
+    multi-turn."""
+    ids = np.asarray([tokenizer.encode(prompt.text, add_bos=True)], dtype=np.int64)  # [1,P]
+    row = DataProto(
+        tensors={"input_ids": ids, "attention_mask": np.ones_like(ids)},
+        non_tensors={
+            "uid": _object_array([sample_id or prompt.uid]),
+            "raw_prompt": _object_array([prompt.text]),
+            "prompt_uid": _object_array([prompt.uid]),
+        },
+        meta_info={"agent_name": AGENT_TOOL if multi_turn else AGENT_SINGLE_TURN},
+    )
+    return row.repeat(n, interleave=True)
+
+
+def concat_generation_data(batches: Sequence[DataProto], pad_id: int) -> DataProto:
+    """Concatenate prepared prompt batches, left-padding `input_ids`/`attention_mask` to one width."""
+    width = max(b.tensors["input_ids"].shape[1] for b in batches)
+    padded = []
+    for b in batches:
+        extra = width - b.tensors["input_ids"].shape[1]
+        tensors = {
+            "input_ids": np.pad(b.tensors["input_ids"], ((0, 0), (extra, 0)), constant_values=pad_id),
+            "attention_mask": np.pad(b.tensors["attention_mask"], ((0, 0), (extra, 0)), constant_values=0),
+        }
+        padded.append(DataProto(tensors, b.non_tensors, b.meta_info))
+    return DataProto.concat(padded)
+
+
+def build_rollout_sample(
+    *,
+    sample_id: str,
+    epoch: int,
+    param_version: int,
+    producer: str,
+    trajectories: Sequence[AgentTrajectory],
+    rewards: Sequence[RewardResult],
+    raw_prompt: str,
+    tokenizer: Tokenizer,
+    rollout_status: Mapping[str, float | int],
+    tool_calls: Sequence[float] = (),
+) -> RolloutSample:
+    """Pack one prompt's n trajectories as a RolloutSample (tensors left/right padded with the pad id)."""
+    n = len(trajectories)
+    if n == 0 or len(rewards) != n:
+        raise ValueError(f"need >= 1 trajectory and one reward each, got {n} and {len(rewards)}")
+    pad = tokenizer.pad_id
+    prompts = [t.prompt_ids for t in trajectories]
+    responses = [t.response_ids for t in trajectories]
+    ids, mask, R = build_batch(prompts, responses, pad)  # [n,P+R], [n,P+R]
+    P = ids.shape[1] - R
+    response_mask = np.zeros((n, R), dtype=np.int64)
+    log_probs = np.zeros((n, R), dtype=np.float32)
+    for i, t in enumerate(trajectories):
+        response_mask[i, : len(t.response_mask)] = t.response_mask
+        log_probs[i, : len(t.log_probs)] = t.log_probs
+    log_probs *= response_mask  # behaviour log-probs only where the model generated the token
+    input_ids = ids.numpy().astype(np.int64)
+    batch = DataProto(
+        tensors={
+            "prompts": input_ids[:, :P],
+            "responses": input_ids[:, P:],
+            "input_ids": input_ids,
+            "attention_mask": mask.numpy().astype(np.int64),
+            "response_mask": response_mask,
+            "rollout_log_probs": log_probs,
+            "rewards": np.asarray([rw.score for rw in rewards], dtype=np.float32),
+        },
+        non_tensors={
+            "uid": _object_array([sample_id] * n),
+            "raw_prompt": _object_array([raw_prompt] * n),
+            "response_text": _object_array([tokenizer.decode(t.response_ids) for t in trajectories]),
+        },
+    )
+    outputs = [
+        {
+            "num_turns": t.num_turns,
+            "response_length": len(t.response_ids),
+            "reward": float(rw.score),
+            "exact": bool(rw.exact),
+            "finished": bool(t.finished),
+        }
+        for t, rw in zip(trajectories, rewards, strict=True)
+    ]
+    return RolloutSample(
+        sample_id=sample_id,
+        epoch=epoch,
+        param_version=param_version,
+        full_batch=batch,
+        agent_loop_output_list=outputs,
+        processing_times=[t.processing_time_s for t in trajectories],
+        tool_calls=list(tool_calls),
+        param_version_start=[t.version_start if t.version_start >= 0 else param_version for t in trajectories],
+        param_version_end=[t.version_end if t.version_end >= 0 else param_version for t in trajectories],
+        rollout_status=dict(rollout_status),
+        producer=producer,
+    )

@@ -1,0 +1,89 @@
+"""Producer statistics over a window (since the last ProducerStats event) and the run-long counters."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from producers.data import AgentTrajectory
+from rollstream.tasks import RewardResult
+from schemas import ProducerStats
+
+
+@dataclass
+class Counters:
+    """Run-long totals of one producer (sent as every sample's `rollout_status`)."""
+
+    dispatched: int = 0  # prompts taken from the budget and generated
+    published: int = 0  # samples XADDed to rollouts
+    tokens: int = 0  # model-generated response tokens
+    idle_s: float = 0.0  # waiting for budget or a new version
+    gen_s: float = 0.0  # inside the agent loops
+    versions_loaded: int = 0
+    partial_swaps: int = 0  # trajectories whose weights changed mid-generation (start < end)
+    tool_calls: int = 0
+    released_on_start: int = 0  # dispatches of a crashed predecessor released by release_unpublished
+
+    def as_status(self, param_version: int) -> dict[str, float | int]:
+        """The counters as the numbers a RolloutSample's rollout_status carries."""
+        status: dict[str, float | int] = {k: v for k, v in vars(self).items()}
+        status["param_version"] = param_version
+        return status
+
+
+@dataclass
+class StatsWindow:
+    """Accumulates what happened since the last ProducerStats event."""
+
+    started: float = field(default_factory=time.monotonic)
+    samples: int = 0
+    trajectories: int = 0
+    tokens: int = 0
+    gen_s: float = 0.0
+    idle_s: float = 0.0
+    partial: int = 0
+    tool_calls: int = 0
+    reward_sum: float = 0.0
+    exact_sum: float = 0.0
+    length_sum: int = 0
+    versions: set[int] = field(default_factory=set)
+
+    def add_sample(self, trajs: list[AgentTrajectory], rewards: list[RewardResult]) -> None:
+        """Count one published sample (a prompt's n trajectories with their rewards)."""
+        self.samples += 1
+        for t, rw in zip(trajs, rewards, strict=True):
+            self.trajectories += 1
+            self.tokens += t.generated_tokens
+            self.length_sum += len(t.response_ids)
+            self.reward_sum += rw.score
+            self.exact_sum += float(rw.exact)
+            self.partial += int(t.version_start < t.version_end)
+            self.tool_calls += len(t.tool_call_s)
+            self.versions.update(v for v in (t.version_start, t.version_end) if v >= 0)
+
+    def event(self, producer: str, param_version: int) -> ProducerStats:
+        """The window as a ProducerStats event tagged with `param_version`."""
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        n = max(self.trajectories, 1)
+        metrics: dict[str, float] = {
+            "producer/samples": float(self.samples),
+            "producer/window_s": elapsed,
+            "producer/gen_s": self.gen_s,
+            "producer/idle_s": self.idle_s,
+            "producer/partial_ratio": self.partial / n,
+            "producer/tool_calls": float(self.tool_calls),
+        }
+        if self.trajectories:
+            metrics["producer/reward_mean"] = self.reward_sum / n
+            metrics["producer/acc"] = self.exact_sum / n
+            metrics["producer/response_length_mean"] = self.length_sum / n
+        return ProducerStats(
+            producer=producer,
+            param_version=param_version,
+            samples=self.samples,
+            tokens=self.tokens,
+            gen_tokens_per_s=self.tokens / self.gen_s if self.gen_s > 0 else 0.0,
+            idle_ratio=min(1.0, self.idle_s / elapsed),
+            versions_in_use=sorted(self.versions) or [param_version],
+            metrics=metrics,
+        )

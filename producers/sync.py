@@ -1,0 +1,85 @@
+"""The producer's weights: which param version is loaded, and loading newer ones from `params`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import redis
+
+from rollstream.model import BasePolicy
+from rollstream.names import Keys
+from rollstream.weights import (
+    WeightsError,
+    latest_param_version,
+    load_weights,
+    register_producer_version,
+    wait_for_param_version,
+)
+from schemas import ParamVersion
+
+log = logging.getLogger(__name__)
+
+#: Called as on_switch(old_version, new_version) after newer weights were loaded (not for the first load).
+SwitchHook = Callable[[int, int], None]
+
+
+class WeightSync:
+    """Loads published weights (sha256 verified) into a policy; a `VersionSource` for the agent loops."""
+
+    def __init__(
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        policy: BasePolicy,
+        producer: str,
+        on_switch: SwitchHook | None = None,
+    ) -> None:
+        self.r = r
+        self.keys = keys
+        self.policy = policy
+        self.producer = producer
+        self.on_switch = on_switch
+        self.version = -1  # nothing loaded yet
+        self.loads = 0
+        self.checks = 0
+
+    def load(self, pv: ParamVersion) -> None:
+        """Fetch, verify and load `pv`; register it as this producer's version."""
+        blob = load_weights(self.r, pv)
+        self.policy.load_state_dict_bytes(blob)
+        old, self.version = self.version, pv.version
+        self.loads += 1
+        register_producer_version(self.r, self.keys, self.producer, pv.version)
+        log.info("loaded param_version %d (%d bytes)", pv.version, pv.bytes)
+        if old >= 0 and self.on_switch is not None:
+            self.on_switch(old, pv.version)
+
+    def wait_initial(self, stop: threading.Event, timeout_s: float | None = None) -> bool:
+        """Block until a version exists (the trainer publishes 0 at start), then load it unless loaded; False on stop/timeout."""
+        pv = wait_for_param_version(self.r, self.keys, newer_than=-1, timeout_s=timeout_s, stop=stop)
+        if pv is None:
+            return False
+        if pv.version > self.version:
+            self.load(pv)
+        return True
+
+    def refresh(self) -> bool:
+        """Load the newest version when newer than the loaded one (one XREVRANGE); True when it did.
+
+        A blob garbage-collected between the XREVRANGE and the GET (an even newer version exists)
+        is logged and skipped; the next check loads the newest.
+        """
+        self.checks += 1
+        pv = latest_param_version(self.r, self.keys)
+        if pv is None or pv.version <= self.version:
+            return False
+        try:
+            self.load(pv)
+        except WeightsError as e:
+            if self.version < 0:
+                raise
+            log.warning("could not load param_version %d, keeping %d: %s", pv.version, self.version, e)
+            return False
+        return True

@@ -1,0 +1,108 @@
+"""The run's own redis-server (when run.redis_url is null): AOF on, data in <run_dir>/redis, reached over a
+unix socket in the run dir (or a free loopback port when the socket path is too long)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+#: Longest unix socket path the kernel accepts (sun_path is 108 bytes with the NUL).
+MAX_UNIX_SOCKET_PATH = 100
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def redis_server_binary() -> str:
+    """Path of redis-server; RuntimeError with a hint when it is not installed."""
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError("redis-server not found on PATH (install redis, or set run.redis_url)")
+    return found
+
+
+def plan_embedded(run_dir: Path) -> tuple[list[str], str]:
+    """(redis-server argv, URL clients use) for a run dir; creates <run_dir>/redis for the AOF files."""
+    run_dir = run_dir.resolve()
+    data_dir = run_dir / "redis"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        redis_server_binary(),
+        "--appendonly", "yes",
+        "--appendfsync", "everysec",
+        "--dir", str(data_dir),
+        "--save", "",
+        "--protected-mode", "yes",
+    ]
+    sock = run_dir / "redis.sock"
+    if len(str(sock)) <= MAX_UNIX_SOCKET_PATH:
+        argv += ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"]
+        return argv, f"unix://{sock}?db=0"
+    port = free_port()
+    argv += ["--port", str(port), "--bind", "127.0.0.1"]
+    return argv, f"redis://127.0.0.1:{port}/0"
+
+
+def wait_for_redis(url: str, timeout_s: float = 30.0) -> redis.Redis:
+    """Ping url until it answers (RuntimeError after timeout_s); returns the client."""
+    deadline = time.monotonic() + timeout_s
+    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=1)
+    while True:
+        try:
+            client.ping()
+            return client
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, FileNotFoundError) as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis at {url} did not answer within {timeout_s:.0f}s: {e}") from e
+            time.sleep(0.05)
+
+
+class EmbeddedRedis:
+    """A redis-server child process for a run dir, outside supervisord (tests, scripts, replay)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        """Plan the server for run_dir (nothing starts yet)."""
+        self.run_dir = Path(run_dir)
+        self.argv, self.url = plan_embedded(self.run_dir)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 30.0) -> redis.Redis:
+        """Start redis-server, wait until it answers, return a client."""
+        log = (self.run_dir / "redis.log").open("ab")
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        try:
+            return wait_for_redis(self.url, timeout_s)
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (redis flushes the AOF and exits 0), then wait; returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self) -> EmbeddedRedis:
+        """Start on entering a with block."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop on leaving it."""
+        self.stop()

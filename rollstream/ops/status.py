@@ -1,0 +1,209 @@
+"""`rollstream status`: one screen about a run, read from Redis (and supervisord when it is up)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from rollstream.names import Keys
+from rollstream.weights import latest_param_version, producer_versions
+from schemas import DecodeError, ProducerStats, SyncStepRecord, decode
+
+#: Seconds of rollouts behind the samples/s and tokens/s figures.
+RATE_WINDOW_S = 60.0
+#: Most recent entries read for the staleness histogram and the latest stats.
+RECENT_ENTRIES = 1000
+TRAINER_IDLE_KEY = "fully_async/trainer/idle_ratio"
+
+
+def _s(x: Any) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else str(x)
+
+
+def _ms(entry_id: Any) -> int:
+    return int(_s(entry_id).split("-", 1)[0])
+
+
+@dataclass
+class StreamInfo:
+    """Length and memory of one stream, and its consumer groups."""
+
+    name: str
+    length: int
+    bytes: int
+    groups: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class RunStatus:
+    """Everything `rollstream status` shows."""
+
+    run: str
+    streams: list[StreamInfo]
+    dead: int
+    param_version: int | None
+    trainer: dict[str, str]
+    producer_versions: dict[str, int]
+    staleness: dict[int, int]
+    staleness_source: str
+    samples_per_s: float
+    tokens_per_s: float
+    producer_idle: dict[str, float]
+    trainer_idle: float | None
+    processes: list[dict[str, Any]] | None = None
+
+
+def _stream_info(r: redis.Redis, key: str, short: str) -> StreamInfo:
+    if not r.exists(key):
+        return StreamInfo(short, 0, 0)
+    length = int(r.xlen(key))
+    mem: Any = r.memory_usage(key, samples=0)
+    groups = []
+    raw: Any = r.xinfo_groups(key)
+    for g in raw:
+        groups.append(
+            {
+                "group": _s(g["name"]),
+                "consumers": int(g["consumers"]),
+                "pending": int(g["pending"]),
+                "lag": None if g.get("lag") is None else int(g["lag"]),
+                "last_delivered": _s(g["last-delivered-id"]),
+            }
+        )
+    return StreamInfo(short, length, int(mem or 0), groups)
+
+
+def staleness_histogram(r: redis.Redis, keys: Keys, trainer_step: int | None) -> tuple[dict[int, int], str]:
+    """Histogram of recent staleness: from `fates` entries' staleness field, else estimated from recent
+    rollouts as (next global step − param_version). Returns (counts, where they came from)."""
+    rows: Any = r.xrevrange(keys.fates, count=RECENT_ENTRIES)
+    counts: Counter[int] = Counter()
+    for _, f in rows:
+        v = f.get(b"staleness")
+        if v is not None:
+            try:
+                counts[int(float(_s(v)))] += 1
+            except ValueError:
+                continue
+    if counts:
+        return dict(sorted(counts.items())), f"fates (last {len(rows)})"
+    rows = r.xrevrange(keys.rollouts, count=RECENT_ENTRIES)
+    next_step = (trainer_step or 0) + 1
+    for _, f in rows:
+        v = f.get(b"param_version")
+        if v is not None:
+            counts[next_step - int(_s(v))] += 1
+    return dict(sorted(counts.items())), f"rollouts (last {len(rows)}, vs next step {next_step})"
+
+
+def recent_rates(r: redis.Redis, keys: Keys, window_s: float = RATE_WINDOW_S) -> tuple[float, float]:
+    """(samples/s, tokens/s) of rollouts published in the last window_s, from entry-id timestamps and the
+    `tokens` header field."""
+    now_s, now_us = r.time()  # type: ignore[misc]
+    now_ms = int(now_s) * 1000 + int(now_us) // 1000
+    start = now_ms - int(window_s * 1000)
+    rows: Any = r.xrange(keys.rollouts, min=f"{start}-0", max="+")
+    samples = len(rows)
+    tokens = sum(int(_s(f.get(b"tokens", b"0"))) for _, f in rows)
+    return samples / window_s, tokens / window_s
+
+
+def latest_idle(r: redis.Redis, keys: Keys) -> tuple[dict[str, float], float | None]:
+    """(producer -> idle ratio from its latest ProducerStats, trainer idle ratio from the latest record)."""
+    producers: dict[str, float] = {}
+    rows: Any = r.xrevrange(keys.metrics, count=RECENT_ENTRIES)
+    for _, f in rows:
+        if f.get(b"type") != b"producer":
+            continue
+        name = _s(f.get(b"producer", b"?"))
+        if name in producers:
+            continue
+        try:
+            ev = decode(f)
+        except DecodeError:
+            continue
+        if isinstance(ev, ProducerStats):
+            producers[name] = ev.idle_ratio
+    trainer = None
+    last: Any = r.xrevrange(keys.records, count=1)
+    if last:
+        try:
+            rec = decode(last[0][1])
+            if isinstance(rec, SyncStepRecord):
+                trainer = rec.metrics.get(TRAINER_IDLE_KEY)
+        except DecodeError:
+            pass
+    return dict(sorted(producers.items())), trainer
+
+
+def collect_status(r: redis.Redis, keys: Keys, processes: list[dict[str, Any]] | None = None) -> RunStatus:
+    """Read everything the status screen shows."""
+    shorts = [k.removeprefix(keys.prefix) for k in keys.all_streams()]
+    streams = [_stream_info(r, k, s) for k, s in zip(keys.all_streams(), shorts, strict=True)]
+    trainer_raw: Any = r.hgetall(keys.trainer)
+    trainer = {_s(k): _s(v) for k, v in trainer_raw.items()}
+    step = int(trainer["global_step"]) if trainer.get("global_step", "").lstrip("-").isdigit() else None
+    pv = latest_param_version(r, keys) if r.exists(keys.params) else None
+    hist, source = staleness_histogram(r, keys, step)
+    sps, tps = recent_rates(r, keys)
+    pidle, tidle = latest_idle(r, keys)
+    return RunStatus(
+        run=keys.run,
+        streams=streams,
+        dead=next(s.length for s in streams if s.name == "dead"),
+        param_version=pv.version if pv else None,
+        trainer=trainer,
+        producer_versions=producer_versions(r, keys),
+        staleness=hist,
+        staleness_source=source,
+        samples_per_s=sps,
+        tokens_per_s=tps,
+        producer_idle=pidle,
+        trainer_idle=tidle,
+        processes=processes,
+    )
+
+
+def _bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def format_status(st: RunStatus, redis_url: str) -> str:
+    """The status screen as text (redis_url must already be masked)."""
+    out = [f"run {st.run}   redis {redis_url}"]
+    step = st.trainer.get("global_step", "-")
+    out.append(f"param_version {st.param_version if st.param_version is not None else '-'}   "
+               f"trainer global_step {step}   dead letters {st.dead}")
+    out.append("")
+    out.append(f"{'stream':<14}{'entries':>10}{'memory':>12}   groups (pending / lag)")
+    for s in st.streams:
+        groups = ", ".join(f"{g['group']} {g['pending']} / {g['lag'] if g['lag'] is not None else '?'}" for g in s.groups)
+        out.append(f"{s.name:<14}{s.length:>10}{_bytes(s.bytes):>12}   {groups}")
+    out.append("")
+    pv = ", ".join(f"{k}={v}" for k, v in sorted(st.producer_versions.items())) or "-"
+    out.append(f"producer versions: {pv}")
+    out.append(f"rate (last {RATE_WINDOW_S:.0f}s): {st.samples_per_s:.2f} samples/s, {st.tokens_per_s:.1f} tokens/s")
+    pidle = ", ".join(f"{k} {v:.2f}" for k, v in st.producer_idle.items()) or "-"
+    tidle = f"{st.trainer_idle:.2f}" if st.trainer_idle is not None else "-"
+    out.append(f"idle ratio: trainer {tidle}; producers {pidle}")
+    out.append(f"staleness from {st.staleness_source}:")
+    total = sum(st.staleness.values())
+    if not total:
+        out.append("  (no samples)")
+    for k, c in st.staleness.items():
+        bar = "#" * max(1, round(40 * c / total))
+        out.append(f"  {k:>3} {c:>6} {bar}")
+    if st.processes is not None:
+        out.append("")
+        out.append("supervisord:")
+        for p in st.processes:
+            out.append(f"  {p['name']:<12} {p['statename']:<9} {p['description']}")
+    return "\n".join(out)

@@ -1,0 +1,128 @@
+"""The aggregator's pure fold: hand-written event logs -> hand-computed records (no Redis)."""
+
+from __future__ import annotations
+
+import pytest
+
+from consumers.aggregator.fake import fake_metrics_log, local_update, producer_stats, step_end, validation
+from consumers.aggregator.fold import Fold
+from schemas import EventBase, StepMetrics, SyncStepRecord, encode
+
+approx = pytest.approx
+
+
+def lu(g: int, k: int, sc: int, **metrics: float) -> StepMetrics:
+    """A local_update event (keyword metric names)."""
+    return local_update(g, k, sc, metrics)
+
+
+def end(g: int, k: int, created_at: float = 100.0, **metrics: float) -> StepMetrics:
+    """A step_end event (keyword metric names)."""
+    return step_end(g, k, metrics, created_at)
+
+
+def run(fold: Fold, log: list[tuple[str, EventBase]]) -> list[SyncStepRecord]:
+    """Feed (id, event) pairs; return the records in completion order."""
+    return [c.record for entry_id, ev in log for c in fold.feed(entry_id, ev)]
+
+
+def test_step_record_merges_updates_sync_metrics_validation_and_producers() -> None:
+    log = [
+        ("1-0", producer_stats("a", 10, 50.0, 0.2, 0)),
+        ("2-0", lu(1, 1, 4, **{"actor/loss": 1.0, "timing_s/update": 0.5, "actor/grad_max": 3.0, "actor/lr": 0.1})),
+        ("3-0", producer_stats("b", 6, 30.0, 0.4, 1)),
+        ("4-0", lu(1, 2, 12, **{"actor/loss": 2.0, "timing_s/update": 0.25, "actor/grad_max": 2.0, "actor/lr": 0.05})),
+        ("5-0", producer_stats("a", 20, 70.0, 0.1, 1)),  # newer stats of producer a: replaces 1-0
+        ("6-0", validation(1, {"val/acc": 0.5})),
+        ("7-0", end(1, 2, created_at=123.0, **{"actor/lr": 0.07, "timing_s/step": 2.0, "timing_s/gen": 0.5})),
+    ]
+    fold = Fold()
+    [rec] = run(fold, log)
+    m = rec.metrics
+    assert rec.global_step == 1 and rec.num_local_updates == 2 and rec.created_at == 123.0
+    assert m["actor/loss"] == approx((4 * 1.0 + 12 * 2.0) / 16)  # weighted by sample_count = 1.75
+    assert m["timing_s/update"] == approx(0.75)
+    assert m["actor/grad_max"] == 3.0
+    assert m["actor/lr"] == 0.07  # step_end metrics override the aggregated ones
+    assert m["fully_async/trainer/idle_ratio"] == approx(0.25)  # derived on the merged record: gen / step
+    assert m["val/acc"] == 0.5
+    assert m["producer/a/samples"] == 20 and m["producer/a/param_version"] == 1 and m["producer/a/tokens"] == 200
+    assert m["producer/b/gen_tokens_per_s"] == 30.0
+    assert m["producer/total_samples"] == 26
+    assert m["producer/gen_tokens_per_s"] == approx(100.0)
+    assert m["producer/idle_ratio"] == approx(0.25)
+    assert m["training/global_step"] == 1.0
+    assert list(m) == sorted(m)
+    assert rec.source_ids == ["2-0", "3-0", "4-0", "5-0", "6-0", "7-0"]  # 1-0 was superseded
+    assert fold.pending() == {}
+
+
+def test_retrained_step_last_copy_wins_and_redeliveries_are_ignored() -> None:
+    fold = Fold()
+    log = [
+        ("10-0", lu(2, 1, 8, **{"actor/loss": 5.0})),
+        ("11-0", lu(2, 2, 8, **{"actor/loss": 7.0})),
+        ("12-0", lu(2, 1, 8, **{"actor/loss": 1.0})),
+        ("11-0", lu(2, 2, 8, **{"actor/loss": 7.0})),  # redelivery of an id already held: no effect
+        ("13-0", lu(2, 2, 8, **{"actor/loss": 3.0})),
+        ("13-1", lu(2, 2, 8, **{"actor/loss": 3.0})),  # duplicate XADD of the retrained update
+        ("9-0", lu(2, 1, 8, **{"actor/loss": 50.0})),  # an older copy arriving late loses to 12-0
+        ("14-0", end(2, 2)),
+    ]
+    [rec] = run(fold, log)
+    assert rec.metrics["actor/loss"] == approx((8 * 1.0 + 8 * 3.0) / 16)
+    assert rec.source_ids == ["12-0", "13-1", "14-0"]
+    assert fold.stats.duplicates == 1
+    assert sorted(fold.take_ackable()) == sorted(["10-0", "11-0", "13-0", "9-0"])
+
+
+def test_step_end_before_its_updates_waits_for_them() -> None:
+    fold = Fold()
+    assert run(fold, [("1-0", lu(3, 1, 2, x=1.0)), ("2-0", end(3, 3))]) == []
+    assert fold.pending() == {3: "missing local updates [2, 3] of 3"}
+    assert fold.first_id(3) == "1-0"
+    assert run(fold, [("3-0", lu(3, 3, 2, x=3.0))]) == []
+    [rec] = run(fold, [("4-0", lu(3, 2, 4, x=2.0))])
+    assert rec.metrics["x"] == approx((2 * 1.0 + 4 * 2.0 + 2 * 3.0) / 8)
+    assert rec.num_local_updates == 3
+
+
+def test_producer_stats_are_those_seen_before_completion() -> None:
+    fold = Fold()
+    records = run(
+        fold,
+        [
+            ("1-0", producer_stats("a", 1, 10.0, 0.5, 0)),
+            ("2-0", end(1, 0)),
+            ("3-0", producer_stats("a", 2, 20.0, 0.0, 1)),
+            ("4-0", lu(2, 1, 1, y=1.0)),
+            ("5-0", end(2, 1)),
+        ],
+    )
+    assert [r.metrics["producer/a/samples"] for r in records] == [1.0, 2.0]
+    assert records[0].num_local_updates == 0 and records[0].source_ids == ["1-0", "2-0"]
+    # The latest producer stats are never ackable: a restarted worker needs them from its pending list.
+    assert fold.take_ackable() == ["1-0"]
+
+
+def test_validation_of_version_zero_is_a_step_zero_record_and_late_validation_is_ignored() -> None:
+    fold = Fold()
+    [rec0] = run(fold, [("1-0", validation(0, {"val/acc": 0.1}))])
+    assert rec0.global_step == 0 and rec0.metrics == {"val/acc": 0.1, "training/global_step": 0.0}
+    records = run(fold, [("2-0", lu(1, 1, 1, z=1.0)), ("3-0", end(1, 1)), ("4-0", validation(1, {"val/acc": 0.9}))])
+    assert "val/acc" not in records[0].metrics
+    assert fold.stats.late == 1 and fold.take_ackable() == ["4-0"]
+
+
+def test_done_steps_make_refolded_events_late() -> None:
+    fold = Fold(done_steps=[1])
+    assert run(fold, [("2-0", lu(1, 1, 1, z=1.0)), ("3-0", end(1, 1))]) == []
+    assert fold.pending() == {} and fold.stats.late == 2
+
+
+def test_same_log_gives_the_same_records_byte_for_byte() -> None:
+    log = [(f"{i + 1}-0", ev) for i, ev in enumerate(fake_metrics_log(12, local_updates=3, producers=3))]
+    a, b = run(Fold(), log), run(Fold(), log)
+    assert [r.global_step for r in a] == list(range(1, 13))
+    assert [encode(x) for x in a] == [encode(y) for y in b]
+    assert "val/acc" in a[4].metrics and "val/acc" not in a[3].metrics

@@ -1,0 +1,261 @@
+"""The aggregator worker against a real Redis: records, acks, replay equality, timeouts, sinks, SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from consumers.aggregator.fake import fake_metrics_log, local_update, producer_stats, step_end, validation
+from consumers.aggregator.replay import main as replay_main
+from consumers.aggregator.replay import replay_records
+from consumers.aggregator.sinks import JsonlSink, Sinks, TensorBoardSink
+from consumers.aggregator.worker import AggregatorWorker
+from rollstream.bus import Publisher, setup_run
+from rollstream.config import PipelineConfig, load_config
+from rollstream.names import AGGREGATOR_GROUP, Keys
+from schemas import DeadLetter, EventBase, SyncStepRecord, decode_as
+
+REPO = Path(__file__).resolve().parents[1]
+approx = pytest.approx
+
+
+@pytest.fixture
+def dst_keys(r: redis.Redis) -> Iterator[Keys]:
+    """A second run namespace (replay target), deleted afterwards."""
+    k = Keys(f"t-{uuid.uuid4().hex[:12]}-replay")
+    yield k
+    stale = list(r.scan_iter(match=k.pattern(), count=1000))
+    if stale:
+        r.delete(*stale)
+
+
+def lu(g: int, k: int, sc: int, **metrics: float) -> EventBase:
+    """A local_update event (keyword metric names)."""
+    return local_update(g, k, sc, metrics)
+
+
+def make_cfg(keys: Keys, tmp_path: Path, redis_url: str, *extra: str) -> PipelineConfig:
+    """Config for this test's run namespace, run dir under tmp_path."""
+    base = [f"run.name={keys.run}", f"run.dir={tmp_path}", f"run.redis_url={redis_url}", "bus.block_ms=100"]
+    return load_config(None, base + list(extra))
+
+
+def publish(r: redis.Redis, keys: Keys, events: list[EventBase]) -> list[str]:
+    """Set the run up (idempotent) and XADD the events in order."""
+    setup_run(r, keys)
+    return Publisher(r).publish_many(keys.metrics, events)  # type: ignore[arg-type]
+
+
+def records(r: redis.Redis, keys: Keys) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The raw records stream (ids and fields, byte for byte)."""
+    rc: Any = r
+    return [(i, dict(f)) for i, f in rc.xrange(keys.records)]
+
+
+def decoded(r: redis.Redis, keys: Keys) -> dict[int, SyncStepRecord]:
+    """Records by global step."""
+    out = {}
+    for _, fields in records(r, keys):
+        rec = decode_as(fields, SyncStepRecord)
+        out[rec.global_step] = rec
+    return out
+
+
+def pending_ids(r: redis.Redis, keys: Keys) -> list[str]:
+    """Ids still pending in the aggregator group."""
+    rc: Any = r
+    return [row["message_id"].decode() for row in rc.xpending_range(keys.metrics, AGGREGATOR_GROUP, "-", "+", 1000)]
+
+
+def jsonl_steps(cfg: PipelineConfig) -> list[int]:
+    """The `step` of every line of records.jsonl."""
+    lines = (cfg.run_dir() / "records.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]
+
+
+def test_hand_written_log_through_redis(r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str) -> None:
+    cfg = make_cfg(keys, tmp_path, redis_url, "bus.read_count=3")
+    events: list[EventBase] = [
+        validation(0, {"val/acc": 0.1}),
+        producer_stats("a", 10, 50.0, 0.2, 0),
+        lu(1, 1, 4, **{"actor/loss": 1.0, "timing_s/update": 0.5}),
+        lu(1, 2, 12, **{"actor/loss": 2.0, "timing_s/update": 0.25}),
+        producer_stats("b", 6, 30.0, 0.4, 1),
+        validation(1, {"val/acc": 0.5}),
+        step_end(1, 2, {"timing_s/step": 2.0}),
+        lu(2, 1, 8, **{"actor/loss": 5.0}),  # first attempt of step 2 ...
+        producer_stats("a", 20, 70.0, 0.1, 1),
+        lu(2, 1, 8, **{"actor/loss": 1.0}),  # ... retrained after a trainer crash
+        lu(2, 2, 8, **{"actor/loss": 3.0}),
+        lu(2, 2, 8, **{"actor/loss": 3.0}),  # duplicate XADD
+        step_end(2, 2),
+        lu(3, 1, 2, **{"actor/loss": 4.0}),
+        step_end(3, 2),  # out of order: step 3's end before its second update
+        lu(3, 2, 6, **{"actor/loss": 8.0}),
+        lu(4, 1, 1, **{"actor/loss": 0.0}),  # step 4 stays incomplete
+    ]
+    ids = publish(r, keys, events)
+    AggregatorWorker(cfg, r, keys).run(burst=True)
+
+    recs = decoded(r, keys)
+    assert sorted(recs) == [0, 1, 2, 3]
+    assert recs[0].metrics == {"val/acc": 0.1, "training/global_step": 0.0}
+    m1, m2, m3 = recs[1].metrics, recs[2].metrics, recs[3].metrics
+    assert m1["actor/loss"] == approx(1.75) and m1["timing_s/update"] == approx(0.75)
+    assert m1["timing_s/step"] == 2.0 and m1["val/acc"] == 0.5
+    assert m1["producer/total_samples"] == 16 and m1["producer/idle_ratio"] == approx(0.3)
+    assert m2["actor/loss"] == approx(2.0)  # (8*1 + 8*3) / 16 from the retrained updates
+    assert m2["producer/a/samples"] == 20 and m2["producer/total_samples"] == 26
+    assert m3["actor/loss"] == approx((2 * 4.0 + 6 * 8.0) / 8)
+    assert recs[2].source_ids == [ids[i] for i in (4, 8, 9, 11, 12)]  # winning copies + producer stats used
+    # Only what a restart needs stays pending: step 4's update and the latest stats of each producer.
+    assert sorted(pending_ids(r, keys)) == sorted([ids[4], ids[8], ids[16]])
+    assert jsonl_steps(cfg) == [0, 1, 2, 3]
+
+
+def test_replay_equals_live_records_field_for_field(
+    r: redis.Redis, keys: Keys, dst_keys: Keys, tmp_path: Path, redis_url: str
+) -> None:
+    cfg = make_cfg(keys, tmp_path, redis_url, "bus.read_count=5")
+    publish(r, keys, fake_metrics_log(10, local_updates=3, producers=2))
+    AggregatorWorker(cfg, r, keys).run(burst=True)
+    live = records(r, keys)
+    assert [i for i, _ in live] == [f"{g}-1".encode() for g in range(1, 11)]
+
+    assert replay_main(["--from", keys.run, "--to", dst_keys.run, "--redis-url", redis_url]) == 0
+    assert records(r, dst_keys) == live
+    with pytest.raises(ValueError, match="already holds records"):
+        replay_records(r, keys, dst_keys)
+
+
+def test_incomplete_step_is_reported_once(
+    r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_cfg(keys, tmp_path, redis_url, "aggregator.incomplete_timeout_s=0.01")
+    ids = publish(r, keys, [lu(5, 1, 1, x=1.0), lu(5, 2, 1, x=1.0)])
+    worker = AggregatorWorker(cfg, r, keys)
+    with caplog.at_level(logging.ERROR, logger="consumers.aggregator.worker"):
+        worker.run(burst=True)
+        worker.check_incomplete(now=time.monotonic() + 60)  # past the timeout again: no second report
+    rc: Any = r
+    notes = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead)]
+    assert len(notes) == 1
+    assert notes[0].source == keys.metrics and notes[0].source_id == ids[0]
+    assert "step 5" in notes[0].reason and "missing step_end (have local updates [1, 2])" in notes[0].reason
+    assert [rec.message for rec in caplog.records].count(notes[0].reason) == 1
+    assert sorted(pending_ids(r, keys)) == sorted(ids)  # reported, not dropped
+
+
+class FakeWriter:
+    """Stands in for tensorboard's SummaryWriter: remembers (tag, value, step) calls."""
+
+    calls: list[tuple[str, float, int]] = []
+
+    def __init__(self, log_dir: str) -> None:
+        self.log_dir = log_dir
+
+    def add_scalar(self, tag: str, value: float, global_step: int) -> None:
+        FakeWriter.calls.append((tag, value, global_step))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_sinks_write_each_step_once_across_restarts(r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str) -> None:
+    cfg = make_cfg(keys, tmp_path, redis_url)
+    path = cfg.run_dir() / "records.jsonl"
+    FakeWriter.calls = []
+
+    def start() -> AggregatorWorker:
+        sinks = Sinks(r, keys, [JsonlSink(path), TensorBoardSink(r, keys, tmp_path / "tb", FakeWriter)])
+        return AggregatorWorker(cfg, r, keys, sinks=sinks)
+
+    events = fake_metrics_log(5, local_updates=2, producers=1, test_freq=0)
+    cut = next(i for i, ev in enumerate(events) if getattr(ev, "type", "") == "step_end" and ev.global_step == 3)
+    publish(r, keys, events[: cut + 1])
+    start().run(burst=True)
+    assert jsonl_steps(cfg) == [1, 2, 3]
+    with path.open("a") as f:
+        f.write('{"step": 4, "actor/pg_loss": 1')  # a line torn by a crash
+    publish(r, keys, events[cut + 1 :])
+    start().run(burst=True)
+    start().run(burst=True)  # a restart with nothing new writes nothing
+    assert jsonl_steps(cfg) == [1, 2, 3, 4, 5]
+    tb_steps = [step for tag, _, step in FakeWriter.calls if tag == "training/global_step"]
+    assert tb_steps == [1, 2, 3, 4, 5]
+    rec4 = decoded(r, keys)[4]
+    assert json.loads(path.read_text().splitlines()[3]) == {"step": 4, **rec4.metrics}
+
+
+def test_sigkill_mid_fold_then_restart_gives_the_uninterrupted_records(
+    r: redis.Redis, keys: Keys, dst_keys: Keys, tmp_path: Path, redis_url: str
+) -> None:
+    cfg = make_cfg(keys, tmp_path, redis_url)
+    events = fake_metrics_log(6, local_updates=3, producers=2, test_freq=2)
+    # Phase 1: steps 1-2 complete, step 3 partial (no step_end yet).
+    cut = next(i for i, ev in enumerate(events) if getattr(ev, "local_step", 0) == 2 and ev.global_step == 3)
+    publish(r, keys, events[: cut + 1])
+    cmd = [sys.executable, "-m", "consumers.aggregator", str(REPO / "pipeline.yaml"),
+           f"run.name={keys.run}", f"run.dir={tmp_path}", f"run.redis_url={redis_url}", "bus.block_ms=100"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(records(r, keys)) < 2 or len(pending_ids(r, keys)) != 2 + 2:  # step 3's 2 updates + 2 producers
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "aggregator never wrote steps 1-2"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert sorted(decoded(r, keys)) == [1, 2]
+
+    # Phase 2: the rest of the log, then a restarted aggregator drains it.
+    publish(r, keys, events[cut + 1 :])
+    done = subprocess.run([*cmd, "--burst"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    got = decoded(r, keys)
+    assert sorted(got) == list(range(1, 7))
+    assert replay_records(r, keys, dst_keys) == 6  # the uninterrupted fold of the same log
+    assert records(r, dst_keys) == records(r, keys)
+    assert jsonl_steps(cfg) == [1, 2, 3, 4, 5, 6]
+    assert pending_ids(r, keys) and len(pending_ids(r, keys)) == 2  # the latest stats of each producer
+
+
+def test_sigterm_finishes_and_exits_zero(r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str) -> None:
+    publish(r, keys, fake_metrics_log(2, local_updates=2, producers=1, test_freq=0))
+    cmd = [sys.executable, "-m", "consumers.aggregator", str(REPO / "pipeline.yaml"),
+           f"run.name={keys.run}", f"run.dir={tmp_path}", f"run.redis_url={redis_url}", "bus.block_ms=100"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(records(r, keys)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "aggregator never wrote steps 1-2"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-2000:]
+    assert "aggregator stopping: 8 events, 2 records written" in err

@@ -1,0 +1,87 @@
+"""Batch assembly: concat with padding, response_mask derivation, fully-async metric values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from rollstream.fake import fake_rollout_sample
+from schemas import DataProto, RolloutSample
+
+
+def _sample(sid: str, prompt_len: int, response_len: int, **kw: object) -> RolloutSample:
+    s = fake_rollout_sample(sid, n=2, prompt_len=prompt_len, response_len=response_len, seed=len(sid))
+    return s.model_copy(update=kw) if kw else s
+
+
+def test_empty_list_is_an_error() -> None:
+    with pytest.raises(ValueError, match="at least one sample"):
+        assemble_batch_from_rollout_samples([])
+
+
+def test_metric_values_on_hand_built_samples() -> None:
+    a = _sample(
+        "a", 3, 4,
+        processing_times=[1.0, 2.0], tool_calls=[0.5],
+        param_version_start=[1, 1], param_version_end=[1, 3],
+        rollout_status={"dispatched": 7, "idle_s": 1.5},
+    )
+    b = _sample(
+        "bb", 3, 4,
+        processing_times=[3.0, 4.0], tool_calls=[],
+        param_version_start=[2, 2], param_version_end=[3, 2],
+        rollout_status={"dispatched": 99},
+    )
+    batch, m = assemble_batch_from_rollout_samples([a, b])
+    assert len(batch) == 4
+    assert batch.meta_info["sample_ids"] == ["a", "bb"]
+    assert m["fully_async/processing_time/avg"] == pytest.approx(2.5)
+    assert m["fully_async/processing_time/max"] == 4.0
+    assert m["fully_async/processing_time/min"] == 1.0
+    assert m["fully_async/processing_time/tp50"] == pytest.approx(2.5)
+    assert m["fully_async/processing_time/tp95"] == pytest.approx(np.percentile([1, 2, 3, 4], 95))
+    assert m["fully_async/processing_time/tp99"] == pytest.approx(np.percentile([1, 2, 3, 4], 99))
+    assert m["fully_async/tool_calls/avg"] == 0.5 and m["fully_async/tool_calls/tp99"] == 0.5
+    # trajectories a1 (1->3, span 2) and b0 (2->3, span 1) are partial: 2 of 4
+    assert m["fully_async/partial/total_partial_num"] == 2
+    assert m["fully_async/partial/partial_ratio"] == 0.5
+    assert m["fully_async/partial/max_partial_span"] == 2
+    # the first sample's rollout_status only
+    assert m["fully_async/dispatched"] == 7 and m["fully_async/idle_s"] == 1.5
+
+
+def test_no_tool_call_stats_without_tool_calls() -> None:
+    _, m = assemble_batch_from_rollout_samples([_sample("a", 3, 4)])
+    assert not any(k.startswith("fully_async/tool_calls/") for k in m)
+    assert m["fully_async/partial/total_partial_num"] == 0
+
+
+def test_different_widths_are_padded_left_for_prompts_right_for_responses() -> None:
+    short = _sample("s", 2, 3)
+    long = _sample("long", 4, 5)
+    batch, _ = assemble_batch_from_rollout_samples([short, long])
+    t = batch.tensors
+    assert t["prompts"].shape == (4, 4) and t["responses"].shape == (4, 5)
+    assert t["input_ids"].shape == (4, 9) and t["rollout_log_probs"].shape == (4, 5)
+    st = short.full_batch.tensors
+    # prompt left-padded with 0, response right-padded with 0
+    np.testing.assert_array_equal(t["prompts"][0], np.r_[[0, 0], st["prompts"][0]])
+    np.testing.assert_array_equal(t["responses"][0], np.r_[st["responses"][0], [0, 0]])
+    np.testing.assert_array_equal(t["input_ids"][0], np.r_[[0, 0], st["prompts"][0], st["responses"][0], [0, 0]])
+    np.testing.assert_array_equal(t["attention_mask"][0], [0, 0, 1, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(t["response_mask"][0], [1, 1, 1, 0, 0])
+    assert t["rollout_log_probs"][0, 3:].tolist() == [0.0, 0.0]
+    # the long sample's rows are unchanged
+    np.testing.assert_array_equal(t["input_ids"][2:], long.full_batch.tensors["input_ids"])
+
+
+def test_response_mask_derived_from_attention_when_absent() -> None:
+    s = _sample("x", 2, 3)
+    t = dict(s.full_batch.tensors)
+    del t["response_mask"]
+    t["attention_mask"] = t["attention_mask"].copy()
+    t["attention_mask"][0, -1] = 0  # row 0's response is one token shorter
+    s = s.model_copy(update={"full_batch": DataProto(t, s.full_batch.non_tensors)})
+    batch, _ = assemble_batch_from_rollout_samples([s])
+    np.testing.assert_array_equal(batch.tensors["response_mask"], [[1, 1, 0], [1, 1, 1]])

@@ -1,0 +1,56 @@
+"""The bus benchmark runs end to end at a tiny size against real Redis and reports sane numbers (no ratios)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from rollstream.bench.bus import main, parse_size
+from rollstream.names import Keys
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--quick", "--sizes", "2K,24K", "--mb-per-trial", "0.1", "--reps", "2"]
+
+
+def test_json_report_has_every_size_with_positive_rates(
+    r: redis.Redis, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*TINY, "--json", "--redis-url", redis_url, "--prefix", keys.run]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["sizes"]
+    assert [row["target_bytes"] for row in rows] == [2048, 24576]
+    for row in rows:
+        # the fake sample is calibrated to the requested size on the wire
+        assert 0.8 < row["wire_bytes"] / row["target_bytes"] < 1.25
+        assert row["samples_per_trial"] >= row["batch"] >= 1
+        assert len(row["trials"]["ours"]) == len(row["trials"]["raw"]) == 2
+        for name in ("ours_samples_per_s", "ours_mb_per_s", "raw_mb_per_s", "ours_over_raw",
+                     "encode_ours_us", "encode_pickle_us", "decode_ours_us", "decode_pickle_us"):
+            assert row[name] > 0, name
+    assert report["machine"]["cpus"] >= 1
+    # every benchmark namespace (prefix-<uuid>) was deleted again
+    assert not list(r.scan_iter(match=Keys(f"{keys.run}-*").pattern()))
+
+
+def test_markdown_table_from_the_script(redis_url: str, keys: Keys) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_bus.py"), *TINY, "--redis-url", redis_url,
+         "--prefix", keys.run, "--packer", "python"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    table = [ln for ln in out.stdout.splitlines() if ln.startswith("|")]
+    assert table[0].startswith("| size | batch | ours samples/s | ours MB/s | raw MB/s | ours/raw")
+    assert [ln.split("|")[1].strip() for ln in table[2:]] == ["2 KB", "24 KB"]
+    assert "PythonRespSerializer" in out.stdout
+
+
+def test_bad_sizes_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--sizes", "12"]) == 2
+    assert "bad --sizes" in capsys.readouterr().err
+    assert parse_size("4M") == 4 << 20 and parse_size("16k") == 16 << 10

@@ -1,0 +1,65 @@
+"""Issue 6 launch test: `rollstream run` a tiny config under supervisord with an embedded Redis, wait for 3
+records, read them with redis-cli, `rollstream stop`, and every process exited 0."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollstream.names import Keys
+
+WORKERS_MISSING = any(
+    importlib.util.find_spec(m) is None for m in ("producers.worker", "consumers.trainer", "consumers.aggregator.worker")
+)
+
+TINY = [
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=2",
+    "trainer.parameter_sync_step=2",
+    "rollout.n=4",
+    "rollout.num_producers=1",
+    "model.d_model=32",
+    "model.max_seq_len=24",
+    "data.max_response_length=6",
+    "data.max_digits=3",
+    "data.epoch_size=256",
+    "data.val_size=4",
+    "trainer.test_freq=0",
+    "run.device=cpu",
+]
+
+
+def rollstream(*argv: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run the CLI as a user would (a subprocess), capturing its output."""
+    return subprocess.run([sys.executable, "-m", "rollstream.cli", *argv], capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.mark.skipif(WORKERS_MISSING, reason="worker packages (producers, consumers.trainer, consumers.aggregator) not there yet")
+@pytest.mark.skipif(shutil.which("redis-cli") is None, reason="needs redis-cli")
+def test_run_wait_for_records_then_stop_cleanly(tmp_path: Path) -> None:
+    args = ["pipeline.yaml", *TINY, f"run.dir={tmp_path}", "run.name=launch"]
+    run_dir = tmp_path / "launch"
+    try:
+        started = rollstream("run", *args, "--wait-records", "3", "--wait-timeout", "150", timeout_s=200)
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+        assert started.returncode == 0, started.stdout + started.stderr + logs
+        assert int(started.stdout.strip().splitlines()[-1].removeprefix("records: ")) >= 3
+        cli = subprocess.run(
+            ["redis-cli", "-s", str(run_dir / "redis.sock"), "XRANGE", Keys("launch").records, "-", "+"],
+            capture_output=True, timeout=10,
+        )
+        assert cli.returncode == 0
+        lines = cli.stdout.split(b"\n")
+        for step in (1, 2, 3):
+            assert f"{step}-1".encode() in lines and f"global_step\n{step}\n".encode() in cli.stdout
+    finally:
+        stopped = rollstream("stop", *args, timeout_s=200)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    for name in ("rollout_00", "trainer", "aggregator", "redis"):
+        assert f"{name:<12} exit 0" in stopped.stdout
+    assert any((run_dir / "redis").rglob("*.aof"))

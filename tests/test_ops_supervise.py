@@ -1,0 +1,132 @@
+"""supervisord config generation, the embedded redis-server, and a real supervisord lifecycle with stand-in
+workers (start in order after setup_run, stop in order, exit statuses reported)."""
+
+from __future__ import annotations
+
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from rollstream.cli import main
+from rollstream.config import load_config
+from rollstream.names import Keys
+from rollstream.ops.embedded_redis import EmbeddedRedis
+from rollstream.ops.supervise import (
+    plan_run,
+    process_states,
+    render_supervisord_conf,
+    start_run,
+    start_supervisord,
+    stop_run,
+)
+
+# Stand-in worker: logs its name, then on SIGTERM exits with the code given as argv[1].
+STANDIN = (
+    "import signal, sys, time, os\n"
+    "code = int(sys.argv[1])\n"
+    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(code))\n"
+    "print('up', os.environ['SUPERVISOR_PROCESS_NAME'], os.environ['ROLLSTREAM_REDIS_URL'], flush=True)\n"
+    "while True: time.sleep(0.05)\n"
+)
+
+
+def sections(conf: str) -> dict[str, dict[str, str]]:
+    """The supervisord.conf as {section: {key: value}}."""
+    out: dict[str, dict[str, str]] = {}
+    cur: dict[str, str] = {}
+    for line in conf.splitlines():
+        if line.startswith("["):
+            cur = out.setdefault(line.strip("[]"), {})
+        elif "=" in line and not line.startswith(";"):
+            k, v = line.split("=", 1)
+            cur[k.strip()] = v.strip()
+    return out
+
+
+def test_conf_for_external_redis_has_workers_and_no_password(tmp_path: Path) -> None:
+    cfg = load_config("pipeline.yaml", [f"run.dir={tmp_path}", "run.name=ext", "rollout.num_producers=2",
+                                        "run.redis_url=rediss://alice:s3cret@redis.example:6380/2?ssl_cert_reqs=none"])
+    plan = plan_run(cfg)
+    text = plan.conf_path.read_text()
+    conf = sections(text)
+    assert "program:redis" not in conf
+    assert plan.workers == ["aggregator", "trainer", "rollout_00", "rollout_01"]
+    trainer = conf["program:trainer"]
+    assert trainer["stopwaitsecs"] == "60" and trainer["stopsignal"] == "TERM"
+    assert trainer["autorestart"] == "unexpected" and trainer["exitcodes"] == "0"
+    assert "-m consumers.trainer" in trainer["command"] and str(plan.resolved_config) in trainer["command"]
+    assert "-m producers" in conf["program:rollout_01"]["command"] and "--name rollout_01" in conf["program:rollout_01"]["command"]
+    env = conf["program:rollout_00"]["environment"]
+    assert 'ROLLSTREAM_REDIS_URL="rediss://alice@redis.example:6380/2?ssl_cert_reqs=none"' in env
+    assert 'PYTHONUNBUFFERED="1"' in env and "ROLLSTREAM_REDIS_PASSWORD_FILE" in env
+    for path in (plan.conf_path, plan.resolved_config, plan.run_dir / "redis.url"):
+        assert "s3cret" not in path.read_text()
+    pw = plan.run_dir / "redis.password"
+    assert pw.read_text() == "s3cret" and stat.S_IMODE(pw.stat().st_mode) == 0o600
+    resolved = load_config(plan.resolved_config)
+    assert resolved.run.redis_url is None and resolved.run.dir == str(tmp_path.resolve())
+
+
+def test_conf_for_embedded_redis_starts_redis_first_with_aof(tmp_path: Path) -> None:
+    cfg = load_config("pipeline.yaml", [f"run.dir={tmp_path}", "run.name=emb"])
+    plan = plan_run(cfg)
+    conf = sections(plan.conf_path.read_text())
+    red = conf["program:redis"]
+    assert red["priority"] == "1" and red["autostart"] == "true"
+    assert "--appendonly yes" in red["command"] and f"--dir {tmp_path.resolve()}/emb/redis" in red["command"]
+    assert plan.redis_url == f"unix://{tmp_path.resolve()}/emb/redis.sock?db=0"
+    assert f'ROLLSTREAM_REDIS_URL="{plan.redis_url}"' in conf["program:trainer"]["environment"]
+    assert int(conf["program:rollout_00"]["priority"]) > int(conf["program:trainer"]["priority"])
+
+
+def test_embedded_redis_starts_with_aof_and_keeps_data_across_restart(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path)
+    r = server.start()
+    assert r.config_get("appendonly") == {"appendonly": "yes"}
+    r.set("k", "v")
+    r.close()
+    assert server.stop() == 0
+    assert any((tmp_path / "redis").rglob("*.aof"))
+    with EmbeddedRedis(tmp_path) as again:
+        client = redis.Redis.from_url(again.url)
+        assert client.get("k") == b"v"
+        client.close()
+
+
+def test_supervisord_lifecycle_with_standin_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = load_config("pipeline.yaml", [f"run.dir={tmp_path}", "run.name=life", "rollout.num_producers=2"])
+    plan = plan_run(cfg)
+    standin = tmp_path / "standin.py"
+    standin.write_text(STANDIN)
+    for p in plan.programs:
+        if p.name != "redis":
+            p.argv = [sys.executable, str(standin), "5" if p.name == "trainer" else "0"]
+    plan.conf_path.write_text(render_supervisord_conf(plan.run_dir, plan.programs, Path.cwd()))
+    start_supervisord(plan)
+    try:
+        start_run(plan, cfg)
+        client = redis.Redis.from_url(plan.redis_url)
+        assert client.get(Keys("life").setup) == b"1"
+        assert client.xinfo_groups(Keys("life").rollouts)[0]["name"] == b"trainer"
+        client.close()
+        logs = [plan.run_dir / "logs" / f"{n}.log" for n in plan.workers]
+        deadline = time.monotonic() + 20
+        while not all(f.is_file() and "up " in f.read_text() for f in logs) and time.monotonic() < deadline:
+            time.sleep(0.05)  # stand-ins install their SIGTERM handler before printing "up"
+        states = {s["name"]: s["statename"] for s in process_states(plan.run_dir) or []}
+        assert set(states) == {"redis", "aggregator", "trainer", "rollout_00", "rollout_01"}
+        assert main(["status", "--run-dir", str(plan.run_dir)]) == 0
+        assert "rollout_01" in capsys.readouterr().out
+    finally:
+        code = main(["stop", "--run-dir", str(plan.run_dir)])
+    out = capsys.readouterr().out
+    assert code == 1  # the stand-in trainer exits 5 on SIGTERM
+    assert "trainer      exit 5" in out and "rollout_00   exit 0" in out and "redis        exit 0" in out
+    assert process_states(plan.run_dir) is None
+    assert "up rollout_01 unix://" in (plan.run_dir / "logs" / "rollout_01.log").read_text()
+    with pytest.raises(Exception, match="no supervisord"):
+        stop_run(plan.run_dir)

@@ -1,0 +1,440 @@
+"""The rollout producer against a real Redis: what it publishes, weight swaps, pacing with several
+producers, tool calls, the HF weight round trip, and crash / SIGTERM behaviour of the worker process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from producers.sync import WeightSync
+from producers.worker import Producer, producer_seed
+from rollstream.bus import setup_run
+from rollstream.config import PipelineConfig, load_config
+from rollstream.factory import build_policy, build_prompt_source
+from rollstream.model import CharTokenizer, Trajectory, build_batch
+from rollstream.names import Keys
+from rollstream.pacing import grant_budget, outstanding, record_consumed
+from rollstream.tasks import calculate
+from rollstream.weights import producer_versions, publish_weights
+from rollstream.worker import EXIT_OK, WorkerContext
+from schemas import ProducerStats, RolloutSample, decode
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINE = ROOT / "pipeline.yaml"
+
+# Small and fast on 2 CPU cores.
+SMALL = [
+    "run.device=cpu",
+    "model.d_model=32",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.max_seq_len=32",
+    "data.epoch_size=64",
+    "data.val_size=4",
+    "data.max_response_length=6",
+    "data.train_batch_size=4",
+    "trainer.parameter_sync_step=2",
+    "actor.ppo_mini_batch_size=2",
+    "rollout.n=4",
+    "rollout.prompts_per_dispatch=2",
+    "rollout.stats_every_s=60",
+]
+
+
+def small_cfg(keys: Keys, *overrides: str) -> PipelineConfig:
+    """pipeline.yaml shrunk for tests, on the test's run namespace."""
+    return load_config(PIPELINE, [*SMALL, f"run.name={keys.run}", *overrides])
+
+
+def context(cfg: PipelineConfig, keys: Keys, name: str, redis_url: str) -> WorkerContext:
+    """A WorkerContext with its own Redis client (what start_worker builds, minus argv and signals)."""
+    return WorkerContext(cfg=cfg, name=name, keys=keys, r=redis.Redis.from_url(redis_url, socket_timeout=10))
+
+
+def publish(r: redis.Redis, keys: Keys, version: int, blob: bytes, grant: int | None = None) -> None:
+    """Play the trainer: publish `blob` as `version`, then grant it `grant` dispatches of budget."""
+    publish_weights(r, keys, version, blob, global_step=version, inline_max_bytes=1 << 30)
+    if grant is not None:
+        grant_budget(r, keys, version, grant)
+
+
+def start_run(r: redis.Redis, keys: Keys, blob: bytes, grant: int) -> None:
+    """Set up the run's streams and publish version 0 with a budget."""
+    setup_run(r, keys)
+    publish(r, keys, 0, blob, grant)
+
+
+def samples(r: redis.Redis, keys: Keys) -> list[RolloutSample]:
+    """Every RolloutSample on the rollouts stream, decoded, in log order."""
+    rows: Any = r.xrange(keys.rollouts)
+    out = [decode(fields) for _, fields in rows]
+    assert all(isinstance(s, RolloutSample) for s in out)
+    return out  # type: ignore[return-value]
+
+
+def producer_stats(r: redis.Redis, keys: Keys) -> list[ProducerStats]:
+    """Every ProducerStats event on the metrics stream."""
+    rows: Any = r.xrange(keys.metrics)
+    return [ev for ev in (decode(f) for _, f in rows) if isinstance(ev, ProducerStats)]
+
+
+def dispatch_log(r: redis.Redis, keys: Keys) -> list[dict[str, str]]:
+    """The dispatch_log entries as str dicts."""
+    rows: Any = r.xrange(keys.dispatch_log)
+    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in rows]
+
+
+def build_blob(cfg: PipelineConfig, seed: int) -> bytes:
+    """Weights of a freshly initialised policy of `cfg`'s shape with another seed."""
+    return build_policy(cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": seed})})).state_dict_bytes()
+
+
+def masked_logprob_error(policy: Any, s: RolloutSample) -> torch.Tensor:
+    """|stored behaviour log-prob - fresh forward| per response token [n,R] (0 where response_mask is 0)."""
+    t = s.full_batch.tensors
+    R = t["responses"].shape[1]
+    with torch.no_grad():
+        fresh = policy.log_probs(torch.tensor(t["input_ids"]), torch.tensor(t["attention_mask"]), R)
+    return (fresh - torch.tensor(t["rollout_log_probs"])).abs() * torch.tensor(t["response_mask"])
+
+
+# ---- what a producer publishes -------------------------------------------------------------------
+
+
+def test_published_samples_are_what_was_generated(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+    cfg = small_cfg(keys)
+    policy = build_policy(cfg)
+    start_run(r, keys, policy.state_dict_bytes(), grant=cfg.max_outstanding)
+    producer = Producer(context(cfg, keys, "rollout_01", redis_url))
+
+    assert producer.run(max_dispatches=1) == 1
+
+    got = samples(r, keys)
+    assert len(got) == cfg.rollout.prompts_per_dispatch
+    # Replaying the same prompts with the producer's seed gives exactly the published tokens.
+    tok = policy.tokenizer
+    texts = [s.full_batch.non_tensors["raw_prompt"][0] for s in got]
+    gen = torch.Generator().manual_seed(producer_seed(cfg.run.seed, 1))
+    replay = policy.generate(
+        [tok.encode(t, add_bos=True) for t in texts], n=cfg.rollout.n,
+        max_new_tokens=cfg.data.max_response_length, generator=gen,
+    )
+    n = cfg.rollout.n
+    for k, s in enumerate(got):
+        t = s.full_batch.tensors
+        assert s.n == n and s.producer == "rollout_01" and s.param_version == 0
+        assert set(s.full_batch.non_tensors["uid"]) == {s.sample_id}
+        P = t["prompts"].shape[1]
+        assert (t["input_ids"] == np.concatenate([t["prompts"], t["responses"]], 1)).all()
+        for i in range(n):
+            want = replay[k * n + i]
+            length = int(t["response_mask"][i].sum())
+            assert t["responses"][i, :length].tolist() == want.response_ids
+            assert (t["responses"][i, length:] == 0).all()
+            assert s.full_batch.non_tensors["response_text"][i] == tok.decode(want.response_ids)
+            assert t["prompts"][i][t["attention_mask"][i, :P] == 1].tolist() == want.prompt_ids
+            assert s.agent_loop_output_list[i]["finished"] == want.finished
+        assert float(masked_logprob_error(policy, s).max()) < 1e-4
+        assert s.param_version_start == s.param_version_end == [0] * n
+        assert s.rollout_status["dispatched"] == cfg.rollout.prompts_per_dispatch
+    # Budget bookkeeping: published prompts stay outstanding until consumed; none in flight.
+    assert outstanding(r, keys) == cfg.rollout.prompts_per_dispatch
+    assert int(r.hget(keys.producer_inflight, "rollout_01") or 0) == 0
+    assert r.hget(keys.producer_cursor, "rollout_01") is not None
+    assert producer_versions(r, keys) == {"rollout_01": 0}
+    stats = producer_stats(r, keys)
+    assert stats and stats[-1].samples == len(got) and stats[-1].tokens == sum(s.num_tokens for s in got)
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_new_version_mid_generation(r: redis.Redis, keys: Keys, redis_url: str, partial: bool) -> None:
+    cfg = small_cfg(keys, f"rollout.partial_rollout={partial}", "rollout.sync_every_tokens=2",
+                    "data.max_response_length=8")
+    start_run(r, keys, build_blob(cfg, 0), grant=cfg.rollout.prompts_per_dispatch)
+    producer = Producer(context(cfg, keys, "rollout_00", redis_url))
+    v1 = build_blob(cfg, 1)
+
+    # The fake trainer publishes (and grants) version 1 while the first dispatch is generating:
+    # from the first weight check inside generate, or as generate starts when there is none.
+    generate = producer.policy.generate
+    published: list[bool] = []
+
+    def publish_once() -> None:
+        if not published:
+            publish(r, keys, 1, v1, grant=cfg.max_outstanding)
+            published.append(True)
+
+    def generate_with_trainer(*args: Any, **kwargs: Any) -> Any:
+        on_chunk = kwargs.get("on_chunk")
+        if on_chunk is None:
+            publish_once()
+        else:
+            kwargs["on_chunk"] = lambda: (publish_once(), on_chunk())[1]
+        return generate(*args, **kwargs)
+
+    producer.policy.generate = generate_with_trainer  # type: ignore[method-assign]
+    assert producer.run(max_dispatches=2) == 2
+
+    got = samples(r, keys)
+    first, second = got[:2], got[2:]
+    assert [s.param_version for s in got] == [0, 0, 1, 1]  # stamped at dispatch
+    starts = [v for s in first for v in s.param_version_start]
+    ends = [v for s in first for v in s.param_version_end]
+    assert set(starts) == {0}
+    if partial:
+        assert 1 in ends  # weights changed mid-trajectory: start < end
+        swapped = sum(int(a < b) for s in first for a, b in zip(s.param_version_start, s.param_version_end, strict=True))
+        assert second[0].rollout_status["partial_swaps"] == swapped > 0
+        v0_policy, v1_policy = build_policy(cfg), build_policy(cfg)
+        v1_policy.load_state_dict_bytes(v1)
+        for s in first:
+            err0, err1 = masked_logprob_error(v0_policy, s), masked_logprob_error(v1_policy, s)
+            mask = torch.tensor(s.full_batch.tensors["response_mask"]).bool()
+            # every behaviour log-prob is the one of the weights that sampled it
+            assert bool(((err0 < 1e-4) | (err1 < 1e-4))[mask].all())
+            for i, end in enumerate(s.param_version_end):
+                last = int(mask[i].sum()) - 1
+                assert float((err1 if end == 1 else err0)[i, last]) < 1e-4
+                assert float(err0[i, 0]) < 1e-4
+    else:
+        assert set(ends) == {0}  # unfinished work finished under the old weights
+    for s in second:
+        assert s.param_version_start == s.param_version_end == [1] * s.n
+    # The switch reported the window of the version left.
+    stats = producer_stats(r, keys)
+    assert stats[0].param_version == 0 and 0 in stats[0].versions_in_use
+    assert stats[-1].param_version == 1
+
+
+# ---- pacing with several producers ---------------------------------------------------------------
+
+
+def test_three_producers_respect_the_budget(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+    cfg = small_cfg(keys, "rollout.num_producers=3", "rollout.n=2", "data.max_response_length=4",
+                    "rollout.staleness_threshold=0.5")
+    tbs, bound = cfg.data.train_batch_size, cfg.max_outstanding
+    assert bound == 6
+    blob = build_blob(cfg, 0)
+    start_run(r, keys, blob, grant=bound)
+    producers = [Producer(context(cfg, keys, f"rollout_{i:02d}", redis_url)) for i in range(3)]
+    errors: list[BaseException] = []
+
+    def work(p: Producer) -> None:
+        try:
+            p.run()
+        except BaseException as e:  # surfaced by the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(p,), daemon=True) for p in producers]
+    for t in threads:
+        t.start()
+    # Fake trainer: consume samples in global steps of train_batch_size; publish + grant after each.
+    version, pending, last_id = 0, 0, "0-0"
+    deadline = time.monotonic() + 60
+    try:
+        while version < 5 and not errors:
+            assert time.monotonic() < deadline, "producers stalled"
+            reply: Any = r.xread({keys.rollouts: last_id}, block=100)
+            for _, entries in reply or []:
+                last_id, pending = entries[-1][0], pending + len(entries)
+            while pending >= tbs:
+                record_consumed(r, keys, tbs)
+                pending -= tbs
+                version += 1
+                publish(r, keys, version, blob, grant=bound)
+    finally:
+        for p in producers:
+            p.ctx.stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors
+
+    log = dispatch_log(r, keys)
+    granted = {int(e["version"]): int(e["amount"]) for e in log if e["op"] == "grant"}
+    taken: dict[int, int] = {}
+    for e in log:
+        if e["op"] == "take":
+            taken[int(e["version"])] = taken.get(int(e["version"]), 0) + int(e["amount"])
+            assert int(e["outstanding"]) <= bound
+    assert set(granted) == set(range(version + 1))
+    assert all(taken.get(v, 0) <= granted[v] for v in granted), (granted, taken)
+    assert {e["producer"] for e in log if e["op"] == "take"} == {"rollout_00", "rollout_01", "rollout_02"}
+    # Everything dispatched was published (SIGTERM-like stop finishes the dispatch), once each.
+    got = samples(r, keys)
+    assert len({s.sample_id for s in got}) == len(got) == sum(taken.values())
+    assert outstanding(r, keys) <= bound
+    by_producer: dict[str, set[str]] = {}
+    for s in got:
+        by_producer.setdefault(s.producer, set()).add(s.full_batch.non_tensors["raw_prompt"][0])
+    a, b, c = by_producer.values()
+    assert not (a & b or a & c or b & c)  # disjoint prompt shards
+    assert any(p.counters.idle_s > 0 for p in producers)  # budget, not the producers, set the pace
+
+
+# ---- the tool agent ------------------------------------------------------------------------------
+
+
+class ScriptedToolPolicy:
+    """A fake model: turn 1 writes `[calc:EXPR]` (then junk to be cut), turn 2 copies the tool result."""
+
+    def __init__(self) -> None:
+        self.tokenizer = CharTokenizer()
+        self.max_seq_len = 64
+        self.calls: list[list[str]] = []
+        self.loaded: list[bytes] = []
+
+    def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, **kwargs: Any) -> list[Trajectory]:
+        out, texts = [], []
+        for p in prompts:
+            text = self.tokenizer.decode(p)
+            texts.append(text)
+            if "[=" in text:
+                ids = self.tokenizer.encode(text.rsplit("[=", 1)[1].split("]")[0]) + [self.tokenizer.eos_id]
+            else:
+                ids = self.tokenizer.encode(f"[calc:{text.split('=')[0]}]xx")
+            ids = ids[:max_new_tokens]
+            for _ in range(n):
+                out.append(Trajectory(list(p), list(ids), [-0.5] * len(ids), ids[-1] == self.tokenizer.eos_id))
+        self.calls.append(texts)
+        return out
+
+    def load_state_dict_bytes(self, blob: bytes) -> None:
+        self.loaded.append(blob)
+
+
+def test_tool_agent_records_tool_calls(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+    cfg = small_cfg(keys, "data.task=arith", "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3",
+                    "data.max_response_length=20", "rollout.n=2")
+    start_run(r, keys, b"scripted weights", grant=cfg.max_outstanding)
+    fake = ScriptedToolPolicy()
+    producer = Producer(context(cfg, keys, "rollout_00", redis_url), policy=fake)  # type: ignore[arg-type]
+    assert producer.run(max_dispatches=1) == 1
+    assert fake.loaded == [b"scripted weights"] and len(fake.calls) == 2  # two turns, then done
+
+    got = samples(r, keys)
+    assert len(got) == cfg.rollout.prompts_per_dispatch
+    tok = fake.tokenizer
+    for s in got:
+        expr = s.full_batch.non_tensors["raw_prompt"][0].split("=")[0]
+        value = calculate(expr)
+        call, result, answer = f"[calc:{expr}]", f"[={value}]", str(value)
+        assert list(s.full_batch.non_tensors["response_text"]) == [call + result + answer] * s.n
+        assert len(s.tool_calls) == s.n and all(0 <= x < 1 for x in s.tool_calls)
+        t = s.full_batch.tensors
+        mask = [1] * len(call) + [0] * len(result) + [1] * (len(answer) + 1)
+        for i in range(s.n):
+            assert t["response_mask"][i, : len(mask)].tolist() == mask
+            assert tok.decode(t["responses"][i][t["response_mask"][i] == 0]) == result
+            assert (t["rollout_log_probs"][i][np.array(mask) == 0] == 0).all()
+            assert np.allclose(t["rollout_log_probs"][i][np.array(mask) == 1], -0.5)
+            assert s.agent_loop_output_list[i]["num_turns"] == 2 and s.agent_loop_output_list[i]["finished"]
+        assert t["rewards"].tolist() == [1.0] * s.n
+        assert s.num_tokens == s.n * (len(call) + len(answer) + 1)
+
+
+# ---- the HF backend's weights through the bus ----------------------------------------------------
+
+
+def test_hf_weights_round_trip(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from rollstream.model.hf import HFPolicy, make_tiny_hf_model
+
+    trained = HFPolicy.from_pretrained(make_tiny_hf_model(tmp_path / "a", seed=0), device="cpu")
+    other = HFPolicy.from_pretrained(make_tiny_hf_model(tmp_path / "b", seed=1), device="cpu")
+    ids, mask, R = build_batch([[1, 5, 6, 7], [1, 8]], [[9, 10, 2], [11]], 0)
+    with torch.no_grad():
+        want, before = trained.log_probs(ids, mask, R), other.log_probs(ids, mask, R)
+    assert not torch.equal(want, before)
+
+    publish_weights(r, keys, 0, trained.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
+    sync = WeightSync(r, keys, other, "rollout_00")
+    assert sync.refresh() and sync.version == 0
+    with torch.no_grad():
+        assert torch.equal(other.log_probs(ids, mask, R), want)
+    assert not sync.refresh()  # nothing newer
+
+
+# ---- the worker process --------------------------------------------------------------------------
+
+# Big enough that a dispatch takes seconds, so the process can be signalled between take and publish.
+SLOW = ["model.d_model=64", "model.n_layer=2", "model.n_head=4", "rollout.n=64", "rollout.prompts_per_dispatch=8",
+        "data.max_response_length=24", "rollout.partial_rollout=false"]
+# The same model, restarted in-process with a small amount of work.
+RESTART = [*SLOW, "rollout.n=2", "rollout.prompts_per_dispatch=2", "data.max_response_length=4"]
+
+
+def spawn_producer(keys: Keys, redis_url: str, *overrides: str) -> subprocess.Popen[bytes]:
+    """`python -m producers` as rollout_00 on the test run."""
+    args = [sys.executable, "-m", "producers", str(PIPELINE), *SMALL, *SLOW, f"run.name={keys.run}",
+            f"run.redis_url={redis_url}", *overrides, "--name", "rollout_00"]
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_for_take(r: redis.Redis, keys: Keys, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> int:
+    """Block until the process took budget; returns the amount taken."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        takes = [e for e in dispatch_log(r, keys) if e["op"] == "take"]
+        if takes:
+            return int(takes[0]["amount"])
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        time.sleep(0.01)
+    raise AssertionError("producer never took budget")
+
+
+def test_sigterm_finishes_and_publishes_the_dispatch(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+    cfg = small_cfg(keys, *SLOW)
+    start_run(r, keys, build_blob(cfg, 0), grant=1000)
+    proc = spawn_producer(keys, redis_url)
+    try:
+        taken = wait_for_take(r, keys, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_OK, err.decode()[-2000:]
+    got = samples(r, keys)
+    assert len(got) == taken == cfg.rollout.prompts_per_dispatch  # finished, published, took no more
+    assert int(r.hget(keys.producer_inflight, "rollout_00") or 0) == 0
+    # A restart resumes after the published prompts (the cursor moved with the publish).
+    restarted = Producer(context(small_cfg(keys, *RESTART), keys, "rollout_00", redis_url))
+    assert restarted.run(max_dispatches=1) == 1 and restarted.counters.released_on_start == 0
+    before = {s.full_batch.non_tensors["raw_prompt"][0] for s in got}
+    after = {s.full_batch.non_tensors["raw_prompt"][0] for s in samples(r, keys)[len(got):]}
+    assert after and not before & after
+
+
+def test_sigkill_before_publish_is_released_on_restart(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+    cfg = small_cfg(keys, *SLOW)
+    start_run(r, keys, build_blob(cfg, 0), grant=1000)
+    proc = spawn_producer(keys, redis_url)
+    try:
+        taken = wait_for_take(r, keys, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert r.xlen(keys.rollouts) == 0, "killed too late: the dispatch was already published"
+    assert outstanding(r, keys) == taken > 0
+    assert r.hget(keys.producer_cursor, "rollout_00") is None
+
+    restarted = Producer(context(small_cfg(keys, *RESTART), keys, "rollout_00", redis_url))
+    assert restarted.start()
+    assert restarted.counters.released_on_start == taken
+    assert outstanding(r, keys) == 0
+    assert [e for e in dispatch_log(r, keys) if e["op"] == "release"][0]["amount"] == str(taken)
+    # Nothing was skipped: the restarted producer draws its shard from the start again.
+    assert restarted.run(max_dispatches=1) == 1
+    shard = build_prompt_source(cfg).shard(0, cfg.rollout.num_producers)
+    first = [p.text for _, _, p in shard.take(restarted.ctx.cfg.rollout.prompts_per_dispatch)]
+    assert [s.full_batch.non_tensors["raw_prompt"][0] for s in samples(r, keys)] == first

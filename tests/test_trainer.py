@@ -1,0 +1,249 @@
+"""The trainer worker end to end (subprocess) against a fake paced producer on real Redis.
+
+The log must prove: every published sample_id ends exactly once in `fates` (trained or dropped) or in
+`dead`, or is still unacked in the rollouts stream; none is trained twice; step_end global steps are
+1..N once each; `params` has versions 0..N; outstanding prompts never exceeded max_outstanding.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from rollstream.fake import fake_rollout_sample
+from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.pacing import mark_published, take_budget
+from rollstream.weights import latest_param_version
+from schemas import DeadLetter, ParamVersion, StepMetrics, ValidateMetrics, decode, encode
+
+ROOT = Path(__file__).resolve().parent.parent
+TBS = 4
+MAX_OUTSTANDING = 2 * TBS  # staleness_threshold=1
+
+
+def trainer_args(keys: Keys, redis_url: str, run_dir: Path, steps: int) -> list[str]:
+    return [
+        sys.executable, "-m", "consumers.trainer", "pipeline.yaml",
+        f"run.name={keys.run}", f"run.redis_url={redis_url}", f"run.dir={run_dir}", "run.device=cpu",
+        "model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32",
+        f"data.train_batch_size={TBS}", "actor.ppo_mini_batch_size=2", "trainer.parameter_sync_step=2",
+        "rollout.staleness_threshold=1", "trainer.max_off_policy_threshold=1",
+        f"trainer.total_global_steps={steps}", "trainer.test_freq=2", "data.val_size=4", "data.epoch_size=32",
+        "bus.block_ms=100", "--name", "trainer",
+    ]
+
+
+class FakeProducer(threading.Thread):
+    """Takes budget for the newest version, publishes fake samples stamped with it; the 5th is corrupt.
+    `cap[v]` limits how many prompts it dispatches for version v (until the cap is removed)."""
+
+    def __init__(self, r: redis.Redis, keys: Keys) -> None:
+        super().__init__(daemon=True)
+        self.r, self.keys = r, keys
+        self.stop = threading.Event()
+        self.cap: dict[int, int] = {}
+        self.taken: dict[int, int] = {}
+        self.published: list[str] = []
+        self.corrupt: list[str] = []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            pv = latest_param_version(self.r, self.keys)
+            if pv is None:
+                time.sleep(0.02)
+                continue
+            v = pv.version
+            want = 2
+            if v in self.cap:
+                want = min(want, self.cap[v] - self.taken.get(v, 0))
+            take = take_budget(self.r, self.keys, v, want, "fake") if want > 0 else None
+            if take is None or take.amount <= 0:
+                time.sleep(0.02)
+                continue
+            self.taken[v] = self.taken.get(v, 0) + take.amount
+            pipe = self.r.pipeline(transaction=True)
+            for _ in range(take.amount):
+                sid = f"fake-{len(self.published):04d}"
+                sample = fake_rollout_sample(sid, param_version=v, n=4, prompt_len=6, response_len=8,
+                                             seed=len(self.published))
+                fields: dict[str, Any] = encode(sample)
+                if len(self.published) == 4:
+                    fields["payload"] = b"\xc1 not msgpack"
+                    self.corrupt.append(sid)
+                pipe.xadd(self.keys.rollouts, fields)
+                self.published.append(sid)
+            mark_published(pipe, self.keys, "fake", take.amount)
+            pipe.execute()
+
+
+def events(r: redis.Redis, stream: str) -> list[Any]:
+    return [decode(f) for _, f in r.xrange(stream)]
+
+
+def check_invariants(r: redis.Redis, keys: Keys, producer: FakeProducer, steps: int) -> dict[str, int]:
+    fates = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.fates)]
+    fate_ids = [f["sample_id"] for f in fates]
+    assert len(fate_ids) == len(set(fate_ids)), "a sample id was consumed twice"
+    dead_ids = [ev.fields["sample_id"].decode() for ev in events(r, keys.dead) if isinstance(ev, DeadLetter)]
+    assert dead_ids == producer.corrupt
+    assert not set(fate_ids) & set(dead_ids)
+    # whatever is not in fates/dead is still unacked (pending or never delivered): nothing lost
+    pending_ids = {p["message_id"] for p in r.xpending_range(keys.rollouts, TRAINER_GROUP, "-", "+", 10_000)}
+    info = {g["name"]: g for g in r.xinfo_groups(keys.rollouts)}[TRAINER_GROUP.encode()]
+    last = tuple(int(x) for x in info["last-delivered-id"].split(b"-"))
+    unacked = {
+        f[b"sample_id"].decode()
+        for eid, f in r.xrange(keys.rollouts)
+        if eid in pending_ids or tuple(int(x) for x in eid.split(b"-")) > last
+    }
+    ended = set(fate_ids) | set(dead_ids)
+    assert not ended & unacked, "a committed sample is still pending"
+    assert set(producer.published) == ended | unacked, "a published sample id was lost"
+    # step_end exactly once per step, consecutive
+    metrics = events(r, keys.metrics)
+    ends = [ev.global_step for ev in metrics if isinstance(ev, StepMetrics) and ev.type == "step_end"]
+    assert ends == list(range(1, steps + 1))
+    updates = [ev for ev in metrics if isinstance(ev, StepMetrics) and ev.type == "local_update"]
+    assert {ev.global_step for ev in updates} == set(range(1, steps + 1))
+    vals = sorted(ev.param_version for ev in metrics if isinstance(ev, ValidateMetrics))
+    assert vals[0] == 0 and set(range(0, steps + 1, 2)) <= set(vals)
+    # params has 0..N; the budget bound held at every take
+    versions = {ev.version for ev in events(r, keys.params) if isinstance(ev, ParamVersion)}
+    assert versions == set(range(steps + 1))
+    for _, f in r.xrange(keys.dispatch_log):
+        assert int(f[b"outstanding"]) <= MAX_OUTSTANDING, f
+    assert int(r.get(keys.consumed)) == len(fate_ids) + len(dead_ids)
+    # every trained sample was within the threshold, every dropped one beyond it
+    for f in fates:
+        assert (int(f["staleness"]) <= 1) == (f["fate"] == "trained"), f
+    assert r.hget(keys.trainer, "committed_step") == str(steps).encode()
+    return {
+        "trained": sum(f["fate"] == "trained" for f in fates),
+        "dropped": sum(f["fate"] == "dropped" for f in fates),
+        "updates": len(updates),
+    }
+
+
+@pytest.fixture
+def producer(r: redis.Redis, keys: Keys) -> Any:
+    p = FakeProducer(r, keys)
+    p.start()
+    yield p
+    p.stop.set()
+    p.join(5)
+
+
+def test_trainer_run_keeps_every_sample_exactly_once(
+    r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path, producer: FakeProducer
+) -> None:
+    proc = subprocess.run(trainer_args(keys, redis_url, tmp_path, 4), cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = check_invariants(r, keys, producer, 4)
+    assert counts["trained"] == 4 * TBS and counts["dropped"] > 0 and counts["updates"] == 8
+    assert len(list((tmp_path / keys.run / "checkpoints").iterdir())) == 2
+
+
+def _wait_for_local_update(r: redis.Redis, keys: Keys, step: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        evs = events(r, keys.metrics)
+        if any(isinstance(e, StepMetrics) and e.type == "local_update" and e.global_step == step for e in evs):
+            assert not any(isinstance(e, StepMetrics) and e.type == "step_end" and e.global_step == step for e in evs)
+            return
+        assert proc.poll() is None, "trainer exited early"
+        time.sleep(0.05)
+    raise AssertionError(f"no local_update for step {step} within {timeout_s}s")
+
+
+def test_trainer_sigkill_mid_step_then_restart_loses_and_repeats_nothing(
+    r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path, producer: FakeProducer
+) -> None:
+    producer.cap[1] = 2  # version 1 gets only enough for step 2's first local update
+    args = trainer_args(keys, redis_url, tmp_path, 4)
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_local_update(r, keys, 2, proc, 60)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert r.hget(keys.trainer, "committed_step") == b"1"
+    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] > 0  # step 2's samples were not acked
+    del producer.cap[1]
+    proc2 = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    counts = check_invariants(r, keys, producer, 4)
+    assert counts["trained"] == 4 * TBS
+    if os.environ.get("TRAINER_DIAG"):
+        print(proc2.stderr[-6000:], counts)
+
+
+def test_bad_train_batch_size_is_refused_with_the_three_values(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "consumers.trainer", "pipeline.yaml", "data.train_batch_size=3", f"run.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    for part in ("data.train_batch_size=3", "trainer.parameter_sync_step=2", "actor.ppo_mini_batch_size=8"):
+        assert part in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_trainer_with_real_producers(r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path) -> None:
+    """Two real producer processes and the trainer: the same invariants hold on the log."""
+    if not (ROOT / "producers" / "worker.py").exists():
+        pytest.skip("producers not written yet")
+    steps = 3
+    args = trainer_args(keys, redis_url, tmp_path, steps)
+    common = [a for a in args[4:] if "=" in a] + [
+        "rollout.n=2", "rollout.num_producers=2", "rollout.prompts_per_dispatch=2", "data.max_response_length=4",
+        "rollout.stats_every_s=1",
+    ]
+    prods = [
+        subprocess.Popen([sys.executable, "-m", "producers", "pipeline.yaml", *common, "--name", f"rollout_{i:02d}"],
+                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+    try:
+        trainer = subprocess.run([*args[:4], *common, "--name", "trainer"], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=150)
+    finally:
+        for p in prods:
+            p.send_signal(signal.SIGTERM)
+        errs = [p.communicate(timeout=30)[1] for p in prods]
+    assert trainer.returncode == 0, trainer.stderr[-3000:]
+    assert [p.returncode for p in prods] == [0, 0], [e[-2000:] for e in errs]
+
+    published = [f[b"sample_id"].decode() for _, f in r.xrange(keys.rollouts)]
+    fake = FakeProducer(r, keys)
+    fake.published = published
+    counts = check_invariants(r, keys, fake, steps)
+    assert counts["trained"] == steps * TBS
+
+
+def test_sigterm_while_waiting_for_samples_exits_0(r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path) -> None:
+    proc = subprocess.Popen(trainer_args(keys, redis_url, tmp_path, 2), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while r.hget(keys.trainer, "heartbeat") is None:  # version 0 published, now polling for samples
+            assert proc.poll() is None and time.monotonic() < deadline, "trainer did not start"
+            time.sleep(0.05)
+        assert latest_param_version(r, keys) is not None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert r.hget(keys.trainer, "committed_step") is None

@@ -1,0 +1,147 @@
+"""Trainer pieces: staleness edges, checkpoint round trip, idempotent commit, one learner update."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import redis
+import torch
+
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
+from consumers.trainer.learner import Learner
+from consumers.trainer.ledger import DROPPED, TRAINED, Fate, StepLedger, commit_steps, committed_sample_ids
+from consumers.trainer.staleness import dropped_metrics, is_stale, staleness
+from rollstream.bus import setup_run
+from rollstream.config import load_config
+from rollstream.fake import fake_rollout_sample
+from rollstream.names import TRAINER_GROUP, Keys
+from schemas import StepMetrics, decode, encode
+
+TINY = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu"]
+
+
+def test_staleness_threshold_keeps_k_and_drops_k_plus_one() -> None:
+    k = 2
+    assert staleness(global_step=5, param_version=4) == 1  # on-policy
+    assert not is_stale(5, 5 - k, k)  # staleness == k: kept
+    assert is_stale(5, 5 - k - 1, k)  # staleness == k+1: dropped
+    assert dropped_metrics([]) == {"training/off_policy/dropped_samples": 0.0}
+    m = dropped_metrics([3, 5])
+    assert m["training/off_policy/dropped_samples"] == 2
+    assert m["training/off_policy/dropped_samples_staleness/mean"] == 4
+    assert m["training/off_policy/dropped_samples_staleness/max"] == 5
+    assert m["training/off_policy/dropped_samples_staleness/min"] == 3
+
+
+def _batch(n_samples: int = 2) -> object:
+    samples = [fake_rollout_sample(f"s{i}", n=4, prompt_len=5, response_len=6, seed=i) for i in range(n_samples)]
+    return assemble_batch_from_rollout_samples(samples)[0]
+
+
+def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path: Path) -> None:
+    cfg = load_config(None, TINY + ["actor.ppo_mini_batch_size=2", "data.train_batch_size=4"])
+    a = Learner(cfg)
+    a.update(_batch())  # non-trivial optimizer state
+    torch.manual_seed(123)
+    np.random.seed(7)
+    random.seed(9)
+    meta = {"param_version": 1, "steps": [{"anything": [1, 2]}]}
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, a.policy, a.optimizer, meta)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]  # keeps the last 2
+    expected_draws = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
+
+    b = Learner(cfg)  # fresh weights and an empty optimizer
+    torch.manual_seed(0)
+    got = load_latest_checkpoint(tmp_path, b.policy, b.optimizer)
+    assert got is not None and got["global_step"] == 3 and got["steps"] == [{"anything": [1, 2]}]
+    for (na, pa), (nb, pb) in zip(a.policy.module.named_parameters(), b.policy.module.named_parameters(), strict=True):
+        assert na == nb and torch.equal(pa, pb)
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["param_groups"] == [dict(g, betas=tuple(g["betas"])) for g in sb["param_groups"]]
+    for idx, state in sa["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, sb["state"][idx][name]), (idx, name)
+    draws = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
+    assert torch.equal(draws[0], expected_draws[0])
+    np.testing.assert_array_equal(draws[1], expected_draws[1])
+    assert draws[2] == expected_draws[2]
+    # the same next update from both
+    ma, mb = a.update(_batch()), b.update(_batch())
+    assert ma["actor/pg_loss"] == mb["actor/pg_loss"] and ma["actor/grad_norm"] == mb["actor/grad_norm"]
+
+
+def test_learner_update_reports_metrics_and_changes_weights() -> None:
+    cfg = load_config(None, TINY + ["actor.ppo_mini_batch_size=2", "data.train_batch_size=4", "actor.kl_coef=0.1"])
+    learner = Learner(cfg)
+    before = learner.policy.state_dict_bytes()
+    learner.begin_step()
+    m = learner.update(_batch())
+    assert learner.policy.state_dict_bytes() != before
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/lr", "actor/kl_loss",
+                "critic/rewards/mean", "response_length/mean", "perf/total_num_tokens",
+                "global_seqlen/min", "global_seqlen/max", "timing_s/update_actor", "timing_s/old_log_prob"):
+        assert np.isfinite(m[key]), key
+    assert m["perf/total_num_tokens"] == 8 * 11  # 8 rows of 5 prompt + 6 response tokens
+    # first update of a step: prox == current weights, so the behaviour weight is pi_prox/pi_behave only
+    assert m["actor/behave_imp_weight_mean"] > 0
+
+
+def test_commit_is_atomic_and_a_replay_is_harmless(r: redis.Redis, keys: Keys) -> None:
+    setup_run(r, keys)
+    ids = [r.xadd(keys.rollouts, encode(fake_rollout_sample(f"s{i}", n=1))).decode() for i in range(3)]
+    r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts: ">"})
+    ledger = StepLedger(
+        1,
+        fates=[Fate("s0", ids[0], TRAINED, 1, 0), Fate("s1", ids[1], TRAINED, 1, 0), Fate("s2", ids[2], DROPPED, 3, -2)],
+        ack_ids=ids,
+        step_end=StepMetrics(type="step_end", global_step=1, local_step=2, sample_count=2, num_local_updates=2),
+    )
+    commit_steps(r, keys, [ledger], param_version=1)
+    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+    assert [e[0] for e in r.xrange(keys.fates)] == [b"1-1", b"1-2", b"1-3"]
+    assert committed_sample_ids(r, keys) == {"s0", "s1", "s2"}
+    assert int(r.get(keys.consumed)) == 3
+    assert r.hget(keys.trainer, "committed_step") == b"1"
+    ends = [decode(f) for _, f in r.xrange(keys.metrics) if f[b"type"] == b"step_end"]
+    assert len(ends) == 1 and ends[0].global_step == 1
+    # replaying the same commit: fates refused by Redis, nothing raised, nothing double-written
+    commit_steps(r, keys, [StepLedger.from_plain(ledger.to_plain())], param_version=1)
+    assert r.xlen(keys.fates) == 3
+    assert int(r.get(keys.consumed)) == 3  # consumed_step guards the count
+    assert sum(1 for _, f in r.xrange(keys.metrics) if f[b"type"] == b"step_end") == 1
+
+
+def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
+    r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    import threading
+
+    from consumers.trainer.loop import Trainer
+    from rollstream.pacing import current_budget
+    from schemas import ParamVersion
+
+    cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "trainer.test_freq=0",
+                                    "actor.ppo_mini_batch_size=1", "data.train_batch_size=2"])
+    setup_run(r, keys)
+    ids = [r.xadd(keys.rollouts, encode(fake_rollout_sample(f"s{i}", n=2))).decode() for i in range(2)]
+    r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts: ">"})
+    # a crash right after the step-1 checkpoint: nothing published, nothing committed
+    first = Trainer(cfg, r, keys, "trainer", threading.Event())
+    ledger = StepLedger(1, [Fate("s0", ids[0], TRAINED, 1, 0), Fate("s1", ids[1], TRAINED, 1, 0)], ids,
+                        StepMetrics(type="step_end", global_step=1, local_step=2, sample_count=2, num_local_updates=2))
+    save_checkpoint(first.ckpt_dir, 1, first.learner.policy, first.learner.optimizer,
+                    {"param_version": 1, "steps": [ledger.to_plain()]})
+    for _ in range(2):  # the second resume finds everything done and changes nothing
+        t = Trainer(cfg, r, keys, "trainer", threading.Event())
+        t.resume()
+        assert t.global_step == 1 and t.seen == {"s0", "s1"}
+        assert [ev.version for ev in (decode(f) for _, f in r.xrange(keys.params))
+                if isinstance(ev, ParamVersion)] == [1]
+        assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+        assert r.xlen(keys.fates) == 2 and int(r.get(keys.consumed)) == 2
+        assert sum(1 for _, f in r.xrange(keys.metrics) if f[b"type"] == b"step_end") == 1
+        assert current_budget(r, keys)[0] == 1
