@@ -142,7 +142,10 @@ class BusConfig(_Section):
     max_deliveries: int = Field(5, ge=1, description="Deliveries before an entry goes to dead")
     socket_timeout_s: float = Field(10.0, gt=0, description="Socket timeout (must exceed block_ms)")
     max_stream_bytes: int = Field(2 << 30, ge=1 << 20, description="Safety-net byte cap per stream (logged loudly when it bites)")
-    trim_every_s: float = Field(10.0, gt=0, description="Seconds between retention passes")
+    retention: bool = Field(
+        False, description="Trim rollouts/metrics below every group's unread entries (off keeps the whole log for replay/audit)"
+    )
+    trim_every_s: float = Field(10.0, gt=0, description="Seconds between retention passes (when retention is on)")
     weights_inline_max_bytes: int = Field(64 << 20, ge=0, description="Weight blobs up to this size go in Redis, larger to files")
     max_entry_bytes: int = Field(64 << 20, ge=1024, description="Largest payload/array field accepted on decode")
 

@@ -252,3 +252,16 @@ def test_byte_cap_bites_loudly(r: redis.Redis, keys: Keys, caplog: pytest.LogCap
     res = trim_stream(r, keys.rollouts, max_bytes=1 << 20)
     assert res.trimmed_cap > 0 and r.xlen(keys.rollouts) < before
     assert "RETENTION CAP BIT" in caplog.text
+
+
+def test_janitor_runs_on_interval_and_keeps_unread(r: redis.Redis, keys: Keys) -> None:
+    from rollstream.bus import Janitor
+
+    ids = publish_samples(r, keys, 10)
+    rd = reader(r, keys, count=4)
+    rd.ack(m.id for m in rd.poll())  # 4 read and acked, 6 undelivered
+    jan = Janitor(r, [keys.rollouts], every_s=60.0, max_bytes=None)
+    [res] = jan.maybe_run(now=1000.0)
+    assert res.trimmed_minid == 4
+    assert [i.decode() for i, _ in r.xrange(keys.rollouts)] == ids[4:]
+    assert jan.maybe_run(now=1001.0) == []  # not due yet

@@ -129,10 +129,7 @@ class AggregatorWorker:
                 log.info("step %d: record written (%d local updates)", c.record.global_step, c.record.num_local_updates)
         if ack_ids and isinstance(results[-1], Exception):
             raise results[-1]
-        try:  # already acked in the transaction; this drops them from the reader's held set
-            self.reader.ack(ack_ids)
-        except CONNECTION_ERRORS as e:
-            log.warning("post-commit ack bookkeeping failed (%s); harmless", e)
+        self.reader.forget(ack_ids)  # acked inside the transaction
 
     def _refused(self, c: Completed, err: redis.ResponseError) -> None:
         """XADD refused: the record exists (a re-fold after a restart) or a later step was written first."""

@@ -45,7 +45,7 @@ from consumers.trainer.ledger import (
 )
 from consumers.trainer.staleness import dropped_metrics, staleness
 from consumers.trainer.validate import validate
-from rollstream.bus import GroupReader, Message, Publisher, setup_run
+from rollstream.bus import GroupReader, Janitor, Message, Publisher, setup_run
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_prompt_source, build_task
 from rollstream.names import TRAINER_GROUP, Keys
@@ -71,6 +71,10 @@ class Trainer:
             limits=limits, stop=stop,
         )
         self.publisher = Publisher(r, nomkstream=True)
+        self.janitor = (
+            Janitor(r, [keys.rollouts, keys.metrics], cfg.bus.trim_every_s, cfg.bus.max_stream_bytes)
+            if cfg.bus.retention else None
+        )
         self.ckpt_dir = cfg.run_dir() / "checkpoints"
         self.weights_dir = cfg.run_dir() / "weights"
         self.buffer: deque[Message] = deque()  # decoded, deduplicated, not yet used
@@ -254,7 +258,7 @@ class Trainer:
                 "timing_s/step": step_s, "perf/time_per_step": step_s,
             })
             commit_steps(self.r, self.keys, self.pending, g)
-            self.reader.ack(i for lg in self.pending for i in lg.ack_ids)  # already acked: frees reader state
+            self.reader.forget(i for lg in self.pending for i in lg.ack_ids)  # acked inside the commit
             self.pending = []
         else:
             t_pub = self._publish(g)
@@ -264,6 +268,8 @@ class Trainer:
             )
             count_consumed(self.r, self.keys, ledger)
         self._grant(g)
+        if self.janitor is not None:
+            self.janitor.maybe_run()
         log.info("global step %d done in %.2fs (%d trained, %d dropped)", g, time.perf_counter() - t_step,
                  trained, len(ledger.fates) - trained)
         return True

@@ -9,11 +9,12 @@ from rollstream.bus.connection import (
 )
 from rollstream.bus.publish import Publisher, RunNotSetUpError, ensure_group, setup_run
 from rollstream.bus.reader import GroupReader, Message, ReaderStats
-from rollstream.bus.retention import TrimResult, safe_min_id, trim_stream
+from rollstream.bus.retention import Janitor, TrimResult, safe_min_id, trim_stream
 
 __all__ = [
     "CONNECTION_ERRORS",
     "GroupReader",
+    "Janitor",
     "Message",
     "Publisher",
     "ReaderStats",

@@ -209,6 +209,12 @@ class GroupReader:
         self.stats.acked += n
         return n
 
+    def forget(self, ids: Iterable[str]) -> None:
+        """Stop tracking ids the caller acked itself (e.g. inside its own MULTI/EXEC with the effect)."""
+        ids = list(ids)
+        self._inflight.difference_update(ids)
+        self.stats.acked += len(ids)
+
     def release(self, ids: Iterable[str]) -> None:
         """Forget ids without acking (they stay pending and are re-read from our PEL on the next poll)."""
         self._inflight.difference_update(ids)

@@ -4,6 +4,7 @@ entry, plus a byte-budget cap as a safety net that logs loudly when it bites."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import redis
@@ -76,3 +77,26 @@ def trim_stream(r: redis.Redis, stream: str, max_bytes: int | None = None) -> Tr
             stream, used, max_bytes, capped,
         )
     return TrimResult(stream, minid, trimmed, capped, used)
+
+
+class Janitor:
+    """Runs a retention pass over some streams at most every `every_s` seconds (call `maybe_run` often)."""
+
+    def __init__(self, r: redis.Redis, streams: list[str], every_s: float, max_bytes: int | None) -> None:
+        self.r = r
+        self.streams = streams
+        self.every_s = every_s
+        self.max_bytes = max_bytes
+        self._next = 0.0
+
+    def maybe_run(self, now: float | None = None) -> list[TrimResult]:
+        """Trim every stream if the interval has passed; returns what was done ([] when not yet due)."""
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return []
+        self._next = now + self.every_s
+        results = [trim_stream(self.r, s, self.max_bytes) for s in self.streams]
+        trimmed = sum(t.trimmed_minid + t.trimmed_cap for t in results)
+        if trimmed:
+            log.info("retention: trimmed %d entries from %s", trimmed, ", ".join(self.streams))
+        return results
