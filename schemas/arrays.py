@@ -2,13 +2,19 @@
 
 numpy arrays use the numpy dtype string (`'<f4'`); torch tensors use `'torch.<name>'` (`'torch.bfloat16'`)
 and travel as their raw native-endian bytes. Decoding never copies: it views the given buffer.
+
+The codec's flat array header (`pack_head` / `array_from_flat`) describes an array in a few fixed-size bytes:
+uint8 dtype code (index into WIRE_DTYPES), uint8 ndim, uint8 kind (0: the data follows inline, 1: a uint32
+index of the out-of-band field follows), then ndim little-endian uint64 dims.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,6 +33,26 @@ TORCH_TO_NUMPY = {
 }  # fmt: skip
 
 
+# Dtype codes of the flat array header. Append only: a code's meaning is part of the wire format.
+WIRE_DTYPES: tuple[str, ...] = (
+    "|b1", "|i1", "|u1",
+    "<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8", "<c8", "<c16",
+    ">i2", ">i4", ">i8", ">u2", ">u4", ">u8", ">f2", ">f4", ">f8", ">c8", ">c16",
+    *(TORCH_PREFIX + name for name in TORCH_TO_NUMPY),
+)  # fmt: skip
+WIRE_DTYPE_CODES: dict[str, int] = {name: code for code, name in enumerate(WIRE_DTYPES)}
+# Per code: (numpy dtype or None for torch, itemsize, wire name).
+_CODES: tuple[tuple[np.dtype | None, int, str], ...] = tuple(
+    (None, np.dtype(TORCH_TO_NUMPY[name[len(TORCH_PREFIX) :]]).itemsize, name)
+    if name.startswith(TORCH_PREFIX)
+    else (np.dtype(name), np.dtype(name).itemsize, name)
+    for name in WIRE_DTYPES
+)
+HEAD_INLINE, HEAD_FIELD = 0, 1
+_HEADS_INLINE = tuple(struct.Struct(f"<BBB{n}Q") for n in range(MAX_NDIM + 1))
+_HEADS_FIELD = tuple(struct.Struct(f"<BBB{n}QI") for n in range(MAX_NDIM + 1))
+
+
 def is_torch_tensor(obj: object) -> bool:
     """True when obj is a torch.Tensor; never imports torch (a tensor implies torch is loaded)."""
     torch = sys.modules.get("torch")
@@ -38,6 +64,8 @@ def array_to_wire(obj: Any) -> tuple[str, list[int], memoryview]:
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind not in WIRE_KINDS or obj.dtype.fields is not None:
             raise TypeError(f"cannot encode numpy dtype {obj.dtype} (allowed kinds: {WIRE_KINDS})")
+        if obj.size and obj.flags.c_contiguous:  # (memoryview.cast refuses shapes with a 0 in them)
+            return obj.dtype.str, list(obj.shape), memoryview(obj).cast("B")  # type: ignore[arg-type]
         arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)  # (makes 0-d 1-d: keep obj.shape)
         return arr.dtype.str, list(obj.shape), arr.reshape(-1).view(np.uint8).data
     if is_torch_tensor(obj):
@@ -51,11 +79,54 @@ def array_to_wire(obj: Any) -> tuple[str, list[int], memoryview]:
 
 def check_shape(shape: Any) -> tuple[int, ...]:
     """Validate a decoded shape: a short list of non-negative ints."""
-    if not isinstance(shape, list | tuple) or len(shape) > MAX_NDIM:
+    if type(shape) is not list and not isinstance(shape, list | tuple) or len(shape) > MAX_NDIM:
         raise DecodeError(f"array shape must be a list of at most {MAX_NDIM} ints")
-    if not all(type(d) is int and d >= 0 for d in shape):
-        raise DecodeError(f"array shape has a negative or non-int dim: {list(shape)[:8]}")
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise DecodeError(f"array shape has a negative or non-int dim: {list(shape)[:8]}")
     return tuple(shape)
+
+
+def pack_head(dtype_str: str, shape: list[int], field: int | None) -> bytes | None:
+    """Flat header of an array (field=None: data follows inline); None when the dtype or ndim has no code."""
+    code = WIRE_DTYPE_CODES.get(dtype_str)
+    ndim = len(shape)
+    if code is None or ndim > MAX_NDIM:
+        return None
+    if field is None:
+        return _HEADS_INLINE[ndim].pack(code, ndim, HEAD_INLINE, *shape)
+    return _HEADS_FIELD[ndim].pack(code, ndim, HEAD_FIELD, *shape, field)
+
+
+def array_from_flat(body: bytes, field: Callable[[int], Any], max_inline: int) -> Any:
+    """Decode a flat-header array ext body without copying: the data is the rest of the body (at most
+    max_inline bytes) or `field(index)` (bytes or a byte-format memoryview of an out-of-band field)."""
+    size = len(body)
+    if size < 3:
+        raise DecodeError("malformed array ext: short header")
+    code, ndim, kind = body[0], body[1], body[2]
+    if ndim > MAX_NDIM:
+        raise DecodeError(f"array shape must be a list of at most {MAX_NDIM} ints")
+    if code >= len(_CODES):
+        raise DecodeError(f"unknown array dtype code {code}")
+    end = 3 + 8 * ndim
+    if kind == HEAD_FIELD and size == end + 4:
+        head = _HEADS_FIELD[ndim].unpack(body)
+        data = field(head[-1])
+        shape = head[3:-1]
+    elif kind == HEAD_INLINE and size >= end:
+        if size - end > max_inline:
+            raise DecodeError(f"inline array of {size - end} bytes exceeds max_bin_len({max_inline})")
+        data = memoryview(body)[end:]
+        shape = _HEADS_INLINE[ndim].unpack_from(body)[3:]
+    else:
+        raise DecodeError("malformed array ext: bad kind or length")
+    dtype, itemsize, name = _CODES[code]
+    if dtype is None:
+        return _torch_from_wire(name[len(TORCH_PREFIX) :], shape, memoryview(data))
+    if math.prod(shape) * itemsize != len(data):
+        _check_nbytes(memoryview(data), shape, itemsize, name)
+    return np.ndarray(shape, dtype, data)  # a read-only view of data (faster than frombuffer + reshape)
 
 
 def _numpy_dtype(dtype_str: str) -> np.dtype:

@@ -48,27 +48,40 @@ class DataProto:
         self.meta_info: dict[str, Any] = dict(meta_info or {})
         self._check()
 
+    @classmethod
+    def adopt(
+        cls, tensors: dict[str, Any], non_tensors: dict[str, Any], meta_info: dict[str, Any]
+    ) -> DataProto:
+        """Build a batch that takes ownership of fresh dicts (no copies; the codec's decode path); checked as in
+        __init__."""
+        self = cls.__new__(cls)
+        self.tensors, self.non_tensors, self.meta_info = tensors, non_tensors, meta_info
+        self._check()
+        return self
+
     def _check(self) -> None:
         """Raise ValueError naming the first key whose type or first dimension is wrong."""
         first_key: str | None = None
-        rows = 0
+        rows = -1
         for group, arrays in (("tensors", self.tensors), ("non_tensors", self.non_tensors)):
+            tensors = group == "tensors"
             for key, arr in arrays.items():
                 if not isinstance(key, str):
                     raise ValueError(f"DataProto {group} key {key!r} is not a str")
                 if not isinstance(arr, np.ndarray):
                     raise ValueError(f"DataProto {group}[{key!r}] is {type(arr).__name__}, not a numpy array")
-                if arr.ndim == 0:
+                shape = arr.shape
+                if not shape:
                     raise ValueError(f"DataProto {group}[{key!r}] is 0-d; rows need a first dimension")
-                if group == "tensors" and arr.dtype.hasobject:
+                if tensors and arr.dtype.hasobject:
                     raise ValueError(f"DataProto tensors[{key!r}] has object dtype; put it in non_tensors")
-                if first_key is None:
-                    first_key, rows = key, arr.shape[0]
-                elif arr.shape[0] != rows:
-                    raise ValueError(
-                        f"DataProto {group}[{key!r}] has first dim {arr.shape[0]}, "
-                        f"expected {rows} (as {first_key!r})"
-                    )
+                if shape[0] != rows:
+                    if first_key is not None:
+                        raise ValueError(
+                            f"DataProto {group}[{key!r}] has first dim {shape[0]}, "
+                            f"expected {rows} (as {first_key!r})"
+                        )
+                    first_key, rows = key, shape[0]
 
     @classmethod
     def from_dict(

@@ -1,15 +1,20 @@
 """The one codec: events <-> Redis stream entry fields, and plain values <-> msgpack bytes.
 
 Entry layout (XADD field order): human-readable header fields (`type`, `schema`, then per-event ones),
-`payload` (msgpack map of the model's fields), then raw array fields `a0`, `a1`, ... Arrays inside the
-payload are msgpack ExtTypes holding dtype + shape + either the inline bytes (< INLINE_MAX_BYTES) or the
-index of the out-of-band field carrying them. Decoding views those bytes (no copy), unpacks with
-explicit size limits, upgrades old schema versions, and validates with pydantic. Every failure
-is a `DecodeError` with a short reason. No pickle, ever.
+`payload` (msgpack map of the model's fields), then raw array fields `a0`, `a1`, ... (one array each).
+An array is described by a flat fixed-size header (`schemas.arrays.pack_head`: dtype code, ndim, dims)
+followed by its bytes inline (< INLINE_MAX_BYTES) or by the index of the field carrying them. In a
+DataProto's tensors map the header is the map value itself (a bin); anywhere else it is the body of an
+EXT_FLAT_ARRAY ExtType. A DataProto's object arrays are [shape, values] lists in its non_tensors map.
+Dtypes without a code use the msgpack-bodied EXT_ARRAY; that and EXT_OBJECT_ARRAY stay decodable
+everywhere, so entries written by older encoders still decode. Decoding views the entry's bytes (no
+copy), unpacks with explicit size limits, upgrades old schema versions, and validates with pydantic.
+Every failure is a `DecodeError` with a short reason. No pickle, ever.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -17,7 +22,14 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
-from schemas.arrays import array_from_wire, array_to_wire, check_shape, is_torch_tensor
+from schemas.arrays import (
+    array_from_flat,
+    array_from_wire,
+    array_to_wire,
+    check_shape,
+    is_torch_tensor,
+    pack_head,
+)
 from schemas.batch import DataProto
 from schemas.errors import DecodeError, as_decode_error
 from schemas.events import EVENT_MODELS, DeadLetter, Event, EventBase
@@ -26,14 +38,19 @@ from schemas.upgrades import upgrade
 # Ext type codes inside the payload.
 EXT_ARRAY = 1  # packed [dtype str, shape, bin (inline) | int (index of field a<i>)]
 EXT_OBJECT_ARRAY = 2  # packed [shape, flat list of msgpack values] -> numpy object array
-EXT_DATAPROTO = 3  # packed [tensors map, non_tensors map, meta_info map]
+# packed [tensors, non_tensors, meta_info] maps; a tensors value may be a bin holding a flat array header
+# (schemas.arrays.pack_head, + inline data), a non_tensors value a list [shape, flat values] of an object array.
+EXT_DATAPROTO = 3
 EXT_BYTES = 4  # packed int: index of the raw field a<i> holding a bytes value
+EXT_FLAT_ARRAY = 5  # flat header (schemas.arrays.pack_head) + inline bytes, or + uint32 index of field a<i>
 
 INLINE_MAX_BYTES = 1024
 PAYLOAD_FIELD = "payload"
 ARRAY_FIELD_PREFIX = "a"
 
 MiB = 1 << 20
+# (bytes, str) names of the first raw array fields, as redis-py returns them and as encode() builds them.
+_FIELD_NAMES = tuple((f"{ARRAY_FIELD_PREFIX}{i}".encode(), f"{ARRAY_FIELD_PREFIX}{i}") for i in range(256))
 
 # Entry fields as redis-py returns them (bytes keys) or as encode() builds them (str keys).
 Fields = Mapping[bytes, Any] | Mapping[str, Any]
@@ -89,15 +106,46 @@ class _Packer:
         self.buffers.append(data)
         return len(self.buffers) - 1
 
+    def _array(self, obj: Any) -> bytes | msgpack.ExtType:
+        """A numeric array or tensor as its flat header (+ inline data), or an EXT_ARRAY for dtypes without a code."""
+        dtype, shape, data = array_to_wire(obj)
+        if self.out_of_band and data.nbytes >= INLINE_MAX_BYTES:
+            head = pack_head(dtype, shape, len(self.buffers))
+            self.buffers.append(data)
+            if head is not None:
+                return head
+            return msgpack.ExtType(EXT_ARRAY, self.pack([dtype, shape, len(self.buffers) - 1]))
+        head = pack_head(dtype, shape, None)
+        if head is not None:
+            return head + data
+        return msgpack.ExtType(EXT_ARRAY, self.pack([dtype, shape, data]))
+
+    def _dataproto(self, obj: DataProto) -> msgpack.ExtType:
+        """DataProto as [tensors: {name: flat header bin}, non_tensors: {name: [shape, values] | array}, meta]."""
+        tensors: dict[str, Any] = {}
+        non_tensors: dict[str, Any] = {}
+        array = self._array
+        for key, arr in obj.tensors.items():
+            if not isinstance(arr, np.ndarray) or arr.dtype.hasobject:
+                obj._check()  # names the bad key; a batch mutated after construction must not reach the wire
+                raise TypeError(f"DataProto tensors[{key!r}] is not a numeric numpy array")
+            tensors[key] = array(arr)
+        for key, arr in obj.non_tensors.items():
+            if not isinstance(arr, np.ndarray):
+                obj._check()
+                raise TypeError(f"DataProto non_tensors[{key!r}] is not a numpy array")
+            non_tensors[key] = [list(arr.shape), arr.reshape(-1).tolist()] if arr.dtype.hasobject else arr
+        return msgpack.ExtType(EXT_DATAPROTO, self.pack([tensors, non_tensors, obj.meta_info]))
+
     def _default(self, obj: Any) -> Any:
         """Encode what msgpack does not know natively."""
         if isinstance(obj, DataProto):
-            return msgpack.ExtType(EXT_DATAPROTO, self.pack([obj.tensors, obj.non_tensors, obj.meta_info]))
+            return self._dataproto(obj)
         if isinstance(obj, np.ndarray) and obj.dtype.hasobject:
             return msgpack.ExtType(EXT_OBJECT_ARRAY, self.pack([list(obj.shape), obj.reshape(-1).tolist()]))
         if isinstance(obj, np.ndarray) or is_torch_tensor(obj):
-            dtype, shape, data = array_to_wire(obj)
-            return msgpack.ExtType(EXT_ARRAY, self.pack([dtype, shape, self._ref(data)]))
+            flat = self._array(obj)
+            return msgpack.ExtType(EXT_FLAT_ARRAY, flat) if isinstance(flat, bytes) else flat
         if isinstance(obj, _OutOfBand):
             ref = self._ref(memoryview(obj.data).cast("B"))
             return msgpack.ExtType(EXT_BYTES, self.pack(ref)) if isinstance(ref, int) else ref
@@ -114,8 +162,10 @@ class _Packer:
 class _Unpacker:
     """msgpack unpacker with limits that resolves ExtTypes, viewing out-of-band fields without copying."""
 
-    def __init__(self, fields: Mapping[str, Any] | None, limits: Limits) -> None:
-        """fields: the entry's fields by str name (None outside an entry)."""
+    __slots__ = ("fields", "limits", "depth")
+
+    def __init__(self, fields: Fields | None, limits: Limits) -> None:
+        """fields: the entry's fields by bytes or str name (None outside an entry)."""
         self.fields = fields
         self.limits = limits
         self.depth = 0
@@ -143,17 +193,29 @@ class _Unpacker:
             self.depth -= 1
 
     def _field(self, ref: Any) -> Any:
-        """The raw bytes of out-of-band field a<ref>, or inline bytes as given."""
-        if isinstance(ref, bytes):
-            return ref
+        """The raw bytes of out-of-band field a<ref> (bytes or a byte memoryview), or inline bytes as given."""
         if type(ref) is not int:
+            if isinstance(ref, bytes):
+                return ref
             raise DecodeError(f"array data must be bytes or a field index, got {type(ref).__name__}")
-        if self.fields is None:
+        fields = self.fields
+        if fields is None:
             raise DecodeError("out-of-band array reference outside a stream entry")
-        name = f"{ARRAY_FIELD_PREFIX}{ref}"
-        if name not in self.fields:
-            raise DecodeError(f"missing array field {name!r}")
-        data = self.fields[name]
+        if 0 <= ref < len(_FIELD_NAMES):
+            bname, name = _FIELD_NAMES[ref]
+        else:
+            name = f"{ARRAY_FIELD_PREFIX}{ref}"
+            bname = name.encode()
+        data = fields.get(bname)  # type: ignore[call-overload]
+        if data is None:
+            data = fields.get(name)  # type: ignore[call-overload]
+            if data is None:
+                raise DecodeError(f"missing array field {name!r}")
+        if type(data) is not bytes:
+            try:
+                data = memoryview(data).cast("B")
+            except TypeError as exc:
+                raise DecodeError(f"field {name!r} is {type(data).__name__}, not bytes") from exc
         if len(data) > self.limits.max_field_bytes:
             raise DecodeError(
                 f"field {name!r} is {len(data)} bytes, over the {self.limits.max_field_bytes} limit"
@@ -167,25 +229,41 @@ class _Unpacker:
             raise DecodeError(f"malformed {what} ext")
         return value
 
+    def _object_array(self, value: Any) -> np.ndarray:
+        """Object array from its unpacked [shape, flat values]."""
+        if type(value) is not list or len(value) != 2:
+            raise DecodeError("malformed object array ext")
+        shape_in, values = value
+        shape = check_shape(shape_in)
+        if type(values) is not list or math.prod(shape) != len(values):
+            raise DecodeError(f"object array of shape {list(shape)[:8]} has {len(values)} values")
+        out = np.empty(len(values), dtype=object)
+        for i, v in enumerate(values):
+            out[i] = v
+        return out if len(shape) == 1 else out.reshape(shape)
+
     def _ext(self, code: int, data: bytes) -> Any:
         """Resolve one ExtType."""
+        if code == EXT_FLAT_ARRAY:
+            # Inline array data is bin data, so max_bin_len bounds it as it bounds a msgpack bin.
+            return array_from_flat(data, self._field, self.limits.max_bin_len)
         if code == EXT_ARRAY:
             dtype, shape, ref = self._list(data, 3, "array")
             return array_from_wire(dtype, shape, self._field(ref))
         if code == EXT_OBJECT_ARRAY:
-            shape_in, values = self._list(data, 2, "object array")
-            shape = check_shape(shape_in)
-            if not isinstance(values, list) or int(np.prod(shape, dtype=object)) != len(values):
-                raise DecodeError(f"object array of shape {list(shape)[:8]} has {len(values)} values")
-            out = np.empty(len(values), dtype=object)
-            for i, v in enumerate(values):
-                out[i] = v
-            return out.reshape(shape)
+            return self._object_array(self.unpack(data))
         if code == EXT_DATAPROTO:
             tensors, non_tensors, meta_info = self._list(data, 3, "DataProto")
-            if not all(isinstance(m, dict) for m in (tensors, non_tensors, meta_info)):
+            if not (type(tensors) is dict and type(non_tensors) is dict and type(meta_info) is dict):
                 raise DecodeError("malformed DataProto ext: parts must be maps")
-            return DataProto(tensors, non_tensors, meta_info)
+            field, max_inline = self._field, self.limits.max_bin_len
+            for key, value in tensors.items():  # bin: a flat array header (older writers: array ExtTypes)
+                if type(value) is bytes:
+                    tensors[key] = array_from_flat(value, field, max_inline)
+            for key, value in non_tensors.items():  # list: an object array's [shape, values]
+                if type(value) is list:
+                    non_tensors[key] = self._object_array(value)
+            return DataProto.adopt(tensors, non_tensors, meta_info)
         if code == EXT_BYTES:
             raw = self._field(self.unpack(data))
             return raw if isinstance(raw, bytes) else bytes(raw)
@@ -219,12 +297,20 @@ def encode(event: EventBase) -> dict[str, bytes | memoryview]:
         out[key] = _header_bytes(value)
     out[PAYLOAD_FIELD] = payload
     for i, buf in enumerate(packer.buffers):
-        out[f"{ARRAY_FIELD_PREFIX}{i}"] = buf
+        out[_FIELD_NAMES[i][1] if i < len(_FIELD_NAMES) else f"{ARRAY_FIELD_PREFIX}{i}"] = buf
     return out
+
+
+def _get(fields: Fields, bname: bytes, name: str) -> Any:
+    """A field's value by its bytes name (as redis-py returns it) or str name (as encode() builds it)."""
+    value = fields.get(bname)  # type: ignore[call-overload]
+    return fields.get(name) if value is None else value  # type: ignore[call-overload]
 
 
 def _text(value: Any) -> str:
     """A header value as str."""
+    if type(value) is bytes:
+        return value.decode()
     if isinstance(value, str):
         return value
     if isinstance(value, bytes | bytearray | memoryview):
@@ -234,28 +320,29 @@ def _text(value: Any) -> str:
 
 def _decode(fields: Fields, limits: Limits) -> Event:
     """decode() without the exception mapping."""
-    if not isinstance(fields, Mapping):
+    if type(fields) is not dict and not isinstance(fields, Mapping):
         raise DecodeError(f"entry fields must be a mapping, got {type(fields).__name__}")
-    named = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
-    payload = named.get(PAYLOAD_FIELD)
+    payload = _get(fields, b"payload", PAYLOAD_FIELD)
     if payload is None:
         raise DecodeError("missing 'payload' field")
     if len(payload) > limits.max_payload_bytes:
         raise DecodeError(f"payload is {len(payload)} bytes, over the {limits.max_payload_bytes} limit")
-    data = _Unpacker(named, limits).unpack(payload)
+    data = _Unpacker(fields, limits).unpack(payload)
     if not isinstance(data, dict):
         raise DecodeError(f"payload is a {type(data).__name__}, not a map")
     event_type = data.get("type")
     if not isinstance(event_type, str):
         raise DecodeError("payload has no 'type'")
-    header_type = named.get("type")
+    header_type = _get(fields, b"type", "type")
     if header_type is not None and _text(header_type) != event_type:
         raise DecodeError(f"header type {_text(header_type)[:40]!r} != payload type {event_type[:40]!r}")
     model = EVENT_MODELS.get(event_type)
     if model is None:
         raise DecodeError(f"unknown event type {event_type[:40]!r}")
-    data = upgrade(event_type, data, model.SCHEMA)
-    return model.model_validate(data)  # type: ignore[return-value]
+    version = data.get("schema_version")
+    if type(version) is not int or version != model.SCHEMA:
+        data = upgrade(event_type, data, model.SCHEMA)
+    return model.__pydantic_validator__.validate_python(data)  # type: ignore[no-any-return]  # = model_validate
 
 
 def decode(fields: Fields, limits: Limits = DEFAULT_LIMITS) -> Event:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -46,10 +47,29 @@ class EventBase(BaseModel):
         return {name: getattr(self, name) for name in self.HEADER}
 
 
+SMALL_FINITE_CHECK = 16  # float arrays up to this size are checked as Python floats (no numpy call overhead)
+
+
 def _finite(arr: np.ndarray, what: str) -> None:
     """Raise ValueError when a float array holds NaN or inf."""
-    if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
+    kind = arr.dtype.kind
+    if kind == "f" and arr.size <= SMALL_FINITE_CHECK and arr.dtype.itemsize <= 8:
+        finite = all(map(math.isfinite, arr.ravel().tolist()))  # exact: tolist() gives the same doubles
+    elif kind in "fc":
+        finite = np.count_nonzero(np.isfinite(arr)) == arr.size  # count_nonzero: cheaper than .all()
+    else:
+        return
+    if not finite:
         raise ValueError(f"{what} contains NaN/inf")
+
+
+# RolloutSample's lists with one entry per trajectory, in the order _check_rollout reports them.
+PER_TRAJECTORY_LISTS = (
+    "agent_loop_output_list",
+    "processing_times",
+    "param_version_start",
+    "param_version_end",
+)
 
 
 class RolloutSample(EventBase):
@@ -76,18 +96,16 @@ class RolloutSample(EventBase):
         n = len(self.full_batch)
         if n < 1:
             raise ValueError("full_batch has no trajectories")
-        for name in (
-            "agent_loop_output_list",
-            "processing_times",
-            "param_version_start",
-            "param_version_end",
-        ):
-            got = len(getattr(self, name))
-            if got != n:
-                raise ValueError(f"{name} has {got} entries, full_batch has {n}")
-        for i, (start, end) in enumerate(zip(self.param_version_start, self.param_version_end, strict=True)):
-            if start > end:
-                raise ValueError(f"param_version_start[{i}]={start} > param_version_end[{i}]={end}")
+        starts, ends = self.param_version_start, self.param_version_end
+        lengths = (len(self.agent_loop_output_list), len(self.processing_times), len(starts), len(ends))
+        if lengths != (n, n, n, n):
+            for name, got in zip(PER_TRAJECTORY_LISTS, lengths, strict=True):
+                if got != n:
+                    raise ValueError(f"{name} has {got} entries, full_batch has {n}")
+        if starts != ends:  # equal lists (the usual case: no swap mid-generation) are ordered
+            for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
+                if start > end:
+                    raise ValueError(f"param_version_start[{i}]={start} > param_version_end[{i}]={end}")
         tensors = self.full_batch.tensors
         lp = tensors.get("rollout_log_probs")
         if lp is not None:
@@ -98,8 +116,9 @@ class RolloutSample(EventBase):
             if responses is not None and responses.shape != lp.shape:
                 raise ValueError(f"rollout_log_probs shape {lp.shape} != responses shape {responses.shape}")
         for key in ("token_level_scores", "rewards"):
-            if key in tensors:
-                _finite(tensors[key], key)
+            values = tensors.get(key)
+            if values is not None:
+                _finite(values, key)
         return self
 
     @property
