@@ -14,6 +14,11 @@ with partial rollout), score each response, and publish one RolloutSample per pr
 `mark_published` in one transaction. A ProducerStats event goes to `metrics` on each version switch
 (tagged with the version left) and every `rollout.stats_every_s`. The first SIGTERM finishes and
 publishes the current dispatch, then exits 0.
+
+Latency-model mode (`rollout.latency_model.enable`, benchmarks; see producers/latency.py): decoding is
+replaced by sleeping the modelled decode time, and `latency_model.concurrency` slots (threads) run the
+loop above side by side, each taking budget for one prompt at a time. Idle and generation seconds are
+then slot-averaged (divided by the slot count), so idle_ratio stays the idle fraction of the slots.
 """
 
 from __future__ import annotations
@@ -22,15 +27,23 @@ import argparse
 import logging
 import re
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from producers.agent import GenerationSettings, run_agent_loop
-from producers.data import build_rollout_sample, concat_generation_data, prepare_single_generation_data
+from producers.data import (
+    AgentTrajectory,
+    build_rollout_sample,
+    concat_generation_data,
+    prepare_single_generation_data,
+)
+from producers.latency import LatencyModel, plan_dispatch, run_plan
 from producers.stats import Counters, StatsWindow
 from producers.sync import WeightSync
 from rollstream.bus import Publisher, RunNotSetUpError
@@ -40,7 +53,7 @@ from rollstream.pacing import current_budget, mark_published, release_unpublishe
 from rollstream.tasks import Prompt, Task
 from rollstream.weights import WeightsError, latest_param_version
 from rollstream.worker import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, WorkerContext, start_worker
-from schemas import RolloutSample, encode
+from schemas import DataProto, RolloutSample, encode
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +93,13 @@ class Producer:
         self.counters = Counters()
         self.window = StatsWindow()
         self.last_stats = time.monotonic()
+        lm = cfg.rollout.latency_model
+        self.latency = LatencyModel.from_config(cfg) if lm.enable else None
+        self.slots = lm.concurrency if lm.enable else 1
+        self.rng = np.random.default_rng(producer_seed(cfg.run.seed, self.index))  # latency-model draws
+        self.lock = threading.RLock()  # slots share the source, counters, stats window and weights
+        self._done = 0
+        self._newest = (-1, 0.0)  # (version, monotonic time of the check), shared by idle slots
 
     # ---- start-up ---------------------------------------------------------------------------------
     def start(self) -> bool:
@@ -99,7 +119,7 @@ class Producer:
                  self.ctx.cfg.rollout.num_producers)
         if not self.weights.wait_initial(self.ctx.stop):
             return False
-        if not r.exists(keys.rollouts):
+        if not r.exists(keys.setup):  # set by setup_run once the streams exist (the producer's ACL cannot read rollouts)
             raise RunNotSetUpError(f"stream {keys.rollouts} does not exist: run `rollstream run` or setup_run first")
         self.counters.versions_loaded = self.weights.loads
         return True
@@ -109,34 +129,64 @@ class Producer:
         """Dispatch until stop, `max_dispatches` dispatches, or (burst) no budget left; returns dispatches."""
         if not self.start():
             return 0
+        with self.lock:  # the first window starts once version 0 is loaded
+            self.window = StatsWindow()
+            self.last_stats = time.monotonic()
+        start = self._done
+        limit = None if max_dispatches is None else start + max_dispatches
+        if self.slots == 1:
+            self._loop(self.ctx.cfg.rollout.prompts_per_dispatch, limit, burst)
+        else:
+            slots = [
+                threading.Thread(target=self._loop, args=(1, limit, burst), name=f"{self.name}-slot{i}", daemon=True)
+                for i in range(self.slots)
+            ]
+            for t in slots:
+                t.start()
+            for t in slots:
+                t.join()
+        self._emit_stats(self.weights.version)
+        return self._done - start
+
+    def _loop(self, want: int, limit: int | None, burst: bool) -> None:
+        """One slot: refresh weights, take up to `want` from the budget, dispatch; until stop, `limit`
+        dispatches by all slots together, or (burst) no budget left."""
         r, keys, stop = self.ctx.r, self.ctx.keys, self.ctx.stop
-        want = self.ctx.cfg.rollout.prompts_per_dispatch
-        done = 0
-        while not stop.is_set() and (max_dispatches is None or done < max_dispatches):
-            self.weights.refresh()  # between dispatches: always the newest version
-            mine = self.weights.version
+        while not stop.is_set():
+            with self.lock:
+                if limit is not None and self._done >= limit:
+                    break
+                self._done += 1  # reserve a dispatch (other slots see it); given back when none happens
+                self.weights.refresh()  # between dispatches: always the newest version
+                mine = self.weights.version
             take = take_budget(r, keys, mine, want, self.name)
+            if take.amount > 0:
+                self.dispatch(take.amount)
+                self._maybe_stats()
+                continue
+            with self.lock:
+                self._done -= 1
             if take.stale:
                 if take.budget_version < mine:  # our version's grant is not made yet
                     self._idle_until(lambda v=mine: current_budget(r, keys)[0] >= v)
-                elif not self.weights.refresh():  # budget is for a newer version we could not load yet
-                    self._idle_until(lambda: False, once=True)  # one poll step, then retry
+                else:
+                    with self.lock:
+                        loaded = self.weights.refresh()
+                    if not loaded:  # budget is for a newer version we could not load yet
+                        self._idle_until(lambda: False, once=True)  # one poll step, then retry
                 continue
-            if take.amount == 0:
-                if burst:
-                    break
-                self._idle_until(lambda v=mine: self._newest_version() > v)
-                continue
-            self.dispatch(take.amount)
-            done += 1
-            self._maybe_stats()
-        self._emit_stats(self.weights.version)
-        return done
+            if burst:
+                break
+            self._idle_until(lambda v=mine: self._newest_version() > v)
 
     def _newest_version(self) -> int:
-        """The newest published version (one XREVRANGE)."""
+        """The newest published version (one XREVRANGE; idle slots share one check per POLL_S)."""
+        version, at = self._newest
+        if self.slots > 1 and time.monotonic() - at < POLL_S:
+            return version
         pv = latest_param_version(self.ctx.r, self.ctx.keys)
-        return -1 if pv is None else pv.version
+        self._newest = (-1 if pv is None else pv.version, time.monotonic())
+        return self._newest[0]
 
     def _idle_until(self, ready: Callable[..., bool], once: bool = False) -> None:
         """Sleep in short steps until `ready()` or stop (or after one step when `once`), counting idle time."""
@@ -146,17 +196,19 @@ class Producer:
             self._maybe_stats()
             if once:
                 break
-        idle = time.monotonic() - t0
-        self.counters.idle_s += idle
-        self.window.idle_s += idle
+        idle = (time.monotonic() - t0) / self.slots  # slot-averaged
+        with self.lock:
+            self.counters.idle_s += idle
+            self.window.idle_s += idle
 
     # ---- one dispatch -----------------------------------------------------------------------------
     def dispatch(self, amount: int) -> list[RolloutSample]:
         """Generate `amount` prompts (budget already taken) x n, score and publish them; returns the samples."""
         cfg = self.ctx.cfg
-        items = self.source.take(amount)
-        param_version = self.weights.version  # stamped at dispatch
-        self.counters.dispatched += len(items)
+        with self.lock:
+            items = self.source.take(amount)
+            param_version = self.weights.version  # stamped at dispatch
+            self.counters.dispatched += len(items)
         ids = [f"{self.name}-{uuid.uuid4().hex[:12]}" for _ in items]
         groups = [
             prepare_single_generation_data(p, cfg.rollout.n, self.multi_turn, self.policy.tokenizer, sample_id=sid)
@@ -164,18 +216,28 @@ class Producer:
         ]
         batch = concat_generation_data(groups, self.policy.tokenizer.pad_id)  # prompts*n rows, prompt-major
         t0 = time.perf_counter()
-        trajs = run_agent_loop(self.policy, self.task, batch, self.settings, self.weights, self.generator)
-        gen_s = time.perf_counter() - t0
-        self.counters.gen_s += gen_s
-        self.window.gen_s += gen_s
+        trajs = self._generate(batch, param_version)
+        gen_s = (time.perf_counter() - t0) / self.slots  # slot-averaged
 
         n = cfg.rollout.n
-        samples = []
-        for k, (sid, (epoch, _, prompt)) in enumerate(zip(ids, items, strict=True)):
-            group = trajs[k * n : (k + 1) * n]
-            samples.append(self._sample(sid, epoch, param_version, prompt, group))
-        self._publish(samples)
+        with self.lock:
+            self.counters.gen_s += gen_s
+            self.window.gen_s += gen_s
+            samples = []
+            for k, (sid, (epoch, _, prompt)) in enumerate(zip(ids, items, strict=True)):
+                group = trajs[k * n : (k + 1) * n]
+                samples.append(self._sample(sid, epoch, param_version, prompt, group))
+            self._publish(samples)
         return samples
+
+    def _generate(self, batch: DataProto, param_version: int) -> list[AgentTrajectory]:
+        """Run the agent loop on the batch, or (latency model) sleep its modelled decode time."""
+        if self.latency is None:
+            return run_agent_loop(self.policy, self.task, batch, self.settings, self.weights, self.generator)
+        with self.lock:
+            plan = plan_dispatch(self.latency, batch, self.policy.tokenizer, self.rng)
+        partial = self.ctx.cfg.rollout.partial_rollout
+        return run_plan(plan, param_version, (lambda: self.weights.version) if partial else None)
 
     def _sample(self, sample_id: str, epoch: int, param_version: int, prompt: Prompt, group: list[Any]) -> RolloutSample:
         """Score one prompt's trajectories and pack them as a RolloutSample."""
@@ -223,14 +285,17 @@ class Producer:
     def _maybe_stats(self) -> None:
         """Emit a ProducerStats event when `rollout.stats_every_s` has passed."""
         if time.monotonic() - self.last_stats >= self.ctx.cfg.rollout.stats_every_s:
-            self._emit_stats(self.weights.version)
+            with self.lock:
+                if time.monotonic() - self.last_stats >= self.ctx.cfg.rollout.stats_every_s:
+                    self._emit_stats(self.weights.version)
 
     def _emit_stats(self, param_version: int) -> None:
         """Publish the current window as a ProducerStats on `metrics` and start a new window."""
-        ev = self.window.event(self.name, param_version)
-        self.metrics.publish(self.ctx.keys.metrics, ev)
-        self.window = StatsWindow()
-        self.last_stats = time.monotonic()
+        with self.lock:
+            ev = self.window.event(self.name, param_version)
+            self.metrics.publish(self.ctx.keys.metrics, ev)
+            self.window = StatsWindow()
+            self.last_stats = time.monotonic()
 
 
 def set_torch_threads(threads: int) -> None:

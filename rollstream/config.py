@@ -29,6 +29,9 @@ class RunConfig(_Section):
     dir: str = Field("runs", description="Parent folder of run directories (logs, checkpoints, supervisord config)")
     seed: int = Field(0, description="Seed for prompts, model init and sampling")
     device: str = Field("auto", description="torch device: auto (cuda when present), cpu or cuda[:N]")
+    acl: bool = Field(
+        True, description="Embedded redis only: one ACL user per role (producer, trainer, aggregator, admin), default user off"
+    )
 
 
 class DataConfig(_Section):
@@ -59,6 +62,9 @@ class ModelConfig(_Section):
     n_layer: int = Field(2, ge=1, description="Tiny GPT: transformer blocks")
     n_head: int = Field(4, ge=1, description="Tiny GPT: attention heads")
     max_seq_len: int = Field(64, ge=8, description="Tiny GPT: longest prompt+response in tokens")
+    init_from: str | None = Field(
+        None, description="safetensors weights the trainer starts from instead of the seeded init (e.g. scripts/warm_start.py output)"
+    )
 
     @model_validator(mode="after")
     def _shape(self) -> ModelConfig:
@@ -74,6 +80,20 @@ class MultiTurnConfig(_Section):
 
     enable: bool = Field(False, description="Run the tool agent loop (arith task)")
     max_turns: int = Field(3, ge=1, description="Most assistant turns per trajectory")
+
+
+class LatencyModelConfig(_Section):
+    """Benchmarks only: a producer that models generation time instead of decoding (see producers/latency.py)."""
+
+    enable: bool = Field(
+        False, description="Replace decoding by sleeping each dispatch's modelled decode time (rest of the producer unchanged)"
+    )
+    tokens_per_s: float = Field(200.0, gt=0, description="Modelled decode speed of one trajectory in tokens per second")
+    length_median: float = Field(8.0, gt=0, description="Median modelled response length in tokens (lognormal)")
+    length_sigma: float = Field(1.0, ge=0, description="Log-space std of the modelled response length (the long tail)")
+    concurrency: int = Field(
+        8, ge=1, description="Slots per producer, each dispatching one prompt at a time (an engine's continuous batching)"
+    )
 
 
 class RolloutConfig(_Section):
@@ -94,6 +114,9 @@ class RolloutConfig(_Section):
         1, ge=0, description="torch intra-op threads per producer process (0 = torch default); 1 avoids oversubscribed cores"
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Multi-turn tool use")
+    latency_model: LatencyModelConfig = Field(
+        default_factory=LatencyModelConfig, description="Benchmarks: modelled generation time instead of decoding"
+    )
 
 
 class ActorConfig(_Section):
@@ -113,7 +136,13 @@ class ActorConfig(_Section):
         "token-mean", description="How token losses are aggregated"
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of KL to the frozen reference policy (0 = off)")
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight (at global step 1 when entropy_decay_steps > 0)")
+    entropy_decay_steps: int = Field(
+        0, ge=0, description="Decay the entropy bonus linearly to 0 over this many global steps (0 = constant)"
+    )
+    norm_adv_by_std: bool = Field(
+        True, description="GRPO: divide group-centred rewards by the group std (False = Dr. GRPO, centring only)"
+    )
 
 
 class TrainerConfig(_Section):
@@ -125,6 +154,12 @@ class TrainerConfig(_Section):
     total_global_steps: int = Field(50, ge=1, description="Stop after this many global steps")
     save_freq: int = Field(1, ge=1, description="Checkpoint every this many global steps (rollouts acked only after)")
     test_freq: int = Field(5, ge=0, description="Validate every this many versions (0 = never)")
+    sync_mode: bool = Field(
+        False, description="Collect the full global batch before training, as synchronous RL does (benchmarks)"
+    )
+    torch_threads: int = Field(
+        1, ge=0, description="torch intra-op threads of the trainer process (0 = torch default); 1 avoids oversubscribed cores"
+    )
 
     @model_validator(mode="after")
     def _threshold(self) -> TrainerConfig:

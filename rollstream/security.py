@@ -35,11 +35,15 @@ def acl_rules(keys: Keys) -> dict[str, list[str]]:
     producer = [
         *_BASE,
         "+xadd", "+xrevrange", "+xrange", "+get", "+hget", "+hset", "+hgetall", "+hincrby", "+eval", "+evalsha",
-        "+multi", "+exec", "+discard", "+mget",
+        "+multi", "+exec", "+discard", "+mget", "+exists", "+incrby", "+decrby",
         key(k.rollouts, "W"), key(k.metrics, "W"),
         key(k.params, "R"), key(weights_glob, "R"),
-        key(budget_glob), key(k.dispatched), key(k.consumed, "R"), key(k.trainer, "R"),
-        key(k.producer_inflight), key(k.producer_cursor), key(k.producers), key(k.dispatch_log, "W"),
+        # EVAL checks every declared key as read+write, so the pacing scripts' keys (budget, dispatched,
+        # consumed, trainer hash, dispatch_log, producer_inflight) cannot be narrowed to %R/%W here; the
+        # scripts run INCRBY/DECRBY/HINCRBY, so a producer can move the pacing counters directly; it
+        # still cannot SET/DEL/XDEL/XTRIM, read rollouts, or touch weights, records or another run.
+        key(budget_glob), key(k.dispatched), key(k.consumed), key(k.trainer),
+        key(k.producer_inflight), key(k.producer_cursor), key(k.producers), key(k.dispatch_log),
         key(k.setup, "R"),
     ]
     trainer = [*_BASE, "+@read", "+@write", "+@stream", "+@hash", "+@string", "+@scripting", "+@transaction",

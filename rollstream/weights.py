@@ -66,18 +66,40 @@ def publish_weights(
     return pv
 
 
+#: Undecodable params entries already logged (a producer polls params every few ms; warn once each).
+_BAD_PARAMS_SEEN: set[bytes] = set()
+PARAMS_PAGE = 16
+
+
 def latest_param_version(r: redis.Redis, keys: Keys) -> ParamVersion | None:
-    """The newest ParamVersion on `params`, or None when nothing was published yet."""
-    rows: Any = r.xrevrange(keys.params, count=1)
-    if not rows:
-        return None
-    try:
-        ev = decode(rows[0][1])
-    except DecodeError as e:
-        raise WeightsError(f"params entry {rows[0][0]!r} does not decode: {e}") from e
-    if not isinstance(ev, ParamVersion):
-        raise WeightsError(f"params entry {rows[0][0]!r} is a {ev.type}, not a param_version")
-    return ev
+    """The newest valid ParamVersion on `params`, or None when there is none yet. Entries that do not
+    decode as a ParamVersion (garbage written by someone else) are skipped with one warning each: a bad
+    params entry must not stop a producer or the trainer."""
+    end = "+"
+    while True:
+        rows: Any = r.xrevrange(keys.params, max=end, count=PARAMS_PAGE)
+        for entry_id, fields in rows:
+            try:
+                ev = decode(fields)
+            except DecodeError as e:
+                _warn_bad_params(entry_id, f"does not decode: {e}")
+                continue
+            if isinstance(ev, ParamVersion):
+                return ev
+            _warn_bad_params(entry_id, f"is a {ev.type}, not a param_version")
+        if len(rows) < PARAMS_PAGE:
+            return None
+        end = "(" + (rows[-1][0].decode() if isinstance(rows[-1][0], bytes) else str(rows[-1][0]))
+
+
+def _warn_bad_params(entry_id: Any, why: str) -> None:
+    key = bytes(entry_id) if isinstance(entry_id, bytes | bytearray) else str(entry_id).encode()
+    if key in _BAD_PARAMS_SEEN:
+        return
+    if len(_BAD_PARAMS_SEEN) > 10_000:
+        _BAD_PARAMS_SEEN.clear()
+    _BAD_PARAMS_SEEN.add(key)
+    log.error("params entry %s skipped: %s", key.decode(errors="replace"), why)
 
 
 def wait_for_param_version(

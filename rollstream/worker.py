@@ -2,6 +2,10 @@
 
 A worker runs in the foreground under supervisord. The first SIGTERM/SIGINT sets `stop` (finish the
 current unit of work, ack, exit 0); the second exits at once with EXIT_FORCED, acking nothing unfinished.
+
+Importing this module is cheap (no redis, pydantic or torch at import) so that a worker's `__main__` can
+call `install_early_signal_handlers()` first thing: a SIGTERM that arrives while torch is still importing
+is then recorded (and honoured by `start_worker`) instead of killing the process with the default handler.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import TYPE_CHECKING
 
-import redis
-
-from rollstream.bus import connect, read_password, wait_until_ready
-from rollstream.config import ConfigError, PipelineConfig, config_to_yaml, load_config
 from rollstream.names import Keys
+
+if TYPE_CHECKING:
+    import redis
+
+    from rollstream.config import PipelineConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +39,25 @@ EXIT_REDIS = 4  # Redis never became reachable
 
 #: Environment variable holding the Redis URL when `run.redis_url` is null (set by `rollstream run`).
 REDIS_URL_ENV = "ROLLSTREAM_REDIS_URL"
+
+
+#: Signals received before start_worker installed the real handlers (see install_early_signal_handlers).
+_early_signals: list[int] = []
+
+
+def install_early_signal_handlers() -> None:
+    """Record SIGTERM/SIGINT until start_worker takes over (call first thing in a worker's __main__,
+    before heavy imports); a second early signal exits at once with EXIT_FORCED."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        _early_signals.append(signum)
+        if len(_early_signals) >= 2:
+            os.write(2, f"second signal {signum} while starting: exiting now\n".encode())
+            os._exit(EXIT_FORCED)
+        os.write(2, f"signal {signum} while starting: will exit once started\n".encode())
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def setup_logging(name: str, level: str | None = None) -> None:
@@ -62,7 +87,12 @@ class WorkerContext:
     signals: int = 0
 
     def install_signal_handlers(self) -> None:
-        """First SIGTERM/SIGINT sets stop; the second exits immediately with EXIT_FORCED."""
+        """First SIGTERM/SIGINT sets stop; the second exits immediately with EXIT_FORCED. Signals
+        recorded by install_early_signal_handlers count as received."""
+        self.signals += len(_early_signals)
+        _early_signals.clear()
+        if self.signals:
+            self.stop.set()
 
         def handler(signum: int, frame: FrameType | None) -> None:
             self.signals += 1
@@ -88,6 +118,12 @@ def parse_worker_args(prog: str, argv: Sequence[str] | None = None) -> argparse.
 
 def start_worker(role: str, argv: Sequence[str] | None = None, *, client_retries: int = 0) -> tuple[WorkerContext, argparse.Namespace]:
     """Parse args, load config (exit 2 on a bad one), set up logging and signals, connect with backoff."""
+    import redis
+
+    from rollstream.bus import connect, read_password, wait_until_ready
+    from rollstream.config import ConfigError, config_to_yaml, load_config
+
+    install_early_signal_handlers()  # covers config loading and connecting (no-op if already recorded)
     args = parse_worker_args(f"python -m {role}", argv)
     name = args.name or os.environ.get("SUPERVISOR_PROCESS_NAME") or role.rsplit(".", 1)[-1]
     setup_logging(name)

@@ -4,6 +4,7 @@ records, read them with redis-cli, `rollstream stop`, and every process exited 0
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -49,9 +50,10 @@ def test_run_wait_for_records_then_stop_cleanly(tmp_path: Path) -> None:
         logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
         assert started.returncode == 0, started.stdout + started.stderr + logs
         assert int(started.stdout.strip().splitlines()[-1].removeprefix("records: ")) >= 3
+        admin_pw = (run_dir / "secrets" / "admin.password").read_text().strip()  # run.acl: the default user is off
         cli = subprocess.run(
-            ["redis-cli", "-s", str(run_dir / "redis.sock"), "XRANGE", Keys("launch").records, "-", "+"],
-            capture_output=True, timeout=10,
+            ["redis-cli", "-s", str(run_dir / "redis.sock"), "--user", "admin", "XRANGE", Keys("launch").records, "-", "+"],
+            capture_output=True, timeout=10, env={**os.environ, "REDISCLI_AUTH": admin_pw},
         )
         assert cli.returncode == 0
         lines = cli.stdout.split(b"\n")

@@ -200,3 +200,14 @@ def test_replay_trainer_copies_a_range_into_a_new_namespace(
 def test_bench_fails_clearly_when_the_module_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = cli(capsys, "bench", "no_such_bench")
     assert code == 1 and "no benchmark 'no_such_bench'" in err
+
+
+def test_replay_records_passes_its_arguments_through(
+    capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
+    dst = Keys(keys.run + "-rec")
+    try:
+        code, out, _ = cli(capsys, "replay", "records", "--from", keys.run, "--to", dst.run, "--redis-url", redis_url)
+        assert code == 0 and f"from run '{keys.run}'" in out
+    finally:
+        delete_run(r, dst)

@@ -109,7 +109,8 @@ def test_supervisord_lifecycle_with_standin_workers(tmp_path: Path, capsys: pyte
     start_supervisord(plan)
     try:
         start_run(plan, cfg)
-        client = redis.Redis.from_url(plan.redis_url)
+        admin_pw = (plan.run_dir / "secrets" / "admin.password").read_text()  # run.acl: default user off
+        client = redis.Redis.from_url(plan.redis_url, username="admin", password=admin_pw)
         assert client.get(Keys("life").setup) == b"1"
         assert client.xinfo_groups(Keys("life").rollouts)[0]["name"] == b"trainer"
         client.close()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from consumers.aggregator.worker import AggregatorWorker
-from rollstream.worker import EXIT_OK, start_worker
+from rollstream.worker import EXIT_OK, install_early_signal_handlers, start_worker
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Start the worker, fold until SIGTERM (or until drained with --burst), exit 0."""
+    install_early_signal_handlers()  # before the heavier imports
+    from consumers.aggregator.worker import AggregatorWorker
+
     ctx, args = start_worker("consumers.aggregator", argv)
     worker = AggregatorWorker(ctx.cfg, ctx.r, ctx.keys, name=ctx.name, stop=ctx.stop)
     worker.run(burst=args.burst)

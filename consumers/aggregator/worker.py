@@ -23,12 +23,14 @@ from consumers.aggregator.sinks import Sinks, build_sinks
 from rollstream.bus import CONNECTION_ERRORS, GroupReader, Message, backoff_delays
 from rollstream.config import PipelineConfig
 from rollstream.names import AGGREGATOR_GROUP, Keys
-from schemas import DeadLetter, encode
+from schemas import DeadLetter, ProducerStats, StepMetrics, ValidateMetrics, encode
 
 log = logging.getLogger(__name__)
 
 DUPLICATE_ID_ERROR = "equal or smaller than the target stream top item"
 BURST_BLOCK_MS = 50
+#: Event types the fold consumes; anything else on `metrics` is dead-lettered.
+FOLDED_EVENTS = (StepMetrics, ValidateMetrics, ProducerStats)
 
 
 def record_id(global_step: int) -> str:
@@ -95,6 +97,9 @@ class AggregatorWorker:
         """Fold a batch, then write its records and acks in one transaction (retried until it lands)."""
         completed: list[Completed] = []
         for m in msgs:
+            if not isinstance(m.event, FOLDED_EVENTS):  # e.g. a rollout written to metrics by mistake
+                self.reader.dead_letter(m.id, m.fields, f"not a metrics event: {m.event.type}")
+                continue
             completed += self.fold.feed(m.id, m.event)
         self.events += len(msgs)
         ack_ids = self.fold.take_ackable()

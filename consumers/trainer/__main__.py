@@ -5,14 +5,19 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from rollstream.worker import EXIT_OK, start_worker
+from rollstream.worker import EXIT_OK, install_early_signal_handlers, start_worker
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Start the worker (config, logging, signals, Redis), then train until done or stopped."""
+    install_early_signal_handlers()  # a SIGTERM during the torch import below must not kill us
     ctx, _args = start_worker("consumers.trainer", argv)
-    from consumers.trainer.loop import Trainer  # torch import after the config is known to be valid
+    import torch  # after the config is known to be valid
 
+    from consumers.trainer.loop import Trainer
+
+    if ctx.cfg.trainer.torch_threads > 0:
+        torch.set_num_threads(ctx.cfg.trainer.torch_threads)
     Trainer(ctx.cfg, ctx.r, ctx.keys, ctx.name, ctx.stop).run()
     return EXIT_OK
 

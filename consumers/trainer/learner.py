@@ -1,6 +1,6 @@
 """The policy-gradient update of one local step (decoupled PPO / bypass, GRPO advantages).
 
-  begin_step()   at the first local update of global step g: freeze a copy of the weights (version g-1)
+  begin_step(g)  at the first local update of global step g: freeze a copy of the weights (version g-1)
                  as the proximal policy; it is pinned for the step's K local updates (decoupled mode)
   update(batch)  one mini-batch -> advantages -> prox/ref log-probs (no grad) -> forward -> loss ->
                  backward -> clip -> AdamW step; returns the update's metrics
@@ -19,6 +19,7 @@ from rollstream.config import PipelineConfig
 from rollstream.factory import build_policy
 from rollstream.model import BasePolicy
 from rollstream.rl import agg_loss, grpo_advantages, kl_penalty, length_metrics, ppo_loss, reward_metrics
+from rollstream.warmstart import load_init
 from schemas import DataProto
 
 log = logging.getLogger(__name__)
@@ -35,15 +36,22 @@ def trim_padding(ids: torch.Tensor, mask: torch.Tensor, R: int) -> tuple[int, in
     return min(first, P - 1), width
 
 
-def group_advantages(rewards: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
-    """GRPO advantages [B] for contiguous groups of the given sizes."""
+def group_advantages(rewards: torch.Tensor, group_sizes: list[int], norm_by_std: bool = True) -> torch.Tensor:
+    """GRPO advantages [B] for contiguous groups of the given sizes (std-normalised unless norm_by_std=False)."""
     if len(set(group_sizes)) == 1:
-        return grpo_advantages(rewards, n=group_sizes[0])
+        return grpo_advantages(rewards, n=group_sizes[0], norm_by_std=norm_by_std)
     parts, start = [], 0
     for n in group_sizes:
-        parts.append(grpo_advantages(rewards[start : start + n], n=n))
+        parts.append(grpo_advantages(rewards[start : start + n], n=n, norm_by_std=norm_by_std))
         start += n
     return torch.cat(parts)
+
+
+def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
+    """Entropy bonus weight at `global_step` (1-based): `coef`, decayed linearly to 0 over `decay_steps` when > 0."""
+    if decay_steps <= 0:
+        return coef
+    return coef * max(0.0, 1.0 - (global_step - 1) / decay_steps)
 
 
 class Learner:
@@ -54,10 +62,14 @@ class Learner:
         self.cfg = cfg
         self.actor = cfg.actor
         self.policy: BasePolicy = build_policy(cfg)
+        if cfg.model.init_from:
+            load_init(self.policy, cfg.model.init_from)  # version 0 = the warm start, not the seeded init
+            log.info("initial weights from %s", cfg.model.init_from)
         self.device = self.policy.device
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=self.actor.lr, weight_decay=self.actor.weight_decay
         )
+        self.global_step = 1  # the global step being trained (set by begin_step)
         self.prox: BasePolicy | None = None
         if self.actor.off_policy_mode == "decoupled":
             self.prox = build_policy(cfg)
@@ -65,10 +77,12 @@ class Learner:
         self.ref: BasePolicy | None = None
         if self.actor.kl_coef > 0:
             self.ref = build_policy(cfg)  # the version-0 weights, from the same seed
+            self.ref.module.load_state_dict(self.policy.module.state_dict())
             self.ref.eval()
 
-    def begin_step(self) -> None:
-        """Pin the current weights as the proximal policy for the global step's local updates."""
+    def begin_step(self, global_step: int = 1) -> None:
+        """Pin the current weights as the proximal policy for global step `global_step`'s local updates."""
+        self.global_step = global_step
         if self.prox is not None:
             self.prox.module.load_state_dict(self.policy.module.state_dict())
 
@@ -89,7 +103,7 @@ class Learner:
         ids, mask, resp_mask, behave = ids.to(dev), mask.to(dev), resp_mask.to(dev), behave.to(dev)
 
         # 1. GRPO advantages per sample group
-        adv = group_advantages(rewards, list(batch.meta_info["group_sizes"])).to(dev)  # [B]
+        adv = group_advantages(rewards, list(batch.meta_info["group_sizes"]), self.actor.norm_adv_by_std).to(dev)  # [B]
 
         # 2. proximal / reference log-probs (frozen, no grad)
         t0 = time.perf_counter()
@@ -109,8 +123,10 @@ class Learner:
             loss_agg_mode=self.actor.loss_agg_mode,
         )
         ent = agg_loss(entropy, resp_mask, self.actor.loss_agg_mode)
-        if self.actor.entropy_coef > 0:
-            loss = loss - self.actor.entropy_coef * ent
+        ent_coef = entropy_coef_at(self.actor.entropy_coef, self.actor.entropy_decay_steps, self.global_step)
+        if ent_coef > 0:
+            loss = loss - ent_coef * ent
+            metrics["actor/entropy_coef"] = ent_coef
         if ref_logp is not None:
             kl = agg_loss(kl_penalty(logp, ref_logp, "low_var_kl"), resp_mask, self.actor.loss_agg_mode)
             loss = loss + self.actor.kl_coef * kl

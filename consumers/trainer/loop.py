@@ -16,6 +16,15 @@ redone if the trainer hash says it never ran; the budget is granted if not yet. 
 our pending list whose sample_id is already in `fates` are acked without training; the rest are trained.
 A stop request mid-step abandons the partial step without acking (its samples are retrained on restart).
 
+Sync mode (`trainer.sync_mode`, the synchronous-RL baseline of `rollstream bench async`): the first local
+update of a step waits until the step's whole train_batch_size is collected, so with
+staleness_threshold = 0 generation and training strictly alternate.
+
+Transport (`timing_s/transport` per local update): time moving rollouts out of Redis and decoding them,
+not time waiting for producers. A poll that returns entries without blocking counts in full; when none
+are ready the trainer waits in a blocking poll, and of that poll only the decoding counts (the reply of a
+blocked read carries the few entries that woke it; its transfer is not separable from the wait).
+
 Warmup: for global steps <= trainer.num_warmup_batches, the time spent waiting for samples is reported as
 `timing_s/gen_warmup` instead of `timing_s/gen`, so the aggregator's idle ratio (gen / step) skips them.
 """
@@ -32,6 +41,7 @@ import redis
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.checkpoint import load_latest_checkpoint, save_checkpoint
+from consumers.trainer.guard import unusable_reason
 from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import (
     DROPPED,
@@ -84,6 +94,7 @@ class Trainer:
         self._own_dead = 0  # non-rollout entries we dead-lettered ourselves (not prompts)
         self._dead_counted = 0
         self._step_dead = 0
+        self._transport_s = 0.0  # reading + decoding rollouts since the last local update
 
     # -- start / resume ----------------------------------------------------------------------------
 
@@ -141,9 +152,22 @@ class Trainer:
     def _heartbeat(self) -> None:
         self.r.hset(self.keys.trainer, "heartbeat", time.time())
 
+    def _poll(self) -> list[Message]:
+        """A non-blocking poll (counted as transport), then, only when it found nothing, a blocking one
+        (waiting for producers: only its decode time counts as transport)."""
+        t0, decode0 = time.perf_counter(), self.reader.stats.decode_s
+        msgs = self.reader.poll_retrying(block_ms=1)
+        if msgs:
+            self._transport_s += time.perf_counter() - t0
+            return msgs
+        decode0 = self.reader.stats.decode_s
+        msgs = self.reader.poll_retrying()
+        self._transport_s += self.reader.stats.decode_s - decode0
+        return msgs
+
     def _fill(self) -> None:
         """One poll: buffer new samples, ack duplicates of seen ids, count dead-lettered rollouts."""
-        msgs = self.reader.poll_retrying()
+        msgs = self._poll()
         dupes: list[str] = []
         for m in msgs:
             ev = m.event
@@ -152,6 +176,9 @@ class Trainer:
                 self.reader.dead_letter(m.id, m.fields, f"not a rollout: {ev.type}")
             elif ev.sample_id in self.seen:
                 dupes.append(m.id)  # the original is committed or still pending: safe to ack this copy
+            elif (why := unusable_reason(ev, self.learner.policy.tokenizer.vocab_size,
+                                         self.learner.policy.max_seq_len)) is not None:
+                self.reader.dead_letter(m.id, m.fields, f"unusable: {why}")  # counted as consumed below
             else:
                 self.seen.add(ev.sample_id)
                 self.buffer.append(m)
@@ -198,11 +225,14 @@ class Trainer:
         gen_key = "timing_s/gen_warmup" if warmup else "timing_s/gen"
         ledger = StepLedger(g)
         self._step_dead = 0
-        self.learner.begin_step()
+        self.learner.begin_step(g)
         K = cfg.trainer.parameter_sync_step
+        collected: list[tuple[list[tuple[Message, int]], list[int]] | None] = []
         for local in range(1, K + 1):
             t0 = time.perf_counter()
-            got = self._collect(g, ledger)
+            if cfg.trainer.sync_mode and local == 1:  # synchronous RL: the whole global batch first
+                collected = [self._collect(g, ledger) for _ in range(K)]
+            got = collected[local - 1] if cfg.trainer.sync_mode else self._collect(g, ledger)
             if got is None or self.stop.is_set():
                 log.warning("stop requested during global step %d: abandoning it (samples stay pending)", g)
                 return False
@@ -220,7 +250,9 @@ class Trainer:
             metrics.update(asm_metrics)
             metrics.update(dropped_metrics(dropped))
             metrics.update(staleness_metrics([st for _, st in kept]))
-            metrics.update({"training/global_step": float(g), gen_key: t_gen, "timing_s/assemble": t_asm})
+            metrics.update({"training/global_step": float(g), gen_key: t_gen, "timing_s/assemble": t_asm,
+                            "timing_s/transport": self._transport_s})
+            self._transport_s = 0.0
             self.publisher.publish(
                 self.keys.metrics,
                 StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(kept),

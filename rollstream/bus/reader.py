@@ -31,6 +31,11 @@ def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
 
+def _name(x: Any) -> str:
+    """A field name as text; undecodable bytes become backslash escapes."""
+    return x.decode(errors="backslashreplace") if isinstance(x, bytes) else str(x)
+
+
 @dataclass
 class Message:
     """One decoded stream entry handed to a handler."""
@@ -227,7 +232,8 @@ class GroupReader:
             source=self.stream,
             source_id=entry_id,
             reason=reason[:1000],
-            fields={_s(k): bytes(v) for k, v in fields.items()},
+            # field names are whatever the writer sent: a non-UTF-8 name must not stop dead-lettering
+            fields={_name(k): bytes(v) for k, v in fields.items()},
         )
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.dead_stream, encode(dl))  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -50,10 +51,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 target, args.wait_records, args.wait_timeout, progress=lambda n: print(f"records: {n}", flush=True)
             )
         if proc is not None:
-            proc.wait()
+            fg = proc
+
+            def forward(signum: int, frame: object) -> None:
+                print("stopping: supervisord stops producers, trainer, aggregator, redis in turn", flush=True)
+                fg.send_signal(signal.SIGTERM)
+
+            signal.signal(signal.SIGINT, forward)
+            signal.signal(signal.SIGTERM, forward)
+            return 0 if proc.wait() == 0 else 1
     except KeyboardInterrupt:
         if proc is not None:
-            print("stopping (supervisord stops producers, trainer, aggregator, redis in turn)")
+            proc.send_signal(signal.SIGTERM)
             proc.wait()
         return 130
     except supervise.SuperviseError as e:
@@ -191,11 +200,16 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Benchmark names whose module is named differently (`async` is a Python keyword).
+BENCH_MODULES = {"async": "async_bench"}
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
+    module = BENCH_MODULES.get(args.name, args.name)
     try:
-        mod = importlib.import_module(f"rollstream.bench.{args.name}")
+        mod = importlib.import_module(f"rollstream.bench.{module}")
     except ModuleNotFoundError as e:
-        print(f"rollstream bench: no benchmark {args.name!r} (rollstream.bench.{args.name}: {e})", file=sys.stderr)
+        print(f"rollstream bench: no benchmark {args.name!r} (rollstream.bench.{module}: {e})", file=sys.stderr)
         return 1
     return int(mod.main(list(args.args)) or 0)
 
@@ -251,9 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("replay", help="rebuild records, or copy rollouts to a new run for a trainer replay")
     rsub = c.add_subparsers(dest="what", required=True)
-    rr = rsub.add_parser("records", help="consumers.aggregator.replay (arguments passed through: --from RUN --to NEW …)")
-    rr.add_argument("args", nargs=argparse.REMAINDER, help="arguments of consumers.aggregator.replay")
-    rr.set_defaults(func=_cmd_replay_records)
+    rr = rsub.add_parser("records", help="rebuild records with consumers.aggregator.replay; its arguments (--from RUN --to NEW "
+                          "[--redis-url URL]) are passed through")
+    rr.set_defaults(func=_cmd_replay_records, passthrough=True)
     rt = rsub.add_parser("trainer", help="copy a range of RUN's rollouts into NEWRUN (then run the trainer --burst)")
     rt.add_argument("--from", dest="src", required=True, help="source run name")
     rt.add_argument("--to", dest="dst", required=True, help="new run name (must have no rollouts yet)")
@@ -267,15 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="reward.png", help="PNG file to write")
     c.set_defaults(func=_cmd_plot)
 
-    c = sub.add_parser("bench", help="run rollstream.bench.<name>.main(args)")
+    c = sub.add_parser("bench", help="run rollstream.bench.<name>.main(args); further arguments are passed through")
     c.add_argument("name", help="benchmark module under rollstream.bench")
-    c.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
-    c.set_defaults(func=_cmd_bench)
+    c.set_defaults(func=_cmd_bench, passthrough=True)
     return p
 
 
 def _place_extra(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
-    """Positionals given after an option (`inspect rollouts --full run.name=x`) join the positionals."""
+    """Positionals given after an option (`inspect rollouts --full run.name=x`) join the positionals;
+    pass-through commands (replay records, bench) get every argument they did not define, in order."""
+    if getattr(args, "passthrough", False):
+        args.args = extra
+        return
     if not extra:
         return
     unknown = [x for x in extra if x.startswith("-") and not x[1:].isdigit()]

@@ -1,6 +1,13 @@
 """Launch and stop a run under supervisord: write the run's supervisord config into the run dir, start
 redis (embedded) first, set the run up, start the workers, and stop them in order with exit statuses.
 
+With an embedded redis and `run.acl` (the default), each program connects as its own ACL user
+(producer, trainer, aggregator; the CLI as admin; the default user is off): passwords are generated into
+0600 files under <run_dir>/secrets, redis loads the users (sha256 hashes only) from <run_dir>/secrets/
+users.acl at every start (so a restarted redis keeps them), and programs get ROLLSTREAM_REDIS_USERNAME +
+ROLLSTREAM_REDIS_PASSWORD_FILE. The embedded redis fsyncs its AOF on every write (`appendfsync always`),
+so a redis killed with SIGKILL loses nothing it acknowledged.
+
 Programs and their priorities (supervisord stops higher numbers first on its own shutdown, so producers
 stop before the trainer, the trainer before the aggregator, and redis last):
 
@@ -26,11 +33,12 @@ from typing import Any
 from supervisor.xmlrpc import SupervisorTransport
 
 from rollstream.bus import setup_run, wait_until_ready
-from rollstream.bus.connection import PASSWORD_FILE_ENV
+from rollstream.bus.connection import PASSWORD_FILE_ENV, USERNAME_ENV
 from rollstream.config import PipelineConfig, config_to_yaml
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded, wait_for_redis
-from rollstream.ops.target import REDIS_URL_FILE, RESOLVED_CONFIG, RunTarget, split_password
+from rollstream.ops.target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, RunTarget, split_password
+from rollstream.security import ROLES, acl_rules, generate_passwords
 from rollstream.worker import REDIS_URL_ENV
 
 #: Seconds supervisord waits after SIGTERM before SIGKILL; longer than any worker's unit of work.
@@ -38,6 +46,10 @@ WORKER_STOPWAIT_S = 60
 REDIS_STOPWAIT_S = 30
 CONF_NAME = "supervisord.conf"
 PASSWORD_FILE = "redis.password"
+#: redis ACL file (users with sha256 password hashes) inside the secrets dir.
+ACL_FILE = "users.acl"
+#: supervisord program name -> ACL user it connects as (producers match rollout_*).
+PROGRAM_ROLES = {"aggregator": "aggregator", "trainer": "trainer"}
 
 
 class SuperviseError(RuntimeError):
@@ -87,15 +99,40 @@ def producer_names(cfg: PipelineConfig) -> list[str]:
     return [f"rollout_{i:02d}" for i in range(cfg.rollout.num_producers)]
 
 
-def _worker_programs(cfg: PipelineConfig, resolved: Path, env: dict[str, str]) -> list[Program]:
+def _worker_programs(
+    cfg: PipelineConfig, resolved: Path, env: dict[str, str], role_env: dict[str, dict[str, str]]
+) -> list[Program]:
     py, conf = sys.executable, str(resolved)
     progs = [
-        Program("aggregator", [py, "-m", "consumers.aggregator", conf], priority=10, env=env),
-        Program("trainer", [py, "-m", "consumers.trainer", conf], priority=20, env=env),
+        Program("aggregator", [py, "-m", "consumers.aggregator", conf], priority=10,
+                env={**env, **role_env.get("aggregator", {})}),
+        Program("trainer", [py, "-m", "consumers.trainer", conf], priority=20, env={**env, **role_env.get("trainer", {})}),
     ]
     for name in producer_names(cfg):
-        progs.append(Program(name, [py, "-m", "producers", conf, "--name", name], priority=30, env=env))
+        progs.append(Program(name, [py, "-m", "producers", conf, "--name", name], priority=30,
+                             env={**env, **role_env.get("producer", {})}))
     return progs
+
+
+def write_acl(run_dir: Path, keys: Keys) -> tuple[Path, dict[str, dict[str, str]]]:
+    """Generate (or reuse) the role passwords and write redis' ACL file (hashes only, 0600, default user
+    off); returns (ACL file, role -> the env a program of that role gets)."""
+    secrets_dir = run_dir / SECRETS_DIR
+    files = generate_passwords(secrets_dir)
+    rules = acl_rules(keys)
+    # The default user is off (no connection can use it) but keeps +@all: redis 7.0 replays the AOF's
+    # MULTI/EXEC blocks with the default user's permissions, and a `nocommands` default user makes it drop
+    # every transaction on load (seen in tests/test_faults.py: a restarted redis came back empty).
+    lines = ["user default off resetpass resetchannels +@all ~*"]
+    for role in ROLES:
+        digest = hashlib.sha256(files[role].read_text().strip().encode()).hexdigest()
+        lines.append(" ".join(["user", role, "on", f"#{digest}", "resetchannels", *rules[role]]))
+    acl_file = secrets_dir / ACL_FILE
+    fd = os.open(acl_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    env = {role: {USERNAME_ENV: role, PASSWORD_FILE_ENV: str(files[role].resolve())} for role in ROLES}
+    return acl_file, env
 
 
 def plan_run(cfg: PipelineConfig, run_dir: Path | None = None) -> RunPlan:
@@ -107,8 +144,15 @@ def plan_run(cfg: PipelineConfig, run_dir: Path | None = None) -> RunPlan:
     resolved_cfg.run.dir = str(run_dir.parent)
     env = {"PYTHONUNBUFFERED": "1"}
     programs: list[Program] = []
+    role_env: dict[str, dict[str, str]] = {}
     if cfg.run.redis_url is None:
         redis_argv, url = plan_embedded(run_dir)
+        redis_argv += ["--appendfsync", "always"]  # a kill -9 of redis loses nothing acknowledged
+        if cfg.run.acl:
+            acl_file, role_env = write_acl(run_dir, Keys(cfg.run.name))
+            redis_argv += ["--aclfile", str(acl_file)]
+        else:
+            (run_dir / SECRETS_DIR / ACL_FILE).unlink(missing_ok=True)  # operator commands connect as default
         programs.append(Program("redis", redis_argv, priority=1, stopwaitsecs=REDIS_STOPWAIT_S, autostart=True))
     else:
         url, password = split_password(cfg.run.redis_url)
@@ -125,7 +169,7 @@ def plan_run(cfg: PipelineConfig, run_dir: Path | None = None) -> RunPlan:
     resolved = run_dir / RESOLVED_CONFIG
     resolved.write_text(config_to_yaml(resolved_cfg))
     (run_dir / REDIS_URL_FILE).write_text(url + "\n")
-    programs += _worker_programs(cfg, resolved, env)
+    programs += _worker_programs(cfg, resolved, env, role_env)
     conf = run_dir / CONF_NAME
     conf.write_text(render_supervisord_conf(run_dir, programs, cwd=Path.cwd()))
     return RunPlan(run_dir, conf, resolved, url, programs)
@@ -243,9 +287,9 @@ def start_supervisord(plan: RunPlan, foreground: bool = False) -> subprocess.Pop
 
 def start_run(plan: RunPlan, cfg: PipelineConfig, redis_timeout_s: float = 60.0) -> None:
     """With supervisord up: wait for Redis, set the run up (streams + groups), start the workers in order."""
-    if any(p.name == "redis" for p in plan.programs):
-        wait_for_redis(plan.redis_url, redis_timeout_s)
     target = RunTarget(cfg=cfg, keys=Keys(cfg.run.name), run_dir=plan.run_dir, redis_url=plan.redis_url)
+    if any(p.name == "redis" for p in plan.programs) and not target.uses_acl():
+        wait_for_redis(plan.redis_url, redis_timeout_s)  # with ACLs on, wait_until_ready below (as admin)
     r = target.connect()
     try:
         wait_until_ready(r, timeout_s=redis_timeout_s)

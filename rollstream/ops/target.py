@@ -19,6 +19,10 @@ from rollstream.worker import REDIS_URL_ENV
 RESOLVED_CONFIG = "pipeline.resolved.yaml"
 #: File in the run dir holding the Redis URL the run uses (password removed).
 REDIS_URL_FILE = "redis.url"
+#: Folder in the run dir with the per-role ACL passwords (0600) and redis' ACL file (see ops.supervise).
+SECRETS_DIR = "secrets"
+#: ACL user the operator commands (stop, status, inspect …) connect as when the run has ACLs.
+ADMIN_USER = "admin"
 #: Fallback when nothing names a Redis.
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -57,12 +61,28 @@ class RunTarget:
     run_dir: Path
     redis_url: str
 
+    @property
+    def admin_password_file(self) -> Path:
+        """The admin role's password file (exists only when `rollstream run` set ACL users up)."""
+        return self.run_dir / SECRETS_DIR / f"{ADMIN_USER}.password"
+
+    def uses_acl(self) -> bool:
+        """True when the run's embedded redis loads ACL users (its users.acl exists in the run dir)."""
+        return (self.run_dir / SECRETS_DIR / "users.acl").is_file() and self.admin_password_file.is_file()
+
     def connect(self, retries: int = 2) -> redis.Redis:
-        """A bytes client on the run's Redis (password from the URL, env or run.password_file)."""
+        """A bytes client on the run's Redis: as admin with the run dir's password when the run has ACL
+        users, else with the password from the URL, env or run.password_file."""
+        if self.uses_acl():
+            password: str | None = self.admin_password_file.read_text().strip()
+            username: str | None = ADMIN_USER
+        else:
+            password, username = read_password(self.cfg.run.password_file), None
         return connect(
             self.redis_url,
             socket_timeout_s=self.cfg.bus.socket_timeout_s,
-            password=read_password(self.cfg.run.password_file),
+            password=password,
+            username=username,
             client_name=f"{self.cfg.run.name}:cli",
             retries=retries,
         )

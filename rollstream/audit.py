@@ -1,0 +1,155 @@
+"""Audit a run from its log: did every published sample end exactly once, and are the steps consecutive?
+
+Every sample_id on `rollouts` must end exactly once as trained or dropped-as-stale (an entry in `fates`)
+or dead-lettered (an entry on `dead` whose source is `rollouts`); the only other legitimate state is
+still unacked in the trainer group (pending, or not yet delivered). A redelivered or duplicate XADD of
+an id that already ended is acked without a second fate, so ids, not entries, are what is counted.
+`step_end` events on `metrics` must be global steps 1..N, once each, and `records` must hold 1..M.
+
+Reads the whole log with XRANGE (bounded runs; a retention-trimmed log audits what is left).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from rollstream.names import TRAINER_GROUP, Keys
+from schemas import DeadLetter, DecodeError, StepMetrics, decode
+
+PAGE = 1000
+
+
+def _s(x: Any) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else str(x)
+
+
+def _id_tuple(entry_id: str) -> tuple[int, int]:
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)
+
+
+def scan_stream(r: redis.Redis, stream: str, page: int = PAGE) -> list[tuple[str, dict[bytes, bytes]]]:
+    """Every entry of a stream, in order, read in pages."""
+    out: list[tuple[str, dict[bytes, bytes]]] = []
+    start = "-"
+    while True:
+        rows: Any = r.xrange(stream, min=start, max="+", count=page)
+        out += [(_s(i), f) for i, f in rows]
+        if len(rows) < page:
+            return out
+        start = "(" + _s(rows[-1][0])
+
+
+@dataclass
+class AuditReport:
+    """What the log says happened to every published sample, and to the global steps."""
+
+    published: set[str] = field(default_factory=set)
+    trained: set[str] = field(default_factory=set)
+    dropped: set[str] = field(default_factory=set)
+    dead: set[str] = field(default_factory=set)
+    pending: set[str] = field(default_factory=set)  # still unacked in the trainer group: legitimately open
+    lost: set[str] = field(default_factory=set)  # published, acked, and no fate anywhere
+    duplicated: set[str] = field(default_factory=set)  # ended more than once
+    unknown: set[str] = field(default_factory=set)  # a fate for an id not (or no longer) on rollouts
+    duplicate_entries: int = 0  # rollouts entries repeating an id (redeliveries / duplicate XADDs)
+    steps: list[int] = field(default_factory=list)  # step_end global steps, in log order
+    records: list[int] = field(default_factory=list)  # global steps with a record
+
+    @property
+    def steps_consecutive(self) -> bool:
+        """step_end events are exactly 1..N once each (N = the last step)."""
+        return self.steps == list(range(1, len(self.steps) + 1))
+
+    def problems(self) -> list[str]:
+        """Human-readable violations (empty when the run is clean)."""
+        out = []
+        if self.lost:
+            out.append(f"{len(self.lost)} published samples lost: {sorted(self.lost)[:5]}")
+        if self.duplicated:
+            out.append(f"{len(self.duplicated)} samples ended more than once: {sorted(self.duplicated)[:5]}")
+        if not self.steps_consecutive:
+            out.append(f"step_end global steps are not 1..N once each: {self.steps}")
+        if self.records != list(range(1, len(self.records) + 1)):
+            out.append(f"records are not steps 1..M: {self.records}")
+        return out
+
+    def summary(self) -> str:
+        """One line of counts."""
+        return (
+            f"published {len(self.published)}  trained {len(self.trained)}  dropped {len(self.dropped)}  "
+            f"dead {len(self.dead)}  pending {len(self.pending)}  lost {len(self.lost)}  "
+            f"duplicated {len(self.duplicated)}  steps {len(self.steps)}  records {len(self.records)}"
+        )
+
+
+def unacked_entry_ids(r: redis.Redis, keys: Keys) -> set[str]:
+    """Rollouts entries the trainer group has not acked: its pending list plus those never delivered."""
+    rc: Any = r
+    if not rc.exists(keys.rollouts):
+        return set()
+    groups = {_s(g["name"]): g for g in rc.xinfo_groups(keys.rollouts)}
+    if TRAINER_GROUP not in groups:
+        return {i for i, _ in scan_stream(r, keys.rollouts)}
+    last = _id_tuple(_s(groups[TRAINER_GROUP]["last-delivered-id"]))
+    pending: set[str] = set()
+    start = "-"
+    while True:
+        rows = rc.xpending_range(keys.rollouts, TRAINER_GROUP, start, "+", PAGE)
+        pending |= {_s(p["message_id"]) for p in rows}
+        if len(rows) < PAGE:
+            break
+        start = "(" + _s(rows[-1]["message_id"])
+    undelivered = {i for i, _ in scan_stream(r, keys.rollouts) if _id_tuple(i) > last}
+    return pending | undelivered
+
+
+def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
+    """Read rollouts, fates, dead, the trainer group's pending list, metrics and records; classify."""
+    rep = AuditReport()
+    entry_sample: dict[str, str] = {}
+    per_id = Counter[str]()
+    for entry_id, f in scan_stream(r, keys.rollouts):
+        sid = _s(f.get(b"sample_id", b"entry:" + entry_id.encode()))
+        entry_sample[entry_id] = sid
+        per_id[sid] += 1
+    rep.published = set(per_id)
+    rep.duplicate_entries = sum(n - 1 for n in per_id.values())
+
+    ends = Counter[str]()
+    for _, f in scan_stream(r, keys.fates):
+        sid, fate = _s(f[b"sample_id"]), _s(f[b"fate"])
+        (rep.trained if fate == "trained" else rep.dropped).add(sid)
+        ends[sid] += 1
+    dead_sources: set[str] = set()
+    for _, f in scan_stream(r, keys.dead):
+        try:
+            ev = decode(f)
+        except DecodeError:
+            continue
+        if not isinstance(ev, DeadLetter) or ev.source != keys.rollouts or ev.source_id in dead_sources:
+            continue
+        dead_sources.add(ev.source_id)
+        sid = entry_sample.get(ev.source_id) or _s(ev.fields.get("sample_id", f"entry:{ev.source_id}".encode()))
+        rep.dead.add(sid)
+        ends[sid] += 1
+    rep.duplicated = {sid for sid, n in ends.items() if n > 1}
+    rep.unknown = set(ends) - rep.published
+
+    open_ids = {entry_sample[i] for i in unacked_entry_ids(r, keys) if i in entry_sample}
+    for sid in rep.published - set(ends):
+        (rep.pending if sid in open_ids else rep.lost).add(sid)
+
+    for _, f in scan_stream(r, keys.metrics):
+        try:
+            ev = decode(f)
+        except DecodeError:
+            continue
+        if isinstance(ev, StepMetrics) and ev.type == "step_end":
+            rep.steps.append(ev.global_step)
+    rep.records = [int(i.split("-")[0]) for i, _ in scan_stream(r, keys.records)]
+    return rep

@@ -1,0 +1,175 @@
+"""`rollstream bench soak`: a bounded soak of the whole pipeline with retention on.
+
+Starts `rollstream run` (embedded redis, ACLs, supervisord) with up to 8 latency-model producers (decoding
+replaced by sleeping its modelled time, producers/latency.py), a tiny trainer and the aggregator, with
+`bus.retention=true` and a small byte cap. Every `--sample-every-s` it samples redis `INFO memory`
+used_memory, the trainer's RSS (/proc/<pid>/status VmRSS), the rollouts stream's length and the trainer
+group's lag and pending count, and the trainer's global step. At the end it stops the run and reports:
+the samples as a markdown table, min/max of each curve, whether memory stayed bounded (the second half's
+peak within `--growth-limit` x the first half's) and whether the retention byte cap ever bit (the
+trainer logs "RETENTION CAP BIT" when trimming had to drop entries a group had not read).
+
+    rollstream bench soak [--duration-s 300] [--producers 8] [--sample-every-s 10] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollstream.config import load_config
+from rollstream.names import TRAINER_GROUP
+from rollstream.ops import supervise
+from rollstream.ops.target import open_run
+
+SOAK_CONFIG = [
+    "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=2", "rollout.n=4",
+    "model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "data.max_digits=3",
+    "data.epoch_size=256", "data.val_size=4", "data.max_response_length=6", "trainer.test_freq=0",
+    "trainer.total_global_steps=1000000", "trainer.save_freq=10", "run.device=cpu",
+    "rollout.latency_model.enable=true", "rollout.torch_threads=1", "trainer.torch_threads=1",
+    "bus.retention=true", "bus.trim_every_s=5", f"bus.max_stream_bytes={64 << 20}",
+]
+CAP_BIT = "RETENTION CAP BIT"
+
+
+@dataclass
+class Sample:
+    """One measurement during the soak."""
+
+    t_s: float
+    redis_used_mb: float
+    trainer_rss_mb: float
+    rollouts_len: int
+    trainer_lag: int
+    trainer_pending: int
+    global_step: int
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process in MiB (0 when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def take_sample(r: Any, target: Any, run_dir: Path, t_s: float) -> Sample:
+    """Measure redis memory, trainer RSS, the rollouts backlog and the trainer's step."""
+    info = r.info("memory")
+    pid = int(supervise.rpc(run_dir).supervisor.getProcessInfo("trainer")["pid"])
+    groups = {g["name"].decode(): g for g in r.xinfo_groups(target.keys.rollouts)}
+    g = groups.get(TRAINER_GROUP, {})
+    step = r.hget(target.keys.trainer, "global_step")
+    return Sample(
+        t_s=t_s,
+        redis_used_mb=int(info["used_memory"]) / 2**20,
+        trainer_rss_mb=rss_mb(pid) if pid else 0.0,
+        rollouts_len=int(r.xlen(target.keys.rollouts)),
+        trainer_lag=int(g.get("lag") or 0),
+        trainer_pending=int(g.get("pending") or 0),
+        global_step=int(step or 0),
+    )
+
+
+def table(samples: list[Sample]) -> str:
+    """The samples as a markdown table, then a min/max row per column."""
+    head = "| t (s) | redis used_memory (MiB) | trainer RSS (MiB) | rollouts entries | trainer lag | trainer pending | global step |"
+    rows = [head, "|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in samples:
+        rows.append(f"| {s.t_s:.0f} | {s.redis_used_mb:.1f} | {s.trainer_rss_mb:.0f} | {s.rollouts_len} | "
+                    f"{s.trainer_lag} | {s.trainer_pending} | {s.global_step} |")
+    for name, fn in (("min", min), ("max", max)):
+        rows.append(f"| **{name}** | {fn(s.redis_used_mb for s in samples):.1f} | "
+                    f"{fn(s.trainer_rss_mb for s in samples):.0f} | {fn(s.rollouts_len for s in samples)} | "
+                    f"{fn(s.trainer_lag for s in samples)} | {fn(s.trainer_pending for s in samples)} | |")
+    return "\n".join(rows)
+
+
+def bounded(values: list[float], growth_limit: float) -> bool:
+    """True when the second half's peak is within growth_limit x the first half's peak."""
+    half = max(1, len(values) // 2)
+    return max(values[half:] or values) <= growth_limit * max(values[:half])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of `rollstream bench soak`."""
+    p = argparse.ArgumentParser(prog="rollstream bench soak", description=__doc__.splitlines()[0])
+    p.add_argument("overrides", nargs="*", help="dotted key=value config overrides on top of the soak's")
+    p.add_argument("--config", default="pipeline.yaml", help="base config file")
+    p.add_argument("--duration-s", type=float, default=300.0, help="how long to soak after the first record")
+    p.add_argument("--producers", type=int, default=8, help="latency-model producer processes (1-8)")
+    p.add_argument("--sample-every-s", type=float, default=10.0, help="seconds between samples")
+    p.add_argument("--growth-limit", type=float, default=1.5, help="allowed ratio of late to early memory peaks")
+    p.add_argument("--run-dir", default=None, help="parent folder of the run dir (default: a temp dir)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the soak; print the table and verdicts; exit 1 when memory grew or the retention cap bit."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not 1 <= args.producers <= 8:
+        print("rollstream bench soak: --producers must be 1..8", file=sys.stderr)
+        return 2
+    parent = Path(args.run_dir or tempfile.mkdtemp(prefix="rollstream-soak-"))
+    cfg = load_config(args.config, [*SOAK_CONFIG, f"rollout.num_producers={args.producers}",
+                                    f"run.dir={parent}", "run.name=soak", *args.overrides])
+    plan = supervise.plan_run(cfg)
+    print(f"soak: {args.producers} producers for {args.duration_s:.0f}s; run dir {plan.run_dir}", flush=True)
+    supervise.start_supervisord(plan)
+    samples: list[Sample] = []
+    lengths: dict[str, tuple[int, int]] = {}
+    try:
+        supervise.start_run(plan, cfg)
+        target = open_run(None, run_dir=str(plan.run_dir))
+        supervise.wait_for_records(target, 1, timeout_s=300)
+        r = target.connect()
+        t0 = time.monotonic()
+        while True:
+            t = time.monotonic() - t0
+            samples.append(take_sample(r, target, plan.run_dir, t))
+            s = samples[-1]
+            print(f"t={t:5.0f}s redis={s.redis_used_mb:.1f}MiB trainer={s.trainer_rss_mb:.0f}MiB "
+                  f"rollouts={s.rollouts_len} lag={s.trainer_lag} step={s.global_step}", flush=True)
+            if t >= args.duration_s:
+                lengths = {k.rsplit(":", 1)[-1]: (int(r.xlen(k)), int(r.memory_usage(k, samples=0) or 0))
+                           for k in target.keys.all_streams() if r.exists(k)}
+                break
+            time.sleep(min(args.sample_every_s, max(0.0, args.duration_s - t)))
+            failed = supervise.failed_programs(plan.run_dir)
+            if failed:
+                raise supervise.SuperviseError("; ".join(failed))
+        r.close()
+    finally:
+        report = supervise.stop_run(plan.run_dir)
+    trainer_log = (plan.run_dir / "logs" / "trainer.log").read_text(errors="replace")
+    cap_bits = trainer_log.count(CAP_BIT)
+    steps = samples[-1].global_step - samples[0].global_step
+    backlog_ok = bounded([float(s.rollouts_len) for s in samples], args.growth_limit * 4)
+    mem_ok = bounded([s.redis_used_mb for s in samples], args.growth_limit)
+    rss_ok = bounded([s.trainer_rss_mb for s in samples], args.growth_limit)
+    print()
+    print(table(samples))
+    print()
+    print("streams at the end, entries / MiB (retention trims rollouts and metrics; the others are the audit log): "
+          + ", ".join(f"{k} {n} / {b / 2**20:.2f}" for k, (n, b) in lengths.items()))
+    growth = (samples[-1].redis_used_mb - samples[0].redis_used_mb) * 1024 / max(steps, 1)
+    print(f"redis used_memory growth: {growth:.1f} KiB per global step")
+    print(f"global steps during the soak: {steps} ({steps / max(samples[-1].t_s, 1e-9):.2f}/s)")
+    print(f"redis used_memory bounded: {mem_ok}; trainer RSS bounded: {rss_ok}; rollouts backlog bounded: "
+          f"{backlog_ok}; retention cap bit {cap_bits} times")
+    print("programs: " + ", ".join(report.lines()))
+    return 0 if mem_ok and rss_ok and backlog_ok and cap_bits == 0 and report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
