@@ -181,6 +181,12 @@ class BusConfig(_Section):
         False, description="Trim rollouts/metrics below every group's unread entries (off keeps the whole log for replay/audit)"
     )
     trim_every_s: float = Field(10.0, gt=0, description="Seconds between retention passes (when retention is on)")
+    audit_maxlen: int = Field(
+        100_000, ge=100, description="With retention on: newest entries kept in fates, dispatch_log and params"
+    )
+    records_maxlen: int = Field(
+        0, ge=0, description="With retention on: newest records kept in Redis (0 = all; the JSONL sink keeps every one)"
+    )
     weights_inline_max_bytes: int = Field(64 << 20, ge=0, description="Weight blobs up to this size go in Redis, larger to files")
     max_entry_bytes: int = Field(64 << 20, ge=1024, description="Largest payload/array field accepted on decode")
 

@@ -24,6 +24,8 @@ from rollstream.ops.target import mask_url, split_password
 from rollstream.weights import publish_weights, register_producer_version
 from schemas import DeadLetter, ProducerStats, RolloutSample, SyncStepRecord, encode
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def text_sample(sample_id: str, param_version: int, prompt: str, answers: list[str]) -> RolloutSample:
     """A RolloutSample whose tokens spell `prompt` and `answers` in the CharTokenizer (left/right padded)."""
@@ -202,12 +204,13 @@ def test_bench_fails_clearly_when_the_module_is_missing(capsys: pytest.CaptureFi
     assert code == 1 and "no benchmark 'no_such_bench'" in err
 
 
-def test_replay_records_passes_its_arguments_through(
+def test_replay_records_refolds_into_a_new_run(
     capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str
 ) -> None:
     dst = Keys(keys.run + "-rec")
     try:
-        code, out, _ = cli(capsys, "replay", "records", "--from", keys.run, "--to", dst.run, "--redis-url", redis_url)
+        code, out, _ = cli(capsys, "replay", "records", "--from", keys.run, "--to", dst.run,
+                           str(ROOT / "pipeline.yaml"), f"run.redis_url={redis_url}")
         assert code == 0 and f"from run '{keys.run}'" in out
     finally:
         delete_run(r, dst)

@@ -82,7 +82,13 @@ class Trainer:
         )
         self.publisher = Publisher(r, nomkstream=True)
         self.janitor = (
-            Janitor(r, [keys.rollouts, keys.metrics], cfg.bus.trim_every_s, cfg.bus.max_stream_bytes)
+            Janitor(
+                r, [keys.rollouts, keys.metrics], cfg.bus.trim_every_s, cfg.bus.max_stream_bytes,
+                capped={
+                    **{k: cfg.bus.audit_maxlen for k in (keys.fates, keys.dispatch_log, keys.params)},
+                    **({keys.records: cfg.bus.records_maxlen} if cfg.bus.records_maxlen else {}),
+                },
+            )
             if cfg.bus.retention else None
         )
         self.ckpt_dir = cfg.run_dir() / "checkpoints"

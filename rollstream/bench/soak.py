@@ -35,6 +35,7 @@ SOAK_CONFIG = [
     "trainer.total_global_steps=1000000", "trainer.save_freq=10", "run.device=cpu",
     "rollout.latency_model.enable=true", "rollout.torch_threads=1", "trainer.torch_threads=1",
     "bus.retention=true", "bus.trim_every_s=5", f"bus.max_stream_bytes={64 << 20}",
+    "bus.audit_maxlen=2000", "bus.records_maxlen=200",
 ]
 CAP_BIT = "RETENTION CAP BIT"
 

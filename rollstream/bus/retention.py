@@ -82,9 +82,19 @@ def trim_stream(r: redis.Redis, stream: str, max_bytes: int | None = None) -> Tr
 class Janitor:
     """Runs a retention pass over some streams at most every `every_s` seconds (call `maybe_run` often)."""
 
-    def __init__(self, r: redis.Redis, streams: list[str], every_s: float, max_bytes: int | None) -> None:
+    def __init__(
+        self,
+        r: redis.Redis,
+        streams: list[str],
+        every_s: float,
+        max_bytes: int | None,
+        capped: dict[str, int] | None = None,
+    ) -> None:
+        """streams: trimmed below every group's unread entries; capped: stream -> newest entries to keep
+        (audit streams nobody consumes, such as fates and params)."""
         self.r = r
         self.streams = streams
+        self.capped = capped or {}
         self.every_s = every_s
         self.max_bytes = max_bytes
         self._next = 0.0
@@ -96,6 +106,9 @@ class Janitor:
             return []
         self._next = now + self.every_s
         results = [trim_stream(self.r, s, self.max_bytes) for s in self.streams]
+        for stream, keep in self.capped.items():
+            n = int(self.r.xtrim(stream, maxlen=keep, approximate=True))
+            results.append(TrimResult(stream, None, 0, n, 0))
         trimmed = sum(t.trimmed_minid + t.trimmed_cap for t in results)
         if trimmed:
             log.info("retention: trimmed %d entries from %s", trimmed, ", ".join(self.streams))

@@ -153,12 +153,17 @@ def _write_flush(text: str) -> None:
 
 
 def _cmd_replay_records(args: argparse.Namespace) -> int:
+    from consumers.aggregator.replay import replay_records
+    from rollstream.names import Keys
+
+    t = _target(args)
     try:
-        replay = importlib.import_module("consumers.aggregator.replay")
-    except ModuleNotFoundError as e:
-        print(f"rollstream replay records: consumers.aggregator.replay is not available ({e})", file=sys.stderr)
-        return 1
-    return int(replay.main(list(args.args)) or 0)
+        n = replay_records(t.connect(), Keys(args.src), Keys(args.dst), total_gpus=t.cfg.aggregator.total_gpus)
+    except ValueError as e:
+        print(f"rollstream replay records: {e}", file=sys.stderr)
+        return 2
+    print(f"replayed {n} records from run {args.src!r} into {Keys(args.dst).records}")
+    return 0
 
 
 def _cmd_replay_trainer(args: argparse.Namespace) -> int:
@@ -265,9 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("replay", help="rebuild records, or copy rollouts to a new run for a trainer replay")
     rsub = c.add_subparsers(dest="what", required=True)
-    rr = rsub.add_parser("records", help="rebuild records with consumers.aggregator.replay; its arguments (--from RUN --to NEW "
-                          "[--redis-url URL]) are passed through")
-    rr.set_defaults(func=_cmd_replay_records, passthrough=True)
+    rr = rsub.add_parser("records", help="refold RUN's metrics log into NEWRUN's records (equal to the live ones)")
+    rr.add_argument("--from", dest="src", required=True, help="source run name")
+    rr.add_argument("--to", dest="dst", required=True, help="new run name (must have no records yet)")
+    _run_args(rr)
+    rr.set_defaults(func=_cmd_replay_records)
     rt = rsub.add_parser("trainer", help="copy a range of RUN's rollouts into NEWRUN (then run the trainer --burst)")
     rt.add_argument("--from", dest="src", required=True, help="source run name")
     rt.add_argument("--to", dest="dst", required=True, help="new run name (must have no rollouts yet)")
