@@ -52,7 +52,8 @@ vals = [(r["training/global_step"], r["val/acc"]) for r in rows if "val/acc" in 
 steps = max(r.get("training/global_step", 0) for r in rows)
 trained = sum(r.get("fully_async/count/trained_samples", 0) for r in rows)
 busy = sum(r.get("timing_s/step", 0) for r in rows)
-print(f"seed {seed}: val/acc start {vals[0][1]:.3f}, 90% after {reached}s, final {vals[-1][1]:.3f} "
+when = f"after {reached}s" if reached != "none" else "not reached"
+print(f"seed {seed}: val/acc start {vals[0][1]:.3f}, 90% {when}, final {vals[-1][1]:.3f} "
       f"(best {max(v for _, v in vals):.3f}) at step {steps}, {trained:.0f} samples trained, "
       f"{trained / max(busy, 1e-9):.1f} samples/s of trainer step time")
 PYEOF
