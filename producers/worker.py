@@ -85,6 +85,9 @@ class Producer:
         self.task = task or build_task(cfg)
         self.source = build_prompt_source(cfg, self.task).shard(self.index, cfg.rollout.num_producers)
         self.policy = policy or build_policy(cfg)
+        if cfg.rollout.sample_only:
+            tok = self.policy.tokenizer
+            self.policy.restrict_sampling([*tok.encode(cfg.rollout.sample_only), tok.eos_id])
         self.generator = torch.Generator().manual_seed(producer_seed(cfg.run.seed, self.index))
         self.settings = GenerationSettings.from_config(cfg)
         self.multi_turn = cfg.rollout.multi_turn.enable and self.task.multi_turn

@@ -107,6 +107,9 @@ class RolloutConfig(_Section):
     staleness_threshold: float = Field(
         0.0, ge=0, description="Pacing: at most train_batch_size*(1+staleness_threshold) prompts outstanding"
     )
+    sample_only: str | None = Field(
+        None, description="Sample only these characters (+ eos), a sampling filter like top-p; None = any token"
+    )
     partial_rollout: bool = Field(True, description="Swap weights mid-trajectory (start<end) instead of finishing under old weights")
     sync_every_tokens: int = Field(4, ge=1, description="Decode tokens between checks for newer weights")
     stats_every_s: float = Field(5.0, gt=0, description="Seconds between ProducerStats events (also sent on each new version)")

@@ -244,3 +244,29 @@ def test_load_policy_factory() -> None:
 def test_import_has_no_transformers_side_effect() -> None:
     code = "import sys, rollstream.model, rollstream.model.hf; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_restrict_sampling_filters_tokens_but_keeps_policy_log_probs() -> None:
+    import torch
+
+    from rollstream.model import CharTokenizer, GPTConfig, Policy
+
+    tok = CharTokenizer()
+    pol = Policy.from_config(GPTConfig(vocab_size=tok.vocab_size, d_model=32, n_layer=1, n_head=2, max_seq_len=24), seed=0,
+                             device="cpu")
+    allowed = [*tok.encode("0123456789"), tok.eos_id]
+    pol.restrict_sampling(allowed)
+    prompts = [tok.encode("123>", add_bos=True), tok.encode("98765>", add_bos=True)]
+    trajs = pol.generate(prompts, n=8, max_new_tokens=8, temperature=2.0, generator=torch.Generator().manual_seed(0))
+    assert all(t in allowed for tr in trajs for t in tr.response_ids)
+    # the stored log-probs are the unfiltered policy's: a fresh forward reproduces them
+    from rollstream.model import build_batch
+
+    ids, mask, R = build_batch([tr.prompt_ids for tr in trajs], [tr.response_ids for tr in trajs], tok.pad_id)
+    fresh = pol.log_probs(ids, mask, R)
+    for i, tr in enumerate(trajs):
+        got = torch.tensor(tr.log_probs)
+        assert torch.allclose(fresh[i, : len(got)], got, atol=1e-4)
+        assert (got < 0).all()
+    pol.restrict_sampling(None)
+    assert pol.sampling_mask is None

@@ -91,10 +91,16 @@ def sample_tokens(
     top_p: float,
     generator: torch.Generator | None,
     greedy: bool,
+    allowed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """logits [B,V] -> (tokens [B] long, policy log-prob [B] at temperature 1 without top-p)."""
+    """logits [B,V] -> (tokens [B] long, policy log-prob [B] at temperature 1 without top-p).
+
+    `allowed` (bool [V]) restricts which tokens may be sampled, like top-p a sampling filter: the returned
+    log-probs stay the unfiltered policy's, which is what the trainer recomputes."""
     logits = logits.float()
     logp = F.log_softmax(logits, dim=-1)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     if greedy or temperature == 0.0:
         tok = logits.argmax(-1)
     else:
@@ -146,6 +152,19 @@ class BasePolicy(ABC):
     module: nn.Module
     tokenizer: Tokenizer
     device: torch.device
+    #: bool [V] of tokens `generate` may sample (None = all); see `restrict_sampling`.
+    sampling_mask: Tensor | None = None
+
+    def restrict_sampling(self, token_ids: list[int] | None) -> None:
+        """Let `generate` sample only these token ids (None lifts the restriction); log-probs unchanged."""
+        if token_ids is None:
+            self.sampling_mask = None
+            return
+        emb = getattr(self.module, "get_input_embeddings", None)  # HF models: the embedding's true size
+        vocab = int(emb().weight.shape[0]) if callable(emb) else int(self.tokenizer.vocab_size)
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[token_ids] = True
+        self.sampling_mask = mask
 
     # ---- backend hooks ---------------------------------------------------------------------------
     @abstractmethod
@@ -215,7 +234,9 @@ class BasePolicy(ABC):
             with torch.no_grad():
                 logits, cache = self._prefill(seq, seq_mask, seq.shape[1] + max_new_tokens)
                 for step in range(max_new_tokens):
-                    tok, logp = sample_tokens(logits, temperature, top_p, generator, greedy)  # [b], [b]
+                    tok, logp = sample_tokens(  # [b], [b]
+                        logits, temperature, top_p, generator, greedy, None if greedy else self.sampling_mask
+                    )
                     keep: list[int] = []
                     for j, (t, lp) in enumerate(zip(tok.tolist(), logp.tolist(), strict=True)):
                         traj = trajs[alive[j]]
