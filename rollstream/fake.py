@@ -53,5 +53,6 @@ def fake_rollout_sample(
 
 
 def response_len_for_bytes(target_bytes: int, n: int = 4) -> int:
-    """Response length that makes a fake sample about target_bytes on the wire (ids 8+8 B, logp 4 B)."""
-    return max(1, target_bytes // (n * 20))
+    """Response length that makes a fake sample about target_bytes on the wire: per response token and row,
+    responses, input_ids, attention_mask and response_mask are int64 (8 B each) and the log-prob float32."""
+    return max(1, target_bytes // (n * 36))
