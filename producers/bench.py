@@ -18,10 +18,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import redis
 import torch
 
 from producers.worker import Producer, set_torch_threads
-from rollstream.bus import connect, setup_run
+from rollstream.bus import connect, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.factory import build_policy
 from rollstream.names import Keys
@@ -32,6 +33,16 @@ from rollstream.worker import WorkerContext
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
+def unthrottled_producer(cfg: PipelineConfig, r: redis.Redis, keys: Keys) -> Producer:
+    """Set a run up with version 0 = the config's initial weights and an unlimited budget, and return its
+    `rollout_00` Producer (for benchmarks and calibration: no trainer needed)."""
+    setup_run(r, keys)
+    policy = build_policy(cfg)
+    publish_weights(r, keys, 0, policy.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
+    grant_budget(r, keys, 0, 1 << 30)
+    return Producer(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=r), policy=policy)
+
+
 def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmup: int = 2) -> dict[str, Any]:
     """Run one producer for warmup + `dispatches` dispatches on a throwaway namespace; returns the figures."""
     run = f"bench-gen-{uuid.uuid4().hex[:8]}"
@@ -39,11 +50,7 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
     keys = Keys(run)
     r = connect(redis_url)
     try:
-        setup_run(r, keys)
-        policy = build_policy(cfg)
-        publish_weights(r, keys, 0, policy.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
-        grant_budget(r, keys, 0, 1 << 30)
-        producer = Producer(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=r), policy=policy)
+        producer = unthrottled_producer(cfg, r, keys)
         producer.run(max_dispatches=warmup)
         c0 = dict(vars(producer.counters))
         t0 = time.perf_counter()
@@ -62,13 +69,12 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
             "dispatches": dispatches,
             "rows_per_batch": cfg.rollout.n * cfg.rollout.prompts_per_dispatch,
             "max_new_tokens": cfg.data.max_response_length,
-            "device": str(policy.device),
+            "device": str(producer.policy.device),
             "torch_threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(),
         }
     finally:
-        for key in list(r.scan_iter(match=keys.pattern(), count=1000)):
-            r.delete(key)
+        delete_run(r, keys)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,16 +9,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from rollstream.bus import delete_run
 from rollstream.names import Keys
 
 REDIS_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
-def delete_run(r: redis.Redis, keys: Keys) -> None:
-    """Delete every key of a run namespace."""
-    batch = list(r.scan_iter(match=keys.pattern(), count=1000))
-    for i in range(0, len(batch), 500):
-        r.delete(*batch[i : i + 500])
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from consumers.aggregator.replay import main as replay_main
 from consumers.aggregator.replay import replay_records
 from consumers.aggregator.sinks import JsonlSink, Sinks, TensorBoardSink
 from consumers.aggregator.worker import AggregatorWorker
-from rollstream.bus import Publisher, setup_run
+from rollstream.bus import Publisher, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.names import AGGREGATOR_GROUP, Keys
 from schemas import DeadLetter, EventBase, SyncStepRecord, decode_as
@@ -36,9 +36,7 @@ def dst_keys(r: redis.Redis) -> Iterator[Keys]:
     """A second run namespace (replay target), deleted afterwards."""
     k = Keys(f"t-{uuid.uuid4().hex[:12]}-replay")
     yield k
-    stale = list(r.scan_iter(match=k.pattern(), count=1000))
-    if stale:
-        r.delete(*stale)
+    delete_run(r, k)
 
 
 def lu(g: int, k: int, sc: int, **metrics: float) -> EventBase:

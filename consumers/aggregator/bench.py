@@ -16,7 +16,7 @@ from typing import Any
 from consumers.aggregator.fake import fake_metrics_log
 from consumers.aggregator.fold import Fold
 from consumers.aggregator.worker import AggregatorWorker
-from rollstream.bus import Publisher, connect, setup_run
+from rollstream.bus import Publisher, connect, delete_run, setup_run
 from rollstream.config import load_config
 from rollstream.names import Keys
 from schemas import decode, encode
@@ -58,9 +58,7 @@ def bench_worker(events: list[Any], redis_url: str) -> dict[str, float]:
             elapsed = time.perf_counter() - t0 - 0.1  # burst mode ends with two 50 ms empty polls
         return {"events_per_s": len(events) / elapsed, "records": worker.records_written, "seconds": elapsed}
     finally:
-        stale = list(r.scan_iter(match=keys.pattern(), count=1000))
-        if stale:
-            r.delete(*stale)
+        delete_run(r, keys)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

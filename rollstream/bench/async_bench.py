@@ -48,7 +48,7 @@ from typing import Any
 
 import redis
 
-from rollstream.bus import connect, setup_run
+from rollstream.bus import connect, delete_run
 from rollstream.config import PipelineConfig, apply_overrides, config_to_yaml, load_config
 from rollstream.names import Keys
 from schemas import ProducerStats, RolloutSample, StepMetrics, decode
@@ -116,12 +116,6 @@ def _with(cfg: PipelineConfig, overrides: Sequence[str]) -> PipelineConfig:
     return PipelineConfig.model_validate(apply_overrides(cfg.model_dump(mode="json"), list(overrides)))
 
 
-def _delete_run(r: redis.Redis, keys: Keys) -> None:
-    batch = list(r.scan_iter(match=keys.pattern(), count=1000))
-    for i in range(0, len(batch), 500):
-        r.delete(*batch[i : i + 500])
-
-
 def _events(r: redis.Redis, stream: str) -> list[Any]:
     """Every entry of a stream decoded to its event (undecodable entries skipped)."""
     out = []
@@ -140,12 +134,8 @@ def calibrate(cfg: PipelineConfig, redis_url: str, run_dir: str, steps: int = 3)
     import torch
 
     from consumers.trainer.loop import Trainer
+    from producers.bench import unthrottled_producer
     from producers.latency import LatencyModel
-    from producers.worker import Producer
-    from rollstream.factory import build_policy
-    from rollstream.pacing import grant_budget
-    from rollstream.weights import publish_weights
-    from rollstream.worker import WorkerContext
 
     keys = Keys(f"bench-async-cal-{uuid.uuid4().hex[:8]}")
     tbs = cfg.data.train_batch_size
@@ -158,16 +148,12 @@ def calibrate(cfg: PipelineConfig, redis_url: str, run_dir: str, steps: int = 3)
     torch.set_num_threads(max(getattr(ccfg.trainer, "torch_threads", 0), 0) or threads)
     r = connect(redis_url)
     try:
-        setup_run(r, keys)
-        policy = build_policy(ccfg)
-        publish_weights(r, keys, 0, policy.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
-        grant_budget(r, keys, 0, 1 << 30)
-        Producer(WorkerContext(cfg=ccfg, name="rollout_00", keys=keys, r=r), policy=policy).run(max_dispatches=steps + 1)
+        unthrottled_producer(ccfg, r, keys).run(max_dispatches=steps + 1)
         Trainer(ccfg, r, keys, "trainer", threading.Event()).run()
         per_step = _step_times(_events(r, keys.metrics))
     finally:
         torch.set_num_threads(threads)
-        _delete_run(r, keys)
+        delete_run(r, keys)
     train = [s - w for s, w, _ in per_step.values()][1:]
     train_step_s = sum(train) / len(train)
     lm = LatencyModel.from_config(cfg)
@@ -246,7 +232,7 @@ def run_mode(cfg: PipelineConfig, mode: str, redis_url: str, work_dir: Path, tim
         return res
     finally:
         _stop(procs, sig=signal.SIGKILL)
-        _delete_run(r, keys)
+        delete_run(r, keys)
 
 
 def _cpu_s(pid: int) -> float:

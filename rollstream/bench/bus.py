@@ -32,7 +32,7 @@ from typing import Any
 import redis
 from redis.connection import Encoder, HiredisRespSerializer, PythonRespSerializer
 
-from rollstream.bus import GroupReader, Message, Publisher, connect, ensure_group
+from rollstream.bus import GroupReader, Message, Publisher, connect, delete_run, ensure_group
 from rollstream.fake import fake_rollout_sample, response_len_for_bytes
 from rollstream.names import TRAINER_GROUP, Keys
 from schemas import RolloutSample, decode, encode
@@ -150,9 +150,7 @@ def fresh_stream(r: redis.Redis, prefix: str) -> Iterator[Keys]:
     try:
         yield keys
     finally:
-        stale = list(r.scan_iter(match=keys.pattern(), count=1000))
-        if stale:
-            r.delete(*stale)
+        delete_run(r, keys)
 
 
 def _batches(total: int, batch: int) -> Iterator[int]:

@@ -7,7 +7,7 @@ from rollstream.bus.connection import (
     read_password,
     wait_until_ready,
 )
-from rollstream.bus.publish import Publisher, RunNotSetUpError, ensure_group, setup_run
+from rollstream.bus.publish import Publisher, RunNotSetUpError, delete_run, ensure_group, setup_run
 from rollstream.bus.reader import GroupReader, Message, ReaderStats
 from rollstream.bus.retention import Janitor, TrimResult, safe_min_id, trim_stream
 
@@ -22,6 +22,7 @@ __all__ = [
     "TrimResult",
     "backoff_delays",
     "connect",
+    "delete_run",
     "ensure_group",
     "read_password",
     "safe_min_id",

@@ -30,6 +30,14 @@ def ensure_group(r: redis.Redis, stream: str, group: str, start_id: str = "0") -
             raise
 
 
+def delete_run(r: redis.Redis, keys: Keys) -> int:
+    """Delete every key of a run namespace (tests, benchmarks, throwaway replays); returns how many."""
+    batch = list(r.scan_iter(match=keys.pattern(), count=1000))
+    for i in range(0, len(batch), 500):
+        r.delete(*batch[i : i + 500])
+    return len(batch)
+
+
 class Publisher:
     """Appends encoded events to streams; with nomkstream=True a missing stream is an error, not created."""
 
