@@ -63,6 +63,26 @@ def _finite(arr: np.ndarray, what: str) -> None:
         raise ValueError(f"{what} contains NaN/inf")
 
 
+TOKEN_ARRAYS = ("prompts", "responses", "input_ids")
+MASK_ARRAYS = ("attention_mask", "response_mask")
+
+
+def _check_layout(tensors: dict[str, np.ndarray]) -> None:
+    """Token and mask arrays are 2-D integers; input_ids/attention_mask are [n, P+R], response_mask [n, R]."""
+    for name in (*TOKEN_ARRAYS, *MASK_ARRAYS):
+        arr = tensors.get(name)
+        if arr is not None and (arr.ndim != 2 or arr.dtype.kind not in "iub"):
+            raise ValueError(f"{name} must be a 2-D integer array, got {arr.dtype} {arr.shape}")
+    prompts, responses = tensors.get("prompts"), tensors.get("responses")
+    if prompts is None or responses is None:
+        return
+    P, R = prompts.shape[1], responses.shape[1]
+    for name, want in (("input_ids", P + R), ("attention_mask", P + R), ("response_mask", R)):
+        arr = tensors.get(name)
+        if arr is not None and arr.shape[1] != want:
+            raise ValueError(f"{name} has shape {arr.shape}, expected width {want} (prompts {P} + responses {R})")
+
+
 # RolloutSample's lists with one entry per trajectory, in the order _check_rollout reports them.
 PER_TRAJECTORY_LISTS = (
     "agent_loop_output_list",
@@ -107,6 +127,7 @@ class RolloutSample(EventBase):
                 if start > end:
                     raise ValueError(f"param_version_start[{i}]={start} > param_version_end[{i}]={end}")
         tensors = self.full_batch.tensors
+        _check_layout(tensors)
         lp = tensors.get("rollout_log_probs")
         if lp is not None:
             if lp.dtype.kind != "f":

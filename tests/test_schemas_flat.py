@@ -165,3 +165,25 @@ def test_str_keyed_fields_and_memoryviews_decode() -> None:
     got = decode(encode(event))
     assert isinstance(got, RolloutSample) and isinstance(got.full_batch, DataProto)
     assert np.array_equal(got.full_batch.tensors["responses"], event.full_batch.tensors["responses"])
+
+
+def test_rollout_layout_is_checked_at_decode() -> None:
+    """Widths that disagree (input_ids != P + R) and float token arrays are refused by the schema itself."""
+    import numpy as np
+
+    from rollstream.fake import fake_rollout_sample
+    from schemas import DecodeError, decode, encode
+
+    good = fake_rollout_sample("s", prompt_len=4, response_len=6)
+    t = dict(good.full_batch.tensors)
+    narrow = {**t, "input_ids": t["input_ids"][:, :-1], "attention_mask": t["attention_mask"][:, :-1]}
+    floats = {**t, "responses": t["responses"].astype(np.float32)}
+    for tensors, needle in ((narrow, "expected width 10"), (floats, "2-D integer array")):
+        bad = good.model_copy(update={"full_batch": type(good.full_batch)(tensors, good.full_batch.non_tensors, {})})
+        fields = encode(bad)  # encode does not validate the model again; decode must
+        try:
+            decode(fields)
+        except DecodeError as e:
+            assert needle in str(e)
+        else:
+            raise AssertionError(f"decode accepted a sample that should fail with {needle!r}")
