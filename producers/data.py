@@ -91,6 +91,28 @@ def concat_generation_data(batches: Sequence[DataProto], pad_id: int) -> DataPro
     return DataProto.concat(padded)
 
 
+def token_scores(
+    tokenizer: Tokenizer, response_ids: Sequence[int], response_mask: Sequence[int], reward: RewardResult
+) -> np.ndarray:
+    """Per-token credit [len(response_ids)] float32 of one response: each generated token gets the
+    `char_scores` of the characters it decodes to; when the tokens' texts do not line up with the
+    characters (or the task gives no char_scores) the whole score goes on the last generated token."""
+    out = np.zeros(len(response_ids), dtype=np.float32)
+    chars = reward.char_scores
+    if chars is not None:
+        lengths = [len(tokenizer.decode([t])) for t in response_ids]
+        if sum(lengths) == len(chars) and all(m or not n for m, n in zip(response_mask, lengths, strict=True)):
+            pos = 0
+            for i, n in enumerate(lengths):
+                out[i] = sum(chars[pos : pos + n])
+                pos += n
+            return out
+    generated = [i for i, m in enumerate(response_mask) if m]
+    if generated:
+        out[generated[-1]] = reward.score
+    return out
+
+
 def build_rollout_sample(
     *,
     sample_id: str,
@@ -103,8 +125,11 @@ def build_rollout_sample(
     tokenizer: Tokenizer,
     rollout_status: Mapping[str, float | int],
     tool_calls: Sequence[float] = (),
+    ground_truth: str | None = None,
 ) -> RolloutSample:
-    """Pack one prompt's n trajectories as a RolloutSample (tensors left/right padded with the pad id)."""
+    """Pack one prompt's n trajectories as a RolloutSample (tensors left/right padded with the pad id);
+    `token_level_scores` [n, R] is added when every reward splits its score over the text (char_scores),
+    non-tensor `ground_truth` (the reference answer, per row) when given."""
     n = len(trajectories)
     if n == 0 or len(rewards) != n:
         raise ValueError(f"need >= 1 trajectory and one reward each, got {n} and {len(rewards)}")
@@ -119,6 +144,12 @@ def build_rollout_sample(
         response_mask[i, : len(t.response_mask)] = t.response_mask
         log_probs[i, : len(t.log_probs)] = t.log_probs
     log_probs *= response_mask  # behaviour log-probs only where the model generated the token
+    extra: dict[str, np.ndarray] = {}
+    if all(rw.char_scores is not None for rw in rewards):  # the task splits its reward over the text
+        scores = np.zeros((n, R), dtype=np.float32)
+        for i, (t, rw) in enumerate(zip(trajectories, rewards, strict=True)):
+            scores[i, : len(t.response_ids)] = token_scores(tokenizer, t.response_ids, t.response_mask, rw)
+        extra["token_level_scores"] = scores
     input_ids = ids.numpy().astype(np.int64)
     batch = DataProto(
         tensors={
@@ -129,11 +160,13 @@ def build_rollout_sample(
             "response_mask": response_mask,
             "rollout_log_probs": log_probs,
             "rewards": np.asarray([rw.score for rw in rewards], dtype=np.float32),
+            **extra,
         },
         non_tensors={
             "uid": _object_array([sample_id] * n),
             "raw_prompt": _object_array([raw_prompt] * n),
             "response_text": _object_array([tokenizer.decode(t.response_ids) for t in trajectories]),
+            **({"ground_truth": _object_array([ground_truth] * n)} if ground_truth is not None else {}),
         },
     )
     outputs = [

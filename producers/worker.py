@@ -85,9 +85,6 @@ class Producer:
         self.task = task or build_task(cfg)
         self.source = build_prompt_source(cfg, self.task).shard(self.index, cfg.rollout.num_producers)
         self.policy = policy or build_policy(cfg)
-        if cfg.rollout.sample_only:
-            tok = self.policy.tokenizer
-            self.policy.restrict_sampling([*tok.encode(cfg.rollout.sample_only), tok.eos_id])
         self.generator = torch.Generator().manual_seed(producer_seed(cfg.run.seed, self.index))
         self.settings = GenerationSettings.from_config(cfg)
         self.multi_turn = cfg.rollout.multi_turn.enable and self.task.multi_turn
@@ -260,6 +257,7 @@ class Producer:
             trajectories=group,
             rewards=rewards,
             raw_prompt=prompt.text,
+            ground_truth=prompt.answer,
             tokenizer=tok,
             rollout_status=self.counters.as_status(self.weights.version),
             tool_calls=tool_calls,

@@ -41,9 +41,15 @@ class DataConfig(_Section):
     train_batch_size: int = Field(16, ge=1, description="Samples (prompts) per global step")
     min_digits: int = Field(3, ge=1, description="Reverse task: shortest digit string")
     max_digits: int = Field(6, ge=1, description="Reverse task: longest digit string")
+    fixed_width: bool = Field(
+        False, description="Reverse task: right-align the digits to max_digits with spaces (every prompt the same length)"
+    )
     prompts_file: str | None = Field(None, description="JSONL prompt file instead of the seeded generator")
+    fresh_prompts: bool = Field(
+        True, description="Seeded generator: draw a new prompt at every position (never a validation one) instead of cycling epoch_size prompts"
+    )
     epoch_size: int = Field(4096, ge=1, description="Generated prompts per epoch (seeded generator mode)")
-    val_size: int = Field(64, ge=0, description="Held-out prompts used for validation")
+    val_size: int = Field(256, ge=0, description="Held-out prompts used for validation")
     max_response_length: int = Field(12, ge=1, description="Max generated tokens per turn")
 
     @model_validator(mode="after")
@@ -62,6 +68,9 @@ class ModelConfig(_Section):
     n_layer: int = Field(2, ge=1, description="Tiny GPT: transformer blocks")
     n_head: int = Field(4, ge=1, description="Tiny GPT: attention heads")
     max_seq_len: int = Field(64, ge=8, description="Tiny GPT: longest prompt+response in tokens")
+    position: Literal["learned", "rope"] = Field(
+        "learned", description="Tiny GPT: learned absolute position embeddings, or rotary positions (as Llama/Qwen)"
+    )
     init_from: str | None = Field(
         None, description="safetensors weights the trainer starts from instead of the seeded init (e.g. scripts/warm_start.py output)"
     )
@@ -70,6 +79,8 @@ class ModelConfig(_Section):
     def _shape(self) -> ModelConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if self.position == "rope" and (self.d_model // self.n_head) % 2:
+            raise ValueError(f"position=rope needs an even head size, got d_model/n_head={self.d_model // self.n_head}")
         if self.backend == "hf" and not self.hf_path:
             raise ValueError("backend=hf needs hf_path")
         return self
@@ -102,13 +113,12 @@ class RolloutConfig(_Section):
     n: int = Field(8, ge=1, description="Trajectories per prompt (GRPO group size)")
     num_producers: int = Field(2, ge=1, description="Producer processes started by `rollstream run`")
     prompts_per_dispatch: int = Field(4, ge=1, description="Prompts a producer takes budget for and generates in one batch")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature; behaviour log-probs and the trainer's log-probs both use logits / temperature"
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass")
     staleness_threshold: float = Field(
         0.0, ge=0, description="Pacing: at most train_batch_size*(1+staleness_threshold) prompts outstanding"
-    )
-    sample_only: str | None = Field(
-        None, description="Sample only these characters (+ eos), a sampling filter like top-p; None = any token"
     )
     partial_rollout: bool = Field(True, description="Swap weights mid-trajectory (start<end) instead of finishing under old weights")
     sync_every_tokens: int = Field(4, ge=1, description="Decode tokens between checks for newer weights")
@@ -142,6 +152,13 @@ class ActorConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight (at global step 1 when entropy_decay_steps > 0)")
     entropy_decay_steps: int = Field(
         0, ge=0, description="Decay the entropy bonus linearly to 0 over this many global steps (0 = constant)"
+    )
+    adv_estimator: Literal["grpo", "grpo_token"] = Field(
+        "grpo",
+        description="grpo = one outcome advantage per response; grpo_token = token-level credit (return-to-go vs the group's same position)",
+    )
+    gamma: float = Field(
+        1.0, ge=0, le=1, description="grpo_token: discount of later token rewards in a token's return (1 = return-to-go, 0 = its own reward)"
     )
     norm_adv_by_std: bool = Field(
         True, description="GRPO: divide group-centred rewards by the group std (False = Dr. GRPO, centring only)"

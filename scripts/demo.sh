@@ -1,13 +1,35 @@
 #!/usr/bin/env bash
-# A tiny end-to-end run on CPU: start it, wait for a few records, show status and a sample, plot, stop.
-# Usage: scripts/demo.sh [extra key=value overrides]
+# The demo on CPU: install, a short supervised warm start (ends under 10% exact match), then the whole
+# pipeline (embedded Redis + 2 producers + trainer + aggregator under supervisord) until held-out greedy
+# val/acc >= TARGET or LIMIT_S seconds (clock started before the warm start), with a live progress line;
+# then a decoded sample, the plot, and a clean stop. Each call starts a fresh runs/<run.name>/.
+#
+#   scripts/demo.sh [key=value ...]            e.g. scripts/demo.sh run.seed=3
+#   TARGET=0.95 LIMIT_S=600 scripts/demo.sh     (defaults)
+#
+# Exit status: 0 target reached, 2 not reached in time, 1 a worker failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-RS=".venv/bin/rollstream"
-ARGS=(pipeline.yaml run.name=demo run.dir=runs trainer.total_global_steps=40 "$@")
-$RS run "${ARGS[@]}" --wait-records 10
-$RS status "${ARGS[@]}"
-$RS inspect rollouts -1 "${ARGS[@]}" | head -40
-$RS plot "${ARGS[@]}" --out runs/demo/reward.png
+PY=.venv/bin/python
+RS=.venv/bin/rollstream
+TARGET=${TARGET:-0.95}
+LIMIT_S=${LIMIT_S:-600}
+ARGS=(pipeline.yaml run.name=demo run.dir=runs "$@")
+RUN_DIR=$($PY -c 'import sys; from rollstream.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).run_dir())' "${ARGS[@]}")
+if [ -e "$RUN_DIR" ]; then
+  echo "fresh demo: stopping and removing the previous $RUN_DIR"
+  $RS stop "${ARGS[@]}" >/dev/null 2>&1 || true
+  rm -rf "$RUN_DIR"
+fi
+mkdir -p -m 700 "$RUN_DIR"
+T0=$($PY -c 'import time; print(time.time())')
+$PY scripts/warm_start.py "${ARGS[@]}" --out "$RUN_DIR/warm_start.safetensors" 2>/dev/null
+$RS run "${ARGS[@]}" model.init_from="$RUN_DIR/warm_start.safetensors"
+trap '$RS stop "${ARGS[@]}" >/dev/null 2>&1 || true' INT TERM
+rc=0
+$RS watch "${ARGS[@]}" --until-val-acc "$TARGET" --limit-s "$LIMIT_S" --since "$T0" || rc=$?
+$RS inspect rollouts -1 "${ARGS[@]}" | head -30 || true
+$RS plot "${ARGS[@]}" --out "$RUN_DIR/reward.png" || true
 $RS stop "${ARGS[@]}"
+exit $rc

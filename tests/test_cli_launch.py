@@ -65,3 +65,36 @@ def test_run_wait_for_records_then_stop_cleanly(tmp_path: Path) -> None:
     for name in ("rollout_00", "trainer", "aggregator", "redis"):
         assert f"{name:<12} exit 0" in stopped.stdout
     assert any((run_dir / "redis").rglob("*.aof"))
+
+
+@pytest.mark.skipif(WORKERS_MISSING, reason="worker packages (producers, consumers.trainer, consumers.aggregator) not there yet")
+def test_watch_follows_a_run_to_its_target_and_records_show_recent_train_accuracy(tmp_path: Path) -> None:
+    from rollstream.ops.progress import read_new_records
+    from rollstream.ops.target import open_run
+    from schemas import RolloutSample, decode
+
+    args = ["pipeline.yaml", *TINY, "trainer.test_freq=1", "actor.adv_estimator=grpo_token",
+            f"run.dir={tmp_path}", "run.name=watch"]
+    try:
+        started = rollstream("run", *args, timeout_s=60)
+        assert started.returncode == 0, started.stderr
+        # target 0: reached by the first record carrying val/acc (step 0 validation or later)
+        watched = rollstream("watch", *args, "--until-val-acc", "0", "--limit-s", "150", "--hold-s", "8", timeout_s=200)
+        assert watched.returncode == 0, watched.stdout + watched.stderr
+        assert "val/acc >= 0.0 after" in watched.stdout
+        short = rollstream("watch", *args, "--until-val-acc", "1.01", "--limit-s", "1", timeout_s=60)
+        assert short.returncode == 2 and "not reached in 1s" in short.stdout
+        t = open_run("pipeline.yaml", args[1:])
+        r = t.connect()
+        records, _ = read_new_records(r, t.keys, "-")
+        trained = [rec for rec in records if rec.global_step >= 1 and "val/acc" in rec.metrics]
+        assert trained and all("val/recent_train_acc" in rec.metrics for rec in trained)
+        sample = decode(r.xrevrange(t.keys.rollouts, count=1)[0][1])
+        assert isinstance(sample, RolloutSample)
+        nt, tensors = sample.full_batch.non_tensors, sample.full_batch.tensors
+        assert str(nt["ground_truth"][0]) == str(nt["raw_prompt"][0])[:-1][::-1]  # the reversed digits
+        scores = tensors["token_level_scores"]
+        assert scores.shape == tensors["responses"].shape
+        assert abs(float(scores.sum(-1)[0]) - float(tensors["rewards"][0])) < 1e-5
+    finally:
+        rollstream("stop", *args, timeout_s=200)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from rollstream.model import (
     build_batch,
     load_policy,
 )
+from rollstream.model.base import left_pad
 from rollstream.model.gpt import positions_from_mask
 
 TOK = CharTokenizer()
@@ -25,9 +27,9 @@ CFG = GPTConfig(vocab_size=TOK.vocab_size)
 PROMPTS = ["1+2=", "12+34=", "7", "(3*4)-5=?"]  # different lengths -> left padding
 
 
-def make_policy(seed: int = 0) -> Policy:
-    """A default-size CPU policy."""
-    return Policy.from_config(CFG, seed=seed, device="cpu")
+def make_policy(seed: int = 0, position: str = "learned") -> Policy:
+    """A default-size CPU policy (learned or rotary positions)."""
+    return Policy.from_config(dataclasses.replace(CFG, position=position), seed=seed, device="cpu")
 
 
 def encoded(prompts: list[str] = PROMPTS) -> list[list[int]]:
@@ -36,12 +38,12 @@ def encoded(prompts: list[str] = PROMPTS) -> list[list[int]]:
 
 
 def max_logprob_error(
-    policy: Policy, trajs: list[Trajectory], upto: int | None = None, start: int = 0
+    policy: Policy, trajs: list[Trajectory], upto: int | None = None, start: int = 0, temperature: float = 1.0
 ) -> float:
     """Largest |stored - fresh forward| over response tokens start..upto of every trajectory."""
     ids, mask, R = build_batch([t.prompt_ids for t in trajs], [t.response_ids for t in trajs], TOK.pad_id)
     with torch.no_grad():
-        fresh = policy.log_probs(ids, mask, R)
+        fresh = policy.log_probs(ids, mask, R, temperature)
     err = 0.0
     for i, t in enumerate(trajs):
         for j in range(start, len(t.response_ids) if upto is None else min(upto, len(t.response_ids))):
@@ -78,8 +80,9 @@ def test_default_size_is_about_100k_params() -> None:
     assert 80_000 < n < 130_000
 
 
-def test_kv_cache_decode_equals_full_forward() -> None:
-    model = make_policy().module
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_kv_cache_decode_equals_full_forward(position: str) -> None:
+    model = make_policy(position=position).module
     assert isinstance(model, GPT)
     ids = torch.tensor([enc + [5] * (10 - len(enc)) for enc in encoded()])  # [4,10]
     ids[2, :3] = TOK.pad_id  # left padding on one row
@@ -131,18 +134,19 @@ def test_generate_is_deterministic_with_seed_and_generator() -> None:
     assert run(1) != run(2)
 
 
-def test_behaviour_logprobs_match_fresh_forward() -> None:
-    policy = make_policy()
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_behaviour_logprobs_match_fresh_forward(position: str) -> None:
+    policy = make_policy(position=position)
     trajs = policy.generate(encoded(), n=8, max_new_tokens=20, generator=torch.Generator().manual_seed(0))
     assert any(t.finished for t in trajs) and not all(t.finished for t in trajs)  # rows dropped mid-batch
     assert max_logprob_error(policy, trajs) < 1e-4
 
 
-def test_logprobs_are_policy_logprobs_regardless_of_sampling_tricks() -> None:
+def test_logprobs_are_the_tempered_policy_regardless_of_top_p() -> None:
     policy = make_policy()
     gen = torch.Generator().manual_seed(3)
     trajs = policy.generate(encoded(), n=4, max_new_tokens=16, temperature=0.7, top_p=0.9, generator=gen)
-    assert max_logprob_error(policy, trajs) < 1e-4
+    assert max_logprob_error(policy, trajs, temperature=0.7) < 1e-4
 
 
 def test_greedy_is_deterministic_and_tiny_top_p_is_greedy() -> None:
@@ -246,27 +250,49 @@ def test_import_has_no_transformers_side_effect() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_restrict_sampling_filters_tokens_but_keeps_policy_log_probs() -> None:
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_behaviour_log_probs_at_temperature_equal_the_trainers_recompute(temperature: float) -> None:
+    """Stored log-probs are those of softmax(logits / T), the distribution actually sampled from."""
     import torch
 
-    from rollstream.model import CharTokenizer, GPTConfig, Policy
-
-    tok = CharTokenizer()
-    pol = Policy.from_config(GPTConfig(vocab_size=tok.vocab_size, d_model=32, n_layer=1, n_head=2, max_seq_len=24), seed=0,
-                             device="cpu")
-    allowed = [*tok.encode("0123456789"), tok.eos_id]
-    pol.restrict_sampling(allowed)
-    prompts = [tok.encode("123>", add_bos=True), tok.encode("98765>", add_bos=True)]
-    trajs = pol.generate(prompts, n=8, max_new_tokens=8, temperature=2.0, generator=torch.Generator().manual_seed(0))
-    assert all(t in allowed for tr in trajs for t in tr.response_ids)
-    # the stored log-probs are the unfiltered policy's: a fresh forward reproduces them
     from rollstream.model import build_batch
 
-    ids, mask, R = build_batch([tr.prompt_ids for tr in trajs], [tr.response_ids for tr in trajs], tok.pad_id)
-    fresh = pol.log_probs(ids, mask, R)
-    for i, tr in enumerate(trajs):
-        got = torch.tensor(tr.log_probs)
-        assert torch.allclose(fresh[i, : len(got)], got, atol=1e-4)
-        assert (got < 0).all()
-    pol.restrict_sampling(None)
-    assert pol.sampling_mask is None
+    pol = make_policy()
+    trajs = pol.generate(encoded(), n=8, max_new_tokens=8, temperature=temperature,
+                         generator=torch.Generator().manual_seed(0))
+    ids, mask, R = build_batch([tr.prompt_ids for tr in trajs], [tr.response_ids for tr in trajs], TOK.pad_id)
+    with torch.no_grad():
+        at_t = pol.log_probs(ids, mask, R, temperature=temperature)
+        at_1 = pol.log_probs(ids, mask, R)
+    err = max(abs(at_t[i, j].item() - lp) for i, tr in enumerate(trajs) for j, lp in enumerate(tr.log_probs))
+    off = max(abs(at_1[i, j].item() - lp) for i, tr in enumerate(trajs) for j, lp in enumerate(tr.log_probs))
+    assert err < 1e-5
+    assert off > 1e-2  # the temperature-1 recompute would be wrong: the test can tell the two apart
+
+
+def test_log_probs_refuse_a_non_positive_temperature() -> None:
+    pol = make_policy()
+    ids, mask, R = build_batch([TOK.encode("12>", add_bos=True)], [TOK.encode("21")], TOK.pad_id)
+    with pytest.raises(ValueError, match="temperature"):
+        pol.log_probs(ids, mask, R, temperature=0.0)
+
+
+def test_rope_positions_come_from_the_mask_so_left_padding_changes_nothing() -> None:
+    policy = make_policy(position="rope")
+    assert policy.module.pos_emb is None
+    alone = TOK.encode("12345>", add_bos=True)
+    ids, mask = left_pad([alone, TOK.encode("1>", add_bos=True)], TOK.pad_id)  # row 0 unpadded, row 1 padded
+    padded_ids, padded_mask = left_pad([alone, TOK.encode("123456789>", add_bos=True)], TOK.pad_id)  # row 0 padded
+    with torch.no_grad():
+        a = policy.module(ids, 0, None, positions_from_mask(mask), mask)[0]
+        b = policy.module(padded_ids, 0, None, positions_from_mask(padded_mask), padded_mask)[0, -len(alone):]
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_rope_and_learned_positions_differ_and_bad_shapes_are_refused() -> None:
+    rope, learned = make_policy(position="rope"), make_policy()
+    assert sum(p.numel() for p in learned.parameters()) - sum(p.numel() for p in rope.parameters()) == CFG.max_seq_len * CFG.d_model
+    with pytest.raises(ValueError, match="position="):
+        GPTConfig(vocab_size=10, position="alibi")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="even head size"):
+        GPTConfig(vocab_size=10, d_model=12, n_head=4, position="rope")

@@ -206,7 +206,7 @@ def test_metric_helpers() -> None:
     assert reward_metrics(torch.tensor([1.0, 0.0, 0.5])) == approx(
         {"critic/rewards/mean": 0.5, "critic/rewards/max": 1.0, "critic/rewards/min": 0.0}
     )
-    assert length_metrics(torch.tensor([[1, 1, 1], [1, 0, 0]])) == approx(
+    assert length_metrics(torch.tensor([[1, 1, 1], [1, 0, 0]]), max_response_length=3) == approx(
         {
             "response_length/mean": 2.0,
             "response_length/max": 3.0,
@@ -214,6 +214,12 @@ def test_metric_helpers() -> None:
             "response_length/clip_ratio": 0.5,
         }
     )
+    # a batch trimmed to its longest response (4 of 8 allowed tokens) is not clipped
+    trimmed = torch.ones(5, 4)
+    assert length_metrics(trimmed, max_response_length=8)["response_length/clip_ratio"] == 0.0
+    assert length_metrics(trimmed, max_response_length=4)["response_length/clip_ratio"] == 1.0
+    with pytest.raises(ValueError, match="max_response_length"):
+        length_metrics(trimmed, max_response_length=0)
     assert staleness_metrics([1, 2, 3, 2]) == {
         "training/off_policy/staleness/mean": 2.0,
         "training/off_policy/staleness/max": 3.0,

@@ -442,3 +442,55 @@ def test_jsonl_val_too_large(tmp_path: Path) -> None:
     f = _write(tmp_path / "p.jsonl", _rows(3))
     with pytest.raises(ValueError, match="no training prompts"):
         PromptSource.from_jsonl(f, val_size=3)
+
+
+def test_reverse_fixed_width_prompts_are_right_aligned_with_spaces() -> None:
+    task = ReverseTask(min_digits=3, max_digits=6, fixed_width=True)
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(200):
+        p = task.make_prompt(rng)
+        assert len(p.text) == 7 and p.text.endswith(">")
+        digits = p.text[:-1].lstrip(" ")
+        assert digits.isdigit() and p.answer == digits[::-1]
+        seen.add(len(digits))
+    assert seen == {3, 4, 5, 6}
+    assert task.reward(_p("   123>", "321"), "321").exact
+
+
+def test_fresh_source_draws_new_prompts_deterministically_and_never_validation() -> None:
+    task = ReverseTask(min_digits=3, max_digits=3)  # only 1000 prompts exist: repeats and val collisions happen
+    src = PromptSource.fresh_from_task(task, seed=5, epoch_size=64, val_size=100)
+    val = {p.text for p in src.val_prompts()}
+    assert len(val) == 100 and src.fresh
+    drawn = [p for _, _, p in src.take(640)]  # 10 epochs of 64 positions
+    assert not val & {p.text for p in drawn}
+    assert len({p.text for p in drawn}) > 400  # new prompts every epoch, not the same 64 again
+    again = PromptSource.fresh_from_task(task, seed=5, epoch_size=64, val_size=100)
+    assert [p.text for _, _, p in again.take(640)] == [p.text for p in drawn]
+    other = PromptSource.fresh_from_task(task, seed=6, epoch_size=64, val_size=100)
+    assert [p.text for _, _, p in other.take(20)] != [p.text for p in drawn[:20]]
+
+
+def test_fresh_source_shards_and_cursor_see_the_same_prompt_per_position() -> None:
+    src = PromptSource.fresh_from_task(ReverseTask(), seed=1, epoch_size=10, val_size=4)
+    whole = {(e, i): p.text for e, i, p in src.take(30)}
+    fresh = PromptSource.fresh_from_task(ReverseTask(), seed=1, epoch_size=10, val_size=4)
+    a, b = fresh.shard(0, 2), fresh.shard(1, 2)
+    parts = {(e, i): p.text for s in (a, b) for e, i, p in s.take(15)}
+    assert parts == whole
+    resumed = PromptSource.fresh_from_task(ReverseTask(), seed=1, epoch_size=10, val_size=4).shard(1, 2)
+    resumed.cursor = (1, 3)
+    e, i, p = next(resumed)
+    assert (e, i) == (1, 3) and p.text == whole[(1, 3)]
+
+
+def test_config_builds_a_fresh_source_by_default() -> None:
+    from rollstream.config import load_config
+    from rollstream.factory import build_prompt_source
+
+    cfg = load_config(None, ["data.val_size=8"])
+    assert cfg.data.fresh_prompts and build_prompt_source(cfg).fresh
+    fixed = build_prompt_source(load_config(None, ["data.val_size=8", "data.fresh_prompts=false", "data.epoch_size=20"]))
+    assert not fixed.fresh and len(fixed.train_prompts()) == 20
+    assert load_config(None, []).data.val_size >= 256

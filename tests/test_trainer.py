@@ -195,7 +195,7 @@ def test_bad_train_batch_size_is_refused_with_the_three_values(tmp_path: Path) -
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2
-    for part in ("data.train_batch_size=3", "trainer.parameter_sync_step=2", "actor.ppo_mini_batch_size=8"):
+    for part in ("data.train_batch_size=3", "trainer.parameter_sync_step=1", "actor.ppo_mini_batch_size=32"):
         assert part in proc.stderr
     assert "Traceback" not in proc.stderr
 

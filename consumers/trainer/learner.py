@@ -18,7 +18,15 @@ import torch
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_policy
 from rollstream.model import BasePolicy
-from rollstream.rl import agg_loss, grpo_advantages, kl_penalty, length_metrics, ppo_loss, reward_metrics
+from rollstream.rl import (
+    agg_loss,
+    grpo_advantages,
+    grpo_token_advantages,
+    kl_penalty,
+    length_metrics,
+    ppo_loss,
+    reward_metrics,
+)
 from rollstream.warmstart import load_init
 from schemas import DataProto
 
@@ -45,6 +53,16 @@ def group_advantages(rewards: torch.Tensor, group_sizes: list[int], norm_by_std:
         parts.append(grpo_advantages(rewards[start : start + n], n=n, norm_by_std=norm_by_std))
         start += n
     return torch.cat(parts)
+
+
+def token_rewards(rewards: torch.Tensor, resp_mask: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+    """Per-token rewards [B, R]: the sample's `token_level_scores` when it has them, else each response's
+    reward on its last response token (verl's placement of an outcome score)."""
+    if scores is not None:
+        return scores * resp_mask
+    last = (resp_mask.cumsum(-1) == resp_mask.sum(-1, keepdim=True)) & (resp_mask > 0)  # [B, R]
+    first_last = last & (last.cumsum(-1) == 1)
+    return first_last.to(rewards.dtype) * rewards[:, None]
 
 
 def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
@@ -95,6 +113,8 @@ class Learner:
         resp_mask = torch.from_numpy(np.ascontiguousarray(t["response_mask"])).float()  # [B, R]
         behave = torch.from_numpy(np.ascontiguousarray(t["rollout_log_probs"])).float()  # [B, R]
         rewards = torch.from_numpy(np.ascontiguousarray(t["rewards"])).float()  # [B]
+        scores = t.get("token_level_scores")
+        tok_scores = torch.from_numpy(np.ascontiguousarray(scores)).float() if scores is not None else None  # [B, R]
         first, width = trim_padding(ids, mask, R)
         P = ids.shape[1] - R
         ids, mask = ids[:, first : P + width], mask[:, first : P + width]
@@ -102,20 +122,28 @@ class Learner:
         dev = self.device
         ids, mask, resp_mask, behave = ids.to(dev), mask.to(dev), resp_mask.to(dev), behave.to(dev)
 
-        # 1. GRPO advantages per sample group
-        adv = group_advantages(rewards, list(batch.meta_info["group_sizes"]), self.actor.norm_adv_by_std).to(dev)  # [B]
+        # 1. GRPO advantages per sample group: [B] (outcome) or [B, R] (token-level credit)
+        groups = list(batch.meta_info["group_sizes"])
+        if self.actor.adv_estimator == "grpo_token":
+            per_token = token_rewards(rewards, resp_mask.cpu(), tok_scores[:, :width] if tok_scores is not None else None)
+            adv = grpo_token_advantages(
+                per_token, resp_mask.cpu(), groups, norm_by_std=self.actor.norm_adv_by_std, gamma=self.actor.gamma
+            ).to(dev)
+        else:
+            adv = group_advantages(rewards, groups, self.actor.norm_adv_by_std).to(dev)
 
         # 2. proximal / reference log-probs (frozen, no grad)
         t0 = time.perf_counter()
+        temp = self.cfg.rollout.temperature  # log-probs of the distribution producers sampled from
         with torch.no_grad():
-            prox_logp = self.prox.log_probs(ids, mask, width) if self.prox is not None else None
-            ref_logp = self.ref.log_probs(ids, mask, width) if self.ref is not None else None
+            prox_logp = self.prox.log_probs(ids, mask, width, temp) if self.prox is not None else None
+            ref_logp = self.ref.log_probs(ids, mask, width, temp) if self.ref is not None else None
         t_old = time.perf_counter() - t0
 
         # 3. forward, loss, backward, step
         t0 = time.perf_counter()
         self.policy.train()
-        logp, entropy = self.policy.forward_logprobs_entropy(ids, mask, width)  # [B, R] each
+        logp, entropy = self.policy.forward_logprobs_entropy(ids, mask, width, temp)  # [B, R] each
         loss, metrics = ppo_loss(
             logp, prox_logp, behave, adv, resp_mask,
             clip_eps=self.actor.clip_ratio, clip_eps_high=self.actor.clip_ratio_high,
@@ -150,7 +178,7 @@ class Learner:
             "actor/grad_norm": grad_norm,
             "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
             "critic/rewards/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "critic/advantages/mean": float(adv.mean()),
+            "critic/advantages/mean": float(adv.mean()) if adv.dim() == 1 else float((adv * resp_mask).sum() / resp_mask.sum()),
             "perf/total_num_tokens": float(row_tokens.sum()),
             "global_seqlen/min": float(row_tokens.min()),
             "global_seqlen/max": float(row_tokens.max()),
@@ -160,5 +188,5 @@ class Learner:
         if self.prox is not None or self.ref is not None:
             metrics["timing_s/old_log_prob"] = t_old
         metrics.update(reward_metrics(rewards))
-        metrics.update(length_metrics(resp_mask.cpu()))
+        metrics.update(length_metrics(resp_mask.cpu(), self.cfg.data.max_response_length))
         return metrics

@@ -61,6 +61,7 @@ from rollstream.factory import build_prompt_source, build_task
 from rollstream.names import TRAINER_GROUP, Keys
 from rollstream.pacing import current_budget, grant_budget, record_consumed
 from rollstream.rl import staleness_metrics
+from rollstream.tasks import Prompt
 from rollstream.weights import gc_weights, latest_param_version, publish_weights
 from schemas import Limits, RolloutSample, StepMetrics, ValidateMetrics
 
@@ -101,6 +102,7 @@ class Trainer:
         self._dead_counted = 0
         self._step_dead = 0
         self._transport_s = 0.0  # reading + decoding rollouts since the last local update
+        self.recent: deque[Prompt] = deque(maxlen=max(1, cfg.data.val_size))  # newest trained prompts
 
     # -- start / resume ----------------------------------------------------------------------------
 
@@ -144,10 +146,14 @@ class Trainer:
         gc_weights(self.r, self.keys, version, file_dir=self.weights_dir)
 
     def _validate(self, version: int) -> None:
-        """Greedy-decode the held-out prompts and emit a `validation` event for `version`."""
+        """Greedy-decode the held-out prompts (`val/…`) and the newest trained prompts
+        (`val/recent_train_…`: memorisation shows as a gap between the two); emit a `validation` event."""
         task = build_task(self.cfg)
         prompts = build_prompt_source(self.cfg, task).val_prompts()
-        metrics = validate(self.learner.policy, task, prompts, self.cfg.data.max_response_length)
+        limit = self.cfg.data.max_response_length
+        metrics = validate(self.learner.policy, task, prompts, limit)
+        recent = validate(self.learner.policy, task, list(self.recent), limit)
+        metrics.update({k.replace("val/", "val/recent_train_"): v for k, v in recent.items()})
         if metrics:
             ev = ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
             self.publisher.publish(self.keys.metrics, ev)
@@ -253,6 +259,10 @@ class Trainer:
                 ev: Any = m.event
                 ledger.fates.append(Fate(ev.sample_id, m.id, TRAINED, st, ev.param_version))
                 ledger.ack_ids.append(m.id)
+                truth = ev.full_batch.non_tensors.get("ground_truth")
+                if truth is not None and "raw_prompt" in ev.full_batch.non_tensors:
+                    text = str(ev.full_batch.non_tensors["raw_prompt"][0])
+                    self.recent.append(Prompt(uid=ev.sample_id, text=text, answer=str(truth[0])))
             metrics.update(asm_metrics)
             metrics.update(dropped_metrics(dropped))
             metrics.update(staleness_metrics([st for _, st in kept]))

@@ -103,6 +103,36 @@ def _cmd_status(args: argparse.Namespace) -> int:
             return 0
 
 
+def _cmd_watch(args: argparse.Namespace) -> int:
+    from rollstream.ops.progress import watch_run
+    from rollstream.ops.supervise import SuperviseError, failed_programs
+
+    t = _target(args)
+
+    def check() -> None:
+        failed = failed_programs(t.run_dir)
+        if failed:
+            raise SuperviseError("; ".join(failed))
+
+    try:
+        curve = watch_run(t.connect(), t.keys, target_acc=args.until_val_acc, limit_s=args.limit_s,
+                          since=args.since, hold_s=args.hold_s, check=check)
+    except SuperviseError as e:
+        print(f"rollstream watch: a worker failed: {e} (see {t.run_dir / 'logs'})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    best = curve.best("val/acc")
+    step = curve.steps[-1] if curve.steps else 0
+    if curve.reached_s is not None:
+        print(f"val/acc >= {args.until_val_acc} after {curve.reached_s:.0f}s ({curve.reached_samples:.0f} samples "
+              f"trained); best {best:.3f}, global step {step}")
+        return 0
+    shown = f"{best:.3f}" if best is not None else "none yet"
+    print(f"val/acc {args.until_val_acc} not reached in {args.limit_s:.0f}s: best {shown}, global step {step}")
+    return 2
+
+
 def _split_id(args: argparse.Namespace) -> None:
     from rollstream.ops.inspect import looks_like_id
 
@@ -252,6 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
     _run_args(c)
     c.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     c.set_defaults(func=_cmd_status)
+
+    c = sub.add_parser("watch", help="live progress line until val/acc reaches a target or a time limit (exit 2: not reached)")
+    _run_args(c)
+    c.add_argument("--until-val-acc", type=float, default=0.95, metavar="ACC", help="stop once held-out val/acc >= ACC")
+    c.add_argument("--limit-s", type=float, default=600.0, metavar="S", help="stop after S seconds (counted from --since)")
+    c.add_argument("--since", type=float, default=None, metavar="EPOCH_S", help="start of the clock (time.time(); default now)")
+    c.add_argument("--hold-s", type=float, default=0.0, metavar="S", help="keep watching S seconds after the target is reached")
+    c.set_defaults(func=_cmd_watch)
 
     c = sub.add_parser("inspect", help="one stream entry as JSON: inspect <stream> [ID|-N] [pipeline.yaml …]")
     c.add_argument("stream", help="rollouts, metrics, records, params, dead, fates or dispatch_log")

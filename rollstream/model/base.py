@@ -26,9 +26,9 @@ from rollstream.model.tokenizer import Tokenizer
 class Trajectory:
     """One sampled response to one prompt.
 
-    `log_probs[i]` is the behaviour log-prob of `response_ids[i]`: log_softmax of the raw logits
-    (temperature 1, no top-p) of the weights that sampled it; this is what `Policy.log_probs`
-    recomputes. `swap_points` lists response indices i at which new weights took effect (tokens
+    `log_probs[i]` is the behaviour log-prob of `response_ids[i]`: log_softmax(logits / temperature)
+    of the weights that sampled it (no top-p renormalisation); this is what `Policy.log_probs` with the
+    same temperature recomputes. `swap_points` lists response indices i at which new weights took effect (tokens
     from i on were sampled, with a re-prefilled cache, under the newer weights).
     """
 
@@ -91,20 +91,20 @@ def sample_tokens(
     top_p: float,
     generator: torch.Generator | None,
     greedy: bool,
-    allowed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """logits [B,V] -> (tokens [B] long, policy log-prob [B] at temperature 1 without top-p).
+    """logits [B,V] -> (tokens [B] long, log-prob [B] of each token under softmax(logits / temperature)).
 
-    `allowed` (bool [V]) restricts which tokens may be sampled, like top-p a sampling filter: the returned
-    log-probs stay the unfiltered policy's, which is what the trainer recomputes."""
+    The log-prob is that of the distribution the token was sampled from (as verl's rollout computes it,
+    and as the trainer recomputes it with the same temperature); top-p < 1 truncates sampling further
+    without renormalising the stored log-prob. Greedy (or temperature 0) picks the argmax and reports its
+    temperature-1 log-prob."""
     logits = logits.float()
-    logp = F.log_softmax(logits, dim=-1)
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    scaled = logits if greedy or temperature == 0.0 else logits / temperature
+    logp = F.log_softmax(scaled, dim=-1)
     if greedy or temperature == 0.0:
         tok = logits.argmax(-1)
     else:
-        probs = top_p_filter(F.softmax(logits / temperature, dim=-1), top_p)
+        probs = top_p_filter(logp.exp(), top_p)
         if generator is not None and generator.device.type != probs.device.type:
             tok = torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1)
             tok = tok.to(logits.device)
@@ -152,20 +152,6 @@ class BasePolicy(ABC):
     module: nn.Module
     tokenizer: Tokenizer
     device: torch.device
-    #: bool [V] of tokens `generate` may sample (None = all); see `restrict_sampling`.
-    sampling_mask: Tensor | None = None
-
-    def restrict_sampling(self, token_ids: list[int] | None) -> None:
-        """Let `generate` sample only these token ids (None lifts the restriction); log-probs unchanged."""
-        if token_ids is None:
-            self.sampling_mask = None
-            return
-        emb = getattr(self.module, "get_input_embeddings", None)  # HF models: the embedding's true size
-        vocab = int(emb().weight.shape[0]) if callable(emb) else int(self.tokenizer.vocab_size)
-        mask = torch.zeros(vocab, dtype=torch.bool)
-        mask[token_ids] = True
-        self.sampling_mask = mask
-
     # ---- backend hooks ---------------------------------------------------------------------------
     @abstractmethod
     def _prefill(self, ids: Tensor, mask: Tensor, capacity: int) -> tuple[Tensor, Any]:
@@ -204,7 +190,7 @@ class BasePolicy(ABC):
         """Sample n responses per prompt in one left-padded KV-cached batch; prompt-major order.
 
         Sampling uses softmax(logits / temperature) with top-p (argmax when `greedy` or
-        temperature == 0); stored log-probs are the plain policy log-probs (see Trajectory). A row
+        temperature == 0); stored log-probs are those of softmax(logits / temperature) (see Trajectory). A row
         stops after eos. Every `sync_every_tokens` decoded tokens (while rows remain), `on_chunk()`
         is called; True means new weights were loaded, and the cache of the unfinished rows is
         re-prefilled under them. `generator` None uses torch's global RNG.
@@ -234,9 +220,7 @@ class BasePolicy(ABC):
             with torch.no_grad():
                 logits, cache = self._prefill(seq, seq_mask, seq.shape[1] + max_new_tokens)
                 for step in range(max_new_tokens):
-                    tok, logp = sample_tokens(  # [b], [b]
-                        logits, temperature, top_p, generator, greedy, None if greedy else self.sampling_mask
-                    )
+                    tok, logp = sample_tokens(logits, temperature, top_p, generator, greedy)  # [b], [b]
                     keep: list[int] = []
                     for j, (t, lp) in enumerate(zip(tok.tolist(), logp.tolist(), strict=True)):
                         traj = trajs[alive[j]]
@@ -271,21 +255,28 @@ class BasePolicy(ABC):
 
     # ---- scoring ---------------------------------------------------------------------------------
     def forward_logprobs_entropy(
-        self, input_ids: Tensor, attention_mask: Tensor, response_len: int
+        self, input_ids: Tensor, attention_mask: Tensor, response_len: int, temperature: float = 1.0
     ) -> tuple[Tensor, Tensor]:
-        """Per-token log-prob and entropy [B,R] of the last R tokens (grad follows torch grad mode)."""
+        """Per-token log-prob and entropy [B,R] of the last R tokens under softmax(logits / temperature)
+        (the sampling distribution, as verl's actor computes it); grad follows torch grad mode."""
         if response_len < 1 or response_len >= input_ids.shape[1]:
             raise ValueError(f"response_len {response_len} must be in [1, {input_ids.shape[1] - 1}]")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         ids = input_ids.to(self.device)
         logits = self._response_logits(ids, attention_mask.to(self.device), response_len).float()
+        if temperature != 1.0:
+            logits = logits / temperature
         logp_all = F.log_softmax(logits, dim=-1)  # [B,R,V]
         logp = logp_all.gather(-1, ids[:, -response_len:, None]).squeeze(-1)  # [B,R]
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B,R]
         return logp, entropy
 
-    def log_probs(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
-        """Per-token log-probs [B,R] of the last R tokens of a left-padded batch."""
-        return self.forward_logprobs_entropy(input_ids, attention_mask, response_len)[0]
+    def log_probs(
+        self, input_ids: Tensor, attention_mask: Tensor, response_len: int, temperature: float = 1.0
+    ) -> Tensor:
+        """Per-token log-probs [B,R] of the last R tokens of a left-padded batch under logits / temperature."""
+        return self.forward_logprobs_entropy(input_ids, attention_mask, response_len, temperature)[0]
 
     # ---- weights and modes -----------------------------------------------------------------------
     def state_dict_bytes(self) -> bytes:

@@ -1,9 +1,10 @@
-"""A small decoder-only transformer (pre-LN, learned positions, SDPA attention) with a KV cache."""
+"""A small decoder-only transformer (pre-LN, learned or rotary positions, SDPA attention) with a KV cache."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,11 +21,35 @@ class GPTConfig:
     n_head: int = 4  # attention heads (d_model must divide evenly)
     max_seq_len: int = 64  # largest position id + 1 (prompt + response, padding excluded)
     dropout: float = 0.0  # dropout on attention output, MLP output and embeddings
+    position: Literal["learned", "rope"] = "learned"  # absolute learned embeddings, or rotary (as Llama/Qwen)
+    rope_theta: float = 10000.0  # rotary base (position="rope")
+
+    def __post_init__(self) -> None:
+        """Refuse shapes the blocks cannot build, naming the field and value."""
+        if self.d_model % self.n_head != 0:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if self.position not in ("learned", "rope"):
+            raise ValueError(f"position={self.position!r} must be 'learned' or 'rope'")
+        if self.position == "rope" and (self.d_model // self.n_head) % 2:
+            raise ValueError(f"position='rope' needs an even head size, got d_model/n_head={self.d_model // self.n_head}")
 
 
 def positions_from_mask(attention_mask: Tensor) -> Tensor:
     """Position ids [B,T] of a left-padded mask [B,T]: 0 at the first real token, 0 on leading pads."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def rope_angles(position_ids: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin [B,1,T,head_dim/2] of the rotary angles position * theta^(-2i/head_dim)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    angles = position_ids.float()[:, None, :, None] * inv_freq  # [B,1,T,hd/2]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) of x [B,H,T,hd] by the angles (the Llama/NeoX layout)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class KVCache:
@@ -66,8 +91,6 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        if cfg.d_model % cfg.n_head != 0:
-            raise ValueError(f"d_model={cfg.d_model} must be divisible by n_head={cfg.n_head}")
         self.n_head = cfg.n_head
         self.head_dim = cfg.d_model // cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
@@ -75,14 +98,23 @@ class CausalSelfAttention(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: Tensor, layer: int, start_pos: int, cache: KVCache | None, mask: Tensor | None
+        self,
+        x: Tensor,
+        layer: int,
+        start_pos: int,
+        cache: KVCache | None,
+        mask: Tensor | None,
+        rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """x [B,T,C] -> [B,T,C]; `mask` [B,1,T,Tk] bool (True = attend) or None for plain causal."""
+        """x [B,T,C] -> [B,T,C]; `mask` [B,1,T,Tk] bool (True = attend) or None for plain causal; `rope`
+        (cos, sin) rotates queries and keys (keys are cached rotated)."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B,H,T,hd]
         k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.update(layer, k, v, start_pos)  # [B,H,Tk,hd]
         if mask is None:
@@ -109,10 +141,16 @@ class Block(nn.Module):
         )
 
     def forward(
-        self, x: Tensor, layer: int, start_pos: int, cache: KVCache | None, mask: Tensor | None
+        self,
+        x: Tensor,
+        layer: int,
+        start_pos: int,
+        cache: KVCache | None,
+        mask: Tensor | None,
+        rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """x [B,T,C] -> [B,T,C]."""
-        x = x + self.attn(self.ln1(x), layer, start_pos, cache, mask)
+        x = x + self.attn(self.ln1(x), layer, start_pos, cache, mask, rope)
         return x + self.mlp(self.ln2(x))
 
 
@@ -123,7 +161,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(cfg.d_model)
@@ -167,7 +205,8 @@ class GPT(nn.Module):
         """idx [B,T] long -> logits [B,T,V] (or [B,logits_to_keep,V] for the last positions when > 0).
 
         `start_pos`: cache positions already filled (tokens of idx go at start_pos..start_pos+T-1).
-        `position_ids` [B,T]: learned-position index per token (default start_pos + arange(T)).
+        `position_ids` [B,T]: position of each token (default start_pos + arange(T)); indexes the learned
+        embeddings, or sets the rotary angles.
         `attention_mask` [B, start_pos+T]: 1 for real tokens, 0 for padding (keys masked out); every
         query also sees itself, so pad rows stay finite. With a cache, `cache.length` is advanced.
         """
@@ -189,9 +228,15 @@ class GPT(nn.Module):
                 allowed = allowed & attention_mask.bool()[:, None, None, :]
                 allowed = allowed | (k_pos == q_pos)[None, None]
             mask = allowed
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(position_ids))  # [B,T,C]
+        x = self.tok_emb(idx)  # [B,T,C]
+        rope = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(position_ids)
+        else:
+            rope = rope_angles(position_ids, self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta)
+        x = self.drop(x)
         for layer, block in enumerate(self.blocks):
-            x = block(x, layer, start_pos, cache, mask)
+            x = block(x, layer, start_pos, cache, mask, rope)
         if cache is not None:
             cache.length = start_pos + T
         if logits_to_keep > 0:

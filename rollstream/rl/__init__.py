@@ -1,6 +1,6 @@
 """RL math for rollstream: advantages, masked reductions, PPO losses, KL, batch metrics (pure torch)."""
 
-from rollstream.rl.advantages import grpo_advantages
+from rollstream.rl.advantages import grpo_advantages, grpo_token_advantages, returns_to_go
 from rollstream.rl.masked import AggMode, agg_loss, masked_mean, masked_sum
 from rollstream.rl.metrics import length_metrics, reward_metrics, staleness_metrics, tensor_summary
 from rollstream.rl.ppo import (
@@ -25,12 +25,14 @@ __all__ = [
     "dual_clip",
     "entropy_from_logits",
     "grpo_advantages",
+    "grpo_token_advantages",
     "kl_penalty",
     "length_metrics",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "ppo_loss",
+    "returns_to_go",
     "reward_metrics",
     "staleness_metrics",
     "tensor_summary",

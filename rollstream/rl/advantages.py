@@ -32,3 +32,60 @@ def grpo_advantages(
         std = scores.std(dim=-1, keepdim=True, unbiased=unbiased)  # [B, 1]
         centred = centred / (std + eps)
     return centred.reshape(-1)  # [B*n]
+
+
+def returns_to_go(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G[b, t] = sum over response tokens t' >= t of gamma^(t'-t) * token_rewards[b, t'] (mask 1);
+    [B, T] -> [B, T], 0 off the mask. gamma 1 is the plain return-to-go, 0 each token's own reward."""
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    r = token_rewards.detach().to(torch.float32) * mask  # [B, T]
+    if gamma == 1.0:
+        return r.flip(-1).cumsum(-1).flip(-1) * mask
+    out = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        running = r[:, t] + gamma * running
+        out[:, t] = running
+    return out * mask
+
+
+def grpo_token_advantages(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_sizes: list[int],
+    eps: float = 1e-6,
+    norm_by_std: bool = True,
+    gamma: float = 1.0,
+) -> torch.Tensor:
+    """Token-level GRPO advantages [B, T]: each token's (gamma-discounted) return-to-go minus the mean return-to-go of the
+    group's responses that also have a token at that position (divided by their std when `norm_by_std`).
+
+    token_rewards, mask [B, T] (groups contiguous, sizes `group_sizes`). A token is credited only with
+    rewards at or after it, and compared only with its group's tokens at the same position, so a position
+    that every response of a group gets right (or wrong) contributes nothing to the others' advantages
+    (with one reward on the last token this is outcome GRPO with a per-position baseline). A position held
+    by a single response of a group gets 0; a group of one keeps its raw returns (as `grpo_advantages`).
+    """
+    if token_rewards.shape != mask.shape or token_rewards.dim() != 2:
+        raise ValueError(f"token_rewards {tuple(token_rewards.shape)} and mask {tuple(mask.shape)} must be the same [B, T]")
+    if sum(group_sizes) != token_rewards.shape[0] or any(n < 1 for n in group_sizes):
+        raise ValueError(f"group sizes {group_sizes} do not cover {token_rewards.shape[0]} rows")
+    m = mask.detach().to(torch.float32)  # [B, T]
+    ret = returns_to_go(token_rewards, m, gamma)  # [B, T]
+    out = torch.zeros_like(ret)
+    start = 0
+    for n in group_sizes:
+        g_ret, g_m = ret[start : start + n], m[start : start + n]  # [n, T]
+        if n == 1:
+            out[start : start + n] = g_ret
+        else:
+            count = g_m.sum(0, keepdim=True)  # [1, T] responses with a token at t
+            mean = g_ret.sum(0, keepdim=True) / count.clamp_min(1)
+            centred = (g_ret - mean) * g_m
+            if norm_by_std:
+                var = (centred**2).sum(0, keepdim=True) / (count - 1).clamp_min(1)  # Bessel, as torch.std
+                centred = centred / (var.sqrt() + eps)
+            out[start : start + n] = centred * (count > 1)
+        start += n
+    return out

@@ -28,13 +28,17 @@ def reward_metrics(rewards: torch.Tensor, prefix: str = "critic/rewards") -> dic
     return tensor_summary(rewards, prefix)
 
 
-def length_metrics(response_mask: torch.Tensor, prefix: str = "response_length") -> dict[str, float]:
-    """Response length mean/max/min and `clip_ratio` (share hitting T) from a mask [B, T]."""
+def length_metrics(
+    response_mask: torch.Tensor, max_response_length: int, prefix: str = "response_length"
+) -> dict[str, float]:
+    """Response length mean/max/min and `clip_ratio` from a mask [B, T]: the share of responses that used
+    all `max_response_length` allowed tokens (the configured limit, not the batch's padded width T)."""
+    if max_response_length < 1:
+        raise ValueError(f"max_response_length must be >= 1, got {max_response_length}")
     lengths = response_mask.detach().to(torch.float64).sum(dim=-1)  # [B]
     out = tensor_summary(lengths, prefix)
     if out:
-        max_len = response_mask.shape[-1]
-        out[f"{prefix}/clip_ratio"] = float((lengths >= max_len).to(torch.float64).mean())
+        out[f"{prefix}/clip_ratio"] = float((lengths >= max_response_length).to(torch.float64).mean())
     return out
 
 

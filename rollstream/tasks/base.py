@@ -43,16 +43,23 @@ class Prompt:
 
 @dataclass(frozen=True)
 class RewardResult:
-    """A scored response: ``score`` in [0, 1], ``exact`` match flag and per-response float ``metrics``."""
+    """A scored response: ``score`` in [0, 1], ``exact`` match flag and per-response float ``metrics``.
+
+    ``char_scores`` (optional) splits ``score`` over the characters of the response text, for token-level
+    credit (``actor.adv_estimator=grpo_token``); they must sum to ``score``. None: outcome reward only.
+    """
 
     score: float
     exact: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    char_scores: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        """Reject a score outside [0, 1]."""
+        """Reject a score outside [0, 1] and character scores that do not sum to it."""
         if not 0.0 <= self.score <= 1.0:
             raise ValueError(f"reward score must be in [0, 1], got {self.score}")
+        if self.char_scores is not None and abs(sum(self.char_scores) - self.score) > 1e-6:
+            raise ValueError(f"char_scores sum to {sum(self.char_scores)}, not to score {self.score}")
 
 
 @runtime_checkable

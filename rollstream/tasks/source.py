@@ -14,7 +14,8 @@ Cursor = tuple[int, int]
 
 
 class PromptSource:
-    """Iterator of ``(epoch, index_in_epoch, Prompt)`` over a fixed training set, reshuffled each epoch."""
+    """Iterator of ``(epoch, index_in_epoch, Prompt)``: over a fixed training set reshuffled each epoch, or
+    (``fresh_from_task``) a new prompt drawn for every position, seeded by (seed, epoch, index)."""
 
     def __init__(
         self,
@@ -48,6 +49,9 @@ class PromptSource:
         self._pos = 0
         self._order_epoch = -1
         self._order: list[int] = []
+        self._size = len(self._train)  # positions per epoch
+        self._fresh: Task | None = None  # set by fresh_from_task: draw prompts instead of indexing _train
+        self._val_texts = val_texts
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -68,6 +72,21 @@ class PromptSource:
         taken = {p.text for p in val}
         train = _generate(task, random.Random(f"rollstream-train:{seed}"), epoch_size, taken, "training")
         return cls(train, val, seed=seed, shuffle=shuffle, num_epochs=num_epochs)
+
+    @classmethod
+    def fresh_from_task(
+        cls, task: Task, *, seed: int = 0, epoch_size: int = 1024, val_size: int = 0, num_epochs: int | None = None
+    ) -> PromptSource:
+        """Draw a fresh training prompt at every (epoch, index) position, seeded by (seed, epoch, index) so
+        every shard and every restart sees the same one; validation prompts (``val_size``, as in
+        ``from_task``) are never drawn for training. ``epoch_size`` only sets how positions count epochs."""
+        if epoch_size < 1 or val_size < 0:
+            raise ValueError(f"need epoch_size >= 1 and val_size >= 0, got {epoch_size}, {val_size}")
+        val = _generate(task, random.Random(f"rollstream-val:{seed}"), val_size, set(), "validation")
+        probe = _generate(task, random.Random(f"rollstream-fresh-probe:{seed}"), 1, {p.text for p in val}, "training")
+        src = cls(probe, val, seed=seed, shuffle=False, num_epochs=num_epochs)
+        src._fresh, src._size = task, epoch_size
+        return src
 
     @classmethod
     def from_jsonl(
@@ -108,16 +127,33 @@ class PromptSource:
     @property
     def epoch_size(self) -> int:
         """Number of training prompts in one full epoch (all shards together)."""
-        return len(self._train)
+        return self._size
 
     def __len__(self) -> int:
         """Number of prompts this shard draws per epoch."""
-        n = len(self._train)
-        return len(range(self.shard_index, n, self.shard_count))
+        return len(range(self.shard_index, self._size, self.shard_count))
+
+    @property
+    def fresh(self) -> bool:
+        """True when every position draws a new prompt (``fresh_from_task``) rather than a fixed set."""
+        return self._fresh is not None
 
     def train_prompts(self) -> list[Prompt]:
-        """Return the training prompts in their unshuffled order."""
+        """Return the training prompts of epoch 0 in their unshuffled order."""
+        if self._fresh is not None:
+            return [self.prompt_at(0, i) for i in range(self._size)]
         return list(self._train)
+
+    def prompt_at(self, epoch: int, pos: int) -> Prompt:
+        """The training prompt at position ``pos`` of ``epoch`` (the same for every shard and restart)."""
+        if self._fresh is None:
+            return self._train[self.epoch_order(epoch)[pos]]
+        rng = random.Random(f"rollstream-fresh:{self.seed}:{epoch}:{pos}")
+        for _ in range(1000):
+            p = self._fresh.make_prompt(rng)
+            if p.text not in self._val_texts:
+                return p
+        raise ValueError(f"task {self._fresh.name!r} keeps drawing validation prompts; lower val_size")
 
     def val_prompts(self) -> list[Prompt]:
         """Return the held-out validation prompts (never among the training prompts)."""
@@ -129,8 +165,8 @@ class PromptSource:
             raise ValueError("shard() must be called on an unsharded source")
         if not 0 <= index < count:
             raise ValueError(f"need 0 <= index < count, got index={index}, count={count}")
-        if count > len(self._train):
-            raise ValueError(f"{count} shards but only {len(self._train)} prompts per epoch")
+        if count > self._size:
+            raise ValueError(f"{count} shards but only {self._size} prompts per epoch")
         view = PromptSource.__new__(PromptSource)
         view.__dict__.update(self.__dict__)
         view._order = list(self._order)
@@ -148,14 +184,14 @@ class PromptSource:
     def cursor(self, value: Cursor) -> None:
         """Resume from ``(epoch, index)`` as previously read from ``cursor``."""
         epoch, index = int(value[0]), int(value[1])
-        if epoch < 0 or not 0 <= index <= len(self._train):
-            raise ValueError(f"cursor out of range: {value!r} (epoch_size={len(self._train)})")
+        if epoch < 0 or not 0 <= index <= self._size:
+            raise ValueError(f"cursor out of range: {value!r} (epoch_size={self._size})")
         self._epoch, self._pos = epoch, index
 
     def _normalize(self, epoch: int, pos: int) -> Cursor:
         """Advance ``pos`` to this shard's next position, rolling over to the next epoch at the end."""
         pos += (self.shard_index - pos) % self.shard_count
-        if pos >= len(self._train):
+        if pos >= self._size:
             return epoch + 1, self.shard_index
         return epoch, pos
 
@@ -177,7 +213,7 @@ class PromptSource:
         epoch, pos = self.cursor
         if self.num_epochs is not None and epoch >= self.num_epochs:
             raise StopIteration
-        prompt = self._train[self.epoch_order(epoch)[pos]]
+        prompt = self.prompt_at(epoch, pos)
         self._epoch, self._pos = self._normalize(epoch, pos + 1)
         return epoch, pos, prompt
 

@@ -1,0 +1,192 @@
+"""Learning benchmark: held-out exact match against wall-clock and samples, synchronous vs asynchronous.
+
+    rollstream bench learn [pipeline.yaml] [key=value ...] [--seeds 0 1 2] [--target 0.9] [--limit-s 300]
+                           [--modes sync async] [--out-dir runs/bench-learn] [--json]
+
+Per seed: one supervised warm start (scripts/warm_start.py's, ends under 10 % exact match), shared by both
+modes, then the config run as a user runs it (`rollstream run`: embedded Redis, producers, trainer,
+aggregator under supervisord) once per mode:
+
+  sync   rollout.staleness_threshold=0 trainer.sync_mode=true: the trainer collects the whole global batch
+         before training and producers get budget only for the next version, so generation and training
+         strictly alternate (synchronous RL on the same code);
+  async  the config as it is (streaming trainer, staleness_threshold from the config).
+
+Each run is watched (`rollstream watch`'s reader) until val/acc >= --target or --limit-s, the clock starting
+before `rollstream run` (process start-up included, warm start excluded: it is shared). Writes per seed
+`learn-s<seed>.png` (val/acc vs seconds and vs samples trained, both modes) and prints a markdown table of
+time and samples to the target, with the async/sync ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollstream.config import load_config
+from rollstream.ops.progress import Curve, watch_run
+from rollstream.ops.target import open_run
+
+ROOT = Path(__file__).resolve().parents[2]
+MODES = {
+    "sync": ["rollout.staleness_threshold=0", "trainer.sync_mode=true"],
+    "async": [],
+}
+
+
+@dataclass
+class ModeRun:
+    """One seed x mode: its curve and where the target was reached."""
+
+    seed: int
+    mode: str
+    curve: Curve
+    steps: int
+
+    def summary(self) -> dict[str, Any]:
+        """Plain figures for the table and --json."""
+        return {
+            "seed": self.seed, "mode": self.mode, "time_to_target_s": self.curve.reached_s,
+            "samples_to_target": self.curve.reached_samples, "best_val_acc": self.curve.best("val/acc"),
+            "final_val_acc": self.curve.latest("val/acc"), "global_steps": self.steps,
+            "samples": self.curve.samples[-1] if self.curve.samples else 0.0,
+            "val_points": self.curve.val_points(),
+        }
+
+
+def _rs(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the rollstream CLI of this interpreter; raise with its output on failure."""
+    proc = subprocess.run([sys.executable, "-m", "rollstream.cli", *args], capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"rollstream {' '.join(args[:1])} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return proc
+
+
+def warm_start_file(config: str, overrides: list[str], out: Path) -> None:
+    """The supervised warm start of scripts/warm_start.py for these settings, written to `out`."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "warm_start.py"), config, *overrides, "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+
+
+def run_one(config: str, overrides: list[str], *, target: float, limit_s: float, hold_s: float) -> tuple[Curve, int]:
+    """`rollstream run` the config, watch it to the target or the limit, stop it; (curve, global steps)."""
+    t = open_run(config, overrides)
+    if t.run_dir.exists():
+        shutil.rmtree(t.run_dir)
+    start = time.time()
+    _rs("run", config, *overrides)
+    try:
+        curve = watch_run(t.connect(), t.keys, target_acc=target, limit_s=limit_s, since=start, hold_s=hold_s,
+                          poll_s=0.5, show=False)
+    finally:
+        subprocess.run([sys.executable, "-m", "rollstream.cli", "stop", config, *overrides], capture_output=True,
+                       cwd=ROOT)
+    return curve, (curve.steps[-1] if curve.steps else 0)
+
+
+def plot_seed(runs: Sequence[ModeRun], target: float, out: Path) -> Path:
+    """val/acc vs seconds and vs samples trained, one line per mode, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        pts = run.curve.val_points()
+        a.plot([p[0] for p in pts], [p[2] for p in pts], marker=".", label=run.mode)
+        b.plot([p[1] for p in pts], [p[2] for p in pts], marker=".", label=run.mode)
+    for ax, xlabel in ((a, "wall-clock seconds (from `rollstream run`)"), (b, "samples trained")):
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out greedy exact match (val/acc)")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"seed {runs[0].seed}: sync vs async")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "not reached" if x is None else format(x, spec)
+
+
+def format_table(runs: Sequence[ModeRun], target: float) -> str:
+    """Markdown: per seed, time and samples to the target per mode and the async/sync ratios."""
+    pct = f"{target:.0%}"
+    lines = [
+        f"| seed | sync: s to {pct} | async: s to {pct} | time ratio async/sync | sync: samples to {pct} "
+        f"| async: samples to {pct} | samples ratio async/sync | best val/acc sync / async |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    by_seed: dict[int, dict[str, ModeRun]] = {}
+    for r in runs:
+        by_seed.setdefault(r.seed, {})[r.mode] = r
+    for seed, modes in sorted(by_seed.items()):
+        s, a = modes.get("sync"), modes.get("async")
+        st, at = (s.curve.reached_s if s else None), (a.curve.reached_s if a else None)
+        sn, an = (s.curve.reached_samples if s else None), (a.curve.reached_samples if a else None)
+        tr = at / st if st and at else None
+        nr = an / sn if sn and an else None
+        best = " / ".join(_fmt(m.curve.best("val/acc"), ".3f") if m else "-" for m in (s, a))
+        lines.append(f"| {seed} | {_fmt(st, '.0f')} | {_fmt(at, '.0f')} | {_fmt(tr, '.2f')} | {_fmt(sn, '.0f')} "
+                     f"| {_fmt(an, '.0f')} | {_fmt(nr, '.2f')} | {best} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse arguments, run every seed x mode, write the plots, print the table (or JSON)."""
+    p = argparse.ArgumentParser(prog="rollstream bench learn", description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="?", default="pipeline.yaml", help="pipeline.yaml (default ./pipeline.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides for every run")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run.seed values")
+    p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["sync", "async"], help="modes to run")
+    p.add_argument("--target", type=float, default=0.9, help="val/acc that counts as reached")
+    p.add_argument("--limit-s", type=float, default=300.0, help="seconds per run before giving up")
+    p.add_argument("--hold-s", type=float, default=0.0, help="keep running S seconds after the target")
+    p.add_argument("--out-dir", default="runs/bench-learn", help="run dirs, warm starts and PNGs go here")
+    p.add_argument("--json", action="store_true", help="print the per-run figures as JSON instead of the table")
+    args = p.parse_args(argv)
+    if "=" in args.config and not Path(args.config).is_file():
+        args.overrides, args.config = [args.config, *args.overrides], "pipeline.yaml"
+    out_dir = Path(args.out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    load_config(args.config, args.overrides)  # refuse a bad config before starting anything
+    runs: list[ModeRun] = []
+    for seed in args.seeds:
+        base = [*args.overrides, f"run.seed={seed}", f"run.dir={out_dir}"]
+        warm = out_dir / f"warm-s{seed}.safetensors"
+        warm_start_file(args.config, base, warm)
+        seed_runs = []
+        for mode in args.modes:
+            ov = [*base, f"run.name=learn-{mode}-s{seed}", f"model.init_from={warm}", *MODES[mode]]
+            curve, steps = run_one(args.config, ov, target=args.target, limit_s=args.limit_s, hold_s=args.hold_s)
+            run = ModeRun(seed, mode, curve, steps)
+            seed_runs.append(run)
+            print(f"seed {seed} {mode}: {args.target:.0%} after {_fmt(curve.reached_s, '.0f')} s / "
+                  f"{_fmt(curve.reached_samples, '.0f')} samples; best {_fmt(curve.best('val/acc'), '.3f')} "
+                  f"at step {steps}", file=sys.stderr, flush=True)
+        runs += seed_runs
+        png = plot_seed(seed_runs, args.target, out_dir / f"learn-s{seed}.png")
+        print(f"wrote {png}", file=sys.stderr)
+    if args.json:
+        print(json.dumps([r.summary() for r in runs], indent=1))
+    else:
+        print(format_table(runs, args.target))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

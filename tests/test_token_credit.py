@@ -1,0 +1,83 @@
+"""Token-level credit: char scores from the task, token_level_scores on the wire, grpo_token advantages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from consumers.trainer.learner import token_rewards
+from producers.data import token_scores
+from rollstream.model import CharTokenizer
+from rollstream.rl import grpo_advantages, grpo_token_advantages, returns_to_go
+from rollstream.tasks import Prompt, ReverseTask, RewardResult
+
+TOK = CharTokenizer()
+
+
+def test_reverse_char_scores_split_the_score_over_matching_characters() -> None:
+    task, p = ReverseTask(), Prompt(uid="u", text="1234>", answer="4321")
+    r = task.reward(p, "4301")  # positions 0, 1, 3 match
+    assert r.char_scores == pytest.approx((0.25, 0.25, 0.0, 0.25))
+    assert sum(r.char_scores or ()) == pytest.approx(r.score)
+    long = task.reward(p, "432100")  # too long: 4/6; the 2 extra characters carry the loss (1 - 4/6)
+    assert long.char_scores == pytest.approx((0.25,) * 4 + (-1 / 6, -1 / 6))
+    assert sum(long.char_scores or ()) == pytest.approx(long.score)
+    with pytest.raises(ValueError, match="char_scores sum"):
+        RewardResult(score=0.5, exact=False, char_scores=(0.1,))
+
+
+def test_token_scores_follow_the_characters_and_fall_back_to_the_last_token() -> None:
+    ids = TOK.encode("43") + [TOK.eos_id]
+    r = RewardResult(score=0.5, exact=False, char_scores=(0.25, 0.25))
+    assert token_scores(TOK, ids, [1, 1, 1], r).tolist() == [0.25, 0.25, 0.0]  # eos decodes to nothing
+    outcome = RewardResult(score=0.7, exact=False)
+    assert token_scores(TOK, ids, [1, 1, 1], outcome).tolist() == pytest.approx([0.0, 0.0, 0.7])
+    misaligned = RewardResult(score=0.5, exact=False, char_scores=(0.5,))  # 1 char for 2 text tokens
+    assert token_scores(TOK, ids, [1, 1, 1], misaligned).tolist() == pytest.approx([0.0, 0.0, 0.5])
+
+
+def test_returns_to_go_and_outcome_placement() -> None:
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]])
+    assert returns_to_go(torch.tensor([[1.0, 0, 2, 9], [3, 1, 7, 0]]), mask).tolist() == [[3, 2, 2, 0], [4, 1, 0, 0]]
+    placed = token_rewards(torch.tensor([0.5, 2.0]), mask, None)
+    assert placed.tolist() == [[0, 0, 0.5, 0], [0, 2.0, 0, 0]]
+
+
+def test_grpo_token_credits_each_position_against_the_group_at_that_position() -> None:
+    # two groups of 3; position 0 is right in every response of group 0, so it carries no signal there
+    rewards = torch.tensor([
+        [1.0, 1, 0], [1, 0, 0], [1, 1, 1],  # group 0
+        [0, 0, 0], [0, 1, 0], [0, 0, 0],  # group 1
+    ])
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    adv = grpo_token_advantages(rewards, mask, [3, 3], norm_by_std=False)
+    g = returns_to_go(rewards, mask)
+    assert torch.allclose(adv[0:3, 0], g[0:3, 0] - g[0:3, 0].mean())
+    assert torch.allclose(adv[0:3, 2], torch.tensor([-1 / 3, -1 / 3, 2 / 3]))
+    assert adv[4, 2] == 0 and adv[3, 2] == 0  # a position held by one response of its group: no baseline, 0
+    assert adv[5, 1] == 0 and adv[5, 2] == 0  # off the mask
+    normed = grpo_token_advantages(rewards, mask, [3, 3])
+    assert torch.allclose(normed[0:3, 2], (g[0:3, 2] - g[0:3, 2].mean()) / (g[0:3, 2].std() + 1e-6))
+
+
+def test_grpo_token_with_outcome_rewards_only_equals_grpo_at_the_first_token() -> None:
+    rewards = torch.tensor([0.2, 0.9, 0.4, 0.4])
+    mask = torch.tensor([[1.0, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
+    adv = grpo_token_advantages(token_rewards(rewards, mask, None), mask, [4])
+    assert torch.allclose(adv[:, 0], grpo_advantages(rewards, n=4), atol=1e-5)
+
+
+def test_grpo_token_refuses_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="group sizes"):
+        grpo_token_advantages(torch.zeros(4, 3), torch.ones(4, 3), [3])
+    with pytest.raises(ValueError, match="same"):
+        grpo_token_advantages(torch.zeros(4, 3), torch.ones(4, 2), [4])
+
+
+def test_discounted_returns() -> None:
+    mask = torch.tensor([[1.0, 1, 1, 0]])
+    r = torch.tensor([[1.0, 2, 4, 8]])
+    assert returns_to_go(r, mask, gamma=0.5).tolist() == [[1 + 1 + 1, 2 + 2, 4, 0]]
+    assert returns_to_go(r, mask, gamma=0.0).tolist() == [[1, 2, 4, 0]]
+    with pytest.raises(ValueError, match="gamma"):
+        returns_to_go(r, mask, gamma=1.5)
