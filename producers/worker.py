@@ -249,8 +249,8 @@ class Producer:
         self.window.add_sample(group, rewards)
         self.counters.tokens += sum(t.generated_tokens for t in group)
         self.counters.partial_swaps += sum(int(t.version_start < t.version_end) for t in group)
-        tool_calls = [s for t in group for s in t.tool_call_s]
-        self.counters.tool_calls += len(tool_calls)
+        self.counters.tool_calls += sum(len(t.tool_call_s) for t in group)
+        tool_calls = [sum(t.tool_call_s) for t in group] if self.multi_turn else []  # per row, as verl
         self.counters.versions_loaded = self.weights.loads
         return build_rollout_sample(
             sample_id=sample_id,
