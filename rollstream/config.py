@@ -162,6 +162,9 @@ class TrainerConfig(_Section):
         2, ge=1, description="Newest checkpoints kept on disk; `rollstream replay trainer --steps A-B` needs step A-1's"
     )
     test_freq: int = Field(5, ge=0, description="Validate every this many versions (0 = never)")
+    heartbeat_stall_s: float = Field(
+        120.0, gt=0, description="`rollstream status` marks the trainer stalled when its heartbeat is older (`--check` exits 1)"
+    )
     sync_mode: bool = Field(
         False, description="Collect the full global batch before training, as synchronous RL does (benchmarks)"
     )

@@ -21,6 +21,7 @@ import redis
 
 from rollstream.fake import fake_rollout_sample
 from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.ops.status import worker_health
 from rollstream.pacing import mark_published, take_budget
 from rollstream.weights import latest_param_version
 from schemas import DeadLetter, ParamVersion, StepMetrics, ValidateMetrics, decode, encode
@@ -250,6 +251,8 @@ def test_sigterm_while_waiting_for_samples_exits_0(r: redis.Redis, keys: Keys, r
             assert proc.poll() is None and time.monotonic() < deadline, "trainer did not start"
             time.sleep(0.05)
         assert latest_param_version(r, keys) is not None
+        trainer = {k.decode(): v.decode() for k, v in r.hgetall(keys.trainer).items()}
+        assert [w.state for w in worker_health(trainer, stall_after_s=30)] == ["ok"]  # status reads it
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
     finally:

@@ -91,11 +91,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     t = _target(args)
     r = t.connect()
+    limit_s = t.cfg.trainer.heartbeat_stall_s
     while True:
-        text = format_status(collect_status(r, t.keys, process_states(t.run_dir)), mask_url(t.redis_url))
-        if not args.watch:
+        st = collect_status(r, t.keys, process_states(t.run_dir), limit_s, t.cfg.trainer.total_global_steps)
+        text = format_status(st, mask_url(t.redis_url))
+        if args.check or not args.watch:
             print(text)
-            return 0
+            return 1 if args.check and not st.healthy else 0
         print("\033[H\033[2J" + time.strftime("%H:%M:%S ") + text, flush=True)
         try:
             time.sleep(args.watch)
@@ -271,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("status", help="streams, groups, versions, staleness, rates, idle ratios, processes")
     _run_args(c)
     c.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    c.add_argument("--check", action="store_true",
+                   help="for monitoring: exit 1 when a worker's heartbeat is missing or older than "
+                        "trainer.heartbeat_stall_s (the trainer having finished is fine)")
     c.set_defaults(func=_cmd_status)
 
     c = sub.add_parser("inspect", help="one stream entry as JSON: inspect <stream> [ID|-N] [pipeline.yaml …]")
