@@ -158,8 +158,13 @@ def run_agent_loop(
     generator: torch.Generator | None = None,
 ) -> list[AgentTrajectory]:
     """Generate every row of `batch` (prepared prompts, `input_ids` rows) with the loop its
-    meta_info `agent_name` names; returns one AgentTrajectory per row, in row order."""
-    agent = batch.meta_info.get("agent_name", AGENT_SINGLE_TURN)
+    per-row `agent_name` (non_tensors; one agent per call) names; returns one AgentTrajectory per row,
+    in row order."""
+    names = batch.non_tensors.get("agent_name")
+    agents = {str(a) for a in names} if names is not None else {AGENT_SINGLE_TURN}
+    if len(agents) != 1:
+        raise ValueError(f"one agent loop per call, got agent_name {sorted(agents)}")
+    agent = agents.pop()
     if agent not in (AGENT_SINGLE_TURN, AGENT_TOOL):
         raise ValueError(f"unknown agent_name {agent!r} (expected {AGENT_SINGLE_TURN} or {AGENT_TOOL})")
     ids, mask = batch.tensors["input_ids"], batch.tensors["attention_mask"]

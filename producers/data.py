@@ -62,8 +62,8 @@ def prepare_single_generation_data(
     prompt: Prompt, n: int, multi_turn: bool, tokenizer: Tokenizer, *, sample_id: str | None = None
 ) -> DataProto:
     """One prompt as a generation batch: its row (bos + prompt ids) repeated n times interleaved, one
-    group `uid` (= sample_id, else the prompt uid) for all rows, meta_info `agent_name` chosen by
-    multi-turn."""
+    group `uid` (= sample_id, else the prompt uid) for all rows, and per row in non_tensors the
+    `agent_name` chosen by multi-turn (as verl's non_tensor_batch)."""
     ids = np.asarray([tokenizer.encode(prompt.text, add_bos=True)], dtype=np.int64)  # [1,P]
     row = DataProto(
         tensors={"input_ids": ids, "attention_mask": np.ones_like(ids)},
@@ -71,8 +71,8 @@ def prepare_single_generation_data(
             "uid": _object_array([sample_id or prompt.uid]),
             "raw_prompt": _object_array([prompt.text]),
             "prompt_uid": _object_array([prompt.uid]),
+            "agent_name": _object_array([AGENT_TOOL if multi_turn else AGENT_SINGLE_TURN]),
         },
-        meta_info={"agent_name": AGENT_TOOL if multi_turn else AGENT_SINGLE_TURN},
     )
     return row.repeat(n, interleave=True)
 
@@ -129,7 +129,8 @@ def build_rollout_sample(
 ) -> RolloutSample:
     """Pack one prompt's n trajectories as a RolloutSample (tensors left/right padded with the pad id);
     `token_level_scores` [n, R] is added when every reward splits its score over the text (char_scores),
-    non-tensor `ground_truth` (the reference answer, per row) when given."""
+    non-tensor `ground_truth` (the reference answer, per row) when given; `tool_calls` holds each
+    trajectory's total tool seconds (or nothing)."""
     n = len(trajectories)
     if n == 0 or len(rewards) != n:
         raise ValueError(f"need >= 1 trajectory and one reward each, got {n} and {len(rewards)}")

@@ -6,13 +6,15 @@ import time
 from dataclasses import dataclass, field
 
 from producers.data import AgentTrajectory
+from rollstream.config import PipelineConfig
+from rollstream.pacing import RolloutCounts
 from rollstream.tasks import RewardResult
 from schemas import ProducerStats
 
 
 @dataclass
 class Counters:
-    """Run-long totals of one producer (sent as every sample's `rollout_status`)."""
+    """Run-long totals of one producer (logged; samples carry the global `rollout_status` instead)."""
 
     dispatched: int = 0  # prompts taken from the budget and generated
     published: int = 0  # samples XADDed to rollouts
@@ -24,11 +26,6 @@ class Counters:
     tool_calls: int = 0
     released_on_start: int = 0  # dispatches of a crashed predecessor released by release_unpublished
 
-    def as_status(self, param_version: int) -> dict[str, float | int]:
-        """The counters as the numbers a RolloutSample's rollout_status carries."""
-        status: dict[str, float | int] = {k: v for k, v in vars(self).items()}
-        status["param_version"] = param_version
-        return status
 
 
 @dataclass
@@ -87,3 +84,24 @@ class StatsWindow:
             versions_in_use=sorted(self.versions) or [param_version],
             metrics=metrics,
         )
+
+
+def rollout_status(counts: RolloutCounts, cfg: PipelineConfig, param_version: int) -> dict[str, float | int]:
+    """The rollout side's global status when a sample finished, under verl fully-async's rollouter names
+    (`get_statistics`; the trainer prefixes them with `fully_async/`): all producers' counts, the queue
+    (published and not yet consumed, from the pacing counters: producers may not read the rollouts
+    stream) and the static pacing figures."""
+    lm = cfg.rollout.latency_model
+    per_producer = lm.concurrency if lm.enable else cfg.rollout.prompts_per_dispatch
+    return {
+        "count/total_generated_samples": counts.published,
+        "count/dropped_stale_samples": counts.dropped_stale,
+        "count/current_param_version": param_version,
+        "monitor/active_tasks_size": counts.in_flight,
+        "monitor/queue/mq_queue_size": counts.queued,
+        "static/max_required_samples": cfg.max_outstanding,
+        "static/required_samples": cfg.actor.ppo_mini_batch_size,
+        "static/staleness_threshold": cfg.rollout.staleness_threshold,
+        "static/max_queue_size": cfg.max_outstanding,
+        "static/max_concurrent_samples": cfg.rollout.num_producers * per_producer,
+    }

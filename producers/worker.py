@@ -44,12 +44,12 @@ from producers.data import (
     prepare_single_generation_data,
 )
 from producers.latency import LatencyModel, plan_dispatch, run_plan
-from producers.stats import Counters, StatsWindow
+from producers.stats import Counters, StatsWindow, rollout_status
 from producers.sync import WeightSync
 from rollstream.bus import Publisher, RunNotSetUpError
 from rollstream.factory import build_policy, build_prompt_source, build_task
 from rollstream.model import BasePolicy
-from rollstream.pacing import current_budget, mark_published, release_unpublished, take_budget
+from rollstream.pacing import current_budget, mark_published, release_unpublished, rollout_counts, take_budget
 from rollstream.tasks import Prompt, Task
 from rollstream.weights import WeightsError, latest_param_version
 from rollstream.worker import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, WorkerContext, start_worker
@@ -220,13 +220,14 @@ class Producer:
         gen_s = (time.perf_counter() - t0) / self.slots  # slot-averaged
 
         n = cfg.rollout.n
+        status = rollout_status(rollout_counts(self.ctx.r, self.ctx.keys), cfg, self.weights.version)
         with self.lock:
             self.counters.gen_s += gen_s
             self.window.gen_s += gen_s
             samples = []
             for k, (sid, (epoch, _, prompt)) in enumerate(zip(ids, items, strict=True)):
                 group = trajs[k * n : (k + 1) * n]
-                samples.append(self._sample(sid, epoch, param_version, prompt, group))
+                samples.append(self._sample(sid, epoch, param_version, prompt, group, status))
             self._publish(samples)
         return samples
 
@@ -239,15 +240,18 @@ class Producer:
         partial = self.ctx.cfg.rollout.partial_rollout
         return run_plan(plan, param_version, (lambda: self.weights.version) if partial else None)
 
-    def _sample(self, sample_id: str, epoch: int, param_version: int, prompt: Prompt, group: list[Any]) -> RolloutSample:
-        """Score one prompt's trajectories and pack them as a RolloutSample."""
+    def _sample(
+        self, sample_id: str, epoch: int, param_version: int, prompt: Prompt, group: list[Any],
+        status: dict[str, float | int],
+    ) -> RolloutSample:
+        """Score one prompt's trajectories and pack them as a RolloutSample carrying the global `status`."""
         tok = self.policy.tokenizer
         rewards = [self.task.reward(prompt, tok.decode(t.response_ids)) for t in group]
         self.window.add_sample(group, rewards)
         self.counters.tokens += sum(t.generated_tokens for t in group)
         self.counters.partial_swaps += sum(int(t.version_start < t.version_end) for t in group)
-        tool_calls = [s for t in group for s in t.tool_call_s]
-        self.counters.tool_calls += len(tool_calls)
+        self.counters.tool_calls += sum(len(t.tool_call_s) for t in group)
+        tool_calls = [sum(t.tool_call_s) for t in group] if self.multi_turn else []  # per row, as verl
         self.counters.versions_loaded = self.weights.loads
         return build_rollout_sample(
             sample_id=sample_id,
@@ -259,7 +263,7 @@ class Producer:
             raw_prompt=prompt.text,
             ground_truth=prompt.answer,
             tokenizer=tok,
-            rollout_status=self.counters.as_status(self.weights.version),
+            rollout_status=status,
             tool_calls=tool_calls,
         )
 

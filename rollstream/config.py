@@ -170,10 +170,18 @@ class TrainerConfig(_Section):
 
     parameter_sync_step: int = Field(2, ge=1, description="Local updates per global step (one weight publish each)")
     max_off_policy_threshold: int = Field(2, description="Drop samples with staleness (global_step - param_version) above this")
-    num_warmup_batches: int = Field(1, ge=0, description="Global steps before validation and timing metrics settle")
+    num_warmup_batches: int = Field(
+        1, ge=0, description="Mini-batches of samples the trainer waits for before its first update (as verl)"
+    )
     total_global_steps: int = Field(50, ge=1, description="Stop after this many global steps")
     save_freq: int = Field(1, ge=1, description="Checkpoint every this many global steps (rollouts acked only after)")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="Newest checkpoints kept on disk; `rollstream replay trainer --steps A-B` needs step A-1's"
+    )
     test_freq: int = Field(5, ge=0, description="Validate every this many versions (0 = never)")
+    heartbeat_stall_s: float = Field(
+        120.0, gt=0, description="`rollstream status` marks the trainer stalled when its heartbeat is older (`--check` exits 1)"
+    )
     sync_mode: bool = Field(
         False, description="Collect the full global batch before training, as synchronous RL does (benchmarks)"
     )

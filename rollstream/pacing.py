@@ -122,3 +122,42 @@ def current_budget(r: redis.Redis, keys: Keys) -> tuple[int, int]:
         return -1, 0
     left: Any = r.get(keys.budget(int(v)))
     return int(v), int(left or 0)
+
+
+#: Trainer-hash field counting samples dropped as stale over the whole run (written in the step commit).
+DROPPED_STALE_FIELD = "dropped_stale"
+
+
+@dataclass(frozen=True)
+class RolloutCounts:
+    """Run-wide pacing counters of all producers together, read in one snapshot."""
+
+    dispatched: int  # prompts taken from the budget (crashed producers' unpublished ones released)
+    consumed: int  # prompts the trainer finished with: trained, dropped as stale, or dead-lettered
+    in_flight: int  # dispatched, not yet published (generating)
+    dropped_stale: int  # consumed prompts the trainer dropped as too stale
+
+    @property
+    def published(self) -> int:
+        """Samples on the rollouts stream so far (dispatched minus in flight)."""
+        return self.dispatched - self.in_flight
+
+    @property
+    def queued(self) -> int:
+        """Samples published and not yet consumed: the trainer group's backlog (undelivered + buffered)."""
+        return self.published - self.consumed
+
+
+def rollout_counts(r: redis.Redis, keys: Keys) -> RolloutCounts:
+    """One MULTI snapshot of the global counters (only commands and keys the producer ACL allows)."""
+    pipe = r.pipeline(transaction=True)
+    pipe.mget(keys.dispatched, keys.consumed)
+    pipe.hgetall(keys.producer_inflight)
+    pipe.hget(keys.trainer, DROPPED_STALE_FIELD)
+    (dispatched, consumed), inflight, dropped = pipe.execute()
+    return RolloutCounts(
+        dispatched=int(dispatched or 0),
+        consumed=int(consumed or 0),
+        in_flight=sum(max(0, int(v)) for v in inflight.values()),
+        dropped_stale=int(dropped or 0),
+    )

@@ -104,7 +104,7 @@ class RolloutSample(EventBase):
     full_batch: DataProto
     agent_loop_output_list: list[dict[str, Any]]
     processing_times: list[float]
-    tool_calls: list[float] = Field(default_factory=list)
+    tool_calls: list[float] = Field(default_factory=list)  # per trajectory: total tool seconds ([] = no tools)
     param_version_start: list[int]
     param_version_end: list[int]
     rollout_status: dict[str, float | int] = Field(default_factory=dict)
@@ -122,6 +122,8 @@ class RolloutSample(EventBase):
             for name, got in zip(PER_TRAJECTORY_LISTS, lengths, strict=True):
                 if got != n:
                     raise ValueError(f"{name} has {got} entries, full_batch has {n}")
+        if self.tool_calls and len(self.tool_calls) != n:
+            raise ValueError(f"tool_calls has {len(self.tool_calls)} entries (one per trajectory or none), full_batch has {n}")
         if starts != ends:  # equal lists (the usual case: no swap mid-generation) are ordered
             for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
                 if start > end:

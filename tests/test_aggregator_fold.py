@@ -126,3 +126,15 @@ def test_same_log_gives_the_same_records_byte_for_byte() -> None:
     assert [r.global_step for r in a] == list(range(1, 13))
     assert [encode(x) for x in a] == [encode(y) for y in b]
     assert "val/acc" in a[4].metrics and "val/acc" not in a[3].metrics
+
+
+def test_cumulative_counters_are_never_averaged_in_a_record() -> None:
+    gen, stale = "fully_async/count/total_generated_samples", "fully_async/count/stale_trajectory_processed"
+    log = [
+        ("1-0", lu(1, 1, 2, **{gen: 10.0, stale: 3.0, "fully_async/timing_s/wait": 0.5})),
+        ("2-0", lu(1, 2, 6, **{gen: 14.0, stale: 5.0, "fully_async/timing_s/wait": 0.25})),
+        ("3-0", end(1, 2)),
+    ]
+    [rec] = run(Fold(), log)
+    assert rec.metrics[gen] == 14.0 and rec.metrics[stale] == 5.0  # last, not summed ("total") or averaged
+    assert rec.metrics["fully_async/timing_s/wait"] == 0.75  # a prefixed time key is summed, not min

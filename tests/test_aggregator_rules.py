@@ -125,8 +125,7 @@ def test_validation_staleness_mean_uses_its_own_sibling() -> None:
 def test_dropped_samples_staleness_zero_weight_falls_back_to_plain_mean() -> None:
     dropped, key = "training/off_policy/dropped_samples", "training/off_policy/dropped_samples_staleness/mean"
     assert fold(({dropped: 0, key: 2.0}, 5), ({dropped: 0, key: 4.0}, 5))[key] == 3.0
-    # sibling missing in every update also means zero weights
-    assert fold(({key: 2.0}, 5), ({key: 6.0}, 5))[key] == 4.0
+
 
 
 def test_value_types() -> None:
@@ -151,7 +150,9 @@ def test_value_types() -> None:
             1,
         ),
     )
-    assert out == {"a": 2.0, "b": 0.5, "c": 3.0, "t1": 2.5, "t0": 1.5, "arr1": 4.0}
+    # verl's type tests: numpy arrays are not np.number (skipped, even size 1); a size-1 bool tensor is
+    # a size-1 tensor (taken as 1.0); Python and numpy bools are skipped
+    assert out == {"a": 2.0, "b": 0.5, "c": 3.0, "t1": 2.5, "t0": 1.5, "tbool": 1.0}
     assert all(type(v) is float for v in out.values())
 
 
@@ -266,3 +267,68 @@ def test_invalid_arguments() -> None:
         MetricsAggregator(total_gpus=0)
     with pytest.raises(ValueError):
         MetricsAggregator().add_step_metrics({"x": 1.0}, sample_count=-1)
+
+
+def test_time_marker_anywhere_in_the_name_wins_over_min() -> None:
+    # "timing" contains "min": a prefixed time key must still be summed, not folded as min
+    for key in ("fully_async/timing_s/x", "actor/timing_per_token_ms/gen", "Fully_Async/TIMING_S/wait"):
+        assert aggregation_rule(key) == "time_sum"
+    assert fold(({"fully_async/timing_s/x": 1.5}, 1), ({"fully_async/timing_s/x": 2.5}, 1)) == {
+        "fully_async/timing_s/x": 4.0
+    }
+
+
+def test_staleness_mean_without_sibling_is_weighted_by_sample_count() -> None:
+    key = "training/off_policy/dropped_samples_staleness/mean"
+    # (2*1 + 6*3) / 4 = 5 (weights 0 would give the plain mean 4)
+    assert fold(({key: 2.0}, 1), ({key: 6.0}, 3))[key] == 5.0
+    # mixed: the sibling where present, sample_count where absent: (2*1 + 6*3) / 4
+    dropped = "training/off_policy/dropped_samples"
+    assert fold(({key: 2.0, dropped: 1}, 100), ({key: 6.0}, 3))[key] == 5.0
+
+
+@pytest.mark.parametrize(
+    ("sibling", "weight"),
+    [
+        (2.9, 2),  # int() truncation
+        (np.float32(3.7), 3),
+        (torch.tensor([3.0]), 3),  # size-1 tensor as a weight
+        (torch.tensor(1.9), 1),
+        (True, 1),  # a bool is an int to verl's isinstance test
+        (torch.tensor([1.0, 2.0]), 10),  # other tensors: sample_count
+        (np.array([3.0]), 10),  # numpy arrays are not np.number: sample_count
+        ("3", 10),
+        (None, 10),
+        (float("nan"), 10),  # verl raises here; we fall back to sample_count
+    ],
+)
+def test_sibling_weight_types(sibling: object, weight: int) -> None:
+    key = "training/off_policy/dropped_samples_staleness/mean"
+    # first update weighs `weight` (value 1.0), second weighs 5 (value 0.0): mean = weight / (weight + 5)
+    first: dict[str, object] = {key: 1.0}
+    if sibling is not None:
+        first["training/off_policy/dropped_samples"] = sibling
+    out = fold((first, 10), ({key: 0.0, "training/off_policy/dropped_samples": 5}, 1))
+    assert out[key] == approx(weight / (weight + 5))
+
+
+def test_fully_async_counters_take_the_last_value() -> None:
+    counters = [
+        "fully_async/count/total_generated_samples",  # contains "total": would be summed
+        "fully_async/count/stale_samples_processed",
+        "fully_async/count/stale_trajectory_processed",
+        "fully_async/count/current_param_version",
+        "fully_async/count/dropped_stale_samples",
+        "training/global_step",
+    ]
+    for key in counters:
+        assert aggregation_rule(key) == "last", key
+    out = fold(({k: 10.0 for k in counters}, 1), ({k: 12.0 for k in counters}, 3))
+    assert out == {k: 12.0 for k in counters}
+
+
+def test_add_step_metrics_accepts_the_fully_async_timestamp() -> None:
+    agg = MetricsAggregator()
+    agg.add_step_metrics({"x": 1.0}, 2, timestamp=123.0)
+    agg.add_step_metrics({"x": 4.0}, sample_count=1, timestamp=None)
+    assert agg.get_aggregated_metrics() == {"x": 2.0}

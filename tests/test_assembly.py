@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.balance import balance_groups_by_tokens
 from rollstream.fake import fake_rollout_sample
 from schemas import DataProto, RolloutSample
 
@@ -23,15 +24,15 @@ def test_empty_list_is_an_error() -> None:
 def test_metric_values_on_hand_built_samples() -> None:
     a = _sample(
         "a", 3, 4,
-        processing_times=[1.0, 2.0], tool_calls=[0.5],
+        processing_times=[1.0, 2.0], tool_calls=[0.5, 1.5],
         param_version_start=[1, 1], param_version_end=[1, 3],
-        rollout_status={"dispatched": 7, "idle_s": 1.5},
+        rollout_status={"count/total_generated_samples": 7, "monitor/queue/mq_queue_size": 1.5},
     )
     b = _sample(
         "bb", 3, 4,
         processing_times=[3.0, 4.0], tool_calls=[],
         param_version_start=[2, 2], param_version_end=[3, 2],
-        rollout_status={"dispatched": 99},
+        rollout_status={"count/total_generated_samples": 99},
     )
     batch, m = assemble_batch_from_rollout_samples([a, b])
     assert len(batch) == 4
@@ -42,18 +43,29 @@ def test_metric_values_on_hand_built_samples() -> None:
     assert m["fully_async/processing_time/tp50"] == pytest.approx(2.5)
     assert m["fully_async/processing_time/tp95"] == pytest.approx(np.percentile([1, 2, 3, 4], 95))
     assert m["fully_async/processing_time/tp99"] == pytest.approx(np.percentile([1, 2, 3, 4], 99))
-    assert m["fully_async/tool_calls/avg"] == 0.5 and m["fully_async/tool_calls/tp99"] == 0.5
+    # one value per row: a's rows 0.5 and 1.5, b carries none (0.0 per row)
+    assert m["timing_s/agent_loop/tool_calls/max"] == 1.5
+    assert m["timing_s/agent_loop/tool_calls/min"] == 0.0
+    assert m["timing_s/agent_loop/tool_calls/mean"] == 0.5
+    assert not any(k.startswith("fully_async/tool_calls/") for k in m)
     # trajectories a1 (1->3, span 2) and b0 (2->3, span 1) are partial: 2 of 4
     assert m["fully_async/partial/total_partial_num"] == 2
     assert m["fully_async/partial/partial_ratio"] == 0.5
     assert m["fully_async/partial/max_partial_span"] == 2
     # the first sample's rollout_status only
-    assert m["fully_async/dispatched"] == 7 and m["fully_async/idle_s"] == 1.5
+    assert m["fully_async/count/total_generated_samples"] == 7
+    assert m["fully_async/monitor/queue/mq_queue_size"] == 1.5
+    # verl's meta_info names
+    assert batch.meta_info["rollout_param_versions"] == [a.param_version, b.param_version]
+    assert batch.meta_info["trajectory_param_versions"] == [1, 3, 3, 2]
+    assert batch.meta_info["param_version_diversity"] == 3  # distinct end versions {1, 2, 3}
+    assert batch.meta_info["global_token_num"] == batch.tensors["attention_mask"].sum(-1).tolist()
+    assert all(type(x) is int for x in batch.meta_info["global_token_num"])
 
 
 def test_no_tool_call_stats_without_tool_calls() -> None:
     _, m = assemble_batch_from_rollout_samples([_sample("a", 3, 4)])
-    assert not any(k.startswith("fully_async/tool_calls/") for k in m)
+    assert not any("tool_calls" in k for k in m)
     assert m["fully_async/partial/total_partial_num"] == 0
 
 
@@ -85,3 +97,23 @@ def test_response_mask_derived_from_attention_when_absent() -> None:
     s = s.model_copy(update={"full_batch": DataProto(t, s.full_batch.non_tensors)})
     batch, _ = assemble_batch_from_rollout_samples([s])
     np.testing.assert_array_equal(batch.tensors["response_mask"], [[1, 1, 0], [1, 1, 1]])
+
+
+def test_balance_batch_moves_whole_groups_and_their_meta() -> None:
+    samples = [_sample(sid, 2, w) for sid, w in (("a", 9), ("bb", 8), ("ccc", 1), ("dddd", 2))]
+    plain, _ = assemble_batch_from_rollout_samples(samples)
+    batch, _ = assemble_batch_from_rollout_samples(samples, balance_batch=balance_groups_by_tokens(2))
+    # tokens per group (2 rows of 2 + w): a 22, bb 20, ccc 6, dddd 8 -> ranks {a, ccc} 28 and {bb, dddd} 28
+    ids = batch.meta_info["sample_ids"]
+    assert ids == ["a", "ccc", "bb", "dddd"]
+    assert batch.meta_info["group_sizes"] == [2, 2, 2, 2]
+    tokens = batch.meta_info["global_token_num"]
+    assert sum(tokens[:4]) == sum(tokens[4:]) == 28
+    # rows moved with their group; per-row meta follows
+    for k, sid in enumerate(ids):
+        j = plain.meta_info["sample_ids"].index(sid)
+        np.testing.assert_array_equal(batch.tensors["input_ids"][2 * k : 2 * k + 2],
+                                      plain.tensors["input_ids"][2 * j : 2 * j + 2])
+    assert len(batch.meta_info["trajectory_param_versions"]) == 8
+    with pytest.raises(ValueError, match="evenly"):
+        assemble_batch_from_rollout_samples(samples[:3], balance_batch=balance_groups_by_tokens(2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from rollstream.model import CharTokenizer
 from rollstream.names import Keys
 from rollstream.ops.inspect import entry_to_json, read_entry
 from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts
-from rollstream.ops.status import collect_status, format_status
+from rollstream.ops.status import collect_status, format_status, worker_health
 from rollstream.ops.target import mask_url, split_password
 from rollstream.weights import publish_weights, register_producer_version
 from schemas import DeadLetter, ProducerStats, RolloutSample, SyncStepRecord, encode
@@ -109,6 +110,34 @@ def test_status_cli_masks_password(capsys: pytest.CaptureFixture[str], r: redis.
     assert code == 0 and f"run {keys.run}" in out and "param_version 2" in out
     assert mask_url("rediss://user:s3cret@host:6380/0?ssl_cert_reqs=none") == "rediss://user:***@host:6380/0?ssl_cert_reqs=none"
     assert split_password("redis://:pw@h/1") == ("redis://h/1", "pw")
+
+
+def test_worker_health_states() -> None:
+    now = 1000.0
+    assert worker_health({}, 60, now=now)[0].state == "missing"
+    assert worker_health({"heartbeat": "990.5"}, 60, now=now)[0].state == "ok"
+    stalled = worker_health({"heartbeat": "900", "global_step": "3"}, 60, total_steps=10, now=now)[0]
+    assert (stalled.state, stalled.age_s, stalled.healthy) == ("stalled", 100.0, False)
+    assert worker_health({"heartbeat": "900", "committed_step": "10"}, 60, total_steps=10, now=now)[0].state == "finished"
+
+
+def test_status_check_exits_nonzero_for_a_stalled_or_missing_trainer(
+    capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
+    fill_run(r, keys)  # the trainer hash has no heartbeat
+    code, out, _ = cli(capsys, "status", "--check", *run_args(keys, redis_url))
+    assert code == 1 and "trainer heartbeat never" in out and "MISSING" in out
+    r.hset(keys.trainer, "heartbeat", time.time())
+    code, out, _ = cli(capsys, "status", "--check", *run_args(keys, redis_url))
+    assert code == 0 and "(limit 120s): ok" in out
+    r.hset(keys.trainer, "heartbeat", time.time() - 90)
+    code, out, _ = cli(capsys, "status", "--check", *run_args(keys, redis_url), "trainer.heartbeat_stall_s=60")
+    assert code == 1 and "STALLED" in out
+    code, _, _ = cli(capsys, "status", *run_args(keys, redis_url), "trainer.heartbeat_stall_s=60")
+    assert code == 0  # without --check the screen is informational
+    code, out, _ = cli(capsys, "status", "--check", *run_args(keys, redis_url), "trainer.heartbeat_stall_s=60",
+                       "trainer.total_global_steps=2")
+    assert code == 0 and ": finished" in out  # the trainer reached its last step
 
 
 def test_inspect_rollout_decodes_text_and_summarises_arrays(

@@ -146,7 +146,9 @@ def test_published_samples_are_what_was_generated(r: redis.Redis, keys: Keys, re
             assert s.agent_loop_output_list[i]["finished"] == want.finished
         assert float(masked_logprob_error(policy, s).max()) < 1e-4
         assert s.param_version_start == s.param_version_end == [0] * n
-        assert s.rollout_status["dispatched"] == cfg.rollout.prompts_per_dispatch
+        # the global status when the dispatch finished: nothing published yet, this dispatch in flight
+        assert s.rollout_status["count/total_generated_samples"] == 0
+        assert s.rollout_status["monitor/active_tasks_size"] == cfg.rollout.prompts_per_dispatch
     # Budget bookkeeping: published prompts stay outstanding until consumed; none in flight.
     assert outstanding(r, keys) == cfg.rollout.prompts_per_dispatch
     assert int(r.hget(keys.producer_inflight, "rollout_01") or 0) == 0
@@ -194,7 +196,8 @@ def test_new_version_mid_generation(r: redis.Redis, keys: Keys, redis_url: str, 
     if partial:
         assert 1 in ends  # weights changed mid-trajectory: start < end
         swapped = sum(int(a < b) for s in first for a, b in zip(s.param_version_start, s.param_version_end, strict=True))
-        assert second[0].rollout_status["partial_swaps"] == swapped > 0
+        assert producer.counters.partial_swaps == swapped > 0
+        assert second[0].rollout_status["count/total_generated_samples"] == len(first)
         v0_policy, v1_policy = build_policy(cfg), build_policy(cfg)
         v1_policy.load_state_dict_bytes(v1)
         for s in first:
@@ -438,3 +441,29 @@ def test_sigkill_before_publish_is_released_on_restart(r: redis.Redis, keys: Key
     shard = build_prompt_source(cfg).shard(0, cfg.rollout.num_producers)
     first = [p.text for _, _, p in shard.take(restarted.ctx.cfg.rollout.prompts_per_dispatch)]
     assert [s.full_batch.non_tensors["raw_prompt"][0] for s in samples(r, keys)] == first
+
+
+def test_rollout_status_is_the_global_status_of_all_producers(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+    cfg = small_cfg(keys, "rollout.num_producers=2")
+    policy = build_policy(cfg)
+    start_run(r, keys, policy.state_dict_bytes(), grant=cfg.max_outstanding)
+    r.hset(keys.trainer, "dropped_stale", 3)  # the trainer's run-long count (written in its commits)
+    r.incrby(keys.consumed, 1)
+    a = Producer(context(cfg, keys, "rollout_00", redis_url), policy=policy)
+    b = Producer(context(cfg, keys, "rollout_01", redis_url), policy=build_policy(cfg))
+    assert a.run(max_dispatches=1) == 1
+    assert b.run(max_dispatches=1) == 1
+    per = cfg.rollout.prompts_per_dispatch
+    status = samples(r, keys)[-1].rollout_status  # one of b's
+    assert status == {
+        "count/total_generated_samples": per,  # a's samples: another producer's work counts
+        "count/dropped_stale_samples": 3,
+        "count/current_param_version": 0,
+        "monitor/active_tasks_size": per,  # b's own dispatch, not yet published
+        "monitor/queue/mq_queue_size": per - 1,  # published and not consumed
+        "static/max_required_samples": cfg.max_outstanding,
+        "static/required_samples": cfg.actor.ppo_mini_batch_size,
+        "static/staleness_threshold": cfg.rollout.staleness_threshold,
+        "static/max_queue_size": cfg.max_outstanding,
+        "static/max_concurrent_samples": 2 * per,
+    }

@@ -23,7 +23,8 @@ TOK = CharTokenizer()
 def test_prepare_single_generation_data(multi_turn: bool, agent: str) -> None:
     prompt = Prompt(uid="p-1", text="123>", answer="321")
     data = prepare_single_generation_data(prompt, 3, multi_turn, TOK, sample_id="rollout_00-abc")
-    assert data.meta_info["agent_name"] == agent
+    assert list(data.non_tensors["agent_name"]) == [agent] * 3  # per row, as verl's non_tensor_batch
+    assert "agent_name" not in data.meta_info
     assert len(data) == 3
     row = [TOK.bos_id, *TOK.encode("123>")]
     assert data.tensors["input_ids"].tolist() == [row] * 3

@@ -108,7 +108,7 @@ def make_rollout(n: int = 2, resp_len: int = 4, **overrides: Any) -> RolloutSamp
         "full_batch": make_batch(n, resp_len=resp_len),
         "agent_loop_output_list": [{"num_turns": 1, "response_length": resp_len, "reward": 0.5}] * n,
         "processing_times": [0.25] * n,
-        "tool_calls": [0.1, 0.2],
+        "tool_calls": [0.1 * (i + 1) for i in range(n)],  # per trajectory
         "param_version_start": [5] * n,
         "param_version_end": [5] * (n - 1) + [6],
         "rollout_status": {"queue_size": 3, "idle_ratio": 0.1},
@@ -242,6 +242,7 @@ def test_created_at_and_schema_defaults() -> None:
     ("overrides", "needle"),
     [
         ({"processing_times": [1.0]}, "processing_times has 1 entries"),
+        ({"tool_calls": [1.0, 2.0, 3.0]}, "tool_calls has 3 entries"),
         ({"param_version_start": [7, 5]}, "param_version_start[0]=7 > param_version_end[0]=5"),
         ({"agent_loop_output_list": []}, "agent_loop_output_list has 0 entries"),
         ({"extra_field": 1}, "extra_field"),

@@ -21,6 +21,7 @@ import redis
 
 from rollstream.fake import fake_rollout_sample
 from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.ops.status import worker_health
 from rollstream.pacing import mark_published, take_budget
 from rollstream.weights import latest_param_version
 from schemas import DeadLetter, ParamVersion, StepMetrics, ValidateMetrics, decode, encode
@@ -126,6 +127,15 @@ def check_invariants(r: redis.Redis, keys: Keys, producer: FakeProducer, steps: 
     for f in fates:
         assert (int(f["staleness"]) <= 1) == (f["fate"] == "trained"), f
     assert r.hget(keys.trainer, "committed_step") == str(steps).encode()
+    # verl fully-async names on every local update; run-long counts in the trainer hash and the metrics
+    for ev in updates:
+        assert ev.metrics["fully_async/total_wait_time"] == ev.metrics["timing_s/gen"] >= 0
+        assert ev.metrics["fully_async/count/current_param_version"] == ev.global_step - 1
+    last = max(updates, key=lambda ev: (ev.global_step, ev.local_step)).metrics
+    assert last["fully_async/count/stale_samples_processed"] == sum(
+        f["fate"] == "trained" and int(f["staleness"]) >= 2 for f in fates)
+    dropped = sum(f["fate"] == "dropped" for f in fates)
+    assert int(r.hget(keys.trainer, "dropped_stale") or 0) == dropped
     return {
         "trained": sum(f["fate"] == "trained" for f in fates),
         "dropped": sum(f["fate"] == "dropped" for f in fates),
@@ -241,9 +251,50 @@ def test_sigterm_while_waiting_for_samples_exits_0(r: redis.Redis, keys: Keys, r
             assert proc.poll() is None and time.monotonic() < deadline, "trainer did not start"
             time.sleep(0.05)
         assert latest_param_version(r, keys) is not None
+        trainer = {k.decode(): v.decode() for k, v in r.hgetall(keys.trainer).items()}
+        assert [w.state for w in worker_health(trainer, stall_after_s=30)] == ["ok"]  # status reads it
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
     finally:
         if proc.poll() is None:
             proc.kill()
     assert r.hget(keys.trainer, "committed_step") is None
+
+
+def test_trainer_waits_for_num_warmup_batches_before_its_first_update(
+    r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path, producer: FakeProducer
+) -> None:
+    producer.cap[0] = 4  # 2 mini-batches of version 0 arrive, then nothing until the cap is lifted
+    args = [*trainer_args(keys, redis_url, tmp_path, 1), "trainer.num_warmup_batches=3"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while r.xlen(keys.rollouts) < 4 or r.hget(keys.trainer, "heartbeat") is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "trainer did not start"
+            time.sleep(0.05)
+        time.sleep(1.5)  # 4 samples would do for a first update (2 per mini-batch); warmup wants 6
+        assert not [ev for ev in events(r, keys.metrics) if isinstance(ev, StepMetrics)]
+        del producer.cap[0]
+        assert proc.wait(60) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    first = min(i for i, f in r.xrange(keys.metrics) if f.get(b"type") == b"local_update")
+    assert len(r.xrange(keys.rollouts, max=first)) >= 6  # 3 mini-batches had arrived before it
+
+
+def test_stale_counts_follow_verl() -> None:
+    from types import SimpleNamespace
+
+    from consumers.trainer.loop import Trainer
+    from rollstream.fake import fake_rollout_sample
+
+    holder = SimpleNamespace(counters={"stale_samples_processed": 5, "stale_trajectory_processed": 1})
+    samples = [fake_rollout_sample("a", param_version=3, n=2), fake_rollout_sample("b", param_version=4, n=2)]
+    # training version 4: sample a (v3) is stale; trajectories ending at 2 and 3 are, 4 and 5 are not
+    out = Trainer._count_stale(holder, 4, samples, [2, 3, 4, 5])  # type: ignore[arg-type]
+    assert out == {
+        "fully_async/count/stale_samples_processed": 6.0,
+        "fully_async/count/stale_trajectory_processed": 3.0,
+        "fully_async/count/current_param_version": 4.0,
+    }

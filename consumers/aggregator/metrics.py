@@ -1,28 +1,35 @@
 """MetricsAggregator: fold the metric dicts of one global step's local updates into one record.
 
-The rules are verl v1's (`separate_async` trainer), applied per key in this precedence:
+The rules are verl v1's (`verl/trainer/ppo/v1/utils.py`, the `separate_async` trainer), plus the
+fully-async aggregator's "counts take the last value", applied per key in this precedence:
 
-  1. explicit sum list (`training/off_policy/dropped_samples`, `validation/…`)  -> sum
+  1. explicit sum list (`{training,validation}/off_policy/{dropped,evicted}_samples`) -> sum
   2. explicit last list (`training/global_step`, `training/rollout_probs_diff_valid`) -> last added
-  3. name ends with `/lr` or `_lr`, or is `lr`                                   -> last added
-  4. name starts with `timing_s/` or `timing_per_token_ms/`                      -> time_sum (sum)
-  5. name contains `max` / `maximum`                                             -> max
-  6. name contains `min` / `minimum`                                             -> min
-  7. name contains `sum` / `total`                                               -> sum
-  8. everything else                                                             -> average weighted
-     by the update's sample_count (a plain mean when every weight is 0)
+  3. name starts with `fully_async/count/` (cumulative counters: the trainer's and the
+     rollout status's; verl fully-async's `last` list)                               -> last added
+  4. name ends with `/lr` or `_lr`, or is `lr`                                        -> last added
+  5. name contains `timing_s/` or `timing_per_token_ms/` anywhere                     -> time_sum (sum)
+  6. name contains `max` / `maximum`                                                  -> max
+  7. name contains `min` / `minimum`                                                  -> min
+  8. name contains `sum` / `total`                                                    -> sum
+  9. everything else                                                                  -> average weighted
+     by the update's sample_count (a plain mean when the weights sum to 0)
 
-Pattern rules 3-7 match the lower-cased name, as verl does. A key ending
-`/off_policy/dropped_samples_staleness/mean` is weighted by its sibling `…/off_policy/dropped_samples`
-value in the same update instead. The fold is order-independent (exact `math.fsum`) except for
-"last". Derived keys (`global_seqlen/minmax_diff`, `perf/throughput`,
-`fully_async/trainer/idle_ratio`) are computed on the folded record.
+Rules 4-9 match the lower-cased name, as verl does. A key ending `/off_policy/dropped_samples_staleness/mean`
+(or `evicted_…`) is weighted instead by its sibling `…/off_policy/dropped_samples` in the same update,
+truncated with `int()`; when the sibling is absent or not a number the update's sample_count is used.
+Values: Python and numpy numbers and size-1 torch tensors count; bools, numpy arrays, bigger tensors and
+anything else are skipped (verl's type tests). The fold is order-independent (exact `math.fsum`) except
+for "last". Derived keys (`global_seqlen/minmax_diff`, `perf/throughput`, `fully_async/trainer/idle_ratio`)
+are computed on the folded record.
+
+Where verl would raise we skip instead: complex numbers as values, and a sibling weight `int()` cannot
+take (NaN, inf, complex) falls back to sample_count.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
@@ -31,23 +38,32 @@ import numpy as np
 
 Rule = Literal["sum", "last", "time_sum", "max", "min", "avg"]
 
-SUM_METRICS = frozenset({"training/off_policy/dropped_samples", "validation/off_policy/dropped_samples"})
+SUM_METRICS = frozenset({
+    "training/off_policy/dropped_samples",
+    "validation/off_policy/dropped_samples",
+    "training/off_policy/evicted_samples",
+    "validation/off_policy/evicted_samples",
+})
 LAST_METRICS = frozenset({"training/global_step", "training/rollout_probs_diff_valid"})
-TIME_PREFIXES = ("timing_s/", "timing_per_token_ms/")
-STALENESS_MEAN_SUFFIX = "/off_policy/dropped_samples_staleness/mean"
+COUNT_PREFIX = "fully_async/count/"
+TIME_MARKERS = ("timing_s/", "timing_per_token_ms/")
+STALENESS_MEAN_SUFFIXES = (
+    "/off_policy/dropped_samples_staleness/mean",
+    "/off_policy/evicted_samples_staleness/mean",
+)
 _STATE_VERSION = 1
 
 
 def aggregation_rule(name: str) -> Rule:
-    """Which fold a metric name gets under the v1 rules (see the module docstring)."""
+    """Which fold a metric name gets (see the module docstring for the precedence)."""
     if name in SUM_METRICS:
         return "sum"
-    if name in LAST_METRICS:
+    if name in LAST_METRICS or name.startswith(COUNT_PREFIX):
         return "last"
     lower = name.lower()
     if lower == "lr" or lower.endswith("/lr") or lower.endswith("_lr"):
         return "last"
-    if lower.startswith(TIME_PREFIXES):
+    if any(marker in lower for marker in TIME_MARKERS):
         return "time_sum"
     if "max" in lower:  # also covers "maximum"
         return "max"
@@ -60,26 +76,42 @@ def aggregation_rule(name: str) -> Rule:
 
 def staleness_weight_key(name: str) -> str | None:
     """The sibling `…/off_policy/dropped_samples` key weighting `name`, or None for normal keys."""
-    if name.endswith(STALENESS_MEAN_SUFFIX):
+    if name.endswith(STALENESS_MEAN_SUFFIXES):
         return name[: -len("_staleness/mean")]
     return None
 
 
+def _torch_tensor(value: Any) -> bool:
+    """True when value is a torch.Tensor (without importing torch: a tensor implies torch is loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def as_number(value: Any) -> float | None:
-    """A metric value as float, or None when it must be skipped (bools, non-numbers, big arrays)."""
-    if isinstance(value, bool | np.bool_):
+    """A metric value as float, or None when it must be skipped (verl: bools and non-numbers skipped,
+    `int | float | np.number` and size-1 tensors taken; numpy arrays are not np.number, so skipped)."""
+    if isinstance(value, bool):
         return None
-    if isinstance(value, numbers.Real):  # int, float, numpy integer/floating scalars
+    if _torch_tensor(value):
+        if value.numel() != 1 or value.is_complex():
+            return None
+        return float(value.detach().item())
+    if isinstance(value, int | float | np.number) and not isinstance(value, np.complexfloating):
         return float(value)
-    if isinstance(value, np.ndarray):
-        if value.size == 1 and value.dtype.kind in "iuf":
-            return float(value.item())
-        return None
-    torch = sys.modules.get("torch")  # a tensor can only exist if torch is already imported
-    if torch is not None and isinstance(value, torch.Tensor):
-        if value.numel() == 1 and value.dtype != torch.bool and not value.is_complex():
-            return float(value.detach().item())
     return None
+
+
+def sibling_weight(sibling: Any, sample_count: int) -> int:
+    """Weight of a staleness mean from its sibling count, as verl's `_get_metric_weight`: a size-1 tensor
+    or a number truncated with int() (a bool counts as 0/1); absent or anything else -> sample_count."""
+    try:
+        if _torch_tensor(sibling):
+            return int(sibling.item()) if sibling.numel() == 1 else sample_count
+        if isinstance(sibling, int | float | np.number):
+            return int(sibling)  # type: ignore[arg-type]
+    except (ValueError, OverflowError, TypeError):  # NaN, inf, complex: verl would raise
+        pass
+    return sample_count
 
 
 def _exact_sum(values: Iterable[float]) -> float:
@@ -152,15 +184,20 @@ class MetricsAggregator:
         """Number of updates added since the last reset."""
         return self._step_count
 
-    def add_step_metrics(self, metrics: Mapping[str, Any], sample_count: int = 0) -> None:
-        """Add one local update's metrics; `sample_count` weights its averaged keys."""
+    def add_step_metrics(
+        self, metrics: Mapping[str, Any], sample_count: int = 0, timestamp: float | None = None
+    ) -> None:
+        """Add one local update's metrics; `sample_count` weights its averaged keys. `timestamp` is
+        accepted for verl fully-async's signature and not used (records take the step_end's time)."""
         if sample_count < 0:
             raise ValueError(f"sample_count must be >= 0, got {sample_count}")
-        numeric = {key: num for key, value in metrics.items() if (num := as_number(value)) is not None}
-        for key, value in numeric.items():
+        for key, raw in metrics.items():
+            value = as_number(raw)
+            if value is None:
+                continue
             sibling = staleness_weight_key(key)
-            weight = numeric.get(sibling, 0.0) if sibling is not None else float(sample_count)
-            self._pairs.setdefault(key, []).append((value, weight))
+            weight = sibling_weight(metrics.get(sibling), sample_count) if sibling is not None else sample_count
+            self._pairs.setdefault(key, []).append((value, float(weight)))
         self._step_count += 1
 
     def get_aggregated_metrics(self) -> dict[str, float]:

@@ -11,14 +11,14 @@ from rollstream.worker import EXIT_OK, install_early_signal_handlers, start_work
 def main(argv: Sequence[str] | None = None) -> int:
     """Start the worker (config, logging, signals, Redis), then train until done or stopped."""
     install_early_signal_handlers()  # a SIGTERM during the torch import below must not kill us
-    ctx, _args = start_worker("consumers.trainer", argv)
+    ctx, args = start_worker("consumers.trainer", argv)
     import torch  # after the config is known to be valid
 
     from consumers.trainer.loop import Trainer
 
     if ctx.cfg.trainer.torch_threads > 0:
         torch.set_num_threads(ctx.cfg.trainer.torch_threads)
-    Trainer(ctx.cfg, ctx.r, ctx.keys, ctx.name, ctx.stop).run()
+    Trainer(ctx.cfg, ctx.r, ctx.keys, ctx.name, ctx.stop, burst=args.burst).run()
     return EXIT_OK
 
 

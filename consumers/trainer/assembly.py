@@ -9,13 +9,14 @@ n trajectories of one sample stay contiguous (GRPO groups).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from schemas import DataProto, RolloutSample
 
 PREFIX = "fully_async"
+TOOL_PREFIX = "timing_s/agent_loop/tool_calls"
 
 
 def _pad(arr: np.ndarray, left: int, right: int, value: float = 0) -> np.ndarray:
@@ -85,14 +86,39 @@ def partial_stats(samples: Sequence[RolloutSample]) -> dict[str, float]:
     }
 
 
+def row_tool_seconds(samples: Sequence[RolloutSample]) -> list[float]:
+    """One value per row: the trajectory's total tool-call seconds (0.0 for a sample that carries none)."""
+    return [t for s in samples for t in (s.tool_calls if s.tool_calls else [0.0] * s.n)]
+
+
+def tool_call_stats(samples: Sequence[RolloutSample]) -> dict[str, float]:
+    """verl's `timing_s/agent_loop/tool_calls/{max,min,mean}` over rows; {} when no sample used tools."""
+    if not any(s.tool_calls for s in samples):
+        return {}
+    a = np.asarray(row_tool_seconds(samples), dtype=np.float64)
+    return {
+        f"{TOOL_PREFIX}/max": float(a.max()),
+        f"{TOOL_PREFIX}/min": float(a.min()),
+        f"{TOOL_PREFIX}/mean": float(a.mean()),
+    }
+
+
+#: Reorders an assembled batch's rows (e.g. balancing tokens across data-parallel ranks); see balance.py.
+BalanceFn = Callable[[DataProto], DataProto]
+
+
 def assemble_batch_from_rollout_samples(
-    samples: list[RolloutSample], pad_id: int = 0
+    samples: list[RolloutSample], pad_id: int = 0, balance_batch: BalanceFn | None = None
 ) -> tuple[DataProto, dict[str, float]]:
     """Concat the samples' full_batches (padded to a common width) -> (batch [sum n rows], metrics).
 
-    Metrics: processing-time and tool-call-time percentiles, partial-rollout stats and the first sample's
-    rollout_status, all under `fully_async/`. `pad_id` must be 0 (the wire convention); an empty list
-    raises ValueError.
+    meta_info (verl's names): `sample_ids`, `group_sizes`, `rollout_param_versions` (per sample),
+    `trajectory_param_versions` (per row: the version of its last token), `param_version_diversity`
+    (distinct end versions over the trajectories), `global_token_num` (per row: attention-mask sum).
+    Metrics: processing-time percentiles, tool-call times, partial-rollout stats and the first sample's
+    rollout_status under `fully_async/`. `balance_batch`, when given, reorders the rows after concat
+    (before `global_token_num` is taken, as verl does). `pad_id` must be 0 (the wire convention); an
+    empty list raises ValueError.
     """
     if not samples:
         raise ValueError("assemble_batch_from_rollout_samples needs at least one sample")
@@ -102,11 +128,22 @@ def assemble_batch_from_rollout_samples(
     P = max(w[0] for w in widths)
     R = max(w[1] for w in widths)
     batch = DataProto.concat([_pad_sample(s, P, R) for s in samples])
-    batch.meta_info = {"sample_ids": [s.sample_id for s in samples], "group_sizes": [s.n for s in samples]}
+    trajectory_versions = [int(v) for s in samples for v in s.param_version_end]
+    batch.meta_info = {
+        "sample_ids": [s.sample_id for s in samples],
+        "group_sizes": [s.n for s in samples],
+        "rollout_param_versions": [s.param_version for s in samples],
+        "trajectory_param_versions": trajectory_versions,
+        "param_version_diversity": len(set(trajectory_versions)),
+    }
+    if balance_batch is not None:
+        batch = balance_batch(batch)
+    if "attention_mask" in batch.tensors:
+        batch.meta_info["global_token_num"] = batch.tensors["attention_mask"].sum(axis=-1).astype(int).tolist()
 
     metrics: dict[str, float] = {}
     metrics.update(percentile_stats([t for s in samples for t in s.processing_times], f"{PREFIX}/processing_time"))
-    metrics.update(percentile_stats([t for s in samples for t in s.tool_calls], f"{PREFIX}/tool_calls"))
+    metrics.update(tool_call_stats(samples))
     metrics.update(partial_stats(samples))
     for key, value in samples[0].rollout_status.items():
         metrics[f"{PREFIX}/{key}"] = float(value)

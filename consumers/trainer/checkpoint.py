@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -164,3 +165,17 @@ def load_latest_checkpoint(
     if not found:
         return None
     return load_checkpoint(found[-1][1], policy, optimizer)
+
+
+def copy_checkpoint(src_dir: Path, dst_dir: Path, global_step: int) -> Path:
+    """Copy the checkpoint of `global_step` into another run's checkpoint folder (for a trainer replay);
+    FileNotFoundError names the steps `src_dir` still has."""
+    src = checkpoint_path(src_dir, global_step)
+    if not src.is_file():
+        have = [g for g, _ in list_checkpoints(src_dir)]
+        raise FileNotFoundError(f"no checkpoint of step {global_step} in {src_dir} (have {have}; "
+                                "raise trainer.keep_checkpoints to keep older ones)")
+    dst_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    dst = checkpoint_path(dst_dir, global_step)
+    shutil.copy2(src, dst)  # keeps the file mode
+    return dst

@@ -7,7 +7,8 @@ the previous checkpoint are stored in the checkpoint, and committed only once th
   MULTI
     XADD fates <g>-<i> …   one entry per consumed sample; an explicit id makes a replay fail harmlessly
     XACK rollouts trainer …
-    INCRBY consumed …      only for steps not already counted (see count_consumed)
+    INCRBY consumed …      only for steps not already counted (see count_consumed), and
+    HINCRBY trainer dropped_stale …   alike (producers report it in rollout_status)
     HSET trainer global_step param_version committed_step consumed_step heartbeat
     XADD metrics step_end  (so step_end is emitted exactly once)
   EXEC
@@ -23,7 +24,7 @@ from typing import Any
 import redis
 
 from rollstream.names import TRAINER_GROUP, Keys
-from rollstream.pacing import record_consumed
+from rollstream.pacing import DROPPED_STALE_FIELD, record_consumed
 from schemas import StepMetrics, encode
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,11 @@ class StepLedger:
     def consumed(self) -> int:
         """Prompts this step consumed (trained or dropped) for pacing."""
         return len(self.fates)
+
+    @property
+    def dropped(self) -> int:
+        """Prompts this step dropped as stale."""
+        return sum(1 for f in self.fates if f.fate == DROPPED)
 
     def to_plain(self) -> dict[str, Any]:
         """A msgpack-able dict (for the checkpoint metadata)."""
@@ -95,6 +101,7 @@ def count_consumed(r: redis.Redis, keys: Keys, ledger: StepLedger) -> None:
         return
     pipe = r.pipeline(transaction=True)
     record_consumed(pipe, keys, ledger.consumed)
+    pipe.hincrby(keys.trainer, DROPPED_STALE_FIELD, ledger.dropped)
     pipe.hset(keys.trainer, "consumed_step", ledger.global_step)
     pipe.execute()
 
@@ -129,6 +136,7 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
     if ack_ids:
         pipe.xack(keys.rollouts, TRAINER_GROUP, *ack_ids)
     record_consumed(pipe, keys, sum(lg.consumed for lg in ledgers if lg.global_step > counted))
+    pipe.hincrby(keys.trainer, DROPPED_STALE_FIELD, sum(lg.dropped for lg in ledgers if lg.global_step > counted))
     pipe.hset(
         keys.trainer,
         mapping={

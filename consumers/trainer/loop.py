@@ -25,8 +25,17 @@ not time waiting for producers. A poll that returns entries without blocking cou
 are ready the trainer waits in a blocking poll, and of that poll only the decoding counts (the reply of a
 blocked read carries the few entries that woke it; its transfer is not separable from the wait).
 
-Warmup: for global steps <= trainer.num_warmup_batches, the time spent waiting for samples is reported as
-`timing_s/gen_warmup` instead of `timing_s/gen`, so the aggregator's idle ratio (gen / step) skips them.
+Warmup (`trainer.num_warmup_batches`, as in verl): before the run's first update (global step 1) the
+trainer waits until that many mini-batches of samples have arrived.
+
+Burst (`--burst`, used by `rollstream replay trainer`): when no rollout is left to read (the group has
+been delivered every entry and the buffer is empty) the trainer abandons the step it is in, unacked, and
+exits 0, so a replay on a copied range ends when its samples are used up.
+
+Fully-async counters (verl's names, cumulative over the run, kept in the checkpoint; the aggregator takes
+the last value): `fully_async/count/stale_samples_processed` and `…/stale_trajectory_processed` count
+trained samples / trajectories whose version (a trajectory's: its last token's) is older than the version
+being trained, `fully_async/count/current_param_version` is that version (g − 1).
 """
 
 from __future__ import annotations
@@ -67,13 +76,29 @@ from schemas import Limits, RolloutSample, StepMetrics, ValidateMetrics
 
 log = logging.getLogger(__name__)
 
+STALE_SAMPLES = "stale_samples_processed"
+STALE_TRAJECTORIES = "stale_trajectory_processed"
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def id_key(entry_id: str) -> tuple[int, int]:
+    """Sort key of a stream entry id `<ms>-<seq>`."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
 
 class Trainer:
     """One trainer process: owns the learner, the rollouts reader and the step bookkeeping."""
 
-    def __init__(self, cfg: PipelineConfig, r: redis.Redis, keys: Keys, name: str, stop: threading.Event) -> None:
-        """Build the learner and the reader (group `trainer`, consumer = worker name)."""
-        self.cfg, self.r, self.keys, self.stop = cfg, r, keys, stop
+    def __init__(
+        self, cfg: PipelineConfig, r: redis.Redis, keys: Keys, name: str, stop: threading.Event, burst: bool = False
+    ) -> None:
+        """Build the learner and the reader (group `trainer`, consumer = worker name); `burst` exits
+        once no rollout is left to read."""
+        self.cfg, self.r, self.keys, self.stop, self.burst = cfg, r, keys, stop, burst
         self.learner = Learner(cfg)
         limits = Limits(max_bin_len=cfg.bus.max_entry_bytes, max_ext_len=cfg.bus.max_entry_bytes)
         self.reader = GroupReader(
@@ -103,6 +128,8 @@ class Trainer:
         self._step_dead = 0
         self._transport_s = 0.0  # reading + decoding rollouts since the last local update
         self.recent: deque[Prompt] = deque(maxlen=max(1, cfg.data.val_size))  # newest trained prompts
+        self.used_up = False  # burst: the rollouts stream had nothing left to read
+        self.counters = {STALE_SAMPLES: 0, STALE_TRAJECTORIES: 0}  # cumulative, kept in the checkpoint
 
     # -- start / resume ----------------------------------------------------------------------------
 
@@ -114,6 +141,7 @@ class Trainer:
         if meta is not None:
             self.global_step = int(meta["global_step"])
             ledgers = [StepLedger.from_plain(d) for d in meta["steps"]]
+            self.counters.update({k: int(v) for k, v in meta.get("counters", {}).items() if k in self.counters})
             log.info("resumed from checkpoint of global step %d", self.global_step)
         self._publish(self.global_step, only_if_missing=True)
         if ledgers and committed_step(self.r, self.keys) < self.global_step:
@@ -177,8 +205,9 @@ class Trainer:
         self._transport_s += self.reader.stats.decode_s - decode0
         return msgs
 
-    def _fill(self) -> None:
-        """One poll: buffer new samples, ack duplicates of seen ids, count dead-lettered rollouts."""
+    def _fill(self) -> int:
+        """One poll: buffer new samples, ack duplicates of seen ids, count dead-lettered rollouts; returns
+        how many entries the poll delivered (decoded ones)."""
         msgs = self._poll()
         dupes: list[str] = []
         for m in msgs:
@@ -203,6 +232,39 @@ class Trainer:
             self._step_dead += dead - self._dead_counted
             self._dead_counted = dead
         self._heartbeat()
+        return len(msgs)
+
+    def _drained(self) -> bool:
+        """True when the trainer group has been delivered every rollouts entry (lag 0; a stream whose
+        lag Redis cannot tell is compared by ids)."""
+        groups: Any = self.r.xinfo_groups(self.keys.rollouts)
+        for g in groups:
+            if g["name"] in (TRAINER_GROUP, TRAINER_GROUP.encode()):
+                if g.get("lag") is not None:
+                    return int(g["lag"]) == 0
+                info: Any = self.r.xinfo_stream(self.keys.rollouts)
+                last, delivered = info["last-generated-id"], g["last-delivered-id"]
+                return bool(id_key(_text(delivered)) >= id_key(_text(last)))
+        return False
+
+    def _starve(self) -> bool:
+        """The buffer is empty: poll once more; True when the caller must give up (stop requested, or in
+        burst mode no rollout is left)."""
+        if self.stop.is_set():
+            return True
+        if self._fill() == 0 and not self.buffer and self.burst and self._drained():
+            log.info("burst: no rollouts left to read")
+            self.used_up = True
+            return True
+        return False
+
+    def _wait_warmup(self) -> None:
+        """Before the run's first update: wait until num_warmup_batches mini-batches have arrived."""
+        want = self.cfg.trainer.num_warmup_batches * self.cfg.actor.ppo_mini_batch_size
+        while len(self.buffer) < want and not self.stop.is_set() and not self.used_up:
+            if self._fill() == 0 and self.burst and self._drained():
+                break
+        log.info("warmup: %d samples buffered before the first update", len(self.buffer))
 
     def _collect(self, g: int, ledger: StepLedger) -> tuple[list[tuple[Message, int]], list[int]] | None:
         """Take ppo_mini_batch_size samples with staleness <= threshold; drop (and record) older ones.
@@ -212,9 +274,8 @@ class Trainer:
         dropped: list[int] = []
         while len(kept) < want:
             if not self.buffer:
-                if self.stop.is_set():
+                if self._starve():
                     return None
-                self._fill()
                 continue
             m = self.buffer.popleft()
             ev: Any = m.event
@@ -233,8 +294,6 @@ class Trainer:
         """Run global step g; False when stopped mid-step (the partial step is abandoned, nothing acked)."""
         cfg = self.cfg
         t_step = time.perf_counter()
-        warmup = g <= cfg.trainer.num_warmup_batches
-        gen_key = "timing_s/gen_warmup" if warmup else "timing_s/gen"
         ledger = StepLedger(g)
         self._step_dead = 0
         self.learner.begin_step(g)
@@ -242,11 +301,14 @@ class Trainer:
         collected: list[tuple[list[tuple[Message, int]], list[int]] | None] = []
         for local in range(1, K + 1):
             t0 = time.perf_counter()
+            if g == 1 and local == 1 and cfg.trainer.num_warmup_batches > 0:
+                self._wait_warmup()
             if cfg.trainer.sync_mode and local == 1:  # synchronous RL: the whole global batch first
                 collected = [self._collect(g, ledger) for _ in range(K)]
             got = collected[local - 1] if cfg.trainer.sync_mode else self._collect(g, ledger)
             if got is None or self.stop.is_set():
-                log.warning("stop requested during global step %d: abandoning it (samples stay pending)", g)
+                why = "no rollouts left (burst)" if self.used_up else "stop requested"
+                log.warning("%s during global step %d: abandoning it (samples stay pending)", why, g)
                 return False
             kept, dropped = got
             t_gen = time.perf_counter() - t0
@@ -266,8 +328,9 @@ class Trainer:
             metrics.update(asm_metrics)
             metrics.update(dropped_metrics(dropped))
             metrics.update(staleness_metrics([st for _, st in kept]))
-            metrics.update({"training/global_step": float(g), gen_key: t_gen, "timing_s/assemble": t_asm,
-                            "timing_s/transport": self._transport_s})
+            metrics.update(self._count_stale(g - 1, samples, batch.meta_info["trajectory_param_versions"]))
+            metrics.update({"training/global_step": float(g), "timing_s/gen": t_gen, "timing_s/assemble": t_asm,
+                            "timing_s/transport": self._transport_s, "fully_async/total_wait_time": t_gen})
             self._transport_s = 0.0
             self.publisher.publish(
                 self.keys.metrics,
@@ -296,8 +359,9 @@ class Trainer:
         if due:
             t0 = time.perf_counter()
             ledger.step_end.metrics["timing_s/step"] = time.perf_counter() - t_step
-            meta = {"param_version": g, "steps": [lg.to_plain() for lg in self.pending]}
-            save_checkpoint(self.ckpt_dir, g, self.learner.policy, self.learner.optimizer, meta)
+            meta = {"param_version": g, "steps": [lg.to_plain() for lg in self.pending], "counters": self.counters}
+            save_checkpoint(self.ckpt_dir, g, self.learner.policy, self.learner.optimizer, meta,
+                            keep_last=cfg.trainer.keep_checkpoints)
             t_ckpt = time.perf_counter() - t0
             t_pub = self._publish(g)
             step_s = time.perf_counter() - t_step
@@ -322,8 +386,20 @@ class Trainer:
                  trained, len(ledger.fates) - trained)
         return True
 
+    def _count_stale(self, version: int, samples: list[RolloutSample], trajectory_versions: list[int]) -> dict[str, float]:
+        """Add this update's stale samples / trajectories (older than `version`, the one being trained) to
+        the run's counters; returns verl's fully_async/count metrics."""
+        self.counters[STALE_SAMPLES] += sum(1 for s in samples if version - s.param_version >= 1)
+        self.counters[STALE_TRAJECTORIES] += sum(1 for v in trajectory_versions if version - v >= 1)
+        return {
+            f"fully_async/count/{STALE_SAMPLES}": float(self.counters[STALE_SAMPLES]),
+            f"fully_async/count/{STALE_TRAJECTORIES}": float(self.counters[STALE_TRAJECTORIES]),
+            "fully_async/count/current_param_version": float(version),
+        }
+
     def run(self) -> int:
-        """Resume, then train global steps until total_global_steps or a stop request; returns 0."""
+        """Resume, then train global steps until total_global_steps, a stop request or (burst) no rollouts
+        left; returns 0."""
         self.resume()
         total = self.cfg.trainer.total_global_steps
         while self.global_step < total and not self.stop.is_set():

@@ -173,7 +173,7 @@ def _step_times(events: list[Any]) -> dict[int, tuple[float, float, float]]:
             continue
         g, m = ev.global_step, ev.metrics
         if ev.type == "local_update":
-            wait[g] = wait.get(g, 0.0) + m.get("timing_s/gen", 0.0) + m.get("timing_s/gen_warmup", 0.0)
+            wait[g] = wait.get(g, 0.0) + m.get("timing_s/gen", 0.0)
             transport[g] = transport.get(g, 0.0) + m.get("timing_s/transport", 0.0)
         elif ev.type == "step_end":
             step[g] = m.get("timing_s/step", 0.0)

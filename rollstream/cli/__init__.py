@@ -91,11 +91,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     t = _target(args)
     r = t.connect()
+    limit_s = t.cfg.trainer.heartbeat_stall_s
     while True:
-        text = format_status(collect_status(r, t.keys, process_states(t.run_dir)), mask_url(t.redis_url))
-        if not args.watch:
+        st = collect_status(r, t.keys, process_states(t.run_dir), limit_s, t.cfg.trainer.total_global_steps)
+        text = format_status(st, mask_url(t.redis_url))
+        if args.check or not args.watch:
             print(text)
-            return 0
+            return 1 if args.check and not st.healthy else 0
         print("\033[H\033[2J" + time.strftime("%H:%M:%S ") + text, flush=True)
         try:
             time.sleep(args.watch)
@@ -197,20 +199,40 @@ def _cmd_replay_records(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay_trainer(args: argparse.Namespace) -> int:
+    import shlex
+
     from rollstream.names import Keys
-    from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts
+    from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts, copy_steps, parse_steps
 
     t = _target(args)
     r = t.connect()
+    src, dst = Keys(args.src), Keys(args.dst)
+    extra: list[str] = []
     try:
-        n = copy_rollouts(r, Keys(args.src), Keys(args.dst), args.start, args.end)
+        if args.steps:
+            first, last = parse_steps(args.steps)
+            n, kept_ids = copy_steps(r, src, dst, first, last)
+            if first > 1:
+                from consumers.trainer.checkpoint import copy_checkpoint
+
+                run_dir = Path(t.cfg.run.dir)
+                try:
+                    copy_checkpoint(run_dir / src.run / "checkpoints", run_dir / dst.run / "checkpoints", first - 1)
+                except FileNotFoundError as e:
+                    raise ReplayCopyError(str(e)) from None
+            extra = [f"trainer.total_global_steps={last}"]
+            what = f"the {n} rollouts steps {first}-{last} consumed" + ("" if kept_ids else " (new entry ids)")
+        else:
+            n = copy_rollouts(r, src, dst, args.start, args.end)
+            what = f"{n} rollouts"
     except ReplayCopyError as e:
         print(f"rollstream replay trainer: {e}", file=sys.stderr)
         return 1
     config, overrides = _config_and_overrides(args)
-    argv = " ".join([config or "pipeline.yaml", *overrides, f"run.name={args.dst}", "--burst"])
-    print(f"copied {n} rollouts from {args.src} to {args.dst}; replay the trainer on them with:")
-    print(f"  ROLLSTREAM_REDIS_URL={mask_url(t.redis_url)} python -m consumers.trainer {argv}")
+    argv = [config or "pipeline.yaml", *overrides, f"run.name={dst.run}", *extra, "--burst"]
+    print(f"copied {what} from {src.run} to {dst.run}; replay the trainer on them (it exits when they are used up):")
+    print(f"  ROLLSTREAM_REDIS_URL={shlex.quote(mask_url(t.redis_url))} {shlex.quote(sys.executable)} "
+          f"-m consumers.trainer {shlex.join(argv)}")
     return 0
 
 
@@ -281,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("status", help="streams, groups, versions, staleness, rates, idle ratios, processes")
     _run_args(c)
     c.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    c.add_argument("--check", action="store_true",
+                   help="for monitoring: exit 1 when a worker's heartbeat is missing or older than "
+                        "trainer.heartbeat_stall_s (the trainer having finished is fine)")
     c.set_defaults(func=_cmd_status)
 
     c = sub.add_parser("watch", help="live progress line until val/acc reaches a target or a time limit (exit 2: not reached)")
@@ -313,9 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("--to", dest="dst", required=True, help="new run name (must have no records yet)")
     _run_args(rr)
     rr.set_defaults(func=_cmd_replay_records)
-    rt = rsub.add_parser("trainer", help="copy a range of RUN's rollouts into NEWRUN (then run the trainer --burst)")
+    rt = rsub.add_parser("trainer", help="copy RUN's rollouts (of steps A-B, or an id range) into NEWRUN and "
+                                          "print the trainer command that retrains on them and exits")
     rt.add_argument("--from", dest="src", required=True, help="source run name")
     rt.add_argument("--to", dest="dst", required=True, help="new run name (must have no rollouts yet)")
+    rt.add_argument("--steps", default=None, metavar="A-B",
+                    help="copy what global steps A..B consumed and the checkpoint of step A-1 (same config needed)")
     rt.add_argument("--start", default="-", help="first entry id to copy (default: the first)")
     rt.add_argument("--end", default="+", help="last entry id to copy (default: the last)")
     _run_args(rt)

@@ -1,8 +1,14 @@
-"""Copy a range of one run's rollouts stream into a new run namespace (same entry ids, raw fields), so a
-trainer can be replayed on exactly that data:
+"""Copy one run's rollouts into a new run namespace (raw fields), so a trainer can be replayed on exactly
+that data:
 
+    rollstream replay trainer --from RUN --to NEWRUN --steps 3-6 [pipeline.yaml key=value …]
     rollstream replay trainer --from RUN --to NEWRUN [--start ID --end ID] [pipeline.yaml …]
-    python -m consumers.trainer pipeline.yaml run.name=NEWRUN --burst
+
+`--steps A-B` copies the entries global steps A..B consumed (trained or dropped, read from `fates`) in the
+order the trainer consumed them, keeping their entry ids when that order is also id order; the caller
+copies the checkpoint of step A-1 beside it and runs the trainer with `--burst` and
+`trainer.total_global_steps=B`, which then retrains steps A..B on the same samples and exits. An id
+range copies every entry in it (the trainer starts from step 1).
 """
 
 from __future__ import annotations
@@ -15,19 +21,45 @@ from rollstream.bus import setup_run
 from rollstream.names import Keys
 
 BATCH = 500
+MAX_SEQ = 2**64 - 1
 
 
 class ReplayCopyError(RuntimeError):
-    """The destination is not empty, or the source has nothing in the range."""
+    """The destination is not empty, or the source has nothing (or not everything) asked for."""
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """`A-B` (or `A`) -> (A, B) with 1 <= A <= B."""
+    first, _, last = text.partition("-")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        raise ReplayCopyError(f"--steps {text!r}: expected A-B, e.g. 3-6") from None
+    if not 1 <= a <= b:
+        raise ReplayCopyError(f"--steps {text!r}: need 1 <= A <= B")
+    return a, b
+
+
+def _check_destination(r: redis.Redis, src: Keys, dst: Keys) -> None:
+    if src.run == dst.run:
+        raise ReplayCopyError("--from and --to name the same run")
+    if r.exists(dst.rollouts) and int(r.xlen(dst.rollouts)) > 0:  # type: ignore[arg-type]
+        raise ReplayCopyError(f"{dst.rollouts} already has entries; pick a new run name")
 
 
 def copy_rollouts(r: redis.Redis, src: Keys, dst: Keys, start: str = "-", end: str = "+") -> int:
     """Set dst up (streams and groups) and XADD every rollouts entry of src in [start, end] with its id;
     returns how many were copied. Refuses a dst whose rollouts stream already has entries."""
-    if src.run == dst.run:
-        raise ReplayCopyError("--from and --to name the same run")
-    if r.exists(dst.rollouts) and int(r.xlen(dst.rollouts)) > 0:
-        raise ReplayCopyError(f"{dst.rollouts} already has entries; pick a new run name")
+    _check_destination(r, src, dst)
     setup_run(r, dst)
     copied, cursor, inclusive = 0, start, True
     while True:
@@ -44,3 +76,38 @@ def copy_rollouts(r: redis.Redis, src: Keys, dst: Keys, start: str = "-", end: s
     if copied == 0:
         raise ReplayCopyError(f"no rollouts in {src.rollouts} between {start} and {end}")
     return copied
+
+
+def consumed_entry_ids(r: redis.Redis, src: Keys, first: int, last: int) -> list[str]:
+    """Rollouts entry ids global steps first..last consumed, in consumption order (fates ids `<g>-<i>`)."""
+    rows: Any = r.xrange(src.fates, min=f"{first}-0", max=f"{last}-{MAX_SEQ}")
+    by_step: dict[int, list[str]] = {}
+    for fid, fields in rows:
+        by_step.setdefault(_id_key(_text(fid))[0], []).append(_text(fields[b"source_id"]))
+    missing = [g for g in range(first, last + 1) if g not in by_step]
+    if missing:
+        raise ReplayCopyError(f"{src.fates} has no entries for steps {missing} (not committed, or trimmed)")
+    return [i for g in range(first, last + 1) for i in by_step[g]]
+
+
+def copy_steps(r: redis.Redis, src: Keys, dst: Keys, first: int, last: int) -> tuple[int, bool]:
+    """Copy the rollouts steps first..last consumed into dst in consumption order; returns (copied, ids
+    kept). Ids are kept when consumption order is id order (the usual case), else new ids are made."""
+    ids = consumed_entry_ids(r, src, first, last)
+    _check_destination(r, src, dst)
+    pipe = r.pipeline(transaction=False)
+    for i in ids:
+        pipe.xrange(src.rollouts, min=i, max=i, count=1)
+    found: list[Any] = pipe.execute()
+    gone = [i for i, rows in zip(ids, found, strict=True) if not rows]
+    if gone:
+        raise ReplayCopyError(f"{len(gone)} consumed entries are no longer in {src.rollouts} (retention?): {gone[:3]}")
+    keep_ids = all(_id_key(a) < _id_key(b) for a, b in zip(ids, ids[1:], strict=False))
+    setup_run(r, dst)
+    pipe = r.pipeline(transaction=False)
+    for i, rows in zip(ids, found, strict=True):
+        pipe.xadd(dst.rollouts, rows[0][1], id=i if keep_ids else "*")
+        if len(pipe) >= BATCH:
+            pipe.execute()
+    pipe.execute()
+    return len(ids), keep_ids

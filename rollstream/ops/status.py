@@ -1,7 +1,14 @@
-"""`rollstream status`: one screen about a run, read from Redis (and supervisord when it is up)."""
+"""`rollstream status`: one screen about a run, read from Redis (and supervisord when it is up).
+
+Worker health: a worker that writes a heartbeat (today the trainer: `heartbeat` in the trainer hash, set
+on every poll, local update and commit) is `ok` while the heartbeat is at most `stall_after_s` old,
+`stalled` beyond, `missing` when it never wrote one, and `finished` once the trainer reached its last
+global step. `rollstream status --check` exits 1 unless every such worker is ok or finished.
+"""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +45,39 @@ class StreamInfo:
 
 
 @dataclass
+class WorkerHealth:
+    """One heartbeat-writing worker: its state and the heartbeat's age."""
+
+    name: str
+    state: str  # ok, stalled, missing, finished
+    age_s: float | None  # seconds since the last heartbeat (None when there is none)
+    limit_s: float
+
+    @property
+    def healthy(self) -> bool:
+        """True when a monitor need not alert (ok or finished)."""
+        return self.state in ("ok", "finished")
+
+
+def worker_health(
+    trainer: dict[str, str], stall_after_s: float, total_steps: int | None = None, now: float | None = None
+) -> list[WorkerHealth]:
+    """Health of the heartbeat-writing workers from the trainer hash (see the module docstring)."""
+    now = time.time() if now is None else now
+    try:
+        beat = float(trainer["heartbeat"])
+    except (KeyError, ValueError):
+        return [WorkerHealth("trainer", "missing", None, stall_after_s)]
+    age = max(0.0, now - beat)
+    step = trainer.get("committed_step") or trainer.get("global_step") or ""
+    if total_steps is not None and step.isdigit() and int(step) >= total_steps:
+        state = "finished"
+    else:
+        state = "ok" if age <= stall_after_s else "stalled"
+    return [WorkerHealth("trainer", state, age, stall_after_s)]
+
+
+@dataclass
 class RunStatus:
     """Everything `rollstream status` shows."""
 
@@ -54,6 +94,12 @@ class RunStatus:
     producer_idle: dict[str, float]
     trainer_idle: float | None
     processes: list[dict[str, Any]] | None = None
+    workers: list[WorkerHealth] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        """True when no worker is stalled or missing (what `status --check` tests)."""
+        return all(w.healthy for w in self.workers)
 
 
 def _stream_info(r: redis.Redis, key: str, short: str) -> StreamInfo:
@@ -139,8 +185,14 @@ def latest_idle(r: redis.Redis, keys: Keys) -> tuple[dict[str, float], float | N
     return dict(sorted(producers.items())), trainer
 
 
-def collect_status(r: redis.Redis, keys: Keys, processes: list[dict[str, Any]] | None = None) -> RunStatus:
-    """Read everything the status screen shows."""
+def collect_status(
+    r: redis.Redis,
+    keys: Keys,
+    processes: list[dict[str, Any]] | None = None,
+    stall_after_s: float = 120.0,
+    total_steps: int | None = None,
+) -> RunStatus:
+    """Read everything the status screen shows; heartbeats older than `stall_after_s` count as stalled."""
     shorts = [k.removeprefix(keys.prefix) for k in keys.all_streams()]
     streams = [_stream_info(r, k, s) for k, s in zip(keys.all_streams(), shorts, strict=True)]
     trainer_raw: Any = r.hgetall(keys.trainer)
@@ -164,6 +216,7 @@ def collect_status(r: redis.Redis, keys: Keys, processes: list[dict[str, Any]] |
         producer_idle=pidle,
         trainer_idle=tidle,
         processes=processes,
+        workers=worker_health(trainer, stall_after_s, total_steps),
     )
 
 
@@ -182,6 +235,10 @@ def format_status(st: RunStatus, redis_url: str) -> str:
     step = st.trainer.get("global_step", "-")
     out.append(f"param_version {st.param_version if st.param_version is not None else '-'}   "
                f"trainer global_step {step}   dead letters {st.dead}")
+    for w in st.workers:
+        age = f"{w.age_s:.1f}s ago" if w.age_s is not None else "never"
+        flag = "" if w.healthy else "   <-- " + w.state.upper()
+        out.append(f"{w.name} heartbeat {age} (limit {w.limit_s:g}s): {w.state}{flag}")
     out.append("")
     out.append(f"{'stream':<14}{'entries':>10}{'memory':>12}   groups (pending / lag)")
     for s in st.streams:
