@@ -59,7 +59,9 @@ def test_watch_gives_up_at_the_limit(r: redis.Redis, keys: Keys) -> None:
 
 def test_learn_table_reports_ratios_and_missing_targets() -> None:
     def run(seed: int, mode: str, s: float | None, n: float | None) -> ModeRun:
-        c = Curve(steps=[1], seconds=[1.0], samples=[10.0], metrics=[{"val/acc": 0.9}], reached_s=s, reached_samples=n)
+        c = Curve(steps=[0], seconds=[0.0], samples=[0.0], metrics=[{"val/acc": 0.1}])
+        if s is not None and n is not None:
+            c.steps.append(1), c.seconds.append(s), c.samples.append(n), c.metrics.append({"val/acc": 0.92})
         return ModeRun(seed, mode, c, 1)
 
     table = format_table([run(0, "sync", 100, 3000), run(0, "async", 60, 3300), run(1, "sync", None, None),
@@ -67,3 +69,4 @@ def test_learn_table_reports_ratios_and_missing_targets() -> None:
     rows = table.splitlines()
     assert rows[2].startswith("| 0 | 100 | 60 | 0.60 | 3000 | 3300 | 1.10 |")
     assert rows[3].startswith("| 1 | not reached | 80 | not reached |")
+    assert "| 0 | not reached | not reached |" in format_table([run(0, "sync", 100, 3000), run(0, "async", 60, 3300)], 0.95)

@@ -1,7 +1,7 @@
 """Learning benchmark: held-out exact match against wall-clock and samples, synchronous vs asynchronous.
 
-    rollstream bench learn [pipeline.yaml] [key=value ...] [--seeds 0 1 2] [--target 0.9] [--limit-s 300]
-                           [--modes sync async] [--out-dir runs/bench-learn] [--json]
+    rollstream bench learn [pipeline.yaml] [key=value ...] [--seeds 0 1 2] [--target 0.9] [--report 0.9 0.95]
+                           [--limit-s 300] [--modes sync async] [--out-dir runs/bench-learn] [--json]
 
 Per seed: one supervised warm start (scripts/warm_start.py's, ends under 10 % exact match), shared by both
 modes, then the config run as a user runs it (`rollstream run`: embedded Redis, producers, trainer,
@@ -15,7 +15,7 @@ aggregator under supervisord) once per mode:
 Each run is watched (`rollstream watch`'s reader) until val/acc >= --target or --limit-s, the clock starting
 before `rollstream run` (process start-up included, warm start excluded: it is shared). Writes per seed
 `learn-s<seed>.png` (val/acc vs seconds and vs samples trained, both modes) and prints a markdown table of
-time and samples to the target, with the async/sync ratios.
+time and samples to each --report level (first validation at or above it), with the async/sync ratios.
 """
 
 from __future__ import annotations
@@ -78,11 +78,12 @@ def warm_start_file(config: str, overrides: list[str], out: Path) -> None:
 
 def run_one(config: str, overrides: list[str], *, target: float, limit_s: float, hold_s: float) -> tuple[Curve, int]:
     """`rollstream run` the config, watch it to the target or the limit, stop it; (curve, global steps)."""
-    t = open_run(config, overrides)
-    if t.run_dir.exists():
-        shutil.rmtree(t.run_dir)
+    run_dir = load_config(config, overrides).run_dir()
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
     start = time.time()
     _rs("run", config, *overrides)
+    t = open_run(config, overrides)  # after the run made its secrets
     try:
         curve = watch_run(t.connect(), t.keys, target_acc=target, limit_s=limit_s, since=start, hold_s=hold_s,
                           poll_s=0.5, show=False)
@@ -123,9 +124,9 @@ def _fmt(x: float | None, spec: str) -> str:
     return "not reached" if x is None else format(x, spec)
 
 
-def format_table(runs: Sequence[ModeRun], target: float) -> str:
-    """Markdown: per seed, time and samples to the target per mode and the async/sync ratios."""
-    pct = f"{target:.0%}"
+def format_table(runs: Sequence[ModeRun], acc: float) -> str:
+    """Markdown: per seed, time and samples to val/acc >= `acc` per mode and the async/sync ratios."""
+    pct = f"{acc:.0%}"
     lines = [
         f"| seed | sync: s to {pct} | async: s to {pct} | time ratio async/sync | sync: samples to {pct} "
         f"| async: samples to {pct} | samples ratio async/sync | best val/acc sync / async |",
@@ -136,8 +137,9 @@ def format_table(runs: Sequence[ModeRun], target: float) -> str:
         by_seed.setdefault(r.seed, {})[r.mode] = r
     for seed, modes in sorted(by_seed.items()):
         s, a = modes.get("sync"), modes.get("async")
-        st, at = (s.curve.reached_s if s else None), (a.curve.reached_s if a else None)
-        sn, an = (s.curve.reached_samples if s else None), (a.curve.reached_samples if a else None)
+        sr, ar = (s.curve.first_reaching(acc) if s else None), (a.curve.first_reaching(acc) if a else None)
+        st, sn = sr if sr else (None, None)
+        at, an = ar if ar else (None, None)
         tr = at / st if st and at else None
         nr = an / sn if sn and an else None
         best = " / ".join(_fmt(m.curve.best("val/acc"), ".3f") if m else "-" for m in (s, a))
@@ -153,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides for every run")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run.seed values")
     p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["sync", "async"], help="modes to run")
-    p.add_argument("--target", type=float, default=0.9, help="val/acc that counts as reached")
+    p.add_argument("--target", type=float, default=0.9, help="val/acc at which a run stops (reached)")
+    p.add_argument("--report", type=float, nargs="+", default=None, help="val/acc levels tabulated (default: --target)")
     p.add_argument("--limit-s", type=float, default=300.0, help="seconds per run before giving up")
     p.add_argument("--hold-s", type=float, default=0.0, help="keep running S seconds after the target")
     p.add_argument("--out-dir", default="runs/bench-learn", help="run dirs, warm starts and PNGs go here")
@@ -184,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps([r.summary() for r in runs], indent=1))
     else:
-        print(format_table(runs, args.target))
+        print("\n\n".join(format_table(runs, acc) for acc in (args.report or [args.target])))
     return 0
 
 

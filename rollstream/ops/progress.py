@@ -38,6 +38,10 @@ class Curve:
         """(seconds, samples trained, val/acc) of every record carrying val/acc."""
         return [(t, n, m[VAL_ACC]) for t, n, m in zip(self.seconds, self.samples, self.metrics, strict=True) if VAL_ACC in m]
 
+    def first_reaching(self, acc: float) -> tuple[float, float] | None:
+        """(seconds, samples trained) of the first record with val/acc >= acc, or None."""
+        return next(((t, n) for t, n, v in self.val_points() if v >= acc), None)
+
     def latest(self, name: str) -> float | None:
         """The newest value of a metric, or None when no record has it."""
         return next((m[name] for m in reversed(self.metrics) if name in m), None)
