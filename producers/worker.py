@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 import threading
@@ -309,6 +310,12 @@ def set_torch_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+def lower_priority(nice: int) -> None:
+    """Raise this process's nice value by `nice` (0: unchanged), so the trainer wins shared cores."""
+    if nice > 0:
+        os.nice(nice)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m producers` / `python -m producers.worker`; returns the exit code."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -316,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     known, rest = pre.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     ctx, args = start_worker("producers", rest)
     set_torch_threads(ctx.cfg.rollout.torch_threads)
+    lower_priority(ctx.cfg.rollout.nice)
     try:
         producer = Producer(ctx)
     except ValueError as e:  # e.g. a name whose index exceeds rollout.num_producers

@@ -126,6 +126,9 @@ class RolloutConfig(_Section):
     torch_threads: int = Field(
         1, ge=0, description="torch intra-op threads per producer process (0 = torch default); 1 avoids oversubscribed cores"
     )
+    nice: int = Field(
+        0, ge=0, le=19, description="Raise each producer process's nice value by this much (CPU hosts: the trainer wins shared cores)"
+    )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Multi-turn tool use")
     latency_model: LatencyModelConfig = Field(
         default_factory=LatencyModelConfig, description="Benchmarks: modelled generation time instead of decoding"

@@ -467,3 +467,12 @@ def test_rollout_status_is_the_global_status_of_all_producers(r: redis.Redis, ke
         "static/max_queue_size": cfg.max_outstanding,
         "static/max_concurrent_samples": 2 * per,
     }
+
+
+def test_lower_priority_raises_the_nice_value_of_the_process() -> None:
+    import subprocess
+    import sys
+
+    code = "import os; from producers.worker import lower_priority; a = os.nice(0); lower_priority(3); print(os.nice(0) - a)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "3"

@@ -1,0 +1,112 @@
+"""In-process learning probe: the trainer's Learner on freshly generated groups, no Redis, one process.
+
+    rollstream bench learn_probe [pipeline.yaml] [key=value ...] [--limit-s 420] [--eval-every 20]
+
+For fast one-change-at-a-time experiments on what makes a policy learn (BENCHMARKS.md, "What was tried"):
+the same warm start, policy, task, sampling (`rollout.temperature`), RolloutSample packing, batch assembly
+and `Learner.update` as the pipeline, but strictly on-policy and synchronous (generate a global batch with
+the current weights, train one update on it). Every `--eval-every` steps it prints held-out greedy exact
+match overall and per answer length, and per-position accuracy per length (`pos-acc`: one digit per answer
+position then the stop token, each the tenths of prompts right there, 9 = 90 % or more), which is what
+shows an exploration collapse: a position stuck at 0 for every prompt of a length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.learner import Learner
+from producers.data import AgentTrajectory, build_rollout_sample
+from rollstream.config import PipelineConfig, load_config
+from rollstream.factory import build_prompt_source, build_task
+from rollstream.model import BasePolicy
+from rollstream.tasks import Prompt, Task
+from rollstream.warmstart import warm_start
+
+
+def evaluate(policy: BasePolicy, task: Task, val: list[Prompt], max_new: int) -> tuple[float, dict[int, float], str]:
+    """(exact match, exact match per answer length, per-position accuracy string) of greedy answers."""
+    tok = policy.tokenizer
+    trajs = policy.generate([tok.encode(p.text, add_bos=True) for p in val], 1, max_new, greedy=True)
+    exact: dict[int, list[bool]] = collections.defaultdict(list)
+    pos: dict[int, dict[int, list[bool]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for p, t in zip(val, trajs, strict=True):
+        text = tok.decode(t.response_ids)
+        exact[len(p.answer)].append(task.reward(p, text).exact)
+        for j in range(len(p.answer) + 1):
+            want = p.answer[j] if j < len(p.answer) else "$"
+            got = text[j] if j < len(text) else ("$" if t.finished else "?")
+            pos[len(p.answer)][j].append(want == got)
+    total = sum(sum(v) for v in exact.values()) / max(1, len(val))
+    by_len = {k: sum(v) / len(v) for k, v in sorted(exact.items())}
+    digits = " ".join(
+        f"{n}:" + "".join(str(min(9, int(10 * sum(v) / len(v)))) for _, v in sorted(d.items()))
+        for n, d in sorted(pos.items())
+    )
+    return total, by_len, digits
+
+
+def probe(cfg: PipelineConfig, limit_s: float, eval_every: int) -> None:
+    """Warm start, then on-policy GRPO steps until `limit_s`, printing evaluations as it goes."""
+    torch.manual_seed(cfg.run.seed)
+    t0 = time.time()
+    warm, rep = warm_start(cfg, mode="reverse")
+    print(f"warm start: {rep.steps} steps, val exact {rep.val_acc:.3f}, {rep.seconds:.1f}s", flush=True)
+    learner = Learner(cfg)
+    learner.policy.module.load_state_dict(warm.module.state_dict())
+    task = build_task(cfg)
+    source = build_prompt_source(cfg, task)
+    val, tok = source.val_prompts(), learner.policy.tokenizer
+    gen = torch.Generator().manual_seed(cfg.run.seed)
+    B, n, max_new = cfg.data.train_batch_size, cfg.rollout.n, cfg.data.max_response_length
+    g = 0
+    while time.time() - t0 < limit_s:
+        g += 1
+        learner.begin_step(g)
+        items = source.take(B)
+        trajs = learner.policy.generate([tok.encode(p.text, add_bos=True) for _, _, p in items], n, max_new,
+                                        temperature=cfg.rollout.temperature, generator=gen)
+        samples = []
+        for i, (epoch, _, p) in enumerate(items):
+            group = trajs[i * n : (i + 1) * n]
+            agents = [AgentTrajectory(prompt_ids=t.prompt_ids, response_ids=t.response_ids,
+                                      response_mask=[1] * len(t.response_ids), log_probs=t.log_probs,
+                                      finished=t.finished) for t in group]
+            rewards = [task.reward(p, tok.decode(t.response_ids)) for t in group]
+            samples.append(build_rollout_sample(sample_id=f"{g}-{i}", epoch=epoch, param_version=g - 1, producer="probe",
+                                                trajectories=agents, rewards=rewards, raw_prompt=p.text,
+                                                tokenizer=tok, rollout_status={}, ground_truth=p.answer))
+        batch, _ = assemble_batch_from_rollout_samples(samples)
+        m = learner.update(batch)
+        if g % eval_every == 0:
+            acc, by_len, pos = evaluate(learner.policy, task, val, max_new)
+            lens = " ".join(f"{k}:{v:.2f}" for k, v in by_len.items())
+            print(f"step {g} {time.time() - t0:.0f}s val/acc {acc:.3f} [{lens}] pos-acc [{pos}] "
+                  f"reward {m['critic/rewards/mean']:.3f} entropy {m['actor/entropy']:.3f}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse arguments and run the probe."""
+    p = argparse.ArgumentParser(prog="rollstream bench learn_probe", description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="?", default="pipeline.yaml", help="pipeline.yaml (default ./pipeline.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument("--limit-s", type=float, default=420.0, help="seconds to run (warm start included)")
+    p.add_argument("--eval-every", type=int, default=20, help="global steps between evaluations")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = p.parse_args(argv)
+    if "=" in args.config:
+        args.overrides, args.config = [args.config, *args.overrides], "pipeline.yaml"
+    torch.set_num_threads(args.threads)
+    probe(load_config(args.config, args.overrides), args.limit_s, args.eval_every)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""The in-process learning probe runs the pipeline's Learner and prints per-position accuracy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_learn_probe_trains_and_reports_per_length_and_position() -> None:
+    tiny = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "data.max_digits=4", "data.val_size=16",
+            "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "run.device=cpu",
+            "actor.adv_estimator=grpo_token", "rollout.temperature=2.0"]
+    proc = subprocess.run([sys.executable, "-m", "rollstream.cli", "bench", "learn_probe", "pipeline.yaml", *tiny,
+                           "--limit-s", "12", "--eval-every", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    assert lines, proc.stdout
+    assert "val/acc" in lines[-1] and "pos-acc [3:" in lines[-1] and "4:" in lines[-1]
