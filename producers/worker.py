@@ -11,7 +11,7 @@ Loop (until stop): load the newest weights (between dispatches), take up to `pro
 from that version's budget (none left: wait, idle, for the next version), stamp `param_version` = the
 loaded version, generate all prompts x n in one agent-loop call (weights may change mid-generation
 with partial rollout), score each response, and publish one RolloutSample per prompt together with
-`mark_published` in one transaction. A ProducerStats event goes to `metrics` on each version switch
+`mark_published` in one transaction. A ProducerStats event goes to `stats` on each version switch
 (tagged with the version left) and every `rollout.stats_every_s`. The first SIGTERM finishes and
 publishes the current dispatch, then exits 0.
 
@@ -293,10 +293,10 @@ class Producer:
                     self._emit_stats(self.weights.version)
 
     def _emit_stats(self, param_version: int) -> None:
-        """Publish the current window as a ProducerStats on `metrics` and start a new window."""
+        """Publish the current window as a ProducerStats on `stats` and start a new window."""
         with self.lock:
             ev = self.window.event(self.name, param_version)
-            self.metrics.publish(self.ctx.keys.metrics, ev)
+            self.metrics.publish(self.ctx.keys.stats, ev)
             self.window = StatsWindow()
             self.last_stats = time.monotonic()
 

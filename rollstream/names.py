@@ -8,6 +8,13 @@ from dataclasses import dataclass
 TRAINER_GROUP = "trainer"
 AGGREGATOR_GROUP = "aggregator"
 
+# Fields of the `trainer` hash that bound what the aggregator accepts (see consumers/aggregator/plausible.py).
+COMMITTED_STEP_FIELD = "committed_step"  # last global step whose commit (with its step_end) executed
+TRAINING_STEP_FIELD = "training_step"  # highest global step the trainer has begun (never decreases)
+
+# `source` of the aggregator's notes on `dead` (reports about the log, not dead-lettered entries).
+AGGREGATOR_NOTE_SOURCE = "aggregator"
+
 # The `dead` stream's own fields (ahead of the original entry's fields, which are prefixed).
 DEAD_ORIGINAL_PREFIX = "orig:"
 
@@ -33,8 +40,13 @@ class Keys:
 
     @property
     def metrics(self) -> str:
-        """Stream of StepMetrics / ValidateMetrics / ProducerStats (-> aggregator)."""
+        """Stream of the trainer's StepMetrics / ValidateMetrics (-> aggregator); only the trainer writes it."""
         return self._k("metrics")
+
+    @property
+    def stats(self) -> str:
+        """Stream of the producers' ProducerStats (-> aggregator); the trainer never writes it."""
+        return self._k("stats")
 
     @property
     def records(self) -> str:
@@ -111,7 +123,8 @@ class Keys:
 
     def all_streams(self) -> list[str]:
         """Every stream of the run, for status and cleanup."""
-        return [self.rollouts, self.metrics, self.records, self.params, self.dead, self.fates, self.dispatch_log]
+        return [self.rollouts, self.metrics, self.stats, self.records, self.params, self.dead, self.fates,
+                self.dispatch_log]
 
     def pattern(self) -> str:
         """SCAN pattern matching every key of the run."""

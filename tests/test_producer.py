@@ -83,8 +83,8 @@ def samples(r: redis.Redis, keys: Keys) -> list[RolloutSample]:
 
 
 def producer_stats(r: redis.Redis, keys: Keys) -> list[ProducerStats]:
-    """Every ProducerStats event on the metrics stream."""
-    rows: Any = r.xrange(keys.metrics)
+    """Every ProducerStats event on the stats stream."""
+    rows: Any = r.xrange(keys.stats)
     return [ev for ev in (decode(f) for _, f in rows) if isinstance(ev, ProducerStats)]
 
 

@@ -203,6 +203,7 @@ def test_trainer_sigterm_while_importing_torch_exits_0(r: redis.Redis, keys: Key
 def _aggregator_with_open_step(r: redis.Redis, keys: Keys, redis_url: str, tmp: Path) -> Worker:
     """An aggregator that wrote step 1's record and holds step 2's first local update pending."""
     setup_run(r, keys)
+    r.hset(keys.trainer, mapping={"committed_step": 1, "training_step": 2})  # the aggregator checks events against it
     proc = spawn("consumers.aggregator", [*common(keys, redis_url, tmp), "aggregator.jsonl=false",
                                           "aggregator.tensorboard=false", "bus.block_ms=2000", "--name", "aggregator"], tmp)
     for ev in (agg_fake.local_update(1, 1, 2, {"a": 1.0}), agg_fake.local_update(1, 2, 2, {"a": 3.0}),

@@ -58,7 +58,7 @@ from consumers.trainer.validate import validate
 from rollstream.bus import GroupReader, Janitor, Message, Publisher, setup_run
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_prompt_source, build_task
-from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.names import TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
 from rollstream.pacing import current_budget, grant_budget, record_consumed
 from rollstream.rl import staleness_metrics
 from rollstream.weights import gc_weights, latest_param_version, publish_weights
@@ -97,6 +97,7 @@ class Trainer:
         self.seen: set[str] = set()  # sample ids committed, in uncommitted ledgers, or buffered
         self.pending: list[StepLedger] = []  # finished steps not yet covered by a checkpoint
         self.global_step = 0  # last finished global step (= the version last published)
+        self.training_step = 0  # highest global step ever begun (the trainer hash's training_step)
         self._own_dead = 0  # non-rollout entries we dead-lettered ourselves (not prompts)
         self._dead_counted = 0
         self._step_dead = 0
@@ -118,6 +119,7 @@ class Trainer:
             log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
             commit_steps(self.r, self.keys, ledgers, self.global_step)
         self._grant(self.global_step)
+        self.training_step = int(self.r.hget(self.keys.trainer, TRAINING_STEP_FIELD) or 0)  # type: ignore[arg-type]
         self.seen = committed_sample_ids(self.r, self.keys)
         log.info("%d sample ids already committed", len(self.seen))
         if meta is None and self.cfg.trainer.test_freq > 0:
@@ -231,6 +233,9 @@ class Trainer:
         gen_key = "timing_s/gen_warmup" if warmup else "timing_s/gen"
         ledger = StepLedger(g)
         self._step_dead = 0
+        if g > self.training_step:  # before any event of step g: the aggregator places nothing beyond it
+            self.r.hset(self.keys.trainer, TRAINING_STEP_FIELD, g)
+            self.training_step = g
         self.learner.begin_step(g)
         K = cfg.trainer.parameter_sync_step
         collected: list[tuple[list[tuple[Message, int]], list[int]] | None] = []
