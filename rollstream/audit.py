@@ -4,7 +4,8 @@ Every sample_id on `rollouts` must end exactly once as trained or dropped-as-sta
 or dead-lettered (an entry on `dead` whose source is `rollouts`); the only other legitimate state is
 still unacked in the trainer group (pending, or not yet delivered). A redelivered or duplicate XADD of
 an id that already ended is acked without a second fate, so ids, not entries, are what is counted.
-`step_end` events on `metrics` must be global steps 1..N, once each, and `records` must hold 1..M.
+`step_end` events on `metrics` must be global steps 1..N, once each, and `records` must hold 1..M, after
+an optional record 0 (the validation of version 0, taken before any training when trainer.test_freq > 0).
 
 Reads the whole log with XRANGE (bounded runs; a retention-trimmed log audits what is left).
 """
@@ -61,6 +62,12 @@ class AuditReport:
     records: list[int] = field(default_factory=list)  # global steps with a record
 
     @property
+    def records_consecutive(self) -> bool:
+        """records are 1..M once each, optionally preceded by record 0 (validation before training)."""
+        steps = self.records[1:] if self.records[:1] == [0] else self.records
+        return steps == list(range(1, len(steps) + 1))
+
+    @property
     def steps_consecutive(self) -> bool:
         """step_end events are exactly 1..N once each (N = the last step)."""
         return self.steps == list(range(1, len(self.steps) + 1))
@@ -74,8 +81,8 @@ class AuditReport:
             out.append(f"{len(self.duplicated)} samples ended more than once: {sorted(self.duplicated)[:5]}")
         if not self.steps_consecutive:
             out.append(f"step_end global steps are not 1..N once each: {self.steps}")
-        if self.records != list(range(1, len(self.records) + 1)):
-            out.append(f"records are not steps 1..M: {self.records}")
+        if not self.records_consecutive:
+            out.append(f"records are not steps [0,] 1..M: {self.records}")
         return out
 
     def summary(self) -> str:

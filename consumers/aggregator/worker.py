@@ -28,7 +28,7 @@ import redis
 from consumers.aggregator.fold import Completed, Fold, id_key, split_ref, stats_ref
 from consumers.aggregator.plausible import TrainerProgress
 from consumers.aggregator.sinks import Sinks, build_sinks
-from rollstream.bus import CONNECTION_ERRORS, GroupReader, Message, backoff_delays
+from rollstream.bus import CONNECTION_ERRORS, GroupReader, Message, backoff_delays, entry_limits
 from rollstream.config import PipelineConfig
 from rollstream.names import AGGREGATOR_GROUP, AGGREGATOR_NOTE_SOURCE, Keys
 from schemas import DeadLetter, ProducerStats, StepMetrics, ValidateMetrics, encode
@@ -93,6 +93,7 @@ class AggregatorWorker:
                 count=cfg.bus.read_count,
                 claim_idle_s=cfg.bus.claim_idle_s,
                 max_deliveries=cfg.aggregator.max_deliveries,
+                limits=entry_limits(cfg.bus.max_entry_bytes),
                 stop=self.stop,
             )
             for stream in (keys.metrics, keys.stats)

@@ -41,7 +41,7 @@ import redis
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.checkpoint import load_latest_checkpoint, save_checkpoint
-from consumers.trainer.guard import unusable_reason
+from consumers.trainer.guard import unusable_reason, version_reason
 from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import (
     DROPPED,
@@ -55,14 +55,14 @@ from consumers.trainer.ledger import (
 )
 from consumers.trainer.staleness import dropped_metrics, staleness
 from consumers.trainer.validate import validate
-from rollstream.bus import GroupReader, Janitor, Message, Publisher, setup_run
+from rollstream.bus import GroupReader, Janitor, Message, Publisher, entry_limits, setup_run
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_prompt_source, build_task
 from rollstream.names import TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
 from rollstream.pacing import current_budget, grant_budget, record_consumed
 from rollstream.rl import staleness_metrics
 from rollstream.weights import gc_weights, latest_param_version, publish_weights
-from schemas import Limits, RolloutSample, StepMetrics, ValidateMetrics
+from schemas import RolloutSample, StepMetrics, ValidateMetrics
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Trainer:
         """Build the learner and the reader (group `trainer`, consumer = worker name)."""
         self.cfg, self.r, self.keys, self.stop = cfg, r, keys, stop
         self.learner = Learner(cfg)
-        limits = Limits(max_bin_len=cfg.bus.max_entry_bytes, max_ext_len=cfg.bus.max_entry_bytes)
+        limits = entry_limits(cfg.bus.max_entry_bytes)
         self.reader = GroupReader(
             r, keys.rollouts, TRAINER_GROUP, name, dead_stream=keys.dead, block_ms=cfg.bus.block_ms,
             count=cfg.bus.read_count, claim_idle_s=cfg.bus.claim_idle_s, max_deliveries=cfg.bus.max_deliveries,
@@ -184,6 +184,8 @@ class Trainer:
                 self.reader.dead_letter(m.id, m.fields, f"not a rollout: {ev.type}")
             elif ev.sample_id in self.seen:
                 dupes.append(m.id)  # the original is committed or still pending: safe to ack this copy
+            elif (why := version_reason(ev, self.global_step)) is not None:  # versions <= global_step exist
+                self.reader.dead_letter(m.id, m.fields, f"invalid: {why}")  # counted as consumed below
             elif (why := unusable_reason(ev, self.learner.policy.tokenizer.vocab_size,
                                          self.learner.policy.max_seq_len)) is not None:
                 self.reader.dead_letter(m.id, m.fields, f"unusable: {why}")  # counted as consumed below

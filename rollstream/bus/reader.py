@@ -27,6 +27,12 @@ from schemas import DEFAULT_LIMITS, DeadLetter, DecodeError, Event, Limits, deco
 log = logging.getLogger(__name__)
 
 
+def entry_limits(max_entry_bytes: int) -> Limits:
+    """Decode limits for a run's readers: the entry, its payload and each field capped at max_entry_bytes."""
+    n = max_entry_bytes
+    return Limits(max_bin_len=n, max_ext_len=n, max_payload_bytes=n, max_field_bytes=n, max_entry_bytes=n)
+
+
 def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
