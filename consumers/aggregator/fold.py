@@ -212,10 +212,15 @@ class Fold:
                 self._ackable += [ref for ref, _ in history[:cut]]
                 del history[:cut]
 
+    def refs(self, g: int) -> list[str]:
+        """The refs an incomplete step holds, in log order."""
+        return sorted(self._steps[g].ids(), key=id_key) if g in self._steps else []
+
     def discard(self, g: int) -> list[str]:
         """Drop an incomplete step that can never complete; returns the refs it held (to dead-letter)."""
-        step = self._steps.pop(g, None)
-        return sorted(step.ids(), key=id_key) if step is not None else []
+        refs = self.refs(g)
+        self._steps.pop(g, None)
+        return refs
 
     # -- completion -----------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 
+from rollstream.bus import retry_on_connection
 from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from schemas import StepMetrics, ValidateMetrics
 
@@ -31,7 +32,9 @@ class TrainerProgress:
 
     def refresh(self) -> None:
         """Re-read both fields from the trainer hash (missing = 0)."""
-        committed, training = self.r.hmget(self.keys.trainer, COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD)
+        committed, training = retry_on_connection(
+            lambda: self.r.hmget(self.keys.trainer, COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD), "reading trainer progress"
+        )
         self.committed = int(committed or 0)
         self.training = max(int(training or 0), self.committed)
 

@@ -28,7 +28,14 @@ import redis
 from consumers.aggregator.fold import Completed, Fold, id_key, split_ref, stats_ref
 from consumers.aggregator.plausible import TrainerProgress
 from consumers.aggregator.sinks import Sinks, build_sinks
-from rollstream.bus import CONNECTION_ERRORS, GroupReader, Message, backoff_delays, entry_limits
+from rollstream.bus import (
+    CONNECTION_ERRORS,
+    GroupReader,
+    Message,
+    backoff_delays,
+    entry_limits,
+    retry_on_connection,
+)
 from rollstream.config import PipelineConfig
 from rollstream.names import AGGREGATOR_GROUP, AGGREGATOR_NOTE_SOURCE, Keys
 from schemas import DeadLetter, ProducerStats, StepMetrics, ValidateMetrics, encode
@@ -133,9 +140,11 @@ class AggregatorWorker:
             self._commit(completed, refs)
         return completed
 
-    def drain_stats(self, upto: str | None) -> list[Message]:
+    def drain_stats(self, upto: str | None) -> tuple[list[Message], bool]:
         """Read `stats` until every entry with an id below `upto` is in: until an entry above it arrives,
-        or the stream is drained and the server clock is past it (no later XADD can get a lower id)."""
+        or the stream is drained and the server clock is past it (no later XADD can get a lower id).
+        Returns (entries, complete); not complete when stopped first (the caller then holds back the
+        metrics batch, so no record is folded without its stats)."""
         out: list[Message] = []
         deadline = time.monotonic() + DRAIN_MAX_S
         while not self.stop.is_set():
@@ -143,10 +152,10 @@ class AggregatorWorker:
             out += msgs
             if upto is None:
                 if not msgs:
-                    return out
+                    return out, True
                 continue
             if msgs and id_key(msgs[-1].id) > id_key(upto):
-                return out
+                return out, True
             if not msgs:
                 try:
                     sec, usec = self.r.time()
@@ -154,9 +163,9 @@ class AggregatorWorker:
                 except CONNECTION_ERRORS:
                     continue
                 if now_ms > id_key(upto)[0] or time.monotonic() > deadline:
-                    return out
+                    return out, True
                 time.sleep(0.001)
-        return out
+        return out, upto is None
 
     def _commit(self, completed: list[Completed], refs: list[str]) -> None:
         ack_ids = [i for is_stats, i in map(split_ref, refs) if not is_stats]
@@ -233,8 +242,9 @@ class AggregatorWorker:
             reason = f"step {g} incomplete after {self.timeout_s:g}s: {missing}"
             if drained and not self.progress.can_complete(g):
                 reason += f"; the trainer committed step {self.progress.committed}, so it never will"
-                for ref in self.fold.discard(g):
+                for ref in self.fold.refs(g):  # dead-letter first: a connection loss leaves the step held
                     self._dead_letter_ref(ref, reason)
+                self.fold.discard(g)
                 log.error("%s: its events -> dead", reason)
             elif g in self._reported:
                 continue
@@ -249,7 +259,7 @@ class AggregatorWorker:
         """Dead-letter a held entry (metrics or stats) by its fold ref, copying its fields."""
         is_stats, entry_id = split_ref(ref)
         reader = self.stats_reader if is_stats else self.reader
-        rows = self.r.xrange(reader.stream, min=entry_id, max=entry_id)
+        rows = retry_on_connection(lambda: self.r.xrange(reader.stream, min=entry_id, max=entry_id), "reading entry")
         reader.dead_letter(entry_id, rows[0][1] if rows else {}, reason)
 
     # -- loop -----------------------------------------------------------------------------------------
@@ -266,7 +276,10 @@ class AggregatorWorker:
             while not self.stop.is_set():
                 seen = self._entries_seen()
                 msgs = self.reader.poll_retrying(block_ms=BURST_BLOCK_MS if burst else None)
-                stats = self.drain_stats(msgs[-1].id if msgs else None)
+                stats, complete = self.drain_stats(msgs[-1].id if msgs else None)
+                if not complete:  # stopped mid-drain: these stay pending for the next aggregator
+                    self.reader.release(m.id for m in msgs)
+                    msgs = []
                 empty_polls = 0 if self._entries_seen() != seen else empty_polls + 1  # dead-lettered ones count
                 if (msgs or stats) and self.handle(msgs, stats):
                     sinks_due = True

@@ -25,6 +25,11 @@ not time waiting for producers. A poll that returns entries without blocking cou
 are ready the trainer waits in a blocking poll, and of that poll only the decoding counts (the reply of a
 blocked read carries the few entries that woke it; its transfer is not separable from the wait).
 
+Reconnects: every Redis call outside the reader (which retries its own) goes through
+`retry_on_connection`, so a Redis restart pauses the trainer in place instead of killing it. Each call
+is safe to repeat: the commit, the consumed count and the grant are guarded by the trainer hash, a
+weight publish re-checks `params` first, and a repeated event is resolved by the fold.
+
 Warmup: for global steps <= trainer.num_warmup_batches, the time spent waiting for samples is reported as
 `timing_s/gen_warmup` instead of `timing_s/gen`, so the aggregator's idle ratio (gen / step) skips them.
 """
@@ -35,6 +40,7 @@ import logging
 import threading
 import time
 from collections import deque
+from functools import partial
 from typing import Any
 
 import redis
@@ -55,7 +61,15 @@ from consumers.trainer.ledger import (
 )
 from consumers.trainer.staleness import dropped_metrics, staleness
 from consumers.trainer.validate import validate
-from rollstream.bus import GroupReader, Janitor, Message, Publisher, entry_limits, setup_run
+from rollstream.bus import (
+    GroupReader,
+    Janitor,
+    Message,
+    Publisher,
+    entry_limits,
+    retry_on_connection,
+    setup_run,
+)
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_prompt_source, build_task
 from rollstream.names import TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
@@ -106,7 +120,11 @@ class Trainer:
     # -- start / resume ----------------------------------------------------------------------------
 
     def resume(self) -> None:
-        """Load the newest checkpoint, finish its publish/commit/grant if a crash cut them short."""
+        """Load the newest checkpoint, finish its publish/commit/grant if a crash cut them short (the whole
+        resume is repeated if Redis goes away meanwhile: every part of it is idempotent)."""
+        retry_on_connection(self._resume, "resume")
+
+    def _resume(self) -> None:
         setup_run(self.r, self.keys)
         meta = load_latest_checkpoint(self.ckpt_dir, self.learner.policy, self.learner.optimizer)
         ledgers: list[StepLedger] = []
@@ -126,24 +144,36 @@ class Trainer:
             self._validate(0)
 
     def _publish(self, version: int, only_if_missing: bool = False) -> float:
-        """Publish the current weights as `version` (skipped when params has it and only_if_missing)."""
+        """Publish the current weights as `version` (skipped when params has it and only_if_missing; a
+        retry after a connection loss always checks, as the first attempt may have landed)."""
         t0 = time.perf_counter()
-        if only_if_missing:
-            latest = latest_param_version(self.r, self.keys)
-            if latest is not None and latest.version >= version:
-                return 0.0
-        publish_weights(
-            self.r, self.keys, version, self.learner.policy.state_dict_bytes(), global_step=version,
-            inline_max_bytes=self.cfg.bus.weights_inline_max_bytes, file_dir=self.weights_dir,
-        )
+        blob = self.learner.policy.state_dict_bytes()
+        attempts = [only_if_missing]
+
+        def publish() -> None:
+            check, attempts[0] = attempts[0], True
+            if check:
+                latest = latest_param_version(self.r, self.keys)
+                if latest is not None and latest.version >= version:
+                    return
+            publish_weights(
+                self.r, self.keys, version, blob, global_step=version,
+                inline_max_bytes=self.cfg.bus.weights_inline_max_bytes, file_dir=self.weights_dir,
+            )
+
+        retry_on_connection(publish, f"publishing version {version}")
         return time.perf_counter() - t0
 
     def _grant(self, version: int) -> None:
         """Grant `version` its dispatch budget (once), then drop weight blobs nobody uses."""
-        if current_budget(self.r, self.keys)[0] != version:
-            budget, out = grant_budget(self.r, self.keys, version, self.cfg.max_outstanding)
-            log.info("version %d: budget %d (outstanding %d)", version, budget, out)
-        gc_weights(self.r, self.keys, version, file_dir=self.weights_dir)
+
+        def grant() -> None:
+            if current_budget(self.r, self.keys)[0] != version:
+                budget, out = grant_budget(self.r, self.keys, version, self.cfg.max_outstanding)
+                log.info("version %d: budget %d (outstanding %d)", version, budget, out)
+            gc_weights(self.r, self.keys, version, file_dir=self.weights_dir)
+
+        retry_on_connection(grant, f"granting version {version}")
 
     def _validate(self, version: int) -> None:
         """Greedy-decode the held-out prompts and emit a `validation` event for `version`."""
@@ -152,13 +182,13 @@ class Trainer:
         metrics = validate(self.learner.policy, task, prompts, self.cfg.data.max_response_length)
         if metrics:
             ev = ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
-            self.publisher.publish(self.keys.metrics, ev)
+            retry_on_connection(lambda: self.publisher.publish(self.keys.metrics, ev), "publishing validation")
             log.info("validation of version %d: %s", version, metrics)
 
     # -- consuming ---------------------------------------------------------------------------------
 
     def _heartbeat(self) -> None:
-        self.r.hset(self.keys.trainer, "heartbeat", time.time())
+        retry_on_connection(lambda: self.r.hset(self.keys.trainer, "heartbeat", time.time()), "heartbeat")
 
     def _poll(self) -> list[Message]:
         """A non-blocking poll (counted as transport), then, only when it found nothing, a blocking one
@@ -194,10 +224,10 @@ class Trainer:
                 self.buffer.append(m)
         if dupes:
             log.warning("acking %d redelivered/duplicate samples without training", len(dupes))
-            self.reader.ack(dupes)
+            retry_on_connection(lambda: self.reader.ack(dupes), "acking duplicates")
         dead = self.reader.stats.dead - self._own_dead
-        if dead > self._dead_counted:
-            record_consumed(self.r, self.keys, dead - self._dead_counted)  # dead-lettered rollouts
+        if dead > self._dead_counted:  # dead-lettered rollouts (a lost reply may count them twice)
+            retry_on_connection(lambda: record_consumed(self.r, self.keys, dead - self._dead_counted), "counting dead")
             self._step_dead += dead - self._dead_counted
             self._dead_counted = dead
         self._heartbeat()
@@ -236,7 +266,7 @@ class Trainer:
         ledger = StepLedger(g)
         self._step_dead = 0
         if g > self.training_step:  # before any event of step g: the aggregator places nothing beyond it
-            self.r.hset(self.keys.trainer, TRAINING_STEP_FIELD, g)
+            retry_on_connection(lambda: self.r.hset(self.keys.trainer, TRAINING_STEP_FIELD, g), "training_step")
             self.training_step = g
         self.learner.begin_step(g)
         K = cfg.trainer.parameter_sync_step
@@ -266,11 +296,9 @@ class Trainer:
             metrics.update({"training/global_step": float(g), gen_key: t_gen, "timing_s/assemble": t_asm,
                             "timing_s/transport": self._transport_s})
             self._transport_s = 0.0
-            self.publisher.publish(
-                self.keys.metrics,
-                StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(kept),
-                            metrics={k: float(v) for k, v in metrics.items()}),
-            )
+            update = StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(kept),
+                                 metrics={k: float(v) for k, v in metrics.items()})
+            retry_on_connection(partial(self.publisher.publish, self.keys.metrics, update), "publishing local_update")
             self._heartbeat()
 
         # end of the step: validate version g, then checkpoint / publish / commit / grant
@@ -302,7 +330,7 @@ class Trainer:
                 "timing_s/checkpoint": t_ckpt, "timing_s/publish": t_pub,
                 "timing_s/step": step_s, "perf/time_per_step": step_s,
             })
-            commit_steps(self.r, self.keys, self.pending, g)
+            retry_on_connection(lambda: commit_steps(self.r, self.keys, self.pending, g), f"committing step {g}")
             self.reader.forget(i for lg in self.pending for i in lg.ack_ids)  # acked inside the commit
             self.pending = []
         else:
@@ -311,10 +339,10 @@ class Trainer:
             ledger.step_end.metrics.update(
                 {"timing_s/publish": t_pub, "timing_s/step": step_s, "perf/time_per_step": step_s}
             )
-            count_consumed(self.r, self.keys, ledger)
+            retry_on_connection(lambda: count_consumed(self.r, self.keys, ledger), f"counting step {g}")
         self._grant(g)
         if self.janitor is not None:
-            self.janitor.maybe_run()
+            retry_on_connection(self.janitor.maybe_run, "retention")
         log.info("global step %d done in %.2fs (%d trained, %d dropped)", g, time.perf_counter() - t_step,
                  trained, len(ledger.fates) - trained)
         return True

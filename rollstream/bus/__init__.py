@@ -5,6 +5,7 @@ from rollstream.bus.connection import (
     backoff_delays,
     connect,
     read_password,
+    retry_on_connection,
     wait_until_ready,
 )
 from rollstream.bus.publish import Publisher, RunNotSetUpError, delete_run, ensure_group, setup_run
@@ -26,6 +27,7 @@ __all__ = [
     "entry_limits",
     "ensure_group",
     "read_password",
+    "retry_on_connection",
     "safe_min_id",
     "setup_run",
     "trim_stream",
