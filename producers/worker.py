@@ -136,7 +136,7 @@ class Producer:
         and after a reconnect); returns the prompts released."""
         r, keys = self.ctx.r, self.ctx.keys
         released = release_unpublished(r, keys, self.name)
-        saved: Any = r.hget(keys.producer_cursor, self.name)
+        saved: Any = r.get(keys.producer_cursor(self.name))
         if saved is not None:
             epoch, index = (int(x) for x in saved.decode().split(":"))
             self.source.cursor = (epoch, index)
@@ -323,7 +323,7 @@ class Producer:
             pipe.xadd(keys.rollouts, encode(s), nomkstream=True)  # type: ignore[arg-type]
         mark_published(pipe, keys, self.name, len(samples))
         epoch, index = self.source.cursor
-        pipe.hset(keys.producer_cursor, self.name, f"{epoch}:{index}")
+        pipe.set(keys.producer_cursor(self.name), f"{epoch}:{index}")
         res = pipe.execute()
         if any(x is None for x in res[: len(samples)]):
             raise RunNotSetUpError(f"stream {keys.rollouts} does not exist: run `rollstream run` or setup_run first")

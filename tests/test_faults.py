@@ -163,8 +163,8 @@ def _check_roles_confined(run_dir: Path, url: str, keys: Keys) -> None:
     """The default user is off and a producer's credentials cannot read rollouts or write records."""
     with pytest.raises(redis.AuthenticationError):
         redis.Redis.from_url(url).ping()
-    pw = (run_dir / SECRETS_DIR / "producer.password").read_text()
-    prod = redis.Redis.from_url(url, username="producer", password=pw)
+    pw = (run_dir / SECRETS_DIR / "rollout_00.password").read_text()
+    prod = redis.Redis.from_url(url, username="rollout_00", password=pw)
     with pytest.raises(redis.exceptions.NoPermissionError):
         prod.xrange(keys.rollouts, count=1)
     with pytest.raises(redis.exceptions.NoPermissionError):
@@ -176,7 +176,7 @@ def _check_no_password_leaks(run_dir: Path, outputs: list[str]) -> None:
     """Each role's password file is 0600, and no password appears in a log, the run dir's config files, or
     the CLI's output."""
     files = sorted((run_dir / SECRETS_DIR).glob("*.password"))
-    assert [f.stem for f in files] == ["admin", "aggregator", "producer", "trainer"]
+    assert [f.stem for f in files] == ["admin", "aggregator", "rollout_00", "rollout_01", "trainer"]
     texts = [p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log*")]
     texts += [p.read_text(errors="replace") for p in run_dir.glob("*.*") if p.is_file()]
     texts += outputs

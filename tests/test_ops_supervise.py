@@ -131,3 +131,15 @@ def test_supervisord_lifecycle_with_standin_workers(tmp_path: Path, capsys: pyte
     assert "up rollout_01 unix://" in (plan.run_dir / "logs" / "rollout_01.log").read_text()
     with pytest.raises(Exception, match="no supervisord"):
         stop_run(plan.run_dir)
+    assert_private(plan.run_dir)
+
+
+def assert_private(run_dir: Path) -> None:
+    """Issue 12, finding 6: the run dir is 0700 and nothing under it (AOF, logs, configs, secrets) is
+    readable by group or others."""
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    paths = [run_dir, *run_dir.rglob("*")]
+    shared = [f"{p} {stat.S_IMODE(p.lstat().st_mode):o}" for p in paths
+              if not p.is_socket() and stat.S_IMODE(p.lstat().st_mode) & 0o077]
+    assert shared == [], shared
+    assert any((run_dir / "redis").rglob("*.aof")) and any((run_dir / "logs").glob("*.log"))
