@@ -7,6 +7,11 @@ an id that already ended is acked without a second fate, so ids, not entries, ar
 `step_end` events on `metrics` must be global steps 1..N, once each, and `records` must hold 1..M, after
 an optional record 0 (the validation of version 0, taken before any training when trainer.test_freq > 0).
 
+Only the trainer writes `metrics` (ACL), so a (global step, local step) with more than one `local_update`
+is a re-emission by the trainer itself: a step retrained after a restart from an older checkpoint, or an
+XADD retried after a lost reply. The fold keeps the latest copy; the audit lists them in `reemitted`
+(not a problem).
+
 Reads the whole log with XRANGE (bounded runs; a retention-trimmed log audits what is left).
 """
 
@@ -59,6 +64,7 @@ class AuditReport:
     unknown: set[str] = field(default_factory=set)  # a fate for an id not (or no longer) on rollouts
     duplicate_entries: int = 0  # rollouts entries repeating an id (redeliveries / duplicate XADDs)
     steps: list[int] = field(default_factory=list)  # step_end global steps, in log order
+    reemitted: dict[tuple[int, int], int] = field(default_factory=dict)  # (g, k) -> copies, when more than one
     records: list[int] = field(default_factory=list)  # global steps with a record
 
     @property
@@ -90,7 +96,8 @@ class AuditReport:
         return (
             f"published {len(self.published)}  trained {len(self.trained)}  dropped {len(self.dropped)}  "
             f"dead {len(self.dead)}  pending {len(self.pending)}  lost {len(self.lost)}  "
-            f"duplicated {len(self.duplicated)}  steps {len(self.steps)}  records {len(self.records)}"
+            f"duplicated {len(self.duplicated)}  steps {len(self.steps)}  records {len(self.records)}  "
+            f"re-emitted local updates {len(self.reemitted)}"
         )
 
 
@@ -151,6 +158,7 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
     for sid in rep.published - set(ends):
         (rep.pending if sid in open_ids else rep.lost).add(sid)
 
+    updates = Counter[tuple[int, int]]()
     for _, f in scan_stream(r, keys.metrics):
         try:
             ev = decode(f)
@@ -158,5 +166,8 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
             continue
         if isinstance(ev, StepMetrics) and ev.type == "step_end":
             rep.steps.append(ev.global_step)
+        elif isinstance(ev, StepMetrics):
+            updates[ev.global_step, ev.local_step] += 1
+    rep.reemitted = {gk: n for gk, n in sorted(updates.items()) if n > 1}
     rep.records = [int(i.split("-")[0]) for i, _ in scan_stream(r, keys.records)]
     return rep

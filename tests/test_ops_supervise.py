@@ -17,6 +17,7 @@ from rollstream.names import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.supervise import (
     plan_run,
+    private_violations,
     process_states,
     render_supervisord_conf,
     start_run,
@@ -138,8 +139,5 @@ def assert_private(run_dir: Path) -> None:
     """Issue 12, finding 6: the run dir is 0700 and nothing under it (AOF, logs, configs, secrets) is
     readable by group or others."""
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
-    paths = [run_dir, *run_dir.rglob("*")]
-    shared = [f"{p} {stat.S_IMODE(p.lstat().st_mode):o}" for p in paths
-              if not p.is_socket() and stat.S_IMODE(p.lstat().st_mode) & 0o077]
-    assert shared == [], shared
+    assert private_violations(run_dir) == []
     assert any((run_dir / "redis").rglob("*.aof")) and any((run_dir / "logs").glob("*.log"))

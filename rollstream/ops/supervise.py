@@ -24,6 +24,7 @@ import hashlib
 import os
 import re
 import shlex
+import stat
 import subprocess
 import sys
 import tempfile
@@ -147,6 +148,14 @@ def private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     path.chmod(0o700)
     return path
+
+
+def private_violations(run_dir: Path) -> list[str]:
+    """`path mode` of everything under run_dir (itself included) that group or others may access (sockets
+    aside: their access is the directory's); [] for a private run."""
+    paths = [run_dir, *run_dir.rglob("*")]
+    return [f"{p} {stat.S_IMODE(p.lstat().st_mode):o}" for p in paths
+            if not p.is_socket() and stat.S_IMODE(p.lstat().st_mode) & PRIVATE_UMASK]
 
 
 def write_private(path: Path, text: str) -> None:
