@@ -14,9 +14,11 @@ import redis
 
 from consumers.trainer.loop import Trainer
 from rollstream.audit import audit_run
+from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.fake import fake_rollout_sample
 from rollstream.names import Keys
+from rollstream.weights import publish_weights
 from schemas import DeadLetter, decode, encode
 
 MAX_ENTRY_BYTES = 256 << 10
@@ -101,3 +103,23 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
     assert sorted(fates) == goods
     rep = audit_run(r, keys)  # the header's sample_id is what the audit sees: it ended in `dead`, not lost
     assert f"header-{tag}" in rep.dead and not rep.lost and not rep.duplicated, rep.problems()
+
+
+def test_versions_published_before_a_restart_are_not_from_the_future(
+    r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """A trainer that restarts from an older checkpoint finds versions published by the steps its crash
+    abandoned; samples stamped with them are real (seen in the fault test), only newer ones are invalid."""
+    setup_run(r, keys)
+    for v in (0, 1, 2):  # published by a previous trainer process that never checkpointed
+        publish_weights(r, keys, v, b"w" * 16, global_step=v, inline_max_bytes=1 << 20)
+    trainer = Trainer(tiny_cfg(keys, tmp_path), r, keys, "trainer", threading.Event())
+    trainer.resume()
+    assert trainer.global_step == 0 and trainer.newest_published == 2
+    tag = uuid.uuid4().hex[:6]
+    future = r.xadd(keys.rollouts, sample_fields(f"v3-{tag}", 3)).decode()  # type: ignore[arg-type,union-attr]
+    for i in range(2):
+        r.xadd(keys.rollouts, sample_fields(f"v2-{tag}-{i}", 2))  # type: ignore[arg-type]
+    assert trainer.train_step(1)
+    assert dead_reasons(r, keys) == {future: "invalid: param_version=3 is newer than the newest published version 2"}
+    assert sorted(f[b"sample_id"].decode() for _, f in r.xrange(keys.fates)) == [f"v2-{tag}-0", f"v2-{tag}-1"]  # type: ignore[union-attr]

@@ -112,6 +112,9 @@ class Trainer:
         self.pending: list[StepLedger] = []  # finished steps not yet covered by a checkpoint
         self.global_step = 0  # last finished global step (= the version last published)
         self.training_step = 0  # highest global step ever begun (the trainer hash's training_step)
+        # newest version on `params`: after a restart from an older checkpoint, versions published past it
+        # (by steps the crash abandoned) exist and producers may have stamped samples with them
+        self.newest_published = 0
         self._own_dead = 0  # non-rollout entries we dead-lettered ourselves (not prompts)
         self._dead_counted = 0
         self._step_dead = 0
@@ -133,6 +136,8 @@ class Trainer:
             ledgers = [StepLedger.from_plain(d) for d in meta["steps"]]
             log.info("resumed from checkpoint of global step %d", self.global_step)
         self._publish(self.global_step, only_if_missing=True)
+        latest = latest_param_version(self.r, self.keys)
+        self.newest_published = max(self.global_step, latest.version if latest is not None else 0)
         if ledgers and committed_step(self.r, self.keys) < self.global_step:
             log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
             commit_steps(self.r, self.keys, ledgers, self.global_step)
@@ -162,6 +167,7 @@ class Trainer:
             )
 
         retry_on_connection(publish, f"publishing version {version}")
+        self.newest_published = max(self.newest_published, version)
         return time.perf_counter() - t0
 
     def _grant(self, version: int) -> None:
@@ -214,7 +220,7 @@ class Trainer:
                 self.reader.dead_letter(m.id, m.fields, f"not a rollout: {ev.type}")
             elif ev.sample_id in self.seen:
                 dupes.append(m.id)  # the original is committed or still pending: safe to ack this copy
-            elif (why := version_reason(ev, self.global_step)) is not None:  # versions <= global_step exist
+            elif (why := version_reason(ev, self.newest_published)) is not None:
                 self.reader.dead_letter(m.id, m.fields, f"invalid: {why}")  # counted as consumed below
             elif (why := unusable_reason(ev, self.learner.policy.tokenizer.vocab_size,
                                          self.learner.policy.max_seq_len)) is not None:

@@ -55,7 +55,7 @@ PASSWORD_FILE = "redis.password"
 ACL_FILE = "users.acl"
 #: File mode bits a run's files never carry (group and other): the umask of the run's programs.
 PRIVATE_UMASK = 0o077
-#: supervisord program name -> ACL user it connects as (producers match rollout_*).
+#: supervisord program name -> ACL user it connects as (each producer connects as a user of its own name).
 PROGRAM_ROLES = {"aggregator": "aggregator", "trainer": "trainer"}
 
 
