@@ -150,6 +150,8 @@ class AggregatorWorker:
         while not self.stop.is_set():
             msgs = self.stats_reader.poll_retrying(block_ms=1)
             out += msgs
+            if self.stats_reader.reading_own_pending:  # a page of the own-pending re-read: not drained yet
+                continue
             if upto is None:
                 if not msgs:
                     return out, True

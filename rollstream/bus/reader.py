@@ -265,6 +265,12 @@ class GroupReader:
         self._last_touch = time.monotonic()
 
     @property
+    def reading_own_pending(self) -> bool:
+        """True while polls re-read this consumer's own pending list (at start, after a reconnect): an
+        empty poll then does not mean the stream is drained."""
+        return self._read_own_pending
+
+    @property
     def inflight(self) -> int:
         """Entries handed out by this reader and not yet acked."""
         return len(self._inflight)
