@@ -11,9 +11,16 @@ Loop (until stop): load the newest weights (between dispatches), take up to `pro
 from that version's budget (none left: wait, idle, for the next version), stamp `param_version` = the
 loaded version, generate all prompts x n in one agent-loop call (weights may change mid-generation
 with partial rollout), score each response, and publish one RolloutSample per prompt together with
-`mark_published` in one transaction. A ProducerStats event goes to `metrics` on each version switch
+`mark_published` in one transaction. A ProducerStats event goes to `stats` on each version switch
 (tagged with the version left) and every `rollout.stats_every_s`. The first SIGTERM finishes and
 publishes the current dispatch, then exits 0.
+
+Reconnects: a Redis connection loss anywhere in the loop is handled in place, the way a restart would
+handle it: wait (with backoff) until Redis answers, release what this producer took and has not
+published (`release_unpublished`), reload its cursor from Redis, and go on; a dispatch whose budget was
+released meanwhile (another slot's, in latency-model mode) is discarded instead of published. A publish
+whose reply was lost either landed (the cursor in Redis moved with it) or not (its prompts are
+dispatched again), so nothing is published twice or skipped.
 
 Latency-model mode (`rollout.latency_model.enable`, benchmarks; see producers/latency.py): decoding is
 replaced by sleeping the modelled decode time, and `latency_model.concurrency` slots (threads) run the
@@ -47,9 +54,10 @@ from producers.data import (
 from producers.latency import LatencyModel, plan_dispatch, run_plan
 from producers.stats import Counters, StatsWindow, rollout_status
 from producers.sync import WeightSync
-from rollstream.bus import Publisher, RunNotSetUpError
+from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
 from rollstream.factory import build_policy, build_prompt_source, build_task
 from rollstream.model import BasePolicy
+from rollstream.names import producer_names
 from rollstream.pacing import current_budget, mark_published, release_unpublished, rollout_counts, take_budget
 from rollstream.tasks import Prompt, Task
 from rollstream.weights import WeightsError, latest_param_version
@@ -101,29 +109,48 @@ class Producer:
         self.lock = threading.RLock()  # slots share the source, counters, stats window and weights
         self._done = 0
         self._newest = (-1, 0.0)  # (version, monotonic time of the check), shared by idle slots
+        self.generation = 0  # bumped by each reconnect; a dispatch taken under an older one is not published
+        self.reconnects = 0
 
     # ---- start-up ---------------------------------------------------------------------------------
     def start(self) -> bool:
         """Release a crashed predecessor's unpublished budget, resume the cursor, load version 0.
         False when stopped before any version appeared."""
         r, keys = self.ctx.r, self.ctx.keys
-        self.counters.released_on_start = release_unpublished(r, keys, self.name)
+        self.counters.released_on_start = retry_on_connection(self._resync, "start")
         if self.counters.released_on_start:
             log.warning("released %d dispatched-but-unpublished prompts of a previous run of %s",
                         self.counters.released_on_start, self.name)
-        saved: Any = r.hget(keys.producer_cursor, self.name)
-        if saved is not None:
-            epoch, index = (int(x) for x in saved.decode().split(":"))
-            self.source.cursor = (epoch, index)
-            log.info("resuming prompts at epoch %d index %d", epoch, index)
         log.info("producer %s: shard %d of %d; waiting for param version 0", self.name, self.index,
                  self.ctx.cfg.rollout.num_producers)
-        if not self.weights.wait_initial(self.ctx.stop):
+        if not retry_on_connection(lambda: self.weights.wait_initial(self.ctx.stop), "waiting for version 0"):
             return False
         if not r.exists(keys.setup):  # set by setup_run once the streams exist (the producer's ACL cannot read rollouts)
             raise RunNotSetUpError(f"stream {keys.rollouts} does not exist: run `rollstream run` or setup_run first")
         self.counters.versions_loaded = self.weights.loads
         return True
+
+    def _resync(self) -> int:
+        """Release what this producer took and never published, reload its cursor from Redis (at start
+        and after a reconnect); returns the prompts released."""
+        r, keys = self.ctx.r, self.ctx.keys
+        released = release_unpublished(r, keys, self.name)
+        saved: Any = r.get(keys.producer_cursor(self.name))
+        if saved is not None:
+            epoch, index = (int(x) for x in saved.decode().split(":"))
+            self.source.cursor = (epoch, index)
+            log.info("resuming prompts at epoch %d index %d", epoch, index)
+        return released
+
+    def _reconnect(self, error: BaseException) -> None:
+        """After a connection loss: wait for Redis, then resync as a restarted producer would (once for
+        all slots: every dispatch in flight belongs to the old generation and is discarded)."""
+        log.warning("redis connection lost (%s); reconnecting in place", error)
+        with self.lock:
+            released = retry_on_connection(self._resync, "reconnect")
+            self.generation += 1
+            self.reconnects += 1
+        log.warning("reconnected; released %d dispatched-but-unpublished prompts", released)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self, max_dispatches: int | None = None, burst: bool = False) -> int:
@@ -146,39 +173,59 @@ class Producer:
                 t.start()
             for t in slots:
                 t.join()
-        self._emit_stats(self.weights.version)
+        try:
+            self._emit_stats(self.weights.version)
+        except CONNECTION_ERRORS as e:  # leaving anyway: the window's stats are lost, nothing else
+            log.warning("final stats not published: %s", e)
         return self._done - start
 
     def _loop(self, want: int, limit: int | None, burst: bool) -> None:
-        """One slot: refresh weights, take up to `want` from the budget, dispatch; until stop, `limit`
-        dispatches by all slots together, or (burst) no budget left."""
-        r, keys, stop = self.ctx.r, self.ctx.keys, self.ctx.stop
-        while not stop.is_set():
+        """One slot: `_turn` until stop, `limit` dispatches by all slots together, or (burst) no budget
+        left; a connection loss is handled in place (`_reconnect`)."""
+        while not self.ctx.stop.is_set():
             with self.lock:
                 if limit is not None and self._done >= limit:
                     break
                 self._done += 1  # reserve a dispatch (other slots see it); given back when none happens
-                self.weights.refresh()  # between dispatches: always the newest version
-                mine = self.weights.version
-            take = take_budget(r, keys, mine, want, self.name)
-            if take.amount > 0:
-                self.dispatch(take.amount)
-                self._maybe_stats()
-                continue
-            with self.lock:
-                self._done -= 1
-            if take.stale:
-                if take.budget_version < mine:  # our version's grant is not made yet
-                    self._idle_until(lambda v=mine: current_budget(r, keys)[0] >= v)
-                else:
-                    with self.lock:
-                        loaded = self.weights.refresh()
-                    if not loaded:  # budget is for a newer version we could not load yet
-                        self._idle_until(lambda: False, once=True)  # one poll step, then retry
-                continue
-            if burst:
+            published: list[bool] = []
+            keep_going = True
+            try:
+                keep_going = self._turn(want, burst, published)
+            except CONNECTION_ERRORS as e:
+                self._reconnect(e)
+            if not published:
+                with self.lock:
+                    self._done -= 1
+            if not keep_going:
                 break
-            self._idle_until(lambda v=mine: self._newest_version() > v)
+
+    def _turn(self, want: int, burst: bool, published: list[bool]) -> bool:
+        """Refresh weights, take budget and dispatch (appending to `published` once on the log), or wait
+        for budget or a new version; False to stop (burst mode, no budget)."""
+        r, keys = self.ctx.r, self.ctx.keys
+        with self.lock:
+            self.weights.refresh()  # between dispatches: always the newest version
+            mine = self.weights.version
+            generation = self.generation
+        take = take_budget(r, keys, mine, want, self.name)
+        if take.amount > 0:
+            if self.dispatch(take.amount, generation=generation):  # [] = discarded: budget released
+                published.append(True)
+            self._maybe_stats()
+            return True
+        if take.stale:
+            if take.budget_version < mine:  # our version's grant is not made yet
+                self._idle_until(lambda v=mine: current_budget(r, keys)[0] >= v)
+            else:
+                with self.lock:
+                    loaded = self.weights.refresh()
+                if not loaded:  # budget is for a newer version we could not load yet
+                    self._idle_until(lambda: False, once=True)  # one poll step, then retry
+            return True
+        if burst:
+            return False
+        self._idle_until(lambda v=mine: self._newest_version() > v)
+        return True
 
     def _newest_version(self) -> int:
         """The newest published version (one XREVRANGE; idle slots share one check per POLL_S)."""
@@ -203,8 +250,9 @@ class Producer:
             self.window.idle_s += idle
 
     # ---- one dispatch -----------------------------------------------------------------------------
-    def dispatch(self, amount: int) -> list[RolloutSample]:
-        """Generate `amount` prompts (budget already taken) x n, score and publish them; returns the samples."""
+    def dispatch(self, amount: int, generation: int | None = None) -> list[RolloutSample]:
+        """Generate `amount` prompts (budget already taken) x n, score and publish them; returns the samples
+        ([] when a reconnect since the take, i.e. a newer `generation`, released their budget)."""
         cfg = self.ctx.cfg
         with self.lock:
             items = self.source.take(amount)
@@ -221,7 +269,8 @@ class Producer:
         gen_s = (time.perf_counter() - t0) / self.slots  # slot-averaged
 
         n = cfg.rollout.n
-        status = rollout_status(rollout_counts(self.ctx.r, self.ctx.keys), cfg, self.weights.version)
+        counts = rollout_counts(self.ctx.r, self.ctx.keys, producer_names(cfg.rollout.num_producers))
+        status = rollout_status(counts, cfg, self.weights.version)
         with self.lock:
             self.counters.gen_s += gen_s
             self.window.gen_s += gen_s
@@ -229,6 +278,9 @@ class Producer:
             for k, (sid, (epoch, _, prompt)) in enumerate(zip(ids, items, strict=True)):
                 group = trajs[k * n : (k + 1) * n]
                 samples.append(self._sample(sid, epoch, param_version, prompt, group, status))
+            if generation is not None and generation != self.generation:
+                log.warning("discarding %d samples: their budget was released by a reconnect", len(samples))
+                return []
             self._publish(samples)
         return samples
 
@@ -276,7 +328,7 @@ class Producer:
             pipe.xadd(keys.rollouts, encode(s), nomkstream=True)  # type: ignore[arg-type]
         mark_published(pipe, keys, self.name, len(samples))
         epoch, index = self.source.cursor
-        pipe.hset(keys.producer_cursor, self.name, f"{epoch}:{index}")
+        pipe.set(keys.producer_cursor(self.name), f"{epoch}:{index}")
         res = pipe.execute()
         if any(x is None for x in res[: len(samples)]):
             raise RunNotSetUpError(f"stream {keys.rollouts} does not exist: run `rollstream run` or setup_run first")
@@ -296,10 +348,10 @@ class Producer:
                     self._emit_stats(self.weights.version)
 
     def _emit_stats(self, param_version: int) -> None:
-        """Publish the current window as a ProducerStats on `metrics` and start a new window."""
+        """Publish the current window as a ProducerStats on `stats` and start a new window."""
         with self.lock:
             ev = self.window.event(self.name, param_version)
-            self.metrics.publish(self.ctx.keys.metrics, ev)
+            self.metrics.publish(self.ctx.keys.stats, ev)
             self.window = StatsWindow()
             self.last_stats = time.monotonic()
 

@@ -4,7 +4,13 @@ Every sample_id on `rollouts` must end exactly once as trained or dropped-as-sta
 or dead-lettered (an entry on `dead` whose source is `rollouts`); the only other legitimate state is
 still unacked in the trainer group (pending, or not yet delivered). A redelivered or duplicate XADD of
 an id that already ended is acked without a second fate, so ids, not entries, are what is counted.
-`step_end` events on `metrics` must be global steps 1..N, once each, and `records` must hold 1..M.
+`step_end` events on `metrics` must be global steps 1..N, once each, and `records` must hold 1..M, after
+an optional record 0 (the validation of version 0, taken before any training when trainer.test_freq > 0).
+
+Only the trainer writes `metrics` (ACL), so a (global step, local step) with more than one `local_update`
+is a re-emission by the trainer itself: a step retrained after a restart from an older checkpoint, or an
+XADD retried after a lost reply. The fold keeps the latest copy; the audit lists them in `reemitted`
+(not a problem).
 
 Reads the whole log with XRANGE (bounded runs; a retention-trimmed log audits what is left).
 """
@@ -58,7 +64,14 @@ class AuditReport:
     unknown: set[str] = field(default_factory=set)  # a fate for an id not (or no longer) on rollouts
     duplicate_entries: int = 0  # rollouts entries repeating an id (redeliveries / duplicate XADDs)
     steps: list[int] = field(default_factory=list)  # step_end global steps, in log order
+    reemitted: dict[tuple[int, int], int] = field(default_factory=dict)  # (g, k) -> copies, when more than one
     records: list[int] = field(default_factory=list)  # global steps with a record
+
+    @property
+    def records_consecutive(self) -> bool:
+        """records are 1..M once each, optionally preceded by record 0 (validation before training)."""
+        steps = self.records[1:] if self.records[:1] == [0] else self.records
+        return steps == list(range(1, len(steps) + 1))
 
     @property
     def steps_consecutive(self) -> bool:
@@ -74,8 +87,8 @@ class AuditReport:
             out.append(f"{len(self.duplicated)} samples ended more than once: {sorted(self.duplicated)[:5]}")
         if not self.steps_consecutive:
             out.append(f"step_end global steps are not 1..N once each: {self.steps}")
-        if self.records != list(range(1, len(self.records) + 1)):
-            out.append(f"records are not steps 1..M: {self.records}")
+        if not self.records_consecutive:
+            out.append(f"records are not steps [0,] 1..M: {self.records}")
         return out
 
     def summary(self) -> str:
@@ -83,7 +96,8 @@ class AuditReport:
         return (
             f"published {len(self.published)}  trained {len(self.trained)}  dropped {len(self.dropped)}  "
             f"dead {len(self.dead)}  pending {len(self.pending)}  lost {len(self.lost)}  "
-            f"duplicated {len(self.duplicated)}  steps {len(self.steps)}  records {len(self.records)}"
+            f"duplicated {len(self.duplicated)}  steps {len(self.steps)}  records {len(self.records)}  "
+            f"re-emitted local updates {len(self.reemitted)}"
         )
 
 
@@ -144,6 +158,7 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
     for sid in rep.published - set(ends):
         (rep.pending if sid in open_ids else rep.lost).add(sid)
 
+    updates = Counter[tuple[int, int]]()
     for _, f in scan_stream(r, keys.metrics):
         try:
             ev = decode(f)
@@ -151,5 +166,8 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
             continue
         if isinstance(ev, StepMetrics) and ev.type == "step_end":
             rep.steps.append(ev.global_step)
+        elif isinstance(ev, StepMetrics):
+            updates[ev.global_step, ev.local_step] += 1
+    rep.reemitted = {gk: n for gk, n in sorted(updates.items()) if n > 1}
     rep.records = [int(i.split("-")[0]) for i, _ in scan_stream(r, keys.records)]
     return rep

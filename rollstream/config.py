@@ -219,7 +219,10 @@ class BusConfig(_Section):
         0, ge=0, description="With retention on: newest records kept in Redis (0 = all; the JSONL sink keeps every one)"
     )
     weights_inline_max_bytes: int = Field(64 << 20, ge=0, description="Weight blobs up to this size go in Redis, larger to files")
-    max_entry_bytes: int = Field(64 << 20, ge=1024, description="Largest payload/array field accepted on decode")
+    max_entry_bytes: int = Field(
+        64 << 20, ge=1024, description="Largest stream entry (all fields together) accepted on decode; larger ones go to dead"
+    )
+
 
     @model_validator(mode="after")
     def _timeouts(self) -> BusConfig:

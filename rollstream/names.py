@@ -8,6 +8,13 @@ from dataclasses import dataclass
 TRAINER_GROUP = "trainer"
 AGGREGATOR_GROUP = "aggregator"
 
+# Fields of the `trainer` hash that bound what the aggregator accepts (see consumers/aggregator/plausible.py).
+COMMITTED_STEP_FIELD = "committed_step"  # last global step whose commit (with its step_end) executed
+TRAINING_STEP_FIELD = "training_step"  # highest global step the trainer has begun (never decreases)
+
+# `source` of the aggregator's notes on `dead` (reports about the log, not dead-lettered entries).
+AGGREGATOR_NOTE_SOURCE = "aggregator"
+
 # The `dead` stream's own fields (ahead of the original entry's fields, which are prefixed).
 DEAD_ORIGINAL_PREFIX = "orig:"
 
@@ -33,8 +40,13 @@ class Keys:
 
     @property
     def metrics(self) -> str:
-        """Stream of StepMetrics / ValidateMetrics / ProducerStats (-> aggregator)."""
+        """Stream of the trainer's StepMetrics / ValidateMetrics (-> aggregator); only the trainer writes it."""
         return self._k("metrics")
+
+    @property
+    def stats(self) -> str:
+        """Stream of the producers' ProducerStats (-> aggregator); the trainer never writes it."""
+        return self._k("stats")
 
     @property
     def records(self) -> str:
@@ -74,30 +86,46 @@ class Keys:
         """Counter: prompts consumed by the trainer (trained or dropped)."""
         return self._k("consumed")
 
-    @property
-    def producer_inflight(self) -> str:
-        """Hash: producer name -> prompts it dispatched and has not yet published."""
-        return self._k("producer_inflight")
+    # A producer's own state lives under producer:<name>:…, the only keys its ACL user may write.
 
-    @property
-    def producer_cursor(self) -> str:
-        """Hash: producer name -> "epoch:index" of its next prompt (advanced with each publish, resumed on restart)."""
-        return self._k("producer_cursor")
+    def producer_prefix(self, producer: str) -> str:
+        """Prefix of every key one producer owns (its ACL user may write only these, the log streams it
+        appends to, and the pacing counters)."""
+        return self._k(f"producer:{producer}:")
+
+    def producer_inflight(self, producer: str) -> str:
+        """Counter: prompts this producer dispatched and has not yet published."""
+        return self.producer_prefix(producer) + "inflight"
+
+    def producer_cursor(self, producer: str) -> str:
+        """String: "epoch:index" of this producer's next prompt (advanced with each publish, resumed on restart)."""
+        return self.producer_prefix(producer) + "cursor"
+
+    def producer_version(self, producer: str) -> str:
+        """String: the param_version this producer generates with (for weight garbage collection and status)."""
+        return self.producer_prefix(producer) + "version"
+
+    def producer_dispatch_log(self, producer: str) -> str:
+        """Stream: this producer's budget takes and releases (version, amount, outstanding) for audit."""
+        return self.producer_prefix(producer) + "dispatch_log"
+
+    def producer_of(self, key: str) -> str:
+        """The producer name a per-producer key belongs to."""
+        return key.removeprefix(self._k("producer:")).rsplit(":", 1)[0]
+
+    def producer_pattern(self, what: str) -> str:
+        """SCAN pattern matching one kind of per-producer key (`inflight`, `cursor`, `version`, …)."""
+        return self._k(f"producer:*:{what}")
 
     @property
     def dispatch_log(self) -> str:
-        """Stream: one entry per budget grant or take (version, amount, outstanding) for audit."""
+        """Stream: one entry per budget grant by the trainer (version, amount, outstanding) for audit."""
         return self._k("dispatch_log")
 
     @property
     def trainer(self) -> str:
         """Hash: trainer global_step, param_version, heartbeat."""
         return self._k("trainer")
-
-    @property
-    def producers(self) -> str:
-        """Hash: producer name -> param_version it is using (for weight garbage collection and status)."""
-        return self._k("producers")
 
     @property
     def setup(self) -> str:
@@ -111,8 +139,14 @@ class Keys:
 
     def all_streams(self) -> list[str]:
         """Every stream of the run, for status and cleanup."""
-        return [self.rollouts, self.metrics, self.records, self.params, self.dead, self.fates, self.dispatch_log]
+        return [self.rollouts, self.metrics, self.stats, self.records, self.params, self.dead, self.fates,
+                self.dispatch_log]
 
     def pattern(self) -> str:
         """SCAN pattern matching every key of the run."""
         return f"{self.prefix}*"
+
+
+def producer_names(count: int) -> list[str]:
+    """The producer worker names of a run with `count` producers: rollout_00 … rollout_NN."""
+    return [f"rollout_{i:02d}" for i in range(count)]

@@ -5,13 +5,18 @@ max_outstanding = train_batch_size * (1 + staleness_threshold). When the trainer
 grants budget:v = max_outstanding - outstanding, where outstanding = dispatched - consumed, and deletes
 every older budget. A producer takes budget from the newest version before dispatching prompts; one that
 finds none waits for the next version. Hence outstanding never exceeds max_outstanding.
-Every grant and take is logged on the `dispatch_log` stream so the bound can be checked from the log.
+Grants are logged on the trainer's `dispatch_log` stream, each producer's takes and releases on its own
+(`producer:<name>:dispatch_log`), so the bound can be checked from the log (`dispatch_entries`).
+
+Producers run TAKE and RELEASE as scripts, and their ACL user may touch only the keys those scripts need:
+read the trainer hash and `consumed`, move `budget:<v>` and `dispatched`, write its own producer keys.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -31,7 +36,7 @@ redis.call('XADD', KEYS[5], '*', 'op', 'grant', 'version', ARGV[1], 'amount', bu
 return {budget, outstanding}
 """
 
-# KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log, producer-inflight hash
+# KEYS: budget:v, dispatched, consumed, trainer hash, producer's dispatch_log, producer's inflight counter
 # ARGV: version, want, producer
 _TAKE = """
 local current = tonumber(redis.call('HGET', KEYS[4], 'budget_version') or '-1')
@@ -41,21 +46,21 @@ local take = math.min(left, tonumber(ARGV[2]))
 if take <= 0 then return {0, current} end
 redis.call('DECRBY', KEYS[1], take)
 local dispatched = redis.call('INCRBY', KEYS[2], take)
-redis.call('HINCRBY', KEYS[6], ARGV[3], take)
+redis.call('INCRBY', KEYS[6], take)
 local outstanding = dispatched - tonumber(redis.call('GET', KEYS[3]) or '0')
 redis.call('XADD', KEYS[5], '*', 'op', 'take', 'version', ARGV[1], 'amount', take,
            'outstanding', outstanding, 'producer', ARGV[3])
 return {take, current}
 """
 
-# KEYS: dispatched, producer-inflight hash, dispatch_log ; ARGV: producer
+# KEYS: dispatched, producer's inflight counter, producer's dispatch_log ; ARGV: producer
 _RELEASE = """
-local n = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+local n = tonumber(redis.call('GET', KEYS[2]) or '0')
 if n > 0 then
   redis.call('DECRBY', KEYS[1], n)
   redis.call('XADD', KEYS[3], '*', 'op', 'release', 'amount', n, 'producer', ARGV[1])
 end
-redis.call('HSET', KEYS[2], ARGV[1], 0)
+redis.call('SET', KEYS[2], 0)
 return n
 """
 
@@ -86,27 +91,42 @@ def grant_budget(r: redis.Redis, keys: Keys, version: int, max_outstanding: int)
 def take_budget(r: redis.Redis, keys: Keys, version: int, want: int, producer: str) -> Take:
     """Producer side: atomically take up to `want` dispatches from `version`'s budget."""
     res: Any = r.eval(
-        _TAKE, 6, keys.budget(version), keys.dispatched, keys.consumed, keys.trainer, keys.dispatch_log,
-        keys.producer_inflight, version, want, producer,
+        _TAKE, 6, keys.budget(version), keys.dispatched, keys.consumed, keys.trainer,
+        keys.producer_dispatch_log(producer), keys.producer_inflight(producer), version, want, producer,
     )
     return Take(int(res[0]), int(res[1]))
 
 
 def mark_published(pipe: Any, keys: Keys, producer: str, count: int = 1) -> None:
     """Queue, on the producer's publish pipeline, that `count` dispatched prompts are now on the log."""
-    pipe.hincrby(keys.producer_inflight, producer, -count)
+    pipe.decrby(keys.producer_inflight(producer), count)
 
 
 def release_unpublished(r: redis.Redis, keys: Keys, producer: str) -> int:
     """On producer (re)start: prompts it dispatched but never published (it crashed) stop counting as
     outstanding, so a crash cannot shrink every later budget. Returns how many were released."""
-    return int(r.eval(_RELEASE, 3, keys.dispatched, keys.producer_inflight, keys.dispatch_log, producer))  # type: ignore[arg-type]
+    return int(cast(Any, r.eval(_RELEASE, 3, keys.dispatched, keys.producer_inflight(producer),
+                                keys.producer_dispatch_log(producer), producer)))
 
 
 def record_consumed(r: redis.Redis | Any, keys: Keys, count: int) -> None:
     """Trainer side (may be a pipeline): `count` prompts were consumed (trained, dropped or dead)."""
     if count:
         r.incrby(keys.consumed, count)
+
+
+def inflight(r: redis.Redis, keys: Keys, producer: str) -> int:
+    """Prompts `producer` took and has not published (0 when it never took any)."""
+    return int(cast(Any, r.get(keys.producer_inflight(producer))) or 0)
+
+
+def dispatch_entries(r: redis.Redis, keys: Keys) -> list[dict[str, str]]:
+    """Every grant, take and release (the trainer's log and every producer's), in id order, as str dicts."""
+    rc: Any = r
+    streams = [keys.dispatch_log, *(k.decode() for k in rc.scan_iter(match=keys.producer_pattern("dispatch_log")))]
+    rows = [(i, f) for s in streams for i, f in rc.xrange(s)]
+    rows.sort(key=lambda row: tuple(int(x) for x in row[0].decode().split("-")))
+    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in rows]
 
 
 def outstanding(r: redis.Redis, keys: Keys) -> int:
@@ -148,16 +168,19 @@ class RolloutCounts:
         return self.published - self.consumed
 
 
-def rollout_counts(r: redis.Redis, keys: Keys) -> RolloutCounts:
-    """One MULTI snapshot of the global counters (only commands and keys the producer ACL allows)."""
+def rollout_counts(r: redis.Redis, keys: Keys, producers: Sequence[str]) -> RolloutCounts:
+    """One MULTI snapshot of the global counters, in-flight summed over the named producers' own
+    counters (GETs only: what the producer ACL allows)."""
     pipe = r.pipeline(transaction=True)
-    pipe.mget(keys.dispatched, keys.consumed)
-    pipe.hgetall(keys.producer_inflight)
+    pipe.get(keys.dispatched)
+    pipe.get(keys.consumed)
     pipe.hget(keys.trainer, DROPPED_STALE_FIELD)
-    (dispatched, consumed), inflight, dropped = pipe.execute()
+    for name in producers:
+        pipe.get(keys.producer_inflight(name))
+    dispatched, consumed, dropped, *inflight = pipe.execute()
     return RolloutCounts(
         dispatched=int(dispatched or 0),
         consumed=int(consumed or 0),
-        in_flight=sum(max(0, int(v)) for v in inflight.values()),
+        in_flight=sum(max(0, int(v or 0)) for v in inflight),
         dropped_stale=int(dropped or 0),
     )

@@ -1,15 +1,27 @@
 """Redis ACL users per role, for runs whose Redis `rollstream run` owns.
 
-Roles: `producer` (append to rollouts and metrics, read params and weights, take dispatch budget — nothing
-else), `trainer`, `aggregator`, `admin`. The default user is switched off. Passwords are generated into a
-0600 file per role in the run directory and reach workers as ROLLSTREAM_REDIS_PASSWORD_FILE; they never
-appear on a command line, in a log, or in `status`.
+Users: one per producer, named after it (`rollout_00` …), `trainer`, `aggregator`, `admin`. The default
+user is switched off. Passwords are generated into a 0600 file per user in the run directory and reach
+workers as ROLLSTREAM_REDIS_PASSWORD_FILE; they never appear on a command line, in a log, or in `status`.
+
+Redis 7 selectors bind each command to the keys it may touch, so no user can write what another role
+writes. A producer may: XADD to `rollouts` and `stats`; read `params`, `weights:*`, `setup`; read the
+trainer hash and `consumed`; move the pacing counters (`budget:*`, `dispatched`) through the TAKE and
+RELEASE scripts (Redis checks every command a script runs against the caller's user, so a producer can
+also DECRBY/INCRBY those two counters directly: it can starve or over-dispatch pacing, nothing else);
+and write its own `producer:<name>:*` keys. It cannot read rollouts, write the trainer hash, `metrics`,
+`dispatch_log`, `records`, `fates`, weights or params, another producer's keys, or another run's. The
+aggregator reads `metrics`/`stats` as its group, appends to `records` and `dead`, keeps `sink_cursor`,
+reads the trainer hash; it cannot trim or delete anything. The trainer owns the run's keys. Left open
+(no ACL can close it): any writer of a stream may XADD with an explicit id far ahead, after which every
+other writer's `*` XADD to that stream fails until an operator removes the entry.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,48 +29,63 @@ import redis
 
 from rollstream.names import Keys
 
-ROLES = ("producer", "trainer", "aggregator", "admin")
+#: Users other than the producers (one user per producer, named after it).
+ROLES = ("trainer", "aggregator", "admin")
 
-# Connection-level commands every role needs.
+# Connection-level commands every user needs.
 _BASE = ["+ping", "+hello", "+auth", "+client|setname", "+client|id", "+select", "+info", "+quit"]
 
 
-def acl_rules(keys: Keys) -> dict[str, list[str]]:
-    """ACL SETUSER rules (without `on`/password) for each role of a run."""
+def producer_rules(keys: Keys, producer: str) -> list[str]:
+    """ACL SETUSER rules of one producer's user: each command bound to the only keys it may touch."""
     k = keys
-
-    def key(pattern: str, mode: str = "") -> str:
-        return f"%{mode}~{pattern}" if mode else f"~{pattern}"
-
-    budget_glob = k.budget(0).rsplit(":", 1)[0] + ":*"
-    weights_glob = k.weights(0).rsplit(":", 1)[0] + ":*"
-    producer = [
-        *_BASE,
-        "+xadd", "+xrevrange", "+xrange", "+get", "+hget", "+hset", "+hgetall", "+hincrby", "+eval", "+evalsha",
-        "+multi", "+exec", "+discard", "+mget", "+exists", "+incrby", "+decrby",
-        key(k.rollouts, "W"), key(k.metrics, "W"),
-        key(k.params, "R"), key(weights_glob, "R"),
-        # EVAL checks every declared key as read+write, so the pacing scripts' keys (budget, dispatched,
-        # consumed, trainer hash, dispatch_log, producer_inflight) cannot be narrowed to %R/%W here; the
-        # scripts run INCRBY/DECRBY/HINCRBY, so a producer can move the pacing counters directly; it
-        # still cannot SET/DEL/XDEL/XTRIM, read rollouts, or touch weights, records or another run.
-        key(budget_glob), key(k.dispatched), key(k.consumed), key(k.trainer),
-        key(k.producer_inflight), key(k.producer_cursor), key(k.producers), key(k.dispatch_log),
-        key(k.setup, "R"),
+    budget = k.budget(0).rsplit(":", 1)[0] + ":*"
+    weights = k.weights(0).rsplit(":", 1)[0] + ":*"
+    own = k.producer_prefix(producer) + "*"
+    return [
+        *_BASE, "+multi", "+exec", "+discard",
+        f"(+xadd %W~{k.rollouts} %W~{k.stats})",
+        f"(+xrevrange +xrange %R~{k.params})",
+        f"(+get %R~{weights} %R~{k.consumed} %R~{budget} %R~{k.dispatched} %R~{k.producer_pattern('inflight')})",
+        f"(+exists %R~{k.setup})",
+        f"(+hget %R~{k.trainer})",
+        f"(+decrby ~{budget} ~{k.dispatched})",
+        f"(+incrby ~{k.dispatched})",
+        f"(+get +set +incrby +decrby +xadd ~{own})",
+        f"(+eval +evalsha ~{budget} ~{k.dispatched} ~{k.consumed} ~{k.trainer} ~{own})",
     ]
+
+
+def acl_rules(keys: Keys, producers: Sequence[str] = ()) -> dict[str, list[str]]:
+    """ACL SETUSER rules (without `on`/password) for each user of a run: trainer, aggregator, admin and
+    one per producer name."""
+    k = keys
+    group = ["+xreadgroup", "+xack", "+xautoclaim", "+xclaim", "+xpending", "+xgroup|create", "+xinfo|groups",
+             "+xrange"]
     trainer = [*_BASE, "+@read", "+@write", "+@stream", "+@hash", "+@string", "+@scripting", "+@transaction",
                "+@keyspace", "-flushall", "-flushdb", "-@dangerous", "+info", f"~{k.prefix}*"]
-    aggregator = [*_BASE, "+@read", "+@stream", "+@transaction", "+@hash", "+@string", "-@dangerous",
-                  key(k.metrics), key(k.records), key(k.dead, "W"), key(k.sink_cursor), key(k.trainer, "R")]
+    aggregator = [
+        *_BASE, "+multi", "+exec", "+discard", "+time",
+        f"({' '.join(group)} ~{k.metrics} ~{k.stats})",
+        f"(+xadd +xrange +xrevrange +xlen %RW~{k.records})",
+        f"(+xadd %W~{k.dead})",
+        f"(+hget +hset +hgetall ~{k.sink_cursor})",
+        f"(+hget +hmget %R~{k.trainer})",
+    ]
     admin = ["+@all", "~*", "&*"]
-    return {"producer": producer, "trainer": trainer, "aggregator": aggregator, "admin": admin}
+    rules = {"trainer": trainer, "aggregator": aggregator, "admin": admin}
+    for name in producers:
+        if name in rules:
+            raise ValueError(f"producer name {name!r} clashes with the {name!r} user")
+        rules[name] = producer_rules(keys, name)
+    return rules
 
 
-def generate_passwords(secrets_dir: Path) -> dict[str, Path]:
-    """Create (or reuse) one random password file per role, mode 0600; returns role -> path."""
+def generate_passwords(secrets_dir: Path, users: Sequence[str] = ROLES) -> dict[str, Path]:
+    """Create (or reuse) one random password file per user, mode 0600; returns user -> path."""
     secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     out = {}
-    for role in ROLES:
+    for role in users:
         path = secrets_dir / f"{role}.password"
         if not path.exists():
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -68,9 +95,10 @@ def generate_passwords(secrets_dir: Path) -> dict[str, Path]:
     return out
 
 
-def apply_acl(r: redis.Redis, keys: Keys, passwords: dict[str, str], *, disable_default: bool = True) -> None:
-    """Create/replace the role users (user name = role) and switch the default user off."""
-    rules = acl_rules(keys)
+def apply_acl(r: redis.Redis, keys: Keys, passwords: dict[str, str], *, producers: Sequence[str] = (),
+              disable_default: bool = True) -> None:
+    """Create/replace the users (trainer, aggregator, admin, one per producer) and switch the default user off."""
+    rules = acl_rules(keys, producers)
     for role, rule in rules.items():
         cmd: list[Any] = ["ACL", "SETUSER", role, "reset", "on", f">{passwords[role]}", *rule]
         r.execute_command(*cmd)

@@ -138,13 +138,15 @@ def load_weights(r: redis.Redis, pv: ParamVersion) -> bytes:
 
 def register_producer_version(r: redis.Redis, keys: Keys, producer: str, version: int) -> None:
     """Record which version a producer now generates with (for weight GC and `status`)."""
-    r.hset(keys.producers, producer, version)
+    r.set(keys.producer_version(producer), version)
 
 
 def producer_versions(r: redis.Redis, keys: Keys) -> dict[str, int]:
     """Producer name -> the param_version it last reported using."""
-    raw: Any = r.hgetall(keys.producers)
-    return {k.decode(): int(v) for k, v in raw.items()}
+    rc: Any = r
+    names = sorted(k.decode() for k in rc.scan_iter(match=keys.producer_pattern("version"), count=1000))
+    values = rc.mget(names) if names else []
+    return {keys.producer_of(n): int(v) for n, v in zip(names, values, strict=True) if v is not None}
 
 
 def gc_weights(

@@ -117,13 +117,15 @@ def parse_worker_args(prog: str, argv: Sequence[str] | None = None) -> argparse.
 
 
 def start_worker(role: str, argv: Sequence[str] | None = None, *, client_retries: int = 0) -> tuple[WorkerContext, argparse.Namespace]:
-    """Parse args, load config (exit 2 on a bad one), set up logging and signals, connect with backoff."""
+    """Parse args, load config (exit 2 on a bad one), set umask 077, set up logging and signals, connect
+    with backoff."""
     import redis
 
     from rollstream.bus import connect, read_password, wait_until_ready
     from rollstream.config import ConfigError, config_to_yaml, load_config
 
     install_early_signal_handlers()  # covers config loading and connecting (no-op if already recorded)
+    os.umask(0o077)  # checkpoints, sinks and weight files are the run's user's only
     args = parse_worker_args(f"python -m {role}", argv)
     name = args.name or os.environ.get("SUPERVISOR_PROCESS_NAME") or role.rsplit(".", 1)[-1]
     setup_logging(name)

@@ -9,6 +9,9 @@ EXT_FLAT_ARRAY ExtType. A DataProto's object arrays are [shape, values] lists in
 Dtypes without a code use the msgpack-bodied EXT_ARRAY; that and EXT_OBJECT_ARRAY stay decodable
 everywhere, so entries written by older encoders still decode. Decoding views the entry's bytes (no
 copy), unpacks with explicit size limits, upgrades old schema versions, and validates with pydantic.
+An entry is refused as a whole when it is over `Limits.max_entry_bytes`, holds a field the encoder would
+not write (unknown names, array fields the payload never references), or has a readable header field
+that disagrees with the payload (the header is what `redis-cli` and the audit read, so it must not lie).
 Every failure is a `DecodeError` with a short reason. No pickle, ever.
 """
 
@@ -68,6 +71,7 @@ class Limits:
     max_ext_len: int = 64 * MiB
     max_payload_bytes: int = 256 * MiB
     max_field_bytes: int = 4096 * MiB
+    max_entry_bytes: int = 4096 * MiB  # all field names and values of one entry together
     max_depth: int = 8
 
 
@@ -162,13 +166,14 @@ class _Packer:
 class _Unpacker:
     """msgpack unpacker with limits that resolves ExtTypes, viewing out-of-band fields without copying."""
 
-    __slots__ = ("fields", "limits", "depth")
+    __slots__ = ("fields", "limits", "depth", "used")
 
     def __init__(self, fields: Fields | None, limits: Limits) -> None:
         """fields: the entry's fields by bytes or str name (None outside an entry)."""
         self.fields = fields
         self.limits = limits
         self.depth = 0
+        self.used: set[str] = set()  # names of the out-of-band fields the payload referenced
 
     def unpack(self, data: bytes) -> Any:
         """Unpack one value with the configured limits."""
@@ -211,6 +216,7 @@ class _Unpacker:
             data = fields.get(name)  # type: ignore[call-overload]
             if data is None:
                 raise DecodeError(f"missing array field {name!r}")
+        self.used.add(name)
         if type(data) is not bytes:
             try:
                 data = memoryview(data).cast("B")
@@ -318,16 +324,61 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+_BASE_FIELDS = frozenset({"type", "schema", PAYLOAD_FIELD})
+
+
+def _field_name(name: Any) -> str:
+    """An entry field name as text (undecodable bytes as escapes, so a reason can show them)."""
+    return name.decode(errors="backslashreplace") if isinstance(name, bytes) else str(name)
+
+
+def _check_entry_size(fields: Fields, limits: Limits) -> None:
+    """Refuse an entry whose names and values together exceed limits.max_entry_bytes."""
+    total = 0
+    for name, value in fields.items():
+        total += len(name) + (len(value) if isinstance(value, bytes | bytearray | memoryview | str) else 0)
+    if total > limits.max_entry_bytes:
+        raise DecodeError(f"entry is {total} bytes, over the max_entry_bytes={limits.max_entry_bytes} limit")
+
+
+def _header_names(model: type[EventBase]) -> dict[str, str]:
+    """Entry header field name -> event attribute it renders (RolloutSample writes num_tokens as `tokens`)."""
+    return {("tokens" if name == "num_tokens" else name): name for name in model.HEADER}
+
+
+def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str], event: EventBase,
+                        raw_schema: Any) -> None:
+    """Every field is one the encoder writes, and every readable header field equals the payload's value."""
+    header = _header_names(model)
+    for raw_name in fields:
+        name = _field_name(raw_name)
+        if name not in _BASE_FIELDS and name not in header and name not in used:
+            raise DecodeError(f"unknown field {name[:40]!r} in a {event.type!r} entry")
+    schema = _get(fields, b"schema", "schema")
+    if schema is not None and type(raw_schema) is int and _text(schema) != str(raw_schema):
+        raise DecodeError(f"header schema={_text(schema)[:40]!r} != payload schema_version={raw_schema}")
+    values = event.header()
+    for name, attr in header.items():
+        got = _get(fields, name.encode(), name)
+        if got is None:
+            continue
+        want = _header_bytes(values["tokens" if attr == "num_tokens" else attr])
+        if bytes(got) != want:
+            raise DecodeError(f"header {name}={bytes(got)[:40]!r} != payload {attr}={want[:40]!r}")
+
+
 def _decode(fields: Fields, limits: Limits) -> Event:
     """decode() without the exception mapping."""
     if type(fields) is not dict and not isinstance(fields, Mapping):
         raise DecodeError(f"entry fields must be a mapping, got {type(fields).__name__}")
+    _check_entry_size(fields, limits)
     payload = _get(fields, b"payload", PAYLOAD_FIELD)
     if payload is None:
         raise DecodeError("missing 'payload' field")
     if len(payload) > limits.max_payload_bytes:
         raise DecodeError(f"payload is {len(payload)} bytes, over the {limits.max_payload_bytes} limit")
-    data = _Unpacker(fields, limits).unpack(payload)
+    unpacker = _Unpacker(fields, limits)
+    data = unpacker.unpack(payload)
     if not isinstance(data, dict):
         raise DecodeError(f"payload is a {type(data).__name__}, not a map")
     event_type = data.get("type")
@@ -342,7 +393,9 @@ def _decode(fields: Fields, limits: Limits) -> Event:
     version = data.get("schema_version")
     if type(version) is not int or version != model.SCHEMA:
         data = upgrade(event_type, data, model.SCHEMA)
-    return model.__pydantic_validator__.validate_python(data)  # type: ignore[no-any-return]  # = model_validate
+    event = model.__pydantic_validator__.validate_python(data)  # = model_validate
+    _check_entry_fields(fields, model, unpacker.used, event, version)
+    return event  # type: ignore[no-any-return]
 
 
 def decode(fields: Fields, limits: Limits = DEFAULT_LIMITS) -> Event:

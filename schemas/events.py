@@ -99,8 +99,8 @@ class RolloutSample(EventBase):
 
     type: Literal["rollout"] = "rollout"
     sample_id: str
-    epoch: int
-    param_version: int
+    epoch: int = Field(ge=0)
+    param_version: int = Field(ge=0)
     full_batch: DataProto
     agent_loop_output_list: list[dict[str, Any]]
     processing_times: list[float]

@@ -138,3 +138,14 @@ def test_cumulative_counters_are_never_averaged_in_a_record() -> None:
     [rec] = run(Fold(), log)
     assert rec.metrics[gen] == 14.0 and rec.metrics[stale] == 5.0  # last, not summed ("total") or averaged
     assert rec.metrics["fully_async/timing_s/wait"] == 0.75  # a prefixed time key is summed, not min
+
+
+def test_producer_stats_below_the_step_end_id_are_used_whatever_the_feed_order() -> None:
+    """Stats come from their own stream (issue 12): a record uses each producer's latest stats entry with an
+    id below its step_end's, so the live worker (stats drained first) and replay (id order) agree."""
+    stats = [("stats:1-0", producer_stats("a", 1, 10.0, 0.5, 0)), ("stats:5-0", producer_stats("a", 9, 90.0, 0.0, 1))]
+    steps = [("2-0", lu(1, 1, 1, y=1.0)), ("3-0", end(1, 1))]
+    live, replay = run(Fold(), [*stats, *steps]), run(Fold(), [stats[0], *steps, stats[1]])
+    assert [r.metrics["producer/a/samples"] for r in live] == [1.0] == [r.metrics["producer/a/samples"] for r in replay]
+    assert [encode(x) for x in live] == [encode(y) for y in replay]
+    assert live[0].source_ids == ["stats:1-0", "2-0", "3-0"]

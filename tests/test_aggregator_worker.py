@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from consumers.aggregator.fake import fake_metrics_log, local_update, producer_stats, step_end, validation
+from consumers.aggregator.fold import id_key
 from consumers.aggregator.replay import main as replay_main
 from consumers.aggregator.replay import replay_records
 from consumers.aggregator.sinks import JsonlSink, Sinks, TensorBoardSink
@@ -25,7 +26,7 @@ from consumers.aggregator.worker import AggregatorWorker
 from rollstream.bus import Publisher, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.names import AGGREGATOR_GROUP, Keys
-from schemas import DeadLetter, EventBase, SyncStepRecord, decode_as
+from schemas import DeadLetter, EventBase, ProducerStats, SyncStepRecord, decode_as
 
 REPO = Path(__file__).resolve().parents[1]
 approx = pytest.approx
@@ -50,10 +51,22 @@ def make_cfg(keys: Keys, tmp_path: Path, redis_url: str, *extra: str) -> Pipelin
     return load_config(None, base + list(extra))
 
 
-def publish(r: redis.Redis, keys: Keys, events: list[EventBase]) -> list[str]:
-    """Set the run up (idempotent) and XADD the events in order."""
+def publish(r: redis.Redis, keys: Keys, events: list[EventBase], trainer_at: int = 10**6) -> list[str]:
+    """Set the run up (idempotent) and XADD the events in order: producer stats to `stats`, the rest to
+    `metrics`, with explicit ids increasing across both streams (one log order). The trainer hash says
+    the trainer committed up to `trainer_at`, so the aggregator finds the events plausible."""
     setup_run(r, keys)
-    return Publisher(r).publish_many(keys.metrics, events)  # type: ignore[arg-type]
+    r.hset(keys.trainer, mapping={"committed_step": trainer_at, "training_step": trainer_at})
+    rc: Any = r
+    last = max((id_key(i.decode()) for s in (keys.metrics, keys.stats) for i, _ in rc.xrevrange(s, count=1)),
+               default=(0, 0))
+    sec, usec = rc.time()
+    base = max(int(sec) * 1000 + int(usec) // 1000, last[0] + 1)
+    pub = Publisher(r)
+    return [
+        pub.publish(keys.stats if isinstance(ev, ProducerStats) else keys.metrics, ev, entry_id=f"{base}-{i + 1}")  # type: ignore[arg-type]
+        for i, ev in enumerate(events)
+    ]
 
 
 def records(r: redis.Redis, keys: Keys) -> list[tuple[bytes, dict[bytes, bytes]]]:
@@ -72,9 +85,10 @@ def decoded(r: redis.Redis, keys: Keys) -> dict[int, SyncStepRecord]:
 
 
 def pending_ids(r: redis.Redis, keys: Keys) -> list[str]:
-    """Ids still pending in the aggregator group."""
+    """Ids still pending in the aggregator group (metrics and stats; test ids never collide)."""
     rc: Any = r
-    return [row["message_id"].decode() for row in rc.xpending_range(keys.metrics, AGGREGATOR_GROUP, "-", "+", 1000)]
+    return [row["message_id"].decode() for s in (keys.metrics, keys.stats)
+            for row in rc.xpending_range(s, AGGREGATOR_GROUP, "-", "+", 1000)]
 
 
 def jsonl_steps(cfg: PipelineConfig) -> list[int]:
@@ -117,7 +131,8 @@ def test_hand_written_log_through_redis(r: redis.Redis, keys: Keys, tmp_path: Pa
     assert m2["actor/loss"] == approx(2.0)  # (8*1 + 8*3) / 16 from the retrained updates
     assert m2["producer/a/samples"] == 20 and m2["producer/total_samples"] == 26
     assert m3["actor/loss"] == approx((2 * 4.0 + 6 * 8.0) / 8)
-    assert recs[2].source_ids == [ids[i] for i in (4, 8, 9, 11, 12)]  # winning copies + producer stats used
+    # winning copies + producer stats used (stats entries as `stats:<id>`)
+    assert recs[2].source_ids == [f"stats:{ids[4]}", f"stats:{ids[8]}", *(ids[i] for i in (9, 11, 12))]
     # Only what a restart needs stays pending: step 4's update and the latest stats of each producer.
     assert sorted(pending_ids(r, keys)) == sorted([ids[4], ids[8], ids[16]])
     assert jsonl_steps(cfg) == [0, 1, 2, 3]
@@ -143,6 +158,7 @@ def test_incomplete_step_is_reported_once(
 ) -> None:
     cfg = make_cfg(keys, tmp_path, redis_url, "aggregator.incomplete_timeout_s=0.01")
     ids = publish(r, keys, [lu(5, 1, 1, x=1.0), lu(5, 2, 1, x=1.0)])
+    r.hset(keys.trainer, "committed_step", 4)  # step 5 still in progress: it may yet complete
     worker = AggregatorWorker(cfg, r, keys)
     with caplog.at_level(logging.ERROR, logger="consumers.aggregator.worker"):
         worker.run(burst=True)
@@ -150,10 +166,45 @@ def test_incomplete_step_is_reported_once(
     rc: Any = r
     notes = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead)]
     assert len(notes) == 1
-    assert notes[0].source == keys.metrics and notes[0].source_id == ids[0]
+    assert notes[0].source == "aggregator" and notes[0].source_id == ids[0]
     assert "step 5" in notes[0].reason and "missing step_end (have local updates [1, 2])" in notes[0].reason
     assert [rec.message for rec in caplog.records].count(notes[0].reason) == 1
     assert sorted(pending_ids(r, keys)) == sorted(ids)  # reported, not dropped
+
+    # Once the trainer has committed step 5 its missing step_end will never come: the events go to dead.
+    r.hset(keys.trainer, "committed_step", 5)
+    assert worker.check_incomplete(now=time.monotonic() + 120) == [5]
+    dead = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead)][1:]
+    assert [d.source_id for d in dead] == ids and all("so it never will" in d.reason for d in dead)
+    assert pending_ids(r, keys) == [] and worker.fold.pending() == {}
+
+
+def test_what_cannot_be_placed_is_dead_lettered_not_folded(
+    r: redis.Redis, keys: Keys, dst_keys: Keys, tmp_path: Path, redis_url: str
+) -> None:
+    """Issue 12, findings 1 and 7: a forged step far ahead must not complete a record, block the real
+    ones, or stay pending; wrong-stream events are dead-lettered; replay folds what live folded."""
+    cfg = make_cfg(keys, tmp_path, redis_url)
+    real = [lu(1, 1, 2, x=1.0), step_end(1, 1), lu(2, 1, 2, x=2.0), step_end(2, 1)]
+    forged = [lu(10**6, 1, 2, x=666.0), step_end(10**6, 1), lu(40, 1, 2, x=666.0), step_end(40, 1)]
+    ids = publish(r, keys, [real[0], *forged, real[1]], trainer_at=1)
+    Publisher(r).publish(keys.metrics, producer_stats("evil", 1, 1.0, 0.0, 0))  # stats belong on `stats`
+    Publisher(r).publish(keys.stats, step_end(1, 1))  # trainer events belong on `metrics`
+    AggregatorWorker(cfg, r, keys).run(burst=True)
+    ids += publish(r, keys, real[2:], trainer_at=2)
+    AggregatorWorker(cfg, r, keys).run(burst=True)
+
+    recs = decoded(r, keys)
+    assert sorted(recs) == [1, 2] and recs[1].metrics["x"] == 1.0 and recs[2].metrics["x"] == 2.0
+    rc: Any = r
+    dead = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead)]
+    by_id = {d.source_id: d.reason for d in dead}
+    assert by_id[ids[1]] == "implausible: local_update global_step=1000000 is ahead of the trainer's training_step=1"
+    assert by_id[ids[2]] == "implausible: step_end global_step=1000000 is ahead of the trainer's committed_step=1"
+    assert len(dead) == 6 and any("not a trainer event: a 'producer' event on metrics" in d.reason for d in dead)
+    assert any("not producer stats: a 'step_end' event on stats" in d.reason for d in dead)
+    assert pending_ids(r, keys) == []
+    assert replay_records(r, keys, dst_keys) == 2 and records(r, dst_keys) == records(r, keys)
 
 
 class FakeWriter:
@@ -257,3 +308,20 @@ def test_sigterm_finishes_and_exits_zero(r: redis.Redis, keys: Keys, tmp_path: P
             proc.wait()
     assert proc.returncode == 0, err[-2000:]
     assert "aggregator stopping: 8 events, 2 records written" in err
+
+
+def test_stats_drain_after_a_reconnect_reads_past_entries_it_already_holds(
+    r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str
+) -> None:
+    """After a reconnect the stats reader re-reads its own pending list, whose first pages may hold only
+    entries the fold already has; such an empty page is not a drained stream (seen in the fault test:
+    a record folded without the stats entries just below its step_end, unlike the replay)."""
+    cfg = make_cfg(keys, tmp_path, redis_url, "bus.read_count=2")
+    publish(r, keys, [producer_stats(p, 1, 10.0, 0.5, 0) for p in "abc"] + [lu(1, 1, 2, x=1.0), step_end(1, 1)])
+    worker = AggregatorWorker(cfg, r, keys, sinks=Sinks(r, keys, []))
+    worker.run(burst=True)
+    worker.stats_reader.on_reconnect()  # as after a Redis restart
+    publish(r, keys, [lu(2, 1, 2, x=1.0), producer_stats("a", 7, 70.0, 0.0, 1), step_end(2, 1)])
+    worker.stop.clear()
+    worker.run(burst=True)
+    assert decoded(r, keys)[2].metrics["producer/a/samples"] == 7

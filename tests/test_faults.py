@@ -15,6 +15,12 @@ of the run dir, or the output of `rollstream status` / `stop`.
 
 Redis is killed with SIGKILL, not stopped gracefully: the embedded redis fsyncs every write, so nothing
 it acknowledged is lost.
+
+Then (issue 12) a malicious producer, with a real producer's credentials, tries to forge trainer events
+(refused by ACL), and XADDs rollouts from the future, with a header that lies about the payload, with an
+unknown field, and over the size limit (all dead-lettered, with reasons); then Redis alone is SIGKILLed
+and restarted, and every worker must keep its PID (reconnected in place, not restarted). After the stop,
+the run dir is 0700 and none of its files (AOF, checkpoints, logs, records.jsonl) is group/other-readable.
 """
 
 from __future__ import annotations
@@ -31,12 +37,15 @@ from typing import Any
 import pytest
 import redis
 
+from consumers.aggregator.fake import step_end
 from consumers.aggregator.replay import replay_records
 from rollstream.audit import audit_run, scan_stream
+from rollstream.fake import fake_rollout_sample
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
-from rollstream.ops.supervise import rpc
+from rollstream.ops.supervise import private_violations, rpc
 from rollstream.ops.target import SECRETS_DIR, open_run
+from schemas import DeadLetter, decode, encode
 
 SEED = int(os.environ.get("ROLLSTREAM_FAULT_SEED", "7"))  # which process dies when, and in what order
 TINY = [
@@ -45,8 +54,9 @@ TINY = [
     "model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=24",
     "data.max_response_length=5", "data.max_digits=3", "data.epoch_size=256", "data.val_size=4",
     "trainer.test_freq=0", "trainer.save_freq=2", "trainer.total_global_steps=1000", "run.device=cpu",
-    "bus.block_ms=200", "bus.claim_idle_s=5",
+    "bus.block_ms=200", "bus.claim_idle_s=5", f"bus.max_entry_bytes={256 << 10}",
 ]
+WORKERS = ("rollout_00", "rollout_01", "trainer", "aggregator")
 MORE_RECORDS = 3
 
 
@@ -125,12 +135,21 @@ def test_kills_of_every_process_lose_and_repeat_nothing(tmp_path: Path) -> None:
             restarts += 1
         after = _records(target)
         _wait_records(target, after + MORE_RECORDS, timeout_s=90)
+        attacks = _malicious_producer(run_dir, target.redis_url, Keys("faults"))
+        pids = {name: _running_pid(run_dir, name) for name in WORKERS}
+        redis_pid = _running_pid(run_dir, "redis")
+        os.kill(redis_pid, signal.SIGKILL)
+        _wait_restarted(run_dir, "redis", redis_pid)
+        _wait_records(target, _records(target) + MORE_RECORDS, timeout_s=90)
+        assert {name: _pid(run_dir, name) for name in WORKERS} == pids, "a worker was restarted, not reconnected"
         status = rollstream("status", "--run-dir", str(run_dir), timeout_s=60)  # as admin, from the run dir
         assert status.returncode == 0 and "param_version" in status.stdout, status.stderr
         _check_roles_confined(run_dir, target.redis_url, Keys("faults"))
     finally:
         stopped = rollstream("stop", *args, timeout_s=200)
     _check_no_password_leaks(run_dir, [status.stdout, status.stderr, stopped.stdout, stopped.stderr])
+    assert private_violations(run_dir) == []
+    assert any((run_dir / "checkpoints").iterdir()) and (run_dir / "records.jsonl").is_file()
     logs = {p.name: p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log")}
     assert stopped.returncode in (0, 1), stopped.stderr  # 1: the crash list names our kills
     for name in ("rollout_00", "rollout_01", "trainer", "aggregator", "redis"):
@@ -148,7 +167,11 @@ def test_kills_of_every_process_lose_and_repeat_nothing(tmp_path: Path) -> None:
         assert not rep.lost, rep.problems()
         assert not rep.duplicated, rep.problems()
         assert rep.steps_consecutive and len(rep.steps) >= 2 + MORE_RECORDS, rep.steps
-        assert rep.records == list(range(1, len(rep.records) + 1))
+        assert rep.records_consecutive, rep.problems()
+        dead = {d.source_id: d.reason for d in (decode(f) for _, f in scan_stream(r, keys.dead))
+                if isinstance(d, DeadLetter)}
+        for entry_id, reason in attacks.items():
+            assert reason in dead.get(entry_id, ""), (entry_id, reason, dead.get(entry_id))
 
         replay = Keys("faults-replay")
         replay_records(r, keys, replay)
@@ -159,12 +182,41 @@ def test_kills_of_every_process_lose_and_repeat_nothing(tmp_path: Path) -> None:
             assert fields == rebuilt[i], f"record {i} differs from the replay fold"
 
 
+def _malicious_producer(run_dir: Path, url: str, keys: Keys) -> dict[str, str]:
+    """With rollout_00's credentials: forged trainer events are refused by ACL; forged rollouts are
+    XADDed. Returns entry id -> the dead-letter reason each must get."""
+    pw = (run_dir / SECRETS_DIR / "rollout_00.password").read_text()
+    evil = redis.Redis.from_url(url, username="rollout_00", password=pw)
+    for stream in (keys.metrics, keys.records, keys.dispatch_log):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            evil.xadd(stream, encode(step_end(10**6, 2)))  # type: ignore[arg-type]
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        evil.hset(keys.trainer, "committed_step", 10**6)
+
+    def fields(sid: str, version: int = 0) -> dict[bytes, bytes]:
+        ev = fake_rollout_sample(sid, param_version=version, n=2, prompt_len=4, response_len=4)
+        return {k.encode(): bytes(v) for k, v in encode(ev).items()}
+
+    lying = fields("evil-payload")
+    lying[b"sample_id"] = b"evil-header"
+    extra = fields("evil-extra")
+    extra[b"junk"] = b"x" * 1000
+    big = fields("evil-big")
+    big[b"payload"] += b"\0" * (300 << 10)
+    attacks = [(fields("evil-future", 10**9), "param_version=1000000000 is newer than the newest published"),
+               (lying, "header sample_id=b'evil-header' != payload sample_id=b'evil-payload'"),
+               (extra, "unknown field 'junk'"), (big, f"over the max_entry_bytes={256 << 10} limit")]
+    out = {evil.xadd(keys.rollouts, f).decode(): reason for f, reason in attacks}  # type: ignore[arg-type,union-attr]
+    evil.close()
+    return out
+
+
 def _check_roles_confined(run_dir: Path, url: str, keys: Keys) -> None:
     """The default user is off and a producer's credentials cannot read rollouts or write records."""
     with pytest.raises(redis.AuthenticationError):
         redis.Redis.from_url(url).ping()
-    pw = (run_dir / SECRETS_DIR / "producer.password").read_text()
-    prod = redis.Redis.from_url(url, username="producer", password=pw)
+    pw = (run_dir / SECRETS_DIR / "rollout_00.password").read_text()
+    prod = redis.Redis.from_url(url, username="rollout_00", password=pw)
     with pytest.raises(redis.exceptions.NoPermissionError):
         prod.xrange(keys.rollouts, count=1)
     with pytest.raises(redis.exceptions.NoPermissionError):
@@ -176,7 +228,7 @@ def _check_no_password_leaks(run_dir: Path, outputs: list[str]) -> None:
     """Each role's password file is 0600, and no password appears in a log, the run dir's config files, or
     the CLI's output."""
     files = sorted((run_dir / SECRETS_DIR).glob("*.password"))
-    assert [f.stem for f in files] == ["admin", "aggregator", "producer", "trainer"]
+    assert [f.stem for f in files] == ["admin", "aggregator", "rollout_00", "rollout_01", "trainer"]
     texts = [p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log*")]
     texts += [p.read_text(errors="replace") for p in run_dir.glob("*.*") if p.is_file()]
     texts += outputs

@@ -51,7 +51,7 @@ def fill_run(r: redis.Redis, keys: Keys) -> None:
     pub, pub_new = Publisher(r), Publisher(r, nomkstream=False)
     for i, pv in enumerate((0, 1, 1)):
         pub.publish(keys.rollouts, text_sample(f"p-{i}", pv, "123", ["321", "312"]))
-    pub.publish(keys.metrics, ProducerStats(producer="rollout_00", param_version=1, samples=3, tokens=24,
+    pub.publish(keys.stats, ProducerStats(producer="rollout_00", param_version=1, samples=3, tokens=24,
                                             gen_tokens_per_s=10.0, idle_ratio=0.25))
     for step in (1, 2):
         rec = SyncStepRecord(global_step=step, num_local_updates=2,

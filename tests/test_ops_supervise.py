@@ -17,6 +17,7 @@ from rollstream.names import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.supervise import (
     plan_run,
+    private_violations,
     process_states,
     render_supervisord_conf,
     start_run,
@@ -131,3 +132,12 @@ def test_supervisord_lifecycle_with_standin_workers(tmp_path: Path, capsys: pyte
     assert "up rollout_01 unix://" in (plan.run_dir / "logs" / "rollout_01.log").read_text()
     with pytest.raises(Exception, match="no supervisord"):
         stop_run(plan.run_dir)
+    assert_private(plan.run_dir)
+
+
+def assert_private(run_dir: Path) -> None:
+    """Issue 12, finding 6: the run dir is 0700 and nothing under it (AOF, logs, configs, secrets) is
+    readable by group or others."""
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    assert private_violations(run_dir) == []
+    assert any((run_dir / "redis").rglob("*.aof")) and any((run_dir / "logs").glob("*.log"))

@@ -23,7 +23,7 @@ from rollstream.config import PipelineConfig, load_config
 from rollstream.factory import build_policy, build_prompt_source
 from rollstream.model import CharTokenizer, Trajectory, build_batch
 from rollstream.names import Keys
-from rollstream.pacing import grant_budget, outstanding, record_consumed
+from rollstream.pacing import dispatch_entries, grant_budget, inflight, outstanding, record_consumed
 from rollstream.tasks import calculate
 from rollstream.weights import producer_versions, publish_weights
 from rollstream.worker import EXIT_OK, WorkerContext
@@ -83,15 +83,14 @@ def samples(r: redis.Redis, keys: Keys) -> list[RolloutSample]:
 
 
 def producer_stats(r: redis.Redis, keys: Keys) -> list[ProducerStats]:
-    """Every ProducerStats event on the metrics stream."""
-    rows: Any = r.xrange(keys.metrics)
+    """Every ProducerStats event on the stats stream."""
+    rows: Any = r.xrange(keys.stats)
     return [ev for ev in (decode(f) for _, f in rows) if isinstance(ev, ProducerStats)]
 
 
 def dispatch_log(r: redis.Redis, keys: Keys) -> list[dict[str, str]]:
-    """The dispatch_log entries as str dicts."""
-    rows: Any = r.xrange(keys.dispatch_log)
-    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in rows]
+    """Every grant, take and release (the trainer's log and each producer's), in id order."""
+    return dispatch_entries(r, keys)
 
 
 def build_blob(cfg: PipelineConfig, seed: int) -> bytes:
@@ -151,8 +150,8 @@ def test_published_samples_are_what_was_generated(r: redis.Redis, keys: Keys, re
         assert s.rollout_status["monitor/active_tasks_size"] == cfg.rollout.prompts_per_dispatch
     # Budget bookkeeping: published prompts stay outstanding until consumed; none in flight.
     assert outstanding(r, keys) == cfg.rollout.prompts_per_dispatch
-    assert int(r.hget(keys.producer_inflight, "rollout_01") or 0) == 0
-    assert r.hget(keys.producer_cursor, "rollout_01") is not None
+    assert inflight(r, keys, "rollout_01") == 0
+    assert r.get(keys.producer_cursor("rollout_01")) is not None
     assert producer_versions(r, keys) == {"rollout_01": 0}
     stats = producer_stats(r, keys)
     assert stats and stats[-1].samples == len(got) and stats[-1].tokens == sum(s.num_tokens for s in got)
@@ -408,7 +407,7 @@ def test_sigterm_finishes_and_publishes_the_dispatch(r: redis.Redis, keys: Keys,
     assert proc.returncode == EXIT_OK, err.decode()[-2000:]
     got = samples(r, keys)
     assert len(got) == taken == cfg.rollout.prompts_per_dispatch  # finished, published, took no more
-    assert int(r.hget(keys.producer_inflight, "rollout_00") or 0) == 0
+    assert inflight(r, keys, "rollout_00") == 0
     # A restart resumes after the published prompts (the cursor moved with the publish).
     restarted = Producer(context(small_cfg(keys, *RESTART), keys, "rollout_00", redis_url))
     assert restarted.run(max_dispatches=1) == 1 and restarted.counters.released_on_start == 0
@@ -429,7 +428,7 @@ def test_sigkill_before_publish_is_released_on_restart(r: redis.Redis, keys: Key
         proc.kill()
     assert r.xlen(keys.rollouts) == 0, "killed too late: the dispatch was already published"
     assert outstanding(r, keys) == taken > 0
-    assert r.hget(keys.producer_cursor, "rollout_00") is None
+    assert r.get(keys.producer_cursor("rollout_00")) is None
 
     restarted = Producer(context(small_cfg(keys, *RESTART), keys, "rollout_00", redis_url))
     assert restarted.start()

@@ -7,7 +7,7 @@ import ast
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,10 @@ import redis
 from rollstream.bus import Publisher, connect, setup_run
 from rollstream.fake import fake_rollout_sample
 from rollstream.names import Keys
-from rollstream.security import apply_acl, generate_passwords, mask_url
+from rollstream.pacing import grant_budget, mark_published, release_unpublished, take_budget
+from rollstream.security import ROLES, apply_acl, generate_passwords, mask_url
+from rollstream.weights import latest_param_version, publish_weights, register_producer_version
+from schemas import ProducerStats
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,38 +54,90 @@ def private_redis(tmp_path: Path) -> Iterator[tuple[str, int]]:
     p.wait(5)
 
 
+PRODUCERS = ["rollout_00", "rollout_01"]
+
+
 def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Path) -> None:
     url, port = private_redis
     keys = Keys("acl")
     admin0 = redis.Redis.from_url(url)
     setup_run(admin0, keys)
-    files = generate_passwords(tmp_path / "secrets")
+    files = generate_passwords(tmp_path / "secrets", [*ROLES, *PRODUCERS])
     assert all(oct(p.stat().st_mode)[-3:] == "600" for p in files.values())
     pw = {role: p.read_text() for role, p in files.items()}
-    apply_acl(admin0, keys, pw)
+    apply_acl(admin0, keys, pw, producers=PRODUCERS)
 
     with pytest.raises(redis.AuthenticationError):
         redis.Redis.from_url(url).ping()  # default user is off
 
-    prod = connect(f"redis://127.0.0.1:{port}/0", username="producer", password=pw["producer"])
-    Publisher(prod).publish(keys.rollouts, fake_rollout_sample("p1"))  # allowed: XADD rollouts
-    with pytest.raises(redis.exceptions.NoPermissionError):
-        prod.xrange(keys.rollouts)  # producers cannot read rollouts
-    with pytest.raises(redis.exceptions.NoPermissionError):
-        prod.set(keys.weights(1), b"evil")  # nor write weights
-    with pytest.raises(redis.exceptions.NoPermissionError):
-        prod.xadd(keys.records, {"x": "1"})  # nor records
-    with pytest.raises(redis.exceptions.NoPermissionError):
-        prod.flushall()
-    with pytest.raises(redis.exceptions.NoPermissionError):
-        prod.get("rs:{other}:weights:0")  # nor another run's keys
-
     trainer = connect(url, username="trainer", password=pw["trainer"])
+    grant_budget(trainer, keys, 0, 8)
+    publish_weights(trainer, keys, 0, b"w" * 16, global_step=0, inline_max_bytes=1 << 20)
+    prod = connect(f"redis://127.0.0.1:{port}/0", username="rollout_00", password=pw["rollout_00"])
+    # everything a producer does works: publish, stats, take, publish-with-cursor, version, release
+    Publisher(prod).publish(keys.rollouts, fake_rollout_sample("p1"))
+    Publisher(prod).publish(keys.stats, ProducerStats(producer="rollout_00", param_version=0, samples=1, tokens=1,
+                                                      gen_tokens_per_s=1.0, idle_ratio=0.0))
+    assert take_budget(prod, keys, 0, 2, "rollout_00").amount == 2
+    pipe = prod.pipeline(transaction=True)
+    mark_published(pipe, keys, "rollout_00", 1)
+    pipe.set(keys.producer_cursor("rollout_00"), "0:1")
+    pipe.execute()
+    register_producer_version(prod, keys, "rollout_00", 0)
+    assert release_unpublished(prod, keys, "rollout_00") == 1
+    assert latest_param_version(prod, keys) is not None and prod.get(keys.weights(0)) == b"w" * 16
+
+    # and nothing else (issue 12, finding 5): each command a compromised producer could try
+    forbidden = {
+        "read rollouts": lambda: prod.xrange(keys.rollouts),
+        "write weights": lambda: prod.set(keys.weights(1), b"evil"),
+        "write records": lambda: prod.xadd(keys.records, {"x": "1"}),
+        "write metrics": lambda: prod.xadd(keys.metrics, {"x": "1"}),
+        "write dispatch_log": lambda: prod.xadd(keys.dispatch_log, {"x": "1"}),
+        "write fates": lambda: prod.xadd(keys.fates, {"x": "1"}),
+        "write params": lambda: prod.xadd(keys.params, {"x": "1"}),
+        "HSET trainer global_step": lambda: prod.hset(keys.trainer, "global_step", 10**6),
+        "HSET trainer committed_step": lambda: prod.hset(keys.trainer, "committed_step", 10**6),
+        "HSET trainer via a script": lambda: prod.eval("return redis.call('HSET', KEYS[1], 'committed_step', 9)",
+                                                       1, keys.trainer),
+        "another producer's cursor": lambda: prod.set(keys.producer_cursor("rollout_01"), "9:9"),
+        "another producer's inflight": lambda: prod.incrby(keys.producer_inflight("rollout_01"), 5),
+        "another producer's version": lambda: prod.set(keys.producer_version("rollout_01"), 0),
+        "SET budget": lambda: prod.set(keys.budget(0), 10**6),
+        "DEL budget": lambda: prod.delete(keys.budget(0)),
+        "XTRIM rollouts": lambda: prod.xtrim(keys.rollouts, maxlen=0),
+        "XDEL rollouts": lambda: prod.execute_command("XDEL", keys.rollouts, "0-1"),
+        "FLUSHALL": lambda: prod.flushall(),
+        "another run": lambda: prod.get("rs:{other}:weights:0"),
+    }
+    aggregator = connect(url, username="aggregator", password=pw["aggregator"])
+    forbidden |= {
+        "aggregator XTRIM records": lambda: aggregator.xtrim(keys.records, maxlen=0),
+        "aggregator XDEL records": lambda: aggregator.execute_command("XDEL", keys.records, "1-1"),
+        "aggregator DEL records": lambda: aggregator.delete(keys.records),
+        "aggregator write metrics": lambda: aggregator.xadd(keys.metrics, {"x": "1"}),
+        "aggregator write trainer hash": lambda: aggregator.hset(keys.trainer, "committed_step", 1),
+        "aggregator read rollouts": lambda: aggregator.xrange(keys.rollouts),
+        "aggregator read dead": lambda: aggregator.xrange(keys.dead),
+        "trainer FLUSHALL": lambda: trainer.flushall(),
+        "trainer another run": lambda: trainer.get("rs:{other}:weights:0"),
+    }
+    allowed = [name for name, call in forbidden.items() if _permitted(call)]
+    assert allowed == [], f"permitted: {allowed}"
     assert trainer.xlen(keys.rollouts) == 1
-    with pytest.raises(redis.exceptions.NoPermissionError):
-        trainer.flushall()
     admin = connect(url, username="admin", password=pw["admin"])
     assert admin.ping()
+
+
+def _permitted(call: Callable[[], object]) -> bool:
+    """True unless Redis refuses the call with NOPERM."""
+    try:
+        call()
+    except redis.exceptions.NoPermissionError:
+        return False
+    except redis.ResponseError as e:
+        return "NOPERM" not in str(e) and "can't run this command" not in str(e)
+    return True
 
 
 def test_mask_url_hides_password() -> None:

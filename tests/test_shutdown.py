@@ -28,7 +28,7 @@ from rollstream.factory import build_policy
 from rollstream.fake import fake_rollout_sample
 from rollstream.names import AGGREGATOR_GROUP, TRAINER_GROUP, Keys
 from rollstream.ops.supervise import WORKER_STOPWAIT_S
-from rollstream.pacing import grant_budget
+from rollstream.pacing import dispatch_entries, grant_budget, inflight
 from rollstream.weights import publish_weights
 from rollstream.worker import EXIT_FORCED, EXIT_OK
 from schemas import StepMetrics, decode, encode
@@ -111,7 +111,7 @@ def _start_run_for_producer(r: redis.Redis, keys: Keys, tmp: Path, args: list[st
 
 
 def _taken(r: redis.Redis, keys: Keys) -> int:
-    return sum(int(f[b"amount"]) for _, f in r.xrange(keys.dispatch_log) if f[b"op"] == b"take")
+    return sum(int(e["amount"]) for e in dispatch_entries(r, keys) if e["op"] == "take")
 
 
 def test_producer_first_sigterm_publishes_the_dispatch_in_flight(r: redis.Redis, keys: Keys, redis_url: str,
@@ -124,7 +124,7 @@ def test_producer_first_sigterm_publishes_the_dispatch_in_flight(r: redis.Redis,
     assert code == EXIT_OK, proc.stderr_text()[-2000:]
     assert took < WORKER_STOPWAIT_S
     assert r.xlen(keys.rollouts) == _taken(r, keys)  # the dispatch in flight was finished and published
-    assert int(r.hget(keys.producer_inflight, "rollout_00") or 0) == 0
+    assert inflight(r, keys, "rollout_00") == 0
 
 
 def test_producer_second_sigterm_exits_at_once_without_publishing(r: redis.Redis, keys: Keys, redis_url: str,
@@ -136,7 +136,7 @@ def test_producer_second_sigterm_exits_at_once_without_publishing(r: redis.Redis
     code, took = terminate(proc, 2)
     assert code == EXIT_FORCED and took < 1.0
     assert r.xlen(keys.rollouts) < _taken(r, keys)  # the unfinished dispatch was not published …
-    assert int(r.hget(keys.producer_inflight, "rollout_00") or 0) > 0  # … and is released on restart
+    assert inflight(r, keys, "rollout_00") > 0  # … and is released on restart
 
 
 def test_producer_sigterm_while_importing_torch_exits_0(r: redis.Redis, keys: Keys, redis_url: str,
@@ -203,6 +203,7 @@ def test_trainer_sigterm_while_importing_torch_exits_0(r: redis.Redis, keys: Key
 def _aggregator_with_open_step(r: redis.Redis, keys: Keys, redis_url: str, tmp: Path) -> Worker:
     """An aggregator that wrote step 1's record and holds step 2's first local update pending."""
     setup_run(r, keys)
+    r.hset(keys.trainer, mapping={"committed_step": 1, "training_step": 2})  # the aggregator checks events against it
     proc = spawn("consumers.aggregator", [*common(keys, redis_url, tmp), "aggregator.jsonl=false",
                                           "aggregator.tensorboard=false", "bus.block_ms=2000", "--name", "aggregator"], tmp)
     for ev in (agg_fake.local_update(1, 1, 2, {"a": 1.0}), agg_fake.local_update(1, 2, 2, {"a": 3.0}),

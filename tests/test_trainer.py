@@ -22,7 +22,7 @@ import redis
 from rollstream.fake import fake_rollout_sample
 from rollstream.names import TRAINER_GROUP, Keys
 from rollstream.ops.status import worker_health
-from rollstream.pacing import mark_published, take_budget
+from rollstream.pacing import dispatch_entries, mark_published, take_budget
 from rollstream.weights import latest_param_version
 from schemas import DeadLetter, ParamVersion, StepMetrics, ValidateMetrics, decode, encode
 
@@ -120,8 +120,8 @@ def check_invariants(r: redis.Redis, keys: Keys, producer: FakeProducer, steps: 
     # params has 0..N; the budget bound held at every take
     versions = {ev.version for ev in events(r, keys.params) if isinstance(ev, ParamVersion)}
     assert versions == set(range(steps + 1))
-    for _, f in r.xrange(keys.dispatch_log):
-        assert int(f[b"outstanding"]) <= MAX_OUTSTANDING, f
+    for e in dispatch_entries(r, keys):
+        assert int(e["outstanding"]) <= MAX_OUTSTANDING, e
     assert int(r.get(keys.consumed)) == len(fate_ids) + len(dead_ids)
     # every trained sample was within the threshold, every dropped one beyond it
     for f in fates:

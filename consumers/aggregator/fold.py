@@ -11,12 +11,20 @@ overriding same-named keys (verl merges its sync metrics over the aggregated one
   2. the step_end's metrics (sync-step metrics override the aggregated ones)
   3. the derived keys (`perf/throughput`, `fully_async/trainer/idle_ratio`, …) recomputed on the merge
   4. the metrics of the ValidateMetrics for version g, when it arrived before completion (names as emitted)
-  5. the latest ProducerStats per producer seen so far: `producer/<name>/{samples,tokens,
+  5. per producer, its latest ProducerStats whose entry id is below the id of the event that completes
+     the record (the step_end; for step 0 the validation): `producer/<name>/{samples,tokens,
      gen_tokens_per_s,idle_ratio,param_version}`, `producer/total_samples`, `producer/gen_tokens_per_s`
      (sums) and `producer/idle_ratio` (mean)
   6. `training/global_step` = g
 
-A ValidateMetrics for version 0 (validation before training) completes at once as a record of step 0.
+Trainer events come from `metrics`, producer stats from `stats` (a stream producers may write and the
+trainer never does); both streams' ids are server-clock ids, so "below the step_end's id" is the same
+rule live and in replay. Stats entries are fed as refs `stats:<id>` (see `stats_ref`), so a record's
+`source_ids` says which stream each id came from. The caller feeds every stats entry with an id below a
+metrics entry before that metrics entry (the worker drains `stats` up to each metrics batch).
+
+Record 0 is the validation of version 0, taken before any training: a ValidateMetrics for version 0
+completes at once as the record of step 0; training records are steps 1, 2, ….
 Repeats of an event (a retrained step re-emits its local updates, a duplicate XADD, a redelivery) are
 resolved by entry id: the LAST one in log order (highest id) wins, an id already seen is ignored.
 Events of a step that already has a record are late: ignored and acked. Record metric keys are sorted and
@@ -40,9 +48,24 @@ E = TypeVar("E", bound=EventBase)
 Entry = tuple[str, Any]  # (entry id, event)
 
 
+STATS_PREFIX = "stats:"
+
+
+def stats_ref(entry_id: str) -> str:
+    """The ref under which a `stats` stream entry is fed to the fold (ids of two streams may collide)."""
+    return STATS_PREFIX + entry_id
+
+
+def split_ref(ref: str) -> tuple[bool, str]:
+    """(is a stats entry, the bare stream entry id) of a ref."""
+    if ref.startswith(STATS_PREFIX):
+        return True, ref[len(STATS_PREFIX) :]
+    return False, ref
+
+
 def id_key(entry_id: str) -> tuple[int, int]:
-    """Sort key of a stream entry id `<ms>-<seq>` (log order)."""
-    ms, _, seq = entry_id.partition("-")
+    """Sort key of a stream entry id `<ms>-<seq>` or a ref `stats:<ms>-<seq>` (server-clock order)."""
+    ms, _, seq = split_ref(entry_id)[1].partition("-")
     return int(ms), int(seq or 0)
 
 
@@ -102,16 +125,21 @@ class Fold:
         self.stats = FoldStats()
         self._steps: dict[int, _Step] = {}
         self._done: set[int] = set(done_steps)
-        self._producers: dict[str, tuple[str, ProducerStats]] = {}
+        # per producer, its stats entries still needed (sorted by id): the latest below the newest
+        # metrics entry fed, and every newer one (a step_end not yet fed may need them)
+        self._producers: dict[str, list[tuple[str, ProducerStats]]] = {}
+        self._horizon = (0, 0)  # id_key of the newest metrics entry fed
         self._ackable: list[str] = []
 
     # -- input ----------------------------------------------------------------------------------------
 
     def feed(self, entry_id: str, event: Any) -> list[Completed]:
         """Fold one event; returns the records it completed ([] or one)."""
-        if isinstance(event, StepMetrics):
-            return self._step_event(entry_id, event)
-        if isinstance(event, ValidateMetrics):
+        if isinstance(event, StepMetrics | ValidateMetrics):
+            self._horizon = max(self._horizon, id_key(entry_id))
+            self._prune_producers()
+            if isinstance(event, StepMetrics):
+                return self._step_event(entry_id, event)
             return self._validation(entry_id, event)
         if isinstance(event, ProducerStats):
             self._producer(entry_id, event)
@@ -164,23 +192,52 @@ class Fold:
         return self._maybe_complete(v)
 
     def _producer(self, entry_id: str, ev: ProducerStats) -> None:
-        self._producers[ev.producer] = self._keep_latest(self._producers.get(ev.producer), entry_id, ev)
+        history = self._producers.setdefault(ev.producer, [])
+        if any(ref == entry_id for ref, _ in history):
+            self.stats.duplicates += 1
+            return
+        history.append((entry_id, ev))
+        history.sort(key=lambda item: id_key(item[0]))
+        self._prune_producers()
+
+    def _prune_producers(self) -> None:
+        """Stats entries older than a producer's latest one below the horizon (the newest metrics entry
+        fed, or an incomplete step's step_end when older) are no longer needed."""
+        horizon = min([self._horizon, *(id_key(s.end[0]) for s in self._steps.values() if s.end is not None)])
+        for history in self._producers.values():
+            below = [i for i, (ref, _) in enumerate(history) if id_key(ref) < horizon]
+            if len(below) > 1:
+                cut = below[-1]
+                self.stats.superseded += cut
+                self._ackable += [ref for ref, _ in history[:cut]]
+                del history[:cut]
+
+    def refs(self, g: int) -> list[str]:
+        """The refs an incomplete step holds, in log order."""
+        return sorted(self._steps[g].ids(), key=id_key) if g in self._steps else []
+
+    def discard(self, g: int) -> list[str]:
+        """Drop an incomplete step that can never complete; returns the refs it held (to dead-letter)."""
+        refs = self.refs(g)
+        self._steps.pop(g, None)
+        return refs
 
     # -- completion -----------------------------------------------------------------------------------
 
     def _maybe_complete(self, g: int) -> list[Completed]:
         step = self._steps[g]
         if g == 0 and step.validation is not None and step.end is None and not step.updates:
-            return [self._complete(g, step, [], step.validation[1].created_at)]
+            return [self._complete(g, step, [], step.validation[1].created_at, step.validation[0])]
         if step.end is None:
             return []
         k = step.end[1].num_local_updates
         if any(i not in step.updates for i in range(1, k + 1)):
             return []
-        return [self._complete(g, step, [step.updates[i] for i in range(1, k + 1)], step.end[1].created_at)]
+        updates = [step.updates[i] for i in range(1, k + 1)]
+        return [self._complete(g, step, updates, step.end[1].created_at, step.end[0])]
 
     def _complete(
-        self, g: int, step: _Step, updates: list[tuple[str, StepMetrics]], created_at: float
+        self, g: int, step: _Step, updates: list[tuple[str, StepMetrics]], created_at: float, closing_id: str
     ) -> Completed:
         agg = MetricsAggregator(self.total_gpus)
         for _, ev in updates:
@@ -194,8 +251,9 @@ class Fold:
         if step.validation is not None:
             metrics.update(step.validation[1].metrics)
             sources.append(step.validation[0])
-        metrics.update(self.producer_metrics())
-        sources += [i for i, _ in self._producers.values()]
+        latest = self.latest_stats(before=closing_id)
+        metrics.update(self.producer_metrics(latest))
+        sources += [i for i, _ in latest]
         metrics["training/global_step"] = float(g)
         extra = sorted(set(step.updates) - set(range(1, len(updates) + 1)))
         if extra:
@@ -211,10 +269,19 @@ class Fold:
         self._done.add(g)
         return Completed(record, sorted(step.ids(), key=id_key))
 
-    def producer_metrics(self) -> dict[str, float]:
-        """Metrics of the latest stats of each producer seen so far, with totals across producers."""
+    def latest_stats(self, before: str) -> list[tuple[str, ProducerStats]]:
+        """Per producer (by name), its latest stats entry with an id below `before`."""
+        out = []
+        for _, history in sorted(self._producers.items()):
+            below = [item for item in history if id_key(item[0]) < id_key(before)]
+            if below:
+                out.append(below[-1])
+        return out
+
+    def producer_metrics(self, entries: list[tuple[str, ProducerStats]]) -> dict[str, float]:
+        """Metrics of the given stats entries (one per producer), with totals across producers."""
         out: dict[str, float] = {}
-        latest = [ev for _, (_, ev) in sorted(self._producers.items())]
+        latest = [ev for _, ev in entries]
         for ev in latest:
             prefix = f"producer/{ev.producer}/"
             out[prefix + "samples"] = float(ev.samples)

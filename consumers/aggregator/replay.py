@@ -1,8 +1,11 @@
-"""Rebuild a run's records from its metrics log: XRANGE in order, through the same Fold, into a new run.
+"""Rebuild a run's records from its log: `metrics` and `stats` merged in id order, through the same Fold,
+into a new run.
 
 `rollstream replay records --from RUN --to NEWRUN [--redis-url URL]` calls `main`. The result equals the
-live records field for field (records take the step_end's created_at). Entries that do not decode are
-skipped, as the live reader dead-letters them.
+live records field for field (records take the step_end's created_at). Entries the live aggregator
+dead-lettered (listed on `dead` with their stream as source) are skipped, as are entries that do not
+decode or are of the wrong kind for their stream, so replay folds exactly what the live fold placed. A
+record Redis refuses (its step is not above the last one written) is logged and skipped, never fatal.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from typing import Any
 
 import redis
 
-from consumers.aggregator.fold import Completed, Fold
-from consumers.aggregator.worker import record_id
+from consumers.aggregator.fold import Completed, Fold, id_key, stats_ref
+from consumers.aggregator.worker import TRAINER_EVENTS, record_id
 from rollstream.bus import connect, read_password
 from rollstream.names import Keys
 from rollstream.worker import REDIS_URL_ENV
-from schemas import DecodeError, decode, encode
+from schemas import DeadLetter, DecodeError, ProducerStats, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -29,42 +32,90 @@ READ_CHUNK = 512  # metrics entries per XRANGE
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-def fold_log(r: redis.Redis, keys: Keys, total_gpus: int = 1) -> Iterator[Completed]:
-    """Every record the metrics log of `keys` folds into, in completion order."""
+def _entries(r: redis.Redis, stream: str) -> Iterator[tuple[str, Any]]:
+    """(id, fields) of every entry of a stream, in order, read in chunks."""
     rc: Any = r
-    fold = Fold(total_gpus)
     cursor = "-"
     while True:
-        entries = rc.xrange(keys.metrics, min=cursor, max="+", count=READ_CHUNK)
+        entries = rc.xrange(stream, min=cursor, max="+", count=READ_CHUNK)
         for raw_id, fields in entries:
             entry_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
             cursor = "(" + entry_id
-            try:
-                event = decode(fields)
-            except DecodeError as e:
-                log.warning("metrics entry %s skipped: %s", entry_id, e)
-                continue
-            yield from fold.feed(entry_id, event)
+            yield entry_id, fields
         if len(entries) < READ_CHUNK:
-            break
+            return
+
+
+def dead_lettered(r: redis.Redis, keys: Keys) -> set[tuple[str, str]]:
+    """(source stream, entry id) of every entry the live workers dead-lettered from metrics or stats."""
+    out = set()
+    for _, fields in _entries(r, keys.dead):
+        try:
+            ev = decode(fields)
+        except DecodeError:
+            continue
+        if isinstance(ev, DeadLetter) and ev.source in (keys.metrics, keys.stats):
+            out.add((ev.source, ev.source_id))
+    return out
+
+
+def _merged(r: redis.Redis, keys: Keys) -> Iterator[tuple[str, str, Any]]:
+    """(stream, id, fields) of metrics and stats entries merged in id order (stats first on a tie)."""
+    its = {keys.stats: _entries(r, keys.stats), keys.metrics: _entries(r, keys.metrics)}
+    heads = {stream: head for stream, it in its.items() if (head := next(it, None)) is not None}
+    while heads:
+        stream = min(heads, key=lambda s: id_key(heads[s][0]))  # dicts keep order: stats wins a tie
+        entry_id, fields = heads.pop(stream)
+        yield stream, entry_id, fields
+        if (head := next(its[stream], None)) is not None:
+            heads[stream] = head
+
+
+def fold_log(r: redis.Redis, keys: Keys, total_gpus: int = 1) -> Iterator[Completed]:
+    """Every record the log of `keys` folds into, in completion order."""
+    fold = Fold(total_gpus)
+    skip = dead_lettered(r, keys)
+    for stream, entry_id, fields in _merged(r, keys):
+        if (stream, entry_id) in skip:
+            continue
+        try:
+            event = decode(fields)
+        except DecodeError as e:
+            log.warning("%s entry %s skipped: %s", stream, entry_id, e)
+            continue
+        if stream == keys.stats:
+            if isinstance(event, ProducerStats):
+                yield from fold.feed(stats_ref(entry_id), event)
+        elif isinstance(event, TRAINER_EVENTS):
+            yield from fold.feed(entry_id, event)
     for g, missing in fold.pending().items():
         log.warning("step %d left out: %s", g, missing)
 
 
 def replay_records(r: redis.Redis, src_keys: Keys, dst_keys: Keys, total_gpus: int = 1) -> int:
-    """Fold src's metrics log into dst's records stream (which must be empty); returns records written."""
+    """Fold src's metrics and stats log into dst's records stream (which must be empty); returns records written."""
     rc: Any = r
     if rc.exists(dst_keys.records) and rc.xlen(dst_keys.records) > 0:
         raise ValueError(f"{dst_keys.records} already holds records; replay into a new run name")
     written = 0
     pipe = rc.pipeline(transaction=False)
+
+    def flush() -> int:
+        ok = 0
+        for res in pipe.execute(raise_on_error=False):
+            if isinstance(res, redis.ResponseError):
+                log.error("record not written: %s", res)  # e.g. a step not above the last one written
+            elif isinstance(res, Exception):
+                raise res
+            else:
+                ok += 1
+        return ok
+
     for c in fold_log(r, src_keys, total_gpus):
         pipe.xadd(dst_keys.records, encode(c.record), id=record_id(c.record.global_step))
-        written += 1
         if len(pipe) >= 256:
-            pipe.execute()
-    pipe.execute()
-    return written
+            written += flush()
+    return written + flush()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,12 +1,19 @@
-"""The aggregator worker: reads `metrics` as group `aggregator`, folds, writes `records`, feeds the sinks.
+"""The aggregator worker: reads `metrics` (trainer events) and `stats` (producer stats) as group
+`aggregator`, folds, writes `records`, feeds the sinks.
 
-Each batch is one MULTI/EXEC: XADD every record it completed with explicit id `<global_step>-1` (a
-record already written is refused by Redis, which makes a re-fold idempotent) and XACK the entries no
-future record needs (the completed steps' events, superseded and late copies). Everything else stays
-pending: the events of incomplete steps and the latest ProducerStats of each producer. A restarted
-aggregator re-reads its own pending entries first, in log order, so it rebuilds the same fold state
-(run one aggregator per run, under a stable name). A step still incomplete after
-`aggregator.incomplete_timeout_s` is reported once: an ERROR line and a DeadLetter note on `dead`.
+Each metrics batch is preceded by draining `stats` up to the batch's newest id, so the fold has every
+stats entry a record may use (see fold.py). Each batch is one MULTI/EXEC: XADD every record it completed
+with explicit id `<global_step>-1` (a record already written is refused by Redis, which makes a re-fold
+idempotent) and XACK the entries no future record needs (the completed steps' events, superseded and
+late copies). Everything else stays pending: the events of incomplete steps and the stats entries a
+future record may use. A restarted aggregator re-reads its own pending entries first, in log order, so it
+rebuilds the same fold state (run one aggregator per run, under a stable name).
+
+What the fold cannot place is dead-lettered with its reason, never left pending: an event of the wrong
+kind for its stream, a trainer event ahead of the trainer's progress (plausible.py), and the events of a
+step still incomplete after `aggregator.incomplete_timeout_s` that can no longer complete (the trainer
+committed past it). An incomplete step still in progress is only reported (an ERROR line and a note on
+`dead` with source `aggregator`). Replay skips what the live aggregator dead-lettered.
 """
 
 from __future__ import annotations
@@ -18,19 +25,29 @@ from typing import Any
 
 import redis
 
-from consumers.aggregator.fold import Completed, Fold
+from consumers.aggregator.fold import Completed, Fold, id_key, split_ref, stats_ref
+from consumers.aggregator.plausible import TrainerProgress
 from consumers.aggregator.sinks import Sinks, build_sinks
-from rollstream.bus import CONNECTION_ERRORS, GroupReader, Message, backoff_delays
+from rollstream.bus import (
+    CONNECTION_ERRORS,
+    GroupReader,
+    Message,
+    backoff_delays,
+    entry_limits,
+    retry_on_connection,
+)
 from rollstream.config import PipelineConfig
-from rollstream.names import AGGREGATOR_GROUP, Keys
+from rollstream.names import AGGREGATOR_GROUP, AGGREGATOR_NOTE_SOURCE, Keys
 from schemas import DeadLetter, ProducerStats, StepMetrics, ValidateMetrics, encode
 
 log = logging.getLogger(__name__)
 
 DUPLICATE_ID_ERROR = "equal or smaller than the target stream top item"
 BURST_BLOCK_MS = 50
-#: Event types the fold consumes; anything else on `metrics` is dead-lettered.
-FOLDED_EVENTS = (StepMetrics, ValidateMetrics, ProducerStats)
+#: Event types the fold takes from `metrics` (the trainer's); anything else there is dead-lettered.
+TRAINER_EVENTS = (StepMetrics, ValidateMetrics)
+#: Longest a stats drain waits for the server clock to pass a metrics batch (then it folds anyway).
+DRAIN_MAX_S = 1.0
 
 
 def record_id(global_step: int) -> str:
@@ -72,18 +89,23 @@ class AggregatorWorker:
         self.keys = keys
         self.stop = stop or threading.Event()
         self.timeout_s = cfg.aggregator.incomplete_timeout_s
-        self.reader = GroupReader(
-            r,
-            keys.metrics,
-            AGGREGATOR_GROUP,
-            name,
-            dead_stream=keys.dead,
-            block_ms=cfg.bus.block_ms,
-            count=cfg.bus.read_count,
-            claim_idle_s=cfg.bus.claim_idle_s,
-            max_deliveries=cfg.aggregator.max_deliveries,
-            stop=self.stop,
+        self.reader, self.stats_reader = (
+            GroupReader(
+                r,
+                stream,
+                AGGREGATOR_GROUP,
+                name,
+                dead_stream=keys.dead,
+                block_ms=cfg.bus.block_ms,
+                count=cfg.bus.read_count,
+                claim_idle_s=cfg.bus.claim_idle_s,
+                max_deliveries=cfg.aggregator.max_deliveries,
+                limits=entry_limits(cfg.bus.max_entry_bytes),
+                stop=self.stop,
+            )
+            for stream in (keys.metrics, keys.stats)
         )
+        self.progress = TrainerProgress(r, keys)
         self.fold = Fold(cfg.aggregator.total_gpus, done_steps=recorded_steps(r, keys))
         self.sinks = sinks if sinks is not None else Sinks(r, keys, build_sinks(cfg, r, keys))
         self.records_written = 0
@@ -93,23 +115,63 @@ class AggregatorWorker:
 
     # -- one batch ------------------------------------------------------------------------------------
 
-    def handle(self, msgs: list[Message]) -> list[Completed]:
-        """Fold a batch, then write its records and acks in one transaction (retried until it lands)."""
+    def handle(self, msgs: list[Message], stats: list[Message] | None = None) -> list[Completed]:
+        """Fold a batch (`stats` entries first, then `metrics` ones), then write its records and acks in one
+        transaction (retried until it lands). What cannot be placed is dead-lettered with its reason."""
         completed: list[Completed] = []
+        for m in stats or []:
+            if not isinstance(m.event, ProducerStats):
+                self.stats_reader.dead_letter(m.id, m.fields, f"not producer stats: a {m.event.type!r} event on stats")
+                continue
+            completed += self.fold.feed(stats_ref(m.id), m.event)
         for m in msgs:
-            if not isinstance(m.event, FOLDED_EVENTS):  # e.g. a rollout written to metrics by mistake
-                self.reader.dead_letter(m.id, m.fields, f"not a metrics event: {m.event.type}")
+            if not isinstance(m.event, TRAINER_EVENTS):  # producer stats, a rollout, a record …
+                self.reader.dead_letter(m.id, m.fields, f"not a trainer event: a {m.event.type!r} event on metrics")
+                continue
+            if (why := self.progress.reason(m.event)) is not None:
+                self.reader.dead_letter(m.id, m.fields, f"implausible: {why}")
                 continue
             completed += self.fold.feed(m.id, m.event)
-        self.events += len(msgs)
-        ack_ids = self.fold.take_ackable()
+        self.events += len(msgs) + len(stats or [])
+        refs = self.fold.take_ackable()
         for c in completed:
-            ack_ids += c.ack_ids
-        if completed or ack_ids:
-            self._commit(completed, ack_ids)
+            refs += c.ack_ids
+        if completed or refs:
+            self._commit(completed, refs)
         return completed
 
-    def _commit(self, completed: list[Completed], ack_ids: list[str]) -> None:
+    def drain_stats(self, upto: str | None) -> tuple[list[Message], bool]:
+        """Read `stats` until every entry with an id below `upto` is in: until an entry above it arrives,
+        or the stream is drained and the server clock is past it (no later XADD can get a lower id).
+        Returns (entries, complete); not complete when stopped first (the caller then holds back the
+        metrics batch, so no record is folded without its stats)."""
+        out: list[Message] = []
+        deadline = time.monotonic() + DRAIN_MAX_S
+        while not self.stop.is_set():
+            msgs = self.stats_reader.poll_retrying(block_ms=1)
+            out += msgs
+            if self.stats_reader.reading_own_pending:  # a page of the own-pending re-read: not drained yet
+                continue
+            if upto is None:
+                if not msgs:
+                    return out, True
+                continue
+            if msgs and id_key(msgs[-1].id) > id_key(upto):
+                return out, True
+            if not msgs:
+                try:
+                    sec, usec = self.r.time()
+                    now_ms = int(sec) * 1000 + int(usec) // 1000
+                except CONNECTION_ERRORS:
+                    continue
+                if now_ms > id_key(upto)[0] or time.monotonic() > deadline:
+                    return out, True
+                time.sleep(0.001)
+        return out, upto is None
+
+    def _commit(self, completed: list[Completed], refs: list[str]) -> None:
+        ack_ids = [i for is_stats, i in map(split_ref, refs) if not is_stats]
+        stats_ids = [i for is_stats, i in map(split_ref, refs) if is_stats]
         delays = backoff_delays()
         while True:
             try:
@@ -118,6 +180,8 @@ class AggregatorWorker:
                     pipe.xadd(self.keys.records, encode(c.record), id=record_id(c.record.global_step))
                 if ack_ids:
                     pipe.xack(self.keys.metrics, AGGREGATOR_GROUP, *ack_ids)
+                if stats_ids:
+                    pipe.xack(self.keys.stats, AGGREGATOR_GROUP, *stats_ids)
                 results = pipe.execute(raise_on_error=False)
                 break
             except CONNECTION_ERRORS as e:  # EXEC may or may not have landed: re-running it is idempotent
@@ -132,9 +196,11 @@ class AggregatorWorker:
             else:
                 self.records_written += 1
                 log.info("step %d: record written (%d local updates)", c.record.global_step, c.record.num_local_updates)
-        if ack_ids and isinstance(results[-1], Exception):
-            raise results[-1]
+        for res in results[len(completed) :]:
+            if isinstance(res, Exception):
+                raise res
         self.reader.forget(ack_ids)  # acked inside the transaction
+        self.stats_reader.forget(stats_ids)
 
     def _refused(self, c: Completed, err: redis.ResponseError) -> None:
         """XADD refused: the record exists (a re-fold after a restart) or a later step was written first."""
@@ -153,9 +219,9 @@ class AggregatorWorker:
         self._note(record_id(g), reason, encode(c.record))
 
     def _note(self, source_id: str, reason: str, fields: Any = None) -> None:
-        """A DeadLetter note on `dead` about the metrics stream (nothing is acked by it)."""
+        """A DeadLetter note on `dead` (source `aggregator`) about the metrics log; nothing is acked by it."""
         dl = DeadLetter(
-            source=self.keys.metrics,
+            source=AGGREGATOR_NOTE_SOURCE,
             source_id=source_id,
             reason=reason,
             fields={k: bytes(v) for k, v in (fields or {}).items()},
@@ -164,23 +230,45 @@ class AggregatorWorker:
 
     # -- timeouts -------------------------------------------------------------------------------------
 
-    def check_incomplete(self, now: float | None = None) -> list[int]:
-        """Report (once) every step incomplete for longer than the timeout; returns the steps reported."""
+    def check_incomplete(self, now: float | None = None, drained: bool = True) -> list[int]:
+        """Every step incomplete for longer than the timeout: dead-letter its events when it can no longer
+        complete (the trainer committed past it; only when `drained`, i.e. the last poll found nothing
+        new, so its step_end is not merely unread), else report it once. Returns the steps handled."""
         now = time.monotonic() if now is None else now
         pending = self.fold.pending()
         self._first_seen = {g: self._first_seen.get(g, now) for g in pending}
-        reported = []
+        handled = []
         for g, missing in pending.items():
-            if g in self._reported or now - self._first_seen[g] < self.timeout_s:
+            if now - self._first_seen[g] < self.timeout_s:
                 continue
             reason = f"step {g} incomplete after {self.timeout_s:g}s: {missing}"
-            log.error("%s", reason)
-            self._note(self.fold.first_id(g), reason)
-            self._reported.add(g)
-            reported.append(g)
-        return reported
+            if drained and not self.progress.can_complete(g):
+                reason += f"; the trainer committed step {self.progress.committed}, so it never will"
+                for ref in self.fold.refs(g):  # dead-letter first: a connection loss leaves the step held
+                    self._dead_letter_ref(ref, reason)
+                self.fold.discard(g)
+                log.error("%s: its events -> dead", reason)
+            elif g in self._reported:
+                continue
+            else:
+                log.error("%s", reason)
+                self._note(self.fold.first_id(g), reason)
+                self._reported.add(g)
+            handled.append(g)
+        return handled
+
+    def _dead_letter_ref(self, ref: str, reason: str) -> None:
+        """Dead-letter a held entry (metrics or stats) by its fold ref, copying its fields."""
+        is_stats, entry_id = split_ref(ref)
+        reader = self.stats_reader if is_stats else self.reader
+        rows = retry_on_connection(lambda: self.r.xrange(reader.stream, min=entry_id, max=entry_id), "reading entry")
+        reader.dead_letter(entry_id, rows[0][1] if rows else {}, reason)
 
     # -- loop -----------------------------------------------------------------------------------------
+
+    def _entries_seen(self) -> int:
+        """Entries both readers delivered or dead-lettered so far (a poll that changed it was not empty)."""
+        return sum(rd.stats.delivered + rd.stats.dead for rd in (self.reader, self.stats_reader))
 
     def run(self, burst: bool = False) -> int:
         """Poll, fold, commit, report and feed the sinks until stop (or, in burst mode, until drained).
@@ -188,15 +276,20 @@ class AggregatorWorker:
         sinks_due, empty_polls = True, 0
         try:
             while not self.stop.is_set():
+                seen = self._entries_seen()
                 msgs = self.reader.poll_retrying(block_ms=BURST_BLOCK_MS if burst else None)
-                empty_polls = 0 if msgs else empty_polls + 1
-                if msgs and self.handle(msgs):
+                stats, complete = self.drain_stats(msgs[-1].id if msgs else None)
+                if not complete:  # stopped mid-drain: these stay pending for the next aggregator
+                    self.reader.release(m.id for m in msgs)
+                    msgs = []
+                empty_polls = 0 if self._entries_seen() != seen else empty_polls + 1  # dead-lettered ones count
+                if (msgs or stats) and self.handle(msgs, stats):
                     sinks_due = True
                 try:
                     if sinks_due:
                         self.sinks.flush()
                         sinks_due = False
-                    self.check_incomplete()
+                    self.check_incomplete(drained=not msgs)
                 except CONNECTION_ERRORS as e:  # both are retried on the next pass
                     log.warning("redis unavailable for sinks/timeouts (%s); retrying", e)
                 if burst and empty_polls >= 2 and not sinks_due:  # own pending drained and nothing new

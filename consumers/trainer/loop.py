@@ -36,6 +36,11 @@ Fully-async counters (verl's names, cumulative over the run, kept in the checkpo
 the last value): `fully_async/count/stale_samples_processed` and `…/stale_trajectory_processed` count
 trained samples / trajectories whose version (a trajectory's: its last token's) is older than the version
 being trained, `fully_async/count/current_param_version` is that version (g − 1).
+
+Reconnects: every Redis call outside the reader (which retries its own) goes through
+`retry_on_connection`, so a Redis restart pauses the trainer in place instead of killing it. Each call
+is safe to repeat: the commit, the consumed count and the grant are guarded by the trainer hash, a
+weight publish re-checks `params` first, and a repeated event is resolved by the fold.
 """
 
 from __future__ import annotations
@@ -44,13 +49,14 @@ import logging
 import threading
 import time
 from collections import deque
+from functools import partial
 from typing import Any
 
 import redis
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.checkpoint import load_latest_checkpoint, save_checkpoint
-from consumers.trainer.guard import unusable_reason
+from consumers.trainer.guard import unusable_reason, version_reason
 from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import (
     DROPPED,
@@ -64,15 +70,23 @@ from consumers.trainer.ledger import (
 )
 from consumers.trainer.staleness import dropped_metrics, staleness
 from consumers.trainer.validate import validate
-from rollstream.bus import GroupReader, Janitor, Message, Publisher, setup_run
+from rollstream.bus import (
+    GroupReader,
+    Janitor,
+    Message,
+    Publisher,
+    entry_limits,
+    retry_on_connection,
+    setup_run,
+)
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_prompt_source, build_task
-from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.names import TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
 from rollstream.pacing import current_budget, grant_budget, record_consumed
 from rollstream.rl import staleness_metrics
 from rollstream.tasks import Prompt
 from rollstream.weights import gc_weights, latest_param_version, publish_weights
-from schemas import Limits, RolloutSample, StepMetrics, ValidateMetrics
+from schemas import RolloutSample, StepMetrics, ValidateMetrics
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +114,7 @@ class Trainer:
         once no rollout is left to read."""
         self.cfg, self.r, self.keys, self.stop, self.burst = cfg, r, keys, stop, burst
         self.learner = Learner(cfg)
-        limits = Limits(max_bin_len=cfg.bus.max_entry_bytes, max_ext_len=cfg.bus.max_entry_bytes)
+        limits = entry_limits(cfg.bus.max_entry_bytes)
         self.reader = GroupReader(
             r, keys.rollouts, TRAINER_GROUP, name, dead_stream=keys.dead, block_ms=cfg.bus.block_ms,
             count=cfg.bus.read_count, claim_idle_s=cfg.bus.claim_idle_s, max_deliveries=cfg.bus.max_deliveries,
@@ -123,6 +137,10 @@ class Trainer:
         self.seen: set[str] = set()  # sample ids committed, in uncommitted ledgers, or buffered
         self.pending: list[StepLedger] = []  # finished steps not yet covered by a checkpoint
         self.global_step = 0  # last finished global step (= the version last published)
+        self.training_step = 0  # highest global step ever begun (the trainer hash's training_step)
+        # newest version on `params`: after a restart from an older checkpoint, versions published past it
+        # (by steps the crash abandoned) exist and producers may have stamped samples with them
+        self.newest_published = 0
         self._own_dead = 0  # non-rollout entries we dead-lettered ourselves (not prompts)
         self._dead_counted = 0
         self._step_dead = 0
@@ -134,7 +152,11 @@ class Trainer:
     # -- start / resume ----------------------------------------------------------------------------
 
     def resume(self) -> None:
-        """Load the newest checkpoint, finish its publish/commit/grant if a crash cut them short."""
+        """Load the newest checkpoint, finish its publish/commit/grant if a crash cut them short (the whole
+        resume is repeated if Redis goes away meanwhile: every part of it is idempotent)."""
+        retry_on_connection(self._resume, "resume")
+
+    def _resume(self) -> None:
         setup_run(self.r, self.keys)
         meta = load_latest_checkpoint(self.ckpt_dir, self.learner.policy, self.learner.optimizer)
         ledgers: list[StepLedger] = []
@@ -144,34 +166,50 @@ class Trainer:
             self.counters.update({k: int(v) for k, v in meta.get("counters", {}).items() if k in self.counters})
             log.info("resumed from checkpoint of global step %d", self.global_step)
         self._publish(self.global_step, only_if_missing=True)
+        latest = latest_param_version(self.r, self.keys)
+        self.newest_published = max(self.global_step, latest.version if latest is not None else 0)
         if ledgers and committed_step(self.r, self.keys) < self.global_step:
             log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
             commit_steps(self.r, self.keys, ledgers, self.global_step)
         self._grant(self.global_step)
+        self.training_step = int(self.r.hget(self.keys.trainer, TRAINING_STEP_FIELD) or 0)  # type: ignore[arg-type]
         self.seen = committed_sample_ids(self.r, self.keys)
         log.info("%d sample ids already committed", len(self.seen))
         if meta is None and self.cfg.trainer.test_freq > 0:
             self._validate(0)
 
     def _publish(self, version: int, only_if_missing: bool = False) -> float:
-        """Publish the current weights as `version` (skipped when params has it and only_if_missing)."""
+        """Publish the current weights as `version` (skipped when params has it and only_if_missing; a
+        retry after a connection loss always checks, as the first attempt may have landed)."""
         t0 = time.perf_counter()
-        if only_if_missing:
-            latest = latest_param_version(self.r, self.keys)
-            if latest is not None and latest.version >= version:
-                return 0.0
-        publish_weights(
-            self.r, self.keys, version, self.learner.policy.state_dict_bytes(), global_step=version,
-            inline_max_bytes=self.cfg.bus.weights_inline_max_bytes, file_dir=self.weights_dir,
-        )
+        blob = self.learner.policy.state_dict_bytes()
+        attempts = [only_if_missing]
+
+        def publish() -> None:
+            check, attempts[0] = attempts[0], True
+            if check:
+                latest = latest_param_version(self.r, self.keys)
+                if latest is not None and latest.version >= version:
+                    return
+            publish_weights(
+                self.r, self.keys, version, blob, global_step=version,
+                inline_max_bytes=self.cfg.bus.weights_inline_max_bytes, file_dir=self.weights_dir,
+            )
+
+        retry_on_connection(publish, f"publishing version {version}")
+        self.newest_published = max(self.newest_published, version)
         return time.perf_counter() - t0
 
     def _grant(self, version: int) -> None:
         """Grant `version` its dispatch budget (once), then drop weight blobs nobody uses."""
-        if current_budget(self.r, self.keys)[0] != version:
-            budget, out = grant_budget(self.r, self.keys, version, self.cfg.max_outstanding)
-            log.info("version %d: budget %d (outstanding %d)", version, budget, out)
-        gc_weights(self.r, self.keys, version, file_dir=self.weights_dir)
+
+        def grant() -> None:
+            if current_budget(self.r, self.keys)[0] != version:
+                budget, out = grant_budget(self.r, self.keys, version, self.cfg.max_outstanding)
+                log.info("version %d: budget %d (outstanding %d)", version, budget, out)
+            gc_weights(self.r, self.keys, version, file_dir=self.weights_dir)
+
+        retry_on_connection(grant, f"granting version {version}")
 
     def _validate(self, version: int) -> None:
         """Greedy-decode the held-out prompts (`val/…`) and the newest trained prompts
@@ -184,13 +222,13 @@ class Trainer:
         metrics.update({k.replace("val/", "val/recent_train_"): v for k, v in recent.items()})
         if metrics:
             ev = ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
-            self.publisher.publish(self.keys.metrics, ev)
+            retry_on_connection(lambda: self.publisher.publish(self.keys.metrics, ev), "publishing validation")
             log.info("validation of version %d: %s", version, metrics)
 
     # -- consuming ---------------------------------------------------------------------------------
 
     def _heartbeat(self) -> None:
-        self.r.hset(self.keys.trainer, "heartbeat", time.time())
+        retry_on_connection(lambda: self.r.hset(self.keys.trainer, "heartbeat", time.time()), "heartbeat")
 
     def _poll(self) -> list[Message]:
         """A non-blocking poll (counted as transport), then, only when it found nothing, a blocking one
@@ -217,6 +255,8 @@ class Trainer:
                 self.reader.dead_letter(m.id, m.fields, f"not a rollout: {ev.type}")
             elif ev.sample_id in self.seen:
                 dupes.append(m.id)  # the original is committed or still pending: safe to ack this copy
+            elif (why := version_reason(ev, self.newest_published)) is not None:
+                self.reader.dead_letter(m.id, m.fields, f"invalid: {why}")  # counted as consumed below
             elif (why := unusable_reason(ev, self.learner.policy.tokenizer.vocab_size,
                                          self.learner.policy.max_seq_len)) is not None:
                 self.reader.dead_letter(m.id, m.fields, f"unusable: {why}")  # counted as consumed below
@@ -225,10 +265,10 @@ class Trainer:
                 self.buffer.append(m)
         if dupes:
             log.warning("acking %d redelivered/duplicate samples without training", len(dupes))
-            self.reader.ack(dupes)
+            retry_on_connection(lambda: self.reader.ack(dupes), "acking duplicates")
         dead = self.reader.stats.dead - self._own_dead
-        if dead > self._dead_counted:
-            record_consumed(self.r, self.keys, dead - self._dead_counted)  # dead-lettered rollouts
+        if dead > self._dead_counted:  # dead-lettered rollouts (a lost reply may count them twice)
+            retry_on_connection(lambda: record_consumed(self.r, self.keys, dead - self._dead_counted), "counting dead")
             self._step_dead += dead - self._dead_counted
             self._dead_counted = dead
         self._heartbeat()
@@ -296,6 +336,9 @@ class Trainer:
         t_step = time.perf_counter()
         ledger = StepLedger(g)
         self._step_dead = 0
+        if g > self.training_step:  # before any event of step g: the aggregator places nothing beyond it
+            retry_on_connection(lambda: self.r.hset(self.keys.trainer, TRAINING_STEP_FIELD, g), "training_step")
+            self.training_step = g
         self.learner.begin_step(g)
         K = cfg.trainer.parameter_sync_step
         collected: list[tuple[list[tuple[Message, int]], list[int]] | None] = []
@@ -332,11 +375,9 @@ class Trainer:
             metrics.update({"training/global_step": float(g), "timing_s/gen": t_gen, "timing_s/assemble": t_asm,
                             "timing_s/transport": self._transport_s, "fully_async/total_wait_time": t_gen})
             self._transport_s = 0.0
-            self.publisher.publish(
-                self.keys.metrics,
-                StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(kept),
-                            metrics={k: float(v) for k, v in metrics.items()}),
-            )
+            update = StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(kept),
+                                 metrics={k: float(v) for k, v in metrics.items()})
+            retry_on_connection(partial(self.publisher.publish, self.keys.metrics, update), "publishing local_update")
             self._heartbeat()
 
         # end of the step: validate version g, then checkpoint / publish / commit / grant
@@ -369,7 +410,7 @@ class Trainer:
                 "timing_s/checkpoint": t_ckpt, "timing_s/publish": t_pub,
                 "timing_s/step": step_s, "perf/time_per_step": step_s,
             })
-            commit_steps(self.r, self.keys, self.pending, g)
+            retry_on_connection(lambda: commit_steps(self.r, self.keys, self.pending, g), f"committing step {g}")
             self.reader.forget(i for lg in self.pending for i in lg.ack_ids)  # acked inside the commit
             self.pending = []
         else:
@@ -378,10 +419,10 @@ class Trainer:
             ledger.step_end.metrics.update(
                 {"timing_s/publish": t_pub, "timing_s/step": step_s, "perf/time_per_step": step_s}
             )
-            count_consumed(self.r, self.keys, ledger)
+            retry_on_connection(lambda: count_consumed(self.r, self.keys, ledger), f"counting step {g}")
         self._grant(g)
         if self.janitor is not None:
-            self.janitor.maybe_run()
+            retry_on_connection(self.janitor.maybe_run, "retention")
         log.info("global step %d done in %.2fs (%d trained, %d dropped)", g, time.perf_counter() - t_step,
                  trained, len(ledger.fates) - trained)
         return True

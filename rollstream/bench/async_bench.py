@@ -275,7 +275,7 @@ def collect(r: redis.Redis, keys: Keys, cfg: PipelineConfig, mode: str) -> ModeR
     wait_s = sum(w for _, w, _ in per_step.values())
     transport_s = sum(t for _, _, t in per_step.values())
     # producers: slot-averaged idle over the windows of versions 0..N-1
-    stats = [ev for ev in events if isinstance(ev, ProducerStats) and ev.param_version < N]
+    stats = [ev for ev in _events(r, keys.stats) if isinstance(ev, ProducerStats) and ev.param_version < N]
     idle = sum(ev.metrics.get("producer/idle_s", 0.0) for ev in stats)
     window = sum(ev.metrics.get("producer/window_s", 0.0) for ev in stats)
     # generation work of the trained samples: each prompt's longest trajectory

@@ -5,10 +5,11 @@ from rollstream.bus.connection import (
     backoff_delays,
     connect,
     read_password,
+    retry_on_connection,
     wait_until_ready,
 )
 from rollstream.bus.publish import Publisher, RunNotSetUpError, delete_run, ensure_group, setup_run
-from rollstream.bus.reader import GroupReader, Message, ReaderStats
+from rollstream.bus.reader import GroupReader, Message, ReaderStats, entry_limits
 from rollstream.bus.retention import Janitor, TrimResult, safe_min_id, trim_stream
 
 __all__ = [
@@ -23,8 +24,10 @@ __all__ = [
     "backoff_delays",
     "connect",
     "delete_run",
+    "entry_limits",
     "ensure_group",
     "read_password",
+    "retry_on_connection",
     "safe_min_id",
     "setup_run",
     "trim_stream",

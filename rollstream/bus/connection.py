@@ -7,8 +7,9 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -16,6 +17,7 @@ from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Errors that mean "Redis is (temporarily) unreachable": retried with backoff, never fatal.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -38,6 +40,20 @@ def backoff_delays(base_s: float = 0.05, cap_s: float = 5.0) -> Iterator[float]:
     while True:
         yield random.uniform(0, min(cap_s, base_s * (2**attempt)))
         attempt = min(attempt + 1, 30)
+
+
+def retry_on_connection(fn: Callable[[], T], what: str = "redis call") -> T:
+    """Call fn until it gets through: a connection loss (Redis restarting, AOF loading) is retried in place
+    with jittered backoff, for as long as it takes (a second SIGTERM still ends the process). fn must be
+    safe to repeat: its effect may have landed even when the reply was lost."""
+    delays = backoff_delays()
+    while True:
+        try:
+            return fn()
+        except CONNECTION_ERRORS as e:
+            delay = next(delays)
+            log.warning("%s failed, redis unavailable (%s); retry in %.2fs", what, e, delay)
+            time.sleep(delay)
 
 
 def read_password(password_file: str | None = None) -> str | None:

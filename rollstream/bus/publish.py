@@ -16,7 +16,8 @@ class RunNotSetUpError(RuntimeError):
 
 def setup_run(r: redis.Redis, keys: Keys) -> None:
     """Create the run's consumed streams and their groups (idempotent), then mark the run set up."""
-    for stream, group in ((keys.rollouts, TRAINER_GROUP), (keys.metrics, AGGREGATOR_GROUP)):
+    for stream, group in ((keys.rollouts, TRAINER_GROUP), (keys.metrics, AGGREGATOR_GROUP),
+                          (keys.stats, AGGREGATOR_GROUP)):
         ensure_group(r, stream, group)
     r.set(keys.setup, b"1")
 

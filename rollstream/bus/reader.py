@@ -20,11 +20,17 @@ from typing import Any
 
 import redis
 
-from rollstream.bus.connection import CONNECTION_ERRORS, backoff_delays, connection_count
+from rollstream.bus.connection import CONNECTION_ERRORS, backoff_delays, connection_count, retry_on_connection
 from rollstream.bus.publish import ensure_group
 from schemas import DEFAULT_LIMITS, DeadLetter, DecodeError, Event, Limits, decode, encode
 
 log = logging.getLogger(__name__)
+
+
+def entry_limits(max_entry_bytes: int) -> Limits:
+    """Decode limits for a run's readers: the entry, its payload and each field capped at max_entry_bytes."""
+    n = max_entry_bytes
+    return Limits(max_bin_len=n, max_ext_len=n, max_payload_bytes=n, max_field_bytes=n, max_entry_bytes=n)
 
 
 def _s(x: Any) -> str:
@@ -227,7 +233,8 @@ class GroupReader:
         self._pending_cursor = "0"
 
     def dead_letter(self, entry_id: str, fields: Mapping[bytes, bytes], reason: str) -> None:
-        """Copy an entry to `dead` with a reason and ack it, atomically (MULTI/EXEC)."""
+        """Copy an entry to `dead` with a reason and ack it, atomically (MULTI/EXEC); a connection loss is
+        retried (a lost reply may leave two dead entries for one id; the audit counts ids)."""
         dl = DeadLetter(
             source=self.stream,
             source_id=entry_id,
@@ -235,10 +242,15 @@ class GroupReader:
             # field names are whatever the writer sent: a non-UTF-8 name must not stop dead-lettering
             fields={_name(k): bytes(v) for k, v in fields.items()},
         )
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.dead_stream, encode(dl))  # type: ignore[arg-type]
-        pipe.xack(self.stream, self.group, entry_id)
-        pipe.execute()
+        body = encode(dl)
+
+        def write() -> None:
+            pipe = self.r.pipeline(transaction=True)
+            pipe.xadd(self.dead_stream, body)  # type: ignore[arg-type]
+            pipe.xack(self.stream, self.group, entry_id)
+            pipe.execute()
+
+        retry_on_connection(write, f"dead-lettering {entry_id}")
         self._inflight.discard(entry_id)
         self.stats.dead += 1
         log.error("%s: %s -> dead: %s", self.stream, entry_id, reason)
@@ -251,6 +263,12 @@ class GroupReader:
         for i in range(0, len(ids), 512):
             self.r.xclaim(self.stream, self.group, self.consumer, 0, ids[i : i + 512], justid=True)
         self._last_touch = time.monotonic()
+
+    @property
+    def reading_own_pending(self) -> bool:
+        """True while polls re-read this consumer's own pending list (at start, after a reconnect): an
+        empty poll then does not mean the stream is drained."""
+        return self._read_own_pending
 
     @property
     def inflight(self) -> int:

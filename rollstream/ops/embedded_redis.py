@@ -34,7 +34,8 @@ def plan_embedded(run_dir: Path) -> tuple[list[str], str]:
     """(redis-server argv, URL clients use) for a run dir; creates <run_dir>/redis for the AOF files."""
     run_dir = run_dir.resolve()
     data_dir = run_dir / "redis"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    data_dir.chmod(0o700)
     argv = [
         redis_server_binary(),
         "--appendonly", "yes",

@@ -18,7 +18,7 @@ from rollstream.names import Keys
 from schemas import DataProto, DeadLetter, DecodeError, RolloutSample, decode
 
 #: Short stream names an operator types.
-STREAM_NAMES = ("rollouts", "metrics", "records", "params", "dead", "fates", "dispatch_log")
+STREAM_NAMES = ("rollouts", "metrics", "stats", "records", "params", "dead", "fates", "dispatch_log")
 #: Values shown of an array in summary mode.
 FIRST_VALUES = 8
 _ID = re.compile(r"^(-\d+|\d+(-\d+)?)$")
@@ -30,7 +30,7 @@ class InspectError(ValueError):
 
 
 def stream_key(keys: Keys, short: str) -> str:
-    """The Redis key of a short stream name (rollouts, metrics, records, params, dead, fates, dispatch_log)."""
+    """The Redis key of a short stream name (one of STREAM_NAMES)."""
     if short not in STREAM_NAMES:
         raise InspectError(f"unknown stream {short!r} (one of {', '.join(STREAM_NAMES)})")
     return str(getattr(keys, short))

@@ -160,7 +160,7 @@ def recent_rates(r: redis.Redis, keys: Keys, window_s: float = RATE_WINDOW_S) ->
 def latest_idle(r: redis.Redis, keys: Keys) -> tuple[dict[str, float], float | None]:
     """(producer -> idle ratio from its latest ProducerStats, trainer idle ratio from the latest record)."""
     producers: dict[str, float] = {}
-    rows: Any = r.xrevrange(keys.metrics, count=RECENT_ENTRIES)
+    rows: Any = r.xrevrange(keys.stats, count=RECENT_ENTRIES)
     for _, f in rows:
         if f.get(b"type") != b"producer":
             continue

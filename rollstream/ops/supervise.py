@@ -8,6 +8,10 @@ users.acl at every start (so a restarted redis keeps them), and programs get ROL
 ROLLSTREAM_REDIS_PASSWORD_FILE. The embedded redis fsyncs its AOF on every write (`appendfsync always`),
 so a redis killed with SIGKILL loses nothing it acknowledged.
 
+A run's files are private to its user: the run dir and its folders are 0700, the files written here 0600,
+and supervisord runs every program with umask 077, so the AOF, checkpoints, logs and records.jsonl are
+created 0600 too (the ACL protects Redis; this protects its files on the host).
+
 Programs and their priorities (supervisord stops higher numbers first on its own shutdown, so producers
 stop before the trainer, the trainer before the aggregator, and redis last):
 
@@ -20,6 +24,7 @@ import hashlib
 import os
 import re
 import shlex
+import stat
 import subprocess
 import sys
 import tempfile
@@ -36,6 +41,7 @@ from rollstream.bus import setup_run, wait_until_ready
 from rollstream.bus.connection import PASSWORD_FILE_ENV, USERNAME_ENV
 from rollstream.config import PipelineConfig, config_to_yaml
 from rollstream.names import Keys
+from rollstream.names import producer_names as _producer_names
 from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded, wait_for_redis
 from rollstream.ops.target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, RunTarget, split_password
 from rollstream.security import ROLES, acl_rules, generate_passwords
@@ -48,7 +54,9 @@ CONF_NAME = "supervisord.conf"
 PASSWORD_FILE = "redis.password"
 #: redis ACL file (users with sha256 password hashes) inside the secrets dir.
 ACL_FILE = "users.acl"
-#: supervisord program name -> ACL user it connects as (producers match rollout_*).
+#: File mode bits a run's files never carry (group and other): the umask of the run's programs.
+PRIVATE_UMASK = 0o077
+#: supervisord program name -> ACL user it connects as (each producer connects as a user of its own name).
 PROGRAM_ROLES = {"aggregator": "aggregator", "trainer": "trainer"}
 
 
@@ -96,7 +104,7 @@ def supervisor_socket(run_dir: Path) -> Path:
 
 def producer_names(cfg: PipelineConfig) -> list[str]:
     """rollout_00 … rollout_NN, one per rollout.num_producers."""
-    return [f"rollout_{i:02d}" for i in range(cfg.rollout.num_producers)]
+    return _producer_names(cfg.rollout.num_producers)
 
 
 def _worker_programs(
@@ -110,36 +118,60 @@ def _worker_programs(
     ]
     for name in producer_names(cfg):
         progs.append(Program(name, [py, "-m", "producers", conf, "--name", name], priority=30,
-                             env={**env, **role_env.get("producer", {})}))
+                             env={**env, **role_env.get(name, {})}))
     return progs
 
 
-def write_acl(run_dir: Path, keys: Keys) -> tuple[Path, dict[str, dict[str, str]]]:
-    """Generate (or reuse) the role passwords and write redis' ACL file (hashes only, 0600, default user
-    off); returns (ACL file, role -> the env a program of that role gets)."""
+def write_acl(run_dir: Path, keys: Keys, producers: list[str]) -> tuple[Path, dict[str, dict[str, str]]]:
+    """Generate (or reuse) the users' passwords (one user per producer) and write redis' ACL file (hashes
+    only, 0600, default user off); returns (ACL file, user -> the env a program of that user gets)."""
     secrets_dir = run_dir / SECRETS_DIR
-    files = generate_passwords(secrets_dir)
-    rules = acl_rules(keys)
+    users = [*ROLES, *producers]
+    files = generate_passwords(secrets_dir, users)
+    rules = acl_rules(keys, producers)
     # The default user is off (no connection can use it) but keeps +@all: redis 7.0 replays the AOF's
     # MULTI/EXEC blocks with the default user's permissions, and a `nocommands` default user makes it drop
     # every transaction on load (seen in tests/test_faults.py: a restarted redis came back empty).
     lines = ["user default off resetpass resetchannels +@all ~*"]
-    for role in ROLES:
+    for role in users:
         digest = hashlib.sha256(files[role].read_text().strip().encode()).hexdigest()
         lines.append(" ".join(["user", role, "on", f"#{digest}", "resetchannels", *rules[role]]))
     acl_file = secrets_dir / ACL_FILE
     fd = os.open(acl_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines) + "\n")
-    env = {role: {USERNAME_ENV: role, PASSWORD_FILE_ENV: str(files[role].resolve())} for role in ROLES}
+    env = {role: {USERNAME_ENV: role, PASSWORD_FILE_ENV: str(files[role].resolve())} for role in users}
     return acl_file, env
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` (and missing parents) and make it 0700; returns it."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.chmod(0o700)
+    return path
+
+
+def private_violations(run_dir: Path) -> list[str]:
+    """`path mode` of everything under run_dir (itself included) that group or others may access (sockets
+    aside: their access is the directory's); [] for a private run."""
+    paths = [run_dir, *run_dir.rglob("*")]
+    return [f"{p} {stat.S_IMODE(p.lstat().st_mode):o}" for p in paths
+            if not p.is_socket() and stat.S_IMODE(p.lstat().st_mode) & PRIVATE_UMASK]
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a text file readable by its owner only (0600, also when it already existed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def plan_run(cfg: PipelineConfig, run_dir: Path | None = None) -> RunPlan:
     """Write the resolved config (absolute run.dir, no password in it), redis.url and supervisord.conf
     into the run dir; return the plan. The Redis password, if any, goes to a 0600 file named by env."""
-    run_dir = (run_dir or cfg.run_dir()).resolve()
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    run_dir = private_dir((run_dir or cfg.run_dir()).resolve())
+    private_dir(run_dir / "logs")
     resolved_cfg = cfg.model_copy(deep=True)
     resolved_cfg.run.dir = str(run_dir.parent)
     env = {"PYTHONUNBUFFERED": "1"}
@@ -149,7 +181,7 @@ def plan_run(cfg: PipelineConfig, run_dir: Path | None = None) -> RunPlan:
         redis_argv, url = plan_embedded(run_dir)
         redis_argv += ["--appendfsync", "always"]  # a kill -9 of redis loses nothing acknowledged
         if cfg.run.acl:
-            acl_file, role_env = write_acl(run_dir, Keys(cfg.run.name))
+            acl_file, role_env = write_acl(run_dir, Keys(cfg.run.name), producer_names(cfg))
             redis_argv += ["--aclfile", str(acl_file)]
         else:
             (run_dir / SECRETS_DIR / ACL_FILE).unlink(missing_ok=True)  # operator commands connect as default
@@ -159,19 +191,17 @@ def plan_run(cfg: PipelineConfig, run_dir: Path | None = None) -> RunPlan:
         resolved_cfg.run.redis_url = None
         if password is not None:
             pw_file = run_dir / PASSWORD_FILE
-            pw_file.touch(mode=0o600, exist_ok=True)
-            pw_file.chmod(0o600)
-            pw_file.write_text(password)
+            write_private(pw_file, password)
             resolved_cfg.run.password_file = str(pw_file)
     if resolved_cfg.run.password_file:
         env[PASSWORD_FILE_ENV] = str(Path(resolved_cfg.run.password_file).resolve())
     env[REDIS_URL_ENV] = url
     resolved = run_dir / RESOLVED_CONFIG
-    resolved.write_text(config_to_yaml(resolved_cfg))
-    (run_dir / REDIS_URL_FILE).write_text(url + "\n")
+    write_private(resolved, config_to_yaml(resolved_cfg))
+    write_private(run_dir / REDIS_URL_FILE, url + "\n")
     programs += _worker_programs(cfg, resolved, env, role_env)
     conf = run_dir / CONF_NAME
-    conf.write_text(render_supervisord_conf(run_dir, programs, cwd=Path.cwd()))
+    write_private(conf, render_supervisord_conf(run_dir, programs, cwd=Path.cwd()))
     return RunPlan(run_dir, conf, resolved, url, programs)
 
 
@@ -195,6 +225,7 @@ def render_supervisord_conf(run_dir: Path, programs: list[Program], cwd: Path) -
         f"pidfile={_esc(str(run_dir / 'supervisord.pid'))}",
         f"childlogdir={_esc(str(logs))}",
         f"identifier=rollstream-{run_dir.name}",
+        f"umask={PRIVATE_UMASK:03o}",  # every program (redis' AOF, checkpoints, logs, sinks) creates 0600 files
         "",
         "[rpcinterface:supervisor]",
         "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
@@ -212,6 +243,7 @@ def render_supervisord_conf(run_dir: Path, programs: list[Program], cwd: Path) -
             f"command={_esc(shlex.join(p.argv))}",
             f"directory={_esc(str(cwd))}",
             f"priority={p.priority}",
+            f"umask={PRIVATE_UMASK:03o}",
             f"autostart={'true' if p.autostart else 'false'}",
             "autorestart=unexpected",
             "exitcodes=0",
@@ -275,10 +307,10 @@ def start_supervisord(plan: RunPlan, foreground: bool = False) -> subprocess.Pop
         log.replace(log.with_suffix(".log.1"))
     argv = [sys.executable, "-m", "supervisor.supervisord", "-c", str(plan.conf_path)]
     proc = None
-    if foreground:
-        proc = subprocess.Popen([*argv, "-n"])
+    if foreground:  # supervisord creates its logs before applying its own umask setting: start it private
+        proc = subprocess.Popen([*argv, "-n"], umask=PRIVATE_UMASK)
     else:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, umask=PRIVATE_UMASK)
         if done.returncode != 0:
             raise SuperviseError(f"supervisord failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}")
     _wait(lambda: supervisor_up(plan.run_dir), 30, "supervisord to answer")
