@@ -70,3 +70,4 @@ def test_learn_table_reports_ratios_and_missing_targets() -> None:
     assert rows[2].startswith("| 0 | 100 | 60 | 0.60 | 3000 | 3300 | 1.10 |")
     assert rows[3].startswith("| 1 | not reached | 80 | not reached |")
     assert "| 0 | not reached | not reached |" in format_table([run(0, "sync", 100, 3000), run(0, "async", 60, 3300)], 0.95)
+    assert format_table([run(2, "async", 50, 900)], 0.9).splitlines()[2].startswith("| 2 | - | 50 | - | - | 900 | - |")

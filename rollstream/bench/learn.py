@@ -124,6 +124,11 @@ def _fmt(x: float | None, spec: str) -> str:
     return "not reached" if x is None else format(x, spec)
 
 
+def _cell(x: float | None, spec: str, ran: bool) -> str:
+    """A figure, "not reached", or "-" where the mode (or, for a ratio, one of the two) was not run."""
+    return _fmt(x, spec) if ran else "-"
+
+
 def format_table(runs: Sequence[ModeRun], acc: float) -> str:
     """Markdown: per seed, time and samples to val/acc >= `acc` per mode and the async/sync ratios."""
     pct = f"{acc:.0%}"
@@ -143,8 +148,10 @@ def format_table(runs: Sequence[ModeRun], acc: float) -> str:
         tr = at / st if st and at else None
         nr = an / sn if sn and an else None
         best = " / ".join(_fmt(m.curve.best("val/acc"), ".3f") if m else "-" for m in (s, a))
-        lines.append(f"| {seed} | {_fmt(st, '.0f')} | {_fmt(at, '.0f')} | {_fmt(tr, '.2f')} | {_fmt(sn, '.0f')} "
-                     f"| {_fmt(an, '.0f')} | {_fmt(nr, '.2f')} | {best} |")
+        both = s is not None and a is not None
+        lines.append(f"| {seed} | {_cell(st, '.0f', s is not None)} | {_cell(at, '.0f', a is not None)} "
+                     f"| {_cell(tr, '.2f', both)} | {_cell(sn, '.0f', s is not None)} "
+                     f"| {_cell(an, '.0f', a is not None)} | {_cell(nr, '.2f', both)} | {best} |")
     return "\n".join(lines)
 
 
