@@ -10,6 +10,7 @@ AGGREGATOR_GROUP = "aggregator"
 
 # Fields of the `trainer` hash that bound what the aggregator accepts (see consumers/aggregator/plausible.py).
 COMMITTED_STEP_FIELD = "committed_step"  # last global step whose commit (with its step_end) executed
+REPLAYED_VERSIONS_FIELD = "replayed_versions"  # replay copies: the source had published versions up to this
 TRAINING_STEP_FIELD = "training_step"  # highest global step the trainer has begun (never decreases)
 
 # `source` of the aggregator's notes on `dead` (reports about the log, not dead-lettered entries).

@@ -30,7 +30,8 @@ def test_bench_learn_runs_both_modes_as_users_run_them_and_writes_curves(tmp_pat
                            "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 3 |")]
-    assert len(rows) == 1 and "not reached" not in rows[0]  # both modes saw a val/acc >= 0
+    cells = [c.strip() for c in rows[0].split("|")] if len(rows) == 1 else []
+    assert cells[2].isdigit() and cells[3].isdigit(), rows  # both modes saw a val/acc >= 0 (seconds to it)
     assert (tmp_path / "learn-s3.png").stat().st_size > 1000
     for mode in ("sync", "async"):
         resolved = (tmp_path / f"learn-{mode}-s3" / "pipeline.resolved.yaml").read_text()

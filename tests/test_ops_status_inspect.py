@@ -234,12 +234,12 @@ def test_bench_fails_clearly_when_the_module_is_missing(capsys: pytest.CaptureFi
 
 
 def test_replay_records_refolds_into_a_new_run(
-    capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str
+    capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path
 ) -> None:
     dst = Keys(keys.run + "-rec")
-    try:
+    try:  # run.dir: not ./runs, where a demo run's ACL secrets would be used against the test Redis
         code, out, _ = cli(capsys, "replay", "records", "--from", keys.run, "--to", dst.run,
-                           str(ROOT / "pipeline.yaml"), f"run.redis_url={redis_url}")
+                           str(ROOT / "pipeline.yaml"), f"run.redis_url={redis_url}", f"run.dir={tmp_path}")
         assert code == 0 and f"from run '{keys.run}'" in out
     finally:
         delete_run(r, dst)

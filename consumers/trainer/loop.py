@@ -81,7 +81,7 @@ from rollstream.bus import (
 )
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_prompt_source, build_task
-from rollstream.names import TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
+from rollstream.names import REPLAYED_VERSIONS_FIELD, TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
 from rollstream.pacing import current_budget, grant_budget, record_consumed
 from rollstream.rl import staleness_metrics
 from rollstream.tasks import Prompt
@@ -167,7 +167,8 @@ class Trainer:
             log.info("resumed from checkpoint of global step %d", self.global_step)
         self._publish(self.global_step, only_if_missing=True)
         latest = latest_param_version(self.r, self.keys)
-        self.newest_published = max(self.global_step, latest.version if latest is not None else 0)
+        replayed = int(self.r.hget(self.keys.trainer, REPLAYED_VERSIONS_FIELD) or 0)  # type: ignore[arg-type]
+        self.newest_published = max(self.global_step, latest.version if latest is not None else 0, replayed)
         if ledgers and committed_step(self.r, self.keys) < self.global_step:
             log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
             commit_steps(self.r, self.keys, ledgers, self.global_step)

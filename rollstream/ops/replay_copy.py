@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from rollstream.bus import setup_run
-from rollstream.names import Keys
+from rollstream.names import REPLAYED_VERSIONS_FIELD, Keys
 
 BATCH = 500
 MAX_SEQ = 2**64 - 1
@@ -110,4 +110,7 @@ def copy_steps(r: redis.Redis, src: Keys, dst: Keys, first: int, last: int) -> t
         if len(pipe) >= BATCH:
             pipe.execute()
     pipe.execute()
+    # the copied samples were made with versions the source published up to step `last`; the replayed
+    # trainer must not take them for versions from the future (it republishes them as it goes)
+    r.hset(dst.trainer, REPLAYED_VERSIONS_FIELD, last)
     return len(ids), keep_ids
