@@ -1,0 +1,287 @@
+"""The compact wire layout of a RolloutSample's batch (schema 2): what cannot be derived, nothing else.
+
+A verl batch carries, per row, `input_ids` [n, P+R] = `prompts` [n, P] ++ `responses` [n, R], an
+`attention_mask` [n, P+R] that is a left-padded prompt and a right-padded response, a `response_mask`
+[n, R] and fp32 `rollout_log_probs` [n, R]; as int64 arrays that is 36 bytes per response token per row
+and 24 per prompt token per row. The compact layout sends instead:
+
+- `pad` (the one token id every unattended position holds), prompt lengths `plen` [n] and response
+  lengths `rlen` [n] (the attention mask as lengths);
+- the prompt's attended tokens once when every row has the same prompt (a GRPO group), else each row's;
+- the attended response tokens of every row, concatenated (no padding), as int32 (uint32 when the ids
+  need it, int64 only when neither holds them);
+- `response_mask` as "the attention mask's response part" when it is, else one bit per attended token;
+- `rollout_log_probs` as the attended positions' values, concatenated, in their own float dtype;
+- the original dtype of every array it rebuilds.
+
+`split` verifies that each known key is exactly rebuildable before choosing its compact form; a key
+that is not (a mask with holes, a log-prob where no token is) stays in `rest` and travels as before,
+and a batch whose `input_ids`/`attention_mask` are not in the layout above is not compact at all.
+`rebuild` returns exactly the arrays `split` was given (same keys, dtypes, shapes, values), read-only
+like every decoded array; with no padding the log-probs are zero-copy views of the wire bytes. Every
+inconsistency in a decoded layout is a DecodeError that names the field and value. No msgpack here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from schemas.errors import DecodeError
+
+IDS, MASK, PROMPTS, RESPONSES = "input_ids", "attention_mask", "prompts", "responses"
+RESPONSE_MASK, LOG_PROBS = "response_mask", "rollout_log_probs"
+KNOWN_KEYS = (IDS, MASK, PROMPTS, RESPONSES, RESPONSE_MASK, LOG_PROBS)
+_INT32, _UINT32 = np.iinfo(np.int32), np.iinfo(np.uint32)
+_TOKEN_KINDS = "iub"
+_MAX_PAD = 1 << 64
+
+
+def _token_dtype(lo: int, hi: int) -> np.dtype:
+    """Narrowest of int32 / uint32 / int64 that holds ids in [lo, hi]."""
+    if lo >= _INT32.min and hi <= _INT32.max:
+        return np.dtype("<i4")
+    if lo >= 0 and hi <= _UINT32.max:
+        return np.dtype("<u4")
+    return np.dtype("<u8") if hi > np.iinfo(np.int64).max else np.dtype("<i8")
+
+
+def _prompt_bits(plen: np.ndarray, P: int) -> np.ndarray:
+    """[n, P] bool: the attended (right-aligned) prompt positions of each row."""
+    return np.arange(P) >= (P - plen)[:, None]
+
+
+def _response_bits(rlen: np.ndarray, R: int) -> np.ndarray:
+    """[n, R] bool: the attended (left-aligned) response positions of each row."""
+    return np.arange(R) < rlen[:, None]
+
+
+def _is_2d(arr: Any, shape: tuple[int, int], kinds: str) -> bool:
+    """True for a numpy array of this shape whose dtype kind is one of kinds."""
+    return isinstance(arr, np.ndarray) and arr.shape == shape and arr.dtype.kind in kinds
+
+
+def _lengths(mask: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(plen, rlen) int64 [n] when mask is 0/1, left-padded over the prompt and right-padded over the
+    response; else None."""
+    if mask.dtype.kind != "b" and mask.size and (mask.min() < 0 or mask.max() > 1):
+        return None
+    bits = mask.astype(bool, copy=False)
+    plen = np.count_nonzero(bits[:, :P], axis=1)
+    rlen = np.count_nonzero(bits[:, P:], axis=1)
+    R = mask.shape[1] - P
+    if not (np.array_equal(bits[:, :P], _prompt_bits(plen, P)) and np.array_equal(bits[:, P:], _response_bits(rlen, R))):
+        return None
+    return plen, rlen
+
+
+def _zero_outside(arr: np.ndarray, inside: np.ndarray) -> bool:
+    """True when every element of arr outside `inside` is all-zero bytes (+0.0 for floats, never -0.0)."""
+    outside = arr[~inside]
+    if not outside.size:
+        return True
+    return not np.any(outside.view(f"u{arr.dtype.itemsize}") if arr.dtype.itemsize in (1, 2, 4, 8) else outside)
+
+
+def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+    """(layout, rest): the compact layout of the known keys that fit it and the tensors that travel as they
+    are; None when input_ids, attention_mask and responses are not in the layout (then nothing is compact)."""
+    ids, mask, responses = tensors.get(IDS), tensors.get(MASK), tensors.get(RESPONSES)
+    if not (isinstance(ids, np.ndarray) and isinstance(responses, np.ndarray) and ids.ndim == 2 and responses.ndim == 2):
+        return None
+    n, T = ids.shape
+    R = responses.shape[1]
+    P = T - R
+    if P < 0 or responses.shape[0] != n or ids.dtype.kind not in _TOKEN_KINDS or not _is_2d(mask, (n, T), _TOKEN_KINDS):
+        return None
+    assert isinstance(mask, np.ndarray)
+    if responses.dtype.kind not in _TOKEN_KINDS or not np.array_equal(responses, ids[:, P:]):
+        return None
+    lengths = _lengths(mask, P)
+    if lengths is None:
+        return None
+    plen, rlen = lengths
+    pbits, rbits = _prompt_bits(plen, P), _response_bits(rlen, R)
+    full = bool(plen.size == 0 or (plen.min() == P and rlen.min() == R))
+    pad = 0
+    if not full:
+        unattended = np.concatenate([ids[:, :P][~pbits], ids[:, P:][~rbits]])
+        pad = int(unattended[0])
+        if np.any(unattended != unattended[0]):
+            return None
+    shared = bool(n > 0 and np.all(plen == plen[0]) and np.array_equal(ids[:, :P], np.broadcast_to(ids[:1, :P], (n, P))))
+    prompt = ids[0, P - int(plen[0]) : P] if shared else (ids[:, :P] if full else ids[:, :P][pbits])
+    resp = ids[:, P:] if full else ids[:, P:][rbits]
+    lo = min(int(prompt.min()) if prompt.size else 0, int(resp.min()) if resp.size else 0)
+    hi = max(int(prompt.max()) if prompt.size else 0, int(resp.max()) if resp.size else 0)
+    tok = _token_dtype(lo, hi)
+    layout: dict[str, Any] = {
+        "n": n, "P": P, "R": R, "pad": pad, IDS: ids.dtype.str, MASK: mask.dtype.str, "shared": shared,
+        "plen": plen.astype("<i4"), "rlen": rlen.astype("<i4"),
+        "prompt": np.ascontiguousarray(prompt, dtype=tok).reshape(-1),
+        "resp": np.ascontiguousarray(resp, dtype=tok).reshape(-1),
+    }  # fmt: skip
+    rest = {k: v for k, v in tensors.items() if k not in (IDS, MASK, RESPONSES)}
+    layout[RESPONSES] = responses.dtype.str
+    prompts = rest.get(PROMPTS)
+    if _is_2d(prompts, (n, P), _TOKEN_KINDS) and np.array_equal(prompts, ids[:, :P]):  # type: ignore[arg-type]
+        layout[PROMPTS] = rest.pop(PROMPTS).dtype.str
+    rmask = rest.get(RESPONSE_MASK)
+    if _is_2d(rmask, (n, R), _TOKEN_KINDS):
+        assert isinstance(rmask, np.ndarray)
+        if np.array_equal(rmask, mask[:, P:]):
+            layout[RESPONSE_MASK] = [rmask.dtype.str, None]
+        elif (rmask.dtype.kind == "b" or not rmask.size or (rmask.min() >= 0 and rmask.max() <= 1)) and _zero_outside(rmask, rbits):
+            bits = rmask if full else rmask[rbits]
+            layout[RESPONSE_MASK] = [rmask.dtype.str, np.packbits(bits.astype(bool, copy=False).reshape(-1))]
+        if RESPONSE_MASK in layout:
+            del rest[RESPONSE_MASK]
+    lp = rest.get(LOG_PROBS)
+    if _is_2d(lp, (n, R), "f") and lp.dtype.itemsize in (2, 4, 8) and _zero_outside(lp, rbits):  # type: ignore[union-attr]
+        assert isinstance(lp, np.ndarray)
+        layout[LOG_PROBS] = np.ascontiguousarray(lp if full else lp[rbits]).reshape(-1)
+        del rest[LOG_PROBS]
+    return layout, rest
+
+
+# --- decoding -------------------------------------------------------------------------------------
+
+
+def _int(layout: dict[str, Any], name: str, lo: int, hi: int) -> int:
+    """An int field of the layout within [lo, hi]."""
+    value = layout.get(name)
+    if type(value) is not int or not lo <= value <= hi:
+        raise DecodeError(f"compact batch: {name}={value!r:.40} is not an int in [{lo}, {hi}]")
+    return value
+
+
+def _dtype(layout: dict[str, Any], name: str, kinds: str, value: Any = None) -> np.dtype:
+    """A dtype-string field of the layout, of one of the given kinds."""
+    text = layout.get(name) if value is None else value
+    try:
+        dt = np.dtype(text) if isinstance(text, str) else None
+    except (TypeError, ValueError):
+        dt = None
+    if dt is None or dt.kind not in kinds or dt.str != text or dt.fields is not None:
+        raise DecodeError(f"compact batch: {name} dtype {text!r:.40} is not one of kinds {kinds!r}")
+    return dt
+
+
+def _vector(layout: dict[str, Any], name: str, size: int, kinds: str) -> np.ndarray:
+    """A 1-d array field of the layout with `size` elements of one of the given kinds."""
+    arr = layout.get(name)
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in kinds:
+        raise DecodeError(f"compact batch: {name} is {type(arr).__name__}, not a 1-d array of kinds {kinds!r}")
+    if arr.size != size:
+        raise DecodeError(f"compact batch: {name} has {arr.size} values, expected {size}")
+    return arr
+
+
+def _lens(layout: dict[str, Any], name: str, n: int, most: int) -> np.ndarray:
+    """Per-row lengths in [0, most] as int64."""
+    arr = _vector(layout, name, n, "iu").astype(np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > most):
+        bad = arr[(arr < 0) | (arr > most)][0]
+        raise DecodeError(f"compact batch: {name} holds {int(bad)}, outside [0, {most}]")
+    return arr
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    """arr made read-only (decoded arrays are views of wire bytes elsewhere; consumers copy to write)."""
+    arr.flags.writeable = False
+    return arr
+
+
+def rebuild(layout: Any, rest: dict[str, Any], max_cells: int) -> dict[str, np.ndarray]:
+    """The tensors `split` was given, from its layout and the rest; max_cells bounds n * (P + R)."""
+    if type(layout) is not dict:
+        raise DecodeError(f"compact batch: layout is {type(layout).__name__}, not a map")
+    n = _int(layout, "n", 0, max_cells)
+    P = _int(layout, "P", 0, max_cells)
+    R = _int(layout, "R", 0, max_cells)
+    if n * (P + R) > max_cells:
+        raise DecodeError(f"compact batch: n={n} x (P={P} + R={R}) cells exceed max_batch_cells={max_cells}")
+    plen, rlen = _lens(layout, "plen", n, P), _lens(layout, "rlen", n, R)
+    shared = layout.get("shared")
+    if type(shared) is not bool or (shared and n and np.any(plen != plen[0])):
+        raise DecodeError(f"compact batch: shared={shared!r:.40} with prompt lengths {plen[:8].tolist()}")
+    n_prompt = (int(plen[0]) if n else 0) if shared else int(plen.sum())
+    n_resp = int(rlen.sum())
+    prompt = _vector(layout, "prompt", n_prompt, "iu")
+    resp = _vector(layout, "resp", n_resp, "iu")
+    ids_dt, mask_dt = _dtype(layout, IDS, _TOKEN_KINDS), _dtype(layout, MASK, _TOKEN_KINDS)
+    full = n_resp == n * R and (n_prompt == P if shared else n_prompt == n * P)
+    pad = layout.get("pad")
+    if type(pad) is not int or not -_MAX_PAD < pad < _MAX_PAD:
+        raise DecodeError(f"compact batch: pad={pad!r:.40} is not an int token id")
+    # input_ids [n, P+R]: pad everywhere, then the attended prompt and response tokens.
+    try:
+        ids = np.empty((n, P + R), ids_dt) if full else np.full((n, P + R), pad, ids_dt)
+    except OverflowError as exc:
+        raise DecodeError(f"compact batch: pad={pad} does not fit input_ids dtype {ids_dt.str}") from exc
+    pbits = rbits = None
+    with np.errstate(over="ignore"):
+        if shared:
+            ids[:, P - n_prompt : P] = prompt
+        elif full:
+            ids[:, :P] = prompt.reshape(n, P)
+        else:
+            pbits = _prompt_bits(plen, P)
+            ids[:, :P][pbits] = prompt
+        if full:
+            ids[:, P:] = resp.reshape(n, R)
+        else:
+            rbits = _response_bits(rlen, R)
+            ids[:, P:][rbits] = resp
+    if full:
+        mask = np.ones((n, P + R), mask_dt)
+    else:
+        pbits = _prompt_bits(plen, P) if pbits is None else pbits
+        rbits = _response_bits(rlen, R) if rbits is None else rbits
+        mask = np.concatenate([pbits, rbits], axis=1).astype(mask_dt)
+    out = dict(rest)
+    for key in KNOWN_KEYS:
+        if key in out and (key in (IDS, MASK, RESPONSES) or key in layout):
+            raise DecodeError(f"compact batch: tensor {key!r} is both in the layout and in the rest")
+    out[IDS], out[MASK] = _frozen(ids), _frozen(mask)
+    resp_dt = _dtype(layout, RESPONSES, _TOKEN_KINDS)
+    out[RESPONSES] = _frozen(ids[:, P:] if resp_dt == ids_dt else ids[:, P:].astype(resp_dt))
+    if PROMPTS in layout:
+        dt = _dtype(layout, PROMPTS, _TOKEN_KINDS)
+        out[PROMPTS] = _frozen(ids[:, :P] if dt == ids_dt else ids[:, :P].astype(dt))
+    if RESPONSE_MASK in layout:
+        out[RESPONSE_MASK] = _response_mask(layout[RESPONSE_MASK], mask[:, P:], rbits, rlen, n_resp, full)
+    if LOG_PROBS in layout:
+        lp = layout[LOG_PROBS]
+        if not isinstance(lp, np.ndarray) or lp.ndim != 1 or lp.dtype.kind != "f" or lp.size != n_resp:
+            raise DecodeError(f"compact batch: {LOG_PROBS} must be a 1-d float array of {n_resp} values")
+        if full:
+            out[LOG_PROBS] = lp.reshape(n, R)  # a read-only view of the wire bytes
+        else:
+            dense = np.zeros((n, R), lp.dtype)
+            dense[_response_bits(rlen, R) if rbits is None else rbits] = lp
+            out[LOG_PROBS] = _frozen(dense)
+    return out
+
+
+def _response_mask(
+    spec: Any, mask_part: np.ndarray, rbits: np.ndarray | None, rlen: np.ndarray, n_resp: int, full: bool
+) -> np.ndarray:
+    """response_mask from its layout entry [dtype, None (= the attention mask's response part) | bits]."""
+    if type(spec) is not list or len(spec) != 2:
+        raise DecodeError(f"compact batch: {RESPONSE_MASK} must be [dtype, bits or nil], got {spec!r:.40}")
+    dt = _dtype({}, RESPONSE_MASK, _TOKEN_KINDS, spec[0])
+    bits = spec[1]
+    if bits is None:
+        return _frozen(mask_part if dt == mask_part.dtype else mask_part.astype(dt))
+    if not isinstance(bits, np.ndarray) or bits.dtype != np.uint8 or bits.ndim != 1 or bits.size != math.ceil(n_resp / 8):
+        raise DecodeError(f"compact batch: {RESPONSE_MASK} bits must be {math.ceil(n_resp / 8)} uint8 bytes")
+    flat = np.unpackbits(bits, count=n_resp).astype(dt)
+    n, R = mask_part.shape
+    if full:
+        return _frozen(flat.reshape(n, R))
+    dense = np.zeros((n, R), dt)
+    dense[_response_bits(rlen, R) if rbits is None else rbits] = flat
+    return _frozen(dense)
