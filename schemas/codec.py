@@ -33,9 +33,9 @@ from schemas.arrays import (
     is_torch_tensor,
     pack_head,
 )
+from schemas.batch import DataProto
 from schemas.compact import rebuild as rebuild_compact
 from schemas.compact import split as split_compact
-from schemas.batch import DataProto
 from schemas.errors import DecodeError, as_decode_error
 from schemas.events import EVENT_MODELS, DeadLetter, Event, EventBase, RolloutSample
 from schemas.upgrades import upgrade
@@ -147,7 +147,7 @@ class _Packer:
 
     def _compact(self, obj: DataProto) -> msgpack.ExtType:
         """A batch in the compact layout ([layout, rest tensors, non_tensors, meta]), else as a DataProto."""
-        for key, arr in obj.tensors.items():
+        for arr in obj.tensors.values():
             if not isinstance(arr, np.ndarray) or arr.dtype.hasobject:
                 return self._dataproto(obj)  # names the bad key
         parts = split_compact(obj.tensors)

@@ -24,6 +24,7 @@ inconsistency in a decoded layout is a DecodeError that names the field and valu
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -72,7 +73,10 @@ def _lengths(mask: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray] | None:
     plen = np.count_nonzero(bits[:, :P], axis=1)
     rlen = np.count_nonzero(bits[:, P:], axis=1)
     R = mask.shape[1] - P
-    if not (np.array_equal(bits[:, :P], _prompt_bits(plen, P)) and np.array_equal(bits[:, P:], _response_bits(rlen, R))):
+    if not (
+        np.array_equal(bits[:, :P], _prompt_bits(plen, P))
+        and np.array_equal(bits[:, P:], _response_bits(rlen, R))
+    ):
         return None
     return plen, rlen
 
@@ -82,19 +86,31 @@ def _zero_outside(arr: np.ndarray, inside: np.ndarray) -> bool:
     outside = arr[~inside]
     if not outside.size:
         return True
-    return not np.any(outside.view(f"u{arr.dtype.itemsize}") if arr.dtype.itemsize in (1, 2, 4, 8) else outside)
+    return not np.any(
+        outside.view(f"u{arr.dtype.itemsize}") if arr.dtype.itemsize in (1, 2, 4, 8) else outside
+    )
 
 
 def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
     """(layout, rest): the compact layout of the known keys that fit it and the tensors that travel as they
     are; None when input_ids, attention_mask and responses are not in the layout (then nothing is compact)."""
     ids, mask, responses = tensors.get(IDS), tensors.get(MASK), tensors.get(RESPONSES)
-    if not (isinstance(ids, np.ndarray) and isinstance(responses, np.ndarray) and ids.ndim == 2 and responses.ndim == 2):
+    if not (
+        isinstance(ids, np.ndarray)
+        and isinstance(responses, np.ndarray)
+        and ids.ndim == 2
+        and responses.ndim == 2
+    ):
         return None
     n, T = ids.shape
     R = responses.shape[1]
     P = T - R
-    if P < 0 or responses.shape[0] != n or ids.dtype.kind not in _TOKEN_KINDS or not _is_2d(mask, (n, T), _TOKEN_KINDS):
+    if (
+        P < 0
+        or responses.shape[0] != n
+        or ids.dtype.kind not in _TOKEN_KINDS
+        or not _is_2d(mask, (n, T), _TOKEN_KINDS)
+    ):
         return None
     assert isinstance(mask, np.ndarray)
     if responses.dtype.kind not in _TOKEN_KINDS or not np.array_equal(responses, ids[:, P:]):
@@ -111,7 +127,9 @@ def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.
         pad = int(unattended[0])
         if np.any(unattended != unattended[0]):
             return None
-    shared = bool(n > 0 and np.all(plen == plen[0]) and np.array_equal(ids[:, :P], np.broadcast_to(ids[:1, :P], (n, P))))
+    shared = bool(
+        n > 0 and np.all(plen == plen[0]) and np.array_equal(ids[:, :P], np.broadcast_to(ids[:1, :P], (n, P)))
+    )
     prompt = ids[0, P - int(plen[0]) : P] if shared else (ids[:, :P] if full else ids[:, :P][pbits])
     resp = ids[:, P:] if full else ids[:, P:][rbits]
     lo = min(int(prompt.min()) if prompt.size else 0, int(resp.min()) if resp.size else 0)
@@ -133,7 +151,9 @@ def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.
         assert isinstance(rmask, np.ndarray)
         if np.array_equal(rmask, mask[:, P:]):
             layout[RESPONSE_MASK] = [rmask.dtype.str, None]
-        elif (rmask.dtype.kind == "b" or not rmask.size or (rmask.min() >= 0 and rmask.max() <= 1)) and _zero_outside(rmask, rbits):
+        elif (
+            rmask.dtype.kind == "b" or not rmask.size or (rmask.min() >= 0 and rmask.max() <= 1)
+        ) and _zero_outside(rmask, rbits):
             bits = rmask if full else rmask[rbits]
             layout[RESPONSE_MASK] = [rmask.dtype.str, np.packbits(bits.astype(bool, copy=False).reshape(-1))]
         if RESPONSE_MASK in layout:
@@ -157,14 +177,21 @@ def _int(layout: dict[str, Any], name: str, lo: int, hi: int) -> int:
     return value
 
 
+@functools.lru_cache(maxsize=256)
+def _parse_dtype(text: str, kinds: str) -> np.dtype | None:
+    """The numpy dtype a wire dtype string names when it is a plain one of the given kinds, else None."""
+    try:
+        dt = np.dtype(text)
+    except (TypeError, ValueError):
+        return None
+    return dt if dt.kind in kinds and dt.str == text and dt.fields is None else None
+
+
 def _dtype(layout: dict[str, Any], name: str, kinds: str, value: Any = None) -> np.dtype:
     """A dtype-string field of the layout, of one of the given kinds."""
     text = layout.get(name) if value is None else value
-    try:
-        dt = np.dtype(text) if isinstance(text, str) else None
-    except (TypeError, ValueError):
-        dt = None
-    if dt is None or dt.kind not in kinds or dt.str != text or dt.fields is not None:
+    dt = _parse_dtype(text, kinds) if type(text) is str and len(text) < 8 else None
+    if dt is None:
         raise DecodeError(f"compact batch: {name} dtype {text!r:.40} is not one of kinds {kinds!r}")
     return dt
 
@@ -173,25 +200,40 @@ def _vector(layout: dict[str, Any], name: str, size: int, kinds: str) -> np.ndar
     """A 1-d array field of the layout with `size` elements of one of the given kinds."""
     arr = layout.get(name)
     if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in kinds:
-        raise DecodeError(f"compact batch: {name} is {type(arr).__name__}, not a 1-d array of kinds {kinds!r}")
+        raise DecodeError(
+            f"compact batch: {name} is {type(arr).__name__}, not a 1-d array of kinds {kinds!r}"
+        )
     if arr.size != size:
         raise DecodeError(f"compact batch: {name} has {arr.size} values, expected {size}")
     return arr
 
 
-def _lens(layout: dict[str, Any], name: str, n: int, most: int) -> np.ndarray:
-    """Per-row lengths in [0, most] as int64."""
-    arr = _vector(layout, name, n, "iu").astype(np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() > most):
-        bad = arr[(arr < 0) | (arr > most)][0]
-        raise DecodeError(f"compact batch: {name} holds {int(bad)}, outside [0, {most}]")
-    return arr
+def _lens(layout: dict[str, Any], name: str, n: int, most: int) -> list[int]:
+    """Per-row lengths, each in [0, most]."""
+    values: list[int] = _vector(layout, name, n, "iu").tolist()
+    for v in values:
+        if not 0 <= v <= most:
+            raise DecodeError(f"compact batch: {name} holds {v}, outside [0, {most}]")
+    return values
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:
     """arr made read-only (decoded arrays are views of wire bytes elsewhere; consumers copy to write)."""
     arr.flags.writeable = False
     return arr
+
+
+def _spread(flat: np.ndarray, out: np.ndarray, lens: list[int], right: bool) -> None:
+    """Copy consecutive runs of flat into the rows of out: run i (lens[i] long) left-aligned, or
+    right-aligned when right; one slice per row."""
+    width, pos = out.shape[1], 0
+    for i, k in enumerate(lens):
+        if k:
+            if right:
+                out[i, width - k :] = flat[pos : pos + k]
+            else:
+                out[i, :k] = flat[pos : pos + k]
+            pos += k
 
 
 def rebuild(layout: Any, rest: dict[str, Any], max_cells: int) -> dict[str, np.ndarray]:
@@ -205,10 +247,10 @@ def rebuild(layout: Any, rest: dict[str, Any], max_cells: int) -> dict[str, np.n
         raise DecodeError(f"compact batch: n={n} x (P={P} + R={R}) cells exceed max_batch_cells={max_cells}")
     plen, rlen = _lens(layout, "plen", n, P), _lens(layout, "rlen", n, R)
     shared = layout.get("shared")
-    if type(shared) is not bool or (shared and n and np.any(plen != plen[0])):
-        raise DecodeError(f"compact batch: shared={shared!r:.40} with prompt lengths {plen[:8].tolist()}")
-    n_prompt = (int(plen[0]) if n else 0) if shared else int(plen.sum())
-    n_resp = int(rlen.sum())
+    if type(shared) is not bool or (shared and n and plen.count(plen[0]) != n):
+        raise DecodeError(f"compact batch: shared={shared!r:.40} with prompt lengths {plen[:8]}")
+    n_prompt = (plen[0] if n else 0) if shared else sum(plen)
+    n_resp = sum(rlen)
     prompt = _vector(layout, "prompt", n_prompt, "iu")
     resp = _vector(layout, "resp", n_resp, "iu")
     ids_dt, mask_dt = _dtype(layout, IDS, _TOKEN_KINDS), _dtype(layout, MASK, _TOKEN_KINDS)
@@ -216,35 +258,29 @@ def rebuild(layout: Any, rest: dict[str, Any], max_cells: int) -> dict[str, np.n
     pad = layout.get("pad")
     if type(pad) is not int or not -_MAX_PAD < pad < _MAX_PAD:
         raise DecodeError(f"compact batch: pad={pad!r:.40} is not an int token id")
+    for key in KNOWN_KEYS:
+        if key in rest and (key in (IDS, MASK, RESPONSES) or key in layout):
+            raise DecodeError(f"compact batch: tensor {key!r} is both in the layout and in the rest")
     # input_ids [n, P+R]: pad everywhere, then the attended prompt and response tokens.
     try:
         ids = np.empty((n, P + R), ids_dt) if full else np.full((n, P + R), pad, ids_dt)
     except OverflowError as exc:
         raise DecodeError(f"compact batch: pad={pad} does not fit input_ids dtype {ids_dt.str}") from exc
-    pbits = rbits = None
-    with np.errstate(over="ignore"):
-        if shared:
-            ids[:, P - n_prompt : P] = prompt
-        elif full:
-            ids[:, :P] = prompt.reshape(n, P)
-        else:
-            pbits = _prompt_bits(plen, P)
-            ids[:, :P][pbits] = prompt
-        if full:
-            ids[:, P:] = resp.reshape(n, R)
-        else:
-            rbits = _response_bits(rlen, R)
-            ids[:, P:][rbits] = resp
+    if shared:
+        ids[:, P - n_prompt : P] = prompt
+    elif full:
+        ids[:, :P] = prompt.reshape(n, P)
+    else:
+        _spread(prompt, ids[:, :P], plen, right=True)
     if full:
+        ids[:, P:] = resp.reshape(n, R)
         mask = np.ones((n, P + R), mask_dt)
     else:
-        pbits = _prompt_bits(plen, P) if pbits is None else pbits
-        rbits = _response_bits(rlen, R) if rbits is None else rbits
-        mask = np.concatenate([pbits, rbits], axis=1).astype(mask_dt)
+        _spread(resp, ids[:, P:], rlen, right=False)
+        mask = np.zeros((n, P + R), mask_dt)
+        for i in range(n):  # attended: the row's prompt (right-aligned) then its response (left-aligned)
+            mask[i, P - plen[i] : P + rlen[i]] = 1
     out = dict(rest)
-    for key in KNOWN_KEYS:
-        if key in out and (key in (IDS, MASK, RESPONSES) or key in layout):
-            raise DecodeError(f"compact batch: tensor {key!r} is both in the layout and in the rest")
     out[IDS], out[MASK] = _frozen(ids), _frozen(mask)
     resp_dt = _dtype(layout, RESPONSES, _TOKEN_KINDS)
     out[RESPONSES] = _frozen(ids[:, P:] if resp_dt == ids_dt else ids[:, P:].astype(resp_dt))
@@ -252,7 +288,7 @@ def rebuild(layout: Any, rest: dict[str, Any], max_cells: int) -> dict[str, np.n
         dt = _dtype(layout, PROMPTS, _TOKEN_KINDS)
         out[PROMPTS] = _frozen(ids[:, :P] if dt == ids_dt else ids[:, :P].astype(dt))
     if RESPONSE_MASK in layout:
-        out[RESPONSE_MASK] = _response_mask(layout[RESPONSE_MASK], mask[:, P:], rbits, rlen, n_resp, full)
+        out[RESPONSE_MASK] = _response_mask(layout[RESPONSE_MASK], mask[:, P:], rlen, n_resp, full)
     if LOG_PROBS in layout:
         lp = layout[LOG_PROBS]
         if not isinstance(lp, np.ndarray) or lp.ndim != 1 or lp.dtype.kind != "f" or lp.size != n_resp:
@@ -261,14 +297,12 @@ def rebuild(layout: Any, rest: dict[str, Any], max_cells: int) -> dict[str, np.n
             out[LOG_PROBS] = lp.reshape(n, R)  # a read-only view of the wire bytes
         else:
             dense = np.zeros((n, R), lp.dtype)
-            dense[_response_bits(rlen, R) if rbits is None else rbits] = lp
+            _spread(lp, dense, rlen, right=False)
             out[LOG_PROBS] = _frozen(dense)
     return out
 
 
-def _response_mask(
-    spec: Any, mask_part: np.ndarray, rbits: np.ndarray | None, rlen: np.ndarray, n_resp: int, full: bool
-) -> np.ndarray:
+def _response_mask(spec: Any, mask_part: np.ndarray, rlen: list[int], n_resp: int, full: bool) -> np.ndarray:
     """response_mask from its layout entry [dtype, None (= the attention mask's response part) | bits]."""
     if type(spec) is not list or len(spec) != 2:
         raise DecodeError(f"compact batch: {RESPONSE_MASK} must be [dtype, bits or nil], got {spec!r:.40}")
@@ -276,12 +310,17 @@ def _response_mask(
     bits = spec[1]
     if bits is None:
         return _frozen(mask_part if dt == mask_part.dtype else mask_part.astype(dt))
-    if not isinstance(bits, np.ndarray) or bits.dtype != np.uint8 or bits.ndim != 1 or bits.size != math.ceil(n_resp / 8):
+    if (
+        not isinstance(bits, np.ndarray)
+        or bits.dtype != np.uint8
+        or bits.ndim != 1
+        or bits.size != math.ceil(n_resp / 8)
+    ):
         raise DecodeError(f"compact batch: {RESPONSE_MASK} bits must be {math.ceil(n_resp / 8)} uint8 bytes")
     flat = np.unpackbits(bits, count=n_resp).astype(dt)
     n, R = mask_part.shape
     if full:
         return _frozen(flat.reshape(n, R))
     dense = np.zeros((n, R), dt)
-    dense[_response_bits(rlen, R) if rbits is None else rbits] = flat
+    _spread(flat, dense, rlen, right=False)
     return _frozen(dense)

@@ -54,7 +54,10 @@ def batches(draw: st.DrawFn) -> DataProto:
     """A producer-like batch with random n, P, R, dtypes, padding, pad id, masks and log-probs."""
     n, P, R = draw(st.integers(1, 6)), draw(st.integers(0, 9)), draw(st.integers(0, 9))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    ids_dt, mask_dt = np.dtype(draw(st.sampled_from(TOKEN_DTYPES))), np.dtype(draw(st.sampled_from(MASK_DTYPES)))
+    ids_dt, mask_dt = (
+        np.dtype(draw(st.sampled_from(TOKEN_DTYPES))),
+        np.dtype(draw(st.sampled_from(MASK_DTYPES))),
+    )
     hi = {2: 2**15, 4: 2**31 if ids_dt.kind == "i" else 2**32}.get(ids_dt.itemsize, 2**40)
     pad = int(draw(st.sampled_from([0, 1, hi - 1])))
     plen = rng.integers(0, P + 1, n) if draw(st.booleans()) else np.full(n, P)
@@ -141,8 +144,11 @@ def test_bytes_per_token_targets(vocab: int) -> None:
     ids past int32 travel as uint32 and still take 4 bytes."""
 
     def size(prompt_len: int, response_len: int) -> int:
-        return wire_bytes(encode(fake_rollout_sample("b", n=8, prompt_len=prompt_len,
-                                                     response_len=response_len, vocab=vocab)))
+        return wire_bytes(
+            encode(
+                fake_rollout_sample("b", n=8, prompt_len=prompt_len, response_len=response_len, vocab=vocab)
+            )
+        )
 
     per_response = (size(512, 2048) - size(512, 1024)) / (8 * 1024)
     per_prompt = (size(1024, 1024) - size(512, 1024)) / 512
@@ -195,8 +201,10 @@ def test_lengths_out_of_range_are_decode_errors() -> None:
     fields = as_redis(encode(fake_rollout_sample("h", n=2, prompt_len=3, response_len=4)))
     body, parts = compact_parts(fields)
     layout = parts[0]
-    rlen = msgpack.packb(np.array([9, 4], dtype="<i4"), default=lambda a: msgpack.ExtType(
-        5, bytes([4, 1, 0]) + (2).to_bytes(8, "little") + a.tobytes()))
+    rlen = msgpack.packb(
+        np.array([9, 4], dtype="<i4"),
+        default=lambda a: msgpack.ExtType(5, bytes([4, 1, 0]) + (2).to_bytes(8, "little") + a.tobytes()),
+    )
     layout["rlen"] = msgpack.unpackb(rlen)
     with pytest.raises(DecodeError, match=r"rlen holds 9, outside \[0, 4\]"):
         decode_as(with_layout(fields, **layout), RolloutSample)
