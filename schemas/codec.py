@@ -17,6 +17,7 @@ Every failure is a `DecodeError` with a short reason. No pickle, ever.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -295,8 +296,8 @@ class _Unpacker:
         if code == EXT_DATAPROTO:
             return self._dataproto(*self._list(data, 3, "DataProto"))
         if code == EXT_COMPACT_BATCH:
-            layout, *parts = self._list(data, 4, "compact batch")
-            return self._dataproto(*parts, layout=layout)
+            layout, tensors, non_tensors, meta_info = self._list(data, 4, "compact batch")
+            return self._dataproto(tensors, non_tensors, meta_info, layout=layout)
         if code == EXT_BYTES:
             raw = self._field(self.unpack(data))
             return raw if isinstance(raw, bytes) else bytes(raw)
@@ -389,29 +390,41 @@ def _check_entry_size(fields: Fields, limits: Limits) -> None:
         raise DecodeError(f"entry is {total} bytes, over the max_entry_bytes={limits.max_entry_bytes} limit")
 
 
-def _header_names(model: type[EventBase]) -> dict[str, str]:
-    """Entry header field name -> event attribute it renders (RolloutSample writes num_tokens as `tokens`)."""
-    return {("tokens" if name == "num_tokens" else name): name for name in model.HEADER}
+@functools.lru_cache(maxsize=64)
+def _header_names(model: type[EventBase]) -> tuple[tuple[str, bytes, str], ...]:
+    """(entry header field name, its bytes, the header() key it renders) per header field of a model
+    (RolloutSample writes num_tokens as `tokens`); computed once per model."""
+    names = ("tokens" if name == "num_tokens" else name for name in model.HEADER)
+    return tuple((name, name.encode(), name) for name in names)
+
+
+@functools.lru_cache(maxsize=64)
+def _known_names(model: type[EventBase]) -> frozenset[str | bytes]:
+    """Every field name a model's entries carry besides array fields, as str and as bytes."""
+    names = {*_BASE_FIELDS, *(name for name, _, _ in _header_names(model))}
+    return frozenset({*names, *(name.encode() for name in names)})
 
 
 def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str], event: EventBase,
                         raw_schema: Any) -> None:
     """Every field is one the encoder writes, and every readable header field equals the payload's value."""
-    header = _header_names(model)
+    known = _known_names(model)
     for raw_name in fields:
-        name = _field_name(raw_name)
-        if name not in _BASE_FIELDS and name not in header and name not in used:
-            raise DecodeError(f"unknown field {name[:40]!r} in a {event.type!r} entry")
+        if raw_name not in known:
+            name = _field_name(raw_name)
+            if name not in used:
+                raise DecodeError(f"unknown field {name[:40]!r} in a {event.type!r} entry")
     schema = _get(fields, b"schema", "schema")
     if schema is not None and type(raw_schema) is int and _text(schema) != str(raw_schema):
         raise DecodeError(f"header schema={_text(schema)[:40]!r} != payload schema_version={raw_schema}")
     values = event.header()
-    for name, attr in header.items():
-        got = _get(fields, name.encode(), name)
+    for name, bname, key in _header_names(model):
+        got = _get(fields, bname, name)
         if got is None:
             continue
-        want = _header_bytes(values["tokens" if attr == "num_tokens" else attr])
-        if bytes(got) != want:
+        want = _header_bytes(values[key])
+        if got != want and bytes(got) != want:
+            attr = "num_tokens" if name == "tokens" else name
             raise DecodeError(f"header {name}={bytes(got)[:40]!r} != payload {attr}={want[:40]!r}")
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -59,7 +59,7 @@ def _response_bits(rlen: np.ndarray, R: int) -> np.ndarray:
     return np.arange(R) < rlen[:, None]
 
 
-def _is_2d(arr: Any, shape: tuple[int, int], kinds: str) -> bool:
+def _is_2d(arr: Any, shape: tuple[int, int], kinds: str) -> TypeGuard[np.ndarray]:
     """True for a numpy array of this shape whose dtype kind is one of kinds."""
     return isinstance(arr, np.ndarray) and arr.shape == shape and arr.dtype.kind in kinds
 
@@ -112,7 +112,6 @@ def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.
         or not _is_2d(mask, (n, T), _TOKEN_KINDS)
     ):
         return None
-    assert isinstance(mask, np.ndarray)
     if responses.dtype.kind not in _TOKEN_KINDS or not np.array_equal(responses, ids[:, P:]):
         return None
     lengths = _lengths(mask, P)
@@ -144,11 +143,10 @@ def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.
     rest = {k: v for k, v in tensors.items() if k not in (IDS, MASK, RESPONSES)}
     layout[RESPONSES] = responses.dtype.str
     prompts = rest.get(PROMPTS)
-    if _is_2d(prompts, (n, P), _TOKEN_KINDS) and np.array_equal(prompts, ids[:, :P]):  # type: ignore[arg-type]
+    if _is_2d(prompts, (n, P), _TOKEN_KINDS) and np.array_equal(prompts, ids[:, :P]):
         layout[PROMPTS] = rest.pop(PROMPTS).dtype.str
     rmask = rest.get(RESPONSE_MASK)
     if _is_2d(rmask, (n, R), _TOKEN_KINDS):
-        assert isinstance(rmask, np.ndarray)
         if np.array_equal(rmask, mask[:, P:]):
             layout[RESPONSE_MASK] = [rmask.dtype.str, None]
         elif (
@@ -159,8 +157,7 @@ def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.
         if RESPONSE_MASK in layout:
             del rest[RESPONSE_MASK]
     lp = rest.get(LOG_PROBS)
-    if _is_2d(lp, (n, R), "f") and lp.dtype.itemsize in (2, 4, 8) and _zero_outside(lp, rbits):  # type: ignore[union-attr]
-        assert isinstance(lp, np.ndarray)
+    if _is_2d(lp, (n, R), "f") and lp.dtype.itemsize in (2, 4, 8) and _zero_outside(lp, rbits):
         layout[LOG_PROBS] = np.ascontiguousarray(lp if full else lp[rbits]).reshape(-1)
         del rest[LOG_PROBS]
     return layout, rest
