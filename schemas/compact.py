@@ -64,31 +64,51 @@ def _is_2d(arr: Any, shape: tuple[int, int], kinds: str) -> TypeGuard[np.ndarray
     return isinstance(arr, np.ndarray) and arr.shape == shape and arr.dtype.kind in kinds
 
 
-def _lengths(mask: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(plen, rlen) int64 [n] when mask is 0/1, left-padded over the prompt and right-padded over the
-    response; else None."""
-    if mask.dtype.kind != "b" and mask.size and (mask.min() < 0 or mask.max() > 1):
-        return None
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Same shape and equal values (np.array_equal without its generic overhead)."""
+    return a.shape == b.shape and bool((a == b).all())
+
+
+def _lengths(mask: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """(plen, rlen, full) when mask is 0/1, left-padded over the prompt and right-padded over the
+    response (full: no padding at all); else None."""
+    n, T = mask.shape
+    if mask.dtype.kind == "b":
+        if not mask.size or mask.all():
+            return np.full(n, P), np.full(n, T - P), True
+    else:
+        lo, hi = (int(mask.min()), int(mask.max())) if mask.size else (1, 1)
+        if lo < 0 or hi > 1:
+            return None
+        if lo == 1:
+            return np.full(n, P), np.full(n, T - P), True
     bits = mask.astype(bool, copy=False)
     plen = np.count_nonzero(bits[:, :P], axis=1)
     rlen = np.count_nonzero(bits[:, P:], axis=1)
-    R = mask.shape[1] - P
-    if not (
-        np.array_equal(bits[:, :P], _prompt_bits(plen, P))
-        and np.array_equal(bits[:, P:], _response_bits(rlen, R))
-    ):
+    if not (_same(bits[:, :P], _prompt_bits(plen, P)) and _same(bits[:, P:], _response_bits(rlen, T - P))):
         return None
-    return plen, rlen
+    return plen, rlen, False
 
 
-def _zero_outside(arr: np.ndarray, inside: np.ndarray) -> bool:
-    """True when every element of arr outside `inside` is all-zero bytes (+0.0 for floats, never -0.0)."""
+def _zero_outside(arr: np.ndarray, inside: np.ndarray | None) -> bool:
+    """True when every element of arr outside `inside` (None: nothing is outside) is all-zero bytes (+0.0
+    for floats, never -0.0)."""
+    if inside is None:
+        return True
     outside = arr[~inside]
     if not outside.size:
         return True
     return not np.any(
         outside.view(f"u{arr.dtype.itemsize}") if arr.dtype.itemsize in (1, 2, 4, 8) else outside
     )
+
+
+def _range(*arrays: np.ndarray) -> tuple[int, int]:
+    """(min, max) over the values of all arrays (0, 0 when they are empty)."""
+    values = [a for a in arrays if a.size]
+    if not values:
+        return 0, 0
+    return min(int(a.min()) for a in values), max(int(a.max()) for a in values)
 
 
 def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
@@ -112,27 +132,33 @@ def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.
         or not _is_2d(mask, (n, T), _TOKEN_KINDS)
     ):
         return None
-    if responses.dtype.kind not in _TOKEN_KINDS or not np.array_equal(responses, ids[:, P:]):
+    if responses.dtype.kind not in _TOKEN_KINDS or not _same(responses, ids[:, P:]):
         return None
     lengths = _lengths(mask, P)
     if lengths is None:
         return None
-    plen, rlen = lengths
-    pbits, rbits = _prompt_bits(plen, P), _response_bits(rlen, R)
-    full = bool(plen.size == 0 or (plen.min() == P and rlen.min() == R))
+    plen, rlen, full = lengths
+    pbits = rbits = None
     pad = 0
     if not full:
+        pbits, rbits = _prompt_bits(plen, P), _response_bits(rlen, R)
         unattended = np.concatenate([ids[:, :P][~pbits], ids[:, P:][~rbits]])
         pad = int(unattended[0])
         if np.any(unattended != unattended[0]):
             return None
     shared = bool(
-        n > 0 and np.all(plen == plen[0]) and np.array_equal(ids[:, :P], np.broadcast_to(ids[:1, :P], (n, P)))
+        n > 0
+        and (full or np.all(plen == plen[0]))
+        and (n == 1 or _same(ids[1:, :P], np.broadcast_to(ids[:1, :P], (n - 1, P))))
     )
-    prompt = ids[0, P - int(plen[0]) : P] if shared else (ids[:, :P] if full else ids[:, :P][pbits])
-    resp = ids[:, P:] if full else ids[:, P:][rbits]
-    lo = min(int(prompt.min()) if prompt.size else 0, int(resp.min()) if resp.size else 0)
-    hi = max(int(prompt.max()) if prompt.size else 0, int(resp.max()) if resp.size else 0)
+    if full:
+        prompt, resp = (ids[0, :P] if shared else ids[:, :P]), ids[:, P:]
+        lo, hi = _range(ids)
+    else:
+        assert pbits is not None and rbits is not None  # (set above when not full)
+        prompt = ids[0, P - int(plen[0]) : P] if shared else ids[:, :P][pbits]
+        resp = ids[:, P:][rbits]
+        lo, hi = _range(prompt, resp)
     tok = _token_dtype(lo, hi)
     layout: dict[str, Any] = {
         "n": n, "P": P, "R": R, "pad": pad, IDS: ids.dtype.str, MASK: mask.dtype.str, "shared": shared,
@@ -143,22 +169,22 @@ def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.
     rest = {k: v for k, v in tensors.items() if k not in (IDS, MASK, RESPONSES)}
     layout[RESPONSES] = responses.dtype.str
     prompts = rest.get(PROMPTS)
-    if _is_2d(prompts, (n, P), _TOKEN_KINDS) and np.array_equal(prompts, ids[:, :P]):
+    if _is_2d(prompts, (n, P), _TOKEN_KINDS) and _same(prompts, ids[:, :P]):
         layout[PROMPTS] = rest.pop(PROMPTS).dtype.str
     rmask = rest.get(RESPONSE_MASK)
     if _is_2d(rmask, (n, R), _TOKEN_KINDS):
-        if np.array_equal(rmask, mask[:, P:]):
+        if _same(rmask, mask[:, P:]):
             layout[RESPONSE_MASK] = [rmask.dtype.str, None]
         elif (
             rmask.dtype.kind == "b" or not rmask.size or (rmask.min() >= 0 and rmask.max() <= 1)
         ) and _zero_outside(rmask, rbits):
-            bits = rmask if full else rmask[rbits]
+            bits = rmask if rbits is None else rmask[rbits]
             layout[RESPONSE_MASK] = [rmask.dtype.str, np.packbits(bits.astype(bool, copy=False).reshape(-1))]
         if RESPONSE_MASK in layout:
             del rest[RESPONSE_MASK]
     lp = rest.get(LOG_PROBS)
     if _is_2d(lp, (n, R), "f") and lp.dtype.itemsize in (2, 4, 8) and _zero_outside(lp, rbits):
-        layout[LOG_PROBS] = np.ascontiguousarray(lp if full else lp[rbits]).reshape(-1)
+        layout[LOG_PROBS] = np.ascontiguousarray(lp if rbits is None else lp[rbits]).reshape(-1)
         del rest[LOG_PROBS]
     return layout, rest
 
