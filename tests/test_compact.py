@@ -208,3 +208,37 @@ def test_lengths_out_of_range_are_decode_errors() -> None:
     layout["rlen"] = msgpack.unpackb(rlen)
     with pytest.raises(DecodeError, match=r"rlen holds 9, outside \[0, 4\]"):
         decode_as(with_layout(fields, **layout), RolloutSample)
+
+
+def test_a_producer_built_sample_with_tool_tokens_and_token_scores_travels_compact() -> None:
+    """build_rollout_sample's batch (ragged responses, tool tokens, token_level_scores, ground_truth, every
+    non-tensor) goes compact and decodes to the batch the plain layout gives."""
+    from producers.data import AgentTrajectory, build_rollout_sample
+    from rollstream.model.tokenizer import CharTokenizer
+    from rollstream.tasks.base import RewardResult
+
+    tok = CharTokenizer()
+    trajectories = []
+    for i, text in enumerate(["12", "3456", "7"]):
+        t = AgentTrajectory(prompt_ids=tok.encode("2+2=", add_bos=True), finished=True, num_turns=1 + i % 2)
+        t.extend(tok.encode(text), [-0.25] * len(text), generated=True)
+        if i == 1:
+            t.extend(tok.encode("tool"), None, generated=False)
+            t.extend(tok.encode("9"), [-0.5], generated=True)
+        trajectories.append(t)
+    rewards = [RewardResult(score=1.0, exact=True, char_scores=(0.5,) * 2),
+               RewardResult(score=0.0, exact=False, char_scores=(0.0,) * 9),
+               RewardResult(score=0.5, exact=False, char_scores=(0.5,))]
+    event = build_rollout_sample(
+        sample_id="p", epoch=0, param_version=3, producer="p0", trajectories=trajectories, rewards=rewards,
+        raw_prompt="2+2=", tokenizer=tok, rollout_status={}, ground_truth="4",
+    )  # fmt: skip
+    assert "token_level_scores" in event.full_batch.tensors
+    fields = encode(event)
+    assert batch_ext(fields) == EXT_COMPACT_BATCH
+    body, parts = compact_parts(as_redis(fields))
+    assert "response_mask" in parts[0] and "rollout_log_probs" in parts[0]  # tool tokens: mask as bits
+    assert set(parts[1]) == {"rewards", "token_level_scores"}  # everything else travels as before
+    got = decode_as(as_redis(fields), RolloutSample).full_batch
+    assert_same_batch(got, decode_as(as_redis(encode(event, compact=False)), RolloutSample).full_batch)
+    assert_same_batch(got, event.full_batch)
