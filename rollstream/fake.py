@@ -34,11 +34,12 @@ def fake_rollout_sample(
         responses *= response_mask
     logp = np.where(response_mask == 1, -rng.random((n, response_len), dtype=np.float32), np.float32(0.0))
     reward = np.asarray(rewards if rewards is not None else rng.random(n), dtype=np.float32)
+    input_ids = np.concatenate([prompts, responses], axis=1)
     batch = DataProto.from_dict(
         tensors={
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": np.concatenate([prompts, responses], axis=1),
+            "prompts": input_ids[:, :prompt_len],  # views of input_ids, as the producer builds them
+            "responses": input_ids[:, prompt_len:],
+            "input_ids": input_ids,
             "attention_mask": np.concatenate([np.ones((n, prompt_len), dtype=np.int64), response_mask], axis=1),
             "response_mask": response_mask,
             "rollout_log_probs": logp,

@@ -65,8 +65,17 @@ def _is_2d(arr: Any, shape: tuple[int, int], kinds: str) -> TypeGuard[np.ndarray
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    """Same shape and equal values (np.array_equal without its generic overhead)."""
-    return a.shape == b.shape and bool((a == b).all())
+    """Same shape and equal values (np.array_equal without its generic overhead); a view of the very same
+    memory (a producer slices prompts and responses out of input_ids) is equal without a comparison."""
+    if a.shape != b.shape:
+        return False
+    if (
+        a.dtype == b.dtype
+        and a.strides == b.strides
+        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    ):
+        return True
+    return bool((a == b).all())
 
 
 def _lengths(mask: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray, bool] | None:
@@ -149,7 +158,7 @@ def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.
     shared = bool(
         n > 0
         and (full or np.all(plen == plen[0]))
-        and (n == 1 or _same(ids[1:, :P], np.broadcast_to(ids[:1, :P], (n - 1, P))))
+        and (n == 1 or bool((ids[1:, :P] == ids[:1, :P]).all()))
     )
     if full:
         prompt, resp = (ids[0, :P] if shared else ids[:, :P]), ids[:, P:]
