@@ -156,9 +156,7 @@ def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.
         if np.any(unattended != unattended[0]):
             return None
     shared = bool(
-        n > 0
-        and (full or np.all(plen == plen[0]))
-        and (n == 1 or bool((ids[1:, :P] == ids[:1, :P]).all()))
+        n > 0 and (full or np.all(plen == plen[0])) and (n == 1 or bool((ids[1:, :P] == ids[:1, :P]).all()))
     )
     if full:
         prompt, resp = (ids[0, :P] if shared else ids[:, :P]), ids[:, P:]
