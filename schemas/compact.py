@@ -18,7 +18,8 @@ and 24 per prompt token per row. The compact layout sends instead:
 that is not (a mask with holes, a log-prob where no token is) stays in `rest` and travels as before,
 and a batch whose `input_ids`/`attention_mask` are not in the layout above is not compact at all.
 `rebuild` returns exactly the arrays `split` was given (same keys, dtypes, shapes, values), read-only
-like every decoded array; with no padding the log-probs are zero-copy views of the wire bytes. Every
+like every decoded array; with no padding the log-probs are zero-copy views of the wire bytes and the
+all-ones masks a broadcast of one element (consumers that need contiguous memory copy, as the learner does). Every
 inconsistency in a decoded layout is a DecodeError that names the field and value. No msgpack here.
 """
 
@@ -304,7 +305,8 @@ def rebuild(layout: Any, rest: dict[str, Any], max_cells: int) -> dict[str, np.n
         _spread(prompt, ids[:, :P], plen, right=True)
     if full:
         ids[:, P:] = resp.reshape(n, R)
-        mask = np.ones((n, P + R), mask_dt)
+        # no padding: the mask is all ones, a read-only broadcast of one element (no bytes to write)
+        mask = np.broadcast_to(np.ones((1, 1), mask_dt), (n, P + R))
     else:
         _spread(resp, ids[:, P:], rlen, right=False)
         mask = np.zeros((n, P + R), mask_dt)
