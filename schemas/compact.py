@@ -292,6 +292,16 @@ def rebuild(layout: Any, rest: dict[str, Any], max_cells: int) -> dict[str, np.n
     for key in KNOWN_KEYS:
         if key in rest and (key in (IDS, MASK, RESPONSES) or key in layout):
             raise DecodeError(f"compact batch: tensor {key!r} is both in the layout and in the rest")
+    for name, tokens in (("prompt", prompt), ("resp", resp)):
+        if tokens.size and not np.can_cast(
+            tokens.dtype, ids_dt, "safe"
+        ):  # (int32 ids into int64: always fit)
+            lo, hi = int(tokens.min()), int(tokens.max())
+            info = np.iinfo(ids_dt) if ids_dt.kind != "b" else np.iinfo(np.uint8)
+            if lo < info.min or hi > (1 if ids_dt.kind == "b" else info.max):
+                raise DecodeError(
+                    f"compact batch: {name} holds ids in [{lo}, {hi}], outside input_ids dtype {ids_dt.str}"
+                )
     # input_ids [n, P+R]: pad everywhere, then the attended prompt and response tokens.
     try:
         ids = np.empty((n, P + R), ids_dt) if full else np.full((n, P + R), pad, ids_dt)

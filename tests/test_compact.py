@@ -196,6 +196,17 @@ def test_hostile_layouts_are_decode_errors(changes: dict[str, Any], reason: str)
     assert reason in str(err.value)
 
 
+def test_ids_that_do_not_fit_the_claimed_dtype_are_decode_errors() -> None:
+    """Token ids past the input_ids dtype the layout claims are refused, not wrapped."""
+    sample = fake_rollout_sample("h", n=2, prompt_len=3, response_len=64, vocab=151_936)
+    fields = as_redis(encode(sample))
+    with pytest.raises(
+        DecodeError,
+        match=r"compact batch: (prompt|resp) holds ids in \[\d+, \d+\], outside input_ids dtype <i2",
+    ):
+        decode_as(with_layout(fields, input_ids="<i2"), RolloutSample)
+
+
 def test_lengths_out_of_range_are_decode_errors() -> None:
     """A response length past R names the field and the value."""
     fields = as_redis(encode(fake_rollout_sample("h", n=2, prompt_len=3, response_len=4)))
@@ -226,9 +237,11 @@ def test_a_producer_built_sample_with_tool_tokens_and_token_scores_travels_compa
             t.extend(tok.encode("tool"), None, generated=False)
             t.extend(tok.encode("9"), [-0.5], generated=True)
         trajectories.append(t)
-    rewards = [RewardResult(score=1.0, exact=True, char_scores=(0.5,) * 2),
-               RewardResult(score=0.0, exact=False, char_scores=(0.0,) * 9),
-               RewardResult(score=0.5, exact=False, char_scores=(0.5,))]
+    rewards = [
+        RewardResult(score=1.0, exact=True, char_scores=(0.5,) * 2),
+        RewardResult(score=0.0, exact=False, char_scores=(0.0,) * 9),
+        RewardResult(score=0.5, exact=False, char_scores=(0.5,)),
+    ]
     event = build_rollout_sample(
         sample_id="p", epoch=0, param_version=3, producer="p0", trajectories=trajectories, rewards=rewards,
         raw_prompt="2+2=", tokenizer=tok, rollout_status={}, ground_truth="4",
