@@ -17,6 +17,7 @@ Every failure is a `DecodeError` with a short reason. No pickle, ever.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,8 +35,10 @@ from schemas.arrays import (
     pack_head,
 )
 from schemas.batch import DataProto
+from schemas.compact import rebuild as rebuild_compact
+from schemas.compact import split as split_compact
 from schemas.errors import DecodeError, as_decode_error
-from schemas.events import EVENT_MODELS, DeadLetter, Event, EventBase
+from schemas.events import EVENT_MODELS, DeadLetter, Event, EventBase, RolloutSample
 from schemas.upgrades import upgrade
 
 # Ext type codes inside the payload.
@@ -46,8 +49,12 @@ EXT_OBJECT_ARRAY = 2  # packed [shape, flat list of msgpack values] -> numpy obj
 EXT_DATAPROTO = 3
 EXT_BYTES = 4  # packed int: index of the raw field a<i> holding a bytes value
 EXT_FLAT_ARRAY = 5  # flat header (schemas.arrays.pack_head) + inline bytes, or + uint32 index of field a<i>
+# packed [layout, tensors, non_tensors, meta_info]: a RolloutSample's batch in schema 2 (schemas.compact); the
+# other three parts as in EXT_DATAPROTO, tensors holding only what the layout does not rebuild.
+EXT_COMPACT_BATCH = 6
 
 INLINE_MAX_BYTES = 1024
+ROLLOUT_PLAIN_SCHEMA = 1  # the last RolloutSample schema whose batch is a plain DataProto (still decoded)
 PAYLOAD_FIELD = "payload"
 ARRAY_FIELD_PREFIX = "a"
 
@@ -73,12 +80,23 @@ class Limits:
     max_field_bytes: int = 4096 * MiB
     max_entry_bytes: int = 4096 * MiB  # all field names and values of one entry together
     max_depth: int = 8
+    max_batch_cells: int = 1 << 28  # n * (P + R) a compact batch may rebuild (its arrays are not all on the wire)
 
 
 DEFAULT_LIMITS = Limits()
 
 
 # --- packing ------------------------------------------------------------------------------------
+
+
+class _Compact:
+    """Marks a RolloutSample's batch to travel in the compact layout (schema 2) when it fits."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: DataProto) -> None:
+        """Wrap the batch."""
+        self.batch = batch
 
 
 class _OutOfBand:
@@ -126,10 +144,25 @@ class _Packer:
 
     def _dataproto(self, obj: DataProto) -> msgpack.ExtType:
         """DataProto as [tensors: {name: flat header bin}, non_tensors: {name: [shape, values] | array}, meta]."""
+        return msgpack.ExtType(EXT_DATAPROTO, self.pack(self._parts(obj, obj.tensors)))
+
+    def _compact(self, obj: DataProto) -> msgpack.ExtType:
+        """A batch in the compact layout ([layout, rest tensors, non_tensors, meta]), else as a DataProto."""
+        for arr in obj.tensors.values():
+            if not isinstance(arr, np.ndarray) or arr.dtype.hasobject:
+                return self._dataproto(obj)  # names the bad key
+        parts = split_compact(obj.tensors)
+        if parts is None:
+            return self._dataproto(obj)
+        layout, rest = parts
+        return msgpack.ExtType(EXT_COMPACT_BATCH, self.pack([layout, *self._parts(obj, rest)]))
+
+    def _parts(self, obj: DataProto, tensors_in: Mapping[str, Any]) -> list[Any]:
+        """[tensors, non_tensors, meta_info] of a batch, tensors taken from tensors_in."""
         tensors: dict[str, Any] = {}
         non_tensors: dict[str, Any] = {}
         array = self._array
-        for key, arr in obj.tensors.items():
+        for key, arr in tensors_in.items():
             if not isinstance(arr, np.ndarray) or arr.dtype.hasobject:
                 obj._check()  # names the bad key; a batch mutated after construction must not reach the wire
                 raise TypeError(f"DataProto tensors[{key!r}] is not a numeric numpy array")
@@ -139,12 +172,14 @@ class _Packer:
                 obj._check()
                 raise TypeError(f"DataProto non_tensors[{key!r}] is not a numpy array")
             non_tensors[key] = [list(arr.shape), arr.reshape(-1).tolist()] if arr.dtype.hasobject else arr
-        return msgpack.ExtType(EXT_DATAPROTO, self.pack([tensors, non_tensors, obj.meta_info]))
+        return [tensors, non_tensors, obj.meta_info]
 
     def _default(self, obj: Any) -> Any:
         """Encode what msgpack does not know natively."""
         if isinstance(obj, DataProto):
             return self._dataproto(obj)
+        if isinstance(obj, _Compact):
+            return self._compact(obj.batch)
         if isinstance(obj, np.ndarray) and obj.dtype.hasobject:
             return msgpack.ExtType(EXT_OBJECT_ARRAY, self.pack([list(obj.shape), obj.reshape(-1).tolist()]))
         if isinstance(obj, np.ndarray) or is_torch_tensor(obj):
@@ -259,21 +294,29 @@ class _Unpacker:
         if code == EXT_OBJECT_ARRAY:
             return self._object_array(self.unpack(data))
         if code == EXT_DATAPROTO:
-            tensors, non_tensors, meta_info = self._list(data, 3, "DataProto")
-            if not (type(tensors) is dict and type(non_tensors) is dict and type(meta_info) is dict):
-                raise DecodeError("malformed DataProto ext: parts must be maps")
-            field, max_inline = self._field, self.limits.max_bin_len
-            for key, value in tensors.items():  # bin: a flat array header (older writers: array ExtTypes)
-                if type(value) is bytes:
-                    tensors[key] = array_from_flat(value, field, max_inline)
-            for key, value in non_tensors.items():  # list: an object array's [shape, values]
-                if type(value) is list:
-                    non_tensors[key] = self._object_array(value)
-            return DataProto.adopt(tensors, non_tensors, meta_info)
+            return self._dataproto(*self._list(data, 3, "DataProto"))
+        if code == EXT_COMPACT_BATCH:
+            layout, tensors, non_tensors, meta_info = self._list(data, 4, "compact batch")
+            return self._dataproto(tensors, non_tensors, meta_info, layout=layout)
         if code == EXT_BYTES:
             raw = self._field(self.unpack(data))
             return raw if isinstance(raw, bytes) else bytes(raw)
         raise DecodeError(f"unknown msgpack ext type {code}")
+
+    def _dataproto(self, tensors: Any, non_tensors: Any, meta_info: Any, layout: Any = None) -> DataProto:
+        """A DataProto from its unpacked parts (and, for a compact batch, the layout that rebuilds the rest)."""
+        if not (type(tensors) is dict and type(non_tensors) is dict and type(meta_info) is dict):
+            raise DecodeError("malformed DataProto ext: parts must be maps")
+        field, max_inline = self._field, self.limits.max_bin_len
+        for key, value in tensors.items():  # bin: a flat array header (older writers: array ExtTypes)
+            if type(value) is bytes:
+                tensors[key] = array_from_flat(value, field, max_inline)
+        for key, value in non_tensors.items():  # list: an object array's [shape, values]
+            if type(value) is list:
+                non_tensors[key] = self._object_array(value)
+        if layout is not None:
+            tensors = rebuild_compact(layout, tensors, self.limits.max_batch_cells)
+        return DataProto.adopt(tensors, non_tensors, meta_info)
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -288,16 +331,22 @@ def _header_bytes(value: Any) -> bytes:
     return str(value).encode()
 
 
-def encode(event: EventBase) -> dict[str, bytes | memoryview]:
-    """XADD fields for an event: header fields, then `payload`, then raw array fields a0, a1, …"""
+def encode(event: EventBase, *, compact: bool = True) -> dict[str, bytes | memoryview]:
+    """XADD fields for an event: header fields, then `payload`, then raw array fields a0, a1, …
+    compact=False writes a RolloutSample in schema 1 (its batch as plain arrays, as before issue 17)."""
     packer = _Packer(out_of_band=True)
     body = {name: getattr(event, name) for name in type(event).model_fields}
     if isinstance(event, DeadLetter):
         body["fields"] = {k: _OutOfBand(v) for k, v in event.fields.items()}
+    elif isinstance(event, RolloutSample):
+        if compact:
+            body["full_batch"] = _Compact(event.full_batch)
+        else:
+            body["schema_version"] = ROLLOUT_PLAIN_SCHEMA
     payload = packer.pack(body)
     out: dict[str, bytes | memoryview] = {
         "type": event.type.encode(),
-        "schema": str(event.schema_version).encode(),
+        "schema": str(body["schema_version"]).encode(),
     }
     for key, value in event.header().items():
         out[key] = _header_bytes(value)
@@ -341,29 +390,41 @@ def _check_entry_size(fields: Fields, limits: Limits) -> None:
         raise DecodeError(f"entry is {total} bytes, over the max_entry_bytes={limits.max_entry_bytes} limit")
 
 
-def _header_names(model: type[EventBase]) -> dict[str, str]:
-    """Entry header field name -> event attribute it renders (RolloutSample writes num_tokens as `tokens`)."""
-    return {("tokens" if name == "num_tokens" else name): name for name in model.HEADER}
+@functools.lru_cache(maxsize=64)
+def _header_names(model: type[EventBase]) -> tuple[tuple[str, bytes, str], ...]:
+    """(entry header field name, its bytes, the header() key it renders) per header field of a model
+    (RolloutSample writes num_tokens as `tokens`); computed once per model."""
+    names = ("tokens" if name == "num_tokens" else name for name in model.HEADER)
+    return tuple((name, name.encode(), name) for name in names)
+
+
+@functools.lru_cache(maxsize=64)
+def _known_names(model: type[EventBase]) -> frozenset[str | bytes]:
+    """Every field name a model's entries carry besides array fields, as str and as bytes."""
+    names = {*_BASE_FIELDS, *(name for name, _, _ in _header_names(model))}
+    return frozenset({*names, *(name.encode() for name in names)})
 
 
 def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str], event: EventBase,
                         raw_schema: Any) -> None:
     """Every field is one the encoder writes, and every readable header field equals the payload's value."""
-    header = _header_names(model)
+    known = _known_names(model)
     for raw_name in fields:
-        name = _field_name(raw_name)
-        if name not in _BASE_FIELDS and name not in header and name not in used:
-            raise DecodeError(f"unknown field {name[:40]!r} in a {event.type!r} entry")
+        if raw_name not in known:
+            name = _field_name(raw_name)
+            if name not in used:
+                raise DecodeError(f"unknown field {name[:40]!r} in a {event.type!r} entry")
     schema = _get(fields, b"schema", "schema")
     if schema is not None and type(raw_schema) is int and _text(schema) != str(raw_schema):
         raise DecodeError(f"header schema={_text(schema)[:40]!r} != payload schema_version={raw_schema}")
     values = event.header()
-    for name, attr in header.items():
-        got = _get(fields, name.encode(), name)
+    for name, bname, key in _header_names(model):
+        got = _get(fields, bname, name)
         if got is None:
             continue
-        want = _header_bytes(values["tokens" if attr == "num_tokens" else attr])
-        if bytes(got) != want:
+        want = _header_bytes(values[key])
+        if got != want and bytes(got) != want:
+            attr = "num_tokens" if name == "tokens" else name
             raise DecodeError(f"header {name}={bytes(got)[:40]!r} != payload {attr}={want[:40]!r}")
 
 

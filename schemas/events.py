@@ -95,6 +95,7 @@ PER_TRAJECTORY_LISTS = (
 class RolloutSample(EventBase):
     """One prompt's group of n trajectories, as a producer publishes it (verl's RolloutSample)."""
 
+    SCHEMA: ClassVar[int] = 2  # 2: the batch travels in the compact layout (schemas.compact); 1 still decodes
     HEADER: ClassVar[tuple[str, ...]] = ("sample_id", "param_version", "epoch", "producer", "n", "num_tokens")
 
     type: Literal["rollout"] = "rollout"

@@ -8,7 +8,16 @@ from typing import Any
 from schemas.errors import DecodeError
 
 Upgrade = Callable[[dict[str, Any]], dict[str, Any]]
-_UPGRADES: dict[tuple[str, int], Upgrade] = {}
+
+
+def _same_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """An upgrade whose fields are unchanged (only the wire layout changed; the codec already decoded it)."""
+    return data
+
+
+# Built-in upgrades. rollout 1 -> 2: schema 2 sends the batch in the compact layout (issue 17); a schema-1
+# entry's batch is a plain DataProto, already the same value once decoded.
+_UPGRADES: dict[tuple[str, int], Upgrade] = {("rollout", 1): _same_fields}
 
 
 def register_upgrade(event_type: str, from_version: int, fn: Upgrade) -> None:

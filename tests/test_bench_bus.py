@@ -44,10 +44,34 @@ def test_markdown_table_from_the_script(redis_url: str, keys: Keys) -> None:
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
-    table = [ln for ln in out.stdout.splitlines() if ln.startswith("|")]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("|")]
+    assert lines[0].startswith("| layout | bytes per response token per row")
+    assert [ln.split("|")[1].strip() for ln in lines[2:4]] == ["plain", "compact"]
+    table = lines[4:]
     assert table[0].startswith("| size | batch | ours samples/s | ours MB/s | raw MB/s | ours/raw")
     assert [ln.split("|")[1].strip() for ln in table[2:]] == ["2 KB", "24 KB"]
     assert "PythonRespSerializer" in out.stdout
+
+
+def test_token_equal_mode_moves_the_same_samples_in_both_layouts(
+    r: redis.Redis, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--tokens: one row per shape with compact, plain and raw rates, bytes per token of both layouts."""
+    argv = ["--quick", "--tokens", "2x8x32,2x8x64", "--mb-per-trial", "0.05", "--reps", "1"]
+    assert main([*argv, "--json", "--redis-url", redis_url, "--prefix", keys.run]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sizes"] == [] and [row["shape"] for row in report["shapes"]] == ["2x8x32", "2x8x64"]
+    for row in report["shapes"]:
+        assert row["wire_compact"] < row["wire_plain"]
+        for name in ("compact_samples_per_s", "plain_samples_per_s", "raw_samples_per_s",
+                     "decode_compact_us", "decode_plain_us", "decode_pickle_us"):
+            assert row[name] > 0, name
+    bpt = report["bytes_per_token"]
+    assert bpt["compact"]["per_response_token_per_row"] <= 9 < 36 <= bpt["plain"]["per_response_token_per_row"]
+    assert bpt["compact"]["per_prompt_token_per_group"] <= 4
+    assert not list(r.scan_iter(match=Keys(f"{keys.run}-*").pattern()))
+    assert main(["--tokens", "8x0x2"]) == 2
+    assert "bad --tokens" in capsys.readouterr().err
 
 
 def test_bad_sizes_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -204,7 +204,7 @@ def test_header_fields_come_first_and_are_readable() -> None:
         "payload",
     ]
     assert all(k.startswith("a") for k in keys[9:]) and len(keys) > 9
-    assert fields["type"] == b"rollout" and fields["schema"] == b"1" and fields["n"] == b"3"
+    assert fields["type"] == b"rollout" and fields["schema"] == b"2" and fields["n"] == b"3"
     assert fields["tokens"] == str(3 * 299).encode() == str(event.num_tokens).encode()
     assert all(isinstance(fields[k], memoryview) for k in keys[9:])
     metrics = encode(StepMetrics(type="step_end", global_step=7, local_step=4, sample_count=64))

@@ -44,7 +44,8 @@ def trainer_args(keys: Keys, redis_url: str, run_dir: Path, steps: int) -> list[
 
 
 class FakeProducer(threading.Thread):
-    """Takes budget for the newest version, publishes fake samples stamped with it; the 5th is corrupt.
+    """Takes budget for the newest version, publishes fake samples stamped with it; the 5th is corrupt, and
+    every other one is written in RolloutSample schema 1 (the plain batch layout of writers before issue 17).
     `cap[v]` limits how many prompts it dispatches for version v (until the cap is removed)."""
 
     def __init__(self, r: redis.Redis, keys: Keys) -> None:
@@ -55,6 +56,7 @@ class FakeProducer(threading.Thread):
         self.taken: dict[int, int] = {}
         self.published: list[str] = []
         self.corrupt: list[str] = []
+        self.schema: dict[str, bytes] = {}  # sample id -> the schema it was written in
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -76,7 +78,8 @@ class FakeProducer(threading.Thread):
                 sid = f"fake-{len(self.published):04d}"
                 sample = fake_rollout_sample(sid, param_version=v, n=4, prompt_len=6, response_len=8,
                                              seed=len(self.published))
-                fields: dict[str, Any] = encode(sample)
+                fields: dict[str, Any] = encode(sample, compact=len(self.published) % 2 == 0)
+                self.schema[sid] = fields["schema"]
                 if len(self.published) == 4:
                     fields["payload"] = b"\xc1 not msgpack"
                     self.corrupt.append(sid)
@@ -160,6 +163,9 @@ def test_trainer_run_keeps_every_sample_exactly_once(
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = check_invariants(r, keys, producer, 4)
     assert counts["trained"] == 4 * TBS and counts["dropped"] > 0 and counts["updates"] == 8
+    schema_of = producer.schema
+    trained = [f[b"sample_id"].decode() for _, f in r.xrange(keys.fates) if f[b"fate"] == b"trained"]
+    assert {schema_of[sid] for sid in trained} == {b"1", b"2"}  # old-schema entries train alongside new ones
     assert len(list((tmp_path / keys.run / "checkpoints").iterdir())) == 2
 
 

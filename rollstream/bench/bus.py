@@ -162,10 +162,13 @@ def _batches(total: int, batch: int) -> Iterator[int]:
 # --- one trial each -----------------------------------------------------------------------------
 
 
-def trial_ours(r: redis.Redis, sample: RolloutSample, n_samples: int, batch: int, prefix: str) -> Trial:
-    """Publish/read/decode/ack n_samples through Publisher and GroupReader, batch by batch."""
+def trial_ours(
+    r: redis.Redis, sample: RolloutSample, n_samples: int, batch: int, prefix: str, compact: bool = True
+) -> Trial:
+    """Publish/read/decode/ack n_samples through Publisher and GroupReader, batch by batch (compact=False:
+    RolloutSample schema 1, the plain batch layout)."""
     with fresh_stream(r, prefix) as keys:
-        pub = Publisher(r, nomkstream=True)
+        pub = Publisher(r, nomkstream=True, compact=compact)
         reader = GroupReader(r, keys.rollouts, TRAINER_GROUP, CONSUMER, dead_stream=keys.dead, count=batch)
         reader.poll(block_ms=1)  # prime: own-pending scan and first XAUTOCLAIM happen once per reader
         publish_s = consume_s = 0.0
@@ -297,16 +300,21 @@ def packer_name(r: redis.Redis) -> str:
         r.connection_pool.release(conn)
 
 
-def run_bench(url: str, s: Settings) -> dict[str, Any]:
-    """Measure every size; returns the JSON-ready report (settings, machine, per-size medians and trials)."""
+def run_bench(url: str, s: Settings, shapes: list[tuple[int, int, int]] | None = None) -> dict[str, Any]:
+    """Measure every size (or, given token shapes, the token-equal mode of rollstream.bench.bus_tokens);
+    returns the JSON-ready report (settings, machine, bytes per token, per-size medians and trials)."""
+    from rollstream.bench import bus_tokens  # (it builds on this module)
+
     r = bench_client(url, s.packer)
     try:
         packer = packer_name(r)
         info: Any = r.info("server")
-        results = [measure_size(r, size, s) for size in s.sizes]
+        results = [] if shapes else [measure_size(r, size, s) for size in s.sizes]
+        tokens = bus_tokens.run_tokens(r, shapes or [], s)
     finally:
         r.close()
     return {
+        **tokens,
         "settings": asdict(s),
         "machine": {
             "cpus": os.cpu_count(),
@@ -332,8 +340,13 @@ def run_bench(url: str, s: Settings) -> dict[str, Any]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The markdown table of a report's medians."""
-    lines = [
+    """The markdown tables of a report's medians (bytes per token first)."""
+    from rollstream.bench.bus_tokens import format_tokens
+
+    tokens = format_tokens(report)
+    if not report["sizes"]:
+        return tokens
+    lines = [tokens.split("\n\n")[0], "",
         "| size | batch | ours samples/s | ours MB/s | raw MB/s | ours/raw "
         "| encode µs ours vs pickle | decode µs ours vs pickle | decode pickle/ours |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -362,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--packer", default="client", choices=["client", "python", "hiredis"],
                    help="RESP command packer: as connect() builds it (client), pure-Python, or hiredis")
     p.add_argument("--prefix", default="bench", help="run-name prefix of the benchmark's Redis namespaces")
+    p.add_argument("--tokens", default=None, const="8x512x2048,8x512x16384", nargs="?",
+                   help="token-equal mode instead of --sizes: comma-separated NxPROMPTxRESPONSE shapes "
+                        "(alone: 8x512x2048,8x512x16384); compact vs plain layout vs raw at equal tokens")
     return p
 
 
@@ -372,6 +388,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = [parse_size(x) for x in args.sizes.split(",") if x.strip()]
     except ValueError as e:
         print(f"bench bus: bad --sizes: {e}", file=sys.stderr)
+        return 2
+    from rollstream.bench.bus_tokens import parse_shape
+
+    try:
+        shapes = [parse_shape(x) for x in args.tokens.split(",") if x.strip()] if args.tokens else None
+    except ValueError as e:
+        print(f"bench bus: bad --tokens: {e}", file=sys.stderr)
         return 2
     s = Settings(
         sizes=sizes,
@@ -384,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         packer=args.packer,
     )
     t0 = time.perf_counter()
-    report = run_bench(args.redis_url, s)
+    report = run_bench(args.redis_url, s, shapes)
     report["elapsed_s"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps(report, indent=1))
