@@ -27,6 +27,7 @@ import torch
 
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_policy, build_prompt_source, build_task
+from rollstream.files import atomic_write
 from rollstream.model import BasePolicy, build_batch
 from rollstream.tasks import Prompt, Task
 
@@ -151,9 +152,8 @@ def warm_start(
 
 
 def save_policy(policy: BasePolicy, path: str | Path) -> None:
-    """Write the policy's weights as a safetensors file (what `model.init_from` reads)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_bytes(policy.state_dict_bytes())
+    """Write the policy's weights as a safetensors file (what `model.init_from` reads), atomically."""
+    atomic_write(Path(path), policy.state_dict_bytes())
 
 
 def load_init(policy: BasePolicy, path: str | Path) -> None:

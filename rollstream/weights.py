@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ from typing import Any
 import redis
 
 from rollstream.bus import Publisher
+from rollstream.files import atomic_write
 from rollstream.names import Keys
 from schemas import DecodeError, ParamVersion, decode
 
@@ -23,20 +22,6 @@ log = logging.getLogger(__name__)
 
 class WeightsError(RuntimeError):
     """A weight blob is missing or its sha256 does not match its ParamVersion."""
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def publish_weights(
@@ -58,7 +43,7 @@ def publish_weights(
         if file_dir is None:
             raise WeightsError(f"blob of {len(blob)} bytes > inline limit {inline_max_bytes} and no file_dir")
         path = (file_dir / f"weights-{version:08d}.safetensors").resolve()
-        _atomic_write(path, blob)
+        atomic_write(path, blob)
         uri = f"file://{path}"
     pv = ParamVersion(version=version, uri=uri, sha256=digest, bytes=len(blob), global_step=global_step)
     Publisher(r, nomkstream=False).publish(keys.params, pv)
