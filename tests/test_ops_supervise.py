@@ -79,6 +79,7 @@ def test_conf_for_embedded_redis_starts_redis_first_with_aof(tmp_path: Path) -> 
     red = conf["program:redis"]
     assert red["priority"] == "1" and red["autostart"] == "true"
     assert "--appendonly yes" in red["command"] and f"--dir {tmp_path.resolve()}/emb/redis" in red["command"]
+    assert "--appendfsync always" in red["command"] and "everysec" not in red["command"]  # one policy, stated once
     assert plan.redis_url == f"unix://{tmp_path.resolve()}/emb/redis.sock?db=0"
     assert f'ROLLSTREAM_REDIS_URL="{plan.redis_url}"' in conf["program:trainer"]["environment"]
     assert int(conf["program:rollout_00"]["priority"]) > int(conf["program:trainer"]["priority"])
@@ -88,6 +89,7 @@ def test_embedded_redis_starts_with_aof_and_keeps_data_across_restart(tmp_path: 
     server = EmbeddedRedis(tmp_path)
     r = server.start()
     assert r.config_get("appendonly") == {"appendonly": "yes"}
+    assert r.config_get("appendfsync") == {"appendfsync": "everysec"}
     r.set("k", "v")
     r.close()
     assert server.stop() == 0

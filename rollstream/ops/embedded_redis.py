@@ -1,5 +1,8 @@
 """The run's own redis-server (when run.redis_url is null): AOF on, data in <run_dir>/redis, reached over a
-unix socket in the run dir (or a free loopback port when the socket path is too long)."""
+unix socket in the run dir (or a free loopback port when the socket path is too long).
+
+The AOF fsync policy is the caller's: `rollstream run` asks for `always` (ops/supervise.py: a redis killed
+with SIGKILL loses nothing it acknowledged); `EmbeddedRedis` (tests, scripts) keeps redis' `everysec`."""
 
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ def redis_server_binary() -> str:
     return found
 
 
-def plan_embedded(run_dir: Path) -> tuple[list[str], str]:
-    """(redis-server argv, URL clients use) for a run dir; creates <run_dir>/redis for the AOF files."""
+def plan_embedded(run_dir: Path, appendfsync: str = "everysec") -> tuple[list[str], str]:
+    """(redis-server argv, URL clients use) for a run dir, fsyncing the AOF per `appendfsync` (always,
+    everysec or no); creates <run_dir>/redis for the AOF files."""
     run_dir = run_dir.resolve()
     data_dir = run_dir / "redis"
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -39,7 +43,7 @@ def plan_embedded(run_dir: Path) -> tuple[list[str], str]:
     argv = [
         redis_server_binary(),
         "--appendonly", "yes",
-        "--appendfsync", "everysec",
+        "--appendfsync", appendfsync,
         "--dir", str(data_dir),
         "--save", "",
         "--protected-mode", "yes",

@@ -178,8 +178,7 @@ def plan_run(cfg: PipelineConfig, run_dir: Path | None = None) -> RunPlan:
     programs: list[Program] = []
     role_env: dict[str, dict[str, str]] = {}
     if cfg.run.redis_url is None:
-        redis_argv, url = plan_embedded(run_dir)
-        redis_argv += ["--appendfsync", "always"]  # a kill -9 of redis loses nothing acknowledged
+        redis_argv, url = plan_embedded(run_dir, appendfsync="always")  # a kill -9 of redis loses nothing acknowledged
         if cfg.run.acl:
             acl_file, role_env = write_acl(run_dir, Keys(cfg.run.name), producer_names(cfg))
             redis_argv += ["--aclfile", str(acl_file)]
