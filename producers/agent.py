@@ -1,4 +1,4 @@
-"""Agent loops: generation batches -> finished AgentTrajectories.
+"""Agent loops: generation batches -> finished Trajectories.
 
 `partial_single_turn_agent`: one `policy.generate` call for all rows (prompts x n).
 `async_partial_tool_agent` (arith + calculator): generate a turn, cut it after its first complete
@@ -6,7 +6,7 @@
 next turn with the whole history as the prompt, up to `max_turns` turns.
 
 Weight sync: with partial rollout on, every `sync_every_tokens` decoded tokens (and between turns) the
-loop asks its `VersionSource` to load newer weights; `Trajectory.swap_points` then says from which
+loop asks its `VersionSource` to load newer weights; `Completion.swap_points` then says from which
 token on each row used them, which gives each trajectory's first and last generating version.
 With partial rollout off, weights never change inside a call (start == end).
 """
@@ -20,9 +20,9 @@ from typing import Protocol
 
 import torch
 
-from producers.data import AGENT_SINGLE_TURN, AGENT_TOOL, AgentTrajectory
 from rollstream.config import PipelineConfig
-from rollstream.model import Tokenizer, Trajectory
+from rollstream.model import Completion, Tokenizer
+from rollstream.rollout import AGENT_SINGLE_TURN, AGENT_TOOL, Trajectory
 from rollstream.tasks import Task
 from schemas import DataProto
 
@@ -48,7 +48,7 @@ class GeneratingPolicy(Protocol):
         greedy: bool = False,
         sync_every_tokens: int = 0,
         on_chunk: Callable[[], bool] | None = None,
-    ) -> list[Trajectory]:
+    ) -> list[Completion]:
         """Sample n responses per prompt (prompt-major)."""
         ...
 
@@ -109,7 +109,7 @@ def _generate_turn(
     settings: GenerationSettings,
     weights: VersionSource,
     generator: torch.Generator | None,
-) -> tuple[list[Trajectory], int, list[int]]:
+) -> tuple[list[Completion], int, list[int]]:
     """One generate call over `histories` (n=1 each) -> (trajectories, version at start, version after each swap)."""
     swaps: list[int] = []
 
@@ -133,7 +133,7 @@ def _generate_turn(
     return out, start, swaps
 
 
-def _version_of_last_token(traj: Trajectory, kept: int, start: int, swaps: list[int]) -> int:
+def _version_of_last_token(traj: Completion, kept: int, start: int, swaps: list[int]) -> int:
     """Version that generated token kept-1: a row alive at swap k saw swaps 0..k, so count its swap points."""
     seen = sum(1 for s in traj.swap_points if s < kept)
     return swaps[seen - 1] if seen else start
@@ -156,9 +156,9 @@ def run_agent_loop(
     settings: GenerationSettings,
     weights: VersionSource,
     generator: torch.Generator | None = None,
-) -> list[AgentTrajectory]:
+) -> list[Trajectory]:
     """Generate every row of `batch` (prepared prompts, `input_ids` rows) with the loop its
-    per-row `agent_name` (non_tensors; one agent per call) names; returns one AgentTrajectory per row,
+    per-row `agent_name` (non_tensors; one agent per call) names; returns one Trajectory per row,
     in row order."""
     names = batch.non_tensors.get("agent_name")
     agents = {str(a) for a in names} if names is not None else {AGENT_SINGLE_TURN}
@@ -173,7 +173,7 @@ def run_agent_loop(
     tok = policy.tokenizer
     limit = policy.max_seq_len
 
-    trajs = [AgentTrajectory(prompt_ids=r) for r in rows]
+    trajs = [Trajectory(prompt_ids=r) for r in rows]
     active = list(range(len(trajs)))
     for turn in range(max_turns):
         if not active:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from producers.data import AgentTrajectory
 from rollstream.config import PipelineConfig
 from rollstream.model import Tokenizer
+from rollstream.rollout import Trajectory
 from schemas import DataProto
 
 DIGITS = "0123456789"
@@ -93,7 +93,7 @@ def plan_dispatch(
 
 def run_plan(
     plan: Plan, version_start: int, version_now: Callable[[], int] | None = None, sleep: bool = True
-) -> list[AgentTrajectory]:
+) -> list[Trajectory]:
     """Sleep the plan's decode time, then return its trajectories. `version_now()` (when given) is the
     loaded version read after the sleep (partial rollout: the version that generated the last tokens)."""
     if sleep:
@@ -101,7 +101,7 @@ def run_plan(
     end = version_start if version_now is None else version_now()
     out = []
     for prompt, resp, done in zip(plan.prompt_rows, plan.responses, plan.finished, strict=True):
-        t = AgentTrajectory(prompt_ids=prompt, finished=done, num_turns=1, version_start=version_start, version_end=end)
+        t = Trajectory(prompt_ids=prompt, finished=done, num_turns=1, version_start=version_start, version_end=end)
         t.extend(resp, [DIGIT_LOGP] * len(resp), generated=True)
         t.processing_time_s = len(resp) / plan.tokens_per_s
         out.append(t)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from producers.data import AgentTrajectory
 from rollstream.config import PipelineConfig
 from rollstream.pacing import RolloutCounts
+from rollstream.rollout import Trajectory
 from rollstream.tasks import RewardResult
 from schemas import ProducerStats
 
@@ -45,7 +45,7 @@ class StatsWindow:
     length_sum: int = 0
     versions: set[int] = field(default_factory=set)
 
-    def add_sample(self, trajs: list[AgentTrajectory], rewards: list[RewardResult]) -> None:
+    def add_sample(self, trajs: list[Trajectory], rewards: list[RewardResult]) -> None:
         """Count one published sample (a prompt's n trajectories with their rewards)."""
         self.samples += 1
         for t, rw in zip(trajs, rewards, strict=True):

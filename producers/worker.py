@@ -45,12 +45,6 @@ import numpy as np
 import torch
 
 from producers.agent import GenerationSettings, run_agent_loop
-from producers.data import (
-    AgentTrajectory,
-    build_rollout_sample,
-    concat_generation_data,
-    prepare_single_generation_data,
-)
 from producers.latency import LatencyModel, plan_dispatch, run_plan
 from producers.stats import Counters, StatsWindow, rollout_status
 from producers.sync import WeightSync
@@ -59,10 +53,16 @@ from rollstream.factory import build_policy, build_prompt_source, build_task
 from rollstream.model import BasePolicy
 from rollstream.names import producer_names
 from rollstream.pacing import current_budget, mark_published, release_unpublished, rollout_counts, take_budget
+from rollstream.rollout import (
+    Trajectory,
+    build_rollout_sample,
+    concat_generation_data,
+    prepare_single_generation_data,
+)
 from rollstream.tasks import Prompt, Task
 from rollstream.weights import WeightsError, latest_param_version
 from rollstream.worker import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, WorkerContext, start_worker
-from schemas import DataProto, RolloutSample, encode
+from schemas import DataProto, RolloutSample, decode_cursor, encode, encode_cursor
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class Producer:
         released = release_unpublished(r, keys, self.name)
         saved: Any = r.get(keys.producer_cursor(self.name))
         if saved is not None:
-            epoch, index = (int(x) for x in saved.decode().split(":"))
+            epoch, index = decode_cursor(saved)
             self.source.cursor = (epoch, index)
             log.info("resuming prompts at epoch %d index %d", epoch, index)
         return released
@@ -284,7 +284,7 @@ class Producer:
             self._publish(samples)
         return samples
 
-    def _generate(self, batch: DataProto, param_version: int) -> list[AgentTrajectory]:
+    def _generate(self, batch: DataProto, param_version: int) -> list[Trajectory]:
         """Run the agent loop on the batch, or (latency model) sleep its modelled decode time."""
         if self.latency is None:
             return run_agent_loop(self.policy, self.task, batch, self.settings, self.weights, self.generator)
@@ -328,7 +328,7 @@ class Producer:
             pipe.xadd(keys.rollouts, encode(s), nomkstream=True)  # type: ignore[arg-type]
         mark_published(pipe, keys, self.name, len(samples))
         epoch, index = self.source.cursor
-        pipe.set(keys.producer_cursor(self.name), f"{epoch}:{index}")
+        pipe.set(keys.producer_cursor(self.name), encode_cursor(epoch, index))
         res = pipe.execute()
         if any(x is None for x in res[: len(samples)]):
             raise RunNotSetUpError(f"stream {keys.rollouts} does not exist: run `rollstream run` or setup_run first")

@@ -13,6 +13,7 @@ XADD retried after a lost reply. The fold keeps the latest copy; the audit lists
 (not a problem).
 
 Reads the whole log with XRANGE (bounded runs; a retention-trimmed log audits what is left).
+`rollstream audit` prints `format_report` and exits 1 when `problems()` is not empty.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import redis
 
 from rollstream.names import TRAINER_GROUP, Keys
-from schemas import DeadLetter, DecodeError, StepMetrics, decode
+from schemas import TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
 
 PAGE = 1000
 
@@ -66,6 +67,8 @@ class AuditReport:
     steps: list[int] = field(default_factory=list)  # step_end global steps, in log order
     reemitted: dict[tuple[int, int], int] = field(default_factory=dict)  # (g, k) -> copies, when more than one
     records: list[int] = field(default_factory=list)  # global steps with a record
+    # producer -> param_version -> samples it published dispatched under that version (rollouts headers)
+    producer_versions: dict[str, Counter[int]] = field(default_factory=dict)
 
     @property
     def records_consecutive(self) -> bool:
@@ -131,13 +134,16 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
         sid = _s(f.get(b"sample_id", b"entry:" + entry_id.encode()))
         entry_sample[entry_id] = sid
         per_id[sid] += 1
+        if per_id[sid] == 1 and (version := f.get(b"param_version", b"")).isdigit():
+            rep.producer_versions.setdefault(_s(f.get(b"producer", b"?")), Counter())[int(version)] += 1
     rep.published = set(per_id)
     rep.duplicate_entries = sum(n - 1 for n in per_id.values())
 
     ends = Counter[str]()
     for _, f in scan_stream(r, keys.fates):
-        sid, fate = _s(f[b"sample_id"]), _s(f[b"fate"])
-        (rep.trained if fate == "trained" else rep.dropped).add(sid)
+        fate = decode_fate(f)
+        sid = fate.sample_id
+        (rep.trained if fate.fate == TRAINED else rep.dropped).add(sid)
         ends[sid] += 1
     dead_sources: set[str] = set()
     for _, f in scan_stream(r, keys.dead):
@@ -171,3 +177,30 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
     rep.reemitted = {gk: n for gk, n in sorted(updates.items()) if n > 1}
     rep.records = [int(i.split("-")[0]) for i, _ in scan_stream(r, keys.records)]
     return rep
+
+
+def _versions(counts: Counter[int]) -> str:
+    """`0-7` (or `3`) for the versions a producer's samples were dispatched under."""
+    low, high = min(counts), max(counts)
+    return f"{low}" if low == high else f"{low}-{high}"
+
+
+def format_report(rep: AuditReport) -> str:
+    """The audit as a few lines for an operator (what `rollstream audit` prints)."""
+    once = rep.duplicated
+    out = [
+        f"published {len(rep.published)} samples ({rep.duplicate_entries} repeated entries)",
+        f"trained once {len(rep.trained - once)}  dropped once {len(rep.dropped - once)}  "
+        f"dead-lettered once {len(rep.dead - once)}  still pending {len(rep.pending)}",
+        f"ended more than once {len(once)}  missing (acked, no fate) {len(rep.lost)}"
+        + (f"  fates of ids no longer on rollouts {len(rep.unknown)}" if rep.unknown else ""),
+        f"global steps ended {len(rep.steps)}  records {len(rep.records)}  "
+        f"re-emitted local updates {len(rep.reemitted)}",
+    ]
+    producers = [f"{name} {sum(c.values())} samples, versions {_versions(c)}"
+                 for name, c in sorted(rep.producer_versions.items())]
+    out.append("producers: " + ("; ".join(producers) or "-"))
+    problems = rep.problems()
+    out.append("problems: none" if not problems else "problems:")
+    out += [f"  {p}" for p in problems]
+    return "\n".join(out)

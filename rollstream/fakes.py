@@ -1,10 +1,53 @@
-"""Synthetic RolloutSamples of a chosen size, for bus tests, benchmarks and load tests (no model)."""
+"""Synthetic events for tests, benchmarks and load tests (no model): RolloutSamples of a chosen size, built
+with the producers' own builder (rollstream.rollout.build_rollout_sample) so they cannot drift from what
+producers publish, and a metrics log shaped like the trainer's and producers'."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
+
 import numpy as np
 
-from schemas import DataProto, RolloutSample
+from rollstream.rollout import Trajectory, build_rollout_sample
+from rollstream.tasks import RewardResult
+from schemas import EventBase, ProducerStats, RolloutSample, StepMetrics, ValidateMetrics
+
+
+class FakeTokenizer:
+    """Token ids without text: pad=0, bos=1, eos=2, `vocab` ids; every id decodes to "" (fake samples carry
+    random ids, so their raw_prompt and response_text are empty)."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    @property
+    def pad_id(self) -> int:
+        """Id of the padding token (0)."""
+        return 0
+
+    @property
+    def bos_id(self) -> int:
+        """Id of the beginning-of-sequence token (1)."""
+        return 1
+
+    @property
+    def eos_id(self) -> int:
+        """Id of the end-of-sequence token (2)."""
+        return 2
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids."""
+        return self.vocab
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """No text has ids: [bos] or []."""
+        return [self.bos_id] if add_bos else []
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Ids have no text: always ""."""
+        return ""
 
 
 def fake_rollout_sample(
@@ -21,44 +64,40 @@ def fake_rollout_sample(
     ragged: bool = False,
     vocab: int = 30,
 ) -> RolloutSample:
-    """A valid RolloutSample with random tokens and finite log-probs; size grows with n * response_len.
-    The group's rows share one prompt (as a producer builds them); ragged=True gives each response a random
-    length in [1, response_len], right-padded with id 0 (mask 0, log-prob 0.0); token ids are < vocab."""
+    """A valid RolloutSample with random tokens and finite log-probs, as build_rollout_sample packs a
+    producer's group; size grows with n * response_len. The group's rows share one prompt; ragged=True
+    gives each response a random length in [1, response_len] (right-padded with id 0, mask 0, log-prob
+    0.0, the batch as wide as the longest); token ids are in [3, vocab); rewards are in [0, 1]."""
     rng = np.random.default_rng(seed)
-    prompts = np.repeat(rng.integers(3, vocab, size=(1, prompt_len), dtype=np.int64), n, axis=0)
+    prompt = rng.integers(3, vocab, size=prompt_len, dtype=np.int64).tolist()
     responses = rng.integers(3, vocab, size=(n, response_len), dtype=np.int64)
-    response_mask = np.ones((n, response_len), dtype=np.int64)
-    if ragged and response_len:
-        lengths = rng.integers(1, response_len + 1, size=n)
-        response_mask = (np.arange(response_len) < lengths[:, None]).astype(np.int64)
-        responses *= response_mask
-    logp = np.where(response_mask == 1, -rng.random((n, response_len), dtype=np.float32), np.float32(0.0))
-    reward = np.asarray(rewards if rewards is not None else rng.random(n), dtype=np.float32)
-    input_ids = np.concatenate([prompts, responses], axis=1)
-    batch = DataProto.from_dict(
-        tensors={
-            "prompts": input_ids[:, :prompt_len],  # views of input_ids, as the producer builds them
-            "responses": input_ids[:, prompt_len:],
-            "input_ids": input_ids,
-            "attention_mask": np.concatenate([np.ones((n, prompt_len), dtype=np.int64), response_mask], axis=1),
-            "response_mask": response_mask,
-            "rollout_log_probs": logp,
-            "rewards": reward,
-        },
-        non_tensors={"uid": np.array([sample_id] * n, dtype=object)},
-    )
-    return RolloutSample(
+    lengths = rng.integers(1, response_len + 1, size=n) if ragged and response_len else np.full(n, response_len)
+    logp = -rng.random((n, response_len), dtype=np.float32)
+    scores = rewards if rewards is not None else rng.random(n).tolist()
+    trajectories = [
+        Trajectory(
+            prompt_ids=prompt,
+            response_ids=responses[i, :length].tolist(),
+            response_mask=[1] * length,
+            log_probs=logp[i, :length].tolist(),
+            finished=True,
+            num_turns=1,
+            version_start=param_version,
+            version_end=param_version,
+            processing_time_s=0.01,
+        )
+        for i, length in enumerate(int(x) for x in lengths)
+    ]
+    return build_rollout_sample(
         sample_id=sample_id,
         epoch=epoch,
         param_version=param_version,
-        full_batch=batch,
-        agent_loop_output_list=[{"num_turns": 1, "response_length": response_len} for _ in range(n)],
-        processing_times=[0.01] * n,
-        tool_calls=[],
-        param_version_start=[param_version] * n,
-        param_version_end=[param_version] * n,
-        rollout_status={"dispatched": 1},
         producer=producer,
+        trajectories=trajectories,
+        rewards=[RewardResult(score=float(s), exact=False) for s in scores],
+        raw_prompt="",
+        tokenizer=FakeTokenizer(vocab),
+        rollout_status={"dispatched": 1},
     )
 
 
@@ -66,3 +105,120 @@ def response_len_for_bytes(target_bytes: int, n: int = 4) -> int:
     """Response length that makes a fake sample about target_bytes on the wire: per response token and row,
     the compact layout (schema 2) sends an int32 id and a float32 log-prob."""
     return max(1, target_bytes // (n * 8))
+
+
+# -- the metrics log --------------------------------------------------------------------------------
+
+
+def local_update(g: int, k: int, sample_count: int, metrics: dict[str, float]) -> StepMetrics:
+    """A `local_update` event of global step g, local step k."""
+    return StepMetrics(type="local_update", global_step=g, local_step=k, sample_count=sample_count, metrics=metrics)
+
+
+def step_end(g: int, k: int, metrics: dict[str, float] | None = None, created_at: float = 100.0) -> StepMetrics:
+    """The `step_end` event of global step g after k local updates."""
+    return StepMetrics(
+        type="step_end",
+        global_step=g,
+        local_step=k,
+        sample_count=0,
+        num_local_updates=k,
+        metrics=metrics or {},
+        created_at=created_at,
+    )
+
+
+def producer_stats(name: str, samples: int, gen_tokens_per_s: float, idle_ratio: float, pv: int) -> ProducerStats:
+    """A ProducerStats event (tokens = 10 per sample)."""
+    return ProducerStats(
+        producer=name,
+        param_version=pv,
+        samples=samples,
+        tokens=samples * 10,
+        gen_tokens_per_s=gen_tokens_per_s,
+        idle_ratio=idle_ratio,
+    )
+
+
+def validation(version: int, metrics: dict[str, float]) -> ValidateMetrics:
+    """A ValidateMetrics event of a param version."""
+    return ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
+
+
+# Metric names covering every aggregation rule.
+BASE_METRICS = (
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "timing_s/update",
+    "response_length/max",
+    "response_length/min",
+    "critic/score/mean",
+    "training/off_policy/dropped_samples",
+    "fully_async/partial/total_partial_num",
+)
+
+
+def fake_metrics_log(
+    num_steps: int,
+    *,
+    local_updates: int = 2,
+    producers: int = 2,
+    metrics_per_update: int = 10,
+    test_freq: int = 5,
+    first_step: int = 1,
+    seed: int = 0,
+) -> list[EventBase]:
+    """Events of `num_steps` global steps in the order a run emits them: producer stats, local updates,
+    a validation every `test_freq` versions, then the step_end."""
+    rng = random.Random(seed)
+    names = list(BASE_METRICS) + [f"extra/m{i}" for i in range(max(0, metrics_per_update - len(BASE_METRICS)))]
+    names = names[:metrics_per_update]
+    events: list[EventBase] = []
+    clock = 1_700_000_000.0
+    for g in range(first_step, first_step + num_steps):
+        for p in range(producers):
+            clock += 0.1
+            events.append(
+                ProducerStats(
+                    producer=f"rollout_{p:02d}",
+                    param_version=g - 1,
+                    samples=g * 8 + p,
+                    tokens=g * 100 + p,
+                    gen_tokens_per_s=round(rng.uniform(50, 150), 3),
+                    idle_ratio=round(rng.random(), 3),
+                    created_at=clock,
+                )
+            )
+        for k in range(1, local_updates + 1):
+            clock += 0.5
+            metrics = {name: round(rng.uniform(0, 10), 4) for name in names}
+            events.append(
+                StepMetrics(
+                    type="local_update",
+                    global_step=g,
+                    local_step=k,
+                    sample_count=rng.randint(4, 8),
+                    metrics=metrics,
+                    created_at=clock,
+                )
+            )
+        if test_freq and g % test_freq == 0:
+            clock += 0.1
+            events.append(
+                ValidateMetrics(param_version=g, global_step=g, metrics={"val/acc": rng.random()}, created_at=clock)
+            )
+        clock += 0.1
+        events.append(
+            StepMetrics(
+                type="step_end",
+                global_step=g,
+                local_step=local_updates,
+                sample_count=0,
+                num_local_updates=local_updates,
+                metrics={"timing_s/step": 1.0 + rng.random(), "timing_s/gen": rng.random()},
+                created_at=clock,
+            )
+        )
+    return events

@@ -1,4 +1,5 @@
-"""Every Redis key of a run, built from the run name. No other module writes a key string."""
+"""Every Redis key of a run, built from the run name, and the fields of the `trainer` hash. No other module
+writes a key string or a trainer hash field (stream entry fields are defined in schemas/)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,18 @@ from dataclasses import dataclass
 TRAINER_GROUP = "trainer"
 AGGREGATOR_GROUP = "aggregator"
 
-# Fields of the `trainer` hash that bound what the aggregator accepts (see consumers/aggregator/plausible.py).
+# Fields of the `trainer` hash. The trainer writes them (its step commit, heartbeat and budget grants);
+# committed_step and training_step bound what the aggregator accepts (consumers/aggregator/plausible.py),
+# budget_version is read by the producers' pacing script.
+GLOBAL_STEP_FIELD = "global_step"  # last committed global step
+PARAM_VERSION_FIELD = "param_version"  # the version published with that commit
 COMMITTED_STEP_FIELD = "committed_step"  # last global step whose commit (with its step_end) executed
-REPLAYED_VERSIONS_FIELD = "replayed_versions"  # replay copies: the source had published versions up to this
+CONSUMED_STEP_FIELD = "consumed_step"  # last global step counted toward the `consumed` counter
 TRAINING_STEP_FIELD = "training_step"  # highest global step the trainer has begun (never decreases)
+HEARTBEAT_FIELD = "heartbeat"  # unix seconds of the trainer's last poll, local update or commit
+BUDGET_VERSION_FIELD = "budget_version"  # the version whose dispatch budget is granted (pacing)
+DROPPED_STALE_FIELD = "dropped_stale"  # samples dropped as stale over the whole run (written in the commit)
+REPLAYED_VERSIONS_FIELD = "replayed_versions"  # replay copies: the source had published versions up to this
 
 # `source` of the aggregator's notes on `dead` (reports about the log, not dead-lettered entries).
 AGGREGATOR_NOTE_SOURCE = "aggregator"
@@ -66,7 +75,7 @@ class Keys:
 
     @property
     def fates(self) -> str:
-        """Stream of per-sample outcomes recorded by the trainer (trained / dropped), one entry per id."""
+        """Stream of per-sample outcomes recorded by the trainer (schemas.plain.Fate), one entry per id."""
         return self._k("fates")
 
     def weights(self, version: int) -> str:
@@ -99,7 +108,7 @@ class Keys:
         return self.producer_prefix(producer) + "inflight"
 
     def producer_cursor(self, producer: str) -> str:
-        """String: "epoch:index" of this producer's next prompt (advanced with each publish, resumed on restart)."""
+        """String: this producer's next prompt (schemas.plain.encode_cursor; advanced with each publish, resumed on restart)."""
         return self.producer_prefix(producer) + "cursor"
 
     def producer_version(self, producer: str) -> str:
@@ -107,7 +116,7 @@ class Keys:
         return self.producer_prefix(producer) + "version"
 
     def producer_dispatch_log(self, producer: str) -> str:
-        """Stream: this producer's budget takes and releases (version, amount, outstanding) for audit."""
+        """Stream: this producer's budget takes and releases (schemas.plain.DispatchRecord) for audit."""
         return self.producer_prefix(producer) + "dispatch_log"
 
     def producer_of(self, key: str) -> str:
@@ -120,12 +129,12 @@ class Keys:
 
     @property
     def dispatch_log(self) -> str:
-        """Stream: one entry per budget grant by the trainer (version, amount, outstanding) for audit."""
+        """Stream: one entry per budget grant by the trainer (schemas.plain.DispatchRecord) for audit."""
         return self._k("dispatch_log")
 
     @property
     def trainer(self) -> str:
-        """Hash: trainer global_step, param_version, heartbeat."""
+        """Hash of the trainer's progress: the *_FIELD names above (global_step, committed_step, heartbeat …)."""
         return self._k("trainer")
 
     @property

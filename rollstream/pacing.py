@@ -20,45 +20,46 @@ from typing import Any, cast
 
 import redis
 
-from rollstream.names import Keys
+from rollstream.names import BUDGET_VERSION_FIELD, DROPPED_STALE_FIELD, Keys
+from schemas.plain import GRANT, RELEASE, TAKE, DispatchRecord, decode_dispatch, dispatch_lua_fields
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log, budget:v-1 … (older ones to delete)
 # ARGV: version, max_outstanding
-_GRANT = """
+_GRANT = f"""
 local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
 local budget = tonumber(ARGV[2]) - outstanding
 if budget < 0 then budget = 0 end
 redis.call('SET', KEYS[1], budget)
-redis.call('HSET', KEYS[4], 'budget_version', ARGV[1])
+redis.call('HSET', KEYS[4], '{BUDGET_VERSION_FIELD}', ARGV[1])
 for i = 6, #KEYS do redis.call('DEL', KEYS[i]) end
-redis.call('XADD', KEYS[5], '*', 'op', 'grant', 'version', ARGV[1], 'amount', budget,
-           'outstanding', outstanding, 'max_outstanding', ARGV[2])
-return {budget, outstanding}
+redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(GRANT, version="ARGV[1]", amount="budget",
+                                                      outstanding="outstanding", max_outstanding="ARGV[2]")})
+return {{budget, outstanding}}
 """
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, producer's dispatch_log, producer's inflight counter
 # ARGV: version, want, producer
-_TAKE = """
-local current = tonumber(redis.call('HGET', KEYS[4], 'budget_version') or '-1')
-if current ~= tonumber(ARGV[1]) then return {-1, current} end
+_TAKE = f"""
+local current = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_VERSION_FIELD}') or '-1')
+if current ~= tonumber(ARGV[1]) then return {{-1, current}} end
 local left = tonumber(redis.call('GET', KEYS[1]) or '0')
 local take = math.min(left, tonumber(ARGV[2]))
-if take <= 0 then return {0, current} end
+if take <= 0 then return {{0, current}} end
 redis.call('DECRBY', KEYS[1], take)
 local dispatched = redis.call('INCRBY', KEYS[2], take)
 redis.call('INCRBY', KEYS[6], take)
 local outstanding = dispatched - tonumber(redis.call('GET', KEYS[3]) or '0')
-redis.call('XADD', KEYS[5], '*', 'op', 'take', 'version', ARGV[1], 'amount', take,
-           'outstanding', outstanding, 'producer', ARGV[3])
-return {take, current}
+redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(TAKE, version="ARGV[1]", amount="take",
+                                                      outstanding="outstanding", producer="ARGV[3]")})
+return {{take, current}}
 """
 
 # KEYS: dispatched, producer's inflight counter, producer's dispatch_log ; ARGV: producer
-_RELEASE = """
+_RELEASE = f"""
 local n = tonumber(redis.call('GET', KEYS[2]) or '0')
 if n > 0 then
   redis.call('DECRBY', KEYS[1], n)
-  redis.call('XADD', KEYS[3], '*', 'op', 'release', 'amount', n, 'producer', ARGV[1])
+  redis.call('XADD', KEYS[3], '*', {dispatch_lua_fields(RELEASE, amount="n", producer="ARGV[1]")})
 end
 redis.call('SET', KEYS[2], 0)
 return n
@@ -120,13 +121,13 @@ def inflight(r: redis.Redis, keys: Keys, producer: str) -> int:
     return int(cast(Any, r.get(keys.producer_inflight(producer))) or 0)
 
 
-def dispatch_entries(r: redis.Redis, keys: Keys) -> list[dict[str, str]]:
-    """Every grant, take and release (the trainer's log and every producer's), in id order, as str dicts."""
+def dispatch_entries(r: redis.Redis, keys: Keys) -> list[DispatchRecord]:
+    """Every grant, take and release (the trainer's log and every producer's), in id order."""
     rc: Any = r
     streams = [keys.dispatch_log, *(k.decode() for k in rc.scan_iter(match=keys.producer_pattern("dispatch_log")))]
     rows = [(i, f) for s in streams for i, f in rc.xrange(s)]
     rows.sort(key=lambda row: tuple(int(x) for x in row[0].decode().split("-")))
-    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in rows]
+    return [decode_dispatch(f) for _, f in rows]
 
 
 def outstanding(r: redis.Redis, keys: Keys) -> int:
@@ -137,15 +138,11 @@ def outstanding(r: redis.Redis, keys: Keys) -> int:
 
 def current_budget(r: redis.Redis, keys: Keys) -> tuple[int, int]:
     """(version budget is granted for, budget left) — (-1, 0) before the first grant."""
-    v: Any = r.hget(keys.trainer, "budget_version")
+    v: Any = r.hget(keys.trainer, BUDGET_VERSION_FIELD)
     if v is None:
         return -1, 0
     left: Any = r.get(keys.budget(int(v)))
     return int(v), int(left or 0)
-
-
-#: Trainer-hash field counting samples dropped as stale over the whole run (written in the step commit).
-DROPPED_STALE_FIELD = "dropped_stale"
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
-"""Producer-side data: a prompt -> the generation batch (verl's prepare_single_generation_data), and
-finished trajectories -> one RolloutSample in the wire conventions the trainer reads."""
+"""Rollouts: a prompt -> the generation batch (verl's prepare_single_generation_data), the `Trajectory`
+an agent loop fills, and finished trajectories -> one RolloutSample in the wire conventions the trainer
+reads (`build_rollout_sample`). Producers publish what this module builds, and the test and benchmark
+fakes (rollstream/fakes.py) are built with it too."""
 
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ AGENT_SINGLE_TURN = "partial_single_turn_agent"
 
 
 @dataclass
-class AgentTrajectory:
-    """One finished trajectory of an agent loop: tokens, per-token masks and log-probs, versions, timings.
+class Trajectory:
+    """One trajectory of an agent loop (one or more generate calls, tool results between them): tokens,
+    per-token masks and log-probs, versions, timings.
 
     `response_mask[i]` is 1 for a model-generated token and 0 for a tool-result token; `log_probs[i]`
     is the behaviour log-prob of a generated token (0.0 for tool tokens). `version_start`/`version_end`
@@ -119,7 +122,7 @@ def build_rollout_sample(
     epoch: int,
     param_version: int,
     producer: str,
-    trajectories: Sequence[AgentTrajectory],
+    trajectories: Sequence[Trajectory],
     rewards: Sequence[RewardResult],
     raw_prompt: str,
     tokenizer: Tokenizer,

@@ -1,4 +1,5 @@
-"""rollstream's wire contract: event models, the DataProto batch, and the one msgpack codec.
+"""rollstream's wire contract: event models, the DataProto batch, the one msgpack codec, and the plain-text
+entries (fates, dispatch logs, producer cursors).
 
 Importing this package never imports torch or redis.
 """
@@ -28,29 +29,49 @@ from schemas.events import (
     SyncStepRecord,
     ValidateMetrics,
 )
+from schemas.plain import (
+    DROPPED,
+    TRAINED,
+    DispatchRecord,
+    Fate,
+    decode_cursor,
+    decode_dispatch,
+    decode_fate,
+    encode_cursor,
+    encode_fate,
+)
 from schemas.upgrades import register_upgrade, unregister_upgrade
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "DROPPED",
     "EVENT_MODELS",
     "INLINE_MAX_BYTES",
     "DataProto",
     "DeadLetter",
     "DecodeError",
+    "DispatchRecord",
     "Event",
     "EventBase",
+    "Fate",
     "Limits",
     "ParamVersion",
     "ProducerStats",
     "RolloutSample",
     "StepMetrics",
     "SyncStepRecord",
+    "TRAINED",
     "ValidateMetrics",
     "Fields",
     "decode",
     "decode_as",
+    "decode_cursor",
+    "decode_dispatch",
+    "decode_fate",
     "decode_payload",
     "encode",
+    "encode_cursor",
+    "encode_fate",
     "encode_payload",
     "register_upgrade",
     "unregister_upgrade",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from consumers.aggregator.fake import fake_metrics_log, local_update, producer_stats, step_end, validation
 from consumers.aggregator.fold import Fold
+from rollstream.fakes import fake_metrics_log, local_update, producer_stats, step_end, validation
 from schemas import EventBase, StepMetrics, SyncStepRecord, encode
 
 approx = pytest.approx

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import redis
 
-from consumers.aggregator.fake import fake_metrics_log, local_update, producer_stats, step_end, validation
 from consumers.aggregator.fold import id_key
 from consumers.aggregator.replay import main as replay_main
 from consumers.aggregator.replay import replay_records
@@ -25,7 +24,8 @@ from consumers.aggregator.sinks import JsonlSink, Sinks, TensorBoardSink
 from consumers.aggregator.worker import AggregatorWorker
 from rollstream.bus import Publisher, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.names import AGGREGATOR_GROUP, Keys
+from rollstream.fakes import fake_metrics_log, local_update, producer_stats, step_end, validation
+from rollstream.names import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from schemas import DeadLetter, EventBase, ProducerStats, SyncStepRecord, decode_as
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def publish(r: redis.Redis, keys: Keys, events: list[EventBase], trainer_at: int
     `metrics`, with explicit ids increasing across both streams (one log order). The trainer hash says
     the trainer committed up to `trainer_at`, so the aggregator finds the events plausible."""
     setup_run(r, keys)
-    r.hset(keys.trainer, mapping={"committed_step": trainer_at, "training_step": trainer_at})
+    r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: trainer_at, TRAINING_STEP_FIELD: trainer_at})
     rc: Any = r
     last = max((id_key(i.decode()) for s in (keys.metrics, keys.stats) for i, _ in rc.xrevrange(s, count=1)),
                default=(0, 0))
@@ -158,7 +158,7 @@ def test_incomplete_step_is_reported_once(
 ) -> None:
     cfg = make_cfg(keys, tmp_path, redis_url, "aggregator.incomplete_timeout_s=0.01")
     ids = publish(r, keys, [lu(5, 1, 1, x=1.0), lu(5, 2, 1, x=1.0)])
-    r.hset(keys.trainer, "committed_step", 4)  # step 5 still in progress: it may yet complete
+    r.hset(keys.trainer, COMMITTED_STEP_FIELD, 4)  # step 5 still in progress: it may yet complete
     worker = AggregatorWorker(cfg, r, keys)
     with caplog.at_level(logging.ERROR, logger="consumers.aggregator.worker"):
         worker.run(burst=True)
@@ -172,7 +172,7 @@ def test_incomplete_step_is_reported_once(
     assert sorted(pending_ids(r, keys)) == sorted(ids)  # reported, not dropped
 
     # Once the trainer has committed step 5 its missing step_end will never come: the events go to dead.
-    r.hset(keys.trainer, "committed_step", 5)
+    r.hset(keys.trainer, COMMITTED_STEP_FIELD, 5)
     assert worker.check_incomplete(now=time.monotonic() + 120) == [5]
     dead = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead)][1:]
     assert [d.source_id for d in dead] == ids and all("so it never will" in d.reason for d in dead)

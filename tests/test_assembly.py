@@ -7,7 +7,7 @@ import pytest
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.balance import balance_groups_by_tokens
-from rollstream.fake import fake_rollout_sample
+from rollstream.fakes import fake_rollout_sample
 from schemas import DataProto, RolloutSample
 
 

@@ -16,7 +16,7 @@ from consumers.trainer.loop import Trainer
 from rollstream.audit import audit_run
 from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.fake import fake_rollout_sample
+from rollstream.fakes import fake_rollout_sample
 from rollstream.names import Keys
 from rollstream.weights import publish_weights
 from schemas import DeadLetter, decode, encode

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from rollstream.bus import GroupReader, Message, Publisher, RunNotSetUpError, setup_run, trim_stream
-from rollstream.fake import fake_rollout_sample
+from rollstream.fakes import fake_rollout_sample
 from rollstream.names import TRAINER_GROUP, Keys
 from schemas import DeadLetter, RolloutSample, decode, encode
 

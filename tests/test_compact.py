@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_schemas import as_redis
 
-from rollstream.fake import fake_rollout_sample
+from rollstream.fakes import fake_rollout_sample
 from schemas import DataProto, DecodeError, RolloutSample, decode_as, encode
 from schemas.codec import EXT_COMPACT_BATCH, EXT_DATAPROTO
 
@@ -224,14 +224,14 @@ def test_lengths_out_of_range_are_decode_errors() -> None:
 def test_a_producer_built_sample_with_tool_tokens_and_token_scores_travels_compact() -> None:
     """build_rollout_sample's batch (ragged responses, tool tokens, token_level_scores, ground_truth, every
     non-tensor) goes compact and decodes to the batch the plain layout gives."""
-    from producers.data import AgentTrajectory, build_rollout_sample
     from rollstream.model.tokenizer import CharTokenizer
+    from rollstream.rollout import Trajectory, build_rollout_sample
     from rollstream.tasks.base import RewardResult
 
     tok = CharTokenizer()
     trajectories = []
     for i, text in enumerate(["12", "3456", "7"]):
-        t = AgentTrajectory(prompt_ids=tok.encode("2+2=", add_bos=True), finished=True, num_turns=1 + i % 2)
+        t = Trajectory(prompt_ids=tok.encode("2+2=", add_bos=True), finished=True, num_turns=1 + i % 2)
         t.extend(tok.encode(text), [-0.25] * len(text), generated=True)
         if i == 1:
             t.extend(tok.encode("tool"), None, generated=False)

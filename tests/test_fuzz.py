@@ -22,16 +22,16 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumers.aggregator import fake as agg_fake
 from consumers.aggregator.sinks import Sinks
 from consumers.aggregator.worker import AggregatorWorker
 from consumers.trainer.loop import Trainer
 from producers.sync import WeightSync
+from rollstream import fakes
 from rollstream.bus import Publisher, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.factory import build_policy
-from rollstream.fake import fake_rollout_sample
-from rollstream.names import Keys
+from rollstream.fakes import fake_rollout_sample
+from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.weights import latest_param_version, publish_weights
 from schemas import DeadLetter, decode, decode_payload, encode, encode_payload
 
@@ -217,12 +217,12 @@ def test_aggregator_dead_letters_bad_metrics_and_writes_the_record(
 ) -> None:
     setup_run(r, keys)
     # an example hypothesis abandoned mid-way (a draw past its buffer) may have left entries: fold them first
-    r.hset(keys.trainer, mapping={"committed_step": 10**6, "training_step": 10**6})
+    r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: 10**6, TRAINING_STEP_FIELD: 10**6})
     AggregatorWorker(tiny_cfg(keys, tmp_path), r, keys, sinks=Sinks(r, keys, [])).run(burst=True)
     g = len(r.xrange(keys.records)) + 1
-    r.hset(keys.trainer, mapping={"committed_step": g, "training_step": g})  # the trainer vouches for step g
-    good = [agg_fake.local_update(g, 1, 2, {"actor/loss": 0.5}), agg_fake.local_update(g, 2, 2, {"actor/loss": 1.5}),
-            agg_fake.step_end(g, 2)]
+    r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: g, TRAINING_STEP_FIELD: g})  # the trainer vouches for step g
+    good = [fakes.local_update(g, 1, 2, {"actor/loss": 0.5}), fakes.local_update(g, 2, 2, {"actor/loss": 1.5}),
+            fakes.step_end(g, 2)]
     bads = []
     for i, event in enumerate(good):
         for mutate in bad:

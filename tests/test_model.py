@@ -12,10 +12,10 @@ import torch
 from rollstream.model import (
     GPT,
     CharTokenizer,
+    Completion,
     GPTConfig,
-    Policy,
+    TinyPolicy,
     Tokenizer,
-    Trajectory,
     build_batch,
     load_policy,
 )
@@ -27,9 +27,9 @@ CFG = GPTConfig(vocab_size=TOK.vocab_size)
 PROMPTS = ["1+2=", "12+34=", "7", "(3*4)-5=?"]  # different lengths -> left padding
 
 
-def make_policy(seed: int = 0, position: str = "learned") -> Policy:
+def make_policy(seed: int = 0, position: str = "learned") -> TinyPolicy:
     """A default-size CPU policy (learned or rotary positions)."""
-    return Policy.from_config(dataclasses.replace(CFG, position=position), seed=seed, device="cpu")
+    return TinyPolicy.from_config(dataclasses.replace(CFG, position=position), seed=seed, device="cpu")
 
 
 def encoded(prompts: list[str] = PROMPTS) -> list[list[int]]:
@@ -38,7 +38,7 @@ def encoded(prompts: list[str] = PROMPTS) -> list[list[int]]:
 
 
 def max_logprob_error(
-    policy: Policy, trajs: list[Trajectory], upto: int | None = None, start: int = 0, temperature: float = 1.0
+    policy: TinyPolicy, trajs: list[Completion], upto: int | None = None, start: int = 0, temperature: float = 1.0
 ) -> float:
     """Largest |stored - fresh forward| over response tokens start..upto of every trajectory."""
     ids, mask, R = build_batch([t.prompt_ids for t in trajs], [t.response_ids for t in trajs], TOK.pad_id)
@@ -231,7 +231,7 @@ def test_state_dict_bytes_round_trip() -> None:
 
 
 def test_load_refuses_foreign_weights() -> None:
-    other = Policy.from_config(GPTConfig(vocab_size=TOK.vocab_size, n_layer=1), seed=0, device="cpu")
+    other = TinyPolicy.from_config(GPTConfig(vocab_size=TOK.vocab_size, n_layer=1), seed=0, device="cpu")
     with pytest.raises(ValueError, match="lack"):
         make_policy().load_state_dict_bytes(other.state_dict_bytes())
     with pytest.raises(ValueError, match="unknown"):
@@ -240,7 +240,7 @@ def test_load_refuses_foreign_weights() -> None:
 
 def test_load_policy_factory() -> None:
     policy = load_policy("tiny", cfg=CFG, seed=0, device="cpu")
-    assert isinstance(policy, Policy) and policy.device == torch.device("cpu")
+    assert isinstance(policy, TinyPolicy) and policy.device == torch.device("cpu")
     with pytest.raises(ValueError, match="backend"):
         load_policy("nope")
 

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rollstream.model import CharTokenizer, Tokenizer, Trajectory, build_batch, load_policy  # noqa: E402
+from rollstream.model import CharTokenizer, Completion, Tokenizer, build_batch, load_policy  # noqa: E402
 from rollstream.model.hf import HFPolicy, make_tiny_hf_model  # noqa: E402
 
 PROMPTS = ["1+2=", "12+34=", "7", "(3*4)-5=?"]
@@ -31,7 +31,7 @@ def encoded(policy: HFPolicy) -> list[list[int]]:
     return [policy.tokenizer.encode(p, add_bos=True) for p in PROMPTS]
 
 
-def max_logprob_error(policy: HFPolicy, trajs: list[Trajectory], start: int = 0) -> float:
+def max_logprob_error(policy: HFPolicy, trajs: list[Completion], start: int = 0) -> float:
     """Largest |stored - fresh forward| over response tokens from `start` on."""
     ids, mask, R = build_batch(
         [t.prompt_ids for t in trajs], [t.response_ids for t in trajs], policy.tokenizer.pad_id

@@ -8,41 +8,47 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import redis
 from conftest import delete_run
 
 from rollstream.bus import Publisher, setup_run
 from rollstream.cli import main
-from rollstream.fake import fake_rollout_sample
 from rollstream.model import CharTokenizer
-from rollstream.names import Keys
+from rollstream.names import GLOBAL_STEP_FIELD, PARAM_VERSION_FIELD, Keys
 from rollstream.ops.inspect import entry_to_json, read_entry
 from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts
 from rollstream.ops.status import collect_status, format_status, worker_health
 from rollstream.ops.target import mask_url, split_password
+from rollstream.rollout import Trajectory, build_rollout_sample
+from rollstream.tasks import RewardResult
 from rollstream.weights import publish_weights, register_producer_version
-from schemas import DeadLetter, ProducerStats, RolloutSample, SyncStepRecord, encode
+from schemas import (
+    TRAINED,
+    DeadLetter,
+    Fate,
+    ProducerStats,
+    RolloutSample,
+    SyncStepRecord,
+    encode,
+    encode_fate,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def text_sample(sample_id: str, param_version: int, prompt: str, answers: list[str]) -> RolloutSample:
-    """A RolloutSample whose tokens spell `prompt` and `answers` in the CharTokenizer (left/right padded)."""
+    """A RolloutSample of the reverse task spelled in the CharTokenizer, built as a producer builds it."""
     tok = CharTokenizer()
-    p_ids = tok.encode(prompt, add_bos=True)
-    r_ids = [tok.encode(a) + [tok.eos_id] for a in answers]
-    width = max(len(x) for x in r_ids)
-    n = len(answers)
-    s = fake_rollout_sample(sample_id, param_version=param_version, n=n, prompt_len=len(p_ids) + 1,
-                            response_len=width, rewards=[1.0 if a == prompt[::-1] else 0.0 for a in answers])
-    t = s.full_batch.tensors
-    t["prompts"] = np.array([[0, *p_ids]] * n, dtype=np.int64)
-    t["responses"] = np.array([x + [0] * (width - len(x)) for x in r_ids], dtype=np.int64)
-    t["response_mask"] = (t["responses"] != 0).astype(np.int64)
-    t["input_ids"] = np.concatenate([t["prompts"], t["responses"]], axis=1)
-    return s
+    trajectories = [Trajectory(prompt_ids=tok.encode(prompt, add_bos=True), finished=True, num_turns=1,
+                               version_start=param_version, version_end=param_version) for _ in answers]
+    for t, a in zip(trajectories, answers, strict=True):
+        ids = tok.encode(a) + [tok.eos_id]
+        t.extend(ids, [-0.5] * len(ids), generated=True)
+    rewards = [RewardResult(1.0 if a == prompt[::-1] else 0.0, exact=a == prompt[::-1]) for a in answers]
+    return build_rollout_sample(sample_id=sample_id, epoch=0, param_version=param_version, producer="rollout_00",
+                                trajectories=trajectories, rewards=rewards, raw_prompt=prompt, tokenizer=tok,
+                                rollout_status={})
 
 
 def fill_run(r: redis.Redis, keys: Keys) -> None:
@@ -59,10 +65,10 @@ def fill_run(r: redis.Redis, keys: Keys) -> None:
         pub_new.publish(keys.records, rec, entry_id=f"{step}-1")
     for v in range(3):
         publish_weights(r, keys, v, b"w" * 16, global_step=v, inline_max_bytes=1 << 20)
-    r.hset(keys.trainer, mapping={"global_step": 2, "param_version": 2})
+    r.hset(keys.trainer, mapping={GLOBAL_STEP_FIELD: 2, PARAM_VERSION_FIELD: 2})
     register_producer_version(r, keys, "rollout_00", 1)
-    for sid, st in (("a", 1), ("b", 1), ("c", 2)):
-        r.xadd(keys.fates, {"sample_id": sid, "fate": "trained", "staleness": st})
+    for i, (sid, st) in enumerate((("a", 1), ("b", 1), ("c", 2))):
+        r.xadd(keys.fates, encode_fate(Fate(sid, f"{i}-0", TRAINED, st, 2 - st, 2)))  # type: ignore[arg-type]
     orig = encode(text_sample("p-bad", 0, "45", ["54"]))
     pub_new.publish(keys.dead, DeadLetter(source=keys.rollouts, source_id="1-0", reason="boom",
                                              fields={k: bytes(v) for k, v in orig.items()}))
@@ -168,7 +174,8 @@ def test_inspect_records_by_step_dead_letters_and_plain_streams(
     dead = json.loads(out)
     assert dead["event"]["reason"] == "boom" and dead["original"]["text"][0]["response"] == "54"
     code, out, _ = cli(capsys, "inspect", "fates", "-1", *run_args(keys, redis_url))
-    assert json.loads(out)["fields"] == {"sample_id": "c", "fate": "trained", "staleness": "2"}
+    assert json.loads(out)["fields"] == {"sample_id": "c", "source_id": "2-0", "fate": "trained", "staleness": "2",
+                                         "param_version": "0", "global_step": "2"}
     code, _, err = cli(capsys, "inspect", "records", "9", *run_args(keys, redis_url))
     assert code == 1 and "no entry 9" in err
     code, _, err = cli(capsys, "inspect", "nope", *run_args(keys, redis_url))
@@ -185,7 +192,7 @@ def test_tail_prints_recent_then_follows_new_entries(
     capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str
 ) -> None:
     fill_run(r, keys)
-    timer = threading.Timer(0.3, lambda: r.xadd(keys.fates, {"sample_id": "d", "staleness": 3}))
+    timer = threading.Timer(0.3, lambda: r.xadd(keys.fates, encode_fate(Fate("d", "3-0", TRAINED, 3, 0, 3))))  # type: ignore[arg-type]
     timer.start()
     code, out, _ = cli(capsys, "tail", "fates", "--count", "1", "--exit-after", "2", *run_args(keys, redis_url))
     timer.join()

@@ -21,13 +21,14 @@ from producers.worker import Producer, producer_seed
 from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.factory import build_policy, build_prompt_source
-from rollstream.model import CharTokenizer, Trajectory, build_batch
-from rollstream.names import Keys
+from rollstream.model import CharTokenizer, Completion, build_batch
+from rollstream.names import DROPPED_STALE_FIELD, Keys
 from rollstream.pacing import dispatch_entries, grant_budget, inflight, outstanding, record_consumed
 from rollstream.tasks import calculate
 from rollstream.weights import producer_versions, publish_weights
 from rollstream.worker import EXIT_OK, WorkerContext
-from schemas import ProducerStats, RolloutSample, decode
+from schemas import DispatchRecord, ProducerStats, RolloutSample, decode
+from schemas.plain import GRANT, RELEASE, TAKE
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipeline.yaml"
@@ -88,7 +89,7 @@ def producer_stats(r: redis.Redis, keys: Keys) -> list[ProducerStats]:
     return [ev for ev in (decode(f) for _, f in rows) if isinstance(ev, ProducerStats)]
 
 
-def dispatch_log(r: redis.Redis, keys: Keys) -> list[dict[str, str]]:
+def dispatch_log(r: redis.Redis, keys: Keys) -> list[DispatchRecord]:
     """Every grant, take and release (the trainer's log and each producer's), in id order."""
     return dispatch_entries(r, keys)
 
@@ -262,15 +263,15 @@ def test_three_producers_respect_the_budget(r: redis.Redis, keys: Keys, redis_ur
     assert not errors, errors
 
     log = dispatch_log(r, keys)
-    granted = {int(e["version"]): int(e["amount"]) for e in log if e["op"] == "grant"}
-    taken: dict[int, int] = {}
+    granted = {e.version: e.amount for e in log if e.op == GRANT}
+    taken: dict[int | None, int] = {}
     for e in log:
-        if e["op"] == "take":
-            taken[int(e["version"])] = taken.get(int(e["version"]), 0) + int(e["amount"])
-            assert int(e["outstanding"]) <= bound
+        if e.op == TAKE:
+            taken[e.version] = taken.get(e.version, 0) + e.amount
+            assert e.outstanding is not None and e.outstanding <= bound
     assert set(granted) == set(range(version + 1))
     assert all(taken.get(v, 0) <= granted[v] for v in granted), (granted, taken)
-    assert {e["producer"] for e in log if e["op"] == "take"} == {"rollout_00", "rollout_01", "rollout_02"}
+    assert {e.producer for e in log if e.op == TAKE} == {"rollout_00", "rollout_01", "rollout_02"}
     # Everything dispatched was published (SIGTERM-like stop finishes the dispatch), once each.
     got = samples(r, keys)
     assert len({s.sample_id for s in got}) == len(got) == sum(taken.values())
@@ -295,7 +296,7 @@ class ScriptedToolPolicy:
         self.calls: list[list[str]] = []
         self.loaded: list[bytes] = []
 
-    def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, **kwargs: Any) -> list[Trajectory]:
+    def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, **kwargs: Any) -> list[Completion]:
         out, texts = [], []
         for p in prompts:
             text = self.tokenizer.decode(p)
@@ -306,7 +307,7 @@ class ScriptedToolPolicy:
                 ids = self.tokenizer.encode(f"[calc:{text.split('=')[0]}]xx")
             ids = ids[:max_new_tokens]
             for _ in range(n):
-                out.append(Trajectory(list(p), list(ids), [-0.5] * len(ids), ids[-1] == self.tokenizer.eos_id))
+                out.append(Completion(list(p), list(ids), [-0.5] * len(ids), ids[-1] == self.tokenizer.eos_id))
         self.calls.append(texts)
         return out
 
@@ -386,9 +387,9 @@ def wait_for_take(r: redis.Redis, keys: Keys, proc: subprocess.Popen[bytes], tim
     """Block until the process took budget; returns the amount taken."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        takes = [e for e in dispatch_log(r, keys) if e["op"] == "take"]
+        takes = [e for e in dispatch_log(r, keys) if e.op == TAKE]
         if takes:
-            return int(takes[0]["amount"])
+            return takes[0].amount
         assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
         time.sleep(0.01)
     raise AssertionError("producer never took budget")
@@ -434,7 +435,7 @@ def test_sigkill_before_publish_is_released_on_restart(r: redis.Redis, keys: Key
     assert restarted.start()
     assert restarted.counters.released_on_start == taken
     assert outstanding(r, keys) == 0
-    assert [e for e in dispatch_log(r, keys) if e["op"] == "release"][0]["amount"] == str(taken)
+    assert [e for e in dispatch_log(r, keys) if e.op == RELEASE][0].amount == taken
     # Nothing was skipped: the restarted producer draws its shard from the start again.
     assert restarted.run(max_dispatches=1) == 1
     shard = build_prompt_source(cfg).shard(0, cfg.rollout.num_producers)
@@ -446,7 +447,7 @@ def test_rollout_status_is_the_global_status_of_all_producers(r: redis.Redis, ke
     cfg = small_cfg(keys, "rollout.num_producers=2")
     policy = build_policy(cfg)
     start_run(r, keys, policy.state_dict_bytes(), grant=cfg.max_outstanding)
-    r.hset(keys.trainer, "dropped_stale", 3)  # the trainer's run-long count (written in its commits)
+    r.hset(keys.trainer, DROPPED_STALE_FIELD, 3)  # the trainer's run-long count (written in its commits)
     r.incrby(keys.consumed, 1)
     a = Producer(context(cfg, keys, "rollout_00", redis_url), policy=policy)
     b = Producer(context(cfg, keys, "rollout_01", redis_url), policy=build_policy(cfg))

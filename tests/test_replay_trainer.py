@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from test_trainer import FakeProducer, trainer_args
 
 from rollstream.cli import main
-from rollstream.names import Keys
+from rollstream.names import COMMITTED_STEP_FIELD, Keys
+from schemas import TRAINED, Fate, decode_fate, encode_fate
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 6
@@ -29,7 +30,7 @@ def model_tensors(path: Path) -> dict[str, object]:
 def fates(r: redis.Redis, keys: Keys, first: int, last: int) -> list[tuple[str, str]]:
     """(sample_id, fate) of steps first..last in commit order."""
     rows = r.xrange(keys.fates, min=f"{first}-0", max=f"{last}-{2**64 - 1}")
-    return [(f[b"sample_id"].decode(), f[b"fate"].decode()) for _, f in rows]
+    return [(fate.sample_id, fate.fate) for fate in (decode_fate(f) for _, f in rows)]
 
 
 def test_replay_steps_3_to_6_from_the_step_2_checkpoint_equals_the_live_weights(
@@ -63,7 +64,7 @@ def test_replay_steps_3_to_6_from_the_step_2_checkpoint_equals_the_live_weights(
 
         # the replay trained exactly the copied samples, with the same fates, and stopped at step 6
         assert fates(r, dst, 3, 6) == fates(r, keys, 3, 6)
-        assert r.hget(dst.trainer, "committed_step") == b"6"
+        assert r.hget(dst.trainer, COMMITTED_STEP_FIELD) == b"6"
         ckpt = "checkpoints/step-00000006.safetensors"
         want, got = model_tensors(run_dir / keys.run / ckpt), model_tensors(run_dir / dst.run / ckpt)
         assert want.keys() == got.keys() and want
@@ -79,7 +80,7 @@ def test_replay_steps_needs_the_checkpoint_before_the_first_step(
     capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path
 ) -> None:
     r.xadd(keys.rollouts, {"x": "1"}, id="5-1")
-    r.xadd(keys.fates, {"sample_id": "s", "source_id": "5-1", "fate": "trained", "global_step": 2}, id="2-1")
+    r.xadd(keys.fates, encode_fate(Fate("s", "5-1", TRAINED, 1, 1, 2)), id="2-1")  # type: ignore[arg-type]
     dst = Keys(keys.run + "-replay")
     try:
         code = main(["replay", "trainer", "--from", keys.run, "--to", dst.run, "--steps", "2-2",

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from producers.agent import tool_cut
-from producers.data import (
+from producers.worker import producer_index
+from rollstream.model import CharTokenizer
+from rollstream.rollout import (
     AGENT_SINGLE_TURN,
     AGENT_TOOL,
     concat_generation_data,
     prepare_single_generation_data,
 )
-from producers.worker import producer_index
-from rollstream.model import CharTokenizer
 from rollstream.tasks import Prompt, make_task
 
 TOK = CharTokenizer()

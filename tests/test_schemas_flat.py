@@ -171,7 +171,7 @@ def test_rollout_layout_is_checked_at_decode() -> None:
     """Widths that disagree (input_ids != P + R) and float token arrays are refused by the schema itself."""
     import numpy as np
 
-    from rollstream.fake import fake_rollout_sample
+    from rollstream.fakes import fake_rollout_sample
     from schemas import DecodeError, decode, encode
 
     good = fake_rollout_sample("s", prompt_len=4, response_len=6)

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from rollstream.bus import Publisher, connect, setup_run
-from rollstream.fake import fake_rollout_sample
+from rollstream.fakes import fake_rollout_sample
 from rollstream.names import Keys
 from rollstream.pacing import grant_budget, mark_published, release_unpublished, take_budget
 from rollstream.security import ROLES, apply_acl, generate_passwords, mask_url

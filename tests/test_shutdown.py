@@ -21,17 +21,19 @@ from typing import Any
 
 import redis
 
-from consumers.aggregator import fake as agg_fake
+from rollstream import fakes
+from rollstream.audit import audit_run
 from rollstream.bus import setup_run
 from rollstream.config import load_config
 from rollstream.factory import build_policy
-from rollstream.fake import fake_rollout_sample
-from rollstream.names import AGGREGATOR_GROUP, TRAINER_GROUP, Keys
+from rollstream.fakes import fake_rollout_sample
+from rollstream.names import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
 from rollstream.ops.supervise import WORKER_STOPWAIT_S
 from rollstream.pacing import dispatch_entries, grant_budget, inflight
 from rollstream.weights import publish_weights
 from rollstream.worker import EXIT_FORCED, EXIT_OK
 from schemas import StepMetrics, decode, encode
+from schemas.plain import TAKE
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32"]
@@ -111,7 +113,7 @@ def _start_run_for_producer(r: redis.Redis, keys: Keys, tmp: Path, args: list[st
 
 
 def _taken(r: redis.Redis, keys: Keys) -> int:
-    return sum(int(e["amount"]) for e in dispatch_entries(r, keys) if e["op"] == "take")
+    return sum(e.amount for e in dispatch_entries(r, keys) if e.op == TAKE)
 
 
 def test_producer_first_sigterm_publishes_the_dispatch_in_flight(r: redis.Redis, keys: Keys, redis_url: str,
@@ -173,8 +175,10 @@ def test_trainer_first_sigterm_mid_step_exits_0_and_acks_nothing_unfinished(
     code, took = terminate(proc, 1)
     assert code == EXIT_OK, proc.stderr_text()[-2000:]
     assert took < 10
-    assert r.hget(keys.trainer, "committed_step") is None
-    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 2  # retrained by the next trainer
+    assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) is None
+    rep = audit_run(r, keys)  # nothing ended or lost: both samples stay pending, retrained by the next trainer
+    assert rep.problems() == [] and rep.pending == {"s0", "s1"} and not rep.trained | rep.dropped | rep.dead
+    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 2
 
 
 def test_trainer_second_sigterm_while_starting_exits_forced(r: redis.Redis, keys: Keys, redis_url: str,
@@ -203,11 +207,11 @@ def test_trainer_sigterm_while_importing_torch_exits_0(r: redis.Redis, keys: Key
 def _aggregator_with_open_step(r: redis.Redis, keys: Keys, redis_url: str, tmp: Path) -> Worker:
     """An aggregator that wrote step 1's record and holds step 2's first local update pending."""
     setup_run(r, keys)
-    r.hset(keys.trainer, mapping={"committed_step": 1, "training_step": 2})  # the aggregator checks events against it
+    r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: 1, TRAINING_STEP_FIELD: 2})  # the aggregator checks events against it
     proc = spawn("consumers.aggregator", [*common(keys, redis_url, tmp), "aggregator.jsonl=false",
                                           "aggregator.tensorboard=false", "bus.block_ms=2000", "--name", "aggregator"], tmp)
-    for ev in (agg_fake.local_update(1, 1, 2, {"a": 1.0}), agg_fake.local_update(1, 2, 2, {"a": 3.0}),
-               agg_fake.step_end(1, 2), agg_fake.local_update(2, 1, 2, {"a": 5.0})):
+    for ev in (fakes.local_update(1, 1, 2, {"a": 1.0}), fakes.local_update(1, 2, 2, {"a": 3.0}),
+               fakes.step_end(1, 2), fakes.local_update(2, 1, 2, {"a": 5.0})):
         r.xadd(keys.metrics, encode(ev))  # type: ignore[arg-type]
     wait_until(lambda: r.xlen(keys.records) == 1, proc, 30, "the record of step 1")
     wait_until(lambda: r.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 1, proc, 10, "step 1's acks")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from consumers.trainer.learner import token_rewards
-from producers.data import token_scores
 from rollstream.model import CharTokenizer
 from rollstream.rl import grpo_advantages, grpo_token_advantages, returns_to_go
+from rollstream.rollout import token_scores
 from rollstream.tasks import Prompt, ReverseTask, RewardResult
 
 TOK = CharTokenizer()

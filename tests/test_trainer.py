@@ -19,12 +19,13 @@ from typing import Any
 import pytest
 import redis
 
-from rollstream.fake import fake_rollout_sample
-from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.audit import audit_run, unacked_entry_ids
+from rollstream.fakes import fake_rollout_sample
+from rollstream.names import COMMITTED_STEP_FIELD, DROPPED_STALE_FIELD, HEARTBEAT_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.status import worker_health
 from rollstream.pacing import dispatch_entries, mark_published, take_budget
 from rollstream.weights import latest_param_version
-from schemas import DeadLetter, ParamVersion, StepMetrics, ValidateMetrics, decode, encode
+from schemas import TRAINED, ParamVersion, StepMetrics, ValidateMetrics, decode, decode_fate, encode
 
 ROOT = Path(__file__).resolve().parent.parent
 TBS = 4
@@ -94,28 +95,17 @@ def events(r: redis.Redis, stream: str) -> list[Any]:
 
 
 def check_invariants(r: redis.Redis, keys: Keys, producer: FakeProducer, steps: int) -> dict[str, int]:
-    fates = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.fates)]
-    fate_ids = [f["sample_id"] for f in fates]
-    assert len(fate_ids) == len(set(fate_ids)), "a sample id was consumed twice"
-    dead_ids = [ev.fields["sample_id"].decode() for ev in events(r, keys.dead) if isinstance(ev, DeadLetter)]
-    assert dead_ids == producer.corrupt
-    assert not set(fate_ids) & set(dead_ids)
-    # whatever is not in fates/dead is still unacked (pending or never delivered): nothing lost
-    pending_ids = {p["message_id"] for p in r.xpending_range(keys.rollouts, TRAINER_GROUP, "-", "+", 10_000)}
-    info = {g["name"]: g for g in r.xinfo_groups(keys.rollouts)}[TRAINER_GROUP.encode()]
-    last = tuple(int(x) for x in info["last-delivered-id"].split(b"-"))
-    unacked = {
-        f[b"sample_id"].decode()
-        for eid, f in r.xrange(keys.rollouts)
-        if eid in pending_ids or tuple(int(x) for x in eid.split(b"-")) > last
-    }
-    ended = set(fate_ids) | set(dead_ids)
-    assert not ended & unacked, "a committed sample is still pending"
-    assert set(producer.published) == ended | unacked, "a published sample id was lost"
-    # step_end exactly once per step, consecutive
+    # the run audit: every published sample ended once (trained, dropped or dead) or is still unacked,
+    # none lost, none twice; step_end global steps are 1..N once each
+    rep = audit_run(r, keys)
+    assert rep.problems() == [], rep.problems()
+    assert rep.published == set(producer.published) and rep.duplicate_entries == 0 and not rep.unknown
+    assert rep.dead == set(producer.corrupt)
+    unacked = {f[b"sample_id"].decode() for i, f in r.xrange(keys.rollouts) if i.decode() in unacked_entry_ids(r, keys)}
+    assert unacked == rep.pending, "a committed sample is still pending"
+    assert rep.steps == list(range(1, steps + 1))
+    fates = [decode_fate(f) for _, f in r.xrange(keys.fates)]
     metrics = events(r, keys.metrics)
-    ends = [ev.global_step for ev in metrics if isinstance(ev, StepMetrics) and ev.type == "step_end"]
-    assert ends == list(range(1, steps + 1))
     updates = [ev for ev in metrics if isinstance(ev, StepMetrics) and ev.type == "local_update"]
     assert {ev.global_step for ev in updates} == set(range(1, steps + 1))
     vals = sorted(ev.param_version for ev in metrics if isinstance(ev, ValidateMetrics))
@@ -124,26 +114,21 @@ def check_invariants(r: redis.Redis, keys: Keys, producer: FakeProducer, steps: 
     versions = {ev.version for ev in events(r, keys.params) if isinstance(ev, ParamVersion)}
     assert versions == set(range(steps + 1))
     for e in dispatch_entries(r, keys):
-        assert int(e["outstanding"]) <= MAX_OUTSTANDING, e
-    assert int(r.get(keys.consumed)) == len(fate_ids) + len(dead_ids)
+        assert e.outstanding is None or e.outstanding <= MAX_OUTSTANDING, e
+    assert int(r.get(keys.consumed)) == len(fates) + len(rep.dead)
     # every trained sample was within the threshold, every dropped one beyond it
     for f in fates:
-        assert (int(f["staleness"]) <= 1) == (f["fate"] == "trained"), f
-    assert r.hget(keys.trainer, "committed_step") == str(steps).encode()
+        assert (f.staleness <= 1) == (f.fate == TRAINED), f
+    assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) == str(steps).encode()
     # verl fully-async names on every local update; run-long counts in the trainer hash and the metrics
     for ev in updates:
         assert ev.metrics["fully_async/total_wait_time"] == ev.metrics["timing_s/gen"] >= 0
         assert ev.metrics["fully_async/count/current_param_version"] == ev.global_step - 1
     last = max(updates, key=lambda ev: (ev.global_step, ev.local_step)).metrics
     assert last["fully_async/count/stale_samples_processed"] == sum(
-        f["fate"] == "trained" and int(f["staleness"]) >= 2 for f in fates)
-    dropped = sum(f["fate"] == "dropped" for f in fates)
-    assert int(r.hget(keys.trainer, "dropped_stale") or 0) == dropped
-    return {
-        "trained": sum(f["fate"] == "trained" for f in fates),
-        "dropped": sum(f["fate"] == "dropped" for f in fates),
-        "updates": len(updates),
-    }
+        f.fate == TRAINED and f.staleness >= 2 for f in fates)
+    assert int(r.hget(keys.trainer, DROPPED_STALE_FIELD) or 0) == len(rep.dropped)
+    return {"trained": len(rep.trained), "dropped": len(rep.dropped), "updates": len(updates)}
 
 
 @pytest.fixture
@@ -164,7 +149,7 @@ def test_trainer_run_keeps_every_sample_exactly_once(
     counts = check_invariants(r, keys, producer, 4)
     assert counts["trained"] == 4 * TBS and counts["dropped"] > 0 and counts["updates"] == 8
     schema_of = producer.schema
-    trained = [f[b"sample_id"].decode() for _, f in r.xrange(keys.fates) if f[b"fate"] == b"trained"]
+    trained = [fate.sample_id for fate in (decode_fate(f) for _, f in r.xrange(keys.fates)) if fate.fate == TRAINED]
     assert {schema_of[sid] for sid in trained} == {b"1", b"2"}  # old-schema entries train alongside new ones
     assert len(list((tmp_path / keys.run / "checkpoints").iterdir())) == 2
 
@@ -194,7 +179,7 @@ def test_trainer_sigkill_mid_step_then_restart_loses_and_repeats_nothing(
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert r.hget(keys.trainer, "committed_step") == b"1"
+    assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) == b"1"
     assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] > 0  # step 2's samples were not acked
     del producer.cap[1]
     proc2 = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -253,7 +238,7 @@ def test_sigterm_while_waiting_for_samples_exits_0(r: redis.Redis, keys: Keys, r
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while r.hget(keys.trainer, "heartbeat") is None:  # version 0 published, now polling for samples
+        while r.hget(keys.trainer, HEARTBEAT_FIELD) is None:  # version 0 published, now polling for samples
             assert proc.poll() is None and time.monotonic() < deadline, "trainer did not start"
             time.sleep(0.05)
         assert latest_param_version(r, keys) is not None
@@ -264,7 +249,7 @@ def test_sigterm_while_waiting_for_samples_exits_0(r: redis.Redis, keys: Keys, r
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert r.hget(keys.trainer, "committed_step") is None
+    assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) is None
 
 
 def test_trainer_waits_for_num_warmup_batches_before_its_first_update(
@@ -275,7 +260,7 @@ def test_trainer_waits_for_num_warmup_batches_before_its_first_update(
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while r.xlen(keys.rollouts) < 4 or r.hget(keys.trainer, "heartbeat") is None:
+        while r.xlen(keys.rollouts) < 4 or r.hget(keys.trainer, HEARTBEAT_FIELD) is None:
             assert proc.poll() is None and time.monotonic() < deadline, "trainer did not start"
             time.sleep(0.05)
         time.sleep(1.5)  # 4 samples would do for a first update (2 per mini-batch); warmup wants 6
@@ -293,7 +278,7 @@ def test_stale_counts_follow_verl() -> None:
     from types import SimpleNamespace
 
     from consumers.trainer.loop import Trainer
-    from rollstream.fake import fake_rollout_sample
+    from rollstream.fakes import fake_rollout_sample
 
     holder = SimpleNamespace(counters={"stale_samples_processed": 5, "stale_trajectory_processed": 1})
     samples = [fake_rollout_sample("a", param_version=3, n=2), fake_rollout_sample("b", param_version=4, n=2)]

@@ -6,19 +6,37 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 import redis
 import torch
+from safetensors.torch import load_file, save_file
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
-from consumers.trainer.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
+from consumers.trainer.checkpoint import (
+    META_VERSION,
+    checkpoint_path,
+    list_checkpoints,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
 from consumers.trainer.learner import Learner
-from consumers.trainer.ledger import DROPPED, TRAINED, Fate, StepLedger, commit_steps, committed_sample_ids
+from consumers.trainer.ledger import StepLedger, commit_steps, committed_sample_ids
 from consumers.trainer.staleness import dropped_metrics, is_stale, staleness
 from rollstream.bus import setup_run
 from rollstream.config import load_config
-from rollstream.fake import fake_rollout_sample
-from rollstream.names import TRAINER_GROUP, Keys
-from schemas import StepMetrics, decode, encode
+from rollstream.fakes import fake_rollout_sample
+from rollstream.names import COMMITTED_STEP_FIELD, TRAINER_GROUP, Keys
+from schemas import (
+    DROPPED,
+    TRAINED,
+    Fate,
+    StepMetrics,
+    decode,
+    decode_fate,
+    decode_payload,
+    encode,
+    encode_payload,
+)
 
 TINY = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu"]
 
@@ -96,16 +114,18 @@ def test_commit_is_atomic_and_a_replay_is_harmless(r: redis.Redis, keys: Keys) -
     r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts: ">"})
     ledger = StepLedger(
         1,
-        fates=[Fate("s0", ids[0], TRAINED, 1, 0), Fate("s1", ids[1], TRAINED, 1, 0), Fate("s2", ids[2], DROPPED, 3, -2)],
+        fates=[Fate("s0", ids[0], TRAINED, 1, 0, 1), Fate("s1", ids[1], TRAINED, 1, 0, 1),
+               Fate("s2", ids[2], DROPPED, 3, -2, 1)],
         ack_ids=ids,
         step_end=StepMetrics(type="step_end", global_step=1, local_step=2, sample_count=2, num_local_updates=2),
     )
     commit_steps(r, keys, [ledger], param_version=1)
     assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
     assert [e[0] for e in r.xrange(keys.fates)] == [b"1-1", b"1-2", b"1-3"]
+    assert [decode_fate(f) for _, f in r.xrange(keys.fates)] == ledger.fates
     assert committed_sample_ids(r, keys) == {"s0", "s1", "s2"}
     assert int(r.get(keys.consumed)) == 3
-    assert r.hget(keys.trainer, "committed_step") == b"1"
+    assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) == b"1"
     ends = [decode(f) for _, f in r.xrange(keys.metrics) if f[b"type"] == b"step_end"]
     assert len(ends) == 1 and ends[0].global_step == 1
     # replaying the same commit: fates refused by Redis, nothing raised, nothing double-written
@@ -131,7 +151,7 @@ def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
     r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts: ">"})
     # a crash right after the step-1 checkpoint: nothing published, nothing committed
     first = Trainer(cfg, r, keys, "trainer", threading.Event())
-    ledger = StepLedger(1, [Fate("s0", ids[0], TRAINED, 1, 0), Fate("s1", ids[1], TRAINED, 1, 0)], ids,
+    ledger = StepLedger(1, [Fate("s0", ids[0], TRAINED, 1, 0, 1), Fate("s1", ids[1], TRAINED, 1, 0, 1)], ids,
                         StepMetrics(type="step_end", global_step=1, local_step=2, sample_count=2, num_local_updates=2))
     save_checkpoint(first.ckpt_dir, 1, first.learner.policy, first.learner.optimizer,
                     {"param_version": 1, "steps": [ledger.to_plain()]})
@@ -145,3 +165,50 @@ def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
         assert r.xlen(keys.fates) == 2 and int(r.get(keys.consumed)) == 2
         assert sum(1 for _, f in r.xrange(keys.metrics) if f[b"type"] == b"step_end") == 1
         assert current_budget(r, keys)[0] == 1
+
+
+def test_a_checkpoint_with_old_format_metadata_loads_upgraded(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    """Metadata written before it had a version (fates with `entry_id`, no `global_step`) is upgraded on
+    load, and committing its steps writes the fates entries the old code wrote."""
+    cfg = load_config(None, TINY + ["actor.ppo_mini_batch_size=2", "data.train_batch_size=4"])
+    learner = Learner(cfg)
+    path = save_checkpoint(tmp_path, 4, learner.policy, learner.optimizer, {"param_version": 4, "steps": []})
+    tensors = load_file(str(path))
+    meta = decode_payload(tensors["meta/payload"].numpy().tobytes())
+    assert meta.pop("meta_version") == META_VERSION == 2
+    meta["steps"] = [{  # what the trainer wrote before metadata versions (layout 1)
+        "global_step": 4,
+        "fates": [{"sample_id": "s0", "entry_id": "5-0", "fate": "trained", "staleness": 1, "param_version": 3},
+                  {"sample_id": "s1", "entry_id": "6-0", "fate": "dropped", "staleness": 3, "param_version": 1}],
+        "ack_ids": ["5-0", "6-0"],
+        "step_end": None,
+    }]
+    tensors["meta/payload"] = torch.frombuffer(bytearray(encode_payload(meta)), dtype=torch.uint8)
+    save_file(tensors, str(checkpoint_path(tmp_path, 4)))
+
+    got = load_latest_checkpoint(tmp_path, Learner(cfg).policy, Learner(cfg).optimizer)
+    assert got is not None and "meta_version" not in got and got["param_version"] == 4
+    (ledger,) = [StepLedger.from_plain(d) for d in got["steps"]]
+    assert ledger.fates == [Fate("s0", "5-0", TRAINED, 1, 3, 4), Fate("s1", "6-0", DROPPED, 3, 1, 4)]
+    assert ledger.dropped == 1 and ledger.ack_ids == ["5-0", "6-0"]
+    setup_run(r, keys)
+    commit_steps(r, keys, [ledger], param_version=4)
+    assert [(i, f) for i, f in r.xrange(keys.fates)] == [
+        (b"4-1", {b"sample_id": b"s0", b"source_id": b"5-0", b"fate": b"trained", b"staleness": b"1",
+                  b"param_version": b"3", b"global_step": b"4"}),
+        (b"4-2", {b"sample_id": b"s1", b"source_id": b"6-0", b"fate": b"dropped", b"staleness": b"3",
+                  b"param_version": b"1", b"global_step": b"4"}),
+    ]
+
+
+def test_a_checkpoint_from_a_newer_rollstream_is_refused(tmp_path: Path) -> None:
+    cfg = load_config(None, TINY + ["actor.ppo_mini_batch_size=2", "data.train_batch_size=4"])
+    learner = Learner(cfg)
+    path = save_checkpoint(tmp_path, 1, learner.policy, learner.optimizer, {"param_version": 1, "steps": []})
+    tensors = load_file(str(path))
+    meta = decode_payload(tensors["meta/payload"].numpy().tobytes())
+    meta["meta_version"] = META_VERSION + 1
+    tensors["meta/payload"] = torch.frombuffer(bytearray(encode_payload(meta)), dtype=torch.uint8)
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match="newer than"):
+        load_latest_checkpoint(tmp_path, learner.policy, learner.optimizer)

@@ -13,11 +13,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from consumers.aggregator.fake import fake_metrics_log
 from consumers.aggregator.fold import Fold
 from consumers.aggregator.worker import AggregatorWorker
 from rollstream.bus import Publisher, connect, delete_run, setup_run
 from rollstream.config import load_config
+from rollstream.fakes import fake_metrics_log
 from rollstream.names import Keys
 from schemas import decode, encode
 

@@ -4,18 +4,23 @@
   model/<name>         the policy weights (tied tensors once)
   optim/<i>/<state>    AdamW state of parameter i (step, exp_avg, exp_avg_sq)
   rng/torch, rng/cuda/<d>, rng/numpy, rng/python   RNG states
-  meta/payload         uint8: msgpack (schemas.encode_payload) of the metadata: global_step,
-                       param_version, optimizer param_groups, RNG scalars, and the caller's ledger
+  meta/payload         uint8: msgpack (schemas.encode_payload) of the metadata: meta_version,
+                       global_step, optimizer param_groups, RNG scalars, and the trainer loop's
+                       param_version, steps (StepLedger.to_plain of the steps it covers) and counters
 No pickle anywhere: torch.save/torch.load are not used. The newest `keep_last` files are kept.
+
+The metadata layout is versioned like the wire schema (schemas/upgrades.py): a file written by an older
+version is upgraded one version at a time on load, so a trainer resumes from any older checkpoint.
+  1  (no meta_version key) a fate is {sample_id, entry_id, fate, staleness, param_version}
+  2  a fate is a schemas.plain.Fate, as on the `fates` stream (entry_id renamed source_id, global_step added)
 """
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import shutil
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +29,15 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save, save_file
 
+from rollstream.files import atomic_write
 from rollstream.model import BasePolicy
 from schemas import decode_payload, encode_payload
 
 _NAME = re.compile(r"^step-(\d{8})\.safetensors$")
 _META = "meta/payload"
+#: Layout version of the metadata this code writes (see the module docstring).
+META_VERSION = 2
+_VERSION_KEY = "meta_version"
 
 
 def checkpoint_path(ckpt_dir: Path, global_step: int) -> Path:
@@ -105,6 +114,34 @@ def _optim_state(tensors: dict[str, torch.Tensor], groups: list[dict[str, Any]])
     return {"state": state, "param_groups": groups}
 
 
+# -- metadata versions -----------------------------------------------------------------------------
+
+
+def _meta_1_to_2(meta: dict[str, Any]) -> dict[str, Any]:
+    """Fates become schemas.plain.Fate: entry_id -> source_id, plus their step's global_step."""
+    for step in meta.get("steps", []):
+        for fate in step.get("fates", []):
+            fate["source_id"] = fate.pop("entry_id")
+            fate["global_step"] = step["global_step"]
+    return meta
+
+
+#: version -> function turning metadata of that version into the next one.
+_META_UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _meta_1_to_2}
+
+
+def upgrade_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoint metadata of any older layout upgraded to META_VERSION (the version key removed);
+    ValueError for a layout newer than this code knows."""
+    version = meta.pop(_VERSION_KEY, 1)
+    if type(version) is not int or version > META_VERSION:
+        raise ValueError(f"checkpoint metadata version {version!r} is newer than {META_VERSION}: update rollstream")
+    while version < META_VERSION:
+        meta = _META_UPGRADES[version](meta)
+        version += 1
+    return meta
+
+
 # -- save / load -----------------------------------------------------------------------------------
 
 
@@ -116,40 +153,28 @@ def save_checkpoint(
     meta: dict[str, Any],
     keep_last: int = 2,
 ) -> Path:
-    """Write the checkpoint of `global_step` durably (temp file, fsync, os.replace); prune old ones."""
+    """Write the checkpoint of `global_step` durably (rollstream.files.atomic_write); prune old ones."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     tensors = {f"model/{k}": v for k, v in st_load(policy.state_dict_bytes()).items()}
     opt_tensors, groups = _optim_tensors(optimizer)
     rng_tensors, rng_scalars = _rng_tensors()
     tensors.update(opt_tensors)
     tensors.update(rng_tensors)
-    payload = encode_payload({"global_step": global_step, "param_groups": groups, "rng": rng_scalars, **meta})
+    payload = encode_payload({_VERSION_KEY: META_VERSION, "global_step": global_step, "param_groups": groups,
+                              "rng": rng_scalars, **meta})
     tensors[_META] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     path = checkpoint_path(ckpt_dir, global_step)
-    fd, tmp = tempfile.mkstemp(dir=ckpt_dir, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(ckpt_dir, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda tmp: save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp))
     for _, old in list_checkpoints(ckpt_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return path
 
 
 def load_checkpoint(path: Path, policy: BasePolicy, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore weights, optimizer state and RNG states from `path`; returns its metadata dict."""
+    """Restore weights, optimizer state and RNG states from `path`; returns its metadata dict, upgraded
+    to META_VERSION."""
     tensors = load_file(str(path))
-    meta: dict[str, Any] = decode_payload(tensors.pop(_META).numpy().tobytes())
+    meta: dict[str, Any] = upgrade_meta(decode_payload(tensors.pop(_META).numpy().tobytes()))
     model = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     policy.load_state_dict_bytes(save(model))
     optimizer.load_state_dict(_optim_state(tensors, list(meta.pop("param_groups"))))

@@ -5,7 +5,8 @@ to ack (including redelivered duplicates) and the step's `step_end` event. Ledge
 the previous checkpoint are stored in the checkpoint, and committed only once that file is durable:
 
   MULTI
-    XADD fates <g>-<i> …   one entry per consumed sample; an explicit id makes a replay fail harmlessly
+    XADD fates <g>-<i> …   one entry per consumed sample (schemas.plain.Fate); an explicit id makes a
+                           replay fail harmlessly
     XACK rollouts trainer …
     INCRBY consumed …      only for steps not already counted (see count_consumed), and
     HINCRBY trainer dropped_stale …   alike (producers report it in rollout_status)
@@ -23,25 +24,20 @@ from typing import Any
 
 import redis
 
-from rollstream.names import TRAINER_GROUP, Keys
-from rollstream.pacing import DROPPED_STALE_FIELD, record_consumed
-from schemas import StepMetrics, encode
+from rollstream.names import (
+    COMMITTED_STEP_FIELD,
+    CONSUMED_STEP_FIELD,
+    DROPPED_STALE_FIELD,
+    GLOBAL_STEP_FIELD,
+    HEARTBEAT_FIELD,
+    PARAM_VERSION_FIELD,
+    TRAINER_GROUP,
+    Keys,
+)
+from rollstream.pacing import record_consumed
+from schemas import DROPPED, Fate, StepMetrics, decode_fate, encode, encode_fate
 
 log = logging.getLogger(__name__)
-
-TRAINED = "trained"
-DROPPED = "dropped"
-
-
-@dataclass
-class Fate:
-    """The outcome of one consumed sample."""
-
-    sample_id: str
-    entry_id: str
-    fate: str
-    staleness: int
-    param_version: int
 
 
 @dataclass
@@ -64,7 +60,7 @@ class StepLedger:
         return sum(1 for f in self.fates if f.fate == DROPPED)
 
     def to_plain(self) -> dict[str, Any]:
-        """A msgpack-able dict (for the checkpoint metadata)."""
+        """A msgpack-able dict (for the checkpoint metadata; its layout is versioned in checkpoint.py)."""
         return {
             "global_step": self.global_step,
             "fates": [asdict(f) for f in self.fates],
@@ -91,18 +87,18 @@ def _int_field(r: redis.Redis, keys: Keys, name: str) -> int:
 
 def committed_step(r: redis.Redis, keys: Keys) -> int:
     """The last global step whose commit executed (0 before any)."""
-    return _int_field(r, keys, "committed_step")
+    return _int_field(r, keys, COMMITTED_STEP_FIELD)
 
 
 def count_consumed(r: redis.Redis, keys: Keys, ledger: StepLedger) -> None:
     """Count a finished but not yet checkpointed step toward `consumed` now (pacing needs it before the
     next grant), once: guarded by the trainer hash's consumed_step, in one MULTI."""
-    if ledger.global_step <= _int_field(r, keys, "consumed_step"):
+    if ledger.global_step <= _int_field(r, keys, CONSUMED_STEP_FIELD):
         return
     pipe = r.pipeline(transaction=True)
     record_consumed(pipe, keys, ledger.consumed)
     pipe.hincrby(keys.trainer, DROPPED_STALE_FIELD, ledger.dropped)
-    pipe.hset(keys.trainer, "consumed_step", ledger.global_step)
+    pipe.hset(keys.trainer, CONSUMED_STEP_FIELD, ledger.global_step)
     pipe.execute()
 
 
@@ -113,24 +109,13 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
     if not ledgers:
         return
     last = max(lg.global_step for lg in ledgers)
-    counted = _int_field(r, keys, "consumed_step")
+    counted = _int_field(r, keys, CONSUMED_STEP_FIELD)
     done = committed_step(r, keys)  # steps whose step_end is already on the log
     pipe = r.pipeline(transaction=True)
     n_fates = 0
     for lg in ledgers:
         for i, f in enumerate(lg.fates, start=1):
-            pipe.xadd(
-                keys.fates,
-                {
-                    "sample_id": f.sample_id,
-                    "source_id": f.entry_id,
-                    "fate": f.fate,
-                    "staleness": f.staleness,
-                    "param_version": f.param_version,
-                    "global_step": lg.global_step,
-                },
-                id=f"{lg.global_step}-{i}",
-            )
+            pipe.xadd(keys.fates, encode_fate(f), id=f"{lg.global_step}-{i}")  # type: ignore[arg-type]
             n_fates += 1
     ack_ids = [i for lg in ledgers for i in lg.ack_ids]
     if ack_ids:
@@ -140,11 +125,11 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
     pipe.hset(
         keys.trainer,
         mapping={
-            "global_step": last,
-            "param_version": param_version,
-            "committed_step": max(last, done),
-            "consumed_step": max(last, counted),
-            "heartbeat": time.time(),
+            GLOBAL_STEP_FIELD: last,
+            PARAM_VERSION_FIELD: param_version,
+            COMMITTED_STEP_FIELD: max(last, done),
+            CONSUMED_STEP_FIELD: max(last, counted),
+            HEARTBEAT_FIELD: time.time(),
         },
     )
     for lg in ledgers:
@@ -168,7 +153,7 @@ def committed_sample_ids(r: redis.Redis, keys: Keys, page: int = 1000) -> set[st
     while True:
         rows: Any = r.xrange(keys.fates, min=start, max="+", count=page)
         for _, fields in rows:
-            out.add(fields[b"sample_id"].decode())
+            out.add(decode_fate(fields).sample_id)
         if len(rows) < page:
             return out
         last = rows[-1][0].decode()

@@ -59,9 +59,6 @@ from consumers.trainer.checkpoint import load_latest_checkpoint, save_checkpoint
 from consumers.trainer.guard import unusable_reason, version_reason
 from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import (
-    DROPPED,
-    TRAINED,
-    Fate,
     StepLedger,
     commit_steps,
     committed_sample_ids,
@@ -81,12 +78,18 @@ from rollstream.bus import (
 )
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_prompt_source, build_task
-from rollstream.names import REPLAYED_VERSIONS_FIELD, TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
+from rollstream.names import (
+    HEARTBEAT_FIELD,
+    REPLAYED_VERSIONS_FIELD,
+    TRAINER_GROUP,
+    TRAINING_STEP_FIELD,
+    Keys,
+)
 from rollstream.pacing import current_budget, grant_budget, record_consumed
 from rollstream.rl import staleness_metrics
 from rollstream.tasks import Prompt
 from rollstream.weights import gc_weights, latest_param_version, publish_weights
-from schemas import RolloutSample, StepMetrics, ValidateMetrics
+from schemas import DROPPED, TRAINED, Fate, RolloutSample, StepMetrics, ValidateMetrics
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +232,7 @@ class Trainer:
     # -- consuming ---------------------------------------------------------------------------------
 
     def _heartbeat(self) -> None:
-        retry_on_connection(lambda: self.r.hset(self.keys.trainer, "heartbeat", time.time()), "heartbeat")
+        retry_on_connection(lambda: self.r.hset(self.keys.trainer, HEARTBEAT_FIELD, time.time()), "heartbeat")
 
     def _poll(self) -> list[Message]:
         """A non-blocking poll (counted as transport), then, only when it found nothing, a blocking one
@@ -322,7 +325,7 @@ class Trainer:
             ev: Any = m.event
             st = staleness(g, ev.param_version)
             if st > k:
-                ledger.fates.append(Fate(ev.sample_id, m.id, DROPPED, st, ev.param_version))
+                ledger.fates.append(Fate(ev.sample_id, m.id, DROPPED, st, ev.param_version, g))
                 ledger.ack_ids.append(m.id)
                 dropped.append(st)
             else:
@@ -363,7 +366,7 @@ class Trainer:
             metrics = self.learner.update(batch)
             for m, st in kept:
                 ev: Any = m.event
-                ledger.fates.append(Fate(ev.sample_id, m.id, TRAINED, st, ev.param_version))
+                ledger.fates.append(Fate(ev.sample_id, m.id, TRAINED, st, ev.param_version, g))
                 ledger.ack_ids.append(m.id)
                 truth = ev.full_batch.non_tensors.get("ground_truth")
                 if truth is not None and "raw_prompt" in ev.full_batch.non_tensors:

@@ -33,7 +33,7 @@ import redis
 from redis.connection import Encoder, HiredisRespSerializer, PythonRespSerializer
 
 from rollstream.bus import GroupReader, Message, Publisher, connect, delete_run, ensure_group
-from rollstream.fake import fake_rollout_sample, response_len_for_bytes
+from rollstream.fakes import fake_rollout_sample, response_len_for_bytes
 from rollstream.names import TRAINER_GROUP, Keys
 from schemas import RolloutSample, decode, encode
 

@@ -31,7 +31,7 @@ from rollstream.bench.bus import (
     wire_size,
 )
 from rollstream.bus import Publisher
-from rollstream.fake import fake_rollout_sample
+from rollstream.fakes import fake_rollout_sample
 from schemas import RolloutSample, decode, encode
 
 VOCAB = 151_936  # token ids up to Qwen2's vocabulary: 4 bytes each on the wire

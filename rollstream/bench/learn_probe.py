@@ -23,10 +23,10 @@ import torch
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.learner import Learner
-from producers.data import AgentTrajectory, build_rollout_sample
 from rollstream.config import PipelineConfig, load_config
 from rollstream.factory import build_prompt_source, build_task
 from rollstream.model import BasePolicy
+from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import Prompt, Task
 from rollstream.warmstart import warm_start
 
@@ -76,7 +76,7 @@ def probe(cfg: PipelineConfig, limit_s: float, eval_every: int) -> None:
         samples = []
         for i, (epoch, _, p) in enumerate(items):
             group = trajs[i * n : (i + 1) * n]
-            agents = [AgentTrajectory(prompt_ids=t.prompt_ids, response_ids=t.response_ids,
+            agents = [Trajectory(prompt_ids=t.prompt_ids, response_ids=t.response_ids,
                                       response_mask=[1] * len(t.response_ids), log_probs=t.log_probs,
                                       finished=t.finished) for t in group]
             rewards = [task.reward(p, tok.decode(t.response_ids)) for t in group]

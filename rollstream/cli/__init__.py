@@ -105,6 +105,21 @@ def _cmd_status(args: argparse.Namespace) -> int:
             return 0
 
 
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from rollstream.audit import audit_run, format_report
+    from schemas import DecodeError
+
+    t = _target(args)
+    try:
+        rep = audit_run(t.connect(), t.keys)
+    except DecodeError as e:
+        print(f"rollstream audit: an entry of the log cannot be read: {e}", file=sys.stderr)
+        return 1
+    print(f"run {t.keys.run}")
+    print(format_report(rep))
+    return 1 if rep.problems() else 0
+
+
 def _cmd_watch(args: argparse.Namespace) -> int:
     from rollstream.ops.progress import watch_run
     from rollstream.ops.supervise import SuperviseError, failed_programs
@@ -307,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for monitoring: exit 1 when a worker's heartbeat is missing or older than "
                         "trainer.heartbeat_stall_s (the trainer having finished is fine)")
     c.set_defaults(func=_cmd_status)
+
+    c = sub.add_parser("audit", help="check the log: every published sample ended once (trained, dropped or dead), "
+                                     "steps and records consecutive; exit 1 when a guarantee is violated")
+    _run_args(c)
+    c.set_defaults(func=_cmd_audit)
 
     c = sub.add_parser("watch", help="live progress line until val/acc reaches a target or a time limit (exit 2: not reached)")
     _run_args(c)

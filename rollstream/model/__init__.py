@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollstream.model.base import BasePolicy, Trajectory, build_batch, left_pad
+from rollstream.model.base import BasePolicy, Completion, build_batch, left_pad
 from rollstream.model.gpt import GPT, GPTConfig, KVCache
-from rollstream.model.policy import Policy
+from rollstream.model.tiny import TinyPolicy
 from rollstream.model.tokenizer import CharTokenizer, Tokenizer
 
 __all__ = [
@@ -15,9 +15,9 @@ __all__ = [
     "CharTokenizer",
     "GPTConfig",
     "KVCache",
-    "Policy",
+    "TinyPolicy",
     "Tokenizer",
-    "Trajectory",
+    "Completion",
     "build_batch",
     "left_pad",
     "load_policy",
@@ -25,9 +25,9 @@ __all__ = [
 
 
 def load_policy(backend: str, **kwargs: Any) -> BasePolicy:
-    """Build a policy: "tiny" -> Policy.from_config(**kwargs), "hf" -> HFPolicy.from_pretrained(**kwargs)."""
+    """Build a policy: "tiny" -> TinyPolicy.from_config(**kwargs), "hf" -> HFPolicy.from_pretrained(**kwargs)."""
     if backend == "tiny":
-        return Policy.from_config(**kwargs)
+        return TinyPolicy.from_config(**kwargs)
     if backend == "hf":
         from rollstream.model.hf import HFPolicy
 

@@ -1,4 +1,4 @@
-"""What every policy backend shares: trajectories, the batched sampling loop, log-probs, weight bytes.
+"""What every policy backend shares: completions, the batched sampling loop, log-probs, weight bytes.
 
 A backend (tiny GPT or HF causal LM) supplies four small methods: prefill a left-padded batch into a
 fresh KV cache, decode one token per row, drop rows from the cache, and compute the logits that
@@ -23,11 +23,12 @@ from rollstream.model.tokenizer import Tokenizer
 
 
 @dataclass
-class Trajectory:
-    """One sampled response to one prompt.
+class Completion:
+    """One sampled response to one prompt: what one `generate` call returns per row (an agent loop strings
+    the completions of its turns together into a rollstream.rollout.Trajectory).
 
     `log_probs[i]` is the behaviour log-prob of `response_ids[i]`: log_softmax(logits / temperature)
-    of the weights that sampled it (no top-p renormalisation); this is what `Policy.log_probs` with the
+    of the weights that sampled it (no top-p renormalisation); this is what `BasePolicy.log_probs` with the
     same temperature recomputes. `swap_points` lists response indices i at which new weights took effect (tokens
     from i on were sampled, with a re-prefilled cache, under the newer weights).
     """
@@ -186,11 +187,11 @@ class BasePolicy(ABC):
         greedy: bool = False,
         sync_every_tokens: int = 0,
         on_chunk: Callable[[], bool] | None = None,
-    ) -> list[Trajectory]:
+    ) -> list[Completion]:
         """Sample n responses per prompt in one left-padded KV-cached batch; prompt-major order.
 
         Sampling uses softmax(logits / temperature) with top-p (argmax when `greedy` or
-        temperature == 0); stored log-probs are those of softmax(logits / temperature) (see Trajectory). A row
+        temperature == 0); stored log-probs are those of softmax(logits / temperature) (see Completion). A row
         stops after eos. Every `sync_every_tokens` decoded tokens (while rows remain), `on_chunk()`
         is called; True means new weights were loaded, and the cache of the unfinished rows is
         re-prefilled under them. `generator` None uses torch's global RNG.
@@ -207,7 +208,7 @@ class BasePolicy(ABC):
             raise ValueError(
                 f"prompt length {longest} + max_new_tokens {max_new_tokens} > max_seq_len {limit}"
             )
-        trajs = [Trajectory(prompt_ids=list(p)) for p in prompts for _ in range(n)]
+        trajs = [Completion(prompt_ids=list(p)) for p in prompts for _ in range(n)]
         if not trajs or max_new_tokens == 0:
             return trajs
         eos = self.tokenizer.eos_id

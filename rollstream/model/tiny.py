@@ -1,4 +1,4 @@
-"""`Policy`: the tiny GPT with a tokenizer on a device, behind the shared policy interface."""
+"""`TinyPolicy`: the tiny GPT with a tokenizer on a device, behind the shared policy interface."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rollstream.model.gpt import GPT, GPTConfig, KVCache, positions_from_mask
 from rollstream.model.tokenizer import CharTokenizer, Tokenizer
 
 
-class Policy(BasePolicy):
+class TinyPolicy(BasePolicy):
     """The tiny-GPT policy (char tokenizer by default) used by the built-in tasks and tests."""
 
     def __init__(
@@ -29,7 +29,7 @@ class Policy(BasePolicy):
     @classmethod
     def from_config(
         cls, cfg: GPTConfig, seed: int, device: str = "auto", tokenizer: Tokenizer | None = None
-    ) -> Policy:
+    ) -> TinyPolicy:
         """A freshly initialised policy; the same cfg and seed give the same weights on any device."""
         with torch.device("meta"):
             module = GPT(cfg)  # no global RNG use: weights come only from the seeded generator below

@@ -19,6 +19,7 @@ import redis
 
 from rollstream.bus import setup_run
 from rollstream.names import REPLAYED_VERSIONS_FIELD, Keys
+from schemas import decode_fate
 
 BATCH = 500
 MAX_SEQ = 2**64 - 1
@@ -83,7 +84,7 @@ def consumed_entry_ids(r: redis.Redis, src: Keys, first: int, last: int) -> list
     rows: Any = r.xrange(src.fates, min=f"{first}-0", max=f"{last}-{MAX_SEQ}")
     by_step: dict[int, list[str]] = {}
     for fid, fields in rows:
-        by_step.setdefault(_id_key(_text(fid))[0], []).append(_text(fields[b"source_id"]))
+        by_step.setdefault(_id_key(_text(fid))[0], []).append(decode_fate(fields).source_id)
     missing = [g for g in range(first, last + 1) if g not in by_step]
     if missing:
         raise ReplayCopyError(f"{src.fates} has no entries for steps {missing} (not committed, or trimmed)")

@@ -15,9 +15,9 @@ from typing import Any
 
 import redis
 
-from rollstream.names import Keys
+from rollstream.names import COMMITTED_STEP_FIELD, GLOBAL_STEP_FIELD, HEARTBEAT_FIELD, Keys
 from rollstream.weights import latest_param_version, producer_versions
-from schemas import DecodeError, ProducerStats, SyncStepRecord, decode
+from schemas import DecodeError, ProducerStats, SyncStepRecord, decode, decode_fate
 
 #: Seconds of rollouts behind the samples/s and tokens/s figures.
 RATE_WINDOW_S = 60.0
@@ -65,11 +65,11 @@ def worker_health(
     """Health of the heartbeat-writing workers from the trainer hash (see the module docstring)."""
     now = time.time() if now is None else now
     try:
-        beat = float(trainer["heartbeat"])
+        beat = float(trainer[HEARTBEAT_FIELD])
     except (KeyError, ValueError):
         return [WorkerHealth("trainer", "missing", None, stall_after_s)]
     age = max(0.0, now - beat)
-    step = trainer.get("committed_step") or trainer.get("global_step") or ""
+    step = trainer.get(COMMITTED_STEP_FIELD) or trainer.get(GLOBAL_STEP_FIELD) or ""
     if total_steps is not None and step.isdigit() and int(step) >= total_steps:
         state = "finished"
     else:
@@ -128,12 +128,10 @@ def staleness_histogram(r: redis.Redis, keys: Keys, trainer_step: int | None) ->
     rows: Any = r.xrevrange(keys.fates, count=RECENT_ENTRIES)
     counts: Counter[int] = Counter()
     for _, f in rows:
-        v = f.get(b"staleness")
-        if v is not None:
-            try:
-                counts[int(float(_s(v)))] += 1
-            except ValueError:
-                continue
+        try:
+            counts[decode_fate(f).staleness] += 1
+        except DecodeError:
+            continue
     if counts:
         return dict(sorted(counts.items())), f"fates (last {len(rows)})"
     rows = r.xrevrange(keys.rollouts, count=RECENT_ENTRIES)
@@ -197,7 +195,7 @@ def collect_status(
     streams = [_stream_info(r, k, s) for k, s in zip(keys.all_streams(), shorts, strict=True)]
     trainer_raw: Any = r.hgetall(keys.trainer)
     trainer = {_s(k): _s(v) for k, v in trainer_raw.items()}
-    step = int(trainer["global_step"]) if trainer.get("global_step", "").lstrip("-").isdigit() else None
+    step = int(trainer[GLOBAL_STEP_FIELD]) if trainer.get(GLOBAL_STEP_FIELD, "").lstrip("-").isdigit() else None
     pv = latest_param_version(r, keys) if r.exists(keys.params) else None
     hist, source = staleness_histogram(r, keys, step)
     sps, tps = recent_rates(r, keys)
@@ -232,7 +230,7 @@ def _bytes(n: int) -> str:
 def format_status(st: RunStatus, redis_url: str) -> str:
     """The status screen as text (redis_url must already be masked)."""
     out = [f"run {st.run}   redis {redis_url}"]
-    step = st.trainer.get("global_step", "-")
+    step = st.trainer.get(GLOBAL_STEP_FIELD, "-")
     out.append(f"param_version {st.param_version if st.param_version is not None else '-'}   "
                f"trainer global_step {step}   dead letters {st.dead}")
     for w in st.workers:

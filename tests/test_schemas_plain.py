@@ -1,0 +1,85 @@
+"""The plain-text entries of the wire contract (schemas/plain.py): fates, dispatch logs and producer cursors
+read back from real Redis as they were written, and malformed ones refused with a reason."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from rollstream.bus import setup_run
+from rollstream.names import Keys
+from rollstream.pacing import dispatch_entries, grant_budget, release_unpublished, take_budget
+from schemas import (
+    DROPPED,
+    DecodeError,
+    DispatchRecord,
+    Fate,
+    decode_cursor,
+    decode_dispatch,
+    decode_fate,
+    encode_cursor,
+    encode_fate,
+)
+from schemas.plain import GRANT, dispatch_lua_fields
+
+
+def test_a_fate_reads_back_as_written(r: redis.Redis, keys: Keys) -> None:
+    fate = Fate("s-1", "1700000000000-3", DROPPED, 3, 4, 7)
+    r.xadd(keys.fates, encode_fate(fate), id="7-1")  # type: ignore[arg-type]
+    (entry_id, fields), = r.xrange(keys.fates)  # type: ignore[misc]
+    assert entry_id == b"7-1" and decode_fate(fields) == fate
+    assert list(fields) == [b"sample_id", b"source_id", b"fate", b"staleness", b"param_version", b"global_step"]
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({b"fate": b"eaten"}, "fate='eaten' is not one of"),
+        ({b"staleness": b"x"}, "staleness='x' is not an int"),
+        ({b"sample_id": None}, "no 'sample_id' field"),
+        ({b"source_id": b"\xff"}, "'source_id' is not UTF-8"),
+    ],
+)
+def test_a_malformed_fate_is_a_decode_error(change: dict[bytes, bytes | None], reason: str) -> None:
+    fields = {k.encode(): str(v).encode() for k, v in encode_fate(Fate("s", "1-0", DROPPED, 2, 0, 2)).items()}
+    for name, value in change.items():
+        if value is None:
+            del fields[name]
+        else:
+            fields[name] = value
+    with pytest.raises(DecodeError, match=reason):
+        decode_fate(fields)
+
+
+def test_grants_takes_and_releases_read_back_as_dispatch_records(r: redis.Redis, keys: Keys) -> None:
+    setup_run(r, keys)
+    assert grant_budget(r, keys, 0, max_outstanding=5) == (5, 0)
+    assert take_budget(r, keys, 0, 3, "rollout_00").amount == 3
+    assert release_unpublished(r, keys, "rollout_00") == 3  # it never published them
+    assert dispatch_entries(r, keys) == [
+        DispatchRecord("grant", version=0, amount=5, outstanding=0, max_outstanding=5, producer=None),
+        DispatchRecord("take", version=0, amount=3, outstanding=3, max_outstanding=None, producer="rollout_00"),
+        DispatchRecord("release", version=None, amount=3, outstanding=None, max_outstanding=None,
+                       producer="rollout_00"),
+    ]
+
+
+def test_a_malformed_dispatch_entry_is_a_decode_error() -> None:
+    with pytest.raises(DecodeError, match="op='steal' is not one of"):
+        decode_dispatch({b"op": b"steal", b"amount": b"1"})
+    with pytest.raises(DecodeError, match="no 'producer' field"):
+        decode_dispatch({b"op": b"take", b"version": b"0", b"amount": b"1", b"outstanding": b"1"})
+
+
+def test_the_lua_fields_of_a_dispatch_entry_come_in_one_order_and_only_for_its_op() -> None:
+    lua = dispatch_lua_fields(GRANT, max_outstanding="ARGV[2]", amount="budget", version="ARGV[1]",
+                              outstanding="o")
+    assert lua == "'op', 'grant', 'version', ARGV[1], 'amount', budget, 'outstanding', o, 'max_outstanding', ARGV[2]"
+    with pytest.raises(ValueError, match="a grant entry has fields"):
+        dispatch_lua_fields(GRANT, version="ARGV[1]", amount="budget", outstanding="o", producer="ARGV[3]")
+
+
+def test_a_cursor_reads_back_and_a_malformed_one_is_a_decode_error() -> None:
+    assert decode_cursor(encode_cursor(2, 17).encode()) == (2, 17)
+    with pytest.raises(DecodeError, match="is not <epoch>:<index>"):
+        decode_cursor(b"2-17")
