@@ -9,32 +9,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rollstream.model import CharTokenizer
 from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import RewardResult
 from schemas import EventBase, ProducerStats, RolloutSample, StepMetrics, ValidateMetrics
 
 
-class FakeTokenizer:
-    """Token ids without text: pad=0, bos=1, eos=2, `vocab` ids; every id decodes to "" (fake samples carry
-    random ids, so their raw_prompt and response_text are empty)."""
+class FakeTokenizer(CharTokenizer):
+    """Token ids without text: the CharTokenizer's pad=0, bos=1, eos=2, but `vocab` ids and every id
+    decodes to "" (fake samples carry random ids, so their raw_prompt and response_text are empty)."""
 
     def __init__(self, vocab: int) -> None:
+        super().__init__()
         self.vocab = vocab
-
-    @property
-    def pad_id(self) -> int:
-        """Id of the padding token (0)."""
-        return 0
-
-    @property
-    def bos_id(self) -> int:
-        """Id of the beginning-of-sequence token (1)."""
-        return 1
-
-    @property
-    def eos_id(self) -> int:
-        """Id of the end-of-sequence token (2)."""
-        return 2
 
     @property
     def vocab_size(self) -> int:
