@@ -43,7 +43,8 @@ from rollstream.audit import audit_run, scan_stream
 from rollstream.fake import fake_rollout_sample
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
-from rollstream.ops.supervise import private_violations, rpc
+from rollstream.ops.plan import private_violations
+from rollstream.ops.process import rpc
 from rollstream.ops.target import SECRETS_DIR, open_run
 from schemas import DeadLetter, decode, encode
 

@@ -14,7 +14,7 @@ import redis
 from conftest import delete_run
 
 from rollstream.bus import Publisher, setup_run
-from rollstream.cli import main
+from rollstream.cli.main import main
 from rollstream.fake import fake_rollout_sample
 from rollstream.model import CharTokenizer
 from rollstream.names import Keys

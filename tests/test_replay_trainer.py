@@ -14,7 +14,7 @@ from conftest import delete_run
 from safetensors.torch import load_file
 from test_trainer import FakeProducer, trainer_args
 
-from rollstream.cli import main
+from rollstream.cli.main import main
 from rollstream.names import Keys
 
 ROOT = Path(__file__).resolve().parent.parent

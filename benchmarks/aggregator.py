@@ -1,6 +1,6 @@
 """Aggregator fold throughput: the pure Fold (decoded events, and decode + fold), and the worker through Redis.
 
-Run: `.venv/bin/python scripts/bench_aggregator.py [--steps N] [--local-updates K] [--producers P]
+Run: `rollstream bench aggregator [--steps N] [--local-updates K] [--producers P]
 [--metrics M] [--redis-url URL]`. The Redis part uses a throwaway run namespace and deletes it afterwards.
 """
 
@@ -63,7 +63,7 @@ def bench_worker(events: list[Any], redis_url: str) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print one line per measurement."""
-    p = argparse.ArgumentParser(prog="bench_aggregator", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="rollstream bench aggregator", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=500, help="global steps in the synthetic log")
     p.add_argument("--local-updates", type=int, default=4, help="local updates per global step")
     p.add_argument("--producers", type=int, default=4, help="producers (one stats event each per step)")
