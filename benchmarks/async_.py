@@ -3,7 +3,7 @@
     rollstream bench async [pipeline.yaml] [key=value ...] [--quick] [--steps N] [--json]
 
 Workload: the config's prompts, tiny policy, seed, `--steps` global steps of train_batch_size samples.
-Producers are **latency-model producers** (benchmarks/latency.py): the real producer loop (budget take,
+Producers are **latency-model producers** (benchmarks/latency_producer.py): the real producer loop (budget take,
 dispatch, param_version stamping, weight sync, scoring, publish, pacing) with decoding replaced by sleeping
 each prompt's modelled decode time (lognormal response lengths, long-tailed, truncated at
 max_response_length; a prompt's n trajectories decode together, so it takes its longest one's time), in
@@ -22,7 +22,7 @@ producers for the same cores. Every figure below comes from that setup.
 3. async: staleness_threshold=--staleness (default 1.0), streaming trainer, max_off_policy_threshold
    large enough that nothing is dropped.
 
-Modes 2 and 3 run as users run them: `python -m benchmarks.latency` (the producer with the modelled
+Modes 2 and 3 run as users run them: `python -m benchmarks.latency_producer` (the producer with the modelled
 decode injected, what `rollstream run` starts for such a config) x P and `python -m consumers.trainer`
 subprocesses against one Redis, each mode in a fresh run namespace deleted afterwards. Wall time is
 measured on the log itself, from the `params` entry of version 0 to that of version N (Redis entry-id
@@ -136,7 +136,8 @@ def calibrate(cfg: PipelineConfig, redis_url: str, run_dir: str, steps: int = 3)
     import torch
 
     from benchmarks.generation import unthrottled_producer
-    from benchmarks.latency import LatencyModel, LatencyProducer
+    from benchmarks.latency import LatencyModel
+    from benchmarks.latency_producer import LatencyProducer
     from consumers.trainer.loop import Trainer
 
     keys = Keys(f"bench-async-cal-{uuid.uuid4().hex[:8]}")

@@ -1,11 +1,9 @@
-"""Latency-model producers, for benchmarks on machines where producers and trainer would fight for cores.
+"""Latency-model generation, for benchmarks on machines where producers and trainer would fight for cores.
 
-    python -m benchmarks.latency pipeline.yaml [key=value ...] [--name rollout_NN] [--burst] [--max-dispatches N]
-
-(what `rollstream run` starts as producers when `rollout.latency_model.enable`). A latency-model producer
-runs the real producer loop (producers/worker.py: budget take, dispatch, param_version stamping, weight
-sync, scoring, publish, pacing) with a modelled decode injected as its generate function: it sleeps for
-the modelled decode time and returns trajectories of the modelled lengths:
+With `rollout.latency_model.enable`, a producer runs its real loop (budget take, dispatch, param_version
+stamping, weight sync, scoring, publish, pacing) with `modelled_generate` injected as its generate function
+(benchmarks/latency_producer.py): it sleeps for the modelled decode time and returns trajectories of the
+modelled lengths:
 
 - each trajectory's response length is drawn from a lognormal (median `length_median`, log-space std
   `length_sigma`), rounded, clipped to [1, data.max_response_length] (truncation, as real rollouts);
@@ -14,41 +12,26 @@ the modelled decode time and returns trajectories of the modelled lengths:
 - tokens are random digits (then eos unless truncated), log-probs log(1/10) (uniform over digits); the
   task scores them as usual. `param_version_end` is the version loaded when the sleep ends when partial
   rollout is on (weights swapped mid-trajectory), else the dispatch version.
-
-`latency_model.concurrency` slots (threads) run the producer's loop side by side (an inference engine's
-continuous batching), each taking budget for one prompt at a time; they share the producer's prompt
-source, counters, stats window and weights under one lock. Idle and generation seconds are slot-averaged
-(divided by the slot count), so idle_ratio stays the idle fraction of the slots. A dispatch whose budget a
-reconnect (by any slot) released meanwhile is discarded instead of published.
 """
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # a worker process: a SIGTERM during the torch import below must not kill it
-    from rollstream.worker import install_early_signal_handlers
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-    install_early_signal_handlers()
+import numpy as np
 
-import logging  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from producers.data import AgentTrajectory
+from rollstream.config import PipelineConfig
+from rollstream.model import Tokenizer
+from schemas import DataProto
 
-import numpy as np  # noqa: E402
-
-from producers.data import AgentTrajectory  # noqa: E402
-from producers.worker import POLL_S, GenerateFn, Producer, producer_index, producer_seed  # noqa: E402
-from rollstream.config import PipelineConfig  # noqa: E402
-from rollstream.factory import build_policy  # noqa: E402
-from rollstream.model import BasePolicy, Tokenizer  # noqa: E402
-from rollstream.tasks import Prompt, Task  # noqa: E402
-from rollstream.worker import WorkerContext  # noqa: E402
-from schemas import DataProto, RolloutSample  # noqa: E402
-
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from producers.worker import GenerateFn
 
 DIGITS = "0123456789"
 DIGIT_LOGP = -math.log(len(DIGITS))  # behaviour log-prob of a uniformly drawn digit
@@ -144,98 +127,3 @@ def modelled_generate(
         return run_plan(plan, param_version, version_now)
 
     return generate
-
-
-class LatencyProducer(Producer):
-    """A Producer with the modelled decode injected, its loop run in `latency_model.concurrency` slots."""
-
-    def __init__(self, ctx: WorkerContext, policy: BasePolicy | None = None, task: Task | None = None) -> None:
-        cfg = ctx.cfg
-        policy = policy or build_policy(cfg)
-        rng = np.random.default_rng(producer_seed(cfg.run.seed, producer_index(ctx.name, cfg.rollout.num_producers)))
-        version_now = (lambda: self.weights.version) if cfg.rollout.partial_rollout else None
-        generate = modelled_generate(LatencyModel.from_config(cfg), policy.tokenizer, rng, version_now)
-        self.slots = cfg.rollout.latency_model.concurrency
-        self.lock = threading.RLock()  # slots share the source, counters, stats window and weights
-        self.generation = 0  # bumped by each reconnect; a dispatch taken under an older one is not published
-        self._slot = threading.local()  # the generation a slot's current dispatch was taken under
-        self._newest = (-1, 0.0)  # (version, monotonic time of the check), shared by idle slots
-        super().__init__(ctx, policy, task, generate=generate)
-
-    def _serve(self, limit: int | None, burst: bool) -> None:
-        """`slots` loops side by side, one prompt a dispatch (one slot: the producer's own loop)."""
-        if self.slots == 1:
-            super()._serve(limit, burst)
-            return
-        slots = [
-            threading.Thread(target=self._loop, args=(1, limit, burst), name=f"{self.name}-slot{i}", daemon=True)
-            for i in range(self.slots)
-        ]
-        for t in slots:
-            t.start()
-        for t in slots:
-            t.join()
-
-    # ---- the producer's steps, one slot at a time ---------------------------------------------------
-    def _reserve(self, limit: int | None) -> bool:
-        with self.lock:  # other slots see the reservation
-            return super()._reserve(limit)
-
-    def _unreserve(self) -> None:
-        with self.lock:
-            super()._unreserve()
-
-    def _refresh(self) -> tuple[bool, int]:
-        with self.lock:
-            self._slot.generation = self.generation
-            return super()._refresh()
-
-    def _reconnect(self, error: BaseException) -> None:
-        with self.lock:  # once for all slots: every dispatch in flight belongs to the old generation
-            super()._reconnect(error)
-            self.generation += 1
-
-    def _newest_version(self) -> int:
-        """The newest published version; idle slots share one check per POLL_S."""
-        version, at = self._newest
-        if self.slots > 1 and time.monotonic() - at < POLL_S:
-            return version
-        self._newest = (super()._newest_version(), time.monotonic())
-        return self._newest[0]
-
-    def _add_idle(self, seconds: float) -> None:
-        with self.lock:
-            super()._add_idle(seconds / self.slots)  # slot-averaged
-
-    def _take_prompts(self, amount: int) -> tuple[list[tuple[int, int, Prompt]], int]:
-        with self.lock:
-            return super()._take_prompts(amount)
-
-    def _finish(
-        self, ids: list[str], items: list[tuple[int, int, Prompt]], param_version: int, trajs: list[AgentTrajectory],
-        gen_s: float, status: dict[str, float | int],
-    ) -> list[RolloutSample]:
-        with self.lock:
-            if getattr(self._slot, "generation", self.generation) != self.generation:
-                log.warning("discarding %d samples: their budget was released by a reconnect", len(items))
-                return []
-            return super()._finish(ids, items, param_version, trajs, gen_s / self.slots, status)  # slot-averaged
-
-    def _maybe_stats(self) -> None:
-        with self.lock:
-            super()._maybe_stats()
-
-    def _emit_stats(self, param_version: int) -> None:
-        with self.lock:
-            super()._emit_stats(param_version)
-
-
-def worker_main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `python -m benchmarks.latency`: `python -m producers` with a LatencyProducer."""
-    from producers.__main__ import main
-
-    return main(argv, build=LatencyProducer, role="benchmarks.latency")
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main())

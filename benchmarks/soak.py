@@ -1,7 +1,7 @@
 """Soak benchmark: a bounded soak of the whole pipeline with retention on.
 
 Starts `rollstream run` (embedded redis, ACLs, supervisord) with up to 8 latency-model producers (decoding
-replaced by sleeping its modelled time, benchmarks/latency.py), a tiny trainer and the aggregator, with
+replaced by sleeping its modelled time, benchmarks/latency_producer.py), a tiny trainer and the aggregator, with
 `bus.retention=true` and a small byte cap. Every `--sample-every-s` it samples redis `INFO memory`
 used_memory, the trainer's RSS (/proc/<pid>/status VmRSS), the rollouts stream's length and the trainer
 group's lag and pending count, and the trainer's global step. At the end it stops the run and reports:

@@ -23,7 +23,7 @@ either landed (the cursor in Redis moved with it) or not (its prompts are dispat
 published twice or skipped.
 
 Generation is a function the producer is given (`GenerateFn`); the default runs the policy through the
-agent loop. The latency-model benchmarks (`rollout.latency_model`, benchmarks/latency.py) inject a
+agent loop. The latency-model benchmarks (`rollout.latency_model`, benchmarks/latency_producer.py) inject a
 modelled decode instead and run several copies of the loop side by side; this module has no threads.
 """
 
@@ -92,7 +92,7 @@ class Producer:
         cfg = ctx.cfg
         if cfg.rollout.latency_model.enable and generate is None:
             raise ValueError("rollout.latency_model.enable is for benchmarks: run the latency-model producer "
-                             "(`python -m benchmarks.latency`, which `rollstream run` starts for such a config)")
+                             "(`python -m benchmarks.latency_producer`, which `rollstream run` starts for such a config)")
         self.ctx = ctx
         self.name = ctx.name
         self.index = producer_index(ctx.name, cfg.rollout.num_producers)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from benchmarks.latency import LatencyProducer
+from benchmarks.latency_producer import LatencyProducer
 from consumers.trainer.loop import Trainer
 from producers.worker import Producer
 from rollstream.bus import connect, setup_run
@@ -114,7 +114,7 @@ def test_latency_model_producer_slots_run_side_by_side(r: redis.Redis, keys: Key
 def test_the_production_producer_refuses_a_latency_model_config(r: redis.Redis, keys: Keys, redis_url: str) -> None:
     """`python -m producers` never silently decodes for real when the config asks for the latency model."""
     cfg = load_config(None, [*TINY_MODEL, f"run.name={keys.run}", "rollout.latency_model.enable=true"])
-    with pytest.raises(ValueError, match="benchmarks.latency"):
+    with pytest.raises(ValueError, match="benchmarks.latency_producer"):
         Producer(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=connect(redis_url)))
 
 

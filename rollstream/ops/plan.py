@@ -20,7 +20,7 @@ stop before the trainer, the trainer before the aggregator, and redis last):
 
 Workers are launched by module name (`python -m consumers.trainer` …): the runtime imports no worker
 package. A config with `rollout.latency_model.enable` (benchmarks) gets latency-model producers
-(`python -m benchmarks.latency`: the producer with a modelled decode injected).
+(`python -m benchmarks.latency_producer`: the producer with a modelled decode injected).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ PRIVATE_UMASK = 0o077
 PROGRAM_ROLES = {"aggregator": "aggregator", "trainer": "trainer"}
 #: Module a producer program runs (`python -m …`), and the one of latency-model producers (benchmarks).
 PRODUCER_MODULE = "producers"
-LATENCY_PRODUCER_MODULE = "benchmarks.latency"
+LATENCY_PRODUCER_MODULE = "benchmarks.latency_producer"
 
 
 class SuperviseError(RuntimeError):
