@@ -13,10 +13,10 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from consumers.aggregator.fake import fake_metrics_log
+from consumers.aggregator.fake import fake_metrics_log, publish_log
 from consumers.aggregator.fold import Fold
 from consumers.aggregator.worker import AggregatorWorker
-from rollstream.bus import Publisher, connect, delete_run, setup_run
+from rollstream.bus import connect, delete_run
 from rollstream.config import load_config
 from rollstream.names import Keys
 from schemas import decode, encode
@@ -46,10 +46,7 @@ def bench_worker(events: list[Any], redis_url: str) -> dict[str, float]:
     r = connect(redis_url)
     keys = Keys(f"bench-agg-{uuid.uuid4().hex[:8]}")
     try:
-        setup_run(r, keys)
-        pub = Publisher(r)
-        for i in range(0, len(events), 500):
-            pub.publish_many(keys.metrics, events[i : i + 500])
+        publish_log(r, keys, events)  # stats to `stats`, trainer events to `metrics`, vouched for by the trainer hash
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp}", f"run.redis_url={redis_url}"])
             worker = AggregatorWorker(cfg, r, keys)

@@ -54,11 +54,13 @@ def test_generation_runs_through_the_cli(r: redis.Redis, redis_url: str, capsys:
     assert set(r.scan_iter(match="rs:{bench-gen-*")) == before  # the throwaway namespace is deleted
 
 
-def test_aggregator_runs_through_the_cli(r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_aggregator_runs_through_the_cli_and_the_worker_folds_records(
+    r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["bench", "aggregator", "--steps", "5", "--local-updates", "1", "--producers", "1", "--metrics", "5",
             "--redis-url", redis_url]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "pure fold (decoded events)" in out and "decode + fold" in out
-    assert "worker through Redis" in out
+    assert "worker through Redis" in out and "(5 records," in out  # every step folded, nothing dead-lettered
     assert not list(r.scan_iter(match=Keys("bench-agg-*").pattern()))
