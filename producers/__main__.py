@@ -1,9 +1,52 @@
-"""`python -m producers pipeline.yaml [key=value ...] [--name rollout_NN] [--burst] [--max-dispatches N]`."""
+"""`python -m producers pipeline.yaml [key=value ...] [--name rollout_NN] [--burst] [--max-dispatches N]`:
+one rollout producer (producers/worker.py)."""
 
-from rollstream.worker import install_early_signal_handlers
+from __future__ import annotations
 
-install_early_signal_handlers()  # before torch is imported
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from producers.worker import main  # noqa: E402
+from rollstream.worker import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, WorkerContext, install_early_signal_handlers
 
-raise SystemExit(main())
+if TYPE_CHECKING:
+    from producers.worker import Producer
+
+log = logging.getLogger("producers")
+
+
+def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Producer] | None = None,
+         role: str = "producers") -> int:
+    """Start the worker (config, logging, signals, Redis), then dispatch until stopped; returns the exit code.
+    `build` makes the producer (default: `Producer(ctx)`; the latency-model benchmark passes its own) and
+    `role` names the command in usage and logs."""
+    install_early_signal_handlers()  # a SIGTERM during the torch import below must not kill us
+    from producers.worker import Producer, lower_priority, set_torch_threads
+    from rollstream.bus import RunNotSetUpError
+    from rollstream.weights import WeightsError
+    from rollstream.worker import start_worker
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--max-dispatches", type=int, default=None, help="exit after this many dispatches (tests)")
+    known, rest = pre.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    ctx, args = start_worker(role, rest)
+    set_torch_threads(ctx.cfg.rollout.torch_threads)
+    lower_priority(ctx.cfg.rollout.nice)
+    try:
+        producer = (build or Producer)(ctx)
+    except ValueError as e:  # e.g. a name whose index exceeds rollout.num_producers
+        log.error("%s", e)
+        return EXIT_CONFIG
+    try:
+        done = producer.run(max_dispatches=known.max_dispatches, burst=args.burst)
+    except (RunNotSetUpError, WeightsError) as e:
+        log.error("%s", e)
+        return EXIT_ERROR
+    log.info("producer %s: %d dispatches, exiting", ctx.name, done)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,7 @@
-"""The rollout producer worker: take budget -> dispatch prompts -> generate -> score -> publish.
+"""The rollout producer: take budget -> dispatch prompts -> generate -> score -> publish.
 
-    python -m producers pipeline.yaml [key=value ...] [--name rollout_00] [--burst] [--max-dispatches N]
+Started as `python -m producers pipeline.yaml [key=value ...] [--name rollout_00] [--burst]
+[--max-dispatches N]` (producers/__main__.py).
 
 A producer named `rollout_NN` draws shard NN of `rollout.num_producers` from the prompt source and keeps
 its cursor in Redis (`producer_cursor`), advanced in the same MULTI/EXEC as the samples it publishes, so
@@ -17,35 +18,28 @@ publishes the current dispatch, then exits 0.
 
 Reconnects: a Redis connection loss anywhere in the loop is handled in place, the way a restart would
 handle it: wait (with backoff) until Redis answers, release what this producer took and has not
-published (`release_unpublished`), reload its cursor from Redis, and go on; a dispatch whose budget was
-released meanwhile (another slot's, in latency-model mode) is discarded instead of published. A publish
-whose reply was lost either landed (the cursor in Redis moved with it) or not (its prompts are
-dispatched again), so nothing is published twice or skipped.
+published (`release_unpublished`), reload its cursor from Redis, and go on. A publish whose reply was lost
+either landed (the cursor in Redis moved with it) or not (its prompts are dispatched again), so nothing is
+published twice or skipped.
 
-Latency-model mode (`rollout.latency_model.enable`, benchmarks; see producers/latency.py): decoding is
-replaced by sleeping the modelled decode time, and `latency_model.concurrency` slots (threads) run the
-loop above side by side, each taking budget for one prompt at a time. Idle and generation seconds are
-then slot-averaged (divided by the slot count), so idle_ratio stays the idle fraction of the slots.
+Generation is a function the producer is given (`GenerateFn`); the default runs the policy through the
+agent loop. The latency-model benchmarks (`rollout.latency_model`, benchmarks/latency_producer.py) inject a
+modelled decode instead and run several copies of the loop side by side; this module has no threads.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from producers.agent import GenerationSettings, run_agent_loop
-from producers.latency import LatencyModel, plan_dispatch, run_plan
 from producers.stats import Counters, StatsWindow, rollout_status
 from producers.sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
@@ -60,13 +54,17 @@ from rollstream.rollout import (
     prepare_single_generation_data,
 )
 from rollstream.tasks import Prompt, Task
-from rollstream.weights import WeightsError, latest_param_version
-from rollstream.worker import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, WorkerContext, start_worker
+from rollstream.weights import latest_param_version
+from rollstream.worker import WorkerContext
 from schemas import DataProto, RolloutSample, decode_cursor, encode, encode_cursor
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # sleep between checks while idle (budget or version)
+
+#: Generation of one dispatch: (the batch, prompts x n rows prompt-major; the param version stamped at
+#: dispatch) -> one trajectory per row, in row order.
+GenerateFn = Callable[[DataProto, int], list[Trajectory]]
 
 
 def producer_index(name: str, count: int) -> int:
@@ -84,10 +82,17 @@ def producer_seed(seed: int, index: int) -> int:
 
 
 class Producer:
-    """One rollout producer on a WorkerContext; `run()` loops until stop (or a bounded amount of work)."""
+    """One rollout producer on a WorkerContext; `run()` loops until stop (or a bounded amount of work).
+    `generate` replaces the policy's generation (benchmarks inject a modelled decode)."""
 
-    def __init__(self, ctx: WorkerContext, policy: BasePolicy | None = None, task: Task | None = None) -> None:
+    def __init__(
+        self, ctx: WorkerContext, policy: BasePolicy | None = None, task: Task | None = None,
+        generate: GenerateFn | None = None,
+    ) -> None:
         cfg = ctx.cfg
+        if cfg.rollout.latency_model.enable and generate is None:
+            raise ValueError("rollout.latency_model.enable is for benchmarks: run the latency-model producer "
+                             "(`python -m benchmarks.latency_producer`, which `rollstream run` starts for such a config)")
         self.ctx = ctx
         self.name = ctx.name
         self.index = producer_index(ctx.name, cfg.rollout.num_producers)
@@ -97,20 +102,18 @@ class Producer:
         self.generator = torch.Generator().manual_seed(producer_seed(cfg.run.seed, self.index))
         self.settings = GenerationSettings.from_config(cfg)
         self.multi_turn = cfg.rollout.multi_turn.enable and self.task.multi_turn
+        self.generate: GenerateFn = generate or self.agent_loop
         self.weights = WeightSync(ctx.r, ctx.keys, self.policy, ctx.name, on_switch=self._on_switch)
         self.metrics = Publisher(ctx.r, nomkstream=True)
         self.counters = Counters()
         self.window = StatsWindow()
         self.last_stats = time.monotonic()
-        lm = cfg.rollout.latency_model
-        self.latency = LatencyModel.from_config(cfg) if lm.enable else None
-        self.slots = lm.concurrency if lm.enable else 1
-        self.rng = np.random.default_rng(producer_seed(cfg.run.seed, self.index))  # latency-model draws
-        self.lock = threading.RLock()  # slots share the source, counters, stats window and weights
         self._done = 0
-        self._newest = (-1, 0.0)  # (version, monotonic time of the check), shared by idle slots
-        self.generation = 0  # bumped by each reconnect; a dispatch taken under an older one is not published
         self.reconnects = 0
+
+    def agent_loop(self, batch: DataProto, param_version: int) -> list[Trajectory]:
+        """The default generation: the policy through the agent loop (weights may change mid-generation)."""
+        return run_agent_loop(self.policy, self.task, batch, self.settings, self.weights, self.generator)
 
     # ---- start-up ---------------------------------------------------------------------------------
     def start(self) -> bool:
@@ -143,13 +146,11 @@ class Producer:
         return released
 
     def _reconnect(self, error: BaseException) -> None:
-        """After a connection loss: wait for Redis, then resync as a restarted producer would (once for
-        all slots: every dispatch in flight belongs to the old generation and is discarded)."""
+        """After a connection loss: wait for Redis, then resync as a restarted producer would (the dispatch
+        in flight is abandoned: its budget is released)."""
         log.warning("redis connection lost (%s); reconnecting in place", error)
-        with self.lock:
-            released = retry_on_connection(self._resync, "reconnect")
-            self.generation += 1
-            self.reconnects += 1
+        released = retry_on_connection(self._resync, "reconnect")
+        self.reconnects += 1
         log.warning("reconnected; released %d dispatched-but-unpublished prompts", released)
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -157,36 +158,24 @@ class Producer:
         """Dispatch until stop, `max_dispatches` dispatches, or (burst) no budget left; returns dispatches."""
         if not self.start():
             return 0
-        with self.lock:  # the first window starts once version 0 is loaded
-            self.window = StatsWindow()
-            self.last_stats = time.monotonic()
+        self.window = StatsWindow()  # the first window starts once version 0 is loaded
+        self.last_stats = time.monotonic()
         start = self._done
-        limit = None if max_dispatches is None else start + max_dispatches
-        if self.slots == 1:
-            self._loop(self.ctx.cfg.rollout.prompts_per_dispatch, limit, burst)
-        else:
-            slots = [
-                threading.Thread(target=self._loop, args=(1, limit, burst), name=f"{self.name}-slot{i}", daemon=True)
-                for i in range(self.slots)
-            ]
-            for t in slots:
-                t.start()
-            for t in slots:
-                t.join()
+        self._serve(None if max_dispatches is None else start + max_dispatches, burst)
         try:
             self._emit_stats(self.weights.version)
         except CONNECTION_ERRORS as e:  # leaving anyway: the window's stats are lost, nothing else
             log.warning("final stats not published: %s", e)
         return self._done - start
 
+    def _serve(self, limit: int | None, burst: bool) -> None:
+        """The dispatch loop, `prompts_per_dispatch` prompts a dispatch."""
+        self._loop(self.ctx.cfg.rollout.prompts_per_dispatch, limit, burst)
+
     def _loop(self, want: int, limit: int | None, burst: bool) -> None:
-        """One slot: `_turn` until stop, `limit` dispatches by all slots together, or (burst) no budget
-        left; a connection loss is handled in place (`_reconnect`)."""
-        while not self.ctx.stop.is_set():
-            with self.lock:
-                if limit is not None and self._done >= limit:
-                    break
-                self._done += 1  # reserve a dispatch (other slots see it); given back when none happens
+        """`_turn` until stop, `limit` dispatches in all, or (burst) no budget left; a connection loss is
+        handled in place (`_reconnect`)."""
+        while not self.ctx.stop.is_set() and self._reserve(limit):
             published: list[bool] = []
             keep_going = True
             try:
@@ -194,47 +183,52 @@ class Producer:
             except CONNECTION_ERRORS as e:
                 self._reconnect(e)
             if not published:
-                with self.lock:
-                    self._done -= 1
+                self._unreserve()
             if not keep_going:
                 break
+
+    def _reserve(self, limit: int | None) -> bool:
+        """Count a dispatch about to happen; False when `limit` dispatches are done."""
+        if limit is not None and self._done >= limit:
+            return False
+        self._done += 1
+        return True
+
+    def _unreserve(self) -> None:
+        """Give back a reserved dispatch that published nothing."""
+        self._done -= 1
 
     def _turn(self, want: int, burst: bool, published: list[bool]) -> bool:
         """Refresh weights, take budget and dispatch (appending to `published` once on the log), or wait
         for budget or a new version; False to stop (burst mode, no budget)."""
         r, keys = self.ctx.r, self.ctx.keys
-        with self.lock:
-            self.weights.refresh()  # between dispatches: always the newest version
-            mine = self.weights.version
-            generation = self.generation
+        _, mine = self._refresh()  # between dispatches: always the newest version
         take = take_budget(r, keys, mine, want, self.name)
         if take.amount > 0:
-            if self.dispatch(take.amount, generation=generation):  # [] = discarded: budget released
+            if self.dispatch(take.amount):  # [] = nothing published
                 published.append(True)
             self._maybe_stats()
             return True
         if take.stale:
             if take.budget_version < mine:  # our version's grant is not made yet
                 self._idle_until(lambda v=mine: current_budget(r, keys)[0] >= v)
-            else:
-                with self.lock:
-                    loaded = self.weights.refresh()
-                if not loaded:  # budget is for a newer version we could not load yet
-                    self._idle_until(lambda: False, once=True)  # one poll step, then retry
+            elif not self._refresh()[0]:  # budget is for a newer version we could not load yet
+                self._idle_until(lambda: False, once=True)  # one poll step, then retry
             return True
         if burst:
             return False
         self._idle_until(lambda v=mine: self._newest_version() > v)
         return True
 
+    def _refresh(self) -> tuple[bool, int]:
+        """Load the newest weights when a newer version is out: (loaded one, the version in use)."""
+        loaded = self.weights.refresh()
+        return loaded, self.weights.version
+
     def _newest_version(self) -> int:
-        """The newest published version (one XREVRANGE; idle slots share one check per POLL_S)."""
-        version, at = self._newest
-        if self.slots > 1 and time.monotonic() - at < POLL_S:
-            return version
+        """The newest published version (one XREVRANGE)."""
         pv = latest_param_version(self.ctx.r, self.ctx.keys)
-        self._newest = (-1 if pv is None else pv.version, time.monotonic())
-        return self._newest[0]
+        return -1 if pv is None else pv.version
 
     def _idle_until(self, ready: Callable[..., bool], once: bool = False) -> None:
         """Sleep in short steps until `ready()` or stop (or after one step when `once`), counting idle time."""
@@ -244,20 +238,19 @@ class Producer:
             self._maybe_stats()
             if once:
                 break
-        idle = (time.monotonic() - t0) / self.slots  # slot-averaged
-        with self.lock:
-            self.counters.idle_s += idle
-            self.window.idle_s += idle
+        self._add_idle(time.monotonic() - t0)
+
+    def _add_idle(self, seconds: float) -> None:
+        """Count idle seconds (waiting for budget or a version)."""
+        self.counters.idle_s += seconds
+        self.window.idle_s += seconds
 
     # ---- one dispatch -----------------------------------------------------------------------------
-    def dispatch(self, amount: int, generation: int | None = None) -> list[RolloutSample]:
+    def dispatch(self, amount: int) -> list[RolloutSample]:
         """Generate `amount` prompts (budget already taken) x n, score and publish them; returns the samples
-        ([] when a reconnect since the take, i.e. a newer `generation`, released their budget)."""
+        ([] when they were discarded instead of published)."""
         cfg = self.ctx.cfg
-        with self.lock:
-            items = self.source.take(amount)
-            param_version = self.weights.version  # stamped at dispatch
-            self.counters.dispatched += len(items)
+        items, param_version = self._take_prompts(amount)
         ids = [f"{self.name}-{uuid.uuid4().hex[:12]}" for _ in items]
         groups = [
             prepare_single_generation_data(p, cfg.rollout.n, self.multi_turn, self.policy.tokenizer, sample_id=sid)
@@ -265,33 +258,32 @@ class Producer:
         ]
         batch = concat_generation_data(groups, self.policy.tokenizer.pad_id)  # prompts*n rows, prompt-major
         t0 = time.perf_counter()
-        trajs = self._generate(batch, param_version)
-        gen_s = (time.perf_counter() - t0) / self.slots  # slot-averaged
-
-        n = cfg.rollout.n
+        trajs = self.generate(batch, param_version)
+        gen_s = time.perf_counter() - t0
         counts = rollout_counts(self.ctx.r, self.ctx.keys, producer_names(cfg.rollout.num_producers))
         status = rollout_status(counts, cfg, self.weights.version)
-        with self.lock:
-            self.counters.gen_s += gen_s
-            self.window.gen_s += gen_s
-            samples = []
-            for k, (sid, (epoch, _, prompt)) in enumerate(zip(ids, items, strict=True)):
-                group = trajs[k * n : (k + 1) * n]
-                samples.append(self._sample(sid, epoch, param_version, prompt, group, status))
-            if generation is not None and generation != self.generation:
-                log.warning("discarding %d samples: their budget was released by a reconnect", len(samples))
-                return []
-            self._publish(samples)
-        return samples
+        return self._finish(ids, items, param_version, trajs, gen_s, status)
 
-    def _generate(self, batch: DataProto, param_version: int) -> list[Trajectory]:
-        """Run the agent loop on the batch, or (latency model) sleep its modelled decode time."""
-        if self.latency is None:
-            return run_agent_loop(self.policy, self.task, batch, self.settings, self.weights, self.generator)
-        with self.lock:
-            plan = plan_dispatch(self.latency, batch, self.policy.tokenizer, self.rng)
-        partial = self.ctx.cfg.rollout.partial_rollout
-        return run_plan(plan, param_version, (lambda: self.weights.version) if partial else None)
+    def _take_prompts(self, amount: int) -> tuple[list[tuple[int, int, Prompt]], int]:
+        """Take `amount` prompts from the source: ((epoch, index, prompt) each, the version stamped on them)."""
+        items = self.source.take(amount)
+        self.counters.dispatched += len(items)
+        return items, self.weights.version  # stamped at dispatch
+
+    def _finish(
+        self, ids: list[str], items: list[tuple[int, int, Prompt]], param_version: int, trajs: list[Trajectory],
+        gen_s: float, status: dict[str, float | int],
+    ) -> list[RolloutSample]:
+        """Count the generation time, score and pack each prompt's trajectories, publish; returns the samples."""
+        n = self.ctx.cfg.rollout.n
+        self.counters.gen_s += gen_s
+        self.window.gen_s += gen_s
+        samples = []
+        for k, (sid, (epoch, _, prompt)) in enumerate(zip(ids, items, strict=True)):
+            group = trajs[k * n : (k + 1) * n]
+            samples.append(self._sample(sid, epoch, param_version, prompt, group, status))
+        self._publish(samples)
+        return samples
 
     def _sample(
         self, sample_id: str, epoch: int, param_version: int, prompt: Prompt, group: list[Any],
@@ -343,17 +335,14 @@ class Producer:
     def _maybe_stats(self) -> None:
         """Emit a ProducerStats event when `rollout.stats_every_s` has passed."""
         if time.monotonic() - self.last_stats >= self.ctx.cfg.rollout.stats_every_s:
-            with self.lock:
-                if time.monotonic() - self.last_stats >= self.ctx.cfg.rollout.stats_every_s:
-                    self._emit_stats(self.weights.version)
+            self._emit_stats(self.weights.version)
 
     def _emit_stats(self, param_version: int) -> None:
         """Publish the current window as a ProducerStats on `stats` and start a new window."""
-        with self.lock:
-            ev = self.window.event(self.name, param_version)
-            self.metrics.publish(self.ctx.keys.stats, ev)
-            self.window = StatsWindow()
-            self.last_stats = time.monotonic()
+        ev = self.window.event(self.name, param_version)
+        self.metrics.publish(self.ctx.keys.stats, ev)
+        self.window = StatsWindow()
+        self.last_stats = time.monotonic()
 
 
 def set_torch_threads(threads: int) -> None:
@@ -366,29 +355,3 @@ def lower_priority(nice: int) -> None:
     """Raise this process's nice value by `nice` (0: unchanged), so the trainer wins shared cores."""
     if nice > 0:
         os.nice(nice)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `python -m producers` / `python -m producers.worker`; returns the exit code."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--max-dispatches", type=int, default=None, help="exit after this many dispatches (tests)")
-    known, rest = pre.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    ctx, args = start_worker("producers", rest)
-    set_torch_threads(ctx.cfg.rollout.torch_threads)
-    lower_priority(ctx.cfg.rollout.nice)
-    try:
-        producer = Producer(ctx)
-    except ValueError as e:  # e.g. a name whose index exceeds rollout.num_producers
-        log.error("%s", e)
-        return EXIT_CONFIG
-    try:
-        done = producer.run(max_dispatches=known.max_dispatches, burst=args.burst)
-    except (RunNotSetUpError, WeightsError) as e:
-        log.error("%s", e)
-        return EXIT_ERROR
-    log.info("producer %s: %d dispatches, exiting", ctx.name, done)
-    return EXIT_OK
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

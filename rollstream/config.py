@@ -94,7 +94,7 @@ class MultiTurnConfig(_Section):
 
 
 class LatencyModelConfig(_Section):
-    """Benchmarks only: a producer that models generation time instead of decoding (see producers/latency.py)."""
+    """Benchmarks only: a producer that models generation time instead of decoding (see benchmarks/latency.py)."""
 
     enable: bool = Field(
         False, description="Replace decoding by sleeping each dispatch's modelled decode time (rest of the producer unchanged)"

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import redis
 
+from rollstream.bus import Publisher, setup_run
 from rollstream.model import CharTokenizer
+from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import RewardResult
 from schemas import EventBase, ProducerStats, RolloutSample, StepMetrics, ValidateMetrics
@@ -209,3 +213,21 @@ def fake_metrics_log(
             )
         )
     return events
+
+
+def publish_log(r: redis.Redis, keys: Keys, events: list[EventBase], trainer_at: int = 10**6) -> list[str]:
+    """Set the run up (idempotent) and XADD the events in order: producer stats to `stats`, the rest to
+    `metrics`, with explicit ids increasing across both streams (one log order). The trainer hash says
+    the trainer committed up to `trainer_at`, so the aggregator finds the events plausible. Returns the ids."""
+    setup_run(r, keys)
+    r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: trainer_at, TRAINING_STEP_FIELD: trainer_at})
+    rc: Any = r
+    last = max((tuple(int(x) for x in i.decode().split("-")) for s in (keys.metrics, keys.stats) for i, _ in rc.xrevrange(s, count=1)),
+               default=(0, 0))
+    sec, usec = rc.time()
+    base = max(int(sec) * 1000 + int(usec) // 1000, last[0] + 1)
+    pub = Publisher(r)
+    return [
+        pub.publish(keys.stats if isinstance(ev, ProducerStats) else keys.metrics, ev, entry_id=f"{base}-{i + 1}")  # type: ignore[arg-type]
+        for i, ev in enumerate(events)
+    ]

@@ -17,16 +17,15 @@ from typing import Any
 import pytest
 import redis
 
-from consumers.aggregator.fold import id_key
 from consumers.aggregator.replay import main as replay_main
 from consumers.aggregator.replay import replay_records
 from consumers.aggregator.sinks import JsonlSink, Sinks, TensorBoardSink
 from consumers.aggregator.worker import AggregatorWorker
-from rollstream.bus import Publisher, delete_run, setup_run
+from rollstream.bus import Publisher, delete_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.fakes import fake_metrics_log, local_update, producer_stats, step_end, validation
-from rollstream.names import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
-from schemas import DeadLetter, EventBase, ProducerStats, SyncStepRecord, decode_as
+from rollstream.fakes import fake_metrics_log, local_update, producer_stats, publish_log, step_end, validation
+from rollstream.names import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, Keys
+from schemas import DeadLetter, EventBase, SyncStepRecord, decode_as
 
 REPO = Path(__file__).resolve().parents[1]
 approx = pytest.approx
@@ -52,21 +51,8 @@ def make_cfg(keys: Keys, tmp_path: Path, redis_url: str, *extra: str) -> Pipelin
 
 
 def publish(r: redis.Redis, keys: Keys, events: list[EventBase], trainer_at: int = 10**6) -> list[str]:
-    """Set the run up (idempotent) and XADD the events in order: producer stats to `stats`, the rest to
-    `metrics`, with explicit ids increasing across both streams (one log order). The trainer hash says
-    the trainer committed up to `trainer_at`, so the aggregator finds the events plausible."""
-    setup_run(r, keys)
-    r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: trainer_at, TRAINING_STEP_FIELD: trainer_at})
-    rc: Any = r
-    last = max((id_key(i.decode()) for s in (keys.metrics, keys.stats) for i, _ in rc.xrevrange(s, count=1)),
-               default=(0, 0))
-    sec, usec = rc.time()
-    base = max(int(sec) * 1000 + int(usec) // 1000, last[0] + 1)
-    pub = Publisher(r)
-    return [
-        pub.publish(keys.stats if isinstance(ev, ProducerStats) else keys.metrics, ev, entry_id=f"{base}-{i + 1}")  # type: ignore[arg-type]
-        for i, ev in enumerate(events)
-    ]
+    """The events on the run's log in one order, the trainer hash vouching up to `trainer_at` (publish_log)."""
+    return publish_log(r, keys, events, trainer_at)
 
 
 def records(r: redis.Redis, keys: Keys) -> list[tuple[bytes, dict[bytes, bytes]]]:

@@ -8,7 +8,7 @@ import redis
 
 from rollstream.audit import audit_run
 from rollstream.bus import Publisher, setup_run
-from rollstream.cli import main
+from rollstream.cli.main import main
 from rollstream.fakes import fake_rollout_sample, local_update, step_end
 from rollstream.names import TRAINER_GROUP, Keys
 from schemas import DROPPED, TRAINED, Fate, SyncStepRecord, encode_fate

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import redis
 
+from benchmarks.latency_producer import LatencyProducer
 from consumers.trainer.loop import Trainer
 from producers.worker import Producer
 from rollstream.bus import connect, setup_run
-from rollstream.cli import main as cli_main
+from rollstream.cli.main import main as cli_main
 from rollstream.config import PipelineConfig, load_config
 from rollstream.factory import build_policy
 from rollstream.fakes import fake_rollout_sample
@@ -94,7 +95,7 @@ def test_latency_model_producer_slots_run_side_by_side(r: redis.Redis, keys: Key
     policy = build_policy(cfg)
     publish_weights(r, keys, 0, policy.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
     grant_budget(r, keys, 0, 8)
-    producer = Producer(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=connect(redis_url)), policy=policy)
+    producer = LatencyProducer(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=connect(redis_url)), policy=policy)
     t0 = time.monotonic()
     assert producer.run(burst=True) == 8  # one prompt per dispatch, until the budget of 8 is gone
     elapsed = time.monotonic() - t0
@@ -108,6 +109,13 @@ def test_latency_model_producer_slots_run_side_by_side(r: redis.Redis, keys: Key
         assert s.full_batch.tensors["response_mask"].sum() == 30
     assert producer.counters.dispatched == 8 and producer.counters.published == 8
     assert int(r.get(keys.dispatched) or 0) == 8
+
+
+def test_the_production_producer_refuses_a_latency_model_config(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+    """`python -m producers` never silently decodes for real when the config asks for the latency model."""
+    cfg = load_config(None, [*TINY_MODEL, f"run.name={keys.run}", "rollout.latency_model.enable=true"])
+    with pytest.raises(ValueError, match="benchmarks.latency_producer"):
+        Producer(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=connect(redis_url)))
 
 
 def test_bench_async_quick_reports_every_figure(r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:

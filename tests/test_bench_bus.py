@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.bench.bus import main, parse_size
+from benchmarks.bus import main, parse_size
 from rollstream.names import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,9 +37,9 @@ def test_json_report_has_every_size_with_positive_rates(
     assert not list(r.scan_iter(match=Keys(f"{keys.run}-*").pattern()))
 
 
-def test_markdown_table_from_the_script(redis_url: str, keys: Keys) -> None:
+def test_markdown_table_from_the_command(redis_url: str, keys: Keys) -> None:
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_bus.py"), *TINY, "--redis-url", redis_url,
+        [sys.executable, "-m", "rollstream.cli", "bench", "bus", *TINY, "--redis-url", redis_url,
          "--prefix", keys.run, "--packer", "python"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )

@@ -42,7 +42,8 @@ from rollstream.audit import audit_run, format_report, scan_stream
 from rollstream.fakes import fake_rollout_sample, step_end
 from rollstream.names import COMMITTED_STEP_FIELD, Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
-from rollstream.ops.supervise import private_violations, rpc
+from rollstream.ops.plan import private_violations
+from rollstream.ops.process import rpc
 from rollstream.ops.target import SECRETS_DIR, open_run
 from schemas import DeadLetter, decode, encode
 

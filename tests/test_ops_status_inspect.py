@@ -13,7 +13,7 @@ import redis
 from conftest import delete_run
 
 from rollstream.bus import Publisher, setup_run
-from rollstream.cli import main
+from rollstream.cli.main import main
 from rollstream.model import CharTokenizer
 from rollstream.names import GLOBAL_STEP_FIELD, PARAM_VERSION_FIELD, Keys
 from rollstream.ops.inspect import entry_to_json, read_entry

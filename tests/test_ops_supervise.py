@@ -11,19 +11,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.cli import main
+from rollstream.cli.main import main
 from rollstream.config import load_config
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
-from rollstream.ops.supervise import (
-    plan_run,
-    private_violations,
-    process_states,
-    render_supervisord_conf,
-    start_run,
-    start_supervisord,
-    stop_run,
-)
+from rollstream.ops.plan import plan_run, private_violations, render_supervisord_conf
+from rollstream.ops.process import process_states, start_run, start_supervisord, stop_run
 
 # Stand-in worker: logs its name, then on SIGTERM exits with the code given as argv[1].
 STANDIN = (
@@ -70,6 +63,17 @@ def test_conf_for_external_redis_has_workers_and_no_password(tmp_path: Path) -> 
     assert pw.read_text() == "s3cret" and stat.S_IMODE(pw.stat().st_mode) == 0o600
     resolved = load_config(plan.resolved_config)
     assert resolved.run.redis_url is None and resolved.run.dir == str(tmp_path.resolve())
+
+
+def test_latency_model_configs_get_latency_model_producers(tmp_path: Path) -> None:
+    """Workers are launched by module name: a benchmark config's producers run benchmarks.latency_producer."""
+    cfg = load_config("pipeline.yaml", [f"run.dir={tmp_path}", "run.name=lat", "run.redis_url=redis://127.0.0.1:6379/0",
+                                        "rollout.num_producers=2", "rollout.latency_model.enable=true"])
+    conf = sections(plan_run(cfg).conf_path.read_text())
+    for name in ("rollout_00", "rollout_01"):
+        assert f"-m benchmarks.latency_producer {tmp_path.resolve()}" in conf[f"program:{name}"]["command"]
+        assert f"--name {name}" in conf[f"program:{name}"]["command"]
+    assert "-m consumers.trainer" in conf["program:trainer"]["command"]
 
 
 def test_conf_for_embedded_redis_starts_redis_first_with_aof(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from conftest import delete_run
 from safetensors.torch import load_file
 from test_trainer import FakeProducer, trainer_args
 
-from rollstream.cli import main
+from rollstream.cli.main import main
 from rollstream.names import COMMITTED_STEP_FIELD, Keys
 from schemas import TRAINED, Fate, decode_fate, encode_fate
 

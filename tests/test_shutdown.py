@@ -28,7 +28,7 @@ from rollstream.config import load_config
 from rollstream.factory import build_policy
 from rollstream.fakes import fake_rollout_sample
 from rollstream.names import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
-from rollstream.ops.supervise import WORKER_STOPWAIT_S
+from rollstream.ops.plan import LATENCY_PRODUCER_MODULE, WORKER_STOPWAIT_S
 from rollstream.pacing import dispatch_entries, grant_budget, inflight
 from rollstream.weights import publish_weights
 from rollstream.worker import EXIT_FORCED, EXIT_OK
@@ -37,7 +37,8 @@ from schemas.plain import TAKE
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32"]
-# one modelled dispatch = 1 prompt x 2 trajectories of 6 tokens at 2 tokens/s: ~3 s of "generation"
+# a latency-model producer (the producer with a modelled decode injected, as `rollstream run` starts it for
+# this config): one modelled dispatch = 1 prompt x 2 trajectories of 6 tokens at 2 tokens/s: ~3 s of "generation"
 SLOW_PRODUCER = ["rollout.n=2", "rollout.num_producers=1", "data.max_response_length=6",
                  "rollout.latency_model.enable=true", "rollout.latency_model.tokens_per_s=2",
                  "rollout.latency_model.length_median=6", "rollout.latency_model.length_sigma=0"]
@@ -120,7 +121,7 @@ def test_producer_first_sigterm_publishes_the_dispatch_in_flight(r: redis.Redis,
                                                                  tmp_path: Path) -> None:
     args = [*common(keys, redis_url, tmp_path), *SLOW_PRODUCER]
     _start_run_for_producer(r, keys, tmp_path, args)
-    proc = spawn("producers", [*args, "--name", "rollout_00"], tmp_path)
+    proc = spawn(LATENCY_PRODUCER_MODULE, [*args, "--name", "rollout_00"], tmp_path)
     wait_until(lambda: _taken(r, keys) > 0, proc, 60, "a dispatch")
     code, took = terminate(proc, 1)
     assert code == EXIT_OK, proc.stderr_text()[-2000:]
@@ -133,7 +134,7 @@ def test_producer_second_sigterm_exits_at_once_without_publishing(r: redis.Redis
                                                                   tmp_path: Path) -> None:
     args = [*common(keys, redis_url, tmp_path), *SLOW_PRODUCER]
     _start_run_for_producer(r, keys, tmp_path, args)
-    proc = spawn("producers", [*args, "--name", "rollout_00"], tmp_path)
+    proc = spawn(LATENCY_PRODUCER_MODULE, [*args, "--name", "rollout_00"], tmp_path)
     wait_until(lambda: _taken(r, keys) > 0, proc, 60, "a dispatch")
     code, took = terminate(proc, 2)
     assert code == EXIT_FORCED and took < 1.0

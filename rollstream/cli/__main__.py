@@ -1,5 +1,5 @@
 """`python -m rollstream.cli` = the `rollstream` command."""
 
-from rollstream.cli import main
+from rollstream.cli.main import main
 
 raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The run's own redis-server (when run.redis_url is null): AOF on, data in <run_dir>/redis, reached over a
 unix socket in the run dir (or a free loopback port when the socket path is too long).
 
-The AOF fsync policy is the caller's: `rollstream run` asks for `always` (ops/supervise.py: a redis killed
+The AOF fsync policy is the caller's: `rollstream run` asks for `always` (ops/plan.py: a redis killed
 with SIGKILL loses nothing it acknowledged); `EmbeddedRedis` (tests, scripts) keeps redis' `everysec`."""
 
 from __future__ import annotations

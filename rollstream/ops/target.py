@@ -19,7 +19,7 @@ from rollstream.worker import REDIS_URL_ENV
 RESOLVED_CONFIG = "pipeline.resolved.yaml"
 #: File in the run dir holding the Redis URL the run uses (password removed).
 REDIS_URL_FILE = "redis.url"
-#: Folder in the run dir with the per-role ACL passwords (0600) and redis' ACL file (see ops.supervise).
+#: Folder in the run dir with the per-role ACL passwords (0600) and redis' ACL file (see ops.plan).
 SECRETS_DIR = "secrets"
 #: ACL user the operator commands (stop, status, inspect …) connect as when the run has ACLs.
 ADMIN_USER = "admin"

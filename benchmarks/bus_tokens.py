@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from rollstream.bench.bus import (
+from benchmarks.bus import (
     MiB,
     Settings,
     Trial,

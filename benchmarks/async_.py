@@ -3,7 +3,7 @@
     rollstream bench async [pipeline.yaml] [key=value ...] [--quick] [--steps N] [--json]
 
 Workload: the config's prompts, tiny policy, seed, `--steps` global steps of train_batch_size samples.
-Producers are **latency-model producers** (producers/latency.py): the real producer loop (budget take,
+Producers are **latency-model producers** (benchmarks/latency_producer.py): the real producer loop (budget take,
 dispatch, param_version stamping, weight sync, scoring, publish, pacing) with decoding replaced by sleeping
 each prompt's modelled decode time (lognormal response lengths, long-tailed, truncated at
 max_response_length; a prompt's n trajectories decode together, so it takes its longest one's time), in
@@ -22,7 +22,8 @@ producers for the same cores. Every figure below comes from that setup.
 3. async: staleness_threshold=--staleness (default 1.0), streaming trainer, max_off_policy_threshold
    large enough that nothing is dropped.
 
-Modes 2 and 3 run as users run them: `python -m producers` x P and `python -m consumers.trainer`
+Modes 2 and 3 run as users run them: `python -m benchmarks.latency_producer` (the producer with the modelled
+decode injected, what `rollstream run` starts for such a config) x P and `python -m consumers.trainer`
 subprocesses against one Redis, each mode in a fresh run namespace deleted afterwards. Wall time is
 measured on the log itself, from the `params` entry of version 0 to that of version N (Redis entry-id
 clock), so process start-up (torch import) is not counted.
@@ -51,10 +52,11 @@ import redis
 from rollstream.bus import connect, delete_run
 from rollstream.config import PipelineConfig, apply_overrides, config_to_yaml, load_config
 from rollstream.names import Keys
+from rollstream.ops.plan import producer_module
 from schemas import ProducerStats, RolloutSample, StepMetrics, decode
 
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 #: The workload of the default size (overridable with key=value after the config path).
 DEFAULT_OVERRIDES = [
@@ -133,9 +135,10 @@ def calibrate(cfg: PipelineConfig, redis_url: str, run_dir: str, steps: int = 3)
     the training time per step (mean of steps 2..) and the tokens_per_s that matches generation to it."""
     import torch
 
+    from benchmarks.generation import unthrottled_producer
+    from benchmarks.latency import LatencyModel
+    from benchmarks.latency_producer import LatencyProducer
     from consumers.trainer.loop import Trainer
-    from producers.bench import unthrottled_producer
-    from producers.latency import LatencyModel
 
     keys = Keys(f"bench-async-cal-{uuid.uuid4().hex[:8]}")
     tbs = cfg.data.train_batch_size
@@ -148,7 +151,7 @@ def calibrate(cfg: PipelineConfig, redis_url: str, run_dir: str, steps: int = 3)
     torch.set_num_threads(max(getattr(ccfg.trainer, "torch_threads", 0), 0) or threads)
     r = connect(redis_url)
     try:
-        unthrottled_producer(ccfg, r, keys).run(max_dispatches=steps + 1)
+        unthrottled_producer(ccfg, r, keys, build=LatencyProducer).run(max_dispatches=steps + 1)
         Trainer(ccfg, r, keys, "trainer", threading.Event()).run()
         per_step = _step_times(_events(r, keys.metrics))
     finally:
@@ -207,7 +210,7 @@ def run_mode(cfg: PipelineConfig, mode: str, redis_url: str, work_dir: Path, tim
 
     try:
         for i in range(mcfg.rollout.num_producers):
-            spawn("producers", f"rollout_{i:02d}")
+            spawn(producer_module(mcfg), f"rollout_{i:02d}")
         trainer = spawn("consumers.trainer", "trainer")
         deadline = time.monotonic() + timeout_s
         while not r.exists(keys.params) and trainer.poll() is None and time.monotonic() < deadline:

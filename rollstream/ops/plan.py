@@ -1,5 +1,6 @@
-"""Launch and stop a run under supervisord: write the run's supervisord config into the run dir, start
-redis (embedded) first, set the run up, start the workers, and stop them in order with exit statuses.
+"""The launch plan of a run under supervisord: the run dir (private), the resolved config, the ACL users
+and their passwords, and supervisord.conf with one program per process. Starting and stopping the
+programs is ops/process.py.
 
 With an embedded redis and `run.acl` (the default), each program connects as its own ACL user
 (producer, trainer, aggregator; the CLI as admin; the default user is off): passwords are generated into
@@ -16,34 +17,29 @@ Programs and their priorities (supervisord stops higher numbers first on its own
 stop before the trainer, the trainer before the aggregator, and redis last):
 
     redis 1 (only when run.redis_url is null) · aggregator 10 · trainer 20 · rollout_NN 30
+
+Workers are launched by module name (`python -m consumers.trainer` …): the runtime imports no worker
+package. A config with `rollout.latency_model.enable` (benchmarks) gets latency-model producers
+(`python -m benchmarks.latency_producer`: the producer with a modelled decode injected).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shlex
 import stat
-import subprocess
 import sys
 import tempfile
-import time
-import xmlrpc.client
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from supervisor.xmlrpc import SupervisorTransport
-
-from rollstream.bus import setup_run, wait_until_ready
 from rollstream.bus.connection import PASSWORD_FILE_ENV, USERNAME_ENV
 from rollstream.config import PipelineConfig, config_to_yaml
 from rollstream.names import Keys
 from rollstream.names import producer_names as _producer_names
-from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded, wait_for_redis
-from rollstream.ops.target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, RunTarget, split_password
+from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded
+from rollstream.ops.target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, split_password
 from rollstream.security import ROLES, acl_rules, generate_passwords
 from rollstream.worker import REDIS_URL_ENV
 
@@ -58,6 +54,9 @@ ACL_FILE = "users.acl"
 PRIVATE_UMASK = 0o077
 #: supervisord program name -> ACL user it connects as (each producer connects as a user of its own name).
 PROGRAM_ROLES = {"aggregator": "aggregator", "trainer": "trainer"}
+#: Module a producer program runs (`python -m …`), and the one of latency-model producers (benchmarks).
+PRODUCER_MODULE = "producers"
+LATENCY_PRODUCER_MODULE = "benchmarks.latency_producer"
 
 
 class SuperviseError(RuntimeError):
@@ -107,6 +106,11 @@ def producer_names(cfg: PipelineConfig) -> list[str]:
     return _producer_names(cfg.rollout.num_producers)
 
 
+def producer_module(cfg: PipelineConfig) -> str:
+    """The module a producer of this config runs: latency-model producers for `rollout.latency_model.enable`."""
+    return LATENCY_PRODUCER_MODULE if cfg.rollout.latency_model.enable else PRODUCER_MODULE
+
+
 def _worker_programs(
     cfg: PipelineConfig, resolved: Path, env: dict[str, str], role_env: dict[str, dict[str, str]]
 ) -> list[Program]:
@@ -117,7 +121,7 @@ def _worker_programs(
         Program("trainer", [py, "-m", "consumers.trainer", conf], priority=20, env={**env, **role_env.get("trainer", {})}),
     ]
     for name in producer_names(cfg):
-        progs.append(Program(name, [py, "-m", "producers", conf, "--name", name], priority=30,
+        progs.append(Program(name, [py, "-m", producer_module(cfg), conf, "--name", name], priority=30,
                              env={**env, **role_env.get(name, {})}))
     return progs
 
@@ -260,222 +264,3 @@ def render_supervisord_conf(run_dir: Path, programs: list[Program], cwd: Path) -
         if env:
             lines.append(f"environment={env}")
     return "\n".join(lines) + "\n"
-
-
-# --- talking to a running supervisord ----------------------------------------------------------------
-
-
-def rpc(run_dir: Path) -> Any:
-    """XML-RPC proxy of the run's supervisord (the API supervisorctl uses)."""
-    transport = SupervisorTransport(None, None, f"unix://{supervisor_socket(run_dir)}")
-    return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
-
-
-def supervisor_up(run_dir: Path) -> bool:
-    """True when the run's supervisord answers on its socket."""
-    if not supervisor_socket(run_dir).exists():
-        return False
-    try:
-        return bool(rpc(run_dir).supervisor.getState()["statename"] == "RUNNING")
-    except (OSError, xmlrpc.client.Error):
-        return False
-
-
-def process_states(run_dir: Path) -> list[dict[str, Any]] | None:
-    """supervisord's view of each program (name, statename, pid, exitstatus, description); None when down."""
-    if not supervisor_up(run_dir):
-        return None
-    return list(rpc(run_dir).supervisor.getAllProcessInfo())
-
-
-def _wait(cond: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise SuperviseError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.1)
-
-
-def start_supervisord(plan: RunPlan, foreground: bool = False) -> subprocess.Popen[bytes] | None:
-    """Start supervisord on the plan's config (daemonized, or as a child with -n when foreground) and wait
-    until it answers; the previous supervisord.log is kept as supervisord.log.1."""
-    if supervisor_up(plan.run_dir):
-        raise SuperviseError(f"a supervisord for {plan.run_dir} is already up: `rollstream stop` it first")
-    log = plan.run_dir / "logs" / "supervisord.log"
-    if log.exists():
-        log.replace(log.with_suffix(".log.1"))
-    argv = [sys.executable, "-m", "supervisor.supervisord", "-c", str(plan.conf_path)]
-    proc = None
-    if foreground:  # supervisord creates its logs before applying its own umask setting: start it private
-        proc = subprocess.Popen([*argv, "-n"], umask=PRIVATE_UMASK)
-    else:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, umask=PRIVATE_UMASK)
-        if done.returncode != 0:
-            raise SuperviseError(f"supervisord failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}")
-    _wait(lambda: supervisor_up(plan.run_dir), 30, "supervisord to answer")
-    return proc
-
-
-def start_run(plan: RunPlan, cfg: PipelineConfig, redis_timeout_s: float = 60.0) -> None:
-    """With supervisord up: wait for Redis, set the run up (streams + groups), start the workers in order."""
-    target = RunTarget(cfg=cfg, keys=Keys(cfg.run.name), run_dir=plan.run_dir, redis_url=plan.redis_url)
-    if any(p.name == "redis" for p in plan.programs) and not target.uses_acl():
-        wait_for_redis(plan.redis_url, redis_timeout_s)  # with ACLs on, wait_until_ready below (as admin)
-    r = target.connect()
-    try:
-        wait_until_ready(r, timeout_s=redis_timeout_s)
-        setup_run(r, target.keys)
-    finally:
-        r.close()
-    server = rpc(plan.run_dir)
-    for name in plan.workers:
-        server.supervisor.startProcess(name, False)
-
-
-def wait_for_records(target: RunTarget, count: int, timeout_s: float, progress: Any = None) -> int:
-    """Block until the records stream holds `count` entries; SuperviseError when a program fails or on
-    timeout. progress(n) is called when the count changes. Returns the final count."""
-    r = target.connect()
-    deadline, seen = time.monotonic() + timeout_s, -1
-    try:
-        while True:
-            n = int(r.xlen(target.keys.records))
-            if n != seen and progress is not None:
-                progress(n)
-            seen = n
-            if n >= count:
-                return n
-            failed = failed_programs(target.run_dir)
-            if failed:
-                raise SuperviseError(f"{'; '.join(failed)} (see {target.run_dir / 'logs'})")
-            if time.monotonic() > deadline:
-                raise SuperviseError(f"only {n} of {count} records after {timeout_s:.0f}s")
-            time.sleep(0.5)
-    finally:
-        r.close()
-
-
-#: Unexpected exits of one program (seen in supervisord's log) after which waiting for it is pointless.
-CRASH_LOOP_EXITS = 3
-
-
-def failed_programs(run_dir: Path) -> list[str]:
-    """Programs supervisord gave up on (FATAL), that exited non-zero, or that keep crashing (restarted
-    CRASH_LOOP_EXITS times), each with the last line of its log."""
-    states = process_states(run_dir) or []
-    crashes = Counter(c.split(":", 1)[0] for c in _crashes_from_log(run_dir))
-    out = []
-    for s in states:
-        bad = s["statename"] in ("FATAL", "BACKOFF") or (s["statename"] == "EXITED" and s["exitstatus"] != 0)
-        if bad or crashes[s["name"]] >= CRASH_LOOP_EXITS:
-            why = f"{s['statename']}: {s['description']}, {crashes[s['name']]} unexpected exits"
-            out.append(f"{s['name']} ({why}; last log line: {_last_line(run_dir / 'logs' / (s['name'] + '.log'))})")
-    return out
-
-
-def _last_line(path: Path) -> str:
-    try:
-        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        return "-"
-    return lines[-1][-300:] if lines else "-"
-
-
-# --- stopping ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ExitReport:
-    """How each program ended: name -> exit status (None = never ran), plus unexpected exits seen in the
-    supervisord log (crashes that were restarted count too)."""
-
-    statuses: dict[str, int | None]
-    crashes: list[str]
-
-    @property
-    def ok(self) -> bool:
-        """True when every program that ran exited 0 and none crashed."""
-        return not self.crashes and all(s in (None, 0) for s in self.statuses.values())
-
-    def lines(self) -> list[str]:
-        """One line per program, then each crash."""
-        out = [
-            f"{name:<12} {'never started' if st is None else f'exit {st}'}" for name, st in self.statuses.items()
-        ]
-        return out + [f"crash: {c}" for c in self.crashes]
-
-
-_UNEXPECTED = re.compile(r"exited: (\S+) \((.*); not expected\)")
-
-
-def _crashes_from_log(run_dir: Path) -> list[str]:
-    log = run_dir / "logs" / "supervisord.log"
-    if not log.is_file():
-        return []
-    return [f"{m.group(1)}: {m.group(2)}" for m in _UNEXPECTED.finditer(log.read_text(errors="replace"))]
-
-
-def _stop_group(server: Any, run_dir: Path, names: list[str], timeout_s: float) -> None:
-    for name in names:
-        try:
-            server.supervisor.stopProcess(name, False)
-        except xmlrpc.client.Fault as e:
-            if "NOT_RUNNING" not in e.faultString:
-                raise
-    _wait(
-        lambda: all(
-            s["statename"] not in ("STOPPING", "RUNNING", "STARTING", "BACKOFF")
-            for s in server.supervisor.getAllProcessInfo()
-            if s["name"] in names
-        ),
-        timeout_s,
-        f"{', '.join(names)} to stop",
-    )
-
-
-def stop_run(run_dir: Path, timeout_s: float = WORKER_STOPWAIT_S + 30) -> ExitReport:
-    """Stop producers, then trainer, then aggregator, then redis; shut supervisord down; report exits."""
-    if not supervisor_up(run_dir):
-        raise SuperviseError(f"no supervisord is up for {run_dir}")
-    server = rpc(run_dir)
-    infos = {s["name"]: s for s in server.supervisor.getAllProcessInfo()}
-    order = [
-        sorted(n for n in infos if n.startswith("rollout_")),
-        ["trainer"],
-        ["aggregator"],
-        ["redis"],
-    ]
-    for names in order:
-        present = [n for n in names if n in infos]
-        if present:
-            _stop_group(server, run_dir, present, timeout_s)
-    infos = {s["name"]: s for s in server.supervisor.getAllProcessInfo()}
-    statuses: dict[str, int | None] = {}
-    for names in order:
-        for n in names:
-            if n in infos:
-                statuses[n] = None if infos[n]["start"] == 0 else int(infos[n]["exitstatus"])
-    pid_file = run_dir / "supervisord.pid"
-    pid = int(pid_file.read_text()) if pid_file.is_file() else None
-    server.supervisor.shutdown()
-    if pid is not None:
-        _wait(lambda: not _alive(pid), 30, "supervisord to exit")
-    return ExitReport(statuses, _crashes_from_log(run_dir))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child (foreground mode) counts as gone once supervisord removed its pidfile.
-    return Path(f"/proc/{pid}").exists() and "Z" not in _proc_state(pid)
-
-
-def _proc_state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1]
-    except (OSError, IndexError):
-        return ""

@@ -1,8 +1,9 @@
 """Latency-model generation, for benchmarks on machines where producers and trainer would fight for cores.
 
 With `rollout.latency_model.enable`, a producer runs its real loop (budget take, dispatch, param_version
-stamping, weight sync, scoring, publish, pacing) but replaces decoding by sleeping for the modelled decode
-time, and returns trajectories of the modelled lengths:
+stamping, weight sync, scoring, publish, pacing) with `modelled_generate` injected as its generate function
+(benchmarks/latency_producer.py): it sleeps for the modelled decode time and returns trajectories of the
+modelled lengths:
 
 - each trajectory's response length is drawn from a lognormal (median `length_median`, log-space std
   `length_sigma`), rounded, clipped to [1, data.max_response_length] (truncation, as real rollouts);
@@ -16,9 +17,11 @@ time, and returns trajectories of the modelled lengths:
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +29,9 @@ from rollstream.config import PipelineConfig
 from rollstream.model import Tokenizer
 from rollstream.rollout import Trajectory
 from schemas import DataProto
+
+if TYPE_CHECKING:
+    from producers.worker import GenerateFn
 
 DIGITS = "0123456789"
 DIGIT_LOGP = -math.log(len(DIGITS))  # behaviour log-prob of a uniformly drawn digit
@@ -106,3 +112,18 @@ def run_plan(
         t.processing_time_s = len(resp) / plan.tokens_per_s
         out.append(t)
     return out
+
+
+def modelled_generate(
+    model: LatencyModel, tokenizer: Tokenizer, rng: np.random.Generator, version_now: Callable[[], int] | None = None
+) -> GenerateFn:
+    """A producer's generate function that sleeps the modelled decode time of each dispatch (draws from
+    `rng`, one slot at a time); `version_now` as for run_plan."""
+    lock = threading.Lock()  # slots share the rng
+
+    def generate(batch: DataProto, param_version: int) -> list[Trajectory]:
+        with lock:
+            plan = plan_dispatch(model, batch, tokenizer, rng)
+        return run_plan(plan, param_version, version_now)
+
+    return generate

@@ -1,6 +1,6 @@
 """Aggregator fold throughput: the pure Fold (decoded events, and decode + fold), and the worker through Redis.
 
-Run: `.venv/bin/python scripts/bench_aggregator.py [--steps N] [--local-updates K] [--producers P]
+Run: `rollstream bench aggregator [--steps N] [--local-updates K] [--producers P]
 [--metrics M] [--redis-url URL]`. The Redis part uses a throwaway run namespace and deletes it afterwards.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 
 from consumers.aggregator.fold import Fold
 from consumers.aggregator.worker import AggregatorWorker
-from rollstream.bus import Publisher, connect, delete_run, setup_run
+from rollstream.bus import connect, delete_run
 from rollstream.config import load_config
-from rollstream.fakes import fake_metrics_log
+from rollstream.fakes import fake_metrics_log, publish_log
 from rollstream.names import Keys
 from schemas import decode, encode
 
@@ -46,10 +46,7 @@ def bench_worker(events: list[Any], redis_url: str) -> dict[str, float]:
     r = connect(redis_url)
     keys = Keys(f"bench-agg-{uuid.uuid4().hex[:8]}")
     try:
-        setup_run(r, keys)
-        pub = Publisher(r)
-        for i in range(0, len(events), 500):
-            pub.publish_many(keys.metrics, events[i : i + 500])
+        publish_log(r, keys, events)  # stats to `stats`, trainer events to `metrics`, vouched for by the trainer hash
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp}", f"run.redis_url={redis_url}"])
             worker = AggregatorWorker(cfg, r, keys)
@@ -63,7 +60,7 @@ def bench_worker(events: list[Any], redis_url: str) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print one line per measurement."""
-    p = argparse.ArgumentParser(prog="bench_aggregator", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="rollstream bench aggregator", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=500, help="global steps in the synthetic log")
     p.add_argument("--local-updates", type=int, default=4, help="local updates per global step")
     p.add_argument("--producers", type=int, default=4, help="producers (one stats event each per step)")

@@ -35,7 +35,7 @@ from rollstream.config import load_config
 from rollstream.ops.progress import Curve, watch_run
 from rollstream.ops.target import open_run
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "sync": ["rollout.staleness_threshold=0", "trainer.sync_mode=true"],
     "async": [],

@@ -1,7 +1,7 @@
-"""`rollstream bench soak`: a bounded soak of the whole pipeline with retention on.
+"""Soak benchmark: a bounded soak of the whole pipeline with retention on.
 
 Starts `rollstream run` (embedded redis, ACLs, supervisord) with up to 8 latency-model producers (decoding
-replaced by sleeping its modelled time, producers/latency.py), a tiny trainer and the aggregator, with
+replaced by sleeping its modelled time, benchmarks/latency_producer.py), a tiny trainer and the aggregator, with
 `bus.retention=true` and a small byte cap. Every `--sample-every-s` it samples redis `INFO memory`
 used_memory, the trainer's RSS (/proc/<pid>/status VmRSS), the rollouts stream's length and the trainer
 group's lag and pending count, and the trainer's global step. At the end it stops the run and reports:
@@ -25,7 +25,8 @@ from typing import Any
 
 from rollstream.config import load_config
 from rollstream.names import TRAINER_GROUP
-from rollstream.ops import supervise
+from rollstream.ops import process
+from rollstream.ops.plan import SuperviseError, plan_run
 from rollstream.ops.target import open_run
 
 SOAK_CONFIG = [
@@ -67,7 +68,7 @@ def rss_mb(pid: int) -> float:
 def take_sample(r: Any, target: Any, run_dir: Path, t_s: float) -> Sample:
     """Measure redis memory, trainer RSS, the rollouts backlog and the trainer's step."""
     info = r.info("memory")
-    pid = int(supervise.rpc(run_dir).supervisor.getProcessInfo("trainer")["pid"])
+    pid = int(process.rpc(run_dir).supervisor.getProcessInfo("trainer")["pid"])
     groups = {g["name"].decode(): g for g in r.xinfo_groups(target.keys.rollouts)}
     g = groups.get(TRAINER_GROUP, {})
     step = r.hget(target.keys.trainer, "global_step")
@@ -124,15 +125,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parent = Path(args.run_dir or tempfile.mkdtemp(prefix="rollstream-soak-"))
     cfg = load_config(args.config, [*SOAK_CONFIG, f"rollout.num_producers={args.producers}",
                                     f"run.dir={parent}", "run.name=soak", *args.overrides])
-    plan = supervise.plan_run(cfg)
+    plan = plan_run(cfg)
     print(f"soak: {args.producers} producers for {args.duration_s:.0f}s; run dir {plan.run_dir}", flush=True)
-    supervise.start_supervisord(plan)
+    process.start_supervisord(plan)
     samples: list[Sample] = []
     lengths: dict[str, tuple[int, int]] = {}
     try:
-        supervise.start_run(plan, cfg)
+        process.start_run(plan, cfg)
         target = open_run(None, run_dir=str(plan.run_dir))
-        supervise.wait_for_records(target, 1, timeout_s=300)
+        process.wait_for_records(target, 1, timeout_s=300)
         r = target.connect()
         t0 = time.monotonic()
         while True:
@@ -146,12 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                            for k in target.keys.all_streams() if r.exists(k)}
                 break
             time.sleep(min(args.sample_every_s, max(0.0, args.duration_s - t)))
-            failed = supervise.failed_programs(plan.run_dir)
+            failed = process.failed_programs(plan.run_dir)
             if failed:
-                raise supervise.SuperviseError("; ".join(failed))
+                raise SuperviseError("; ".join(failed))
         r.close()
     finally:
-        report = supervise.stop_run(plan.run_dir)
+        report = process.stop_run(plan.run_dir)
     trainer_log = (plan.run_dir / "logs" / "trainer.log").read_text(errors="replace")
     cap_bits = trainer_log.count(CAP_BIT)
     steps = samples[-1].global_step - samples[0].global_step

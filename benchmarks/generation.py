@@ -4,7 +4,7 @@ A throwaway run namespace gets version 0 (the config's initial weights) and an u
 producer runs `warmup` dispatches, then `dispatches` measured ones. Reported: generated tokens per second
 of generation time (`rollout.n` x `prompts_per_dispatch` rows per batch), and end-to-end samples per
 second (generation + scoring + encode + publish). The namespace's keys are deleted afterwards.
-Run: `python scripts/bench_generation.py [pipeline.yaml] [key=value ...] [--dispatches N] [--redis-url URL]`.
+Run: `rollstream bench generation pipeline.yaml [key=value ...] [--dispatches N] [--redis-url URL]`.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from rollstream.worker import WorkerContext
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
-def unthrottled_producer(cfg: PipelineConfig, r: redis.Redis, keys: Keys) -> Producer:
+def unthrottled_producer(cfg: PipelineConfig, r: redis.Redis, keys: Keys, build: type[Producer] = Producer) -> Producer:
     """Set a run up with version 0 = the config's initial weights and an unlimited budget, and return its
-    `rollout_00` Producer (for benchmarks and calibration: no trainer needed)."""
+    `rollout_00` producer made by `build` (for benchmarks and calibration: no trainer needed)."""
     setup_run(r, keys)
     policy = build_policy(cfg)
     publish_weights(r, keys, 0, policy.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
     grant_budget(r, keys, 0, 1 << 30)
-    return Producer(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=r), policy=policy)
+    return build(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=r), policy=policy)
 
 
 def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmup: int = 2) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: print the generation figures of one producer (a line per figure, or JSON)."""
-    p = argparse.ArgumentParser(prog="bench_generation", description=__doc__)
+    p = argparse.ArgumentParser(prog="rollstream bench generation", description=__doc__)
     p.add_argument("config", help="pipeline.yaml to benchmark")
     p.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     p.add_argument("--dispatches", type=int, default=20, help="measured dispatches (after 2 warm-up ones)")

@@ -10,7 +10,7 @@ alternate so that machine drift hits both alike; the table reports medians and t
   XREADGROUP COUNT batch, one XACK. No encoding, no decoding.
 
 Each trial uses a fresh run namespace (`Keys(f"{prefix}-<uuid>")`) whose keys are deleted afterwards.
-Run: `python scripts/bench_bus.py [--quick] [--json] [--sizes 16K,256K,4M] [--redis-url URL]`.
+Run: `rollstream bench bus [--quick] [--json] [--sizes 16K,256K,4M] [--redis-url URL]`.
 """
 
 from __future__ import annotations
@@ -301,9 +301,9 @@ def packer_name(r: redis.Redis) -> str:
 
 
 def run_bench(url: str, s: Settings, shapes: list[tuple[int, int, int]] | None = None) -> dict[str, Any]:
-    """Measure every size (or, given token shapes, the token-equal mode of rollstream.bench.bus_tokens);
+    """Measure every size (or, given token shapes, the token-equal mode of benchmarks.bus_tokens);
     returns the JSON-ready report (settings, machine, bytes per token, per-size medians and trials)."""
-    from rollstream.bench import bus_tokens  # (it builds on this module)
+    from benchmarks import bus_tokens  # (it builds on this module)
 
     r = bench_client(url, s.packer)
     try:
@@ -341,7 +341,7 @@ def run_bench(url: str, s: Settings, shapes: list[tuple[int, int, int]] | None =
 
 def format_table(report: dict[str, Any]) -> str:
     """The markdown tables of a report's medians (bytes per token first)."""
-    from rollstream.bench.bus_tokens import format_tokens
+    from benchmarks.bus_tokens import format_tokens
 
     tokens = format_tokens(report)
     if not report["sizes"]:
@@ -389,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"bench bus: bad --sizes: {e}", file=sys.stderr)
         return 2
-    from rollstream.bench.bus_tokens import parse_shape
+    from benchmarks.bus_tokens import parse_shape
 
     try:
         shapes = [parse_shape(x) for x in args.tokens.split(",") if x.strip()] if args.tokens else None

@@ -1,0 +1,433 @@
+"""The `rollstream` command: thin argument parsing that calls library code (rollstream.ops).
+
+The runtime imports no worker package: workers and benchmarks are launched or loaded by module name
+(`python -m consumers.trainer` under supervisord; `importlib` for the aggregator's replay, the trainer's
+checkpoint copy and `benchmarks.<name>`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rollstream.bus import CONNECTION_ERRORS
+from rollstream.config import ConfigError, config_to_yaml, load_config
+from rollstream.ops.target import RunTarget, mask_url, open_run
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    sys.stdout.write(config_to_yaml(cfg))
+    return 0
+
+
+def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """The optional config path and the overrides (a first `key=value` is an override, not a path)."""
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).is_file():
+        config, overrides = None, [config, *overrides]
+    return config, overrides
+
+
+def _target(args: argparse.Namespace) -> RunTarget:
+    config, overrides = _config_and_overrides(args)
+    return open_run(config, overrides, getattr(args, "run_dir", None))
+
+
+def _worker_function(module: str, name: str) -> Any:
+    """Function `name` of a worker module, loaded by module name (the runtime imports no worker package)."""
+    return getattr(importlib.import_module(module), name)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from rollstream.ops import process
+    from rollstream.ops.plan import SuperviseError, plan_run
+
+    cfg = load_config(args.config, args.overrides)
+    plan = plan_run(cfg)
+    print(f"run {cfg.run.name}: {plan.run_dir} (redis {mask_url(plan.redis_url)})")
+    proc = process.start_supervisord(plan, foreground=args.foreground)
+    try:
+        process.start_run(plan, cfg)
+        print(f"started {', '.join(plan.workers)}; logs in {plan.run_dir / 'logs'}")
+        if args.wait_records:
+            target = open_run(str(plan.resolved_config))
+            process.wait_for_records(
+                target, args.wait_records, args.wait_timeout, progress=lambda n: print(f"records: {n}", flush=True)
+            )
+        if proc is not None:
+            fg = proc
+
+            def forward(signum: int, frame: object) -> None:
+                print("stopping: supervisord stops producers, trainer, aggregator, redis in turn", flush=True)
+                fg.send_signal(signal.SIGTERM)
+
+            signal.signal(signal.SIGINT, forward)
+            signal.signal(signal.SIGTERM, forward)
+            return 0 if proc.wait() == 0 else 1
+    except KeyboardInterrupt:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait()
+        return 130
+    except SuperviseError as e:
+        print(f"rollstream run: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from rollstream.ops.plan import SuperviseError
+    from rollstream.ops.process import stop_run
+
+    run_dir = Path(args.run_dir) if args.run_dir else _target(args).run_dir
+    try:
+        report = stop_run(run_dir)
+    except SuperviseError as e:
+        print(f"rollstream stop: {e}", file=sys.stderr)
+        return 1
+    for line in report.lines():
+        print(line)
+    return 0 if report.ok else 1
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from rollstream.ops.process import process_states
+    from rollstream.ops.status import collect_status, format_status
+
+    t = _target(args)
+    r = t.connect()
+    limit_s = t.cfg.trainer.heartbeat_stall_s
+    while True:
+        st = collect_status(r, t.keys, process_states(t.run_dir), limit_s, t.cfg.trainer.total_global_steps)
+        text = format_status(st, mask_url(t.redis_url))
+        if args.check or not args.watch:
+            print(text)
+            return 1 if args.check and not st.healthy else 0
+        print("\033[H\033[2J" + time.strftime("%H:%M:%S ") + text, flush=True)
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from rollstream.audit import audit_run, format_report
+    from schemas import DecodeError
+
+    t = _target(args)
+    try:
+        rep = audit_run(t.connect(), t.keys)
+    except DecodeError as e:
+        print(f"rollstream audit: an entry of the log cannot be read: {e}", file=sys.stderr)
+        return 1
+    print(f"run {t.keys.run}")
+    print(format_report(rep))
+    return 1 if rep.problems() else 0
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    from rollstream.ops.plan import SuperviseError
+    from rollstream.ops.process import failed_programs
+    from rollstream.ops.progress import watch_run
+
+    t = _target(args)
+
+    def check() -> None:
+        failed = failed_programs(t.run_dir)
+        if failed:
+            raise SuperviseError("; ".join(failed))
+
+    try:
+        curve = watch_run(t.connect(), t.keys, target_acc=args.until_val_acc, limit_s=args.limit_s,
+                          since=args.since, hold_s=args.hold_s, check=check)
+    except SuperviseError as e:
+        print(f"rollstream watch: a worker failed: {e} (see {t.run_dir / 'logs'})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    best = curve.best("val/acc")
+    step = curve.steps[-1] if curve.steps else 0
+    if curve.reached_s is not None:
+        print(f"val/acc >= {args.until_val_acc} after {curve.reached_s:.0f}s ({curve.reached_samples:.0f} samples "
+              f"trained); best {best:.3f}, global step {step}")
+        return 0
+    shown = f"{best:.3f}" if best is not None else "none yet"
+    print(f"val/acc {args.until_val_acc} not reached in {args.limit_s:.0f}s: best {shown}, global step {step}")
+    return 2
+
+
+def _split_id(args: argparse.Namespace) -> None:
+    from rollstream.ops.inspect import looks_like_id
+
+    rest = list(args.rest)
+    args.which = rest.pop(0) if rest and looks_like_id(rest[0]) else "-1"
+    args.config = rest.pop(0) if rest and "=" not in rest[0] else None
+    args.overrides = rest
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from rollstream.ops import inspect
+
+    _split_id(args)
+    t = _target(args)
+    r = t.connect()
+    try:
+        entry_id, fields = inspect.read_entry(r, inspect.stream_key(t.keys, args.stream), args.which)
+    except inspect.InspectError as e:
+        print(f"rollstream inspect: {e}", file=sys.stderr)
+        return 1
+    tok = inspect.tokenizer_for(t.cfg)
+    print(inspect.dumps(inspect.entry_to_json(args.stream, entry_id, fields, tok, args.full)))
+    return 0
+
+
+def _cmd_tail(args: argparse.Namespace) -> int:
+    from rollstream.ops import inspect
+
+    t = _target(args)
+    r = t.connect()
+    try:
+        key = inspect.stream_key(t.keys, args.stream)
+        entries = inspect.follow(r, key, count=args.count, block_ms=t.cfg.bus.block_ms)
+        inspect.print_entries(
+            entries, args.stream, inspect.tokenizer_for(t.cfg), _write_flush, args.full, args.exit_after
+        )
+    except inspect.InspectError as e:
+        print(f"rollstream tail: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _write_flush(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _cmd_replay_records(args: argparse.Namespace) -> int:
+    from rollstream.names import Keys
+
+    t = _target(args)
+    replay_records = _worker_function("consumers.aggregator.replay", "replay_records")
+    try:
+        n = replay_records(t.connect(), Keys(args.src), Keys(args.dst), total_gpus=t.cfg.aggregator.total_gpus)
+    except ValueError as e:
+        print(f"rollstream replay records: {e}", file=sys.stderr)
+        return 2
+    print(f"replayed {n} records from run {args.src!r} into {Keys(args.dst).records}")
+    return 0
+
+
+def _cmd_replay_trainer(args: argparse.Namespace) -> int:
+    import shlex
+
+    from rollstream.names import Keys
+    from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts, copy_steps, parse_steps
+
+    t = _target(args)
+    r = t.connect()
+    src, dst = Keys(args.src), Keys(args.dst)
+    extra: list[str] = []
+    try:
+        if args.steps:
+            first, last = parse_steps(args.steps)
+            n, kept_ids = copy_steps(r, src, dst, first, last)
+            if first > 1:
+                copy_checkpoint = _worker_function("consumers.trainer.checkpoint", "copy_checkpoint")
+                run_dir = Path(t.cfg.run.dir)
+                try:
+                    copy_checkpoint(run_dir / src.run / "checkpoints", run_dir / dst.run / "checkpoints", first - 1)
+                except FileNotFoundError as e:
+                    raise ReplayCopyError(str(e)) from None
+            extra = [f"trainer.total_global_steps={last}"]
+            what = f"the {n} rollouts steps {first}-{last} consumed" + ("" if kept_ids else " (new entry ids)")
+        else:
+            n = copy_rollouts(r, src, dst, args.start, args.end)
+            what = f"{n} rollouts"
+    except ReplayCopyError as e:
+        print(f"rollstream replay trainer: {e}", file=sys.stderr)
+        return 1
+    config, overrides = _config_and_overrides(args)
+    argv = [config or "pipeline.yaml", *overrides, f"run.name={dst.run}", *extra, "--burst"]
+    print(f"copied {what} from {src.run} to {dst.run}; replay the trainer on them (it exits when they are used up):")
+    print(f"  ROLLSTREAM_REDIS_URL={shlex.quote(mask_url(t.redis_url))} {shlex.quote(sys.executable)} "
+          f"-m consumers.trainer {shlex.join(argv)}")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from rollstream.ops import plot
+
+    t = _target(args)
+    jsonl = t.run_dir / "records.jsonl"
+    try:
+        records = plot.records_from_redis(t.connect(retries=0), t.keys)
+    except Exception as e:  # noqa: BLE001 - Redis gone: fall back to the run dir
+        if not jsonl.is_file():
+            print(f"rollstream plot: redis unreachable ({e}) and no {jsonl}", file=sys.stderr)
+            return 1
+        records = plot.records_from_jsonl(jsonl)
+    try:
+        out = plot.plot_curves(plot.curves(records), Path(args.out), f"run {t.cfg.run.name}")
+    except ValueError as e:
+        print(f"rollstream plot: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({len(records)} records)")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from rollstream.ops.bench import BenchmarkError, format_list, list_benchmarks, load_benchmark
+
+    if args.list or args.name is None:
+        print(format_list(list_benchmarks()))
+        return 0
+    try:
+        main = load_benchmark(args.name)
+    except BenchmarkError as e:
+        print(f"rollstream bench: {e}", file=sys.stderr)
+        return 1
+    return int(main(list(args.args)) or 0)
+
+
+def _run_args(p: argparse.ArgumentParser, run_dir: bool = True) -> None:
+    p.add_argument("config", nargs="?", help="path to pipeline.yaml (default ./pipeline.yaml when present)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. run.name=demo")
+    if run_dir:
+        p.add_argument("--run-dir", help="a run dir made by `rollstream run` (uses its pipeline.resolved.yaml)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    p = argparse.ArgumentParser(prog="rollstream", description="Asynchronous RL post-training on Redis Streams")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("config", help="validate pipeline.yaml with overrides and print the resolved config")
+    c.add_argument("config", help="path to pipeline.yaml")
+    c.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.parameter_sync_step=2")
+    c.set_defaults(func=_cmd_config)
+
+    c = sub.add_parser("run", help="start the run under supervisord (embedded redis unless run.redis_url)")
+    c.add_argument("config", help="path to pipeline.yaml")
+    c.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    c.add_argument("--wait-records", type=int, default=0, metavar="N", help="wait until N records exist, then return")
+    c.add_argument("--wait-timeout", type=float, default=600.0, metavar="S", help="give up waiting after S seconds")
+    c.add_argument("--foreground", action="store_true", help="keep supervisord in the foreground (Ctrl-C stops the run)")
+    c.set_defaults(func=_cmd_run)
+
+    c = sub.add_parser("stop", help="stop producers, trainer, aggregator, redis in turn; non-zero if any exit != 0")
+    _run_args(c)
+    c.set_defaults(func=_cmd_stop)
+
+    c = sub.add_parser("status", help="streams, groups, versions, staleness, rates, idle ratios, processes")
+    _run_args(c)
+    c.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    c.add_argument("--check", action="store_true",
+                   help="for monitoring: exit 1 when a worker's heartbeat is missing or older than "
+                        "trainer.heartbeat_stall_s (the trainer having finished is fine)")
+    c.set_defaults(func=_cmd_status)
+
+    c = sub.add_parser("audit", help="check the log: every published sample ended once (trained, dropped or dead), "
+                                     "steps and records consecutive; exit 1 when a guarantee is violated")
+    _run_args(c)
+    c.set_defaults(func=_cmd_audit)
+
+    c = sub.add_parser("watch", help="live progress line until val/acc reaches a target or a time limit (exit 2: not reached)")
+    _run_args(c)
+    c.add_argument("--until-val-acc", type=float, default=0.95, metavar="ACC", help="stop once held-out val/acc >= ACC")
+    c.add_argument("--limit-s", type=float, default=600.0, metavar="S", help="stop after S seconds (counted from --since)")
+    c.add_argument("--since", type=float, default=None, metavar="EPOCH_S", help="start of the clock (time.time(); default now)")
+    c.add_argument("--hold-s", type=float, default=0.0, metavar="S", help="keep watching S seconds after the target is reached")
+    c.set_defaults(func=_cmd_watch)
+
+    c = sub.add_parser("inspect", help="one stream entry as JSON: inspect <stream> [ID|-N] [pipeline.yaml …]")
+    c.add_argument("stream", help="rollouts, metrics, records, params, dead, fates or dispatch_log")
+    c.add_argument("rest", nargs="*", help="[ID|-N] [pipeline.yaml] [key=value …]; default -1 (the last entry)")
+    c.add_argument("--full", action="store_true", help="print arrays in full instead of summaries")
+    c.add_argument("--run-dir", help="a run dir made by `rollstream run`")
+    c.set_defaults(func=_cmd_inspect)
+
+    c = sub.add_parser("tail", help="print a stream's last entries, then follow it (Ctrl-C to end)")
+    c.add_argument("stream", help="rollouts, metrics, records, params, dead, fates or dispatch_log")
+    _run_args(c)
+    c.add_argument("--count", type=int, default=5, metavar="N", help="existing entries printed before following")
+    c.add_argument("--full", action="store_true", help="print arrays in full instead of summaries")
+    c.add_argument("--exit-after", type=int, default=None, metavar="N", help="exit after printing N entries")
+    c.set_defaults(func=_cmd_tail)
+
+    c = sub.add_parser("replay", help="rebuild records, or copy rollouts to a new run for a trainer replay")
+    rsub = c.add_subparsers(dest="what", required=True)
+    rr = rsub.add_parser("records", help="refold RUN's metrics log into NEWRUN's records (equal to the live ones)")
+    rr.add_argument("--from", dest="src", required=True, help="source run name")
+    rr.add_argument("--to", dest="dst", required=True, help="new run name (must have no records yet)")
+    _run_args(rr)
+    rr.set_defaults(func=_cmd_replay_records)
+    rt = rsub.add_parser("trainer", help="copy RUN's rollouts (of steps A-B, or an id range) into NEWRUN and "
+                                          "print the trainer command that retrains on them and exits")
+    rt.add_argument("--from", dest="src", required=True, help="source run name")
+    rt.add_argument("--to", dest="dst", required=True, help="new run name (must have no rollouts yet)")
+    rt.add_argument("--steps", default=None, metavar="A-B",
+                    help="copy what global steps A..B consumed and the checkpoint of step A-1 (same config needed)")
+    rt.add_argument("--start", default="-", help="first entry id to copy (default: the first)")
+    rt.add_argument("--end", default="+", help="last entry id to copy (default: the last)")
+    _run_args(rt)
+    rt.set_defaults(func=_cmd_replay_trainer)
+
+    c = sub.add_parser("plot", help="reward/accuracy vs global_step from records (or records.jsonl) as PNG")
+    _run_args(c)
+    c.add_argument("--out", default="reward.png", help="PNG file to write")
+    c.set_defaults(func=_cmd_plot)
+
+    c = sub.add_parser("bench", help="run benchmark NAME (benchmarks/NAME.py's main(args)); further arguments are "
+                                      "passed through; without NAME (or with --list) list the benchmarks")
+    c.add_argument("name", nargs="?", help="benchmark name: a module of the benchmarks package (async = async_.py)")
+    c.add_argument("--list", action="store_true", help="list the benchmarks with their one-line descriptions")
+    c.set_defaults(func=_cmd_bench, passthrough=True)
+    return p
+
+
+def _place_extra(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
+    """Positionals given after an option (`inspect rollouts --full run.name=x`) join the positionals;
+    pass-through commands (replay records, bench) get every argument they did not define, in order."""
+    if getattr(args, "passthrough", False):
+        args.args = extra
+        return
+    if not extra:
+        return
+    unknown = [x for x in extra if x.startswith("-") and not x[1:].isdigit()]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if hasattr(args, "rest"):
+        args.rest = [*args.rest, *extra]
+    elif hasattr(args, "overrides"):
+        if getattr(args, "config", "") is None and "=" not in extra[0]:
+            args.config, extra = extra[0], extra[1:]
+        args.overrides = [*args.overrides, *extra]
+    else:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `rollstream` console script; config errors print one line and exit 2."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    _place_extra(parser, args, extra)
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:  # `rollstream inspect … | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except ConfigError as e:
+        print(f"rollstream: {e}", file=sys.stderr)
+        return 2
+    except CONNECTION_ERRORS as e:
+        print(f"rollstream: redis not reachable: {e}", file=sys.stderr)
+        return 3
