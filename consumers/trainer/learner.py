@@ -4,6 +4,13 @@
                  as the proximal policy; it is pinned for the step's K local updates (decoupled mode)
   update(batch)  one mini-batch -> advantages -> prox/ref log-probs (no grad) -> forward -> loss ->
                  backward -> clip -> AdamW step; returns the update's metrics
+
+Data parallel (consumers/trainer/distributed.py): each rank updates on its share of the mini-batch (whole
+samples, so a GRPO group never straddles ranks and its statistics are the group's own). The loss is
+normalised by counts summed over every rank (tokens for token-mean, rows for the seq-means: one small
+all-reduce per update, `dp_loss_scale`), so after DDP averages the gradients the step equals one process
+training the whole mini-batch. Metrics (`actor/loss`, `actor/pg_loss`, …) stay the rank's own means;
+the aggregator weights them by each rank's sample_count.
 """
 
 from __future__ import annotations
@@ -11,19 +18,25 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load as st_load
 
+from consumers.trainer.distributed import DataParallel, RankInfo, state_bytes
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_policy
 from rollstream.model import BasePolicy
+from rollstream.model.base import resolve_device
 from rollstream.rl import (
     agg_loss,
+    dp_loss_scale,
     grpo_advantages,
     grpo_token_advantages,
     kl_penalty,
     length_metrics,
+    loss_denominators,
     ppo_loss,
     reward_metrics,
 )
@@ -75,28 +88,56 @@ def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
 class Learner:
     """The trainable policy, its AdamW optimizer, and the frozen proximal / reference copies."""
 
-    def __init__(self, cfg: PipelineConfig) -> None:
-        """Build the policy (version-0 weights from the seed) and its optimizer."""
+    def __init__(self, cfg: PipelineConfig, dp: DataParallel | None = None) -> None:
+        """Build the policy (version-0 weights from the seed) and its optimizer; `dp` is this rank's
+        data-parallel group (None: a world of one on the run's device)."""
         self.cfg = cfg
         self.actor = cfg.actor
-        self.policy: BasePolicy = build_policy(cfg)
+        self.dp = dp if dp is not None else DataParallel(RankInfo(), resolve_device(cfg.run.device))
+        device = str(self.dp.device)
+        self.policy: BasePolicy = build_policy(cfg, device=device)
         if cfg.model.init_from:
             load_init(self.policy, cfg.model.init_from)  # version 0 = the warm start, not the seeded init
             log.info("initial weights from %s", cfg.model.init_from)
         self.device = self.policy.device
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=self.actor.lr, weight_decay=self.actor.weight_decay
-        )
         self.global_step = 1  # the global step being trained (set by begin_step)
         self.prox: BasePolicy | None = None
         if self.actor.off_policy_mode == "decoupled":
-            self.prox = build_policy(cfg)
+            self.prox = build_policy(cfg, device=device)
             self.prox.eval()
+            self.dp.shard_frozen(self.prox.module)
         self.ref: BasePolicy | None = None
         if self.actor.kl_coef > 0:
-            self.ref = build_policy(cfg)  # the version-0 weights, from the same seed
+            self.ref = build_policy(cfg, device=device)  # the version-0 weights, from the same seed
             self.ref.module.load_state_dict(self.policy.module.state_dict())
             self.ref.eval()
+            self.dp.shard_frozen(self.ref.module)
+        # DDP wrapper (world > 1) or the module sharded in place (fsdp): before the optimizer sees the params
+        self.train_module = self.dp.wrap(self.policy.module)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=self.actor.lr, weight_decay=self.actor.weight_decay
+        )
+
+    def weights_bytes(self) -> bytes:
+        """The policy's weights as safetensors bytes; under fsdp a collective (every rank calls it, rank 0
+        gets the bytes, the others b"")."""
+        if not self.dp.sharded:
+            return self.policy.state_dict_bytes()
+        state = self.dp.full_state_dict(self.policy.module)
+        return state_bytes(state) if self.dp.is_main else b""
+
+    def checkpoint_state(self) -> tuple[bytes, dict[str, Any]]:
+        """(weights bytes, index-keyed optimizer state_dict) for the checkpoint; under fsdp a collective
+        whose result is rank 0's alone."""
+        return self.weights_bytes(), self.dp.full_optimizer_state(self.policy.module, self.optimizer)
+
+    def load_checkpoint_state(self, weights: bytes, optimizer_state: dict[str, Any]) -> None:
+        """Restore weights and optimizer state read from a checkpoint (every rank, the same values)."""
+        if self.dp.sharded:
+            self.dp.load_full_state(self.policy.module, self.optimizer, st_load(weights), optimizer_state)
+            return
+        self.policy.load_state_dict_bytes(weights)
+        self.optimizer.load_state_dict(optimizer_state)
 
     def begin_step(self, global_step: int = 1) -> None:
         """Pin the current weights as the proximal policy for global step `global_step`'s local updates."""
@@ -140,10 +181,13 @@ class Learner:
             ref_logp = self.ref.log_probs(ids, mask, width, temp) if self.ref is not None else None
         t_old = time.perf_counter() - t0
 
-        # 3. forward, loss, backward, step
+        # 3. forward, loss (normalised over every rank's rows), backward (DDP averages), step
         t0 = time.perf_counter()
+        mode = self.actor.loss_agg_mode
+        scale = dp_loss_scale(resp_mask, mode, self.dp.all_reduce_sum(loss_denominators(resp_mask)), self.dp.world_size)
         self.policy.train()
-        logp, entropy = self.policy.forward_logprobs_entropy(ids, mask, width, temp)  # [B, R] each
+        with self.dp.forward_through(self.policy, self.train_module):
+            logp, entropy = self.policy.forward_logprobs_entropy(ids, mask, width, temp)  # [B, R] each
         loss, metrics = ppo_loss(
             logp, prox_logp, behave, adv, resp_mask,
             clip_eps=self.actor.clip_ratio, clip_eps_high=self.actor.clip_ratio_high,
@@ -161,8 +205,9 @@ class Learner:
             metrics["actor/kl_loss"] = float(kl.detach())
             metrics["actor/kl_coef"] = self.actor.kl_coef
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), self.actor.grad_clip))
+        (loss * scale if scale != 1.0 else loss).backward()
+        norm = torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), self.actor.grad_clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under fsdp
         if math.isfinite(grad_norm):
             self.optimizer.step()
         else:

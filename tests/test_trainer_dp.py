@@ -1,0 +1,141 @@
+"""Data-parallel exactness: 2 ranks (gloo, spawned processes) and 1 rank trained on the same recorded samples
+end with the same weights.
+
+Each of 3 global steps has K = 2 local updates of a 4-sample mini-batch; the 2-rank run gives each rank 2
+of each mini-batch's samples (whole GRPO groups; interleaved, so ranks pad differently). The property only
+holds when the loss is normalised by counts summed over the ranks (rollstream.rl.dp_loss_scale), which
+the control run without it shows: its weights differ.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load as st_load
+
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.checkpoint import read_checkpoint, write_checkpoint
+from consumers.trainer.distributed import DataParallel, DistributedError, RankInfo, check_strategy, consumer_name
+from consumers.trainer.learner import Learner
+from rollstream.config import load_config
+from rollstream.fakes import fake_rollout_sample
+from rollstream.rl import agg_loss, dp_loss_scale, loss_denominators
+
+TINY = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu",
+        "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=2", "data.train_batch_size=8", "rollout.n=4"]
+STEPS, K, MINI = 3, 2, 4
+#: name -> overrides of one exactness case (every loss aggregation, both off-policy modes, KL and entropy terms)
+CASES = {
+    "token-mean": ["actor.loss_agg_mode=token-mean", "actor.kl_coef=0.1", "actor.entropy_coef=0.01"],
+    "seq-mean-token-mean": ["actor.loss_agg_mode=seq-mean-token-mean", "actor.off_policy_mode=bypass"],
+    "seq-mean-token-sum": ["actor.loss_agg_mode=seq-mean-token-sum", "actor.adv_estimator=grpo_token"],
+}
+CONTROL = "token-mean"  # also run with per-rank normalisation: must NOT match
+
+
+def _samples() -> list[Any]:
+    """STEPS * K * MINI recorded samples: ragged responses, prompts of different lengths."""
+    return [fake_rollout_sample(f"s{i}", n=4, prompt_len=3 + i % 5, response_len=7, ragged=True, seed=i, vocab=20)
+            for i in range(STEPS * K * MINI)]
+
+
+def _train(learner: Learner, rank: int, world: int) -> bytes:
+    """3 global steps of K updates; this rank takes every world-th sample of each mini-batch."""
+    samples = _samples()
+    for g in range(1, STEPS + 1):
+        learner.begin_step(g)
+        for k in range(K):
+            start = ((g - 1) * K + k) * MINI
+            mini = samples[start : start + MINI]
+            learner.update(assemble_batch_from_rollout_samples(mini[rank::world])[0])
+    return learner.weights_bytes()
+
+
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """One spawned rank: join the gloo group, train every case (and the control), rank 0 saves the weights."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        dp = DataParallel(RankInfo(rank, world, rank), torch.device("cpu"))
+        for name, overrides in CASES.items():
+            blob = _train(Learner(load_config(None, TINY + overrides), dp), rank, world)
+            if rank == 0:
+                Path(out_dir, f"{name}.safetensors").write_bytes(blob)
+        # fsdp (CUDA-only in a run; its code runs on gloo here): the same weights, and a checkpoint round trip
+        fsdp = DataParallel(RankInfo(rank, world, rank), torch.device("cpu"), "fsdp", fsdp_on_cpu=True)
+        learner = Learner(load_config(None, TINY + CASES[CONTROL]), fsdp)
+        blob = _train(learner, rank, world)
+        weights, optim = learner.checkpoint_state()
+        ckpt_dir = Path(out_dir, "ckpt")
+        path = write_checkpoint(ckpt_dir, 3, weights, optim, {"steps": []}) if rank == 0 else None
+        data = fsdp.broadcast_bytes(path.read_bytes() if path is not None else None)  # as a resuming rank reads it
+        resumed = Learner(load_config(None, TINY + CASES[CONTROL]), fsdp)
+        resumed.load_checkpoint_state(*read_checkpoint(data, rank, world)[:2])
+        again = resumed.checkpoint_state()
+        if rank == 0:
+            Path(out_dir, "fsdp.safetensors").write_bytes(blob)
+            assert again[0] == weights and again[1]["state"].keys() == optim["state"].keys()
+            for i, st in optim["state"].items():
+                for key, value in st.items():
+                    assert torch.equal(torch.as_tensor(again[1]["state"][i][key]), torch.as_tensor(value)), (i, key)
+        else:
+            assert weights == b"" and again[0] == b""  # whole weights reach rank 0 only
+        import consumers.trainer.learner as learner_module
+
+        learner_module.dp_loss_scale = lambda *args: 1.0  # type: ignore[assignment]  # each rank's own counts
+        blob = _train(Learner(load_config(None, TINY + CASES[CONTROL]), dp), rank, world)
+        if rank == 0:
+            Path(out_dir, "control.safetensors").write_bytes(blob)
+    finally:
+        dist.destroy_process_group()
+
+
+def _assert_close(a: bytes, b: bytes, *, same: bool = True) -> None:
+    ta, tb = st_load(a), st_load(b)
+    assert ta.keys() == tb.keys()
+    close = all(torch.allclose(ta[k], tb[k], rtol=1e-5, atol=1e-6) for k in ta)
+    if same:
+        for k in ta:
+            torch.testing.assert_close(ta[k], tb[k], rtol=1e-5, atol=1e-6, msg=f"{k} differs")
+    else:
+        assert not close, "per-rank normalisation matched too: the test could not tell"
+
+
+def test_two_ranks_end_with_the_weights_of_one(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    single = {name: _train(Learner(load_config(None, TINY + o)), 0, 1) for name, o in CASES.items()}
+    init = tempfile.mktemp(prefix="rs-dp-init-", dir=tmp_path)
+    mp.spawn(_rank_main, args=(2, init, str(tmp_path)), nprocs=2, join=True)
+    for name, blob in single.items():
+        _assert_close((tmp_path / f"{name}.safetensors").read_bytes(), blob)
+    _assert_close((tmp_path / "fsdp.safetensors").read_bytes(), single[CONTROL])
+    _assert_close((tmp_path / "control.safetensors").read_bytes(), single[CONTROL], same=False)
+
+
+def test_dp_loss_scale_is_global_normalisation() -> None:
+    """Each rank's agg_loss times its scale, averaged over ranks (what DDP does), is the loss over all rows."""
+    torch.manual_seed(0)
+    losses = [torch.randn(3, 5), torch.randn(2, 5)]
+    masks = [(torch.rand(3, 5) > 0.4).float(), (torch.rand(2, 5) > 0.4).float()]
+    masks[1][0] = 0  # a row without valid tokens
+    every_loss, every_mask = torch.cat(losses), torch.cat(masks)
+    totals = [sum(col) for col in zip(*(loss_denominators(m) for m in masks), strict=True)]
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        shares = [agg_loss(x, m, mode) * dp_loss_scale(m, mode, totals, 2) for x, m in zip(losses, masks, strict=True)]
+        torch.testing.assert_close(sum(shares) / 2, agg_loss(every_loss, every_mask, mode))
+        assert dp_loss_scale(masks[0], mode, loss_denominators(masks[0]), 1) == 1.0  # a world of one: unchanged
+
+
+def test_fsdp_refuses_cpu_and_names_are_rank_stable() -> None:
+    with pytest.raises(DistributedError, match="trainer.strategy=fsdp needs CUDA"):
+        check_strategy("fsdp", torch.device("cpu"))
+    with pytest.raises(DistributedError, match="fsdp needs CUDA"):
+        DataParallel(RankInfo(0, 2, 0), torch.device("cpu"), "fsdp")
+    assert consumer_name("trainer", RankInfo(0, 1, 0)) == "trainer"  # a world of one keeps its old name
+    assert [consumer_name("trainer", RankInfo(r, 2, r)) for r in (0, 1)] == ["trainer-r0", "trainer-r1"]
