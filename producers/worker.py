@@ -53,7 +53,7 @@ from producers.data import (
 )
 from producers.latency import LatencyModel, plan_dispatch, run_plan
 from producers.stats import Counters, StatsWindow, rollout_status
-from producers.sync import WeightSync
+from producers.weight_sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
 from rollstream.factory import build_policy, build_prompt_source, build_task
 from rollstream.model import BasePolicy

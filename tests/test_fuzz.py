@@ -26,7 +26,7 @@ from consumers.aggregator import fake as agg_fake
 from consumers.aggregator.sinks import Sinks
 from consumers.aggregator.worker import AggregatorWorker
 from consumers.trainer.loop import Trainer
-from producers.sync import WeightSync
+from producers.weight_sync import WeightSync
 from rollstream.bus import Publisher, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.factory import build_policy

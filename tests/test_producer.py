@@ -16,7 +16,7 @@ import pytest
 import redis
 import torch
 
-from producers.sync import WeightSync
+from producers.weight_sync import WeightSync
 from producers.worker import Producer, producer_seed
 from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config

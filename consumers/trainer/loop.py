@@ -4,7 +4,7 @@ Global step g (1-based; trains version g-1):
   1. begin_step: pin the current weights as the proximal policy
   2. K times: collect ppo_mini_batch_size fresh samples (stale ones are dropped and recorded), assemble,
      update, emit a `local_update` event
-  3. validate (every test_freq versions) with the end-of-step weights = version g
+  3. evaluate (every test_freq versions) with the end-of-step weights = version g
   4. if a checkpoint is due (every save_freq steps, the last step, or on stop): write it (weights,
      optimizer, RNG, ledgers of the steps it covers), then publish version g, then commit in one MULTI
      (fates, XACK, consumed, trainer hash, step_end); otherwise publish version g and count the step's
@@ -56,6 +56,7 @@ import redis
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.checkpoint import load_latest_checkpoint, save_checkpoint
+from consumers.trainer.evaluate import evaluate
 from consumers.trainer.guard import unusable_reason, version_reason
 from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import (
@@ -69,7 +70,6 @@ from consumers.trainer.ledger import (
     count_consumed,
 )
 from consumers.trainer.staleness import dropped_metrics, staleness
-from consumers.trainer.validate import validate
 from rollstream.bus import (
     GroupReader,
     Janitor,
@@ -177,7 +177,7 @@ class Trainer:
         self.seen = committed_sample_ids(self.r, self.keys)
         log.info("%d sample ids already committed", len(self.seen))
         if meta is None and self.cfg.trainer.test_freq > 0:
-            self._validate(0)
+            self._evaluate(0)
 
     def _publish(self, version: int, only_if_missing: bool = False) -> float:
         """Publish the current weights as `version` (skipped when params has it and only_if_missing; a
@@ -212,14 +212,14 @@ class Trainer:
 
         retry_on_connection(grant, f"granting version {version}")
 
-    def _validate(self, version: int) -> None:
+    def _evaluate(self, version: int) -> None:
         """Greedy-decode the held-out prompts (`val/…`) and the newest trained prompts
         (`val/recent_train_…`: memorisation shows as a gap between the two); emit a `validation` event."""
         task = build_task(self.cfg)
         prompts = build_prompt_source(self.cfg, task).val_prompts()
         limit = self.cfg.data.max_response_length
-        metrics = validate(self.learner.policy, task, prompts, limit)
-        recent = validate(self.learner.policy, task, list(self.recent), limit)
+        metrics = evaluate(self.learner.policy, task, prompts, limit)
+        recent = evaluate(self.learner.policy, task, list(self.recent), limit)
         metrics.update({k.replace("val/", "val/recent_train_"): v for k, v in recent.items()})
         if metrics:
             ev = ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
@@ -381,9 +381,9 @@ class Trainer:
             retry_on_connection(partial(self.publisher.publish, self.keys.metrics, update), "publishing local_update")
             self._heartbeat()
 
-        # end of the step: validate version g, then checkpoint / publish / commit / grant
+        # end of the step: evaluate version g, then checkpoint / publish / commit / grant
         if cfg.trainer.test_freq > 0 and g % cfg.trainer.test_freq == 0:
-            self._validate(g)
+            self._evaluate(g)
         trained = sum(1 for f in ledger.fates if f.fate == TRAINED)
         ledger.step_end = StepMetrics(
             type="step_end", global_step=g, local_step=K, sample_count=trained, num_local_updates=K,
