@@ -23,6 +23,7 @@ from typing import Any
 
 import redis
 
+from rollstream.bus import iter_stream
 from rollstream.names import TRAINER_GROUP, Keys
 from rollstream.pacing import DROPPED_STALE_FIELD, record_consumed
 from schemas import StepMetrics, encode
@@ -163,14 +164,4 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
 
 def committed_sample_ids(r: redis.Redis, keys: Keys, page: int = 1000) -> set[str]:
     """Every sample_id recorded in `fates` (trained or dropped in a committed step)."""
-    out: set[str] = set()
-    start = "-"
-    while True:
-        rows: Any = r.xrange(keys.fates, min=start, max="+", count=page)
-        for _, fields in rows:
-            out.add(fields[b"sample_id"].decode())
-        if len(rows) < page:
-            return out
-        last = rows[-1][0].decode()
-        ms, seq = last.split("-")
-        start = f"{ms}-{int(seq) + 1}"
+    return {fields[b"sample_id"].decode() for _, fields in iter_stream(r, keys.fates, page=page)}
