@@ -16,9 +16,6 @@ TRAINING_STEP_FIELD = "training_step"  # highest global step the trainer has beg
 # `source` of the aggregator's notes on `dead` (reports about the log, not dead-lettered entries).
 AGGREGATOR_NOTE_SOURCE = "aggregator"
 
-# The `dead` stream's own fields (ahead of the original entry's fields, which are prefixed).
-DEAD_ORIGINAL_PREFIX = "orig:"
-
 
 @dataclass(frozen=True)
 class Keys:

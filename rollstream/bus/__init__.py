@@ -3,7 +3,6 @@ retention."""
 
 from rollstream.bus.connection import (
     CONNECTION_ERRORS,
-    backoff_delays,
     connect,
     read_password,
     retry_on_connection,
@@ -23,7 +22,6 @@ __all__ = [
     "ReaderStats",
     "RunNotSetUpError",
     "TrimResult",
-    "backoff_delays",
     "connect",
     "delete_run",
     "entry_limits",
