@@ -16,6 +16,7 @@ from typing import Any
 from consumers.aggregator.fold import Fold
 from consumers.aggregator.worker import AggregatorWorker
 from rollstream.bus import connect, delete_run
+from rollstream.bus.reader import BURST_BLOCK_MS
 from rollstream.config import load_config
 from rollstream.fakes import fake_metrics_log, publish_log
 from rollstream.names import Keys
@@ -52,7 +53,7 @@ def bench_worker(events: list[Any], redis_url: str) -> dict[str, float]:
             worker = AggregatorWorker(cfg, r, keys)
             t0 = time.perf_counter()
             worker.run(burst=True)
-            elapsed = time.perf_counter() - t0 - 0.1  # burst mode ends with two 50 ms empty polls
+            elapsed = time.perf_counter() - t0 - BURST_BLOCK_MS / 1000  # burst ends with one empty blocking poll
         return {"events_per_s": len(events) / elapsed, "records": worker.records_written, "seconds": elapsed}
     finally:
         delete_run(r, keys)

@@ -41,7 +41,7 @@ import torch
 
 from producers.agent import GenerationSettings, run_agent_loop
 from producers.stats import Counters, StatsWindow, rollout_status
-from producers.sync import WeightSync
+from producers.weight_sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
 from rollstream.factory import build_policy, build_prompt_source, build_task
 from rollstream.model import BasePolicy

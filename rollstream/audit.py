@@ -24,31 +24,9 @@ from typing import Any
 
 import redis
 
+from rollstream.bus.streams import PAGE, iter_stream, parse_id, text
 from rollstream.names import TRAINER_GROUP, Keys
 from schemas import TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
-
-PAGE = 1000
-
-
-def _s(x: Any) -> str:
-    return x.decode(errors="replace") if isinstance(x, bytes) else str(x)
-
-
-def _id_tuple(entry_id: str) -> tuple[int, int]:
-    ms, seq = entry_id.split("-")
-    return int(ms), int(seq)
-
-
-def scan_stream(r: redis.Redis, stream: str, page: int = PAGE) -> list[tuple[str, dict[bytes, bytes]]]:
-    """Every entry of a stream, in order, read in pages."""
-    out: list[tuple[str, dict[bytes, bytes]]] = []
-    start = "-"
-    while True:
-        rows: Any = r.xrange(stream, min=start, max="+", count=page)
-        out += [(_s(i), f) for i, f in rows]
-        if len(rows) < page:
-            return out
-        start = "(" + _s(rows[-1][0])
 
 
 @dataclass
@@ -109,19 +87,19 @@ def unacked_entry_ids(r: redis.Redis, keys: Keys) -> set[str]:
     rc: Any = r
     if not rc.exists(keys.rollouts):
         return set()
-    groups = {_s(g["name"]): g for g in rc.xinfo_groups(keys.rollouts)}
+    groups = {text(g["name"]): g for g in rc.xinfo_groups(keys.rollouts)}
     if TRAINER_GROUP not in groups:
-        return {i for i, _ in scan_stream(r, keys.rollouts)}
-    last = _id_tuple(_s(groups[TRAINER_GROUP]["last-delivered-id"]))
+        return {i for i, _ in iter_stream(r, keys.rollouts)}
+    last = parse_id(groups[TRAINER_GROUP]["last-delivered-id"])
     pending: set[str] = set()
     start = "-"
     while True:
         rows = rc.xpending_range(keys.rollouts, TRAINER_GROUP, start, "+", PAGE)
-        pending |= {_s(p["message_id"]) for p in rows}
+        pending |= {text(p["message_id"]) for p in rows}
         if len(rows) < PAGE:
             break
-        start = "(" + _s(rows[-1]["message_id"])
-    undelivered = {i for i, _ in scan_stream(r, keys.rollouts) if _id_tuple(i) > last}
+        start = "(" + text(rows[-1]["message_id"])
+    undelivered = {i for i, _ in iter_stream(r, keys.rollouts) if parse_id(i) > last}
     return pending | undelivered
 
 
@@ -130,23 +108,23 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
     rep = AuditReport()
     entry_sample: dict[str, str] = {}
     per_id = Counter[str]()
-    for entry_id, f in scan_stream(r, keys.rollouts):
-        sid = _s(f.get(b"sample_id", b"entry:" + entry_id.encode()))
+    for entry_id, f in iter_stream(r, keys.rollouts):
+        sid = text(f.get(b"sample_id", b"entry:" + entry_id.encode()))
         entry_sample[entry_id] = sid
         per_id[sid] += 1
         if per_id[sid] == 1 and (version := f.get(b"param_version", b"")).isdigit():
-            rep.producer_versions.setdefault(_s(f.get(b"producer", b"?")), Counter())[int(version)] += 1
+            rep.producer_versions.setdefault(text(f.get(b"producer", b"?")), Counter())[int(version)] += 1
     rep.published = set(per_id)
     rep.duplicate_entries = sum(n - 1 for n in per_id.values())
 
     ends = Counter[str]()
-    for _, f in scan_stream(r, keys.fates):
+    for _, f in iter_stream(r, keys.fates):
         fate = decode_fate(f)
         sid = fate.sample_id
         (rep.trained if fate.fate == TRAINED else rep.dropped).add(sid)
         ends[sid] += 1
     dead_sources: set[str] = set()
-    for _, f in scan_stream(r, keys.dead):
+    for _, f in iter_stream(r, keys.dead):
         try:
             ev = decode(f)
         except DecodeError:
@@ -154,7 +132,7 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
         if not isinstance(ev, DeadLetter) or ev.source != keys.rollouts or ev.source_id in dead_sources:
             continue
         dead_sources.add(ev.source_id)
-        sid = entry_sample.get(ev.source_id) or _s(ev.fields.get("sample_id", f"entry:{ev.source_id}".encode()))
+        sid = entry_sample.get(ev.source_id) or text(ev.fields.get("sample_id", f"entry:{ev.source_id}".encode()))
         rep.dead.add(sid)
         ends[sid] += 1
     rep.duplicated = {sid for sid, n in ends.items() if n > 1}
@@ -165,7 +143,7 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
         (rep.pending if sid in open_ids else rep.lost).add(sid)
 
     updates = Counter[tuple[int, int]]()
-    for _, f in scan_stream(r, keys.metrics):
+    for _, f in iter_stream(r, keys.metrics):
         try:
             ev = decode(f)
         except DecodeError:
@@ -175,7 +153,7 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
         elif isinstance(ev, StepMetrics):
             updates[ev.global_step, ev.local_step] += 1
     rep.reemitted = {gk: n for gk, n in sorted(updates.items()) if n > 1}
-    rep.records = [int(i.split("-")[0]) for i, _ in scan_stream(r, keys.records)]
+    rep.records = [parse_id(i)[0] for i, _ in iter_stream(r, keys.records)]
     return rep
 
 

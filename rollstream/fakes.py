@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from rollstream.bus import Publisher, setup_run
+from rollstream.bus import Publisher, parse_id, setup_run
 from rollstream.model import CharTokenizer
 from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.rollout import Trajectory, build_rollout_sample
@@ -222,7 +222,7 @@ def publish_log(r: redis.Redis, keys: Keys, events: list[EventBase], trainer_at:
     setup_run(r, keys)
     r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: trainer_at, TRAINING_STEP_FIELD: trainer_at})
     rc: Any = r
-    last = max((tuple(int(x) for x in i.decode().split("-")) for s in (keys.metrics, keys.stats) for i, _ in rc.xrevrange(s, count=1)),
+    last = max((parse_id(i) for s in (keys.metrics, keys.stats) for i, _ in rc.xrevrange(s, count=1)),
                default=(0, 0))
     sec, usec = rc.time()
     base = max(int(sec) * 1000 + int(usec) // 1000, last[0] + 1)

@@ -25,9 +25,6 @@ REPLAYED_VERSIONS_FIELD = "replayed_versions"  # replay copies: the source had p
 # `source` of the aggregator's notes on `dead` (reports about the log, not dead-lettered entries).
 AGGREGATOR_NOTE_SOURCE = "aggregator"
 
-# The `dead` stream's own fields (ahead of the original entry's fields, which are prefixed).
-DEAD_ORIGINAL_PREFIX = "orig:"
-
 
 @dataclass(frozen=True)
 class Keys:

@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import redis
 
+from rollstream.bus.streams import iter_stream, parse_id, text
 from rollstream.names import BUDGET_VERSION_FIELD, DROPPED_STALE_FIELD, Keys
 from schemas.plain import GRANT, RELEASE, TAKE, DispatchRecord, decode_dispatch, dispatch_lua_fields
 
@@ -124,16 +125,9 @@ def inflight(r: redis.Redis, keys: Keys, producer: str) -> int:
 def dispatch_entries(r: redis.Redis, keys: Keys) -> list[DispatchRecord]:
     """Every grant, take and release (the trainer's log and every producer's), in id order."""
     rc: Any = r
-    streams = [keys.dispatch_log, *(k.decode() for k in rc.scan_iter(match=keys.producer_pattern("dispatch_log")))]
-    rows = [(i, f) for s in streams for i, f in rc.xrange(s)]
-    rows.sort(key=lambda row: tuple(int(x) for x in row[0].decode().split("-")))
+    streams = [keys.dispatch_log, *(text(k) for k in rc.scan_iter(match=keys.producer_pattern("dispatch_log")))]
+    rows = sorted(((i, f) for s in streams for i, f in iter_stream(r, s)), key=lambda row: parse_id(row[0]))
     return [decode_dispatch(f) for _, f in rows]
-
-
-def outstanding(r: redis.Redis, keys: Keys) -> int:
-    """Prompts dispatched and not yet consumed."""
-    d, c = r.mget(keys.dispatched, keys.consumed)  # type: ignore[misc]
-    return int(d or 0) - int(c or 0)
 
 
 def current_budget(r: redis.Redis, keys: Keys) -> tuple[int, int]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from rollstream.bus import Publisher
+from rollstream.bus import Publisher, iter_stream
 from rollstream.files import atomic_write
 from rollstream.names import Keys
 from schemas import DecodeError, ParamVersion, decode
@@ -52,7 +52,7 @@ def publish_weights(
 
 
 #: Undecodable params entries already logged (a producer polls params every few ms; warn once each).
-_BAD_PARAMS_SEEN: set[bytes] = set()
+_BAD_PARAMS_SEEN: set[str] = set()
 PARAMS_PAGE = 16
 
 
@@ -60,31 +60,25 @@ def latest_param_version(r: redis.Redis, keys: Keys) -> ParamVersion | None:
     """The newest valid ParamVersion on `params`, or None when there is none yet. Entries that do not
     decode as a ParamVersion (garbage written by someone else) are skipped with one warning each: a bad
     params entry must not stop a producer or the trainer."""
-    end = "+"
-    while True:
-        rows: Any = r.xrevrange(keys.params, max=end, count=PARAMS_PAGE)
-        for entry_id, fields in rows:
-            try:
-                ev = decode(fields)
-            except DecodeError as e:
-                _warn_bad_params(entry_id, f"does not decode: {e}")
-                continue
-            if isinstance(ev, ParamVersion):
-                return ev
-            _warn_bad_params(entry_id, f"is a {ev.type}, not a param_version")
-        if len(rows) < PARAMS_PAGE:
-            return None
-        end = "(" + (rows[-1][0].decode() if isinstance(rows[-1][0], bytes) else str(rows[-1][0]))
+    for entry_id, fields in iter_stream(r, keys.params, page=PARAMS_PAGE, reverse=True):
+        try:
+            ev = decode(fields)
+        except DecodeError as e:
+            _warn_bad_params(entry_id, f"does not decode: {e}")
+            continue
+        if isinstance(ev, ParamVersion):
+            return ev
+        _warn_bad_params(entry_id, f"is a {ev.type}, not a param_version")
+    return None
 
 
-def _warn_bad_params(entry_id: Any, why: str) -> None:
-    key = bytes(entry_id) if isinstance(entry_id, bytes | bytearray) else str(entry_id).encode()
-    if key in _BAD_PARAMS_SEEN:
+def _warn_bad_params(entry_id: str, why: str) -> None:
+    if entry_id in _BAD_PARAMS_SEEN:
         return
     if len(_BAD_PARAMS_SEEN) > 10_000:
         _BAD_PARAMS_SEEN.clear()
-    _BAD_PARAMS_SEEN.add(key)
-    log.error("params entry %s skipped: %s", key.decode(errors="replace"), why)
+    _BAD_PARAMS_SEEN.add(entry_id)
+    log.error("params entry %s skipped: %s", entry_id, why)
 
 
 def wait_for_param_version(

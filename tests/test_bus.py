@@ -138,6 +138,25 @@ def test_repeatedly_failing_entry_is_dead_after_max_deliveries(r: redis.Redis, k
     assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
 
 
+def test_caller_committed_acks_and_burst_ends_only_when_drained(r: redis.Redis, keys: Keys) -> None:
+    setup_run(r, keys)
+    for i in range(6):  # whole batches that only dead-letter must not end the burst
+        r.xadd(keys.rollouts, {"type": b"rollout", "payload": b"garbage %d" % i})
+    Publisher(r).publish_many(keys.rollouts, [fake_rollout_sample(f"s{i}") for i in range(2)])
+    effects = keys.prefix + "effects"
+    rd = reader(r, keys, count=3)
+    for msgs in rd.batches(burst=True):  # the trainer's and the aggregator's style: ack inside our own MULTI
+        if msgs:
+            pipe = r.pipeline(transaction=True)
+            pipe.rpush(effects, *(m.event.sample_id for m in msgs))  # type: ignore[union-attr]
+            pipe.xack(keys.rollouts, TRAINER_GROUP, *(m.id for m in msgs))
+            pipe.execute()
+            rd.forget(m.id for m in msgs)
+    assert rd.drained and r.lrange(effects, 0, -1) == [b"s0", b"s1"]
+    assert len(dead_entries(r, keys)) == 6 and rd.stats.acked == 2
+    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+
+
 def test_restart_drains_own_pending_first(r: redis.Redis, keys: Keys) -> None:
     publish_samples(r, keys, 6)
     first = reader(r, keys, count=4)
@@ -165,8 +184,9 @@ def test_reconnect_rereads_own_pending(r: redis.Redis, keys: Keys, redis_url: st
     r.xreadgroup(TRAINER_GROUP, "victim", {keys.rollouts: ">"}, count=10)
     r.client_kill_filter(_id=client.client_id())
     got: list[Message] = []
+    loop = rd.batches()  # the consumer loop workers run
     for _ in range(5):
-        got = got or rd.poll_retrying()
+        got = got or next(loop)
     assert rd.stats.reconnects == 1
     assert len(got) == 2 and all(m.deliveries == 2 for m in got)
 
@@ -187,7 +207,7 @@ def test_claimed_after_sigkill_and_acked_once(r: redis.Redis, keys: Keys, redis_
                 r.rpush({effects!r}, "doomed:" + m.event.sample_id)
             print("HOLDING", flush=True)
             time.sleep(60)
-        rd.run(handler, max_messages=5)
+        rd.run(handler)
         """
     )
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)

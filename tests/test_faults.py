@@ -38,7 +38,8 @@ import pytest
 import redis
 
 from consumers.aggregator.replay import replay_records
-from rollstream.audit import audit_run, format_report, scan_stream
+from rollstream.audit import audit_run, format_report
+from rollstream.bus import iter_stream
 from rollstream.fakes import fake_rollout_sample, step_end
 from rollstream.names import COMMITTED_STEP_FIELD, Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
@@ -165,15 +166,15 @@ def test_kills_of_every_process_lose_and_repeat_nothing(tmp_path: Path) -> None:
         print(f"\nfaults survived: {restarts} ({', '.join(victims)})\n{format_report(rep)}")
         assert rep.problems() == [], rep.problems()
         assert rep.published and rep.trained and len(rep.steps) >= 2 + MORE_RECORDS, rep.steps
-        dead = {d.source_id: d.reason for d in (decode(f) for _, f in scan_stream(r, keys.dead))
+        dead = {d.source_id: d.reason for d in (decode(f) for _, f in iter_stream(r, keys.dead))
                 if isinstance(d, DeadLetter)}
         for entry_id, reason in attacks.items():
             assert reason in dead.get(entry_id, ""), (entry_id, reason, dead.get(entry_id))
 
         replay = Keys("faults-replay")
         replay_records(r, keys, replay)
-        live = {i: f for i, f in scan_stream(r, keys.records)}
-        rebuilt = {i: f for i, f in scan_stream(r, replay.records)}
+        live = {i: f for i, f in iter_stream(r, keys.records)}
+        rebuilt = {i: f for i, f in iter_stream(r, replay.records)}
         assert live and set(live) <= set(rebuilt)
         for i, fields in live.items():
             assert fields == rebuilt[i], f"record {i} differs from the replay fold"

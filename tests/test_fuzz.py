@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from consumers.aggregator.sinks import Sinks
 from consumers.aggregator.worker import AggregatorWorker
 from consumers.trainer.loop import Trainer
-from producers.sync import WeightSync
+from producers.weight_sync import WeightSync
 from rollstream import fakes
 from rollstream.bus import Publisher, setup_run
 from rollstream.config import PipelineConfig, load_config

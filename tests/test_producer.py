@@ -16,14 +16,14 @@ import pytest
 import redis
 import torch
 
-from producers.sync import WeightSync
+from producers.weight_sync import WeightSync
 from producers.worker import Producer, producer_seed
 from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.factory import build_policy, build_prompt_source
 from rollstream.model import CharTokenizer, Completion, build_batch
 from rollstream.names import DROPPED_STALE_FIELD, Keys
-from rollstream.pacing import dispatch_entries, grant_budget, inflight, outstanding, record_consumed
+from rollstream.pacing import dispatch_entries, grant_budget, inflight, record_consumed, rollout_counts
 from rollstream.tasks import calculate
 from rollstream.weights import producer_versions, publish_weights
 from rollstream.worker import EXIT_OK, WorkerContext
@@ -92,6 +92,12 @@ def producer_stats(r: redis.Redis, keys: Keys) -> list[ProducerStats]:
 def dispatch_log(r: redis.Redis, keys: Keys) -> list[DispatchRecord]:
     """Every grant, take and release (the trainer's log and each producer's), in id order."""
     return dispatch_entries(r, keys)
+
+
+def outstanding(r: redis.Redis, keys: Keys) -> int:
+    """Prompts dispatched and not yet consumed, from the counters the producers' stats report."""
+    counts = rollout_counts(r, keys, [])
+    return counts.dispatched - counts.consumed
 
 
 def build_blob(cfg: PipelineConfig, seed: int) -> bytes:

@@ -18,8 +18,8 @@ import pytest
 import redis
 
 from consumers.aggregator.replay import replay_records
-from rollstream.audit import audit_run, scan_stream
-from rollstream.bus import setup_run
+from rollstream.audit import audit_run
+from rollstream.bus import iter_stream, setup_run
 from rollstream.names import Keys
 from schemas import decode
 
@@ -145,7 +145,7 @@ def test_redis_restart_every_worker_reconnects_in_place(server: Server, tmp_path
     assert rep.steps_consecutive and rep.records_consecutive, rep.problems()
     replay = Keys("reconnect-replay")
     replay_records(r, keys, replay)
-    live, rebuilt = dict(scan_stream(r, keys.records)), dict(scan_stream(r, replay.records))
+    live, rebuilt = dict(iter_stream(r, keys.records)), dict(iter_stream(r, replay.records))
     assert live
     for i, fields in live.items():
         a, b = decode(fields), decode(rebuilt[i]) if i in rebuilt else None

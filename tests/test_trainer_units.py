@@ -21,7 +21,7 @@ from consumers.trainer.checkpoint import (
 )
 from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import StepLedger, commit_steps, committed_sample_ids
-from consumers.trainer.staleness import dropped_metrics, is_stale, staleness
+from consumers.trainer.staleness import dropped_metrics, staleness
 from rollstream.bus import setup_run
 from rollstream.config import load_config
 from rollstream.fakes import fake_rollout_sample
@@ -41,11 +41,27 @@ from schemas import (
 TINY = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu"]
 
 
-def test_staleness_threshold_keeps_k_and_drops_k_plus_one() -> None:
+def test_staleness_threshold_keeps_k_and_drops_k_plus_one(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    import threading
+
+    from consumers.trainer.loop import Trainer
+
     k = 2
     assert staleness(global_step=5, param_version=4) == 1  # on-policy
-    assert not is_stale(5, 5 - k, k)  # staleness == k: kept
-    assert is_stale(5, 5 - k - 1, k)  # staleness == k+1: dropped
+    cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "actor.ppo_mini_batch_size=2",
+                                    "data.train_batch_size=4", f"trainer.max_off_policy_threshold={k}"])
+    setup_run(r, keys)
+    for sid, version in (("too-old", 5 - k - 1), ("edge", 5 - k), ("fresh", 4)):
+        r.xadd(keys.rollouts, encode(fake_rollout_sample(sid, param_version=version, n=2, prompt_len=5,
+                                                         response_len=6)))  # type: ignore[arg-type]
+    trainer = Trainer(cfg, r, keys, "trainer", threading.Event(), burst=True)  # burst: returns once drained
+    trainer.newest_published = 4
+    ledger = StepLedger(5)
+    got = trainer._collect(5, ledger)  # global step 5 through the consumer loop: staleness k kept, k+1 dropped
+    assert got is not None
+    kept, dropped = got
+    assert [(m.event.sample_id, st) for m, st in kept] == [("edge", k), ("fresh", 1)]  # type: ignore[union-attr]
+    assert dropped == [k + 1] and [(f.sample_id, f.fate) for f in ledger.fates] == [("too-old", DROPPED)]
     assert dropped_metrics([]) == {"training/off_policy/dropped_samples": 0.0}
     m = dropped_metrics([3, 5])
     assert m["training/off_policy/dropped_samples"] == 2

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from consumers.aggregator.metrics import MetricsAggregator, add_derived_metrics
+from rollstream.bus import parse_id
 from schemas import EventBase, ProducerStats, StepMetrics, SyncStepRecord, ValidateMetrics
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,9 @@ def split_ref(ref: str) -> tuple[bool, str]:
     return False, ref
 
 
-def id_key(entry_id: str) -> tuple[int, int]:
+def id_key(ref: str) -> tuple[int, int]:
     """Sort key of a stream entry id `<ms>-<seq>` or a ref `stats:<ms>-<seq>` (server-clock order)."""
-    ms, _, seq = split_ref(entry_id)[1].partition("-")
-    return int(ms), int(seq or 0)
+    return parse_id(split_ref(ref)[1])
 
 
 def _newer(entry_id: str, than: str) -> bool:

@@ -21,35 +21,20 @@ import redis
 
 from consumers.aggregator.fold import Completed, Fold, id_key, stats_ref
 from consumers.aggregator.worker import TRAINER_EVENTS, record_id
-from rollstream.bus import connect, read_password
+from rollstream.bus import connect, iter_stream, read_password
 from rollstream.names import Keys
 from rollstream.worker import REDIS_URL_ENV
 from schemas import DeadLetter, DecodeError, ProducerStats, decode, encode
 
 log = logging.getLogger(__name__)
 
-READ_CHUNK = 512  # metrics entries per XRANGE
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-def _entries(r: redis.Redis, stream: str) -> Iterator[tuple[str, Any]]:
-    """(id, fields) of every entry of a stream, in order, read in chunks."""
-    rc: Any = r
-    cursor = "-"
-    while True:
-        entries = rc.xrange(stream, min=cursor, max="+", count=READ_CHUNK)
-        for raw_id, fields in entries:
-            entry_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
-            cursor = "(" + entry_id
-            yield entry_id, fields
-        if len(entries) < READ_CHUNK:
-            return
 
 
 def dead_lettered(r: redis.Redis, keys: Keys) -> set[tuple[str, str]]:
     """(source stream, entry id) of every entry the live workers dead-lettered from metrics or stats."""
     out = set()
-    for _, fields in _entries(r, keys.dead):
+    for _, fields in iter_stream(r, keys.dead):
         try:
             ev = decode(fields)
         except DecodeError:
@@ -61,7 +46,7 @@ def dead_lettered(r: redis.Redis, keys: Keys) -> set[tuple[str, str]]:
 
 def _merged(r: redis.Redis, keys: Keys) -> Iterator[tuple[str, str, Any]]:
     """(stream, id, fields) of metrics and stats entries merged in id order (stats first on a tie)."""
-    its = {keys.stats: _entries(r, keys.stats), keys.metrics: _entries(r, keys.metrics)}
+    its = {keys.stats: iter_stream(r, keys.stats), keys.metrics: iter_stream(r, keys.metrics)}
     heads = {stream: head for stream, it in its.items() if (head := next(it, None)) is not None}
     while heads:
         stream = min(heads, key=lambda s: id_key(heads[s][0]))  # dicts keep order: stats wins a tie

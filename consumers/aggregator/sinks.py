@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import redis
 
+from rollstream.bus import iter_stream
 from rollstream.config import PipelineConfig
 from rollstream.names import Keys
 from schemas import DecodeError, SyncStepRecord, decode_as
@@ -218,24 +219,18 @@ class Sinks:
             return 0
         lasts = {s.name: s.last_step() for s in self.sinks}
         start = min(lasts.values())
-        cursor = f"({start}-1" if start >= 0 else "-"
         writes = 0
-        while True:
-            entries = self.r.xrange(self.keys.records, min=cursor, max="+", count=READ_CHUNK)
-            for raw_id, fields in entries:
-                cursor = "(" + (raw_id.decode() if isinstance(raw_id, bytes) else raw_id)
-                try:
-                    rec = decode_as(fields, SyncStepRecord)
-                except DecodeError as e:
-                    log.error("records entry %s does not decode (%s); not written to sinks", cursor[1:], e)
-                    continue
-                for sink in self.sinks:
-                    if rec.global_step > lasts[sink.name]:
-                        sink.write(rec.global_step, rec.metrics)
-                        lasts[sink.name] = rec.global_step
-                        writes += 1
-            if len(entries) < READ_CHUNK:
-                break
+        for entry_id, fields in iter_stream(self.r, self.keys.records, f"({start}-1" if start >= 0 else "-", page=READ_CHUNK):
+            try:
+                rec = decode_as(fields, SyncStepRecord)
+            except DecodeError as e:
+                log.error("records entry %s does not decode (%s); not written to sinks", entry_id, e)
+                continue
+            for sink in self.sinks:
+                if rec.global_step > lasts[sink.name]:
+                    sink.write(rec.global_step, rec.metrics)
+                    lasts[sink.name] = rec.global_step
+                    writes += 1
         self.written += writes
         return writes
 

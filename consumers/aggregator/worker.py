@@ -32,8 +32,9 @@ from rollstream.bus import (
     CONNECTION_ERRORS,
     GroupReader,
     Message,
-    backoff_delays,
     entry_limits,
+    iter_stream,
+    parse_id,
     retry_on_connection,
 )
 from rollstream.config import PipelineConfig
@@ -43,7 +44,6 @@ from schemas import DeadLetter, ProducerStats, StepMetrics, ValidateMetrics, enc
 log = logging.getLogger(__name__)
 
 DUPLICATE_ID_ERROR = "equal or smaller than the target stream top item"
-BURST_BLOCK_MS = 50
 #: Event types the fold takes from `metrics` (the trainer's); anything else there is dead-lettered.
 TRAINER_EVENTS = (StepMetrics, ValidateMetrics)
 #: Longest a stats drain waits for the server clock to pass a metrics batch (then it folds anyway).
@@ -55,19 +55,9 @@ def record_id(global_step: int) -> str:
     return f"{global_step}-1"
 
 
-def recorded_steps(r: redis.Redis, keys: Keys, chunk: int = 1000) -> set[int]:
-    """Global steps that already have a record (ids only matter; read in chunks)."""
-    rc: Any = r
-    steps: set[int] = set()
-    cursor = "-"
-    while True:
-        entries = rc.xrange(keys.records, min=cursor, max="+", count=chunk)
-        for raw_id, _ in entries:
-            entry_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
-            steps.add(int(entry_id.split("-")[0]))
-            cursor = "(" + entry_id
-        if len(entries) < chunk:
-            return steps
+def recorded_steps(r: redis.Redis, keys: Keys) -> set[int]:
+    """Global steps that already have a record (ids only matter; read in pages)."""
+    return {parse_id(entry_id)[0] for entry_id, _ in iter_stream(r, keys.records)}
 
 
 class AggregatorWorker:
@@ -147,47 +137,40 @@ class AggregatorWorker:
         metrics batch, so no record is folded without its stats)."""
         out: list[Message] = []
         deadline = time.monotonic() + DRAIN_MAX_S
-        while not self.stop.is_set():
-            msgs = self.stats_reader.poll_retrying(block_ms=1)
-            out += msgs
-            if self.stats_reader.reading_own_pending:  # a page of the own-pending re-read: not drained yet
-                continue
+        reader = self.stats_reader
+        while True:
+            for msgs in reader.batches(burst=True, block_ms=1):
+                out += msgs
+                # a page of the own-pending re-read is not the edge of the stream yet
+                if upto is not None and msgs and not reader.reading_own_pending and id_key(msgs[-1].id) > id_key(upto):
+                    return out, True
+            if self.stop.is_set():
+                return out, upto is None
             if upto is None:
-                if not msgs:
-                    return out, True
-                continue
-            if msgs and id_key(msgs[-1].id) > id_key(upto):
                 return out, True
-            if not msgs:
-                try:
-                    sec, usec = self.r.time()
-                    now_ms = int(sec) * 1000 + int(usec) // 1000
-                except CONNECTION_ERRORS:
-                    continue
-                if now_ms > id_key(upto)[0] or time.monotonic() > deadline:
-                    return out, True
-                time.sleep(0.001)
-        return out, upto is None
+            try:  # drained: done once the server clock is past `upto`
+                sec, usec = self.r.time()
+            except CONNECTION_ERRORS:
+                continue
+            if int(sec) * 1000 + int(usec) // 1000 > id_key(upto)[0] or time.monotonic() > deadline:
+                return out, True
+            time.sleep(0.001)
 
     def _commit(self, completed: list[Completed], refs: list[str]) -> None:
         ack_ids = [i for is_stats, i in map(split_ref, refs) if not is_stats]
         stats_ids = [i for is_stats, i in map(split_ref, refs) if is_stats]
-        delays = backoff_delays()
-        while True:
-            try:
-                pipe = self.r.pipeline(transaction=True)
-                for c in completed:
-                    pipe.xadd(self.keys.records, encode(c.record), id=record_id(c.record.global_step))
-                if ack_ids:
-                    pipe.xack(self.keys.metrics, AGGREGATOR_GROUP, *ack_ids)
-                if stats_ids:
-                    pipe.xack(self.keys.stats, AGGREGATOR_GROUP, *stats_ids)
-                results = pipe.execute(raise_on_error=False)
-                break
-            except CONNECTION_ERRORS as e:  # EXEC may or may not have landed: re-running it is idempotent
-                delay = next(delays)
-                log.warning("commit failed (%s); retry in %.2fs", e, delay)
-                time.sleep(delay)
+
+        def commit() -> list[Any]:  # EXEC may or may not have landed: re-running it is idempotent
+            pipe = self.r.pipeline(transaction=True)
+            for c in completed:
+                pipe.xadd(self.keys.records, encode(c.record), id=record_id(c.record.global_step))
+            if ack_ids:
+                pipe.xack(self.keys.metrics, AGGREGATOR_GROUP, *ack_ids)
+            if stats_ids:
+                pipe.xack(self.keys.stats, AGGREGATOR_GROUP, *stats_ids)
+            return list(pipe.execute(raise_on_error=False))
+
+        results = retry_on_connection(commit, "committing records and acks")
         for c, res in zip(completed, results, strict=False):
             if isinstance(res, redis.ResponseError):
                 self._refused(c, res)
@@ -266,34 +249,28 @@ class AggregatorWorker:
 
     # -- loop -----------------------------------------------------------------------------------------
 
-    def _entries_seen(self) -> int:
-        """Entries both readers delivered or dead-lettered so far (a poll that changed it was not empty)."""
-        return sum(rd.stats.delivered + rd.stats.dead for rd in (self.reader, self.stats_reader))
-
     def run(self, burst: bool = False) -> int:
-        """Poll, fold, commit, report and feed the sinks until stop (or, in burst mode, until drained).
-        Returns the number of events handled."""
-        sinks_due, empty_polls = True, 0
+        """Run the shared consumer loop on `metrics`: per batch, drain `stats` up to it, fold, commit, feed
+        the sinks and check timeouts, until stop (or, in burst mode, until drained). Returns the number of
+        events handled."""
+        sinks_due = True
         try:
-            while not self.stop.is_set():
-                seen = self._entries_seen()
-                msgs = self.reader.poll_retrying(block_ms=BURST_BLOCK_MS if burst else None)
+            for msgs in self.reader.batches(burst=burst):
                 stats, complete = self.drain_stats(msgs[-1].id if msgs else None)
                 if not complete:  # stopped mid-drain: these stay pending for the next aggregator
                     self.reader.release(m.id for m in msgs)
                     msgs = []
-                empty_polls = 0 if self._entries_seen() != seen else empty_polls + 1  # dead-lettered ones count
                 if (msgs or stats) and self.handle(msgs, stats):
                     sinks_due = True
                 try:
                     if sinks_due:
                         self.sinks.flush()
                         sinks_due = False
-                    self.check_incomplete(drained=not msgs)
+                    self.check_incomplete(drained=self.reader.drained)
                 except CONNECTION_ERRORS as e:  # both are retried on the next pass
                     log.warning("redis unavailable for sinks/timeouts (%s); retrying", e)
-                if burst and empty_polls >= 2 and not sinks_due:  # own pending drained and nothing new
-                    break
+            if burst and sinks_due and not self.stop.is_set():  # the last pass could not flush
+                retry_on_connection(self.sinks.flush, "flushing sinks")
         finally:
             self.sinks.close()
         log.info(

@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 
+from rollstream.bus import iter_stream
 from rollstream.names import (
     COMMITTED_STEP_FIELD,
     CONSUMED_STEP_FIELD,
@@ -148,14 +149,4 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
 
 def committed_sample_ids(r: redis.Redis, keys: Keys, page: int = 1000) -> set[str]:
     """Every sample_id recorded in `fates` (trained or dropped in a committed step)."""
-    out: set[str] = set()
-    start = "-"
-    while True:
-        rows: Any = r.xrange(keys.fates, min=start, max="+", count=page)
-        for _, fields in rows:
-            out.add(decode_fate(fields).sample_id)
-        if len(rows) < page:
-            return out
-        last = rows[-1][0].decode()
-        ms, seq = last.split("-")
-        start = f"{ms}-{int(seq) + 1}"
+    return {decode_fate(fields).sample_id for _, fields in iter_stream(r, keys.fates, page=page)}

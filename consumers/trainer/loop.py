@@ -4,7 +4,7 @@ Global step g (1-based; trains version g-1):
   1. begin_step: pin the current weights as the proximal policy
   2. K times: collect ppo_mini_batch_size fresh samples (stale ones are dropped and recorded), assemble,
      update, emit a `local_update` event
-  3. validate (every test_freq versions) with the end-of-step weights = version g
+  3. evaluate (every test_freq versions) with the end-of-step weights = version g
   4. if a checkpoint is due (every save_freq steps, the last step, or on stop): write it (weights,
      optimizer, RNG, ledgers of the steps it covers), then publish version g, then commit in one MULTI
      (fates, XACK, consumed, trainer hash, step_end); otherwise publish version g and count the step's
@@ -20,17 +20,19 @@ Sync mode (`trainer.sync_mode`, the synchronous-RL baseline of `rollstream bench
 update of a step waits until the step's whole train_batch_size is collected, so with
 staleness_threshold = 0 generation and training strictly alternate.
 
-Transport (`timing_s/transport` per local update): time moving rollouts out of Redis and decoding them,
-not time waiting for producers. A poll that returns entries without blocking counts in full; when none
-are ready the trainer waits in a blocking poll, and of that poll only the decoding counts (the reply of a
-blocked read carries the few entries that woke it; its transfer is not separable from the wait).
+Transport (`timing_s/transport` per local update, the reader's `transport_s` since the last one): time
+moving rollouts out of Redis and decoding them, not time waiting for producers. A poll of the consumer
+loop that returns entries without blocking counts in full; when none are ready the loop waits in a
+blocking poll, and of that poll only the decoding counts (the reply of a blocked read carries the few
+entries that woke it; its transfer is not separable from the wait).
 
 Warmup (`trainer.num_warmup_batches`, as in verl): before the run's first update (global step 1) the
 trainer waits until that many mini-batches of samples have arrived.
 
-Burst (`--burst`, used by `rollstream replay trainer`): when no rollout is left to read (the group has
-been delivered every entry and the buffer is empty) the trainer abandons the step it is in, unacked, and
-exits 0, so a replay on a copied range ends when its samples are used up.
+Burst (`--burst`, used by `rollstream replay trainer`): the shared consumer loop's burst rule; once the
+rollouts stream is drained (a read of new entries found none) and the buffer is empty, the trainer
+abandons the step it is in, unacked, and exits 0, so a replay on a copied range ends when its samples are
+used up.
 
 Fully-async counters (verl's names, cumulative over the run, kept in the checkpoint; the aggregator takes
 the last value): `fully_async/count/stale_samples_processed` and `…/stale_trajectory_processed` count
@@ -49,6 +51,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -56,6 +59,7 @@ import redis
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.checkpoint import load_latest_checkpoint, save_checkpoint
+from consumers.trainer.evaluate import evaluate
 from consumers.trainer.guard import unusable_reason, version_reason
 from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import (
@@ -66,7 +70,6 @@ from consumers.trainer.ledger import (
     count_consumed,
 )
 from consumers.trainer.staleness import dropped_metrics, staleness
-from consumers.trainer.validate import validate
 from rollstream.bus import (
     GroupReader,
     Janitor,
@@ -97,16 +100,6 @@ STALE_SAMPLES = "stale_samples_processed"
 STALE_TRAJECTORIES = "stale_trajectory_processed"
 
 
-def _text(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def id_key(entry_id: str) -> tuple[int, int]:
-    """Sort key of a stream entry id `<ms>-<seq>`."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 class Trainer:
     """One trainer process: owns the learner, the rollouts reader and the step bookkeeping."""
 
@@ -114,7 +107,7 @@ class Trainer:
         self, cfg: PipelineConfig, r: redis.Redis, keys: Keys, name: str, stop: threading.Event, burst: bool = False
     ) -> None:
         """Build the learner and the reader (group `trainer`, consumer = worker name); `burst` exits
-        once no rollout is left to read."""
+        once the rollouts stream is drained."""
         self.cfg, self.r, self.keys, self.stop, self.burst = cfg, r, keys, stop, burst
         self.learner = Learner(cfg)
         limits = entry_limits(cfg.bus.max_entry_bytes)
@@ -123,6 +116,7 @@ class Trainer:
             count=cfg.bus.read_count, claim_idle_s=cfg.bus.claim_idle_s, max_deliveries=cfg.bus.max_deliveries,
             limits=limits, stop=stop,
         )
+        self._batches: Iterator[list[Message]] = self.reader.batches(burst=burst)  # the shared consumer loop
         self.publisher = Publisher(r, nomkstream=True)
         self.janitor = (
             Janitor(
@@ -147,9 +141,9 @@ class Trainer:
         self._own_dead = 0  # non-rollout entries we dead-lettered ourselves (not prompts)
         self._dead_counted = 0
         self._step_dead = 0
-        self._transport_s = 0.0  # reading + decoding rollouts since the last local update
+        self._transport_mark = 0.0  # the reader's transport_s at the last local update
         self.recent: deque[Prompt] = deque(maxlen=max(1, cfg.data.val_size))  # newest trained prompts
-        self.used_up = False  # burst: the rollouts stream had nothing left to read
+        self.used_up = False  # burst: the consumer loop ended with the rollouts stream drained
         self.counters = {STALE_SAMPLES: 0, STALE_TRAJECTORIES: 0}  # cumulative, kept in the checkpoint
 
     # -- start / resume ----------------------------------------------------------------------------
@@ -180,7 +174,7 @@ class Trainer:
         self.seen = committed_sample_ids(self.r, self.keys)
         log.info("%d sample ids already committed", len(self.seen))
         if meta is None and self.cfg.trainer.test_freq > 0:
-            self._validate(0)
+            self._evaluate(0)
 
     def _publish(self, version: int, only_if_missing: bool = False) -> float:
         """Publish the current weights as `version` (skipped when params has it and only_if_missing; a
@@ -215,14 +209,14 @@ class Trainer:
 
         retry_on_connection(grant, f"granting version {version}")
 
-    def _validate(self, version: int) -> None:
+    def _evaluate(self, version: int) -> None:
         """Greedy-decode the held-out prompts (`val/…`) and the newest trained prompts
         (`val/recent_train_…`: memorisation shows as a gap between the two); emit a `validation` event."""
         task = build_task(self.cfg)
         prompts = build_prompt_source(self.cfg, task).val_prompts()
         limit = self.cfg.data.max_response_length
-        metrics = validate(self.learner.policy, task, prompts, limit)
-        recent = validate(self.learner.policy, task, list(self.recent), limit)
+        metrics = evaluate(self.learner.policy, task, prompts, limit)
+        recent = evaluate(self.learner.policy, task, list(self.recent), limit)
         metrics.update({k.replace("val/", "val/recent_train_"): v for k, v in recent.items()})
         if metrics:
             ev = ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
@@ -234,23 +228,16 @@ class Trainer:
     def _heartbeat(self) -> None:
         retry_on_connection(lambda: self.r.hset(self.keys.trainer, HEARTBEAT_FIELD, time.time()), "heartbeat")
 
-    def _poll(self) -> list[Message]:
-        """A non-blocking poll (counted as transport), then, only when it found nothing, a blocking one
-        (waiting for producers: only its decode time counts as transport)."""
-        t0, decode0 = time.perf_counter(), self.reader.stats.decode_s
-        msgs = self.reader.poll_retrying(block_ms=1)
-        if msgs:
-            self._transport_s += time.perf_counter() - t0
-            return msgs
-        decode0 = self.reader.stats.decode_s
-        msgs = self.reader.poll_retrying()
-        self._transport_s += self.reader.stats.decode_s - decode0
-        return msgs
-
-    def _fill(self) -> int:
-        """One poll: buffer new samples, ack duplicates of seen ids, count dead-lettered rollouts; returns
-        how many entries the poll delivered (decoded ones)."""
-        msgs = self._poll()
+    def _fill(self) -> bool:
+        """One pass of the consumer loop: buffer new samples, ack duplicates of seen ids, count
+        dead-lettered rollouts; False once the loop has ended (stop requested, or in burst mode the
+        rollouts stream drained: then `used_up`)."""
+        msgs = next(self._batches, None)
+        if msgs is None:
+            if self.burst and not self.stop.is_set() and not self.used_up:
+                log.info("burst: no rollouts left to read")
+                self.used_up = True
+            return False
         dupes: list[str] = []
         for m in msgs:
             ev = m.event
@@ -276,37 +263,18 @@ class Trainer:
             self._step_dead += dead - self._dead_counted
             self._dead_counted = dead
         self._heartbeat()
-        return len(msgs)
-
-    def _drained(self) -> bool:
-        """True when the trainer group has been delivered every rollouts entry (lag 0; a stream whose
-        lag Redis cannot tell is compared by ids)."""
-        groups: Any = self.r.xinfo_groups(self.keys.rollouts)
-        for g in groups:
-            if g["name"] in (TRAINER_GROUP, TRAINER_GROUP.encode()):
-                if g.get("lag") is not None:
-                    return int(g["lag"]) == 0
-                info: Any = self.r.xinfo_stream(self.keys.rollouts)
-                last, delivered = info["last-generated-id"], g["last-delivered-id"]
-                return bool(id_key(_text(delivered)) >= id_key(_text(last)))
-        return False
+        return True
 
     def _starve(self) -> bool:
-        """The buffer is empty: poll once more; True when the caller must give up (stop requested, or in
-        burst mode no rollout is left)."""
-        if self.stop.is_set():
-            return True
-        if self._fill() == 0 and not self.buffer and self.burst and self._drained():
-            log.info("burst: no rollouts left to read")
-            self.used_up = True
-            return True
-        return False
+        """The buffer is empty: run one more pass of the loop; True when the caller must give up (stop
+        requested, or in burst mode no rollout is left)."""
+        return self.stop.is_set() or not self._fill()
 
     def _wait_warmup(self) -> None:
         """Before the run's first update: wait until num_warmup_batches mini-batches have arrived."""
         want = self.cfg.trainer.num_warmup_batches * self.cfg.actor.ppo_mini_batch_size
         while len(self.buffer) < want and not self.stop.is_set() and not self.used_up:
-            if self._fill() == 0 and self.burst and self._drained():
+            if not self._fill():
                 break
         log.info("warmup: %d samples buffered before the first update", len(self.buffer))
 
@@ -335,7 +303,8 @@ class Trainer:
     # -- one global step ---------------------------------------------------------------------------
 
     def train_step(self, g: int) -> bool:
-        """Run global step g; False when stopped mid-step (the partial step is abandoned, nothing acked)."""
+        """Run global step g: K local updates, then finish the step; False when stopped mid-step (the
+        partial step is abandoned, nothing acked)."""
         cfg = self.cfg
         t_step = time.perf_counter()
         ledger = StepLedger(g)
@@ -357,36 +326,48 @@ class Trainer:
                 why = "no rollouts left (burst)" if self.used_up else "stop requested"
                 log.warning("%s during global step %d: abandoning it (samples stay pending)", why, g)
                 return False
-            kept, dropped = got
-            t_gen = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            samples: list[RolloutSample] = [m.event for m, _ in kept]  # type: ignore[misc]
-            batch, asm_metrics = assemble_batch_from_rollout_samples(samples)
-            t_asm = time.perf_counter() - t0
-            metrics = self.learner.update(batch)
-            for m, st in kept:
-                ev: Any = m.event
-                ledger.fates.append(Fate(ev.sample_id, m.id, TRAINED, st, ev.param_version, g))
-                ledger.ack_ids.append(m.id)
-                truth = ev.full_batch.non_tensors.get("ground_truth")
-                if truth is not None and "raw_prompt" in ev.full_batch.non_tensors:
-                    text = str(ev.full_batch.non_tensors["raw_prompt"][0])
-                    self.recent.append(Prompt(uid=ev.sample_id, text=text, answer=str(truth[0])))
-            metrics.update(asm_metrics)
-            metrics.update(dropped_metrics(dropped))
-            metrics.update(staleness_metrics([st for _, st in kept]))
-            metrics.update(self._count_stale(g - 1, samples, batch.meta_info["trajectory_param_versions"]))
-            metrics.update({"training/global_step": float(g), "timing_s/gen": t_gen, "timing_s/assemble": t_asm,
-                            "timing_s/transport": self._transport_s, "fully_async/total_wait_time": t_gen})
-            self._transport_s = 0.0
-            update = StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(kept),
-                                 metrics={k: float(v) for k, v in metrics.items()})
-            retry_on_connection(partial(self.publisher.publish, self.keys.metrics, update), "publishing local_update")
-            self._heartbeat()
+            self._local_update(g, local, ledger, *got, t_gen=time.perf_counter() - t0)
+        self._finish_step(g, ledger, t_step)
+        return True
 
-        # end of the step: validate version g, then checkpoint / publish / commit / grant
+    def _local_update(
+        self, g: int, local: int, ledger: StepLedger, kept: list[tuple[Message, int]], dropped: list[int], t_gen: float
+    ) -> None:
+        """One local update of step g on the collected samples: assemble, update, record their fates in
+        the step's ledger, emit a `local_update` event."""
+        t0 = time.perf_counter()
+        samples: list[RolloutSample] = [m.event for m, _ in kept]  # type: ignore[misc]
+        batch, asm_metrics = assemble_batch_from_rollout_samples(samples)
+        t_asm = time.perf_counter() - t0
+        metrics = self.learner.update(batch)
+        for m, st in kept:
+            ev: Any = m.event
+            ledger.fates.append(Fate(ev.sample_id, m.id, TRAINED, st, ev.param_version, g))
+            ledger.ack_ids.append(m.id)
+            truth = ev.full_batch.non_tensors.get("ground_truth")
+            if truth is not None and "raw_prompt" in ev.full_batch.non_tensors:
+                text = str(ev.full_batch.non_tensors["raw_prompt"][0])
+                self.recent.append(Prompt(uid=ev.sample_id, text=text, answer=str(truth[0])))
+        transport_s, self._transport_mark = (self.reader.stats.transport_s - self._transport_mark,
+                                             self.reader.stats.transport_s)
+        metrics.update(asm_metrics)
+        metrics.update(dropped_metrics(dropped))
+        metrics.update(staleness_metrics([st for _, st in kept]))
+        metrics.update(self._count_stale(g - 1, samples, batch.meta_info["trajectory_param_versions"]))
+        metrics.update({"training/global_step": float(g), "timing_s/gen": t_gen, "timing_s/assemble": t_asm,
+                        "timing_s/transport": transport_s, "fully_async/total_wait_time": t_gen})
+        update = StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(kept),
+                             metrics={k: float(v) for k, v in metrics.items()})
+        retry_on_connection(partial(self.publisher.publish, self.keys.metrics, update), "publishing local_update")
+        self._heartbeat()
+
+    def _finish_step(self, g: int, ledger: StepLedger, t_step: float) -> None:
+        """End of step g: evaluate version g, then checkpoint / publish / commit (or publish and count the
+        step's samples as consumed), grant version g its budget, run retention."""
+        cfg = self.cfg
+        K = cfg.trainer.parameter_sync_step
         if cfg.trainer.test_freq > 0 and g % cfg.trainer.test_freq == 0:
-            self._validate(g)
+            self._evaluate(g)
         trained = sum(1 for f in ledger.fates if f.fate == TRAINED)
         ledger.step_end = StepMetrics(
             type="step_end", global_step=g, local_step=K, sample_count=trained, num_local_updates=K,
@@ -429,7 +410,6 @@ class Trainer:
             retry_on_connection(self.janitor.maybe_run, "retention")
         log.info("global step %d done in %.2fs (%d trained, %d dropped)", g, time.perf_counter() - t_step,
                  trained, len(ledger.fates) - trained)
-        return True
 
     def _count_stale(self, version: int, samples: list[RolloutSample], trajectory_versions: list[int]) -> dict[str, float]:
         """Add this update's stale samples / trajectories (older than `version`, the one being trained) to

@@ -17,11 +17,6 @@ def staleness(global_step: int, param_version: int) -> int:
     return global_step - param_version
 
 
-def is_stale(global_step: int, param_version: int, threshold: int) -> bool:
-    """True when the sample must be dropped: staleness strictly above the threshold."""
-    return staleness(global_step, param_version) > threshold
-
-
 def dropped_metrics(dropped_staleness: Sequence[int]) -> dict[str, float]:
     """`training/off_policy/dropped_samples` (count, also 0) and `…_staleness/{mean,max,min}` when any."""
     out: dict[str, float] = {DROPPED: float(len(dropped_staleness))}

@@ -42,18 +42,36 @@ def backoff_delays(base_s: float = 0.05, cap_s: float = 5.0) -> Iterator[float]:
         attempt = min(attempt + 1, 30)
 
 
-def retry_on_connection(fn: Callable[[], T], what: str = "redis call") -> T:
-    """Call fn until it gets through: a connection loss (Redis restarting, AOF loading) is retried in place
-    with jittered backoff, for as long as it takes (a second SIGTERM still ends the process). fn must be
-    safe to repeat: its effect may have landed even when the reply was lost."""
+def retry_on_connection(
+    fn: Callable[[], T],
+    what: str = "redis call",
+    *,
+    stop: threading.Event | None = None,
+    on_retry: Callable[[], None] | None = None,
+    timeout_s: float | None = None,
+) -> T:
+    """The one retry policy: call fn until it gets through. A connection loss (Redis restarting, AOF
+    loading) is retried in place with jittered backoff, for as long as it takes (a second SIGTERM still
+    ends the process), or, with `stop` / `timeout_s`, until stop is set or the next attempt would pass
+    the timeout: then the last connection error is raised. `on_retry` runs after each loss (e.g. to
+    re-read a reader's own pending entries). fn must be safe to repeat: its effect may have landed even
+    when the reply was lost."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     delays = backoff_delays()
     while True:
         try:
             return fn()
         except CONNECTION_ERRORS as e:
             delay = next(delays)
+            if (stop is not None and stop.is_set()) or (deadline is not None and time.monotonic() + delay > deadline):
+                raise
             log.warning("%s failed, redis unavailable (%s); retry in %.2fs", what, e, delay)
-            time.sleep(delay)
+            if on_retry is not None:
+                on_retry()
+            if stop is not None:
+                stop.wait(delay)
+            else:
+                time.sleep(delay)
 
 
 def read_password(password_file: str | None = None) -> str | None:
@@ -122,14 +140,8 @@ def connection_count(r: redis.Redis) -> int:
 
 
 def wait_until_ready(r: redis.Redis, timeout_s: float = 60.0, stop: threading.Event | None = None) -> None:
-    """Ping with backoff until Redis answers; raise ConnectionError after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    for delay in backoff_delays():
-        try:
-            r.ping()
-            return
-        except CONNECTION_ERRORS as e:
-            if time.monotonic() + delay > deadline or (stop is not None and stop.is_set()):
-                raise redis.ConnectionError(f"redis not reachable after {timeout_s:.0f}s: {e}") from e
-            log.warning("redis not reachable (%s); retrying in %.2fs", e, delay)
-            time.sleep(delay)
+    """Ping with backoff until Redis answers; raise ConnectionError after timeout_s (or once stop is set)."""
+    try:
+        retry_on_connection(r.ping, "ping", stop=stop, timeout_s=timeout_s)
+    except CONNECTION_ERRORS as e:
+        raise redis.ConnectionError(f"redis not reachable after {timeout_s:.0f}s: {e}") from e

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import redis
 
+from rollstream.bus.streams import text
 from rollstream.names import AGGREGATOR_GROUP, TRAINER_GROUP, Keys
 from schemas import Event, encode
 
@@ -53,7 +54,7 @@ class Publisher:
         new_id = self.r.xadd(stream, encode(event, compact=self.compact), id=entry_id, nomkstream=self.nomkstream)  # type: ignore[arg-type]
         if new_id is None:
             raise RunNotSetUpError(f"stream {stream} does not exist: run `rollstream run` or setup_run first")
-        return new_id.decode() if isinstance(new_id, bytes) else str(new_id)
+        return text(new_id)
 
     def publish_many(self, stream: str, events: Sequence[Event]) -> list[str]:
         """XADD several events in one pipelined round trip; returns their ids in order."""
@@ -63,4 +64,4 @@ class Publisher:
         ids = pipe.execute()
         if any(i is None for i in ids):
             raise RunNotSetUpError(f"stream {stream} does not exist: run `rollstream run` or setup_run first")
-        return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
+        return [text(i) for i in ids]

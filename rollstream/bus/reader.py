@@ -1,12 +1,18 @@
-"""The one consumer-group reader every worker uses.
+"""THE consumer loop every worker runs: `GroupReader.batches` (caller-committed acks) and `run` (automatic
+acks after a handler), both one consumer of one group on one stream.
 
 Order of work in each poll: (1) our own pending entries from id 0 (at start, after a reconnect and after a
 handler failure), (2) every so often entries idle longer than claim_idle_s from other consumers
 (XAUTOCLAIM), (3) new entries (`>`). Each entry is decoded; one that fails to decode, or has been
 delivered max_deliveries times, goes to `dead` with a reason and is acked in the same MULTI. Acks happen
-after the handler's effect, in batches: automatically in `run`, or by the caller through `ack` (the
-trainer acks only once a checkpoint covers a step). Entries held unacked are kept fresh with
-XCLAIM JUSTID (which resets idle time without counting a delivery) so no one else claims them.
+after the handler's effect, in batches: automatically in `run`, or by the caller, through `ack`, or inside
+its own MULTI with the effect and then `forget` (the trainer acks only once a checkpoint covers a step; the
+aggregator acks in the transaction that writes records). Entries held unacked are kept fresh with XCLAIM
+JUSTID (which resets idle time without counting a delivery) so no one else claims them.
+
+Burst mode (tests, replays, benchmarks): the loop ends after the poll that finds the stream drained, i.e.
+a read of new entries (`>`) that returned none while not re-reading our own pending list. A connection
+loss is retried inside the loop (`retry_on_connection`), after which our own pending entries are re-read.
 """
 
 from __future__ import annotations
@@ -14,32 +20,30 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import redis
 
-from rollstream.bus.connection import CONNECTION_ERRORS, backoff_delays, connection_count, retry_on_connection
+from rollstream.bus.connection import CONNECTION_ERRORS, connection_count, retry_on_connection
 from rollstream.bus.publish import ensure_group
+from rollstream.bus.streams import text
 from schemas import DEFAULT_LIMITS, DeadLetter, DecodeError, Event, Limits, decode, encode
 
 log = logging.getLogger(__name__)
+
+#: How long a burst-mode poll waits for a late entry before the stream counts as drained.
+BURST_BLOCK_MS = 50
+#: The first read of each pass of the loop: practically non-blocking (it only takes what is there).
+READY_BLOCK_MS = 1
 
 
 def entry_limits(max_entry_bytes: int) -> Limits:
     """Decode limits for a run's readers: the entry, its payload and each field capped at max_entry_bytes."""
     n = max_entry_bytes
     return Limits(max_bin_len=n, max_ext_len=n, max_payload_bytes=n, max_field_bytes=n, max_entry_bytes=n)
-
-
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else x
-
-
-def _name(x: Any) -> str:
-    """A field name as text; undecodable bytes become backslash escapes."""
-    return x.decode(errors="backslashreplace") if isinstance(x, bytes) else str(x)
 
 
 @dataclass
@@ -62,9 +66,8 @@ class ReaderStats:
     claimed: int = 0
     reconnects: int = 0
     handler_errors: int = 0
-    read_s: float = 0.0
     decode_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
+    transport_s: float = 0.0  # moving entries out of Redis and decoding them, not waiting for writers
 
 
 class GroupReader:
@@ -105,6 +108,7 @@ class GroupReader:
         self._last_touch = time.monotonic()
         self._group_ready = False
         self._connects = 0
+        self.drained = False  # the last poll read new entries (`>`) and found none
 
     # -- setup -------------------------------------------------------------------------------------
 
@@ -117,6 +121,7 @@ class GroupReader:
 
     def poll(self, block_ms: int | None = None) -> list[Message]:
         """One read: own pending first, then claims, then new entries. Returns decoded messages (maybe [])."""
+        self.drained = False
         if not self._group_ready:
             self.ensure_group()
         self._check_reconnected()
@@ -129,7 +134,6 @@ class GroupReader:
             msgs = self._claim()
             if msgs:
                 return msgs
-        t0 = time.perf_counter()
         resp = self.r.xreadgroup(
             self.group,
             self.consumer,
@@ -137,26 +141,24 @@ class GroupReader:
             count=self.count,
             block=self.block_ms if block_ms is None else block_ms,
         )
-        self.stats.read_s += time.perf_counter() - t0
         entries = resp[0][1] if resp else []
+        self.drained = not entries
         return self._accept(entries, deliveries=None)
 
     def _read_pending(self) -> list[Message] | None:
         """Our own PEL from the cursor; None once it is drained (then we switch to `>`)."""
-        t0 = time.perf_counter()
         resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: self._pending_cursor}, count=self.count)
-        self.stats.read_s += time.perf_counter() - t0
         entries = resp[0][1] if resp else []
-        entries = [(i, f) for i, f in entries if _s(i) not in self._inflight]
+        entries = [(i, f) for i, f in entries if text(i) not in self._inflight]
         if not entries:
             if resp and resp[0][1]:
                 # Everything left is already in flight in this process: advance past it.
-                self._pending_cursor = _s(resp[0][1][-1][0])
+                self._pending_cursor = text(resp[0][1][-1][0])
                 return []
             self._read_own_pending = False
             self._pending_cursor = "0"
             return None
-        self._pending_cursor = _s(entries[-1][0])
+        self._pending_cursor = text(entries[-1][0])
         return self._accept(entries, deliveries=self._delivery_counts(entries))
 
     def _claim(self) -> list[Message]:
@@ -164,11 +166,11 @@ class GroupReader:
         resp = self.r.xautoclaim(
             self.stream, self.group, self.consumer, self.claim_idle_ms, start_id=self._claim_cursor, count=self.count
         )
-        cursor, entries = _s(resp[0]), resp[1]
+        cursor, entries = text(resp[0]), resp[1]
         self._claim_cursor = cursor
         if cursor == "0-0":
             self._next_claim = time.monotonic() + max(self.claim_idle_ms / 4000, 0.05)
-        entries = [(i, f) for i, f in entries if _s(i) not in self._inflight]
+        entries = [(i, f) for i, f in entries if text(i) not in self._inflight]
         if entries:
             self.stats.claimed += len(entries)
             log.warning("%s: claimed %d idle entries from %s", self.consumer, len(entries), self.stream)
@@ -180,13 +182,13 @@ class GroupReader:
         rows = self.r.xpending_range(
             self.stream, self.group, min=entries[0][0], max=entries[-1][0], count=len(entries) * 4 + 16
         )
-        return {_s(row["message_id"]): int(row["times_delivered"]) for row in rows}
+        return {text(row["message_id"]): int(row["times_delivered"]) for row in rows}
 
     def _accept(self, entries: list, deliveries: dict[str, int] | None) -> list[Message]:
         """Decode entries; dead-letter the undecodable and the over-delivered; return the rest."""
         out: list[Message] = []
         for raw_id, fields in entries:
-            entry_id = _s(raw_id)
+            entry_id = text(raw_id)
             if fields is None:  # deleted while pending: nothing to process or dead-letter
                 log.error("%s: entry %s vanished while pending; acking", self.stream, entry_id)
                 self.ack([entry_id])
@@ -231,6 +233,7 @@ class GroupReader:
         self._inflight.difference_update(ids)
         self._read_own_pending = True
         self._pending_cursor = "0"
+        self.drained = False
 
     def dead_letter(self, entry_id: str, fields: Mapping[bytes, bytes], reason: str) -> None:
         """Copy an entry to `dead` with a reason and ack it, atomically (MULTI/EXEC); a connection loss is
@@ -240,7 +243,7 @@ class GroupReader:
             source_id=entry_id,
             reason=reason[:1000],
             # field names are whatever the writer sent: a non-UTF-8 name must not stop dead-lettering
-            fields={_name(k): bytes(v) for k, v in fields.items()},
+            fields={text(k, errors="backslashreplace"): bytes(v) for k, v in fields.items()},
         )
         body = encode(dl)
 
@@ -266,14 +269,9 @@ class GroupReader:
 
     @property
     def reading_own_pending(self) -> bool:
-        """True while polls re-read this consumer's own pending list (at start, after a reconnect): an
-        empty poll then does not mean the stream is drained."""
+        """True while polls re-read this consumer's own pending list (at start, after a reconnect or a
+        `release`): the entries they return are older than any new one."""
         return self._read_own_pending
-
-    @property
-    def inflight(self) -> int:
-        """Entries handed out by this reader and not yet acked."""
-        return len(self._inflight)
 
     # -- loop --------------------------------------------------------------------------------------
 
@@ -284,6 +282,7 @@ class GroupReader:
         self._read_own_pending = True
         self._pending_cursor = "0"
         self._group_ready = False
+        self.drained = False
 
     def _check_reconnected(self) -> None:
         """redis-py may reconnect silently inside a command; a new socket means a response may have been
@@ -296,48 +295,56 @@ class GroupReader:
                 self._group_ready = True
             self._connects = n
 
-    def poll_retrying(self, block_ms: int | None = None) -> list[Message]:
-        """`poll`, but a connection loss is retried with jittered backoff until it works or stop is set."""
-        delays = backoff_delays()
-        while not self.stop.is_set():
+    def _poll_retrying(self, block_ms: int) -> list[Message]:
+        """`poll` through `retry_on_connection` (our own pending list is re-read after a loss); [] once stop
+        is set while Redis is away, or when the group was missing (Redis restarted empty: the next poll
+        recreates it)."""
+
+        def attempt() -> list[Message]:
             try:
                 return self.poll(block_ms)
-            except CONNECTION_ERRORS as e:
-                delay = next(delays)
-                log.warning("%s: redis connection lost (%s); retry in %.2fs", self.consumer, e, delay)
-                self.on_reconnect()
-                self.stop.wait(delay)
             except redis.ResponseError as e:
                 if "NOGROUP" not in str(e):
                     raise
                 log.warning("%s: group %s missing (redis restarted?); recreating", self.consumer, self.group)
                 self.on_reconnect()
-        return []
+                return []
 
-    def run(
-        self,
-        handler: Callable[[list[Message]], None],
-        *,
-        max_messages: int | None = None,
-        burst: bool = False,
-        auto_ack: bool = True,
-    ) -> int:
-        """Feed batches to handler until stop is set (or max_messages handled, or, in burst mode, nothing is
-        left). Acks each batch after handler returns when auto_ack. A handler exception leaves the batch
-        pending; it is re-read from our PEL and dead-lettered after max_deliveries. Returns messages handled."""
-        handled = 0
+        try:
+            return retry_on_connection(attempt, f"{self.consumer}: reading {self.stream}", stop=self.stop,
+                                       on_retry=self.on_reconnect)
+        except CONNECTION_ERRORS:
+            return []
+
+    def batches(self, *, burst: bool = False, block_ms: int | None = None) -> Iterator[list[Message]]:
+        """The consumer loop: one decoded batch per pass (bad entries already dead-lettered) until stop is
+        set or, in burst mode, after the pass that found the stream drained. A pass first takes what is
+        ready; only when nothing is does it wait up to block_ms (default: the reader's, 50 ms in burst
+        mode), so a batch may be empty and the caller can do timed work between polls, and
+        `stats.transport_s` counts moving entries, not waiting for writers. The caller acks (`ack`, or
+        `forget` after acking in its own MULTI) or hands entries back (`release`)."""
+        wait_ms = block_ms if block_ms is not None else BURST_BLOCK_MS if burst else self.block_ms
         while not self.stop.is_set():
-            if max_messages is not None and handled >= max_messages:
-                break
-            msgs = self.poll_retrying(block_ms=50 if burst else None)
+            t0 = time.perf_counter()
+            msgs = self._poll_retrying(READY_BLOCK_MS)
+            if msgs:
+                self.stats.transport_s += time.perf_counter() - t0
+            elif wait_ms > READY_BLOCK_MS:  # nothing ready: of a blocking read only the decoding is transport
+                decode0 = self.stats.decode_s
+                msgs = self._poll_retrying(wait_ms)
+                self.stats.transport_s += self.stats.decode_s - decode0
+            yield msgs
+            if burst and self.drained:
+                return
+
+    def run(self, handler: Callable[[list[Message]], None], *, burst: bool = False) -> int:
+        """`batches` with automatic acks: handler(batch) for every non-empty batch, then one XACK of the
+        batch (retried). A handler exception leaves the batch pending; it is re-read from our PEL and
+        dead-lettered after max_deliveries. Returns messages handled."""
+        handled = 0
+        for msgs in self.batches(burst=burst):
             if not msgs:
-                if burst and not self._read_own_pending:
-                    break
                 continue
-            if max_messages is not None and handled + len(msgs) > max_messages:
-                extra = msgs[max_messages - handled :]
-                msgs = msgs[: max_messages - handled]
-                self.release(m.id for m in extra)
             try:
                 handler(msgs)
             except Exception:
@@ -346,21 +353,5 @@ class GroupReader:
                 self.release(m.id for m in msgs)
                 continue
             handled += len(msgs)
-            if auto_ack:
-                self._ack_retrying([m.id for m in msgs])
+            retry_on_connection(partial(self.ack, [m.id for m in msgs]), f"{self.consumer}: acking {len(msgs)} entries")
         return handled
-
-    def _ack_retrying(self, ids: list[str]) -> None:
-        delays = backoff_delays()
-        while True:
-            try:
-                self.ack(ids)
-                return
-            except CONNECTION_ERRORS as e:
-                if self.stop.is_set() and self.stop_now:
-                    return
-                delay = next(delays)
-                log.warning("%s: ack failed (%s); retry in %.2fs", self.consumer, e, delay)
-                time.sleep(delay)
-
-    stop_now: bool = False

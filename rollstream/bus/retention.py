@@ -9,21 +9,9 @@ from dataclasses import dataclass
 
 import redis
 
+from rollstream.bus.streams import parse_id, text
+
 log = logging.getLogger(__name__)
-
-
-def _s(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
-
-
-def _parse(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _next_id(entry_id: str) -> str:
-    ms, seq = _parse(entry_id)
-    return f"{ms}-{seq + 1}"
 
 
 @dataclass
@@ -47,12 +35,13 @@ def safe_min_id(r: redis.Redis, stream: str) -> str | None:
         return None
     floors: list[tuple[int, int]] = []
     for g in groups:
-        name = _s(g["name"])
-        floor = _parse(_next_id(_s(g["last-delivered-id"])))
+        name = text(g["name"])
+        ms, seq = parse_id(g["last-delivered-id"])
+        floor = (ms, seq + 1)  # the first id after the last delivered one
         if int(g["pending"]) > 0:
             summary = r.xpending(stream, name)
             if summary and summary.get("min"):
-                floor = min(floor, _parse(_s(summary["min"])))
+                floor = min(floor, parse_id(summary["min"]))
         floors.append(floor)
     ms, seq = min(floors)
     return f"{ms}-{seq}"

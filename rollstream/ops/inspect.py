@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import redis
 
+from rollstream.bus import text
 from rollstream.config import PipelineConfig
 from rollstream.model import CharTokenizer, Tokenizer
 from rollstream.names import Keys
@@ -55,10 +56,6 @@ def tokenizer_for(cfg: PipelineConfig) -> Tokenizer | None:
         return None
 
 
-def _s(x: Any) -> str:
-    return x.decode(errors="replace") if isinstance(x, bytes) else str(x)
-
-
 def _number(x: Any) -> float | int:
     value = x.item() if isinstance(x, np.generic) else x
     return value if isinstance(value, int) else round(float(value), 6)
@@ -91,14 +88,14 @@ def jsonable(value: Any, full: bool = False) -> Any:
     if isinstance(value, bytes | bytearray | memoryview):
         raw = bytes(value)
         try:
-            text = raw.decode()
-            if text.isprintable() and (full or len(text) <= 200):
-                return text
+            decoded = raw.decode()
+            if decoded.isprintable() and (full or len(decoded) <= 200):
+                return decoded
         except UnicodeDecodeError:
             pass
         return {"bytes": len(raw), "hex": raw.hex() if full else raw[:32].hex()}
     if isinstance(value, Mapping):
-        return {_s(k): jsonable(v, full) for k, v in value.items()}
+        return {text(k): jsonable(v, full) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [jsonable(v, full) for v in value]
     if isinstance(value, float) and not np.isfinite(value):
@@ -130,10 +127,10 @@ def entry_to_json(
 ) -> dict[str, Any]:
     """One entry as JSON data: its id, readable header fields, and the decoded event (or raw fields for
     entries that are not events, such as fates and dispatch_log)."""
-    header = {_s(k): _s(v) for k, v in fields.items() if _s(k) != "payload" and not _ARRAY_FIELD.match(_s(k))}
+    header = {text(k): text(v) for k, v in fields.items() if text(k) != "payload" and not _ARRAY_FIELD.match(text(k))}
     out: dict[str, Any] = {"stream": stream, "id": entry_id}
     if b"payload" not in fields:
-        out["fields"] = {_s(k): jsonable(v, full) for k, v in fields.items()}
+        out["fields"] = {text(k): jsonable(v, full) for k, v in fields.items()}
         return out
     out["header"] = header
     try:
@@ -179,7 +176,7 @@ def read_entry(r: redis.Redis, key: str, which: str = "-1") -> tuple[str, Mappin
         rows = r.xrange(key, min=which, max=which if "-" in which else f"{which}-18446744073709551615", count=1)
     if not rows:
         raise InspectError(f"no entry {which} in {key}")
-    return _s(rows[0][0]), rows[0][1]
+    return text(rows[0][0]), rows[0][1]
 
 
 def follow(
@@ -194,16 +191,16 @@ def follow(
     if count > 0:
         rows: Any = r.xrevrange(key, count=count)
         for entry_id, fields in reversed(rows):
-            last = _s(entry_id)
+            last = text(entry_id)
             yield last, fields
     if last == "$":
         tail: Any = r.xrevrange(key, count=1)
-        last = _s(tail[0][0]) if tail else "0-0"
+        last = text(tail[0][0]) if tail else "0-0"
     while stop is None or not stop.is_set():
         got: Any = r.xread({key: last}, count=100, block=block_ms)
         for _, entries in got or []:
             for entry_id, fields in entries:
-                last = _s(entry_id)
+                last = text(entry_id)
                 yield last, fields
 
 

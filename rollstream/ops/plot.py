@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import redis
 
+from rollstream.bus import iter_stream
 from rollstream.names import Keys
 from schemas import DecodeError, SyncStepRecord, decode
 
@@ -20,8 +20,7 @@ VAL_KEYS = ("val/acc", "val/reward_mean")
 def records_from_redis(r: redis.Redis, keys: Keys) -> list[tuple[int, dict[str, float]]]:
     """(global_step, metrics) of every record on the records stream."""
     out = []
-    rows: Any = r.xrange(keys.records)
-    for _, fields in rows:
+    for _, fields in iter_stream(r, keys.records):
         try:
             ev = decode(fields)
         except DecodeError:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 
+from rollstream.bus import iter_stream
 from rollstream.names import Keys
 from schemas import DecodeError, SyncStepRecord, decode
 
@@ -54,10 +54,9 @@ class Curve:
 
 def read_new_records(r: redis.Redis, keys: Keys, after: str) -> tuple[list[SyncStepRecord], str]:
     """Records after stream id `after` (exclusive; "-" for all) and the id to continue from."""
-    rows: Any = r.xrange(keys.records, min="-" if after == "-" else f"({after}")
     out = []
-    for entry_id, fields in rows:
-        after = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    for entry_id, fields in iter_stream(r, keys.records, "-" if after == "-" else f"({after}"):
+        after = entry_id
         try:
             ev = decode(fields)
         except DecodeError:

@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from rollstream.bus import setup_run
+from rollstream.bus import iter_stream, parse_id, setup_run
 from rollstream.names import REPLAYED_VERSIONS_FIELD, Keys
 from schemas import decode_fate
 
@@ -27,15 +27,6 @@ MAX_SEQ = 2**64 - 1
 
 class ReplayCopyError(RuntimeError):
     """The destination is not empty, or the source has nothing (or not everything) asked for."""
-
-
-def _text(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def parse_steps(text: str) -> tuple[int, int]:
@@ -62,18 +53,14 @@ def copy_rollouts(r: redis.Redis, src: Keys, dst: Keys, start: str = "-", end: s
     returns how many were copied. Refuses a dst whose rollouts stream already has entries."""
     _check_destination(r, src, dst)
     setup_run(r, dst)
-    copied, cursor, inclusive = 0, start, True
-    while True:
-        lo = cursor if inclusive else f"({cursor}"
-        rows: Any = r.xrange(src.rollouts, min=lo, max=end, count=BATCH)
-        if not rows:
-            break
-        pipe = r.pipeline(transaction=False)
-        for entry_id, fields in rows:
-            pipe.xadd(dst.rollouts, fields, id=entry_id)
-        pipe.execute()
-        copied += len(rows)
-        cursor, inclusive = rows[-1][0].decode(), False
+    copied = 0
+    pipe = r.pipeline(transaction=False)
+    for entry_id, fields in iter_stream(r, src.rollouts, start, end, page=BATCH):
+        pipe.xadd(dst.rollouts, fields, id=entry_id)
+        copied += 1
+        if len(pipe) >= BATCH:
+            pipe.execute()
+    pipe.execute()
     if copied == 0:
         raise ReplayCopyError(f"no rollouts in {src.rollouts} between {start} and {end}")
     return copied
@@ -81,10 +68,9 @@ def copy_rollouts(r: redis.Redis, src: Keys, dst: Keys, start: str = "-", end: s
 
 def consumed_entry_ids(r: redis.Redis, src: Keys, first: int, last: int) -> list[str]:
     """Rollouts entry ids global steps first..last consumed, in consumption order (fates ids `<g>-<i>`)."""
-    rows: Any = r.xrange(src.fates, min=f"{first}-0", max=f"{last}-{MAX_SEQ}")
     by_step: dict[int, list[str]] = {}
-    for fid, fields in rows:
-        by_step.setdefault(_id_key(_text(fid))[0], []).append(decode_fate(fields).source_id)
+    for fid, fields in iter_stream(r, src.fates, f"{first}-0", f"{last}-{MAX_SEQ}"):
+        by_step.setdefault(parse_id(fid)[0], []).append(decode_fate(fields).source_id)
     missing = [g for g in range(first, last + 1) if g not in by_step]
     if missing:
         raise ReplayCopyError(f"{src.fates} has no entries for steps {missing} (not committed, or trimmed)")
@@ -103,7 +89,7 @@ def copy_steps(r: redis.Redis, src: Keys, dst: Keys, first: int, last: int) -> t
     gone = [i for i, rows in zip(ids, found, strict=True) if not rows]
     if gone:
         raise ReplayCopyError(f"{len(gone)} consumed entries are no longer in {src.rollouts} (retention?): {gone[:3]}")
-    keep_ids = all(_id_key(a) < _id_key(b) for a, b in zip(ids, ids[1:], strict=False))
+    keep_ids = all(parse_id(a) < parse_id(b) for a, b in zip(ids, ids[1:], strict=False))
     setup_run(r, dst)
     pipe = r.pipeline(transaction=False)
     for i, rows in zip(ids, found, strict=True):

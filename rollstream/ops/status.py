@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 
+from rollstream.bus import text
 from rollstream.names import COMMITTED_STEP_FIELD, GLOBAL_STEP_FIELD, HEARTBEAT_FIELD, Keys
 from rollstream.weights import latest_param_version, producer_versions
 from schemas import DecodeError, ProducerStats, SyncStepRecord, decode, decode_fate
@@ -24,14 +25,6 @@ RATE_WINDOW_S = 60.0
 #: Most recent entries read for the staleness histogram and the latest stats.
 RECENT_ENTRIES = 1000
 TRAINER_IDLE_KEY = "fully_async/trainer/idle_ratio"
-
-
-def _s(x: Any) -> str:
-    return x.decode(errors="replace") if isinstance(x, bytes) else str(x)
-
-
-def _ms(entry_id: Any) -> int:
-    return int(_s(entry_id).split("-", 1)[0])
 
 
 @dataclass
@@ -112,11 +105,11 @@ def _stream_info(r: redis.Redis, key: str, short: str) -> StreamInfo:
     for g in raw:
         groups.append(
             {
-                "group": _s(g["name"]),
+                "group": text(g["name"]),
                 "consumers": int(g["consumers"]),
                 "pending": int(g["pending"]),
                 "lag": None if g.get("lag") is None else int(g["lag"]),
-                "last_delivered": _s(g["last-delivered-id"]),
+                "last_delivered": text(g["last-delivered-id"]),
             }
         )
     return StreamInfo(short, length, int(mem or 0), groups)
@@ -139,7 +132,7 @@ def staleness_histogram(r: redis.Redis, keys: Keys, trainer_step: int | None) ->
     for _, f in rows:
         v = f.get(b"param_version")
         if v is not None:
-            counts[next_step - int(_s(v))] += 1
+            counts[next_step - int(text(v))] += 1
     return dict(sorted(counts.items())), f"rollouts (last {len(rows)}, vs next step {next_step})"
 
 
@@ -151,7 +144,7 @@ def recent_rates(r: redis.Redis, keys: Keys, window_s: float = RATE_WINDOW_S) ->
     start = now_ms - int(window_s * 1000)
     rows: Any = r.xrange(keys.rollouts, min=f"{start}-0", max="+")
     samples = len(rows)
-    tokens = sum(int(_s(f.get(b"tokens", b"0"))) for _, f in rows)
+    tokens = sum(int(text(f.get(b"tokens", b"0"))) for _, f in rows)
     return samples / window_s, tokens / window_s
 
 
@@ -162,7 +155,7 @@ def latest_idle(r: redis.Redis, keys: Keys) -> tuple[dict[str, float], float | N
     for _, f in rows:
         if f.get(b"type") != b"producer":
             continue
-        name = _s(f.get(b"producer", b"?"))
+        name = text(f.get(b"producer", b"?"))
         if name in producers:
             continue
         try:
@@ -194,7 +187,7 @@ def collect_status(
     shorts = [k.removeprefix(keys.prefix) for k in keys.all_streams()]
     streams = [_stream_info(r, k, s) for k, s in zip(keys.all_streams(), shorts, strict=True)]
     trainer_raw: Any = r.hgetall(keys.trainer)
-    trainer = {_s(k): _s(v) for k, v in trainer_raw.items()}
+    trainer = {text(k): text(v) for k, v in trainer_raw.items()}
     step = int(trainer[GLOBAL_STEP_FIELD]) if trainer.get(GLOBAL_STEP_FIELD, "").lstrip("-").isdigit() else None
     pv = latest_param_version(r, keys) if r.exists(keys.params) else None
     hist, source = staleness_histogram(r, keys, step)

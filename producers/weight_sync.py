@@ -43,7 +43,6 @@ class WeightSync:
         self.on_switch = on_switch
         self.version = -1  # nothing loaded yet
         self.loads = 0
-        self.checks = 0
 
     def load(self, pv: ParamVersion) -> None:
         """Fetch, verify and load `pv`; register it as this producer's version."""
@@ -71,7 +70,6 @@ class WeightSync:
         A blob garbage-collected between the XREVRANGE and the GET (an even newer version exists)
         is logged and skipped; the next check loads the newest.
         """
-        self.checks += 1
         pv = latest_param_version(self.r, self.keys)
         if pv is None or pv.version <= self.version:
             return False

@@ -1,4 +1,4 @@
-"""Validation: greedy-decode the held-out prompts with the trainer's current weights and score them.
+"""Evaluation: greedy-decode the held-out prompts with the trainer's current weights and score them.
 
 Single-turn only (a multi-turn task is scored on its first assistant turn). Prompts are encoded the way
 producers encode them (bos first) and decoded in batches.
@@ -10,7 +10,7 @@ from rollstream.model import BasePolicy
 from rollstream.tasks import Prompt, Task
 
 
-def validate(
+def evaluate(
     policy: BasePolicy, task: Task, prompts: list[Prompt], max_new_tokens: int, batch_size: int = 64
 ) -> dict[str, float]:
     """`val/reward_mean` (mean score) and `val/acc` (share exact) over prompts; {} when there are none."""
