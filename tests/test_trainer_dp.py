@@ -21,7 +21,13 @@ from safetensors.torch import load as st_load
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.checkpoint import read_checkpoint, write_checkpoint
-from consumers.trainer.distributed import DataParallel, DistributedError, RankInfo, check_strategy, consumer_name
+from consumers.trainer.distributed import (
+    DataParallel,
+    DistributedError,
+    RankInfo,
+    check_strategy,
+    consumer_name,
+)
 from consumers.trainer.learner import Learner
 from rollstream.config import load_config
 from rollstream.fakes import fake_rollout_sample

@@ -25,7 +25,6 @@ import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +33,10 @@ import torch.distributed as dist
 from safetensors.torch import save as st_save
 from torch import nn
 
+from consumers.trainer.ranks import RankInfo, consumer_name, rank_info
 from schemas import decode_payload, encode_payload
+
+__all__ = ["DataParallel", "DistributedError", "RankInfo", "check_strategy", "consumer_name", "rank_info", "state_bytes", "watch_parent"]
 
 log = logging.getLogger(__name__)
 
@@ -49,36 +51,6 @@ FSDP_NEEDS_CUDA = (
 
 class DistributedError(RuntimeError):
     """A data-parallel setup that cannot work (message names the setting)."""
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where this process sits among the trainer ranks (from torchrun's environment)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        """True on rank 0, the rank that publishes weights, checkpoints and commits."""
-        return self.rank == 0
-
-
-def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
-    """This process's rank, world size and local rank from torchrun's variables (a world of one without them)."""
-    env = os.environ if environ is None else environ
-    world = int(env.get("WORLD_SIZE", "1"))
-    rank = int(env.get("RANK", "0"))
-    local = int(env.get("LOCAL_RANK", str(rank)))
-    if world < 1 or not 0 <= rank < world:
-        raise DistributedError(f"RANK={rank} is not in a world of WORLD_SIZE={world}")
-    return RankInfo(rank, world, local)
-
-
-def consumer_name(base: str, info: RankInfo) -> str:
-    """The rollouts consumer name of a rank: `base` alone in a world of one, else `<base>-r<rank>`."""
-    return base if info.world_size == 1 else f"{base}-r{info.rank}"
 
 
 def rank_device(device: torch.device, info: RankInfo) -> torch.device:
@@ -118,6 +90,19 @@ def watch_parent(stop: threading.Event, period_s: float = 1.0) -> threading.Thre
     return thread
 
 
+def attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun, a client of torchrun's own store with keys prefixed by the restart attempt; None
+    without torchrun's store (plain env:// init then). torch 2.13 keeps that store across restarts of the
+    group without the per-attempt prefix its env:// init assumes, so a restarted group's gloo read the dead
+    group's addresses and never connected (tests/test_trainer_dp_run.py kills ranks to check this)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"rollstream/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
 def _shard(module: nn.Module) -> None:
     """fully_shard every block of every nn.ModuleList, then the root (FSDP2's usual wrapping)."""
     from torch.distributed.fsdp import fully_shard
@@ -133,9 +118,9 @@ def state_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
     """safetensors bytes of a state dict, a tensor shared by several names (tied weights) stored once,
     under its first name (as rollstream.model.base.state_dict_to_bytes)."""
     keep: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()  # (storage, offset, shape) of each kept tensor
     for name, t in state.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(int(d) for d in t.shape))
         if key in seen and key[0] != 0:
             continue
         seen.add(key)
@@ -161,10 +146,19 @@ class DataParallel:
         info = rank_info()
         device = rank_device(device, info)
         dp = cls(info, device, strategy, fsdp_on_cpu)
-        if info.world_size > 1 and not dist.is_initialized():
+        if (info.world_size > 1 or strategy == "fsdp") and not dist.is_initialized():
+            if "MASTER_ADDR" not in os.environ:
+                raise DistributedError(f"trainer.strategy={strategy} with {info.world_size} rank(s) runs under torchrun "
+                                       "(`rollstream run` starts it so: see rollstream/ops/plan.py trainer_argv)")
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+            timeout = timedelta(seconds=timeout_s)
+            store = attempt_store(timeout)
+            if store is None:
+                dist.init_process_group(backend_for(device), timeout=timeout)
+            else:
+                dist.init_process_group(backend_for(device), store=store, rank=info.rank, world_size=info.world_size,
+                                        timeout=timeout)
             log.info("rank %d of %d joined the %s group on %s", info.rank, info.world_size, backend_for(device), device)
         return dp
 
@@ -236,7 +230,8 @@ class DataParallel:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(module, options=opts)
+        state: dict[str, Any] = get_model_state_dict(module, options=opts)
+        return state
 
     def full_optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's whole state_dict, index-keyed as torch.optim.Optimizer.state_dict gives it: a
@@ -246,7 +241,7 @@ class DataParallel:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        osd = get_optimizer_state_dict(module, optimizer, options=opts)
+        osd: Any = get_optimizer_state_dict(module, optimizer, options=opts)
         if not osd:
             return {}
         index = {name: i for i, (name, _) in enumerate(module.named_parameters())}
@@ -268,7 +263,7 @@ class DataParallel:
         names = [name for name, _ in module.named_parameters()]
         opts = StateDictOptions(full_state_dict=True)
         set_model_state_dict(module, {k: weights[k] for k in module.state_dict() if k in weights}, options=opts)
-        osd = {
+        osd: Any = {
             "state": {names[int(i)]: dict(sorted(st.items())) for i, st in sorted(optim_state["state"].items())},
             "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in optim_state["param_groups"]],
         }

@@ -42,7 +42,20 @@ being trained, `fully_async/count/current_param_version` is that version (g − 
 Reconnects: every Redis call outside the reader (which retries its own) goes through
 `retry_on_connection`, so a Redis restart pauses the trainer in place instead of killing it. Each call
 is safe to repeat: the commit, the consumed count and the grant are guarded by the trainer hash, a
-weight publish re-checks `params` first, and a repeated event is resolved by the fold.
+weight publish re-checks `params` first, and a repeated event is resolved by the fold. No collective
+runs inside a retried call (a repeat on one rank would pair it with the wrong collective elsewhere).
+
+Data parallel (`trainer.nproc_per_node` / `nnodes` > 1, under torchrun; consumers/trainer/distributed.py):
+every rank runs this loop on its own reader (consumer `trainer-r<rank>` of the `trainer` group) and
+trains `ppo_mini_batch_size / world_size` samples per local update (so `train_batch_size / world_size`
+per global step), collected in agreed rounds (consumers/trainer/ranks.py: same step, same stop, no
+sample id on two ranks); DDP averages the gradients. Each rank emits its own `local_update` (with its
+rank and sample_count). At the end of a step the ranks all-gather their ledgers, RNG states, counters
+and stop flags; rank 0 alone evaluates (all ranks under fsdp), writes the checkpoint (weights and
+optimizer once, every rank's RNG and sample ids), publishes the weights, commits every rank's fates and
+XACKs in its one MULTI (with `step_end`, world_size W), grants the budget and runs retention. A restarted
+group resumes from that checkpoint (rank 0 reads it and broadcasts it), and each rank re-reads its own
+pending entries, acking without training those whose sample_id is already in `fates`.
 """
 
 from __future__ import annotations
@@ -58,7 +71,8 @@ from typing import Any
 import redis
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
-from consumers.trainer.checkpoint import load_latest_checkpoint, save_checkpoint
+from consumers.trainer.checkpoint import list_checkpoints, read_checkpoint, rng_plain, write_checkpoint
+from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.evaluate import evaluate
 from consumers.trainer.guard import unusable_reason, version_reason
 from consumers.trainer.learner import Learner
@@ -68,7 +82,9 @@ from consumers.trainer.ledger import (
     committed_sample_ids,
     committed_step,
     count_consumed,
+    merge_ledgers,
 )
+from consumers.trainer.ranks import RoundClaim, resolve_round
 from consumers.trainer.staleness import dropped_metrics, staleness
 from rollstream.bus import (
     GroupReader,
@@ -81,12 +97,15 @@ from rollstream.bus import (
 )
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_prompt_source, build_task
+from rollstream.model.base import resolve_device
 from rollstream.names import (
     HEARTBEAT_FIELD,
     REPLAYED_VERSIONS_FIELD,
     TRAINER_GROUP,
     TRAINING_STEP_FIELD,
+    WORLD_SIZE_FIELD,
     Keys,
+    rank_heartbeat_field,
 )
 from rollstream.pacing import current_budget, grant_budget, record_consumed
 from rollstream.rl import staleness_metrics
@@ -104,12 +123,15 @@ class Trainer:
     """One trainer process: owns the learner, the rollouts reader and the step bookkeeping."""
 
     def __init__(
-        self, cfg: PipelineConfig, r: redis.Redis, keys: Keys, name: str, stop: threading.Event, burst: bool = False
+        self, cfg: PipelineConfig, r: redis.Redis, keys: Keys, name: str, stop: threading.Event, burst: bool = False,
+        dp: DataParallel | None = None,
     ) -> None:
         """Build the learner and the reader (group `trainer`, consumer = worker name); `burst` exits
-        once the rollouts stream is drained."""
+        once the rollouts stream is drained; `dp` is this rank's data-parallel group (None: a world of one)."""
         self.cfg, self.r, self.keys, self.stop, self.burst = cfg, r, keys, stop, burst
-        self.learner = Learner(cfg)
+        self.dp = dp if dp is not None else DataParallel(RankInfo(), resolve_device(cfg.run.device))
+        self.learner = Learner(cfg, self.dp)
+        self.share = cfg.actor.ppo_mini_batch_size // self.dp.world_size  # this rank's samples per local update
         limits = entry_limits(cfg.bus.max_entry_bytes)
         self.reader = GroupReader(
             r, keys.rollouts, TRAINER_GROUP, name, dead_stream=keys.dead, block_ms=cfg.bus.block_ms,
@@ -126,7 +148,7 @@ class Trainer:
                     **({keys.records: cfg.bus.records_maxlen} if cfg.bus.records_maxlen else {}),
                 },
             )
-            if cfg.bus.retention else None
+            if cfg.bus.retention and self.dp.is_main else None
         )
         self.ckpt_dir = cfg.run_dir() / "checkpoints"
         self.weights_dir = cfg.run_dir() / "weights"
@@ -145,42 +167,72 @@ class Trainer:
         self.recent: deque[Prompt] = deque(maxlen=max(1, cfg.data.val_size))  # newest trained prompts
         self.used_up = False  # burst: the consumer loop ended with the rollouts stream drained
         self.counters = {STALE_SAMPLES: 0, STALE_TRAJECTORIES: 0}  # cumulative, kept in the checkpoint
+        self.claimed: set[str] = set()  # data parallel: sample ids any rank took since the start (ranks.py)
+        self.agreed_stop = False  # data parallel: some rank asked to stop at the last step end
+        self.pending_ids: list[list[str]] = [[] for _ in range(self.dp.world_size)]  # per rank, since the checkpoint
+        self._own_acks: list[str] = []  # this rank's ack ids in `pending` (forgotten once committed)
 
     # -- start / resume ----------------------------------------------------------------------------
 
     def resume(self) -> None:
-        """Load the newest checkpoint, finish its publish/commit/grant if a crash cut them short (the whole
-        resume is repeated if Redis goes away meanwhile: every part of it is idempotent)."""
-        retry_on_connection(self._resume, "resume")
+        """Load the newest checkpoint (rank 0 reads it, every rank loads it), then on rank 0 finish its
+        publish/commit/grant if a crash cut them short (repeated if Redis goes away meanwhile: every part is
+        idempotent); then every rank reads what is already committed."""
+        meta = self._load_checkpoint()
+        blob = self.learner.weights_bytes() if self.dp.is_main or self.dp.sharded else b""
+        if self.dp.is_main:
+            retry_on_connection(lambda: self._resume_main(meta, blob), "resume")
+        self.dp.barrier()  # the redone commit is in `fates` before any rank reads it
+        retry_on_connection(self._resume_rank, "resume")
+        if meta is None and self.cfg.trainer.test_freq > 0:
+            self._evaluate(0)
 
-    def _resume(self) -> None:
+    def _load_checkpoint(self) -> dict[str, Any] | None:
+        """Restore the newest checkpoint into the learner (and this rank's RNG and counters); None when
+        there is none. Rank 0 reads the file and broadcasts its bytes (other hosts need no shared folder)."""
+        found = list_checkpoints(self.ckpt_dir) if self.dp.is_main else []
+        data = self.dp.broadcast_bytes(found[-1][1].read_bytes() if found else None)
+        if not data:
+            return None
+        weights, optimizer_state, meta = read_checkpoint(data, self.dp.rank, self.dp.world_size)
+        self.learner.load_checkpoint_state(weights, optimizer_state)
+        self.global_step = int(meta["global_step"])
+        ranks = meta.get("ranks") or []
+        if self.dp.active and len(ranks) == self.dp.world_size:
+            counters = ranks[self.dp.rank].get("counters", {})
+        else:  # a world of one, or another world size: the totals go to rank 0
+            counters = meta.get("counters", {}) if self.dp.is_main else {}
+        self.counters.update({k: int(v) for k, v in counters.items() if k in self.counters})
+        log.info("resumed from checkpoint of global step %d", self.global_step)
+        return meta
+
+    def _resume_main(self, meta: dict[str, Any] | None, blob: bytes) -> None:
+        """Rank 0's part of the resume: set up the run, publish the checkpoint's version if `params` lacks
+        it, redo its commit if it never ran, grant its budget."""
         setup_run(self.r, self.keys)
-        meta = load_latest_checkpoint(self.ckpt_dir, self.learner.policy, self.learner.optimizer)
-        ledgers: list[StepLedger] = []
-        if meta is not None:
-            self.global_step = int(meta["global_step"])
-            ledgers = [StepLedger.from_plain(d) for d in meta["steps"]]
-            self.counters.update({k: int(v) for k, v in meta.get("counters", {}).items() if k in self.counters})
-            log.info("resumed from checkpoint of global step %d", self.global_step)
-        self._publish(self.global_step, only_if_missing=True)
-        latest = latest_param_version(self.r, self.keys)
-        replayed = int(self.r.hget(self.keys.trainer, REPLAYED_VERSIONS_FIELD) or 0)  # type: ignore[arg-type]
-        self.newest_published = max(self.global_step, latest.version if latest is not None else 0, replayed)
+        ledgers = [StepLedger.from_plain(d) for d in meta["steps"]] if meta is not None else []
+        self._publish(self.global_step, blob, only_if_missing=True)
         if ledgers and committed_step(self.r, self.keys) < self.global_step:
             log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
             commit_steps(self.r, self.keys, ledgers, self.global_step)
         self._grant(self.global_step)
+        if self.dp.active:
+            self.r.hset(self.keys.trainer, WORLD_SIZE_FIELD, self.dp.world_size)
+
+    def _resume_rank(self) -> None:
+        """Every rank's part of the resume: the newest published version, the trainer's begun step and
+        the sample ids already committed."""
+        latest = latest_param_version(self.r, self.keys)
+        replayed = int(self.r.hget(self.keys.trainer, REPLAYED_VERSIONS_FIELD) or 0)  # type: ignore[arg-type]
+        self.newest_published = max(self.global_step, latest.version if latest is not None else 0, replayed)
         self.training_step = int(self.r.hget(self.keys.trainer, TRAINING_STEP_FIELD) or 0)  # type: ignore[arg-type]
         self.seen = committed_sample_ids(self.r, self.keys)
         log.info("%d sample ids already committed", len(self.seen))
-        if meta is None and self.cfg.trainer.test_freq > 0:
-            self._evaluate(0)
 
-    def _publish(self, version: int, only_if_missing: bool = False) -> float:
-        """Publish the current weights as `version` (skipped when params has it and only_if_missing; a
-        retry after a connection loss always checks, as the first attempt may have landed)."""
+    def _publish(self, version: int, blob: bytes, only_if_missing: bool = False) -> float:
+        """Publish `blob` (the current weights) as `version` (skipped when params has it and
+        only_if_missing; a retry after a connection loss always checks, as the first attempt may have landed)."""
         t0 = time.perf_counter()
-        blob = self.learner.policy.state_dict_bytes()
         attempts = [only_if_missing]
 
         def publish() -> None:
@@ -211,14 +263,21 @@ class Trainer:
 
     def _evaluate(self, version: int) -> None:
         """Greedy-decode the held-out prompts (`val/…`) and the newest trained prompts
-        (`val/recent_train_…`: memorisation shows as a gap between the two); emit a `validation` event."""
+        (`val/recent_train_…`: memorisation shows as a gap between the two); emit a `validation` event.
+        Rank 0 alone; under fsdp every rank decodes in step (the weights are sharded), on rank 0's prompts."""
+        if not (self.dp.is_main or self.dp.sharded):
+            return
         task = build_task(self.cfg)
         prompts = build_prompt_source(self.cfg, task).val_prompts()
         limit = self.cfg.data.max_response_length
+        recent_prompts = list(self.recent)
+        if self.dp.sharded and self.dp.active:
+            rows = self.dp.broadcast_plain([[p.uid, p.text, p.answer] for p in recent_prompts])
+            recent_prompts = [Prompt(uid=u, text=t, answer=a) for u, t, a in rows]
         metrics = evaluate(self.learner.policy, task, prompts, limit)
-        recent = evaluate(self.learner.policy, task, list(self.recent), limit)
+        recent = evaluate(self.learner.policy, task, recent_prompts, limit)
         metrics.update({k.replace("val/", "val/recent_train_"): v for k, v in recent.items()})
-        if metrics:
+        if metrics and self.dp.is_main:
             ev = ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
             retry_on_connection(lambda: self.publisher.publish(self.keys.metrics, ev), "publishing validation")
             log.info("validation of version %d: %s", version, metrics)
@@ -226,7 +285,12 @@ class Trainer:
     # -- consuming ---------------------------------------------------------------------------------
 
     def _heartbeat(self) -> None:
-        retry_on_connection(lambda: self.r.hset(self.keys.trainer, HEARTBEAT_FIELD, time.time()), "heartbeat")
+        """Write this rank's heartbeat (rank 0: `heartbeat`; with several ranks also `heartbeat:r<rank>`)."""
+        fields = [HEARTBEAT_FIELD] if self.dp.is_main else []
+        if self.dp.active:
+            fields.append(rank_heartbeat_field(self.dp.rank))
+        now = time.time()
+        retry_on_connection(lambda: self.r.hset(self.keys.trainer, mapping=dict.fromkeys(fields, now)), "heartbeat")
 
     def _fill(self) -> bool:
         """One pass of the consumer loop: buffer new samples, ack duplicates of seen ids, count
@@ -244,7 +308,7 @@ class Trainer:
             if not isinstance(ev, RolloutSample):
                 self._own_dead += 1
                 self.reader.dead_letter(m.id, m.fields, f"not a rollout: {ev.type}")
-            elif ev.sample_id in self.seen:
+            elif ev.sample_id in self.seen or ev.sample_id in self.claimed:
                 dupes.append(m.id)  # the original is committed or still pending: safe to ack this copy
             elif (why := version_reason(ev, self.newest_published)) is not None:
                 self.reader.dead_letter(m.id, m.fields, f"invalid: {why}")  # counted as consumed below
@@ -265,40 +329,85 @@ class Trainer:
         self._heartbeat()
         return True
 
-    def _starve(self) -> bool:
-        """The buffer is empty: run one more pass of the loop; True when the caller must give up (stop
-        requested, or in burst mode no rollout is left)."""
+    def _starve(self, need: int) -> bool:
+        """The buffer lacks `need` samples: run one more pass of the loop; True when the caller must give up
+        (stop requested, or in burst mode no rollout is left). With several ranks a pass reads at most
+        `need` entries, so no rank hoards what the others wait for (pacing caps what is outstanding)."""
+        if self.dp.active:
+            self.reader.count = max(1, min(self.cfg.bus.read_count, need))
         return self.stop.is_set() or not self._fill()
 
     def _wait_warmup(self) -> None:
-        """Before the run's first update: wait until num_warmup_batches mini-batches have arrived."""
-        want = self.cfg.trainer.num_warmup_batches * self.cfg.actor.ppo_mini_batch_size
-        while len(self.buffer) < want and not self.stop.is_set() and not self.used_up:
-            if not self._fill():
+        """Before the run's first update: wait until num_warmup_batches mini-batches have arrived (this
+        rank's share of them; ranks wait in agreed rounds)."""
+        want = self.cfg.trainer.num_warmup_batches * self.share
+        while True:
+            ended = self.stop.is_set() or self.used_up
+            if len(self.buffer) < want and not ended:
+                ended = self._starve(want - len(self.buffer))
+            if not self.dp.active:
+                if ended or len(self.buffer) >= want:
+                    break
+                continue
+            res = self._round(RoundClaim(ended or self.stop.is_set(), len(self.buffer)), want)
+            if res.all_ready or res.any_ended:
                 break
         log.info("warmup: %d samples buffered before the first update", len(self.buffer))
 
+    def _take(self, g: int, need: int) -> list[tuple[Message, int]]:
+        """Pop samples off the buffer until `need` of them are fresh enough to keep (stale ones met on the
+        way are taken too, to be dropped); (message, staleness) each."""
+        k = self.cfg.trainer.max_off_policy_threshold
+        out: list[tuple[Message, int]] = []
+        while need > 0 and self.buffer:
+            m = self.buffer.popleft()
+            st = staleness(g, m.event.param_version)  # type: ignore[union-attr]
+            out.append((m, st))
+            need -= st <= k
+        return out
+
+    def _round(self, claim: RoundClaim, want: int) -> Any:
+        """Exchange one collection round's claims with the other ranks and resolve them (ranks.py)."""
+        claims = [RoundClaim.from_plain(d) for d in self.dp.all_gather_plain(claim.to_plain())]
+        return resolve_round(claims, self.claimed, want, self.dp.rank)
+
     def _collect(self, g: int, ledger: StepLedger) -> tuple[list[tuple[Message, int]], list[int]] | None:
-        """Take ppo_mini_batch_size samples with staleness <= threshold; drop (and record) older ones.
-        Returns (kept with staleness, dropped staleness), or None when stop was requested."""
-        want, k = self.cfg.actor.ppo_mini_batch_size, self.cfg.trainer.max_off_policy_threshold
+        """Take this rank's share of a mini-batch (ppo_mini_batch_size / world_size samples) with staleness
+        <= threshold; drop (and record) older ones. Returns (kept with staleness, dropped staleness), or
+        None when stop was requested (on any rank) or, in burst mode, no rollout is left."""
+        want, k = self.share, self.cfg.trainer.max_off_policy_threshold
         kept: list[tuple[Message, int]] = []
         dropped: list[int] = []
-        while len(kept) < want:
-            if not self.buffer:
-                if self._starve():
-                    return None
-                continue
-            m = self.buffer.popleft()
-            ev: Any = m.event
-            st = staleness(g, ev.param_version)
-            if st > k:
-                ledger.fates.append(Fate(ev.sample_id, m.id, DROPPED, st, ev.param_version, g))
-                ledger.ack_ids.append(m.id)
-                dropped.append(st)
-            else:
-                kept.append((m, st))
-        return kept, dropped
+        while True:
+            taken = self._take(g, want - len(kept))
+            ended = self.stop.is_set()
+            short = want - len(kept) - sum(st <= k for _, st in taken)
+            if short > 0 and not ended:
+                ended = self._starve(short)
+                taken += self._take(g, short)
+            ready = len(kept) + sum(st <= k for _, st in taken) >= want
+            if self.dp.active:
+                claim = RoundClaim(ended or self.stop.is_set(), len(kept),
+                                   [(m.event.sample_id, st <= k) for m, st in taken])  # type: ignore[union-attr]
+                res = self._round(claim, want)
+                dupes = [taken[i][0].id for i in res.duplicates]
+                if dupes:
+                    log.warning("acking %d samples another rank took first, without training", len(dupes))
+                    retry_on_connection(partial(self.reader.ack, dupes), "acking duplicates")
+                    taken = [x for i, x in enumerate(taken) if i not in set(res.duplicates)]
+                ready, ended = res.all_ready, res.any_ended
+            for m, st in taken:
+                ev: Any = m.event
+                if st > k:
+                    ledger.fates.append(Fate(ev.sample_id, m.id, DROPPED, st, ev.param_version, g))
+                    ledger.ack_ids.append(m.id)
+                    dropped.append(st)
+                else:
+                    kept.append((m, st))
+            if ended:
+                return None
+            if ready:
+                return kept, dropped
 
     # -- one global step ---------------------------------------------------------------------------
 
@@ -310,7 +419,8 @@ class Trainer:
         ledger = StepLedger(g)
         self._step_dead = 0
         if g > self.training_step:  # before any event of step g: the aggregator places nothing beyond it
-            retry_on_connection(lambda: self.r.hset(self.keys.trainer, TRAINING_STEP_FIELD, g), "training_step")
+            if self.dp.is_main:  # the other ranks emit nothing of step g before rank 0's first collective
+                retry_on_connection(lambda: self.r.hset(self.keys.trainer, TRAINING_STEP_FIELD, g), "training_step")
             self.training_step = g
         self.learner.begin_step(g)
         K = cfg.trainer.parameter_sync_step
@@ -322,7 +432,7 @@ class Trainer:
             if cfg.trainer.sync_mode and local == 1:  # synchronous RL: the whole global batch first
                 collected = [self._collect(g, ledger) for _ in range(K)]
             got = collected[local - 1] if cfg.trainer.sync_mode else self._collect(g, ledger)
-            if got is None or self.stop.is_set():
+            if got is None or (self.stop.is_set() and not self.dp.active):  # ranks stop only when they agree
                 why = "no rollouts left (burst)" if self.used_up else "stop requested"
                 log.warning("%s during global step %d: abandoning it (samples stay pending)", why, g)
                 return False
@@ -357,59 +467,102 @@ class Trainer:
         metrics.update({"training/global_step": float(g), "timing_s/gen": t_gen, "timing_s/assemble": t_asm,
                         "timing_s/transport": transport_s, "fully_async/total_wait_time": t_gen})
         update = StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(kept),
-                             metrics={k: float(v) for k, v in metrics.items()})
+                             rank=self.dp.rank, metrics={k: float(v) for k, v in metrics.items()})
         retry_on_connection(partial(self.publisher.publish, self.keys.metrics, update), "publishing local_update")
         self._heartbeat()
 
+    def _gather_step(self, ledger: StepLedger) -> list[dict[str, Any]]:
+        """Every rank's end-of-step report, in rank order: its ledger, dead-lettered rollouts, stop flag,
+        counters and RNG state (a world of one: its own, nothing exchanged)."""
+        mine = {"dead": self._step_dead, "stop": self.stop.is_set(), "counters": dict(self.counters)}
+        if not self.dp.active:
+            return [{**mine, "ledger": ledger}]
+        mine.update({"ledger": ledger.to_plain(), "rng": rng_plain()})
+        reports = self.dp.all_gather_plain(mine)
+        for rep in reports:
+            rep["ledger"] = StepLedger.from_plain(rep["ledger"])
+        return reports
+
     def _finish_step(self, g: int, ledger: StepLedger, t_step: float) -> None:
-        """End of step g: evaluate version g, then checkpoint / publish / commit (or publish and count the
-        step's samples as consumed), grant version g its budget, run retention."""
+        """End of step g: gather every rank's ledger; evaluate version g; then rank 0 checkpoints /
+        publishes / commits (or publishes and counts the step's samples as consumed), grants version g its
+        budget and runs retention."""
         cfg = self.cfg
-        K = cfg.trainer.parameter_sync_step
+        K, W = cfg.trainer.parameter_sync_step, self.dp.world_size
+        reports = self._gather_step(ledger)
+        merged = merge_ledgers(g, [rep["ledger"] for rep in reports]) if self.dp.active else ledger
+        for r, rep in enumerate(reports):
+            self.pending_ids[r] += [f.sample_id for f in rep["ledger"].fates]
+        self._own_acks += ledger.ack_ids
+        self.newest_published = max(self.newest_published, g)
+        self.agreed_stop = any(rep["stop"] for rep in reports)
         if cfg.trainer.test_freq > 0 and g % cfg.trainer.test_freq == 0:
             self._evaluate(g)
-        trained = sum(1 for f in ledger.fates if f.fate == TRAINED)
-        ledger.step_end = StepMetrics(
-            type="step_end", global_step=g, local_step=K, sample_count=trained, num_local_updates=K,
+        trained = sum(1 for f in merged.fates if f.fate == TRAINED)
+        merged.step_end = StepMetrics(
+            type="step_end", global_step=g, local_step=K, sample_count=trained, num_local_updates=K, world_size=W,
             metrics={
                 "training/global_step": float(g),
                 "trainer/param_version": float(g),
+                "trainer/world_size": float(W),
                 "fully_async/count/trained_samples": float(trained),
-                "fully_async/count/dropped_samples": float(len(ledger.fates) - trained),
-                "fully_async/count/dead_samples": float(self._step_dead),
+                "fully_async/count/dropped_samples": float(len(merged.fates) - trained),
+                "fully_async/count/dead_samples": float(sum(rep["dead"] for rep in reports)),
             },
         )
-        self.pending.append(ledger)
+        if self.dp.active:  # the run's counters are every rank's together (each local update has its own)
+            for name in self.counters:
+                merged.step_end.metrics[f"fully_async/count/{name}"] = float(sum(rep["counters"][name] for rep in reports))
+        self.pending.append(merged)
         self.global_step = g
-        due = g % cfg.trainer.save_freq == 0 or g >= cfg.trainer.total_global_steps or self.stop.is_set()
+        due = g % cfg.trainer.save_freq == 0 or g >= cfg.trainer.total_global_steps or self.agreed_stop
+        t0 = time.perf_counter()
+        optimizer_state: dict[str, Any] = {}
+        if self.dp.is_main or self.dp.sharded:  # under fsdp reading the whole weights is a collective
+            if due:
+                blob, optimizer_state = self.learner.checkpoint_state()
+            else:
+                blob = self.learner.weights_bytes()
+        if self.dp.is_main:
+            self._finish_main(g, merged, reports, blob, optimizer_state, due, t_step, t0)
         if due:
-            t0 = time.perf_counter()
-            ledger.step_end.metrics["timing_s/step"] = time.perf_counter() - t_step
-            meta = {"param_version": g, "steps": [lg.to_plain() for lg in self.pending], "counters": self.counters}
-            save_checkpoint(self.ckpt_dir, g, self.learner.policy, self.learner.optimizer, meta,
-                            keep_last=cfg.trainer.keep_checkpoints)
+            self.reader.forget(self._own_acks)  # acked inside rank 0's commit
+            self._own_acks, self.pending = [], []
+            self.pending_ids = [[] for _ in range(W)]
+        log.info("global step %d done in %.2fs (%d trained, %d dropped; %d ranks)", g, time.perf_counter() - t_step,
+                 trained, len(merged.fates) - trained, W)
+
+    def _finish_main(
+        self, g: int, merged: StepLedger, reports: list[dict[str, Any]], blob: bytes, optimizer_state: dict[str, Any],
+        due: bool, t_step: float, t0: float,
+    ) -> None:
+        """Rank 0's end of step g: checkpoint (when due) / publish / commit or count, grant, retention."""
+        cfg, step_end = self.cfg, merged.step_end
+        assert step_end is not None
+        if due:
+            step_end.metrics["timing_s/step"] = time.perf_counter() - t_step
+            meta: dict[str, Any] = {"param_version": g, "steps": [lg.to_plain() for lg in self.pending]}
+            meta["counters"] = {name: sum(rep["counters"][name] for rep in reports) for name in self.counters}
+            if self.dp.active:  # each rank's RNG, counters and the sample ids it consumed since the last checkpoint
+                meta["ranks"] = [{"rank": r, "rng": rep["rng"], "counters": rep["counters"],
+                                  "sample_ids": self.pending_ids[r]} for r, rep in enumerate(reports)]
+            write_checkpoint(self.ckpt_dir, g, blob, optimizer_state, meta, keep_last=cfg.trainer.keep_checkpoints)
             t_ckpt = time.perf_counter() - t0
-            t_pub = self._publish(g)
+            t_pub = self._publish(g, blob)
             step_s = time.perf_counter() - t_step
-            ledger.step_end.metrics.update({
+            step_end.metrics.update({
                 "timing_s/checkpoint": t_ckpt, "timing_s/publish": t_pub,
                 "timing_s/step": step_s, "perf/time_per_step": step_s,
             })
             retry_on_connection(lambda: commit_steps(self.r, self.keys, self.pending, g), f"committing step {g}")
-            self.reader.forget(i for lg in self.pending for i in lg.ack_ids)  # acked inside the commit
-            self.pending = []
         else:
-            t_pub = self._publish(g)
+            t_pub = self._publish(g, blob)
             step_s = time.perf_counter() - t_step
-            ledger.step_end.metrics.update(
-                {"timing_s/publish": t_pub, "timing_s/step": step_s, "perf/time_per_step": step_s}
-            )
-            retry_on_connection(lambda: count_consumed(self.r, self.keys, ledger), f"counting step {g}")
+            step_end.metrics.update({"timing_s/publish": t_pub, "timing_s/step": step_s, "perf/time_per_step": step_s})
+            retry_on_connection(lambda: count_consumed(self.r, self.keys, merged), f"counting step {g}")
         self._grant(g)
         if self.janitor is not None:
             retry_on_connection(self.janitor.maybe_run, "retention")
-        log.info("global step %d done in %.2fs (%d trained, %d dropped)", g, time.perf_counter() - t_step,
-                 trained, len(ledger.fates) - trained)
 
     def _count_stale(self, version: int, samples: list[RolloutSample], trajectory_versions: list[int]) -> dict[str, float]:
         """Add this update's stale samples / trajectories (older than `version`, the one being trained) to
@@ -422,12 +575,17 @@ class Trainer:
             "fully_async/count/current_param_version": float(version),
         }
 
+    def _stopping(self) -> bool:
+        """Stop before the next step: a world of one asks its stop flag; ranks use what they agreed at
+        the last step end (a stop arriving since is agreed in the next step's first round)."""
+        return self.agreed_stop if self.dp.active else self.stop.is_set()
+
     def run(self) -> int:
         """Resume, then train global steps until total_global_steps, a stop request or (burst) no rollouts
         left; returns 0."""
         self.resume()
         total = self.cfg.trainer.total_global_steps
-        while self.global_step < total and not self.stop.is_set():
+        while self.global_step < total and not self._stopping():
             if not self.train_step(self.global_step + 1):
                 break
         log.info("trainer stopping at global step %d", self.global_step)
