@@ -29,6 +29,7 @@ from consumers.trainer.distributed import (
     consumer_name,
 )
 from consumers.trainer.learner import Learner
+from consumers.trainer.ranks import RoundClaim, rank_info, resolve_round
 from rollstream.config import load_config
 from rollstream.fakes import fake_rollout_sample
 from rollstream.rl import agg_loss, dp_loss_scale, loss_denominators
@@ -145,3 +146,77 @@ def test_fsdp_refuses_cpu_and_names_are_rank_stable() -> None:
         DataParallel(RankInfo(0, 2, 0), torch.device("cpu"), "fsdp")
     assert consumer_name("trainer", RankInfo(0, 1, 0)) == "trainer"  # a world of one keeps its old name
     assert [consumer_name("trainer", RankInfo(r, 2, r)) for r in (0, 1)] == ["trainer-r0", "trainer-r1"]
+
+
+def _trainer_rank(rank: int, world: int, init_file: str, redis_url: str, overrides: list[str]) -> None:
+    """One spawned trainer rank (gloo) running the real loop in burst mode on the test's Redis."""
+    import threading
+
+    import redis as redis_lib
+
+    from consumers.trainer.loop import Trainer
+    from rollstream.names import Keys
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        cfg = load_config(None, overrides)
+        r = redis_lib.Redis.from_url(redis_url)
+        dp = DataParallel(RankInfo(rank, world, rank), torch.device("cpu"))
+        Trainer(cfg, r, Keys(cfg.run.name), consumer_name("trainer", RankInfo(rank, world, rank)), threading.Event(),
+                burst=True, dp=dp).run()
+    finally:
+        dp.close()
+
+
+def test_two_trainer_ranks_train_a_sample_read_by_both_once(r: Any, keys: Any, redis_url: str, tmp_path: Path) -> None:
+    """Every id published twice in a row (a producer's retried XADD) reaches both ranks in one round (each
+    reads one entry per round); the lower rank trains it, the other acks its copy without a fate."""
+    from consumers.trainer.checkpoint import list_checkpoints
+    from rollstream.audit import audit_run
+    from rollstream.bus import iter_stream, setup_run
+    from schemas import StepMetrics, decode, decode_payload, encode
+
+    overrides = TINY[:5] + [f"run.name={keys.run}", f"run.dir={tmp_path}", "actor.ppo_mini_batch_size=2",
+                            "trainer.parameter_sync_step=1", "data.train_batch_size=2", "rollout.n=2",
+                            "trainer.total_global_steps=4", "trainer.max_off_policy_threshold=1000", "trainer.test_freq=0",
+                            "trainer.save_freq=2", "trainer.nproc_per_node=2", "bus.block_ms=50"]
+    setup_run(r, keys)
+    for i in range(10):
+        sample = encode(fake_rollout_sample(f"s{i}", n=2, prompt_len=4, response_len=5, seed=i, vocab=20))
+        r.xadd(keys.rollouts, sample)
+        r.xadd(keys.rollouts, sample)  # the duplicate right behind it
+    init = tempfile.mktemp(prefix="rs-dp-init-", dir=tmp_path)
+    mp.spawn(_trainer_rank, args=(2, init, redis_url, overrides), nprocs=2, join=True)
+
+    rep = audit_run(r, keys)
+    assert rep.duplicated == set() and rep.lost == set()
+    assert rep.trained == {f"s{i}" for i in range(8)} and rep.steps == [1, 2, 3, 4]  # 4 steps of 2 samples
+    assert rep.duplicate_entries == 10
+    events = [ev for _, f in iter_stream(r, keys.metrics) if isinstance(ev := decode(f), StepMetrics)]
+    updates = [e for e in events if e.type == "local_update"]
+    assert sorted((e.global_step, e.rank, e.sample_count) for e in updates) == [(g, k, 1) for g in (1, 2, 3, 4) for k in (0, 1)]
+    consumers = {c["name"].decode(): c["pending"] for c in r.xinfo_consumers(keys.rollouts, "trainer")}
+    assert set(consumers) == {"trainer-r0", "trainer-r1"}
+    (_, newest), = list_checkpoints(tmp_path / keys.run / "checkpoints")[-1:]
+    meta = decode_payload(st_load(newest.read_bytes())["meta/payload"].numpy().tobytes())
+    assert [rk["rank"] for rk in meta["ranks"]] == [0, 1] and all(rk["rng"]["torch"] for rk in meta["ranks"])
+    assert sorted(sid for rk in meta["ranks"] for sid in rk["sample_ids"]) == [f"s{i}" for i in range(4, 8)]
+
+
+def test_a_round_gives_an_id_taken_by_two_ranks_to_the_lower_one() -> None:
+    claimed = {"old"}  # claimed in an earlier round or step
+    claims = [RoundClaim(False, 1, [("a", True), ("b", False)]), RoundClaim(False, 1, [("a", True), ("old", True)]),
+              RoundClaim(False, 2, [])]
+    for rank, dupes in ((0, []), (1, [0, 1]), (2, [])):
+        seen = set(claimed)
+        res = resolve_round(claims, seen, want=2, rank=rank)
+        assert res.duplicates == dupes and seen == {"old", "a", "b"}
+        assert not res.all_ready and not res.any_ended  # rank 1 kept only its earlier 1 of 2
+    ready = resolve_round([RoundClaim(False, 1, [("c", True)]), RoundClaim(False, 2, [])], set(), 2, 0)
+    assert ready.all_ready and not ready.any_ended
+    stop = resolve_round([RoundClaim(False, 2, []), RoundClaim(True, 0, [])], set(), 2, 0)
+    assert stop.any_ended and not stop.all_ready
+    assert RoundClaim.from_plain(claims[0].to_plain()) == claims[0]
+    assert rank_info({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == RankInfo(1, 2, 1)
+    assert rank_info({}) == RankInfo(0, 1, 0)

@@ -327,6 +327,9 @@ class DataParallel:
             self.all_reduce_sum([0.0])  # a tiny collective: gloo and nccl alike, no device_ids needed
 
     def close(self) -> None:
-        """Leave the process group (when this process joined one)."""
-        if self.active and dist.is_initialized():
+        """Leave the process group (when this process joined one), once every rank is done: a rank that
+        left while rank 0 still committed made gloo abort the process."""
+        if dist.is_initialized():
+            if self.active:
+                self.barrier()
             dist.destroy_process_group()
