@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -137,6 +138,7 @@ class DataParallel:
         if not fsdp_on_cpu:
             check_strategy(strategy, device)
         self.info, self.device, self.strategy = info, device, strategy
+        self.collective_s = 0.0  # seconds spent in this object's collectives (not DDP's gradient all-reduce)
 
     @classmethod
     def from_env(
@@ -278,14 +280,18 @@ class DataParallel:
         """Element-wise sum of `values` over the ranks (float64)."""
         if not self.active:
             return [float(v) for v in values]
+        t0 = time.perf_counter()
         t = self._comm(torch.tensor([float(v) for v in values], dtype=torch.float64))
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return [float(v) for v in t.cpu().tolist()]
+        out = [float(v) for v in t.cpu().tolist()]
+        self.collective_s += time.perf_counter() - t0
+        return out
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's bytes, in rank order."""
         if not self.active:
             return [data]
+        t0 = time.perf_counter()
         size = self._comm(torch.tensor([len(data)], dtype=torch.int64))
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
         dist.all_gather(sizes, size)
@@ -296,12 +302,15 @@ class DataParallel:
         buf = self._comm(buf)
         parts = [torch.zeros_like(buf) for _ in range(self.world_size)]
         dist.all_gather(parts, buf)
-        return [p[:n].cpu().numpy().tobytes() for p, n in zip(parts, lengths, strict=True)]
+        out = [p[:n].cpu().numpy().tobytes() for p, n in zip(parts, lengths, strict=True)]
+        self.collective_s += time.perf_counter() - t0
+        return out
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         """Rank `src`'s bytes on every rank (`data` is read on `src` only)."""
         if not self.active:
             return data or b""
+        t0 = time.perf_counter()
         mine = (data or b"") if self.rank == src else b""
         size = self._comm(torch.tensor([len(mine)], dtype=torch.int64))
         dist.broadcast(size, src)
@@ -311,7 +320,9 @@ class DataParallel:
             buf[:n] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
         buf = self._comm(buf)
         dist.broadcast(buf, src)
-        return buf[:n].cpu().numpy().tobytes()
+        out = buf[:n].cpu().numpy().tobytes()
+        self.collective_s += time.perf_counter() - t0
+        return out
 
     def all_gather_plain(self, value: Any) -> list[Any]:
         """Every rank's msgpack-able value (dicts, lists, str, numbers, bytes), in rank order."""
