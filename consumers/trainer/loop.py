@@ -64,7 +64,6 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -72,9 +71,9 @@ import redis
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.checkpoint import list_checkpoints, read_checkpoint, rng_plain, write_checkpoint
+from consumers.trainer.collect import Collector
 from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.evaluate import evaluate
-from consumers.trainer.guard import unusable_reason, version_reason
 from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import (
     StepLedger,
@@ -84,8 +83,7 @@ from consumers.trainer.ledger import (
     count_consumed,
     merge_ledgers,
 )
-from consumers.trainer.ranks import RoundClaim, resolve_round
-from consumers.trainer.staleness import dropped_metrics, staleness
+from consumers.trainer.staleness import dropped_metrics
 from rollstream.bus import (
     GroupReader,
     Janitor,
@@ -99,19 +97,17 @@ from rollstream.config import PipelineConfig
 from rollstream.factory import build_prompt_source, build_task
 from rollstream.model.base import resolve_device
 from rollstream.names import (
-    HEARTBEAT_FIELD,
     REPLAYED_VERSIONS_FIELD,
     TRAINER_GROUP,
     TRAINING_STEP_FIELD,
     WORLD_SIZE_FIELD,
     Keys,
-    rank_heartbeat_field,
 )
-from rollstream.pacing import current_budget, grant_budget, record_consumed
+from rollstream.pacing import current_budget, grant_budget
 from rollstream.rl import staleness_metrics
 from rollstream.tasks import Prompt
 from rollstream.weights import gc_weights, latest_param_version, publish_weights
-from schemas import DROPPED, TRAINED, Fate, RolloutSample, StepMetrics, ValidateMetrics
+from schemas import TRAINED, Fate, RolloutSample, StepMetrics, ValidateMetrics
 
 log = logging.getLogger(__name__)
 
@@ -131,14 +127,14 @@ class Trainer:
         self.cfg, self.r, self.keys, self.stop, self.burst = cfg, r, keys, stop, burst
         self.dp = dp if dp is not None else DataParallel(RankInfo(), resolve_device(cfg.run.device))
         self.learner = Learner(cfg, self.dp)
-        self.share = cfg.actor.ppo_mini_batch_size // self.dp.world_size  # this rank's samples per local update
         limits = entry_limits(cfg.bus.max_entry_bytes)
         self.reader = GroupReader(
             r, keys.rollouts, TRAINER_GROUP, name, dead_stream=keys.dead, block_ms=cfg.bus.block_ms,
             count=cfg.bus.read_count, claim_idle_s=cfg.bus.claim_idle_s, max_deliveries=cfg.bus.max_deliveries,
             limits=limits, stop=stop,
         )
-        self._batches: Iterator[list[Message]] = self.reader.batches(burst=burst)  # the shared consumer loop
+        self.collector = Collector(cfg, r, keys, self.reader, self.dp, stop, burst,
+                                   self.learner.policy.tokenizer.vocab_size, self.learner.policy.max_seq_len)
         self.publisher = Publisher(r, nomkstream=True)
         self.janitor = (
             Janitor(
@@ -152,22 +148,12 @@ class Trainer:
         )
         self.ckpt_dir = cfg.run_dir() / "checkpoints"
         self.weights_dir = cfg.run_dir() / "weights"
-        self.buffer: deque[Message] = deque()  # decoded, deduplicated, not yet used
-        self.seen: set[str] = set()  # sample ids committed, in uncommitted ledgers, or buffered
         self.pending: list[StepLedger] = []  # finished steps not yet covered by a checkpoint
         self.global_step = 0  # last finished global step (= the version last published)
         self.training_step = 0  # highest global step ever begun (the trainer hash's training_step)
-        # newest version on `params`: after a restart from an older checkpoint, versions published past it
-        # (by steps the crash abandoned) exist and producers may have stamped samples with them
-        self.newest_published = 0
-        self._own_dead = 0  # non-rollout entries we dead-lettered ourselves (not prompts)
-        self._dead_counted = 0
-        self._step_dead = 0
         self._transport_mark = 0.0  # the reader's transport_s at the last local update
         self.recent: deque[Prompt] = deque(maxlen=max(1, cfg.data.val_size))  # newest trained prompts
-        self.used_up = False  # burst: the consumer loop ended with the rollouts stream drained
         self.counters = {STALE_SAMPLES: 0, STALE_TRAJECTORIES: 0}  # cumulative, kept in the checkpoint
-        self.claimed: set[str] = set()  # data parallel: sample ids any rank took since the start (ranks.py)
         self.agreed_stop = False  # data parallel: some rank asked to stop at the last step end
         self.pending_ids: list[list[str]] = [[] for _ in range(self.dp.world_size)]  # per rank, since the checkpoint
         self._own_acks: list[str] = []  # this rank's ack ids in `pending` (forgotten once committed)
@@ -226,7 +212,7 @@ class Trainer:
         replayed = int(self.r.hget(self.keys.trainer, REPLAYED_VERSIONS_FIELD) or 0)  # type: ignore[arg-type]
         self.newest_published = max(self.global_step, latest.version if latest is not None else 0, replayed)
         self.training_step = int(self.r.hget(self.keys.trainer, TRAINING_STEP_FIELD) or 0)  # type: ignore[arg-type]
-        self.seen = committed_sample_ids(self.r, self.keys)
+        self.collector.seen = committed_sample_ids(self.r, self.keys)
         log.info("%d sample ids already committed", len(self.seen))
 
     def _publish(self, version: int, blob: bytes, only_if_missing: bool = False) -> float:
@@ -282,132 +268,25 @@ class Trainer:
             retry_on_connection(lambda: self.publisher.publish(self.keys.metrics, ev), "publishing validation")
             log.info("validation of version %d: %s", version, metrics)
 
-    # -- consuming ---------------------------------------------------------------------------------
+    # -- reading (consumers/trainer/collect.py) ------------------------------------------------------
 
-    def _heartbeat(self) -> None:
-        """Write this rank's heartbeat (rank 0: `heartbeat`; with several ranks also `heartbeat:r<rank>`)."""
-        fields = [HEARTBEAT_FIELD] if self.dp.is_main else []
-        if self.dp.active:
-            fields.append(rank_heartbeat_field(self.dp.rank))
-        now = time.time()
-        retry_on_connection(lambda: self.r.hset(self.keys.trainer, mapping=dict.fromkeys(fields, now)), "heartbeat")
+    @property
+    def seen(self) -> set[str]:
+        """Sample ids committed, in uncommitted ledgers, or buffered."""
+        return self.collector.seen
 
-    def _fill(self) -> bool:
-        """One pass of the consumer loop: buffer new samples, ack duplicates of seen ids, count
-        dead-lettered rollouts; False once the loop has ended (stop requested, or in burst mode the
-        rollouts stream drained: then `used_up`)."""
-        msgs = next(self._batches, None)
-        if msgs is None:
-            if self.burst and not self.stop.is_set() and not self.used_up:
-                log.info("burst: no rollouts left to read")
-                self.used_up = True
-            return False
-        dupes: list[str] = []
-        for m in msgs:
-            ev = m.event
-            if not isinstance(ev, RolloutSample):
-                self._own_dead += 1
-                self.reader.dead_letter(m.id, m.fields, f"not a rollout: {ev.type}")
-            elif ev.sample_id in self.seen or ev.sample_id in self.claimed:
-                dupes.append(m.id)  # the original is committed or still pending: safe to ack this copy
-            elif (why := version_reason(ev, self.newest_published)) is not None:
-                self.reader.dead_letter(m.id, m.fields, f"invalid: {why}")  # counted as consumed below
-            elif (why := unusable_reason(ev, self.learner.policy.tokenizer.vocab_size,
-                                         self.learner.policy.max_seq_len)) is not None:
-                self.reader.dead_letter(m.id, m.fields, f"unusable: {why}")  # counted as consumed below
-            else:
-                self.seen.add(ev.sample_id)
-                self.buffer.append(m)
-        if dupes:
-            log.warning("acking %d redelivered/duplicate samples without training", len(dupes))
-            retry_on_connection(lambda: self.reader.ack(dupes), "acking duplicates")
-        dead = self.reader.stats.dead - self._own_dead
-        if dead > self._dead_counted:  # dead-lettered rollouts (a lost reply may count them twice)
-            retry_on_connection(lambda: record_consumed(self.r, self.keys, dead - self._dead_counted), "counting dead")
-            self._step_dead += dead - self._dead_counted
-            self._dead_counted = dead
-        self._heartbeat()
-        return True
+    @property
+    def newest_published(self) -> int:
+        """The newest version on `params` (samples stamped later are dead-lettered)."""
+        return self.collector.newest_published
 
-    def _starve(self, need: int) -> bool:
-        """The buffer lacks `need` samples: run one more pass of the loop; True when the caller must give up
-        (stop requested, or in burst mode no rollout is left). With several ranks a pass reads at most
-        `need` entries, so no rank hoards what the others wait for (pacing caps what is outstanding)."""
-        if self.dp.active:
-            self.reader.count = max(1, min(self.cfg.bus.read_count, need))
-        return self.stop.is_set() or not self._fill()
-
-    def _wait_warmup(self) -> None:
-        """Before the run's first update: wait until num_warmup_batches mini-batches have arrived (this
-        rank's share of them; ranks wait in agreed rounds)."""
-        want = self.cfg.trainer.num_warmup_batches * self.share
-        while True:
-            ended = self.stop.is_set() or self.used_up
-            if len(self.buffer) < want and not ended:
-                ended = self._starve(want - len(self.buffer))
-            if not self.dp.active:
-                if ended or len(self.buffer) >= want:
-                    break
-                continue
-            res = self._round(RoundClaim(ended or self.stop.is_set(), len(self.buffer)), want)
-            if res.all_ready or res.any_ended:
-                break
-        log.info("warmup: %d samples buffered before the first update", len(self.buffer))
-
-    def _take(self, g: int, need: int) -> list[tuple[Message, int]]:
-        """Pop samples off the buffer until `need` of them are fresh enough to keep (stale ones met on the
-        way are taken too, to be dropped); (message, staleness) each."""
-        k = self.cfg.trainer.max_off_policy_threshold
-        out: list[tuple[Message, int]] = []
-        while need > 0 and self.buffer:
-            m = self.buffer.popleft()
-            st = staleness(g, m.event.param_version)  # type: ignore[union-attr]
-            out.append((m, st))
-            need -= st <= k
-        return out
-
-    def _round(self, claim: RoundClaim, want: int) -> Any:
-        """Exchange one collection round's claims with the other ranks and resolve them (ranks.py)."""
-        claims = [RoundClaim.from_plain(d) for d in self.dp.all_gather_plain(claim.to_plain())]
-        return resolve_round(claims, self.claimed, want, self.dp.rank)
+    @newest_published.setter
+    def newest_published(self, version: int) -> None:
+        self.collector.newest_published = version
 
     def _collect(self, g: int, ledger: StepLedger) -> tuple[list[tuple[Message, int]], list[int]] | None:
-        """Take this rank's share of a mini-batch (ppo_mini_batch_size / world_size samples) with staleness
-        <= threshold; drop (and record) older ones. Returns (kept with staleness, dropped staleness), or
-        None when stop was requested (on any rank) or, in burst mode, no rollout is left."""
-        want, k = self.share, self.cfg.trainer.max_off_policy_threshold
-        kept: list[tuple[Message, int]] = []
-        dropped: list[int] = []
-        while True:
-            taken = self._take(g, want - len(kept))
-            ended = self.stop.is_set()
-            short = want - len(kept) - sum(st <= k for _, st in taken)
-            if short > 0 and not ended:
-                ended = self._starve(short)
-                taken += self._take(g, short)
-            ready = len(kept) + sum(st <= k for _, st in taken) >= want
-            if self.dp.active:
-                claim = RoundClaim(ended or self.stop.is_set(), len(kept),
-                                   [(m.event.sample_id, st <= k) for m, st in taken])  # type: ignore[union-attr]
-                res = self._round(claim, want)
-                dupes = [taken[i][0].id for i in res.duplicates]
-                if dupes:
-                    log.warning("acking %d samples another rank took first, without training", len(dupes))
-                    retry_on_connection(partial(self.reader.ack, dupes), "acking duplicates")
-                    taken = [x for i, x in enumerate(taken) if i not in set(res.duplicates)]
-                ready, ended = res.all_ready, res.any_ended
-            for m, st in taken:
-                ev: Any = m.event
-                if st > k:
-                    ledger.fates.append(Fate(ev.sample_id, m.id, DROPPED, st, ev.param_version, g))
-                    ledger.ack_ids.append(m.id)
-                    dropped.append(st)
-                else:
-                    kept.append((m, st))
-            if ended:
-                return None
-            if ready:
-                return kept, dropped
+        """This rank's share of a mini-batch of step g (Collector.collect)."""
+        return self.collector.collect(g, ledger)
 
     # -- one global step ---------------------------------------------------------------------------
 
@@ -417,7 +296,7 @@ class Trainer:
         cfg = self.cfg
         t_step = time.perf_counter()
         ledger = StepLedger(g)
-        self._step_dead = 0
+        self.collector.step_dead = 0
         if g > self.training_step:  # before any event of step g: the aggregator places nothing beyond it
             if self.dp.is_main:  # the other ranks emit nothing of step g before rank 0's first collective
                 retry_on_connection(lambda: self.r.hset(self.keys.trainer, TRAINING_STEP_FIELD, g), "training_step")
@@ -428,12 +307,12 @@ class Trainer:
         for local in range(1, K + 1):
             t0 = time.perf_counter()
             if g == 1 and local == 1 and cfg.trainer.num_warmup_batches > 0:
-                self._wait_warmup()
+                self.collector.wait_warmup()
             if cfg.trainer.sync_mode and local == 1:  # synchronous RL: the whole global batch first
                 collected = [self._collect(g, ledger) for _ in range(K)]
             got = collected[local - 1] if cfg.trainer.sync_mode else self._collect(g, ledger)
             if got is None or (self.stop.is_set() and not self.dp.active):  # ranks stop only when they agree
-                why = "no rollouts left (burst)" if self.used_up else "stop requested"
+                why = "no rollouts left (burst)" if self.collector.used_up else "stop requested"
                 log.warning("%s during global step %d: abandoning it (samples stay pending)", why, g)
                 return False
             self._local_update(g, local, ledger, *got, t_gen=time.perf_counter() - t0)
@@ -469,12 +348,12 @@ class Trainer:
         update = StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(kept),
                              rank=self.dp.rank, metrics={k: float(v) for k, v in metrics.items()})
         retry_on_connection(partial(self.publisher.publish, self.keys.metrics, update), "publishing local_update")
-        self._heartbeat()
+        self.collector.heartbeat()
 
     def _gather_step(self, ledger: StepLedger) -> list[dict[str, Any]]:
         """Every rank's end-of-step report, in rank order: its ledger, dead-lettered rollouts, stop flag,
         counters and RNG state (a world of one: its own, nothing exchanged)."""
-        mine = {"dead": self._step_dead, "stop": self.stop.is_set(), "counters": dict(self.counters)}
+        mine = {"dead": self.collector.step_dead, "stop": self.stop.is_set(), "counters": dict(self.counters)}
         if not self.dp.active:
             return [{**mine, "ledger": ledger}]
         mine.update({"ledger": ledger.to_plain(), "rng": rng_plain()})
