@@ -54,7 +54,9 @@ def _timed_allreduce(state: dict[str, Any], bucket: Any) -> Any:
     return fut
 
 
-def _rank(rank: int, world: int, init_file: str, url: str, overrides: list[str], warmup: int, out: str) -> None:
+def _rank(
+    rank: int, world: int, init_file: str, url: str, config: str, overrides: list[str], warmup: int, out: str
+) -> None:
     """One spawned rank: join gloo, resume, train warmup + timed steps, rank 0 writes the figures."""
     import redis
     import torch
@@ -70,7 +72,7 @@ def _rank(rank: int, world: int, init_file: str, url: str, overrides: list[str],
     info = RankInfo(rank, world, rank)
     dp = DataParallel(info, torch.device("cpu"))
     try:
-        cfg = load_config(None, overrides)
+        cfg = load_config(config, overrides)
         r = redis.Redis.from_url(url)
         trainer = Trainer(cfg, r, Keys(cfg.run.name), consumer_name("trainer", info), threading.Event(), burst=True, dp=dp)
         hook = {"s": 0.0, "world": world}
@@ -119,9 +121,9 @@ def measure(config: str, overrides: list[str], ranks: int, steps: int, warmup: i
             samples = [fake_rollout_sample(f"s{i}", n=cfg.rollout.n, prompt_len=PROMPT_LEN, response_len=cfg.data.max_response_length,
                                            ragged=True, seed=i, vocab=VOCAB) for i in range(count)]
             Publisher(r).publish_many(keys.rollouts, samples)
-            flat = [f"{k}={v}" for k, v in _flatten(cfg.model_dump(mode="json")).items()]
             out = Path(tmp) / "result.json"
-            mp.spawn(_rank, args=(ranks, str(Path(tmp) / "init"), url, flat, warmup, str(out)), nprocs=ranks, join=True)
+            mp.spawn(_rank, args=(ranks, str(Path(tmp) / "init"), url, config, every, warmup, str(out)), nprocs=ranks,
+                     join=True)
             res = json.loads(out.read_text())
         finally:
             delete_run(r, keys)
@@ -133,17 +135,6 @@ def measure(config: str, overrides: list[str], ranks: int, steps: int, warmup: i
             "step_ms": 1000 * step_s, "grad_allreduce_ms": 1000 * res["grad_allreduce_s"] / steps_done,
             "collectives_ms": 1000 * res["collectives_s"] / steps_done, "comm_share": comm / step_s if step_s else 0.0,
             "steps": steps_done, "train_batch_size": cfg.data.train_batch_size}
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> scalar of a nested config dict (None as YAML null)."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = "null" if v is None else v
-    return out
 
 
 def format_table(rows: list[dict[str, float]]) -> str:
