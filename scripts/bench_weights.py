@@ -38,6 +38,7 @@ from rollstream.bus import delete_run  # noqa: E402
 from rollstream.model.base import load_state_dict_from_bytes, state_dict_to_bytes  # noqa: E402
 from rollstream.names import Keys  # noqa: E402
 from rollstream.weights import load_weights, load_weights_into, publish_module_weights, publish_weights  # noqa: E402
+from rollstream.weights_file import unique_state  # noqa: E402
 
 INLINE_MAX = 64 << 20  # the bus.weights_inline_max_bytes default
 
@@ -92,7 +93,7 @@ def measure(preset: str, path: str, redis_url: str, work_dir: Path) -> dict[str,
     """Publish the trainer model's weights and load them into the producer model; times and peaks."""
     t0 = time.perf_counter()
     trainer, producer = build(preset, 0), build(preset, 1)
-    nbytes = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
+    nbytes = sum(t.numel() * t.element_size() for t in unique_state(trainer).values())  # tied tensors once
     r = redis.Redis.from_url(redis_url)
     keys = Keys(f"bench-weights-{uuid.uuid4().hex[:8]}")
     out: dict[str, Any] = {"preset": preset, "path": path, "state_dict_mib": nbytes / 2**20,

@@ -233,3 +233,15 @@ def test_multi_turn_tool_agent_with_a_chat_template() -> None:
         assert t.log_probs == [-0.25] * len(call) + [0.0] * len(turn) + [-0.25] * len(answer)
         assert t.num_turns == 2 and t.finished
         assert task.reward(prompt, tok.decode(t.response_ids)).score == 1.0
+
+
+def test_prompt_files_are_held_to_the_char_vocabulary_only_with_the_tiny_model(tmp_path: Path) -> None:
+    from rollstream.factory import build_prompt_source
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Wie viel ist {i}+2? Über", "answer": "{i + 2}"}}\n' for i in range(3)))
+    data = [f"data.prompts_file={prompts}", "data.val_size=1"]
+    with pytest.raises(ValueError, match="outside the task vocabulary"):
+        build_prompt_source(load_config(None, data))
+    hf = build_prompt_source(load_config(None, [*data, "model.backend=hf", f"model.hf_path={tmp_path}"]))
+    assert [p.text for p in hf.val_prompts()] == ["Wie viel ist 2+2? Über"]
