@@ -12,8 +12,10 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import redis
 
@@ -33,12 +35,15 @@ class WeightsError(RuntimeError):
     """A weight blob is missing or its sha256 does not match its ParamVersion."""
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+@contextmanager
+def atomic_file(path: Path) -> Iterator[IO[bytes]]:
+    """A binary file to write that becomes `path` (fsynced, then renamed over it) only when the block ends
+    without an error; a temp file in the same folder until then, removed on error."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -66,7 +71,8 @@ def publish_weights(
         if file_dir is None:
             raise WeightsError(f"blob of {len(blob)} bytes > inline limit {inline_max_bytes} and no file_dir")
         path = _weights_path(file_dir, version)
-        _atomic_write(path, blob)
+        with atomic_file(path) as f:
+            f.write(blob)
         uri = f"file://{path}"
     pv = ParamVersion(version=version, uri=uri, sha256=digest, bytes=len(blob), global_step=global_step)
     Publisher(r, nomkstream=False).publish(keys.params, pv)

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -22,7 +20,8 @@ from typing import IO, Any
 import torch
 from torch import Tensor, nn
 
-from rollstream.model.base import _alias_groups
+from rollstream.model.base import _alias_groups, check_state_names
+from rollstream.weights import atomic_file
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -73,24 +72,15 @@ def write_module(module: nn.Module, path: Path) -> tuple[str, int]:
     head = _header(tensors)
     digest = hashlib.sha256(head)
     size = len(head)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(head)
-            for t in tensors.values():
-                if t.numel() == 0:
-                    continue
-                raw = _raw(t.cpu())
-                f.write(raw)
-                digest.update(raw)
-                size += raw.nbytes
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as f:
+        f.write(head)
+        for t in tensors.values():
+            if t.numel() == 0:
+                continue
+            raw = _raw(t.cpu())
+            f.write(raw)
+            digest.update(raw)
+            size += raw.nbytes
     return digest.hexdigest(), size
 
 
@@ -143,17 +133,7 @@ def load_file_into(module: nn.Module, path: Path) -> None:
     with open(path, "rb", buffering=0) as f:
         meta, data_start = read_header(f, file_bytes)
         entries = list(_entries(meta, data_start, file_bytes))
-        names = {e[0] for e in entries}
-        unexpected = sorted(names - set(sd))
-        if unexpected:
-            raise ValueError(f"weights have unknown tensors: {unexpected[:5]}")
-        covered = set(names)
-        for group in _alias_groups(module):
-            if covered.intersection(group):
-                covered.update(group)
-        missing = sorted(set(sd) - covered)
-        if missing:
-            raise ValueError(f"weights lack tensors: {missing[:5]}")
+        check_state_names(module, {e[0] for e in entries})
         for name, _, shape, _, _ in entries:
             if list(sd[name].shape) != shape:
                 raise ValueError(f"tensor {name}: shape {shape} in the file, {list(sd[name].shape)} in the model")

@@ -145,19 +145,25 @@ def load_state_dict_from_bytes(module: nn.Module, data: bytes) -> None:
     load_state_dict_checked(module, st_load(data))
 
 
-def load_state_dict_checked(module: nn.Module, sd: dict[str, Tensor]) -> None:
-    """Copy tensors into the module in place; refuse unknown or missing (non-tied) names."""
+def check_state_names(module: nn.Module, names: set[str]) -> None:
+    """ValueError unless `names` are state-dict names of the module covering all of it (a tied tensor
+    under any one of its names)."""
     expected = set(module.state_dict())
-    unexpected = sorted(set(sd) - expected)
+    unexpected = sorted(names - expected)
     if unexpected:
         raise ValueError(f"weights have unknown tensors: {unexpected[:5]}")
-    covered = set(sd)
-    for names in _alias_groups(module):
-        if covered.intersection(names):
-            covered.update(names)
+    covered = set(names)
+    for group in _alias_groups(module):
+        if covered.intersection(group):
+            covered.update(group)
     missing = sorted(expected - covered)
     if missing:
         raise ValueError(f"weights lack tensors: {missing[:5]}")
+
+
+def load_state_dict_checked(module: nn.Module, sd: dict[str, Tensor]) -> None:
+    """Copy tensors into the module in place; refuse unknown or missing (non-tied) names."""
+    check_state_names(module, set(sd))
     module.load_state_dict(sd, strict=False)
 
 

@@ -6,6 +6,7 @@ and the behaviour log-probs producers stored against a fresh recompute by the tr
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ from rollstream.names import Keys
 from rollstream.ops.supervise import SuperviseError, failed_programs
 from rollstream.ops.target import RunTarget
 from rollstream.weights import latest_param_version, producer_versions
-from schemas import DecodeError, RolloutSample, StepMetrics, decode
+from schemas import DecodeError, ProducerStats, RolloutSample, StepMetrics, decode
 
 
 def _last_record_step(r: redis.Redis, keys: Keys) -> int:
@@ -77,28 +78,26 @@ class Throughput:
         return self.tokens / self.window_s if self.window_s > 0 else 0.0
 
 
+def _events(r: redis.Redis, stream: str) -> Iterator[Any]:
+    """Every decodable event of a stream, in order (undecodable entries are skipped)."""
+    for _, fields in scan_stream(r, stream):
+        try:
+            yield decode(fields)
+        except DecodeError:
+            continue
+
+
 def throughput(r: redis.Redis, keys: Keys) -> Throughput:
     """Rates from the trainer's metrics events and the producers' stats (needs >= 2 finished steps)."""
     ends: dict[int, StepMetrics] = {}
     tokens: dict[int, float] = {}
-    for _, fields in scan_stream(r, keys.metrics):
-        try:
-            ev = decode(fields)
-        except DecodeError:
-            continue
+    for ev in _events(r, keys.metrics):
         if isinstance(ev, StepMetrics) and ev.type == "step_end":
             ends[ev.global_step] = ev
         elif isinstance(ev, StepMetrics):
             tokens[ev.global_step] = tokens.get(ev.global_step, 0.0) + ev.metrics.get("perf/total_num_tokens", 0.0)
-    gen = []
-    for _, fields in scan_stream(r, keys.stats):
-        try:
-            st = decode(fields)
-        except DecodeError:
-            continue
-        rate = getattr(st, "gen_tokens_per_s", 0.0)
-        if rate > 0:
-            gen.append(float(rate))
+    gen = [float(st.gen_tokens_per_s) for st in _events(r, keys.stats)
+           if isinstance(st, ProducerStats) and st.gen_tokens_per_s > 0]
     steps = sorted(ends)
     if len(steps) < 2:
         raise ValueError(f"need at least 2 finished global steps for a rate, have {steps}")
@@ -125,8 +124,7 @@ def behaviour_logprob_error(
     policy = build_policy(cfg)
     policy.logprob_chunk_size = cfg.actor.logprob_chunk_size
     worst, count, seen = 0.0, 0, 0
-    for _, fields in scan_stream(r, keys.rollouts):
-        ev = decode(fields)
+    for ev in _events(r, keys.rollouts):
         if not isinstance(ev, RolloutSample) or ev.param_version != version:
             continue
         if set(ev.param_version_start) | set(ev.param_version_end) != {version}:
