@@ -26,11 +26,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import load_file, save_file
 
 from rollstream.files import atomic_write
 from rollstream.model import BasePolicy
+from rollstream.model.base import load_state_dict_checked
+from rollstream.weights_file import unique_state
 from schemas import decode_payload, encode_payload
 
 _NAME = re.compile(r"^step-(\d{8})\.safetensors$")
@@ -155,7 +156,7 @@ def save_checkpoint(
 ) -> Path:
     """Write the checkpoint of `global_step` durably (rollstream.files.atomic_write); prune old ones."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {f"model/{k}": v for k, v in st_load(policy.state_dict_bytes()).items()}
+    tensors = {f"model/{k}": v for k, v in unique_state(policy.module).items()}  # no copy of the weights
     opt_tensors, groups = _optim_tensors(optimizer)
     rng_tensors, rng_scalars = _rng_tensors()
     tensors.update(opt_tensors)
@@ -176,7 +177,7 @@ def load_checkpoint(path: Path, policy: BasePolicy, optimizer: torch.optim.Optim
     tensors = load_file(str(path))
     meta: dict[str, Any] = upgrade_meta(decode_payload(tensors.pop(_META).numpy().tobytes()))
     model = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
-    policy.load_state_dict_bytes(save(model))
+    load_state_dict_checked(policy.module, model)
     optimizer.load_state_dict(_optim_state(tensors, list(meta.pop("param_groups"))))
     _restore_rng(tensors, meta.pop("rng"))
     return meta

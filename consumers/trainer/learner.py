@@ -2,8 +2,14 @@
 
   begin_step(g)  at the first local update of global step g: freeze a copy of the weights (version g-1)
                  as the proximal policy; it is pinned for the step's K local updates (decoupled mode)
-  update(batch)  one mini-batch -> advantages -> prox/ref log-probs (no grad) -> forward -> loss ->
-                 backward -> clip -> AdamW step; returns the update's metrics
+  update(batch)  one mini-batch -> advantages -> per micro-batch (actor.micro_batch_size rows): prox/ref
+                 log-probs (no grad) -> forward -> loss x its share -> backward (gradients accumulate)
+                 -> clip -> AdamW step; returns the update's metrics
+
+Memory knobs: `actor.micro_batch_size` (the accumulated update equals the whole-mini-batch one: each
+micro-batch's loss is scaled by its share of what the loss aggregation divides by), `actor.
+gradient_checkpointing` (HF backend), `actor.logprob_chunk_size` (the output head a chunk at a time),
+`model.dtype` (set by build_policy).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from rollstream.config import PipelineConfig
 from rollstream.factory import build_policy
 from rollstream.model import BasePolicy
 from rollstream.rl import (
+    AggMode,
     agg_loss,
     grpo_advantages,
     grpo_token_advantages,
@@ -27,6 +34,7 @@ from rollstream.rl import (
     ppo_loss,
     reward_metrics,
 )
+from rollstream.rl.masked import agg_count
 from rollstream.warmstart import load_init
 from schemas import DataProto
 
@@ -65,6 +73,12 @@ def token_rewards(rewards: torch.Tensor, resp_mask: torch.Tensor, scores: torch.
     return first_last.to(rewards.dtype) * rewards[:, None]
 
 
+def micro_slices(rows: int, micro_batch_size: int) -> list[slice]:
+    """Row ranges of the micro-batches of a `rows`-row mini-batch (one range when micro_batch_size is 0)."""
+    size = micro_batch_size if micro_batch_size > 0 else max(rows, 1)
+    return [slice(s, min(s + size, rows)) for s in range(0, rows, size)]
+
+
 def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
     """Entropy bonus weight at `global_step` (1-based): `coef`, decayed linearly to 0 over `decay_steps` when > 0."""
     if decay_steps <= 0:
@@ -84,6 +98,9 @@ class Learner:
             load_init(self.policy, cfg.model.init_from)  # version 0 = the warm start, not the seeded init
             log.info("initial weights from %s", cfg.model.init_from)
         self.device = self.policy.device
+        self.policy.logprob_chunk_size = self.actor.logprob_chunk_size
+        if self.actor.gradient_checkpointing:
+            self.policy.enable_gradient_checkpointing()
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=self.actor.lr, weight_decay=self.actor.weight_decay
         )
@@ -91,11 +108,13 @@ class Learner:
         self.prox: BasePolicy | None = None
         if self.actor.off_policy_mode == "decoupled":
             self.prox = build_policy(cfg)
+            self.prox.logprob_chunk_size = self.actor.logprob_chunk_size
             self.prox.eval()
         self.ref: BasePolicy | None = None
         if self.actor.kl_coef > 0:
             self.ref = build_policy(cfg)  # the version-0 weights, from the same seed
             self.ref.module.load_state_dict(self.policy.module.state_dict())
+            self.ref.logprob_chunk_size = self.actor.logprob_chunk_size
             self.ref.eval()
 
     def begin_step(self, global_step: int = 1) -> None:
@@ -132,49 +151,73 @@ class Learner:
         else:
             adv = group_advantages(rewards, groups, self.actor.norm_adv_by_std).to(dev)
 
-        # 2. proximal / reference log-probs (frozen, no grad)
-        t0 = time.perf_counter()
-        temp = self.cfg.rollout.temperature  # log-probs of the distribution producers sampled from
-        with torch.no_grad():
-            prox_logp = self.prox.log_probs(ids, mask, width, temp) if self.prox is not None else None
-            ref_logp = self.ref.log_probs(ids, mask, width, temp) if self.ref is not None else None
-        t_old = time.perf_counter() - t0
-
-        # 3. forward, loss, backward, step
-        t0 = time.perf_counter()
-        self.policy.train()
-        logp, entropy = self.policy.forward_logprobs_entropy(ids, mask, width, temp)  # [B, R] each
-        loss, metrics = ppo_loss(
-            logp, prox_logp, behave, adv, resp_mask,
-            clip_eps=self.actor.clip_ratio, clip_eps_high=self.actor.clip_ratio_high,
-            behave_imp_cap=self.actor.behave_imp_cap, mode=self.actor.off_policy_mode,
-            loss_agg_mode=self.actor.loss_agg_mode,
-        )
-        ent = agg_loss(entropy, resp_mask, self.actor.loss_agg_mode)
+        # 2-3. per micro-batch: proximal / reference log-probs (frozen, no grad), forward, loss scaled by
+        #      the micro-batch's share of what the aggregation divides by, backward (gradients accumulate)
+        mode: AggMode = self.actor.loss_agg_mode
+        total, tokens = agg_count(resp_mask, mode), float(resp_mask.sum())
         ent_coef = entropy_coef_at(self.actor.entropy_coef, self.actor.entropy_decay_steps, self.global_step)
-        if ent_coef > 0:
-            loss = loss - ent_coef * ent
-            metrics["actor/entropy_coef"] = ent_coef
-        if ref_logp is not None:
-            kl = agg_loss(kl_penalty(logp, ref_logp, "low_var_kl"), resp_mask, self.actor.loss_agg_mode)
-            loss = loss + self.actor.kl_coef * kl
-            metrics["actor/kl_loss"] = float(kl.detach())
-            metrics["actor/kl_coef"] = self.actor.kl_coef
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        self.policy.train()
+        metrics: dict[str, float] = {}
+        loss = ent = kl = 0.0
+        t_old = t_update = 0.0
+        for rows in micro_slices(ids.shape[0], self.actor.micro_batch_size):
+            m_ids, m_mask, m_resp, m_behave = ids[rows], mask[rows], resp_mask[rows], behave[rows]
+            m_adv = adv[rows]
+            f, w = trim_padding(m_ids, m_mask, width)  # this micro-batch's own all-pad columns go
+            m_ids, m_mask = m_ids[:, f : m_ids.shape[1] - width + w], m_mask[:, f : m_mask.shape[1] - width + w]
+            m_resp, m_behave = m_resp[:, :w], m_behave[:, :w]
+            m_adv = m_adv if m_adv.dim() == 1 else m_adv[:, :w]
+            share = agg_count(m_resp, mode) / total if total > 0 else 0.0
+            tok_share = float(m_resp.sum()) / tokens if tokens > 0 else 0.0
+
+            t0 = time.perf_counter()
+            temp = self.cfg.rollout.temperature  # log-probs of the distribution producers sampled from
+            with torch.no_grad():
+                prox_logp = self.prox.log_probs(m_ids, m_mask, w, temp) if self.prox is not None else None
+                ref_logp = self.ref.log_probs(m_ids, m_mask, w, temp) if self.ref is not None else None
+            t_old += time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            logp, entropy = self.policy.forward_logprobs_entropy(m_ids, m_mask, w, temp)  # [b, w] each
+            m_loss, pg_metrics = ppo_loss(
+                logp, prox_logp, m_behave, m_adv, m_resp,
+                clip_eps=self.actor.clip_ratio, clip_eps_high=self.actor.clip_ratio_high,
+                behave_imp_cap=self.actor.behave_imp_cap, mode=self.actor.off_policy_mode,
+                loss_agg_mode=mode,
+            )
+            m_ent = agg_loss(entropy, m_resp, mode)
+            if ent_coef > 0:
+                m_loss = m_loss - ent_coef * m_ent
+            if ref_logp is not None:
+                m_kl = agg_loss(kl_penalty(logp, ref_logp, "low_var_kl"), m_resp, mode)
+                m_loss = m_loss + self.actor.kl_coef * m_kl
+                kl += float(m_kl.detach()) * share
+            (m_loss * share).backward()
+            t_update += time.perf_counter() - t0
+            loss += float(m_loss.detach()) * share
+            ent += float(m_ent.detach()) * share
+            for k, v in pg_metrics.items():  # pg_loss aggregates like the loss, the rest are token means
+                metrics[k] = metrics.get(k, 0.0) + v * (share if k == "actor/pg_loss" else tok_share)
+        if ent_coef > 0:
+            metrics["actor/entropy_coef"] = ent_coef
+        if self.ref is not None:
+            metrics["actor/kl_loss"] = kl
+            metrics["actor/kl_coef"] = self.actor.kl_coef
+        t0 = time.perf_counter()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), self.actor.grad_clip))
         if math.isfinite(grad_norm):
             self.optimizer.step()
         else:
             log.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
             self.optimizer.zero_grad(set_to_none=True)
-        t_update = time.perf_counter() - t0
+        t_update += time.perf_counter() - t0
 
         # 4. metrics
         row_tokens = mask.sum(-1).double()  # [B]
         metrics.update({
-            "actor/loss": float(loss.detach()),
-            "actor/entropy": float(ent.detach()),
+            "actor/loss": loss,
+            "actor/entropy": ent,
             "actor/grad_norm": grad_norm,
             "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
             "critic/rewards/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,

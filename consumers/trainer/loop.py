@@ -91,7 +91,7 @@ from rollstream.names import (
 from rollstream.pacing import current_budget, grant_budget, record_consumed
 from rollstream.rl import staleness_metrics
 from rollstream.tasks import Prompt
-from rollstream.weights import gc_weights, latest_param_version, publish_weights
+from rollstream.weights import gc_weights, latest_param_version, publish_module_weights
 from schemas import DROPPED, TRAINED, Fate, RolloutSample, StepMetrics, ValidateMetrics
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class Trainer:
         """Publish the current weights as `version` (skipped when params has it and only_if_missing; a
         retry after a connection loss always checks, as the first attempt may have landed)."""
         t0 = time.perf_counter()
-        blob = self.learner.policy.state_dict_bytes()
+        module = self.learner.policy.module
         attempts = [only_if_missing]
 
         def publish() -> None:
@@ -189,8 +189,8 @@ class Trainer:
                 latest = latest_param_version(self.r, self.keys)
                 if latest is not None and latest.version >= version:
                     return
-            publish_weights(
-                self.r, self.keys, version, blob, global_step=version,
+            publish_module_weights(  # above the inline limit: streamed to a file, never one blob in memory
+                self.r, self.keys, version, module, global_step=version,
                 inline_max_bytes=self.cfg.bus.weights_inline_max_bytes, file_dir=self.weights_dir,
             )
 

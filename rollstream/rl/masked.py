@@ -43,3 +43,16 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: AggMode = "token-
         seq_valid = mask.to(loss_mat.dtype).sum(dim=-1) > 0  # [B]
         return masked_mean(seq_loss, seq_valid)
     raise ValueError(f"unknown loss aggregation mode {mode!r}")
+
+
+def agg_count(mask: torch.Tensor, mode: AggMode = "token-mean") -> float:
+    """What `agg_loss` divides by: valid tokens (token-mean), rows (seq-mean-token-sum) or rows with a valid
+    token (seq-mean-token-mean). A micro-batch's agg_loss times its count / the mini-batch's count, summed
+    over micro-batches, is the mini-batch's agg_loss (gradient accumulation without changing the loss)."""
+    if mode == "token-mean":
+        return float(mask.float().sum())
+    if mode == "seq-mean-token-sum":
+        return float(mask.shape[0])
+    if mode == "seq-mean-token-mean":
+        return float((mask.float().sum(dim=-1) > 0).sum())
+    raise ValueError(f"unknown loss aggregation mode {mode!r}")
