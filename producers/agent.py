@@ -2,8 +2,9 @@
 
 `partial_single_turn_agent`: one `policy.generate` call for all rows (prompts x n).
 `async_partial_tool_agent` (arith + calculator): generate a turn, cut it after its first complete
-`[calc:EXPR]`, run the tool, append the result tokens (response_mask 0, log-prob 0), and generate the
-next turn with the whole history as the prompt, up to `max_turns` turns.
+`[calc:EXPR]`, run the tool, append the result tokens (response_mask 0, log-prob 0; with a chat template,
+the template's end of the assistant turn, a `tool` message and the next assistant prompt), and generate
+the next turn with the whole history as the prompt, up to `max_turns` turns.
 
 Weight sync: with partial rollout on, every `sync_every_tokens` decoded tokens (and between turns) the
 loop asks its `VersionSource` to load newer weights; `Completion.swap_points` then says from which
@@ -22,6 +23,7 @@ import torch
 
 from rollstream.config import PipelineConfig
 from rollstream.model import Completion, Tokenizer
+from rollstream.model.chat import encode_tool_result
 from rollstream.rollout import AGENT_SINGLE_TURN, AGENT_TOOL, Trajectory
 from rollstream.tasks import Task
 from schemas import DataProto
@@ -210,7 +212,7 @@ def run_agent_loop(
             call_s = time.perf_counter() - c0
             t.tool_call_s.append(call_s)
             t.processing_time_s += call_s
-            t.extend(tok.encode(result), None, generated=False)
+            t.extend(encode_tool_result(tok, result), None, generated=False)
             if turn + 1 < max_turns:
                 next_active.append(i)
         active = next_active

@@ -13,7 +13,7 @@ from rollstream.names import Keys
 from rollstream.weights import (
     WeightsError,
     latest_param_version,
-    load_weights,
+    load_weights_into,
     register_producer_version,
     wait_for_param_version,
 )
@@ -46,8 +46,7 @@ class WeightSync:
 
     def load(self, pv: ParamVersion) -> None:
         """Fetch, verify and load `pv`; register it as this producer's version."""
-        blob = load_weights(self.r, pv)
-        self.policy.load_state_dict_bytes(blob)
+        load_weights_into(self.r, pv, self.policy)  # a large file: hashed, then read a tensor at a time
         old, self.version = self.version, pv.version
         self.loads += 1
         register_producer_version(self.r, self.keys, self.producer, pv.version)

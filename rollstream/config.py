@@ -74,6 +74,12 @@ class ModelConfig(_Section):
     init_from: str | None = Field(
         None, description="safetensors weights the trainer starts from instead of the seeded init (e.g. scripts/warm_start.py output)"
     )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight dtype on producers and trainer: auto = bfloat16 on CUDA, float32 on CPU"
+    )
+    chat_template: bool = Field(
+        True, description="backend=hf: render prompts and tool results with the tokenizer's chat template when it has one"
+    )
 
     @model_validator(mode="after")
     def _shape(self) -> ModelConfig:
@@ -165,6 +171,15 @@ class ActorConfig(_Section):
     )
     norm_adv_by_std: bool = Field(
         True, description="GRPO: divide group-centred rewards by the group std (False = Dr. GRPO, centring only)"
+    )
+    micro_batch_size: int = Field(
+        0, ge=0, description="Trajectories per forward/backward inside a local update, gradients accumulated (0 = all at once)"
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute decoder-layer activations in backward instead of keeping them (model.backend=hf)"
+    )
+    logprob_chunk_size: int = Field(
+        1024, ge=0, description="Tokens per output-head chunk when computing log-probs/entropy (0 = all at once; backend=hf)"
     )
 
 
@@ -302,6 +317,10 @@ class PipelineConfig(_Section):
             )
         if nodes > 1 and not self.trainer.rdzv_endpoint:
             raise ValueError(f"trainer.nnodes={nodes} needs trainer.rdzv_endpoint (host:port every trainer host reaches)")
+        if self.actor.gradient_checkpointing and self.model.backend != "hf":
+            raise ValueError(
+                f"actor.gradient_checkpointing=true needs model.backend=hf (model.backend={self.model.backend!r} has none)"
+            )
         return self
 
     @property

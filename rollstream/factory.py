@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from rollstream.config import PipelineConfig
 from rollstream.model import BasePolicy, CharTokenizer, GPTConfig, load_policy
+from rollstream.model.base import resolve_device, resolve_dtype
 from rollstream.tasks import PromptSource, Task, make_task
 
 
@@ -18,18 +21,21 @@ def build_task(cfg: PipelineConfig) -> Task:
 
 def build_prompt_source(cfg: PipelineConfig, task: Task | None = None) -> PromptSource:
     """Training prompts (fresh draws or a fixed set cycled by epochs, seeded) plus the held-out validation split."""
-    if cfg.data.prompts_file:
-        return PromptSource.from_jsonl(cfg.data.prompts_file, seed=cfg.run.seed, val_size=cfg.data.val_size)
+    if cfg.data.prompts_file:  # the char vocabulary is checked only where the tiny GPT's tokenizer must cover it
+        return PromptSource.from_jsonl(cfg.data.prompts_file, seed=cfg.run.seed, val_size=cfg.data.val_size,
+                                       vocab_check=cfg.model.backend == "tiny")
     make = PromptSource.fresh_from_task if cfg.data.fresh_prompts else PromptSource.from_task
     return make(task or build_task(cfg), seed=cfg.run.seed, epoch_size=cfg.data.epoch_size, val_size=cfg.data.val_size)
 
 
 def build_policy(cfg: PipelineConfig, device: str | None = None) -> BasePolicy:
-    """The policy with initial weights from run.seed (identical on every process for the same seed)."""
+    """The policy with initial weights from run.seed (identical on every process for the same seed), its
+    weights in model.dtype."""
     m = cfg.model
-    dev = device or cfg.run.device
+    dev = resolve_device(device or cfg.run.device)
+    dtype = resolve_dtype(m.dtype, dev)
     if m.backend == "hf":
-        return load_policy("hf", path=m.hf_path, device=dev)
+        return load_policy("hf", path=m.hf_path, device=str(dev), dtype=dtype, chat_template=m.chat_template)
     gcfg = GPTConfig(
         vocab_size=CharTokenizer().vocab_size,
         d_model=m.d_model,
@@ -38,4 +44,7 @@ def build_policy(cfg: PipelineConfig, device: str | None = None) -> BasePolicy:
         max_seq_len=m.max_seq_len,
         position=m.position,
     )
-    return load_policy("tiny", cfg=gcfg, seed=cfg.run.seed, device=dev)
+    policy = load_policy("tiny", cfg=gcfg, seed=cfg.run.seed, device=str(dev))
+    if dtype != torch.float32:
+        policy.module.to(dtype)
+    return policy

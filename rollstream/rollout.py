@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from rollstream.model import Tokenizer, build_batch
+from rollstream.model.chat import encode_prompt
 from rollstream.tasks import Prompt, RewardResult
 from schemas import DataProto, RolloutSample
 
@@ -64,10 +65,11 @@ def _object_array(values: Sequence[Any]) -> np.ndarray:
 def prepare_single_generation_data(
     prompt: Prompt, n: int, multi_turn: bool, tokenizer: Tokenizer, *, sample_id: str | None = None
 ) -> DataProto:
-    """One prompt as a generation batch: its row (bos + prompt ids) repeated n times interleaved, one
+    """One prompt as a generation batch: its row (`encode_prompt`: the chat template's rendering when the
+    tokenizer uses one, else bos + prompt ids) repeated n times interleaved, one
     group `uid` (= sample_id, else the prompt uid) for all rows, and per row in non_tensors the
     `agent_name` chosen by multi-turn (as verl's non_tensor_batch)."""
-    ids = np.asarray([tokenizer.encode(prompt.text, add_bos=True)], dtype=np.int64)  # [1,P]
+    ids = np.asarray([encode_prompt(tokenizer, prompt.text)], dtype=np.int64)  # [1,P]
     row = DataProto(
         tensors={"input_ids": ids, "attention_mask": np.ones_like(ids)},
         non_tensors={

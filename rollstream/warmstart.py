@@ -29,6 +29,7 @@ from rollstream.config import PipelineConfig
 from rollstream.factory import build_policy, build_prompt_source, build_task
 from rollstream.files import atomic_write
 from rollstream.model import BasePolicy, build_batch
+from rollstream.model.chat import encode_prompt
 from rollstream.tasks import Prompt, Task
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def format_targets(digits: str, rng: random.Random) -> str:
 def format_loss(policy: BasePolicy, prompts: list[str], targets: list[str]) -> torch.Tensor:
     """Mean cross-entropy of `target + eos` after `bos + prompt` (teacher forcing), over response tokens."""
     tok = policy.tokenizer
-    p_ids = [tok.encode(p, add_bos=True) for p in prompts]
+    p_ids = [encode_prompt(tok, p) for p in prompts]  # as producers encode them (chat template or bos)
     r_ids = [tok.encode(t) + [tok.eos_id] for t in targets]
     ids, mask, R = build_batch(p_ids, r_ids, tok.pad_id)  # [B, P+R], [B, P+R]
     logp, _ = policy.forward_logprobs_entropy(ids, mask, R)  # [B, R]
@@ -73,7 +74,7 @@ def greedy_scores(policy: BasePolicy, cfg: PipelineConfig) -> tuple[float, float
     task = build_task(cfg)
     prompts = build_prompt_source(cfg, task).val_prompts()
     tok = policy.tokenizer
-    ids = [tok.encode(p.text, add_bos=True) for p in prompts]
+    ids = [encode_prompt(tok, p.text) for p in prompts]
     trajs = policy.generate(ids, n=1, max_new_tokens=cfg.data.max_response_length, greedy=True)
     exact = score = fmt = 0.0
     for p, t in zip(prompts, trajs, strict=True):
@@ -89,7 +90,7 @@ def greedy_scores(policy: BasePolicy, cfg: PipelineConfig) -> tuple[float, float
 def _greedy_exact(policy: BasePolicy, task: Task, prompts: list[Prompt], max_new_tokens: int) -> float:
     """Share of prompts whose greedy answer is exact."""
     tok = policy.tokenizer
-    trajs = policy.generate([tok.encode(p.text, add_bos=True) for p in prompts], n=1, max_new_tokens=max_new_tokens, greedy=True)
+    trajs = policy.generate([encode_prompt(tok, p.text) for p in prompts], n=1, max_new_tokens=max_new_tokens, greedy=True)
     return sum(task.reward(p, tok.decode(t.response_ids)).exact for p, t in zip(prompts, trajs, strict=True)) / len(prompts)
 
 

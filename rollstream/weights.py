@@ -1,6 +1,9 @@
 """Weight blobs: safetensors bytes under `weights:<version>` (small) or a `file://` path written atomically
 (large), announced by a ParamVersion entry on `params`; loaded with a sha256 check; old versions removed
-once no producer uses them."""
+once no producer uses them.
+
+A module's weights (`publish_module_weights`, `load_weights_into`) above `bus.weights_inline_max_bytes`
+never exist as one blob in memory: the file is written and read a tensor at a time (weights_file.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import hashlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -16,6 +19,11 @@ from rollstream.bus import Publisher, iter_stream
 from rollstream.files import atomic_write
 from rollstream.names import Keys
 from schemas import DecodeError, ParamVersion, decode
+
+if TYPE_CHECKING:  # torch stays out of processes that only read params (`rollstream status`)
+    from torch import nn
+
+    from rollstream.model.base import BasePolicy
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +50,66 @@ def publish_weights(
     else:
         if file_dir is None:
             raise WeightsError(f"blob of {len(blob)} bytes > inline limit {inline_max_bytes} and no file_dir")
-        path = (file_dir / f"weights-{version:08d}.safetensors").resolve()
+        path = _weights_path(file_dir, version)
         atomic_write(path, blob)
         uri = f"file://{path}"
     pv = ParamVersion(version=version, uri=uri, sha256=digest, bytes=len(blob), global_step=global_step)
     Publisher(r, nomkstream=False).publish(keys.params, pv)
     log.info("published param_version %d (%d bytes, %s)", version, len(blob), uri)
     return pv
+
+
+def _weights_path(file_dir: Path, version: int) -> Path:
+    return (file_dir / f"weights-{version:08d}.safetensors").resolve()
+
+
+def publish_module_weights(
+    r: redis.Redis,
+    keys: Keys,
+    version: int,
+    module: nn.Module,
+    *,
+    global_step: int,
+    inline_max_bytes: int,
+    file_dir: Path | None = None,
+) -> ParamVersion:
+    """Publish a module's weights: safetensors bytes in Redis when they fit `inline_max_bytes` (or no
+    file_dir), else a file streamed tensor by tensor (no second copy in memory); then XADD the ParamVersion."""
+    from rollstream.model.base import state_dict_to_bytes
+    from rollstream.weights_file import module_file_bytes, write_module
+
+    if file_dir is None or module_file_bytes(module) <= inline_max_bytes:
+        return publish_weights(
+            r, keys, version, state_dict_to_bytes(module), global_step=global_step,
+            inline_max_bytes=inline_max_bytes, file_dir=file_dir,
+        )
+    path = _weights_path(file_dir, version)
+    digest, size = write_module(module, path)
+    pv = ParamVersion(version=version, uri=f"file://{path}", sha256=digest, bytes=size, global_step=global_step)
+    Publisher(r, nomkstream=False).publish(keys.params, pv)
+    log.info("published param_version %d (%d bytes, %s, streamed)", version, size, pv.uri)
+    return pv
+
+
+def load_weights_into(r: redis.Redis, pv: ParamVersion, policy: BasePolicy) -> None:
+    """Load the weights a ParamVersion names into `policy` after checking their sha256: a file is hashed
+    in blocks, then read a tensor at a time into the parameters; an inline blob via load_state_dict_bytes."""
+    from rollstream.weights_file import file_sha256, load_file_into
+
+    if not pv.uri.startswith("file://"):
+        policy.load_state_dict_bytes(load_weights(r, pv))
+        return
+    path = Path(pv.uri.removeprefix("file://"))
+    try:
+        digest = file_sha256(path)
+    except OSError as e:
+        raise WeightsError(f"version {pv.version}: cannot read {pv.uri}: {e}") from e
+    if digest != pv.sha256:
+        raise WeightsError(f"version {pv.version}: sha256 {digest[:12]}… != announced {pv.sha256[:12]}…")
+    try:
+        load_file_into(policy.module, path)
+    except OSError as e:  # removed between the hash and the read: an even newer version exists
+        raise WeightsError(f"version {pv.version}: cannot read {pv.uri}: {e}") from e
 
 
 #: Undecodable params entries already logged (a producer polls params every few ms; warn once each).

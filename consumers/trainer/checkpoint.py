@@ -33,10 +33,12 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import load_file, save_file
 
 from rollstream.files import atomic_write
 from rollstream.model import BasePolicy
+from rollstream.model.base import load_state_dict_checked
+from rollstream.weights_file import unique_state
 from schemas import decode_payload, encode_payload
 
 _NAME = re.compile(r"^step-(\d{8})\.safetensors$")
@@ -190,21 +192,22 @@ def save_checkpoint(
     keep_last: int = 2,
 ) -> Path:
     """Write the checkpoint of `global_step` durably (rollstream.files.atomic_write); prune old ones."""
-    return write_checkpoint(ckpt_dir, global_step, policy.state_dict_bytes(), optimizer.state_dict(), meta, keep_last)
+    return write_checkpoint(ckpt_dir, global_step, unique_state(policy.module), optimizer.state_dict(), meta, keep_last)
 
 
 def write_checkpoint(
     ckpt_dir: Path,
     global_step: int,
-    weights: bytes,
+    weights: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any],
     meta: dict[str, Any],
     keep_last: int = 2,
 ) -> Path:
-    """`save_checkpoint` from the weights' safetensors bytes and an optimizer state_dict (index-keyed, as
-    torch.optim.Optimizer.state_dict gives it): what a data-parallel rank 0 writes for every rank."""
+    """`save_checkpoint` from the weights (a state dict, tied tensors once) and an optimizer state_dict
+    (index-keyed, as torch.optim.Optimizer.state_dict gives it): what a data-parallel rank 0 writes for
+    every rank."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {f"model/{k}": v for k, v in st_load(weights).items()}
+    tensors = {f"model/{k}": v for k, v in weights.items()}  # no copy of the weights
     opt_tensors, groups = _optim_tensors(optimizer_state)
     rng_tensors, rng_scalars = _rng_tensors()
     tensors.update(opt_tensors)
@@ -223,13 +226,15 @@ def load_checkpoint(path: Path, policy: BasePolicy, optimizer: torch.optim.Optim
     """Restore weights, optimizer state and RNG states from `path`; returns its metadata dict, upgraded
     to META_VERSION."""
     weights, optimizer_state, meta = read_checkpoint(load_file(str(path)))
-    policy.load_state_dict_bytes(weights)
+    load_state_dict_checked(policy.module, weights)
     optimizer.load_state_dict(optimizer_state)
     return meta
 
 
-def read_checkpoint(source: bytes | dict[str, torch.Tensor], rank: int = 0, world_size: int = 1) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
-    """(weights as safetensors bytes, optimizer state_dict, metadata upgraded to META_VERSION) of a
+def read_checkpoint(
+    source: bytes | dict[str, torch.Tensor], rank: int = 0, world_size: int = 1
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(weights as a state dict, optimizer state_dict, metadata upgraded to META_VERSION) of a
     checkpoint given as its file's bytes (or loaded tensors), after restoring this rank's RNG states:
     its own from the metadata's `ranks` when the world size matches, else the file's (rank 0's)."""
     tensors = st_load(source) if isinstance(source, bytes | bytearray) else dict(source)
@@ -242,7 +247,7 @@ def read_checkpoint(source: bytes | dict[str, torch.Tensor], rank: int = 0, worl
         restore_rng_plain(ranks[rank]["rng"])
     else:
         _restore_rng(tensors, rng)
-    return save(model), optimizer_state, meta
+    return model, optimizer_state, meta
 
 
 def load_latest_checkpoint(

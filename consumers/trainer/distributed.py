@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -37,7 +37,7 @@ from torch import nn
 from consumers.trainer.ranks import RankInfo, consumer_name, rank_info
 from schemas import decode_payload, encode_payload
 
-__all__ = ["DataParallel", "DistributedError", "RankInfo", "check_strategy", "consumer_name", "rank_info", "state_bytes", "watch_parent"]
+__all__ = ["DataParallel", "DistributedError", "RankInfo", "check_strategy", "consumer_name", "dedupe_state", "rank_info", "state_bytes", "watch_parent"]
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +116,13 @@ def _shard(module: nn.Module) -> None:
 
 
 def state_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
-    """safetensors bytes of a state dict, a tensor shared by several names (tied weights) stored once,
-    under its first name (as rollstream.model.base.state_dict_to_bytes)."""
+    """safetensors bytes of a state dict whose tied tensors appear once (see dedupe_state)."""
+    return st_save({k: v.contiguous() for k, v in state.items()})
+
+
+def dedupe_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with a tensor shared by several names (tied weights) kept once, under its first name
+    (as rollstream.weights_file.unique_state does for a module), on the CPU."""
     keep: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int, tuple[int, ...]]] = set()  # (storage, offset, shape) of each kept tensor
     for name, t in state.items():
@@ -125,8 +130,8 @@ def state_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
         if key in seen and key[0] != 0:
             continue
         seen.add(key)
-        keep[name] = t.detach().cpu().contiguous()
-    return st_save(keep)
+        keep[name] = t.detach().cpu()
+    return keep
 
 
 class DataParallel:
@@ -223,6 +228,15 @@ class DataParallel:
             yield
         finally:
             policy.module = inner
+
+    def accumulating(self, wrapped: nn.Module, last: bool) -> AbstractContextManager[Any]:
+        """Around the forward and backward of one micro-batch: DDP's no_sync unless it is the update's last
+        (gradients accumulate locally and are all-reduced once); nothing otherwise."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if last or not isinstance(wrapped, DistributedDataParallel):
+            return nullcontext()
+        return wrapped.no_sync()
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The module's whole weights on CPU: a collective under fsdp (every rank must call it; rank 0

@@ -1,12 +1,13 @@
 """Evaluation: greedy-decode the held-out prompts with the trainer's current weights and score them.
 
 Single-turn only (a multi-turn task is scored on its first assistant turn). Prompts are encoded the way
-producers encode them (bos first) and decoded in batches.
+producers encode them (`encode_prompt`: chat template or bos first) and decoded in batches.
 """
 
 from __future__ import annotations
 
 from rollstream.model import BasePolicy
+from rollstream.model.chat import encode_prompt
 from rollstream.tasks import Prompt, Task
 
 
@@ -21,7 +22,7 @@ def evaluate(
     exact: list[float] = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
-        ids = [tok.encode(p.text, add_bos=True) for p in chunk]
+        ids = [encode_prompt(tok, p.text) for p in chunk]
         limit = policy.max_seq_len
         new_tokens = max_new_tokens
         if limit is not None:

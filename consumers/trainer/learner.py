@@ -2,15 +2,22 @@
 
   begin_step(g)  at the first local update of global step g: freeze a copy of the weights (version g-1)
                  as the proximal policy; it is pinned for the step's K local updates (decoupled mode)
-  update(batch)  one mini-batch -> advantages -> prox/ref log-probs (no grad) -> forward -> loss ->
-                 backward -> clip -> AdamW step; returns the update's metrics
+  update(batch)  one mini-batch -> advantages -> per micro-batch (actor.micro_batch_size rows): prox/ref
+                 log-probs (no grad) -> forward -> loss x its share -> backward (gradients accumulate)
+                 -> clip -> AdamW step; returns the update's metrics
+
+Memory knobs: `actor.micro_batch_size` (the accumulated update equals the whole-mini-batch one: each
+micro-batch's loss is scaled by its share of what the loss aggregation divides by), `actor.
+gradient_checkpointing` (HF backend), `actor.logprob_chunk_size` (the output head a chunk at a time),
+`model.dtype` (set by build_policy).
 
 Data parallel (consumers/trainer/distributed.py): each rank updates on its share of the mini-batch (whole
-samples, so a GRPO group never straddles ranks and its statistics are the group's own). The loss is
-normalised by counts summed over every rank (tokens for token-mean, rows for the seq-means: one small
-all-reduce per update, `dp_loss_scale`), so after DDP averages the gradients the step equals one process
-training the whole mini-batch. Metrics (`actor/loss`, `actor/pg_loss`, …) stay the rank's own means;
-the aggregator weights them by each rank's sample_count.
+samples, so a GRPO group never straddles ranks and its statistics are the group's own). What the loss
+aggregation divides by is summed over every rank (one small all-reduce per update), and each micro-batch's
+loss is scaled by its count x world_size / that sum, so after DDP averages the gradients the step equals
+one process training the whole mini-batch (verl's global-token normalisation); gradients are all-reduced
+once per update, at the last micro-batch. Metrics (`actor/loss`, `actor/pg_loss`, …) stay the rank's own
+means; the aggregator weights them by each rank's sample_count.
 """
 
 from __future__ import annotations
@@ -22,25 +29,25 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load as st_load
 
-from consumers.trainer.distributed import DataParallel, RankInfo, state_bytes
+from consumers.trainer.distributed import DataParallel, RankInfo, dedupe_state
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_policy
 from rollstream.model import BasePolicy
-from rollstream.model.base import resolve_device
+from rollstream.model.base import load_state_dict_checked, resolve_device
 from rollstream.rl import (
+    AggMode,
     agg_loss,
-    dp_loss_scale,
     grpo_advantages,
     grpo_token_advantages,
     kl_penalty,
     length_metrics,
-    loss_denominators,
     ppo_loss,
     reward_metrics,
 )
+from rollstream.rl.masked import agg_count
 from rollstream.warmstart import load_init
+from rollstream.weights_file import unique_state
 from schemas import DataProto
 
 log = logging.getLogger(__name__)
@@ -78,6 +85,12 @@ def token_rewards(rewards: torch.Tensor, resp_mask: torch.Tensor, scores: torch.
     return first_last.to(rewards.dtype) * rewards[:, None]
 
 
+def micro_slices(rows: int, micro_batch_size: int) -> list[slice]:
+    """Row ranges of the micro-batches of a `rows`-row mini-batch (one range when micro_batch_size is 0)."""
+    size = micro_batch_size if micro_batch_size > 0 else max(rows, 1)
+    return [slice(s, min(s + size, rows)) for s in range(0, rows, size)]
+
+
 def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
     """Entropy bonus weight at `global_step` (1-based): `coef`, decayed linearly to 0 over `decay_steps` when > 0."""
     if decay_steps <= 0:
@@ -100,16 +113,21 @@ class Learner:
             load_init(self.policy, cfg.model.init_from)  # version 0 = the warm start, not the seeded init
             log.info("initial weights from %s", cfg.model.init_from)
         self.device = self.policy.device
+        self.policy.logprob_chunk_size = self.actor.logprob_chunk_size
+        if self.actor.gradient_checkpointing:
+            self.policy.enable_gradient_checkpointing()
         self.global_step = 1  # the global step being trained (set by begin_step)
         self.prox: BasePolicy | None = None
         if self.actor.off_policy_mode == "decoupled":
             self.prox = build_policy(cfg, device=device)
+            self.prox.logprob_chunk_size = self.actor.logprob_chunk_size
             self.prox.eval()
             self.dp.shard_frozen(self.prox.module)
         self.ref: BasePolicy | None = None
         if self.actor.kl_coef > 0:
             self.ref = build_policy(cfg, device=device)  # the version-0 weights, from the same seed
             self.ref.module.load_state_dict(self.policy.module.state_dict())
+            self.ref.logprob_chunk_size = self.actor.logprob_chunk_size
             self.ref.eval()
             self.dp.shard_frozen(self.ref.module)
         # DDP wrapper (world > 1) or the module sharded in place (fsdp): before the optimizer sees the params
@@ -118,26 +136,30 @@ class Learner:
             self.policy.parameters(), lr=self.actor.lr, weight_decay=self.actor.weight_decay
         )
 
-    def weights_bytes(self) -> bytes:
-        """The policy's weights as safetensors bytes; under fsdp a collective (every rank calls it, rank 0
-        gets the bytes, the others b"")."""
+    def whole_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights, tied tensors once: the module's own tensors (no copy) unless sharded; under
+        fsdp gathered whole on the CPU, a collective (every rank calls it; rank 0 gets them, the others {})."""
         if not self.dp.sharded:
-            return self.policy.state_dict_bytes()
+            return unique_state(self.policy.module)
         state = self.dp.full_state_dict(self.policy.module)
-        return state_bytes(state) if self.dp.is_main else b""
+        return dedupe_state(state) if self.dp.is_main else {}
 
-    def checkpoint_state(self) -> tuple[bytes, dict[str, Any]]:
-        """(weights bytes, index-keyed optimizer state_dict) for the checkpoint; under fsdp a collective
-        whose result is rank 0's alone."""
-        return self.weights_bytes(), self.dp.full_optimizer_state(self.policy.module, self.optimizer)
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state_dict, index-keyed; under fsdp whole (a collective; rank 0's alone)."""
+        return self.dp.full_optimizer_state(self.policy.module, self.optimizer)
 
-    def load_checkpoint_state(self, weights: bytes, optimizer_state: dict[str, Any]) -> None:
+    def load_checkpoint_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
         """Restore weights and optimizer state read from a checkpoint (every rank, the same values)."""
         if self.dp.sharded:
-            self.dp.load_full_state(self.policy.module, self.optimizer, st_load(weights), optimizer_state)
+            self.dp.load_full_state(self.policy.module, self.optimizer, weights, optimizer_state)
             return
-        self.policy.load_state_dict_bytes(weights)
+        load_state_dict_checked(self.policy.module, weights)
         self.optimizer.load_state_dict(optimizer_state)
+
+    def _dp_count(self, total: float) -> tuple[float, int]:
+        """(what the loss aggregation divides by, summed over every rank's share of the mini-batch; the
+        number of ranks whose gradients DDP averages): (total, 1) in a world of one."""
+        return self.dp.all_reduce_sum([total])[0], self.dp.world_size
 
     def begin_step(self, global_step: int = 1) -> None:
         """Pin the current weights as the proximal policy for global step `global_step`'s local updates."""
@@ -173,39 +195,66 @@ class Learner:
         else:
             adv = group_advantages(rewards, groups, self.actor.norm_adv_by_std).to(dev)
 
-        # 2. proximal / reference log-probs (frozen, no grad)
-        t0 = time.perf_counter()
-        temp = self.cfg.rollout.temperature  # log-probs of the distribution producers sampled from
-        with torch.no_grad():
-            prox_logp = self.prox.log_probs(ids, mask, width, temp) if self.prox is not None else None
-            ref_logp = self.ref.log_probs(ids, mask, width, temp) if self.ref is not None else None
-        t_old = time.perf_counter() - t0
-
-        # 3. forward, loss (normalised over every rank's rows), backward (DDP averages), step
-        t0 = time.perf_counter()
-        mode = self.actor.loss_agg_mode
-        scale = dp_loss_scale(resp_mask, mode, self.dp.all_reduce_sum(loss_denominators(resp_mask)), self.dp.world_size)
-        self.policy.train()
-        with self.dp.forward_through(self.policy, self.train_module):
-            logp, entropy = self.policy.forward_logprobs_entropy(ids, mask, width, temp)  # [B, R] each
-        loss, metrics = ppo_loss(
-            logp, prox_logp, behave, adv, resp_mask,
-            clip_eps=self.actor.clip_ratio, clip_eps_high=self.actor.clip_ratio_high,
-            behave_imp_cap=self.actor.behave_imp_cap, mode=self.actor.off_policy_mode,
-            loss_agg_mode=self.actor.loss_agg_mode,
-        )
-        ent = agg_loss(entropy, resp_mask, self.actor.loss_agg_mode)
+        # 2-3. per micro-batch: proximal / reference log-probs (frozen, no grad), forward, loss scaled by
+        #      the micro-batch's share of what the aggregation divides by, backward (gradients accumulate)
+        mode: AggMode = self.actor.loss_agg_mode
+        total, tokens = agg_count(resp_mask, mode), float(resp_mask.sum())
+        every_total, ranks = self._dp_count(total)
         ent_coef = entropy_coef_at(self.actor.entropy_coef, self.actor.entropy_decay_steps, self.global_step)
-        if ent_coef > 0:
-            loss = loss - ent_coef * ent
-            metrics["actor/entropy_coef"] = ent_coef
-        if ref_logp is not None:
-            kl = agg_loss(kl_penalty(logp, ref_logp, "low_var_kl"), resp_mask, self.actor.loss_agg_mode)
-            loss = loss + self.actor.kl_coef * kl
-            metrics["actor/kl_loss"] = float(kl.detach())
-            metrics["actor/kl_coef"] = self.actor.kl_coef
         self.optimizer.zero_grad(set_to_none=True)
-        (loss * scale if scale != 1.0 else loss).backward()
+        self.policy.train()
+        metrics: dict[str, float] = {}
+        loss = ent = kl = 0.0
+        t_old = t_update = 0.0
+        slices = micro_slices(ids.shape[0], self.actor.micro_batch_size)
+        for i, rows in enumerate(slices):
+            m_ids, m_mask, m_resp, m_behave = ids[rows], mask[rows], resp_mask[rows], behave[rows]
+            m_adv = adv[rows]
+            f, w = trim_padding(m_ids, m_mask, width)  # this micro-batch's own all-pad columns go
+            m_ids, m_mask = m_ids[:, f : m_ids.shape[1] - width + w], m_mask[:, f : m_mask.shape[1] - width + w]
+            m_resp, m_behave = m_resp[:, :w], m_behave[:, :w]
+            m_adv = m_adv if m_adv.dim() == 1 else m_adv[:, :w]
+            share = agg_count(m_resp, mode) / total if total > 0 else 0.0  # of this rank's loss (metrics)
+            grad_share = agg_count(m_resp, mode) * ranks / every_total if every_total > 0 else 0.0  # of every rank's
+            tok_share = float(m_resp.sum()) / tokens if tokens > 0 else 0.0
+
+            t0 = time.perf_counter()
+            temp = self.cfg.rollout.temperature  # log-probs of the distribution producers sampled from
+            with torch.no_grad():
+                prox_logp = self.prox.log_probs(m_ids, m_mask, w, temp) if self.prox is not None else None
+                ref_logp = self.ref.log_probs(m_ids, m_mask, w, temp) if self.ref is not None else None
+            t_old += time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            # DDP's gradient hooks live on its wrapper; gradients are all-reduced at the last micro-batch only
+            with self.dp.forward_through(self.policy, self.train_module), \
+                    self.dp.accumulating(self.train_module, last=i + 1 == len(slices)):
+                logp, entropy = self.policy.forward_logprobs_entropy(m_ids, m_mask, w, temp)  # [b, w] each
+                m_loss, pg_metrics = ppo_loss(
+                    logp, prox_logp, m_behave, m_adv, m_resp,
+                    clip_eps=self.actor.clip_ratio, clip_eps_high=self.actor.clip_ratio_high,
+                    behave_imp_cap=self.actor.behave_imp_cap, mode=self.actor.off_policy_mode,
+                    loss_agg_mode=mode,
+                )
+                m_ent = agg_loss(entropy, m_resp, mode)
+                if ent_coef > 0:
+                    m_loss = m_loss - ent_coef * m_ent
+                if ref_logp is not None:
+                    m_kl = agg_loss(kl_penalty(logp, ref_logp, "low_var_kl"), m_resp, mode)
+                    m_loss = m_loss + self.actor.kl_coef * m_kl
+                    kl += float(m_kl.detach()) * share
+                (m_loss * grad_share).backward()
+            t_update += time.perf_counter() - t0
+            loss += float(m_loss.detach()) * share
+            ent += float(m_ent.detach()) * share
+            for k, v in pg_metrics.items():  # pg_loss aggregates like the loss, the rest are token means
+                metrics[k] = metrics.get(k, 0.0) + v * (share if k == "actor/pg_loss" else tok_share)
+        if ent_coef > 0:
+            metrics["actor/entropy_coef"] = ent_coef
+        if self.ref is not None:
+            metrics["actor/kl_loss"] = kl
+            metrics["actor/kl_coef"] = self.actor.kl_coef
+        t0 = time.perf_counter()
         norm = torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), self.actor.grad_clip)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under fsdp
         if math.isfinite(grad_norm):
@@ -213,13 +262,13 @@ class Learner:
         else:
             log.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
             self.optimizer.zero_grad(set_to_none=True)
-        t_update = time.perf_counter() - t0
+        t_update += time.perf_counter() - t0
 
         # 4. metrics
         row_tokens = mask.sum(-1).double()  # [B]
         metrics.update({
-            "actor/loss": float(loss.detach()),
-            "actor/entropy": float(ent.detach()),
+            "actor/loss": loss,
+            "actor/entropy": ent,
             "actor/grad_norm": grad_norm,
             "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
             "critic/rewards/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,

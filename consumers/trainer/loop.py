@@ -72,7 +72,7 @@ import redis
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.checkpoint import list_checkpoints, read_checkpoint, rng_plain, write_checkpoint
 from consumers.trainer.collect import Collector
-from consumers.trainer.distributed import DataParallel, RankInfo
+from consumers.trainer.distributed import DataParallel, RankInfo, state_bytes
 from consumers.trainer.evaluate import evaluate
 from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import (
@@ -106,7 +106,7 @@ from rollstream.names import (
 from rollstream.pacing import current_budget, grant_budget
 from rollstream.rl import staleness_metrics
 from rollstream.tasks import Prompt
-from rollstream.weights import gc_weights, latest_param_version, publish_weights
+from rollstream.weights import gc_weights, latest_param_version, publish_module_weights, publish_weights
 from schemas import TRAINED, Fate, RolloutSample, StepMetrics, ValidateMetrics
 
 log = logging.getLogger(__name__)
@@ -165,9 +165,9 @@ class Trainer:
         publish/commit/grant if a crash cut them short (repeated if Redis goes away meanwhile: every part is
         idempotent); then every rank reads what is already committed."""
         meta = self._load_checkpoint()
-        blob = self.learner.weights_bytes() if self.dp.is_main or self.dp.sharded else b""
+        whole = self.learner.whole_weights() if self.dp.sharded else None  # fsdp: a collective
         if self.dp.is_main:
-            retry_on_connection(lambda: self._resume_main(meta, blob), "resume")
+            retry_on_connection(lambda: self._resume_main(meta, whole), "resume")
         self.dp.barrier()  # the redone commit is in `fates` before any rank reads it
         retry_on_connection(self._resume_rank, "resume")
         if meta is None and self.cfg.trainer.test_freq > 0:
@@ -192,12 +192,12 @@ class Trainer:
         log.info("resumed from checkpoint of global step %d", self.global_step)
         return meta
 
-    def _resume_main(self, meta: dict[str, Any] | None, blob: bytes) -> None:
+    def _resume_main(self, meta: dict[str, Any] | None, whole: dict[str, Any] | None) -> None:
         """Rank 0's part of the resume: set up the run, publish the checkpoint's version if `params` lacks
         it, redo its commit if it never ran, grant its budget."""
         setup_run(self.r, self.keys)
         ledgers = [StepLedger.from_plain(d) for d in meta["steps"]] if meta is not None else []
-        self._publish(self.global_step, blob, only_if_missing=True)
+        self._publish(self.global_step, whole, only_if_missing=True)
         if ledgers and committed_step(self.r, self.keys) < self.global_step:
             log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
             commit_steps(self.r, self.keys, ledgers, self.global_step)
@@ -215,10 +215,12 @@ class Trainer:
         self.collector.seen = committed_sample_ids(self.r, self.keys)
         log.info("%d sample ids already committed", len(self.seen))
 
-    def _publish(self, version: int, blob: bytes, only_if_missing: bool = False) -> float:
-        """Publish `blob` (the current weights) as `version` (skipped when params has it and
-        only_if_missing; a retry after a connection loss always checks, as the first attempt may have landed)."""
+    def _publish(self, version: int, whole: dict[str, Any] | None = None, only_if_missing: bool = False) -> float:
+        """Publish the current weights as `version` (skipped when params has it and only_if_missing; a retry
+        after a connection loss always checks, as the first attempt may have landed): from the policy's module,
+        or (fsdp) from `whole`, the weights gathered on rank 0."""
         t0 = time.perf_counter()
+        module = self.learner.policy.module
         attempts = [only_if_missing]
 
         def publish() -> None:
@@ -227,8 +229,12 @@ class Trainer:
                 latest = latest_param_version(self.r, self.keys)
                 if latest is not None and latest.version >= version:
                     return
-            publish_weights(
-                self.r, self.keys, version, blob, global_step=version,
+            if whole is not None:  # fsdp: the gathered copy (already a second copy: bytes are one more)
+                publish_weights(self.r, self.keys, version, state_bytes(whole), global_step=version,
+                                inline_max_bytes=self.cfg.bus.weights_inline_max_bytes, file_dir=self.weights_dir)
+                return
+            publish_module_weights(  # above the inline limit: streamed to a file, never one blob in memory
+                self.r, self.keys, version, module, global_step=version,
                 inline_max_bytes=self.cfg.bus.weights_inline_max_bytes, file_dir=self.weights_dir,
             )
 
@@ -396,14 +402,11 @@ class Trainer:
         self.global_step = g
         due = g % cfg.trainer.save_freq == 0 or g >= cfg.trainer.total_global_steps or self.agreed_stop
         t0 = time.perf_counter()
-        optimizer_state: dict[str, Any] = {}
-        if self.dp.is_main or self.dp.sharded:  # under fsdp reading the whole weights is a collective
-            if due:
-                blob, optimizer_state = self.learner.checkpoint_state()
-            else:
-                blob = self.learner.weights_bytes()
+        # under fsdp reading the whole weights and optimizer state is a collective: every rank takes part
+        whole = self.learner.whole_weights() if self.dp.sharded else None
+        optimizer_state = self.learner.optimizer_state() if due and (self.dp.is_main or self.dp.sharded) else {}
         if self.dp.is_main:
-            self._finish_main(g, merged, reports, blob, optimizer_state, due, t_step, t0)
+            self._finish_main(g, merged, reports, whole, optimizer_state, due, t_step, t0)
         if due:
             self.reader.forget(self._own_acks)  # acked inside rank 0's commit
             self._own_acks, self.pending = [], []
@@ -412,8 +415,8 @@ class Trainer:
                  trained, len(merged.fates) - trained, W)
 
     def _finish_main(
-        self, g: int, merged: StepLedger, reports: list[dict[str, Any]], blob: bytes, optimizer_state: dict[str, Any],
-        due: bool, t_step: float, t0: float,
+        self, g: int, merged: StepLedger, reports: list[dict[str, Any]], whole: dict[str, Any] | None,
+        optimizer_state: dict[str, Any], due: bool, t_step: float, t0: float,
     ) -> None:
         """Rank 0's end of step g: checkpoint (when due) / publish / commit or count, grant, retention."""
         cfg, step_end = self.cfg, merged.step_end
@@ -425,9 +428,10 @@ class Trainer:
             if self.dp.active:  # each rank's RNG, counters and the sample ids it consumed since the last checkpoint
                 meta["ranks"] = [{"rank": r, "rng": rep["rng"], "counters": rep["counters"],
                                   "sample_ids": self.pending_ids[r]} for r, rep in enumerate(reports)]
-            write_checkpoint(self.ckpt_dir, g, blob, optimizer_state, meta, keep_last=cfg.trainer.keep_checkpoints)
+            weights = whole if whole is not None else self.learner.whole_weights()  # the module's own tensors
+            write_checkpoint(self.ckpt_dir, g, weights, optimizer_state, meta, keep_last=cfg.trainer.keep_checkpoints)
             t_ckpt = time.perf_counter() - t0
-            t_pub = self._publish(g, blob)
+            t_pub = self._publish(g, whole)
             step_s = time.perf_counter() - t_step
             step_end.metrics.update({
                 "timing_s/checkpoint": t_ckpt, "timing_s/publish": t_pub,
@@ -435,7 +439,7 @@ class Trainer:
             })
             retry_on_connection(lambda: commit_steps(self.r, self.keys, self.pending, g), f"committing step {g}")
         else:
-            t_pub = self._publish(g, blob)
+            t_pub = self._publish(g, whole)
             step_s = time.perf_counter() - t_step
             step_end.metrics.update({"timing_s/publish": t_pub, "timing_s/step": step_s, "perf/time_per_step": step_s})
             retry_on_connection(lambda: count_consumed(self.r, self.keys, merged), f"counting step {g}")

@@ -19,6 +19,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
+from rollstream.model.chunked import chunked_logprobs_entropy
 from rollstream.model.tokenizer import Tokenizer
 
 
@@ -45,6 +46,16 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if isinstance(device, str) and device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """Parameter dtype from its config name: "auto" is bfloat16 on CUDA and float32 elsewhere."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype={dtype!r}: expected auto, {', '.join(names)}")
+    return names[dtype]
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -132,18 +143,28 @@ def state_dict_to_bytes(module: nn.Module) -> bytes:
 
 def load_state_dict_from_bytes(module: nn.Module, data: bytes) -> None:
     """Copy safetensors bytes into the module in place; refuse unknown or missing (non-tied) names."""
-    sd = st_load(data)
+    load_state_dict_checked(module, st_load(data))
+
+
+def check_state_names(module: nn.Module, names: set[str]) -> None:
+    """ValueError unless `names` are state-dict names of the module covering all of it (a tied tensor
+    under any one of its names)."""
     expected = set(module.state_dict())
-    unexpected = sorted(set(sd) - expected)
+    unexpected = sorted(names - expected)
     if unexpected:
         raise ValueError(f"weights have unknown tensors: {unexpected[:5]}")
-    covered = set(sd)
-    for names in _alias_groups(module):
-        if covered.intersection(names):
-            covered.update(names)
+    covered = set(names)
+    for group in _alias_groups(module):
+        if covered.intersection(group):
+            covered.update(group)
     missing = sorted(expected - covered)
     if missing:
         raise ValueError(f"weights lack tensors: {missing[:5]}")
+
+
+def load_state_dict_checked(module: nn.Module, sd: dict[str, Tensor]) -> None:
+    """Copy tensors into the module in place; refuse unknown or missing (non-tied) names."""
+    check_state_names(module, set(sd))
     module.load_state_dict(sd, strict=False)
 
 
@@ -153,6 +174,9 @@ class BasePolicy(ABC):
     module: nn.Module
     tokenizer: Tokenizer
     device: torch.device
+    #: Tokens per output-head chunk in forward_logprobs_entropy (0 = the whole batch's logits at once);
+    #: used where the backend gives hidden states (`_response_hidden`).
+    logprob_chunk_size: int = 0
     # ---- backend hooks ---------------------------------------------------------------------------
     @abstractmethod
     def _prefill(self, ids: Tensor, mask: Tensor, capacity: int) -> tuple[Tensor, Any]:
@@ -169,6 +193,17 @@ class BasePolicy(ABC):
     @abstractmethod
     def _response_logits(self, ids: Tensor, mask: Tensor, response_len: int) -> Tensor:
         """Full forward of ids/mask [B,T] -> logits [B,R,V] predicting ids[:, -R:]."""
+
+    def _response_hidden(
+        self, ids: Tensor, mask: Tensor, response_len: int
+    ) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """Final hidden states [B,R,H] predicting ids[:, -R:] with the output head's weight [V,H] and bias
+        [V] (or None); None when the backend only gives logits (then log-probs are not chunked)."""
+        return None
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute activations in backward instead of storing them; backends without it refuse."""
+        raise ValueError(f"gradient checkpointing is not supported by {type(self).__name__} (use model.backend=hf)")
 
     @property
     def max_seq_len(self) -> int | None:
@@ -259,13 +294,21 @@ class BasePolicy(ABC):
         self, input_ids: Tensor, attention_mask: Tensor, response_len: int, temperature: float = 1.0
     ) -> tuple[Tensor, Tensor]:
         """Per-token log-prob and entropy [B,R] of the last R tokens under softmax(logits / temperature)
-        (the sampling distribution, as verl's actor computes it); grad follows torch grad mode."""
+        (the sampling distribution, as verl's actor computes it); grad follows torch grad mode. With
+        `logprob_chunk_size` > 0 and a backend giving hidden states, the output head runs chunk by chunk
+        (rollstream.model.chunked): same numbers, peak memory O(chunk x vocab)."""
         if response_len < 1 or response_len >= input_ids.shape[1]:
             raise ValueError(f"response_len {response_len} must be in [1, {input_ids.shape[1] - 1}]")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        ids = input_ids.to(self.device)
-        logits = self._response_logits(ids, attention_mask.to(self.device), response_len).float()
+        ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
+        if self.logprob_chunk_size > 0:
+            head = self._response_hidden(ids, mask, response_len)
+            if head is not None:
+                hidden, weight, bias = head
+                labels = ids[:, -response_len:]
+                return chunked_logprobs_entropy(hidden, weight, bias, labels, temperature, self.logprob_chunk_size)
+        logits = self._response_logits(ids, mask, response_len).float()
         if temperature != 1.0:
             logits = logits / temperature
         logp_all = F.log_softmax(logits, dim=-1)  # [B,R,V]

@@ -11,20 +11,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rollstream.model.base import BasePolicy, resolve_device
 from rollstream.model.gpt import positions_from_mask
-from rollstream.model.tokenizer import CHARS, SPECIAL_TOKENS
+from rollstream.model.hf_tiny import make_tiny_hf_model
+
+__all__ = ["HFPolicy", "HFTokenizer", "make_tiny_hf_model"]
 
 
 class HFTokenizer:
-    """Adapts a transformers tokenizer to the `Tokenizer` protocol (pad falls back to eos)."""
+    """Adapts a transformers tokenizer to the `Tokenizer` protocol (pad falls back to eos).
 
-    def __init__(self, hf_tokenizer: Any) -> None:
+    `use_chat_template` (when asked for and the tokenizer has a template): prompts and tool results are
+    rendered with the chat template (see rollstream.model.chat)."""
+
+    def __init__(self, hf_tokenizer: Any, chat_template: bool = True) -> None:
         self.hf = hf_tokenizer
         if self.hf.eos_token_id is None:
             raise ValueError("HF tokenizer has no eos token")
+        self.use_chat_template = bool(chat_template and getattr(self.hf, "chat_template", None))
 
     @property
     def pad_id(self) -> int:
@@ -63,13 +70,16 @@ class HFTokenizer:
 class HFPolicy(BasePolicy):
     """A transformers causal LM (fp32 by default) with its tokenizer; generation uses past_key_values."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, device: str | torch.device = "auto") -> None:
-        self.tokenizer = tokenizer if isinstance(tokenizer, HFTokenizer) else HFTokenizer(tokenizer)
+    def __init__(
+        self, model: nn.Module, tokenizer: Any, device: str | torch.device = "auto", chat_template: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer if isinstance(tokenizer, HFTokenizer) else HFTokenizer(tokenizer, chat_template)
         self.device = resolve_device(device)
         self.module = model.to(self.device)
         params = inspect.signature(self.module.forward).parameters
         self._has_logits_to_keep = "logits_to_keep" in params
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
+        self._head_checked: bool | None = None  # hidden @ head == the model's logits (checked on first use)
 
     @classmethod
     def from_pretrained(
@@ -78,8 +88,10 @@ class HFPolicy(BasePolicy):
         device: str = "auto",
         dtype: torch.dtype = torch.float32,
         attn_implementation: str | None = None,
+        chat_template: bool = True,
     ) -> HFPolicy:
-        """Load model and tokenizer from a local directory (never downloads)."""
+        """Load model (weights in `dtype`) and tokenizer from a local directory (never downloads);
+        `chat_template` renders prompts with the tokenizer's chat template when it has one."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
@@ -87,7 +99,7 @@ class HFPolicy(BasePolicy):
             kwargs["attn_implementation"] = attn_implementation
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        return cls(model, tok, device)
+        return cls(model, tok, device, chat_template)
 
     @property
     def max_seq_len(self) -> int | None:
@@ -133,42 +145,32 @@ class HFPolicy(BasePolicy):
         logits = self._forward(ids, mask, positions_from_mask(mask), None, response_len + 1).logits
         return logits[:, -(response_len + 1) : -1]
 
+    def _response_hidden(
+        self, ids: Tensor, mask: Tensor, response_len: int
+    ) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """Final hidden states [B,R,H] before the output head, with the head's weight [V,H] and bias; None
+        when this model's logits are not plain `lm_head(hidden)` (soft-capping, scaling: checked once)."""
+        model: Any = self.module
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        base = getattr(model, "base_model", None)
+        if self._head_checked is False or not isinstance(head, nn.Linear) or base is None or base is model:
+            return None
+        out = base(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False)
+        hidden = out.last_hidden_state[:, -(response_len + 1) : -1]  # [B,R,H]
+        if self._head_checked is None:
+            with torch.no_grad():
+                want = self._response_logits(ids[:1], mask[:1], response_len).float()
+                got = F.linear(hidden[:1].detach(), head.weight, head.bias).float()
+            self._head_checked = bool(torch.allclose(got, want, rtol=1e-3, atol=1e-3))
+            if not self._head_checked:
+                return None
+        return hidden, head.weight, head.bias
 
-def make_tiny_hf_model(directory: str | Path, seed: int = 0, hidden_size: int = 32) -> Path:
-    """Save a tiny random Llama + char-level fast tokenizer (CharTokenizer's ids) to `directory`."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as RawTokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    vocab.update({c: i + len(SPECIAL_TOKENS) for i, c in enumerate(CHARS)})
-    raw = RawTokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    raw.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        pad_token=SPECIAL_TOKENS[0],
-        bos_token=SPECIAL_TOKENS[1],
-        eos_token=SPECIAL_TOKENS[2],
-    )
-    tok.save_pretrained(str(directory))
-    cfg = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg)
-    model.save_pretrained(str(directory))
-    return directory
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute each decoder layer's activations in backward instead of keeping them (training only)."""
+        model: Any = self.module
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

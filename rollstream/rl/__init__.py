@@ -1,7 +1,7 @@
 """RL math for rollstream: advantages, masked reductions, PPO losses, KL, batch metrics (pure torch)."""
 
 from rollstream.rl.advantages import grpo_advantages, grpo_token_advantages, returns_to_go
-from rollstream.rl.masked import AggMode, agg_loss, dp_loss_scale, loss_denominators, masked_mean, masked_sum
+from rollstream.rl.masked import AggMode, agg_loss, masked_mean, masked_sum
 from rollstream.rl.metrics import length_metrics, reward_metrics, staleness_metrics, tensor_summary
 from rollstream.rl.ppo import (
     KLKind,
@@ -22,14 +22,12 @@ __all__ = [
     "agg_loss",
     "behave_importance_weight",
     "clipped_surrogate",
-    "dp_loss_scale",
     "dual_clip",
     "entropy_from_logits",
     "grpo_advantages",
     "grpo_token_advantages",
     "kl_penalty",
     "length_metrics",
-    "loss_denominators",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",

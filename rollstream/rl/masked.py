@@ -45,27 +45,14 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: AggMode = "token-
     raise ValueError(f"unknown loss aggregation mode {mode!r}")
 
 
-#: Which of `loss_denominators` each aggregation mode divides by.
-_DENOMINATOR = {"token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean": 2}
-
-
-def loss_denominators(mask: torch.Tensor) -> tuple[float, float, float]:
-    """What `agg_loss` divides by, per mode, for a [B, T] mask: (valid tokens, rows, rows with >= 1 valid token)."""
-    valid = mask.detach().to(torch.float64)
-    return float(valid.sum()), float(mask.shape[0]), float((valid.sum(dim=-1) > 0).sum())
-
-
-def dp_loss_scale(
-    mask: torch.Tensor, mode: AggMode, global_denominators: tuple[float, float, float] | list[float], dp_size: int
-) -> float:
-    """Factor turning `agg_loss` over one data-parallel rank's rows into that rank's share of the loss over
-    every rank's rows, as verl's `agg_loss(..., dp_size, batch_num_tokens, global_batch_size)` does.
-
-    `global_denominators` is `loss_denominators` summed over the ranks. token-mean becomes (this rank's
-    masked token sum) / (all ranks' valid tokens) * dp_size, and the seq-means likewise over all ranks'
-    rows; DDP then averages gradients over dp_size ranks, so the update equals one process training every
-    rank's rows at once. A world of one gives exactly 1.0.
-    """
-    i = _DENOMINATOR[mode]
-    local = loss_denominators(mask)[i]
-    return max(local, 1.0) * dp_size / max(float(global_denominators[i]), 1.0)
+def agg_count(mask: torch.Tensor, mode: AggMode = "token-mean") -> float:
+    """What `agg_loss` divides by: valid tokens (token-mean), rows (seq-mean-token-sum) or rows with a valid
+    token (seq-mean-token-mean). A micro-batch's agg_loss times its count / the mini-batch's count, summed
+    over micro-batches, is the mini-batch's agg_loss (gradient accumulation without changing the loss)."""
+    if mode == "token-mean":
+        return float(mask.float().sum())
+    if mode == "seq-mean-token-sum":
+        return float(mask.shape[0])
+    if mode == "seq-mean-token-mean":
+        return float((mask.float().sum(dim=-1) > 0).sum())
+    raise ValueError(f"unknown loss aggregation mode {mode!r}")

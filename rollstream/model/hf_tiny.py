@@ -1,0 +1,166 @@
+"""Tiny random Hugging Face models with locally built tokenizers, for tests and checks (never downloads).
+
+`make_tiny_hf_model(dir, arch=...)` saves a randomly initialised Llama or Qwen2 causal LM and a real
+`tokenizers` tokenizer (wrapped as a `PreTrainedTokenizerFast`) with `save_pretrained`, so the directory
+loads like any local checkpoint (`model.backend=hf model.hf_path=DIR`). Two tokenizers:
+
+  char  one id per character of the built-in tasks' alphabet (CharTokenizer's ids), pad/bos/eos first
+  bpe   byte-level BPE trained here on task text, with Qwen2's pre-tokenizer (digits split one by one)
+
+With `chat_template=True` the tokenizer also gets role tokens and a small Jinja chat template (user,
+assistant, tool and system turns, each closed by eos), as instruct checkpoints ship one.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from rollstream.model.tokenizer import CHARS, SPECIAL_TOKENS
+
+Arch = Literal["llama", "qwen2"]
+TokenizerKind = Literal["char", "bpe"]
+
+ROLE_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
+
+#: Every turn is `<|role|>content<eos>`; the prompt for the model's turn ends with `<|assistant|>`.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for m in messages -%}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+#: Qwen2's pre-tokenizer split: letters in words, each digit alone, punctuation runs, whitespace.
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _char_tokenizer(specials: list[str]) -> Any:
+    """WordLevel over single characters: specials first (pad, bos, eos, ...), then CHARS."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({c: i + len(specials) for i, c in enumerate(CHARS)})
+    raw = RawTokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    return raw
+
+
+def task_corpus(lines: int = 2000, seed: int = 0) -> list[str]:
+    """Text the BPE tokenizer is trained on: reverse and arith prompts, answers and calculator calls."""
+    from rollstream.tasks import ArithToolTask, ReverseTask
+
+    rng = random.Random(seed)
+    reverse, arith = ReverseTask(), ArithToolTask()
+    out = []
+    for _ in range(lines // 2):
+        p = reverse.make_prompt(rng)
+        out.append(p.text + p.answer)
+        q = arith.make_prompt(rng)
+        expr = q.text.removesuffix("=?")
+        out.append(f"{q.text}[calc:{expr}][={q.answer}]{q.answer}")
+    return out
+
+
+def _bpe_tokenizer(specials: list[str], vocab_size: int, seed: int) -> Any:
+    """Byte-level BPE trained on `task_corpus`, Qwen2-style pre-tokenization; specials get the first ids."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as RawTokenizer
+
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(task_corpus(seed=seed), trainer)
+    return raw
+
+
+def build_tokenizer(kind: TokenizerKind = "char", chat_template: bool = False, bpe_vocab_size: int = 320) -> Any:
+    """A PreTrainedTokenizerFast: pad/bos/eos are ids 0/1/2; role tokens and CHAT_TEMPLATE when `chat_template`."""
+    from transformers import PreTrainedTokenizerFast
+
+    specials = list(SPECIAL_TOKENS) + (list(ROLE_TOKENS) if chat_template else [])
+    if kind == "char":
+        raw = _char_tokenizer(specials)
+    elif kind == "bpe":
+        raw = _bpe_tokenizer(specials, bpe_vocab_size, seed=0)
+    else:
+        raise ValueError(f"tokenizer={kind!r}: expected 'char' or 'bpe'")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        pad_token=SPECIAL_TOKENS[0],
+        bos_token=SPECIAL_TOKENS[1],
+        eos_token=SPECIAL_TOKENS[2],
+        additional_special_tokens=list(ROLE_TOKENS) if chat_template else None,
+    )
+    if chat_template:
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_config(arch: Arch, vocab_size: int, hidden_size: int = 32, num_layers: int = 2, max_positions: int = 128) -> Any:
+    """A transformers config of `arch` with 4 query / 2 key-value heads; pad/bos/eos ids 0/1/2."""
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)  # as Qwen2.5-0.5B: tied
+    raise ValueError(f"arch={arch!r}: expected 'llama' or 'qwen2'")
+
+
+def make_tiny_hf_model(
+    directory: str | Path,
+    seed: int = 0,
+    hidden_size: int = 32,
+    arch: Arch = "llama",
+    tokenizer: TokenizerKind = "char",
+    chat_template: bool = False,
+    num_layers: int = 2,
+    max_positions: int = 128,
+) -> Path:
+    """Save a tiny random `arch` causal LM + its tokenizer to `directory` (created); returns the path.
+
+    The defaults (Llama, char tokenizer, no chat template) give CharTokenizer's ids exactly."""
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(tokenizer, chat_template)
+    tok.save_pretrained(str(directory))
+    cfg = tiny_config(arch, len(tok), hidden_size, num_layers, max_positions)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(str(directory))
+    return directory

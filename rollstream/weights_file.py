@@ -1,0 +1,154 @@
+"""Weights as a safetensors file, written and read one tensor at a time (large models).
+
+`state_dict_to_bytes` builds the whole safetensors blob in memory, and loading it back deserialises a
+second full copy before copying into the module: fine for the inline (Redis) path, wrong for a 1 GB+
+model. Here the trainer writes the module's tensors straight from their memory into the file (hashing
+them on the way), and a producer hashes the file in blocks, then reads each tensor straight into the
+memory of the parameter it belongs to. Peak extra memory is one tensor (a dtype or device change) or
+nothing. The files are standard safetensors (`safetensors.safe_open` reads them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch import Tensor, nn
+
+from rollstream.files import atomic_file
+from rollstream.model.base import _alias_groups, check_state_names
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in DTYPES.items()}
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+HASH_BLOCK = 16 << 20
+
+
+def unique_state(module: nn.Module) -> dict[str, Tensor]:
+    """The module's state dict with tied tensors once (under the first name), no copies."""
+    sd = module.state_dict()
+    return {names[0]: sd[names[0]].detach() for names in _alias_groups(module)}
+
+
+def _header(tensors: dict[str, Tensor]) -> bytes:
+    """The 8-byte length + JSON header (space-padded to 8 bytes) of a file holding `tensors` in order."""
+    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in DTYPES:
+            raise ValueError(f"tensor {name}: dtype {t.dtype} has no safetensors name")
+        n = t.numel() * t.element_size()
+        meta[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def module_file_bytes(module: nn.Module) -> int:
+    """Size in bytes of the safetensors file `write_module` makes of this module."""
+    tensors = unique_state(module)
+    return len(_header(tensors)) + sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _raw(t: Tensor) -> Any:
+    """A buffer over the bytes of a CPU tensor (no copy when it is contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def write_module(module: nn.Module, path: Path) -> tuple[str, int]:
+    """Write the module's weights to `path` atomically (temp file, fsync, rename), one tensor at a time
+    (a GPU tensor is copied to the CPU alone); returns (sha256 hex of the file, bytes)."""
+    tensors = unique_state(module)
+    head = _header(tensors)
+    digest = hashlib.sha256(head)
+    size = len(head)
+    with atomic_file(path) as f:
+        f.write(head)
+        for t in tensors.values():
+            if t.numel() == 0:
+                continue
+            raw = _raw(t.cpu())
+            f.write(raw)
+            digest.update(raw)
+            size += raw.nbytes
+    return digest.hexdigest(), size
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 hex of a file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    buf = bytearray(HASH_BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def read_header(f: IO[bytes], file_bytes: int) -> tuple[dict[str, Any], int]:
+    """(tensor name -> {dtype, shape, data_offsets}, offset of the data) of an open safetensors file."""
+    raw = f.read(8)
+    if len(raw) != 8:
+        raise ValueError("not a safetensors file: shorter than 8 bytes")
+    (n,) = struct.unpack("<Q", raw)
+    if n > MAX_HEADER_BYTES or 8 + n > file_bytes:
+        raise ValueError(f"bad safetensors header length {n}")
+    meta = json.loads(f.read(n))
+    meta.pop("__metadata__", None)
+    return meta, 8 + n
+
+
+def _entries(meta: dict[str, Any], data_start: int, file_bytes: int) -> Iterator[tuple[str, torch.dtype, list[int], int, int]]:
+    """(name, dtype, shape, start, end) of each tensor in file order; ValueError on bad entries."""
+    for name, e in sorted(meta.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        dtype = TORCH_DTYPES.get(e.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"tensor {name}: unknown dtype {e.get('dtype')!r}")
+        start, end = (data_start + int(x) for x in e["data_offsets"])
+        shape = [int(s) for s in e["shape"]]
+        numel = 1
+        for s in shape:
+            numel *= s
+        if end > file_bytes or end - start != numel * torch.empty((), dtype=dtype).element_size():
+            raise ValueError(f"tensor {name}: data_offsets do not match its shape and the file")
+        yield name, dtype, shape, start, end
+
+
+def load_file_into(module: nn.Module, path: Path) -> None:
+    """Read a safetensors file into the module's tensors in place, one tensor at a time (straight into
+    the parameter's memory when it is a contiguous CPU tensor of the file's dtype); refuses unknown,
+    missing (non-tied) or misshapen tensors before writing anything."""
+    sd = module.state_dict()
+    file_bytes = path.stat().st_size
+    with open(path, "rb", buffering=0) as f:
+        meta, data_start = read_header(f, file_bytes)
+        entries = list(_entries(meta, data_start, file_bytes))
+        check_state_names(module, {e[0] for e in entries})
+        for name, _, shape, _, _ in entries:
+            if list(sd[name].shape) != shape:
+                raise ValueError(f"tensor {name}: shape {shape} in the file, {list(sd[name].shape)} in the model")
+        with torch.no_grad():
+            for name, dtype, shape, start, end in entries:
+                target = sd[name]
+                direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+                buf = target if direct else torch.empty(shape, dtype=dtype)
+                f.seek(start)
+                view = memoryview(_raw(buf)) if buf.numel() else memoryview(b"")
+                got = 0
+                while got < end - start:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise ValueError(f"tensor {name}: file ends early")
+                    got += n
+                if not direct:
+                    target.copy_(buf)

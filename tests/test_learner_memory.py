@@ -1,0 +1,98 @@
+"""The trainer's memory knobs change no number (issue 15): a local update accumulated over micro-batches
+(`actor.micro_batch_size`) equals the whole-mini-batch update, for every loss aggregation, with the entropy
+bonus and the KL term on, on the tiny GPT and on an HF model with gradient checkpointing and chunked
+log-probs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.learner import Learner, micro_slices
+from rollstream.config import load_config
+from rollstream.fakes import fake_rollout_sample
+from schemas import DataProto
+
+BASE = ["run.device=cpu", "model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32",
+        "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=1",
+        "actor.lr=0.01", "actor.entropy_coef=0.01", "actor.kl_coef=0.1", "rollout.temperature=0.9"]
+
+
+def batches(seed: int) -> list[DataProto]:
+    """Two mini-batches of 4 samples x 4 ragged responses with prompts of different lengths (padding on
+    both sides), token ids inside every test model's vocabulary."""
+    out = []
+    for b in range(2):
+        samples = [
+            fake_rollout_sample(f"s{b}{i}", n=4, prompt_len=3 + 2 * i, response_len=6, ragged=True,
+                                seed=seed + 10 * b + i, vocab=50)
+            for i in range(4)
+        ]
+        out.append(assemble_batch_from_rollout_samples(samples)[0])
+    return out
+
+
+def capture_grads(learner: Learner) -> list[list[torch.Tensor]]:
+    """Record the (clipped) gradients each optimizer step applies."""
+    seen: list[list[torch.Tensor]] = []
+    step = learner.optimizer.step
+
+    def recording_step(*args: Any, **kwargs: Any) -> Any:
+        seen.append([p.grad.detach().float().clone() for p in learner.policy.parameters()])  # type: ignore[union-attr]
+        return step(*args, **kwargs)
+
+    learner.optimizer.step = recording_step  # type: ignore[method-assign]
+    return seen
+
+
+COMPARED = ("actor/loss", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl",
+            "actor/pg_clipfrac", "actor/behave_imp_weight_mean")
+
+
+def assert_same_updates(plain: list[str], knobs: list[str]) -> None:
+    """Two local updates of one global step (the second off the proximal policy) give the same metrics and
+    gradients both ways. After each update the second learner takes the first's weights and Adam state, so
+    Adam (which turns float noise in a near-zero gradient into a full step) cannot compound differences."""
+    a, b = Learner(load_config(None, plain)), Learner(load_config(None, knobs))
+    grads_a, grads_b = capture_grads(a), capture_grads(b)
+    a.begin_step(1)
+    b.begin_step(1)
+    for i, batch in enumerate(batches(seed=1)):
+        ma, mb = a.update(batch), b.update(batch)
+        for k in COMPARED:
+            assert mb[k] == pytest.approx(ma[k], rel=1e-4, abs=1e-6), (i, k)
+        assert len(grads_a) == len(grads_b) == i + 1
+        for ga, gb in zip(grads_a[i], grads_b[i], strict=True):
+            assert torch.allclose(gb, ga, rtol=1e-4, atol=1e-7), i
+        b.policy.module.load_state_dict(a.policy.module.state_dict())
+        b.optimizer.load_state_dict(a.optimizer.state_dict())
+    assert ma["actor/ppo_kl"] != 0.0  # the second update really was off the proximal weights
+    assert any(float(g.abs().max()) > 1e-4 for g in grads_a[-1])
+
+
+def test_micro_slices_cover_the_rows_once() -> None:
+    assert micro_slices(16, 0) == [slice(0, 16)]
+    assert micro_slices(16, 5) == [slice(0, 5), slice(5, 10), slice(10, 15), slice(15, 16)]
+    assert micro_slices(4, 8) == [slice(0, 4)]
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("adv", ["grpo", "grpo_token"])
+def test_micro_batches_equal_the_whole_mini_batch(agg: str, adv: str) -> None:
+    cfg = [*BASE, f"actor.loss_agg_mode={agg}", f"actor.adv_estimator={adv}"]
+    assert_same_updates(cfg, [*cfg, "actor.micro_batch_size=5"])  # 16 rows: 5, 5, 5, 1
+    assert_same_updates(cfg, [*cfg, "actor.micro_batch_size=1"])
+
+
+def test_hf_micro_batches_checkpointing_and_chunks_equal_the_plain_update(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from rollstream.model.hf import make_tiny_hf_model
+
+    model = make_tiny_hf_model(tmp_path / "qwen2", arch="qwen2")
+    cfg = [*BASE, "model.backend=hf", f"model.hf_path={model}"]
+    assert_same_updates([*cfg, "actor.logprob_chunk_size=0"],
+                        [*cfg, "actor.micro_batch_size=3", "actor.gradient_checkpointing=true", "actor.logprob_chunk_size=7"])
