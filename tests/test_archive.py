@@ -204,6 +204,10 @@ def test_a_reader_racing_the_janitor_sees_no_gap(r: redis.Redis, keys: Keys, tmp
     back = [next(it) for _ in range(4)]
     move_to_archive(r, arc, keys.metrics, below=full[38][0])
     assert back + list(it) == full[::-1]
+    it = iter_stream(r, keys.metrics)
+    got = [next(it) for _ in range(38)]  # the archive's part
+    move_to_archive(r, arc, keys.metrics, below=None)  # everything left, so Redis answers nothing at all
+    assert r.xlen(keys.metrics) == 0 and got + list(it) == full
 
 
 def test_an_archive_that_cannot_be_read_is_an_error_not_a_gap(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:

@@ -79,23 +79,33 @@ def iter_stream(
         yield from _forward(r, key, start, end, page, arc)
 
 
-def _redis(r: redis.Redis, key: str, start: str, end: str, page: int) -> Iterator[tuple[str, Any]]:
+def _pages(
+    r: redis.Redis, key: str, lo: str, hi: str, page: int, reverse: bool = False
+) -> Iterator[list[tuple[str, Any]]]:
+    """Every XRANGE (XREVRANGE when reverse) page of `key` between the bounds lo and hi, as (id, fields)
+    rows; the last page is shorter than `page`, possibly empty."""
     rc: Any = r  # redis-py's stubs type stream replies loosely
-    lo = start
     while True:
-        rows = rc.xrange(key, min=lo, max=end, count=page)
-        for raw_id, fields in rows:
-            yield text(raw_id), fields
+        raw = rc.xrevrange(key, max=hi, min=lo, count=page) if reverse else rc.xrange(key, min=lo, max=hi, count=page)
+        rows = [(text(i), f) for i, f in raw]
+        yield rows
         if len(rows) < page:
             return
-        lo = "(" + text(rows[-1][0])
+        if reverse:
+            hi = "(" + rows[-1][0]
+        else:
+            lo = "(" + rows[-1][0]
+
+
+def _redis(r: redis.Redis, key: str, start: str, end: str, page: int) -> Iterator[tuple[str, Any]]:
+    for rows in _pages(r, key, start, end, page):
+        yield from rows
 
 
 def _forward(r: redis.Redis, key: str, start: str, end: str, page: int, arc: Archive) -> Iterator[tuple[str, Any]]:
     """Archive then Redis. Retention archives (and commits the index) before it trims, so a Redis page read
     while the index is unchanged has no gap below it; when the index changed meanwhile, the page is
     dropped and the newly archived entries are read from the archive first."""
-    rc: Any = r
     last: str | None = None  # newest id yielded
     upto = _upto(end)
     while True:
@@ -106,18 +116,13 @@ def _forward(r: redis.Redis, key: str, start: str, end: str, page: int, arc: Arc
             last = entry_id
             yield entry_id, fields
         floor = max((i for i in (last, index.last, _after(start)) if i is not None), key=parse_id, default=None)
-        lo = start if floor is None else "(" + floor
-        while True:
-            rows = rc.xrange(key, min=lo, max=end, count=page)
+        for rows in _pages(r, key, start if floor is None else "(" + floor, end, page):
             if arc.signature(key) != sig:
                 break  # archived (maybe trimmed) meanwhile: read the archive again from `last`
-            for raw_id, fields in rows:
-                last = text(raw_id)
-                yield last, fields
-            if len(rows) < page:
-                return
-            lo = "(" + text(rows[-1][0])
-        if upto is not None and last is not None and parse_id(last) >= parse_id(upto):
+            for entry_id, fields in rows:
+                last = entry_id
+                yield entry_id, fields
+        else:
             return
 
 
@@ -126,16 +131,10 @@ def _reverse(
 ) -> Iterator[tuple[str, Any]]:
     """Redis from `end` down, then the archive below the oldest entry Redis gave (found only when needed:
     a reader of the newest entries never looks for it). Entries trimmed while reading were archived before."""
-    rc: Any = r
-    hi, oldest = end, None
-    while True:
-        rows = rc.xrevrange(key, max=hi, min=start, count=page)
-        for raw_id, fields in rows:
-            oldest = text(raw_id)
+    oldest = None
+    for rows in _pages(r, key, start, end, page, reverse=True):
+        for oldest, fields in rows:
             yield oldest, fields
-        if len(rows) < page:
-            break
-        hi = "(" + text(rows[-1][0])
     if lazy:
         arc = run_archive(r, key)
     if arc is None:
