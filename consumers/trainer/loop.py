@@ -118,16 +118,7 @@ class Trainer:
         )
         self._batches: Iterator[list[Message]] = self.reader.batches(burst=burst)  # the shared consumer loop
         self.publisher = Publisher(r, nomkstream=True)
-        self.janitor = (
-            Janitor(
-                r, [keys.rollouts, keys.metrics], cfg.bus.trim_every_s, cfg.bus.max_stream_bytes,
-                capped={
-                    **{k: cfg.bus.audit_maxlen for k in (keys.fates, keys.dispatch_log, keys.params)},
-                    **({keys.records: cfg.bus.records_maxlen} if cfg.bus.records_maxlen else {}),
-                },
-            )
-            if cfg.bus.retention else None
-        )
+        self.janitor = Janitor.from_config(cfg, r, keys) if cfg.bus.retention else None
         self.ckpt_dir = cfg.run_dir() / "checkpoints"
         self.weights_dir = cfg.run_dir() / "weights"
         self.buffer: deque[Message] = deque()  # decoded, deduplicated, not yet used
@@ -203,7 +194,9 @@ class Trainer:
 
         def grant() -> None:
             if current_budget(self.r, self.keys)[0] != version:
-                budget, out = grant_budget(self.r, self.keys, version, self.cfg.max_outstanding)
+                pressed = self.janitor is not None and self.janitor.over_budget  # unread data over the budget
+                cap = self.cfg.data.train_batch_size if pressed else None
+                budget, out = grant_budget(self.r, self.keys, version, self.cfg.max_outstanding, cap)
                 log.info("version %d: budget %d (outstanding %d)", version, budget, out)
             gc_weights(self.r, self.keys, version, file_dir=self.weights_dir)
 
@@ -382,6 +375,7 @@ class Trainer:
         self.pending.append(ledger)
         self.global_step = g
         due = g % cfg.trainer.save_freq == 0 or g >= cfg.trainer.total_global_steps or self.stop.is_set()
+        due = due or (self.janitor is not None and self.janitor.over_budget)  # ack now: acked entries may leave Redis
         if due:
             t0 = time.perf_counter()
             ledger.step_end.metrics["timing_s/step"] = time.perf_counter() - t_step
