@@ -12,7 +12,9 @@ is a re-emission by the trainer itself: a step retrained after a restart from an
 XADD retried after a lost reply. The fold keeps the latest copy; the audit lists them in `reemitted`
 (not a problem).
 
-Reads the whole log with XRANGE (bounded runs; a retention-trimmed log audits what is left).
+Reads the whole log through `iter_stream`: what retention moved to the run's archive, then what Redis
+holds, each entry once; an archive that cannot be read here stops the audit (ArchiveError), never a
+silent gap.
 `rollstream audit` prints `format_report` and exits 1 when `problems()` is not empty.
 """
 
@@ -100,7 +102,7 @@ def unacked_entry_ids(r: redis.Redis, keys: Keys) -> set[str]:
         if len(rows) < PAGE:
             break
         start = "(" + text(rows[-1]["message_id"])
-    undelivered = {i for i, _ in iter_stream(r, keys.rollouts) if parse_id(i) > last}
+    undelivered = {i for i, _ in iter_stream(r, keys.rollouts, f"({last[0]}-{last[1]}")}
     return pending | undelivered
 
 

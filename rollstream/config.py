@@ -245,22 +245,43 @@ class BusConfig(_Section):
     claim_idle_s: float = Field(60.0, gt=0, description="XAUTOCLAIM entries idle longer than this from dead consumers")
     max_deliveries: int = Field(5, ge=1, description="Deliveries before an entry goes to dead")
     socket_timeout_s: float = Field(10.0, gt=0, description="Socket timeout (must exceed block_ms)")
-    max_stream_bytes: int = Field(2 << 30, ge=1 << 20, description="Safety-net byte cap per stream (logged loudly when it bites)")
+    max_stream_bytes: int = Field(
+        2 << 30, ge=1 << 20,
+        description="Safety-net cap per stream: beyond it even unread entries go to the archive (logged loudly when it bites)",
+    )
     retention: bool = Field(
-        False, description="Trim rollouts/metrics below every group's unread entries (off keeps the whole log for replay/audit)"
+        True, description="Move old entries of the log from Redis to the archive (off: the whole log stays in Redis)"
+    )
+    redis_max_bytes: int = Field(
+        2 << 30, ge=1 << 16,
+        description="Budget of the run's streams in Redis: over it, read entries go to the archive; unread data over it paces producers to one step per version",
+    )
+    archive_uri: str | None = Field(
+        None, description="Folder (local path or file:// URI) of the log archive; null = <run dir>/archive"
     )
     trim_every_s: float = Field(10.0, gt=0, description="Seconds between retention passes (when retention is on)")
     audit_maxlen: int = Field(
-        100_000, ge=100, description="With retention on: newest entries kept in fates, dispatch_log and params"
+        100_000, ge=100, description="With retention on: newest entries kept in Redis in fates, dispatch_log and params (older ones archived)"
     )
     records_maxlen: int = Field(
-        0, ge=0, description="With retention on: newest records kept in Redis (0 = all; the JSONL sink keeps every one)"
+        0, ge=0, description="With retention on: newest records kept in Redis (0 = as the budget allows; older ones archived)"
     )
     weights_inline_max_bytes: int = Field(64 << 20, ge=0, description="Weight blobs up to this size go in Redis, larger to files")
     max_entry_bytes: int = Field(
         64 << 20, ge=1024, description="Largest stream entry (all fields together) accepted on decode; larger ones go to dead"
     )
 
+
+    @model_validator(mode="after")
+    def _archive_local(self) -> BusConfig:
+        uri = self.archive_uri
+        if uri is not None and "://" in uri and not uri.startswith("file://"):
+            raise ValueError(f"archive_uri={uri!r}: only a local path or a file:// URI is supported")
+        return self
+
+    def archive_dir(self, run_dir: Path) -> Path:
+        """The log archive's folder: archive_uri (file:// stripped) or <run dir>/archive."""
+        return Path(self.archive_uri.removeprefix("file://")) if self.archive_uri else run_dir / "archive"
 
     @model_validator(mode="after")
     def _timeouts(self) -> BusConfig:

@@ -3,6 +3,7 @@ writes a key string or a trainer hash field (stream entry fields are defined in 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # Consumer groups.
@@ -29,6 +30,9 @@ RANK_HEARTBEAT_PREFIX = "heartbeat:r"
 def rank_heartbeat_field(rank: int) -> str:
     """The trainer hash field of one data-parallel rank's heartbeat."""
     return f"{RANK_HEARTBEAT_PREFIX}{rank}"
+
+# Field of the `archive` hash: the folder retention archives the run's streams into (written by the trainer).
+ARCHIVE_DIR_FIELD = "dir"
 
 # `source` of the aggregator's notes on `dead` (reports about the log, not dead-lettered entries).
 AGGREGATOR_NOTE_SOURCE = "aggregator"
@@ -143,6 +147,11 @@ class Keys:
         return self._k("trainer")
 
     @property
+    def archive(self) -> str:
+        """Hash: where the run's log archive lives (ARCHIVE_DIR_FIELD); set once something is archived."""
+        return self._k("archive")
+
+    @property
     def setup(self) -> str:
         """String set once the run's streams and groups exist (publishers then use NOMKSTREAM)."""
         return self._k("setup")
@@ -160,6 +169,16 @@ class Keys:
     def pattern(self) -> str:
         """SCAN pattern matching every key of the run."""
         return f"{self.prefix}*"
+
+
+_KEY = re.compile(r"^rs:\{([A-Za-z0-9_.-]{1,64})\}:(.+)$", re.S)
+
+
+def split_key(key: str) -> tuple[Keys, str] | None:
+    """(the run's Keys, the name inside the run) of a run key (`rs:{demo}:rollouts` -> Keys("demo"),
+    "rollouts"); None for a key outside any run."""
+    m = _KEY.match(key)
+    return (Keys(m.group(1)), m.group(2)) if m else None
 
 
 def producer_names(count: int) -> list[str]:

@@ -5,6 +5,11 @@ max_outstanding = train_batch_size * (1 + staleness_threshold). When the trainer
 grants budget:v = max_outstanding - outstanding, where outstanding = dispatched - consumed, and deletes
 every older budget. A producer takes budget from the newest version before dispatching prompts; one that
 finds none waits for the next version. Hence outstanding never exceeds max_outstanding.
+Memory back-pressure: while the run's unread stream data alone exceeds bus.redis_max_bytes (a retention
+pass reports it), the trainer caps each grant at one global step's prompts (`cap`): producers then get no
+more than the trainer consumes per version, so the backlog shrinks towards one step instead of
+max_outstanding; they pause between versions. The cap never starves the trainer: prompts dispatched
+under version g are fresh at step g+1 (staleness 1, always kept), so one step's worth completes it.
 Grants are logged on the trainer's `dispatch_log` stream, each producer's takes and releases on its own
 (`producer:<name>:dispatch_log`), so the bound can be checked from the log (`dispatch_entries`).
 
@@ -25,10 +30,12 @@ from rollstream.names import BUDGET_VERSION_FIELD, DROPPED_STALE_FIELD, Keys
 from schemas.plain import GRANT, RELEASE, TAKE, DispatchRecord, decode_dispatch, dispatch_lua_fields
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log, budget:v-1 … (older ones to delete)
-# ARGV: version, max_outstanding
+# ARGV: version, max_outstanding, cap (-1: none)
 _GRANT = f"""
 local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
 local budget = tonumber(ARGV[2]) - outstanding
+local cap = tonumber(ARGV[3])
+if cap >= 0 and budget > cap then budget = cap end
 if budget < 0 then budget = 0 end
 redis.call('SET', KEYS[1], budget)
 redis.call('HSET', KEYS[4], '{BUDGET_VERSION_FIELD}', ARGV[1])
@@ -80,12 +87,15 @@ class Take:
         return self.amount < 0
 
 
-def grant_budget(r: redis.Redis, keys: Keys, version: int, max_outstanding: int) -> tuple[int, int]:
-    """Trainer side, on publishing `version`: set its budget with carry-over; returns (budget, outstanding)."""
+def grant_budget(
+    r: redis.Redis, keys: Keys, version: int, max_outstanding: int, cap: int | None = None
+) -> tuple[int, int]:
+    """Trainer side, on publishing `version`: set its budget with carry-over, at most `cap` prompts (memory
+    back-pressure, see the module docstring); returns (budget, outstanding)."""
     older = [keys.budget(v) for v in range(max(0, version - 8), version)]
     res: Any = r.eval(
         _GRANT, 5 + len(older), keys.budget(version), keys.dispatched, keys.consumed, keys.trainer,
-        keys.dispatch_log, *older, version, max_outstanding,
+        keys.dispatch_log, *older, version, max_outstanding, -1 if cap is None else cap,
     )
     return int(res[0]), int(res[1])
 

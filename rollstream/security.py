@@ -6,15 +6,17 @@ workers as ROLLSTREAM_REDIS_PASSWORD_FILE; they never appear on a command line, 
 
 Redis 7 selectors bind each command to the keys it may touch, so no user can write what another role
 writes. A producer may: XADD to `rollouts` and `stats`; read `params`, `weights:*`, `setup`; read the
-trainer hash and `consumed`; move the pacing counters (`budget:*`, `dispatched`) through the TAKE and
-RELEASE scripts (Redis checks every command a script runs against the caller's user, so a producer can
-also DECRBY/INCRBY those two counters directly: it can starve or over-dispatch pacing, nothing else);
-and write its own `producer:<name>:*` keys. It cannot read rollouts, write the trainer hash, `metrics`,
-`dispatch_log`, `records`, `fates`, weights or params, another producer's keys, or another run's. The
+trainer hash, the `archive` hash and `consumed`; move the pacing counters (`budget:*`, `dispatched`)
+through the TAKE and RELEASE scripts (Redis checks every command a script runs against the caller's user,
+so a producer can also DECRBY/INCRBY those two counters directly: it can starve or over-dispatch pacing,
+nothing else); and write its own `producer:<name>:*` keys. It cannot read rollouts, write the trainer
+hash, `metrics`, `dispatch_log`, `records`, `fates`, weights or params, another producer's keys, or
+another run's. The
 aggregator reads `metrics`/`stats` as its group, appends to `records` and `dead`, keeps `sink_cursor`,
-reads the trainer hash; it cannot trim or delete anything. The trainer owns the run's keys. Left open
-(no ACL can close it): any writer of a stream may XADD with an explicit id far ahead, after which every
-other writer's `*` XADD to that stream fails until an operator removes the entry.
+reads the trainer hash and the `archive` hash; it cannot trim or delete anything. The trainer owns the
+run's keys; only it (and admin) can write `archive`, the folder every reader of the log is pointed to.
+Left open (no ACL can close it): any writer of a stream may XADD with an explicit id far ahead, after
+which every other writer's `*` XADD to that stream fails until an operator removes the entry.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def producer_rules(keys: Keys, producer: str) -> list[str]:
         f"(+xrevrange +xrange %R~{k.params})",
         f"(+get %R~{weights} %R~{k.consumed} %R~{budget} %R~{k.dispatched} %R~{k.producer_pattern('inflight')})",
         f"(+exists %R~{k.setup})",
-        f"(+hget %R~{k.trainer})",
+        f"(+hget %R~{k.trainer} %R~{k.archive})",
         f"(+decrby ~{budget} ~{k.dispatched})",
         f"(+incrby ~{k.dispatched})",
         f"(+get +set +incrby +decrby +xadd ~{own})",
@@ -71,6 +73,7 @@ def acl_rules(keys: Keys, producers: Sequence[str] = ()) -> dict[str, list[str]]
         f"(+xadd %W~{k.dead})",
         f"(+hget +hset +hgetall ~{k.sink_cursor})",
         f"(+hget +hmget %R~{k.trainer})",
+        f"(+hget %R~{k.archive})",
     ]
     admin = ["+@all", "~*", "&*"]
     rules = {"trainer": trainer, "aggregator": aggregator, "admin": admin}

@@ -14,7 +14,18 @@ import msgpack
 import pytest
 import redis
 
-from rollstream.bus import GroupReader, Message, Publisher, RunNotSetUpError, setup_run, trim_stream
+from rollstream.bus import (
+    Archive,
+    GroupReader,
+    Janitor,
+    Message,
+    Publisher,
+    RunNotSetUpError,
+    iter_stream,
+    move_to_archive,
+    setup_run,
+    stream_floor,
+)
 from rollstream.fakes import fake_rollout_sample
 from rollstream.names import TRAINER_GROUP, Keys
 from schemas import DeadLetter, RolloutSample, decode, encode
@@ -245,43 +256,45 @@ def test_held_entries_are_not_claimed_by_others(r: redis.Redis, keys: Keys) -> N
     assert thief.poll(block_ms=1) == []
 
 
-def test_trim_never_removes_unread(r: redis.Redis, keys: Keys) -> None:
+def test_trim_never_removes_unread(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
     ids = publish_samples(r, keys, 20)
     # a second, lagging group that has read nothing
     r.xgroup_create(keys.rollouts, "lagging", id="0")
     fast = reader(r, keys, count=20)
     fast.run(lambda msgs: None, burst=True)
-    trim_stream(r, keys.rollouts)
+    arc = Archive(tmp_path)
+    move_to_archive(r, arc, keys.rollouts, stream_floor(r, keys.rollouts))
     assert r.xlen(keys.rollouts) == 20  # lagging group has read nothing
     # lagging reads 8, acks 5 (3 pending): only the 5 acked may go
     lag = GroupReader(r, keys.rollouts, "lagging", "l1", dead_stream=keys.dead, count=8, block_ms=10)
     msgs = lag.poll()
     lag.ack(m.id for m in msgs[:5])
-    trim_stream(r, keys.rollouts)
+    moved = move_to_archive(r, arc, keys.rollouts, stream_floor(r, keys.rollouts))
     remaining = [i.decode() for i, _ in r.xrange(keys.rollouts)]
-    assert remaining == ids[5:]
+    assert remaining == ids[5:] and moved.archived == moved.trimmed == 5
+    assert [i for i, _ in arc.entries(keys.rollouts)] == ids[:5]
     # and the pending + undelivered ones are all still readable
     rest = lag.release([m.id for m in msgs[5:]]) or lag.poll()
     assert [m.id for m in rest] == ids[5:8]
 
 
-def test_byte_cap_bites_loudly(r: redis.Redis, keys: Keys, caplog: pytest.LogCaptureFixture) -> None:
+def test_byte_cap_bites_loudly(r: redis.Redis, keys: Keys, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     setup_run(r, keys)
     Publisher(r).publish_many(keys.rollouts, [fake_rollout_sample(f"b{i}", response_len=2048) for i in range(40)])
     before = r.xlen(keys.rollouts)
-    res = trim_stream(r, keys.rollouts, max_bytes=1 << 20)
-    assert res.trimmed_cap > 0 and r.xlen(keys.rollouts) < before
+    jan = Janitor(r, keys, Archive(tmp_path), budget_bytes=1 << 30, every_s=1.0, max_stream_bytes=1 << 20)
+    res = jan.run_pass()
+    assert res.capped == [keys.rollouts] and r.xlen(keys.rollouts) < before
     assert "RETENTION CAP BIT" in caplog.text
+    assert len(list(iter_stream(r, keys.rollouts))) == before  # archived, not lost from the log
 
 
-def test_janitor_runs_on_interval_and_keeps_unread(r: redis.Redis, keys: Keys) -> None:
-    from rollstream.bus import Janitor
-
+def test_janitor_runs_on_interval_and_keeps_unread(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
     ids = publish_samples(r, keys, 10)
     rd = reader(r, keys, count=4)
     rd.ack(m.id for m in rd.poll())  # 4 read and acked, 6 undelivered
-    jan = Janitor(r, [keys.rollouts], every_s=60.0, max_bytes=None)
-    [res] = jan.maybe_run(now=1000.0)
-    assert res.trimmed_minid == 4
+    jan = Janitor(r, keys, Archive(tmp_path), budget_bytes=1, every_s=60.0)
+    res = jan.maybe_run(now=1000.0)
+    assert res is not None and res.over_budget and sum(m.trimmed for m in res.moved) == 4
     assert [i.decode() for i, _ in r.xrange(keys.rollouts)] == ids[4:]
-    assert jan.maybe_run(now=1001.0) == []  # not due yet
+    assert jan.maybe_run(now=1001.0) is None  # not due yet

@@ -136,16 +136,7 @@ class Trainer:
         self.collector = Collector(cfg, r, keys, self.reader, self.dp, stop, burst,
                                    self.learner.policy.tokenizer.vocab_size, self.learner.policy.max_seq_len)
         self.publisher = Publisher(r, nomkstream=True)
-        self.janitor = (
-            Janitor(
-                r, [keys.rollouts, keys.metrics], cfg.bus.trim_every_s, cfg.bus.max_stream_bytes,
-                capped={
-                    **{k: cfg.bus.audit_maxlen for k in (keys.fates, keys.dispatch_log, keys.params)},
-                    **({keys.records: cfg.bus.records_maxlen} if cfg.bus.records_maxlen else {}),
-                },
-            )
-            if cfg.bus.retention and self.dp.is_main else None
-        )
+        self.janitor = Janitor.from_config(cfg, r, keys) if cfg.bus.retention and self.dp.is_main else None
         self.ckpt_dir = cfg.run_dir() / "checkpoints"
         self.weights_dir = cfg.run_dir() / "weights"
         self.pending: list[StepLedger] = []  # finished steps not yet covered by a checkpoint
@@ -247,7 +238,9 @@ class Trainer:
 
         def grant() -> None:
             if current_budget(self.r, self.keys)[0] != version:
-                budget, out = grant_budget(self.r, self.keys, version, self.cfg.max_outstanding)
+                pressed = self.janitor is not None and self.janitor.over_budget  # unread data over the budget
+                cap = self.cfg.data.train_batch_size if pressed else None
+                budget, out = grant_budget(self.r, self.keys, version, self.cfg.max_outstanding, cap)
                 log.info("version %d: budget %d (outstanding %d)", version, budget, out)
             gc_weights(self.r, self.keys, version, file_dir=self.weights_dir)
 
@@ -357,9 +350,12 @@ class Trainer:
         self.collector.heartbeat()
 
     def _gather_step(self, ledger: StepLedger) -> list[dict[str, Any]]:
-        """Every rank's end-of-step report, in rank order: its ledger, dead-lettered rollouts, stop flag,
-        counters and RNG state (a world of one: its own, nothing exchanged)."""
-        mine = {"dead": self.collector.step_dead, "stop": self.stop.is_set(), "counters": dict(self.counters)}
+        """Every rank's end-of-step report, in rank order: its ledger, dead-lettered rollouts, stop flag, its
+        janitor's over-budget flag (rank 0 has the janitor), counters and RNG state (a world of one: its own,
+        nothing exchanged)."""
+        over_budget = self.janitor is not None and self.janitor.over_budget
+        mine = {"dead": self.collector.step_dead, "stop": self.stop.is_set(), "counters": dict(self.counters),
+                "over_budget": over_budget}
         if not self.dp.active:
             return [{**mine, "ledger": ledger}]
         mine.update({"ledger": ledger.to_plain(), "rng": rng_plain()})
@@ -401,6 +397,7 @@ class Trainer:
         self.pending.append(merged)
         self.global_step = g
         due = g % cfg.trainer.save_freq == 0 or g >= cfg.trainer.total_global_steps or self.agreed_stop
+        due = due or any(rep["over_budget"] for rep in reports)  # rank 0's janitor: ack now, acked entries may leave Redis
         t0 = time.perf_counter()
         # under fsdp reading the whole weights and optimizer state is a collective: every rank takes part
         whole = self.learner.whole_weights() if self.dp.sharded else None

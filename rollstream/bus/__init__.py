@@ -1,6 +1,7 @@
-"""The Redis Streams bus: connections, publishing, the group reader (the consumer loop), stream reading and
-retention."""
+"""The Redis Streams bus: connections, publishing, the group reader (the consumer loop), stream reading
+(archive + Redis), retention and the log archive."""
 
+from rollstream.bus.archive import Archive, ArchiveError
 from rollstream.bus.connection import (
     CONNECTION_ERRORS,
     connect,
@@ -10,29 +11,34 @@ from rollstream.bus.connection import (
 )
 from rollstream.bus.publish import Publisher, RunNotSetUpError, delete_run, ensure_group, setup_run
 from rollstream.bus.reader import GroupReader, Message, ReaderStats, entry_limits
-from rollstream.bus.retention import Janitor, TrimResult, safe_min_id, trim_stream
-from rollstream.bus.streams import iter_stream, parse_id, text
+from rollstream.bus.retention import Janitor, Moved, PassResult, move_to_archive, safe_min_id, stream_floor
+from rollstream.bus.streams import iter_stream, parse_id, run_archive, text
 
 __all__ = [
+    "Archive",
+    "ArchiveError",
     "CONNECTION_ERRORS",
     "GroupReader",
     "Janitor",
     "Message",
+    "Moved",
+    "PassResult",
     "Publisher",
     "ReaderStats",
     "RunNotSetUpError",
-    "TrimResult",
     "connect",
     "delete_run",
     "entry_limits",
     "ensure_group",
     "iter_stream",
+    "move_to_archive",
     "parse_id",
     "read_password",
     "retry_on_connection",
+    "run_archive",
     "safe_min_id",
     "setup_run",
+    "stream_floor",
     "text",
-    "trim_stream",
     "wait_until_ready",
 ]

@@ -119,12 +119,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     from rollstream.audit import audit_run, format_report
+    from rollstream.bus import ArchiveError
     from schemas import DecodeError
 
     t = _target(args)
     try:
         rep = audit_run(t.connect(), t.keys)
-    except DecodeError as e:
+    except (DecodeError, ArchiveError) as e:
         print(f"rollstream audit: an entry of the log cannot be read: {e}", file=sys.stderr)
         return 1
     print(f"run {t.keys.run}")
@@ -173,6 +174,7 @@ def _split_id(args: argparse.Namespace) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from rollstream.bus import ArchiveError
     from rollstream.ops import inspect
 
     _split_id(args)
@@ -180,7 +182,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     r = t.connect()
     try:
         entry_id, fields = inspect.read_entry(r, inspect.stream_key(t.keys, args.stream), args.which)
-    except inspect.InspectError as e:
+    except (inspect.InspectError, ArchiveError) as e:
         print(f"rollstream inspect: {e}", file=sys.stderr)
         return 1
     tok = inspect.tokenizer_for(t.cfg)
@@ -213,13 +215,14 @@ def _write_flush(text: str) -> None:
 
 
 def _cmd_replay_records(args: argparse.Namespace) -> int:
+    from rollstream.bus import ArchiveError
     from rollstream.names import Keys
 
     t = _target(args)
     replay_records = _worker_function("consumers.aggregator.replay", "replay_records")
     try:
         n = replay_records(t.connect(), Keys(args.src), Keys(args.dst), total_gpus=t.cfg.aggregator.total_gpus)
-    except ValueError as e:
+    except (ValueError, ArchiveError) as e:
         print(f"rollstream replay records: {e}", file=sys.stderr)
         return 2
     print(f"replayed {n} records from run {args.src!r} into {Keys(args.dst).records}")
@@ -229,6 +232,7 @@ def _cmd_replay_records(args: argparse.Namespace) -> int:
 def _cmd_replay_trainer(args: argparse.Namespace) -> int:
     import shlex
 
+    from rollstream.bus import ArchiveError
     from rollstream.names import Keys
     from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts, copy_steps, parse_steps
 
@@ -252,7 +256,7 @@ def _cmd_replay_trainer(args: argparse.Namespace) -> int:
         else:
             n = copy_rollouts(r, src, dst, args.start, args.end)
             what = f"{n} rollouts"
-    except ReplayCopyError as e:
+    except (ReplayCopyError, ArchiveError) as e:
         print(f"rollstream replay trainer: {e}", file=sys.stderr)
         return 1
     config, overrides = _config_and_overrides(args)

@@ -1,5 +1,6 @@
 """`rollstream inspect` / `tail`: any stream entry as readable JSON — arrays summarised unless full,
-rollout tokens decoded to text with the run's tokenizer, dead letters with their original entry."""
+rollout tokens decoded to text with the run's tokenizer, dead letters with their original entry. `inspect`
+reads the whole log (an archived entry as well as one in Redis); `tail` shows and follows Redis."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import json
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from itertools import islice
 from typing import Any
 
 import numpy as np
 import redis
 
-from rollstream.bus import text
+from rollstream.bus import iter_stream, text
+from rollstream.bus.streams import PAGE
 from rollstream.config import PipelineConfig
 from rollstream.model import CharTokenizer, Tokenizer
 from rollstream.names import Keys
@@ -159,24 +162,24 @@ def _original(dl: DeadLetter, tok: Tokenizer | None, full: bool) -> dict[str, An
 
 
 def read_entry(r: redis.Redis, key: str, which: str = "-1") -> tuple[str, Mapping[bytes, Any]]:
-    """One entry of a stream: by id (a bare number N means the first entry of millisecond N, so records
-    step 7 is `7`), or -N for the Nth from the end. InspectError when there is none."""
+    """One entry of a stream's log (archive or Redis): by id (a bare number N means the first entry of
+    millisecond N, so records step 7 is `7`), or -N for the Nth from the end. InspectError when there is
+    none."""
     if not looks_like_id(which):
         raise InspectError(f"{which!r} is not an entry id or -N")
-    rows: Any
     if which.startswith("-"):
         n = int(which[1:])
         if n < 1:
             raise InspectError("-N counts from 1 (-1 = the last entry)")
-        rows = r.xrevrange(key, count=n)
+        rows = list(islice(iter_stream(r, key, reverse=True, page=min(n, PAGE)), n))
         if len(rows) < n:
             raise InspectError(f"{key} has only {len(rows)} entries")
-        rows = rows[-1:]
-    else:
-        rows = r.xrange(key, min=which, max=which if "-" in which else f"{which}-18446744073709551615", count=1)
-    if not rows:
+        return rows[-1]
+    end = which if "-" in which else f"{which}-18446744073709551615"
+    row = next(iter_stream(r, key, which, end, page=1), None)
+    if row is None:
         raise InspectError(f"no entry {which} in {key}")
-    return text(rows[0][0]), rows[0][1]
+    return row
 
 
 def follow(

@@ -4,7 +4,7 @@ that data:
     rollstream replay trainer --from RUN --to NEWRUN --steps 3-6 [pipeline.yaml key=value …]
     rollstream replay trainer --from RUN --to NEWRUN [--start ID --end ID] [pipeline.yaml …]
 
-`--steps A-B` copies the entries global steps A..B consumed (trained or dropped, read from `fates`) in the
+Both read the source's whole log (its archive, then Redis). `--steps A-B` copies the entries global steps A..B consumed (trained or dropped, read from `fates`) in the
 order the trainer consumed them, keeping their entry ids when that order is also id order; the caller
 copies the checkpoint of step A-1 beside it and runs the trainer with `--burst` and
 `trainer.total_global_steps=B`, which then retrains steps A..B on the same samples and exits. An id
@@ -12,8 +12,6 @@ range copies every entry in it (the trainer starts from step 1).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import redis
 
@@ -82,18 +80,17 @@ def copy_steps(r: redis.Redis, src: Keys, dst: Keys, first: int, last: int) -> t
     kept). Ids are kept when consumption order is id order (the usual case), else new ids are made."""
     ids = consumed_entry_ids(r, src, first, last)
     _check_destination(r, src, dst)
-    pipe = r.pipeline(transaction=False)
-    for i in ids:
-        pipe.xrange(src.rollouts, min=i, max=i, count=1)
-    found: list[Any] = pipe.execute()
-    gone = [i for i, rows in zip(ids, found, strict=True) if not rows]
+    wanted = set(ids)
+    lo, hi = min(ids, key=parse_id), max(ids, key=parse_id)
+    found = {i: f for i, f in iter_stream(r, src.rollouts, lo, hi, page=BATCH) if i in wanted}  # archive + Redis
+    gone = [i for i in ids if i not in found]
     if gone:
-        raise ReplayCopyError(f"{len(gone)} consumed entries are no longer in {src.rollouts} (retention?): {gone[:3]}")
+        raise ReplayCopyError(f"{len(gone)} consumed entries are neither in {src.rollouts} nor in its archive: {gone[:3]}")
     keep_ids = all(parse_id(a) < parse_id(b) for a, b in zip(ids, ids[1:], strict=False))
     setup_run(r, dst)
     pipe = r.pipeline(transaction=False)
-    for i, rows in zip(ids, found, strict=True):
-        pipe.xadd(dst.rollouts, rows[0][1], id=i if keep_ids else "*")
+    for i in ids:
+        pipe.xadd(dst.rollouts, found[i], id=i if keep_ids else "*")
         if len(pipe) >= BATCH:
             pipe.execute()
     pipe.execute()

@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from rollstream.bus import text
+from rollstream.bus import Archive, ArchiveError, run_archive, text
 from rollstream.names import (
     COMMITTED_STEP_FIELD,
     GLOBAL_STEP_FIELD,
@@ -41,12 +41,14 @@ TRAINER_IDLE_KEY = "fully_async/trainer/idle_ratio"
 
 @dataclass
 class StreamInfo:
-    """Length and memory of one stream, and its consumer groups."""
+    """Length and memory of one stream in Redis, what the archive holds of it, and its consumer groups."""
 
     name: str
     length: int
     bytes: int
     groups: list[dict[str, Any]] = field(default_factory=list)
+    archived: int | None = 0  # entries in the archive (None: the archive cannot be read here)
+    archived_bytes: int | None = 0
 
 
 @dataclass
@@ -114,9 +116,21 @@ class RunStatus:
         return all(w.healthy for w in self.workers)
 
 
-def _stream_info(r: redis.Redis, key: str, short: str) -> StreamInfo:
+def _archived(archive: Archive | None, key: str) -> tuple[int | None, int | None]:
+    """(entries, bytes) the archive holds of a stream; (None, None) when it cannot be read here."""
+    if archive is None:
+        return 0, 0
+    try:
+        index = archive.index(key)
+    except ArchiveError:
+        return None, None
+    return index.entries, index.bytes
+
+
+def _stream_info(r: redis.Redis, key: str, short: str, archive: Archive | None = None) -> StreamInfo:
+    archived, archived_bytes = _archived(archive, key)
     if not r.exists(key):
-        return StreamInfo(short, 0, 0)
+        return StreamInfo(short, 0, 0, archived=archived, archived_bytes=archived_bytes)
     length = int(r.xlen(key))
     mem: Any = r.memory_usage(key, samples=0)
     groups = []
@@ -131,7 +145,7 @@ def _stream_info(r: redis.Redis, key: str, short: str) -> StreamInfo:
                 "last_delivered": text(g["last-delivered-id"]),
             }
         )
-    return StreamInfo(short, length, int(mem or 0), groups)
+    return StreamInfo(short, length, int(mem or 0), groups, archived, archived_bytes)
 
 
 def staleness_histogram(r: redis.Redis, keys: Keys, trainer_step: int | None) -> tuple[dict[int, int], str]:
@@ -204,7 +218,8 @@ def collect_status(
 ) -> RunStatus:
     """Read everything the status screen shows; heartbeats older than `stall_after_s` count as stalled."""
     shorts = [k.removeprefix(keys.prefix) for k in keys.all_streams()]
-    streams = [_stream_info(r, k, s) for k, s in zip(keys.all_streams(), shorts, strict=True)]
+    archive = run_archive(r, keys.rollouts)
+    streams = [_stream_info(r, k, s, archive) for k, s in zip(keys.all_streams(), shorts, strict=True)]
     trainer_raw: Any = r.hgetall(keys.trainer)
     trainer = {text(k): text(v) for k, v in trainer_raw.items()}
     step = int(trainer[GLOBAL_STEP_FIELD]) if trainer.get(GLOBAL_STEP_FIELD, "").lstrip("-").isdigit() else None
@@ -263,10 +278,12 @@ def format_status(st: RunStatus, redis_url: str) -> str:
         out.append("trainer consumers: " + ", ".join(
             f"{c['name']} pending {c['pending']} idle {c['idle_s']:.1f}s" for c in st.trainer_consumers))
     out.append("")
-    out.append(f"{'stream':<14}{'entries':>10}{'memory':>12}   groups (pending / lag)")
+    out.append(f"{'stream':<14}{'in redis':>10}{'memory':>12}{'archived':>10}{'on disk':>12}   groups (pending / lag)")
     for s in st.streams:
         groups = ", ".join(f"{g['group']} {g['pending']} / {g['lag'] if g['lag'] is not None else '?'}" for g in s.groups)
-        out.append(f"{s.name:<14}{s.length:>10}{_bytes(s.bytes):>12}   {groups}")
+        archived = "?" if s.archived is None else str(s.archived)
+        on_disk = "?" if s.archived_bytes is None else _bytes(s.archived_bytes)
+        out.append(f"{s.name:<14}{s.length:>10}{_bytes(s.bytes):>12}{archived:>10}{on_disk:>12}   {groups}")
     out.append("")
     pv = ", ".join(f"{k}={v}" for k, v in sorted(st.producer_versions.items())) or "-"
     out.append(f"producer versions: {pv}")
