@@ -7,7 +7,7 @@ an id that already ended is acked without a second fate, so ids, not entries, ar
 `step_end` events on `metrics` must be global steps 1..N, once each, and `records` must hold 1..M, after
 an optional record 0 (the validation of version 0, taken before any training when trainer.test_freq > 0).
 
-Only the trainer writes `metrics` (ACL), so a (global step, local step) with more than one `local_update`
+Only the trainer writes `metrics` (ACL), so a (global step, local step, rank) with more than one `local_update`
 is a re-emission by the trainer itself: a step retrained after a restart from an older checkpoint, or an
 XADD retried after a lost reply. The fold keeps the latest copy; the audit lists them in `reemitted`
 (not a problem).
@@ -45,7 +45,8 @@ class AuditReport:
     unknown: set[str] = field(default_factory=set)  # a fate for an id not (or no longer) on rollouts
     duplicate_entries: int = 0  # rollouts entries repeating an id (redeliveries / duplicate XADDs)
     steps: list[int] = field(default_factory=list)  # step_end global steps, in log order
-    reemitted: dict[tuple[int, int], int] = field(default_factory=dict)  # (g, k) -> copies, when more than one
+    # (g, k) of rank 0, (g, k, rank) of another data-parallel rank -> copies, when more than one
+    reemitted: dict[tuple[int, ...], int] = field(default_factory=dict)
     records: list[int] = field(default_factory=list)  # global steps with a record
     # producer -> param_version -> samples it published dispatched under that version (rollouts headers)
     producer_versions: dict[str, Counter[int]] = field(default_factory=dict)
@@ -144,7 +145,7 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
     for sid in rep.published - set(ends):
         (rep.pending if sid in open_ids else rep.lost).add(sid)
 
-    updates = Counter[tuple[int, int]]()
+    updates = Counter[tuple[int, ...]]()
     for _, f in iter_stream(r, keys.metrics):
         try:
             ev = decode(f)
@@ -153,7 +154,8 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
         if isinstance(ev, StepMetrics) and ev.type == "step_end":
             rep.steps.append(ev.global_step)
         elif isinstance(ev, StepMetrics):
-            updates[ev.global_step, ev.local_step] += 1
+            key = (ev.global_step, ev.local_step) if ev.rank == 0 else (ev.global_step, ev.local_step, ev.rank)
+            updates[key] += 1
     rep.reemitted = {gk: n for gk, n in sorted(updates.items()) if n > 1}
     rep.records = [parse_id(i)[0] for i, _ in iter_stream(r, keys.records)]
     return rep

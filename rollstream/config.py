@@ -204,7 +204,20 @@ class TrainerConfig(_Section):
         False, description="Collect the full global batch before training, as synchronous RL does (benchmarks)"
     )
     torch_threads: int = Field(
-        1, ge=0, description="torch intra-op threads of the trainer process (0 = torch default); 1 avoids oversubscribed cores"
+        1, ge=0, description="torch intra-op threads of each trainer process (0 = torch default); 1 avoids oversubscribed cores"
+    )
+    nproc_per_node: int = Field(
+        1, ge=1, description="Data-parallel trainer ranks per host; > 1 (or nnodes > 1) launches the trainer under torchrun"
+    )
+    nnodes: int = Field(1, ge=1, description="Hosts running trainer ranks (one torchrun per host, same rendezvous)")
+    rdzv_endpoint: str | None = Field(
+        None, description="torchrun rendezvous host:port (c10d) shared by every trainer host; null = standalone on one host"
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="torchrun restarts of the whole rank group after a rank fails, before torchrun itself exits"
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="Data parallel: ddp = replicated weights, averaged gradients; fsdp = fully_shard (CUDA only)"
     )
 
     @model_validator(mode="after")
@@ -212,6 +225,16 @@ class TrainerConfig(_Section):
         if self.max_off_policy_threshold < 1:
             raise ValueError(f"max_off_policy_threshold={self.max_off_policy_threshold} must be >= 1 (1 = on-policy only)")
         return self
+
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks in all: nnodes * nproc_per_node."""
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def distributed(self) -> bool:
+        """True when the trainer runs as torchrun ranks (more than one rank, or fsdp, which needs a process group)."""
+        return self.world_size > 1 or self.strategy == "fsdp"
 
 
 class BusConfig(_Section):
@@ -306,6 +329,15 @@ class PipelineConfig(_Section):
                 f"data.train_batch_size={tbs} must equal trainer.parameter_sync_step={pss} "
                 f"* actor.ppo_mini_batch_size={mbs} (= {pss * mbs})"
             )
+        world, nodes, procs = self.trainer.world_size, self.trainer.nnodes, self.trainer.nproc_per_node
+        if mbs % world:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={mbs} must be divisible by the trainer world size "
+                f"trainer.nnodes={nodes} * trainer.nproc_per_node={procs} (= {world}): each rank trains "
+                "ppo_mini_batch_size / world_size samples per local update"
+            )
+        if nodes > 1 and not self.trainer.rdzv_endpoint:
+            raise ValueError(f"trainer.nnodes={nodes} needs trainer.rdzv_endpoint (host:port every trainer host reaches)")
         if self.actor.gradient_checkpointing and self.model.backend != "hf":
             raise ValueError(
                 f"actor.gradient_checkpointing=true needs model.backend=hf (model.backend={self.model.backend!r} has none)"

@@ -22,6 +22,14 @@ HEARTBEAT_FIELD = "heartbeat"  # unix seconds of the trainer's last poll, local 
 BUDGET_VERSION_FIELD = "budget_version"  # the version whose dispatch budget is granted (pacing)
 DROPPED_STALE_FIELD = "dropped_stale"  # samples dropped as stale over the whole run (written in the commit)
 REPLAYED_VERSIONS_FIELD = "replayed_versions"  # replay copies: the source had published versions up to this
+WORLD_SIZE_FIELD = "world_size"  # data-parallel trainer ranks (written by rank 0 at start)
+#: Prefix of a data-parallel rank's own heartbeat field, `heartbeat:r<rank>` (rank 0 also writes `heartbeat`).
+RANK_HEARTBEAT_PREFIX = "heartbeat:r"
+
+
+def rank_heartbeat_field(rank: int) -> str:
+    """The trainer hash field of one data-parallel rank's heartbeat."""
+    return f"{RANK_HEARTBEAT_PREFIX}{rank}"
 
 # Field of the `archive` hash: the folder retention archives the run's streams into (written by the trainer).
 ARCHIVE_DIR_FIELD = "dir"

@@ -116,9 +116,11 @@ def parse_worker_args(prog: str, argv: Sequence[str] | None = None) -> argparse.
     return p.parse_intermixed_args(argv)
 
 
-def start_worker(role: str, argv: Sequence[str] | None = None, *, client_retries: int = 0) -> tuple[WorkerContext, argparse.Namespace]:
+def start_worker(
+    role: str, argv: Sequence[str] | None = None, *, client_retries: int = 0, name_suffix: str = ""
+) -> tuple[WorkerContext, argparse.Namespace]:
     """Parse args, load config (exit 2 on a bad one), set umask 077, set up logging and signals, connect
-    with backoff."""
+    with backoff. `name_suffix` is appended to the worker name (a data-parallel trainer rank's `-r<rank>`)."""
     import redis
 
     from rollstream.bus import connect, read_password, wait_until_ready
@@ -127,7 +129,7 @@ def start_worker(role: str, argv: Sequence[str] | None = None, *, client_retries
     install_early_signal_handlers()  # covers config loading and connecting (no-op if already recorded)
     os.umask(0o077)  # checkpoints, sinks and weight files are the run's user's only
     args = parse_worker_args(f"python -m {role}", argv)
-    name = args.name or os.environ.get("SUPERVISOR_PROCESS_NAME") or role.rsplit(".", 1)[-1]
+    name = (args.name or os.environ.get("SUPERVISOR_PROCESS_NAME") or role.rsplit(".", 1)[-1]) + name_suffix
     setup_logging(name)
     try:
         cfg = load_config(args.config, args.overrides)

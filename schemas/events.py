@@ -185,15 +185,18 @@ class ParamVersion(EventBase):
 
 
 class StepMetrics(EventBase):
-    """Trainer metrics of one local update, or the end of a global step (`step_end`)."""
+    """Trainer metrics of one local update (of one data-parallel rank), or the end of a global step (`step_end`)."""
 
-    HEADER: ClassVar[tuple[str, ...]] = ("global_step", "local_step", "sample_count")
+    SCHEMA: ClassVar[int] = 2  # 2: rank and world_size (data-parallel trainer); 1 decodes as rank 0 of 1
+    HEADER: ClassVar[tuple[str, ...]] = ("global_step", "local_step", "sample_count", "rank")
 
     type: Literal["local_update", "step_end"]
     global_step: int
     local_step: int
     sample_count: int
     num_local_updates: int = 0
+    rank: int = Field(0, ge=0)  # the trainer rank that emitted it (step_end: rank 0)
+    world_size: int = Field(1, ge=1)  # step_end: ranks whose num_local_updates local updates complete the step
     metrics: dict[str, float] = Field(default_factory=dict)
 
 

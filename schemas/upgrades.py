@@ -16,8 +16,13 @@ def _same_fields(data: dict[str, Any]) -> dict[str, Any]:
 
 
 # Built-in upgrades. rollout 1 -> 2: schema 2 sends the batch in the compact layout (issue 17); a schema-1
-# entry's batch is a plain DataProto, already the same value once decoded.
-_UPGRADES: dict[tuple[str, int], Upgrade] = {("rollout", 1): _same_fields}
+# entry's batch is a plain DataProto, already the same value once decoded. local_update / step_end 1 -> 2:
+# schema 2 adds rank and world_size (issue 16); a schema-1 event is rank 0 of a world of one (the defaults).
+_UPGRADES: dict[tuple[str, int], Upgrade] = {
+    ("rollout", 1): _same_fields,
+    ("local_update", 1): _same_fields,
+    ("step_end", 1): _same_fields,
+}
 
 
 def register_upgrade(event_type: str, from_version: int, fn: Upgrade) -> None:

@@ -57,6 +57,51 @@ def test_step_record_merges_updates_sync_metrics_validation_and_producers() -> N
     assert fold.pending() == {}
 
 
+def test_a_step_of_two_trainer_ranks_waits_for_both_and_folds_them() -> None:
+    """step_end says world_size 2: the record waits for local updates 1..K of rank 0 and rank 1; averages
+    weigh every rank's samples, sums add over ranks, times are the ranks' mean (they ran side by side)."""
+    def ranked(k: int, rank: int, sc: int, **metrics: float) -> StepMetrics:
+        return lu(1, k, sc, **metrics).model_copy(update={"rank": rank})
+
+    closing = end(1, 2, **{"trainer/world_size": 2.0}).model_copy(update={"world_size": 2})
+    log = [
+        ("1-0", ranked(1, 0, 3, **{"actor/loss": 1.0, "timing_s/update_actor": 0.5, "perf/total_num_tokens": 30.0})),
+        ("2-0", ranked(1, 1, 1, **{"actor/loss": 5.0, "timing_s/update_actor": 0.7, "perf/total_num_tokens": 10.0})),
+        ("3-0", ranked(2, 0, 2, **{"actor/loss": 2.0, "timing_s/update_actor": 0.5, "perf/total_num_tokens": 20.0})),
+        ("4-0", closing),
+    ]
+    fold = Fold()
+    assert run(fold, log) == []
+    assert fold.pending() == {1: "missing local updates ['2/r1'] of 2 on each of 2 ranks"}
+    [rec] = run(fold, [("5-0", ranked(2, 1, 2, **{"actor/loss": 4.0, "timing_s/update_actor": 0.3,
+                                                  "perf/total_num_tokens": 20.0}))])
+    m = rec.metrics
+    assert rec.num_local_updates == 2 and m["trainer/world_size"] == 2.0
+    assert m["actor/loss"] == approx((3 * 1.0 + 1 * 5.0 + 2 * 2.0 + 2 * 4.0) / 8)
+    assert m["perf/total_num_tokens"] == 80.0
+    assert m["timing_s/update_actor"] == approx(((0.5 + 0.5) + (0.7 + 0.3)) / 2)
+    # a retrained step: each rank's latest copy wins, one rank's copy never replaces another's
+    again = Fold()
+    records = run(again, [*log[:3], ("4-5", ranked(1, 1, 1, **{"actor/loss": 9.0})), log[3],
+                          ("6-0", ranked(2, 1, 2, **{"actor/loss": 4.0}))])
+    assert records[0].metrics["actor/loss"] == approx((3 * 1.0 + 1 * 9.0 + 2 * 2.0 + 2 * 4.0) / 8)
+
+
+def test_schema_1_trainer_events_decode_as_rank_0_of_one() -> None:
+    """StepMetrics schema 2 added rank and world_size; an entry written before reads as rank 0 of a world of one."""
+    from schemas import decode, decode_payload, encode_payload
+
+    fields = {k: bytes(v) for k, v in encode(lu(3, 1, 4, **{"actor/loss": 1.0})).items()}
+    payload = decode_payload(fields["payload"])
+    for name in ("rank", "world_size"):
+        payload.pop(name)
+    payload["schema_version"] = 1
+    fields.pop("rank")
+    fields.update({"schema": b"1", "payload": encode_payload(payload)})
+    ev = decode(fields)
+    assert isinstance(ev, StepMetrics) and (ev.rank, ev.world_size, ev.schema_version) == (0, 1, 2)
+
+
 def test_retrained_step_last_copy_wins_and_redeliveries_are_ignored() -> None:
     fold = Fold()
     log = [

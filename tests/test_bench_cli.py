@@ -32,7 +32,7 @@ def test_list_shows_every_benchmark_with_its_description(argv: list[str], capsys
     lines = capsys.readouterr().out.splitlines()
     names = [ln.split()[0] for ln in lines]
     assert set(names) == {m.rstrip("_") for m in modules_with_main()}
-    assert {"bus", "async", "learn", "learn_probe", "soak", "generation", "aggregator"} <= set(names)
+    assert {"bus", "async", "learn", "learn_probe", "soak", "generation", "aggregator", "dp"} <= set(names)
     assert not {"latency", "latency_producer", "bus_tokens"} & set(names)  # helpers and a producer entry point
     described = dict(ln.split(None, 1) for ln in lines)
     assert described["async"].startswith("Async vs sync benchmark:")
@@ -64,3 +64,14 @@ def test_aggregator_runs_through_the_cli_and_the_worker_folds_records(
     assert "pure fold (decoded events)" in out and "decode + fold" in out
     assert "worker through Redis" in out and "(5 records," in out  # every step folded, nothing dead-lettered
     assert not list(r.scan_iter(match=Keys("bench-agg-*").pattern()))
+
+
+def test_dp_runs_one_and_two_ranks_through_the_cli(r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`rollstream bench dp`: the same recorded samples trained by 1 and 2 gloo ranks (figures not asserted)."""
+    argv = ["bench", "dp", "pipeline.yaml", *TINY_MODEL, "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+            "rollout.n=2", "--steps", "2", "--warmup-steps", "1", "--json", "--redis-url", redis_url]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["ranks"] for row in rows] == [1, 2] and all(row["steps"] == 2 and row["samples_per_s"] > 0 for row in rows)
+    assert rows[0]["grad_allreduce_ms"] == 0 and rows[1]["grad_allreduce_ms"] > 0  # one rank has nothing to reduce
+    assert not list(r.scan_iter(match=Keys("bench-dp-*").pattern()))

@@ -48,6 +48,10 @@ def test_bad_train_batch_size_names_all_three() -> None:
         ("rollout.n=zero", "rollout.n='zero'"),
         ("trainer.no_such_key=1", "trainer.no_such_key: unknown key"),
         ("bus.block_ms=20000", "socket_timeout_s"),
+        ("trainer.nproc_per_node=3", "actor.ppo_mini_batch_size=8 must be divisible by the trainer world size "
+                                     "trainer.nnodes=1 * trainer.nproc_per_node=3 (= 3)"),
+        ("trainer.nnodes=2", "trainer.nnodes=2 needs trainer.rdzv_endpoint"),
+        ("trainer.strategy=zero3", "trainer.strategy='zero3'"),
     ],
 )
 def test_bad_values_are_named(override: str, needle: str) -> None:

@@ -125,6 +125,9 @@ def test_worker_health_states() -> None:
     stalled = worker_health({"heartbeat": "900", "global_step": "3"}, 60, total_steps=10, now=now)[0]
     assert (stalled.state, stalled.age_s, stalled.healthy) == ("stalled", 100.0, False)
     assert worker_health({"heartbeat": "900", "committed_step": "10"}, 60, total_steps=10, now=now)[0].state == "finished"
+    # a data-parallel trainer: one line per rank, from its own heartbeat
+    ranks = worker_health({"world_size": "3", "heartbeat": "999", "heartbeat:r0": "999", "heartbeat:r2": "900"}, 60, now=now)
+    assert [(w.name, w.state) for w in ranks] == [("trainer-r0", "ok"), ("trainer-r1", "missing"), ("trainer-r2", "stalled")]
 
 
 def test_status_check_exits_nonzero_for_a_stalled_or_missing_trainer(

@@ -15,7 +15,7 @@ from rollstream.cli.main import main
 from rollstream.config import load_config
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
-from rollstream.ops.plan import plan_run, private_violations, render_supervisord_conf
+from rollstream.ops.plan import plan_run, private_violations, render_supervisord_conf, trainer_argv
 from rollstream.ops.process import process_states, start_run, start_supervisord, stop_run
 
 # Stand-in worker: logs its name, then on SIGTERM exits with the code given as argv[1].
@@ -74,6 +74,24 @@ def test_latency_model_configs_get_latency_model_producers(tmp_path: Path) -> No
         assert f"-m benchmarks.latency_producer {tmp_path.resolve()}" in conf[f"program:{name}"]["command"]
         assert f"--name {name}" in conf[f"program:{name}"]["command"]
     assert "-m consumers.trainer" in conf["program:trainer"]["command"]
+
+
+def test_data_parallel_trainer_is_launched_by_torchrun(tmp_path: Path) -> None:
+    """nproc_per_node > 1: one `trainer` program, torchrun (whose stop exits 0) running the trainer module;
+    several hosts meet at the rendezvous endpoint under the run's name."""
+    base = [f"run.dir={tmp_path}", "run.redis_url=redis://127.0.0.1:6379/0"]
+    one = sections(plan_run(load_config("pipeline.yaml", [*base, "run.name=dp1", "trainer.nproc_per_node=2",
+                                                          "trainer.max_restarts=5"])).conf_path.read_text())
+    cmd = one["program:trainer"]["command"]
+    assert "-m consumers.trainer.torchrun --nnodes=1 --nproc-per-node=2 --max-restarts=5" in cmd
+    assert "--standalone -m consumers.trainer " in cmd and "--rdzv-endpoint" not in cmd
+    many = load_config("pipeline.yaml", [*base, "run.name=dpn", "trainer.nnodes=2", "trainer.nproc_per_node=4",
+                                         "trainer.rdzv_endpoint=host0:29400"])
+    assert trainer_argv(many, "c.yaml", "py") == [
+        "py", "-m", "consumers.trainer.torchrun", "--nnodes=2", "--nproc-per-node=4", "--max-restarts=3",
+        "--shutdown-timeout=45", "--rdzv-backend=c10d", "--rdzv-endpoint=host0:29400", "--rdzv-id=dpn",
+        "-m", "consumers.trainer", "c.yaml"]
+    assert trainer_argv(load_config("pipeline.yaml", base), "c.yaml", "py") == ["py", "-m", "consumers.trainer", "c.yaml"]
 
 
 def test_conf_for_embedded_redis_starts_redis_first_with_aof(tmp_path: Path) -> None:

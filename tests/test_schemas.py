@@ -208,7 +208,7 @@ def test_header_fields_come_first_and_are_readable() -> None:
     assert fields["tokens"] == str(3 * 299).encode() == str(event.num_tokens).encode()
     assert all(isinstance(fields[k], memoryview) for k in keys[9:])
     metrics = encode(StepMetrics(type="step_end", global_step=7, local_step=4, sample_count=64))
-    assert list(metrics)[:6] == ["type", "schema", "global_step", "local_step", "sample_count", "payload"]
+    assert list(metrics)[:7] == ["type", "schema", "global_step", "local_step", "sample_count", "rank", "payload"]
     assert metrics["type"] == b"step_end" and metrics["global_step"] == b"7"
     params = encode(ParamVersion(version=1, uri="u", sha256="s", bytes=9, global_step=1))
     assert list(params)[2:7] == ["version", "uri", "sha256", "bytes", "global_step"]

@@ -3,11 +3,15 @@
 Pure: no Redis, no clock. Fed `(entry_id, event)` pairs; returns each record as soon as its step is
 complete, together with the entry ids that may be acked once that record is written.
 
-A global step g is complete when its `step_end` is in and local updates 1..K are all in
-(K = step_end.num_local_updates). Its record's metrics are built in this order, later layers
-overriding same-named keys (verl merges its sync metrics over the aggregated ones):
+A global step g is complete when its `step_end` is in and local updates 1..K of every trainer rank
+0..W-1 are all in (K = step_end.num_local_updates, W = step_end.world_size: a data-parallel trainer's
+ranks each emit their own). Its record's metrics are built in this order, later layers overriding
+same-named keys (verl merges its sync metrics over the aggregated ones):
 
-  1. `MetricsAggregator` over local updates 1..K (local_step order, each weighted by its sample_count)
+  1. `MetricsAggregator` over the local updates ((local_step, rank) order, each weighted by its
+     sample_count: across ranks this is the average over every rank's samples); with W ranks, time keys
+     (`timing_s/…`) count 1/W each, so they are the ranks' mean of their per-step sums (the ranks run
+     side by side), while sums (`perf/total_num_tokens`, dropped samples) add over the ranks
   2. the step_end's metrics (sync-step metrics override the aggregated ones)
   3. the derived keys (`perf/throughput`, `fully_async/trainer/idle_ratio`, …) recomputed on the merge
   4. the metrics of the ValidateMetrics for version g, when it arrived before completion (names as emitted)
@@ -39,7 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from consumers.aggregator.metrics import MetricsAggregator, add_derived_metrics
+from consumers.aggregator.metrics import MetricsAggregator, add_derived_metrics, aggregation_rule
 from rollstream.bus import parse_id
 from schemas import EventBase, ProducerStats, StepMetrics, SyncStepRecord, ValidateMetrics
 
@@ -77,7 +81,7 @@ def _newer(entry_id: str, than: str) -> bool:
 class _Step:
     """Events of one global step collected so far (each slot holds the latest entry by id)."""
 
-    updates: dict[int, tuple[str, StepMetrics]] = field(default_factory=dict)
+    updates: dict[tuple[int, int], tuple[str, StepMetrics]] = field(default_factory=dict)  # (local_step, rank)
     end: tuple[str, StepMetrics] | None = None
     validation: tuple[str, ValidateMetrics] | None = None
 
@@ -87,15 +91,25 @@ class _Step:
         ids += [slot[0] for slot in (self.end, self.validation) if slot is not None]
         return ids
 
+    def slots(self) -> list[tuple[int, int]]:
+        """The (local_step, rank) pairs the step_end says complete the step ([] before it arrives)."""
+        if self.end is None:
+            return []
+        end = self.end[1]
+        return [(k, r) for k in range(1, end.num_local_updates + 1) for r in range(end.world_size)]
+
     def missing(self) -> str:
         """What the step still waits for, in words."""
-        have = sorted(self.updates)
+        one_rank = all(r == 0 for _, r in self.updates) and (self.end is None or self.end[1].world_size == 1)
+        have: list[Any] = sorted(k for k, _ in self.updates) if one_rank else [f"{k}/r{r}" for k, r in sorted(self.updates)]
         if self.end is None:
             extra = " and a validation" if self.validation is not None else ""
             return f"missing step_end (have local updates {have}{extra})"
         k = self.end[1].num_local_updates
-        lacking = [i for i in range(1, k + 1) if i not in self.updates]
-        return f"missing local updates {lacking} of {k}"
+        lacking = [slot for slot in self.slots() if slot not in self.updates]
+        if one_rank:
+            return f"missing local updates {[i for i, _ in lacking]} of {k}"
+        return f"missing local updates {[f'{i}/r{r}' for i, r in lacking]} of {k} on each of {self.end[1].world_size} ranks"
 
 
 @dataclass(frozen=True)
@@ -179,7 +193,8 @@ class Fold:
         if ev.type == "step_end":
             step.end = self._keep_latest(step.end, entry_id, ev)
         else:
-            step.updates[ev.local_step] = self._keep_latest(step.updates.get(ev.local_step), entry_id, ev)
+            slot = (ev.local_step, ev.rank)
+            step.updates[slot] = self._keep_latest(step.updates.get(slot), entry_id, ev)
         return self._maybe_complete(g)
 
     def _validation(self, entry_id: str, ev: ValidateMetrics) -> list[Completed]:
@@ -230,18 +245,22 @@ class Fold:
             return [self._complete(g, step, [], step.validation[1].created_at, step.validation[0])]
         if step.end is None:
             return []
-        k = step.end[1].num_local_updates
-        if any(i not in step.updates for i in range(1, k + 1)):
+        slots = step.slots()
+        if any(slot not in step.updates for slot in slots):
             return []
-        updates = [step.updates[i] for i in range(1, k + 1)]
+        updates = [step.updates[slot] for slot in slots]
         return [self._complete(g, step, updates, step.end[1].created_at, step.end[0])]
 
     def _complete(
         self, g: int, step: _Step, updates: list[tuple[str, StepMetrics]], created_at: float, closing_id: str
     ) -> Completed:
         agg = MetricsAggregator(self.total_gpus)
+        ranks = step.end[1].world_size if step.end is not None else 1
         for _, ev in updates:
-            agg.add_step_metrics(ev.metrics, ev.sample_count)
+            metrics = ev.metrics
+            if ranks > 1:  # ranks run side by side: a time is their mean, not their sum
+                metrics = {k: v / ranks if aggregation_rule(k) == "time_sum" else v for k, v in metrics.items()}
+            agg.add_step_metrics(metrics, ev.sample_count)
         metrics = agg.get_aggregated_metrics()
         sources = [i for i, _ in updates]
         if step.end is not None:
@@ -255,12 +274,14 @@ class Fold:
         metrics.update(self.producer_metrics(latest))
         sources += [i for i, _ in latest]
         metrics["training/global_step"] = float(g)
-        extra = sorted(set(step.updates) - set(range(1, len(updates) + 1)))
+        extra = sorted(set(step.updates) - set(step.slots()))
+        k = step.end[1].num_local_updates if step.end is not None else 0
         if extra:
-            log.warning("step %d: local updates %s beyond num_local_updates=%d ignored", g, extra, len(updates))
+            log.warning("step %d: local updates (local_step, rank) %s beyond num_local_updates=%d of world_size=%d "
+                        "ignored", g, extra, k, ranks)
         record = SyncStepRecord(
             global_step=g,
-            num_local_updates=len(updates),
+            num_local_updates=k,
             metrics=dict(sorted(metrics.items())),
             source_ids=sorted(sources, key=id_key),
             created_at=created_at,

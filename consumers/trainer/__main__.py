@@ -1,24 +1,45 @@
-"""`python -m consumers.trainer pipeline.yaml [key=value ...] [--name N]`: the trainer worker."""
+"""`python -m consumers.trainer pipeline.yaml [key=value ...] [--name N]`: the trainer worker (one process,
+or one data-parallel rank when started by torchrun: `python -m consumers.trainer.torchrun … -m consumers.trainer`)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
-from rollstream.worker import EXIT_OK, install_early_signal_handlers, start_worker
+from consumers.trainer.ranks import consumer_name, rank_info
+from rollstream.worker import EXIT_CONFIG, EXIT_OK, install_early_signal_handlers, start_worker
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Start the worker (config, logging, signals, Redis), then train until done or stopped."""
+    """Start the worker (config, logging, signals, Redis), join the data-parallel group when started by
+    torchrun, then train until done or stopped."""
     install_early_signal_handlers()  # a SIGTERM during the torch import below must not kill us
-    ctx, args = start_worker("consumers.trainer", argv)
+    info = rank_info()
+    ctx, args = start_worker("consumers.trainer", argv, name_suffix=consumer_name("", info))
+    t = ctx.cfg.trainer
+    if info.world_size != t.world_size:
+        print(f"{ctx.name}: torchrun started {info.world_size} ranks but trainer.nnodes={t.nnodes} * "
+              f"trainer.nproc_per_node={t.nproc_per_node} = {t.world_size}", file=sys.stderr)
+        return EXIT_CONFIG
     import torch  # after the config is known to be valid
 
+    from consumers.trainer.distributed import DataParallel, DistributedError, watch_parent
     from consumers.trainer.loop import Trainer
+    from rollstream.model.base import resolve_device
 
-    if ctx.cfg.trainer.torch_threads > 0:
-        torch.set_num_threads(ctx.cfg.trainer.torch_threads)
-    Trainer(ctx.cfg, ctx.r, ctx.keys, ctx.name, ctx.stop, burst=args.burst).run()
+    if t.torch_threads > 0:
+        torch.set_num_threads(t.torch_threads)
+    try:
+        dp = DataParallel.from_env(resolve_device(ctx.cfg.run.device), t.strategy)
+    except DistributedError as e:
+        print(f"{ctx.name}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if dp.active:
+        watch_parent(ctx.stop)  # torchrun gone (killed): stop instead of lingering
+    try:
+        Trainer(ctx.cfg, ctx.r, ctx.keys, ctx.name, ctx.stop, burst=args.burst, dp=dp).run()
+    finally:
+        dp.close()
     return EXIT_OK
 
 

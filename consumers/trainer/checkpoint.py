@@ -9,6 +9,12 @@
                        param_version, steps (StepLedger.to_plain of the steps it covers) and counters
 No pickle anywhere: torch.save/torch.load are not used. The newest `keep_last` files are kept.
 
+Data parallel: rank 0 writes the one file (weights and optimizer once: replicated under DDP, gathered
+whole under FSDP); the metadata's `ranks` lists every rank's RNG state (`rng_plain`), and its `steps` hold
+every rank's fates. On resume rank 0 reads the file and broadcasts its bytes (`read_checkpoint` takes
+bytes), so other hosts need no shared folder; each rank restores its own RNG when the world size is the
+same (the file's rng/* tensors are rank 0's).
+
 The metadata layout is versioned like the wire schema (schemas/upgrades.py): a file written by an older
 version is upgraded one version at a time on load, so a trainer resumes from any older checkpoint.
   1  (no meta_version key) a fate is {sample_id, entry_id, fate, staleness, param_version}
@@ -26,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save_file
 
 from rollstream.files import atomic_write
@@ -87,12 +94,36 @@ def _restore_rng(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> N
     random.setstate((int(py_version), tuple(int(x) for x in tensors["rng/python"].tolist()), py_gauss))
 
 
+def rng_plain() -> dict[str, Any]:
+    """This process's torch/CUDA/numpy/python RNG states as plain msgpack-able values (a rank's entry in
+    the checkpoint metadata's `ranks`)."""
+    tensors, scalars = _rng_tensors()
+    return {
+        "torch": tensors["rng/torch"].numpy().tobytes(),
+        "cuda": [tensors[k].numpy().tobytes() for k in sorted(k for k in tensors if k.startswith("rng/cuda/"))],
+        "numpy": tensors["rng/numpy"].numpy().tobytes(),
+        "python": tensors["rng/python"].numpy().tobytes(),
+        "scalars": scalars,
+    }
+
+
+def restore_rng_plain(state: dict[str, Any]) -> None:
+    """Set every RNG back to a `rng_plain` state."""
+    tensors = {
+        "rng/torch": torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8),
+        "rng/numpy": torch.frombuffer(bytearray(state["numpy"]), dtype=torch.int64),
+        "rng/python": torch.frombuffer(bytearray(state["python"]), dtype=torch.int64),
+    }
+    for d, raw in enumerate(state.get("cuda", [])):
+        tensors[f"rng/cuda/{d}"] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    _restore_rng(tensors, dict(state["scalars"]))
+
+
 # -- optimizer -------------------------------------------------------------------------------------
 
 
-def _optim_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    """Optimizer per-parameter state as tensors and its param_groups (plain values)."""
-    sd = optimizer.state_dict()
+def _optim_tensors(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """An optimizer state_dict's per-parameter state as tensors and its param_groups (plain values)."""
     tensors: dict[str, torch.Tensor] = {}
     for idx, state in sd["state"].items():
         for name, value in state.items():
@@ -102,10 +133,16 @@ def _optim_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Te
     return tensors, groups
 
 
+def _optim_order(item: tuple[str, Any]) -> tuple[int, str]:
+    """Sort key of an `optim/<i>/<name>` tensor: by parameter index, then name (others first)."""
+    parts = item[0].split("/", 2)
+    return (int(parts[1]), parts[2]) if parts[0] == "optim" and len(parts) == 3 else (-1, item[0])
+
+
 def _optim_state(tensors: dict[str, torch.Tensor], groups: list[dict[str, Any]]) -> dict[str, Any]:
     """Rebuild an optimizer state_dict from saved tensors and param_groups."""
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
+    for key, t in sorted(tensors.items(), key=_optim_order):  # safetensors' key order is arbitrary
         if key.startswith("optim/"):
             _, idx, name = key.split("/", 2)
             state.setdefault(int(idx), {})[name] = t
@@ -155,9 +192,23 @@ def save_checkpoint(
     keep_last: int = 2,
 ) -> Path:
     """Write the checkpoint of `global_step` durably (rollstream.files.atomic_write); prune old ones."""
+    return write_checkpoint(ckpt_dir, global_step, unique_state(policy.module), optimizer.state_dict(), meta, keep_last)
+
+
+def write_checkpoint(
+    ckpt_dir: Path,
+    global_step: int,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    meta: dict[str, Any],
+    keep_last: int = 2,
+) -> Path:
+    """`save_checkpoint` from the weights (a state dict, tied tensors once) and an optimizer state_dict
+    (index-keyed, as torch.optim.Optimizer.state_dict gives it): what a data-parallel rank 0 writes for
+    every rank."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {f"model/{k}": v for k, v in unique_state(policy.module).items()}  # no copy of the weights
-    opt_tensors, groups = _optim_tensors(optimizer)
+    tensors = {f"model/{k}": v for k, v in weights.items()}  # no copy of the weights
+    opt_tensors, groups = _optim_tensors(optimizer_state)
     rng_tensors, rng_scalars = _rng_tensors()
     tensors.update(opt_tensors)
     tensors.update(rng_tensors)
@@ -174,13 +225,29 @@ def save_checkpoint(
 def load_checkpoint(path: Path, policy: BasePolicy, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore weights, optimizer state and RNG states from `path`; returns its metadata dict, upgraded
     to META_VERSION."""
-    tensors = load_file(str(path))
+    weights, optimizer_state, meta = read_checkpoint(load_file(str(path)))
+    load_state_dict_checked(policy.module, weights)
+    optimizer.load_state_dict(optimizer_state)
+    return meta
+
+
+def read_checkpoint(
+    source: bytes | dict[str, torch.Tensor], rank: int = 0, world_size: int = 1
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(weights as a state dict, optimizer state_dict, metadata upgraded to META_VERSION) of a
+    checkpoint given as its file's bytes (or loaded tensors), after restoring this rank's RNG states:
+    its own from the metadata's `ranks` when the world size matches, else the file's (rank 0's)."""
+    tensors = st_load(source) if isinstance(source, bytes | bytearray) else dict(source)
     meta: dict[str, Any] = upgrade_meta(decode_payload(tensors.pop(_META).numpy().tobytes()))
     model = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
-    load_state_dict_checked(policy.module, model)
-    optimizer.load_state_dict(_optim_state(tensors, list(meta.pop("param_groups"))))
-    _restore_rng(tensors, meta.pop("rng"))
-    return meta
+    optimizer_state = _optim_state(tensors, list(meta.pop("param_groups")))
+    rng = meta.pop("rng")
+    ranks = meta.get("ranks") or []
+    if world_size > 1 and len(ranks) == world_size:
+        restore_rng_plain(ranks[rank]["rng"])
+    else:
+        _restore_rng(tensors, rng)
+    return model, optimizer_state, meta
 
 
 def load_latest_checkpoint(

@@ -10,6 +10,14 @@ Memory knobs: `actor.micro_batch_size` (the accumulated update equals the whole-
 micro-batch's loss is scaled by its share of what the loss aggregation divides by), `actor.
 gradient_checkpointing` (HF backend), `actor.logprob_chunk_size` (the output head a chunk at a time),
 `model.dtype` (set by build_policy).
+
+Data parallel (consumers/trainer/distributed.py): each rank updates on its share of the mini-batch (whole
+samples, so a GRPO group never straddles ranks and its statistics are the group's own). What the loss
+aggregation divides by is summed over every rank (one small all-reduce per update), and each micro-batch's
+loss is scaled by its count x world_size / that sum, so after DDP averages the gradients the step equals
+one process training the whole mini-batch (verl's global-token normalisation); gradients are all-reduced
+once per update, at the last micro-batch. Metrics (`actor/loss`, `actor/pg_loss`, …) stay the rank's own
+means; the aggregator weights them by each rank's sample_count.
 """
 
 from __future__ import annotations
@@ -17,13 +25,16 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
+from consumers.trainer.distributed import DataParallel, RankInfo, dedupe_state
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_policy
 from rollstream.model import BasePolicy
+from rollstream.model.base import load_state_dict_checked, resolve_device
 from rollstream.rl import (
     AggMode,
     agg_loss,
@@ -36,6 +47,7 @@ from rollstream.rl import (
 )
 from rollstream.rl.masked import agg_count
 from rollstream.warmstart import load_init
+from rollstream.weights_file import unique_state
 from schemas import DataProto
 
 log = logging.getLogger(__name__)
@@ -89,11 +101,14 @@ def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
 class Learner:
     """The trainable policy, its AdamW optimizer, and the frozen proximal / reference copies."""
 
-    def __init__(self, cfg: PipelineConfig) -> None:
-        """Build the policy (version-0 weights from the seed) and its optimizer."""
+    def __init__(self, cfg: PipelineConfig, dp: DataParallel | None = None) -> None:
+        """Build the policy (version-0 weights from the seed) and its optimizer; `dp` is this rank's
+        data-parallel group (None: a world of one on the run's device)."""
         self.cfg = cfg
         self.actor = cfg.actor
-        self.policy: BasePolicy = build_policy(cfg)
+        self.dp = dp if dp is not None else DataParallel(RankInfo(), resolve_device(cfg.run.device))
+        device = str(self.dp.device)
+        self.policy: BasePolicy = build_policy(cfg, device=device)
         if cfg.model.init_from:
             load_init(self.policy, cfg.model.init_from)  # version 0 = the warm start, not the seeded init
             log.info("initial weights from %s", cfg.model.init_from)
@@ -101,21 +116,50 @@ class Learner:
         self.policy.logprob_chunk_size = self.actor.logprob_chunk_size
         if self.actor.gradient_checkpointing:
             self.policy.enable_gradient_checkpointing()
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=self.actor.lr, weight_decay=self.actor.weight_decay
-        )
         self.global_step = 1  # the global step being trained (set by begin_step)
         self.prox: BasePolicy | None = None
         if self.actor.off_policy_mode == "decoupled":
-            self.prox = build_policy(cfg)
+            self.prox = build_policy(cfg, device=device)
             self.prox.logprob_chunk_size = self.actor.logprob_chunk_size
             self.prox.eval()
+            self.dp.shard_frozen(self.prox.module)
         self.ref: BasePolicy | None = None
         if self.actor.kl_coef > 0:
-            self.ref = build_policy(cfg)  # the version-0 weights, from the same seed
+            self.ref = build_policy(cfg, device=device)  # the version-0 weights, from the same seed
             self.ref.module.load_state_dict(self.policy.module.state_dict())
             self.ref.logprob_chunk_size = self.actor.logprob_chunk_size
             self.ref.eval()
+            self.dp.shard_frozen(self.ref.module)
+        # DDP wrapper (world > 1) or the module sharded in place (fsdp): before the optimizer sees the params
+        self.train_module = self.dp.wrap(self.policy.module)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=self.actor.lr, weight_decay=self.actor.weight_decay
+        )
+
+    def whole_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights, tied tensors once: the module's own tensors (no copy) unless sharded; under
+        fsdp gathered whole on the CPU, a collective (every rank calls it; rank 0 gets them, the others {})."""
+        if not self.dp.sharded:
+            return unique_state(self.policy.module)
+        state = self.dp.full_state_dict(self.policy.module)
+        return dedupe_state(state) if self.dp.is_main else {}
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state_dict, index-keyed; under fsdp whole (a collective; rank 0's alone)."""
+        return self.dp.full_optimizer_state(self.policy.module, self.optimizer)
+
+    def load_checkpoint_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+        """Restore weights and optimizer state read from a checkpoint (every rank, the same values)."""
+        if self.dp.sharded:
+            self.dp.load_full_state(self.policy.module, self.optimizer, weights, optimizer_state)
+            return
+        load_state_dict_checked(self.policy.module, weights)
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def _dp_count(self, total: float) -> tuple[float, int]:
+        """(what the loss aggregation divides by, summed over every rank's share of the mini-batch; the
+        number of ranks whose gradients DDP averages): (total, 1) in a world of one."""
+        return self.dp.all_reduce_sum([total])[0], self.dp.world_size
 
     def begin_step(self, global_step: int = 1) -> None:
         """Pin the current weights as the proximal policy for global step `global_step`'s local updates."""
@@ -155,20 +199,23 @@ class Learner:
         #      the micro-batch's share of what the aggregation divides by, backward (gradients accumulate)
         mode: AggMode = self.actor.loss_agg_mode
         total, tokens = agg_count(resp_mask, mode), float(resp_mask.sum())
+        every_total, ranks = self._dp_count(total)
         ent_coef = entropy_coef_at(self.actor.entropy_coef, self.actor.entropy_decay_steps, self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
         self.policy.train()
         metrics: dict[str, float] = {}
         loss = ent = kl = 0.0
         t_old = t_update = 0.0
-        for rows in micro_slices(ids.shape[0], self.actor.micro_batch_size):
+        slices = micro_slices(ids.shape[0], self.actor.micro_batch_size)
+        for i, rows in enumerate(slices):
             m_ids, m_mask, m_resp, m_behave = ids[rows], mask[rows], resp_mask[rows], behave[rows]
             m_adv = adv[rows]
             f, w = trim_padding(m_ids, m_mask, width)  # this micro-batch's own all-pad columns go
             m_ids, m_mask = m_ids[:, f : m_ids.shape[1] - width + w], m_mask[:, f : m_mask.shape[1] - width + w]
             m_resp, m_behave = m_resp[:, :w], m_behave[:, :w]
             m_adv = m_adv if m_adv.dim() == 1 else m_adv[:, :w]
-            share = agg_count(m_resp, mode) / total if total > 0 else 0.0
+            share = agg_count(m_resp, mode) / total if total > 0 else 0.0  # of this rank's loss (metrics)
+            grad_share = agg_count(m_resp, mode) * ranks / every_total if every_total > 0 else 0.0  # of every rank's
             tok_share = float(m_resp.sum()) / tokens if tokens > 0 else 0.0
 
             t0 = time.perf_counter()
@@ -179,21 +226,24 @@ class Learner:
             t_old += time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            logp, entropy = self.policy.forward_logprobs_entropy(m_ids, m_mask, w, temp)  # [b, w] each
-            m_loss, pg_metrics = ppo_loss(
-                logp, prox_logp, m_behave, m_adv, m_resp,
-                clip_eps=self.actor.clip_ratio, clip_eps_high=self.actor.clip_ratio_high,
-                behave_imp_cap=self.actor.behave_imp_cap, mode=self.actor.off_policy_mode,
-                loss_agg_mode=mode,
-            )
-            m_ent = agg_loss(entropy, m_resp, mode)
-            if ent_coef > 0:
-                m_loss = m_loss - ent_coef * m_ent
-            if ref_logp is not None:
-                m_kl = agg_loss(kl_penalty(logp, ref_logp, "low_var_kl"), m_resp, mode)
-                m_loss = m_loss + self.actor.kl_coef * m_kl
-                kl += float(m_kl.detach()) * share
-            (m_loss * share).backward()
+            # DDP's gradient hooks live on its wrapper; gradients are all-reduced at the last micro-batch only
+            with self.dp.forward_through(self.policy, self.train_module), \
+                    self.dp.accumulating(self.train_module, last=i + 1 == len(slices)):
+                logp, entropy = self.policy.forward_logprobs_entropy(m_ids, m_mask, w, temp)  # [b, w] each
+                m_loss, pg_metrics = ppo_loss(
+                    logp, prox_logp, m_behave, m_adv, m_resp,
+                    clip_eps=self.actor.clip_ratio, clip_eps_high=self.actor.clip_ratio_high,
+                    behave_imp_cap=self.actor.behave_imp_cap, mode=self.actor.off_policy_mode,
+                    loss_agg_mode=mode,
+                )
+                m_ent = agg_loss(entropy, m_resp, mode)
+                if ent_coef > 0:
+                    m_loss = m_loss - ent_coef * m_ent
+                if ref_logp is not None:
+                    m_kl = agg_loss(kl_penalty(logp, ref_logp, "low_var_kl"), m_resp, mode)
+                    m_loss = m_loss + self.actor.kl_coef * m_kl
+                    kl += float(m_kl.detach()) * share
+                (m_loss * grad_share).backward()
             t_update += time.perf_counter() - t0
             loss += float(m_loss.detach()) * share
             ent += float(m_ent.detach()) * share
@@ -205,7 +255,8 @@ class Learner:
             metrics["actor/kl_loss"] = kl
             metrics["actor/kl_coef"] = self.actor.kl_coef
         t0 = time.perf_counter()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), self.actor.grad_clip))
+        norm = torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), self.actor.grad_clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under fsdp
         if math.isfinite(grad_norm):
             self.optimizer.step()
         else:

@@ -150,3 +150,13 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
 def committed_sample_ids(r: redis.Redis, keys: Keys, page: int = 1000) -> set[str]:
     """Every sample_id recorded in `fates` (trained or dropped in a committed step)."""
     return {decode_fate(fields).sample_id for _, fields in iter_stream(r, keys.fates, page=page)}
+
+
+def merge_ledgers(global_step: int, ledgers: list[StepLedger]) -> StepLedger:
+    """One step's ledger from every data-parallel rank's own (in rank order): all their fates and acks,
+    which rank 0 checkpoints and commits for every rank in its one MULTI."""
+    out = StepLedger(global_step)
+    for lg in ledgers:
+        out.fates += lg.fates
+        out.ack_ids += lg.ack_ids
+    return out

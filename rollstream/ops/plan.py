@@ -19,7 +19,10 @@ stop before the trainer, the trainer before the aggregator, and redis last):
     redis 1 (only when run.redis_url is null) · aggregator 10 · trainer 20 · rollout_NN 30
 
 Workers are launched by module name (`python -m consumers.trainer` …): the runtime imports no worker
-package. A config with `rollout.latency_model.enable` (benchmarks) gets latency-model producers
+package. A data-parallel trainer (`trainer.nproc_per_node` or `trainer.nnodes` above 1, or fsdp) is one
+program too: `python -m consumers.trainer.torchrun … -m consumers.trainer` (torchrun, whose stop exits 0),
+which starts and restarts the ranks (`trainer_argv`); its ranks run in sessions of their own, so
+supervisord's SIGTERM reaches torchrun alone, and torchrun forwards it to each rank once. A config with `rollout.latency_model.enable` (benchmarks) gets latency-model producers
 (`python -m benchmarks.latency_producer`: the producer with a modelled decode injected).
 """
 
@@ -111,6 +114,29 @@ def producer_module(cfg: PipelineConfig) -> str:
     return LATENCY_PRODUCER_MODULE if cfg.rollout.latency_model.enable else PRODUCER_MODULE
 
 
+#: Module of the torchrun launcher of a data-parallel trainer (torchrun whose requested stop exits 0).
+TORCHRUN_MODULE = "consumers.trainer.torchrun"
+#: Seconds torchrun waits for its ranks to drain after SIGTERM before SIGKILL (below WORKER_STOPWAIT_S).
+TORCHRUN_SHUTDOWN_S = WORKER_STOPWAIT_S - 15
+
+
+def trainer_argv(cfg: PipelineConfig, conf: str, python: str | None = None) -> list[str]:
+    """The trainer program's command: `python -m consumers.trainer CONF`, or for a data-parallel trainer the
+    same module under torchrun: one host standalone, or `nnodes` hosts meeting at `rdzv_endpoint` (c10d,
+    rendezvous id = the run name; every host runs this same command)."""
+    py = python or sys.executable
+    t = cfg.trainer
+    if not t.distributed:
+        return [py, "-m", "consumers.trainer", conf]
+    argv = [py, "-m", TORCHRUN_MODULE, f"--nnodes={t.nnodes}", f"--nproc-per-node={t.nproc_per_node}",
+            f"--max-restarts={t.max_restarts}", f"--shutdown-timeout={TORCHRUN_SHUTDOWN_S}"]
+    if t.rdzv_endpoint:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={cfg.run.name}"]
+    else:
+        argv.append("--standalone")
+    return [*argv, "-m", "consumers.trainer", conf]
+
+
 def _worker_programs(
     cfg: PipelineConfig, resolved: Path, env: dict[str, str], role_env: dict[str, dict[str, str]]
 ) -> list[Program]:
@@ -118,7 +144,7 @@ def _worker_programs(
     progs = [
         Program("aggregator", [py, "-m", "consumers.aggregator", conf], priority=10,
                 env={**env, **role_env.get("aggregator", {})}),
-        Program("trainer", [py, "-m", "consumers.trainer", conf], priority=20, env={**env, **role_env.get("trainer", {})}),
+        Program("trainer", trainer_argv(cfg, conf, py), priority=20, env={**env, **role_env.get("trainer", {})}),
     ]
     for name in producer_names(cfg):
         progs.append(Program(name, [py, "-m", producer_module(cfg), conf, "--name", name], priority=30,

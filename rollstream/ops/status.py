@@ -4,6 +4,10 @@ Worker health: a worker that writes a heartbeat (today the trainer: `heartbeat` 
 on every poll, local update and commit) is `ok` while the heartbeat is at most `stall_after_s` old,
 `stalled` beyond, `missing` when it never wrote one, and `finished` once the trainer reached its last
 global step. `rollstream status --check` exits 1 unless every such worker is ok or finished.
+
+A data-parallel trainer (`world_size` > 1 in the trainer hash) shows one line per rank, `trainer-r<k>`,
+from that rank's own `heartbeat:r<k>`, and each rank's consumer in the `trainer` group (its pending
+entries and how long it has been idle); a rank that never wrote a heartbeat is `missing`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ from typing import Any
 import redis
 
 from rollstream.bus import Archive, ArchiveError, run_archive, text
-from rollstream.names import COMMITTED_STEP_FIELD, GLOBAL_STEP_FIELD, HEARTBEAT_FIELD, Keys
+from rollstream.names import (
+    COMMITTED_STEP_FIELD,
+    GLOBAL_STEP_FIELD,
+    HEARTBEAT_FIELD,
+    TRAINER_GROUP,
+    WORLD_SIZE_FIELD,
+    Keys,
+    rank_heartbeat_field,
+)
 from rollstream.weights import latest_param_version, producer_versions
 from schemas import DecodeError, ProducerStats, SyncStepRecord, decode, decode_fate
 
@@ -57,19 +69,25 @@ class WorkerHealth:
 def worker_health(
     trainer: dict[str, str], stall_after_s: float, total_steps: int | None = None, now: float | None = None
 ) -> list[WorkerHealth]:
-    """Health of the heartbeat-writing workers from the trainer hash (see the module docstring)."""
+    """Health of the heartbeat-writing workers from the trainer hash (see the module docstring): the
+    trainer, or each rank of a data-parallel trainer."""
     now = time.time() if now is None else now
-    try:
-        beat = float(trainer[HEARTBEAT_FIELD])
-    except (KeyError, ValueError):
-        return [WorkerHealth("trainer", "missing", None, stall_after_s)]
-    age = max(0.0, now - beat)
+    world = trainer.get(WORLD_SIZE_FIELD, "1")
+    ranks = int(world) if world.isdigit() else 1
+    fields = [("trainer", HEARTBEAT_FIELD)] if ranks <= 1 else [(f"trainer-r{k}", rank_heartbeat_field(k)) for k in range(ranks)]
     step = trainer.get(COMMITTED_STEP_FIELD) or trainer.get(GLOBAL_STEP_FIELD) or ""
-    if total_steps is not None and step.isdigit() and int(step) >= total_steps:
-        state = "finished"
-    else:
-        state = "ok" if age <= stall_after_s else "stalled"
-    return [WorkerHealth("trainer", state, age, stall_after_s)]
+    finished = total_steps is not None and step.isdigit() and int(step) >= total_steps
+    out = []
+    for name, beat_field in fields:
+        try:
+            beat = float(trainer[beat_field])
+        except (KeyError, ValueError):
+            out.append(WorkerHealth(name, "missing", None, stall_after_s))
+            continue
+        age = max(0.0, now - beat)
+        state = "finished" if finished else "ok" if age <= stall_after_s else "stalled"
+        out.append(WorkerHealth(name, state, age, stall_after_s))
+    return out
 
 
 @dataclass
@@ -90,6 +108,7 @@ class RunStatus:
     trainer_idle: float | None
     processes: list[dict[str, Any]] | None = None
     workers: list[WorkerHealth] = field(default_factory=list)
+    trainer_consumers: list[dict[str, Any]] = field(default_factory=list)  # the trainer group's consumers
 
     @property
     def healthy(self) -> bool:
@@ -223,7 +242,17 @@ def collect_status(
         trainer_idle=tidle,
         processes=processes,
         workers=worker_health(trainer, stall_after_s, total_steps),
+        trainer_consumers=trainer_consumers(r, keys),
     )
+
+
+def trainer_consumers(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+    """The `trainer` group's consumers (one per data-parallel rank): name, pending entries, idle seconds."""
+    try:
+        rows: Any = r.xinfo_consumers(keys.rollouts, TRAINER_GROUP)
+    except redis.ResponseError:  # no stream or no group yet
+        return []
+    return [{"name": text(c["name"]), "pending": int(c["pending"]), "idle_s": int(c["idle"]) / 1000} for c in rows]
 
 
 def _bytes(n: int) -> str:
@@ -245,6 +274,9 @@ def format_status(st: RunStatus, redis_url: str) -> str:
         age = f"{w.age_s:.1f}s ago" if w.age_s is not None else "never"
         flag = "" if w.healthy else "   <-- " + w.state.upper()
         out.append(f"{w.name} heartbeat {age} (limit {w.limit_s:g}s): {w.state}{flag}")
+    if len(st.trainer_consumers) > 1 or any(c["name"] != "trainer" for c in st.trainer_consumers):
+        out.append("trainer consumers: " + ", ".join(
+            f"{c['name']} pending {c['pending']} idle {c['idle_s']:.1f}s" for c in st.trainer_consumers))
     out.append("")
     out.append(f"{'stream':<14}{'in redis':>10}{'memory':>12}{'archived':>10}{'on disk':>12}   groups (pending / lag)")
     for s in st.streams:

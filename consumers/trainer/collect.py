@@ -1,0 +1,183 @@
+"""Collecting a local update's samples: the consumer loop's batches -> a buffer of fresh, deduplicated,
+usable samples -> this rank's share of a mini-batch (stale ones dropped and recorded).
+
+A `Collector` is the trainer's reading half: it owns the rollouts buffer, the sample ids already seen
+(committed, buffered, or, with several ranks, claimed by any rank: consumers/trainer/ranks.py) and the
+count of dead-lettered rollouts (counted as consumed for pacing). A world of one polls until it has its
+share; data-parallel ranks collect in rounds they agree on (one poll each, then an all-gather of what each
+took), so they start and abandon every local update together, never train one sample id twice, and none
+reads more entries than it still needs (the others would wait for what it hoards).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import redis
+
+from consumers.trainer.distributed import DataParallel
+from consumers.trainer.guard import unusable_reason, version_reason
+from consumers.trainer.ledger import StepLedger
+from consumers.trainer.ranks import RoundClaim, RoundResult, resolve_round
+from consumers.trainer.staleness import staleness
+from rollstream.bus import GroupReader, Message, retry_on_connection
+from rollstream.config import PipelineConfig
+from rollstream.names import HEARTBEAT_FIELD, Keys, rank_heartbeat_field
+from rollstream.pacing import record_consumed
+from schemas import DROPPED, Fate, RolloutSample
+
+log = logging.getLogger(__name__)
+
+
+class Collector:
+    """The trainer's rollouts buffer and the rules that fill it and take mini-batch shares from it."""
+
+    def __init__(
+        self, cfg: PipelineConfig, r: redis.Redis, keys: Keys, reader: GroupReader, dp: DataParallel,
+        stop: threading.Event, burst: bool, vocab_size: int, max_seq_len: int | None,
+    ) -> None:
+        """Read through `reader`'s consumer loop; samples must fit the policy's vocabulary and positions."""
+        self.cfg, self.r, self.keys, self.reader, self.dp, self.stop, self.burst = cfg, r, keys, reader, dp, stop, burst
+        self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
+        self.share = cfg.actor.ppo_mini_batch_size // dp.world_size  # this rank's samples per local update
+        self._batches: Iterator[list[Message]] = reader.batches(burst=burst)  # the shared consumer loop
+        self.buffer: deque[Message] = deque()  # decoded, deduplicated, not yet used
+        self.seen: set[str] = set()  # sample ids committed, in uncommitted ledgers, or buffered
+        self.claimed: set[str] = set()  # data parallel: sample ids any rank took since the start (ranks.py)
+        # newest version on `params`: after a restart from an older checkpoint, versions published past it
+        # (by steps the crash abandoned) exist and producers may have stamped samples with them
+        self.newest_published = 0
+        self.used_up = False  # burst: the consumer loop ended with the rollouts stream drained
+        self.step_dead = 0  # dead-lettered rollouts since the step began
+        self._own_dead = 0  # non-rollout entries we dead-lettered ourselves (not prompts)
+        self._dead_counted = 0
+
+    def heartbeat(self) -> None:
+        """Write this rank's heartbeat (rank 0: `heartbeat`; with several ranks also `heartbeat:r<rank>`)."""
+        fields = [HEARTBEAT_FIELD] if self.dp.is_main else []
+        if self.dp.active:
+            fields.append(rank_heartbeat_field(self.dp.rank))
+        now = time.time()
+        retry_on_connection(lambda: self.r.hset(self.keys.trainer, mapping=dict.fromkeys(fields, now)), "heartbeat")
+
+    def fill(self) -> bool:
+        """One pass of the consumer loop: buffer new samples, ack duplicates of seen ids, count
+        dead-lettered rollouts; False once the loop has ended (stop requested, or in burst mode the
+        rollouts stream drained: then `used_up`)."""
+        msgs = next(self._batches, None)
+        if msgs is None:
+            if self.burst and not self.stop.is_set() and not self.used_up:
+                log.info("burst: no rollouts left to read")
+                self.used_up = True
+            return False
+        dupes: list[str] = []
+        for m in msgs:
+            ev = m.event
+            if not isinstance(ev, RolloutSample):
+                self._own_dead += 1
+                self.reader.dead_letter(m.id, m.fields, f"not a rollout: {ev.type}")
+            elif ev.sample_id in self.seen or ev.sample_id in self.claimed:
+                dupes.append(m.id)  # the original is committed or still pending: safe to ack this copy
+            elif (why := version_reason(ev, self.newest_published)) is not None:
+                self.reader.dead_letter(m.id, m.fields, f"invalid: {why}")  # counted as consumed below
+            elif (why := unusable_reason(ev, self.vocab_size, self.max_seq_len)) is not None:
+                self.reader.dead_letter(m.id, m.fields, f"unusable: {why}")  # counted as consumed below
+            else:
+                self.seen.add(ev.sample_id)
+                self.buffer.append(m)
+        if dupes:
+            log.warning("acking %d redelivered/duplicate samples without training", len(dupes))
+            retry_on_connection(lambda: self.reader.ack(dupes), "acking duplicates")
+        dead = self.reader.stats.dead - self._own_dead
+        if dead > self._dead_counted:  # dead-lettered rollouts (a lost reply may count them twice)
+            retry_on_connection(lambda: record_consumed(self.r, self.keys, dead - self._dead_counted), "counting dead")
+            self.step_dead += dead - self._dead_counted
+            self._dead_counted = dead
+        self.heartbeat()
+        return True
+
+    def starve(self, need: int) -> bool:
+        """The buffer lacks `need` samples: run one more pass of the loop; True when the caller must give up
+        (stop requested, or in burst mode no rollout is left). With several ranks a pass reads at most
+        `need` entries, so no rank hoards what the others wait for (pacing caps what is outstanding)."""
+        if self.dp.active:
+            self.reader.count = max(1, min(self.cfg.bus.read_count, need))
+        return self.stop.is_set() or not self.fill()
+
+    def wait_warmup(self) -> None:
+        """Before the run's first update: wait until num_warmup_batches mini-batches have arrived (this
+        rank's share of them; ranks wait in agreed rounds)."""
+        want = self.cfg.trainer.num_warmup_batches * self.share
+        while True:
+            ended = self.stop.is_set() or self.used_up
+            if len(self.buffer) < want and not ended:
+                ended = self.starve(want - len(self.buffer))
+            if not self.dp.active:
+                if ended or len(self.buffer) >= want:
+                    break
+                continue
+            res = self.agree(RoundClaim(ended or self.stop.is_set(), len(self.buffer)), want)
+            if res.all_ready or res.any_ended:
+                break
+        log.info("warmup: %d samples buffered before the first update", len(self.buffer))
+
+    def take(self, g: int, need: int) -> list[tuple[Message, int]]:
+        """Pop samples off the buffer until `need` of them are fresh enough to keep (stale ones met on the
+        way are taken too, to be dropped); (message, staleness) each."""
+        k = self.cfg.trainer.max_off_policy_threshold
+        out: list[tuple[Message, int]] = []
+        while need > 0 and self.buffer:
+            m = self.buffer.popleft()
+            st = staleness(g, m.event.param_version)  # type: ignore[union-attr]
+            out.append((m, st))
+            need -= st <= k
+        return out
+
+    def agree(self, claim: RoundClaim, want: int) -> RoundResult:
+        """Exchange one collection round's claims with the other ranks and resolve them (ranks.py)."""
+        claims = [RoundClaim.from_plain(d) for d in self.dp.all_gather_plain(claim.to_plain())]
+        return resolve_round(claims, self.claimed, want, self.dp.rank)
+
+    def collect(self, g: int, ledger: StepLedger) -> tuple[list[tuple[Message, int]], list[int]] | None:
+        """Take this rank's share of a mini-batch (ppo_mini_batch_size / world_size samples) with staleness
+        <= threshold; drop (and record) older ones. Returns (kept with staleness, dropped staleness), or
+        None when stop was requested (on any rank) or, in burst mode, no rollout is left."""
+        want, k = self.share, self.cfg.trainer.max_off_policy_threshold
+        kept: list[tuple[Message, int]] = []
+        dropped: list[int] = []
+        while True:
+            taken = self.take(g, want - len(kept))
+            ended = self.stop.is_set()
+            short = want - len(kept) - sum(st <= k for _, st in taken)
+            if short > 0 and not ended:
+                ended = self.starve(short)
+                taken += self.take(g, short)
+            ready = len(kept) + sum(st <= k for _, st in taken) >= want
+            if self.dp.active:
+                claim = RoundClaim(ended or self.stop.is_set(), len(kept),
+                                   [(m.event.sample_id, st <= k) for m, st in taken])  # type: ignore[union-attr]
+                res = self.agree(claim, want)
+                dupes = [taken[i][0].id for i in res.duplicates]
+                if dupes:
+                    log.warning("acking %d samples another rank took first, without training", len(dupes))
+                    retry_on_connection(partial(self.reader.ack, dupes), "acking duplicates")
+                    taken = [x for i, x in enumerate(taken) if i not in set(res.duplicates)]
+                ready, ended = res.all_ready, res.any_ended
+            for m, st in taken:
+                ev: Any = m.event
+                if st > k:
+                    ledger.fates.append(Fate(ev.sample_id, m.id, DROPPED, st, ev.param_version, g))
+                    ledger.ack_ids.append(m.id)
+                    dropped.append(st)
+                else:
+                    kept.append((m, st))
+            if ended:
+                return None
+            if ready:
+                return kept, dropped
