@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -155,6 +156,28 @@ def test_caller_committed_acks_and_burst_ends_only_when_drained(r: redis.Redis, 
     assert rd.drained and r.lrange(effects, 0, -1) == [b"s0", b"s1"]
     assert len(dead_entries(r, keys)) == 6 and rd.stats.acked == 2
     assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+
+
+def test_ready_read_does_not_wait_and_waiting_is_not_transport(r: redis.Redis, keys: Keys) -> None:
+    # The first read of a pass is an XREADGROUP without BLOCK. (`BLOCK 1` lasted until Redis's next
+    # event-loop tick, up to 100 ms on a quiet server, and a sample published meanwhile counted as transport.)
+    setup_run(r, keys)
+    rd = reader(r, keys, block_ms=2000)
+    passes = rd.batches(block_ms=0)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        assert next(passes) == []
+        times.append(time.perf_counter() - t0)
+    assert sorted(times)[2] < 0.05, times
+    timer = threading.Timer(0.2, lambda: publish_samples(r, keys, 1))
+    timer.start()
+    t0 = time.perf_counter()
+    got = next(rd.batches())  # nothing ready: waits in the blocking read until the sample is published
+    waited = time.perf_counter() - t0
+    timer.join()
+    assert len(got) == 1 and waited >= 0.15
+    assert rd.stats.transport_s < waited / 2  # only the decode of the sample that ended the wait
 
 
 def test_restart_drains_own_pending_first(r: redis.Redis, keys: Keys) -> None:
