@@ -180,6 +180,32 @@ def test_ready_read_does_not_wait_and_waiting_is_not_transport(r: redis.Redis, k
     assert rd.stats.transport_s < waited / 2  # only the decode of the sample that ended the wait
 
 
+def test_command_packer_writes_what_redis_py_writes_in_fewer_pieces(r: redis.Redis, keys: Keys) -> None:
+    """connect()'s RESP packer: the same bytes as redis-py's pure-Python packer, small values (memoryviews
+    too) in one buffer per command, values from ZERO_COPY_MIN bytes on passed through uncopied; and the
+    values arrive in Redis as sent."""
+    from redis.connection import Encoder, PythonRespSerializer
+
+    from rollstream.bus.connection import RespPacker
+
+    ours, theirs = RespPacker(), PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    big = memoryview(bytes(range(256)) * (RespPacker.ZERO_COPY_MIN // 256))
+    args = ("XADD", keys.rollouts, "*", "s", "é✓", b"b", b"\x00\r\n", "i", 12, "f", 0.1, "m",
+            memoryview(b"x" * 7000), "a", bytearray(b"ab"), "big", big)
+    pieces = ours.pack(*args)
+    assert b"".join(pieces) == b"".join(theirs.pack(*args))
+    assert len(pieces) == 3 and pieces[1] is big  # everything before it in one buffer, big as it is
+    assert len(ours.pack("XACK", "s", "g", "1-1")) == 1
+    assert b"".join(ours.pack("CONFIG GET", "hz")) == b"".join(theirs.pack("CONFIG GET", "hz"))
+    for bad in (True, None, [1]):
+        with pytest.raises(redis.DataError):
+            ours.pack("SET", "k", bad)
+    setup_run(r, keys)
+    entry_id = r.xadd(keys.rollouts, {"s": "é✓", "i": 12, "f": 0.1, "m": memoryview(b"x" * 7000), "big": big})
+    got = r.xrange(keys.rollouts, entry_id, entry_id)[0][1]
+    assert got == {b"s": "é✓".encode(), b"i": b"12", b"f": b"0.1", b"m": b"x" * 7000, b"big": bytes(big)}
+
+
 def test_restart_drains_own_pending_first(r: redis.Redis, keys: Keys) -> None:
     publish_samples(r, keys, 6)
     first = reader(r, keys, count=4)
