@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from rollstream.worker import EXIT_OK, install_early_signal_handlers, start_worker
+from rollstream.worker import EXIT_OK, freeze_startup_heap, install_early_signal_handlers, start_worker
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -18,7 +18,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if ctx.cfg.trainer.torch_threads > 0:
         torch.set_num_threads(ctx.cfg.trainer.torch_threads)
-    Trainer(ctx.cfg, ctx.r, ctx.keys, ctx.name, ctx.stop, burst=args.burst).run()
+    trainer = Trainer(ctx.cfg, ctx.r, ctx.keys, ctx.name, ctx.stop, burst=args.burst)
+    freeze_startup_heap()
+    trainer.run()
     return EXIT_OK
 
 
