@@ -7,15 +7,20 @@ alternate so that machine drift hits both alike; the table reports medians and t
 - ours: `Publisher.publish_many` of a batch (encode + pipelined XADD), then `GroupReader.poll` (XREADGROUP
   COUNT batch + decode to a validated RolloutSample) until the batch is in, then one `GroupReader.ack`.
 - raw: the same cycle with one opaque `payload` field of the same total size: pipelined XADD of the batch,
-  XREADGROUP COUNT batch, one XACK. No encoding, no decoding.
+  XREADGROUP COUNT batch, one XACK. No encoding, no decoding. It uses the very client ours uses (as
+  `connect()` builds it: rollstream's RESP command packer, redis-py's hiredis reply parser) in the same
+  process, which froze its start-up heap first as workers do; `--packer python|hiredis` puts both on one
+  of redis-py's own command packers instead (raw is no faster with either: BENCHMARKS.md, Bus).
 
 Each trial uses a fresh run namespace (`Keys(f"{prefix}-<uuid>")`) whose keys are deleted afterwards.
-Run: `rollstream bench bus [--quick] [--json] [--sizes 16K,256K,4M] [--redis-url URL]`.
+Run: `rollstream bench bus [--quick] [--json] [--sizes 16K,256K,4M] [--redis-url URL]`; `--tokens` for the
+token-equal mode (benchmarks/bus_tokens.py), `--phases` for µs per sample of each phase (benchmarks/bus_phases.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -35,6 +40,7 @@ from redis.connection import Encoder, HiredisRespSerializer, PythonRespSerialize
 from rollstream.bus import GroupReader, Message, Publisher, connect, delete_run, ensure_group
 from rollstream.fakes import fake_rollout_sample, response_len_for_bytes
 from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.worker import freeze_startup_heap
 from schemas import RolloutSample, decode, encode
 
 MiB = 1 << 20
@@ -170,7 +176,7 @@ def trial_ours(
     with fresh_stream(r, prefix) as keys:
         pub = Publisher(r, nomkstream=True, compact=compact)
         reader = GroupReader(r, keys.rollouts, TRAINER_GROUP, CONSUMER, dead_stream=keys.dead, count=batch)
-        reader.poll(block_ms=1)  # prime: own-pending scan and first XAUTOCLAIM happen once per reader
+        reader.poll(block_ms=0)  # prime: own-pending scan and first XAUTOCLAIM happen once per reader
         publish_s = consume_s = 0.0
         got = 0
         for b in _batches(n_samples, batch):
@@ -277,9 +283,10 @@ def measure_size(r: redis.Redis, target_bytes: int, s: Settings) -> SizeResult:
 
 
 def bench_client(url: str, packer: str) -> redis.Redis:
-    """A client as workers get it from connect(), optionally with another RESP command packer: redis-py's
-    pure-Python one sends large values and memoryviews as they are; the hiredis one copies them into one
-    buffer (and copies each memoryview to bytes first)."""
+    """A client as workers get it from connect() (rollstream.bus.connection.RespPacker), optionally with one of
+    redis-py's RESP command packers: its pure-Python one sends every memoryview and value over 6000 bytes as
+    its own socket write; the hiredis one copies everything into one buffer (each memoryview to bytes
+    first)."""
     r = connect(url, retries=0, socket_timeout_s=30.0)
     if packer == "python":
         encoder = Encoder(encoding="utf-8", encoding_errors="strict", decode_responses=False)
@@ -300,21 +307,27 @@ def packer_name(r: redis.Redis) -> str:
         r.connection_pool.release(conn)
 
 
-def run_bench(url: str, s: Settings, shapes: list[tuple[int, int, int]] | None = None) -> dict[str, Any]:
-    """Measure every size (or, given token shapes, the token-equal mode of benchmarks.bus_tokens);
-    returns the JSON-ready report (settings, machine, bytes per token, per-size medians and trials)."""
-    from benchmarks import bus_tokens  # (it builds on this module)
+def run_bench(url: str, s: Settings, shapes: list[tuple[int, int, int]] | None = None,
+              phases: bool = False) -> dict[str, Any]:
+    """Measure every size (or, given token shapes, the token-equal mode of benchmarks.bus_tokens; with
+    phases, benchmarks.bus_phases per size instead); returns the JSON-ready report (settings, machine,
+    bytes per token, per-size medians and trials, phase rows)."""
+    from benchmarks import bus_phases, bus_tokens  # (they build on this module)
 
     r = bench_client(url, s.packer)
+    freeze_startup_heap()  # as every worker does once built (ours and raw run in this one process alike)
     try:
         packer = packer_name(r)
         info: Any = r.info("server")
-        results = [] if shapes else [measure_size(r, size, s) for size in s.sizes]
+        rows = [bus_phases.measure_phases(r, size, s) for size in s.sizes] if phases else []
+        results = [] if shapes or phases else [measure_size(r, size, s) for size in s.sizes]
         tokens = bus_tokens.run_tokens(r, shapes or [], s)
     finally:
         r.close()
+        gc.unfreeze()  # (the process may go on: a test calling main())
     return {
         **tokens,
+        "phases": rows,
         "settings": asdict(s),
         "machine": {
             "cpus": os.cpu_count(),
@@ -344,6 +357,10 @@ def format_table(report: dict[str, Any]) -> str:
     from benchmarks.bus_tokens import format_tokens
 
     tokens = format_tokens(report)
+    if report.get("phases"):
+        from benchmarks.bus_phases import format_phases
+
+        return tokens.split("\n\n")[0] + "\n\n" + format_phases(report["phases"])
     if not report["sizes"]:
         return tokens
     lines = [tokens.split("\n\n")[0], "",
@@ -373,8 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a few seconds: small trials, 2 repetitions, no warm-up")
     p.add_argument("--json", action="store_true", help="print the full report as JSON instead of the table")
     p.add_argument("--packer", default="client", choices=["client", "python", "hiredis"],
-                   help="RESP command packer: as connect() builds it (client), pure-Python, or hiredis")
+                   help="RESP command packer of ours and raw: as connect() builds it (client), or redis-py's "
+                        "pure-Python or hiredis one")
     p.add_argument("--prefix", default="bench", help="run-name prefix of the benchmark's Redis namespaces")
+    p.add_argument("--phases", action="store_true",
+                   help="instead of the rates: µs per sample of each phase (encode, XADD, XREADGROUP, decode, "
+                        "XACK, gc) at each --sizes, against raw's")
     p.add_argument("--tokens", default=None, const="8x512x2048,8x512x16384", nargs="?",
                    help="token-equal mode instead of --sizes: comma-separated NxPROMPTxRESPONSE shapes "
                         "(alone: 8x512x2048,8x512x16384); compact vs plain layout vs raw at equal tokens")
@@ -407,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         packer=args.packer,
     )
     t0 = time.perf_counter()
-    report = run_bench(args.redis_url, s, shapes)
+    report = run_bench(args.redis_url, s, shapes, phases=args.phases)
     report["elapsed_s"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps(report, indent=1))

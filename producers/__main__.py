@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     from producers.worker import Producer, lower_priority, set_torch_threads
     from rollstream.bus import RunNotSetUpError
     from rollstream.weights import WeightsError
-    from rollstream.worker import start_worker
+    from rollstream.worker import freeze_startup_heap, start_worker
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--max-dispatches", type=int, default=None, help="exit after this many dispatches (tests)")
@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     except ValueError as e:  # e.g. a name whose index exceeds rollout.num_producers
         log.error("%s", e)
         return EXIT_CONFIG
+    freeze_startup_heap()
     try:
         done = producer.run(max_dispatches=known.max_dispatches, burst=args.burst)
     except (RunNotSetUpError, WeightsError) as e:

@@ -116,6 +116,18 @@ def parse_worker_args(prog: str, argv: Sequence[str] | None = None) -> argparse.
     return p.parse_intermixed_args(argv)
 
 
+def freeze_startup_heap() -> None:
+    """Collect once, then move every object alive now (modules, config, model, clients) out of the cyclic
+    garbage collector's reach (`gc.freeze`); called by worker mains once built, before their loop. Without
+    it every full collection re-scans the start-up heap (with torch, ~0.2-0.6 s per full collection in the
+    traced trainers of BENCHMARKS.md, issue 17), a pause that lands wherever the allocation that triggers
+    it happens, decoding included."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def start_worker(
     role: str, argv: Sequence[str] | None = None, *, client_retries: int = 0, name_suffix: str = ""
 ) -> tuple[WorkerContext, argparse.Namespace]:

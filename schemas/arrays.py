@@ -87,6 +87,25 @@ def check_shape(shape: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
+#: Flat header code of each numpy dtype that has one (the encoder's lookup without building dtype strings).
+NUMPY_CODES: dict[np.dtype, int] = {dt: code for code, (dt, _, _) in enumerate(_CODES) if dt is not None}
+
+
+def flat_array(arr: np.ndarray, field: int | None) -> tuple[bytes, memoryview] | None:
+    """(flat header, data view) of a non-empty C-contiguous numpy array whose dtype has a code, as
+    pack_head(*array_to_wire(arr)) gives them; None for any other array (then take the general path)."""
+    ndim = arr.ndim
+    if not (arr.size and arr.flags.c_contiguous) or ndim > MAX_NDIM:
+        return None
+    code = NUMPY_CODES.get(arr.dtype)
+    if code is None:
+        return None
+    data = memoryview(arr).cast("B")  # type: ignore[arg-type]
+    if field is None:
+        return _HEADS_INLINE[ndim].pack(code, ndim, HEAD_INLINE, *arr.shape), data
+    return _HEADS_FIELD[ndim].pack(code, ndim, HEAD_FIELD, *arr.shape, field), data
+
+
 def pack_head(dtype_str: str, shape: list[int], field: int | None) -> bytes | None:
     """Flat header of an array (field=None: data follows inline); None when the dtype or ndim has no code."""
     code = WIRE_DTYPE_CODES.get(dtype_str)

@@ -27,10 +27,12 @@ import msgpack
 import numpy as np
 
 from schemas.arrays import (
+    WIRE_KINDS,
     array_from_flat,
     array_from_wire,
     array_to_wire,
     check_shape,
+    flat_array,
     is_torch_tensor,
     pack_head,
 )
@@ -61,6 +63,9 @@ ARRAY_FIELD_PREFIX = "a"
 MiB = 1 << 20
 # (bytes, str) names of the first raw array fields, as redis-py returns them and as encode() builds them.
 _FIELD_NAMES = tuple((f"{ARRAY_FIELD_PREFIX}{i}".encode(), f"{ARRAY_FIELD_PREFIX}{i}") for i in range(256))
+
+# Values an object array holds as they are when assigned as a whole (none is a sequence).
+_SCALARS = frozenset({str, int, float, bool, type(None)})
 
 # Entry fields as redis-py returns them (bytes keys) or as encode() builds them (str keys).
 Fields = Mapping[bytes, Any] | Mapping[str, Any]
@@ -109,6 +114,11 @@ class _OutOfBand:
         self.data = data
 
 
+def _ext_type(code: int, data: bytes) -> msgpack.ExtType:
+    """msgpack.ExtType(code, data) without its argument checks (code and data come from this module)."""
+    return tuple.__new__(msgpack.ExtType, (code, data))  # type: ignore[type-var]
+
+
 class _Packer:
     """msgpack packer that turns arrays/DataProto into ExtTypes, collecting out-of-band buffers."""
 
@@ -130,21 +140,29 @@ class _Packer:
 
     def _array(self, obj: Any) -> bytes | msgpack.ExtType:
         """A numeric array or tensor as its flat header (+ inline data), or an EXT_ARRAY for dtypes without a code."""
+        if type(obj) is np.ndarray and obj.dtype.kind in WIRE_KINDS:  # the usual case, without building strings
+            big = self.out_of_band and obj.nbytes >= INLINE_MAX_BYTES
+            flat = flat_array(obj, len(self.buffers) if big else None)
+            if flat is not None:
+                if big:
+                    self.buffers.append(flat[1])
+                    return flat[0]
+                return flat[0] + flat[1]
         dtype, shape, data = array_to_wire(obj)
         if self.out_of_band and data.nbytes >= INLINE_MAX_BYTES:
             head = pack_head(dtype, shape, len(self.buffers))
             self.buffers.append(data)
             if head is not None:
                 return head
-            return msgpack.ExtType(EXT_ARRAY, self.pack([dtype, shape, len(self.buffers) - 1]))
+            return _ext_type(EXT_ARRAY, self.pack([dtype, shape, len(self.buffers) - 1]))
         head = pack_head(dtype, shape, None)
         if head is not None:
             return head + data
-        return msgpack.ExtType(EXT_ARRAY, self.pack([dtype, shape, data]))
+        return _ext_type(EXT_ARRAY, self.pack([dtype, shape, data]))
 
     def _dataproto(self, obj: DataProto) -> msgpack.ExtType:
         """DataProto as [tensors: {name: flat header bin}, non_tensors: {name: [shape, values] | array}, meta]."""
-        return msgpack.ExtType(EXT_DATAPROTO, self.pack(self._parts(obj, obj.tensors)))
+        return _ext_type(EXT_DATAPROTO, self.pack(self._parts(obj, obj.tensors)))
 
     def _compact(self, obj: DataProto) -> msgpack.ExtType:
         """A batch in the compact layout ([layout, rest tensors, non_tensors, meta]), else as a DataProto."""
@@ -155,7 +173,7 @@ class _Packer:
         if parts is None:
             return self._dataproto(obj)
         layout, rest = parts
-        return msgpack.ExtType(EXT_COMPACT_BATCH, self.pack([layout, *self._parts(obj, rest)]))
+        return _ext_type(EXT_COMPACT_BATCH, self.pack([layout, *self._parts(obj, rest)]))
 
     def _parts(self, obj: DataProto, tensors_in: Mapping[str, Any]) -> list[Any]:
         """[tensors, non_tensors, meta_info] of a batch, tensors taken from tensors_in."""
@@ -176,18 +194,21 @@ class _Packer:
 
     def _default(self, obj: Any) -> Any:
         """Encode what msgpack does not know natively."""
+        if type(obj) is np.ndarray and not obj.dtype.hasobject:
+            flat = self._array(obj)
+            return _ext_type(EXT_FLAT_ARRAY, flat) if isinstance(flat, bytes) else flat
         if isinstance(obj, DataProto):
             return self._dataproto(obj)
         if isinstance(obj, _Compact):
             return self._compact(obj.batch)
         if isinstance(obj, np.ndarray) and obj.dtype.hasobject:
-            return msgpack.ExtType(EXT_OBJECT_ARRAY, self.pack([list(obj.shape), obj.reshape(-1).tolist()]))
+            return _ext_type(EXT_OBJECT_ARRAY, self.pack([list(obj.shape), obj.reshape(-1).tolist()]))
         if isinstance(obj, np.ndarray) or is_torch_tensor(obj):
             flat = self._array(obj)
-            return msgpack.ExtType(EXT_FLAT_ARRAY, flat) if isinstance(flat, bytes) else flat
+            return _ext_type(EXT_FLAT_ARRAY, flat) if isinstance(flat, bytes) else flat
         if isinstance(obj, _OutOfBand):
             ref = self._ref(memoryview(obj.data).cast("B"))
-            return msgpack.ExtType(EXT_BYTES, self.pack(ref)) if isinstance(ref, int) else ref
+            return _ext_type(EXT_BYTES, self.pack(ref)) if isinstance(ref, int) else ref
         if isinstance(obj, np.generic):
             return obj.item()
         raise TypeError(
@@ -279,8 +300,11 @@ class _Unpacker:
         if type(values) is not list or math.prod(shape) != len(values):
             raise DecodeError(f"object array of shape {list(shape)[:8]} has {len(values)} values")
         out = np.empty(len(values), dtype=object)
-        for i, v in enumerate(values):
-            out[i] = v
+        if all(type(v) in _SCALARS for v in values):
+            out[:] = values  # (no value is a sequence numpy would broadcast)
+        else:
+            for i, v in enumerate(values):
+                out[i] = v
         return out if len(shape) == 1 else out.reshape(shape)
 
     def _ext(self, code: int, data: bytes) -> Any:
@@ -383,19 +407,23 @@ def _field_name(name: Any) -> str:
 
 def _check_entry_size(fields: Fields, limits: Limits) -> None:
     """Refuse an entry whose names and values together exceed limits.max_entry_bytes."""
-    total = 0
-    for name, value in fields.items():
-        total += len(name) + (len(value) if isinstance(value, bytes | bytearray | memoryview | str) else 0)
+    values = fields.values()
+    if all(type(v) is bytes for v in values):  # as redis-py returns them
+        total = sum(map(len, fields)) + sum(map(len, values))
+    else:
+        total = 0
+        for name, value in fields.items():
+            total += len(name) + (len(value) if isinstance(value, bytes | bytearray | memoryview | str) else 0)
     if total > limits.max_entry_bytes:
         raise DecodeError(f"entry is {total} bytes, over the max_entry_bytes={limits.max_entry_bytes} limit")
 
 
 @functools.lru_cache(maxsize=64)
 def _header_names(model: type[EventBase]) -> tuple[tuple[str, bytes, str], ...]:
-    """(entry header field name, its bytes, the header() key it renders) per header field of a model
-    (RolloutSample writes num_tokens as `tokens`); computed once per model."""
-    names = ("tokens" if name == "num_tokens" else name for name in model.HEADER)
-    return tuple((name, name.encode(), name) for name in names)
+    """(entry header field name, its bytes, the attribute whose value it renders) per header field of a
+    model (RolloutSample writes num_tokens as `tokens`); computed once per model."""
+    return tuple(("tokens" if a == "num_tokens" else a, ("tokens" if a == "num_tokens" else a).encode(), a)
+                 for a in model.HEADER)
 
 
 @functools.lru_cache(maxsize=64)
@@ -417,14 +445,15 @@ def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str], 
     schema = _get(fields, b"schema", "schema")
     if schema is not None and type(raw_schema) is int and _text(schema) != str(raw_schema):
         raise DecodeError(f"header schema={_text(schema)[:40]!r} != payload schema_version={raw_schema}")
-    values = event.header()
-    for name, bname, key in _header_names(model):
-        got = _get(fields, bname, name)
+    for name, bname, attr in _header_names(model):  # the values event.header() renders, attribute by attribute
+        got = fields.get(bname)  # type: ignore[call-overload]
         if got is None:
-            continue
-        want = _header_bytes(values[key])
+            got = fields.get(name)  # type: ignore[call-overload]
+            if got is None:
+                continue
+        value = getattr(event, attr)
+        want = value.encode() if type(value) is str else _header_bytes(value)
         if got != want and bytes(got) != want:
-            attr = "num_tokens" if name == "tokens" else name
             raise DecodeError(f"header {name}={bytes(got)[:40]!r} != payload {attr}={want[:40]!r}")
 
 

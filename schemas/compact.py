@@ -50,16 +50,6 @@ def _token_dtype(lo: int, hi: int) -> np.dtype:
     return np.dtype("<u8") if hi > np.iinfo(np.int64).max else np.dtype("<i8")
 
 
-def _prompt_bits(plen: np.ndarray, P: int) -> np.ndarray:
-    """[n, P] bool: the attended (right-aligned) prompt positions of each row."""
-    return np.arange(P) >= (P - plen)[:, None]
-
-
-def _response_bits(rlen: np.ndarray, R: int) -> np.ndarray:
-    """[n, R] bool: the attended (left-aligned) response positions of each row."""
-    return np.arange(R) < rlen[:, None]
-
-
 def _is_2d(arr: Any, shape: tuple[int, int], kinds: str) -> TypeGuard[np.ndarray]:
     """True for a numpy array of this shape whose dtype kind is one of kinds."""
     return isinstance(arr, np.ndarray) and arr.shape == shape and arr.dtype.kind in kinds
@@ -79,42 +69,51 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return bool((a == b).all())
 
 
-def _lengths(mask: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray, bool] | None:
-    """(plen, rlen, full) when mask is 0/1, left-padded over the prompt and right-padded over the
-    response (full: no padding at all); else None."""
+def _filled(n: int, value: int) -> np.ndarray:
+    """[n] int32 array of value (np.full without its overhead)."""
+    out = np.empty(n, np.int32)
+    out.fill(value)
+    return out
+
+
+def _lengths(mask: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """(plen, rlen, bits) when mask is 0/1, left-padded over the prompt and right-padded over the response;
+    bits: the [n, P+R] bool array of attended positions (= mask), None when there is no padding; else None."""
     n, T = mask.shape
     if mask.dtype.kind == "b":
         if not mask.size or mask.all():
-            return np.full(n, P), np.full(n, T - P), True
+            return _filled(n, P), _filled(n, T - P), None
+        plen, rlen = np.count_nonzero(mask[:, :P], axis=1), np.count_nonzero(mask[:, P:], axis=1)
     else:
         lo, hi = (int(mask.min()), int(mask.max())) if mask.size else (1, 1)
         if lo < 0 or hi > 1:
             return None
         if lo == 1:
-            return np.full(n, P), np.full(n, T - P), True
-    bits = mask.astype(bool, copy=False)
-    plen = np.count_nonzero(bits[:, :P], axis=1)
-    rlen = np.count_nonzero(bits[:, P:], axis=1)
-    if not (_same(bits[:, :P], _prompt_bits(plen, P)) and _same(bits[:, P:], _response_bits(rlen, T - P))):
+            return _filled(n, P), _filled(n, T - P), None
+        plen, rlen = mask[:, :P].sum(axis=1), mask[:, P:].sum(axis=1)  # (0/1 values: counts)
+    bits = np.zeros((n, T), bool)
+    for i, (p, r) in enumerate(zip(plen.tolist(), rlen.tolist(), strict=True)):
+        bits[i, P - p : P + r] = True  # the prompt's last p positions, the response's first r
+    if not bool((mask == bits).all()):
         return None
-    return plen, rlen, False
+    return plen, rlen, bits
 
 
-def _zero_outside(arr: np.ndarray, inside: np.ndarray | None) -> bool:
-    """True when every element of arr outside `inside` (None: nothing is outside) is all-zero bytes (+0.0
-    for floats, never -0.0)."""
-    if inside is None:
+def _zero_outside(arr: np.ndarray, outside: np.ndarray | None) -> bool:
+    """True when every element of arr where `outside` is set (None: nowhere) is all-zero bytes (+0.0 for
+    floats, never -0.0)."""
+    if outside is None:
         return True
-    outside = arr[~inside]
-    if not outside.size:
+    values = arr[outside]
+    if not values.size:
         return True
-    return not np.any(
-        outside.view(f"u{arr.dtype.itemsize}") if arr.dtype.itemsize in (1, 2, 4, 8) else outside
-    )
+    return not np.any(values.view(f"u{arr.dtype.itemsize}") if arr.dtype.itemsize in (1, 2, 4, 8) else values)
 
 
 def _range(*arrays: np.ndarray) -> tuple[int, int]:
     """(min, max) over the values of all arrays (0, 0 when they are empty)."""
+    if len(arrays) == 1 and arrays[0].size:
+        return int(arrays[0].min()), int(arrays[0].max())
     values = [a for a in arrays if a.size]
     if not values:
         return 0, 0
@@ -147,12 +146,15 @@ def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.
     lengths = _lengths(mask, P)
     if lengths is None:
         return None
-    plen, rlen, full = lengths
-    pbits = rbits = None
+    plen, rlen, bits = lengths
+    full = bits is None
+    pbits = rbits = rout = None
     pad = 0
-    if not full:
-        pbits, rbits = _prompt_bits(plen, P), _response_bits(rlen, R)
-        unattended = np.concatenate([ids[:, :P][~pbits], ids[:, P:][~rbits]])
+    if bits is not None:
+        pbits, rbits = bits[:, :P], bits[:, P:]
+        out = ~bits
+        rout = out[:, P:]
+        unattended = ids[out]
         pad = int(unattended[0])
         if np.any(unattended != unattended[0]):
             return None
@@ -185,13 +187,13 @@ def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.
             layout[RESPONSE_MASK] = [rmask.dtype.str, None]
         elif (
             rmask.dtype.kind == "b" or not rmask.size or (rmask.min() >= 0 and rmask.max() <= 1)
-        ) and _zero_outside(rmask, rbits):
+        ) and _zero_outside(rmask, rout):
             bits = rmask if rbits is None else rmask[rbits]
             layout[RESPONSE_MASK] = [rmask.dtype.str, np.packbits(bits.astype(bool, copy=False).reshape(-1))]
         if RESPONSE_MASK in layout:
             del rest[RESPONSE_MASK]
     lp = rest.get(LOG_PROBS)
-    if _is_2d(lp, (n, R), "f") and lp.dtype.itemsize in (2, 4, 8) and _zero_outside(lp, rbits):
+    if _is_2d(lp, (n, R), "f") and lp.dtype.itemsize in (2, 4, 8) and _zero_outside(lp, rout):
         layout[LOG_PROBS] = np.ascontiguousarray(lp if rbits is None else lp[rbits]).reshape(-1)
         del rest[LOG_PROBS]
     return layout, rest
@@ -248,6 +250,25 @@ def _lens(layout: dict[str, Any], name: str, n: int, most: int) -> list[int]:
     return values
 
 
+@functools.lru_cache(maxsize=64)
+def _can_cast(src: np.dtype, dst: np.dtype) -> bool:
+    """np.can_cast(src, dst, "safe"), remembered per pair of dtypes."""
+    return bool(np.can_cast(src, dst, "safe"))
+
+
+@functools.lru_cache(maxsize=64)
+def _one(dt: np.dtype) -> np.ndarray:
+    """A read-only one-element array holding 1 (the buffer all-ones masks broadcast; nothing can write it)."""
+    one = np.ones(1, dt)
+    one.flags.writeable = False
+    return one
+
+
+def _padded(shape: tuple[int, int], pad: int, dt: np.dtype) -> np.ndarray:
+    """An array of shape filled with pad (zeros come pre-cleared from the allocator: no pass to fill)."""
+    return np.zeros(shape, dt) if pad == 0 else np.full(shape, pad, dt)
+
+
 def _frozen(arr: np.ndarray) -> np.ndarray:
     """arr made read-only (decoded arrays are views of wire bytes elsewhere; consumers copy to write)."""
     arr.flags.writeable = False
@@ -293,9 +314,7 @@ def rebuild(layout: Any, rest: dict[str, Any], max_cells: int) -> dict[str, np.n
         if key in rest and (key in (IDS, MASK, RESPONSES) or key in layout):
             raise DecodeError(f"compact batch: tensor {key!r} is both in the layout and in the rest")
     for name, tokens in (("prompt", prompt), ("resp", resp)):
-        if tokens.size and not np.can_cast(
-            tokens.dtype, ids_dt, "safe"
-        ):  # (int32 ids into int64: always fit)
+        if tokens.size and not _can_cast(tokens.dtype, ids_dt):  # (int32 ids into int64: always fit)
             lo, hi = int(tokens.min()), int(tokens.max())
             info = np.iinfo(ids_dt) if ids_dt.kind != "b" else np.iinfo(np.uint8)
             if lo < info.min or hi > (1 if ids_dt.kind == "b" else info.max):
@@ -304,7 +323,7 @@ def rebuild(layout: Any, rest: dict[str, Any], max_cells: int) -> dict[str, np.n
                 )
     # input_ids [n, P+R]: pad everywhere, then the attended prompt and response tokens.
     try:
-        ids = np.empty((n, P + R), ids_dt) if full else np.full((n, P + R), pad, ids_dt)
+        ids = np.empty((n, P + R), ids_dt) if full else _padded((n, P + R), pad, ids_dt)
     except OverflowError as exc:
         raise DecodeError(f"compact batch: pad={pad} does not fit input_ids dtype {ids_dt.str}") from exc
     if shared:
@@ -316,7 +335,7 @@ def rebuild(layout: Any, rest: dict[str, Any], max_cells: int) -> dict[str, np.n
     if full:
         ids[:, P:] = resp.reshape(n, R)
         # no padding: the mask is all ones, a read-only broadcast of one element (no bytes to write)
-        mask = np.broadcast_to(np.ones((1, 1), mask_dt), (n, P + R))
+        mask = np.ndarray((n, P + R), mask_dt, _one(mask_dt), strides=(0, 0))
     else:
         _spread(resp, ids[:, P:], rlen, right=False)
         mask = np.zeros((n, P + R), mask_dt)

@@ -78,3 +78,20 @@ def test_bad_sizes_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--sizes", "12"]) == 2
     assert "bad --sizes" in capsys.readouterr().err
     assert parse_size("4M") == 4 << 20 and parse_size("16k") == 16 << 10
+
+
+def test_phases_mode_cuts_one_entry_into_its_phases(
+    r: redis.Redis, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--phases: per size, µs per sample of encode, XADD, XREADGROUP, decode, XACK (and gc) against raw's."""
+    assert main([*TINY, "--phases", "--json", "--redis-url", redis_url, "--prefix", keys.run]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sizes"] == [] and [row["size"] for row in report["phases"]] == ["2 KB", "24 KB"]
+    for row in report["phases"]:
+        for name in ("encode", "xadd", "xreadgroup", "decode", "xack"):
+            assert row[f"ours_{name}_us"] > 0, name
+        assert row["ours_gc_us"] >= 0 and row["raw_total_us"] > 0 and row["ours_over_raw"] > 0
+    assert main([*TINY, "--phases", "--redis-url", redis_url, "--prefix", keys.run]) == 0
+    table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| size")]
+    assert table == [table[0]] and "| decode |" in table[0]
+    assert not list(r.scan_iter(match=Keys(f"{keys.run}-*").pattern()))

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -166,6 +167,54 @@ def test_caller_committed_acks_and_burst_ends_only_when_drained(r: redis.Redis, 
     assert rd.drained and r.lrange(effects, 0, -1) == [b"s0", b"s1"]
     assert len(dead_entries(r, keys)) == 6 and rd.stats.acked == 2
     assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+
+
+def test_ready_read_does_not_wait_and_waiting_is_not_transport(r: redis.Redis, keys: Keys) -> None:
+    # The first read of a pass is an XREADGROUP without BLOCK. (`BLOCK 1` lasted until Redis's next
+    # event-loop tick, up to 100 ms on a quiet server, and a sample published meanwhile counted as transport.)
+    setup_run(r, keys)
+    rd = reader(r, keys, block_ms=2000)
+    passes = rd.batches(block_ms=0)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        assert next(passes) == []
+        times.append(time.perf_counter() - t0)
+    assert sorted(times)[2] < 0.05, times
+    timer = threading.Timer(0.2, lambda: publish_samples(r, keys, 1))
+    timer.start()
+    t0 = time.perf_counter()
+    got = next(rd.batches())  # nothing ready: waits in the blocking read until the sample is published
+    waited = time.perf_counter() - t0
+    timer.join()
+    assert len(got) == 1 and waited >= 0.15
+    assert rd.stats.transport_s < waited / 2  # only the decode of the sample that ended the wait
+
+
+def test_command_packer_writes_what_redis_py_writes_in_fewer_pieces(r: redis.Redis, keys: Keys) -> None:
+    """connect()'s RESP packer: the same bytes as redis-py's pure-Python packer, small values (memoryviews
+    too) in one buffer per command, values from ZERO_COPY_MIN bytes on passed through uncopied; and the
+    values arrive in Redis as sent."""
+    from redis.connection import Encoder, PythonRespSerializer
+
+    from rollstream.bus.connection import RespPacker
+
+    ours, theirs = RespPacker(), PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    big = memoryview(bytes(range(256)) * (RespPacker.ZERO_COPY_MIN // 256))
+    args = ("XADD", keys.rollouts, "*", "s", "é✓", b"b", b"\x00\r\n", "i", 12, "f", 0.1, "m",
+            memoryview(b"x" * 7000), "a", bytearray(b"ab"), "big", big)
+    pieces = ours.pack(*args)
+    assert b"".join(pieces) == b"".join(theirs.pack(*args))
+    assert len(pieces) == 3 and pieces[1] is big  # everything before it in one buffer, big as it is
+    assert len(ours.pack("XACK", "s", "g", "1-1")) == 1
+    assert b"".join(ours.pack("CONFIG GET", "hz")) == b"".join(theirs.pack("CONFIG GET", "hz"))
+    for bad in (True, None, [1]):
+        with pytest.raises(redis.DataError):
+            ours.pack("SET", "k", bad)
+    setup_run(r, keys)
+    entry_id = r.xadd(keys.rollouts, {"s": "é✓", "i": 12, "f": 0.1, "m": memoryview(b"x" * 7000), "big": big})
+    got = r.xrange(keys.rollouts, entry_id, entry_id)[0][1]
+    assert got == {b"s": "é✓".encode(), b"i": b"12", b"f": b"0.1", b"m": b"x" * 7000, b"big": bytes(big)}
 
 
 def test_restart_drains_own_pending_first(r: redis.Redis, keys: Keys) -> None:

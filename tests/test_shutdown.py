@@ -31,7 +31,7 @@ from rollstream.names import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, TRAINER_GRO
 from rollstream.ops.plan import LATENCY_PRODUCER_MODULE, WORKER_STOPWAIT_S
 from rollstream.pacing import dispatch_entries, grant_budget, inflight
 from rollstream.weights import publish_weights
-from rollstream.worker import EXIT_FORCED, EXIT_OK
+from rollstream.worker import EXIT_FORCED, EXIT_OK, freeze_startup_heap
 from schemas import StepMetrics, decode, encode
 from schemas.plain import TAKE
 
@@ -227,3 +227,25 @@ def test_aggregator_first_sigterm_exits_0_keeping_the_open_step_pending(
     assert code == EXIT_OK, proc.stderr_text()[-2000:]
     assert took < 10
     assert r.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 1  # step 2's event, for the next aggregator
+
+
+def test_frozen_startup_heap_still_collects_later_garbage() -> None:
+    """Worker mains freeze their start-up heap (full collections then skip it); cycles made afterwards,
+    like a decoded sample's, are still collected."""
+    import gc
+    import weakref
+
+    class Node:
+        me: Any = None
+
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > 0
+        node = Node()
+        node.me = node
+        ref = weakref.ref(node)
+        del node
+        gc.collect()
+        assert ref() is None
+    finally:
+        gc.unfreeze()

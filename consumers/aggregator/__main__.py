@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from rollstream.worker import EXIT_OK, install_early_signal_handlers, start_worker
+from rollstream.worker import EXIT_OK, freeze_startup_heap, install_early_signal_handlers, start_worker
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -15,6 +15,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ctx, args = start_worker("consumers.aggregator", argv)
     worker = AggregatorWorker(ctx.cfg, ctx.r, ctx.keys, name=ctx.name, stop=ctx.stop)
+    freeze_startup_heap()
     worker.run(burst=args.burst)
     return EXIT_OK
 

@@ -7,7 +7,13 @@ import sys
 from collections.abc import Sequence
 
 from consumers.trainer.ranks import consumer_name, rank_info
-from rollstream.worker import EXIT_CONFIG, EXIT_OK, install_early_signal_handlers, start_worker
+from rollstream.worker import (
+    EXIT_CONFIG,
+    EXIT_OK,
+    freeze_startup_heap,
+    install_early_signal_handlers,
+    start_worker,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,7 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if dp.active:
         watch_parent(ctx.stop)  # torchrun gone (killed): stop instead of lingering
     try:
-        Trainer(ctx.cfg, ctx.r, ctx.keys, ctx.name, ctx.stop, burst=args.burst, dp=dp).run()
+        trainer = Trainer(ctx.cfg, ctx.r, ctx.keys, ctx.name, ctx.stop, burst=args.burst, dp=dp)
+        freeze_startup_heap()
+        trainer.run()
     finally:
         dp.close()
     return EXIT_OK

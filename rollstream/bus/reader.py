@@ -36,8 +36,11 @@ log = logging.getLogger(__name__)
 
 #: How long a burst-mode poll waits for a late entry before the stream counts as drained.
 BURST_BLOCK_MS = 50
-#: The first read of each pass of the loop: practically non-blocking (it only takes what is there).
-READY_BLOCK_MS = 1
+#: The first read of each pass of the loop: XREADGROUP without BLOCK, which takes only what is there and is
+#: answered at once. (A `BLOCK 1` is not that: Redis ends a timed-out block on its next event-loop tick, up
+#: to 1000/hz ms later, 100 ms at the default hz 10, and an entry published meanwhile ends it instead, so the
+#: "ready" read waited for producers and that wait was counted as transport.)
+READY_BLOCK_MS = 0
 
 
 def entry_limits(max_entry_bytes: int) -> Limits:
@@ -120,7 +123,8 @@ class GroupReader:
     # -- reading -----------------------------------------------------------------------------------
 
     def poll(self, block_ms: int | None = None) -> list[Message]:
-        """One read: own pending first, then claims, then new entries. Returns decoded messages (maybe [])."""
+        """One read: own pending first, then claims, then new entries. Returns decoded messages (maybe []).
+        block_ms: how long the read of new entries may wait (None: the reader's block_ms; 0: not at all)."""
         self.drained = False
         if not self._group_ready:
             self.ensure_group()
@@ -134,13 +138,8 @@ class GroupReader:
             msgs = self._claim()
             if msgs:
                 return msgs
-        resp = self.r.xreadgroup(
-            self.group,
-            self.consumer,
-            {self.stream: ">"},
-            count=self.count,
-            block=self.block_ms if block_ms is None else block_ms,
-        )
+        wait = self.block_ms if block_ms is None else block_ms
+        resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=self.count, block=wait or None)
         entries = resp[0][1] if resp else []
         self.drained = not entries
         return self._accept(entries, deliveries=None)
@@ -319,8 +318,9 @@ class GroupReader:
     def batches(self, *, burst: bool = False, block_ms: int | None = None) -> Iterator[list[Message]]:
         """The consumer loop: one decoded batch per pass (bad entries already dead-lettered) until stop is
         set or, in burst mode, after the pass that found the stream drained. A pass first takes what is
-        ready; only when nothing is does it wait up to block_ms (default: the reader's, 50 ms in burst
-        mode), so a batch may be empty and the caller can do timed work between polls, and
+        ready (a read without BLOCK); only when nothing is does it wait up to block_ms (default: the
+        reader's, 50 ms in burst mode; 0: no wait), so a batch may be empty and the caller can do timed
+        work between polls, and
         `stats.transport_s` counts moving entries, not waiting for writers. The caller acks (`ack`, or
         `forget` after acking in its own MULTI) or hands entries back (`release`)."""
         wait_ms = block_ms if block_ms is not None else BURST_BLOCK_MS if burst else self.block_ms
