@@ -105,6 +105,10 @@ class ModeResult:
     producers_cpu_s: float = 0.0  # CPU seconds of all producer processes over the same interval
 
 
+#: Prefix of the run names the benchmark creates (each run `<prefix>-<mode>-<random>`, deleted afterwards).
+NAMESPACE = "bench-async"
+
+
 def bench_config(config: str | None, overrides: Sequence[str], quick: bool, steps: int, staleness: float) -> PipelineConfig:
     """The benchmark's resolved config: size defaults, then the user's overrides, then the fixed ones."""
     size = QUICK_OVERRIDES if quick else DEFAULT_OVERRIDES
@@ -130,7 +134,9 @@ def _events(r: redis.Redis, stream: str) -> list[Any]:
 # ---- 1. calibration --------------------------------------------------------------------------------
 
 
-def calibrate(cfg: PipelineConfig, redis_url: str, run_dir: str, steps: int = 3) -> dict[str, float]:
+def calibrate(
+    cfg: PipelineConfig, redis_url: str, run_dir: str, steps: int = 3, namespace: str = NAMESPACE
+) -> dict[str, float]:
     """Train `steps`+1 global steps in-process on pre-generated samples of the modelled lengths; returns
     the training time per step (mean of steps 2..) and the tokens_per_s that matches generation to it."""
     import torch
@@ -140,7 +146,7 @@ def calibrate(cfg: PipelineConfig, redis_url: str, run_dir: str, steps: int = 3)
     from benchmarks.latency_producer import LatencyProducer
     from consumers.trainer.loop import Trainer
 
-    keys = Keys(f"bench-async-cal-{uuid.uuid4().hex[:8]}")
+    keys = Keys(f"{namespace}-cal-{uuid.uuid4().hex[:8]}")
     tbs = cfg.data.train_batch_size
     ccfg = _with(cfg, [
         f"run.name={keys.run}", f"run.dir={run_dir}", f"trainer.total_global_steps={steps + 1}",
@@ -186,9 +192,11 @@ def _step_times(events: list[Any]) -> dict[int, tuple[float, float, float]]:
 # ---- 2./3. one mode as subprocesses ----------------------------------------------------------------
 
 
-def run_mode(cfg: PipelineConfig, mode: str, redis_url: str, work_dir: Path, timeout_s: float) -> ModeResult:
+def run_mode(
+    cfg: PipelineConfig, mode: str, redis_url: str, work_dir: Path, timeout_s: float, namespace: str = NAMESPACE
+) -> ModeResult:
     """Run producers + trainer as subprocesses in a fresh namespace; collect the figures; delete the keys."""
-    keys = Keys(f"bench-async-{mode}-{uuid.uuid4().hex[:8]}")
+    keys = Keys(f"{namespace}-{mode}-{uuid.uuid4().hex[:8]}")
     mode_overrides = (
         ["rollout.staleness_threshold=0", "trainer.sync_mode=true"] if mode == "sync" else ["trainer.sync_mode=false"]
     )
@@ -377,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--calibration-steps", type=int, default=None, help="timed calibration steps (default 4, quick 2)")
     p.add_argument("--tokens-per-s", type=float, default=None, help="skip calibration and use this decode speed")
     p.add_argument("--redis-url", default=DEFAULT_URL, help="Redis to run against (fresh namespaces, deleted after)")
+    p.add_argument("--namespace", default=NAMESPACE, help="prefix of the run names (Redis key namespaces) the bench creates")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a mode's trainer is given up")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
@@ -388,12 +397,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = Path(tmp)
         cal: dict[str, Any]
         if args.tokens_per_s is None:
-            cal = calibrate(cfg, args.redis_url, str(work / "cal"), args.calibration_steps or (2 if args.quick else 4))
+            cal = calibrate(cfg, args.redis_url, str(work / "cal"), args.calibration_steps or (2 if args.quick else 4),
+                            args.namespace)
         else:
             cal = {"train_step_s": None, "mean_prompt_tokens": None, "tokens_per_s": args.tokens_per_s}
         cfg = _with(cfg, [f"rollout.latency_model.tokens_per_s={cal['tokens_per_s']}"])
-        sync = run_mode(cfg, "sync", args.redis_url, work, args.timeout)
-        asyn = run_mode(cfg, "async", args.redis_url, work, args.timeout)
+        sync = run_mode(cfg, "sync", args.redis_url, work, args.timeout, args.namespace)
+        asyn = run_mode(cfg, "async", args.redis_url, work, args.timeout, args.namespace)
     rep = summarize(cal, sync, asyn, cfg)
     print(json.dumps(rep) if args.json else format_report(rep))
     return 0

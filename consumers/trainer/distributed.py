@@ -20,6 +20,7 @@ re-reads its own pending entries.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -144,6 +145,7 @@ class DataParallel:
             check_strategy(strategy, device)
         self.info, self.device, self.strategy = info, device, strategy
         self.collective_s = 0.0  # seconds spent in this object's collectives (not DDP's gradient all-reduce)
+        self._ddp: list[nn.Module] = []  # the DDP wrappers made by wrap(), released by close()
 
     @classmethod
     def from_env(
@@ -209,7 +211,9 @@ class DataParallel:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=ids)
+        wrapped = DistributedDataParallel(module, device_ids=ids)
+        self._ddp.append(wrapped)
+        return wrapped
 
     def shard_frozen(self, module: nn.Module) -> None:
         """Shard a frozen copy (proximal / reference policy) like the trained one under fsdp; else nothing."""
@@ -357,4 +361,11 @@ class DataParallel:
         if dist.is_initialized():
             if self.active:
                 self.barrier()
+            # A DDP reducer still alive when the group goes (or at interpreter exit) aborted about 1 process in
+            # 5 with "terminate called without an active exception" (torch 2.13, gloo): free it first.
+            for wrapped in self._ddp:
+                if hasattr(wrapped, "reducer"):
+                    del wrapped.reducer
+            self._ddp.clear()
+            gc.collect()
             dist.destroy_process_group()
