@@ -291,7 +291,8 @@ class Producer:
     ) -> RolloutSample:
         """Score one prompt's trajectories and pack them as a RolloutSample carrying the global `status`."""
         tok = self.policy.tokenizer
-        rewards = [self.task.reward(prompt, tok.decode(t.response_ids)) for t in group]
+        texts = [tok.decode(t.response_ids) for t in group]
+        rewards = [self.task.reward(prompt, text) for text in texts]
         self.window.add_sample(group, rewards)
         self.counters.tokens += sum(t.generated_tokens for t in group)
         self.counters.partial_swaps += sum(int(t.version_start < t.version_end) for t in group)
@@ -310,6 +311,7 @@ class Producer:
             tokenizer=tok,
             rollout_status=status,
             tool_calls=tool_calls,
+            response_texts=texts,
         )
 
     def _publish(self, samples: Sequence[RolloutSample]) -> None:

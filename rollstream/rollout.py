@@ -131,11 +131,13 @@ def build_rollout_sample(
     rollout_status: Mapping[str, float | int],
     tool_calls: Sequence[float] = (),
     ground_truth: str | None = None,
+    response_texts: Sequence[str] | None = None,
 ) -> RolloutSample:
     """Pack one prompt's n trajectories as a RolloutSample (tensors left/right padded with the pad id);
     `token_level_scores` [n, R] is added when every reward splits its score over the text (char_scores),
     non-tensor `ground_truth` (the reference answer, per row) when given; `tool_calls` holds each
-    trajectory's total tool seconds (or nothing)."""
+    trajectory's total tool seconds (or nothing); `response_texts` are the decoded responses when the caller
+    already has them (decoded here otherwise)."""
     n = len(trajectories)
     if n == 0 or len(rewards) != n:
         raise ValueError(f"need >= 1 trajectory and one reward each, got {n} and {len(rewards)}")
@@ -156,13 +158,13 @@ def build_rollout_sample(
         for i, (t, rw) in enumerate(zip(trajectories, rewards, strict=True)):
             scores[i, : len(t.response_ids)] = token_scores(tokenizer, t.response_ids, t.response_mask, rw)
         extra["token_level_scores"] = scores
-    input_ids = ids.numpy().astype(np.int64)
+    input_ids = np.asarray(ids.numpy(), dtype=np.int64)  # no copy: build_batch's ids are int64 already
     batch = DataProto(
         tensors={
             "prompts": input_ids[:, :P],
             "responses": input_ids[:, P:],
             "input_ids": input_ids,
-            "attention_mask": mask.numpy().astype(np.int64),
+            "attention_mask": np.asarray(mask.numpy(), dtype=np.int64),
             "response_mask": response_mask,
             "rollout_log_probs": log_probs,
             "rewards": np.asarray([rw.score for rw in rewards], dtype=np.float32),
@@ -171,7 +173,9 @@ def build_rollout_sample(
         non_tensors={
             "uid": _object_array([sample_id] * n),
             "raw_prompt": _object_array([raw_prompt] * n),
-            "response_text": _object_array([tokenizer.decode(t.response_ids) for t in trajectories]),
+            "response_text": _object_array(
+                list(response_texts) if response_texts is not None else [tokenizer.decode(t.response_ids) for t in trajectories]
+            ),
             **({"ground_truth": _object_array([ground_truth] * n)} if ground_truth is not None else {}),
         },
     )

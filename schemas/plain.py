@@ -155,9 +155,8 @@ def encode_cursor(epoch: int, index: int) -> str:
 
 def decode_cursor(raw: bytes | str) -> tuple[int, int]:
     """(epoch, index) from a cursor value; DecodeError when it is not "<int>:<int>"."""
-    text = _text(raw)
     try:
-        epoch, index = text.split(":")
+        epoch, index = _text(raw).split(":")
         return int(epoch), int(index)
-    except ValueError as e:
-        raise DecodeError(f"producer cursor {text!r} is not <epoch>:<index>") from e
+    except ValueError as e:  # UnicodeDecodeError included
+        raise DecodeError(f"producer cursor {raw!r} is not <epoch>:<index>") from e

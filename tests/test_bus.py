@@ -347,3 +347,26 @@ def test_janitor_runs_on_interval_and_keeps_unread(r: redis.Redis, keys: Keys, t
     assert res is not None and res.over_budget and sum(m.trimmed for m in res.moved) == 4
     assert [i.decode() for i, _ in r.xrange(keys.rollouts)] == ids[4:]
     assert jan.maybe_run(now=1001.0) is None  # not due yet
+
+
+def test_a_janitor_pass_cut_by_a_lost_connection_stays_due(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    """Redis going away mid-pass reaches the caller (its retry_on_connection runs the pass again at once),
+    instead of being logged as an archive failure and skipped until the next interval."""
+    publish_samples(r, keys, 4)
+    jan = Janitor(r, keys, Archive(tmp_path), budget_bytes=1, every_s=60.0)
+    real = jan.run_pass
+    calls: list[int] = []
+
+    def flaky() -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            raise redis.ConnectionError("connection reset")
+        return real()
+
+    jan.run_pass = flaky  # type: ignore[method-assign]
+    with pytest.raises(redis.ConnectionError):
+        jan.maybe_run(now=1000.0)
+    assert not jan.over_budget or jan.last is None or jan.last.error is None  # not taken for an archive failure
+    res = jan.maybe_run(now=1000.0)  # the retry: still due
+    assert res is not None and res.error is None and len(calls) == 2
+    assert jan.maybe_run(now=1001.0) is None  # now it is not due

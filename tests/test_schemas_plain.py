@@ -83,3 +83,5 @@ def test_a_cursor_reads_back_and_a_malformed_one_is_a_decode_error() -> None:
     assert decode_cursor(encode_cursor(2, 17).encode()) == (2, 17)
     with pytest.raises(DecodeError, match="is not <epoch>:<index>"):
         decode_cursor(b"2-17")
+    with pytest.raises(DecodeError, match="is not <epoch>:<index>"):
+        decode_cursor(b"\xff\xfe:1")  # not UTF-8: a DecodeError too, not a UnicodeDecodeError

@@ -139,7 +139,7 @@ class AggregatorWorker:
         deadline = time.monotonic() + DRAIN_MAX_S
         reader = self.stats_reader
         while True:
-            for msgs in reader.batches(burst=True, block_ms=1):
+            for msgs in reader.batches(burst=True, block_ms=0):
                 out += msgs
                 # a page of the own-pending re-read is not the edge of the stream yet
                 if upto is not None and msgs and not reader.reading_own_pending and id_key(msgs[-1].id) > id_key(upto):

@@ -214,8 +214,9 @@ class Learner:
             m_ids, m_mask = m_ids[:, f : m_ids.shape[1] - width + w], m_mask[:, f : m_mask.shape[1] - width + w]
             m_resp, m_behave = m_resp[:, :w], m_behave[:, :w]
             m_adv = m_adv if m_adv.dim() == 1 else m_adv[:, :w]
-            share = agg_count(m_resp, mode) / total if total > 0 else 0.0  # of this rank's loss (metrics)
-            grad_share = agg_count(m_resp, mode) * ranks / every_total if every_total > 0 else 0.0  # of every rank's
+            count = agg_count(m_resp, mode)
+            share = count / total if total > 0 else 0.0  # of this rank's loss (metrics)
+            grad_share = count * ranks / every_total if every_total > 0 else 0.0  # of every rank's
             tok_share = float(m_resp.sum()) / tokens if tokens > 0 else 0.0
 
             t0 = time.perf_counter()

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from rollstream.bus.archive import Archive, ArchiveError
+from rollstream.bus.connection import CONNECTION_ERRORS
 from rollstream.bus.streams import PAGE, parse_id, text
 from rollstream.names import ARCHIVE_DIR_FIELD, Keys
 
@@ -242,14 +243,16 @@ class Janitor:
         now = time.monotonic() if now is None else now
         if now < self._next:
             return None
-        self._next = now + self.every_s
         try:
-            return self.run_pass()
+            res = self.run_pass()
+        except CONNECTION_ERRORS:
+            raise  # not due yet rescheduled: the caller's retry (retry_on_connection) runs the pass again
         except (OSError, ArchiveError) as e:
             log.error("retention pass failed, nothing more leaves Redis until the archive works again: %s", e)
             self.over_budget = True
-            self.last = PassResult(over_budget=True, error=str(e))
-            return self.last
+            res = self.last = PassResult(over_budget=True, error=str(e))
+        self._next = now + self.every_s
+        return res
 
     def run_pass(self) -> PassResult:
         """One pass: count caps, then the budget, then the per-stream safety cap (module docstring)."""

@@ -70,10 +70,11 @@ def iter_stream(
     XRANGE call. The log is what the run archived (rollstream/bus/archive.py) followed by what Redis
     holds, each id once: `archive=True` finds the run's archive from Redis, an Archive reads that one,
     False reads Redis alone."""
+    if reverse:  # the archive is looked up only if the reader goes below what Redis holds
+        yield from _reverse(r, key, start, end, page, None if archive is True else (archive or None), lazy=archive is True)
+        return
     arc = run_archive(r, key) if archive is True else (archive or None)
-    if reverse:
-        yield from _reverse(r, key, start, end, page, arc, lazy=archive is True)
-    elif arc is None:
+    if arc is None:
         yield from _redis(r, key, start, end, page)
     else:
         yield from _forward(r, key, start, end, page, arc)

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from rollstream.bus import iter_stream
+from rollstream.bus import iter_stream, parse_id
 from rollstream.config import PipelineConfig
 from rollstream.names import Keys
 from rollstream.ops.plan import SuperviseError
@@ -27,8 +27,7 @@ def _last_record_step(r: redis.Redis, keys: Keys) -> int:
     rows: Any = r.xrevrange(keys.records, count=1)
     if not rows:
         return -1
-    entry_id = rows[0][0].decode() if isinstance(rows[0][0], bytes) else str(rows[0][0])
-    return int(entry_id.split("-")[0])
+    return parse_id(rows[0][0])[0]
 
 
 def wait_for_steps(target: RunTarget, steps: int, timeout_s: float, poll_s: float = 0.3) -> None:
