@@ -38,6 +38,7 @@ from schemas.arrays import (
 )
 from schemas.batch import DataProto
 from schemas.compact import rebuild as rebuild_compact
+from schemas.compact import response_tokens as compact_response_tokens
 from schemas.compact import split as split_compact
 from schemas.errors import DecodeError, as_decode_error
 from schemas.events import EVENT_MODELS, DeadLetter, Event, EventBase, RolloutSample
@@ -126,6 +127,7 @@ class _Packer:
         """out_of_band=False inlines every array (for standalone payload bytes)."""
         self.out_of_band = out_of_band
         self.buffers: list[memoryview] = []
+        self.response_tokens: int | None = None  # a compact batch's response tokens, when its layout proves them
 
     def pack(self, obj: Any) -> bytes:
         """Pack one value."""
@@ -173,6 +175,7 @@ class _Packer:
         if parts is None:
             return self._dataproto(obj)
         layout, rest = parts
+        self.response_tokens = compact_response_tokens(layout, obj.tensors)
         return _ext_type(EXT_COMPACT_BATCH, self.pack([layout, *self._parts(obj, rest)]))
 
     def _parts(self, obj: DataProto, tensors_in: Mapping[str, Any]) -> list[Any]:
@@ -372,7 +375,8 @@ def encode(event: EventBase, *, compact: bool = True) -> dict[str, bytes | memor
         "type": event.type.encode(),
         "schema": str(body["schema_version"]).encode(),
     }
-    for key, value in event.header().items():
+    header = event.header(packer.response_tokens) if isinstance(event, RolloutSample) else event.header()
+    for key, value in header.items():
         out[key] = _header_bytes(value)
     out[PAYLOAD_FIELD] = payload
     for i, buf in enumerate(packer.buffers):

@@ -76,6 +76,12 @@ def _filled(n: int, value: int) -> np.ndarray:
     return out
 
 
+def _all_ones_guess(mask: np.ndarray) -> bool:
+    """True when the first and last columns of a 2-d mask hold only 1 (a valid left/right-padded mask is then all
+    ones): worth one full comparison. A guess only; the caller verifies."""
+    return bool(mask.size and (mask[:, 0] == 1).all() and (mask[:, -1] == 1).all())
+
+
 def _lengths(mask: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
     """(plen, rlen, bits) when mask is 0/1, left-padded over the prompt and right-padded over the response;
     bits: the [n, P+R] bool array of attended positions (= mask), None when there is no padding; else None."""
@@ -85,6 +91,8 @@ def _lengths(mask: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
             return _filled(n, P), _filled(n, T - P), None
         plen, rlen = np.count_nonzero(mask[:, :P], axis=1), np.count_nonzero(mask[:, P:], axis=1)
     else:
+        if _all_ones_guess(mask) and bool((mask == 1).all()):  # one pass where min() and max() take two
+            return _filled(n, P), _filled(n, T - P), None
         lo, hi = (int(mask.min()), int(mask.max())) if mask.size else (1, 1)
         if lo < 0 or hi > 1:
             return None
@@ -118,6 +126,29 @@ def _range(*arrays: np.ndarray) -> tuple[int, int]:
     if not values:
         return 0, 0
     return min(int(a.min()) for a in values), max(int(a.max()) for a in values)
+
+
+def _ids_dtype(*arrays: np.ndarray) -> np.dtype:
+    """The narrowest token dtype (see _token_dtype) for the values of all arrays. One pass per array in the usual
+    case: viewed as unsigned, a max within int32 proves every value is in [0, int32 max] (a negative id views as
+    a huge number); only otherwise are min and max taken."""
+    values = [a for a in arrays if a.size]
+    if all(a.dtype.kind in "iub" for a in values):
+        most = max((int(a.view(f"u{a.dtype.itemsize}").max()) for a in values), default=0)
+        if most <= _INT32.max:
+            return np.dtype("<i4")
+    return _token_dtype(*_range(*values))
+
+
+def response_tokens(layout: dict[str, Any], tensors: dict[str, np.ndarray]) -> int | None:
+    """The batch's response-token count (RolloutSample.num_tokens) when split's layout proves it: the lengths'
+    sum when response_mask is the attention mask's response part (or absent); None when it must be counted."""
+    spec = layout.get(RESPONSE_MASK)
+    if spec is None and RESPONSE_MASK in tensors:
+        return None  # response_mask travels as it is
+    if spec is not None and spec[1] is not None:
+        return None  # response_mask with holes: its bits, not the lengths
+    return int(layout["rlen"].sum())
 
 
 def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
@@ -163,13 +194,12 @@ def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.
     )
     if full:
         prompt, resp = (ids[0, :P] if shared else ids[:, :P]), ids[:, P:]
-        lo, hi = _range(ids)
+        tok = _ids_dtype(ids)
     else:
         assert pbits is not None and rbits is not None  # (set above when not full)
         prompt = ids[0, P - int(plen[0]) : P] if shared else ids[:, :P][pbits]
         resp = ids[:, P:][rbits]
-        lo, hi = _range(prompt, resp)
-    tok = _token_dtype(lo, hi)
+        tok = _ids_dtype(prompt, resp)
     layout: dict[str, Any] = {
         "n": n, "P": P, "R": R, "pad": pad, IDS: ids.dtype.str, MASK: mask.dtype.str, "shared": shared,
         "plen": plen.astype("<i4"), "rlen": rlen.astype("<i4"),
@@ -183,7 +213,8 @@ def split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.
         layout[PROMPTS] = rest.pop(PROMPTS).dtype.str
     rmask = rest.get(RESPONSE_MASK)
     if _is_2d(rmask, (n, R), _TOKEN_KINDS):
-        if _same(rmask, mask[:, P:]):
+        # with no padding the mask's response part is all ones: comparing with 1 reads one array, not two
+        if bool((rmask == 1).all()) if full else _same(rmask, mask[:, P:]):
             layout[RESPONSE_MASK] = [rmask.dtype.str, None]
         elif (
             rmask.dtype.kind == "b" or not rmask.size or (rmask.min() >= 0 and rmask.max() <= 1)

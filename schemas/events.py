@@ -63,6 +63,17 @@ def _finite(arr: np.ndarray, what: str) -> None:
         raise ValueError(f"{what} contains NaN/inf")
 
 
+def total(arr: np.ndarray) -> int:
+    """int(arr.sum()) that reads a broadcast (zero-stride) axis once instead of once per element (a decoded
+    unpadded batch's masks are one broadcast element)."""
+    strides = arr.strides
+    if arr.size and 0 in strides:
+        index = tuple(0 if s == 0 else slice(None) for s in strides)
+        repeats = math.prod(d for d, s in zip(arr.shape, strides, strict=True) if s == 0)
+        return int(arr[index].sum()) * repeats
+    return int(arr.sum())
+
+
 TOKEN_ARRAYS = ("prompts", "responses", "input_ids")
 MASK_ARRAYS = ("attention_mask", "response_mask")
 
@@ -155,19 +166,19 @@ class RolloutSample(EventBase):
         """Response tokens: sum of response_mask, else attention over the response part, else responses.size."""
         t = self.full_batch.tensors
         if "response_mask" in t:
-            return int(t["response_mask"].sum())
+            return total(t["response_mask"])
         responses = t.get("responses")
         if responses is None:
             return 0
         if "attention_mask" in t and responses.ndim == 2:
             width = responses.shape[1]
-            return int(t["attention_mask"][:, t["attention_mask"].shape[1] - width :].sum())
+            return total(t["attention_mask"][:, t["attention_mask"].shape[1] - width :])
         return int(responses.size)
 
-    def header(self) -> dict[str, HeaderValue]:
-        """Header with `tokens` for num_tokens."""
-        h = super().header()
-        h["tokens"] = h.pop("num_tokens")
+    def header(self, num_tokens: int | None = None) -> dict[str, HeaderValue]:
+        """Header with `tokens` for num_tokens (num_tokens: the count when the caller already has it)."""
+        h: dict[str, HeaderValue] = {name: getattr(self, name) for name in self.HEADER if name != "num_tokens"}
+        h["tokens"] = self.num_tokens if num_tokens is None else num_tokens
         return h
 
 

@@ -17,6 +17,7 @@ from test_schemas import as_redis
 
 from rollstream.fakes import fake_rollout_sample
 from schemas import DataProto, DecodeError, RolloutSample, decode_as, encode
+from schemas.arrays import array_from_flat
 from schemas.codec import EXT_COMPACT_BATCH, EXT_DATAPROTO
 
 TOKEN_DTYPES = ["<i8", "<i4", "<u4", "<i2", ">i8"]
@@ -255,3 +256,75 @@ def test_a_producer_built_sample_with_tool_tokens_and_token_scores_travels_compa
     got = decode_as(as_redis(fields), RolloutSample).full_batch
     assert_same_batch(got, decode_as(as_redis(encode(event, compact=False)), RolloutSample).full_batch)
     assert_same_batch(got, event.full_batch)
+
+
+@pytest.mark.parametrize("low", [-5, 0, 2**31, -(2**40)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_ids_of_any_sign_and_range_travel_exactly(low: int, padded: bool) -> None:
+    """The one-pass range check of token ids (an unsigned view's max) falls back to min/max for negative ids and
+    ids past int32; every range decodes to the same batch and picks a wire dtype that holds it."""
+    n, P, R = 3, 4, 6
+    ids = np.arange(low, low + n * (P + R), dtype=np.int64).reshape(n, P + R)
+    mask = np.ones((n, P + R), np.int64)
+    if padded:
+        mask[0, :2], mask[1, -3:] = 0, 0
+        ids[mask == 0] = low  # every unattended position holds the one pad id
+    tensors = {"input_ids": ids, "attention_mask": mask, "prompts": ids[:, :P], "responses": ids[:, P:],
+               "response_mask": mask[:, P:].copy()}  # fmt: skip
+    event = rollout_of(DataProto(tensors))
+    fields = as_redis(encode(event))
+    assert batch_ext(encode(event)) == EXT_COMPACT_BATCH
+    body, parts = compact_parts(fields)
+    want = "<i4" if -(2**31) <= low and ids.max() < 2**31 else ("<u4" if low >= 0 and ids.max() < 2**32 else "<i8")
+    resp = array_from_flat(parts[0]["resp"].data, lambda i: fields[f"a{i}".encode()], 1 << 30)
+    assert resp.dtype.str == want
+    got = decode_as(fields, RolloutSample)
+    assert_same_batch(got.full_batch, event.full_batch)
+    assert fields[b"tokens"] == str(int(tensors["response_mask"].sum())).encode()
+
+
+@pytest.mark.parametrize("kind", ["same", "holes", "none", "odd"])
+def test_the_header_counts_response_tokens_as_num_tokens(kind: str) -> None:
+    """The header's `tokens` (taken from the compact layout's lengths when they prove it) equals num_tokens for
+    every kind of response_mask: the attention mask's part, one with tool-token holes, none, or one that does
+    not fit the layout (values other than 0/1)."""
+    event = fake_rollout_sample("t", n=4, prompt_len=5, response_len=9, ragged=True)
+    tensors = dict(event.full_batch.tensors)
+    if kind == "none":
+        del tensors["response_mask"]
+    elif kind != "same":
+        rm = tensors["response_mask"].copy()
+        rm[1, 0] = 0 if kind == "holes" else 3
+        tensors["response_mask"] = rm
+    event = rollout_of(DataProto(tensors, event.full_batch.non_tensors))
+    fields = as_redis(encode(event))
+    assert fields[b"tokens"] == str(event.num_tokens).encode()
+    assert decode_as(fields, RolloutSample).num_tokens == event.num_tokens
+
+
+def test_a_mask_attended_at_both_ends_with_a_hole_is_not_compact() -> None:
+    """First and last columns all ones only make the all-ones check worth trying: a hole inside still sends the
+    batch plain, and it decodes to the same arrays."""
+    event = fake_rollout_sample("h", n=3, prompt_len=4, response_len=6)
+    tensors = dict(event.full_batch.tensors)
+    mask = tensors["attention_mask"].copy()
+    mask[1, 5] = 0
+    tensors["attention_mask"] = mask
+    event = rollout_of(DataProto(tensors, event.full_batch.non_tensors))
+    assert batch_ext(encode(event)) == EXT_DATAPROTO
+    assert_same_batch(decode_as(as_redis(encode(event)), RolloutSample).full_batch, event.full_batch)
+
+
+def test_total_of_a_broadcast_mask_equals_its_sum() -> None:
+    """num_tokens' sum reads a zero-stride (broadcast) axis once and gives what numpy's sum gives."""
+    from schemas.events import total
+
+    one = np.ones(1, np.int64)
+    for arr in (
+        np.ndarray((4, 1000), np.int64, one, strides=(0, 0)),
+        np.broadcast_to(np.arange(5), (3, 5)),
+        np.broadcast_to(np.arange(3)[:, None], (3, 7)),
+        np.arange(12).reshape(3, 4),
+        np.zeros((0, 5), np.int64),
+    ):
+        assert total(arr) == int(arr.sum())
