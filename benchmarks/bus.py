@@ -9,7 +9,7 @@ alternate so that machine drift hits both alike; the table reports medians and t
 - raw: the same cycle with one opaque `payload` field of the same total size: pipelined XADD of the batch,
   XREADGROUP COUNT batch, one XACK. No encoding, no decoding. It uses the very client ours uses (as
   `connect()` builds it: rollstream's RESP command packer, redis-py's hiredis reply parser) in the same
-  process, which froze its start-up heap first as workers do; `--packer python|hiredis` puts both on one
+  process, which tuned its allocator and froze its start-up heap first as workers do; `--packer python|hiredis` puts both on one
   of redis-py's own command packers instead (raw is no faster with either: BENCHMARKS.md, Bus).
 
 Each trial uses a fresh run namespace (`Keys(f"{prefix}-<uuid>")`) whose keys are deleted afterwards.
@@ -40,7 +40,7 @@ from redis.connection import Encoder, HiredisRespSerializer, PythonRespSerialize
 from rollstream.bus import GroupReader, Message, Publisher, connect, delete_run, ensure_group
 from rollstream.fakes import fake_rollout_sample, response_len_for_bytes
 from rollstream.names import TRAINER_GROUP, Keys
-from rollstream.worker import freeze_startup_heap
+from rollstream.worker import freeze_startup_heap, tune_allocator
 from schemas import RolloutSample, decode, encode
 
 MiB = 1 << 20
@@ -315,7 +315,8 @@ def run_bench(url: str, s: Settings, shapes: list[tuple[int, int, int]] | None =
     from benchmarks import bus_phases, bus_tokens  # (they build on this module)
 
     r = bench_client(url, s.packer)
-    freeze_startup_heap()  # as every worker does once built (ours and raw run in this one process alike)
+    tune_allocator()  # as every worker does at start, and
+    freeze_startup_heap()  # once built (ours and raw run in this one process alike)
     try:
         packer = packer_name(r)
         info: Any = r.info("server")

@@ -128,6 +128,39 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+# glibc malloc thresholds the workers set (see tune_allocator): buffers up to this size come from the heap ...
+MALLOC_MMAP_THRESHOLD = 64 << 20
+# ... and up to this much freed memory stays in the process for the next ones.
+MALLOC_TRIM_THRESHOLD = 256 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (malloc.h)
+
+
+def tune_allocator() -> dict[str, int]:
+    """Let freed sample buffers be reused instead of returned to the kernel (glibc only; a no-op elsewhere);
+    returns the thresholds set, by name. glibc serves every allocation over 128 KB (the size grows only as such
+    buffers are freed) with a fresh mmap and returns freed heap space above 128 KB: while a trainer holds one
+    batch of decoded samples and decodes the next, each new array costs a page fault per 4 KB page (decode of a 4 MB
+    sample 2.0 ms instead of 1.1 ms, BENCHMARKS.md, issue 17). Called by worker mains at start; a
+    MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ environment variable (glibc's own) wins over this."""
+    import ctypes
+    import platform
+
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return {}
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return {}
+    done: dict[str, int] = {}
+    for env, param, value in (
+        ("MALLOC_MMAP_THRESHOLD_", _M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD),
+        ("MALLOC_TRIM_THRESHOLD_", _M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD),
+    ):
+        if env not in os.environ and libc.mallopt(param, value) == 1:
+            done[env] = value
+    return done
+
+
 def start_worker(
     role: str, argv: Sequence[str] | None = None, *, client_retries: int = 0, name_suffix: str = ""
 ) -> tuple[WorkerContext, argparse.Namespace]:
@@ -149,6 +182,9 @@ def start_worker(
         print(f"{name}: {e}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
     log.info("resolved config:\n%s", config_to_yaml(cfg))
+    tuned = tune_allocator()
+    if tuned:
+        log.info("malloc thresholds: %s", ", ".join(f"{k}={v}" for k, v in tuned.items()))
     r = connect(
         redis_url_for(cfg),
         socket_timeout_s=cfg.bus.socket_timeout_s,

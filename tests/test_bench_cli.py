@@ -75,3 +75,12 @@ def test_dp_runs_one_and_two_ranks_through_the_cli(r: redis.Redis, redis_url: st
     assert [row["ranks"] for row in rows] == [1, 2] and all(row["steps"] == 2 and row["samples_per_s"] > 0 for row in rows)
     assert rows[0]["grad_allreduce_ms"] == 0 and rows[1]["grad_allreduce_ms"] > 0  # one rank has nothing to reduce
     assert not list(r.scan_iter(match=Keys("bench-dp-*").pattern()))
+
+
+def test_decode_held_runs_through_the_cli_in_both_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    """Both allocator modes decode at a tiny size and report µs and faults per sample."""
+    assert main(["bench", "decode_held", "--sizes", "16K", "--batch", "2", "--batches", "2", "--reps", "1",
+                 "--json"]) == 0  # fmt: skip
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["size"] == 16 * 1024 and row["batch"] == 2
+    assert row["plain_us"] > 0 and row["tuned_us"] > 0 and row["plain_faults"] >= 0
