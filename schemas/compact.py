@@ -134,7 +134,8 @@ def _ids_dtype(*arrays: np.ndarray) -> np.dtype:
     a huge number); only otherwise are min and max taken."""
     values = [a for a in arrays if a.size]
     if all(a.dtype.kind in "iub" for a in values):
-        most = max((int(a.view(f"u{a.dtype.itemsize}").max()) for a in values), default=0)
+        # (the unsigned view keeps the array's byte order: a big-endian id read as little-endian could look small)
+        most = max((int(a.view(f"{a.dtype.str[0]}u{a.dtype.itemsize}").max()) for a in values), default=0)
         if most <= _INT32.max:
             return np.dtype("<i4")
     return _token_dtype(*_range(*values))

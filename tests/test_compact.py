@@ -258,13 +258,15 @@ def test_a_producer_built_sample_with_tool_tokens_and_token_scores_travels_compa
     assert_same_batch(got, event.full_batch)
 
 
-@pytest.mark.parametrize("low", [-5, 0, 2**31, -(2**40)])
+@pytest.mark.parametrize("low", [-5, 0, 2**31, -(2**40), 2**40])
 @pytest.mark.parametrize("padded", [False, True])
-def test_ids_of_any_sign_and_range_travel_exactly(low: int, padded: bool) -> None:
+@pytest.mark.parametrize(("ids_dtype", "step"), [("<i8", 1), (">i8", 1), (">i8", 2**32)])
+def test_ids_of_any_sign_and_range_travel_exactly(low: int, padded: bool, ids_dtype: str, step: int) -> None:
     """The one-pass range check of token ids (an unsigned view's max) falls back to min/max for negative ids and
-    ids past int32; every range decodes to the same batch and picks a wire dtype that holds it."""
+    ids past int32; every range decodes to the same batch and picks a wire dtype that holds it. Big-endian ids
+    of 2**40 + k * 2**32 would look small read in the wrong byte order."""
     n, P, R = 3, 4, 6
-    ids = np.arange(low, low + n * (P + R), dtype=np.int64).reshape(n, P + R)
+    ids = (low + np.arange(n * (P + R), dtype=np.int64) * step).reshape(n, P + R).astype(ids_dtype)
     mask = np.ones((n, P + R), np.int64)
     if padded:
         mask[0, :2], mask[1, -3:] = 0, 0
@@ -275,7 +277,8 @@ def test_ids_of_any_sign_and_range_travel_exactly(low: int, padded: bool) -> Non
     fields = as_redis(encode(event))
     assert batch_ext(encode(event)) == EXT_COMPACT_BATCH
     body, parts = compact_parts(fields)
-    want = "<i4" if -(2**31) <= low and ids.max() < 2**31 else ("<u4" if low >= 0 and ids.max() < 2**32 else "<i8")
+    lo, hi = int(ids.min()), int(ids.max())
+    want = "<i4" if -(2**31) <= lo and hi < 2**31 else ("<u4" if lo >= 0 and hi < 2**32 else "<i8")
     resp = array_from_flat(parts[0]["resp"].data, lambda i: fields[f"a{i}".encode()], 1 << 30)
     assert resp.dtype.str == want
     got = decode_as(fields, RolloutSample)
