@@ -46,7 +46,14 @@ from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry
 from rollstream.factory import build_policy, build_prompt_source, build_task
 from rollstream.model import BasePolicy
 from rollstream.names import producer_names
-from rollstream.pacing import current_budget, mark_published, release_unpublished, rollout_counts, take_budget
+from rollstream.pacing import (
+    budget_left,
+    current_budget,
+    mark_published,
+    release_unpublished,
+    rollout_counts,
+    take_budget,
+)
 from rollstream.rollout import (
     Trajectory,
     build_rollout_sample,
@@ -200,7 +207,8 @@ class Producer:
 
     def _turn(self, want: int, burst: bool, published: list[bool]) -> bool:
         """Refresh weights, take budget and dispatch (appending to `published` once on the log), or wait
-        for budget or a new version; False to stop (burst mode, no budget)."""
+        for budget (a new version's, or the trainer's top-up of ours after dead letters); False to stop
+        (burst mode, no budget)."""
         r, keys = self.ctx.r, self.ctx.keys
         _, mine = self._refresh()  # between dispatches: always the newest version
         take = take_budget(r, keys, mine, want, self.name)
@@ -217,13 +225,17 @@ class Producer:
             return True
         if burst:
             return False
-        self._idle_until(lambda v=mine: self._newest_version() > v)
+        self._idle_until(lambda v=mine: self._budget_left(v) > 0 or self._newest_version() > v)
         return True
 
     def _refresh(self) -> tuple[bool, int]:
         """Load the newest weights when a newer version is out: (loaded one, the version in use)."""
         loaded = self.weights.refresh()
         return loaded, self.weights.version
+
+    def _budget_left(self, version: int) -> int:
+        """Budget left for `version` (one GET): the trainer tops it up when it dead-letters rollouts."""
+        return budget_left(self.ctx.r, self.ctx.keys, version)
 
     def _newest_version(self) -> int:
         """The newest published version (one XREVRANGE)."""

@@ -20,6 +20,7 @@ CONSUMED_STEP_FIELD = "consumed_step"  # last global step counted toward the `co
 TRAINING_STEP_FIELD = "training_step"  # highest global step the trainer has begun (never decreases)
 HEARTBEAT_FIELD = "heartbeat"  # unix seconds of the trainer's last poll, local update or commit
 BUDGET_VERSION_FIELD = "budget_version"  # the version whose dispatch budget is granted (pacing)
+BUDGET_CAP_FIELD = "budget_cap"  # that grant's memory back-pressure cap on the budget left (-1: none)
 DROPPED_STALE_FIELD = "dropped_stale"  # samples dropped as stale over the whole run (written in the commit)
 REPLAYED_VERSIONS_FIELD = "replayed_versions"  # replay copies: the source had published versions up to this
 WORLD_SIZE_FIELD = "world_size"  # data-parallel trainer ranks (written by rank 0 at start)
@@ -30,6 +31,14 @@ RANK_HEARTBEAT_PREFIX = "heartbeat:r"
 def rank_heartbeat_field(rank: int) -> str:
     """The trainer hash field of one data-parallel rank's heartbeat."""
     return f"{RANK_HEARTBEAT_PREFIX}{rank}"
+
+#: Prefix of a rank's count of dead-lettered rollouts already counted as consumed, `dead_counted:r<rank>`.
+DEAD_COUNTED_PREFIX = "dead_counted:r"
+
+
+def dead_counted_field(rank: int) -> str:
+    """The trainer hash field of the dead-lettered rollouts one trainer rank has counted as consumed."""
+    return f"{DEAD_COUNTED_PREFIX}{rank}"
 
 # Field of the `archive` hash: the folder retention archives the run's streams into (written by the trainer).
 ARCHIVE_DIR_FIELD = "dir"

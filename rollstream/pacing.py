@@ -10,8 +10,15 @@ pass reports it), the trainer caps each grant at one global step's prompts (`cap
 more than the trainer consumes per version, so the backlog shrinks towards one step instead of
 max_outstanding; they pause between versions. The cap never starves the trainer: prompts dispatched
 under version g are fresh at step g+1 (staleness 1, always kept), so one step's worth completes it.
-Grants are logged on the trainer's `dispatch_log` stream, each producer's takes and releases on its own
-(`producer:<name>:dispatch_log`), so the bound can be checked from the log (`dispatch_entries`).
+Dead letters: a dispatched prompt whose rollout the trainer dead-letters (undecodable, invalid, unusable)
+never trains, yet the next version comes only after a full global batch has trained; with
+staleness_threshold = 0 one dead letter would leave the trainer waiting for a prompt nobody may dispatch.
+So the trainer counts dead-lettered rollouts as consumed with TOPUP, which also gives the current version
+back the room they freed: budget += n, never past max_outstanding - outstanding nor the grant's cap. It is
+counted once per rollout: each trainer rank keeps its running total in the trainer hash
+(`dead_counted:r<rank>`) and the script counts only what exceeds it, so a retried call adds nothing.
+Grants and top-ups are logged on the trainer's `dispatch_log` stream, each producer's takes and releases on
+its own (`producer:<name>:dispatch_log`), so the bound can be checked from the log (`dispatch_entries`).
 
 Producers run TAKE and RELEASE as scripts, and their ACL user may touch only the keys those scripts need:
 read the trainer hash and `consumed`, move `budget:<v>` and `dispatched`, write its own producer keys.
@@ -26,8 +33,8 @@ from typing import Any, cast
 import redis
 
 from rollstream.bus.streams import iter_stream, parse_id, text
-from rollstream.names import BUDGET_VERSION_FIELD, DROPPED_STALE_FIELD, Keys
-from schemas.plain import GRANT, RELEASE, TAKE, DispatchRecord, decode_dispatch, dispatch_lua_fields
+from rollstream.names import BUDGET_CAP_FIELD, BUDGET_VERSION_FIELD, DROPPED_STALE_FIELD, Keys
+from schemas.plain import GRANT, RELEASE, TAKE, TOPUP, DispatchRecord, decode_dispatch, dispatch_lua_fields
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log, budget:v-1 … (older ones to delete)
 # ARGV: version, max_outstanding, cap (-1: none)
@@ -38,11 +45,33 @@ local cap = tonumber(ARGV[3])
 if cap >= 0 and budget > cap then budget = cap end
 if budget < 0 then budget = 0 end
 redis.call('SET', KEYS[1], budget)
-redis.call('HSET', KEYS[4], '{BUDGET_VERSION_FIELD}', ARGV[1])
+redis.call('HSET', KEYS[4], '{BUDGET_VERSION_FIELD}', ARGV[1], '{BUDGET_CAP_FIELD}', ARGV[3])
 for i = 6, #KEYS do redis.call('DEL', KEYS[i]) end
 redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(GRANT, version="ARGV[1]", amount="budget",
                                                       outstanding="outstanding", max_outstanding="ARGV[2]")})
 return {{budget, outstanding}}
+"""
+
+# KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log
+# ARGV: version (the caller's reading of budget_version), max_outstanding, counter field, its new total
+# Returns {counted, added}, or {-1, budget_version} when a grant moved budget_version (nothing done).
+_TOPUP = f"""
+local n = tonumber(ARGV[4]) - tonumber(redis.call('HGET', KEYS[4], ARGV[3]) or '0')
+if n <= 0 then return {{0, 0}} end
+local current = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_VERSION_FIELD}') or '-1')
+if current ~= tonumber(ARGV[1]) then return {{-1, current}} end
+redis.call('HSET', KEYS[4], ARGV[3], ARGV[4])
+local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - redis.call('INCRBY', KEYS[3], n)
+if current < 0 then return {{n, 0}} end
+local left = tonumber(redis.call('GET', KEYS[1]) or '0')
+local add = math.min(n, tonumber(ARGV[2]) - outstanding - left)
+local cap = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_CAP_FIELD}') or '-1')
+if cap >= 0 then add = math.min(add, cap - left) end
+if add <= 0 then return {{n, 0}} end
+redis.call('INCRBY', KEYS[1], add)
+redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(TOPUP, version="ARGV[1]", amount="add",
+                                                      outstanding="outstanding", max_outstanding="ARGV[2]")})
+return {{n, add}}
 """
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, producer's dispatch_log, producer's inflight counter
@@ -122,9 +151,33 @@ def release_unpublished(r: redis.Redis, keys: Keys, producer: str) -> int:
 
 
 def record_consumed(r: redis.Redis | Any, keys: Keys, count: int) -> None:
-    """Trainer side (may be a pipeline): `count` prompts were consumed (trained, dropped or dead)."""
+    """Trainer side (may be a pipeline): `count` prompts were consumed (trained or dropped)."""
     if count:
         r.incrby(keys.consumed, count)
+
+
+def dead_counted(r: redis.Redis, keys: Keys, field: str) -> int:
+    """The running total of dead-lettered rollouts counted as consumed under `field` (0 before any)."""
+    return int(cast(Any, r.hget(keys.trainer, field)) or 0)
+
+
+def consume_dead(r: redis.Redis, keys: Keys, field: str, total: int, max_outstanding: int) -> tuple[int, int]:
+    """Trainer side: `total` rollouts dead-lettered so far under `field` (a trainer hash field); count those
+    not counted yet as consumed and give the current version's budget back the room they freed (TOPUP, see
+    the module docstring). Returns (newly counted, budget added); a repeat with the same total does nothing."""
+    while True:
+        version = current_budget(r, keys)[0]
+        res: Any = r.eval(
+            _TOPUP, 5, keys.budget(max(version, 0)), keys.dispatched, keys.consumed, keys.trainer,
+            keys.dispatch_log, version, max_outstanding, field, total,
+        )
+        if int(res[0]) >= 0:
+            return int(res[0]), int(res[1])
+
+
+def budget_left(r: redis.Redis, keys: Keys, version: int) -> int:
+    """Budget left for `version` (0 when none was granted, it is used up, or a newer grant deleted it)."""
+    return int(cast(Any, r.get(keys.budget(version))) or 0)
 
 
 def inflight(r: redis.Redis, keys: Keys, producer: str) -> int:
@@ -133,7 +186,7 @@ def inflight(r: redis.Redis, keys: Keys, producer: str) -> int:
 
 
 def dispatch_entries(r: redis.Redis, keys: Keys) -> list[DispatchRecord]:
-    """Every grant, take and release (the trainer's log and every producer's), in id order."""
+    """Every grant, top-up, take and release (the trainer's log and every producer's), in id order."""
     rc: Any = r
     streams = [keys.dispatch_log, *(text(k) for k in rc.scan_iter(match=keys.producer_pattern("dispatch_log")))]
     rows = sorted(((i, f) for s in streams for i, f in iter_stream(r, s)), key=lambda row: parse_id(row[0]))

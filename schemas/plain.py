@@ -3,9 +3,10 @@
 `fates`: one entry per sample the trainer consumed, id `<global_step>-<i>`, written in the step commit:
     sample_id  source_id (its rollouts entry id)  fate (trained | dropped)  staleness  param_version
     global_step
-`dispatch_log` (the trainer's grants) and `producer:<name>:dispatch_log` (a producer's takes and
-releases), written by the pacing Lua scripts (rollstream/pacing.py), fields in this order:
+`dispatch_log` (the trainer's grants and top-ups) and `producer:<name>:dispatch_log` (a producer's takes
+and releases), written by the pacing Lua scripts (rollstream/pacing.py), fields in this order:
     grant:   op version amount outstanding max_outstanding
+    topup:   op version amount outstanding max_outstanding  (budget added back after dead letters)
     take:    op version amount outstanding producer
     release: op amount producer
 `producer:<name>:cursor`: the producer's next prompt as "<epoch>:<index>".
@@ -91,26 +92,28 @@ def decode_fate(entry: Mapping[Any, Any]) -> Fate:
 # -- dispatch_log -----------------------------------------------------------------------------------
 
 GRANT = "grant"
+TOPUP = "topup"
 TAKE = "take"
 RELEASE = "release"
-DISPATCH_OPS = (GRANT, TAKE, RELEASE)
+DISPATCH_OPS = (GRANT, TOPUP, TAKE, RELEASE)
 
 
 @dataclass(frozen=True)
 class DispatchRecord:
-    """One budget grant (trainer), take or release (a producer) on a dispatch log."""
+    """One budget grant or top-up (trainer), take or release (a producer) on a dispatch log."""
 
-    op: str  # GRANT, TAKE or RELEASE
+    op: str  # GRANT, TOPUP, TAKE or RELEASE
     version: int | None  # the version the budget is for (None on a release)
-    amount: int  # prompts granted, taken or released
+    amount: int  # prompts granted, added, taken or released
     outstanding: int | None  # dispatched - consumed after the operation (None on a release)
-    max_outstanding: int | None  # the bound the grant was computed for (grants only)
-    producer: str | None  # who took or released (None on a grant)
+    max_outstanding: int | None  # the bound the grant or top-up was computed for (trainer's entries only)
+    producer: str | None  # who took or released (None on the trainer's entries)
 
 
 DISPATCH_FIELDS = tuple(f.name for f in fields(DispatchRecord))
 _DISPATCH_REQUIRED = {
     GRANT: ("version", "amount", "outstanding", "max_outstanding"),
+    TOPUP: ("version", "amount", "outstanding", "max_outstanding"),
     TAKE: ("version", "amount", "outstanding", "producer"),
     RELEASE: ("amount", "producer"),
 }

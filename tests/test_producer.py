@@ -22,13 +22,20 @@ from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.factory import build_policy, build_prompt_source
 from rollstream.model import CharTokenizer, Completion, build_batch
-from rollstream.names import DROPPED_STALE_FIELD, Keys
-from rollstream.pacing import dispatch_entries, grant_budget, inflight, record_consumed, rollout_counts
+from rollstream.names import DROPPED_STALE_FIELD, Keys, dead_counted_field
+from rollstream.pacing import (
+    consume_dead,
+    dispatch_entries,
+    grant_budget,
+    inflight,
+    record_consumed,
+    rollout_counts,
+)
 from rollstream.tasks import calculate
 from rollstream.weights import producer_versions, publish_weights
 from rollstream.worker import EXIT_OK, WorkerContext
 from schemas import DispatchRecord, ProducerStats, RolloutSample, decode
-from schemas.plain import GRANT, RELEASE, TAKE
+from schemas.plain import GRANT, RELEASE, TAKE, TOPUP
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipeline.yaml"
@@ -288,6 +295,37 @@ def test_three_producers_respect_the_budget(r: redis.Redis, keys: Keys, redis_ur
     a, b, c = by_producer.values()
     assert not (a & b or a & c or b & c)  # disjoint prompt shards
     assert any(p.counters.idle_s > 0 for p in producers)  # budget, not the producers, set the pace
+
+
+def test_an_idle_producer_takes_the_budget_a_dead_letter_gives_back(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+    """Sync mode: the version's whole window dispatched, the producer idles; the trainer dead-letters one
+    rollout and tops the budget up (no new version: that comes only after a full batch trains). The
+    producer must take it and publish a replacement stamped with the same version, within the bound."""
+    cfg = small_cfg(keys, "rollout.n=2", "data.max_response_length=4", "rollout.staleness_threshold=0")
+    bound = cfg.max_outstanding
+    start_run(r, keys, build_blob(cfg, 0), grant=bound)
+    producer = Producer(context(cfg, keys, "rollout_00", redis_url))
+    thread = threading.Thread(target=producer.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while r.xlen(keys.rollouts) < bound:
+            assert time.monotonic() < deadline and thread.is_alive(), "producer did not dispatch the window"
+            time.sleep(0.02)
+        time.sleep(0.5)
+        assert r.xlen(keys.rollouts) == bound  # the window is out: it idles
+        assert consume_dead(r, keys, dead_counted_field(0), 1, bound) == (1, 1)  # the trainer's side
+        while r.xlen(keys.rollouts) < bound + 1:
+            assert time.monotonic() < deadline, "the producer never took the budget given back"
+            time.sleep(0.02)
+    finally:
+        producer.ctx.stop.set()
+        thread.join(30)
+    got = samples(r, keys)
+    assert len(got) == bound + 1 and {s.param_version for s in got} == {0}
+    log = dispatch_log(r, keys)
+    assert [(e.op, e.amount) for e in log if e.op in (GRANT, TOPUP)] == [(GRANT, bound), (TOPUP, 1)]
+    assert all(e.outstanding is not None and e.outstanding <= bound for e in log if e.op == TAKE)
 
 
 # ---- the tool agent ------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from rollstream.ops.status import worker_health
 from rollstream.pacing import dispatch_entries, mark_published, take_budget
 from rollstream.weights import latest_param_version
 from schemas import TRAINED, ParamVersion, StepMetrics, ValidateMetrics, decode, decode_fate, encode
+from schemas.plain import GRANT, TAKE, TOPUP
 
 ROOT = Path(__file__).resolve().parent.parent
 TBS = 4
@@ -45,13 +46,14 @@ def trainer_args(keys: Keys, redis_url: str, run_dir: Path, steps: int) -> list[
 
 
 class FakeProducer(threading.Thread):
-    """Takes budget for the newest version, publishes fake samples stamped with it; the 5th is corrupt, and
-    every other one is written in RolloutSample schema 1 (the plain batch layout of writers before issue 17).
-    `cap[v]` limits how many prompts it dispatches for version v (until the cap is removed)."""
+    """Takes budget for the newest version, publishes fake samples stamped with it; the 5th (those at the
+    `corrupt_at` indices) is corrupt, and every other one is written in RolloutSample schema 1 (the plain batch
+    layout of writers before issue 17). `cap[v]` limits how many prompts it dispatches for version v (until the
+    cap is removed)."""
 
-    def __init__(self, r: redis.Redis, keys: Keys) -> None:
+    def __init__(self, r: redis.Redis, keys: Keys, corrupt_at: tuple[int, ...] = (4,)) -> None:
         super().__init__(daemon=True)
-        self.r, self.keys = r, keys
+        self.r, self.keys, self.corrupt_at = r, keys, corrupt_at
         self.stop = threading.Event()
         self.cap: dict[int, int] = {}
         self.taken: dict[int, int] = {}
@@ -81,7 +83,7 @@ class FakeProducer(threading.Thread):
                                              seed=len(self.published))
                 fields: dict[str, Any] = encode(sample, compact=len(self.published) % 2 == 0)
                 self.schema[sid] = fields["schema"]
-                if len(self.published) == 4:
+                if len(self.published) in self.corrupt_at:
                     fields["payload"] = b"\xc1 not msgpack"
                     self.corrupt.append(sid)
                 pipe.xadd(self.keys.rollouts, fields)
@@ -152,6 +154,41 @@ def test_trainer_run_keeps_every_sample_exactly_once(
     trained = [fate.sample_id for fate in (decode_fate(f) for _, f in r.xrange(keys.fates)) if fate.fate == TRAINED]
     assert {schema_of[sid] for sid in trained} == {b"1", b"2"}  # old-schema entries train alongside new ones
     assert len(list((tmp_path / keys.run / "checkpoints").iterdir())) == 2
+
+
+def test_sync_mode_run_with_dead_lettered_samples_finishes(
+    r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path
+) -> None:
+    """Sync mode (staleness_threshold=0: max_outstanding = one global batch): a dead-lettered sample used up
+    its step's whole window, producers got no budget until the next version and the trainer waited forever
+    for a sample nobody could dispatch. Dead letters now top up the current version's budget, within the
+    bound: the run finishes, every dead letter is consumed, outstanding never exceeded max_outstanding."""
+    producer = FakeProducer(r, keys, corrupt_at=(5, 9, 10))  # one in step 2's batch, two in step 3's
+    producer.start()
+    try:
+        args = trainer_args(keys, redis_url, tmp_path, 3)
+        sync = [*args[:-2], "rollout.staleness_threshold=0", "trainer.sync_mode=true", *args[-2:]]
+        proc = subprocess.run(sync, cwd=ROOT, capture_output=True, text=True, timeout=90)
+    finally:
+        producer.stop.set()
+        producer.join(5)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = audit_run(r, keys)
+    assert rep.problems() == [] and rep.steps == [1, 2, 3]
+    assert rep.dead == set(producer.corrupt) and len(rep.trained) == 3 * TBS and not rep.dropped
+    log = dispatch_entries(r, keys)
+    assert all(e.outstanding is None or e.outstanding <= TBS for e in log), log
+    budget: dict[int | None, int] = {}  # per version: granted + topped up, and taken
+    taken: dict[int | None, int] = {}
+    for e in log:
+        if e.op in (GRANT, TOPUP):
+            assert e.outstanding is not None and e.outstanding + e.amount <= TBS, e
+            budget[e.version] = budget.get(e.version, 0) + e.amount
+        elif e.op == TAKE:
+            taken[e.version] = taken.get(e.version, 0) + e.amount
+    assert sum(e.amount for e in log if e.op == TOPUP) == 3  # one prompt back per dead letter
+    assert all(taken[v] <= budget[v] for v in taken), (budget, taken)
+    assert int(r.get(keys.consumed)) == 3 * TBS + 3  # type: ignore[arg-type]
 
 
 def _wait_for_local_update(r: redis.Redis, keys: Keys, step: int, proc: subprocess.Popen, timeout_s: float) -> None:
