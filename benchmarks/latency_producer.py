@@ -51,7 +51,6 @@ class LatencyProducer(Producer):
         self.generation = 0  # bumped by each reconnect; a dispatch taken under an older one is not published
         self._slot = threading.local()  # the generation a slot's current dispatch was taken under
         self._newest = (-1, 0.0)  # (version, monotonic time of the check), shared by idle slots
-        self._left = (-1, 0, 0.0)  # (version, its budget left, monotonic time of the check), alike
         super().__init__(ctx, policy, task, generate=generate)
 
     def _serve(self, limit: int | None, burst: bool) -> None:
@@ -86,14 +85,6 @@ class LatencyProducer(Producer):
         with self.lock:  # once for all slots: every dispatch in flight belongs to the old generation
             super()._reconnect(error)
             self.generation += 1
-
-    def _budget_left(self, version: int) -> int:
-        """Budget left for `version`; idle slots share one check per POLL_S."""
-        checked, left, at = self._left
-        if self.slots > 1 and checked == version and time.monotonic() - at < POLL_S:
-            return left
-        self._left = (version, super()._budget_left(version), time.monotonic())
-        return self._left[1]
 
     def _newest_version(self) -> int:
         """The newest published version; idle slots share one check per POLL_S."""

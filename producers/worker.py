@@ -68,6 +68,7 @@ from schemas import DataProto, RolloutSample, decode_cursor, encode, encode_curs
 log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # sleep between checks while idle (budget or version)
+BUDGET_POLL_S = 0.25  # while idle for lack of budget, how often to look for a top-up (rare: dead letters)
 
 #: Generation of one dispatch: (the batch, prompts x n rows prompt-major; the param version stamped at
 #: dispatch) -> one trajectory per row, in row order.
@@ -114,6 +115,7 @@ class Producer:
         self.metrics = Publisher(ctx.r, nomkstream=True)
         self.counters = Counters()
         self.window = StatsWindow()
+        self._budget_checked = 0.0  # monotonic time of the last look for a top-up while idle
         self.last_stats = time.monotonic()
         self._done = 0
         self.reconnects = 0
@@ -225,13 +227,22 @@ class Producer:
             return True
         if burst:
             return False
-        self._idle_until(lambda v=mine: self._budget_left(v) > 0 or self._newest_version() > v)
+        self._idle_until(lambda v=mine: self._newest_version() > v or self._topped_up(v))
         return True
 
     def _refresh(self) -> tuple[bool, int]:
         """Load the newest weights when a newer version is out: (loaded one, the version in use)."""
         loaded = self.weights.refresh()
         return loaded, self.weights.version
+
+    def _topped_up(self, version: int) -> bool:
+        """True when `version`'s budget went above 0 while we waited (the trainer tops it up after dead letters);
+        looked up at most every BUDGET_POLL_S, so an idle producer adds no round trip to most version checks."""
+        now = time.monotonic()
+        if now - self._budget_checked < BUDGET_POLL_S:
+            return False
+        self._budget_checked = now
+        return self._budget_left(version) > 0
 
     def _budget_left(self, version: int) -> int:
         """Budget left for `version` (one GET): the trainer tops it up when it dead-letters rollouts."""
