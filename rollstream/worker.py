@@ -128,8 +128,9 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-# glibc malloc thresholds the workers set (see tune_allocator): buffers up to this size come from the heap ...
-MALLOC_MMAP_THRESHOLD = 64 << 20
+# glibc malloc thresholds the workers set (see tune_allocator): buffers up to this size come from the heap
+# (32 MiB: the most a 64-bit glibc before 2.35 accepts) ...
+MALLOC_MMAP_THRESHOLD = 32 << 20
 # ... and up to this much freed memory stays in the process for the next ones.
 MALLOC_TRIM_THRESHOLD = 256 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (malloc.h)
@@ -140,8 +141,9 @@ def tune_allocator() -> dict[str, int]:
     returns the thresholds set, by name. glibc serves every allocation over 128 KB (the size grows only as such
     buffers are freed) with a fresh mmap and returns freed heap space above 128 KB: while a trainer holds one
     batch of decoded samples and decodes the next, each new array costs a page fault per 4 KB page (decode of a 4 MB
-    sample 2.0 ms instead of 1.1 ms, BENCHMARKS.md, issue 17). Called by worker mains at start; a
-    MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ environment variable (glibc's own) wins over this."""
+    sample 2.0 ms instead of 1.1 ms, BENCHMARKS.md, issue 17). Called by worker mains at start; glibc's own
+    settings win: a MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ environment variable or the matching
+    GLIBC_TUNABLES entry. The trim threshold is set only after the mmap one was accepted."""
     import ctypes
     import platform
 
@@ -152,12 +154,17 @@ def tune_allocator() -> dict[str, int]:
     except OSError:
         return {}
     done: dict[str, int] = {}
-    for env, param, value in (
-        ("MALLOC_MMAP_THRESHOLD_", _M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD),
-        ("MALLOC_TRIM_THRESHOLD_", _M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD),
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    for env, tunable, param, value in (
+        ("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold", _M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD),
+        ("MALLOC_TRIM_THRESHOLD_", "glibc.malloc.trim_threshold", _M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD),
     ):
-        if env not in os.environ and libc.mallopt(param, value) == 1:
-            done[env] = value
+        if env in os.environ or tunable in tunables:
+            continue  # the user's own setting
+        if libc.mallopt(param, value) != 1:
+            # (setting only the trim threshold would switch off glibc's dynamic mmap threshold: worse than nothing)
+            break
+        done[env] = value
     return done
 
 

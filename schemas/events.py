@@ -70,8 +70,12 @@ def total(arr: np.ndarray) -> int:
     if arr.size and 0 in strides:
         index = tuple(0 if s == 0 else slice(None) for s in strides)
         repeats = math.prod(d for d, s in zip(arr.shape, strides, strict=True) if s == 0)
-        return int(arr[index].sum()) * repeats
-    return int(arr.sum())
+        part = arr[index].sum()
+        if part.dtype.kind in "iu":
+            exact = int(part) * repeats
+            if np.can_cast(np.min_scalar_type(exact), part.dtype):
+                return exact
+    return int(arr.sum())  # (also where the exact total would not fit: numpy's sum wraps, and decode sums densely)
 
 
 TOKEN_ARRAYS = ("prompts", "responses", "input_ids")

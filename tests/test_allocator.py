@@ -54,3 +54,10 @@ def test_glibcs_own_environment_variables_win() -> None:
     """A user who set MALLOC_MMAP_THRESHOLD_ keeps it: tune_allocator leaves that threshold alone."""
     _, names = probe("tuned", MALLOC_MMAP_THRESHOLD_=str(128 << 10))
     assert names == "['MALLOC_TRIM_THRESHOLD_']"
+
+
+@glibc_linux
+def test_a_glibc_tunable_wins_too() -> None:
+    """GLIBC_TUNABLES' malloc thresholds are the user's too: the trim threshold set there is left alone."""
+    _, names = probe("tuned", GLIBC_TUNABLES="glibc.malloc.trim_threshold=1000000")
+    assert names == "['MALLOC_MMAP_THRESHOLD_']"

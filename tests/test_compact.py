@@ -331,3 +331,12 @@ def test_total_of_a_broadcast_mask_equals_its_sum() -> None:
         np.zeros((0, 5), np.int64),
     ):
         assert total(arr) == int(arr.sum())
+
+
+def test_total_falls_back_to_numpys_sum_where_the_exact_total_would_not_fit() -> None:
+    """A broadcast int64 mask of huge values: numpy's sum wraps, and total() must give what decode's dense sum
+    gives, else the header and the payload would disagree."""
+    from schemas.events import total
+
+    big = np.ndarray((2, 4), np.int64, np.array([2**62], np.int64), strides=(0, 0))
+    assert total(big) == int(big.sum()) == int(np.ascontiguousarray(big).sum())
