@@ -32,13 +32,8 @@ def rank_heartbeat_field(rank: int) -> str:
     """The trainer hash field of one data-parallel rank's heartbeat."""
     return f"{RANK_HEARTBEAT_PREFIX}{rank}"
 
-#: Prefix of a rank's count of dead-lettered rollouts already counted as consumed, `dead_counted:r<rank>`.
-DEAD_COUNTED_PREFIX = "dead_counted:r"
-
-
-def dead_counted_field(rank: int) -> str:
-    """The trainer hash field of the dead-lettered rollouts one trainer rank has counted as consumed."""
-    return f"{DEAD_COUNTED_PREFIX}{rank}"
+DEAD_LETTERED_FIELD = "dead_lettered"  # rollouts dead-lettered so far (incremented in the dead-letter's own script)
+DEAD_COUNTED_FIELD = "dead_counted"  # how many of them pacing has counted as consumed (TOPUP)
 
 # Field of the `archive` hash: the folder retention archives the run's streams into (written by the trainer).
 ARCHIVE_DIR_FIELD = "dir"

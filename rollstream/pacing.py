@@ -14,9 +14,12 @@ Dead letters: a dispatched prompt whose rollout the trainer dead-letters (undeco
 never trains, yet the next version comes only after a full global batch has trained; with
 staleness_threshold = 0 one dead letter would leave the trainer waiting for a prompt nobody may dispatch.
 So the trainer counts dead-lettered rollouts as consumed with TOPUP, which also gives the current version
-back the room they freed: budget += n, never past max_outstanding - outstanding nor the grant's cap. It is
-counted once per rollout: each trainer rank keeps its running total in the trainer hash
-(`dead_counted:r<rank>`) and the script counts only what exceeds it, so a retried call adds nothing.
+back the room they freed: budget += n, never past max_outstanding - outstanding nor the grant's cap. Each
+is counted exactly once: the trainer's reader increments the trainer hash's `dead_lettered` in the same
+script that acks the entry and writes its dead copy (rollstream/bus/reader.py), and TOPUP counts
+`dead_lettered - dead_counted` inside Redis and sets `dead_counted`; a retried call, a crash between the
+dead letter and its count (the next trainer process runs TOPUP at start) and several ranks all count each
+dead letter once.
 Grants and top-ups are logged on the trainer's `dispatch_log` stream, each producer's takes and releases on
 its own (`producer:<name>:dispatch_log`), so the bound can be checked from the log (`dispatch_entries`).
 
@@ -33,7 +36,14 @@ from typing import Any, cast
 import redis
 
 from rollstream.bus.streams import iter_stream, parse_id, text
-from rollstream.names import BUDGET_CAP_FIELD, BUDGET_VERSION_FIELD, DROPPED_STALE_FIELD, Keys
+from rollstream.names import (
+    BUDGET_CAP_FIELD,
+    BUDGET_VERSION_FIELD,
+    DEAD_COUNTED_FIELD,
+    DEAD_LETTERED_FIELD,
+    DROPPED_STALE_FIELD,
+    Keys,
+)
 from schemas.plain import GRANT, RELEASE, TAKE, TOPUP, DispatchRecord, decode_dispatch, dispatch_lua_fields
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log, budget:v-1 … (older ones to delete)
@@ -53,14 +63,15 @@ return {{budget, outstanding}}
 """
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log
-# ARGV: version (the caller's reading of budget_version), max_outstanding, counter field, its new total
+# ARGV: version (the caller's reading of budget_version), max_outstanding
 # Returns {counted, added}, or {-1, budget_version} when a grant moved budget_version (nothing done).
 _TOPUP = f"""
-local n = tonumber(ARGV[4]) - tonumber(redis.call('HGET', KEYS[4], ARGV[3]) or '0')
+local lettered = tonumber(redis.call('HGET', KEYS[4], '{DEAD_LETTERED_FIELD}') or '0')
+local n = lettered - tonumber(redis.call('HGET', KEYS[4], '{DEAD_COUNTED_FIELD}') or '0')
 if n <= 0 then return {{0, 0}} end
 local current = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_VERSION_FIELD}') or '-1')
 if current ~= tonumber(ARGV[1]) then return {{-1, current}} end
-redis.call('HSET', KEYS[4], ARGV[3], ARGV[4])
+redis.call('HSET', KEYS[4], '{DEAD_COUNTED_FIELD}', lettered)
 local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - redis.call('INCRBY', KEYS[3], n)
 if current < 0 then return {{n, 0}} end
 local left = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -156,20 +167,15 @@ def record_consumed(r: redis.Redis | Any, keys: Keys, count: int) -> None:
         r.incrby(keys.consumed, count)
 
 
-def dead_counted(r: redis.Redis, keys: Keys, field: str) -> int:
-    """The running total of dead-lettered rollouts counted as consumed under `field` (0 before any)."""
-    return int(cast(Any, r.hget(keys.trainer, field)) or 0)
-
-
-def consume_dead(r: redis.Redis, keys: Keys, field: str, total: int, max_outstanding: int) -> tuple[int, int]:
-    """Trainer side: `total` rollouts dead-lettered so far under `field` (a trainer hash field); count those
-    not counted yet as consumed and give the current version's budget back the room they freed (TOPUP, see
-    the module docstring). Returns (newly counted, budget added); a repeat with the same total does nothing."""
+def consume_dead(r: redis.Redis, keys: Keys, max_outstanding: int) -> tuple[int, int]:
+    """Trainer side: count the rollouts dead-lettered and not yet counted (the trainer hash's `dead_lettered`
+    minus `dead_counted`) as consumed and give the current version's budget back the room they freed (TOPUP,
+    see the module docstring). Returns (newly counted, budget added); a repeat counts nothing twice."""
     while True:
         version = current_budget(r, keys)[0]
         res: Any = r.eval(
             _TOPUP, 5, keys.budget(max(version, 0)), keys.dispatched, keys.consumed, keys.trainer,
-            keys.dispatch_log, version, max_outstanding, field, total,
+            keys.dispatch_log, version, max_outstanding,
         )
         if int(res[0]) >= 0:
             return int(res[0]), int(res[1])

@@ -10,12 +10,11 @@ import redis
 
 import rollstream.pacing as pacing
 from rollstream.bus import setup_run
-from rollstream.names import Keys, dead_counted_field
+from rollstream.names import DEAD_LETTERED_FIELD, Keys
 from rollstream.pacing import (
     budget_left,
     consume_dead,
     current_budget,
-    dead_counted,
     dispatch_entries,
     grant_budget,
     mark_published,
@@ -25,7 +24,11 @@ from rollstream.pacing import (
 from schemas import DispatchRecord
 from schemas.plain import TOPUP
 
-FIELD = dead_counted_field(0)
+
+def dead(r: redis.Redis, keys: Keys, total: int, max_outstanding: int) -> tuple[int, int]:
+    """`total` rollouts dead-lettered so far (as the trainer's reader counts them), then the trainer's TOPUP."""
+    r.hset(keys.trainer, DEAD_LETTERED_FIELD, total)
+    return consume_dead(r, keys, max_outstanding)
 
 
 def outstanding(r: redis.Redis, keys: Keys) -> int:
@@ -40,17 +43,16 @@ def test_a_dead_letter_gives_its_room_back_once(r: redis.Redis, keys: Keys) -> N
     grant_budget(r, keys, 0, max_outstanding=4)
     assert take_budget(r, keys, 0, 4, "rollout_00").amount == 4
     assert take_budget(r, keys, 0, 1, "rollout_00").amount == 0  # the window is full
-    assert consume_dead(r, keys, FIELD, 1, max_outstanding=4) == (1, 1)
-    assert consume_dead(r, keys, FIELD, 1, max_outstanding=4) == (0, 0)  # the retry: nothing twice
+    assert dead(r, keys, 1, 4) == (1, 1)
+    assert dead(r, keys, 1, 4) == (0, 0)  # the retry: nothing twice
     assert int(r.get(keys.consumed)) == 1 and budget_left(r, keys, 0) == 1  # type: ignore[arg-type]
     assert take_budget(r, keys, 0, 2, "rollout_00").amount == 1
     assert outstanding(r, keys) == 4
     assert [e for e in dispatch_entries(r, keys) if e.op == TOPUP] == [
         DispatchRecord(TOPUP, version=0, amount=1, outstanding=3, max_outstanding=4, producer=None)
     ]
-    # a later process of the same rank continues the running total
-    assert dead_counted(r, keys, FIELD) == 1
-    assert consume_dead(r, keys, FIELD, dead_counted(r, keys, FIELD) + 2, max_outstanding=4) == (2, 2)
+    # two more dead letters, one of them left uncounted by a trainer that crashed: the next call counts both
+    assert dead(r, keys, 3, 4) == (2, 2)
     assert budget_left(r, keys, 0) == 2 and int(r.get(keys.consumed)) == 3  # type: ignore[arg-type]
 
 
@@ -64,12 +66,12 @@ def test_a_top_up_gives_back_only_the_dead_letters_room_and_never_passes_the_bou
     assert take_budget(r, keys, 0, 4, "rollout_00").amount == 4
     mark_published(r, keys, "rollout_00", 2)
     assert release_unpublished(r, keys, "rollout_00") == 2  # it crashed before publishing the other 2
-    assert consume_dead(r, keys, FIELD, 1, max_outstanding=4) == (1, 1)  # one published was dead: 1 back
+    assert dead(r, keys, 1, 4) == (1, 1)  # one published was dead: 1 back
     assert budget_left(r, keys, 0) == 1 and outstanding(r, keys) == 1
     assert grant_budget(r, keys, 1, max_outstanding=4) == (3, 1)
     assert take_budget(r, keys, 1, 2, "rollout_01").amount == 2  # 3 out, 1 left
     # the trainer restarted with staleness_threshold lowered: max_outstanding 2 < 2 outstanding + 1 left
-    assert consume_dead(r, keys, FIELD, 2, max_outstanding=2) == (1, 0)
+    assert dead(r, keys, 2, 2) == (1, 0)
     assert budget_left(r, keys, 1) == 1 and outstanding(r, keys) == 2
 
 
@@ -80,12 +82,12 @@ def test_a_top_up_keeps_the_memory_cap(r: redis.Redis, keys: Keys) -> None:
     grant_budget(r, keys, 0, max_outstanding=8)
     assert take_budget(r, keys, 0, 6, "rollout_00").amount == 6
     assert grant_budget(r, keys, 1, max_outstanding=8, cap=2) == (2, 6)
-    assert consume_dead(r, keys, FIELD, 1, max_outstanding=8) == (1, 0)  # 2 left already: the cap
+    assert dead(r, keys, 1, 8) == (1, 0)  # 2 left already: the cap
     assert take_budget(r, keys, 1, 2, "rollout_00").amount == 2
-    assert consume_dead(r, keys, FIELD, 4, max_outstanding=8) == (3, 2)  # 3 freed, the cap allows 2
+    assert dead(r, keys, 4, 8) == (3, 2)  # 3 freed, the cap allows 2
     assert budget_left(r, keys, 1) == 2 and outstanding(r, keys) == 4
     assert grant_budget(r, keys, 2, max_outstanding=8) == (4, 4)  # uncapped again
-    assert consume_dead(r, keys, FIELD, 5, max_outstanding=8) == (1, 1)
+    assert dead(r, keys, 5, 8) == (1, 1)
     assert current_budget(r, keys) == (2, 5) and outstanding(r, keys) == 3
 
 
@@ -105,7 +107,7 @@ def test_a_grant_between_the_read_and_the_top_up_is_retried_on_the_new_version(
         return reads[-1]
 
     monkeypatch.setattr(pacing, "current_budget", stale_first)
-    assert consume_dead(r, keys, FIELD, 1, max_outstanding=2) == (1, 1)
+    assert dead(r, keys, 1, 2) == (1, 1)
     assert [v for v, _ in reads] == [0, 1]
     assert budget_left(r, keys, 1) == 1 and not r.exists(keys.budget(0))
     assert int(r.get(keys.consumed)) == 1  # type: ignore[arg-type]
@@ -113,5 +115,76 @@ def test_a_grant_between_the_read_and_the_top_up_is_retried_on_the_new_version(
 
 def test_dead_letters_before_any_grant_only_count(r: redis.Redis, keys: Keys) -> None:
     setup_run(r, keys)
-    assert consume_dead(r, keys, FIELD, 2, max_outstanding=4) == (2, 0)
+    assert dead(r, keys, 2, 4) == (2, 0)
     assert int(r.get(keys.consumed)) == 2 and dispatch_entries(r, keys) == []  # type: ignore[arg-type]
+
+
+def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: redis.Redis, keys: Keys) -> None:
+    """The trainer's reader counts a dead letter in the script that acks it: a retried dead-letter (lost reply)
+    writes no second copy and no second count, and a trainer killed before pacing counted it leaves it to the
+    next process, whose first pass tops the budget up (sync mode would otherwise wait forever for the 4th)."""
+    import threading
+    from types import SimpleNamespace
+
+    from consumers.trainer.collect import Collector
+    from rollstream.bus import GroupReader
+    from rollstream.config import load_config
+    from rollstream.fakes import fake_rollout_sample
+    from rollstream.names import TRAINER_GROUP
+    from schemas import encode
+
+    B = 4
+    cfg = load_config("pipeline.yaml", [f"run.name={keys.run}", f"data.train_batch_size={B}",
+                      "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=1",
+                      "rollout.staleness_threshold=0"])  # fmt: skip
+    setup_run(r, keys)
+    grant_budget(r, keys, 0, cfg.max_outstanding)
+    assert take_budget(r, keys, 0, B, "rollout_00").amount == B
+    pipe = r.pipeline(transaction=True)
+    for i in range(B):
+        fields: dict[str, Any] = encode(fake_rollout_sample(f"s{i}", param_version=0, n=2, prompt_len=4, response_len=4))
+        if i == 1:
+            fields["payload"] = b"\xc1 corrupt"
+        pipe.xadd(keys.rollouts, fields)  # type: ignore[arg-type]
+    mark_published(pipe, keys, "rollout_00", B)
+    pipe.execute()
+    dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+
+    def collector() -> Collector:
+        reader = GroupReader(r, keys.rollouts, TRAINER_GROUP, "trainer", dead_stream=keys.dead, block_ms=10,
+                             dead_count=(keys.trainer, DEAD_LETTERED_FIELD))  # as the Trainer builds it
+        return Collector(cfg, r, keys, reader, dp, threading.Event(), False, 1000, 64)  # type: ignore[arg-type]
+
+    first = collector()
+    first.reader.poll(0)  # the corrupt entry is dead-lettered inside the read...
+    (dead_id, dead_fields), = [(i, f) for i, f in r.xrange(keys.rollouts) if f[b"payload"] == b"\xc1 corrupt"]
+    first.reader.dead_letter(dead_id.decode(), dead_fields, "a retry after a lost reply")
+    assert r.xlen(keys.dead) == 1 and int(r.hget(keys.trainer, DEAD_LETTERED_FIELD)) == 1  # type: ignore[arg-type]
+    assert int(r.get(keys.consumed) or 0) == 0  # ...and the trainer dies before pacing counted it
+    del first
+
+    second = collector()  # the restarted trainer
+    assert second.fill()
+    assert int(r.get(keys.consumed)) == 1 and budget_left(r, keys, 0) == 1  # type: ignore[arg-type]
+    assert take_budget(r, keys, 0, 1, "rollout_00").amount == 1  # a producer can replace it
+    assert outstanding(r, keys) == B
+    for _ in range(2):
+        second.fill()
+    assert int(r.get(keys.consumed)) == 1 and len(second.buffer) == 3  # counted once; 3 good ones buffered
+
+
+def test_a_dead_letter_that_is_no_prompt_is_not_counted(r: redis.Redis, keys: Keys) -> None:
+    """An entry that is not a rollout (the trainer dead-letters it with counted=False) was never dispatched:
+    it gets its dead copy but must not count as a consumed prompt."""
+    from rollstream.bus import GroupReader, Publisher
+    from rollstream.names import TRAINER_GROUP
+    from schemas import ParamVersion
+
+    setup_run(r, keys)
+    Publisher(r).publish(keys.rollouts, ParamVersion(version=0, uri="x", sha256="0" * 64, bytes=0, global_step=0))
+    reader = GroupReader(r, keys.rollouts, TRAINER_GROUP, "trainer", dead_stream=keys.dead, block_ms=10,
+                         dead_count=(keys.trainer, DEAD_LETTERED_FIELD))  # fmt: skip
+    (m,) = reader.poll(0)
+    reader.dead_letter(m.id, m.fields, "not a rollout", counted=False)
+    assert r.xlen(keys.dead) == 1 and r.hget(keys.trainer, DEAD_LETTERED_FIELD) is None
+    assert consume_dead(r, keys, max_outstanding=4) == (0, 0)

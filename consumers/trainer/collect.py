@@ -3,10 +3,11 @@ usable samples -> this rank's share of a mini-batch (stale ones dropped and reco
 
 A `Collector` is the trainer's reading half: it owns the rollouts buffer, the sample ids already seen
 (committed, buffered, or, with several ranks, claimed by any rank: consumers/trainer/ranks.py) and the
-count of dead-lettered rollouts: counted as consumed for pacing as soon as they are dead-lettered, which
-gives their room back to the current version's budget (rollstream/pacing.py, TOPUP), so producers replace
-them before the next version (else sync mode, whose window is one global batch, would wait forever for
-them). A world of one polls until it has its share; data-parallel ranks collect in rounds they agree on
+count of dead-lettered rollouts. Its reader counts each dead letter in the trainer hash in the same script
+that acks it; the Collector then has pacing count them as consumed (at its first pass, which catches a
+previous process's uncounted ones, and after each pass that dead-lettered any), which gives their room back
+to the current version's budget (rollstream/pacing.py, TOPUP), so producers replace them before the next
+version (else sync mode, whose window is one global batch, would wait forever for them). A world of one polls until it has its share; data-parallel ranks collect in rounds they agree on
 (one poll each, then an all-gather of what each took), so they start and abandon every local update
 together, never train one sample id twice, and none reads more entries than it still needs (the others
 would wait for what it hoards).
@@ -31,8 +32,8 @@ from consumers.trainer.ranks import RoundClaim, RoundResult, resolve_round
 from consumers.trainer.staleness import staleness
 from rollstream.bus import GroupReader, Message, retry_on_connection
 from rollstream.config import PipelineConfig
-from rollstream.names import HEARTBEAT_FIELD, Keys, dead_counted_field, rank_heartbeat_field
-from rollstream.pacing import consume_dead, dead_counted
+from rollstream.names import HEARTBEAT_FIELD, Keys, rank_heartbeat_field
+from rollstream.pacing import consume_dead
 from schemas import DROPPED, Fate, RolloutSample
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,7 @@ class Collector:
         self.used_up = False  # burst: the consumer loop ended with the rollouts stream drained
         self.step_dead = 0  # dead-lettered rollouts since the step began
         self._own_dead = 0  # non-rollout entries we dead-lettered ourselves (not prompts)
-        self._dead_counted = 0  # dead-lettered rollouts of this process counted as consumed
-        self._dead_field = dead_counted_field(dp.rank)  # this rank's running total in the trainer hash
-        self._dead_base: int | None = None  # that total when this process first counted (earlier processes')
+        self._dead_seen = -1  # this process's dead-lettered rollouts when pacing last counted (-1: never)
 
     def heartbeat(self) -> None:
         """Write this rank's heartbeat (rank 0: `heartbeat`; with several ranks also `heartbeat:r<rank>`)."""
@@ -86,7 +85,7 @@ class Collector:
             ev = m.event
             if not isinstance(ev, RolloutSample):
                 self._own_dead += 1
-                self.reader.dead_letter(m.id, m.fields, f"not a rollout: {ev.type}")
+                self.reader.dead_letter(m.id, m.fields, f"not a rollout: {ev.type}", counted=False)  # no prompt
             elif ev.sample_id in self.seen or ev.sample_id in self.claimed:
                 dupes.append(m.id)  # the original is committed or still pending: safe to ack this copy
             elif (why := version_reason(ev, self.newest_published)) is not None:
@@ -100,24 +99,20 @@ class Collector:
             log.warning("acking %d redelivered/duplicate samples without training", len(dupes))
             retry_on_connection(lambda: self.reader.ack(dupes), "acking duplicates")
         dead = self.reader.stats.dead - self._own_dead
-        if dead > self._dead_counted:
+        if dead > self._dead_seen:  # (always at the first pass: -1)
             self._count_dead(dead)
         self.heartbeat()
         return True
 
     def _count_dead(self, dead: int) -> None:
-        """Count this process's `dead` dead-lettered rollouts as consumed and top the budget up by the room
-        they freed; the running total makes a retry after a lost reply count nothing twice."""
-        if self._dead_base is None:
-            self._dead_base = retry_on_connection(lambda: dead_counted(self.r, self.keys, self._dead_field),
-                                                  "reading dead count")
-        total = self._dead_base + dead
-        _, added = retry_on_connection(
-            lambda: consume_dead(self.r, self.keys, self._dead_field, total, self.cfg.max_outstanding), "counting dead")
-        if added:
-            log.info("%d dead-lettered rollouts: budget topped up by %d", dead - self._dead_counted, added)
-        self.step_dead += dead - self._dead_counted
-        self._dead_counted = dead
+        """Have pacing count every dead-lettered rollout not counted yet (this process's `dead` so far and any a
+        previous one left uncounted) as consumed, topping the budget up by the room they freed."""
+        counted, added = retry_on_connection(
+            lambda: consume_dead(self.r, self.keys, self.cfg.max_outstanding), "counting dead")
+        if counted:
+            log.info("%d dead-lettered rollouts counted as consumed: budget topped up by %d", counted, added)
+        self.step_dead += dead - max(self._dead_seen, 0)
+        self._dead_seen = dead
 
     def starve(self, need: int) -> bool:
         """The buffer lacks `need` samples: run one more pass of the loop; True when the caller must give up

@@ -97,6 +97,7 @@ from rollstream.config import PipelineConfig
 from rollstream.factory import build_prompt_source, build_task
 from rollstream.model.base import resolve_device
 from rollstream.names import (
+    DEAD_LETTERED_FIELD,
     REPLAYED_VERSIONS_FIELD,
     TRAINER_GROUP,
     TRAINING_STEP_FIELD,
@@ -131,7 +132,7 @@ class Trainer:
         self.reader = GroupReader(
             r, keys.rollouts, TRAINER_GROUP, name, dead_stream=keys.dead, block_ms=cfg.bus.block_ms,
             count=cfg.bus.read_count, claim_idle_s=cfg.bus.claim_idle_s, max_deliveries=cfg.bus.max_deliveries,
-            limits=limits, stop=stop,
+            limits=limits, stop=stop, dead_count=(keys.trainer, DEAD_LETTERED_FIELD),
         )
         self.collector = Collector(cfg, r, keys, self.reader, self.dp, stop, burst,
                                    self.learner.policy.tokenizer.vocab_size, self.learner.policy.max_seq_len)

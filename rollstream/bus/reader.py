@@ -73,6 +73,17 @@ class ReaderStats:
     transport_s: float = 0.0  # moving entries out of Redis and decoding them, not waiting for writers
 
 
+# KEYS: stream, dead stream, counter hash; ARGV: group, entry id, counter field ('' = do not count), then the
+# dead copy's field names and values. Acks the entry and, only if it was still pending (a retry after a lost
+# reply finds it acked), writes its dead copy and counts it: one dead copy and one count per entry.
+_DEAD_LETTER = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[3], 1) end
+return 1
+"""
+
+
 class GroupReader:
     """Reads one stream as one consumer of one group, with claim, dead-letter, batched acks and reconnect."""
 
@@ -90,8 +101,10 @@ class GroupReader:
         max_deliveries: int = 5,
         limits: Limits | None = None,
         stop: threading.Event | None = None,
+        dead_count: tuple[str, str] | None = None,
     ) -> None:
         self.r: Any = r  # redis-py's stubs type stream replies loosely; we parse them here
+        self.dead_count = dead_count  # (hash, field) counting dead letters atomically with them (see dead_letter)
         self.stream = stream
         self.group = group
         self.consumer = consumer
@@ -234,9 +247,12 @@ class GroupReader:
         self._pending_cursor = "0"
         self.drained = False
 
-    def dead_letter(self, entry_id: str, fields: Mapping[bytes, bytes], reason: str) -> None:
-        """Copy an entry to `dead` with a reason and ack it, atomically (MULTI/EXEC); a connection loss is
-        retried (a lost reply may leave two dead entries for one id; the audit counts ids)."""
+    def dead_letter(self, entry_id: str, fields: Mapping[bytes, bytes], reason: str, counted: bool = True) -> None:
+        """Copy an entry to `dead` with a reason and ack it, atomically; a connection loss is retried. With
+        `dead_count` set (a script: it needs scripting rights) the copy is written only if the ack found the entry
+        pending, and a `counted` dead letter increments the (hash, field) in the same step, so a retry writes
+        and counts nothing twice; without it (MULTI/EXEC) a lost reply may leave two dead entries for one id (the
+        audit counts ids)."""
         dl = DeadLetter(
             source=self.stream,
             source_id=entry_id,
@@ -247,6 +263,12 @@ class GroupReader:
         body = encode(dl)
 
         def write() -> None:
+            if self.dead_count is not None:
+                key, field = self.dead_count
+                flat = [x for name, value in body.items() for x in (name, value)]
+                self.r.eval(_DEAD_LETTER, 3, self.stream, self.dead_stream, key,
+                            self.group, entry_id, field if counted else "", *flat)  # fmt: skip
+                return
             pipe = self.r.pipeline(transaction=True)
             pipe.xadd(self.dead_stream, body)  # type: ignore[arg-type]
             pipe.xack(self.stream, self.group, entry_id)
