@@ -146,7 +146,7 @@ class Producer:
         """Release what this producer took and never published, reload its cursor from Redis (at start
         and after a reconnect); returns the prompts released."""
         r, keys = self.ctx.r, self.ctx.keys
-        released = release_unpublished(r, keys, self.name)
+        released = release_unpublished(r, keys, self.name, self.ctx.cfg.max_outstanding)
         saved: Any = r.get(keys.producer_cursor(self.name))
         if saved is not None:
             epoch, index = decode_cursor(saved)

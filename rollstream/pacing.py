@@ -5,6 +5,8 @@ max_outstanding = train_batch_size * (1 + staleness_threshold). When the trainer
 grants budget:v = max_outstanding - outstanding, where outstanding = dispatched - consumed, and deletes
 every older budget. A producer takes budget from the newest version before dispatching prompts; one that
 finds none waits for the next version. Hence outstanding never exceeds max_outstanding.
+A producer that crashed (or lost Redis) mid-dispatch releases what it took and never published when it
+starts again, and that room goes back to the current version's budget the same way (RELEASE).
 Memory back-pressure: while the run's unread stream data alone exceeds bus.redis_max_bytes (a retention
 pass reports it), the trainer caps each grant at one global step's prompts (`cap`): producers then get no
 more than the trainer consumes per version, so the backlog shrinks towards one step instead of
@@ -102,15 +104,34 @@ redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(TAKE, version="ARGV[1]", a
 return {{take, current}}
 """
 
-# KEYS: dispatched, producer's inflight counter, producer's dispatch_log ; ARGV: producer
+# KEYS: dispatched, producer's inflight counter, producer's dispatch_log, budget:v, consumed, trainer hash
+# ARGV: producer, version (the caller's reading of budget_version), max_outstanding
+# Returns {released, budget added}, or {-1, budget_version} when a grant moved budget_version (nothing done).
 _RELEASE = f"""
+local current = tonumber(redis.call('HGET', KEYS[6], '{BUDGET_VERSION_FIELD}') or '-1')
+if current ~= tonumber(ARGV[2]) then return {{-1, current}} end
 local n = tonumber(redis.call('GET', KEYS[2]) or '0')
+local add = 0
 if n > 0 then
-  redis.call('DECRBY', KEYS[1], n)
+  local dispatched = redis.call('DECRBY', KEYS[1], n)
   redis.call('XADD', KEYS[3], '*', {dispatch_lua_fields(RELEASE, amount="n", producer="ARGV[1]")})
+  if current >= 0 then
+    local outstanding = dispatched - tonumber(redis.call('GET', KEYS[5]) or '0')
+    local left = tonumber(redis.call('GET', KEYS[4]) or '0')
+    add = math.min(n, tonumber(ARGV[3]) - outstanding - left)
+    local cap = tonumber(redis.call('HGET', KEYS[6], '{BUDGET_CAP_FIELD}') or '-1')
+    if cap >= 0 then add = math.min(add, cap - left) end
+    if add > 0 then
+      redis.call('INCRBY', KEYS[4], add)
+      redis.call('XADD', KEYS[3], '*', {dispatch_lua_fields(TOPUP, version="ARGV[2]", amount="add",
+                                                            outstanding="outstanding", max_outstanding="ARGV[3]")})
+    else
+      add = 0
+    end
+  end
 end
 redis.call('SET', KEYS[2], 0)
-return n
+return {{n, add}}
 """
 
 
@@ -154,11 +175,19 @@ def mark_published(pipe: Any, keys: Keys, producer: str, count: int = 1) -> None
     pipe.decrby(keys.producer_inflight(producer), count)
 
 
-def release_unpublished(r: redis.Redis, keys: Keys, producer: str) -> int:
-    """On producer (re)start: prompts it dispatched but never published (it crashed) stop counting as
-    outstanding, so a crash cannot shrink every later budget. Returns how many were released."""
-    return int(cast(Any, r.eval(_RELEASE, 3, keys.dispatched, keys.producer_inflight(producer),
-                                keys.producer_dispatch_log(producer), producer)))
+def release_unpublished(r: redis.Redis, keys: Keys, producer: str, max_outstanding: int) -> int:
+    """On producer (re)start or reconnect: prompts it dispatched but never published (it crashed, or Redis went
+    away mid-dispatch) stop counting as outstanding, and the current version's budget gets their room back (a
+    top-up logged on the producer's dispatch_log, bounded like TOPUP's), else sync mode would wait forever for
+    prompts nobody may dispatch again. Returns how many were released."""
+    while True:
+        version = current_budget(r, keys)[0]
+        res: Any = r.eval(
+            _RELEASE, 6, keys.dispatched, keys.producer_inflight(producer), keys.producer_dispatch_log(producer),
+            keys.budget(max(version, 0)), keys.consumed, keys.trainer, producer, version, max_outstanding,
+        )
+        if int(res[0]) >= 0:
+            return int(res[0])
 
 
 def record_consumed(r: redis.Redis | Any, keys: Keys, count: int) -> None:

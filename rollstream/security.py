@@ -52,7 +52,7 @@ def producer_rules(keys: Keys, producer: str) -> list[str]:
         f"(+exists %R~{k.setup})",
         f"(+hget %R~{k.trainer} %R~{k.archive})",
         f"(+decrby ~{budget} ~{k.dispatched})",
-        f"(+incrby ~{k.dispatched})",
+        f"(+incrby ~{budget} ~{k.dispatched})",  # (budget: RELEASE gives a crashed dispatch's room back)
         f"(+get +set +incrby +decrby +xadd ~{own})",
         f"(+eval +evalsha ~{budget} ~{k.dispatched} ~{k.consumed} ~{k.trainer} ~{own})",
     ]

@@ -59,15 +59,16 @@ def test_a_dead_letter_gives_its_room_back_once(r: redis.Redis, keys: Keys) -> N
 def test_a_top_up_gives_back_only_the_dead_letters_room_and_never_passes_the_bound(
     r: redis.Redis, keys: Keys
 ) -> None:
-    """Room freed otherwise (a crashed producer's released prompts) waits for the next grant; and budget left
-    + outstanding never exceeds max_outstanding, even when a restart shrank the window under the grant."""
+    """A crashed producer's released prompts and a dead letter each give their room back; budget left +
+    outstanding never exceeds max_outstanding, even when a restart shrank the window under the grant."""
     setup_run(r, keys)
     grant_budget(r, keys, 0, max_outstanding=4)
     assert take_budget(r, keys, 0, 4, "rollout_00").amount == 4
     mark_published(r, keys, "rollout_00", 2)
-    assert release_unpublished(r, keys, "rollout_00") == 2  # it crashed before publishing the other 2
+    assert release_unpublished(r, keys, "rollout_00", 4) == 2  # it crashed before publishing the other 2
+    assert budget_left(r, keys, 0) == 2 and outstanding(r, keys) == 2  # their room is back at once
     assert dead(r, keys, 1, 4) == (1, 1)  # one published was dead: 1 back
-    assert budget_left(r, keys, 0) == 1 and outstanding(r, keys) == 1
+    assert budget_left(r, keys, 0) == 3 and outstanding(r, keys) == 1
     assert grant_budget(r, keys, 1, max_outstanding=4) == (3, 1)
     assert take_budget(r, keys, 1, 2, "rollout_01").amount == 2  # 3 out, 1 left
     # the trainer restarted with staleness_threshold lowered: max_outstanding 2 < 2 outstanding + 1 left
@@ -111,6 +112,28 @@ def test_a_grant_between_the_read_and_the_top_up_is_retried_on_the_new_version(
     assert [v for v, _ in reads] == [0, 1]
     assert budget_left(r, keys, 1) == 1 and not r.exists(keys.budget(0))
     assert int(r.get(keys.consumed)) == 1  # type: ignore[arg-type]
+
+
+def test_a_crashed_producers_release_gives_sync_mode_its_prompts_back(r: redis.Redis, keys: Keys) -> None:
+    """Sync mode (window = one batch of 4): a producer took all 4, published 2 and was killed (or lost Redis).
+    The trainer needs all 4 for its step; the restarted producer's release puts their room back into the
+    version's budget so it can dispatch them again (it waited for a version that needs them before), within the
+    bound and the memory cap, once."""
+    setup_run(r, keys)
+    grant_budget(r, keys, 0, max_outstanding=4)
+    assert take_budget(r, keys, 0, 4, "rollout_00").amount == 4
+    mark_published(r, keys, "rollout_00", 2)
+    assert release_unpublished(r, keys, "rollout_00", 4) == 2
+    assert release_unpublished(r, keys, "rollout_00", 4) == 0  # a second restart: nothing more
+    assert take_budget(r, keys, 0, 4, "rollout_00").amount == 2 and outstanding(r, keys) == 4
+    log = dispatch_entries(r, keys)
+    assert [(e.op, e.amount) for e in log] == [("grant", 4), ("take", 4), ("release", 2), ("topup", 2), ("take", 2)]
+    # under back-pressure the cap holds: one prompt left of a cap of 1, so a release of 2 adds nothing
+    grant_budget(r, keys, 1, max_outstanding=8, cap=1)
+    assert take_budget(r, keys, 1, 0, "rollout_01").amount == 0
+    r.incrby(keys.producer_inflight("rollout_01"), 2)  # (as if it had taken 2 under an earlier grant)
+    r.incrby(keys.dispatched, 2)
+    assert release_unpublished(r, keys, "rollout_01", 8) == 2 and budget_left(r, keys, 1) == 1
 
 
 def test_dead_letters_before_any_grant_only_count(r: redis.Redis, keys: Keys) -> None:

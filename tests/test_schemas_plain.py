@@ -55,12 +55,13 @@ def test_grants_takes_and_releases_read_back_as_dispatch_records(r: redis.Redis,
     setup_run(r, keys)
     assert grant_budget(r, keys, 0, max_outstanding=5) == (5, 0)
     assert take_budget(r, keys, 0, 3, "rollout_00").amount == 3
-    assert release_unpublished(r, keys, "rollout_00") == 3  # it never published them
+    assert release_unpublished(r, keys, "rollout_00", 5) == 3  # it never published them: their room goes back
     assert dispatch_entries(r, keys) == [
         DispatchRecord("grant", version=0, amount=5, outstanding=0, max_outstanding=5, producer=None),
         DispatchRecord("take", version=0, amount=3, outstanding=3, max_outstanding=None, producer="rollout_00"),
         DispatchRecord("release", version=None, amount=3, outstanding=None, max_outstanding=None,
                        producer="rollout_00"),
+        DispatchRecord("topup", version=0, amount=3, outstanding=0, max_outstanding=5, producer=None),
     ]
 
 

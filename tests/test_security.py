@@ -84,7 +84,8 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
     pipe.set(keys.producer_cursor("rollout_00"), "0:1")
     pipe.execute()
     register_producer_version(prod, keys, "rollout_00", 0)
-    assert release_unpublished(prod, keys, "rollout_00") == 1
+    assert release_unpublished(prod, keys, "rollout_00", 8) == 1
+    assert prod.get(keys.budget(0)) == b"7"  # the released prompt's room is back (6 left + 1)
     assert latest_param_version(prod, keys) is not None and prod.get(keys.weights(0)) == b"w" * 16
 
     # and nothing else (issue 12, finding 5): each command a compromised producer could try
