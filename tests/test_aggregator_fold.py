@@ -65,8 +65,10 @@ def test_a_step_of_two_trainer_ranks_waits_for_both_and_folds_them() -> None:
 
     closing = end(1, 2, **{"trainer/world_size": 2.0}).model_copy(update={"world_size": 2})
     log = [
-        ("1-0", ranked(1, 0, 3, **{"actor/loss": 1.0, "timing_s/update_actor": 0.5, "perf/total_num_tokens": 30.0})),
-        ("2-0", ranked(1, 1, 1, **{"actor/loss": 5.0, "timing_s/update_actor": 0.7, "perf/total_num_tokens": 10.0})),
+        ("1-0", ranked(1, 0, 3, **{"actor/loss": 1.0, "timing_s/update_actor": 0.5, "perf/total_num_tokens": 30.0,
+                                   "fully_async/total_wait_time": 0.2})),
+        ("2-0", ranked(1, 1, 1, **{"actor/loss": 5.0, "timing_s/update_actor": 0.7, "perf/total_num_tokens": 10.0,
+                                   "fully_async/total_wait_time": 0.4})),
         ("3-0", ranked(2, 0, 2, **{"actor/loss": 2.0, "timing_s/update_actor": 0.5, "perf/total_num_tokens": 20.0})),
         ("4-0", closing),
     ]
@@ -80,6 +82,7 @@ def test_a_step_of_two_trainer_ranks_waits_for_both_and_folds_them() -> None:
     assert m["actor/loss"] == approx((3 * 1.0 + 1 * 5.0 + 2 * 2.0 + 2 * 4.0) / 8)
     assert m["perf/total_num_tokens"] == 80.0
     assert m["timing_s/update_actor"] == approx(((0.5 + 0.5) + (0.7 + 0.3)) / 2)
+    assert m["fully_async/total_wait_time"] == approx((0.2 + 0.4) / 2)  # both ranks waited at once: a mean
     # a retrained step: each rank's latest copy wins, one rank's copy never replaces another's
     again = Fold()
     records = run(again, [*log[:3], ("4-5", ranked(1, 1, 1, **{"actor/loss": 9.0})), log[3],

@@ -8,7 +8,8 @@ fully-async aggregator's "counts take the last value", applied per key in this p
   3. name starts with `fully_async/count/` (cumulative counters: the trainer's and the
      rollout status's; verl fully-async's `last` list)                               -> last added
   4. name ends with `/lr` or `_lr`, or is `lr`                                        -> last added
-  5. name contains `timing_s/` or `timing_per_token_ms/` anywhere                     -> time_sum (sum)
+  5. name contains `timing_s/` or `timing_per_token_ms/` anywhere, or is
+     `fully_async/total_wait_time` (verl sums it by rule 8; the same fold)            -> time_sum (sum)
   6. name contains `max` / `maximum`                                                  -> max
   7. name contains `min` / `minimum`                                                  -> min
   8. name contains `sum` / `total`                                                    -> sum
@@ -45,6 +46,9 @@ SUM_METRICS = frozenset({
     "validation/off_policy/evicted_samples",
 })
 LAST_METRICS = frozenset({"training/global_step", "training/rollout_probs_diff_valid"})
+# Times without a timing marker in their name: summed like any "total" (verl's rule 8), but a time, so that
+# data-parallel ranks that waited side by side count as their mean (consumers/aggregator/fold.py).
+TIME_METRICS = frozenset({"fully_async/total_wait_time"})
 COUNT_PREFIX = "fully_async/count/"
 TIME_MARKERS = ("timing_s/", "timing_per_token_ms/")
 STALENESS_MEAN_SUFFIXES = (
@@ -63,7 +67,7 @@ def aggregation_rule(name: str) -> Rule:
     lower = name.lower()
     if lower == "lr" or lower.endswith("/lr") or lower.endswith("_lr"):
         return "last"
-    if any(marker in lower for marker in TIME_MARKERS):
+    if name in TIME_METRICS or any(marker in lower for marker in TIME_MARKERS):
         return "time_sum"
     if "max" in lower:  # also covers "maximum"
         return "max"
