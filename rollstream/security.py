@@ -71,6 +71,7 @@ def acl_rules(keys: Keys, producers: Sequence[str] = ()) -> dict[str, list[str]]
         f"({' '.join(group)} ~{k.metrics} ~{k.stats})",
         f"(+xadd +xrange +xrevrange +xlen %RW~{k.records})",
         f"(+xadd %W~{k.dead})",
+        f"(+eval +evalsha ~{k.metrics} ~{k.stats} ~{k.dead})",  # dead-lettering (XACK + XADD dead) is one script
         f"(+hget +hset +hgetall ~{k.sink_cursor})",
         f"(+hget +hmget %R~{k.trainer})",
         f"(+hget %R~{k.archive})",

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.bus import Publisher, connect, setup_run
+from rollstream.bus import GroupReader, Publisher, connect, setup_run
 from rollstream.fakes import fake_rollout_sample
-from rollstream.names import Keys
+from rollstream.names import AGGREGATOR_GROUP, Keys
 from rollstream.pacing import grant_budget, mark_published, release_unpublished, take_budget
 from rollstream.security import ROLES, apply_acl, generate_passwords, mask_url
 from rollstream.weights import latest_param_version, publish_weights, register_producer_version
@@ -123,6 +123,16 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
         "trainer FLUSHALL": lambda: trainer.flushall(),
         "trainer another run": lambda: trainer.get("rs:{other}:weights:0"),
     }
+    # the aggregator dead-letters what it cannot fold (one script: XACK + XADD dead), and a script gives it no
+    # more than its own commands (it still may not write metrics)
+    metric_id = trainer.xadd(keys.metrics, {"type": "nonsense"})
+    agg_reader = GroupReader(aggregator, keys.metrics, AGGREGATOR_GROUP, "aggregator", dead_stream=keys.dead,
+                             block_ms=10)  # fmt: skip
+    assert [m.id for m in agg_reader.poll(0)] == []  # undecodable: dead-lettered inside the read
+    assert trainer.xlen(keys.dead) == 1 and trainer.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 0
+    assert metric_id is not None
+    forbidden["aggregator write metrics via a script"] = lambda: aggregator.eval(
+        "return redis.call('XADD', KEYS[1], '*', 'x', '1')", 1, keys.metrics)
     allowed = [name for name, call in forbidden.items() if _permitted(call)]
     assert allowed == [], f"permitted: {allowed}"
     assert trainer.xlen(keys.rollouts) == 1
@@ -137,7 +147,8 @@ def _permitted(call: Callable[[], object]) -> bool:
     except redis.exceptions.NoPermissionError:
         return False
     except redis.ResponseError as e:
-        return "NOPERM" not in str(e) and "can't run this command" not in str(e)
+        refusals = ("NOPERM", "can't run this command", "can't access at least one of the keys")  # (the last: in a script)
+        return not any(r in str(e) for r in refusals)
     return True
 
 

@@ -248,11 +248,10 @@ class GroupReader:
         self.drained = False
 
     def dead_letter(self, entry_id: str, fields: Mapping[bytes, bytes], reason: str, counted: bool = True) -> None:
-        """Copy an entry to `dead` with a reason and ack it, atomically; a connection loss is retried. With
-        `dead_count` set (a script: it needs scripting rights) the copy is written only if the ack found the entry
-        pending, and a `counted` dead letter increments the (hash, field) in the same step, so a retry writes
-        and counts nothing twice; without it (MULTI/EXEC) a lost reply may leave two dead entries for one id (the
-        audit counts ids)."""
+        """Copy an entry to `dead` with a reason and ack it, atomically (one script); a connection loss is
+        retried. The copy is written only if the ack found the entry pending, so a retry after a lost reply
+        writes nothing twice; with `dead_count` set, a `counted` dead letter also increments that (hash, field)
+        in the same step."""
         dl = DeadLetter(
             source=self.stream,
             source_id=entry_id,
@@ -262,17 +261,11 @@ class GroupReader:
         )
         body = encode(dl)
 
+        key, field = self.dead_count if self.dead_count is not None and counted else (self.dead_stream, "")
+        flat = [x for name, value in body.items() for x in (name, value)]
+
         def write() -> None:
-            if self.dead_count is not None:
-                key, field = self.dead_count
-                flat = [x for name, value in body.items() for x in (name, value)]
-                self.r.eval(_DEAD_LETTER, 3, self.stream, self.dead_stream, key,
-                            self.group, entry_id, field if counted else "", *flat)  # fmt: skip
-                return
-            pipe = self.r.pipeline(transaction=True)
-            pipe.xadd(self.dead_stream, body)  # type: ignore[arg-type]
-            pipe.xack(self.stream, self.group, entry_id)
-            pipe.execute()
+            self.r.eval(_DEAD_LETTER, 3, self.stream, self.dead_stream, key, self.group, entry_id, field, *flat)
 
         retry_on_connection(write, f"dead-lettering {entry_id}")
         self._inflight.discard(entry_id)
