@@ -9,8 +9,9 @@ alternate so that machine drift hits both alike; the table reports medians and t
 - raw: the same cycle with one opaque `payload` field of the same total size: pipelined XADD of the batch,
   XREADGROUP COUNT batch, one XACK. No encoding, no decoding. It uses the very client ours uses (as
   `connect()` builds it: rollstream's RESP command packer, redis-py's hiredis reply parser) in the same
-  process, which tuned its allocator and froze its start-up heap first as workers do; `--packer python|hiredis` puts both on one
-  of redis-py's own command packers instead (raw is no faster with either: BENCHMARKS.md, Bus).
+  process, which tuned its allocator and froze its start-up heap first as workers do; `--packer
+  python|hiredis` puts both on one of redis-py's own command packers instead (raw is no faster with either:
+  BENCHMARKS.md, Bus).
 
 Each trial uses a fresh run namespace (`Keys(f"{prefix}-<uuid>")`) whose keys are deleted afterwards.
 Run: `rollstream bench bus [--quick] [--json] [--sizes 16K,256K,4M] [--redis-url URL]`; `--tokens` for the

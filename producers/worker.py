@@ -242,11 +242,7 @@ class Producer:
         if now - self._budget_checked < BUDGET_POLL_S:
             return False
         self._budget_checked = now
-        return self._budget_left(version) > 0
-
-    def _budget_left(self, version: int) -> int:
-        """Budget left for `version` (one GET): the trainer tops it up when it dead-letters rollouts."""
-        return budget_left(self.ctx.r, self.ctx.keys, version)
+        return budget_left(self.ctx.r, self.ctx.keys, version) > 0
 
     def _newest_version(self) -> int:
         """The newest published version (one XREVRANGE)."""

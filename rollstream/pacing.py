@@ -64,27 +64,36 @@ redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(GRANT, version="ARGV[1]", 
 return {{budget, outstanding}}
 """
 
+# Shared by TOPUP and RELEASE, whose KEYS start budget:v, dispatched, consumed, trainer hash, a dispatch_log:
+# give version `current`'s budget back up to n prompts of room, never past max_outstanding - outstanding nor
+# the grant's cap (both less what is left), logged as a top-up; returns what it added.
+_GIVE_BACK = f"""
+local function give_back(current, n, outstanding, max_outstanding)
+  local left = tonumber(redis.call('GET', KEYS[1]) or '0')
+  local add = math.min(n, max_outstanding - outstanding - left)
+  local cap = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_CAP_FIELD}') or '-1')
+  if cap >= 0 then add = math.min(add, cap - left) end
+  if add <= 0 then return 0 end
+  redis.call('INCRBY', KEYS[1], add)
+  redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(TOPUP, version="current", amount="add",
+                                                        outstanding="outstanding", max_outstanding="max_outstanding")})
+  return add
+end
+local current = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_VERSION_FIELD}') or '-1')
+if current ~= tonumber(ARGV[1]) then return {{-1, current}} end
+"""
+
 # KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log
 # ARGV: version (the caller's reading of budget_version), max_outstanding
 # Returns {counted, added}, or {-1, budget_version} when a grant moved budget_version (nothing done).
-_TOPUP = f"""
+_TOPUP = _GIVE_BACK + f"""
 local lettered = tonumber(redis.call('HGET', KEYS[4], '{DEAD_LETTERED_FIELD}') or '0')
 local n = lettered - tonumber(redis.call('HGET', KEYS[4], '{DEAD_COUNTED_FIELD}') or '0')
 if n <= 0 then return {{0, 0}} end
-local current = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_VERSION_FIELD}') or '-1')
-if current ~= tonumber(ARGV[1]) then return {{-1, current}} end
 redis.call('HSET', KEYS[4], '{DEAD_COUNTED_FIELD}', lettered)
 local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - redis.call('INCRBY', KEYS[3], n)
 if current < 0 then return {{n, 0}} end
-local left = tonumber(redis.call('GET', KEYS[1]) or '0')
-local add = math.min(n, tonumber(ARGV[2]) - outstanding - left)
-local cap = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_CAP_FIELD}') or '-1')
-if cap >= 0 then add = math.min(add, cap - left) end
-if add <= 0 then return {{n, 0}} end
-redis.call('INCRBY', KEYS[1], add)
-redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(TOPUP, version="ARGV[1]", amount="add",
-                                                      outstanding="outstanding", max_outstanding="ARGV[2]")})
-return {{n, add}}
+return {{n, give_back(current, n, outstanding, tonumber(ARGV[2]))}}
 """
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, producer's dispatch_log, producer's inflight counter
@@ -104,34 +113,18 @@ redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(TAKE, version="ARGV[1]", a
 return {{take, current}}
 """
 
-# KEYS: dispatched, producer's inflight counter, producer's dispatch_log, budget:v, consumed, trainer hash
-# ARGV: producer, version (the caller's reading of budget_version), max_outstanding
-# Returns {released, budget added}, or {-1, budget_version} when a grant moved budget_version (nothing done).
-_RELEASE = f"""
-local current = tonumber(redis.call('HGET', KEYS[6], '{BUDGET_VERSION_FIELD}') or '-1')
-if current ~= tonumber(ARGV[2]) then return {{-1, current}} end
-local n = tonumber(redis.call('GET', KEYS[2]) or '0')
-local add = 0
-if n > 0 then
-  local dispatched = redis.call('DECRBY', KEYS[1], n)
-  redis.call('XADD', KEYS[3], '*', {dispatch_lua_fields(RELEASE, amount="n", producer="ARGV[1]")})
-  if current >= 0 then
-    local outstanding = dispatched - tonumber(redis.call('GET', KEYS[5]) or '0')
-    local left = tonumber(redis.call('GET', KEYS[4]) or '0')
-    add = math.min(n, tonumber(ARGV[3]) - outstanding - left)
-    local cap = tonumber(redis.call('HGET', KEYS[6], '{BUDGET_CAP_FIELD}') or '-1')
-    if cap >= 0 then add = math.min(add, cap - left) end
-    if add > 0 then
-      redis.call('INCRBY', KEYS[4], add)
-      redis.call('XADD', KEYS[3], '*', {dispatch_lua_fields(TOPUP, version="ARGV[2]", amount="add",
-                                                            outstanding="outstanding", max_outstanding="ARGV[3]")})
-    else
-      add = 0
-    end
-  end
-end
-redis.call('SET', KEYS[2], 0)
-return {{n, add}}
+# KEYS: budget:v, dispatched, consumed, trainer hash, producer's dispatch_log, producer's inflight counter
+# ARGV: version (the caller's reading of budget_version), max_outstanding, producer
+# Returns {released, added}, or {-1, budget_version} when a grant moved budget_version (nothing done).
+_RELEASE = _GIVE_BACK + f"""
+local n = tonumber(redis.call('GET', KEYS[6]) or '0')
+redis.call('SET', KEYS[6], 0)
+if n <= 0 then return {{0, 0}} end
+local dispatched = redis.call('DECRBY', KEYS[2], n)
+redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(RELEASE, amount="n", producer="ARGV[3]")})
+if current < 0 then return {{n, 0}} end
+local outstanding = dispatched - tonumber(redis.call('GET', KEYS[3]) or '0')
+return {{n, give_back(current, n, outstanding, tonumber(ARGV[2]))}}
 """
 
 
@@ -180,14 +173,11 @@ def release_unpublished(r: redis.Redis, keys: Keys, producer: str, max_outstandi
     away mid-dispatch) stop counting as outstanding, and the current version's budget gets their room back (a
     top-up logged on the producer's dispatch_log, bounded like TOPUP's), else sync mode would wait forever for
     prompts nobody may dispatch again. Returns how many were released."""
-    while True:
-        version = current_budget(r, keys)[0]
-        res: Any = r.eval(
-            _RELEASE, 6, keys.dispatched, keys.producer_inflight(producer), keys.producer_dispatch_log(producer),
-            keys.budget(max(version, 0)), keys.consumed, keys.trainer, producer, version, max_outstanding,
-        )
-        if int(res[0]) >= 0:
-            return int(res[0])
+    released, _ = _give_back_script(
+        r, keys, _RELEASE, [keys.producer_dispatch_log(producer), keys.producer_inflight(producer)],
+        max_outstanding, producer,
+    )
+    return released
 
 
 def record_consumed(r: redis.Redis | Any, keys: Keys, count: int) -> None:
@@ -200,11 +190,19 @@ def consume_dead(r: redis.Redis, keys: Keys, max_outstanding: int) -> tuple[int,
     """Trainer side: count the rollouts dead-lettered and not yet counted (the trainer hash's `dead_lettered`
     minus `dead_counted`) as consumed and give the current version's budget back the room they freed (TOPUP,
     see the module docstring). Returns (newly counted, budget added); a repeat counts nothing twice."""
+    return _give_back_script(r, keys, _TOPUP, [keys.dispatch_log], max_outstanding)
+
+
+def _give_back_script(
+    r: redis.Redis, keys: Keys, script: str, more_keys: list[str], max_outstanding: int, *args: str
+) -> tuple[int, int]:
+    """Run TOPUP or RELEASE on the current budget version's keys (budget:v, dispatched, consumed, trainer hash,
+    then `more_keys`); again on the new version when a grant moved it in between. Returns the script's pair."""
     while True:
         version = current_budget(r, keys)[0]
         res: Any = r.eval(
-            _TOPUP, 5, keys.budget(max(version, 0)), keys.dispatched, keys.consumed, keys.trainer,
-            keys.dispatch_log, version, max_outstanding,
+            script, 4 + len(more_keys), keys.budget(max(version, 0)), keys.dispatched, keys.consumed,
+            keys.trainer, *more_keys, version, max_outstanding, *args,
         )
         if int(res[0]) >= 0:
             return int(res[0]), int(res[1])

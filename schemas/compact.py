@@ -132,12 +132,11 @@ def _ids_dtype(*arrays: np.ndarray) -> np.dtype:
     """The narrowest token dtype (see _token_dtype) for the values of all arrays. One pass per array in the usual
     case: viewed as unsigned, a max within int32 proves every value is in [0, int32 max] (a negative id views as
     a huge number); only otherwise are min and max taken."""
-    values = [a for a in arrays if a.size]
-    if all(a.dtype.kind in "iub" for a in values):
-        # (the unsigned view keeps the array's byte order: a big-endian id read as little-endian could look small)
-        most = max((int(a.view(f"{a.dtype.str[0]}u{a.dtype.itemsize}").max()) for a in values), default=0)
-        if most <= _INT32.max:
-            return np.dtype("<i4")
+    values = [a for a in arrays if a.size]  # (split passes token arrays only: kinds i, u, b)
+    # (the unsigned view keeps the array's byte order: a big-endian id read as little-endian could look small)
+    most = max((int(a.view(f"{a.dtype.str[0]}u{a.dtype.itemsize}").max()) for a in values), default=0)
+    if most <= _INT32.max:
+        return np.dtype("<i4")
     return _token_dtype(*_range(*values))
 
 

@@ -7,10 +7,10 @@ count of dead-lettered rollouts. Its reader counts each dead letter in the train
 that acks it; the Collector then has pacing count them as consumed (at its first pass, which catches a
 previous process's uncounted ones, and after each pass that dead-lettered any), which gives their room back
 to the current version's budget (rollstream/pacing.py, TOPUP), so producers replace them before the next
-version (else sync mode, whose window is one global batch, would wait forever for them). A world of one polls until it has its share; data-parallel ranks collect in rounds they agree on
-(one poll each, then an all-gather of what each took), so they start and abandon every local update
-together, never train one sample id twice, and none reads more entries than it still needs (the others
-would wait for what it hoards).
+version (else sync mode, whose window is one global batch, would wait forever for them). A world of one
+polls until it has its share; data-parallel ranks collect in rounds they agree on (one poll each, then an
+all-gather of what each took), so they start and abandon every local update together, never train one
+sample id twice, and none reads more entries than it still needs (the others would wait for what it hoards).
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ class Collector:
         self.used_up = False  # burst: the consumer loop ended with the rollouts stream drained
         self.step_dead = 0  # dead-lettered rollouts since the step began
         self._own_dead = 0  # non-rollout entries we dead-lettered ourselves (not prompts)
-        self._dead_seen = -1  # this process's dead-lettered rollouts when pacing last counted (-1: never)
+        self._dead_seen = 0  # this process's dead-lettered rollouts when pacing last counted them
+        self._dead_checked = False  # pacing counted once since start (catching a previous process's uncounted)
 
     def heartbeat(self) -> None:
         """Write this rank's heartbeat (rank 0: `heartbeat`; with several ranks also `heartbeat:r<rank>`)."""
@@ -99,7 +100,7 @@ class Collector:
             log.warning("acking %d redelivered/duplicate samples without training", len(dupes))
             retry_on_connection(lambda: self.reader.ack(dupes), "acking duplicates")
         dead = self.reader.stats.dead - self._own_dead
-        if dead > self._dead_seen:  # (always at the first pass: -1)
+        if dead > self._dead_seen or not self._dead_checked:
             self._count_dead(dead)
         self.heartbeat()
         return True
@@ -111,8 +112,8 @@ class Collector:
             lambda: consume_dead(self.r, self.keys, self.cfg.max_outstanding), "counting dead")
         if counted:
             log.info("%d dead-lettered rollouts counted as consumed: budget topped up by %d", counted, added)
-        self.step_dead += dead - max(self._dead_seen, 0)
-        self._dead_seen = dead
+        self.step_dead += dead - self._dead_seen
+        self._dead_seen, self._dead_checked = dead, True
 
     def starve(self, need: int) -> bool:
         """The buffer lacks `need` samples: run one more pass of the loop; True when the caller must give up
