@@ -40,7 +40,11 @@ def unthrottled_producer(cfg: PipelineConfig, r: redis.Redis, keys: Keys, build:
     policy = build_policy(cfg)
     publish_weights(r, keys, 0, policy.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
     grant_budget(r, keys, 0, 1 << 30)
-    return build(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=r), policy=policy)
+    ctx = WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=r)
+    if cfg.rollout.engine == "vllm":  # the producer starts its own engine on the checkpoint
+        del policy
+        return build(ctx)
+    return build(ctx, policy=policy)
 
 
 def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmup: int = 2) -> dict[str, Any]:
@@ -69,7 +73,8 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
             "dispatches": dispatches,
             "rows_per_batch": cfg.rollout.n * cfg.rollout.prompts_per_dispatch,
             "max_new_tokens": cfg.data.max_response_length,
-            "device": str(producer.policy.device),
+            "engine": cfg.rollout.engine,
+            "device": str(getattr(producer.policy, "device", cfg.run.device)),
             "torch_threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(),
         }

@@ -23,6 +23,7 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     `build` makes the producer (default: `Producer(ctx)`; the latency-model benchmark passes its own) and
     `role` names the command in usage and logs."""
     install_early_signal_handlers()  # a SIGTERM during the torch import below must not kill us
+    from producers.engines import EngineStartError
     from producers.worker import Producer, lower_priority, set_torch_threads
     from rollstream.bus import RunNotSetUpError
     from rollstream.weights import WeightsError
@@ -37,6 +38,9 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     try:
         producer = (build or Producer)(ctx)
     except ValueError as e:  # e.g. a name whose index exceeds rollout.num_producers
+        log.error("%s", e)
+        return EXIT_CONFIG
+    except EngineStartError as e:  # one line naming the model path and the cause, not a traceback
         log.error("%s", e)
         return EXIT_CONFIG
     freeze_startup_heap()

@@ -44,6 +44,13 @@ class StatsWindow:
     exact_sum: float = 0.0
     length_sum: int = 0
     versions: set[int] = field(default_factory=set)
+    swaps: int = 0
+    swap_s: float = 0.0
+
+    def add_swap(self, seconds: float) -> None:
+        """Count one weight swap (a new version loaded into the engine) and its duration."""
+        self.swaps += 1
+        self.swap_s += seconds
 
     def add_sample(self, trajs: list[Trajectory], rewards: list[RewardResult]) -> None:
         """Count one published sample (a prompt's n trajectories with their rewards)."""
@@ -69,7 +76,10 @@ class StatsWindow:
             "producer/idle_s": self.idle_s,
             "producer/partial_ratio": self.partial / n,
             "producer/tool_calls": float(self.tool_calls),
+            "producer/weight_swaps": float(self.swaps),
         }
+        if self.swaps:
+            metrics["producer/weight_swap_s"] = self.swap_s / self.swaps  # mean time to load one version
         if self.trajectories:
             metrics["producer/reward_mean"] = self.reward_sum / n
             metrics["producer/acc"] = self.exact_sum / n

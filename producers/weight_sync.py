@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import redis
@@ -24,33 +25,48 @@ log = logging.getLogger(__name__)
 #: Called as on_switch(old_version, new_version) after newer weights were loaded (not for the first load).
 SwitchHook = Callable[[int, int], None]
 
+#: Loads a published version into the generating engine (default: `load_weights_into` the policy module).
+Loader = Callable[[redis.Redis, ParamVersion], None]
+
 
 class WeightSync:
-    """Loads published weights (sha256 verified) into a policy; a `VersionSource` for the agent loops."""
+    """Loads published weights (sha256 verified) into a policy, or through `loader` into an engine; a
+    `VersionSource` for the agent loops. `last_load_s` is the duration of the newest load (the swap time)."""
 
     def __init__(
         self,
         r: redis.Redis,
         keys: Keys,
-        policy: BasePolicy,
+        policy: BasePolicy | None,
         producer: str,
         on_switch: SwitchHook | None = None,
+        loader: Loader | None = None,
     ) -> None:
+        if loader is None and policy is None:
+            raise ValueError("WeightSync needs a policy or a loader")
         self.r = r
         self.keys = keys
         self.policy = policy
         self.producer = producer
         self.on_switch = on_switch
+        self.loader: Loader = loader or self._into_policy
         self.version = -1  # nothing loaded yet
         self.loads = 0
+        self.last_load_s = 0.0
+
+    def _into_policy(self, r: redis.Redis, pv: ParamVersion) -> None:
+        assert self.policy is not None
+        load_weights_into(r, pv, self.policy)  # a large file: hashed, then read a tensor at a time
 
     def load(self, pv: ParamVersion) -> None:
         """Fetch, verify and load `pv`; register it as this producer's version."""
-        load_weights_into(self.r, pv, self.policy)  # a large file: hashed, then read a tensor at a time
+        t0 = time.perf_counter()
+        self.loader(self.r, pv)
+        self.last_load_s = time.perf_counter() - t0
         old, self.version = self.version, pv.version
         self.loads += 1
         register_producer_version(self.r, self.keys, self.producer, pv.version)
-        log.info("loaded param_version %d (%d bytes)", pv.version, pv.bytes)
+        log.info("loaded param_version %d (%d bytes) in %.3f s", pv.version, pv.bytes, self.last_load_s)
         if old >= 0 and self.on_switch is not None:
             self.on_switch(old, pv.version)
 

