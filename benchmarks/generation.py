@@ -5,17 +5,26 @@ producer runs `warmup` dispatches, then `dispatches` measured ones. Reported: ge
 of generation time (`rollout.n` x `prompts_per_dispatch` rows per batch), and end-to-end samples per
 second (generation + scoring + encode + publish). The namespace's keys are deleted afterwards.
 Run: `rollstream bench generation pipeline.yaml [key=value ...] [--dispatches N] [--redis-url URL]`.
+
+Engines side by side (`--engines builtin vllm`): the same model, config and prompts through each
+`rollout.engine` in one run, one after the other, each also timed loading a newly published version into
+the running engine (the swap). `--preset qwen2-76m` builds a random Qwen2 of that shape (hidden 768, 12
+layers, 12 heads, 4 KV heads, BPE tokenizer) in a temp dir and benchmarks it with 64 prompts x 8 samples x
+32 tokens per dispatch (override any of it with key=value).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
+import tempfile
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -25,9 +34,10 @@ from producers.worker import Producer, set_torch_threads
 from rollstream.bus import connect, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.factory import build_policy
+from rollstream.model.hf_tiny import make_tiny_hf_model
 from rollstream.names import Keys
 from rollstream.pacing import grant_budget
-from rollstream.weights import publish_weights
+from rollstream.weights import latest_param_version, load_weights, publish_weights
 from rollstream.worker import WorkerContext
 
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -47,8 +57,31 @@ def unthrottled_producer(cfg: PipelineConfig, r: redis.Redis, keys: Keys, build:
     return build(ctx, policy=policy)
 
 
+#: Model shapes `--preset` builds (random weights, BPE tokenizer) and the dispatch they are measured with.
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen2-76m": dict(
+        model=dict(arch="qwen2", hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=3072,
+                   max_positions=256),
+        overrides=["rollout.prompts_per_dispatch=64", "rollout.n=8", "data.max_response_length=32",
+                   "data.task=reverse", "rollout.vllm.max_model_len=256"],
+    ),
+}
+
+
+def _swap_s(producer: Producer, r: redis.Redis, keys: Keys) -> float:
+    """Publish the producer's current weights again as a newer version and time loading it into its engine."""
+    pv = latest_param_version(r, keys)
+    assert pv is not None
+    blob = load_weights(r, pv)
+    publish_weights(r, keys, pv.version + 1, blob, global_step=pv.version + 1, inline_max_bytes=1 << 30)
+    if not producer.weights.refresh():
+        raise RuntimeError("the producer did not load the newer version")
+    return producer.weights.last_load_s
+
+
 def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmup: int = 2) -> dict[str, Any]:
-    """Run one producer for warmup + `dispatches` dispatches on a throwaway namespace; returns the figures."""
+    """Run one producer for warmup + `dispatches` dispatches on a throwaway namespace; returns the figures
+    (with the time to load a new version into its engine)."""
     run = f"bench-gen-{uuid.uuid4().hex[:8]}"
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run})})
     keys = Keys(run)
@@ -63,6 +96,7 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
         c1 = vars(producer.counters)
         tokens, gen_s = c1["tokens"] - c0["tokens"], c1["gen_s"] - c0["gen_s"]
         samples = c1["published"] - c0["published"]
+        swap_s = _swap_s(producer, r, keys)
         return {
             "gen_tokens_per_s": tokens / gen_s,
             "samples_per_s": samples / wall_s,
@@ -73,6 +107,7 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
             "dispatches": dispatches,
             "rows_per_batch": cfg.rollout.n * cfg.rollout.prompts_per_dispatch,
             "max_new_tokens": cfg.data.max_response_length,
+            "swap_s": swap_s,
             "engine": cfg.rollout.engine,
             "device": str(getattr(producer.policy, "device", cfg.run.device)),
             "torch_threads": torch.get_num_threads(),
@@ -82,21 +117,64 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
         delete_run(r, keys)
 
 
+def compare_engines(
+    cfg: PipelineConfig, redis_url: str, dispatches: int, warmup: int, engines: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """`bench_generation` for each engine on the same config, one after the other in this process."""
+    out = {}
+    for engine in engines:
+        ecfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": engine})})
+        out[engine] = bench_generation(ecfg, redis_url, dispatches, warmup)
+        gc.collect()
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: print the generation figures of one producer (a line per figure, or JSON)."""
+    """CLI: print the generation figures of one producer (a line per figure, or JSON); with `--engines`, a
+    table of each engine's figures and their ratios."""
     p = argparse.ArgumentParser(prog="rollstream bench generation", description=__doc__)
     p.add_argument("config", help="pipeline.yaml to benchmark")
     p.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     p.add_argument("--dispatches", type=int, default=20, help="measured dispatches (after 2 warm-up ones)")
     p.add_argument("--redis-url", default=DEFAULT_URL, help="Redis to run against (a throwaway namespace)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured dispatches first (engine warm-up)")
+    p.add_argument("--engines", nargs="+", choices=("builtin", "vllm"), default=None,
+                   help="compare these rollout.engine values on the same config in one run")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="build a random HF model of this shape in a temp dir and benchmark it (model.backend=hf)")
     args = p.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    set_torch_threads(cfg.rollout.torch_threads)
-    res = bench_generation(cfg, args.redis_url, args.dispatches)
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = list(args.overrides)
+        if args.preset:
+            preset = PRESETS[args.preset]
+            model = make_tiny_hf_model(Path(tmp) / args.preset, tokenizer="bpe", **preset["model"])
+            overrides = ["model.backend=hf", f"model.hf_path={model}", *preset["overrides"], *overrides]
+        cfg = load_config(args.config, overrides)
+        set_torch_threads(cfg.rollout.torch_threads)
+        if args.engines:
+            return _print_comparison(compare_engines(cfg, args.redis_url, args.dispatches, args.warmup, args.engines),
+                                     args.json)
+        res = bench_generation(cfg, args.redis_url, args.dispatches, args.warmup)
     if args.json:
         print(json.dumps(res))
     else:
         for k, v in res.items():
             print(f"{k:20s} {v:.3g}" if isinstance(v, float) else f"{k:20s} {v}")
+    return 0
+
+
+def _print_comparison(results: dict[str, dict[str, Any]], as_json: bool) -> int:
+    """Print each engine's figures side by side, and each engine's tokens/s over the first one's."""
+    if as_json:
+        print(json.dumps(results))
+        return 0
+    names = list(results)
+    rows = ["gen_tokens_per_s", "samples_per_s", "trajectories_per_s", "gen_share", "swap_s", "tokens", "samples"]
+    print(f"{'':20s} " + " ".join(f"{n:>12s}" for n in names))
+    for row in rows:
+        print(f"{row:20s} " + " ".join(f"{results[n][row]:12.4g}" for n in names))
+    base = results[names[0]]["gen_tokens_per_s"]
+    for n in names[1:]:
+        print(f"tokens/s {n} / {names[0]}: {results[n]['gen_tokens_per_s'] / base:.2f}x")
     return 0

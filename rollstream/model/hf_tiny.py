@@ -114,15 +114,19 @@ def build_tokenizer(kind: TokenizerKind = "char", chat_template: bool = False, b
     return tok
 
 
-def tiny_config(arch: Arch, vocab_size: int, hidden_size: int = 32, num_layers: int = 2, max_positions: int = 128) -> Any:
-    """A transformers config of `arch` with 4 query / 2 key-value heads; pad/bos/eos ids 0/1/2."""
+def tiny_config(
+    arch: Arch, vocab_size: int, hidden_size: int = 32, num_layers: int = 2, max_positions: int = 128,
+    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int | None = None,
+) -> Any:
+    """A transformers config of `arch` (4 query / 2 key-value heads and an MLP of 2 x hidden unless given);
+    pad/bos/eos ids 0/1/2."""
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_positions,
         pad_token_id=0,
         bos_token_id=1,
@@ -148,17 +152,21 @@ def make_tiny_hf_model(
     chat_template: bool = False,
     num_layers: int = 2,
     max_positions: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
 ) -> Path:
     """Save a tiny random `arch` causal LM + its tokenizer to `directory` (created); returns the path.
 
-    The defaults (Llama, char tokenizer, no chat template) give CharTokenizer's ids exactly."""
+    The defaults (Llama, char tokenizer, no chat template) give CharTokenizer's ids exactly. vLLM's CPU
+    attention needs a head size (hidden_size / num_heads) of 32 or more."""
     from transformers import AutoModelForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(tokenizer, chat_template)
     tok.save_pretrained(str(directory))
-    cfg = tiny_config(arch, len(tok), hidden_size, num_layers, max_positions)
+    cfg = tiny_config(arch, len(tok), hidden_size, num_layers, max_positions, num_heads, num_kv_heads, intermediate_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg)
