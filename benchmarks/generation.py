@@ -144,6 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="build a random HF model of this shape in a temp dir and benchmark it (model.backend=hf)")
     args = p.parse_args(argv)
+    base = load_config(args.config, args.overrides)
+    if "vllm" in (args.engines or [base.rollout.engine]):  # every engine measured under the same OpenMP
+        from producers.engines.vllm import reexec_with_openmp
+
+        reexec_with_openmp(base)
     with tempfile.TemporaryDirectory() as tmp:
         overrides = list(args.overrides)
         if args.preset:

@@ -33,6 +33,10 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     pre.add_argument("--max-dispatches", type=int, default=None, help="exit after this many dispatches (tests)")
     known, rest = pre.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     ctx, args = start_worker(role, rest)
+    if ctx.cfg.rollout.engine == "vllm" and build is None:
+        from producers.engines.vllm import reexec_with_openmp
+
+        reexec_with_openmp(ctx.cfg)  # returns unless it restarts this process with Intel OpenMP preloaded
     set_torch_threads(ctx.cfg.rollout.torch_threads)
     lower_priority(ctx.cfg.rollout.nice)
     try:

@@ -67,6 +67,33 @@ def engine_environment(cfg: PipelineConfig) -> dict[str, str]:
     }
 
 
+#: Set in the environment of a process re-executed by `reexec_with_openmp` (never re-executes twice).
+REEXEC_ENV = "ROLLSTREAM_OPENMP_PRELOADED"
+
+
+def intel_openmp() -> Path | None:
+    """Intel's OpenMP runtime from the `intel-openmp` wheel vLLM's CPU build depends on, when installed."""
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    return lib if lib.is_file() else None
+
+
+def reexec_with_openmp(cfg: PipelineConfig) -> None:
+    """On CPU, restart this process (same PID, same argv) with Intel's OpenMP preloaded, as vLLM's CPU docs ask:
+    with torch's libgomp its kernels ran 4x slower here (76M Qwen2: 60 vs 242 tokens/s, BENCHMARKS.md). vLLM
+    preloads it only into engine processes it spawns, and ours runs in the producer. No-op on CUDA, when it
+    is preloaded already, when the wheel is missing, or when this process was re-executed once."""
+    lib = intel_openmp()
+    preload = os.environ.get("LD_PRELOAD", "")
+    on_cuda = cfg.run.device.startswith("cuda") or (cfg.run.device == "auto" and torch.cuda.is_available())
+    if on_cuda or lib is None or "libiomp" in preload or os.environ.get(REEXEC_ENV):
+        return
+    env = dict(os.environ, LD_PRELOAD=f"{lib}:{preload}" if preload else str(lib), **{REEXEC_ENV: "1"})
+    log.info("re-executing with %s preloaded (vLLM's CPU kernels need Intel OpenMP)", lib)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
+
+
 def _check_model_dir(path: str) -> dict[str, Any]:
     """The checkpoint's config.json, or EngineStartError naming what is missing."""
     config = Path(path) / "config.json"
