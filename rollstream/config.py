@@ -234,11 +234,25 @@ class ActorConfig(_Section):
         return data
 
 
+class FilterGroupsConfig(_Section):
+    """DAPO dynamic sampling (verl's algorithm.filter_groups): groups without reward variance are not trained."""
+
+    enable: bool = Field(
+        False, description="Evict groups whose trajectories all got the same reward (no GRPO signal) and refill the batch"
+    )
+
+
 class TrainerConfig(_Section):
     """The trainer consumer."""
 
     parameter_sync_step: int = Field(2, ge=1, description="Local updates per global step (one weight publish each)")
     max_off_policy_threshold: int = Field(2, description="Drop samples with staleness (global_step - param_version) above this")
+    max_off_policy_strategy: Literal["drop", "train"] = Field(
+        "drop", description="Samples over the threshold: drop (recorded) or train them, weighted by actor.rollout_correction"
+    )
+    filter_groups: FilterGroupsConfig = Field(
+        default_factory=FilterGroupsConfig, description="Dynamic sampling: zero-variance groups evicted, budget given back"
+    )
     num_warmup_batches: int = Field(
         1, ge=0, description="Mini-batches of samples the trainer waits for before its first update (as verl)"
     )

@@ -31,6 +31,8 @@ from schemas.events import (
 )
 from schemas.plain import (
     DROPPED,
+    EVICTED,
+    FILTER_GROUPS,
     TRAINED,
     DispatchRecord,
     Fate,
@@ -45,6 +47,8 @@ from schemas.upgrades import register_upgrade, unregister_upgrade
 __all__ = [
     "DEFAULT_LIMITS",
     "DROPPED",
+    "EVICTED",
+    "FILTER_GROUPS",
     "EVENT_MODELS",
     "INLINE_MAX_BYTES",
     "DataProto",

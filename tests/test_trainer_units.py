@@ -59,7 +59,8 @@ def test_staleness_threshold_keeps_k_and_drops_k_plus_one(r: redis.Redis, keys: 
     ledger = StepLedger(5)
     got = trainer._collect(5, ledger)  # global step 5 through the consumer loop: staleness k kept, k+1 dropped
     assert got is not None
-    kept, dropped = got
+    kept, dropped = got.kept, got.dropped
+    assert got.dropped_lengths == [6.0] and got.evicted == []
     assert [(m.event.sample_id, st) for m, st in kept] == [("edge", k), ("fresh", 1)]  # type: ignore[union-attr]
     assert dropped == [k + 1] and [(f.sample_id, f.fate) for f in ledger.fates] == [("too-old", DROPPED)]
     assert dropped_metrics([]) == {"training/off_policy/dropped_samples": 0.0}
