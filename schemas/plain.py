@@ -2,7 +2,8 @@
 
 `fates`: one entry per sample the trainer consumed, id `<global_step>-<i>`, written in the step commit:
     sample_id  source_id (its rollouts entry id)  fate (trained | dropped | evicted)  staleness  param_version
-    global_step  [reason (evicted: filter_groups = every trajectory of the group scored the same)]
+    global_step  [reason (evicted: filter_groups = every trajectory of the group scored the same;
+    rollout_failure = the producer's generation failed)]
 `dispatch_log` (the trainer's grants and top-ups) and `producer:<name>:dispatch_log` (a producer's takes
 and releases), written by the pacing Lua scripts (rollstream/pacing.py), fields in this order:
     grant:   op version amount outstanding max_outstanding
@@ -28,6 +29,9 @@ DROPPED = "dropped"  # as too stale
 EVICTED = "evicted"  # not trained for a reason (Fate.reason), its budget given back at once
 FATES = (TRAINED, DROPPED, EVICTED)
 FILTER_GROUPS = "filter_groups"  # eviction reason: a zero-variance group (DAPO dynamic sampling)
+# eviction reason: the producer's generation failed (engine error, timeout); also the rollout_status key
+# (value 1) by which such a sample, published with empty responses so that its prompt is never lost, says so
+ROLLOUT_FAILURE = "rollout_failure"
 
 
 def _text(value: Any) -> str:

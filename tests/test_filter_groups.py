@@ -1,6 +1,7 @@
-"""Dynamic sampling (trainer.filter_groups) end to end: a trainer subprocess against a fake paced producer
-whose every third sample has no reward variance, on real Redis, in sync mode (max_outstanding = one global
-batch, the case where an eviction without give-back would wait forever)."""
+"""Dynamic sampling (trainer.filter_groups) and rollout failures end to end: a trainer subprocess against a
+fake paced producer whose every third sample has no reward variance and one sample is a rollout failure, on
+real Redis, in sync mode (max_outstanding = one global batch, the case where an eviction without give-back
+would wait forever)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ from rollstream.pacing import (
     take_budget,
     uncount_evicted,
 )
-from schemas import EVICTED, FILTER_GROUPS, TRAINED, Fate, StepMetrics, decode, decode_fate
+from schemas import EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, TRAINED, Fate, StepMetrics, decode, decode_fate
 from schemas.plain import TOPUP
 
 
 def test_zero_variance_groups_are_evicted_refilled_and_accounted(
     r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path
 ) -> None:
-    producer = FakeProducer(r, keys, corrupt_at=(), flat_every=3)
+    producer = FakeProducer(r, keys, corrupt_at=(), flat_every=3, failed_at=(5,))
     producer.start()
     try:
         args = trainer_args(keys, redis_url, tmp_path, 3)
@@ -45,12 +46,14 @@ def test_zero_variance_groups_are_evicted_refilled_and_accounted(
     rep = audit_run(r, keys)
     assert rep.problems() == [] and rep.steps == [1, 2, 3]
     fates = [decode_fate(f) for _, f in r.xrange(keys.fates)]
-    evicted = {f.sample_id for f in fates if f.fate == EVICTED}
+    evicted = {f.sample_id for f in fates if f.fate == EVICTED and f.reason == FILTER_GROUPS}
     assert evicted and evicted <= set(producer.flat)  # only flat groups, and each consumed one
-    assert all(f.reason == FILTER_GROUPS for f in fates if f.fate == EVICTED)
+    failures = {f.sample_id for f in fates if f.fate == EVICTED and f.reason == ROLLOUT_FAILURE}
+    assert failures == set(producer.failed)  # a producer's generation failure ends evicted, never lost
+    evicted |= failures
     assert not {f.sample_id for f in fates if f.fate == TRAINED} & set(producer.flat)
     assert len(rep.trained) == 3 * TBS and set(rep.evicted) == evicted  # full batches despite the evictions
-    assert "evicted once" in format_report(rep) and f"{FILTER_GROUPS} {len(evicted)}" in format_report(rep)
+    assert f"{FILTER_GROUPS} {len(evicted - failures)}, {ROLLOUT_FAILURE} 1" in format_report(rep)
     # pacing: each eviction gave its room back at once, within the bound; consumed counts every fate once
     log = dispatch_entries(r, keys)
     assert all(e.outstanding is None or e.outstanding <= TBS for e in log), log
@@ -66,10 +69,12 @@ def test_zero_variance_groups_are_evicted_refilled_and_accounted(
     assert [rec.global_step for rec in records] == [1, 2, 3]
     per_step = {rec.global_step: rec for rec in records}
     for g, rec in per_step.items():
-        n = sum(1 for f in fates if f.fate == EVICTED and f.global_step == g)
+        n = sum(1 for f in fates if f.reason == FILTER_GROUPS and f.global_step == g)
+        lost = sum(1 for f in fates if f.reason == ROLLOUT_FAILURE and f.global_step == g)
         assert rec.metrics["training/filter_groups/evicted_samples"] == n
+        assert rec.metrics["training/rollout_failure/evicted_samples"] == lost
         assert rec.counts.get("_dapo_filtered_reward_counts", {}) == ({"1.0": float(n)} if n else {})
-        assert rec.metrics["fully_async/count/evicted_samples"] == n
+        assert rec.metrics["fully_async/count/evicted_samples"] == n + lost
 
 
 def test_evictions_counted_early_are_settled_once_or_uncounted_after_a_crash(r: redis.Redis, keys: Keys) -> None:

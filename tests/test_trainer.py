@@ -51,11 +51,15 @@ class FakeProducer(threading.Thread):
     layout of writers before issue 17). `cap[v]` limits how many prompts it dispatches for version v (until the
     cap is removed)."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, corrupt_at: tuple[int, ...] = (4,), flat_every: int = 0) -> None:
-        """`flat_every` > 0: every flat_every-th sample's 4 trajectories all get reward 1.0 (no GRPO signal)."""
+    def __init__(
+        self, r: redis.Redis, keys: Keys, corrupt_at: tuple[int, ...] = (4,), flat_every: int = 0, failed_at: tuple[int, ...] = ()
+    ) -> None:
+        """`flat_every` > 0: every flat_every-th sample's 4 trajectories all get reward 1.0 (no GRPO signal);
+        the samples at `failed_at` indices are rollout failures (rollout_status rollout_failure = 1)."""
         super().__init__(daemon=True)
-        self.r, self.keys, self.corrupt_at, self.flat_every = r, keys, corrupt_at, flat_every
+        self.r, self.keys, self.corrupt_at, self.flat_every, self.failed_at = r, keys, corrupt_at, flat_every, failed_at
         self.flat: list[str] = []
+        self.failed: list[str] = []
         self.stop = threading.Event()
         self.cap: dict[int, int] = {}
         self.taken: dict[int, int] = {}
@@ -86,6 +90,9 @@ class FakeProducer(threading.Thread):
                                              seed=len(self.published), rewards=[1.0] * 4 if flat else None)
                 if flat:
                     self.flat.append(sid)
+                if len(self.published) in self.failed_at:
+                    sample.rollout_status["rollout_failure"] = 1
+                    self.failed.append(sid)
                 fields: dict[str, Any] = encode(sample, compact=len(self.published) % 2 == 0)
                 self.schema[sid] = fields["schema"]
                 if len(self.published) in self.corrupt_at:

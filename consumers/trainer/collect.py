@@ -12,10 +12,11 @@ polls until it has its share; data-parallel ranks collect in rounds they agree o
 all-gather of what each took), so they start and abandon every local update together, never train one
 sample id twice, and none reads more entries than it still needs (the others would wait for what it hoards).
 
-Each sample taken gets a verdict (`verdict`): trained; dropped as too stale (staleness over
-trainer.max_off_policy_threshold, unless trainer.max_off_policy_strategy=train); or evicted by dynamic
-sampling (trainer.filter_groups.enable: every trajectory of its group has the same reward, so GRPO gives it
-no gradient). An eviction is counted as consumed at once and its room given back to the current version's
+Each sample taken gets a verdict (`verdict`): trained; evicted as a rollout failure (the producer's
+generation failed and it published the prompts with empty responses, rollout_status `rollout_failure`);
+dropped as too stale (staleness over trainer.max_off_policy_threshold, unless
+trainer.max_off_policy_strategy=train); or evicted by dynamic sampling (trainer.filter_groups.enable: every
+trajectory of its group has the same reward, so GRPO gives it no gradient). An eviction is counted as consumed at once and its room given back to the current version's
 budget (rollstream/pacing.py, EVICT), so producers refill the batch; the collector keeps reading until the
 share has enough samples to train.
 """
@@ -43,9 +44,14 @@ from rollstream.bus import GroupReader, Message, retry_on_connection
 from rollstream.config import PipelineConfig
 from rollstream.names import HEARTBEAT_FIELD, Keys, rank_heartbeat_field
 from rollstream.pacing import consume_dead, consume_evicted
-from schemas import DROPPED, EVICTED, FILTER_GROUPS, Fate, RolloutSample
+from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, Fate, RolloutSample
 
 log = logging.getLogger(__name__)
+
+
+def failed(ev: RolloutSample) -> bool:
+    """True for a rollout failure: the producer's generation failed, its prompts came with empty responses."""
+    return bool(ev.rollout_status.get(ROLLOUT_FAILURE))
 
 
 def zero_variance_reward(ev: RolloutSample) -> float | None:
@@ -65,6 +71,7 @@ class Collected:
     dropped: list[int] = field(default_factory=list)  # staleness of each sample dropped as stale
     dropped_lengths: list[float] = field(default_factory=list)  # their mean response lengths
     evicted: list[float] = field(default_factory=list)  # the shared reward of each filter_groups eviction
+    failed: int = 0  # rollout failures evicted
 
 
 class Collector:
@@ -169,8 +176,11 @@ class Collector:
         log.info("warmup: %d samples buffered before the first update", len(self.buffer))
 
     def verdict(self, m: Message, st: int) -> str | None:
-        """None: train it; DROPPED: staleness over the threshold (strategy drop); EVICTED: filter_groups."""
+        """None: train it; EVICTED: a rollout failure or (filter_groups) no reward variance; DROPPED:
+        staleness over the threshold (strategy drop)."""
         tc = self.cfg.trainer
+        if failed(m.event):  # type: ignore[arg-type]
+            return EVICTED
         if st > tc.max_off_policy_threshold and tc.max_off_policy_strategy == "drop":
             return DROPPED
         if tc.filter_groups.enable and zero_variance_reward(m.event) is not None:  # type: ignore[arg-type]
@@ -233,16 +243,19 @@ class Collector:
             if verdict is None:
                 got.kept.append((m, st))
                 continue
-            ledger.fates.append(Fate(ev.sample_id, m.id, verdict, st, ev.param_version, g,
-                                     reason=FILTER_GROUPS if verdict == EVICTED else ""))
+            reason = "" if verdict == DROPPED else ROLLOUT_FAILURE if failed(ev) else FILTER_GROUPS
+            ledger.fates.append(Fate(ev.sample_id, m.id, verdict, st, ev.param_version, g, reason=reason))
             ledger.ack_ids.append(m.id)
             if verdict == DROPPED:
                 got.dropped.append(st)
                 got.dropped_lengths.append(mean_response_length(ev))
+                continue
+            if reason == ROLLOUT_FAILURE:
+                got.failed += 1
             else:
                 got.evicted.append(zero_variance_reward(ev))  # type: ignore[arg-type]
-                evicted += 1
+            evicted += 1
         if evicted:
             n, added = retry_on_connection(
                 lambda: consume_evicted(self.r, self.keys, evicted, self.cfg.max_outstanding), "counting evicted")
-            log.info("filter_groups: %d zero-variance groups evicted, budget topped up by %d", n, added)
+            log.info("%d samples evicted (rollout failures, zero-variance groups), budget topped up by %d", n, added)

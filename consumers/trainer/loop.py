@@ -83,7 +83,12 @@ from consumers.trainer.ledger import (
     count_consumed,
     merge_ledgers,
 )
-from consumers.trainer.staleness import LengthBuckets, dropped_metrics, filter_groups_metrics
+from consumers.trainer.staleness import (
+    ROLLOUT_FAILURE_EVICTED,
+    LengthBuckets,
+    dropped_metrics,
+    filter_groups_metrics,
+)
 from rollstream.bus import (
     GroupReader,
     Janitor,
@@ -345,6 +350,7 @@ class Trainer:
         metrics.update(dropped_metrics(got.dropped))
         fg_metrics, fg_counts = filter_groups_metrics(got.evicted) if self.cfg.trainer.filter_groups.enable else ({}, {})
         metrics.update(fg_metrics)
+        metrics[ROLLOUT_FAILURE_EVICTED] = float(got.failed)
         self.lengths.add(got.kept, got.dropped_lengths)
         metrics.update(staleness_metrics([st for _, st in kept]))
         metrics.update(self._count_stale(g - 1, samples, batch.meta_info["trajectory_param_versions"]))

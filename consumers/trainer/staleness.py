@@ -25,6 +25,7 @@ DROPPED = "training/off_policy/dropped_samples"
 DROPPED_SHARE = "training/off_policy/dropped_share"
 BUCKETS = 4  # quarters of data.max_response_length
 FG_EVICTED = "training/filter_groups/evicted_samples"
+ROLLOUT_FAILURE_EVICTED = "training/rollout_failure/evicted_samples"
 DAPO_FILTERED_REWARD_COUNTS_KEY = "_dapo_filtered_reward_counts"
 
 
