@@ -197,6 +197,7 @@ class Learner:
         old = self.prox
         if old is None and self.actor.rollout_correction.rollout_rs is not None:
             old = self.policy
+            self.policy.eval()  # as the frozen copies run (update() puts it back in train mode)
         old_parts, ref_parts = [], []
         with torch.no_grad():
             for rows in slices:
