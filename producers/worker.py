@@ -58,12 +58,13 @@ from rollstream.rollout import (
     Trajectory,
     build_rollout_sample,
     concat_generation_data,
+    failed_trajectories,
     prepare_single_generation_data,
 )
 from rollstream.tasks import Prompt, Task
 from rollstream.weights import latest_param_version
 from rollstream.worker import WorkerContext
-from schemas import DataProto, RolloutSample, decode_cursor, encode, encode_cursor
+from schemas import ROLLOUT_FAILURE, DataProto, RolloutSample, decode_cursor, encode, encode_cursor
 
 if TYPE_CHECKING:
     from producers.engines.vllm import VLLMPolicy
@@ -288,10 +289,19 @@ class Producer:
         ]
         batch = concat_generation_data(groups, self.policy.tokenizer.pad_id)  # prompts*n rows, prompt-major
         t0 = time.perf_counter()
-        trajs = self.generate(batch, param_version)
+        failed = False
+        try:
+            trajs = self.generate(batch, param_version)
+        except CONNECTION_ERRORS:
+            raise
+        except Exception:  # an engine error or timeout: the prompts still end on the log, as failures
+            log.exception("generation of %d prompts failed: publishing them as rollout failures", len(items))
+            trajs, failed = failed_trajectories(batch, param_version, time.perf_counter() - t0), True
         gen_s = time.perf_counter() - t0
         counts = rollout_counts(self.ctx.r, self.ctx.keys, producer_names(cfg.rollout.num_producers))
         status = rollout_status(counts, cfg, self.weights.version)
+        if failed:  # the trainer evicts such a sample (reason rollout_failure) and gives its budget back
+            status[ROLLOUT_FAILURE] = 1
         return self._finish(ids, items, param_version, trajs, gen_s, status)
 
     def _take_prompts(self, amount: int) -> tuple[list[tuple[int, int, Prompt]], int]:

@@ -1,6 +1,6 @@
 """Audit a run from its log: did every published sample end exactly once, and are the steps consecutive?
 
-Every sample_id on `rollouts` must end exactly once as trained or dropped-as-stale (an entry in `fates`)
+Every sample_id on `rollouts` must end exactly once as trained, dropped-as-stale or evicted (an entry in `fates`)
 or dead-lettered (an entry on `dead` whose source is `rollouts`); the only other legitimate state is
 still unacked in the trainer group (pending, or not yet delivered). A redelivered or duplicate XADD of
 an id that already ended is acked without a second fate, so ids, not entries, are what is counted.
@@ -28,7 +28,7 @@ import redis
 
 from rollstream.bus.streams import PAGE, iter_stream, parse_id, text
 from rollstream.names import TRAINER_GROUP, Keys
-from schemas import TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
+from schemas import EVICTED, TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
 
 
 @dataclass
@@ -38,6 +38,7 @@ class AuditReport:
     published: set[str] = field(default_factory=set)
     trained: set[str] = field(default_factory=set)
     dropped: set[str] = field(default_factory=set)
+    evicted: dict[str, str] = field(default_factory=dict)  # sample_id -> reason (filter_groups)
     dead: set[str] = field(default_factory=set)
     pending: set[str] = field(default_factory=set)  # still unacked in the trainer group: legitimately open
     lost: set[str] = field(default_factory=set)  # published, acked, and no fate anywhere
@@ -79,6 +80,7 @@ class AuditReport:
         """One line of counts."""
         return (
             f"published {len(self.published)}  trained {len(self.trained)}  dropped {len(self.dropped)}  "
+            f"evicted {len(self.evicted)}  "
             f"dead {len(self.dead)}  pending {len(self.pending)}  lost {len(self.lost)}  "
             f"duplicated {len(self.duplicated)}  steps {len(self.steps)}  records {len(self.records)}  "
             f"re-emitted local updates {len(self.reemitted)}"
@@ -124,7 +126,10 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
     for _, f in iter_stream(r, keys.fates):
         fate = decode_fate(f)
         sid = fate.sample_id
-        (rep.trained if fate.fate == TRAINED else rep.dropped).add(sid)
+        if fate.fate == EVICTED:
+            rep.evicted[sid] = fate.reason
+        else:
+            (rep.trained if fate.fate == TRAINED else rep.dropped).add(sid)
         ends[sid] += 1
     dead_sources: set[str] = set()
     for _, f in iter_stream(r, keys.dead):
@@ -167,12 +172,19 @@ def _versions(counts: Counter[int]) -> str:
     return f"{low}" if low == high else f"{low}-{high}"
 
 
+def _reasons(evicted: dict[str, str]) -> str:
+    """` (filter_groups 3)`: evictions per reason, or '' when none."""
+    counts = Counter(evicted.values())
+    return " (" + ", ".join(f"{why or '?'} {n}" for why, n in sorted(counts.items())) + ")" if counts else ""
+
+
 def format_report(rep: AuditReport) -> str:
     """The audit as a few lines for an operator (what `rollstream audit` prints)."""
     once = rep.duplicated
     out = [
         f"published {len(rep.published)} samples ({rep.duplicate_entries} repeated entries)",
         f"trained once {len(rep.trained - once)}  dropped once {len(rep.dropped - once)}  "
+        f"evicted once {len(set(rep.evicted) - once)}{_reasons(rep.evicted)}  "
         f"dead-lettered once {len(rep.dead - once)}  still pending {len(rep.pending)}",
         f"ended more than once {len(once)}  missing (acked, no fate) {len(rep.lost)}"
         + (f"  fates of ids no longer on rollouts {len(rep.unknown)}" if rep.unknown else ""),

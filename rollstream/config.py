@@ -9,6 +9,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rollstream.correction_spec import parse_is_threshold, parse_rs_options, parse_rs_thresholds
+
 
 class ConfigError(Exception):
     """A pipeline.yaml or override that does not validate; the message names field, value and rule."""
@@ -169,6 +171,36 @@ class RolloutConfig(_Section):
     )
 
 
+class RolloutCorrectionConfig(_Section):
+    """verl's rollout correction (algorithm.rollout_correction there): IS weights and rejection of tokens or
+    sequences whose rollout log-probs disagree with the trainer's (rollstream/rl/rollout_correction.py)."""
+
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        "token", description="IS weight pi_old/pi_rollout per token or per sequence (product); null = none (verl's default)"
+    )
+    rollout_is_threshold: float | str = Field(
+        5.0, description="IS bound: a number U truncates weights to <= U (TIS); 'L_U' zeroes weights outside [L, U] (IcePop)"
+    )
+    rollout_is_batch_normalize: bool = Field(
+        False, description="Divide IS weights by their mean over the mini-batch (every data-parallel rank's)"
+    )
+    rollout_rs: str | None = Field(
+        None,
+        description="Rejection: comma-separated token_k{1,2,3}, seq_sum_k{1,2,3}, seq_mean_k{1,2,3} (geometric), "
+        "seq_max_k{2,3} (veto); null = none",
+    )
+    rollout_rs_threshold: float | str | None = Field(
+        None, description="Rejection bound(s), one or one per option: k1 takes ratio bounds 'L_U' (U alone: L = 1/U), k2/k3 an upper bound"
+    )
+
+    @model_validator(mode="after")
+    def _parse(self) -> RolloutCorrectionConfig:
+        parse_is_threshold(self.rollout_is_threshold)
+        if self.rollout_rs is not None:
+            parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
+        return self
+
+
 class ActorConfig(_Section):
     """The policy-gradient update."""
 
@@ -178,7 +210,10 @@ class ActorConfig(_Section):
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm")
     clip_ratio: float = Field(0.2, gt=0, description="PPO clip epsilon (low side, and high side unless clip_ratio_high)")
     clip_ratio_high: float | None = Field(None, gt=0, description="PPO clip epsilon, high side (DAPO clip-higher)")
-    behave_imp_cap: float = Field(5.0, gt=0, description="Cap C of the truncated weight min(pi_prox/pi_behave, C)")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig,
+        description="verl's rollout correction: IS weights, rejection, mismatch metrics (the default: min(pi_prox/pi_behave, 5))",
+    )
     off_policy_mode: Literal["decoupled", "bypass"] = Field(
         "decoupled", description="decoupled = proximal log-probs pinned per global step; bypass = behaviour log-probs as old policy"
     )
@@ -210,12 +245,42 @@ class ActorConfig(_Section):
         1024, ge=0, description="Tokens per output-head chunk when computing log-probs/entropy (0 = all at once; backend=hf)"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _behave_imp_cap(cls, data: Any) -> Any:
+        """`actor.behave_imp_cap=C` (the old single truncated weight) reads as token-level TIS with threshold C."""
+        if not isinstance(data, dict) or "behave_imp_cap" not in data:
+            return data
+        data = dict(data)
+        cap = data.pop("behave_imp_cap")
+        correction = dict(data.get("rollout_correction") or {})
+        if "rollout_is_threshold" in correction or "rollout_is" in correction:
+            raise ValueError(
+                f"actor.behave_imp_cap={cap!r} is the old name of actor.rollout_correction.rollout_is_threshold: set one"
+            )
+        data["rollout_correction"] = {**correction, "rollout_is": "token", "rollout_is_threshold": cap}
+        return data
+
+
+class FilterGroupsConfig(_Section):
+    """DAPO dynamic sampling (verl's algorithm.filter_groups): groups without reward variance are not trained."""
+
+    enable: bool = Field(
+        False, description="Evict groups whose trajectories all got the same reward (no GRPO signal) and refill the batch"
+    )
+
 
 class TrainerConfig(_Section):
     """The trainer consumer."""
 
     parameter_sync_step: int = Field(2, ge=1, description="Local updates per global step (one weight publish each)")
     max_off_policy_threshold: int = Field(2, description="Drop samples with staleness (global_step - param_version) above this")
+    max_off_policy_strategy: Literal["drop", "train"] = Field(
+        "drop", description="Samples over the threshold: drop (recorded) or train them, weighted by actor.rollout_correction"
+    )
+    filter_groups: FilterGroupsConfig = Field(
+        default_factory=FilterGroupsConfig, description="Dynamic sampling: zero-variance groups evicted, budget given back"
+    )
     num_warmup_batches: int = Field(
         1, ge=0, description="Mini-batches of samples the trainer waits for before its first update (as verl)"
     )
@@ -406,7 +471,10 @@ def _format_error(err: ValidationError, data: dict[str, Any]) -> str:
 
 
 def _parse_scalar(text: str) -> Any:
-    # YAML scalar rules give ints, floats, bools and null; the model then types them.
+    # YAML scalar rules give ints, floats, bools and null; the model then types them. YAML 1.1 reads
+    # "0.5_2" as the number 0.52: a value with an underscore stays text (the model still parses 1_000).
+    if "_" in text:
+        return text
     try:
         return yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError:

@@ -34,6 +34,7 @@ def rank_heartbeat_field(rank: int) -> str:
 
 DEAD_LETTERED_FIELD = "dead_lettered"  # rollouts dead-lettered so far (incremented in the dead-letter's own script)
 DEAD_COUNTED_FIELD = "dead_counted"  # how many of them pacing has counted as consumed (TOPUP)
+EVICTED_EARLY_FIELD = "evicted_early"  # evictions counted as consumed (EVICT) before their step's count settled them
 
 # Field of the `archive` hash: the folder retention archives the run's streams into (written by the trainer).
 ARCHIVE_DIR_FIELD = "dir"

@@ -21,7 +21,9 @@ is counted exactly once: the trainer's reader increments the trainer hash's `dea
 script that acks the entry and writes its dead copy (rollstream/bus/reader.py), and TOPUP counts
 `dead_lettered - dead_counted` inside Redis and sets `dead_counted`; a retried call, a crash between the
 dead letter and its count (the next trainer process runs TOPUP at start) and several ranks all count each
-dead letter once.
+dead letter once. Evictions (filter_groups: a group every trajectory of which scored the same is not
+trained) take the same give-back at once (EVICT, `consume_evicted`), else sync mode would wait forever
+for their replacements.
 Grants and top-ups are logged on the trainer's `dispatch_log` stream, each producer's takes and releases on
 its own (`producer:<name>:dispatch_log`), so the bound can be checked from the log (`dispatch_entries`).
 
@@ -44,6 +46,7 @@ from rollstream.names import (
     DEAD_COUNTED_FIELD,
     DEAD_LETTERED_FIELD,
     DROPPED_STALE_FIELD,
+    EVICTED_EARLY_FIELD,
     Keys,
 )
 from schemas.plain import GRANT, RELEASE, TAKE, TOPUP, DispatchRecord, decode_dispatch, dispatch_lua_fields
@@ -94,6 +97,27 @@ redis.call('HSET', KEYS[4], '{DEAD_COUNTED_FIELD}', lettered)
 local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - redis.call('INCRBY', KEYS[3], n)
 if current < 0 then return {{n, 0}} end
 return {{n, give_back(current, n, outstanding, tonumber(ARGV[2]))}}
+"""
+
+# KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log
+# ARGV: version (the caller's reading of budget_version), max_outstanding, n (evicted rollouts)
+# Returns {n, added}, or {-1, budget_version} when a grant moved budget_version (nothing done).
+_EVICT = _GIVE_BACK + f"""
+local n = tonumber(ARGV[3])
+redis.call('HINCRBY', KEYS[4], '{EVICTED_EARLY_FIELD}', n)
+local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - redis.call('INCRBY', KEYS[3], n)
+if current < 0 then return {{n, 0}} end
+return {{n, give_back(current, n, outstanding, tonumber(ARGV[2]))}}
+"""
+
+# KEYS: trainer hash, consumed. Un-count the early-counted evictions of a crashed trainer process.
+_UNCOUNT = f"""
+local early = tonumber(redis.call('HGET', KEYS[1], '{EVICTED_EARLY_FIELD}') or '0')
+if early ~= 0 then
+  redis.call('HSET', KEYS[1], '{EVICTED_EARLY_FIELD}', 0)
+  redis.call('DECRBY', KEYS[2], early)
+end
+return early
 """
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, producer's dispatch_log, producer's inflight counter
@@ -191,6 +215,23 @@ def consume_dead(r: redis.Redis, keys: Keys, max_outstanding: int) -> tuple[int,
     minus `dead_counted`) as consumed and give the current version's budget back the room they freed (TOPUP,
     see the module docstring). Returns (newly counted, budget added); a repeat counts nothing twice."""
     return _give_back_script(r, keys, _TOPUP, [keys.dispatch_log], max_outstanding)
+
+
+def consume_evicted(r: redis.Redis, keys: Keys, n: int, max_outstanding: int) -> tuple[int, int]:
+    """Trainer side: `n` rollouts evicted mid-step (filter_groups) count as consumed now and give the current
+    version's budget back their room (the dead letters' TOPUP rule), so producers refill the batch before
+    the next version. They stay in the trainer hash's `evicted_early` until their step's consumed count
+    settles them (consumers/trainer/ledger.py), and a restarted trainer un-counts what a crash left there
+    (`uncount_evicted`): its samples come back and are evicted (or trained) again. Returns (n, added)."""
+    if n <= 0:
+        return 0, 0
+    return _give_back_script(r, keys, _EVICT, [keys.dispatch_log], max_outstanding, str(n))
+
+
+def uncount_evicted(r: redis.Redis, keys: Keys) -> int:
+    """Trainer start: evictions counted early by a process that crashed before its step counted them are
+    no longer consumed (their samples are pending again); returns how many."""
+    return int(cast(Any, r.eval(_UNCOUNT, 2, keys.trainer, keys.consumed)))
 
 
 def _give_back_script(

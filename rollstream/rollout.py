@@ -82,6 +82,17 @@ def prepare_single_generation_data(
     return row.repeat(n, interleave=True)
 
 
+def failed_trajectories(batch: DataProto, param_version: int, seconds: float) -> list[Trajectory]:
+    """One empty trajectory per row of a generation batch whose generation failed: the row's prompt, no
+    response, unfinished (the producer still publishes the group, marked as a rollout failure)."""
+    ids, mask = batch.tensors["input_ids"], batch.tensors["attention_mask"]
+    return [
+        Trajectory(prompt_ids=[int(t) for t, m in zip(row, row_mask, strict=True) if m], version_start=param_version,
+                   version_end=param_version, processing_time_s=seconds)
+        for row, row_mask in zip(ids, mask, strict=True)
+    ]
+
+
 def concat_generation_data(batches: Sequence[DataProto], pad_id: int) -> DataProto:
     """Concatenate prepared prompt batches, left-padding `input_ids`/`attention_mask` to one width."""
     width = max(b.tensors["input_ids"].shape[1] for b in batches)

@@ -31,6 +31,9 @@ from schemas.events import (
 )
 from schemas.plain import (
     DROPPED,
+    EVICTED,
+    FILTER_GROUPS,
+    ROLLOUT_FAILURE,
     TRAINED,
     DispatchRecord,
     Fate,
@@ -45,6 +48,8 @@ from schemas.upgrades import register_upgrade, unregister_upgrade
 __all__ = [
     "DEFAULT_LIMITS",
     "DROPPED",
+    "EVICTED",
+    "FILTER_GROUPS",
     "EVENT_MODELS",
     "INLINE_MAX_BYTES",
     "DataProto",
@@ -56,6 +61,7 @@ __all__ = [
     "Fate",
     "Limits",
     "ParamVersion",
+    "ROLLOUT_FAILURE",
     "ProducerStats",
     "RolloutSample",
     "StepMetrics",

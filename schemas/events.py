@@ -213,6 +213,8 @@ class StepMetrics(EventBase):
     rank: int = Field(0, ge=0)  # the trainer rank that emitted it (step_end: rank 0)
     world_size: int = Field(1, ge=1)  # step_end: ranks whose num_local_updates local updates complete the step
     metrics: dict[str, float] = Field(default_factory=dict)
+    # dict-valued metrics, {name: {key: count}} (verl's `_dapo_filtered_reward_counts`: reward value -> groups)
+    counts: dict[str, dict[str, float]] = Field(default_factory=dict)
 
 
 class SyncStepRecord(EventBase):
@@ -224,6 +226,7 @@ class SyncStepRecord(EventBase):
     global_step: int
     num_local_updates: int
     metrics: dict[str, float] = Field(default_factory=dict)
+    counts: dict[str, dict[str, float]] = Field(default_factory=dict)  # dict metrics, merged (MetricsAggregator)
     source_ids: list[str] = Field(default_factory=list)
 
 

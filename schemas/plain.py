@@ -1,8 +1,9 @@
 """Log entries and values written as plain text fields (no payload), so `redis-cli` reads them as they are.
 
 `fates`: one entry per sample the trainer consumed, id `<global_step>-<i>`, written in the step commit:
-    sample_id  source_id (its rollouts entry id)  fate (trained | dropped)  staleness  param_version
-    global_step
+    sample_id  source_id (its rollouts entry id)  fate (trained | dropped | evicted)  staleness  param_version
+    global_step  [reason (evicted: filter_groups = every trajectory of the group scored the same;
+    rollout_failure = the producer's generation failed)]
 `dispatch_log` (the trainer's grants and top-ups) and `producer:<name>:dispatch_log` (a producer's takes
 and releases), written by the pacing Lua scripts (rollstream/pacing.py), fields in this order:
     grant:   op version amount outstanding max_outstanding
@@ -24,8 +25,13 @@ from typing import Any
 from schemas.errors import DecodeError
 
 TRAINED = "trained"
-DROPPED = "dropped"
-FATES = (TRAINED, DROPPED)
+DROPPED = "dropped"  # as too stale
+EVICTED = "evicted"  # not trained for a reason (Fate.reason), its budget given back at once
+FATES = (TRAINED, DROPPED, EVICTED)
+FILTER_GROUPS = "filter_groups"  # eviction reason: a zero-variance group (DAPO dynamic sampling)
+# eviction reason: the producer's generation failed (engine error, timeout); also the rollout_status key
+# (value 1) by which such a sample, published with empty responses so that its prompt is never lost, says so
+ROLLOUT_FAILURE = "rollout_failure"
 
 
 def _text(value: Any) -> str:
@@ -60,18 +66,19 @@ class Fate:
 
     sample_id: str
     source_id: str  # the rollouts entry it was read from
-    fate: str  # TRAINED or DROPPED (as stale)
+    fate: str  # TRAINED, DROPPED (as stale) or EVICTED
     staleness: int  # global step - param_version
     param_version: int
     global_step: int  # the step that consumed it
+    reason: str = ""  # why EVICTED (FILTER_GROUPS); not written when empty
 
 
 FATE_FIELDS = tuple(f.name for f in fields(Fate))
 
 
 def encode_fate(fate: Fate) -> dict[str, str | int]:
-    """The XADD fields of a `fates` entry."""
-    return {name: getattr(fate, name) for name in FATE_FIELDS}
+    """The XADD fields of a `fates` entry (`reason` only when set)."""
+    return {name: getattr(fate, name) for name in FATE_FIELDS if name != "reason" or fate.reason}
 
 
 def decode_fate(entry: Mapping[Any, Any]) -> Fate:
@@ -86,6 +93,7 @@ def decode_fate(entry: Mapping[Any, Any]) -> Fate:
         staleness=_int(entry, "staleness", "fates"),
         param_version=_int(entry, "param_version", "fates"),
         global_step=_int(entry, "global_step", "fates"),
+        reason=_get(entry, "reason", "fates") if entry.get(b"reason", entry.get("reason")) is not None else "",
     )
 
 

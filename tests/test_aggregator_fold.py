@@ -6,7 +6,7 @@ import pytest
 
 from consumers.aggregator.fold import Fold
 from rollstream.fakes import fake_metrics_log, local_update, producer_stats, step_end, validation
-from schemas import EventBase, StepMetrics, SyncStepRecord, encode
+from schemas import EventBase, StepMetrics, SyncStepRecord, decode_as, encode
 
 approx = pytest.approx
 
@@ -197,3 +197,17 @@ def test_producer_stats_below_the_step_end_id_are_used_whatever_the_feed_order()
     assert [r.metrics["producer/a/samples"] for r in live] == [1.0] == [r.metrics["producer/a/samples"] for r in replay]
     assert [encode(x) for x in live] == [encode(y) for y in replay]
     assert live[0].source_ids == ["stats:1-0", "2-0", "3-0"]
+
+
+def test_dict_metrics_are_merged_into_the_record_counts_and_sums_summed() -> None:
+    """The DAPO reward-count breakdown adds up over the step's local updates (record `counts`), and the
+    filter_groups eviction counts are summed (verl PR 7082), through the encoded wire event."""
+    first = lu(1, 1, 4, **{"training/filter_groups/evicted_samples": 2.0})
+    first.counts = {"_dapo_filtered_reward_counts": {"0.0": 1.0, "1.0": 1.0}}
+    second = lu(1, 2, 4, **{"training/filter_groups/evicted_samples": 1.0})
+    second.counts = {"_dapo_filtered_reward_counts": {"0.0": 1.0}}
+    wire = [decode_as(encode(ev), StepMetrics) for ev in (first, second)]
+    [rec] = run(Fold(), [("1-0", wire[0]), ("2-0", wire[1]), ("3-0", end(1, 2))])
+    assert rec.metrics["training/filter_groups/evicted_samples"] == 3.0
+    assert rec.counts == {"_dapo_filtered_reward_counts": {"0.0": 2.0, "1.0": 1.0}}
+    assert "_dapo_filtered_reward_counts" not in rec.metrics

@@ -58,7 +58,7 @@ def test_audit_command_prints_the_summary_and_exits_0_on_a_clean_log(
     code, out = audit_cli(capsys, keys, redis_url)
     assert code == 0, out
     assert f"run {keys.run}" in out and "published 3 samples" in out
-    assert "trained once 2  dropped once 1  dead-lettered once 0  still pending 0" in out
+    assert "trained once 2  dropped once 1  evicted once 0  dead-lettered once 0  still pending 0" in out
     assert "ended more than once 0  missing (acked, no fate) 0" in out
     assert "producers: rollout_00 1 samples, versions 0; rollout_01 2 samples, versions 0-1" in out
     assert out.rstrip().endswith("problems: none")

@@ -178,6 +178,14 @@ def test_kills_of_every_process_lose_and_repeat_nothing(tmp_path: Path) -> None:
         assert live and set(live) <= set(rebuilt)
         for i, fields in live.items():
             assert fields == rebuilt[i], f"record {i} differs from the replay fold"
+        # the rollout/trainer mismatch metrics reach every training record (an engine's users watch them)
+        for rec in (decode(f) for f in live.values()):
+            if rec.global_step >= 1:
+                for key in ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
+                            "training/rollout_probs_diff_std", "training/rollout_actor_probs_pearson_corr",
+                            "rollout_corr/kl", "rollout_corr/rollout_is_mean"):
+                    assert key in rec.metrics, (rec.global_step, key)
+                assert rec.metrics["training/rollout_probs_diff_valid"] == 1.0
 
 
 def _malicious_producer(run_dir: Path, url: str, keys: Keys) -> dict[str, str]:

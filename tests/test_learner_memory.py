@@ -50,7 +50,7 @@ def capture_grads(learner: Learner) -> list[list[torch.Tensor]]:
 
 
 COMPARED = ("actor/loss", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl",
-            "actor/pg_clipfrac", "actor/behave_imp_weight_mean")
+            "actor/pg_clipfrac", "rollout_corr/rollout_is_mean", "training/rollout_probs_diff_mean")
 
 
 def assert_same_updates(plain: list[str], knobs: list[str]) -> None:

@@ -521,3 +521,32 @@ def test_lower_priority_raises_the_nice_value_of_the_process() -> None:
     code = "import os; from producers.worker import lower_priority; a = os.nice(0); lower_priority(3); print(os.nice(0) - a)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "3"
+
+
+def test_a_generation_failure_publishes_its_prompts_as_rollout_failures(
+    r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
+    """An engine error (or an engine's timeout) neither hangs the producer nor loses the prompts: each is
+    published with empty responses and rollout_status `rollout_failure` = 1 (the trainer evicts it and gives
+    its budget back), and the producer goes on generating."""
+    cfg = small_cfg(keys)
+    policy = build_policy(cfg)
+    start_run(r, keys, policy.state_dict_bytes(), grant=cfg.max_outstanding)
+    calls = []
+
+    def flaky(batch: Any, param_version: int) -> Any:
+        calls.append(param_version)
+        if len(calls) == 1:
+            raise TimeoutError("engine did not answer within 30 s")
+        return producer.agent_loop(batch, param_version)
+
+    producer = Producer(context(cfg, keys, "rollout_00", redis_url), generate=flaky)
+    assert producer.run(max_dispatches=2) == 2
+    got = samples(r, keys)
+    per = cfg.rollout.prompts_per_dispatch
+    assert len(got) == 2 * per and len(calls) == 2
+    failed, fine = got[:per], got[per:]
+    for s in failed:
+        assert s.rollout_status["rollout_failure"] == 1 and s.n == cfg.rollout.n and s.num_tokens == 0
+    assert all("rollout_failure" not in s.rollout_status and s.num_tokens > 0 for s in fine)
+    assert outstanding(r, keys) == 2 * per and inflight(r, keys, "rollout_00") == 0

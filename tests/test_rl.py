@@ -20,6 +20,7 @@ from rollstream.rl import (
     reward_metrics,
     staleness_metrics,
 )
+from rollstream.rl.rollout_correction import is_weights
 
 approx = pytest.approx
 
@@ -104,14 +105,18 @@ def _logs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return P_THETA.log().requires_grad_(True), P_PROX.log().requires_grad_(True), P_BEHAVE.log()
 
 
+def _tis(prox: torch.Tensor, behave: torch.Tensor, cap: float | str = 5.0) -> torch.Tensor:
+    """The default config's token-level truncated weight min(pi_prox / pi_behave, cap) [B, T]."""
+    weights, m = is_weights(prox.detach() - behave, ONES, "token", cap)
+    return weights
+
+
 def test_ppo_decoupled_by_hand() -> None:
     logp, prox, behave = _logs()
-    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), ONES, clip_eps=0.2, behave_imp_cap=5.0)
+    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), ONES, clip_eps=0.2, is_weights=_tis(prox, behave))
     assert loss.item() == approx(-5.9 / 3)
     assert m["actor/pg_loss"] == approx(-5.9 / 3)
     assert m["actor/pg_clipfrac"] == approx(1 / 3)
-    assert m["actor/behave_imp_weight_mean"] == approx(8 / 3)
-    assert m["actor/behave_imp_weight_truncated_frac"] == approx(1 / 3)
     assert m["actor/ppo_kl"] == approx((0 - math.log(1.5) - math.log(0.5)) / 3)
     assert all(isinstance(v, float) for v in m.values())
 
@@ -119,7 +124,7 @@ def test_ppo_decoupled_by_hand() -> None:
 def test_ppo_decoupled_negative_advantage_by_hand() -> None:
     # A = -1: token 0: 1*1; token 1: max(1.5, 1.2)=1.5 (unclipped) *2; token 2: max(0.5, 0.8)=0.8 (clipped) *5
     logp, prox, behave = _logs()
-    loss, m = ppo_loss(logp, prox, behave, torch.tensor([[-1.0, -1.0, -1.0]]), ONES)
+    loss, m = ppo_loss(logp, prox, behave, torch.tensor([[-1.0, -1.0, -1.0]]), ONES, is_weights=_tis(prox, behave))
     assert loss.item() == approx((1 + 3 + 4) / 3)
     assert m["actor/pg_clipfrac"] == approx(1 / 3)
 
@@ -130,24 +135,24 @@ def test_ppo_bypass_by_hand() -> None:
     loss, m = ppo_loss(logp, None, behave, torch.tensor([1.0]), ONES, mode="bypass")
     assert loss.item() == approx(-3.4 / 3)
     assert m["actor/pg_clipfrac"] == approx(2 / 3)
-    assert m["actor/behave_imp_weight_mean"] == 1.0
-    assert m["actor/behave_imp_weight_truncated_frac"] == 0.0
+    # weights are never applied in bypass mode (the ratio is against the behaviour policy already)
+    again, _ = ppo_loss(logp, None, behave, torch.tensor([1.0]), ONES, mode="bypass", is_weights=ONES * 7)
+    assert again.item() == approx(-3.4 / 3)
     assert m["actor/ppo_kl"] == approx((math.log(0.2 / 0.6) + math.log(0.04 / 0.2)) / 3)
 
 
 def test_ppo_uncapped_weight_mask_and_clip_high() -> None:
     logp, prox, behave = _logs()
-    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), ONES, behave_imp_cap=None)
+    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), ONES, is_weights=_tis(prox, behave, 1e9))
     assert loss.item() == approx((-1.0 - 2.4 - 5.0) / 3)
-    assert m["actor/behave_imp_weight_truncated_frac"] == 0.0
     # clip_eps_high = 0.6 lets ratio 1.5 through: token 1 loss -1.5 * 2
-    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), ONES, clip_eps_high=0.6)
+    w = _tis(prox, behave)
+    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), ONES, clip_eps_high=0.6, is_weights=w)
     assert loss.item() == approx((-1.0 - 3.0 - 2.5) / 3)
     assert m["actor/pg_clipfrac"] == 0.0
     # masking token 2 out: mean over tokens 0 and 1
-    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), torch.tensor([[1, 1, 0]]))
+    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), torch.tensor([[1, 1, 0]]), is_weights=w)
     assert loss.item() == approx((-1.0 - 2.4) / 2)
-    assert m["actor/behave_imp_weight_truncated_frac"] == 0.0
 
 
 def test_ppo_dual_clip() -> None:
@@ -164,7 +169,7 @@ def test_ppo_gradient_flows_only_through_logp() -> None:
     logp, prox, behave = _logs()
     behave.requires_grad_(True)
     adv = torch.tensor([1.0], requires_grad=True)
-    loss, _ = ppo_loss(logp, prox, behave, adv, ONES)
+    loss, _ = ppo_loss(logp, prox, behave, adv, ONES, is_weights=_tis(prox, behave.detach()))
     loss.backward()
     assert prox.grad is None and behave.grad is None and adv.grad is None
     # d/dlogp of -A*w*ratio/3: token 0: -1/3; token 1 clipped: 0; token 2: -0.5*5/3

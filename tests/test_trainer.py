@@ -51,9 +51,15 @@ class FakeProducer(threading.Thread):
     layout of writers before issue 17). `cap[v]` limits how many prompts it dispatches for version v (until the
     cap is removed)."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, corrupt_at: tuple[int, ...] = (4,)) -> None:
+    def __init__(
+        self, r: redis.Redis, keys: Keys, corrupt_at: tuple[int, ...] = (4,), flat_every: int = 0, failed_at: tuple[int, ...] = ()
+    ) -> None:
+        """`flat_every` > 0: every flat_every-th sample's 4 trajectories all get reward 1.0 (no GRPO signal);
+        the samples at `failed_at` indices are rollout failures (rollout_status rollout_failure = 1)."""
         super().__init__(daemon=True)
-        self.r, self.keys, self.corrupt_at = r, keys, corrupt_at
+        self.r, self.keys, self.corrupt_at, self.flat_every, self.failed_at = r, keys, corrupt_at, flat_every, failed_at
+        self.flat: list[str] = []
+        self.failed: list[str] = []
         self.stop = threading.Event()
         self.cap: dict[int, int] = {}
         self.taken: dict[int, int] = {}
@@ -79,8 +85,14 @@ class FakeProducer(threading.Thread):
             pipe = self.r.pipeline(transaction=True)
             for _ in range(take.amount):
                 sid = f"fake-{len(self.published):04d}"
+                flat = self.flat_every > 0 and len(self.published) % self.flat_every == 1
                 sample = fake_rollout_sample(sid, param_version=v, n=4, prompt_len=6, response_len=8,
-                                             seed=len(self.published))
+                                             seed=len(self.published), rewards=[1.0] * 4 if flat else None)
+                if flat:
+                    self.flat.append(sid)
+                if len(self.published) in self.failed_at:
+                    sample.rollout_status["rollout_failure"] = 1
+                    self.failed.append(sid)
                 fields: dict[str, Any] = encode(sample, compact=len(self.published) % 2 == 0)
                 self.schema[sid] = fields["schema"]
                 if len(self.published) in self.corrupt_at:
@@ -326,3 +338,22 @@ def test_stale_counts_follow_verl() -> None:
         "fully_async/count/stale_trajectory_processed": 3.0,
         "fully_async/count/current_param_version": 4.0,
     }
+
+
+def test_over_threshold_samples_train_under_rollout_correction_when_asked(
+    r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path, producer: FakeProducer
+) -> None:
+    """trainer.max_off_policy_strategy=train: samples over the staleness threshold are trained (their IS
+    weights from actor.rollout_correction), none dropped, and every step_end reports a dropped share of 0."""
+    args = trainer_args(keys, redis_url, tmp_path, 3)
+    proc = subprocess.run([*args[:-2], "trainer.max_off_policy_strategy=train", *args[-2:]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = audit_run(r, keys)
+    assert rep.problems() == [] and not rep.dropped and len(rep.trained) == 3 * TBS
+    fates = [decode_fate(f) for _, f in r.xrange(keys.fates)]
+    assert any(f.staleness > 1 for f in fates), "the run had no over-threshold sample to train"
+    ends = [ev for ev in events(r, keys.metrics) if isinstance(ev, StepMetrics) and ev.type == "step_end"]
+    assert [ev.metrics["training/off_policy/dropped_share"] for ev in ends] == [0.0, 0.0, 0.0]
+    updates = [ev for ev in events(r, keys.metrics) if isinstance(ev, StepMetrics) and ev.type == "local_update"]
+    assert all("rollout_corr/rollout_is_mean" in ev.metrics for ev in updates)

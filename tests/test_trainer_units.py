@@ -59,7 +59,8 @@ def test_staleness_threshold_keeps_k_and_drops_k_plus_one(r: redis.Redis, keys: 
     ledger = StepLedger(5)
     got = trainer._collect(5, ledger)  # global step 5 through the consumer loop: staleness k kept, k+1 dropped
     assert got is not None
-    kept, dropped = got
+    kept, dropped = got.kept, got.dropped
+    assert got.dropped_lengths == [6.0] and got.evicted == []
     assert [(m.event.sample_id, st) for m, st in kept] == [("edge", k), ("fresh", 1)]  # type: ignore[union-attr]
     assert dropped == [k + 1] and [(f.sample_id, f.fate) for f in ledger.fates] == [("too-old", DROPPED)]
     assert dropped_metrics([]) == {"training/off_policy/dropped_samples": 0.0}
@@ -120,8 +121,9 @@ def test_learner_update_reports_metrics_and_changes_weights() -> None:
                 "global_seqlen/min", "global_seqlen/max", "timing_s/update_actor", "timing_s/old_log_prob"):
         assert np.isfinite(m[key]), key
     assert m["perf/total_num_tokens"] == 8 * 11  # 8 rows of 5 prompt + 6 response tokens
-    # first update of a step: prox == current weights, so the behaviour weight is pi_prox/pi_behave only
-    assert m["actor/behave_imp_weight_mean"] > 0
+    # first update of a step: prox == current weights, so the IS weight is pi_prox/pi_behave only
+    assert m["rollout_corr/rollout_is_mean"] > 0
+    assert m["training/rollout_probs_diff_valid"] == 1.0 and m["training/rollout_probs_diff_max"] >= 0
 
 
 def test_commit_is_atomic_and_a_replay_is_harmless(r: redis.Redis, keys: Keys) -> None:

@@ -21,6 +21,9 @@ same-named keys (verl merges its sync metrics over the aggregated ones):
      (sums) and `producer/idle_ratio` (mean)
   6. `training/global_step` = g
 
+Dict-valued metrics (the local updates' `counts`, e.g. `_dapo_filtered_reward_counts`) are merged by the
+same MetricsAggregator and go in the record's `counts`, not its `metrics`.
+
 Trainer events come from `metrics`, producer stats from `stats` (a stream producers may write and the
 trainer never does); both streams' ids are server-clock ids, so "below the step_end's id" is the same
 rule live and in replay. Stats entries are fed as refs `stats:<id>` (see `stats_ref`), so a record's
@@ -260,8 +263,8 @@ class Fold:
             metrics = ev.metrics
             if ranks > 1:  # ranks run side by side: a time is their mean, not their sum
                 metrics = {k: v / ranks if aggregation_rule(k) == "time_sum" else v for k, v in metrics.items()}
-            agg.add_step_metrics(metrics, ev.sample_count)
-        metrics = agg.get_aggregated_metrics()
+            agg.add_step_metrics({**metrics, **ev.counts}, ev.sample_count)
+        metrics = agg.scalar_metrics()
         sources = [i for i, _ in updates]
         if step.end is not None:
             metrics.update(step.end[1].metrics)
@@ -283,6 +286,7 @@ class Fold:
             global_step=g,
             num_local_updates=k,
             metrics=dict(sorted(metrics.items())),
+            counts={name: {str(k): float(c) for k, c in sorted(merged.items())} for name, merged in agg.dict_metrics().items()},
             source_ids=sorted(sources, key=id_key),
             created_at=created_at,
         )

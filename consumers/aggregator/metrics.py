@@ -3,7 +3,11 @@
 The rules are verl v1's (`verl/trainer/ppo/v1/utils.py`, the `separate_async` trainer), plus the
 fully-async aggregator's "counts take the last value", applied per key in this precedence:
 
-  1. explicit sum list (`{training,validation}/off_policy/{dropped,evicted}_samples`) -> sum
+  0. dict-valued metrics named in DICT_METRICS (`_dapo_filtered_reward_counts`, the DAPO breakdown
+     `{reward value: filtered groups}`)                                                -> counts added per
+     key (verl's `Counter.update`); any other dict is skipped like any other non-number
+  1. explicit sum list (`{training,validation}/off_policy/{dropped,evicted}_samples`,
+     `…/filter_groups/{evicted,discarded_surplus}_samples`, `…/rollout_failure/evicted_samples`) -> sum
   2. explicit last list (`training/global_step`, `training/rollout_probs_diff_valid`) -> last added
   3. name starts with `fully_async/count/` (cumulative counters: the trainer's and the
      rollout status's; verl fully-async's `last` list)                               -> last added
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -39,12 +44,21 @@ import numpy as np
 
 Rule = Literal["sum", "last", "time_sum", "max", "min", "avg"]
 
-SUM_METRICS = frozenset({
-    "training/off_policy/dropped_samples",
-    "validation/off_policy/dropped_samples",
-    "training/off_policy/evicted_samples",
-    "validation/off_policy/evicted_samples",
-})
+# verl v1 (PR 7082) sums these counts over the local updates of a step; the dropped_* pair is our name
+# for the off-policy eviction the trainer does itself.
+SUM_METRICS = frozenset(
+    f"{split}/{name}"
+    for split in ("training", "validation")
+    for name in (
+        "off_policy/dropped_samples",
+        "off_policy/evicted_samples",
+        "filter_groups/evicted_samples",
+        "filter_groups/discarded_surplus_samples",
+        "rollout_failure/evicted_samples",
+    )
+)
+DAPO_FILTERED_REWARD_COUNTS_KEY = "_dapo_filtered_reward_counts"
+DICT_METRICS = frozenset({DAPO_FILTERED_REWARD_COUNTS_KEY})
 LAST_METRICS = frozenset({"training/global_step", "training/rollout_probs_diff_valid"})
 # Times without a timing marker in their name: summed like any "total" (verl's rule 8), but a time, so that
 # data-parallel ranks that waited side by side count as their mean (consumers/aggregator/fold.py).
@@ -181,6 +195,7 @@ class MetricsAggregator:
             raise ValueError(f"total_gpus must be >= 1, got {total_gpus}")
         self.total_gpus = total_gpus
         self._pairs: dict[str, list[tuple[float, float]]] = {}
+        self._counts: dict[str, Counter[Any]] = {}
         self._step_count = 0
 
     @property
@@ -196,6 +211,9 @@ class MetricsAggregator:
         if sample_count < 0:
             raise ValueError(f"sample_count must be >= 0, got {sample_count}")
         for key, raw in metrics.items():
+            if key in DICT_METRICS and isinstance(raw, Mapping):
+                self._counts.setdefault(key, Counter()).update(raw)
+                continue
             value = as_number(raw)
             if value is None:
                 continue
@@ -204,16 +222,28 @@ class MetricsAggregator:
             self._pairs.setdefault(key, []).append((value, float(weight)))
         self._step_count += 1
 
-    def get_aggregated_metrics(self) -> dict[str, float]:
-        """The folded record with derived metrics; {} when nothing was added."""
+    def get_aggregated_metrics(self) -> dict[str, Any]:
+        """The folded record with derived metrics, and each non-empty dict metric as a plain dict of merged
+        counts (as verl returns them); {} when nothing was added."""
+        record: dict[str, Any] = self.scalar_metrics()
+        record.update(self.dict_metrics())
+        return record
+
+    def scalar_metrics(self) -> dict[str, float]:
+        """The folded numbers with derived metrics (no dict metrics); {} when nothing was added."""
         if self._step_count == 0:
             return {}
         record = {key: fold(aggregation_rule(key), pairs) for key, pairs in self._pairs.items()}
         return add_derived_metrics(record, self.total_gpus)
 
+    def dict_metrics(self) -> dict[str, dict[Any, float]]:
+        """The merged dict metrics, `{name: {key: summed count}}`, empty breakdowns left out."""
+        return {name: dict(counts) for name, counts in self._counts.items() if counts}
+
     def reset(self) -> None:
         """Forget every update (start the next global step)."""
         self._pairs = {}
+        self._counts = {}
         self._step_count = 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -223,6 +253,7 @@ class MetricsAggregator:
             "total_gpus": self.total_gpus,
             "step_count": self._step_count,
             "pairs": {key: [[v, w] for v, w in pairs] for key, pairs in self._pairs.items()},
+            "counts": {name: [[k, c] for k, c in counts.items()] for name, counts in self._counts.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -235,3 +266,4 @@ class MetricsAggregator:
         self._pairs = {
             str(key): [(float(v), float(w)) for v, w in pairs] for key, pairs in state["pairs"].items()
         }
+        self._counts = {str(name): Counter(dict(items)) for name, items in state.get("counts", {}).items()}

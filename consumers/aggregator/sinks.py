@@ -23,6 +23,7 @@ from rollstream.names import Keys
 from schemas import DecodeError, SyncStepRecord, decode_as
 
 log = logging.getLogger(__name__)
+Counts = dict[str, dict[str, float]]  # dict-valued metrics of a record: name -> {key: count}
 
 READ_CHUNK = 256  # records per XRANGE
 
@@ -36,8 +37,8 @@ class Sink(Protocol):
         """The last global step written (-1 when none)."""
         ...
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        """Write one step's metrics."""
+    def write(self, step: int, metrics: dict[str, float], counts: Counts | None = None) -> None:
+        """Write one step's metrics and its dict metrics (`counts`, name -> {key: count})."""
         ...
 
     def close(self) -> None:
@@ -87,9 +88,9 @@ class JsonlSink:
         """Last step in the file."""
         return self._last
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        """Append one line and flush it."""
-        self._f.write(json.dumps({"step": step, **metrics}) + "\n")
+    def write(self, step: int, metrics: dict[str, float], counts: Counts | None = None) -> None:
+        """Append one line (dict metrics as nested objects) and flush it."""
+        self._f.write(json.dumps({"step": step, **metrics, **(counts or {})}) + "\n")
         self._f.flush()
         self._last = step
 
@@ -126,10 +127,13 @@ class TensorBoardSink(_CursorSink):
         super().__init__(r, keys)
         self.writer = writer_cls(log_dir=str(log_dir))
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        """One scalar per metric at `step`, then advance the cursor."""
+    def write(self, step: int, metrics: dict[str, float], counts: Counts | None = None) -> None:
+        """One scalar per metric (a dict metric: one per key, `name/key`) at `step`, then advance the cursor."""
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=step)
+        for name, by_key in (counts or {}).items():
+            for sub, value in by_key.items():
+                self.writer.add_scalar(f"{name}/{sub}", value, global_step=step)
         self.writer.flush()
         self._advance(step)
 
@@ -149,9 +153,9 @@ class WandbSink(_CursorSink):
         self.wandb = wandb
         self.run = wandb.init(project=project, name=keys.run, id=keys.run, resume="allow", dir=str(run_dir))
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        """Log at `step`, then advance the cursor."""
-        self.run.log(metrics, step=step)
+    def write(self, step: int, metrics: dict[str, float], counts: Counts | None = None) -> None:
+        """Log at `step` (dict metrics as nested dicts), then advance the cursor."""
+        self.run.log({**metrics, **(counts or {})}, step=step)
         self._advance(step)
 
     def close(self) -> None:
@@ -228,7 +232,7 @@ class Sinks:
                 continue
             for sink in self.sinks:
                 if rec.global_step > lasts[sink.name]:
-                    sink.write(rec.global_step, rec.metrics)
+                    sink.write(rec.global_step, rec.metrics, rec.counts)
                     lasts[sink.name] = rec.global_step
                     writes += 1
         self.written += writes

@@ -11,6 +11,14 @@ version (else sync mode, whose window is one global batch, would wait forever fo
 polls until it has its share; data-parallel ranks collect in rounds they agree on (one poll each, then an
 all-gather of what each took), so they start and abandon every local update together, never train one
 sample id twice, and none reads more entries than it still needs (the others would wait for what it hoards).
+
+Each sample taken gets a verdict (`verdict`): trained; evicted as a rollout failure (the producer's
+generation failed and it published the prompts with empty responses, rollout_status `rollout_failure`);
+dropped as too stale (staleness over trainer.max_off_policy_threshold, unless
+trainer.max_off_policy_strategy=train); or evicted by dynamic sampling (trainer.filter_groups.enable: every
+trajectory of its group has the same reward, so GRPO gives it no gradient). An eviction is counted as consumed at once and its room given back to the current version's
+budget (rollstream/pacing.py, EVICT), so producers refill the batch; the collector keeps reading until the
+share has enough samples to train.
 """
 
 from __future__ import annotations
@@ -20,23 +28,50 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import numpy as np
 import redis
 
 from consumers.trainer.distributed import DataParallel
 from consumers.trainer.guard import unusable_reason, version_reason
 from consumers.trainer.ledger import StepLedger
 from consumers.trainer.ranks import RoundClaim, RoundResult, resolve_round
-from consumers.trainer.staleness import staleness
+from consumers.trainer.staleness import mean_response_length, staleness
 from rollstream.bus import GroupReader, Message, retry_on_connection
 from rollstream.config import PipelineConfig
 from rollstream.names import HEARTBEAT_FIELD, Keys, rank_heartbeat_field
-from rollstream.pacing import consume_dead
-from schemas import DROPPED, Fate, RolloutSample
+from rollstream.pacing import consume_dead, consume_evicted
+from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, Fate, RolloutSample
 
 log = logging.getLogger(__name__)
+
+
+def failed(ev: RolloutSample) -> bool:
+    """True for a rollout failure: the producer's generation failed, its prompts came with empty responses."""
+    return bool(ev.rollout_status.get(ROLLOUT_FAILURE))
+
+
+def zero_variance_reward(ev: RolloutSample) -> float | None:
+    """The reward every trajectory of a group of more than one shares (DAPO's filter_groups test: no GRPO
+    signal), or None when the rewards differ or the group has one trajectory."""
+    rewards = np.asarray(ev.full_batch.tensors["rewards"], dtype=np.float64).reshape(-1)
+    if rewards.size > 1 and float(np.std(rewards)) == 0.0:
+        return float(rewards[0])
+    return None
+
+
+@dataclass
+class Collected:
+    """A local update's share: the samples to train (with staleness), and what was set aside taking them."""
+
+    kept: list[tuple[Message, int]] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)  # staleness of each sample dropped as stale
+    dropped_lengths: list[float] = field(default_factory=list)  # their mean response lengths
+    evicted: list[float] = field(default_factory=list)  # the shared reward of each filter_groups eviction
+    failed: int = 0  # rollout failures evicted
 
 
 class Collector:
@@ -140,16 +175,27 @@ class Collector:
                 break
         log.info("warmup: %d samples buffered before the first update", len(self.buffer))
 
+    def verdict(self, m: Message, st: int) -> str | None:
+        """None: train it; EVICTED: a rollout failure or (filter_groups) no reward variance; DROPPED:
+        staleness over the threshold (strategy drop)."""
+        tc = self.cfg.trainer
+        if failed(m.event):  # type: ignore[arg-type]
+            return EVICTED
+        if st > tc.max_off_policy_threshold and tc.max_off_policy_strategy == "drop":
+            return DROPPED
+        if tc.filter_groups.enable and zero_variance_reward(m.event) is not None:  # type: ignore[arg-type]
+            return EVICTED
+        return None
+
     def take(self, g: int, need: int) -> list[tuple[Message, int]]:
-        """Pop samples off the buffer until `need` of them are fresh enough to keep (stale ones met on the
-        way are taken too, to be dropped); (message, staleness) each."""
-        k = self.cfg.trainer.max_off_policy_threshold
+        """Pop samples off the buffer until `need` of them are to be trained (those met on the way that are
+        to be dropped or evicted are taken too); (message, staleness) each."""
         out: list[tuple[Message, int]] = []
         while need > 0 and self.buffer:
             m = self.buffer.popleft()
             st = staleness(g, m.event.param_version)  # type: ignore[union-attr]
             out.append((m, st))
-            need -= st <= k
+            need -= self.verdict(m, st) is None
         return out
 
     def agree(self, claim: RoundClaim, want: int) -> RoundResult:
@@ -157,24 +203,23 @@ class Collector:
         claims = [RoundClaim.from_plain(d) for d in self.dp.all_gather_plain(claim.to_plain())]
         return resolve_round(claims, self.claimed, want, self.dp.rank)
 
-    def collect(self, g: int, ledger: StepLedger) -> tuple[list[tuple[Message, int]], list[int]] | None:
-        """Take this rank's share of a mini-batch (ppo_mini_batch_size / world_size samples) with staleness
-        <= threshold; drop (and record) older ones. Returns (kept with staleness, dropped staleness), or
+    def collect(self, g: int, ledger: StepLedger) -> Collected | None:
+        """Take this rank's share of a mini-batch (ppo_mini_batch_size / world_size samples to train); drop
+        (and record) the too stale, evict (record, and give their budget back) the zero-variance groups.
         None when stop was requested (on any rank) or, in burst mode, no rollout is left."""
-        want, k = self.share, self.cfg.trainer.max_off_policy_threshold
-        kept: list[tuple[Message, int]] = []
-        dropped: list[int] = []
+        want = self.share
+        got = Collected()
         while True:
-            taken = self.take(g, want - len(kept))
+            taken = self.take(g, want - len(got.kept))
             ended = self.stop.is_set()
-            short = want - len(kept) - sum(st <= k for _, st in taken)
+            short = want - len(got.kept) - sum(self.verdict(m, st) is None for m, st in taken)
             if short > 0 and not ended:
                 ended = self.starve(short)
                 taken += self.take(g, short)
-            ready = len(kept) + sum(st <= k for _, st in taken) >= want
+            ready = len(got.kept) + sum(self.verdict(m, st) is None for m, st in taken) >= want
             if self.dp.active:
-                claim = RoundClaim(ended or self.stop.is_set(), len(kept),
-                                   [(m.event.sample_id, st <= k) for m, st in taken])  # type: ignore[union-attr]
+                claim = RoundClaim(ended or self.stop.is_set(), len(got.kept),
+                                   [(m.event.sample_id, self.verdict(m, st) is None) for m, st in taken])  # type: ignore[union-attr]
                 res = self.agree(claim, want)
                 dupes = [taken[i][0].id for i in res.duplicates]
                 if dupes:
@@ -182,15 +227,35 @@ class Collector:
                     retry_on_connection(partial(self.reader.ack, dupes), "acking duplicates")
                     taken = [x for i, x in enumerate(taken) if i not in set(res.duplicates)]
                 ready, ended = res.all_ready, res.any_ended
-            for m, st in taken:
-                ev: Any = m.event
-                if st > k:
-                    ledger.fates.append(Fate(ev.sample_id, m.id, DROPPED, st, ev.param_version, g))
-                    ledger.ack_ids.append(m.id)
-                    dropped.append(st)
-                else:
-                    kept.append((m, st))
+            self._sort(g, ledger, taken, got)
             if ended:
                 return None
             if ready:
-                return kept, dropped
+                return got
+
+    def _sort(self, g: int, ledger: StepLedger, taken: list[tuple[Message, int]], got: Collected) -> None:
+        """Keep, drop or evict each taken sample (fates of the last two in the ledger); evictions count as
+        consumed at once, giving their room back to the current version's budget."""
+        evicted = 0
+        for m, st in taken:
+            ev: Any = m.event
+            verdict = self.verdict(m, st)
+            if verdict is None:
+                got.kept.append((m, st))
+                continue
+            reason = "" if verdict == DROPPED else ROLLOUT_FAILURE if failed(ev) else FILTER_GROUPS
+            ledger.fates.append(Fate(ev.sample_id, m.id, verdict, st, ev.param_version, g, reason=reason))
+            ledger.ack_ids.append(m.id)
+            if verdict == DROPPED:
+                got.dropped.append(st)
+                got.dropped_lengths.append(mean_response_length(ev))
+                continue
+            if reason == ROLLOUT_FAILURE:
+                got.failed += 1
+            else:
+                got.evicted.append(zero_variance_reward(ev))  # type: ignore[arg-type]
+            evicted += 1
+        if evicted:
+            n, added = retry_on_connection(
+                lambda: consume_evicted(self.r, self.keys, evicted, self.cfg.max_outstanding), "counting evicted")
+            log.info("%d samples evicted (rollout failures, zero-variance groups), budget topped up by %d", n, added)

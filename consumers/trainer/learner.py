@@ -2,9 +2,11 @@
 
   begin_step(g)  at the first local update of global step g: freeze a copy of the weights (version g-1)
                  as the proximal policy; it is pinned for the step's K local updates (decoupled mode)
-  update(batch)  one mini-batch -> advantages -> per micro-batch (actor.micro_batch_size rows): prox/ref
-                 log-probs (no grad) -> forward -> loss x its share -> backward (gradients accumulate)
-                 -> clip -> AdamW step; returns the update's metrics
+  update(batch)  one mini-batch -> advantages -> prox/ref log-probs (no grad, per micro-batch of
+                 actor.micro_batch_size rows) -> rollout correction over the mini-batch (IS weights,
+                 rejection, mismatch metrics: rollstream/rl/rollout_correction.py) -> per micro-batch:
+                 forward -> loss x its share -> backward (gradients accumulate) -> clip -> AdamW step;
+                 returns the update's metrics
 
 Memory knobs: `actor.micro_batch_size` (the accumulated update equals the whole-mini-batch one: each
 micro-batch's loss is scaled by its share of what the loss aggregation divides by), `actor.
@@ -46,6 +48,13 @@ from rollstream.rl import (
     reward_metrics,
 )
 from rollstream.rl.masked import agg_count
+from rollstream.rl.rollout_correction import (
+    PREFIX,
+    Correction,
+    normalize_is_weights,
+    normalize_totals,
+    rollout_correction,
+)
 from rollstream.warmstart import load_init
 from rollstream.weights_file import unique_state
 from schemas import DataProto
@@ -89,6 +98,18 @@ def micro_slices(rows: int, micro_batch_size: int) -> list[slice]:
     """Row ranges of the micro-batches of a `rows`-row mini-batch (one range when micro_batch_size is 0)."""
     size = micro_batch_size if micro_batch_size > 0 else max(rows, 1)
     return [slice(s, min(s + size, rows)) for s in range(0, rows, size)]
+
+
+def micro_inputs(ids: torch.Tensor, mask: torch.Tensor, rows: slice, width: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A micro-batch's ids and attention mask [b, p+w] without its own all-pad columns, and its response width w."""
+    m_ids, m_mask = ids[rows], mask[rows]
+    f, w = trim_padding(m_ids, m_mask, width)
+    return m_ids[:, f : m_ids.shape[1] - width + w], m_mask[:, f : m_mask.shape[1] - width + w], w
+
+
+def pad_cat(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Micro-batch tensors [b_i, w_i] right-padded with 0 to `width` and stacked: [sum b_i, width]."""
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
 
 def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
@@ -167,6 +188,42 @@ class Learner:
         if self.prox is not None:
             self.prox.module.load_state_dict(self.policy.module.state_dict())
 
+    def _frozen_logprobs(
+        self, ids: torch.Tensor, mask: torch.Tensor, width: int, slices: list[slice], temp: float
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per micro-batch, without grad: the log-probs rollout correction compares with the behaviour's (the
+        proximal policy's; in bypass mode with rejection the policy's own before the update; else none) and
+        the reference policy's (when kl_coef > 0). Each [b, w] (the micro-batch's own response width)."""
+        old = self.prox
+        if old is None and self.actor.rollout_correction.rollout_rs is not None:
+            old = self.policy
+            self.policy.eval()  # as the frozen copies run (update() puts it back in train mode)
+        old_parts, ref_parts = [], []
+        with torch.no_grad():
+            for rows in slices:
+                m_ids, m_mask, w = micro_inputs(ids, mask, rows, width)
+                if old is not None:
+                    old_parts.append(old.log_probs(m_ids, m_mask, w, temp))
+                if self.ref is not None:
+                    ref_parts.append(self.ref.log_probs(m_ids, m_mask, w, temp))
+        return old_parts, ref_parts
+
+    def _correct(self, old_logp: torch.Tensor, behave: torch.Tensor, resp_mask: torch.Tensor) -> Correction:
+        """Rollout correction of a mini-batch [B, T] with the configured options (IS weights only in decoupled
+        mode: in bypass mode the PPO ratio is against the behaviour policy already); batch normalisation
+        uses every data-parallel rank's weights."""
+        rc = self.actor.rollout_correction
+        level = rc.rollout_is if self.actor.off_policy_mode == "decoupled" else None
+        out = rollout_correction(
+            old_logp, behave, resp_mask, rollout_is=level, rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold,
+        )
+        if out.weights is None or level is None or not rc.rollout_is_batch_normalize:
+            return out
+        weight_sum, count = self.dp.all_reduce_sum(list(normalize_totals(out.weights, resp_mask, level)))
+        weights, factor = normalize_is_weights(out.weights, resp_mask, level, (weight_sum, count))
+        return Correction(weights, out.mask, {**out.metrics, PREFIX + "rollout_is_batch_norm_factor": factor})
+
     def update(self, batch: DataProto) -> dict[str, float]:
         """One optimizer step on a mini-batch; returns its actor/critic/length/timing metrics."""
         t = batch.tensors
@@ -195,47 +252,54 @@ class Learner:
         else:
             adv = group_advantages(rewards, groups, self.actor.norm_adv_by_std).to(dev)
 
-        # 2-3. per micro-batch: proximal / reference log-probs (frozen, no grad), forward, loss scaled by
-        #      the micro-batch's share of what the aggregation divides by, backward (gradients accumulate)
+        # 2. the trainer's log-probs before this update (no grad), per micro-batch: proximal (decoupled; in
+        #    bypass mode with rejection, the policy itself) and reference (KL); then rollout correction over
+        #    the mini-batch: IS weights [B, width] or None, the response mask after rejection, verl's metrics
+        slices = micro_slices(ids.shape[0], self.actor.micro_batch_size)
+        temp = self.cfg.rollout.temperature  # log-probs of the distribution producers sampled from
+        t0 = time.perf_counter()
+        old_parts, ref_parts = self._frozen_logprobs(ids, mask, width, slices, temp)
+        t_old = time.perf_counter() - t0
+        correction = self._correct(pad_cat(old_parts, width), behave, resp_mask) if old_parts else None
+        loss_mask = correction.mask.to(resp_mask.dtype) if correction is not None else resp_mask  # [B, width]
+        is_w = correction.weights if correction is not None else None  # [B, width] or None
+
+        # 3. per micro-batch: forward, loss scaled by the micro-batch's share of what the aggregation divides
+        #    by, backward (gradients accumulate)
         mode: AggMode = self.actor.loss_agg_mode
-        total, tokens = agg_count(resp_mask, mode), float(resp_mask.sum())
+        total, tokens = agg_count(loss_mask, mode), float(loss_mask.sum())
         every_total, ranks = self._dp_count(total)
         ent_coef = entropy_coef_at(self.actor.entropy_coef, self.actor.entropy_decay_steps, self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
         self.policy.train()
         metrics: dict[str, float] = {}
         loss = ent = kl = 0.0
-        t_old = t_update = 0.0
-        slices = micro_slices(ids.shape[0], self.actor.micro_batch_size)
+        t_update = 0.0
+        current: list[torch.Tensor] = []  # bypass without rejection: the mismatch metrics' trainer log-probs
         for i, rows in enumerate(slices):
-            m_ids, m_mask, m_resp, m_behave = ids[rows], mask[rows], resp_mask[rows], behave[rows]
+            m_ids, m_mask, w = micro_inputs(ids, mask, rows, width)
+            m_resp, m_behave = loss_mask[rows][:, :w], behave[rows][:, :w]
             m_adv = adv[rows]
-            f, w = trim_padding(m_ids, m_mask, width)  # this micro-batch's own all-pad columns go
-            m_ids, m_mask = m_ids[:, f : m_ids.shape[1] - width + w], m_mask[:, f : m_mask.shape[1] - width + w]
-            m_resp, m_behave = m_resp[:, :w], m_behave[:, :w]
             m_adv = m_adv if m_adv.dim() == 1 else m_adv[:, :w]
+            m_w = is_w[rows][:, :w] if is_w is not None else None
+            prox_logp = old_parts[i] if self.prox is not None else None
+            ref_logp = ref_parts[i] if ref_parts else None
             count = agg_count(m_resp, mode)
             share = count / total if total > 0 else 0.0  # of this rank's loss (metrics)
             grad_share = count * ranks / every_total if every_total > 0 else 0.0  # of every rank's
             tok_share = float(m_resp.sum()) / tokens if tokens > 0 else 0.0
 
             t0 = time.perf_counter()
-            temp = self.cfg.rollout.temperature  # log-probs of the distribution producers sampled from
-            with torch.no_grad():
-                prox_logp = self.prox.log_probs(m_ids, m_mask, w, temp) if self.prox is not None else None
-                ref_logp = self.ref.log_probs(m_ids, m_mask, w, temp) if self.ref is not None else None
-            t_old += time.perf_counter() - t0
-
-            t0 = time.perf_counter()
             # DDP's gradient hooks live on its wrapper; gradients are all-reduced at the last micro-batch only
             with self.dp.forward_through(self.policy, self.train_module), \
                     self.dp.accumulating(self.train_module, last=i + 1 == len(slices)):
                 logp, entropy = self.policy.forward_logprobs_entropy(m_ids, m_mask, w, temp)  # [b, w] each
+                if correction is None:
+                    current.append(logp.detach())
                 m_loss, pg_metrics = ppo_loss(
                     logp, prox_logp, m_behave, m_adv, m_resp,
                     clip_eps=self.actor.clip_ratio, clip_eps_high=self.actor.clip_ratio_high,
-                    behave_imp_cap=self.actor.behave_imp_cap, mode=self.actor.off_policy_mode,
-                    loss_agg_mode=mode,
+                    is_weights=m_w, mode=self.actor.off_policy_mode, loss_agg_mode=mode,
                 )
                 m_ent = agg_loss(entropy, m_resp, mode)
                 if ent_coef > 0:
@@ -250,6 +314,9 @@ class Learner:
             ent += float(m_ent.detach()) * share
             for k, v in pg_metrics.items():  # pg_loss aggregates like the loss, the rest are token means
                 metrics[k] = metrics.get(k, 0.0) + v * (share if k == "actor/pg_loss" else tok_share)
+        if correction is None:  # the mismatch metrics against the policy's log-probs as it trained on them
+            correction = rollout_correction(pad_cat(current, width), behave, resp_mask)
+        metrics.update(correction.metrics)
         if ent_coef > 0:
             metrics["actor/entropy_coef"] = ent_coef
         if self.ref is not None:

@@ -10,6 +10,9 @@ the previous checkpoint are stored in the checkpoint, and committed only once th
     XACK rollouts trainer …
     INCRBY consumed …      only for steps not already counted (see count_consumed), and
     HINCRBY trainer dropped_stale …   alike (producers report it in rollout_status)
+    HINCRBY trainer evicted_early -e  the step's evictions, counted as consumed when they happened
+                           (pacing's EVICT), are settled; a step counted before (retrained after a
+                           restart) takes its re-counted evictions back off `consumed` instead
     HSET trainer global_step param_version committed_step consumed_step heartbeat
     XADD metrics step_end  (so step_end is emitted exactly once)
   EXEC
@@ -29,6 +32,7 @@ from rollstream.names import (
     COMMITTED_STEP_FIELD,
     CONSUMED_STEP_FIELD,
     DROPPED_STALE_FIELD,
+    EVICTED_EARLY_FIELD,
     GLOBAL_STEP_FIELD,
     HEARTBEAT_FIELD,
     PARAM_VERSION_FIELD,
@@ -36,7 +40,7 @@ from rollstream.names import (
     Keys,
 )
 from rollstream.pacing import record_consumed
-from schemas import DROPPED, Fate, StepMetrics, decode_fate, encode, encode_fate
+from schemas import DROPPED, EVICTED, Fate, StepMetrics, decode_fate, encode, encode_fate
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +53,18 @@ class StepLedger:
     fates: list[Fate] = field(default_factory=list)
     ack_ids: list[str] = field(default_factory=list)
     step_end: StepMetrics | None = None
+    settled: bool = False  # its evictions' early count settled (count_consumed or the commit ran)
 
     @property
     def consumed(self) -> int:
-        """Prompts this step consumed (trained or dropped) for pacing."""
-        return len(self.fates)
+        """Prompts this step consumed for pacing and not counted when it happened: trained or dropped
+        (evictions are counted at once, rollstream.pacing.consume_evicted)."""
+        return len(self.fates) - self.evicted
+
+    @property
+    def evicted(self) -> int:
+        """Prompts this step evicted (filter_groups), already counted as consumed by pacing."""
+        return sum(1 for f in self.fates if f.fate == EVICTED)
 
     @property
     def dropped(self) -> int:
@@ -67,6 +78,7 @@ class StepLedger:
             "fates": [asdict(f) for f in self.fates],
             "ack_ids": list(self.ack_ids),
             "step_end": self.step_end.model_dump() if self.step_end is not None else None,
+            "settled": self.settled,
         }
 
     @classmethod
@@ -78,6 +90,7 @@ class StepLedger:
             fates=[Fate(**f) for f in d["fates"]],
             ack_ids=list(d["ack_ids"]),
             step_end=StepMetrics.model_validate(end) if end is not None else None,
+            settled=bool(d.get("settled", False)),
         )
 
 
@@ -93,14 +106,28 @@ def committed_step(r: redis.Redis, keys: Keys) -> int:
 
 def count_consumed(r: redis.Redis, keys: Keys, ledger: StepLedger) -> None:
     """Count a finished but not yet checkpointed step toward `consumed` now (pacing needs it before the
-    next grant), once: guarded by the trainer hash's consumed_step, in one MULTI."""
-    if ledger.global_step <= _int_field(r, keys, CONSUMED_STEP_FIELD):
-        return
+    next grant), once: guarded by the trainer hash's consumed_step, in one MULTI. Its evictions are settled
+    here either way (settle_evicted)."""
+    counted = _int_field(r, keys, CONSUMED_STEP_FIELD)
     pipe = r.pipeline(transaction=True)
-    record_consumed(pipe, keys, ledger.consumed)
-    pipe.hincrby(keys.trainer, DROPPED_STALE_FIELD, ledger.dropped)
-    pipe.hset(keys.trainer, CONSUMED_STEP_FIELD, ledger.global_step)
+    if ledger.global_step > counted:
+        record_consumed(pipe, keys, ledger.consumed)
+        pipe.hincrby(keys.trainer, DROPPED_STALE_FIELD, ledger.dropped)
+        pipe.hset(keys.trainer, CONSUMED_STEP_FIELD, ledger.global_step)
+    settle_evicted(pipe, keys, ledger, counted)
     pipe.execute()
+    ledger.settled = True
+
+
+def settle_evicted(pipe: Any, keys: Keys, ledger: StepLedger, counted: int) -> None:
+    """Queue on `pipe`, once per ledger (its `settled` flag): its evictions leave `evicted_early` (they were
+    counted as consumed when they happened); for a step whose consumed count was already taken (<= `counted`:
+    retrained after a restart) they also leave `consumed`, counted twice otherwise."""
+    if ledger.settled or not ledger.evicted:
+        return
+    pipe.hincrby(keys.trainer, EVICTED_EARLY_FIELD, -ledger.evicted)
+    if ledger.global_step <= counted:
+        pipe.decrby(keys.consumed, ledger.evicted)
 
 
 def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_version: int) -> None:
@@ -123,6 +150,8 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
         pipe.xack(keys.rollouts, TRAINER_GROUP, *ack_ids)
     record_consumed(pipe, keys, sum(lg.consumed for lg in ledgers if lg.global_step > counted))
     pipe.hincrby(keys.trainer, DROPPED_STALE_FIELD, sum(lg.dropped for lg in ledgers if lg.global_step > counted))
+    for lg in ledgers:
+        settle_evicted(pipe, keys, lg, counted)
     pipe.hset(
         keys.trainer,
         mapping={
@@ -145,6 +174,8 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
     for res in results[n_fates:]:
         if isinstance(res, Exception):
             raise res
+    for lg in ledgers:
+        lg.settled = True
 
 
 def committed_sample_ids(r: redis.Redis, keys: Keys, page: int = 1000) -> set[str]:

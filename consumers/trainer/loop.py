@@ -71,7 +71,7 @@ import redis
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.checkpoint import list_checkpoints, read_checkpoint, rng_plain, write_checkpoint
-from consumers.trainer.collect import Collector
+from consumers.trainer.collect import Collected, Collector
 from consumers.trainer.distributed import DataParallel, RankInfo, state_bytes
 from consumers.trainer.evaluate import evaluate
 from consumers.trainer.learner import Learner
@@ -83,11 +83,15 @@ from consumers.trainer.ledger import (
     count_consumed,
     merge_ledgers,
 )
-from consumers.trainer.staleness import dropped_metrics
+from consumers.trainer.staleness import (
+    ROLLOUT_FAILURE_EVICTED,
+    LengthBuckets,
+    dropped_metrics,
+    filter_groups_metrics,
+)
 from rollstream.bus import (
     GroupReader,
     Janitor,
-    Message,
     Publisher,
     entry_limits,
     retry_on_connection,
@@ -104,11 +108,11 @@ from rollstream.names import (
     WORLD_SIZE_FIELD,
     Keys,
 )
-from rollstream.pacing import current_budget, grant_budget
+from rollstream.pacing import current_budget, grant_budget, uncount_evicted
 from rollstream.rl import staleness_metrics
 from rollstream.tasks import Prompt
 from rollstream.weights import gc_weights, latest_param_version, publish_module_weights, publish_weights
-from schemas import TRAINED, Fate, RolloutSample, StepMetrics, ValidateMetrics
+from schemas import DROPPED, TRAINED, Fate, RolloutSample, StepMetrics, ValidateMetrics
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +150,7 @@ class Trainer:
         self._transport_mark = 0.0  # the reader's transport_s at the last local update
         self.recent: deque[Prompt] = deque(maxlen=max(1, cfg.data.val_size))  # newest trained prompts
         self.counters = {STALE_SAMPLES: 0, STALE_TRAJECTORIES: 0}  # cumulative, kept in the checkpoint
+        self.lengths = LengthBuckets(cfg.data.max_response_length)  # this step's trained/dropped by length
         self.agreed_stop = False  # data parallel: some rank asked to stop at the last step end
         self.pending_ids: list[list[str]] = [[] for _ in range(self.dp.world_size)]  # per rank, since the checkpoint
         self._own_acks: list[str] = []  # this rank's ack ids in `pending` (forgotten once committed)
@@ -193,6 +198,8 @@ class Trainer:
         if ledgers and committed_step(self.r, self.keys) < self.global_step:
             log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
             commit_steps(self.r, self.keys, ledgers, self.global_step)
+        if uncounted := uncount_evicted(self.r, self.keys):  # a crashed process's evictions come back pending
+            log.warning("%d evictions of an abandoned step no longer counted as consumed", uncounted)
         self._grant(self.global_step)
         if self.dp.active:
             self.r.hset(self.keys.trainer, WORLD_SIZE_FIELD, self.dp.world_size)
@@ -284,7 +291,7 @@ class Trainer:
     def newest_published(self, version: int) -> None:
         self.collector.newest_published = version
 
-    def _collect(self, g: int, ledger: StepLedger) -> tuple[list[tuple[Message, int]], list[int]] | None:
+    def _collect(self, g: int, ledger: StepLedger) -> Collected | None:
         """This rank's share of a mini-batch of step g (Collector.collect)."""
         return self.collector.collect(g, ledger)
 
@@ -303,7 +310,8 @@ class Trainer:
             self.training_step = g
         self.learner.begin_step(g)
         K = cfg.trainer.parameter_sync_step
-        collected: list[tuple[list[tuple[Message, int]], list[int]] | None] = []
+        collected: list[Collected | None] = []
+        self.lengths = LengthBuckets(cfg.data.max_response_length)
         for local in range(1, K + 1):
             t0 = time.perf_counter()
             if g == 1 and local == 1 and cfg.trainer.num_warmup_batches > 0:
@@ -315,15 +323,14 @@ class Trainer:
                 why = "no rollouts left (burst)" if self.collector.used_up else "stop requested"
                 log.warning("%s during global step %d: abandoning it (samples stay pending)", why, g)
                 return False
-            self._local_update(g, local, ledger, *got, t_gen=time.perf_counter() - t0)
+            self._local_update(g, local, ledger, got, t_gen=time.perf_counter() - t0)
         self._finish_step(g, ledger, t_step)
         return True
 
-    def _local_update(
-        self, g: int, local: int, ledger: StepLedger, kept: list[tuple[Message, int]], dropped: list[int], t_gen: float
-    ) -> None:
+    def _local_update(self, g: int, local: int, ledger: StepLedger, got: Collected, t_gen: float) -> None:
         """One local update of step g on the collected samples: assemble, update, record their fates in
         the step's ledger, emit a `local_update` event."""
+        kept = got.kept
         t0 = time.perf_counter()
         samples: list[RolloutSample] = [m.event for m, _ in kept]  # type: ignore[misc]
         batch, asm_metrics = assemble_batch_from_rollout_samples(samples)
@@ -340,13 +347,17 @@ class Trainer:
         transport_s, self._transport_mark = (self.reader.stats.transport_s - self._transport_mark,
                                              self.reader.stats.transport_s)
         metrics.update(asm_metrics)
-        metrics.update(dropped_metrics(dropped))
+        metrics.update(dropped_metrics(got.dropped))
+        fg_metrics, fg_counts = filter_groups_metrics(got.evicted) if self.cfg.trainer.filter_groups.enable else ({}, {})
+        metrics.update(fg_metrics)
+        metrics[ROLLOUT_FAILURE_EVICTED] = float(got.failed)
+        self.lengths.add(got.kept, got.dropped_lengths)
         metrics.update(staleness_metrics([st for _, st in kept]))
         metrics.update(self._count_stale(g - 1, samples, batch.meta_info["trajectory_param_versions"]))
         metrics.update({"training/global_step": float(g), "timing_s/gen": t_gen, "timing_s/assemble": t_asm,
                         "timing_s/transport": transport_s, "fully_async/total_wait_time": t_gen})
         update = StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(kept),
-                             rank=self.dp.rank, metrics={k: float(v) for k, v in metrics.items()})
+                             rank=self.dp.rank, metrics={k: float(v) for k, v in metrics.items()}, counts=fg_counts)
         retry_on_connection(partial(self.publisher.publish, self.keys.metrics, update), "publishing local_update")
         self.collector.heartbeat()
 
@@ -356,7 +367,7 @@ class Trainer:
         nothing exchanged)."""
         over_budget = self.janitor is not None and self.janitor.over_budget
         mine = {"dead": self.collector.step_dead, "stop": self.stop.is_set(), "counters": dict(self.counters),
-                "over_budget": over_budget}
+                "over_budget": over_budget, "lengths": self.lengths.to_plain()}
         if not self.dp.active:
             return [{**mine, "ledger": ledger}]
         mine.update({"ledger": ledger.to_plain(), "rng": rng_plain()})
@@ -381,6 +392,8 @@ class Trainer:
         if cfg.trainer.test_freq > 0 and g % cfg.trainer.test_freq == 0:
             self._evaluate(g)
         trained = sum(1 for f in merged.fates if f.fate == TRAINED)
+        dropped = sum(1 for f in merged.fates if f.fate == DROPPED)
+        lengths = LengthBuckets.merged(cfg.data.max_response_length, [rep["lengths"] for rep in reports])
         merged.step_end = StepMetrics(
             type="step_end", global_step=g, local_step=K, sample_count=trained, num_local_updates=K, world_size=W,
             metrics={
@@ -388,8 +401,10 @@ class Trainer:
                 "trainer/param_version": float(g),
                 "trainer/world_size": float(W),
                 "fully_async/count/trained_samples": float(trained),
-                "fully_async/count/dropped_samples": float(len(merged.fates) - trained),
+                "fully_async/count/dropped_samples": float(dropped),
+                "fully_async/count/evicted_samples": float(len(merged.fates) - trained - dropped),
                 "fully_async/count/dead_samples": float(sum(rep["dead"] for rep in reports)),
+                **lengths.share_metrics(),
             },
         )
         if self.dp.active:  # the run's counters are every rank's together (each local update has its own)
@@ -409,8 +424,8 @@ class Trainer:
             self.reader.forget(self._own_acks)  # acked inside rank 0's commit
             self._own_acks, self.pending = [], []
             self.pending_ids = [[] for _ in range(W)]
-        log.info("global step %d done in %.2fs (%d trained, %d dropped; %d ranks)", g, time.perf_counter() - t_step,
-                 trained, len(merged.fates) - trained, W)
+        log.info("global step %d done in %.2fs (%d trained, %d dropped, %d evicted; %d ranks)", g,
+                 time.perf_counter() - t_step, trained, dropped, len(merged.fates) - trained - dropped, W)
 
     def _finish_main(
         self, g: int, merged: StepLedger, reports: list[dict[str, Any]], whole: dict[str, Any] | None,

@@ -6,7 +6,6 @@ from rollstream.rl.metrics import length_metrics, reward_metrics, staleness_metr
 from rollstream.rl.ppo import (
     KLKind,
     PPOMode,
-    behave_importance_weight,
     clipped_surrogate,
     dual_clip,
     entropy_from_logits,
@@ -20,7 +19,6 @@ __all__ = [
     "KLKind",
     "PPOMode",
     "agg_loss",
-    "behave_importance_weight",
     "clipped_surrogate",
     "dual_clip",
     "entropy_from_logits",

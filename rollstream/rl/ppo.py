@@ -5,9 +5,11 @@ Three policies meet in an off-policy update:
   pi_prox    the trainer's weights at the start of the global step (recomputed once, pinned for K updates)
   pi_theta   the weights being optimised now (the only tensor that carries gradient)
 
-decoupled: ratio = pi_theta / pi_prox is clipped as in PPO, and each token's loss is weighted by the
-           detached, truncated importance weight w = min(pi_prox / pi_behave, C).
-bypass:    pi_prox := pi_behave (verl's `use_rollout_log_probs`); no weight, no extra forward pass.
+decoupled: ratio = pi_theta / pi_prox is clipped as in PPO, and each token's loss is multiplied by the
+           detached importance weight the caller passes (`is_weights`: verl's rollout correction,
+           rollstream/rl/rollout_correction.py; the default config's is token-level min(pi_prox / pi_behave, 5)).
+bypass:    pi_prox := pi_behave (verl's `use_rollout_log_probs`); no extra forward pass; the ratio itself
+           corrects for the behaviour policy, so `is_weights` is not applied.
 """
 
 from __future__ import annotations
@@ -87,17 +89,6 @@ def dual_clip(loss: torch.Tensor, adv: torch.Tensor, clip_c: float) -> tuple[tor
     return torch.where(capped, loss_cap, loss), capped
 
 
-def behave_importance_weight(
-    prox_logp: torch.Tensor, behave_logp: torch.Tensor, cap: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Detached w = min(pi_prox / pi_behave, cap) [B, T] and where the cap bit (raw > cap) [B, T]."""
-    log_w = (prox_logp - behave_logp).detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    raw = torch.exp(log_w)  # [B, T]
-    if cap is None:
-        return raw, torch.zeros_like(raw, dtype=torch.bool)
-    return raw.clamp(max=cap), raw > cap
-
-
 def ppo_loss(
     logp: torch.Tensor,
     prox_logp: torch.Tensor | None,
@@ -106,7 +97,7 @@ def ppo_loss(
     mask: torch.Tensor,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
-    behave_imp_cap: float | None = 5.0,
+    is_weights: torch.Tensor | None = None,
     mode: PPOMode = "decoupled",
     loss_agg_mode: AggMode = "token-mean",
     dual_clip_c: float | None = None,
@@ -116,8 +107,8 @@ def ppo_loss(
     Shapes: logp, prox_logp, behave_logp, mask [B, T]; advantages [B] (broadcast over tokens)
     or [B, T]. Only `logp` carries gradient; everything else is detached here. `prox_logp` may be
     None in bypass mode. `clip_eps_high` defaults to `clip_eps` (set it higher for DAPO clip-higher).
-    `behave_imp_cap` None means an untruncated weight. `dual_clip_c` (verl's clip_ratio_c, e.g. 3.0)
-    is off by default.
+    `is_weights` [B, T] (detached; decoupled mode only) multiplies each token's loss; None = no weight.
+    `dual_clip_c` (verl's clip_ratio_c, e.g. 3.0) is off by default.
     """
     if mode not in ("decoupled", "bypass"):
         raise ValueError(f"unknown PPO mode {mode!r}")
@@ -142,12 +133,9 @@ def ppo_loss(
     if dual_clip_c is not None:
         pg_losses, capped = dual_clip(pg_losses, adv, dual_clip_c)
 
-    # 2. off-policy correction from behaviour to proximal policy
-    if mode == "decoupled":
-        weight, truncated = behave_importance_weight(prox, behave, behave_imp_cap)  # [B, T]
-        pg_losses = pg_losses * weight
-    else:
-        weight, truncated = torch.ones_like(pg_losses), torch.zeros_like(clipped)
+    # 2. off-policy correction from behaviour to proximal policy (the rollout-correction weights)
+    if mode == "decoupled" and is_weights is not None:
+        pg_losses = pg_losses * is_weights.detach().to(pg_losses.dtype)  # [B, T]
 
     # 3. reduce to a scalar
     loss = agg_loss(pg_losses, mask, loss_agg_mode)
@@ -156,7 +144,5 @@ def ppo_loss(
         "actor/pg_clipfrac": float(masked_mean(clipped.to(logp.dtype), mask)),
         "actor/pg_clipfrac_lower": float(masked_mean(capped.to(logp.dtype), mask)),
         "actor/ppo_kl": float(masked_mean(-log_ratio.detach(), mask)),
-        "actor/behave_imp_weight_mean": float(masked_mean(weight, mask)),
-        "actor/behave_imp_weight_truncated_frac": float(masked_mean(truncated.to(logp.dtype), mask)),
     }
     return loss, metrics
