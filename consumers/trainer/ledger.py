@@ -10,7 +10,7 @@ the previous checkpoint are stored in the checkpoint, and committed only once th
     XACK rollouts trainer …
     INCRBY consumed …      only for steps not already counted (see count_consumed), and
     HINCRBY trainer dropped_stale …   alike (producers report it in rollout_status)
-    HSET trainer global_step param_version committed_step consumed_step heartbeat
+    HSET trainer global_step param_version committed_step consumed_step heartbeat progress_at
     XADD metrics step_end  (so step_end is emitted exactly once)
   EXEC
 """
@@ -32,6 +32,7 @@ from rollstream.names import (
     GLOBAL_STEP_FIELD,
     HEARTBEAT_FIELD,
     PARAM_VERSION_FIELD,
+    PROGRESS_AT_FIELD,
     TRAINER_GROUP,
     Keys,
 )
@@ -99,7 +100,7 @@ def count_consumed(r: redis.Redis, keys: Keys, ledger: StepLedger) -> None:
     pipe = r.pipeline(transaction=True)
     record_consumed(pipe, keys, ledger.consumed)
     pipe.hincrby(keys.trainer, DROPPED_STALE_FIELD, ledger.dropped)
-    pipe.hset(keys.trainer, CONSUMED_STEP_FIELD, ledger.global_step)
+    pipe.hset(keys.trainer, mapping={CONSUMED_STEP_FIELD: ledger.global_step, PROGRESS_AT_FIELD: time.time()})
     pipe.execute()
 
 
@@ -131,6 +132,7 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
             COMMITTED_STEP_FIELD: max(last, done),
             CONSUMED_STEP_FIELD: max(last, counted),
             HEARTBEAT_FIELD: time.time(),
+            PROGRESS_AT_FIELD: time.time(),
         },
     )
     for lg in ledgers:

@@ -98,6 +98,7 @@ from rollstream.factory import build_prompt_source, build_task
 from rollstream.model.base import resolve_device
 from rollstream.names import (
     DEAD_LETTERED_FIELD,
+    PROGRESS_AT_FIELD,
     REPLAYED_VERSIONS_FIELD,
     TRAINER_GROUP,
     TRAINING_STEP_FIELD,
@@ -194,6 +195,7 @@ class Trainer:
             log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
             commit_steps(self.r, self.keys, ledgers, self.global_step)
         self._grant(self.global_step)
+        self.r.hset(self.keys.trainer, PROGRESS_AT_FIELD, time.time())  # the clock of `status`'s stall check
         if self.dp.active:
             self.r.hset(self.keys.trainer, WORLD_SIZE_FIELD, self.dp.world_size)
 

@@ -120,11 +120,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
     r = t.connect()
     limit_s = t.cfg.trainer.heartbeat_stall_s
     while True:
-        st = collect_status(r, t.keys, process_states(t.run_dir), limit_s, t.cfg.trainer.total_global_steps)
+        st = collect_status(r, t.keys, process_states(t.run_dir), limit_s, t.cfg.trainer.total_global_steps,
+                            stopped=t.served)
         text = format_status(st, mask_url(t.redis_url))
         if args.check or not args.watch:
             print(text)
-            return 1 if args.check and not st.healthy else 0
+            if args.check and not st.healthy:
+                print("rollstream status --check: " + "; ".join(st.problems()), file=sys.stderr)
+                return 1
+            return 0
         print("\033[H\033[2J" + time.strftime("%H:%M:%S ") + text, flush=True)
         try:
             time.sleep(args.watch)
@@ -384,8 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     _run_args(c)
     c.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     c.add_argument("--check", action="store_true",
-                   help="for monitoring: exit 1 when a worker's heartbeat is missing or older than "
-                        "trainer.heartbeat_stall_s (the trainer having finished is fine)")
+                   help="for monitoring: exit 1, naming why, when a worker's heartbeat is missing or older than "
+                        "trainer.heartbeat_stall_s, or no global step completed within it while the run is not "
+                        "stopping (the trainer having finished is fine)")
     c.set_defaults(func=_cmd_status)
 
     c = sub.add_parser("audit", help="check the log: every published sample ended once (trained, dropped or dead), "
