@@ -151,6 +151,8 @@ def entry_to_json(
 
 
 def _original(dl: DeadLetter, tok: Tokenizer | None, full: bool) -> dict[str, Any]:
+    if dl.omitted:  # a bounded copy of an oversize entry: its header is in `event.fields`
+        return {"omitted_bytes": dict(dl.omitted), "sha256": dl.sha256}
     try:
         event = decode(dl.fields)
     except DecodeError as e:
