@@ -223,14 +223,14 @@ class Trainer:
                 latest = latest_param_version(self.r, self.keys)
                 if latest is not None and latest.version >= version:
                     return
+            bus = self.cfg.bus
+            where: dict[str, Any] = dict(inline_max_bytes=bus.weights_inline_max_bytes, file_dir=self.weights_dir,
+                                         transport=bus.weights_transport, chunk_bytes=bus.weights_chunk_bytes)
             if whole is not None:  # fsdp: the gathered copy (already a second copy: bytes are one more)
-                publish_weights(self.r, self.keys, version, state_bytes(whole), global_step=version,
-                                inline_max_bytes=self.cfg.bus.weights_inline_max_bytes, file_dir=self.weights_dir)
+                publish_weights(self.r, self.keys, version, state_bytes(whole), global_step=version, **where)
                 return
-            publish_module_weights(  # above the inline limit: streamed to a file, never one blob in memory
-                self.r, self.keys, version, module, global_step=version,
-                inline_max_bytes=self.cfg.bus.weights_inline_max_bytes, file_dir=self.weights_dir,
-            )
+            # above the inline limit: streamed to a file or to Redis chunks, never one blob in memory
+            publish_module_weights(self.r, self.keys, version, module, global_step=version, **where)
 
         retry_on_connection(publish, f"publishing version {version}")
         self.newest_published = max(self.newest_published, version)
