@@ -359,7 +359,19 @@ class BusConfig(_Section):
     records_maxlen: int = Field(
         0, ge=0, description="With retention on: newest records kept in Redis (0 = as the budget allows; older ones archived)"
     )
-    weights_inline_max_bytes: int = Field(64 << 20, ge=0, description="Weight blobs up to this size go in Redis, larger to files")
+    weights_inline_max_bytes: int = Field(
+        64 << 20, ge=0,
+        description="Weight blobs up to this size go in Redis as one string; larger ones per bus.weights_transport",
+    )
+    weights_transport: Literal["file", "redis"] = Field(
+        "file",
+        description="Weights above the inline limit: `file` = the trainer's run dir (producers must share that disk); "
+        "`redis` = chunks in Redis (producers on hosts with no shared disk; Redis holds the versions still in use)",
+    )
+    weights_chunk_bytes: int = Field(
+        16 << 20, ge=1 << 10, le=512 << 20,
+        description="Size of one weights chunk in Redis (weights_transport=redis); also a producer's extra memory",
+    )
     max_entry_bytes: int = Field(
         64 << 20, ge=1024, description="Largest stream entry (all fields together) accepted on decode; larger ones go to dead"
     )

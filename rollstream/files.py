@@ -1,4 +1,5 @@
-"""Writing a file so that readers and crashes see either the old file or the whole new one."""
+"""Writing a file so that readers and crashes see either the old file or the whole new one, into folders
+that are private to their user."""
 
 from __future__ import annotations
 
@@ -10,11 +11,25 @@ from pathlib import Path
 from typing import IO
 
 
+def private_dir(path: Path) -> Path:
+    """Create `path` and every missing parent 0700 (whatever the umask), and make `path` itself 0700;
+    returns it. Parents that already exist keep their mode."""
+    path = Path(path)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for p in reversed(missing):
+        p.mkdir(mode=0o700, exist_ok=True)
+        p.chmod(0o700)
+    path.chmod(0o700)
+    return path
+
+
 @contextmanager
 def _atomic_tmp(path: Path) -> Iterator[tuple[int, str]]:
     """A temp file beside `path` (fd, name; 0600, from mkstemp) that replaces `path` when the block ends
-    without an error, after it and then the folder are fsynced; removed on error."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    without an error, after it and then the folder are fsynced; removed on error. Missing folders are
+    created 0700."""
+    if not path.parent.is_dir():
+        private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         yield fd, tmp

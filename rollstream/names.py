@@ -19,6 +19,7 @@ COMMITTED_STEP_FIELD = "committed_step"  # last global step whose commit (with i
 CONSUMED_STEP_FIELD = "consumed_step"  # last global step counted toward the `consumed` counter
 TRAINING_STEP_FIELD = "training_step"  # highest global step the trainer has begun (never decreases)
 HEARTBEAT_FIELD = "heartbeat"  # unix seconds of the trainer's last poll, local update or commit
+PROGRESS_AT_FIELD = "progress_at"  # unix seconds the trainer (re)started or last completed a global step
 BUDGET_VERSION_FIELD = "budget_version"  # the version whose dispatch budget is granted (pacing)
 BUDGET_CAP_FIELD = "budget_cap"  # that grant's memory back-pressure cap on the budget left (-1: none)
 DROPPED_STALE_FIELD = "dropped_stale"  # samples dropped as stale over the whole run (written in the commit)

@@ -29,6 +29,7 @@ from typing import Any
 
 import redis
 
+from rollstream.files import private_dir
 from rollstream.names import Keys
 
 #: Users other than the producers (one user per producer, named after it).
@@ -87,7 +88,7 @@ def acl_rules(keys: Keys, producers: Sequence[str] = ()) -> dict[str, list[str]]
 
 def generate_passwords(secrets_dir: Path, users: Sequence[str] = ROLES) -> dict[str, Path]:
     """Create (or reuse) one random password file per user, mode 0600; returns user -> path."""
-    secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(secrets_dir)
     out = {}
     for role in users:
         path = secrets_dir / f"{role}.password"

@@ -1,14 +1,18 @@
-"""Weight blobs: safetensors bytes under `weights:<version>` (small) or a `file://` path written atomically
-(large), announced by a ParamVersion entry on `params`; loaded with a sha256 check; old versions removed
-once no producer uses them.
+"""Weight blobs: safetensors bytes under `weights:<version>` (small); above the inline limit a `file://` path
+written atomically, or (`transport="redis"`) chunks `weights:<version>:<i>` in Redis for producers that share
+no disk with the trainer (weights_redis.py); announced by a ParamVersion entry on `params`; loaded with a
+sha256 check; old versions removed once no producer uses them.
 
 A module's weights (`publish_module_weights`, `load_weights_into`) above `bus.weights_inline_max_bytes`
-never exist as one blob in memory: the file is written and read a tensor at a time (weights_file.py)."""
+never exist as one blob in memory: the file or the chunks are written and read a tensor (a chunk) at a
+time (weights_file.py)."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +23,13 @@ import redis
 from rollstream.bus import Publisher, iter_stream
 from rollstream.files import atomic_write
 from rollstream.names import Keys
+from rollstream.weights_redis import CHUNKS_SCHEME, ChunksError, chunks_uri, read_chunks, write_chunks
 from schemas import DecodeError, ParamVersion, decode
+
+#: Values of `bus.weights_transport`: where weights above the inline limit go.
+FILE_TRANSPORT, REDIS_TRANSPORT = "file", "redis"
+#: Default chunk size of the redis transport (bus.weights_chunk_bytes).
+CHUNK_BYTES = 16 << 20
 
 if TYPE_CHECKING:  # torch stays out of processes that only read params (`rollstream status`)
     from torch import Tensor, nn
@@ -42,12 +52,18 @@ def publish_weights(
     global_step: int,
     inline_max_bytes: int,
     file_dir: Path | None = None,
+    transport: str = FILE_TRANSPORT,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> ParamVersion:
-    """Store the blob (inline or as a file) then XADD its ParamVersion to `params`; returns the event."""
+    """Store the blob (inline, as a file, or as chunks with the redis transport) then XADD its ParamVersion
+    to `params`; returns the event."""
     digest = hashlib.sha256(blob).hexdigest()
     if len(blob) <= inline_max_bytes:
         r.set(keys.weights(version), blob)
         uri = keys.weights(version)
+    elif transport == REDIS_TRANSPORT:
+        write_chunks(r, keys.weights(version), [blob], chunk_bytes)
+        uri = chunks_uri(keys.weights(version), chunk_bytes)
     else:
         if file_dir is None:
             raise WeightsError(f"blob of {len(blob)} bytes > inline limit {inline_max_bytes} and no file_dir")
@@ -73,20 +89,30 @@ def publish_module_weights(
     global_step: int,
     inline_max_bytes: int,
     file_dir: Path | None = None,
+    transport: str = FILE_TRANSPORT,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> ParamVersion:
-    """Publish a module's weights: safetensors bytes in Redis when they fit `inline_max_bytes` (or no
-    file_dir), else a file streamed tensor by tensor (no second copy in memory); then XADD the ParamVersion."""
+    """Publish a module's weights: safetensors bytes in Redis when they fit `inline_max_bytes` (or neither
+    a file_dir nor the redis transport), else streamed tensor by tensor (no second copy in memory) into a
+    file in file_dir, or with `transport="redis"` into chunks of chunk_bytes; then XADD the ParamVersion."""
     from rollstream.model.base import state_dict_to_bytes
-    from rollstream.weights_file import module_file_bytes, write_module
+    from rollstream.weights_file import module_file_bytes, module_pieces, write_module
 
-    if file_dir is None or module_file_bytes(module) <= inline_max_bytes:
+    chunked = transport == REDIS_TRANSPORT
+    if (file_dir is None and not chunked) or module_file_bytes(module) <= inline_max_bytes:
         return publish_weights(
             r, keys, version, state_dict_to_bytes(module), global_step=global_step,
             inline_max_bytes=inline_max_bytes, file_dir=file_dir,
         )
-    path = _weights_path(file_dir, version)
-    digest, size = write_module(module, path)
-    pv = ParamVersion(version=version, uri=f"file://{path}", sha256=digest, bytes=size, global_step=global_step)
+    if chunked:
+        digest, size = write_chunks(r, keys.weights(version), module_pieces(module), chunk_bytes)
+        uri = chunks_uri(keys.weights(version), chunk_bytes)
+    else:
+        assert file_dir is not None
+        path = _weights_path(file_dir, version)
+        digest, size = write_module(module, path)
+        uri = f"file://{path}"
+    pv = ParamVersion(version=version, uri=uri, sha256=digest, bytes=size, global_step=global_step)
     Publisher(r, nomkstream=False).publish(keys.params, pv)
     log.info("published param_version %d (%d bytes, %s, streamed)", version, size, pv.uri)
     return pv
@@ -97,6 +123,16 @@ def load_weights_into(r: redis.Redis, pv: ParamVersion, policy: BasePolicy) -> N
     in blocks, then read a tensor at a time into the parameters; an inline blob via load_state_dict_bytes."""
     from rollstream.weights_file import file_sha256, load_file_into
 
+    if pv.uri.startswith(CHUNKS_SCHEME):  # through a private temp file on this host's own disk
+        with tempfile.TemporaryDirectory(prefix="rollstream-weights-") as tmp:
+            path = Path(tmp) / "weights.safetensors"
+            try:
+                with open(path, "wb") as f:
+                    read_chunks(r, pv, f)
+            except ChunksError as e:
+                raise WeightsError(str(e)) from None
+            load_file_into(policy.module, path)
+        return
     if not pv.uri.startswith("file://"):
         policy.load_state_dict_bytes(load_weights(r, pv))
         return
@@ -117,12 +153,23 @@ def iter_weight_tensors(r: redis.Redis, pv: ParamVersion) -> Iterator[tuple[str,
     """(name, tensor) of every tensor a ParamVersion names, for an engine that loads weights from an iterator
     (vLLM's reload_weights) without a second full copy in memory. Everything that can fail is checked before
     this returns (sha256, the file opened), so a consumer never sees a half-read version: an inline blob is
-    deserialised at once; a file is hashed in blocks, opened, and then read one tensor at a time."""
+    deserialised at once; a file (or Redis chunks, gathered into a private temp file first) is hashed, opened,
+    and then read one tensor at a time."""
     from safetensors import safe_open
     from safetensors.torch import load as st_load
 
     from rollstream.weights_file import file_sha256
 
+    if pv.uri.startswith(CHUNKS_SCHEME):  # into a private temp file, opened, then unlinked (the handle reads it)
+        with tempfile.TemporaryDirectory(prefix="rollstream-weights-") as tmp:
+            path = Path(tmp) / "weights.safetensors"
+            try:
+                with open(path, "wb") as f:
+                    read_chunks(r, pv, f)
+            except ChunksError as e:
+                raise WeightsError(str(e)) from None
+            handle = safe_open(str(path), framework="pt")
+        return ((name, handle.get_tensor(name)) for name in handle.keys())
     if not pv.uri.startswith("file://"):
         return iter(st_load(load_weights(r, pv)).items())
     path = Path(pv.uri.removeprefix("file://"))
@@ -184,6 +231,13 @@ def wait_for_param_version(
 
 def load_weights(r: redis.Redis, pv: ParamVersion) -> bytes:
     """Fetch the blob a ParamVersion names and verify its sha256."""
+    if pv.uri.startswith(CHUNKS_SCHEME):
+        out = io.BytesIO()
+        try:
+            read_chunks(r, pv, out)
+        except ChunksError as e:
+            raise WeightsError(str(e)) from None
+        return out.getvalue()
     if pv.uri.startswith("file://"):
         try:
             blob = Path(pv.uri.removeprefix("file://")).read_bytes()
@@ -216,13 +270,14 @@ def producer_versions(r: redis.Redis, keys: Keys) -> dict[str, int]:
 def gc_weights(
     r: redis.Redis, keys: Keys, latest: int, *, keep_last: int = 2, file_dir: Path | None = None
 ) -> list[int]:
-    """Delete blobs (inline, and files in file_dir) older than every producer's version and the last
+    """Delete blobs (inline, chunks, and files in file_dir) older than every producer's version and the last
     `keep_last`; returns the versions removed."""
     in_use = producer_versions(r, keys).values()
     floor = min([latest - keep_last + 1, *in_use])
     removed = []
-    for key in r.scan_iter(match=keys.weights(0).rsplit(":", 1)[0] + ":*", count=1000):
-        v = int(key.rsplit(b":", 1)[1])
+    prefix = keys.weights(0).rsplit(":", 1)[0] + ":"
+    for key in r.scan_iter(match=prefix + "*", count=1000):
+        v = int(key[len(prefix):].split(b":", 1)[0])  # weights:<v> or a chunk weights:<v>:<i>
         if v < floor:
             r.delete(key)
             removed.append(v)

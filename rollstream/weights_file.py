@@ -65,22 +65,26 @@ def _raw(t: Tensor) -> Any:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def write_module(module: nn.Module, path: Path) -> tuple[str, int]:
-    """Write the module's weights to `path` atomically (temp file, fsync, rename), one tensor at a time
-    (a GPU tensor is copied to the CPU alone); returns (sha256 hex of the file, bytes)."""
+def module_pieces(module: nn.Module) -> Iterator[Any]:
+    """The bytes of the module's safetensors file in order: the header, then one buffer per tensor (its own
+    memory when it is a contiguous CPU tensor; a GPU tensor is copied to the CPU alone)."""
     tensors = unique_state(module)
-    head = _header(tensors)
-    digest = hashlib.sha256(head)
-    size = len(head)
+    yield _header(tensors)
+    for t in tensors.values():
+        if t.numel():
+            yield _raw(t.cpu())
+
+
+def write_module(module: nn.Module, path: Path) -> tuple[str, int]:
+    """Write the module's weights to `path` atomically (temp file, fsync, rename), one tensor at a time;
+    returns (sha256 hex of the file, bytes)."""
+    digest = hashlib.sha256()
+    size = 0
     with atomic_file(path) as f:
-        f.write(head)
-        for t in tensors.values():
-            if t.numel() == 0:
-                continue
-            raw = _raw(t.cpu())
-            f.write(raw)
-            digest.update(raw)
-            size += raw.nbytes
+        for piece in module_pieces(module):
+            f.write(piece)
+            digest.update(piece)
+            size += memoryview(piece).nbytes
     return digest.hexdigest(), size
 
 

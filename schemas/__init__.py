@@ -18,6 +18,8 @@ from schemas.codec import (
 )
 from schemas.errors import DecodeError
 from schemas.events import (
+    DEAD_COPY_MAX_BYTES,
+    DEAD_FIELD_KEEP_BYTES,
     EVENT_MODELS,
     DeadLetter,
     Event,
@@ -28,6 +30,7 @@ from schemas.events import (
     StepMetrics,
     SyncStepRecord,
     ValidateMetrics,
+    dead_letter_of,
 )
 from schemas.plain import (
     DROPPED,
@@ -46,6 +49,8 @@ from schemas.plain import (
 from schemas.upgrades import register_upgrade, unregister_upgrade
 
 __all__ = [
+    "DEAD_COPY_MAX_BYTES",
+    "DEAD_FIELD_KEEP_BYTES",
     "DEFAULT_LIMITS",
     "DROPPED",
     "EVICTED",
@@ -69,6 +74,7 @@ __all__ = [
     "TRAINED",
     "ValidateMetrics",
     "Fields",
+    "dead_letter_of",
     "decode",
     "decode_as",
     "decode_cursor",

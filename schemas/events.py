@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from typing import Annotated, Any, ClassVar, Literal
@@ -257,9 +258,18 @@ class ProducerStats(EventBase):
     metrics: dict[str, float] = Field(default_factory=dict)
 
 
-class DeadLetter(EventBase):
-    """An entry that failed to decode or handle: where it came from, why, and its original fields."""
+#: A dead copy holds the original entry whole up to this many bytes (names and values together) ...
+DEAD_COPY_MAX_BYTES = 1 << 20
+#: ... and of a larger entry only the fields up to this size each (its readable header), while they fit
+#: in DEAD_COPY_MAX_BYTES; the others are listed in `omitted` with their sizes, and `sha256` names the whole.
+DEAD_FIELD_KEEP_BYTES = 4096
 
+
+class DeadLetter(EventBase):
+    """An entry that failed to decode or handle: where it came from, why, and its original fields (bounded:
+    see `dead_letter_of`)."""
+
+    SCHEMA: ClassVar[int] = 2  # 2: omitted + sha256 (a bounded copy); 1 decodes as a whole copy
     HEADER: ClassVar[tuple[str, ...]] = ("source", "source_id", "reason")
 
     type: Literal["dead"] = "dead"
@@ -267,6 +277,38 @@ class DeadLetter(EventBase):
     source_id: str
     reason: str
     fields: dict[str, bytes] = Field(default_factory=dict)
+    omitted: dict[str, int] = Field(default_factory=dict)  # field -> bytes of a value left out of the copy
+    sha256: str = ""  # of the whole original entry (each name and value length-prefixed, in order)
+
+
+def entry_digest(fields: dict[str, bytes]) -> str:
+    """sha256 hex of an entry: each name and value as an 8-byte little-endian length and its bytes, in order."""
+    h = hashlib.sha256()
+    for name, value in fields.items():
+        for part in (name.encode(), value):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+    return h.hexdigest()
+
+
+def dead_letter_of(source: str, source_id: str, reason: str, fields: dict[str, bytes]) -> DeadLetter:
+    """The dead copy of an entry: whole up to DEAD_COPY_MAX_BYTES; beyond, its fields up to
+    DEAD_FIELD_KEEP_BYTES each (first come, while the copy stays under DEAD_COPY_MAX_BYTES), the sizes of the
+    others and the digest of the whole, never the payload."""
+    total = sum(len(k) + len(v) for k, v in fields.items())
+    if total <= DEAD_COPY_MAX_BYTES:
+        return DeadLetter(source=source, source_id=source_id, reason=reason, fields=fields, sha256=entry_digest(fields))
+    kept: dict[str, bytes] = {}
+    omitted: dict[str, int] = {}
+    used = 0
+    for name, value in fields.items():
+        if len(value) <= DEAD_FIELD_KEEP_BYTES and used + len(name) + len(value) <= DEAD_COPY_MAX_BYTES:
+            kept[name] = value
+            used += len(name) + len(value)
+        else:
+            omitted[name] = len(value)
+    return DeadLetter(source=source, source_id=source_id, reason=reason, fields=kept, omitted=omitted,
+                      sha256=entry_digest(fields))
 
 
 Event = Annotated[

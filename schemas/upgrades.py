@@ -22,6 +22,7 @@ _UPGRADES: dict[tuple[str, int], Upgrade] = {
     ("rollout", 1): _same_fields,
     ("local_update", 1): _same_fields,
     ("step_end", 1): _same_fields,
+    ("dead", 1): _same_fields,  # schema 2 adds omitted and sha256 (a bounded copy); a schema-1 copy is whole
 }
 
 

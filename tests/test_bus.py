@@ -131,6 +131,39 @@ def test_oversized_field_is_dead_lettered(r: redis.Redis, keys: Keys) -> None:
     assert d.source_id and "decode" in d.reason
 
 
+def test_an_oversize_entry_leaves_a_small_dead_copy_with_header_sizes_and_digest(r: redis.Redis, keys: Keys) -> None:
+    from rollstream.bus import entry_limits
+    from schemas import DEAD_COPY_MAX_BYTES, DEAD_FIELD_KEEP_BYTES
+    from schemas.events import entry_digest
+
+    setup_run(r, keys)
+    sample = fake_rollout_sample("huge", n=8, response_len=64 << 10)  # a few MiB of arrays
+    Publisher(r).publish(keys.rollouts, sample)
+    [(_, original)] = r.xrange(keys.rollouts)
+    original = {k.decode(): bytes(v) for k, v in original.items()}
+    size = sum(len(k) + len(v) for k, v in original.items())
+    assert size > 2 * DEAD_COPY_MAX_BYTES
+    reader(r, keys, limits=entry_limits(1 << 20)).run(lambda msgs: None, burst=True)
+    [(_, raw)] = r.xrange(keys.dead)
+    assert sum(len(k) + len(v) for k, v in raw.items()) < DEAD_COPY_MAX_BYTES + (64 << 10)  # not the payload
+    [d] = dead_entries(r, keys)
+    assert f"over the max_entry_bytes={1 << 20} limit" in d.reason
+    assert d.fields["sample_id"] == b"huge" and d.fields["type"] == b"rollout"  # the readable header stays
+    big = {k: len(v) for k, v in original.items() if len(v) > DEAD_FIELD_KEEP_BYTES}
+    assert big and d.omitted == big and not set(big) & set(d.fields)
+    assert d.sha256 == entry_digest(original)
+    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+
+
+def test_a_small_bad_entry_is_copied_whole() -> None:
+    from schemas import dead_letter_of
+    from schemas.events import entry_digest
+
+    fields = {"type": b"rollout", "payload": b"\xc1" * 5000}
+    d = dead_letter_of("s", "1-0", "decode: x", fields)
+    assert d.fields == fields and d.omitted == {} and d.sha256 == entry_digest(fields)
+
+
 def test_repeatedly_failing_entry_is_dead_after_max_deliveries(r: redis.Redis, keys: Keys) -> None:
     publish_samples(r, keys, 3)
     calls: dict[str, int] = {}

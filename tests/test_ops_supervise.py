@@ -107,6 +107,28 @@ def test_conf_for_embedded_redis_starts_redis_first_with_aof(tmp_path: Path) -> 
     assert int(conf["program:rollout_00"]["priority"]) > int(conf["program:trainer"]["priority"])
 
 
+def test_a_run_dir_that_does_not_exist_is_created_private_with_its_parents(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from rollstream.files import atomic_write, private_dir
+
+    old = os.umask(0o022)  # a user's usual umask would make 0755 folders
+    try:
+        cfg = load_config("pipeline.yaml", [f"run.dir={tmp_path}/runs/nested", "run.name=fresh"])
+        plan_run(cfg)
+        atomic_write(tmp_path / "elsewhere" / "deep" / "f.bin", b"x")  # any folder a worker creates
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "runs", tmp_path / "runs" / "nested", tmp_path / "runs" / "nested" / "fresh",
+              tmp_path / "runs" / "nested" / "fresh" / "redis", tmp_path / "elsewhere", tmp_path / "elsewhere" / "deep"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    (tmp_path / "shared").mkdir(mode=0o755)
+    private_dir(tmp_path / "shared" / "mine")
+    assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o755  # an existing parent keeps its mode
+    assert private_violations(tmp_path / "runs") == []
+
+
 def test_embedded_redis_starts_with_aof_and_keeps_data_across_restart(tmp_path: Path) -> None:
     server = EmbeddedRedis(tmp_path)
     r = server.start()

@@ -22,7 +22,7 @@ import redis
 from rollstream.audit import audit_run, unacked_entry_ids
 from rollstream.fakes import fake_rollout_sample
 from rollstream.names import COMMITTED_STEP_FIELD, DROPPED_STALE_FIELD, HEARTBEAT_FIELD, TRAINER_GROUP, Keys
-from rollstream.ops.status import worker_health
+from rollstream.ops.health import progress_health, worker_health
 from rollstream.pacing import dispatch_entries, mark_published, take_budget
 from rollstream.weights import latest_param_version
 from schemas import TRAINED, ParamVersion, StepMetrics, ValidateMetrics, decode, decode_fate, encode
@@ -293,6 +293,11 @@ def test_sigterm_while_waiting_for_samples_exits_0(r: redis.Redis, keys: Keys, r
         assert latest_param_version(r, keys) is not None
         trainer = {k.decode(): v.decode() for k, v in r.hgetall(keys.trainer).items()}
         assert [w.state for w in worker_health(trainer, stall_after_s=30)] == ["ok"]  # status reads it
+        # no samples come: the heart keeps beating, yet no global step completes, and status says so
+        time.sleep(1.5)
+        trainer = {k.decode(): v.decode() for k, v in r.hgetall(keys.trainer).items()}
+        assert [w.state for w in worker_health(trainer, stall_after_s=30)] == ["ok"]
+        assert progress_health(trainer, stall_after_s=1.0, total_steps=2).state == "stalled"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
     finally:

@@ -120,8 +120,12 @@ def _stop_clean(args: list[str]) -> str:
 def test_two_rank_trainer_runs_the_demo_and_stops_cleanly(tmp_path: Path) -> None:
     args = ["pipeline.yaml", *TINY, f"run.dir={tmp_path}", "run.name=dp2"]
     run_dir = tmp_path / "dp2"
+    temp = tmp_path / "tmp"  # the run's temp dir: nothing may be left in it after a clean stop
+    temp.mkdir()
     try:
-        started = rollstream("run", *args, "--wait-records", "5", "--wait-timeout", "150", timeout_s=200)
+        started = subprocess.run([sys.executable, "-m", "rollstream.cli", "run", *args, "--wait-records", "5",
+                                  "--wait-timeout", "150"], capture_output=True, text=True, timeout=200,
+                                 env={**os.environ, "TMPDIR": str(temp)})
         assert started.returncode == 0, started.stdout + started.stderr
         status = rollstream("status", "--run-dir", str(run_dir), timeout_s=60)
         assert status.returncode == 0, status.stderr
@@ -130,6 +134,8 @@ def test_two_rank_trainer_runs_the_demo_and_stops_cleanly(tmp_path: Path) -> Non
         assert sorted(_ranks(run_dir)) == [0, 1]
     finally:
         _stop_clean(args)
+    assert list(temp.iterdir()) == []  # torchrun's torchelastic_*, torch's torchinductor_* stayed in the run dir
+    assert not (run_dir / "tmp").exists()  # and went with a clean stop
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert "trainer-r0" in log and "trainer-r1" in log and "Traceback" not in log
     rep, events, records, consumers = _audit(run_dir, "dp2")

@@ -103,9 +103,11 @@ def test_published_versions_load_in_place(
     want = newer.generate(PROMPTS, n=1, max_new_tokens=8, greedy=True)
     assert [g.response_ids for g in got] == [w.response_ids for w in want]
     assert [g.response_ids for g in got] != [b.response_ids for b in before]  # the swap changed the outputs
-    # and back: the engine holds exactly the published weights, not a blend
-    publish_weights(r, keys, 2, reference.state_dict_bytes(), global_step=2, inline_max_bytes=1 << 30)
-    assert sync.refresh()
+    # and back, through Redis chunks (a host that shares no disk with the trainer): the engine holds exactly
+    # the published weights, not a blend
+    publish_module_weights(r, keys, 2, reference.module, global_step=2, inline_max_bytes=0, transport="redis",
+                           chunk_bytes=1 << 16)
+    assert sync.refresh() and sync.version == 2
     again = engine.generate(PROMPTS, n=1, max_new_tokens=8, greedy=True)
     assert [a.response_ids for a in again] == [b.response_ids for b in before]
 

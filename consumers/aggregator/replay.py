@@ -77,9 +77,12 @@ def fold_log(r: redis.Redis, keys: Keys, total_gpus: int = 1) -> Iterator[Comple
         log.warning("step %d left out: %s", g, missing)
 
 
-def replay_records(r: redis.Redis, src_keys: Keys, dst_keys: Keys, total_gpus: int = 1) -> int:
-    """Fold src's metrics and stats log into dst's records stream (which must be empty); returns records written."""
-    rc: Any = r
+def replay_records(
+    r: redis.Redis, src_keys: Keys, dst_keys: Keys, total_gpus: int = 1, out: redis.Redis | None = None
+) -> int:
+    """Fold src's metrics and stats log into dst's records stream (which must be empty), written through
+    `out` (default: r, the Redis src is read from); returns records written."""
+    rc: Any = r if out is None else out
     if rc.exists(dst_keys.records) and rc.xlen(dst_keys.records) > 0:
         raise ValueError(f"{dst_keys.records} already holds records; replay into a new run name")
     written = 0

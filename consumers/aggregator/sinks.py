@@ -19,6 +19,7 @@ import redis
 
 from rollstream.bus import iter_stream
 from rollstream.config import PipelineConfig
+from rollstream.files import private_dir
 from rollstream.names import Keys
 from schemas import DecodeError, SyncStepRecord, decode_as
 
@@ -79,7 +80,7 @@ class JsonlSink:
 
     def __init__(self, path: Path) -> None:
         """Open (create) the file and find its last step."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         self.path = path
         self._last = _last_jsonl_step(path)
         self._f = path.open("a", encoding="utf-8")

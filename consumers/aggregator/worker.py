@@ -39,7 +39,7 @@ from rollstream.bus import (
 )
 from rollstream.config import PipelineConfig
 from rollstream.names import AGGREGATOR_GROUP, AGGREGATOR_NOTE_SOURCE, Keys
-from schemas import DeadLetter, ProducerStats, StepMetrics, ValidateMetrics, encode
+from schemas import ProducerStats, StepMetrics, ValidateMetrics, dead_letter_of, encode
 
 log = logging.getLogger(__name__)
 
@@ -203,12 +203,7 @@ class AggregatorWorker:
 
     def _note(self, source_id: str, reason: str, fields: Any = None) -> None:
         """A DeadLetter note on `dead` (source `aggregator`) about the metrics log; nothing is acked by it."""
-        dl = DeadLetter(
-            source=AGGREGATOR_NOTE_SOURCE,
-            source_id=source_id,
-            reason=reason,
-            fields={k: bytes(v) for k, v in (fields or {}).items()},
-        )
+        dl = dead_letter_of(AGGREGATOR_NOTE_SOURCE, source_id, reason, {k: bytes(v) for k, v in (fields or {}).items()})
         self.r.xadd(self.keys.dead, encode(dl))
 
     # -- timeouts -------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save_file
 
-from rollstream.files import atomic_write
+from rollstream.files import atomic_write, private_dir
 from rollstream.model import BasePolicy
 from rollstream.model.base import load_state_dict_checked
 from rollstream.weights_file import unique_state
@@ -206,7 +206,7 @@ def write_checkpoint(
     """`save_checkpoint` from the weights (a state dict, tied tensors once) and an optimizer state_dict
     (index-keyed, as torch.optim.Optimizer.state_dict gives it): what a data-parallel rank 0 writes for
     every rank."""
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(ckpt_dir)
     tensors = {f"model/{k}": v for k, v in weights.items()}  # no copy of the weights
     opt_tensors, groups = _optim_tensors(optimizer_state)
     rng_tensors, rng_scalars = _rng_tensors()
@@ -268,7 +268,7 @@ def copy_checkpoint(src_dir: Path, dst_dir: Path, global_step: int) -> Path:
         have = [g for g, _ in list_checkpoints(src_dir)]
         raise FileNotFoundError(f"no checkpoint of step {global_step} in {src_dir} (have {have}; "
                                 "raise trainer.keep_checkpoints to keep older ones)")
-    dst_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(dst_dir)
     dst = checkpoint_path(dst_dir, global_step)
     shutil.copy2(src, dst)  # keeps the file mode
     return dst

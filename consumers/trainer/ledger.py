@@ -13,7 +13,7 @@ the previous checkpoint are stored in the checkpoint, and committed only once th
     HINCRBY trainer evicted_early -e  the step's evictions, counted as consumed when they happened
                            (pacing's EVICT), are settled; a step counted before (retrained after a
                            restart) takes its re-counted evictions back off `consumed` instead
-    HSET trainer global_step param_version committed_step consumed_step heartbeat
+    HSET trainer global_step param_version committed_step consumed_step heartbeat progress_at
     XADD metrics step_end  (so step_end is emitted exactly once)
   EXEC
 """
@@ -36,6 +36,7 @@ from rollstream.names import (
     GLOBAL_STEP_FIELD,
     HEARTBEAT_FIELD,
     PARAM_VERSION_FIELD,
+    PROGRESS_AT_FIELD,
     TRAINER_GROUP,
     Keys,
 )
@@ -113,7 +114,7 @@ def count_consumed(r: redis.Redis, keys: Keys, ledger: StepLedger) -> None:
     if ledger.global_step > counted:
         record_consumed(pipe, keys, ledger.consumed)
         pipe.hincrby(keys.trainer, DROPPED_STALE_FIELD, ledger.dropped)
-        pipe.hset(keys.trainer, CONSUMED_STEP_FIELD, ledger.global_step)
+        pipe.hset(keys.trainer, mapping={CONSUMED_STEP_FIELD: ledger.global_step, PROGRESS_AT_FIELD: time.time()})
     settle_evicted(pipe, keys, ledger, counted)
     pipe.execute()
     ledger.settled = True
@@ -160,6 +161,7 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
             COMMITTED_STEP_FIELD: max(last, done),
             CONSUMED_STEP_FIELD: max(last, counted),
             HEARTBEAT_FIELD: time.time(),
+            PROGRESS_AT_FIELD: time.time(),
         },
     )
     for lg in ledgers:

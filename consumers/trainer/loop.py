@@ -102,6 +102,7 @@ from rollstream.factory import build_prompt_source, build_task
 from rollstream.model.base import resolve_device
 from rollstream.names import (
     DEAD_LETTERED_FIELD,
+    PROGRESS_AT_FIELD,
     REPLAYED_VERSIONS_FIELD,
     TRAINER_GROUP,
     TRAINING_STEP_FIELD,
@@ -201,6 +202,7 @@ class Trainer:
         if uncounted := uncount_evicted(self.r, self.keys):  # a crashed process's evictions come back pending
             log.warning("%d evictions of an abandoned step no longer counted as consumed", uncounted)
         self._grant(self.global_step)
+        self.r.hset(self.keys.trainer, PROGRESS_AT_FIELD, time.time())  # the clock of `status`'s stall check
         if self.dp.active:
             self.r.hset(self.keys.trainer, WORLD_SIZE_FIELD, self.dp.world_size)
 
@@ -228,14 +230,14 @@ class Trainer:
                 latest = latest_param_version(self.r, self.keys)
                 if latest is not None and latest.version >= version:
                     return
+            bus = self.cfg.bus
+            where: dict[str, Any] = dict(inline_max_bytes=bus.weights_inline_max_bytes, file_dir=self.weights_dir,
+                                         transport=bus.weights_transport, chunk_bytes=bus.weights_chunk_bytes)
             if whole is not None:  # fsdp: the gathered copy (already a second copy: bytes are one more)
-                publish_weights(self.r, self.keys, version, state_bytes(whole), global_step=version,
-                                inline_max_bytes=self.cfg.bus.weights_inline_max_bytes, file_dir=self.weights_dir)
+                publish_weights(self.r, self.keys, version, state_bytes(whole), global_step=version, **where)
                 return
-            publish_module_weights(  # above the inline limit: streamed to a file, never one blob in memory
-                self.r, self.keys, version, module, global_step=version,
-                inline_max_bytes=self.cfg.bus.weights_inline_max_bytes, file_dir=self.weights_dir,
-            )
+            # above the inline limit: streamed to a file or to Redis chunks, never one blob in memory
+            publish_module_weights(self.r, self.keys, version, module, global_step=version, **where)
 
         retry_on_connection(publish, f"publishing version {version}")
         self.newest_published = max(self.newest_published, version)

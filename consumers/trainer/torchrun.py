@@ -13,8 +13,10 @@ step is committed or covered by a checkpoint. A rank that fails still makes torc
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
@@ -24,16 +26,22 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run torchrun with `argv`; 0 when it ends normally or on a stop signal."""
+    """Run torchrun with `argv`; 0 when it ends normally or on a stop signal. torchrun's own temp folders
+    (`torchelastic_*`, one per restart) and its ranks' temp files go into one private folder (0700, under
+    the temp dir) that is removed when torchrun exits, so a stopped run leaves nothing in /tmp."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun_main
 
-    try:
-        torchrun_main(list(argv) if argv is not None else None)
-    except SignalException as e:
-        if e.sigval not in STOP_SIGNALS:
-            raise
-        print(f"torchrun: {e.sigval.name}: the ranks were told to stop; exiting 0", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="rollstream-torchrun-") as tmp:
+        tempfile.tempdir, os.environ["TMPDIR"] = tmp, tmp  # this process and the ranks it starts
+        try:
+            torchrun_main(list(argv) if argv is not None else None)
+        except SignalException as e:
+            if e.sigval not in STOP_SIGNALS:
+                raise
+            print(f"torchrun: {e.sigval.name}: the ranks were told to stop; exiting 0", file=sys.stderr)
+        finally:
+            tempfile.tempdir = None
     return 0
 
 

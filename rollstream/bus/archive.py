@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 from rollstream.bus.segments import SegmentError, encode_record, new_segment, read_records
 from rollstream.bus.streams import parse_id
-from rollstream.files import atomic_write
+from rollstream.files import atomic_write, private_dir
 from rollstream.names import split_key
 
 INDEX = "index.json"
@@ -83,11 +83,6 @@ def stream_dirname(key: str) -> str:
     return "%2E" + name[1:] if name.startswith(".") else name
 
 
-def _private_dir(path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path.chmod(0o700)
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -105,7 +100,7 @@ class Archive:
 
     def create(self) -> Archive:
         """Make the archive folder (private) if it is missing; returns self."""
-        _private_dir(self.root)
+        private_dir(self.root)
         return self
 
     def __repr__(self) -> str:
@@ -199,7 +194,7 @@ class StreamWriter:
         self.archive, self.key = archive, key
         self.dir = archive.stream_dir(key)
         archive.create()
-        _private_dir(self.dir)
+        private_dir(self.dir)
         self.f: Any = None
         self._cur: dict[str, Any] | None = None  # the open segment's row (file, bytes, entries, first, last)
         self.written = 0  # entries written since the last commit

@@ -30,7 +30,7 @@ import redis
 from rollstream.bus.connection import CONNECTION_ERRORS, connection_count, retry_on_connection
 from rollstream.bus.publish import ensure_group
 from rollstream.bus.streams import text
-from schemas import DEFAULT_LIMITS, DeadLetter, DecodeError, Event, Limits, decode, encode
+from schemas import DEFAULT_LIMITS, DecodeError, Event, Limits, dead_letter_of, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -252,12 +252,12 @@ class GroupReader:
         retried. The copy is written only if the ack found the entry pending, so a retry after a lost reply
         writes nothing twice; with `dead_count` set, a `counted` dead letter also increments that (hash, field)
         in the same step."""
-        dl = DeadLetter(
-            source=self.stream,
-            source_id=entry_id,
-            reason=reason[:1000],
+        dl = dead_letter_of(  # the copy is bounded: an oversize entry keeps its header, sizes and digest
+            self.stream,
+            entry_id,
+            reason[:1000],
             # field names are whatever the writer sent: a non-UTF-8 name must not stop dead-lettering
-            fields={text(k, errors="backslashreplace"): bytes(v) for k, v in fields.items()},
+            {text(k, errors="backslashreplace"): bytes(v) for k, v in fields.items()},
         )
         body = encode(dl)
 

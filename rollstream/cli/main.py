@@ -7,10 +7,12 @@ checkpoint copy and `benchmarks.<name>`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any
 
 from rollstream.bus import CONNECTION_ERRORS
 from rollstream.config import ConfigError, config_to_yaml, load_config
+from rollstream.ops.log_server import LogServerError
 from rollstream.ops.target import RunTarget, mask_url, open_run
 
 
@@ -38,6 +41,18 @@ def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[st
 def _target(args: argparse.Namespace) -> RunTarget:
     config, overrides = _config_and_overrides(args)
     return open_run(config, overrides, getattr(args, "run_dir", None))
+
+
+def _log_target(args: argparse.Namespace) -> RunTarget:
+    """The run to read: while its Redis answers, that Redis; a stopped run with the embedded Redis is served
+    read-only from its own files until the command ends (ops/log_server.py)."""
+    from rollstream.ops.log_server import serve_stopped_log
+
+    t: RunTarget = args.stack.enter_context(serve_stopped_log(_target(args)))
+    if t.served:
+        print(f"run {t.keys.run} is stopped: reading its log from {t.run_dir} (read-only, for this command)",
+              file=sys.stderr)
+    return t
 
 
 def _worker_function(module: str, name: str) -> Any:
@@ -101,15 +116,19 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from rollstream.ops.process import process_states
     from rollstream.ops.status import collect_status, format_status
 
-    t = _target(args)
+    t = _log_target(args)
     r = t.connect()
     limit_s = t.cfg.trainer.heartbeat_stall_s
     while True:
-        st = collect_status(r, t.keys, process_states(t.run_dir), limit_s, t.cfg.trainer.total_global_steps)
+        st = collect_status(r, t.keys, process_states(t.run_dir), limit_s, t.cfg.trainer.total_global_steps,
+                            stopped=t.served)
         text = format_status(st, mask_url(t.redis_url))
         if args.check or not args.watch:
             print(text)
-            return 1 if args.check and not st.healthy else 0
+            if args.check and not st.healthy:
+                print("rollstream status --check: " + "; ".join(st.problems()), file=sys.stderr)
+                return 1
+            return 0
         print("\033[H\033[2J" + time.strftime("%H:%M:%S ") + text, flush=True)
         try:
             time.sleep(args.watch)
@@ -122,7 +141,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from rollstream.bus import ArchiveError
     from schemas import DecodeError
 
-    t = _target(args)
+    t = _log_target(args)
     try:
         rep = audit_run(t.connect(), t.keys)
     except (DecodeError, ArchiveError) as e:
@@ -178,7 +197,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from rollstream.ops import inspect
 
     _split_id(args)
-    t = _target(args)
+    t = _log_target(args)
     r = t.connect()
     try:
         entry_id, fields = inspect.read_entry(r, inspect.stream_key(t.keys, args.stream), args.which)
@@ -193,11 +212,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_tail(args: argparse.Namespace) -> int:
     from rollstream.ops import inspect
 
-    t = _target(args)
+    t = _log_target(args)
     r = t.connect()
     try:
         key = inspect.stream_key(t.keys, args.stream)
-        entries = inspect.follow(r, key, count=args.count, block_ms=t.cfg.bus.block_ms)
+        done = threading.Event()
+        if t.served:  # a stopped run: nothing more will arrive
+            done.set()
+        entries = inspect.follow(r, key, count=args.count, block_ms=t.cfg.bus.block_ms, stop=done)
         inspect.print_entries(
             entries, args.stream, inspect.tokenizer_for(t.cfg), _write_flush, args.full, args.exit_after
         )
@@ -217,11 +239,14 @@ def _write_flush(text: str) -> None:
 def _cmd_replay_records(args: argparse.Namespace) -> int:
     from rollstream.bus import ArchiveError
     from rollstream.names import Keys
+    from rollstream.ops.log_server import replay_destination
 
-    t = _target(args)
+    t = _log_target(args)
+    out = args.stack.enter_context(replay_destination(t, args.dst))
     replay_records = _worker_function("consumers.aggregator.replay", "replay_records")
     try:
-        n = replay_records(t.connect(), Keys(args.src), Keys(args.dst), total_gpus=t.cfg.aggregator.total_gpus)
+        n = replay_records(t.connect(), Keys(args.src), Keys(args.dst), total_gpus=t.cfg.aggregator.total_gpus,
+                           out=out)
     except (ValueError, ArchiveError) as e:
         print(f"rollstream replay records: {e}", file=sys.stderr)
         return 2
@@ -234,16 +259,18 @@ def _cmd_replay_trainer(args: argparse.Namespace) -> int:
 
     from rollstream.bus import ArchiveError
     from rollstream.names import Keys
+    from rollstream.ops.log_server import replay_destination
     from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts, copy_steps, parse_steps
 
-    t = _target(args)
+    t = _log_target(args)
     r = t.connect()
     src, dst = Keys(args.src), Keys(args.dst)
+    out = args.stack.enter_context(replay_destination(t, dst.run))
     extra: list[str] = []
     try:
         if args.steps:
             first, last = parse_steps(args.steps)
-            n, kept_ids = copy_steps(r, src, dst, first, last)
+            n, kept_ids = copy_steps(r, src, dst, first, last, out=out)
             if first > 1:
                 copy_checkpoint = _worker_function("consumers.trainer.checkpoint", "copy_checkpoint")
                 run_dir = Path(t.cfg.run.dir)
@@ -254,7 +281,7 @@ def _cmd_replay_trainer(args: argparse.Namespace) -> int:
             extra = [f"trainer.total_global_steps={last}"]
             what = f"the {n} rollouts steps {first}-{last} consumed" + ("" if kept_ids else " (new entry ids)")
         else:
-            n = copy_rollouts(r, src, dst, args.start, args.end)
+            n = copy_rollouts(r, src, dst, args.start, args.end, out=out)
             what = f"{n} rollouts"
     except (ReplayCopyError, ArchiveError) as e:
         print(f"rollstream replay trainer: {e}", file=sys.stderr)
@@ -262,15 +289,18 @@ def _cmd_replay_trainer(args: argparse.Namespace) -> int:
     config, overrides = _config_and_overrides(args)
     argv = [config or "pipeline.yaml", *overrides, f"run.name={dst.run}", *extra, "--burst"]
     print(f"copied {what} from {src.run} to {dst.run}; replay the trainer on them (it exits when they are used up):")
-    print(f"  ROLLSTREAM_REDIS_URL={shlex.quote(mask_url(t.redis_url))} {shlex.quote(sys.executable)} "
-          f"-m consumers.trainer {shlex.join(argv)}")
+    trainer = f"{shlex.quote(sys.executable)} -m consumers.trainer {shlex.join(argv)}"
+    if t.served:  # the copy lives in the new run's own Redis, up only while `serve` runs the trainer
+        print(f"  rollstream serve --write --run-dir {shlex.quote(str(Path(t.cfg.run.dir) / dst.run))} -- {trainer}")
+    else:
+        print(f"  ROLLSTREAM_REDIS_URL={shlex.quote(mask_url(t.redis_url))} {trainer}")
     return 0
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from rollstream.ops import plot
 
-    t = _target(args)
+    t = _log_target(args)
     jsonl = t.run_dir / "records.jsonl"
     try:
         records = plot.records_from_redis(t.connect(retries=0), t.keys)
@@ -285,6 +315,29 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         print(f"rollstream plot: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out} ({len(records)} records)")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from rollstream.bus.connection import PASSWORD_ENV, USERNAME_ENV
+    from rollstream.ops.log_server import serve_run
+    from rollstream.worker import REDIS_URL_ENV
+
+    command = args.command_argv
+    with serve_run(_target(args), write=args.write) as t:
+        env = {**os.environ, REDIS_URL_ENV: t.redis_url}
+        if t.login is not None:
+            env[USERNAME_ENV], env[PASSWORD_ENV] = t.login
+        print(f"serving run {t.keys.run} at {t.redis_url} ({'writable' if args.write else 'read-only'})",
+              file=sys.stderr, flush=True)
+        try:
+            if command:
+                return subprocess.run(command, env=env).returncode
+            signal.pause()
+        except KeyboardInterrupt:
+            return 130
     return 0
 
 
@@ -335,8 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     _run_args(c)
     c.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     c.add_argument("--check", action="store_true",
-                   help="for monitoring: exit 1 when a worker's heartbeat is missing or older than "
-                        "trainer.heartbeat_stall_s (the trainer having finished is fine)")
+                   help="for monitoring: exit 1, naming why, when a worker's heartbeat is missing or older than "
+                        "trainer.heartbeat_stall_s, or no global step completed within it while the run is not "
+                        "stopping (the trainer having finished is fine)")
     c.set_defaults(func=_cmd_status)
 
     c = sub.add_parser("audit", help="check the log: every published sample ended once (trained, dropped or dead), "
@@ -390,6 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="reward.png", help="PNG file to write")
     c.set_defaults(func=_cmd_plot)
 
+    c = sub.add_parser("serve", help="bring a stopped run's Redis up from its own files and run CMD against it "
+                                      "(ROLLSTREAM_REDIS_URL set), or serve until Ctrl-C: serve [config] [k=v] -- CMD")
+    _run_args(c)
+    c.add_argument("--write", action="store_true",
+                   help="serve it writable (writes persist in the run's AOF: a replay copy to retrain on); "
+                        "default read-only, nothing written")
+    c.set_defaults(func=_cmd_serve)
+
     c = sub.add_parser("bench", help="run benchmark NAME (benchmarks/NAME.py's main(args)); further arguments are "
                                       "passed through; without NAME (or with --list) list the benchmarks")
     c.add_argument("name", nargs="?", help="benchmark name: a module of the benchmarks package (async = async_.py)")
@@ -422,10 +484,17 @@ def _place_extra(parser: argparse.ArgumentParser, args: argparse.Namespace, extr
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `rollstream` console script; config errors print one line and exit 2."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if argv[:1] == ["serve"] and "--" in argv:  # serve's CMD is everything after `--`, untouched
+        at = argv.index("--")
+        argv, command = argv[:at], argv[at + 1 :]
     args, extra = parser.parse_known_args(argv)
+    args.command_argv = command
     _place_extra(parser, args, extra)
     try:
-        return int(args.func(args))
+        with contextlib.ExitStack() as args.stack:
+            return int(args.func(args))
     except BrokenPipeError:  # `rollstream inspect … | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -434,4 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except CONNECTION_ERRORS as e:
         print(f"rollstream: redis not reachable: {e}", file=sys.stderr)
+        return 3
+    except LogServerError as e:
+        print(f"rollstream: {e}", file=sys.stderr)
         return 3

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import redis
 
+from rollstream.files import private_dir
+
 #: Longest unix socket path the kernel accepts (sun_path is 108 bytes with the NUL).
 MAX_UNIX_SOCKET_PATH = 100
 
@@ -38,8 +40,7 @@ def plan_embedded(run_dir: Path, appendfsync: str = "everysec") -> tuple[list[st
     everysec or no); creates <run_dir>/redis for the AOF files."""
     run_dir = run_dir.resolve()
     data_dir = run_dir / "redis"
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    data_dir.chmod(0o700)
+    private_dir(data_dir)
     argv = [
         redis_server_binary(),
         "--appendonly", "yes",

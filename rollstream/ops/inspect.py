@@ -151,6 +151,8 @@ def entry_to_json(
 
 
 def _original(dl: DeadLetter, tok: Tokenizer | None, full: bool) -> dict[str, Any]:
+    if dl.omitted:  # a bounded copy of an oversize entry: its header is in `event.fields`
+        return {"omitted_bytes": dict(dl.omitted), "sha256": dl.sha256}
     try:
         event = decode(dl.fields)
     except DecodeError as e:
@@ -189,10 +191,11 @@ def follow(
     block_ms: int = 1000,
     stop: threading.Event | None = None,
 ) -> Iterator[tuple[str, Mapping[bytes, Any]]]:
-    """The last `count` entries, then each new one as it arrives (XREAD BLOCK) until stop is set."""
+    """The last `count` entries of the log (archive or Redis), then each new one as it arrives (XREAD BLOCK)
+    until stop is set."""
     last = "$"
     if count > 0:
-        rows: Any = r.xrevrange(key, count=count)
+        rows = list(islice(iter_stream(r, key, reverse=True, page=min(count, PAGE)), count))
         for entry_id, fields in reversed(rows):
             last = text(entry_id)
             yield last, fields

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from rollstream.bus.connection import PASSWORD_FILE_ENV, USERNAME_ENV
 from rollstream.config import PipelineConfig, config_to_yaml
+from rollstream.files import private_dir
 from rollstream.names import Keys
 from rollstream.names import producer_names as _producer_names
 from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded
@@ -53,6 +54,8 @@ CONF_NAME = "supervisord.conf"
 PASSWORD_FILE = "redis.password"
 #: redis ACL file (users with sha256 password hashes) inside the secrets dir.
 ACL_FILE = "users.acl"
+#: Folder in the run dir that is its programs' TMPDIR (removed by a clean `rollstream stop`).
+RUN_TMP_DIR = "tmp"
 #: File mode bits a run's files never carry (group and other): the umask of the run's programs.
 PRIVATE_UMASK = 0o077
 #: supervisord program name -> ACL user it connects as (each producer connects as a user of its own name).
@@ -174,13 +177,6 @@ def write_acl(run_dir: Path, keys: Keys, producers: list[str]) -> tuple[Path, di
     return acl_file, env
 
 
-def private_dir(path: Path) -> Path:
-    """Create `path` (and missing parents) and make it 0700; returns it."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path.chmod(0o700)
-    return path
-
-
 def private_violations(run_dir: Path) -> list[str]:
     """`path mode` of everything under run_dir (itself included) that group or others may access (sockets
     aside: their access is the directory's); [] for a private run."""
@@ -204,7 +200,9 @@ def plan_run(cfg: PipelineConfig, run_dir: Path | None = None) -> RunPlan:
     private_dir(run_dir / "logs")
     resolved_cfg = cfg.model_copy(deep=True)
     resolved_cfg.run.dir = str(run_dir.parent)
-    env = {"PYTHONUNBUFFERED": "1"}
+    # the programs' temp files (torch's torchinductor_<user> cache folder, torchrun's torchelastic_*) stay in
+    # the run dir, not /tmp; `rollstream stop` removes the folder after a clean stop
+    env = {"PYTHONUNBUFFERED": "1", "TMPDIR": str(private_dir(run_dir / RUN_TMP_DIR))}
     programs: list[Program] = []
     role_env: dict[str, dict[str, str]] = {}
     if cfg.run.redis_url is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +23,14 @@ from rollstream.bus import setup_run, wait_until_ready
 from rollstream.config import PipelineConfig
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import wait_for_redis
-from rollstream.ops.plan import PRIVATE_UMASK, WORKER_STOPWAIT_S, RunPlan, SuperviseError, supervisor_socket
+from rollstream.ops.plan import (
+    PRIVATE_UMASK,
+    RUN_TMP_DIR,
+    WORKER_STOPWAIT_S,
+    RunPlan,
+    SuperviseError,
+    supervisor_socket,
+)
 from rollstream.ops.target import RunTarget
 
 # --- talking to a running supervisord ----------------------------------------------------------------
@@ -223,7 +231,10 @@ def stop_run(run_dir: Path, timeout_s: float = WORKER_STOPWAIT_S + 30) -> ExitRe
     server.supervisor.shutdown()
     if pid is not None:
         _wait(lambda: not _alive(pid), 30, "supervisord to exit")
-    return ExitReport(statuses, _crashes_from_log(run_dir))
+    report = ExitReport(statuses, _crashes_from_log(run_dir))
+    if report.ok:  # the programs' temp files go with them (a crash keeps them for a look)
+        shutil.rmtree(run_dir / RUN_TMP_DIR, ignore_errors=True)
+    return report
 
 
 def _alive(pid: int) -> bool:

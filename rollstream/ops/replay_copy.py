@@ -46,13 +46,17 @@ def _check_destination(r: redis.Redis, src: Keys, dst: Keys) -> None:
         raise ReplayCopyError(f"{dst.rollouts} already has entries; pick a new run name")
 
 
-def copy_rollouts(r: redis.Redis, src: Keys, dst: Keys, start: str = "-", end: str = "+") -> int:
-    """Set dst up (streams and groups) and XADD every rollouts entry of src in [start, end] with its id;
-    returns how many were copied. Refuses a dst whose rollouts stream already has entries."""
-    _check_destination(r, src, dst)
-    setup_run(r, dst)
+def copy_rollouts(
+    r: redis.Redis, src: Keys, dst: Keys, start: str = "-", end: str = "+", out: redis.Redis | None = None
+) -> int:
+    """Set dst up (streams and groups) and XADD every rollouts entry of src in [start, end] with its id,
+    through `out` (default: r, the Redis src is read from); returns how many were copied. Refuses a dst
+    whose rollouts stream already has entries."""
+    out = r if out is None else out
+    _check_destination(out, src, dst)
+    setup_run(out, dst)
     copied = 0
-    pipe = r.pipeline(transaction=False)
+    pipe = out.pipeline(transaction=False)
     for entry_id, fields in iter_stream(r, src.rollouts, start, end, page=BATCH):
         pipe.xadd(dst.rollouts, fields, id=entry_id)
         copied += 1
@@ -75,11 +79,15 @@ def consumed_entry_ids(r: redis.Redis, src: Keys, first: int, last: int) -> list
     return [i for g in range(first, last + 1) for i in by_step[g]]
 
 
-def copy_steps(r: redis.Redis, src: Keys, dst: Keys, first: int, last: int) -> tuple[int, bool]:
-    """Copy the rollouts steps first..last consumed into dst in consumption order; returns (copied, ids
-    kept). Ids are kept when consumption order is id order (the usual case), else new ids are made."""
+def copy_steps(
+    r: redis.Redis, src: Keys, dst: Keys, first: int, last: int, out: redis.Redis | None = None
+) -> tuple[int, bool]:
+    """Copy the rollouts steps first..last consumed into dst (through `out`, default r) in consumption
+    order; returns (copied, ids kept). Ids are kept when consumption order is id order (the usual case),
+    else new ids are made."""
+    out = r if out is None else out
     ids = consumed_entry_ids(r, src, first, last)
-    _check_destination(r, src, dst)
+    _check_destination(out, src, dst)
     wanted = set(ids)
     lo, hi = min(ids, key=parse_id), max(ids, key=parse_id)
     found = {i: f for i, f in iter_stream(r, src.rollouts, lo, hi, page=BATCH) if i in wanted}  # archive + Redis
@@ -87,8 +95,8 @@ def copy_steps(r: redis.Redis, src: Keys, dst: Keys, first: int, last: int) -> t
     if gone:
         raise ReplayCopyError(f"{len(gone)} consumed entries are neither in {src.rollouts} nor in its archive: {gone[:3]}")
     keep_ids = all(parse_id(a) < parse_id(b) for a, b in zip(ids, ids[1:], strict=False))
-    setup_run(r, dst)
-    pipe = r.pipeline(transaction=False)
+    setup_run(out, dst)
+    pipe = out.pipeline(transaction=False)
     for i in ids:
         pipe.xadd(dst.rollouts, found[i], id=i if keep_ids else "*")
         if len(pipe) >= BATCH:
@@ -96,5 +104,5 @@ def copy_steps(r: redis.Redis, src: Keys, dst: Keys, first: int, last: int) -> t
     pipe.execute()
     # the copied samples were made with versions the source published up to step `last`; the replayed
     # trainer must not take them for versions from the future (it republishes them as it goes)
-    r.hset(dst.trainer, REPLAYED_VERSIONS_FIELD, last)
+    out.hset(dst.trainer, REPLAYED_VERSIONS_FIELD, last)
     return len(ids), keep_ids

@@ -1,9 +1,7 @@
 """`rollstream status`: one screen about a run, read from Redis (and supervisord when it is up).
 
-Worker health: a worker that writes a heartbeat (today the trainer: `heartbeat` in the trainer hash, set
-on every poll, local update and commit) is `ok` while the heartbeat is at most `stall_after_s` old,
-`stalled` beyond, `missing` when it never wrote one, and `finished` once the trainer reached its last
-global step. `rollstream status --check` exits 1 unless every such worker is ok or finished.
+Health, rates and lag are judged in ops/health.py: heartbeats, and whether global steps still complete
+(`rollstream status --check` exits 1, naming why, unless every line is ok, finished or stopping).
 
 A data-parallel trainer (`world_size` > 1 in the trainer hash) shows one line per rank, `trainer-r<k>`,
 from that rank's own `heartbeat:r<k>`, and each rank's consumer in the `trainer` group (its pending
@@ -20,20 +18,21 @@ from typing import Any
 import redis
 
 from rollstream.bus import Archive, ArchiveError, run_archive, text
-from rollstream.names import (
-    COMMITTED_STEP_FIELD,
-    GLOBAL_STEP_FIELD,
-    HEARTBEAT_FIELD,
-    TRAINER_GROUP,
-    WORLD_SIZE_FIELD,
-    Keys,
-    rank_heartbeat_field,
+from rollstream.names import GLOBAL_STEP_FIELD, TRAINER_GROUP, Keys
+from rollstream.ops.health import (
+    LAG_COUNT_CAP,
+    RATE_WINDOW_S,
+    WorkerHealth,
+    group_lag,
+    progress_health,
+    step_ends,
+    trained_rate,
+    trainer_stopping,
+    worker_health,
 )
 from rollstream.weights import latest_param_version, producer_versions
 from schemas import DecodeError, ProducerStats, SyncStepRecord, decode, decode_fate
 
-#: Seconds of rollouts behind the samples/s and tokens/s figures.
-RATE_WINDOW_S = 60.0
 #: Most recent entries read for the staleness histogram and the latest stats.
 RECENT_ENTRIES = 1000
 TRAINER_IDLE_KEY = "fully_async/trainer/idle_ratio"
@@ -52,45 +51,6 @@ class StreamInfo:
 
 
 @dataclass
-class WorkerHealth:
-    """One heartbeat-writing worker: its state and the heartbeat's age."""
-
-    name: str
-    state: str  # ok, stalled, missing, finished
-    age_s: float | None  # seconds since the last heartbeat (None when there is none)
-    limit_s: float
-
-    @property
-    def healthy(self) -> bool:
-        """True when a monitor need not alert (ok or finished)."""
-        return self.state in ("ok", "finished")
-
-
-def worker_health(
-    trainer: dict[str, str], stall_after_s: float, total_steps: int | None = None, now: float | None = None
-) -> list[WorkerHealth]:
-    """Health of the heartbeat-writing workers from the trainer hash (see the module docstring): the
-    trainer, or each rank of a data-parallel trainer."""
-    now = time.time() if now is None else now
-    world = trainer.get(WORLD_SIZE_FIELD, "1")
-    ranks = int(world) if world.isdigit() else 1
-    fields = [("trainer", HEARTBEAT_FIELD)] if ranks <= 1 else [(f"trainer-r{k}", rank_heartbeat_field(k)) for k in range(ranks)]
-    step = trainer.get(COMMITTED_STEP_FIELD) or trainer.get(GLOBAL_STEP_FIELD) or ""
-    finished = total_steps is not None and step.isdigit() and int(step) >= total_steps
-    out = []
-    for name, beat_field in fields:
-        try:
-            beat = float(trainer[beat_field])
-        except (KeyError, ValueError):
-            out.append(WorkerHealth(name, "missing", None, stall_after_s))
-            continue
-        age = max(0.0, now - beat)
-        state = "finished" if finished else "ok" if age <= stall_after_s else "stalled"
-        out.append(WorkerHealth(name, state, age, stall_after_s))
-    return out
-
-
-@dataclass
 class RunStatus:
     """Everything `rollstream status` shows."""
 
@@ -102,8 +62,8 @@ class RunStatus:
     producer_versions: dict[str, int]
     staleness: dict[int, int]
     staleness_source: str
-    samples_per_s: float
-    tokens_per_s: float
+    samples_per_s: float  # trained, from committed steps over the wall clock (ops/health.py)
+    steps_per_min: float
     producer_idle: dict[str, float]
     trainer_idle: float | None
     processes: list[dict[str, Any]] | None = None
@@ -112,8 +72,12 @@ class RunStatus:
 
     @property
     def healthy(self) -> bool:
-        """True when no worker is stalled or missing (what `status --check` tests)."""
+        """True when no line is stalled, missing or stopped (what `status --check` tests)."""
         return all(w.healthy for w in self.workers)
+
+    def problems(self) -> list[str]:
+        """One line per unhealthy worker or progress line, naming why."""
+        return [f"{w.name} {w.state}: {w.why}" for w in self.workers if not w.healthy]
 
 
 def _archived(archive: Archive | None, key: str) -> tuple[int | None, int | None]:
@@ -141,7 +105,7 @@ def _stream_info(r: redis.Redis, key: str, short: str, archive: Archive | None =
                 "group": text(g["name"]),
                 "consumers": int(g["consumers"]),
                 "pending": int(g["pending"]),
-                "lag": None if g.get("lag") is None else int(g["lag"]),
+                "lag": group_lag(r, key, text(g["last-delivered-id"])),
                 "last_delivered": text(g["last-delivered-id"]),
             }
         )
@@ -167,18 +131,6 @@ def staleness_histogram(r: redis.Redis, keys: Keys, trainer_step: int | None) ->
         if v is not None:
             counts[next_step - int(text(v))] += 1
     return dict(sorted(counts.items())), f"rollouts (last {len(rows)}, vs next step {next_step})"
-
-
-def recent_rates(r: redis.Redis, keys: Keys, window_s: float = RATE_WINDOW_S) -> tuple[float, float]:
-    """(samples/s, tokens/s) of rollouts published in the last window_s, from entry-id timestamps and the
-    `tokens` header field."""
-    now_s, now_us = r.time()  # type: ignore[misc]
-    now_ms = int(now_s) * 1000 + int(now_us) // 1000
-    start = now_ms - int(window_s * 1000)
-    rows: Any = r.xrange(keys.rollouts, min=f"{start}-0", max="+")
-    samples = len(rows)
-    tokens = sum(int(text(f.get(b"tokens", b"0"))) for _, f in rows)
-    return samples / window_s, tokens / window_s
 
 
 def latest_idle(r: redis.Redis, keys: Keys) -> tuple[dict[str, float], float | None]:
@@ -215,8 +167,10 @@ def collect_status(
     processes: list[dict[str, Any]] | None = None,
     stall_after_s: float = 120.0,
     total_steps: int | None = None,
+    stopped: bool = False,
 ) -> RunStatus:
-    """Read everything the status screen shows; heartbeats older than `stall_after_s` count as stalled."""
+    """Read everything the status screen shows; heartbeats older than `stall_after_s` count as stalled, and
+    so does a run with no global step completed within it (unless finished, stopping, or `stopped`)."""
     shorts = [k.removeprefix(keys.prefix) for k in keys.all_streams()]
     archive = run_archive(r, keys.rollouts)
     streams = [_stream_info(r, k, s, archive) for k, s in zip(keys.all_streams(), shorts, strict=True)]
@@ -225,7 +179,13 @@ def collect_status(
     step = int(trainer[GLOBAL_STEP_FIELD]) if trainer.get(GLOBAL_STEP_FIELD, "").lstrip("-").isdigit() else None
     pv = latest_param_version(r, keys) if r.exists(keys.params) else None
     hist, source = staleness_histogram(r, keys, step)
-    sps, tps = recent_rates(r, keys)
+    now = time.time()
+    ends = step_ends(r, keys)
+    sps, spm = trained_rate(ends, now)
+    last_step_at = ends[0].created_at if ends else None
+    workers = [] if stopped else worker_health(trainer, stall_after_s, total_steps, now)
+    workers.append(progress_health(trainer, stall_after_s, total_steps, trainer_stopping(processes), stopped,
+                                   last_step_at, now))
     pidle, tidle = latest_idle(r, keys)
     return RunStatus(
         run=keys.run,
@@ -237,11 +197,11 @@ def collect_status(
         staleness=hist,
         staleness_source=source,
         samples_per_s=sps,
-        tokens_per_s=tps,
+        steps_per_min=spm,
         producer_idle=pidle,
         trainer_idle=tidle,
         processes=processes,
-        workers=worker_health(trainer, stall_after_s, total_steps),
+        workers=workers,
         trainer_consumers=trainer_consumers(r, keys),
     )
 
@@ -264,6 +224,10 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _lag(n: int) -> str:
+    return f">={n}" if n >= LAG_COUNT_CAP else str(n)
+
+
 def format_status(st: RunStatus, redis_url: str) -> str:
     """The status screen as text (redis_url must already be masked)."""
     out = [f"run {st.run}   redis {redis_url}"]
@@ -272,22 +236,24 @@ def format_status(st: RunStatus, redis_url: str) -> str:
                f"trainer global_step {step}   dead letters {st.dead}")
     for w in st.workers:
         age = f"{w.age_s:.1f}s ago" if w.age_s is not None else "never"
-        flag = "" if w.healthy else "   <-- " + w.state.upper()
-        out.append(f"{w.name} heartbeat {age} (limit {w.limit_s:g}s): {w.state}{flag}")
+        flag = "" if w.healthy else f"   <-- {w.state.upper()}: {w.why}"
+        what = "last completed (or start)" if w.name == "global steps" else "heartbeat"
+        out.append(f"{w.name} {what} {age} (limit {w.limit_s:g}s): {w.state}{flag}")
     if len(st.trainer_consumers) > 1 or any(c["name"] != "trainer" for c in st.trainer_consumers):
         out.append("trainer consumers: " + ", ".join(
             f"{c['name']} pending {c['pending']} idle {c['idle_s']:.1f}s" for c in st.trainer_consumers))
     out.append("")
     out.append(f"{'stream':<14}{'in redis':>10}{'memory':>12}{'archived':>10}{'on disk':>12}   groups (pending / lag)")
     for s in st.streams:
-        groups = ", ".join(f"{g['group']} {g['pending']} / {g['lag'] if g['lag'] is not None else '?'}" for g in s.groups)
+        groups = ", ".join(f"{g['group']} {g['pending']} / {_lag(g['lag'])}" for g in s.groups)
         archived = "?" if s.archived is None else str(s.archived)
         on_disk = "?" if s.archived_bytes is None else _bytes(s.archived_bytes)
         out.append(f"{s.name:<14}{s.length:>10}{_bytes(s.bytes):>12}{archived:>10}{on_disk:>12}   {groups}")
     out.append("")
     pv = ", ".join(f"{k}={v}" for k, v in sorted(st.producer_versions.items())) or "-"
     out.append(f"producer versions: {pv}")
-    out.append(f"rate (last {RATE_WINDOW_S:.0f}s): {st.samples_per_s:.2f} samples/s, {st.tokens_per_s:.1f} tokens/s")
+    out.append(f"trained (committed steps, last {RATE_WINDOW_S:.0f}s+ of wall clock): {st.samples_per_s:.2f} "
+               f"samples/s, {st.steps_per_min:.2f} global steps/min")
     pidle = ", ".join(f"{k} {v:.2f}" for k, v in st.producer_idle.items()) or "-"
     tidle = f"{st.trainer_idle:.2f}" if st.trainer_idle is not None else "-"
     out.append(f"idle ratio: trainer {tidle}; producers {pidle}")

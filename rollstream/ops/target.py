@@ -60,6 +60,10 @@ class RunTarget:
     keys: Keys
     run_dir: Path
     redis_url: str
+    #: (user, password) to log in with instead of the run's own (a stopped run's private log server).
+    login: tuple[str, str] | None = None
+    #: True when the log is served from the stopped run's files for this command (ops/log_server.py).
+    served: bool = False
 
     @property
     def admin_password_file(self) -> Path:
@@ -73,9 +77,12 @@ class RunTarget:
     def connect(self, retries: int = 2) -> redis.Redis:
         """A bytes client on the run's Redis: as admin with the run dir's password when the run has ACL
         users, else with the password from the URL, env or run.password_file."""
-        if self.uses_acl():
-            password: str | None = self.admin_password_file.read_text().strip()
-            username: str | None = ADMIN_USER
+        password: str | None
+        username: str | None
+        if self.login is not None:
+            username, password = self.login
+        elif self.uses_acl():
+            password, username = self.admin_password_file.read_text().strip(), ADMIN_USER
         else:
             password, username = read_password(self.cfg.run.password_file), None
         return connect(
