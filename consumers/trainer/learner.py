@@ -25,6 +25,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,17 +53,6 @@ from rollstream.weights_file import unique_state
 from schemas import DataProto
 
 log = logging.getLogger(__name__)
-
-
-def trim_padding(ids: torch.Tensor, mask: torch.Tensor, R: int) -> tuple[int, int]:
-    """(first column, response width) after dropping all-pad prompt columns on the left and all-pad
-    response columns on the right of a [B, P+R] batch."""
-    P = ids.shape[1] - R
-    prompt_cols = mask[:, :P].any(0).nonzero()
-    first = int(prompt_cols[0]) if len(prompt_cols) else P - 1
-    resp_cols = mask[:, P:].any(0).nonzero()
-    width = int(resp_cols[-1]) + 1 if len(resp_cols) else 1
-    return min(first, P - 1), width
 
 
 def group_advantages(rewards: torch.Tensor, group_sizes: list[int], norm_by_std: bool = True) -> torch.Tensor:
@@ -96,6 +87,55 @@ def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
     if decay_steps <= 0:
         return coef
     return coef * max(0.0, 1.0 - (global_step - 1) / decay_steps)
+
+
+@dataclass
+class _Micro:
+    """One padded micro-batch's tensors on the device (the learner's only view of its rows)."""
+
+    ids: torch.Tensor  # [b, P+w] long
+    mask: torch.Tensor  # [b, P+w] long
+    resp_mask: torch.Tensor  # [b, w] float
+    behave: torch.Tensor  # [b, w] float
+    rewards: torch.Tensor  # [b] float, on the CPU
+    scores: torch.Tensor | None  # [b, w] float token_level_scores, on the CPU
+
+
+def _tensors(batch: DataProto, dev: torch.device) -> _Micro:
+    """A padded micro-batch's arrays as tensors, the token ones on dev."""
+    t = batch.tensors
+    scores = t.get("token_level_scores")
+
+    def tensor(key: str) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(t[key]))
+
+    return _Micro(
+        ids=tensor("input_ids").long().to(dev), mask=tensor("attention_mask").long().to(dev),
+        resp_mask=tensor("response_mask").float().to(dev), behave=tensor("rollout_log_probs").float().to(dev),
+        rewards=tensor("rewards").float(),
+        scores=torch.from_numpy(np.ascontiguousarray(scores)).float() if scores is not None else None,
+    )
+
+
+def _token_advantages(micro: list[_Micro], groups: list[int], norm_by_std: bool, gamma: float) -> list[torch.Tensor]:
+    """Token-level GRPO advantages per micro-batch [b, w]: a group is compared position by position, so its
+    rows' per-token rewards and masks are right-aligned into one [B, W] (W: the widest micro-batch's
+    responses; only the response side, for this arithmetic) and the result cut back to each micro-batch."""
+    W = max(m.resp_mask.shape[1] for m in micro)
+
+    def wide(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, W - x.shape[1]))
+
+    masks = [m.resp_mask.cpu() for m in micro]
+    per_token = torch.cat([wide(token_rewards(m.rewards, rm, m.scores)) for m, rm in zip(micro, masks, strict=True)])
+    adv = grpo_token_advantages(per_token, torch.cat([wide(rm) for rm in masks]), groups, norm_by_std=norm_by_std,
+                                gamma=gamma)
+    out, start = [], 0
+    for m in micro:
+        b, w = m.resp_mask.shape
+        out.append(adv[start : start + b, :w].to(m.resp_mask.device))
+        start += b
+    return out
 
 
 class Learner:
@@ -167,38 +207,33 @@ class Learner:
         if self.prox is not None:
             self.prox.module.load_state_dict(self.policy.module.state_dict())
 
-    def update(self, batch: DataProto) -> dict[str, float]:
-        """One optimizer step on a mini-batch; returns its actor/critic/length/timing metrics."""
-        t = batch.tensors
-        ids = torch.from_numpy(np.ascontiguousarray(t["input_ids"])).long()  # [B, P+R]
-        mask = torch.from_numpy(np.ascontiguousarray(t["attention_mask"])).long()  # [B, P+R]
-        R = int(t["responses"].shape[1])
-        resp_mask = torch.from_numpy(np.ascontiguousarray(t["response_mask"])).float()  # [B, R]
-        behave = torch.from_numpy(np.ascontiguousarray(t["rollout_log_probs"])).float()  # [B, R]
-        rewards = torch.from_numpy(np.ascontiguousarray(t["rewards"])).float()  # [B]
-        scores = t.get("token_level_scores")
-        tok_scores = torch.from_numpy(np.ascontiguousarray(scores)).float() if scores is not None else None  # [B, R]
-        first, width = trim_padding(ids, mask, R)
-        P = ids.shape[1] - R
-        ids, mask = ids[:, first : P + width], mask[:, first : P + width]
-        resp_mask, behave = resp_mask[:, :width], behave[:, :width]
+    def update(self, batch: DataProto | Sequence[DataProto]) -> dict[str, float]:
+        """One optimizer step on a mini-batch, given as the padded micro-batches the assembly built (or one
+        padded batch, cut into actor.micro_batch_size rows); returns its actor/critic/length/timing metrics."""
+        if isinstance(batch, DataProto):
+            parts = [batch[rows] for rows in micro_slices(len(batch), self.actor.micro_batch_size)]
+        else:
+            parts = list(batch)
         dev = self.device
-        ids, mask, resp_mask, behave = ids.to(dev), mask.to(dev), resp_mask.to(dev), behave.to(dev)
+        micro = [_tensors(part, dev) for part in parts]
+        rewards = torch.cat([m.rewards for m in micro])  # [B]
+        resp_mask = [m.resp_mask for m in micro]  # [b, w] per micro-batch
 
-        # 1. GRPO advantages per sample group: [B] (outcome) or [B, R] (token-level credit)
-        groups = list(batch.meta_info["group_sizes"])
+        # 1. GRPO advantages per sample group: [B] (outcome) or per micro-batch [b, w] (token-level credit)
+        groups = list(parts[0].meta_info["group_sizes"])
         if self.actor.adv_estimator == "grpo_token":
-            per_token = token_rewards(rewards, resp_mask.cpu(), tok_scores[:, :width] if tok_scores is not None else None)
-            adv = grpo_token_advantages(
-                per_token, resp_mask.cpu(), groups, norm_by_std=self.actor.norm_adv_by_std, gamma=self.actor.gamma
-            ).to(dev)
+            advs = _token_advantages(micro, groups, self.actor.norm_adv_by_std, self.actor.gamma)
+            adv_mean = float(sum(float((a * m).sum()) for a, m in zip(advs, resp_mask, strict=True))
+                             / sum(float(m.sum()) for m in resp_mask))
         else:
             adv = group_advantages(rewards, groups, self.actor.norm_adv_by_std).to(dev)
+            advs = list(adv.split([m.ids.shape[0] for m in micro]))
+            adv_mean = float(adv.mean())
 
         # 2-3. per micro-batch: proximal / reference log-probs (frozen, no grad), forward, loss scaled by
         #      the micro-batch's share of what the aggregation divides by, backward (gradients accumulate)
         mode: AggMode = self.actor.loss_agg_mode
-        total, tokens = agg_count(resp_mask, mode), float(resp_mask.sum())
+        total, tokens = sum(agg_count(m, mode) for m in resp_mask), float(sum(float(m.sum()) for m in resp_mask))
         every_total, ranks = self._dp_count(total)
         ent_coef = entropy_coef_at(self.actor.entropy_coef, self.actor.entropy_decay_steps, self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
@@ -206,14 +241,9 @@ class Learner:
         metrics: dict[str, float] = {}
         loss = ent = kl = 0.0
         t_old = t_update = 0.0
-        slices = micro_slices(ids.shape[0], self.actor.micro_batch_size)
-        for i, rows in enumerate(slices):
-            m_ids, m_mask, m_resp, m_behave = ids[rows], mask[rows], resp_mask[rows], behave[rows]
-            m_adv = adv[rows]
-            f, w = trim_padding(m_ids, m_mask, width)  # this micro-batch's own all-pad columns go
-            m_ids, m_mask = m_ids[:, f : m_ids.shape[1] - width + w], m_mask[:, f : m_mask.shape[1] - width + w]
-            m_resp, m_behave = m_resp[:, :w], m_behave[:, :w]
-            m_adv = m_adv if m_adv.dim() == 1 else m_adv[:, :w]
+        for i, (m, m_adv) in enumerate(zip(micro, advs, strict=True)):
+            m_ids, m_mask, m_resp, m_behave = m.ids, m.mask, m.resp_mask, m.behave  # [b, P+w] x2, [b, w] x2
+            w = m_resp.shape[1]
             count = agg_count(m_resp, mode)
             share = count / total if total > 0 else 0.0  # of this rank's loss (metrics)
             grad_share = count * ranks / every_total if every_total > 0 else 0.0  # of every rank's
@@ -229,7 +259,7 @@ class Learner:
             t0 = time.perf_counter()
             # DDP's gradient hooks live on its wrapper; gradients are all-reduced at the last micro-batch only
             with self.dp.forward_through(self.policy, self.train_module), \
-                    self.dp.accumulating(self.train_module, last=i + 1 == len(slices)):
+                    self.dp.accumulating(self.train_module, last=i + 1 == len(micro)):
                 logp, entropy = self.policy.forward_logprobs_entropy(m_ids, m_mask, w, temp)  # [b, w] each
                 m_loss, pg_metrics = ppo_loss(
                     logp, prox_logp, m_behave, m_adv, m_resp,
@@ -266,14 +296,14 @@ class Learner:
         t_update += time.perf_counter() - t0
 
         # 4. metrics
-        row_tokens = mask.sum(-1).double()  # [B]
+        row_tokens = torch.cat([m.mask.sum(-1) for m in micro]).double().cpu()  # [B]
         metrics.update({
             "actor/loss": loss,
             "actor/entropy": ent,
             "actor/grad_norm": grad_norm,
             "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
             "critic/rewards/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "critic/advantages/mean": float(adv.mean()) if adv.dim() == 1 else float((adv * resp_mask).sum() / resp_mask.sum()),
+            "critic/advantages/mean": adv_mean,
             "perf/total_num_tokens": float(row_tokens.sum()),
             "global_seqlen/min": float(row_tokens.min()),
             "global_seqlen/max": float(row_tokens.max()),
@@ -283,5 +313,6 @@ class Learner:
         if self.prox is not None or self.ref is not None:
             metrics["timing_s/old_log_prob"] = t_old
         metrics.update(reward_metrics(rewards))
-        metrics.update(length_metrics(resp_mask.cpu(), self.cfg.data.max_response_length))
+        lengths = torch.cat([m.sum(-1, keepdim=True) for m in resp_mask]).cpu()  # [B, 1]: row sums = lengths
+        metrics.update(length_metrics(lengths, self.cfg.data.max_response_length))
         return metrics

@@ -1,11 +1,16 @@
 """Writes tests/data/old_rollouts/: schema-1 and schema-2 rollout entries written by commit c292fb6."""
-import msgpack, numpy as np, shutil, sys
+import shutil
+import sys
 from pathlib import Path
+
+import msgpack
+import numpy as np
+
+from rollstream.bus.archive import Archive
 from rollstream.fakes import FakeTokenizer
 from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import RewardResult
 from schemas import encode
-from rollstream.bus.archive import Archive
 
 out = Path(sys.argv[1])
 rng = np.random.default_rng(7)
