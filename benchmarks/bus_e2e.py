@@ -14,6 +14,7 @@ the script mode imports the tree under test; the driver imports nothing of it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -52,9 +53,7 @@ def build_sample(mean_len: int, seed: int) -> Any:
     prompt, responses, log_probs = trajectories(mean_len, seed)
     uid = np.array(["e2e"] * N, dtype=object)
     rewards = np.linspace(0, 1, N, dtype=np.float32)
-    try:
-        from schemas.ragged import RaggedBatch
-    except ImportError:  # a tree before schema 3: the padded int64 batch its producers built
+    if importlib.util.find_spec("schemas.ragged") is None:  # before schema 3: the padded int64 batch it sent
         R = max(len(r) for r in responses)
         ids = np.zeros((N, PROMPT_LEN + R), np.int64)
         mask = np.zeros_like(ids)

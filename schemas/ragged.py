@@ -54,19 +54,21 @@ def id_range_ok(ids: np.ndarray, vocab_size: int) -> bool:
 
 
 def _total(lens: np.ndarray) -> int:
-    """Sum of non-negative lengths as a Python int (no wrap-around)."""
-    return int(lens.sum(dtype=np.int64)) if lens.size else 0
+    """Sum of lengths as a Python int (no wrap-around)."""
+    return sum(lens.tolist())
 
 
-def _lengths(arr: Any, name: str, size: int | None) -> np.ndarray:
-    """A 1-d integer array of non-negative lengths (of `size` entries when given)."""
+def _lengths(arr: Any, name: str, size: int | None) -> list[int]:
+    """The values of a 1-d integer array of non-negative lengths (of `size` entries when given), as a list
+    (one row's length each: short, so Python's min and sum beat numpy's call overhead)."""
     if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in _ID_KINDS:
         raise ValueError(f"{name} must be a 1-d integer array, got {_describe(arr)}")
     if size is not None and arr.size != size:
         raise ValueError(f"{name} has {arr.size} entries, expected {size}")
-    if arr.size and arr.dtype.kind == "i" and int(arr.min()) < 0:
-        raise ValueError(f"{name} holds a negative length {int(arr.min())}")
-    return arr
+    values: list[int] = arr.tolist()
+    if values and min(values) < 0:
+        raise ValueError(f"{name} holds a negative length {min(values)}")
+    return values
 
 
 def _describe(arr: Any) -> str:
@@ -125,13 +127,12 @@ class RaggedBatch:
     def check(self) -> None:
         """Raise ValueError naming the first field whose type or size disagrees with the lengths."""
         rlen = _lengths(self.response_lens, "response_lens", None)
-        n = rlen.size
-        plen = self.prompt_lens
-        _lengths(plen, "prompt_lens", None)
-        if plen.size not in (1, n) or (n == 0 and plen.size):
-            raise ValueError(f"prompt_lens has {plen.size} entries, expected 1 (shared) or n={n}")
-        n_resp = _total(rlen)
-        for name, ids, want in (("prompt_ids", self.prompt_ids, _total(plen)), ("response_ids", self.response_ids, n_resp)):
+        n = len(rlen)
+        plen = _lengths(self.prompt_lens, "prompt_lens", None)
+        if len(plen) not in (1, n) or (n == 0 and plen):
+            raise ValueError(f"prompt_lens has {len(plen)} entries, expected 1 (shared) or n={n}")
+        n_resp = sum(rlen)
+        for name, ids, want in (("prompt_ids", self.prompt_ids, sum(plen)), ("response_ids", self.response_ids, n_resp)):
             if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in _ID_KINDS:
                 raise ValueError(f"{name} must be a 1-d integer array, got {_describe(ids)}")
             if ids.size != want:
@@ -262,8 +263,10 @@ def from_compact(layout: Any, rest: dict[str, np.ndarray], non_tensors: dict[str
     n = _layout_int(layout, "n", 1 << 31)
     P = _layout_int(layout, "P", 1 << 40)
     R = _layout_int(layout, "R", 1 << 40)
-    plen = _lengths(_layout_vector(layout, "plen", n, _ID_KINDS), "compact batch: plen", n)
-    rlen = _lengths(_layout_vector(layout, "rlen", n, _ID_KINDS), "compact batch: rlen", n)
+    plen = _layout_vector(layout, "plen", n, _ID_KINDS)
+    rlen = _layout_vector(layout, "rlen", n, _ID_KINDS)
+    _lengths(plen, "compact batch: plen", n)
+    _lengths(rlen, "compact batch: rlen", n)
     if rlen.size and int(rlen.max()) > R:
         raise ValueError(f"compact batch: rlen holds {int(rlen.max())}, over R={R}")
     shared = layout.get("shared")

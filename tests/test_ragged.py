@@ -112,7 +112,7 @@ def _direct(samples: list[tuple[list[Trajectory], list[np.ndarray] | None, list[
         out["token_level_scores"] = np.zeros((B, R), np.float32)
     out["rewards"] = np.zeros(B, np.float32)
     for i, (t, score, reward) in enumerate(rows):
-        p, r = len(t.prompt_ids), len(t.response_ids)
+        p = len(t.prompt_ids)
         for j, tok in enumerate(t.prompt_ids):
             out["input_ids"][i, P - p + j] = tok
             out["attention_mask"][i, P - p + j] = 1
