@@ -18,8 +18,8 @@ from typing import Any
 import redis
 
 from benchmarks.bus import (
-    MiB,
     VOCAB,
+    MiB,
     Settings,
     Trial,
     _per_call_us,
