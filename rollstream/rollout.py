@@ -70,11 +70,14 @@ def prepare_single_generation_data(
     """One prompt as a generation batch: its row (`encode_prompt`: the chat template's rendering when the
     tokenizer uses one, else bos + prompt ids) repeated n times interleaved, one
     group `uid` (= sample_id, else the prompt uid) for all rows, and per row in non_tensors the
-    `agent_name` chosen by multi-turn (as verl's non_tensor_batch)."""
-    ids = np.asarray([encode_prompt(tokenizer, prompt.text)], dtype=np.int64)  # [1,P]
+    `agent_name` chosen by multi-turn and the prompt's ids unpadded as `raw_prompt_ids` (as verl's
+    non_tensor_batch, what its vLLM rollout reads)."""
+    prompt_ids = encode_prompt(tokenizer, prompt.text)
+    ids = np.asarray([prompt_ids], dtype=np.int64)  # [1,P]
     row = DataProto(
         tensors={"input_ids": ids, "attention_mask": np.ones_like(ids)},
         non_tensors={
+            "raw_prompt_ids": _object_array([prompt_ids]),
             "uid": _object_array([sample_id or prompt.uid]),
             "raw_prompt": _object_array([prompt.text]),
             "prompt_uid": _object_array([prompt.uid]),
@@ -82,6 +85,16 @@ def prepare_single_generation_data(
         },
     )
     return row.repeat(n, interleave=True)
+
+
+def prompt_rows(batch: DataProto) -> list[list[int]]:
+    """Each row's prompt ids, unpadded: `raw_prompt_ids` when the batch carries them (as prepared here),
+    else the attended `input_ids` of each row."""
+    raw = batch.non_tensors.get("raw_prompt_ids")
+    if raw is not None:
+        return [list(row) for row in raw]
+    ids, mask = batch.tensors["input_ids"], batch.tensors["attention_mask"]
+    return [[int(t) for t, m in zip(r, mr, strict=True) if m] for r, mr in zip(ids, mask, strict=True)]
 
 
 def concat_generation_data(batches: Sequence[DataProto], pad_id: int) -> DataProto:
