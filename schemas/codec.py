@@ -4,8 +4,9 @@ Entry layout (XADD field order): human-readable header fields (`type`, `schema`,
 `payload` (msgpack map of the model's fields), then raw array fields `a0`, `a1`, ... (one array each).
 An array is described by a flat fixed-size header (`schemas.arrays.pack_head`: dtype code, ndim, dims)
 followed by its bytes inline (< INLINE_MAX_BYTES) or by the index of the field carrying them. In a
-DataProto's tensors map the header is the map value itself (a bin); anywhere else it is the body of an
-EXT_FLAT_ARRAY ExtType. A DataProto's object arrays are [shape, values] lists in its non_tensors map.
+DataProto's tensors map and in a RolloutSample's ragged batch (EXT_RAGGED_BATCH, schema 3) the header is
+the value itself (a bin); anywhere else it is the body of an EXT_FLAT_ARRAY ExtType. Object arrays are
+[shape, values] lists in a batch's non_tensors map. Schema-2 batches (EXT_COMPACT_BATCH) are only read.
 Dtypes without a code use the msgpack-bodied EXT_ARRAY; that and EXT_OBJECT_ARRAY stay decodable
 everywhere, so entries written by older encoders still decode. Decoding views the entry's bytes (no
 copy), unpacks with explicit size limits, upgrades old schema versions, and validates with pydantic.
@@ -111,7 +112,7 @@ def _ext_type(code: int, data: bytes) -> msgpack.ExtType:
 
 
 class _Packer:
-    """msgpack packer that turns arrays/DataProto into ExtTypes, collecting out-of-band buffers."""
+    """msgpack packer that turns arrays, DataProto and RaggedBatch into ExtTypes, collecting out-of-band buffers."""
 
     def __init__(self, out_of_band: bool) -> None:
         """out_of_band=False inlines every array (for standalone payload bytes)."""
@@ -216,7 +217,7 @@ class _Packer:
         if isinstance(obj, np.generic):
             return obj.item()
         raise TypeError(
-            f"cannot encode {type(obj).__name__} (allowed: msgpack values, numpy, torch, DataProto)"
+            f"cannot encode {type(obj).__name__} (allowed: msgpack values, numpy, torch, DataProto, RaggedBatch)"
         )
 
 
