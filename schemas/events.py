@@ -51,15 +51,15 @@ SMALL_FINITE_CHECK = 16  # float arrays up to this size are checked as Python fl
 
 
 def _finite(arr: np.ndarray, what: str) -> None:
-    """Raise ValueError when a float array holds NaN or inf: one pass (a float64 sum of float32 or float16
-    values is finite exactly when every value is: it cannot overflow)."""
+    """Raise ValueError when a float array holds NaN or inf: one pass (a finite sum means every value is
+    finite; only a sum that is not, NaN/inf or an overflow of huge finite values, is looked at closer)."""
     kind = arr.dtype.kind
     if kind == "f" and arr.size <= SMALL_FINITE_CHECK and arr.dtype.itemsize <= 8:
         finite = all(map(math.isfinite, arr.ravel().tolist()))  # exact: tolist() gives the same doubles
-    elif kind == "f" and arr.dtype.itemsize <= 4:
-        with np.errstate(all="ignore"):  # (inf + -inf: nan, no warning)
-            finite = math.isfinite(float(arr.sum(dtype=np.float64)))
-    elif kind in "fc":
+    elif kind == "f":
+        with np.errstate(all="ignore"):  # (an overflow or inf + -inf: no warning, the check below decides)
+            finite = math.isfinite(float(arr.sum())) or np.count_nonzero(np.isfinite(arr)) == arr.size
+    elif kind == "c":
         finite = np.count_nonzero(np.isfinite(arr)) == arr.size  # count_nonzero: cheaper than .all()
     else:
         return
