@@ -234,7 +234,7 @@ class _Unpacker:
         self.fields = fields
         self.limits = limits
         self.depth = 0
-        self.used: set[str] = set()  # names of the out-of-band fields the payload referenced
+        self.used: set[str | bytes] = set()  # names (str and bytes) of the out-of-band fields the payload referenced
 
     def unpack(self, data: bytes) -> Any:
         """Unpack one value with the configured limits."""
@@ -278,6 +278,7 @@ class _Unpacker:
             if data is None:
                 raise DecodeError(f"missing array field {name!r}")
         self.used.add(name)
+        self.used.add(bname)
         if type(data) is not bytes:
             try:
                 data = memoryview(data).cast("B")
@@ -305,7 +306,7 @@ class _Unpacker:
         if type(values) is not list or math.prod(shape) != len(values):
             raise DecodeError(f"object array of shape {list(shape)[:8]} has {len(values)} values")
         out = np.empty(len(values), dtype=object)
-        if all(type(v) in _SCALARS for v in values):
+        if set(map(type, values)) <= _SCALARS:
             out[:] = values  # (no value is a sequence numpy would broadcast)
         else:
             for i, v in enumerate(values):
@@ -432,7 +433,7 @@ def _field_name(name: Any) -> str:
 def _check_entry_size(fields: Fields, limits: Limits) -> None:
     """Refuse an entry whose names and values together exceed limits.max_entry_bytes."""
     values = fields.values()
-    if all(type(v) is bytes for v in values):  # as redis-py returns them
+    if set(map(type, values)) == {bytes}:  # as redis-py returns them
         total = sum(map(len, fields)) + sum(map(len, values))
     else:
         total = 0
@@ -457,12 +458,12 @@ def _known_names(model: type[EventBase]) -> frozenset[str | bytes]:
     return frozenset({*names, *(name.encode() for name in names)})
 
 
-def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str], event: EventBase,
+def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str | bytes], event: EventBase,
                         raw_schema: Any) -> None:
     """Every field is one the encoder writes, and every readable header field equals the payload's value."""
     known = _known_names(model)
     for raw_name in fields:
-        if raw_name not in known:
+        if raw_name not in known and raw_name not in used:
             name = _field_name(raw_name)
             if name not in used:
                 raise DecodeError(f"unknown field {name[:40]!r} in a {event.type!r} entry")
