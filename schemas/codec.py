@@ -477,7 +477,8 @@ def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str | 
             if got is None:
                 continue
         value = getattr(event, attr)
-        want = value.encode() if type(value) is str else _header_bytes(value)
+        kind = type(value)
+        want = value.encode() if kind is str else str(value).encode() if kind is int else _header_bytes(value)
         if got != want and bytes(got) != want:
             raise DecodeError(f"header {name}={bytes(got)[:40]!r} != payload {attr}={want[:40]!r}")
 
