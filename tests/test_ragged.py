@@ -199,3 +199,35 @@ def test_encode_decode_assemble_equals_a_direct_padded_build(
 
 def _flat_rows(groups: list[tuple[list[Trajectory], Any, Any]]) -> list[Trajectory]:
     return [t for trajs, _, _ in groups for t in trajs]
+
+
+def _tampered_layout(name: str, **changes: Any) -> dict[bytes, bytes]:
+    """A committed schema-2 entry whose compact layout has `changes` (None deletes the key)."""
+    fields = dict(_old_entries()[name]["fields"])
+    body = msgpack.unpackb(fields[b"payload"], raw=False)
+    layout, tensors, non_tensors, meta = msgpack.unpackb(body["full_batch"].data, raw=False)
+    for key, value in changes.items():
+        if value is None:
+            layout.pop(key)
+        else:
+            layout[key] = value
+    body["full_batch"] = msgpack.ExtType(6, msgpack.packb([layout, tensors, non_tensors, meta]))
+    fields[b"payload"] = msgpack.packb(body)
+    return fields
+
+
+@pytest.mark.parametrize(("name", "changes", "needle"), [
+    ("s2_shared_ragged_scores", {"n": 5}, "compact batch: plen has 4 values, expected 5"),
+    ("s2_shared_ragged_scores", {"R": 2}, "compact batch: rlen holds 5, over R=2"),
+    ("s2_shared_ragged_scores", {"shared": "yes"}, "compact batch: shared='yes'"),
+    ("s2_shared_ragged_scores", {"n": -1}, "compact batch: n=-1 is not an int"),
+    ("s2_rows_prompts", {"shared": True}, "compact batch: shared=True with prompt lengths [2, 5, 1]"),
+    ("s2_tool_mask", {"response_mask": ["<i8", b"\x00"]}, "compact batch: response_mask bits must be 2 uint8 bytes"),
+    ("s2_tool_mask", {"prompt": None}, "compact batch: prompt is NoneType"),
+])
+def test_hostile_schema_2_layouts_are_refused(name: str, changes: dict[str, Any], needle: str) -> None:
+    """The schema-2 reader still checks every length and size against the layout, naming the field."""
+    from schemas import DecodeError
+
+    with pytest.raises(DecodeError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        decode(_tampered_layout(name, **changes))
