@@ -94,3 +94,16 @@ def test_phases_mode_cuts_one_entry_into_its_phases(
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| size")]
     assert table == [table[0]] and "| decode |" in table[0]
     assert not list(r.scan_iter(match=Keys(f"{keys.run}-*").pattern()))
+
+
+def test_e2e_mode_runs_each_tree_in_its_own_processes(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench bus_e2e: one producer and one consumer process per trial, importing the tree given (here this
+    one), a row per size and tree with its wire bytes and samples/s."""
+    from benchmarks.bus_e2e import main as e2e
+
+    assert e2e(["--trees", str(ROOT), "--reps", "1", "--sizes", "small", "--scale", "0.005", "--url", redis_url]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| small")]
+    assert len(rows) == 1 and rows[0].split("|")[2].strip() == str(ROOT)
+    assert int(rows[0].split("|")[3].replace(",", "")) < 4000  # ragged: ~2.2 KB, the padded int64 form ~22 KB
+    assert float(rows[0].split("|")[4].split("(")[0].replace(",", "")) > 0
+    assert e2e(["--sizes", "huge"]) == 2
