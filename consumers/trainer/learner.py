@@ -223,8 +223,9 @@ class Learner:
         groups = list(parts[0].meta_info["group_sizes"])
         if self.actor.adv_estimator == "grpo_token":
             advs = _token_advantages(micro, groups, self.actor.norm_adv_by_std, self.actor.gamma)
-            adv_mean = float(sum(float((a * m).sum()) for a, m in zip(advs, resp_mask, strict=True))
-                             / sum(float(m.sum()) for m in resp_mask))
+            n_tok = sum(float(m.sum()) for m in resp_mask)
+            adv_sum = sum(float((a * m).sum()) for a, m in zip(advs, resp_mask, strict=True))
+            adv_mean = adv_sum / n_tok if n_tok else 0.0
         else:
             adv = group_advantages(rewards, groups, self.actor.norm_adv_by_std).to(dev)
             advs = list(adv.split([m.ids.shape[0] for m in micro]))
