@@ -31,12 +31,14 @@ def _keys(batches: Sequence[RaggedBatch], part: str, ids: Sequence[str]) -> list
     return first
 
 
-def _pad_rows(batches: Sequence[RaggedBatch], spans: Sequence[tuple[int, int, int]], ids: Sequence[str]) -> DataProto:
+def _pad_rows(batches: Sequence[RaggedBatch], spans: Sequence[tuple[int, int, int]],
+              keys: tuple[list[str], list[str], list[str]]) -> DataProto:
     """Rows [lo, hi) of batches[k] for each (k, lo, hi) in spans, padded to their own widest prompt P and
     response R: input_ids / attention_mask [b, P+R] (int64), prompts [b, P], responses [b, R], response_mask
-    [b, R] (int64), every per-token array [b, R] in its dtype, per-row arrays and non_tensors concatenated."""
+    [b, R] (int64), every per-token array [b, R] in its dtype, per-row arrays and non_tensors concatenated;
+    keys: the (tokens, rows, non_tensors) keys every batch has."""
     used = [batches[k] for k, _, _ in spans]
-    tok_keys, row_keys, nt_keys = (_keys(batches, part, ids) for part in ("tokens", "rows", "non_tensors"))
+    tok_keys, row_keys, nt_keys = keys
     plens = [np.asarray(b.row_prompt_lens()[lo:hi], np.int64) for b, (_, lo, hi) in zip(used, spans, strict=True)]
     rlens = [b.response_lens[lo:hi].astype(np.int64) for b, (_, lo, hi) in zip(used, spans, strict=True)]
     P = max((int(x.max()) for x in plens if x.size), default=0)
@@ -178,9 +180,10 @@ def assemble_micro_batches(
     batches = [s.full_batch for s in samples]
     ids = [s.sample_id for s in samples]
     meta = _meta_info(samples)
+    tok_keys, row_keys, nt_keys = (_keys(batches, part, ids) for part in ("tokens", "rows", "non_tensors"))
     out = []
     for spans in micro_spans([len(b) for b in batches], micro_batch_size):
-        part = _pad_rows(batches, spans, ids)
+        part = _pad_rows(batches, spans, (tok_keys, row_keys, nt_keys))
         part.meta_info = meta
         out.append(part)
     return out, _metrics(samples)
