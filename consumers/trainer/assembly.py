@@ -39,37 +39,29 @@ def _pad_rows(batches: Sequence[RaggedBatch], spans: Sequence[tuple[int, int, in
     keys: the (tokens, rows, non_tensors) keys every batch has."""
     used = [batches[k] for k, _, _ in spans]
     tok_keys, row_keys, nt_keys = keys
-    plens = [np.asarray(b.row_prompt_lens()[lo:hi], np.int64) for b, (_, lo, hi) in zip(used, spans, strict=True)]
-    rlens = [b.response_lens[lo:hi].astype(np.int64) for b, (_, lo, hi) in zip(used, spans, strict=True)]
-    P = max((int(x.max()) for x in plens if x.size), default=0)
-    R = max((int(x.max()) for x in rlens if x.size), default=0)
+    plens = [b.row_prompt_lens()[lo:hi] for b, (_, lo, hi) in zip(used, spans, strict=True)]
+    rlens = [b.response_lens[lo:hi].tolist() for b, (_, lo, hi) in zip(used, spans, strict=True)]
+    P = max((max(x) for x in plens if x), default=0)
+    R = max((max(x) for x in rlens if x), default=0)
     rows = sum(hi - lo for _, lo, hi in spans)
-    ids_out = np.zeros((rows, P + R), np.int64)
+    ids_out = np.zeros((rows, P + R), np.int64)  # (zeroed pages: only the tokens are written)
     mask = np.zeros((rows, P + R), np.int64)
     per_token = {k: np.zeros((rows, R), batches[0].tokens[k].dtype) for k in tok_keys}
     resp_mask = np.zeros((rows, R), np.int64)
-    cols_p, cols_r = np.arange(P), np.arange(R)
     j = 0
-    for b, (_, lo, hi), plen, rlen in zip(used, spans, plens, rlens, strict=True):
-        out = slice(j, j + hi - lo)
-        pbits = cols_p[None, :] >= (P - plen)[:, None]  # [b, P] the prompt's last plen columns
-        rbits = cols_r[None, :] < rlen[:, None]  # [b, R] the response's first rlen columns
+    for b, (_, lo, _), plen, rlen in zip(used, spans, plens, rlens, strict=True):
         po, ro = b.prompt_offsets(), b.response_offsets()
-        if b.prompt_lens.size == 1 and len(b) != 1:  # one prompt for the group: broadcast it
-            if P and plen[0]:
-                ids_out[out, P - int(plen[0]) : P] = b.prompt_ids
-        else:
-            ids_out[out, :P][pbits] = b.prompt_ids[po[lo] : po[hi]]
-        ids_out[out, P:][rbits] = b.response_ids[ro[lo] : ro[hi]]
-        mask[out, :P], mask[out, P:] = pbits, rbits
-        for k, arr in per_token.items():
-            arr[out][rbits] = b.tokens[k][ro[lo] : ro[hi]]
         rm = b.tokens.get(RESPONSE_MASK)
-        if rm is None:
-            resp_mask[out] = rbits
-        else:
-            resp_mask[out][rbits] = rm[ro[lo] : ro[hi]]
-        j += hi - lo
+        tokens = [(arr, b.tokens[k]) for k, arr in per_token.items()]
+        for i, (p, r) in enumerate(zip(plen, rlen, strict=True), start=lo):  # one copy per row and array
+            ids_out[j, P - p : P] = b.prompt_ids[po[i] : po[i] + p]
+            resp = slice(ro[i], ro[i] + r)
+            ids_out[j, P : P + r] = b.response_ids[resp]
+            mask[j, P - p : P + r] = 1
+            for arr, flat in tokens:
+                arr[j, :r] = flat[resp]
+            resp_mask[j, :r] = 1 if rm is None else rm[resp]
+            j += 1
     tensors = {"prompts": ids_out[:, :P], "responses": ids_out[:, P:], "input_ids": ids_out,
                "attention_mask": mask, RESPONSE_MASK: resp_mask, **per_token}
     for k in row_keys:
