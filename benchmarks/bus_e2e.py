@@ -8,7 +8,8 @@ rollstream and schemas packages do the work: the sample is built in the tree's o
 batch where the tree has schemas/ragged.py, else the padded int64 DataProto its producers sent). The
 consumer times first to last sample received; the table gives samples/s per tree (median and range over
 the repetitions), the ratio to the first tree's median, and each tree's wire bytes per sample. Only
-the script mode imports the tree under test; the driver imports nothing of it.
+the script mode imports the tree under test; the driver imports nothing of it. `--codec` prints each tree's
+CPU µs per encode and decode instead (process time: less moved by other processes' load than wall time).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +137,30 @@ def run_consumer(url: str, stream: str, size: str, count: int, tree: str) -> dic
     return {"samples_per_s": (got - 1) / (last - first) if last > first else 0.0, "wire_bytes": wire}
 
 
+def run_codec(sizes: list[str]) -> dict[str, Any]:
+    """CPU µs per encode and per decode (of the fields as Redis returns them) of each size's sample in this
+    process's tree: time.process_time, best of 5 loops (other processes' load inflates wall time, not this)."""
+    from schemas import decode, encode
+
+    def per_call_us(fn: Any, calls: int) -> float:
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.process_time()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.process_time() - t0) / calls * 1e6)
+        return best
+
+    out = {}
+    for size in sizes:
+        sample = build_sample(SIZES[size], seed=1)
+        fields = {k.encode(): bytes(v) for k, v in encode(sample).items()}
+        calls = max(20, 40_000 // SIZES[size])
+        out[size] = {"encode_us": per_call_us(partial(encode, sample), calls),
+                     "decode_us": per_call_us(partial(decode, fields), calls)}
+    return out
+
+
 def trial(tree: str, size: str, url: str, count: int) -> dict[str, Any]:
     """One consumer process (which starts its producer) on `tree`: its JSON result."""
     stream = f"rs:{{e2e-{uuid.uuid4().hex[:8]}}}:rollouts"
@@ -147,6 +173,25 @@ def trial(tree: str, size: str, url: str, count: int) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def codec_table(trees: list[str], sizes: list[str]) -> int:
+    """Print CPU µs per encode / decode per size and tree (each tree in its own process)."""
+    got = {}
+    for tree in trees:
+        out = subprocess.run([sys.executable, __file__, "--role", "codec", "--sizes", ",".join(sizes)],
+                             env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, timeout=600,
+                             check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"{tree}: {out.stderr[-2000:]}")
+        got[tree] = json.loads(out.stdout.strip().splitlines()[-1])
+    print("| size | tree | encode µs (CPU) | decode µs (CPU) |")
+    print("|---|---|---:|---:|")
+    for size in sizes:
+        for tree in trees:
+            row = got[tree][size]
+            print(f"| {size} | {tree} | {row['encode_us']:,.1f} | {row['decode_us']:,.1f} |")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of `rollstream bench bus_e2e` (and of the script's own producer/consumer roles)."""
     p = argparse.ArgumentParser(prog="rollstream bench bus_e2e", description=__doc__.splitlines()[0])
@@ -157,7 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"),
                    help="Redis to run against (each trial's stream is deleted afterwards)")
     p.add_argument("--json", action="store_true", help="print every trial as JSON instead of the table")
-    p.add_argument("--role", choices=["driver", "producer", "consumer"], default="driver", help=argparse.SUPPRESS)
+    p.add_argument("--codec", action="store_true",
+                   help="instead of the bus: CPU µs per encode and decode of each size's sample in each tree")
+    p.add_argument("--role", choices=["driver", "producer", "consumer", "codec"], default="driver",
+                   help=argparse.SUPPRESS)
     p.add_argument("--stream", default="", help=argparse.SUPPRESS)
     p.add_argument("--size", default="small", help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
@@ -192,6 +240,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown := [s for s in sizes if s not in SIZES]:
         print(f"bench bus_e2e: unknown --sizes {unknown}, expected {list(SIZES)}", file=sys.stderr)
         return 2
+    if args.role == "codec":
+        print(json.dumps(run_codec(sizes)))
+        return 0
+    if args.codec:
+        return codec_table(trees, sizes)
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rep in range(args.reps):
         for size in sizes:
