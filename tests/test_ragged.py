@@ -86,6 +86,10 @@ def test_guard_names_ids_outside_the_vocabulary_and_long_rows() -> None:
     assert unusable_reason(sample, 7, 4) == "rows are up to 5 tokens, over the model's max_seq_len 4"
     with pytest.raises(ValueError, match=r"trajectory 1: response_ids hold ids in \[6, 6\], outside the vocabulary"):
         ragged_batch(trajs, 6)
+    tool = _sample("t", [Trajectory([1, 2], [4, 5], [1, 0], [-0.5, 0.0])], 7)
+    assert unusable_reason(tool, 7, None) is None
+    tool.full_batch.tokens["response_mask"] = np.array([1, 2], np.uint8)
+    assert unusable_reason(tool, 7, None) == "response_mask holds values in [1, 2], not 0/1"
 
 
 def _sample(sid: str, trajs: list[Trajectory], vocab: int, scores: list[np.ndarray] | None = None,
