@@ -42,9 +42,10 @@ from rollstream.bus import GroupReader, Message, Publisher, connect, delete_run,
 from rollstream.fakes import fake_rollout_sample, response_len_for_bytes
 from rollstream.names import TRAINER_GROUP, Keys
 from rollstream.worker import freeze_startup_heap, tune_allocator
-from schemas import RolloutSample, decode, encode
+from schemas import RolloutSample, decode, decode_as, encode
 
 MiB = 1 << 20
+VOCAB = 151_936  # token ids up to Qwen2's vocabulary: int32 on the wire
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 DEFAULT_SIZES = "16K,256K,4M"
 CONSUMER = "bench"
@@ -134,14 +135,15 @@ def wire_size(fields: dict[str, Any]) -> int:
 
 
 def make_sample(target_bytes: int) -> RolloutSample:
-    """A fake RolloutSample of about target_bytes encoded: response_len_for_bytes' guess, corrected by
-    measuring the encoded size at two lengths (bytes grow linearly with response length)."""
+    """A fake RolloutSample of about target_bytes encoded (ids of a Qwen-sized vocabulary: int32 on the wire):
+    response_len_for_bytes' guess, corrected by measuring the encoded size at two lengths (bytes grow
+    linearly with response length)."""
     guess = response_len_for_bytes(target_bytes)
-    small = wire_size(encode(fake_rollout_sample("x", response_len=1)))
-    large = wire_size(encode(fake_rollout_sample("x", response_len=guess + 1)))
+    small = wire_size(encode(fake_rollout_sample("x", response_len=1, vocab=VOCAB)))
+    large = wire_size(encode(fake_rollout_sample("x", response_len=guess + 1, vocab=VOCAB)))
     per_token = (large - small) / guess
     length = max(1, round(1 + (target_bytes - small) / per_token))
-    return fake_rollout_sample(f"bench-{target_bytes}", response_len=length)
+    return fake_rollout_sample(f"bench-{target_bytes}", response_len=length, vocab=VOCAB)
 
 
 def default_batch(wire_bytes: int) -> int:
@@ -169,13 +171,10 @@ def _batches(total: int, batch: int) -> Iterator[int]:
 # --- one trial each -----------------------------------------------------------------------------
 
 
-def trial_ours(
-    r: redis.Redis, sample: RolloutSample, n_samples: int, batch: int, prefix: str, compact: bool = True
-) -> Trial:
-    """Publish/read/decode/ack n_samples through Publisher and GroupReader, batch by batch (compact=False:
-    RolloutSample schema 1, the plain batch layout)."""
+def trial_ours(r: redis.Redis, sample: RolloutSample, n_samples: int, batch: int, prefix: str) -> Trial:
+    """Publish/read/decode/ack n_samples through Publisher and GroupReader, batch by batch."""
     with fresh_stream(r, prefix) as keys:
-        pub = Publisher(r, nomkstream=True, compact=compact)
+        pub = Publisher(r, nomkstream=True)
         reader = GroupReader(r, keys.rollouts, TRAINER_GROUP, CONSUMER, dead_stream=keys.dead, count=batch)
         reader.poll(block_ms=0)  # prime: own-pending scan and first XAUTOCLAIM happen once per reader
         publish_s = consume_s = 0.0
@@ -237,10 +236,13 @@ def _per_call_us(fn: Callable[[], object], min_s: float) -> float:
 
 
 def codec_round(r: redis.Redis, sample: RolloutSample, min_s: float, prefix: str) -> dict[str, float]:
-    """One interleaved round of encode/decode timings, ours vs pickle protocol 5 (µs per sample).
+    """One interleaved round of encode/decode timings, ours vs pickle protocol 5, and the trainer's side:
+    decode plus its share of assembling a mini-batch of 8 such samples into one padded batch (µs per sample).
 
     Our decode reads the fields exactly as Redis returns them (bytes keys and values; arrays are viewed
     zero-copy); pickle decodes its own blob, which copies every array out of it."""
+    from consumers.trainer.assembly import assemble_micro_batches  # (the trainer's: benchmarks sit above it)
+
     # pickle is the baseline being measured here, never a read path: nothing it loads comes from the wire.
     pickle = importlib.import_module("pickle")
     with fresh_stream(r, prefix) as keys:
@@ -253,6 +255,7 @@ def codec_round(r: redis.Redis, sample: RolloutSample, min_s: float, prefix: str
         "encode_pickle": _per_call_us(lambda: pickle.dumps(sample, protocol=5), min_s),
         "decode_ours": _per_call_us(lambda: decode(fields), min_s),
         "decode_pickle": _per_call_us(lambda: pickle.loads(blob), min_s),
+        "decode_assemble": _per_call_us(lambda: assemble_micro_batches([decode_as(fields, RolloutSample) for _ in range(8)]), min_s) / 8,
     }
 
 
@@ -367,8 +370,8 @@ def format_table(report: dict[str, Any]) -> str:
         return tokens
     lines = [tokens.split("\n\n")[0], "",
         "| size | batch | ours samples/s | ours MB/s | raw MB/s | ours/raw "
-        "| encode µs ours vs pickle | decode µs ours vs pickle | decode pickle/ours |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| encode µs ours vs pickle | decode µs ours vs pickle | decode pickle/ours | decode + assembly µs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["sizes"]:
         lines.append(
@@ -376,7 +379,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"| {row['raw_mb_per_s']:,.0f} | {row['ours_over_raw']:.2f} "
             f"| {row['encode_ours_us']:,.0f} vs {row['encode_pickle_us']:,.0f} "
             f"| {row['decode_ours_us']:,.0f} vs {row['decode_pickle_us']:,.0f} "
-            f"| {row['decode_pickle_over_ours']:.2f} |"
+            f"| {row['decode_pickle_over_ours']:.2f} | {row['decode_assemble_us']:,.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -400,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "XACK, gc) at each --sizes, against raw's")
     p.add_argument("--tokens", default=None, const="8x512x2048,8x512x16384", nargs="?",
                    help="token-equal mode instead of --sizes: comma-separated NxPROMPTxRESPONSE shapes "
-                        "(alone: 8x512x2048,8x512x16384); compact vs plain layout vs raw at equal tokens")
+                        "(alone: 8x512x2048,8x512x16384); ours vs raw at equal tokens")
     return p
 
 

@@ -1,12 +1,10 @@
 """Token-equal bus benchmark (`rollstream bench bus --tokens 8x512x2048,8x512x16384`): samples sized by
-tokens (n rows, prompt and response lengths, a 151,936-id vocabulary as Qwen's) rather than by bytes, so
-the compact layout's gain shows as samples/s at equal work.
+tokens (n rows, prompt and response lengths, a 151,936-id vocabulary as Qwen's) rather than by bytes.
 
-Per shape, interleaved repetitions of three trials that move the same samples: ours with RolloutSample
-schema 2 (compact), ours with schema 1 (the plain batch layout before issue 17), and raw redis-py moving
-one opaque field of the compact entry's size. Also per shape: wire bytes per response token per row of
-each layout, and decode µs of each against pickle. The bytes/token table measures the marginal cost of
-one more response token per row and one more prompt token per group (n = 8), old and new layout.
+Per shape, interleaved repetitions of two trials that move the same samples: ours (RolloutSample schema 3,
+the ragged batch) and raw redis-py moving one opaque field of our entry's size. Also per shape: wire bytes
+per response token per row, and decode µs against pickle. The bytes/token table measures the marginal
+cost of one more response token per row and one more prompt token per group (n = 8).
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from typing import Any
 import redis
 
 from benchmarks.bus import (
+    VOCAB,
     MiB,
     Settings,
     Trial,
@@ -34,8 +33,6 @@ from rollstream.bus import Publisher
 from rollstream.fakes import fake_rollout_sample
 from schemas import RolloutSample, decode, encode
 
-VOCAB = 151_936  # token ids up to Qwen2's vocabulary: 4 bytes each on the wire
-
 
 @dataclass
 class TokenResult:
@@ -44,27 +41,23 @@ class TokenResult:
     n: int
     prompt_len: int
     response_len: int
-    wire_compact: int
-    wire_plain: int
+    wire: int
     samples_per_trial: int
     batch: int
     trials: dict[str, list[Trial]] = field(default_factory=dict)
     codec_us: dict[str, list[float]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, float]:
-        """Median samples/s of each trial kind, the gain, and bytes per response token per row."""
+        """Median samples/s of each trial kind, ours/raw, and bytes per response token per row."""
         rate = {
             k: self.samples_per_trial / statistics.median(t.total_s for t in v)
             for k, v in self.trials.items()
         }
         codec = {k: statistics.median(v) for k, v in self.codec_us.items()}
-        tokens = self.n * self.response_len
         return {
             **{f"{k}_samples_per_s": v for k, v in rate.items()},
-            "compact_over_plain": rate["compact"] / rate["plain"],
-            "compact_over_raw": rate["compact"] / rate["raw"],
-            "bytes_per_token_compact": self.wire_compact / tokens,
-            "bytes_per_token_plain": self.wire_plain / tokens,
+            "ours_over_raw": rate["ours"] / rate["raw"],
+            "bytes_per_token": self.wire / (self.n * self.response_len),
             **{f"{k}_us": v for k, v in codec.items()},
         }
 
@@ -89,12 +82,12 @@ def token_sample(n: int, prompt_len: int, response_len: int) -> RolloutSample:
     )
 
 
-def marginal_bytes(compact: bool, n: int = 8) -> dict[str, float]:
+def marginal_bytes(n: int = 8) -> dict[str, float]:
     """Wire bytes of one more response token per row and of one more prompt token per group (full rows)."""
 
     def size(prompt_len: int, response_len: int) -> int:
         sample = fake_rollout_sample("m", n=n, prompt_len=prompt_len, response_len=response_len, vocab=VOCAB)
-        return wire_size(encode(sample, compact=compact))
+        return wire_size(encode(sample))
 
     base = size(512, 1024)
     return {
@@ -104,34 +97,30 @@ def marginal_bytes(compact: bool, n: int = 8) -> dict[str, float]:
 
 
 def _codec_round(r: redis.Redis, sample: RolloutSample, min_s: float, prefix: str) -> dict[str, float]:
-    """µs per decode of the compact and plain entries as Redis returns them, and of pickle's blob."""
+    """µs per decode of our entry as Redis returns it and of pickle's blob, and per encode."""
     pickle = importlib.import_module("pickle")  # the baseline being measured, never a read path
-    fields = {}
     with fresh_stream(r, prefix) as keys:
-        for compact in (True, False):
-            Publisher(r, compact=compact).publish(keys.rollouts, sample)
-        entries: Any = r.xrange(keys.rollouts, count=2)
-        fields = {"compact": entries[0][1], "plain": entries[1][1]}
+        Publisher(r).publish(keys.rollouts, sample)
+        entries: Any = r.xrange(keys.rollouts, count=1)
+        fields = entries[0][1]
     blob = pickle.dumps(sample, protocol=5)
     return {
-        "decode_compact": _per_call_us(lambda: decode(fields["compact"]), min_s),
-        "decode_plain": _per_call_us(lambda: decode(fields["plain"]), min_s),
+        "decode_ours": _per_call_us(lambda: decode(fields), min_s),
         "decode_pickle": _per_call_us(lambda: pickle.loads(blob), min_s),
-        "encode_compact": _per_call_us(lambda: encode(sample), min_s),
+        "encode_ours": _per_call_us(lambda: encode(sample), min_s),
     }
 
 
 def measure_shape(r: redis.Redis, shape: tuple[int, int, int], s: Settings) -> TokenResult:
-    """Interleaved compact / plain / raw trials of the same samples at one token shape."""
+    """Interleaved ours / raw trials of the same samples at one token shape."""
     sample = token_sample(*shape)
-    wire_compact, wire_plain = wire_size(encode(sample)), wire_size(encode(sample, compact=False))
-    payload = os.urandom(wire_compact - len("payload"))
-    batch = s.batch or default_batch(wire_plain)
-    count = max(batch, round(s.mb_per_trial * MiB / wire_plain))
-    res = TokenResult(*shape, wire_compact, wire_plain, count, batch)
+    wire = wire_size(encode(sample))
+    payload = os.urandom(wire - len("payload"))
+    batch = s.batch or default_batch(wire)
+    count = max(batch, round(s.mb_per_trial * MiB / wire))
+    res = TokenResult(*shape, wire, count, batch)
     trials = {
-        "compact": lambda k: trial_ours(r, sample, k, batch, s.prefix, compact=True),
-        "plain": lambda k: trial_ours(r, sample, k, batch, s.prefix, compact=False),
+        "ours": lambda k: trial_ours(r, sample, k, batch, s.prefix),
         "raw": lambda k: trial_raw(r, payload, k, batch, s.prefix),
     }
     if s.warmup:
@@ -139,7 +128,7 @@ def measure_shape(r: redis.Redis, shape: tuple[int, int, int], s: Settings) -> T
             run(min(count, 2 * batch))
     names = list(trials)
     for rep in range(s.reps):
-        for name in names[rep % 3 :] + names[: rep % 3]:  # rotate who goes first
+        for name in names[rep % 2 :] + names[: rep % 2]:  # alternate who goes first
             res.trials.setdefault(name, []).append(trials[name](count))
         for k, v in _codec_round(r, sample, s.codec_min_s, s.prefix).items():
             res.codec_us.setdefault(k, []).append(v)
@@ -147,18 +136,17 @@ def measure_shape(r: redis.Redis, shape: tuple[int, int, int], s: Settings) -> T
 
 
 def run_tokens(r: redis.Redis, shapes: list[tuple[int, int, int]], s: Settings) -> dict[str, Any]:
-    """The token-equal report: marginal bytes per token (old and new) and one row per shape."""
+    """The token-equal report: marginal bytes per token and one row per shape."""
     results = [measure_shape(r, shape, s) for shape in shapes]
     return {
-        "bytes_per_token": {"plain": marginal_bytes(False), "compact": marginal_bytes(True)},
+        "bytes_per_token": marginal_bytes(),
         "shapes": [
             {
                 "shape": f"{x.n}x{x.prompt_len}x{x.response_len}",
                 "n": x.n,
                 "prompt_len": x.prompt_len,
                 "response_len": x.response_len,
-                "wire_compact": x.wire_compact,
-                "wire_plain": x.wire_plain,
+                "wire": x.wire,
                 "samples_per_trial": x.samples_per_trial,
                 "batch": x.batch,
                 **x.summary(),
@@ -174,20 +162,16 @@ def format_tokens(report: dict[str, Any]) -> str:
     lines = [
         "| layout | bytes per response token per row | bytes per prompt token per group (n = 8) |",
         "|---|---:|---:|",
-        *(
-            f"| {name} | {bpt[name]['per_response_token_per_row']:.2f} | {bpt[name]['per_prompt_token_per_group']:.2f} |"
-            for name in ("plain", "compact")
-        ),
+        f"| schema 3 | {bpt['per_response_token_per_row']:.2f} | {bpt['per_prompt_token_per_group']:.2f} |",
         "",
-        "| n x prompt x response | batch | B/token plain → compact | samples/s plain | samples/s compact "
-        "| compact/plain | compact/raw | decode µs plain / compact / pickle |",
-        "|---|---:|---|---:|---:|---:|---:|---|",
+        "| n x prompt x response | batch | B/token | samples/s ours | samples/s raw | ours/raw "
+        "| decode µs ours / pickle |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in report["shapes"]:
         lines.append(
-            f"| {row['shape']} | {row['batch']} | {row['bytes_per_token_plain']:.1f} → {row['bytes_per_token_compact']:.1f} "
-            f"| {row['plain_samples_per_s']:,.1f} | {row['compact_samples_per_s']:,.1f} "
-            f"| {row['compact_over_plain']:.2f} | {row['compact_over_raw']:.2f} "
-            f"| {row['decode_plain_us']:,.0f} / {row['decode_compact_us']:,.0f} / {row['decode_pickle_us']:,.0f} |"
+            f"| {row['shape']} | {row['batch']} | {row['bytes_per_token']:.1f} "
+            f"| {row['ours_samples_per_s']:,.1f} | {row['raw_samples_per_s']:,.1f} | {row['ours_over_raw']:.2f} "
+            f"| {row['decode_ours_us']:,.0f} / {row['decode_pickle_us']:,.0f} |"
         )
     return "\n".join(lines) + "\n"

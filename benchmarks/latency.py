@@ -27,7 +27,7 @@ import numpy as np
 
 from rollstream.config import PipelineConfig
 from rollstream.model import Tokenizer
-from rollstream.rollout import Trajectory
+from rollstream.rollout import Trajectory, prompt_rows
 from schemas import DataProto
 
 if TYPE_CHECKING:
@@ -83,9 +83,8 @@ class Plan:
 def plan_dispatch(
     model: LatencyModel, batch: DataProto, tokenizer: Tokenizer, rng: np.random.Generator
 ) -> Plan:
-    """Draw lengths and tokens for every row of a generation batch (rows left-padded, mask 1 = token)."""
-    ids, mask = batch.tensors["input_ids"], batch.tensors["attention_mask"]  # [rows, P] each
-    rows = [[int(t) for t, m in zip(r, mr, strict=True) if m] for r, mr in zip(ids, mask, strict=True)]
+    """Draw lengths and tokens for every row of a generation batch (its `prompt_rows`)."""
+    rows = prompt_rows(batch)
     lengths = model.draw_lengths(rng, len(rows))
     responses, finished = [], []
     for length in lengths:

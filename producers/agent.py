@@ -24,7 +24,7 @@ import torch
 from rollstream.config import PipelineConfig
 from rollstream.model import Completion, Tokenizer
 from rollstream.model.chat import encode_tool_result
-from rollstream.rollout import AGENT_SINGLE_TURN, AGENT_TOOL, Trajectory
+from rollstream.rollout import AGENT_SINGLE_TURN, AGENT_TOOL, Trajectory, prompt_rows
 from rollstream.tasks import Task
 from schemas import DataProto
 
@@ -159,7 +159,7 @@ def run_agent_loop(
     weights: VersionSource,
     generator: torch.Generator | None = None,
 ) -> list[Trajectory]:
-    """Generate every row of `batch` (prepared prompts, `input_ids` rows) with the loop its
+    """Generate every row of `batch` (prepared prompts: `prompt_rows`) with the loop its
     per-row `agent_name` (non_tensors; one agent per call) names; returns one Trajectory per row,
     in row order."""
     names = batch.non_tensors.get("agent_name")
@@ -169,8 +169,7 @@ def run_agent_loop(
     agent = agents.pop()
     if agent not in (AGENT_SINGLE_TURN, AGENT_TOOL):
         raise ValueError(f"unknown agent_name {agent!r} (expected {AGENT_SINGLE_TURN} or {AGENT_TOOL})")
-    ids, mask = batch.tensors["input_ids"], batch.tensors["attention_mask"]
-    rows = [[int(t) for t, m in zip(r, mr, strict=True) if m] for r, mr in zip(ids, mask, strict=True)]
+    rows = prompt_rows(batch)
     max_turns = settings.max_turns if agent == AGENT_TOOL else 1
     tok = policy.tokenizer
     limit = policy.max_seq_len

@@ -57,8 +57,8 @@ def fake_rollout_sample(
 ) -> RolloutSample:
     """A valid RolloutSample with random tokens and finite log-probs, as build_rollout_sample packs a
     producer's group; size grows with n * response_len. The group's rows share one prompt; ragged=True
-    gives each response a random length in [1, response_len] (right-padded with id 0, mask 0, log-prob
-    0.0, the batch as wide as the longest); token ids are in [3, vocab); rewards are in [0, 1]."""
+    gives each response a random length in [1, response_len]; token ids are in [3, vocab); rewards are in
+    [0, 1]."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(3, vocab, size=prompt_len, dtype=np.int64).tolist()
     responses = rng.integers(3, vocab, size=(n, response_len), dtype=np.int64)
@@ -94,7 +94,8 @@ def fake_rollout_sample(
 
 def response_len_for_bytes(target_bytes: int, n: int = 4) -> int:
     """Response length that makes a fake sample about target_bytes on the wire: per response token and row,
-    the compact layout (schema 2) sends an int32 id and a float32 log-prob."""
+    schema 3 sends an id (uint8 in the fakes' small vocabulary, int32 in a real one's) and a float32
+    log-prob; sized as 8 bytes so a sample's size matches a real vocabulary's."""
     return max(1, target_bytes // (n * 8))
 
 

@@ -1,20 +1,22 @@
 """Rollouts: a prompt -> the generation batch (verl's prepare_single_generation_data), the `Trajectory`
 an agent loop fills, and finished trajectories -> one RolloutSample in the wire conventions the trainer
-reads (`build_rollout_sample`). Producers publish what this module builds, and the test and benchmark
+reads (`build_rollout_sample`: ragged arrays, nothing padded). Producers publish what this module builds, and the test and benchmark
 fakes (rollstream/fakes.py) are built with it too."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from rollstream.model import Tokenizer, build_batch
+from rollstream.model import Tokenizer
 from rollstream.model.chat import encode_prompt
 from rollstream.tasks import Prompt, RewardResult
 from schemas import DataProto, RolloutSample
+from schemas.ragged import RaggedBatch, ids_dtype
 
 #: Agent loop names (verl's): multi-turn tool agent, and plain single-turn generation.
 AGENT_TOOL = "async_partial_tool_agent"
@@ -68,11 +70,14 @@ def prepare_single_generation_data(
     """One prompt as a generation batch: its row (`encode_prompt`: the chat template's rendering when the
     tokenizer uses one, else bos + prompt ids) repeated n times interleaved, one
     group `uid` (= sample_id, else the prompt uid) for all rows, and per row in non_tensors the
-    `agent_name` chosen by multi-turn (as verl's non_tensor_batch)."""
-    ids = np.asarray([encode_prompt(tokenizer, prompt.text)], dtype=np.int64)  # [1,P]
+    `agent_name` chosen by multi-turn and the prompt's ids unpadded as `raw_prompt_ids` (as verl's
+    non_tensor_batch, what its vLLM rollout reads)."""
+    prompt_ids = encode_prompt(tokenizer, prompt.text)
+    ids = np.asarray([prompt_ids], dtype=np.int64)  # [1,P]
     row = DataProto(
         tensors={"input_ids": ids, "attention_mask": np.ones_like(ids)},
         non_tensors={
+            "raw_prompt_ids": _object_array([prompt_ids]),
             "uid": _object_array([sample_id or prompt.uid]),
             "raw_prompt": _object_array([prompt.text]),
             "prompt_uid": _object_array([prompt.uid]),
@@ -82,14 +87,22 @@ def prepare_single_generation_data(
     return row.repeat(n, interleave=True)
 
 
+def prompt_rows(batch: DataProto) -> list[list[int]]:
+    """Each row's prompt ids, unpadded: `raw_prompt_ids` when the batch carries them (as prepared here),
+    else the attended `input_ids` of each row."""
+    raw = batch.non_tensors.get("raw_prompt_ids")
+    if raw is not None:
+        return [list(row) for row in raw]
+    ids, mask = batch.tensors["input_ids"], batch.tensors["attention_mask"]
+    return [[int(t) for t, m in zip(r, mr, strict=True) if m] for r, mr in zip(ids, mask, strict=True)]
+
+
 def failed_trajectories(batch: DataProto, param_version: int, seconds: float) -> list[Trajectory]:
     """One empty trajectory per row of a generation batch whose generation failed: the row's prompt, no
     response, unfinished (the producer still publishes the group, marked as a rollout failure)."""
-    ids, mask = batch.tensors["input_ids"], batch.tensors["attention_mask"]
     return [
-        Trajectory(prompt_ids=[int(t) for t, m in zip(row, row_mask, strict=True) if m], version_start=param_version,
-                   version_end=param_version, processing_time_s=seconds)
-        for row, row_mask in zip(ids, mask, strict=True)
+        Trajectory(prompt_ids=row, version_start=param_version, version_end=param_version, processing_time_s=seconds)
+        for row in prompt_rows(batch)
     ]
 
 
@@ -129,6 +142,49 @@ def token_scores(
     return out
 
 
+def _flat(rows: Sequence[Sequence[Any]], dtype: Any, total: int) -> np.ndarray:
+    """The rows' values concatenated into one 1-d array of dtype (total values)."""
+    return np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=total)
+
+
+def ragged_batch(
+    trajectories: Sequence[Trajectory], vocab_size: int, token_scores_rows: Sequence[np.ndarray] | None = None
+) -> RaggedBatch:
+    """The trajectories' tokens as ragged arrays: the prompt once when every row has the same one (a GRPO
+    group), else each row's; responses, behaviour log-probs (float32, 0.0 where a tool wrote the token) and
+    the loss mask (only when a tool wrote a token) concatenated; ids in the narrowest dtype holding the
+    vocabulary (ValueError naming the row when an id is outside it)."""
+    dt = ids_dtype(vocab_size)
+    first = trajectories[0].prompt_ids
+    shared = all(t.prompt_ids == first for t in trajectories[1:])
+    prompts = [first] if shared else [t.prompt_ids for t in trajectories]
+    responses = [t.response_ids for t in trajectories]
+    plen = np.fromiter((len(p) for p in prompts), np.int32, len(prompts))
+    rlen = np.fromiter((len(r) for r in responses), np.int32, len(responses))
+    n_resp = int(rlen.sum())
+    for name, rows in (("prompt_ids", prompts), ("response_ids", responses)):
+        for i, row in enumerate(rows):
+            if row and (min(row) < 0 or max(row) >= vocab_size):
+                raise ValueError(f"trajectory {i}: {name} hold ids in [{min(row)}, {max(row)}], outside the "
+                                 f"vocabulary [0, {vocab_size})")
+    tokens: dict[str, np.ndarray] = {}
+    masks = [t.response_mask for t in trajectories]
+    mask = _flat(masks, np.uint8, n_resp)
+    generated = all(all(m) for m in masks)
+    log_probs = _flat([t.log_probs for t in trajectories], np.float32, n_resp)
+    if not generated:
+        tokens["response_mask"] = mask
+        log_probs *= mask  # behaviour log-probs only where the model generated the token
+    tokens["rollout_log_probs"] = log_probs
+    if token_scores_rows is not None:
+        tokens["token_level_scores"] = (np.concatenate(token_scores_rows).astype(np.float32, copy=False)
+                                        if n_resp else np.zeros(0, np.float32))
+    return RaggedBatch(
+        prompt_ids=_flat(prompts, dt, int(plen.sum())), prompt_lens=plen,
+        response_ids=_flat(responses, dt, n_resp), response_lens=rlen, tokens=tokens,
+    )
+
+
 def build_rollout_sample(
     *,
     sample_id: str,
@@ -144,52 +200,28 @@ def build_rollout_sample(
     ground_truth: str | None = None,
     response_texts: Sequence[str] | None = None,
 ) -> RolloutSample:
-    """Pack one prompt's n trajectories as a RolloutSample (tensors left/right padded with the pad id);
-    `token_level_scores` [n, R] is added when every reward splits its score over the text (char_scores),
-    non-tensor `ground_truth` (the reference answer, per row) when given; `tool_calls` holds each
-    trajectory's total tool seconds (or nothing); `response_texts` are the decoded responses when the caller
-    already has them (decoded here otherwise)."""
+    """Pack one prompt's n trajectories as a RolloutSample, ragged (`ragged_batch`: nothing padded);
+    token-level `token_level_scores` are added when every reward splits its score over the text
+    (char_scores), non-tensor `ground_truth` (the reference answer, per row) when given; `tool_calls` holds
+    each trajectory's total tool seconds (or nothing); `response_texts` are the decoded responses when the
+    caller already has them (decoded here otherwise)."""
     n = len(trajectories)
     if n == 0 or len(rewards) != n:
         raise ValueError(f"need >= 1 trajectory and one reward each, got {n} and {len(rewards)}")
-    pad = tokenizer.pad_id
-    prompts = [t.prompt_ids for t in trajectories]
-    responses = [t.response_ids for t in trajectories]
-    ids, mask, R = build_batch(prompts, responses, pad)  # [n,P+R], [n,P+R]
-    P = ids.shape[1] - R
-    response_mask = np.zeros((n, R), dtype=np.int64)
-    log_probs = np.zeros((n, R), dtype=np.float32)
-    for i, t in enumerate(trajectories):
-        response_mask[i, : len(t.response_mask)] = t.response_mask
-        log_probs[i, : len(t.log_probs)] = t.log_probs
-    log_probs *= response_mask  # behaviour log-probs only where the model generated the token
-    extra: dict[str, np.ndarray] = {}
+    scores = None
     if all(rw.char_scores is not None for rw in rewards):  # the task splits its reward over the text
-        scores = np.zeros((n, R), dtype=np.float32)
-        for i, (t, rw) in enumerate(zip(trajectories, rewards, strict=True)):
-            scores[i, : len(t.response_ids)] = token_scores(tokenizer, t.response_ids, t.response_mask, rw)
-        extra["token_level_scores"] = scores
-    input_ids = np.asarray(ids.numpy(), dtype=np.int64)  # no copy: build_batch's ids are int64 already
-    batch = DataProto(
-        tensors={
-            "prompts": input_ids[:, :P],
-            "responses": input_ids[:, P:],
-            "input_ids": input_ids,
-            "attention_mask": np.asarray(mask.numpy(), dtype=np.int64),
-            "response_mask": response_mask,
-            "rollout_log_probs": log_probs,
-            "rewards": np.asarray([rw.score for rw in rewards], dtype=np.float32),
-            **extra,
-        },
-        non_tensors={
-            "uid": _object_array([sample_id] * n),
-            "raw_prompt": _object_array([raw_prompt] * n),
-            "response_text": _object_array(
-                list(response_texts) if response_texts is not None else [tokenizer.decode(t.response_ids) for t in trajectories]
-            ),
-            **({"ground_truth": _object_array([ground_truth] * n)} if ground_truth is not None else {}),
-        },
-    )
+        scores = [token_scores(tokenizer, t.response_ids, t.response_mask, rw)
+                  for t, rw in zip(trajectories, rewards, strict=True)]
+    batch = ragged_batch(trajectories, tokenizer.vocab_size, scores)
+    batch.rows["rewards"] = np.asarray([rw.score for rw in rewards], dtype=np.float32)
+    texts = list(response_texts) if response_texts is not None else [tokenizer.decode(t.response_ids) for t in trajectories]
+    batch.non_tensors.update({
+        "uid": _object_array([sample_id] * n),
+        "raw_prompt": _object_array([raw_prompt] * n),
+        "response_text": _object_array(texts),
+        **({"ground_truth": _object_array([ground_truth] * n)} if ground_truth is not None else {}),
+    })
+    batch.check()
     outputs = [
         {
             "num_turns": t.num_turns,

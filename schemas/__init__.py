@@ -1,5 +1,5 @@
-"""rollstream's wire contract: event models, the DataProto batch, the one msgpack codec, and the plain-text
-entries (fates, dispatch logs, producer cursors).
+"""rollstream's wire contract: event models, the DataProto and ragged batches, the one msgpack codec, and the
+plain-text entries (fates, dispatch logs, producer cursors).
 
 Importing this package never imports torch or redis.
 """
@@ -46,6 +46,7 @@ from schemas.plain import (
     encode_cursor,
     encode_fate,
 )
+from schemas.ragged import RaggedBatch
 from schemas.upgrades import register_upgrade, unregister_upgrade
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
     "ParamVersion",
     "ROLLOUT_FAILURE",
     "ProducerStats",
+    "RaggedBatch",
     "RolloutSample",
     "StepMetrics",
     "SyncStepRecord",

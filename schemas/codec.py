@@ -4,8 +4,9 @@ Entry layout (XADD field order): human-readable header fields (`type`, `schema`,
 `payload` (msgpack map of the model's fields), then raw array fields `a0`, `a1`, ... (one array each).
 An array is described by a flat fixed-size header (`schemas.arrays.pack_head`: dtype code, ndim, dims)
 followed by its bytes inline (< INLINE_MAX_BYTES) or by the index of the field carrying them. In a
-DataProto's tensors map the header is the map value itself (a bin); anywhere else it is the body of an
-EXT_FLAT_ARRAY ExtType. A DataProto's object arrays are [shape, values] lists in its non_tensors map.
+DataProto's tensors map and in a RolloutSample's ragged batch (EXT_RAGGED_BATCH, schema 3) the header is
+the value itself (a bin); anywhere else it is the body of an EXT_FLAT_ARRAY ExtType. Object arrays are
+[shape, values] lists in a batch's non_tensors map. Schema-2 batches (EXT_COMPACT_BATCH) are only read.
 Dtypes without a code use the msgpack-bodied EXT_ARRAY; that and EXT_OBJECT_ARRAY stay decodable
 everywhere, so entries written by older encoders still decode. Decoding views the entry's bytes (no
 copy), unpacks with explicit size limits, upgrades old schema versions, and validates with pydantic.
@@ -37,11 +38,9 @@ from schemas.arrays import (
     pack_head,
 )
 from schemas.batch import DataProto
-from schemas.compact import rebuild as rebuild_compact
-from schemas.compact import response_tokens as compact_response_tokens
-from schemas.compact import split as split_compact
 from schemas.errors import DecodeError, as_decode_error
-from schemas.events import EVENT_MODELS, DeadLetter, Event, EventBase, RolloutSample
+from schemas.events import EVENT_MODELS, DeadLetter, Event, EventBase
+from schemas.ragged import RaggedBatch, from_compact
 from schemas.upgrades import upgrade
 
 # Ext type codes inside the payload.
@@ -52,12 +51,15 @@ EXT_OBJECT_ARRAY = 2  # packed [shape, flat list of msgpack values] -> numpy obj
 EXT_DATAPROTO = 3
 EXT_BYTES = 4  # packed int: index of the raw field a<i> holding a bytes value
 EXT_FLAT_ARRAY = 5  # flat header (schemas.arrays.pack_head) + inline bytes, or + uint32 index of field a<i>
-# packed [layout, tensors, non_tensors, meta_info]: a RolloutSample's batch in schema 2 (schemas.compact); the
-# other three parts as in EXT_DATAPROTO, tensors holding only what the layout does not rebuild.
+# packed [layout, tensors, non_tensors, meta_info]: a RolloutSample's batch in schema 2 (the compact layout; read
+# only, into the ragged form by schemas.ragged.from_compact).
 EXT_COMPACT_BATCH = 6
+# packed [prompt_lens, prompt_ids, response_lens, response_ids, tokens, rows, non_tensors, meta_info]: a
+# RaggedBatch (schema 3). Arrays are flat array headers (bins); tokens and rows map names to them,
+# non_tensors as in EXT_DATAPROTO.
+EXT_RAGGED_BATCH = 7
 
 INLINE_MAX_BYTES = 1024
-ROLLOUT_PLAIN_SCHEMA = 1  # the last RolloutSample schema whose batch is a plain DataProto (still decoded)
 PAYLOAD_FIELD = "payload"
 ARRAY_FIELD_PREFIX = "a"
 
@@ -86,23 +88,12 @@ class Limits:
     max_field_bytes: int = 4096 * MiB
     max_entry_bytes: int = 4096 * MiB  # all field names and values of one entry together
     max_depth: int = 8
-    max_batch_cells: int = 1 << 28  # n * (P + R) a compact batch may rebuild (its arrays are not all on the wire)
 
 
 DEFAULT_LIMITS = Limits()
 
 
 # --- packing ------------------------------------------------------------------------------------
-
-
-class _Compact:
-    """Marks a RolloutSample's batch to travel in the compact layout (schema 2) when it fits."""
-
-    __slots__ = ("batch",)
-
-    def __init__(self, batch: DataProto) -> None:
-        """Wrap the batch."""
-        self.batch = batch
 
 
 class _OutOfBand:
@@ -121,13 +112,12 @@ def _ext_type(code: int, data: bytes) -> msgpack.ExtType:
 
 
 class _Packer:
-    """msgpack packer that turns arrays/DataProto into ExtTypes, collecting out-of-band buffers."""
+    """msgpack packer that turns arrays, DataProto and RaggedBatch into ExtTypes, collecting out-of-band buffers."""
 
     def __init__(self, out_of_band: bool) -> None:
         """out_of_band=False inlines every array (for standalone payload bytes)."""
         self.out_of_band = out_of_band
         self.buffers: list[memoryview] = []
-        self.response_tokens: int | None = None  # a compact batch's response tokens, when its layout proves them
 
     def pack(self, obj: Any) -> bytes:
         """Pack one value."""
@@ -166,44 +156,56 @@ class _Packer:
         """DataProto as [tensors: {name: flat header bin}, non_tensors: {name: [shape, values] | array}, meta]."""
         return _ext_type(EXT_DATAPROTO, self.pack(self._parts(obj, obj.tensors)))
 
-    def _compact(self, obj: DataProto) -> msgpack.ExtType:
-        """A batch in the compact layout ([layout, rest tensors, non_tensors, meta]), else as a DataProto."""
-        for arr in obj.tensors.values():
-            if not isinstance(arr, np.ndarray) or arr.dtype.hasobject:
-                return self._dataproto(obj)  # names the bad key
-        parts = split_compact(obj.tensors)
-        if parts is None:
-            return self._dataproto(obj)
-        layout, rest = parts
-        self.response_tokens = compact_response_tokens(layout, obj.tensors)
-        return _ext_type(EXT_COMPACT_BATCH, self.pack([layout, *self._parts(obj, rest)]))
+    def _ragged(self, obj: RaggedBatch) -> msgpack.ExtType:
+        """A ragged batch as its lengths and flat arrays: no layout to find, nothing padded."""
+        array = self._array
+        try:
+            body = [
+                array(obj.prompt_lens), array(obj.prompt_ids), array(obj.response_lens), array(obj.response_ids),
+                {key: array(arr) for key, arr in obj.tokens.items()},
+                {key: array(arr) for key, arr in obj.rows.items()},
+                self._non_tensors(obj.non_tensors, obj),
+                obj.meta_info,
+            ]
+        except TypeError:
+            obj.check()  # a batch mutated after construction: names the bad field
+            raise
+        return _ext_type(EXT_RAGGED_BATCH, self.pack(body))
 
     def _parts(self, obj: DataProto, tensors_in: Mapping[str, Any]) -> list[Any]:
         """[tensors, non_tensors, meta_info] of a batch, tensors taken from tensors_in."""
         tensors: dict[str, Any] = {}
-        non_tensors: dict[str, Any] = {}
         array = self._array
         for key, arr in tensors_in.items():
             if not isinstance(arr, np.ndarray) or arr.dtype.hasobject:
                 obj._check()  # names the bad key; a batch mutated after construction must not reach the wire
                 raise TypeError(f"DataProto tensors[{key!r}] is not a numeric numpy array")
             tensors[key] = array(arr)
-        for key, arr in obj.non_tensors.items():
+        return [tensors, self._non_tensors(obj.non_tensors, obj), obj.meta_info]
+
+    @staticmethod
+    def _non_tensors(arrays: Mapping[str, Any], obj: DataProto | RaggedBatch) -> dict[str, Any]:
+        """Per-row object arrays as [shape, values] lists (numeric ones as arrays)."""
+        out: dict[str, Any] = {}
+        for key, arr in arrays.items():
             if not isinstance(arr, np.ndarray):
-                obj._check()
-                raise TypeError(f"DataProto non_tensors[{key!r}] is not a numpy array")
-            non_tensors[key] = [list(arr.shape), arr.reshape(-1).tolist()] if arr.dtype.hasobject else arr
-        return [tensors, non_tensors, obj.meta_info]
+                if isinstance(obj, RaggedBatch):
+                    obj.check()  # names the bad key
+                else:
+                    obj._check()
+                raise TypeError(f"{type(obj).__name__} non_tensors[{key!r}] is not a numpy array")
+            out[key] = [list(arr.shape), arr.reshape(-1).tolist()] if arr.dtype.hasobject else arr
+        return out
 
     def _default(self, obj: Any) -> Any:
         """Encode what msgpack does not know natively."""
         if type(obj) is np.ndarray and not obj.dtype.hasobject:
             flat = self._array(obj)
             return _ext_type(EXT_FLAT_ARRAY, flat) if isinstance(flat, bytes) else flat
+        if isinstance(obj, RaggedBatch):
+            return self._ragged(obj)
         if isinstance(obj, DataProto):
             return self._dataproto(obj)
-        if isinstance(obj, _Compact):
-            return self._compact(obj.batch)
         if isinstance(obj, np.ndarray) and obj.dtype.hasobject:
             return _ext_type(EXT_OBJECT_ARRAY, self.pack([list(obj.shape), obj.reshape(-1).tolist()]))
         if isinstance(obj, np.ndarray) or is_torch_tensor(obj):
@@ -215,7 +217,7 @@ class _Packer:
         if isinstance(obj, np.generic):
             return obj.item()
         raise TypeError(
-            f"cannot encode {type(obj).__name__} (allowed: msgpack values, numpy, torch, DataProto)"
+            f"cannot encode {type(obj).__name__} (allowed: msgpack values, numpy, torch, DataProto, RaggedBatch)"
         )
 
 
@@ -232,7 +234,7 @@ class _Unpacker:
         self.fields = fields
         self.limits = limits
         self.depth = 0
-        self.used: set[str] = set()  # names of the out-of-band fields the payload referenced
+        self.used: set[str | bytes] = set()  # names (str and bytes) of the out-of-band fields the payload referenced
 
     def unpack(self, data: bytes) -> Any:
         """Unpack one value with the configured limits."""
@@ -276,6 +278,7 @@ class _Unpacker:
             if data is None:
                 raise DecodeError(f"missing array field {name!r}")
         self.used.add(name)
+        self.used.add(bname)
         if type(data) is not bytes:
             try:
                 data = memoryview(data).cast("B")
@@ -303,7 +306,7 @@ class _Unpacker:
         if type(values) is not list or math.prod(shape) != len(values):
             raise DecodeError(f"object array of shape {list(shape)[:8]} has {len(values)} values")
         out = np.empty(len(values), dtype=object)
-        if all(type(v) in _SCALARS for v in values):
+        if set(map(type, values)) <= _SCALARS:
             out[:] = values  # (no value is a sequence numpy would broadcast)
         else:
             for i, v in enumerate(values):
@@ -322,28 +325,53 @@ class _Unpacker:
             return self._object_array(self.unpack(data))
         if code == EXT_DATAPROTO:
             return self._dataproto(*self._list(data, 3, "DataProto"))
+        if code == EXT_RAGGED_BATCH:
+            return self._ragged(*self._list(data, 8, "ragged batch"))
         if code == EXT_COMPACT_BATCH:
             layout, tensors, non_tensors, meta_info = self._list(data, 4, "compact batch")
-            return self._dataproto(tensors, non_tensors, meta_info, layout=layout)
+            parts = self._parts(tensors, non_tensors, meta_info, "compact batch")
+            return from_compact(layout, *parts)
         if code == EXT_BYTES:
             raw = self._field(self.unpack(data))
             return raw if isinstance(raw, bytes) else bytes(raw)
         raise DecodeError(f"unknown msgpack ext type {code}")
 
-    def _dataproto(self, tensors: Any, non_tensors: Any, meta_info: Any, layout: Any = None) -> DataProto:
-        """A DataProto from its unpacked parts (and, for a compact batch, the layout that rebuilds the rest)."""
+    def _parts(self, tensors: Any, non_tensors: Any, meta_info: Any, what: str) -> tuple[dict[str, Any], ...]:
+        """(tensors, non_tensors, meta_info) maps with their arrays decoded (tensors: flat array headers, or
+        older writers' array ExtTypes; non_tensors: an object array's [shape, values])."""
         if not (type(tensors) is dict and type(non_tensors) is dict and type(meta_info) is dict):
-            raise DecodeError("malformed DataProto ext: parts must be maps")
+            raise DecodeError(f"malformed {what} ext: parts must be maps")
         field, max_inline = self._field, self.limits.max_bin_len
-        for key, value in tensors.items():  # bin: a flat array header (older writers: array ExtTypes)
+        for key, value in tensors.items():
             if type(value) is bytes:
                 tensors[key] = array_from_flat(value, field, max_inline)
-        for key, value in non_tensors.items():  # list: an object array's [shape, values]
+        for key, value in non_tensors.items():
             if type(value) is list:
                 non_tensors[key] = self._object_array(value)
-        if layout is not None:
-            tensors = rebuild_compact(layout, tensors, self.limits.max_batch_cells)
-        return DataProto.adopt(tensors, non_tensors, meta_info)
+        return tensors, non_tensors, meta_info
+
+    def _dataproto(self, tensors: Any, non_tensors: Any, meta_info: Any) -> DataProto:
+        """A DataProto from its unpacked parts."""
+        return DataProto.adopt(*self._parts(tensors, non_tensors, meta_info, "DataProto"))
+
+    def _flat(self, value: Any, name: str) -> np.ndarray:
+        """One array of a ragged batch from its flat header bin (or an older array ExtType, already decoded)."""
+        if type(value) is bytes:
+            value = array_from_flat(value, self._field, self.limits.max_bin_len)
+        if not isinstance(value, np.ndarray):
+            raise DecodeError(f"ragged batch: {name} is {type(value).__name__}, not an array")
+        return value
+
+    def _ragged(self, plen: Any, prompt: Any, rlen: Any, resp: Any, tokens: Any, rows: Any, non_tensors: Any,
+                meta_info: Any) -> RaggedBatch:
+        """A RaggedBatch from its unpacked parts; its sizes are checked against its lengths."""
+        if not (type(tokens) is dict and type(rows) is dict):
+            raise DecodeError("malformed ragged batch ext: tokens and rows must be maps")
+        flat = self._flat
+        tokens = {key: flat(value, f"tokens[{key!r}]") for key, value in tokens.items()}
+        rows, non_tensors, meta_info = self._parts(rows, non_tensors, meta_info, "ragged batch")
+        return RaggedBatch(flat(prompt, "prompt_ids"), flat(plen, "prompt_lens"), flat(resp, "response_ids"),
+                           flat(rlen, "response_lens"), tokens, rows, non_tensors, meta_info)
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -358,25 +386,18 @@ def _header_bytes(value: Any) -> bytes:
     return str(value).encode()
 
 
-def encode(event: EventBase, *, compact: bool = True) -> dict[str, bytes | memoryview]:
-    """XADD fields for an event: header fields, then `payload`, then raw array fields a0, a1, …
-    compact=False writes a RolloutSample in schema 1 (its batch as plain arrays, as before issue 17)."""
+def encode(event: EventBase) -> dict[str, bytes | memoryview]:
+    """XADD fields for an event: header fields, then `payload`, then raw array fields a0, a1, …"""
     packer = _Packer(out_of_band=True)
     body = {name: getattr(event, name) for name in type(event).model_fields}
     if isinstance(event, DeadLetter):
         body["fields"] = {k: _OutOfBand(v) for k, v in event.fields.items()}
-    elif isinstance(event, RolloutSample):
-        if compact:
-            body["full_batch"] = _Compact(event.full_batch)
-        else:
-            body["schema_version"] = ROLLOUT_PLAIN_SCHEMA
     payload = packer.pack(body)
     out: dict[str, bytes | memoryview] = {
         "type": event.type.encode(),
         "schema": str(body["schema_version"]).encode(),
     }
-    header = event.header(packer.response_tokens) if isinstance(event, RolloutSample) else event.header()
-    for key, value in header.items():
+    for key, value in event.header().items():
         out[key] = _header_bytes(value)
     out[PAYLOAD_FIELD] = payload
     for i, buf in enumerate(packer.buffers):
@@ -412,7 +433,7 @@ def _field_name(name: Any) -> str:
 def _check_entry_size(fields: Fields, limits: Limits) -> None:
     """Refuse an entry whose names and values together exceed limits.max_entry_bytes."""
     values = fields.values()
-    if all(type(v) is bytes for v in values):  # as redis-py returns them
+    if set(map(type, values)) == {bytes}:  # as redis-py returns them
         total = sum(map(len, fields)) + sum(map(len, values))
     else:
         total = 0
@@ -437,12 +458,12 @@ def _known_names(model: type[EventBase]) -> frozenset[str | bytes]:
     return frozenset({*names, *(name.encode() for name in names)})
 
 
-def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str], event: EventBase,
+def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str | bytes], event: EventBase,
                         raw_schema: Any) -> None:
     """Every field is one the encoder writes, and every readable header field equals the payload's value."""
     known = _known_names(model)
     for raw_name in fields:
-        if raw_name not in known:
+        if raw_name not in known and raw_name not in used:
             name = _field_name(raw_name)
             if name not in used:
                 raise DecodeError(f"unknown field {name[:40]!r} in a {event.type!r} entry")
@@ -456,7 +477,8 @@ def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str], 
             if got is None:
                 continue
         value = getattr(event, attr)
-        want = value.encode() if type(value) is str else _header_bytes(value)
+        kind = type(value)
+        want = value.encode() if kind is str else str(value).encode() if kind is int else _header_bytes(value)
         if got != want and bytes(got) != want:
             raise DecodeError(f"header {name}={bytes(got)[:40]!r} != payload {attr}={want[:40]!r}")
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.batch import DataProto
+from schemas.ragged import LOG_PROBS, TOKEN_SCORES, RaggedBatch
 
 HeaderValue = str | int | float
 
@@ -52,51 +52,20 @@ SMALL_FINITE_CHECK = 16  # float arrays up to this size are checked as Python fl
 
 
 def _finite(arr: np.ndarray, what: str) -> None:
-    """Raise ValueError when a float array holds NaN or inf."""
+    """Raise ValueError when a float array holds NaN or inf: one pass (a finite sum means every value is
+    finite; only a sum that is not, NaN/inf or an overflow of huge finite values, is looked at closer)."""
     kind = arr.dtype.kind
     if kind == "f" and arr.size <= SMALL_FINITE_CHECK and arr.dtype.itemsize <= 8:
         finite = all(map(math.isfinite, arr.ravel().tolist()))  # exact: tolist() gives the same doubles
-    elif kind in "fc":
+    elif kind == "f":
+        with np.errstate(all="ignore"):  # (an overflow or inf + -inf: no warning, the check below decides)
+            finite = math.isfinite(float(arr.sum())) or np.count_nonzero(np.isfinite(arr)) == arr.size
+    elif kind == "c":
         finite = np.count_nonzero(np.isfinite(arr)) == arr.size  # count_nonzero: cheaper than .all()
     else:
         return
     if not finite:
         raise ValueError(f"{what} contains NaN/inf")
-
-
-def total(arr: np.ndarray) -> int:
-    """int(arr.sum()) that reads a broadcast (zero-stride) axis once instead of once per element (a decoded
-    unpadded batch's masks are one broadcast element)."""
-    strides = arr.strides
-    if arr.size and 0 in strides:
-        index = tuple(0 if s == 0 else slice(None) for s in strides)
-        repeats = math.prod(d for d, s in zip(arr.shape, strides, strict=True) if s == 0)
-        part = arr[index].sum()
-        if part.dtype.kind in "iu":
-            exact = int(part) * repeats
-            if np.can_cast(np.min_scalar_type(exact), part.dtype):
-                return exact
-    return int(arr.sum())  # (also where the exact total would not fit: numpy's sum wraps, and decode sums densely)
-
-
-TOKEN_ARRAYS = ("prompts", "responses", "input_ids")
-MASK_ARRAYS = ("attention_mask", "response_mask")
-
-
-def _check_layout(tensors: dict[str, np.ndarray]) -> None:
-    """Token and mask arrays are 2-D integers; input_ids/attention_mask are [n, P+R], response_mask [n, R]."""
-    for name in (*TOKEN_ARRAYS, *MASK_ARRAYS):
-        arr = tensors.get(name)
-        if arr is not None and (arr.ndim != 2 or arr.dtype.kind not in "iub"):
-            raise ValueError(f"{name} must be a 2-D integer array, got {arr.dtype} {arr.shape}")
-    prompts, responses = tensors.get("prompts"), tensors.get("responses")
-    if prompts is None or responses is None:
-        return
-    P, R = prompts.shape[1], responses.shape[1]
-    for name, want in (("input_ids", P + R), ("attention_mask", P + R), ("response_mask", R)):
-        arr = tensors.get(name)
-        if arr is not None and arr.shape[1] != want:
-            raise ValueError(f"{name} has shape {arr.shape}, expected width {want} (prompts {P} + responses {R})")
 
 
 # RolloutSample's lists with one entry per trajectory, in the order _check_rollout reports them.
@@ -111,14 +80,15 @@ PER_TRAJECTORY_LISTS = (
 class RolloutSample(EventBase):
     """One prompt's group of n trajectories, as a producer publishes it (verl's RolloutSample)."""
 
-    SCHEMA: ClassVar[int] = 2  # 2: the batch travels in the compact layout (schemas.compact); 1 still decodes
+    # 3: the batch travels ragged (schemas.ragged); 2 (compact layout) and 1 (padded DataProto) still decode
+    SCHEMA: ClassVar[int] = 3
     HEADER: ClassVar[tuple[str, ...]] = ("sample_id", "param_version", "epoch", "producer", "n", "num_tokens")
 
     type: Literal["rollout"] = "rollout"
     sample_id: str
     epoch: int = Field(ge=0)
     param_version: int = Field(ge=0)
-    full_batch: DataProto
+    full_batch: RaggedBatch
     agent_loop_output_list: list[dict[str, Any]]
     processing_times: list[float]
     tool_calls: list[float] = Field(default_factory=list)  # per trajectory: total tool seconds ([] = no tools)
@@ -129,7 +99,8 @@ class RolloutSample(EventBase):
 
     @model_validator(mode="after")
     def _check_rollout(self) -> RolloutSample:
-        """Per-trajectory lists match the batch; versions ordered; log-probs and rewards finite."""
+        """Per-trajectory lists match the batch; versions ordered; log-probs and rewards finite (the batch's
+        sizes were checked against its lengths when it was built)."""
         n = len(self.full_batch)
         if n < 1:
             raise ValueError("full_batch has no trajectories")
@@ -145,18 +116,11 @@ class RolloutSample(EventBase):
             for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
                 if start > end:
                     raise ValueError(f"param_version_start[{i}]={start} > param_version_end[{i}]={end}")
-        tensors = self.full_batch.tensors
-        _check_layout(tensors)
-        lp = tensors.get("rollout_log_probs")
-        if lp is not None:
-            if lp.dtype.kind != "f":
-                raise ValueError(f"rollout_log_probs must be float, got {lp.dtype}")
-            _finite(lp, "rollout_log_probs")
-            responses = tensors.get("responses")
-            if responses is not None and responses.shape != lp.shape:
-                raise ValueError(f"rollout_log_probs shape {lp.shape} != responses shape {responses.shape}")
-        for key in ("token_level_scores", "rewards"):
-            values = tensors.get(key)
+        tokens, rows = self.full_batch.tokens, self.full_batch.rows
+        lp = tokens.get(LOG_PROBS)
+        if lp is not None and lp.dtype.kind != "f":
+            raise ValueError(f"{LOG_PROBS} must be float, got {lp.dtype}")
+        for values, key in ((lp, LOG_PROBS), (tokens.get(TOKEN_SCORES), TOKEN_SCORES), (rows.get("rewards"), "rewards")):
             if values is not None:
                 _finite(values, key)
         return self
@@ -168,22 +132,13 @@ class RolloutSample(EventBase):
 
     @property
     def num_tokens(self) -> int:
-        """Response tokens: sum of response_mask, else attention over the response part, else responses.size."""
-        t = self.full_batch.tensors
-        if "response_mask" in t:
-            return total(t["response_mask"])
-        responses = t.get("responses")
-        if responses is None:
-            return 0
-        if "attention_mask" in t and responses.ndim == 2:
-            width = responses.shape[1]
-            return total(t["attention_mask"][:, t["attention_mask"].shape[1] - width :])
-        return int(responses.size)
+        """Response tokens that count for the loss: the response_mask's sum, else every response token."""
+        return self.full_batch.num_tokens()
 
-    def header(self, num_tokens: int | None = None) -> dict[str, HeaderValue]:
-        """Header with `tokens` for num_tokens (num_tokens: the count when the caller already has it)."""
+    def header(self) -> dict[str, HeaderValue]:
+        """Header with `tokens` for num_tokens."""
         h: dict[str, HeaderValue] = {name: getattr(self, name) for name in self.HEADER if name != "num_tokens"}
-        h["tokens"] = self.num_tokens if num_tokens is None else num_tokens
+        h["tokens"] = self.num_tokens
         return h
 
 

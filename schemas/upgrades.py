@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from schemas.batch import DataProto
 from schemas.errors import DecodeError
+from schemas.ragged import from_padded
 
 Upgrade = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -15,11 +17,21 @@ def _same_fields(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-# Built-in upgrades. rollout 1 -> 2: schema 2 sends the batch in the compact layout (issue 17); a schema-1
-# entry's batch is a plain DataProto, already the same value once decoded. local_update / step_end 1 -> 2:
+def _ragged_batch(data: dict[str, Any]) -> dict[str, Any]:
+    """rollout 2 -> 3: a padded DataProto batch (schema 1, or schema 2 where the compact layout did not fit)
+    becomes its ragged form; a compact batch the codec already read as ragged stays."""
+    if isinstance(data.get("full_batch"), DataProto):
+        data["full_batch"] = from_padded(data["full_batch"])
+    return data
+
+
+# Built-in upgrades. rollout 1 -> 2: schema 2 sent the batch in the compact layout (issue 17); a schema-1
+# entry's batch is a plain DataProto, the same value once decoded. rollout 2 -> 3: the batch is ragged
+# (schemas.ragged; the codec reads a compact layout straight into it). local_update / step_end 1 -> 2:
 # schema 2 adds rank and world_size (issue 16); a schema-1 event is rank 0 of a world of one (the defaults).
 _UPGRADES: dict[tuple[str, int], Upgrade] = {
     ("rollout", 1): _same_fields,
+    ("rollout", 2): _ragged_batch,
     ("local_update", 1): _same_fields,
     ("step_end", 1): _same_fields,
     ("dead", 1): _same_fields,  # schema 2 adds omitted and sha256 (a bounded copy); a schema-1 copy is whole

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples, assemble_micro_batches
 from consumers.trainer.balance import balance_groups_by_tokens
 from rollstream.fakes import fake_rollout_sample
-from schemas import DataProto, RolloutSample
+from schemas import RolloutSample
 
 
 def _sample(sid: str, prompt_len: int, response_len: int, **kw: object) -> RolloutSample:
@@ -76,27 +76,52 @@ def test_different_widths_are_padded_left_for_prompts_right_for_responses() -> N
     t = batch.tensors
     assert t["prompts"].shape == (4, 4) and t["responses"].shape == (4, 5)
     assert t["input_ids"].shape == (4, 9) and t["rollout_log_probs"].shape == (4, 5)
-    st = short.full_batch.tensors
+    assert t["input_ids"].dtype == np.int64 and t["attention_mask"].dtype == np.int64
+    sb, lb = short.full_batch, long.full_batch
+    prompt, resp = sb.prompt_ids.tolist(), sb.response_ids[:3].tolist()
     # prompt left-padded with 0, response right-padded with 0
-    np.testing.assert_array_equal(t["prompts"][0], np.r_[[0, 0], st["prompts"][0]])
-    np.testing.assert_array_equal(t["responses"][0], np.r_[st["responses"][0], [0, 0]])
-    np.testing.assert_array_equal(t["input_ids"][0], np.r_[[0, 0], st["prompts"][0], st["responses"][0], [0, 0]])
+    np.testing.assert_array_equal(t["prompts"][0], [0, 0, *prompt])
+    np.testing.assert_array_equal(t["responses"][0], [*resp, 0, 0])
+    np.testing.assert_array_equal(t["input_ids"][0], [0, 0, *prompt, *resp, 0, 0])
     np.testing.assert_array_equal(t["attention_mask"][0], [0, 0, 1, 1, 1, 1, 1, 0, 0])
     np.testing.assert_array_equal(t["response_mask"][0], [1, 1, 1, 0, 0])
-    assert t["rollout_log_probs"][0, 3:].tolist() == [0.0, 0.0]
-    # the long sample's rows are unchanged
-    np.testing.assert_array_equal(t["input_ids"][2:], long.full_batch.tensors["input_ids"])
+    np.testing.assert_array_equal(t["rollout_log_probs"][0], [*sb.tokens["rollout_log_probs"][:3], 0, 0])
+    # the long sample's rows: nothing to pad
+    np.testing.assert_array_equal(t["input_ids"][2], [*lb.prompt_ids, *lb.response_ids[:5]])
+    assert batch.meta_info["global_token_num"] == [5, 5, 9, 9]
 
 
-def test_response_mask_derived_from_attention_when_absent() -> None:
-    s = _sample("x", 2, 3)
-    t = dict(s.full_batch.tensors)
-    del t["response_mask"]
-    t["attention_mask"] = t["attention_mask"].copy()
-    t["attention_mask"][0, -1] = 0  # row 0's response is one token shorter
-    s = s.model_copy(update={"full_batch": DataProto(t, s.full_batch.non_tensors)})
-    batch, _ = assemble_batch_from_rollout_samples([s])
-    np.testing.assert_array_equal(batch.tensors["response_mask"], [[1, 1, 0], [1, 1, 1]])
+def test_micro_batches_are_padded_to_their_own_widths() -> None:
+    """A micro-batch cut through a sample is padded to its own rows' widest prompt and response; together the
+    micro-batches hold exactly the rows of the one-batch assembly."""
+    samples = [_sample("s", 2, 3), _sample("long", 4, 5), _sample("x", 3, 1)]
+    whole, _ = assemble_batch_from_rollout_samples(samples)
+    parts, _ = assemble_micro_batches(samples, 3)
+    assert [len(p) for p in parts] == [3, 3]
+    assert parts[0].tensors["input_ids"].shape == (3, 4 + 5) and parts[1].tensors["input_ids"].shape == (3, 4 + 5)
+    small, _ = assemble_micro_batches(samples[:1] + samples[2:], 2)
+    assert [p.tensors["input_ids"].shape for p in small] == [(2, 2 + 3), (2, 3 + 1)]
+    rows = 0
+    for part in parts:
+        for key, arr in part.tensors.items():
+            ref = whole.tensors[key][rows : rows + len(part)]
+            if arr.ndim == 2 and key in ("input_ids", "attention_mask"):  # [prompt | response]
+                P = part.tensors["prompts"].shape[1]
+                ref = np.concatenate([ref[:, 4 - P : 4], ref[:, 4 : 4 + arr.shape[1] - P]], axis=1)
+            elif arr.ndim == 2 and key == "prompts":
+                ref = ref[:, ref.shape[1] - arr.shape[1] :]
+            elif arr.ndim == 2:
+                ref = ref[:, : arr.shape[1]]
+            np.testing.assert_array_equal(arr, ref, err_msg=key)
+        assert part.meta_info is parts[0].meta_info
+        rows += len(part)
+
+
+def test_samples_with_different_keys_are_refused() -> None:
+    a, b = _sample("a", 2, 3), _sample("b", 2, 3)
+    b.full_batch.tokens["token_level_scores"] = np.zeros(b.full_batch.response_ids.size, np.float32)
+    with pytest.raises(ValueError, match="sample b: tokens keys"):
+        assemble_batch_from_rollout_samples([a, b])
 
 
 def test_balance_batch_moves_whole_groups_and_their_meta() -> None:

@@ -30,7 +30,7 @@ def test_json_report_has_every_size_with_positive_rates(
         assert row["samples_per_trial"] >= row["batch"] >= 1
         assert len(row["trials"]["ours"]) == len(row["trials"]["raw"]) == 2
         for name in ("ours_samples_per_s", "ours_mb_per_s", "raw_mb_per_s", "ours_over_raw",
-                     "encode_ours_us", "encode_pickle_us", "decode_ours_us", "decode_pickle_us"):
+                     "encode_ours_us", "encode_pickle_us", "decode_ours_us", "decode_pickle_us", "decode_assemble_us"):
             assert row[name] > 0, name
     assert report["machine"]["cpus"] >= 1
     # every benchmark namespace (prefix-<uuid>) was deleted again
@@ -46,29 +46,28 @@ def test_markdown_table_from_the_command(redis_url: str, keys: Keys) -> None:
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("|")]
     assert lines[0].startswith("| layout | bytes per response token per row")
-    assert [ln.split("|")[1].strip() for ln in lines[2:4]] == ["plain", "compact"]
-    table = lines[4:]
+    assert [ln.split("|")[1].strip() for ln in lines[2:3]] == ["schema 3"]
+    table = lines[3:]
     assert table[0].startswith("| size | batch | ours samples/s | ours MB/s | raw MB/s | ours/raw")
     assert [ln.split("|")[1].strip() for ln in table[2:]] == ["2 KB", "24 KB"]
     assert "PythonRespSerializer" in out.stdout
 
 
-def test_token_equal_mode_moves_the_same_samples_in_both_layouts(
+def test_token_equal_mode_moves_the_same_samples_as_raw(
     r: redis.Redis, keys: Keys, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--tokens: one row per shape with compact, plain and raw rates, bytes per token of both layouts."""
+    """--tokens: one row per shape with our and raw rates; bytes per response token within the 9 of the
+    design (int32 id + float32 log-prob), the prompt once per group."""
     argv = ["--quick", "--tokens", "2x8x32,2x8x64", "--mb-per-trial", "0.05", "--reps", "1"]
     assert main([*argv, "--json", "--redis-url", redis_url, "--prefix", keys.run]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["sizes"] == [] and [row["shape"] for row in report["shapes"]] == ["2x8x32", "2x8x64"]
     for row in report["shapes"]:
-        assert row["wire_compact"] < row["wire_plain"]
-        for name in ("compact_samples_per_s", "plain_samples_per_s", "raw_samples_per_s",
-                     "decode_compact_us", "decode_plain_us", "decode_pickle_us"):
+        for name in ("ours_samples_per_s", "raw_samples_per_s", "decode_ours_us", "decode_pickle_us"):
             assert row[name] > 0, name
     bpt = report["bytes_per_token"]
-    assert bpt["compact"]["per_response_token_per_row"] <= 9 < 36 <= bpt["plain"]["per_response_token_per_row"]
-    assert bpt["compact"]["per_prompt_token_per_group"] <= 4
+    assert 8 <= bpt["per_response_token_per_row"] <= 9
+    assert bpt["per_prompt_token_per_group"] <= 4
     assert not list(r.scan_iter(match=Keys(f"{keys.run}-*").pattern()))
     assert main(["--tokens", "8x0x2"]) == 2
     assert "bad --tokens" in capsys.readouterr().err
@@ -95,3 +94,16 @@ def test_phases_mode_cuts_one_entry_into_its_phases(
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| size")]
     assert table == [table[0]] and "| decode |" in table[0]
     assert not list(r.scan_iter(match=Keys(f"{keys.run}-*").pattern()))
+
+
+def test_e2e_mode_runs_each_tree_in_its_own_processes(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench bus_e2e: one producer and one consumer process per trial, importing the tree given (here this
+    one), a row per size and tree with its wire bytes and samples/s."""
+    from benchmarks.bus_e2e import main as e2e
+
+    assert e2e(["--trees", str(ROOT), "--reps", "1", "--sizes", "small", "--scale", "0.005", "--url", redis_url]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| small")]
+    assert len(rows) == 1 and rows[0].split("|")[2].strip() == str(ROOT)
+    assert int(rows[0].split("|")[3].replace(",", "")) < 4000  # ragged: ~2.2 KB, the padded int64 form ~22 KB
+    assert float(rows[0].split("|")[4].split("(")[0].replace(",", "")) > 0
+    assert e2e(["--sizes", "huge"]) == 2

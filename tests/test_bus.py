@@ -72,8 +72,10 @@ def test_round_trip_through_group(r: redis.Redis, keys: Keys) -> None:
     for s in sent:
         d = by_id[s.sample_id]
         assert d.param_version == s.param_version
-        for k, v in s.full_batch.tensors.items():
-            assert (d.full_batch.tensors[k] == v).all()
+        for k in ("prompt_ids", "prompt_lens", "response_ids", "response_lens"):
+            assert (getattr(d.full_batch, k) == getattr(s.full_batch, k)).all()
+        for k, v in s.full_batch.tokens.items():
+            assert (d.full_batch.tokens[k] == v).all()
     # acked after the handler: nothing pending
     assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
 

@@ -91,10 +91,11 @@ def test_watch_follows_a_run_to_its_target_and_records_show_recent_train_accurac
         assert trained and all("val/recent_train_acc" in rec.metrics for rec in trained)
         sample = decode(r.xrevrange(t.keys.rollouts, count=1)[0][1])
         assert isinstance(sample, RolloutSample)
-        nt, tensors = sample.full_batch.non_tensors, sample.full_batch.tensors
+        b = sample.full_batch
+        nt = b.non_tensors
         assert str(nt["ground_truth"][0]) == str(nt["raw_prompt"][0])[:-1][::-1]  # the reversed digits
-        scores = tensors["token_level_scores"]
-        assert scores.shape == tensors["responses"].shape
-        assert abs(float(scores.sum(-1)[0]) - float(tensors["rewards"][0])) < 1e-5
+        scores = b.tokens["token_level_scores"]
+        assert scores.shape == b.response_ids.shape
+        assert abs(float(scores[: int(b.response_lens[0])].sum()) - float(b.rows["rewards"][0])) < 1e-5
     finally:
         rollstream("stop", *args, timeout_s=200)

@@ -103,32 +103,41 @@ def _payload(f: Fields, mutate: Callable[[dict[str, Any]], Any]) -> Fields:
     return {**f, b"payload": encode_payload(d)}
 
 
-def _tensor(f: Fields, mutate: Callable[[dict[str, np.ndarray]], Any]) -> Fields:
+def _ragged(f: Fields, mutate: Callable[[dict[str, np.ndarray]], Any]) -> Fields:
+    """The entry with its ragged batch's arrays (by name: the four id/length arrays, tokens and rows keys)
+    rewritten by mutate (on copies)."""
+    names = ("prompt_ids", "prompt_lens", "response_ids", "response_lens")
+
     def go(d: dict[str, Any]) -> None:
-        t = d["full_batch"].tensors
-        for k in list(t):
-            t[k] = t[k].copy()
-        mutate(t)
+        b = d["full_batch"]
+        arrays = {**{k: getattr(b, k).copy() for k in names}, **{k: v.copy() for k, v in b.tokens.items()},
+                  **{k: v.copy() for k, v in b.rows.items()}}
+        mutate(arrays)
+        for k in names:
+            setattr(b, k, arrays[k])
+        for part in (b.tokens, b.rows):
+            for k in part:
+                part[k] = arrays[k]
 
     return _payload(f, go)
 
 
 def bad_log_probs(f: Fields, draw: st.DrawFn) -> Fields:
     value = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
-    return _tensor(f, lambda t: t["rollout_log_probs"].__setitem__((0, 0), value))
+    return _ragged(f, lambda t: t["rollout_log_probs"].__setitem__(0, value))
 
 
 def lengths_disagree(f: Fields, draw: st.DrawFn) -> Fields:
-    name = draw(st.sampled_from(["responses", "rollout_log_probs", "response_mask", "rewards", "input_ids"]))
+    name = draw(st.sampled_from(["response_ids", "rollout_log_probs", "response_lens", "rewards", "prompt_ids"]))
 
     def cut(t: dict[str, np.ndarray]) -> None:
-        t[name] = t[name][:, :-1] if t[name].ndim == 2 else t[name][:-1]
+        t[name] = t[name][:-1]
 
-    return _tensor(f, cut)
+    return _ragged(f, cut)
 
 
 def bad_tokens(f: Fields, draw: st.DrawFn) -> Fields:
-    name = draw(st.sampled_from(["responses", "input_ids", "prompts"]))
+    name = draw(st.sampled_from(["response_ids", "prompt_ids"]))
     value = draw(st.sampled_from([-1, 10_000, 2**40]))
     dtype = draw(st.sampled_from([None, np.float32]))
 
@@ -136,9 +145,10 @@ def bad_tokens(f: Fields, draw: st.DrawFn) -> Fields:
         if dtype is not None:
             t[name] = t[name].astype(dtype)
         else:
-            t[name][0, -1] = value
+            t[name] = t[name].astype(np.int64)
+            t[name][-1] = value
 
-    return _tensor(f, put)
+    return _ragged(f, put)
 
 
 ANY_ENTRY = [garbage, truncated, header_type, unknown_schema, huge_declared, oversized, wrong_field_type]

@@ -11,29 +11,31 @@ from typing import Any
 import pytest
 import torch
 
-from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples, assemble_micro_batches
 from consumers.trainer.learner import Learner, micro_slices
 from rollstream.config import load_config
 from rollstream.fakes import fake_rollout_sample
-from schemas import DataProto
+from schemas import DataProto, RolloutSample
 
 BASE = ["run.device=cpu", "model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32",
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=1",
         "actor.lr=0.01", "actor.entropy_coef=0.01", "actor.kl_coef=0.1", "rollout.temperature=0.9"]
 
 
-def batches(seed: int) -> list[DataProto]:
+def batches(seed: int) -> list[list[RolloutSample]]:
     """Two mini-batches of 4 samples x 4 ragged responses with prompts of different lengths (padding on
     both sides), token ids inside every test model's vocabulary."""
-    out = []
-    for b in range(2):
-        samples = [
-            fake_rollout_sample(f"s{b}{i}", n=4, prompt_len=3 + 2 * i, response_len=6, ragged=True,
-                                seed=seed + 10 * b + i, vocab=50)
-            for i in range(4)
-        ]
-        out.append(assemble_batch_from_rollout_samples(samples)[0])
-    return out
+    return [
+        [fake_rollout_sample(f"s{b}{i}", n=4, prompt_len=3 + 2 * i, response_len=6, ragged=True,
+                             seed=seed + 10 * b + i, vocab=50) for i in range(4)]
+        for b in range(2)
+    ]
+
+
+def micro_batches(learner: Learner, samples: list[RolloutSample]) -> list[DataProto]:
+    """The samples as the trainer hands them to this learner: padded once per micro-batch, each to its own
+    widths."""
+    return assemble_micro_batches(samples, learner.actor.micro_batch_size)[0]
 
 
 def capture_grads(learner: Learner) -> list[list[torch.Tensor]]:
@@ -61,8 +63,8 @@ def assert_same_updates(plain: list[str], knobs: list[str]) -> None:
     grads_a, grads_b = capture_grads(a), capture_grads(b)
     a.begin_step(1)
     b.begin_step(1)
-    for i, batch in enumerate(batches(seed=1)):
-        ma, mb = a.update(batch), b.update(batch)
+    for i, samples in enumerate(batches(seed=1)):
+        ma, mb = a.update(micro_batches(a, samples)), b.update(micro_batches(b, samples))
         for k in COMPARED:
             assert mb[k] == pytest.approx(ma[k], rel=1e-4, abs=1e-6), (i, k)
         assert len(grads_a) == len(grads_b) == i + 1
@@ -72,6 +74,18 @@ def assert_same_updates(plain: list[str], knobs: list[str]) -> None:
         b.optimizer.load_state_dict(a.optimizer.state_dict())
     assert ma["actor/ppo_kl"] != 0.0  # the second update really was off the proximal weights
     assert any(float(g.abs().max()) > 1e-4 for g in grads_a[-1])
+
+
+def test_one_padded_batch_is_cut_into_micro_batches_without_trimming() -> None:
+    """A learner given one padded batch (verl's assemble output) cuts it into actor.micro_batch_size rows,
+    padded as the batch is: the same update as micro-batches padded to their own widths."""
+    cfg = [*BASE, "actor.micro_batch_size=5"]
+    a, b = Learner(load_config(None, cfg)), Learner(load_config(None, cfg))
+    samples = batches(seed=3)[0]
+    ma = a.update(micro_batches(a, samples))
+    mb = b.update(assemble_batch_from_rollout_samples(samples)[0])
+    for k in COMPARED:
+        assert mb[k] == pytest.approx(ma[k], rel=1e-4, abs=1e-6), k
 
 
 def test_micro_slices_cover_the_rows_once() -> None:

@@ -159,12 +159,12 @@ def test_inspect_rollout_decodes_text_and_summarises_arrays(
     assert doc["event"]["sample_id"] == "p-0"
     assert doc["text"] == [{"prompt": "123", "response": "321", "reward": 1.0},
                            {"prompt": "123", "response": "312", "reward": 0.0}]
-    lp = doc["event"]["full_batch"]["tensors"]["rollout_log_probs"]
-    assert lp["dtype"] == "float32" and lp["shape"] == [2, 4] and lp["max"] <= 0 and len(lp["first"]) == 8
+    lp = doc["event"]["full_batch"]["tokens"]["rollout_log_probs"]
+    assert lp["dtype"] == "float32" and lp["shape"] == [8] and lp["max"] <= 0 and len(lp["first"]) == 8
     code, out, _ = cli(capsys, "inspect", "rollouts", "--full", *run_args(keys, redis_url))
     full = json.loads(out)
     assert full["event"]["sample_id"] == "p-2"
-    assert full["event"]["full_batch"]["tensors"]["responses"][0][:3] == CharTokenizer().encode("321")
+    assert full["event"]["full_batch"]["response_ids"][:3] == CharTokenizer().encode("321")
 
 
 def test_inspect_records_by_step_dead_letters_and_plain_streams(

@@ -16,6 +16,7 @@ import pytest
 import redis
 import torch
 
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from producers.weight_sync import WeightSync
 from producers.worker import Producer, producer_seed
 from rollstream.bus import setup_run
@@ -112,9 +113,14 @@ def build_blob(cfg: PipelineConfig, seed: int) -> bytes:
     return build_policy(cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": seed})})).state_dict_bytes()
 
 
+def padded(s: RolloutSample) -> dict[str, np.ndarray]:
+    """The sample's tensors as the trainer pads them (the producer publishes them ragged)."""
+    return assemble_batch_from_rollout_samples([s])[0].tensors
+
+
 def masked_logprob_error(policy: Any, s: RolloutSample) -> torch.Tensor:
     """|stored behaviour log-prob - fresh forward| per response token [n,R] (0 where response_mask is 0)."""
-    t = s.full_batch.tensors
+    t = padded(s)
     R = t["responses"].shape[1]
     with torch.no_grad():
         fresh = policy.log_probs(torch.tensor(t["input_ids"]), torch.tensor(t["attention_mask"]), R)
@@ -144,7 +150,7 @@ def test_published_samples_are_what_was_generated(r: redis.Redis, keys: Keys, re
     )
     n = cfg.rollout.n
     for k, s in enumerate(got):
-        t = s.full_batch.tensors
+        t = padded(s)
         assert s.n == n and s.producer == "rollout_01" and s.param_version == 0
         assert set(s.full_batch.non_tensors["uid"]) == {s.sample_id}
         P = t["prompts"].shape[1]
@@ -215,7 +221,7 @@ def test_new_version_mid_generation(r: redis.Redis, keys: Keys, redis_url: str, 
         v1_policy.load_state_dict_bytes(v1)
         for s in first:
             err0, err1 = masked_logprob_error(v0_policy, s), masked_logprob_error(v1_policy, s)
-            mask = torch.tensor(s.full_batch.tensors["response_mask"]).bool()
+            mask = torch.tensor(padded(s)["response_mask"]).bool()
             # every behaviour log-prob is the one of the weights that sampled it
             assert bool(((err0 < 1e-4) | (err1 < 1e-4))[mask].all())
             for i, end in enumerate(s.param_version_end):
@@ -378,7 +384,8 @@ def test_tool_agent_records_tool_calls(r: redis.Redis, keys: Keys, redis_url: st
         call, result, answer = f"[calc:{expr}]", f"[={value}]", str(value)
         assert list(s.full_batch.non_tensors["response_text"]) == [call + result + answer] * s.n
         assert len(s.tool_calls) == s.n and all(0 <= x < 1 for x in s.tool_calls)
-        t = s.full_batch.tensors
+        t = padded(s)
+        assert s.full_batch.tokens["response_mask"].dtype == np.uint8  # sent only because tools wrote tokens
         mask = [1] * len(call) + [0] * len(result) + [1] * (len(answer) + 1)
         for i in range(s.n):
             assert t["response_mask"][i, : len(mask)].tolist() == mask

@@ -13,6 +13,7 @@ from rollstream.rollout import (
     AGENT_TOOL,
     concat_generation_data,
     prepare_single_generation_data,
+    prompt_rows,
 )
 from rollstream.tasks import Prompt, make_task
 
@@ -43,6 +44,10 @@ def test_concat_left_pads_and_interleaves() -> None:
     assert mask[0].tolist() == [0, 0, 0, 1, 1, 1, 1] and mask[3].tolist() == [1] * 7
     assert (ids[mask == 0] == TOK.pad_id).all()
     assert np.array_equal(ids[0, 3:], a.tensors["input_ids"][0])
+    # the agent loops read each row's prompt unpadded, as prepared (no unpadding of input_ids)
+    assert prompt_rows(both) == [[TOK.bos_id, *TOK.encode("12>")]] * 2 + [[TOK.bos_id, *TOK.encode("12345>")]] * 2
+    del both.non_tensors["raw_prompt_ids"]
+    assert prompt_rows(both) == [[TOK.bos_id, *TOK.encode("12>")]] * 2 + [[TOK.bos_id, *TOK.encode("12345>")]] * 2
 
 
 def test_producer_index_from_name() -> None:

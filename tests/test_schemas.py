@@ -32,6 +32,7 @@ from schemas import (
     register_upgrade,
     unregister_upgrade,
 )
+from schemas.ragged import RaggedBatch, from_padded
 
 # --- helpers ------------------------------------------------------------------------------------
 
@@ -66,6 +67,18 @@ def assert_batches_equal(a: DataProto, b: DataProto) -> None:
             assert v == b.meta_info[k]
 
 
+def assert_ragged_equal(a: RaggedBatch, b: RaggedBatch) -> None:
+    """Field-for-field RaggedBatch equality."""
+    for name in ("prompt_ids", "prompt_lens", "response_ids", "response_lens"):
+        assert_arrays_equal(getattr(a, name), getattr(b, name))
+    for part in ("tokens", "rows", "non_tensors"):
+        pa, pb = getattr(a, part), getattr(b, part)
+        assert pa.keys() == pb.keys(), part
+        for k in pa:
+            assert_arrays_equal(pa[k], pb[k])
+    assert a.meta_info == b.meta_info
+
+
 def assert_events_equal(a: EventBase, b: EventBase) -> None:
     """Field-for-field event equality."""
     assert type(a) is type(b)
@@ -73,18 +86,21 @@ def assert_events_equal(a: EventBase, b: EventBase) -> None:
         va, vb = getattr(a, name), getattr(b, name)
         if isinstance(va, DataProto):
             assert_batches_equal(va, vb)
+        elif isinstance(va, RaggedBatch):
+            assert_ragged_equal(va, vb)
         else:
             assert va == vb, name
 
 
-def make_batch(n: int = 2, prompt_len: int = 3, resp_len: int = 4, seed: int = 0) -> DataProto:
-    """A small GRPO group with the standard keys."""
+def make_batch(n: int = 2, prompt_len: int = 3, resp_len: int = 4, seed: int = 0) -> RaggedBatch:
+    """A small GRPO group with the standard keys (built padded, as verl would, then made ragged: each
+    response one token shorter than resp_len)."""
     rng = np.random.default_rng(seed)
     prompts = rng.integers(0, 100, (n, prompt_len), dtype=np.int64)
     responses = rng.integers(0, 100, (n, resp_len), dtype=np.int64)
     response_mask = np.ones((n, resp_len), dtype=np.int64)
     response_mask[:, -1] = 0
-    return DataProto.from_dict(
+    return from_padded(DataProto.from_dict(
         tensors={
             "prompts": prompts,
             "responses": responses,
@@ -96,7 +112,7 @@ def make_batch(n: int = 2, prompt_len: int = 3, resp_len: int = 4, seed: int = 0
         },
         non_tensors={"uid": [f"u{i}" for i in range(n)], "extra": [{"k": i} for i in range(n)]},
         meta_info={"temperature": 1.0, "agent_name": "partial_single_turn_agent"},
-    )
+    ))
 
 
 def make_rollout(n: int = 2, resp_len: int = 4, **overrides: Any) -> RolloutSample:
@@ -204,7 +220,7 @@ def test_header_fields_come_first_and_are_readable() -> None:
         "payload",
     ]
     assert all(k.startswith("a") for k in keys[9:]) and len(keys) > 9
-    assert fields["type"] == b"rollout" and fields["schema"] == b"2" and fields["n"] == b"3"
+    assert fields["type"] == b"rollout" and fields["schema"] == b"3" and fields["n"] == b"3"
     assert fields["tokens"] == str(3 * 299).encode() == str(event.num_tokens).encode()
     assert all(isinstance(fields[k], memoryview) for k in keys[9:])
     metrics = encode(StepMetrics(type="step_end", global_step=7, local_step=4, sample_count=64))
@@ -217,14 +233,12 @@ def test_header_fields_come_first_and_are_readable() -> None:
 
 
 def test_rollout_properties() -> None:
-    """n and num_tokens from response_mask, else attention over responses, else responses.size."""
+    """n, and num_tokens: the response_mask's ones when it is there, else every response token."""
     event = make_rollout(n=2, resp_len=4)
-    assert event.n == 2 and event.num_tokens == 6
-    batch = event.full_batch.select(
-        tensor_keys=["prompts", "responses", "attention_mask"], non_tensor_keys=[]
-    )
-    assert make_rollout(full_batch=batch).num_tokens == 6
-    assert make_rollout(full_batch=batch.select(tensor_keys=["responses"])).num_tokens == 8
+    assert event.n == 2 and event.num_tokens == 6 and "response_mask" not in event.full_batch.tokens
+    batch = make_batch()
+    batch.tokens["response_mask"] = np.array([1, 0, 1, 0, 0, 1], np.uint8)  # tool tokens
+    assert make_rollout(full_batch=batch).num_tokens == 3
 
 
 def test_created_at_and_schema_defaults() -> None:
@@ -254,25 +268,34 @@ def test_rollout_validation(overrides: dict[str, Any], needle: str) -> None:
         make_rollout(**overrides)
 
 
-def test_rollout_rejects_nan_logprobs_rewards_and_shape_mismatch() -> None:
-    """Behaviour log-probs and rewards must be finite; log-probs shaped like responses; n >= 1."""
+def test_rollout_rejects_nan_logprobs_rewards_and_size_mismatch() -> None:
+    """Behaviour log-probs and rewards must be finite; every array's size agrees with the lengths; n >= 1."""
     batch = make_batch()
-    batch.tensors["rollout_log_probs"] = batch.tensors["rollout_log_probs"].copy()
-    batch.tensors["rollout_log_probs"][0, 1] = np.nan
+    batch.tokens["rollout_log_probs"] = batch.tokens["rollout_log_probs"].copy()
+    batch.tokens["rollout_log_probs"][1] = np.nan
+    with pytest.raises(ValidationError, match="rollout_log_probs contains NaN/inf"):
+        make_rollout(full_batch=batch)
+    batch.tokens["rollout_log_probs"][1] = -np.inf
     with pytest.raises(ValidationError, match="rollout_log_probs contains NaN/inf"):
         make_rollout(full_batch=batch)
     batch = make_batch()
-    batch.tensors["rewards"] = np.array([1.0, np.inf], dtype=np.float32)
+    batch.rows["rewards"] = np.array([1.0, np.inf], dtype=np.float32)
     with pytest.raises(ValidationError, match="rewards contains NaN/inf"):
         make_rollout(full_batch=batch)
-    batch = make_batch()
-    batch.tensors["rollout_log_probs"] = batch.tensors["rollout_log_probs"][:, :2]
-    with pytest.raises(ValidationError, match="shape"):
-        make_rollout(full_batch=batch)
+    b = make_batch()
+    with pytest.raises(ValueError, match=r"tokens\['rollout_log_probs'\] has 2 values, response_lens say 6"):
+        RaggedBatch(b.prompt_ids, b.prompt_lens, b.response_ids, b.response_lens, {"rollout_log_probs": np.zeros(2)})
+    with pytest.raises(ValueError, match="response_ids has 6 ids, the lengths say 7"):
+        RaggedBatch(b.prompt_ids, b.prompt_lens, b.response_ids, np.array([3, 4], np.int32))
+    with pytest.raises(ValueError, match="prompt_lens has 3 entries"):
+        RaggedBatch(np.zeros(3, np.int64), np.array([1, 1, 1]), b.response_ids, b.response_lens)
+    with pytest.raises(ValueError, match="negative length"):
+        RaggedBatch(b.prompt_ids, b.prompt_lens, b.response_ids, np.array([7, -1]))
     with pytest.raises(ValidationError, match="no trajectories"):
         make_rollout(
             n=1,
-            full_batch=DataProto(),
+            full_batch=RaggedBatch(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64),
+                                   np.zeros(0, np.int32)),
             agent_loop_output_list=[],
             processing_times=[],
             param_version_start=[],
@@ -351,27 +374,31 @@ def test_oversized_bin_with_small_limits() -> None:
     assert "max_str_len" in reason_of(fields, Limits(max_str_len=4))
     assert "over the 10 limit" in reason_of(fields, Limits(max_payload_bytes=10))
     big = as_redis(encode(make_rollout(resp_len=300)))
-    assert "field 'a0'" in reason_of(big, Limits(max_field_bytes=100))
+    assert "field 'a1' is 2392 bytes, over the 100 limit" in reason_of(big, Limits(max_field_bytes=100))
     assert decode_as(fields, RolloutSample, Limits()).sample_id == "p0:17"
 
 
 def test_nan_logprobs_on_the_wire() -> None:
     """A payload carrying NaN behaviour log-probs is refused on decode."""
     batch = make_batch()
-    batch.tensors["rollout_log_probs"] = np.full((2, 4), np.nan, dtype=np.float32)
+    batch.tokens["rollout_log_probs"] = np.full(6, np.nan, dtype=np.float32)
     assert "rollout_log_probs contains NaN/inf" in reason_of(tamper(small_rollout(), full_batch=batch))
 
 
 def test_lengths_disagree_on_the_wire() -> None:
-    """Per-trajectory list length != n, and DataProto arrays whose rows disagree."""
+    """Per-trajectory list length != n, and ragged arrays whose sizes disagree with the lengths."""
     assert "param_version_end has 3 entries" in reason_of(
         tamper(small_rollout(), param_version_end=[5, 5, 5])
     )
-    body = decode_payload(encode_payload(make_batch()))
-    body.tensors["rewards"] = np.zeros(3, dtype=np.float32)  # bypass the constructor check
-    assert "tensors['rewards'] has first dim 3, expected 2" in reason_of(
-        tamper(small_rollout(), full_batch=body)
-    )
+    body = make_batch()
+    body.rows["rewards"] = np.zeros(3, dtype=np.float32)  # after the constructor's check
+    assert "rows['rewards'] must have first dimension n=2" in reason_of(tamper(small_rollout(), full_batch=body))
+    body = make_batch()
+    body.response_lens = np.array([3, 4], np.int32)
+    assert "response_ids has 6 ids, the lengths say 7" in reason_of(tamper(small_rollout(), full_batch=body))
+    body = make_batch()
+    body.tokens["token_level_scores"] = np.zeros(5, np.float32)
+    assert "tokens['token_level_scores'] has 5 values" in reason_of(tamper(small_rollout(), full_batch=body))
 
 
 def array_ext(dtype: str, shape: list[int], ref: bytes | int) -> msgpack.ExtType:
@@ -383,9 +410,9 @@ def hostile(meta_value: Any, **extra_fields: bytes) -> dict[bytes, bytes]:
     """A rollout entry whose full_batch.meta_info['x'] is the given (raw msgpack-able) value."""
     fields = tamper(small_rollout())
     body = msgpack.unpackb(fields[b"payload"])
-    tensors, non_tensors, meta = msgpack.unpackb(body["full_batch"].data)
-    meta["x"] = meta_value
-    body["full_batch"] = msgpack.ExtType(3, msgpack.packb([tensors, non_tensors, meta]))
+    parts = msgpack.unpackb(body["full_batch"].data)
+    parts[7]["x"] = meta_value  # the ragged batch's meta_info
+    body["full_batch"] = msgpack.ExtType(7, msgpack.packb(parts))
     fields[b"payload"] = msgpack.packb(body)
     fields.update({k.encode(): v for k, v in extra_fields.items()})
     return fields

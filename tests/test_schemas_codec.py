@@ -24,6 +24,7 @@ from schemas import (
     encode,
     encode_payload,
 )
+from schemas.ragged import RaggedBatch
 
 DTYPES = st.one_of(
     hnp.boolean_dtypes(),
@@ -117,8 +118,8 @@ def test_decoded_arrays_share_memory_with_entry_bytes() -> None:
     got = decode(fields)
     assert isinstance(got, RolloutSample)
     raw = {k: np.frombuffer(v, dtype=np.uint8) for k, v in fields.items() if k.startswith(b"a")}
-    for key in ("responses", "rollout_log_probs", "input_ids"):
-        arr = got.full_batch.tensors[key]
+    b = got.full_batch
+    for key, arr in (("response_ids", b.response_ids), ("rollout_log_probs", b.tokens["rollout_log_probs"])):
         assert not arr.flags.writeable and not arr.flags.owndata
         assert any(np.shares_memory(arr, r) for r in raw.values()), key
     # A huge array decodes in O(1): the bytes object is the array's buffer.
@@ -156,10 +157,13 @@ def test_object_arrays_and_numpy_scalars() -> None:
 
 
 def test_dataproto_payload_and_dead_letter_bytes() -> None:
-    """DataProto through encode_payload; dead-letter originals (large ones out of band) stay bytes."""
-    dp = make_rollout().full_batch
+    """DataProto and RaggedBatch through encode_payload; dead-letter originals (large ones out of band) stay
+    bytes."""
+    dp = DataProto.from_dict({"x": np.arange(4).reshape(2, 2)}, {"uid": ["u0", "u1"]})
     got = decode_payload(encode_payload(dp))
     assert isinstance(got, DataProto) and got.non_tensors["uid"].tolist() == ["u0", "u1"]
+    ragged = decode_payload(encode_payload(make_rollout().full_batch))
+    assert isinstance(ragged, RaggedBatch) and ragged.non_tensors["uid"].tolist() == ["u0", "u1"]
     original = {"payload": b"\xff" * 5000, "type": b"rollout"}
     fields = as_redis(encode(DeadLetter(source="s", source_id="1-0", reason="r", fields=original)))
     assert b"a0" in fields

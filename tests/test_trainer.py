@@ -16,16 +16,30 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import redis
 
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from rollstream.audit import audit_run, unacked_entry_ids
 from rollstream.fakes import fake_rollout_sample
 from rollstream.names import COMMITTED_STEP_FIELD, DROPPED_STALE_FIELD, HEARTBEAT_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import progress_health, worker_health
 from rollstream.pacing import dispatch_entries, mark_published, take_budget
 from rollstream.weights import latest_param_version
-from schemas import TRAINED, ParamVersion, StepMetrics, ValidateMetrics, decode, decode_fate, encode
+from schemas import (
+    TRAINED,
+    DataProto,
+    ParamVersion,
+    RolloutSample,
+    StepMetrics,
+    ValidateMetrics,
+    decode,
+    decode_fate,
+    decode_payload,
+    encode,
+    encode_payload,
+)
 from schemas.plain import GRANT, TAKE, TOPUP
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,10 +59,23 @@ def trainer_args(keys: Keys, redis_url: str, run_dir: Path, steps: int) -> list[
     ]
 
 
+def as_schema_1(sample: RolloutSample) -> dict[str, Any]:
+    """The entry a schema-1 writer made of this sample: its batch padded (verl's int64 DataProto) in the payload."""
+    fields: dict[str, Any] = encode(sample)
+    body = decode_payload(bytes(fields.pop("payload")))
+    padded = assemble_batch_from_rollout_samples([sample])[0]
+    tensors = {k: v.astype(np.int64) if v.dtype.kind in "iu" else v for k, v in padded.tensors.items()}
+    body["full_batch"] = DataProto(tensors, padded.non_tensors)
+    body["schema_version"] = 1
+    fields = {k: v for k, v in fields.items() if not k.startswith("a")}  # the payload holds every array now
+    fields["schema"], fields["payload"] = b"1", encode_payload(body)
+    return fields
+
+
 class FakeProducer(threading.Thread):
     """Takes budget for the newest version, publishes fake samples stamped with it; the 5th (those at the
-    `corrupt_at` indices) is corrupt, and every other one is written in RolloutSample schema 1 (the plain batch
-    layout of writers before issue 17). `cap[v]` limits how many prompts it dispatches for version v (until the
+    `corrupt_at` indices) is corrupt, and every other one is written in RolloutSample schema 1 (the padded
+    int64 batch of writers before issue 17; `as_schema_1`). `cap[v]` limits how many prompts it dispatches for version v (until the
     cap is removed)."""
 
     def __init__(
@@ -93,7 +120,7 @@ class FakeProducer(threading.Thread):
                 if len(self.published) in self.failed_at:
                     sample.rollout_status["rollout_failure"] = 1
                     self.failed.append(sid)
-                fields: dict[str, Any] = encode(sample, compact=len(self.published) % 2 == 0)
+                fields: dict[str, Any] = encode(sample) if len(self.published) % 2 == 0 else as_schema_1(sample)
                 self.schema[sid] = fields["schema"]
                 if len(self.published) in self.corrupt_at:
                     fields["payload"] = b"\xc1 not msgpack"
@@ -164,7 +191,7 @@ def test_trainer_run_keeps_every_sample_exactly_once(
     assert counts["trained"] == 4 * TBS and counts["dropped"] > 0 and counts["updates"] == 8
     schema_of = producer.schema
     trained = [fate.sample_id for fate in (decode_fate(f) for _, f in r.xrange(keys.fates)) if fate.fate == TRAINED]
-    assert {schema_of[sid] for sid in trained} == {b"1", b"2"}  # old-schema entries train alongside new ones
+    assert {schema_of[sid] for sid in trained} == {b"1", b"3"}  # old-schema entries train alongside new ones
     assert len(list((tmp_path / keys.run / "checkpoints").iterdir())) == 2
 
 

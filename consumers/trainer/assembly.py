@@ -1,10 +1,10 @@
-"""Batch assembly: RolloutSamples -> one training DataProto plus the fully-async metrics (verl's
-`assemble_batch_from_rollout_samples`).
+"""Batch assembly: RolloutSamples -> padded training batches plus the fully-async metrics (verl's
+`assemble_batch_from_rollout_samples`). The one place a sample's tokens are padded.
 
-Samples may come from different producers with different prompt / response widths; every sample is
-padded to the widest first (prompts and the prompt half of input_ids/attention_mask on the left, responses
-and every per-response-token array on the right), then the rows are concatenated in sample order, so the
-n trajectories of one sample stay contiguous (GRPO groups).
+Samples arrive ragged (schemas/ragged.py). Their rows are taken in sample order, so the n trajectories of
+one sample stay contiguous (GRPO groups), and each micro-batch of rows is padded once, to its own widest
+prompt and response: prompts and the prompt half of input_ids / attention_mask on the left, responses and
+every per-token array on the right, with 0. The learner trains on these as they are.
 """
 
 from __future__ import annotations
@@ -14,50 +14,78 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from schemas import DataProto, RolloutSample
+from schemas.ragged import RESPONSE_MASK, RaggedBatch
 
 PREFIX = "fully_async"
 TOOL_PREFIX = "timing_s/agent_loop/tool_calls"
 
 
-def _pad(arr: np.ndarray, left: int, right: int, value: float = 0) -> np.ndarray:
-    """Pad a 2-d array [n, w] with `left`/`right` columns of `value`."""
-    if left == 0 and right == 0:
-        return arr
-    return np.pad(arr, ((0, 0), (left, right)), constant_values=value)
+def _keys(batches: Sequence[RaggedBatch], part: str, ids: Sequence[str]) -> list[str]:
+    """The keys of one part (tokens / rows / non_tensors) every batch has (response_mask may be absent:
+    all generated); ValueError naming the sample when the batches disagree."""
+    first = [k for k in getattr(batches[0], part) if not (part == "tokens" and k == RESPONSE_MASK)]
+    for b, sid in zip(batches, ids, strict=True):
+        have = {k for k in getattr(b, part) if not (part == "tokens" and k == RESPONSE_MASK)}
+        if have != set(first):
+            raise ValueError(f"sample {sid}: {part} keys {sorted(have)} differ from {sorted(first)} of sample {ids[0]}")
+    return first
 
 
-def _widths(sample: RolloutSample) -> tuple[int, int]:
-    """(prompt width P, response width R) of one sample's full_batch."""
-    t = sample.full_batch.tensors
-    if "responses" not in t:
-        raise ValueError(f"sample {sample.sample_id}: full_batch has no 'responses'")
-    resp_w = int(t["responses"].shape[1])
-    if "prompts" in t:
-        return int(t["prompts"].shape[1]), resp_w
-    return int(t["input_ids"].shape[1]) - resp_w, resp_w
+def _pad_rows(batches: Sequence[RaggedBatch], spans: Sequence[tuple[int, int, int]],
+              keys: tuple[list[str], list[str], list[str]]) -> DataProto:
+    """Rows [lo, hi) of batches[k] for each (k, lo, hi) in spans, padded to their own widest prompt P and
+    response R: input_ids / attention_mask [b, P+R] (int64), prompts [b, P], responses [b, R], response_mask
+    [b, R] (int64), every per-token array [b, R] in its dtype, per-row arrays and non_tensors concatenated;
+    keys: the (tokens, rows, non_tensors) keys every batch has."""
+    used = [batches[k] for k, _, _ in spans]
+    tok_keys, row_keys, nt_keys = keys
+    plens = [b.row_prompt_lens()[lo:hi] for b, (_, lo, hi) in zip(used, spans, strict=True)]
+    rlens = [b.response_lens[lo:hi].tolist() for b, (_, lo, hi) in zip(used, spans, strict=True)]
+    P = max((max(x) for x in plens if x), default=0)
+    R = max((max(x) for x in rlens if x), default=0)
+    rows = sum(hi - lo for _, lo, hi in spans)
+    ids_out = np.zeros((rows, P + R), np.int64)  # (zeroed pages: only the tokens are written)
+    mask = np.zeros((rows, P + R), np.int64)
+    per_token = {k: np.zeros((rows, R), batches[0].tokens[k].dtype) for k in tok_keys}
+    resp_mask = np.zeros((rows, R), np.int64)
+    j = 0
+    for b, (_, lo, _), plen, rlen in zip(used, spans, plens, rlens, strict=True):
+        po, ro = b.prompt_offsets(), b.response_offsets()
+        rm = b.tokens.get(RESPONSE_MASK)
+        tokens = [(arr, b.tokens[k]) for k, arr in per_token.items()]
+        for i, (p, r) in enumerate(zip(plen, rlen, strict=True), start=lo):  # one copy per row and array
+            ids_out[j, P - p : P] = b.prompt_ids[po[i] : po[i] + p]
+            resp = slice(ro[i], ro[i] + r)
+            ids_out[j, P : P + r] = b.response_ids[resp]
+            mask[j, P - p : P + r] = 1
+            for arr, flat in tokens:
+                arr[j, :r] = flat[resp]
+            resp_mask[j, :r] = 1 if rm is None else rm[resp]
+            j += 1
+    tensors = {"prompts": ids_out[:, :P], "responses": ids_out[:, P:], "input_ids": ids_out,
+               "attention_mask": mask, RESPONSE_MASK: resp_mask, **per_token}
+    for k in row_keys:
+        tensors[k] = np.concatenate([b.rows[k][lo:hi] for b, (_, lo, hi) in zip(used, spans, strict=True)])
+    non_tensors = {k: np.concatenate([b.non_tensors[k][lo:hi] for b, (_, lo, hi) in zip(used, spans, strict=True)])
+                   for k in nt_keys}
+    return DataProto(tensors, non_tensors)
 
 
-def _pad_sample(sample: RolloutSample, P: int, R: int) -> DataProto:
-    """The sample's full_batch padded to prompt width P and response width R (response_mask added)."""
-    batch = sample.full_batch
-    p, rw = _widths(sample)
-    out: dict[str, np.ndarray] = {}
-    for key, arr in batch.tensors.items():
-        if arr.ndim != 2:
-            out[key] = arr
-        elif key == "prompts":
-            out[key] = _pad(arr, P - p, 0)
-        elif arr.shape[1] == p + rw:  # input_ids, attention_mask, position_ids: [prompt | response]
-            out[key] = np.concatenate([_pad(arr[:, :p], P - p, 0), _pad(arr[:, p:], 0, R - rw)], axis=1)
-        elif arr.shape[1] == rw:
-            out[key] = _pad(arr, 0, R - rw)
-        else:
-            raise ValueError(f"sample {sample.sample_id}: tensor {key!r} width {arr.shape[1]} fits neither P nor R")
-    if "response_mask" not in out:
-        if "attention_mask" not in out:
-            raise ValueError(f"sample {sample.sample_id}: needs response_mask or attention_mask")
-        out["response_mask"] = out["attention_mask"][:, -R:].copy() if R else np.zeros((len(batch), 0), np.int64)
-    return DataProto(out, batch.non_tensors, batch.meta_info)
+def micro_spans(sizes: Sequence[int], micro_batch_size: int) -> list[list[tuple[int, int, int]]]:
+    """Per micro-batch of `micro_batch_size` rows (0: one micro-batch of every row), the (sample, first
+    row, end row) runs it takes from samples of `sizes` rows, in order."""
+    total = sum(sizes)
+    size = micro_batch_size if micro_batch_size > 0 else max(total, 1)
+    out: list[list[tuple[int, int, int]]] = []
+    for start in range(0, total, size):
+        end, spans, base = min(start + size, total), [], 0
+        for k, n in enumerate(sizes):
+            lo, hi = max(start - base, 0), min(end - base, n)
+            if lo < hi:
+                spans.append((k, lo, hi))
+            base += n
+        out.append(spans)
+    return out
 
 
 def percentile_stats(values: Sequence[float], prefix: str) -> dict[str, float]:
@@ -107,44 +135,71 @@ def tool_call_stats(samples: Sequence[RolloutSample]) -> dict[str, float]:
 BalanceFn = Callable[[DataProto], DataProto]
 
 
-def assemble_batch_from_rollout_samples(
-    samples: list[RolloutSample], pad_id: int = 0, balance_batch: BalanceFn | None = None
-) -> tuple[DataProto, dict[str, float]]:
-    """Concat the samples' full_batches (padded to a common width) -> (batch [sum n rows], metrics).
-
-    meta_info (verl's names): `sample_ids`, `group_sizes`, `rollout_param_versions` (per sample),
-    `trajectory_param_versions` (per row: the version of its last token), `param_version_diversity`
-    (distinct end versions over the trajectories), `global_token_num` (per row: attention-mask sum).
-    Metrics: processing-time percentiles, tool-call times, partial-rollout stats and the first sample's
-    rollout_status under `fully_async/`. `balance_batch`, when given, reorders the rows after concat
-    (before `global_token_num` is taken, as verl does). `pad_id` must be 0 (the wire convention); an
-    empty list raises ValueError.
-    """
-    if not samples:
-        raise ValueError("assemble_batch_from_rollout_samples needs at least one sample")
-    if pad_id != 0:
-        raise ValueError(f"the wire convention pads with 0, got pad_id={pad_id}")
-    widths = [_widths(s) for s in samples]
-    P = max(w[0] for w in widths)
-    R = max(w[1] for w in widths)
-    batch = DataProto.concat([_pad_sample(s, P, R) for s in samples])
+def _meta_info(samples: Sequence[RolloutSample]) -> dict[str, object]:
+    """The batch's meta_info under verl's names (see assemble_batch_from_rollout_samples)."""
     trajectory_versions = [int(v) for s in samples for v in s.param_version_end]
-    batch.meta_info = {
+    return {
         "sample_ids": [s.sample_id for s in samples],
         "group_sizes": [s.n for s in samples],
         "rollout_param_versions": [s.param_version for s in samples],
         "trajectory_param_versions": trajectory_versions,
         "param_version_diversity": len(set(trajectory_versions)),
+        "global_token_num": [p + r for s in samples
+                             for p, r in zip(s.full_batch.row_prompt_lens(), s.full_batch.response_lens.tolist(), strict=True)],
     }
-    if balance_batch is not None:
-        batch = balance_batch(batch)
-    if "attention_mask" in batch.tensors:
-        batch.meta_info["global_token_num"] = batch.tensors["attention_mask"].sum(axis=-1).astype(int).tolist()
 
+
+def _metrics(samples: Sequence[RolloutSample]) -> dict[str, float]:
+    """Processing-time percentiles, tool-call times, partial-rollout stats and the first sample's
+    rollout_status under `fully_async/`."""
     metrics: dict[str, float] = {}
     metrics.update(percentile_stats([t for s in samples for t in s.processing_times], f"{PREFIX}/processing_time"))
     metrics.update(tool_call_stats(samples))
     metrics.update(partial_stats(samples))
     for key, value in samples[0].rollout_status.items():
         metrics[f"{PREFIX}/{key}"] = float(value)
+    return metrics
+
+
+def assemble_micro_batches(
+    samples: list[RolloutSample], micro_batch_size: int = 0
+) -> tuple[list[DataProto], dict[str, float]]:
+    """The samples' rows as padded micro-batches of `micro_batch_size` rows (0: one batch of every row),
+    each padded once to its own widths -> (micro-batches, metrics). Every micro-batch carries the whole
+    batch's meta_info (one dict; see assemble_batch_from_rollout_samples). An empty list raises ValueError."""
+    if not samples:
+        raise ValueError("assemble_batch_from_rollout_samples needs at least one sample")
+    batches = [s.full_batch for s in samples]
+    ids = [s.sample_id for s in samples]
+    meta = _meta_info(samples)
+    tok_keys, row_keys, nt_keys = (_keys(batches, part, ids) for part in ("tokens", "rows", "non_tensors"))
+    out = []
+    for spans in micro_spans([len(b) for b in batches], micro_batch_size):
+        part = _pad_rows(batches, spans, (tok_keys, row_keys, nt_keys))
+        part.meta_info = meta
+        out.append(part)
+    return out, _metrics(samples)
+
+
+def assemble_batch_from_rollout_samples(
+    samples: list[RolloutSample], pad_id: int = 0, balance_batch: BalanceFn | None = None
+) -> tuple[DataProto, dict[str, float]]:
+    """The samples' rows as one padded batch [sum n rows] (every row padded to the batch's widest prompt and
+    response) -> (batch, metrics).
+
+    meta_info (verl's names): `sample_ids`, `group_sizes`, `rollout_param_versions` (per sample),
+    `trajectory_param_versions` (per row: the version of its last token), `param_version_diversity`
+    (distinct end versions over the trajectories), `global_token_num` (per row: prompt + response tokens).
+    Metrics: processing-time percentiles, tool-call times, partial-rollout stats and the first sample's
+    rollout_status under `fully_async/`. `balance_batch`, when given, reorders the rows (whole groups)
+    and global_token_num alike, as verl does. `pad_id` must be 0 (the wire convention); an empty list raises
+    ValueError.
+    """
+    if pad_id != 0:
+        raise ValueError(f"the wire convention pads with 0, got pad_id={pad_id}")
+    parts, metrics = assemble_micro_batches(samples, 0)
+    batch = parts[0]
+    if balance_batch is not None:
+        batch = balance_batch(batch)
+        batch.meta_info["global_token_num"] = batch.tensors["attention_mask"].sum(axis=-1).astype(int).tolist()
     return batch, metrics

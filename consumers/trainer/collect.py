@@ -57,7 +57,7 @@ def failed(ev: RolloutSample) -> bool:
 def zero_variance_reward(ev: RolloutSample) -> float | None:
     """The reward every trajectory of a group of more than one shares (DAPO's filter_groups test: no GRPO
     signal), or None when the rewards differ or the group has one trajectory."""
-    rewards = np.asarray(ev.full_batch.tensors["rewards"], dtype=np.float64).reshape(-1)
+    rewards = np.asarray(ev.full_batch.rows["rewards"], dtype=np.float64).reshape(-1)
     if rewards.size > 1 and float(np.std(rewards)) == 0.0:
         return float(rewards[0])
     return None

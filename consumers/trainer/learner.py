@@ -2,8 +2,8 @@
 
   begin_step(g)  at the first local update of global step g: freeze a copy of the weights (version g-1)
                  as the proximal policy; it is pinned for the step's K local updates (decoupled mode)
-  update(batch)  one mini-batch -> advantages -> prox/ref log-probs (no grad, per micro-batch of
-                 actor.micro_batch_size rows) -> rollout correction over the mini-batch (IS weights,
+  update(batch)  one mini-batch, as the padded micro-batches the assembly built -> advantages -> prox/ref
+                 log-probs (no grad, per micro-batch) -> rollout correction over the mini-batch (IS weights,
                  rejection, mismatch metrics: rollstream/rl/rollout_correction.py) -> per micro-batch:
                  forward -> loss x its share -> backward (gradients accumulate) -> clip -> AdamW step;
                  returns the update's metrics
@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -62,17 +64,6 @@ from schemas import DataProto
 log = logging.getLogger(__name__)
 
 
-def trim_padding(ids: torch.Tensor, mask: torch.Tensor, R: int) -> tuple[int, int]:
-    """(first column, response width) after dropping all-pad prompt columns on the left and all-pad
-    response columns on the right of a [B, P+R] batch."""
-    P = ids.shape[1] - R
-    prompt_cols = mask[:, :P].any(0).nonzero()
-    first = int(prompt_cols[0]) if len(prompt_cols) else P - 1
-    resp_cols = mask[:, P:].any(0).nonzero()
-    width = int(resp_cols[-1]) + 1 if len(resp_cols) else 1
-    return min(first, P - 1), width
-
-
 def group_advantages(rewards: torch.Tensor, group_sizes: list[int], norm_by_std: bool = True) -> torch.Tensor:
     """GRPO advantages [B] for contiguous groups of the given sizes (std-normalised unless norm_by_std=False)."""
     if len(set(group_sizes)) == 1:
@@ -100,13 +91,6 @@ def micro_slices(rows: int, micro_batch_size: int) -> list[slice]:
     return [slice(s, min(s + size, rows)) for s in range(0, rows, size)]
 
 
-def micro_inputs(ids: torch.Tensor, mask: torch.Tensor, rows: slice, width: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A micro-batch's ids and attention mask [b, p+w] without its own all-pad columns, and its response width w."""
-    m_ids, m_mask = ids[rows], mask[rows]
-    f, w = trim_padding(m_ids, m_mask, width)
-    return m_ids[:, f : m_ids.shape[1] - width + w], m_mask[:, f : m_mask.shape[1] - width + w], w
-
-
 def pad_cat(parts: list[torch.Tensor], width: int) -> torch.Tensor:
     """Micro-batch tensors [b_i, w_i] right-padded with 0 to `width` and stacked: [sum b_i, width]."""
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
@@ -117,6 +101,55 @@ def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
     if decay_steps <= 0:
         return coef
     return coef * max(0.0, 1.0 - (global_step - 1) / decay_steps)
+
+
+@dataclass
+class _Micro:
+    """One padded micro-batch's tensors on the device (the learner's only view of its rows)."""
+
+    ids: torch.Tensor  # [b, P+w] long
+    mask: torch.Tensor  # [b, P+w] long
+    resp_mask: torch.Tensor  # [b, w] float
+    behave: torch.Tensor  # [b, w] float
+    rewards: torch.Tensor  # [b] float, on the CPU
+    scores: torch.Tensor | None  # [b, w] float token_level_scores, on the CPU
+
+
+def _tensors(batch: DataProto, dev: torch.device) -> _Micro:
+    """A padded micro-batch's arrays as tensors, the token ones on dev."""
+    t = batch.tensors
+    scores = t.get("token_level_scores")
+
+    def tensor(key: str) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(t[key]))
+
+    return _Micro(
+        ids=tensor("input_ids").long().to(dev), mask=tensor("attention_mask").long().to(dev),
+        resp_mask=tensor("response_mask").float().to(dev), behave=tensor("rollout_log_probs").float().to(dev),
+        rewards=tensor("rewards").float(),
+        scores=torch.from_numpy(np.ascontiguousarray(scores)).float() if scores is not None else None,
+    )
+
+
+def _token_advantages(micro: list[_Micro], groups: list[int], norm_by_std: bool, gamma: float) -> list[torch.Tensor]:
+    """Token-level GRPO advantages per micro-batch [b, w]: a group is compared position by position, so its
+    rows' per-token rewards and masks are right-aligned into one [B, W] (W: the widest micro-batch's
+    responses; only the response side, for this arithmetic) and the result cut back to each micro-batch."""
+    W = max(m.resp_mask.shape[1] for m in micro)
+
+    def wide(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, W - x.shape[1]))
+
+    masks = [m.resp_mask.cpu() for m in micro]
+    per_token = torch.cat([wide(token_rewards(m.rewards, rm, m.scores)) for m, rm in zip(micro, masks, strict=True)])
+    adv = grpo_token_advantages(per_token, torch.cat([wide(rm) for rm in masks]), groups, norm_by_std=norm_by_std,
+                                gamma=gamma)
+    out, start = [], 0
+    for m in micro:
+        b, w = m.resp_mask.shape
+        out.append(adv[start : start + b, :w].to(m.resp_mask.device))
+        start += b
+    return out
 
 
 class Learner:
@@ -188,9 +221,7 @@ class Learner:
         if self.prox is not None:
             self.prox.module.load_state_dict(self.policy.module.state_dict())
 
-    def _frozen_logprobs(
-        self, ids: torch.Tensor, mask: torch.Tensor, width: int, slices: list[slice], temp: float
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _frozen_logprobs(self, micro: list[_Micro], temp: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per micro-batch, without grad: the log-probs rollout correction compares with the behaviour's (the
         proximal policy's; in bypass mode with rejection the policy's own before the update; else none) and
         the reference policy's (when kl_coef > 0). Each [b, w] (the micro-batch's own response width)."""
@@ -200,12 +231,12 @@ class Learner:
             self.policy.eval()  # as the frozen copies run (update() puts it back in train mode)
         old_parts, ref_parts = [], []
         with torch.no_grad():
-            for rows in slices:
-                m_ids, m_mask, w = micro_inputs(ids, mask, rows, width)
+            for m in micro:
+                w = m.resp_mask.shape[1]
                 if old is not None:
-                    old_parts.append(old.log_probs(m_ids, m_mask, w, temp))
+                    old_parts.append(old.log_probs(m.ids, m.mask, w, temp))
                 if self.ref is not None:
-                    ref_parts.append(self.ref.log_probs(m_ids, m_mask, w, temp))
+                    ref_parts.append(self.ref.log_probs(m.ids, m.mask, w, temp))
         return old_parts, ref_parts
 
     def _correct(self, old_logp: torch.Tensor, behave: torch.Tensor, resp_mask: torch.Tensor) -> Correction:
@@ -224,41 +255,39 @@ class Learner:
         weights, factor = normalize_is_weights(out.weights, resp_mask, level, (weight_sum, count))
         return Correction(weights, out.mask, {**out.metrics, PREFIX + "rollout_is_batch_norm_factor": factor})
 
-    def update(self, batch: DataProto) -> dict[str, float]:
-        """One optimizer step on a mini-batch; returns its actor/critic/length/timing metrics."""
-        t = batch.tensors
-        ids = torch.from_numpy(np.ascontiguousarray(t["input_ids"])).long()  # [B, P+R]
-        mask = torch.from_numpy(np.ascontiguousarray(t["attention_mask"])).long()  # [B, P+R]
-        R = int(t["responses"].shape[1])
-        resp_mask = torch.from_numpy(np.ascontiguousarray(t["response_mask"])).float()  # [B, R]
-        behave = torch.from_numpy(np.ascontiguousarray(t["rollout_log_probs"])).float()  # [B, R]
-        rewards = torch.from_numpy(np.ascontiguousarray(t["rewards"])).float()  # [B]
-        scores = t.get("token_level_scores")
-        tok_scores = torch.from_numpy(np.ascontiguousarray(scores)).float() if scores is not None else None  # [B, R]
-        first, width = trim_padding(ids, mask, R)
-        P = ids.shape[1] - R
-        ids, mask = ids[:, first : P + width], mask[:, first : P + width]
-        resp_mask, behave = resp_mask[:, :width], behave[:, :width]
+    def update(self, batch: DataProto | Sequence[DataProto]) -> dict[str, float]:
+        """One optimizer step on a mini-batch, given as the padded micro-batches the assembly built (or one
+        padded batch, cut into actor.micro_batch_size rows); returns its actor/critic/length/timing metrics."""
+        if isinstance(batch, DataProto):
+            parts = [batch[rows] for rows in micro_slices(len(batch), self.actor.micro_batch_size)]
+        else:
+            parts = list(batch)
         dev = self.device
-        ids, mask, resp_mask, behave = ids.to(dev), mask.to(dev), resp_mask.to(dev), behave.to(dev)
+        micro = [_tensors(part, dev) for part in parts]
+        rewards = torch.cat([m.rewards for m in micro])  # [B]
+        resp_parts = [m.resp_mask for m in micro]  # [b, w] per micro-batch
+        width = max(m.shape[1] for m in resp_parts)  # the mini-batch's widest responses
+        resp_mask = pad_cat(resp_parts, width)  # [B, width]
+        behave = pad_cat([m.behave for m in micro], width)  # [B, width]
 
-        # 1. GRPO advantages per sample group: [B] (outcome) or [B, R] (token-level credit)
-        groups = list(batch.meta_info["group_sizes"])
+        # 1. GRPO advantages per sample group: [B] (outcome) or per micro-batch [b, w] (token-level credit)
+        groups = list(parts[0].meta_info["group_sizes"])
         if self.actor.adv_estimator == "grpo_token":
-            per_token = token_rewards(rewards, resp_mask.cpu(), tok_scores[:, :width] if tok_scores is not None else None)
-            adv = grpo_token_advantages(
-                per_token, resp_mask.cpu(), groups, norm_by_std=self.actor.norm_adv_by_std, gamma=self.actor.gamma
-            ).to(dev)
+            advs = _token_advantages(micro, groups, self.actor.norm_adv_by_std, self.actor.gamma)
+            n_tok = float(resp_mask.sum())
+            adv_sum = sum(float((a * m).sum()) for a, m in zip(advs, resp_parts, strict=True))
+            adv_mean = adv_sum / n_tok if n_tok else 0.0
         else:
             adv = group_advantages(rewards, groups, self.actor.norm_adv_by_std).to(dev)
+            advs = list(adv.split([m.ids.shape[0] for m in micro]))
+            adv_mean = float(adv.mean())
 
         # 2. the trainer's log-probs before this update (no grad), per micro-batch: proximal (decoupled; in
         #    bypass mode with rejection, the policy itself) and reference (KL); then rollout correction over
         #    the mini-batch: IS weights [B, width] or None, the response mask after rejection, verl's metrics
-        slices = micro_slices(ids.shape[0], self.actor.micro_batch_size)
         temp = self.cfg.rollout.temperature  # log-probs of the distribution producers sampled from
         t0 = time.perf_counter()
-        old_parts, ref_parts = self._frozen_logprobs(ids, mask, width, slices, temp)
+        old_parts, ref_parts = self._frozen_logprobs(micro, temp)
         t_old = time.perf_counter() - t0
         correction = self._correct(pad_cat(old_parts, width), behave, resp_mask) if old_parts else None
         loss_mask = correction.mask.to(resp_mask.dtype) if correction is not None else resp_mask  # [B, width]
@@ -276,12 +305,13 @@ class Learner:
         loss = ent = kl = 0.0
         t_update = 0.0
         current: list[torch.Tensor] = []  # bypass without rejection: the mismatch metrics' trainer log-probs
-        for i, rows in enumerate(slices):
-            m_ids, m_mask, w = micro_inputs(ids, mask, rows, width)
-            m_resp, m_behave = loss_mask[rows][:, :w], behave[rows][:, :w]
-            m_adv = adv[rows]
-            m_adv = m_adv if m_adv.dim() == 1 else m_adv[:, :w]
-            m_w = is_w[rows][:, :w] if is_w is not None else None
+        start = 0
+        for i, (m, m_adv) in enumerate(zip(micro, advs, strict=True)):
+            b, w = m.resp_mask.shape
+            rows = slice(start, start + b)
+            start += b
+            m_resp, m_behave = loss_mask[rows, :w], m.behave  # [b, w] each
+            m_w = is_w[rows, :w] if is_w is not None else None
             prox_logp = old_parts[i] if self.prox is not None else None
             ref_logp = ref_parts[i] if ref_parts else None
             count = agg_count(m_resp, mode)
@@ -292,8 +322,8 @@ class Learner:
             t0 = time.perf_counter()
             # DDP's gradient hooks live on its wrapper; gradients are all-reduced at the last micro-batch only
             with self.dp.forward_through(self.policy, self.train_module), \
-                    self.dp.accumulating(self.train_module, last=i + 1 == len(slices)):
-                logp, entropy = self.policy.forward_logprobs_entropy(m_ids, m_mask, w, temp)  # [b, w] each
+                    self.dp.accumulating(self.train_module, last=i + 1 == len(micro)):
+                logp, entropy = self.policy.forward_logprobs_entropy(m.ids, m.mask, w, temp)  # [b, w] each
                 if correction is None:
                     current.append(logp.detach())
                 m_loss, pg_metrics = ppo_loss(
@@ -333,14 +363,14 @@ class Learner:
         t_update += time.perf_counter() - t0
 
         # 4. metrics
-        row_tokens = mask.sum(-1).double()  # [B]
+        row_tokens = torch.cat([m.mask.sum(-1) for m in micro]).double().cpu()  # [B]
         metrics.update({
             "actor/loss": loss,
             "actor/entropy": ent,
             "actor/grad_norm": grad_norm,
             "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
             "critic/rewards/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "critic/advantages/mean": float(adv.mean()) if adv.dim() == 1 else float((adv * resp_mask).sum() / resp_mask.sum()),
+            "critic/advantages/mean": adv_mean,
             "perf/total_num_tokens": float(row_tokens.sum()),
             "global_seqlen/min": float(row_tokens.min()),
             "global_seqlen/max": float(row_tokens.max()),

@@ -69,7 +69,7 @@ from typing import Any
 
 import redis
 
-from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.assembly import assemble_micro_batches
 from consumers.trainer.checkpoint import list_checkpoints, read_checkpoint, rng_plain, write_checkpoint
 from consumers.trainer.collect import Collected, Collector
 from consumers.trainer.distributed import DataParallel, RankInfo, state_bytes
@@ -335,9 +335,9 @@ class Trainer:
         kept = got.kept
         t0 = time.perf_counter()
         samples: list[RolloutSample] = [m.event for m, _ in kept]  # type: ignore[misc]
-        batch, asm_metrics = assemble_batch_from_rollout_samples(samples)
+        micro, asm_metrics = assemble_micro_batches(samples, self.cfg.actor.micro_batch_size)
         t_asm = time.perf_counter() - t0
-        metrics = self.learner.update(batch)
+        metrics = self.learner.update(micro)
         for m, st in kept:
             ev: Any = m.event
             ledger.fates.append(Fate(ev.sample_id, m.id, TRAINED, st, ev.param_version, g))
@@ -355,7 +355,7 @@ class Trainer:
         metrics[ROLLOUT_FAILURE_EVICTED] = float(got.failed)
         self.lengths.add(got.kept, got.dropped_lengths)
         metrics.update(staleness_metrics([st for _, st in kept]))
-        metrics.update(self._count_stale(g - 1, samples, batch.meta_info["trajectory_param_versions"]))
+        metrics.update(self._count_stale(g - 1, samples, micro[0].meta_info["trajectory_param_versions"]))
         metrics.update({"training/global_step": float(g), "timing_s/gen": t_gen, "timing_s/assemble": t_asm,
                         "timing_s/transport": transport_s, "fully_async/total_wait_time": t_gen})
         update = StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(kept),

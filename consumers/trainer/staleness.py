@@ -16,8 +16,6 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from rollstream.bus import Message
 from schemas import RolloutSample
 
@@ -31,11 +29,10 @@ DAPO_FILTERED_REWARD_COUNTS_KEY = "_dapo_filtered_reward_counts"
 
 def mean_response_length(ev: RolloutSample) -> float:
     """Mean response length (tokens) over a sample's trajectories."""
-    t = ev.full_batch.tensors
-    mask = t.get("response_mask")
-    if mask is None:
-        mask = np.asarray(t["attention_mask"])[:, -np.asarray(t["responses"]).shape[1]:]
-    return float(np.asarray(mask).sum(axis=-1).mean())
+    batch = ev.full_batch
+    mask = batch.tokens.get("response_mask")  # present when tool tokens are masked out: count generated ones
+    total = float(mask.sum()) if mask is not None else float(batch.response_lens.sum())
+    return total / max(len(batch), 1)
 
 
 def staleness(global_step: int, param_version: int) -> int:

@@ -41,17 +41,15 @@ def delete_run(r: redis.Redis, keys: Keys) -> int:
 
 
 class Publisher:
-    """Appends encoded events to streams; with nomkstream=True a missing stream is an error, not created;
-    compact=False writes RolloutSamples in schema 1 (the plain batch layout readers before issue 17 know)."""
+    """Appends encoded events to streams; with nomkstream=True a missing stream is an error, not created."""
 
-    def __init__(self, r: redis.Redis, *, nomkstream: bool = True, compact: bool = True) -> None:
+    def __init__(self, r: redis.Redis, *, nomkstream: bool = True) -> None:
         self.r = r
         self.nomkstream = nomkstream
-        self.compact = compact
 
     def publish(self, stream: str, event: Event, entry_id: str = "*") -> str:
         """XADD one event; returns its entry id."""
-        new_id = self.r.xadd(stream, encode(event, compact=self.compact), id=entry_id, nomkstream=self.nomkstream)  # type: ignore[arg-type]
+        new_id = self.r.xadd(stream, encode(event), id=entry_id, nomkstream=self.nomkstream)  # type: ignore[arg-type]
         if new_id is None:
             raise RunNotSetUpError(f"stream {stream} does not exist: run `rollstream run` or setup_run first")
         return text(new_id)
@@ -60,7 +58,7 @@ class Publisher:
         """XADD several events in one pipelined round trip; returns their ids in order."""
         pipe = self.r.pipeline(transaction=False)
         for ev in events:
-            pipe.xadd(stream, encode(ev, compact=self.compact), nomkstream=self.nomkstream)  # type: ignore[arg-type]
+            pipe.xadd(stream, encode(ev), nomkstream=self.nomkstream)  # type: ignore[arg-type]
         ids = pipe.execute()
         if any(i is None for i in ids):
             raise RunNotSetUpError(f"stream {stream} does not exist: run `rollstream run` or setup_run first")

@@ -20,6 +20,7 @@ from rollstream.config import PipelineConfig
 from rollstream.model import CharTokenizer, Tokenizer
 from rollstream.names import Keys
 from schemas import DataProto, DeadLetter, DecodeError, RolloutSample, decode
+from schemas.ragged import RaggedBatch
 
 #: Short stream names an operator types.
 STREAM_NAMES = ("rollouts", "metrics", "stats", "records", "params", "dead", "fates", "dispatch_log")
@@ -82,6 +83,16 @@ def jsonable(value: Any, full: bool = False) -> Any:
             "non_tensors": {k: jsonable(v, full) for k, v in value.non_tensors.items()},
             "meta_info": jsonable(value.meta_info, full),
         }
+    if isinstance(value, RaggedBatch):
+        arrays = {"prompt_lens": value.prompt_lens, "prompt_ids": value.prompt_ids,
+                  "response_lens": value.response_lens, "response_ids": value.response_ids}
+        return {
+            **{k: jsonable(v, full) for k, v in arrays.items()},
+            "tokens": {k: jsonable(v, full) for k, v in value.tokens.items()},
+            "rows": {k: jsonable(v, full) for k, v in value.rows.items()},
+            "non_tensors": {k: jsonable(v, full) for k, v in value.non_tensors.items()},
+            "meta_info": jsonable(value.meta_info, full),
+        }
     if isinstance(value, np.ndarray):
         if full:
             return jsonable(value.tolist(), full)
@@ -108,16 +119,14 @@ def jsonable(value: Any, full: bool = False) -> Any:
 
 def decode_texts(sample: RolloutSample, tok: Tokenizer) -> list[dict[str, Any]]:
     """Per trajectory: prompt and response text (pad/bos/eos dropped), reward when present."""
-    t = sample.full_batch.tensors
-    prompts, responses = t.get("prompts"), t.get("responses")
-    if prompts is None or responses is None:
-        return []
-    rewards = t.get("rewards")
+    b = sample.full_batch
+    rewards = b.rows.get("rewards")
+    po, ro, plen = b.prompt_offsets(), b.response_offsets(), b.row_prompt_lens()
     out = []
-    for i in range(len(responses)):
+    for i in range(len(b)):
         row: dict[str, Any] = {
-            "prompt": tok.decode([int(x) for x in prompts[i]]),
-            "response": tok.decode([int(x) for x in responses[i]]),
+            "prompt": tok.decode(b.prompt_ids[po[i] : po[i] + plen[i]].tolist()),
+            "response": tok.decode(b.response_ids[ro[i] : ro[i + 1]].tolist()),
         }
         if rewards is not None:
             row["reward"] = _number(rewards[i])

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import redis
 
 from rollstream.bus import iter_stream, parse_id
@@ -129,17 +130,22 @@ def behaviour_logprob_error(
             continue
         if set(ev.param_version_start) | set(ev.param_version_end) != {version}:
             continue
-        t = ev.full_batch.tensors
-        R = int(t["responses"].shape[1])
-        with torch.no_grad():
-            fresh = policy.log_probs(
-                torch.tensor(t["input_ids"]), torch.tensor(t["attention_mask"]), R, cfg.rollout.temperature
-            ).cpu()
-        mask = torch.tensor(t["response_mask"]).bool()
-        diff = (fresh - torch.tensor(t["rollout_log_probs"]).float()).abs()[mask]
-        if diff.numel():
-            worst = max(worst, float(diff.max()))
-            count += int(diff.numel())
+        b = ev.full_batch  # one row at a time: nothing to pad
+        po, ro, plen = b.prompt_offsets(), b.response_offsets(), b.row_prompt_lens()
+        mask = b.tokens.get("response_mask")
+        for i in range(len(b)):
+            resp = b.response_ids[ro[i] : ro[i + 1]]
+            if not resp.size:
+                continue
+            ids = torch.tensor(np.concatenate([b.prompt_ids[po[i] : po[i] + plen[i]], resp]).astype(np.int64))[None]
+            with torch.no_grad():
+                fresh = policy.log_probs(ids, torch.ones_like(ids), resp.size, cfg.rollout.temperature).cpu()[0]
+            behave = torch.from_numpy(b.tokens["rollout_log_probs"][ro[i] : ro[i + 1]].astype(np.float32))
+            keep = torch.ones(resp.size, dtype=torch.bool) if mask is None else torch.from_numpy(mask[ro[i] : ro[i + 1]] != 0)
+            diff = (fresh - behave).abs()[keep]
+            if diff.numel():
+                worst = max(worst, float(diff.max()))
+                count += int(diff.numel())
         seen += 1
         if seen >= max_samples:
             break
