@@ -118,6 +118,17 @@ def publish_module_weights(
     return pv
 
 
+def _gather_chunks(r: redis.Redis, pv: ParamVersion, folder: Path) -> Path:
+    """Write the Redis chunks of `pv` (sha256 checked) to a safetensors file in `folder`; returns its path."""
+    path = folder / "weights.safetensors"
+    try:
+        with open(path, "wb") as f:
+            read_chunks(r, pv, f)
+    except ChunksError as e:
+        raise WeightsError(str(e)) from None
+    return path
+
+
 def load_weights_into(r: redis.Redis, pv: ParamVersion, policy: BasePolicy) -> None:
     """Load the weights a ParamVersion names into `policy` after checking their sha256: a file is hashed
     in blocks, then read a tensor at a time into the parameters; an inline blob via load_state_dict_bytes."""
@@ -125,13 +136,7 @@ def load_weights_into(r: redis.Redis, pv: ParamVersion, policy: BasePolicy) -> N
 
     if pv.uri.startswith(CHUNKS_SCHEME):  # through a private temp file on this host's own disk
         with tempfile.TemporaryDirectory(prefix="rollstream-weights-") as tmp:
-            path = Path(tmp) / "weights.safetensors"
-            try:
-                with open(path, "wb") as f:
-                    read_chunks(r, pv, f)
-            except ChunksError as e:
-                raise WeightsError(str(e)) from None
-            load_file_into(policy.module, path)
+            load_file_into(policy.module, _gather_chunks(r, pv, Path(tmp)))
         return
     if not pv.uri.startswith("file://"):
         policy.load_state_dict_bytes(load_weights(r, pv))
@@ -162,13 +167,7 @@ def iter_weight_tensors(r: redis.Redis, pv: ParamVersion) -> Iterator[tuple[str,
 
     if pv.uri.startswith(CHUNKS_SCHEME):  # into a private temp file, opened, then unlinked (the handle reads it)
         with tempfile.TemporaryDirectory(prefix="rollstream-weights-") as tmp:
-            path = Path(tmp) / "weights.safetensors"
-            try:
-                with open(path, "wb") as f:
-                    read_chunks(r, pv, f)
-            except ChunksError as e:
-                raise WeightsError(str(e)) from None
-            handle = safe_open(str(path), framework="pt")
+            handle = safe_open(str(_gather_chunks(r, pv, Path(tmp))), framework="pt")
         return ((name, handle.get_tensor(name)) for name in handle.keys())
     if not pv.uri.startswith("file://"):
         return iter(st_load(load_weights(r, pv)).items())

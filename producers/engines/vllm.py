@@ -41,6 +41,7 @@ import torch
 from producers.engines import EngineError, EngineStartError
 from rollstream.config import PipelineConfig
 from rollstream.model import Completion, Tokenizer
+from rollstream.model.base import check_generate_args
 from rollstream.model.hf import HFTokenizer
 from rollstream.weights import iter_weight_tensors
 from schemas import ParamVersion
@@ -237,15 +238,7 @@ class VLLMPolicy:
         softmax(logits / temperature); greedy (or temperature 0) takes the argmax. Every `sync_every_tokens`
         engine steps `on_chunk()` may load newer weights (True): rows in flight then resume under them.
         `generator` is unused (the engine samples with its own seeded generator)."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if max_new_tokens < 0 or temperature < 0 or not 0.0 < top_p <= 1.0:
-            raise ValueError(f"bad sampling args: {max_new_tokens=} {temperature=} {top_p=}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        longest = max((len(p) for p in prompts), default=0)
-        if longest + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} > max_seq_len {self.max_seq_len}")
+        check_generate_args(prompts, n, max_new_tokens, temperature, top_p, self.max_seq_len)
         rows = [Completion(prompt_ids=list(p)) for p in prompts for _ in range(n)]
         if not rows or max_new_tokens == 0:
             return rows

@@ -125,6 +125,23 @@ def sample_tokens(
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
+def check_generate_args(
+    prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float, top_p: float, limit: int | None
+) -> None:
+    """ValueError naming the argument unless a generate call's arguments are valid for a model of `limit`
+    positions (None: unbounded): n >= 1, max_new_tokens and temperature >= 0, 0 < top_p <= 1, non-empty
+    prompts, and the longest prompt + max_new_tokens within the limit (shared by every engine)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if max_new_tokens < 0 or temperature < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"bad sampling args: {max_new_tokens=} {temperature=} {top_p=}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    longest = max((len(p) for p in prompts), default=0)
+    if limit is not None and longest + max_new_tokens > limit:
+        raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} > max_seq_len {limit}")
+
+
 def _alias_groups(module: nn.Module) -> list[list[str]]:
     """State-dict names grouped by shared storage (tied weights), first name kept in bytes."""
     groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
@@ -231,18 +248,7 @@ class BasePolicy(ABC):
         is called; True means new weights were loaded, and the cache of the unfinished rows is
         re-prefilled under them. `generator` None uses torch's global RNG.
         """
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if max_new_tokens < 0 or temperature < 0 or not 0.0 < top_p <= 1.0:
-            raise ValueError(f"bad sampling args: {max_new_tokens=} {temperature=} {top_p=}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        limit = self.max_seq_len
-        longest = max((len(p) for p in prompts), default=0)
-        if limit is not None and longest + max_new_tokens > limit:
-            raise ValueError(
-                f"prompt length {longest} + max_new_tokens {max_new_tokens} > max_seq_len {limit}"
-            )
+        check_generate_args(prompts, n, max_new_tokens, temperature, top_p, self.max_seq_len)
         trajs = [Completion(prompt_ids=list(p)) for p in prompts for _ in range(n)]
         if not trajs or max_new_tokens == 0:
             return trajs
