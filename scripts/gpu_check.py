@@ -38,7 +38,7 @@ from rollstream.model.base import resolve_dtype
 from rollstream.model.hf import make_tiny_hf_model
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
-from rollstream.ops.runcheck import behaviour_logprob_error, throughput, wait_for_steps
+from rollstream.ops.runcheck import behaviour_logprob_error, producer_stats, throughput, wait_for_steps
 from rollstream.ops.target import open_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,14 +60,7 @@ def cli(*argv: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
 
 def mean_swap_s(r: redis.Redis, keys: Keys) -> float | None:
     """Mean `producer/weight_swap_s` over the producers' stats (None when no swap was reported)."""
-    from rollstream.bus import iter_stream
-    from schemas import ProducerStats, decode
-
-    values = []
-    for _, fields in iter_stream(r, keys.stats):
-        ev = decode(fields)
-        if isinstance(ev, ProducerStats) and "producer/weight_swap_s" in ev.metrics:
-            values.append(ev.metrics["producer/weight_swap_s"])
+    values = [ev.metrics["producer/weight_swap_s"] for ev in producer_stats(r, keys) if "producer/weight_swap_s" in ev.metrics]
     return sum(values) / len(values) if values else None
 
 

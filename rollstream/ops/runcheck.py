@@ -88,6 +88,13 @@ def _events(r: redis.Redis, stream: str) -> Iterator[Any]:
             continue
 
 
+def producer_stats(r: redis.Redis, keys: Keys) -> Iterator[ProducerStats]:
+    """Every ProducerStats event of the run's `stats` stream, in order."""
+    for ev in _events(r, keys.stats):
+        if isinstance(ev, ProducerStats):
+            yield ev
+
+
 def throughput(r: redis.Redis, keys: Keys) -> Throughput:
     """Rates from the trainer's metrics events and the producers' stats (needs >= 2 finished steps)."""
     ends: dict[int, StepMetrics] = {}
