@@ -138,13 +138,16 @@ def test_chunked_log_probs_peak_memory_does_not_grow_with_tokens_times_vocab() -
                              timeout=120, cwd=ROOT, env=env, check=True)
         return int(out.stdout.strip().splitlines()[-1])
 
-    full, short, long = peak(4096, 0), peak(1024, 256), peak(8192, 256)
+    full, full_short = peak(4096, 0), peak(1024, 0)
+    short, long = peak(1024, 256), peak(8192, 256)
     logits_4096 = 4096 * 8192 * 4
-    print(f"\npeak extra RSS: unchunked 4096 tokens {full >> 20} MiB; chunked 1024 tokens {short >> 20} MiB, "
-          f"8192 tokens {long >> 20} MiB")
-    assert full > 2 * logits_4096  # the measurement sees the logits
-    assert long - short < logits_4096 / 4  # 7168 more tokens: < 32 MiB more (their full logits: 224 MiB)
-    assert long < full / 3
+    print(f"\npeak extra RSS: unchunked 1024 tokens {full_short >> 20} MiB, 4096 tokens {full >> 20} MiB; "
+          f"chunked 1024 tokens {short >> 20} MiB, 8192 tokens {long >> 20} MiB")
+    # Growths, not absolute peaks: the first backward allocates a fixed ~150-200 MiB (autograd and thread
+    # buffers) whatever the token count, which would blur a ratio of peaks.
+    assert full - full_short > logits_4096  # unchunked: 3072 more tokens cost more than their full logits
+    assert long - short < logits_4096 / 4  # chunked: 7168 more tokens cost < 32 MiB (their full logits: 224 MiB)
+    assert long - short < (full - full_short) / 8
 
 
 def test_dtype_and_checkpointing_knobs_and_their_errors(tmp_path: Path) -> None:
