@@ -225,12 +225,12 @@ class ActorConfig(_Section):
     entropy_decay_steps: int = Field(
         0, ge=0, description="Decay the entropy bonus linearly to 0 over this many global steps (0 = constant)"
     )
-    adv_estimator: Literal["grpo", "grpo_token"] = Field(
+    adv_estimator: Literal["grpo", "grpo_token", "reinforce_plus_plus"] = Field(
         "grpo",
-        description="grpo = one outcome advantage per response; grpo_token = token-level credit (return-to-go vs the group's same position)",
+        description="grpo = one outcome advantage per response; grpo_token = token-level credit (return-to-go vs the group's same position); reinforce_plus_plus = token returns whitened over the whole mini-batch (verl's name)",
     )
     gamma: float = Field(
-        1.0, ge=0, le=1, description="grpo_token: discount of later token rewards in a token's return (1 = return-to-go, 0 = its own reward)"
+        1.0, ge=0, le=1, description="grpo_token / reinforce_plus_plus: discount of later token rewards in a token's return (1 = return-to-go, 0 = its own reward)"
     )
     norm_adv_by_std: bool = Field(
         True, description="GRPO: divide group-centred rewards by the group std (False = Dr. GRPO, centring only)"

@@ -95,7 +95,7 @@ def test_micro_slices_cover_the_rows_once() -> None:
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
-@pytest.mark.parametrize("adv", ["grpo", "grpo_token"])
+@pytest.mark.parametrize("adv", ["grpo", "grpo_token", "reinforce_plus_plus"])
 def test_micro_batches_equal_the_whole_mini_batch(agg: str, adv: str) -> None:
     cfg = [*BASE, f"actor.loss_agg_mode={agg}", f"actor.adv_estimator={adv}"]
     assert_same_updates(cfg, [*cfg, "actor.micro_batch_size=5"])  # 16 rows: 5, 5, 5, 1

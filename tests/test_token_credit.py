@@ -7,7 +7,7 @@ import torch
 
 from consumers.trainer.learner import token_rewards
 from rollstream.model import CharTokenizer
-from rollstream.rl import grpo_advantages, grpo_token_advantages, returns_to_go
+from rollstream.rl import grpo_advantages, grpo_token_advantages, reinforce_pp_advantages, returns_to_go
 from rollstream.rollout import token_scores
 from rollstream.tasks import Prompt, ReverseTask, RewardResult
 
@@ -81,3 +81,37 @@ def test_discounted_returns() -> None:
     assert returns_to_go(r, mask, gamma=0.0).tolist() == [[1, 2, 4, 0]]
     with pytest.raises(ValueError, match="gamma"):
         returns_to_go(r, mask, gamma=1.5)
+
+
+def test_reinforce_plus_plus_whitens_returns_over_the_whole_batch_by_hand() -> None:
+    # two groups of two; group 2 gets position 1 wrong in both rows, which group-level credit cannot see
+    rewards = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.5, 0.0], [0.5, 0.0]])
+    mask = torch.tensor([[1.0, 1], [1, 1], [1, 1], [1, 0]])  # the last row has no position 1
+    adv = reinforce_pp_advantages(rewards, mask, gamma=0.0)
+    vals = [0.5, 0.5, 0.5, 0.5, 0.5, 0.0, 0.5]  # the 7 masked returns (gamma 0: each token's own reward)
+    mean = sum(vals) / 7
+    std = (sum((v - mean) ** 2 for v in vals) / 6) ** 0.5  # Bessel, as verl's masked_whiten
+    assert adv[2, 1].item() == pytest.approx((0.0 - mean) / std, rel=1e-5)  # negative: the batch does better
+    assert adv[0, 0].item() == pytest.approx((0.5 - mean) / std, rel=1e-5)
+    assert adv[3, 1].item() == 0.0  # off the mask
+    assert grpo_token_advantages(rewards, mask, [2, 2], gamma=0.0)[2, 1].item() == 0.0  # the group's own baseline
+    gamma_one = reinforce_pp_advantages(rewards, mask, gamma=1.0)
+    assert gamma_one[0, 0].item() > gamma_one[0, 1].item()  # return-to-go: the first token carries both
+
+
+def test_reinforce_plus_plus_over_ranks_equals_one_process() -> None:
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(6, 5, generator=g)
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    whole = reinforce_pp_advantages(rewards, mask, gamma=0.5)
+
+    def stats(r: torch.Tensor, m: torch.Tensor) -> list[float]:
+        ret = returns_to_go(r, m, 0.5)
+        return [float(ret.sum()), float((ret**2).sum()), float(m.sum())]
+
+    halves = [(rewards[:3], mask[:3]), (rewards[3:], mask[3:])]
+    every = [stats(*h) for h in halves]
+    summed = [sum(col) for col in zip(*every, strict=True)]  # what the all-reduce returns on each rank
+    ranks = [reinforce_pp_advantages(r, m, gamma=0.5, reduce=lambda _: summed) for r, m in halves]
+    assert torch.allclose(torch.cat(ranks), whole, atol=1e-6)
+    assert reinforce_pp_advantages(rewards, torch.zeros_like(mask)).abs().sum().item() == 0.0

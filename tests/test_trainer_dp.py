@@ -46,6 +46,8 @@ CASES = {
     "seq-mean-token-mean": ["actor.loss_agg_mode=seq-mean-token-mean", "actor.off_policy_mode=bypass"],
     "seq-mean-token-sum": ["actor.loss_agg_mode=seq-mean-token-sum", "actor.adv_estimator=grpo_token"],
     "micro-batches": ["actor.loss_agg_mode=token-mean", "actor.micro_batch_size=3"],  # DDP's no_sync accumulation
+    # the batch-wide whitening's statistics are all-reduced: each rank's advantages are the whole batch's
+    "reinforce_plus_plus": ["actor.adv_estimator=reinforce_plus_plus", "actor.gamma=0.5"],
 }
 CONTROL = "token-mean"  # also run with per-rank normalisation: must NOT match
 

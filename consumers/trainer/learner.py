@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ from rollstream.rl import (
     kl_penalty,
     length_metrics,
     ppo_loss,
+    reinforce_pp_advantages,
     reward_metrics,
 )
 from rollstream.rl.masked import agg_count
@@ -131,10 +132,13 @@ def _tensors(batch: DataProto, dev: torch.device) -> _Micro:
     )
 
 
-def _token_advantages(micro: list[_Micro], groups: list[int], norm_by_std: bool, gamma: float) -> list[torch.Tensor]:
-    """Token-level GRPO advantages per micro-batch [b, w]: a group is compared position by position, so its
-    rows' per-token rewards and masks are right-aligned into one [B, W] (W: the widest micro-batch's
-    responses; only the response side, for this arithmetic) and the result cut back to each micro-batch."""
+def _token_advantages(
+    micro: list[_Micro], groups: list[int], actor: Any, reduce: Callable[[list[float]], list[float]]
+) -> list[torch.Tensor]:
+    """Token-level advantages per micro-batch [b, w] (`actor.adv_estimator` grpo_token or reinforce_plus_plus):
+    the rows' per-token rewards and masks are right-aligned into one [B, W] (W: the widest micro-batch's
+    responses; only the response side, for this arithmetic), so a group is compared position by position,
+    and the result is cut back to each micro-batch. `reduce` sums REINFORCE++'s batch statistics over ranks."""
     W = max(m.resp_mask.shape[1] for m in micro)
 
     def wide(x: torch.Tensor) -> torch.Tensor:
@@ -142,8 +146,11 @@ def _token_advantages(micro: list[_Micro], groups: list[int], norm_by_std: bool,
 
     masks = [m.resp_mask.cpu() for m in micro]
     per_token = torch.cat([wide(token_rewards(m.rewards, rm, m.scores)) for m, rm in zip(micro, masks, strict=True)])
-    adv = grpo_token_advantages(per_token, torch.cat([wide(rm) for rm in masks]), groups, norm_by_std=norm_by_std,
-                                gamma=gamma)
+    mask = torch.cat([wide(rm) for rm in masks])
+    if actor.adv_estimator == "reinforce_plus_plus":
+        adv = reinforce_pp_advantages(per_token, mask, gamma=actor.gamma, reduce=reduce)
+    else:
+        adv = grpo_token_advantages(per_token, mask, groups, norm_by_std=actor.norm_adv_by_std, gamma=actor.gamma)
     out, start = [], 0
     for m in micro:
         b, w = m.resp_mask.shape
@@ -270,10 +277,10 @@ class Learner:
         resp_mask = pad_cat(resp_parts, width)  # [B, width]
         behave = pad_cat([m.behave for m in micro], width)  # [B, width]
 
-        # 1. GRPO advantages per sample group: [B] (outcome) or per micro-batch [b, w] (token-level credit)
+        # 1. advantages: GRPO per sample group [B] (outcome), or per micro-batch [b, w] (token-level credit)
         groups = list(parts[0].meta_info["group_sizes"])
-        if self.actor.adv_estimator == "grpo_token":
-            advs = _token_advantages(micro, groups, self.actor.norm_adv_by_std, self.actor.gamma)
+        if self.actor.adv_estimator != "grpo":
+            advs = _token_advantages(micro, groups, self.actor, self.dp.all_reduce_sum)
             n_tok = float(resp_mask.sum())
             adv_sum = sum(float((a * m).sum()) for a, m in zip(advs, resp_parts, strict=True))
             adv_mean = adv_sum / n_tok if n_tok else 0.0

@@ -1,6 +1,11 @@
 """RL math for rollstream: advantages, masked reductions, PPO losses, KL, batch metrics (pure torch)."""
 
-from rollstream.rl.advantages import grpo_advantages, grpo_token_advantages, returns_to_go
+from rollstream.rl.advantages import (
+    grpo_advantages,
+    grpo_token_advantages,
+    reinforce_pp_advantages,
+    returns_to_go,
+)
 from rollstream.rl.masked import AggMode, agg_loss, masked_mean, masked_sum
 from rollstream.rl.metrics import length_metrics, reward_metrics, staleness_metrics, tensor_summary
 from rollstream.rl.ppo import (
@@ -30,6 +35,7 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "ppo_loss",
+    "reinforce_pp_advantages",
     "returns_to_go",
     "reward_metrics",
     "staleness_metrics",

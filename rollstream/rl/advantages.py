@@ -1,6 +1,10 @@
-"""Outcome advantages for GRPO: each trajectory's reward normalised within its prompt's group."""
+"""Advantages: GRPO (each trajectory's reward normalised within its prompt's group), token-level GRPO, and
+REINFORCE++ (token returns whitened over the whole batch)."""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import torch
 
@@ -89,3 +93,28 @@ def grpo_token_advantages(
             out[start : start + n] = centred * (count > 1)
         start += n
     return out
+
+
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    reduce: Callable[[list[float]], list[float]] | None = None,
+) -> torch.Tensor:
+    """REINFORCE++ advantages [B, T] (verl's `reinforce_plus_plus`, without its in-reward KL): each token's
+    (gamma-discounted) return-to-go, whitened over every response token of the batch: (G - mean) / sqrt(var +
+    1e-8), var Bessel-corrected, 0 off the mask. The baseline is the batch's, not the group's, so a position
+    that every response of a group gets wrong still gets a negative advantage when the rest of the batch
+    does better there. `reduce` sums [sum, sum of squares, count] over data-parallel ranks (None: this
+    process holds the whole batch)."""
+    if token_rewards.shape != mask.shape or token_rewards.dim() != 2:
+        raise ValueError(f"token_rewards {tuple(token_rewards.shape)} and mask {tuple(mask.shape)} must be the same [B, T]")
+    m = mask.detach().to(torch.float32)  # [B, T]
+    ret = returns_to_go(token_rewards, m, gamma)  # [B, T]
+    stats = [float(ret.sum()), float((ret**2).sum()), float(m.sum())]
+    total, squares, count = reduce(stats) if reduce is not None else stats
+    if count < 1:
+        return torch.zeros_like(ret)
+    mean = total / count
+    var = max(squares / count - mean * mean, 0.0) * (count / (count - 1) if count > 1 else 1.0)
+    return (ret - mean) / math.sqrt(var + 1e-8) * m
