@@ -6,6 +6,7 @@
 #
 #   scripts/demo.sh [key=value ...]            e.g. scripts/demo.sh run.seed=3
 #   TARGET=0.95 LIMIT_S=600 scripts/demo.sh     (defaults)
+#   CONFIG=configs/reverse-variable.yaml TARGET=0.9 scripts/demo.sh run.seed=1   (another config; default pipeline.yaml)
 #
 # Exit status: 0 target reached, 2 not reached in time, 1 a worker failed.
 set -euo pipefail
@@ -15,7 +16,8 @@ PY=.venv/bin/python
 RS=.venv/bin/rollstream
 TARGET=${TARGET:-0.95}
 LIMIT_S=${LIMIT_S:-600}
-ARGS=(pipeline.yaml run.name=demo run.dir=runs "$@")
+CONFIG=${CONFIG:-pipeline.yaml}
+ARGS=("$CONFIG" run.name=demo run.dir=runs "$@")
 RUN_DIR=$($PY -c 'import sys; from rollstream.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).run_dir())' "${ARGS[@]}")
 if [ -e "$RUN_DIR" ]; then
   echo "fresh demo: stopping and removing the previous $RUN_DIR"
