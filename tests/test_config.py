@@ -18,6 +18,14 @@ def test_shipped_pipeline_yaml_loads() -> None:
     assert cfg.data.train_batch_size == cfg.trainer.parameter_sync_step * cfg.actor.ppo_mini_batch_size
 
 
+def test_shipped_configs_load_and_differ_from_the_demo_only_in_their_levers() -> None:
+    demo = load_config(ROOT / "pipeline.yaml")
+    hard = load_config(ROOT / "configs" / "reverse-variable.yaml")
+    assert hard.data.fixed_width is False and hard.actor.adv_estimator == "grpo_token" and hard.actor.gamma == 0.0
+    assert hard.rollout.temperature == 2.0 and hard.actor.entropy_coef == 0.01
+    assert (hard.model, hard.data.train_batch_size, hard.rollout.n) == (demo.model, demo.data.train_batch_size, demo.rollout.n)
+
+
 def test_overrides_are_typed() -> None:
     cfg = load_config(
         None,
