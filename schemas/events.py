@@ -48,19 +48,17 @@ class EventBase(BaseModel):
         return {name: getattr(self, name) for name in self.HEADER}
 
 
-SMALL_FINITE_CHECK = 16  # float arrays up to this size are checked as Python floats (no numpy call overhead)
-
-
 def _finite(arr: np.ndarray, what: str) -> None:
-    """Raise ValueError when a float array holds NaN or inf: one pass (a finite sum means every value is
-    finite; only a sum that is not, NaN/inf or an overflow of huge finite values, is looked at closer)."""
+    """Raise ValueError when a float array holds NaN or inf: one pass. For float32/float64 the pass is BLAS's
+    dot of the array with itself: a sum of squares is finite only when every value is (NaN and inf stay NaN or
+    inf, and no two squares cancel); only a result that is not, NaN/inf or an overflow of huge finite values,
+    is looked at closer (an overflow warns nothing: the check below decides)."""
     kind = arr.dtype.kind
-    if kind == "f" and arr.size <= SMALL_FINITE_CHECK and arr.dtype.itemsize <= 8:
-        finite = all(map(math.isfinite, arr.ravel().tolist()))  # exact: tolist() gives the same doubles
-    elif kind == "f":
-        with np.errstate(all="ignore"):  # (an overflow or inf + -inf: no warning, the check below decides)
-            finite = math.isfinite(float(arr.sum())) or np.count_nonzero(np.isfinite(arr)) == arr.size
-    elif kind == "c":
+    if kind == "f" and arr.dtype.itemsize in (4, 8):
+        flat = arr.reshape(-1)
+        with np.errstate(over="ignore", invalid="ignore"):
+            finite = math.isfinite(float(np.dot(flat, flat))) or np.count_nonzero(np.isfinite(arr)) == arr.size
+    elif kind in "fc":
         finite = np.count_nonzero(np.isfinite(arr)) == arr.size  # count_nonzero: cheaper than .all()
     else:
         return
