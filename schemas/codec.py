@@ -28,6 +28,8 @@ import msgpack
 import numpy as np
 
 from schemas.arrays import (
+    CODE_DTYPES,
+    NUMPY_CODES,
     WIRE_KINDS,
     array_from_flat,
     array_from_wire,
@@ -55,9 +57,15 @@ EXT_FLAT_ARRAY = 5  # flat header (schemas.arrays.pack_head) + inline bytes, or 
 # only, into the ragged form by schemas.ragged.from_compact).
 EXT_COMPACT_BATCH = 6
 # packed [prompt_lens, prompt_ids, response_lens, response_ids, tokens, rows, non_tensors, meta_info]: a
-# RaggedBatch (schema 3). Arrays are flat array headers (bins); tokens and rows map names to them,
+# RaggedBatch in schema 3 (read only). Arrays are flat array headers (bins); tokens and rows map names to them,
 # non_tensors as in EXT_DATAPROTO.
-EXT_RAGGED_BATCH = 7
+EXT_RAGGED_BATCH_3 = 7
+# packed [prompt_lens, response_lens, prompt_ids, response_ids, tokens, rows, non_tensors, meta_info]: a
+# RaggedBatch (schema 4). Lengths are msgpack int lists; the ids and each tokens array (1-d, their sizes given
+# by the lengths) are [dtype code, bin (inline) | int (index of field a<i>)]; rows are flat array headers;
+# a non_tensors value is the list of a 1-d object array's n values, a flat array header (numeric), or an
+# EXT_OBJECT_ARRAY (any other shape).
+EXT_RAGGED_BATCH = 8
 
 INLINE_MAX_BYTES = 1024
 PAYLOAD_FIELD = "payload"
@@ -156,21 +164,54 @@ class _Packer:
         """DataProto as [tensors: {name: flat header bin}, non_tensors: {name: [shape, values] | array}, meta]."""
         return _ext_type(EXT_DATAPROTO, self.pack(self._parts(obj, obj.tensors)))
 
+    def _vector(self, arr: Any) -> list[Any] | None:
+        """[dtype code, data] of a 1-d numeric array whose size the lengths give: its bytes inline, or the index
+        of the field carrying them; None for anything else."""
+        if type(arr) is not np.ndarray or arr.ndim != 1:
+            return None
+        code = NUMPY_CODES.get(arr.dtype)
+        if code is None:
+            return None
+        if not arr.size:
+            return [code, b""]
+        data = memoryview(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)).cast("B")  # type: ignore[arg-type]
+        return [code, self._ref(data)]
+
     def _ragged(self, obj: RaggedBatch) -> msgpack.ExtType:
-        """A ragged batch as its lengths and flat arrays: no layout to find, nothing padded."""
-        array = self._array
+        """A ragged batch as its lengths (int lists) and 1-d arrays: no layout to find, nothing padded."""
+        vector = self._vector
         try:
+            ids = [vector(obj.prompt_ids), vector(obj.response_ids)]
+            tokens = {key: vector(arr) for key, arr in obj.tokens.items()}
+            if None in ids or None in tokens.values():
+                raise TypeError("ragged batch: ids and tokens arrays must be 1-d numeric numpy arrays")
+            array = self._array
             body = [
-                array(obj.prompt_lens), array(obj.prompt_ids), array(obj.response_lens), array(obj.response_ids),
-                {key: array(arr) for key, arr in obj.tokens.items()},
+                obj.prompt_lens.tolist(), obj.response_lens.tolist(), *ids, tokens,
                 {key: array(arr) for key, arr in obj.rows.items()},
-                self._non_tensors(obj.non_tensors, obj),
+                self._ragged_non_tensors(obj),
                 obj.meta_info,
             ]
-        except TypeError:
+        except (TypeError, AttributeError):
             obj.check()  # a batch mutated after construction: names the bad field
             raise
         return _ext_type(EXT_RAGGED_BATCH, self.pack(body))
+
+    def _ragged_non_tensors(self, obj: RaggedBatch) -> dict[str, Any]:
+        """Per-row arrays of a ragged batch: a 1-d object array as the list of its values, a numeric one as its
+        flat header, any other object array as an EXT_OBJECT_ARRAY."""
+        out: dict[str, Any] = {}
+        for key, arr in obj.non_tensors.items():
+            if type(arr) is not np.ndarray:
+                obj.check()  # names the bad key
+                raise TypeError(f"RaggedBatch non_tensors[{key!r}] is not a numpy array")
+            if not arr.dtype.hasobject:
+                out[key] = self._array(arr)
+            elif arr.ndim == 1:
+                out[key] = arr.tolist()
+            else:
+                out[key] = _ext_type(EXT_OBJECT_ARRAY, self.pack([list(arr.shape), arr.reshape(-1).tolist()]))
+        return out
 
     def _parts(self, obj: DataProto, tensors_in: Mapping[str, Any]) -> list[Any]:
         """[tensors, non_tensors, meta_info] of a batch, tensors taken from tensors_in."""
@@ -327,6 +368,8 @@ class _Unpacker:
             return self._dataproto(*self._list(data, 3, "DataProto"))
         if code == EXT_RAGGED_BATCH:
             return self._ragged(*self._list(data, 8, "ragged batch"))
+        if code == EXT_RAGGED_BATCH_3:
+            return self._ragged_3(*self._list(data, 8, "ragged batch"))
         if code == EXT_COMPACT_BATCH:
             layout, tensors, non_tensors, meta_info = self._list(data, 4, "compact batch")
             parts = self._parts(tensors, non_tensors, meta_info, "compact batch")
@@ -362,9 +405,71 @@ class _Unpacker:
             raise DecodeError(f"ragged batch: {name} is {type(value).__name__}, not an array")
         return value
 
-    def _ragged(self, plen: Any, prompt: Any, rlen: Any, resp: Any, tokens: Any, rows: Any, non_tensors: Any,
+    def _vector(self, spec: Any, count: int, name: str, kinds: str) -> np.ndarray:
+        """A 1-d array of a schema-4 ragged batch from its [dtype code, data], `count` values (the lengths'
+        sum) of a numpy dtype of one of the kinds; a view of the data, no copy."""
+        if type(spec) is not list or len(spec) != 2:
+            raise DecodeError(f"ragged batch: {name} must be [dtype code, data], got {type(spec).__name__}")
+        code, data = spec
+        dtype = CODE_DTYPES.get(code) if type(code) is int else None
+        if dtype is None or dtype.kind not in kinds:
+            raise DecodeError(f"ragged batch: {name} must be a 1-d {'integer' if kinds == 'iu' else 'numeric'} "
+                              f"array, got dtype code {code!r:.20}{f' ({dtype.str})' if dtype else ''}")
+        if type(data) is not bytes:
+            data = self._field(data)
+        if len(data) != count * dtype.itemsize:
+            raise DecodeError(f"ragged batch: {name} has {len(data) / dtype.itemsize:g} values ({len(data)} bytes "
+                              f"of {dtype.str}), the lengths say {count}")
+        return np.ndarray(count, dtype, data)
+
+    def _rows(self, arrays: Any, n: int, group: str) -> dict[str, np.ndarray]:
+        """A ragged batch's map of per-row arrays (rows or non_tensors), each with first dimension n; a list is a
+        1-d object array's values."""
+        if type(arrays) is not dict:
+            raise DecodeError(f"malformed ragged batch ext: {group} must be a map")
+        field, max_inline = self._field, self.limits.max_bin_len
+        for key, value in arrays.items():
+            if type(value) is bytes:
+                arr = array_from_flat(value, field, max_inline)
+            elif type(value) is list and group == "non_tensors":
+                arr = np.fromiter(value, object, len(value))  # each value as it is (no nested-list broadcasting)
+            else:
+                arr = value
+            if type(key) is not str or type(arr) is not np.ndarray or arr.shape[:1] != (n,) \
+                    or (group == "rows" and arr.dtype.hasobject):
+                what = f"{arr.dtype.str}{list(arr.shape)[:4]}" if isinstance(arr, np.ndarray) else type(arr).__name__
+                raise DecodeError(f"ragged batch: {group}[{key!r:.40}] must have first dimension n={n}"
+                                  f"{' and a numeric dtype' if group == 'rows' else ''}, got {what}")
+            arrays[key] = arr
+        return arrays
+
+    def _ragged(self, plen: Any, rlen: Any, prompt: Any, resp: Any, tokens: Any, rows: Any, non_tensors: Any,
                 meta_info: Any) -> RaggedBatch:
-        """A RaggedBatch from its unpacked parts; its sizes are checked against its lengths."""
+        """A RaggedBatch from its schema-4 parts. The checks of RaggedBatch.check, each made where the part is
+        read: lengths are lists of non-negative int32s, one prompt length or n, every array's size agrees
+        with the lengths, per-row arrays have first dimension n, rows are numeric."""
+        response_lens = _lengths(rlen, "response_lens")
+        prompt_lens = _lengths(plen, "prompt_lens")
+        n = len(response_lens)
+        if len(prompt_lens) != 1 and len(prompt_lens) != n or (n == 0 and prompt_lens):
+            raise DecodeError(f"ragged batch: prompt_lens has {len(prompt_lens)} entries, expected 1 (shared) or n={n}")
+        if type(tokens) is not dict or type(meta_info) is not dict:
+            raise DecodeError("malformed ragged batch ext: tokens and meta_info must be maps")
+        n_resp, vector = sum(response_lens), self._vector
+        prompt_ids = vector(prompt, sum(prompt_lens), "prompt_ids", "iu")
+        response_ids = vector(resp, n_resp, "response_ids", "iu")
+        for key, spec in tokens.items():
+            if type(key) is not str:
+                raise DecodeError(f"ragged batch: tokens key {key!r:.40} is not a str")
+            tokens[key] = vector(spec, n_resp, f"tokens[{key!r}]", WIRE_KINDS)
+        return RaggedBatch.adopt(
+            prompt_ids, np.array(prompt_lens, np.int32), response_ids, np.array(response_lens, np.int32),
+            tokens, self._rows(rows, n, "rows"), self._rows(non_tensors, n, "non_tensors"), meta_info,
+        )
+
+    def _ragged_3(self, plen: Any, prompt: Any, rlen: Any, resp: Any, tokens: Any, rows: Any, non_tensors: Any,
+                  meta_info: Any) -> RaggedBatch:
+        """A RaggedBatch from its schema-3 parts; its sizes are checked against its lengths."""
         if not (type(tokens) is dict and type(rows) is dict):
             raise DecodeError("malformed ragged batch ext: tokens and rows must be maps")
         flat = self._flat
@@ -372,6 +477,18 @@ class _Unpacker:
         rows, non_tensors, meta_info = self._parts(rows, non_tensors, meta_info, "ragged batch")
         return RaggedBatch(flat(prompt, "prompt_ids"), flat(plen, "prompt_lens"), flat(resp, "response_ids"),
                            flat(rlen, "response_lens"), tokens, rows, non_tensors, meta_info)
+
+
+INT32_MAX = (1 << 31) - 1
+_INT = {int}
+
+
+def _lengths(value: Any, name: str) -> list[int]:
+    """A schema-4 length list: ints in [0, 2**31)."""
+    if type(value) is not list or (value and (set(map(type, value)) != _INT or min(value) < 0 or max(value) > INT32_MAX)):
+        shown = value[:8] if type(value) is list else value
+        raise DecodeError(f"ragged batch: {name} must be a list of ints in [0, 2**31), got {shown!r:.80}")
+    return value
 
 
 # --- public API ---------------------------------------------------------------------------------

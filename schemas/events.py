@@ -78,8 +78,9 @@ PER_TRAJECTORY_LISTS = (
 class RolloutSample(EventBase):
     """One prompt's group of n trajectories, as a producer publishes it (verl's RolloutSample)."""
 
-    # 3: the batch travels ragged (schemas.ragged); 2 (compact layout) and 1 (padded DataProto) still decode
-    SCHEMA: ClassVar[int] = 3
+    # 4: the ragged batch's lengths as int lists, its 1-d arrays as [dtype code, data]; 3 (the batch ragged,
+    # a flat header per array), 2 (compact layout) and 1 (padded DataProto) still decode
+    SCHEMA: ClassVar[int] = 4
     HEADER: ClassVar[tuple[str, ...]] = ("sample_id", "param_version", "epoch", "producer", "n", "num_tokens")
 
     type: Literal["rollout"] = "rollout"

@@ -114,6 +114,26 @@ class RaggedBatch:
         self.meta_info: dict[str, Any] = {} if meta_info is None else meta_info
         self.check()
 
+    @classmethod
+    def adopt(
+        cls,
+        prompt_ids: np.ndarray,
+        prompt_lens: np.ndarray,
+        response_ids: np.ndarray,
+        response_lens: np.ndarray,
+        tokens: dict[str, np.ndarray],
+        rows: dict[str, np.ndarray],
+        non_tensors: dict[str, np.ndarray],
+        meta_info: dict[str, Any],
+    ) -> RaggedBatch:
+        """A batch of arrays the caller has checked as `check` does, each where it built it (the codec's
+        schema-4 decode): no second pass."""
+        self = cls.__new__(cls)
+        self.prompt_ids, self.prompt_lens, self.response_ids, self.response_lens = (
+            prompt_ids, prompt_lens, response_ids, response_lens)
+        self.tokens, self.rows, self.non_tensors, self.meta_info = tokens, rows, non_tensors, meta_info
+        return self
+
     def __len__(self) -> int:
         """Number of trajectories (rows)."""
         return int(self.response_lens.size)

@@ -56,7 +56,7 @@ def test_schema_1_and_2_entries_decode_ragged(name: str) -> None:
     assert entry["fields"][b"schema"] in (b"1", b"2")
     got = decode_as(entry["fields"], RolloutSample)
     want = entry["expected"]
-    assert got.schema_version == RolloutSample.SCHEMA == 3
+    assert got.schema_version == RolloutSample.SCHEMA == 4
     assert (got.sample_id, got.n, got.num_tokens) == (want["sample_id"], want["n"], want["tokens"])
     assert _rows(got.full_batch) == want["rows"]
 
