@@ -506,7 +506,7 @@ def _header_bytes(value: Any) -> bytes:
 def encode(event: EventBase) -> dict[str, bytes | memoryview]:
     """XADD fields for an event: header fields, then `payload`, then raw array fields a0, a1, …"""
     packer = _Packer(out_of_band=True)
-    body = {name: getattr(event, name) for name in type(event).model_fields}
+    body = dict(event.__dict__)  # a model's fields, in order (extra="forbid": nothing else is in there)
     if isinstance(event, DeadLetter):
         body["fields"] = {k: _OutOfBand(v) for k, v in event.fields.items()}
     payload = packer.pack(body)
@@ -515,7 +515,8 @@ def encode(event: EventBase) -> dict[str, bytes | memoryview]:
         "schema": str(body["schema_version"]).encode(),
     }
     for key, value in event.header().items():
-        out[key] = _header_bytes(value)
+        kind = type(value)
+        out[key] = value.encode() if kind is str else str(value).encode() if kind is int else _header_bytes(value)
     out[PAYLOAD_FIELD] = payload
     for i, buf in enumerate(packer.buffers):
         out[_FIELD_NAMES[i][1] if i < len(_FIELD_NAMES) else f"{ARRAY_FIELD_PREFIX}{i}"] = buf
@@ -578,9 +579,8 @@ def _known_names(model: type[EventBase]) -> frozenset[str | bytes]:
 def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str | bytes], event: EventBase,
                         raw_schema: Any) -> None:
     """Every field is one the encoder writes, and every readable header field equals the payload's value."""
-    known = _known_names(model)
-    for raw_name in fields:
-        if raw_name not in known and raw_name not in used:
+    for raw_name in fields.keys() - _known_names(model):
+        if raw_name not in used:
             name = _field_name(raw_name)
             if name not in used:
                 raise DecodeError(f"unknown field {name[:40]!r} in a {event.type!r} entry")

@@ -209,6 +209,7 @@ def test_encoding_a_mutated_batch_names_the_key() -> None:
         encode(event)
 
 
+@pytest.mark.filterwarnings("error")  # the finite check must not warn (check_finite: vdot, no np.errstate)
 @pytest.mark.parametrize("size", [2, 16, 17, 5000])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
@@ -224,8 +225,9 @@ def test_non_finite_log_probs_and_rewards_refused(size: int, bad: float, dtype: 
     assert "rewards contains NaN/inf" in reason_of(tamper(make_rollout(), full_batch=batch))
 
 
+@pytest.mark.filterwarnings("error")  # an overflow in the finite check's one pass must not warn either
 def test_large_finite_values_accepted() -> None:
-    """Huge but finite values (whose float32 sum would overflow) are not mistaken for inf."""
+    """Huge but finite values (whose float32 sum of squares overflows) are not mistaken for inf."""
     big = np.finfo(np.float32).max
     batch = make_batch(n=2, resp_len=4000)
     batch.tokens["rollout_log_probs"] = np.full(2 * 3999, -big, dtype=np.float32)
