@@ -496,6 +496,8 @@ def _lengths(value: Any, name: str) -> list[int]:
 
 def _header_bytes(value: Any) -> bytes:
     """Render a header value as readable bytes."""
+    if type(value) is int:
+        return str(value).encode()
     if isinstance(value, bytes):
         return value
     if isinstance(value, bool):
@@ -515,8 +517,7 @@ def encode(event: EventBase) -> dict[str, bytes | memoryview]:
         "schema": str(body["schema_version"]).encode(),
     }
     for key, value in event.header().items():
-        kind = type(value)
-        out[key] = value.encode() if kind is str else str(value).encode() if kind is int else _header_bytes(value)
+        out[key] = value.encode() if isinstance(value, str) else _header_bytes(value)
     out[PAYLOAD_FIELD] = payload
     for i, buf in enumerate(packer.buffers):
         out[_FIELD_NAMES[i][1] if i < len(_FIELD_NAMES) else f"{ARRAY_FIELD_PREFIX}{i}"] = buf
