@@ -517,7 +517,7 @@ def encode(event: EventBase) -> dict[str, bytes | memoryview]:
         "schema": str(body["schema_version"]).encode(),
     }
     for key, value in event.header().items():
-        out[key] = value.encode() if isinstance(value, str) else _header_bytes(value)
+        out[key] = value.encode() if type(value) is str else _header_bytes(value)
     out[PAYLOAD_FIELD] = payload
     for i, buf in enumerate(packer.buffers):
         out[_FIELD_NAMES[i][1] if i < len(_FIELD_NAMES) else f"{ARRAY_FIELD_PREFIX}{i}"] = buf
