@@ -61,10 +61,10 @@ EXT_COMPACT_BATCH = 6
 # non_tensors as in EXT_DATAPROTO.
 EXT_RAGGED_BATCH_3 = 7
 # packed [prompt_lens, response_lens, prompt_ids, response_ids, tokens, rows, non_tensors, meta_info]: a
-# RaggedBatch (schema 4). Lengths are msgpack int lists; the ids and each tokens array (1-d, their sizes given
-# by the lengths) are [dtype code, bin (inline) | int (index of field a<i>)]; rows are flat array headers;
-# a non_tensors value is the list of a 1-d object array's n values, a flat array header (numeric), or an
-# EXT_OBJECT_ARRAY (any other shape).
+# RaggedBatch (schema 4). Lengths are msgpack int lists; the ids, each tokens array and each 1-d rows array
+# (their sizes given by the lengths) are [dtype code, bin (inline) | int (index of field a<i>)], other rows
+# arrays flat array headers; a non_tensors value is the list of a 1-d object array's n values, a flat array
+# header (numeric), or an EXT_OBJECT_ARRAY (any other shape).
 EXT_RAGGED_BATCH = 8
 
 INLINE_MAX_BYTES = 1024
@@ -188,7 +188,7 @@ class _Packer:
             array = self._array
             body = [
                 obj.prompt_lens.tolist(), obj.response_lens.tolist(), *ids, tokens,
-                {key: array(arr) for key, arr in obj.rows.items()},
+                {key: vector(arr) or array(arr) for key, arr in obj.rows.items()},
                 self._ragged_non_tensors(obj),
                 obj.meta_info,
             ]
@@ -427,19 +427,24 @@ class _Unpacker:
         1-d object array's values."""
         if type(arrays) is not dict:
             raise DecodeError(f"malformed ragged batch ext: {group} must be a map")
-        field, max_inline = self._field, self.limits.max_bin_len
+        rows = group == "rows"
         for key, value in arrays.items():
-            if type(value) is bytes:
-                arr = array_from_flat(value, field, max_inline)
-            elif type(value) is list and group == "non_tensors":
-                arr = np.fromiter(value, object, len(value))  # each value as it is (no nested-list broadcasting)
-            else:
-                arr = value
-            if type(key) is not str or type(arr) is not np.ndarray or arr.shape[:1] != (n,) \
-                    or (group == "rows" and arr.dtype.hasobject):
-                what = f"{arr.dtype.str}{list(arr.shape)[:4]}" if isinstance(arr, np.ndarray) else type(arr).__name__
+            if type(key) is not str:
+                raise DecodeError(f"ragged batch: {group} key {key!r:.40} is not a str")
+            kind = type(value)
+            if kind is list:
+                if rows:  # a 1-d numeric array: [dtype code, data]
+                    arrays[key] = self._vector(value, n, f"rows[{key!r}]", WIRE_KINDS)
+                    continue
+                if len(value) == n:  # a 1-d object array's values, each kept as it is (never broadcast)
+                    arrays[key] = np.fromiter(value, object, n)
+                    continue
+            arr = array_from_flat(value, self._field, self.limits.max_bin_len) if kind is bytes else value
+            if type(arr) is not np.ndarray or arr.shape[:1] != (n,) or (rows and arr.dtype.hasobject):
+                what = (f"{arr.dtype.str}{list(arr.shape)[:4]}" if isinstance(arr, np.ndarray)
+                        else f"{len(arr)} values" if type(arr) is list else type(arr).__name__)
                 raise DecodeError(f"ragged batch: {group}[{key!r:.40}] must have first dimension n={n}"
-                                  f"{' and a numeric dtype' if group == 'rows' else ''}, got {what}")
+                                  f"{' and a numeric dtype' if rows else ''}, got {what}")
             arrays[key] = arr
         return arrays
 

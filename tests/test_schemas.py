@@ -392,7 +392,8 @@ def test_lengths_disagree_on_the_wire() -> None:
     )
     body = make_batch()
     body.rows["rewards"] = np.zeros(3, dtype=np.float32)  # after the constructor's check
-    assert "rows['rewards'] must have first dimension n=2" in reason_of(tamper(small_rollout(), full_batch=body))
+    assert "rows['rewards'] has 3 values (12 bytes of <f4), the lengths say 2" in reason_of(
+        tamper(small_rollout(), full_batch=body))
     body = make_batch()
     body.response_lens = np.array([3, 4], np.int32)
     assert "response_ids has 6 values (48 bytes of <i8), the lengths say 7" in reason_of(tamper(small_rollout(), full_batch=body))

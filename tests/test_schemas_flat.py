@@ -65,7 +65,7 @@ def test_ragged_batch_layout() -> None:
     assert WIRE_DTYPES[resp[0]] == "<i8" and fields[f"a{resp[1]}".encode()] == b.response_ids.tobytes()
     lp = tokens["rollout_log_probs"]
     assert lp[0] == F4 and fields[f"a{lp[1]}".encode()] == b.tokens["rollout_log_probs"].tobytes()
-    assert rows["rewards"] == struct.pack("<BBBQ", F4, 1, 0, 2) + b.rows["rewards"].tobytes()
+    assert rows["rewards"] == [F4, b.rows["rewards"].tobytes()]
     assert non_tensors["uid"] == ["u0", "u1"]
 
 
@@ -126,10 +126,15 @@ def test_hostile_ragged_parts() -> None:
         swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 12))))
     assert "rows['rewards'] must have first dimension n=2 and a numeric dtype, got |O[2]" in reason_of(
         swap(5, dict(parts[5], rewards=msgpack.ExtType(2, msgpack.packb([[2], ["a", "b"]])))))
-    assert "rows['rewards'] must have first dimension n=2 and a numeric dtype, got list" in reason_of(
+    assert "rows['rewards'] must be a 1-d numeric array, got dtype code 1.0" in reason_of(
         swap(5, dict(parts[5], rewards=[1.0, 2.0])))
-    assert "non_tensors['uid'] must have first dimension n=2, got |O[3]" in reason_of(
+    assert "rows['rewards'] has 3 values (12 bytes of <f4), the lengths say 2" in reason_of(
+        swap(5, dict(parts[5], rewards=[F4, b"\x00" * 12])))
+    assert "rows key b'r' is not a str" in reason_of(swap(5, {b"r": [F4, b"\x00" * 8]}))
+    assert "non_tensors['uid'] must have first dimension n=2, got 3 values" in reason_of(
         swap(6, dict(parts[6], uid=["a", "b", "c"])))
+    two = decode_as(swap(5, dict(parts[5], scores=flat(F4, [2, 2], data=b"\x00" * 16))), RolloutSample)
+    assert two.full_batch.rows["scores"].shape == (2, 2)  # rows of other shapes: flat headers
     assert "non_tensors['uid'] must have first dimension n=2, got <i4[1]" in reason_of(
         swap(6, dict(parts[6], uid=flat(i4, [1], data=b"\x00" * 4))))
     assert "non_tensors['uid'] must have first dimension n=2, got str" in reason_of(swap(6, dict(parts[6], uid="ab")))
