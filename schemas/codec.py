@@ -4,9 +4,11 @@ Entry layout (XADD field order): human-readable header fields (`type`, `schema`,
 `payload` (msgpack map of the model's fields), then raw array fields `a0`, `a1`, ... (one array each).
 An array is described by a flat fixed-size header (`schemas.arrays.pack_head`: dtype code, ndim, dims)
 followed by its bytes inline (< INLINE_MAX_BYTES) or by the index of the field carrying them. In a
-DataProto's tensors map and in a RolloutSample's ragged batch (EXT_RAGGED_BATCH, schema 3) the header is
-the value itself (a bin); anywhere else it is the body of an EXT_FLAT_ARRAY ExtType. Object arrays are
-[shape, values] lists in a batch's non_tensors map. Schema-2 batches (EXT_COMPACT_BATCH) are only read.
+DataProto's tensors map and in a schema-3 ragged batch (EXT_RAGGED_BATCH_3) the header is the value itself
+(a bin); a schema-4 ragged batch (EXT_RAGGED_BATCH) sends its 1-d arrays as [dtype code, data], their sizes
+given by its lengths (msgpack int lists); anywhere else the header is the body of an EXT_FLAT_ARRAY ExtType.
+Object arrays are [shape, values] lists in a DataProto's non_tensors map (a ragged batch's 1-d ones: their
+values). Schema-2 batches (EXT_COMPACT_BATCH) are only read.
 Dtypes without a code use the msgpack-bodied EXT_ARRAY; that and EXT_OBJECT_ARRAY stay decodable
 everywhere, so entries written by older encoders still decode. Decoding views the entry's bytes (no
 copy), unpacks with explicit size limits, upgrades old schema versions, and validates with pydantic.

@@ -1,4 +1,4 @@
-"""The ragged sample (schema 3): old schemas read into it, and encode -> decode -> assemble equals a direct
+"""The ragged sample (schema 4): old schemas read into it, and encode -> decode -> assemble equals a direct
 padded build for random ragged batches (no Redis)."""
 
 from __future__ import annotations
