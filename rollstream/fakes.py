@@ -94,7 +94,7 @@ def fake_rollout_sample(
 
 def response_len_for_bytes(target_bytes: int, n: int = 4) -> int:
     """Response length that makes a fake sample about target_bytes on the wire: per response token and row,
-    schema 3 sends an id (uint8 in the fakes' small vocabulary, int32 in a real one's) and a float32
+    schema 4 sends an id (uint8 in the fakes' small vocabulary, int32 in a real one's) and a float32
     log-prob; sized as 8 bytes so a sample's size matches a real vocabulary's."""
     return max(1, target_bytes // (n * 8))
 

@@ -89,6 +89,8 @@ def check_shape(shape: Any) -> tuple[int, ...]:
 
 #: Flat header code of each numpy dtype that has one (the encoder's lookup without building dtype strings).
 NUMPY_CODES: dict[np.dtype, int] = {dt: code for code, (dt, _, _) in enumerate(_CODES) if dt is not None}
+#: The numpy dtype of each code that has one (torch codes have none).
+CODE_DTYPES: dict[int, np.dtype] = {code: dt for dt, code in NUMPY_CODES.items()}
 
 
 def flat_array(arr: np.ndarray, field: int | None) -> tuple[bytes, memoryview] | None:

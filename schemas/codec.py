@@ -4,9 +4,11 @@ Entry layout (XADD field order): human-readable header fields (`type`, `schema`,
 `payload` (msgpack map of the model's fields), then raw array fields `a0`, `a1`, ... (one array each).
 An array is described by a flat fixed-size header (`schemas.arrays.pack_head`: dtype code, ndim, dims)
 followed by its bytes inline (< INLINE_MAX_BYTES) or by the index of the field carrying them. In a
-DataProto's tensors map and in a RolloutSample's ragged batch (EXT_RAGGED_BATCH, schema 3) the header is
-the value itself (a bin); anywhere else it is the body of an EXT_FLAT_ARRAY ExtType. Object arrays are
-[shape, values] lists in a batch's non_tensors map. Schema-2 batches (EXT_COMPACT_BATCH) are only read.
+DataProto's tensors map and in a schema-3 ragged batch (EXT_RAGGED_BATCH_3) the header is the value itself
+(a bin); a schema-4 ragged batch (EXT_RAGGED_BATCH) sends its 1-d arrays as [dtype code, data], their sizes
+given by its lengths (msgpack int lists); anywhere else the header is the body of an EXT_FLAT_ARRAY ExtType.
+Object arrays are [shape, values] lists in a DataProto's non_tensors map (a ragged batch's 1-d ones: their
+values). Schema-2 batches (EXT_COMPACT_BATCH) are only read.
 Dtypes without a code use the msgpack-bodied EXT_ARRAY; that and EXT_OBJECT_ARRAY stay decodable
 everywhere, so entries written by older encoders still decode. Decoding views the entry's bytes (no
 copy), unpacks with explicit size limits, upgrades old schema versions, and validates with pydantic.
@@ -28,6 +30,8 @@ import msgpack
 import numpy as np
 
 from schemas.arrays import (
+    CODE_DTYPES,
+    NUMPY_CODES,
     WIRE_KINDS,
     array_from_flat,
     array_from_wire,
@@ -55,9 +59,15 @@ EXT_FLAT_ARRAY = 5  # flat header (schemas.arrays.pack_head) + inline bytes, or 
 # only, into the ragged form by schemas.ragged.from_compact).
 EXT_COMPACT_BATCH = 6
 # packed [prompt_lens, prompt_ids, response_lens, response_ids, tokens, rows, non_tensors, meta_info]: a
-# RaggedBatch (schema 3). Arrays are flat array headers (bins); tokens and rows map names to them,
+# RaggedBatch in schema 3 (read only). Arrays are flat array headers (bins); tokens and rows map names to them,
 # non_tensors as in EXT_DATAPROTO.
-EXT_RAGGED_BATCH = 7
+EXT_RAGGED_BATCH_3 = 7
+# packed [prompt_lens, response_lens, prompt_ids, response_ids, tokens, rows, non_tensors, meta_info]: a
+# RaggedBatch (schema 4). Lengths are msgpack int lists; the ids, each tokens array and each 1-d rows array
+# (their sizes given by the lengths) are [dtype code, bin (inline) | int (index of field a<i>)], other rows
+# arrays flat array headers; a non_tensors value is the list of a 1-d object array's n values, a flat array
+# header (numeric), or an EXT_OBJECT_ARRAY (any other shape).
+EXT_RAGGED_BATCH = 8
 
 INLINE_MAX_BYTES = 1024
 PAYLOAD_FIELD = "payload"
@@ -156,21 +166,54 @@ class _Packer:
         """DataProto as [tensors: {name: flat header bin}, non_tensors: {name: [shape, values] | array}, meta]."""
         return _ext_type(EXT_DATAPROTO, self.pack(self._parts(obj, obj.tensors)))
 
+    def _vector(self, arr: Any) -> list[Any] | None:
+        """[dtype code, data] of a 1-d numeric array whose size the lengths give: its bytes inline, or the index
+        of the field carrying them; None for anything else."""
+        if type(arr) is not np.ndarray or arr.ndim != 1:
+            return None
+        code = NUMPY_CODES.get(arr.dtype)
+        if code is None:
+            return None
+        if not arr.size:
+            return [code, b""]
+        data = memoryview(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)).cast("B")  # type: ignore[arg-type]
+        return [code, self._ref(data)]
+
     def _ragged(self, obj: RaggedBatch) -> msgpack.ExtType:
-        """A ragged batch as its lengths and flat arrays: no layout to find, nothing padded."""
-        array = self._array
+        """A ragged batch as its lengths (int lists) and 1-d arrays: no layout to find, nothing padded."""
+        vector = self._vector
         try:
+            ids = [vector(obj.prompt_ids), vector(obj.response_ids)]
+            tokens = {key: vector(arr) for key, arr in obj.tokens.items()}
+            if None in ids or None in tokens.values():
+                raise TypeError("ragged batch: ids and tokens arrays must be 1-d numeric numpy arrays")
+            array = self._array
             body = [
-                array(obj.prompt_lens), array(obj.prompt_ids), array(obj.response_lens), array(obj.response_ids),
-                {key: array(arr) for key, arr in obj.tokens.items()},
-                {key: array(arr) for key, arr in obj.rows.items()},
-                self._non_tensors(obj.non_tensors, obj),
+                obj.prompt_lens.tolist(), obj.response_lens.tolist(), *ids, tokens,
+                {key: vector(arr) or array(arr) for key, arr in obj.rows.items()},
+                self._ragged_non_tensors(obj),
                 obj.meta_info,
             ]
-        except TypeError:
+        except (TypeError, AttributeError):
             obj.check()  # a batch mutated after construction: names the bad field
             raise
         return _ext_type(EXT_RAGGED_BATCH, self.pack(body))
+
+    def _ragged_non_tensors(self, obj: RaggedBatch) -> dict[str, Any]:
+        """Per-row arrays of a ragged batch: a 1-d object array as the list of its values, a numeric one as its
+        flat header, any other object array as an EXT_OBJECT_ARRAY."""
+        out: dict[str, Any] = {}
+        for key, arr in obj.non_tensors.items():
+            if type(arr) is not np.ndarray:
+                obj.check()  # names the bad key
+                raise TypeError(f"RaggedBatch non_tensors[{key!r}] is not a numpy array")
+            if not arr.dtype.hasobject:
+                out[key] = self._array(arr)
+            elif arr.ndim == 1:
+                out[key] = arr.tolist()
+            else:
+                out[key] = _ext_type(EXT_OBJECT_ARRAY, self.pack([list(arr.shape), arr.reshape(-1).tolist()]))
+        return out
 
     def _parts(self, obj: DataProto, tensors_in: Mapping[str, Any]) -> list[Any]:
         """[tensors, non_tensors, meta_info] of a batch, tensors taken from tensors_in."""
@@ -327,6 +370,8 @@ class _Unpacker:
             return self._dataproto(*self._list(data, 3, "DataProto"))
         if code == EXT_RAGGED_BATCH:
             return self._ragged(*self._list(data, 8, "ragged batch"))
+        if code == EXT_RAGGED_BATCH_3:
+            return self._ragged_3(*self._list(data, 8, "ragged batch"))
         if code == EXT_COMPACT_BATCH:
             layout, tensors, non_tensors, meta_info = self._list(data, 4, "compact batch")
             parts = self._parts(tensors, non_tensors, meta_info, "compact batch")
@@ -362,9 +407,76 @@ class _Unpacker:
             raise DecodeError(f"ragged batch: {name} is {type(value).__name__}, not an array")
         return value
 
-    def _ragged(self, plen: Any, prompt: Any, rlen: Any, resp: Any, tokens: Any, rows: Any, non_tensors: Any,
+    def _vector(self, spec: Any, count: int, name: str, kinds: str) -> np.ndarray:
+        """A 1-d array of a schema-4 ragged batch from its [dtype code, data], `count` values (the lengths'
+        sum) of a numpy dtype of one of the kinds; a view of the data, no copy."""
+        if type(spec) is not list or len(spec) != 2:
+            raise DecodeError(f"ragged batch: {name} must be [dtype code, data], got {type(spec).__name__}")
+        code, data = spec
+        dtype = CODE_DTYPES.get(code) if type(code) is int else None
+        if dtype is None or dtype.kind not in kinds:
+            raise DecodeError(f"ragged batch: {name} must be a 1-d {'integer' if kinds == 'iu' else 'numeric'} "
+                              f"array, got dtype code {code!r:.20}{f' ({dtype.str})' if dtype else ''}")
+        if type(data) is not bytes:
+            data = self._field(data)
+        if len(data) != count * dtype.itemsize:
+            raise DecodeError(f"ragged batch: {name} has {len(data) / dtype.itemsize:g} values ({len(data)} bytes "
+                              f"of {dtype.str}), the lengths say {count}")
+        return np.ndarray(count, dtype, data)
+
+    def _rows(self, arrays: Any, n: int, group: str) -> dict[str, np.ndarray]:
+        """A ragged batch's map of per-row arrays (rows or non_tensors), each with first dimension n; a list is a
+        1-d object array's values."""
+        if type(arrays) is not dict:
+            raise DecodeError(f"malformed ragged batch ext: {group} must be a map")
+        rows = group == "rows"
+        for key, value in arrays.items():
+            if type(key) is not str:
+                raise DecodeError(f"ragged batch: {group} key {key!r:.40} is not a str")
+            kind = type(value)
+            if kind is list:
+                if rows:  # a 1-d numeric array: [dtype code, data]
+                    arrays[key] = self._vector(value, n, f"rows[{key!r}]", WIRE_KINDS)
+                    continue
+                if len(value) == n:  # a 1-d object array's values, each kept as it is (never broadcast)
+                    arrays[key] = np.fromiter(value, object, n)
+                    continue
+            arr = array_from_flat(value, self._field, self.limits.max_bin_len) if kind is bytes else value
+            if type(arr) is not np.ndarray or arr.shape[:1] != (n,) or (rows and arr.dtype.hasobject):
+                what = (f"{arr.dtype.str}{list(arr.shape)[:4]}" if isinstance(arr, np.ndarray)
+                        else f"{len(arr)} values" if type(arr) is list else type(arr).__name__)
+                raise DecodeError(f"ragged batch: {group}[{key!r:.40}] must have first dimension n={n}"
+                                  f"{' and a numeric dtype' if rows else ''}, got {what}")
+            arrays[key] = arr
+        return arrays
+
+    def _ragged(self, plen: Any, rlen: Any, prompt: Any, resp: Any, tokens: Any, rows: Any, non_tensors: Any,
                 meta_info: Any) -> RaggedBatch:
-        """A RaggedBatch from its unpacked parts; its sizes are checked against its lengths."""
+        """A RaggedBatch from its schema-4 parts. The checks of RaggedBatch.check, each made where the part is
+        read: lengths are lists of non-negative int32s, one prompt length or n, every array's size agrees
+        with the lengths, per-row arrays have first dimension n, rows are numeric."""
+        response_lens = _lengths(rlen, "response_lens")
+        prompt_lens = _lengths(plen, "prompt_lens")
+        n = len(response_lens)
+        if len(prompt_lens) != 1 and len(prompt_lens) != n or (n == 0 and prompt_lens):
+            raise DecodeError(f"ragged batch: prompt_lens has {len(prompt_lens)} entries, expected 1 (shared) or n={n}")
+        if type(tokens) is not dict or type(meta_info) is not dict:
+            raise DecodeError("malformed ragged batch ext: tokens and meta_info must be maps")
+        n_resp, vector = sum(response_lens), self._vector
+        prompt_ids = vector(prompt, sum(prompt_lens), "prompt_ids", "iu")
+        response_ids = vector(resp, n_resp, "response_ids", "iu")
+        for key, spec in tokens.items():
+            if type(key) is not str:
+                raise DecodeError(f"ragged batch: tokens key {key!r:.40} is not a str")
+            tokens[key] = vector(spec, n_resp, f"tokens[{key!r}]", WIRE_KINDS)
+        return RaggedBatch.adopt(
+            prompt_ids, np.array(prompt_lens, np.int32), response_ids, np.array(response_lens, np.int32),
+            tokens, self._rows(rows, n, "rows"), self._rows(non_tensors, n, "non_tensors"), meta_info,
+        )
+
+    def _ragged_3(self, plen: Any, prompt: Any, rlen: Any, resp: Any, tokens: Any, rows: Any, non_tensors: Any,
+                  meta_info: Any) -> RaggedBatch:
+        """A RaggedBatch from its schema-3 parts; its sizes are checked against its lengths."""
         if not (type(tokens) is dict and type(rows) is dict):
             raise DecodeError("malformed ragged batch ext: tokens and rows must be maps")
         flat = self._flat
@@ -374,11 +486,25 @@ class _Unpacker:
                            flat(rlen, "response_lens"), tokens, rows, non_tensors, meta_info)
 
 
+INT32_MAX = (1 << 31) - 1
+_INT = {int}
+
+
+def _lengths(value: Any, name: str) -> list[int]:
+    """A schema-4 length list: ints in [0, 2**31)."""
+    if type(value) is not list or (value and (set(map(type, value)) != _INT or min(value) < 0 or max(value) > INT32_MAX)):
+        shown = value[:8] if type(value) is list else value
+        raise DecodeError(f"ragged batch: {name} must be a list of ints in [0, 2**31), got {shown!r:.80}")
+    return value
+
+
 # --- public API ---------------------------------------------------------------------------------
 
 
 def _header_bytes(value: Any) -> bytes:
     """Render a header value as readable bytes."""
+    if type(value) is int:
+        return str(value).encode()
     if isinstance(value, bytes):
         return value
     if isinstance(value, bool):
@@ -389,7 +515,7 @@ def _header_bytes(value: Any) -> bytes:
 def encode(event: EventBase) -> dict[str, bytes | memoryview]:
     """XADD fields for an event: header fields, then `payload`, then raw array fields a0, a1, …"""
     packer = _Packer(out_of_band=True)
-    body = {name: getattr(event, name) for name in type(event).model_fields}
+    body = dict(event.__dict__)  # a model's fields, in order (extra="forbid": nothing else is in there)
     if isinstance(event, DeadLetter):
         body["fields"] = {k: _OutOfBand(v) for k, v in event.fields.items()}
     payload = packer.pack(body)
@@ -398,7 +524,7 @@ def encode(event: EventBase) -> dict[str, bytes | memoryview]:
         "schema": str(body["schema_version"]).encode(),
     }
     for key, value in event.header().items():
-        out[key] = _header_bytes(value)
+        out[key] = value.encode() if type(value) is str else _header_bytes(value)
     out[PAYLOAD_FIELD] = payload
     for i, buf in enumerate(packer.buffers):
         out[_FIELD_NAMES[i][1] if i < len(_FIELD_NAMES) else f"{ARRAY_FIELD_PREFIX}{i}"] = buf
@@ -461,9 +587,8 @@ def _known_names(model: type[EventBase]) -> frozenset[str | bytes]:
 def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str | bytes], event: EventBase,
                         raw_schema: Any) -> None:
     """Every field is one the encoder writes, and every readable header field equals the payload's value."""
-    known = _known_names(model)
-    for raw_name in fields:
-        if raw_name not in known and raw_name not in used:
+    for raw_name in fields.keys() - _known_names(model):
+        if raw_name not in used:
             name = _field_name(raw_name)
             if name not in used:
                 raise DecodeError(f"unknown field {name[:40]!r} in a {event.type!r} entry")

@@ -10,7 +10,7 @@ One group of n trajectories (`RaggedBatch`):
 - `rows`: arrays with one entry per row (`rewards` [n]); `non_tensors`: per-row object arrays (verl's
   non_tensor_batch: `uid`, `raw_prompt`, ...); `meta_info`.
 
-Token ids travel in the narrowest dtype that holds the vocabulary (`ids_dtype`). Wire schema 3 sends exactly
+Token ids travel in the narrowest dtype that holds the vocabulary (`ids_dtype`). Wire schema 4 sends exactly
 these arrays (schemas/codec.py); the trainer's assembly pads them once, per micro-batch. `from_padded` and
 `from_compact` read the layouts of schemas 1 and 2 (a padded verl DataProto; the compact layout) into this
 form. Every check here costs at most one pass over an array; failures are ValueError naming the field.
@@ -113,6 +113,26 @@ class RaggedBatch:
         self.non_tensors: dict[str, np.ndarray] = {} if non_tensors is None else non_tensors
         self.meta_info: dict[str, Any] = {} if meta_info is None else meta_info
         self.check()
+
+    @classmethod
+    def adopt(
+        cls,
+        prompt_ids: np.ndarray,
+        prompt_lens: np.ndarray,
+        response_ids: np.ndarray,
+        response_lens: np.ndarray,
+        tokens: dict[str, np.ndarray],
+        rows: dict[str, np.ndarray],
+        non_tensors: dict[str, np.ndarray],
+        meta_info: dict[str, Any],
+    ) -> RaggedBatch:
+        """A batch of arrays the caller has checked as `check` does, each where it built it (the codec's
+        schema-4 decode): no second pass."""
+        self = cls.__new__(cls)
+        self.prompt_ids, self.prompt_lens, self.response_ids, self.response_lens = (
+            prompt_ids, prompt_lens, response_ids, response_lens)
+        self.tokens, self.rows, self.non_tensors, self.meta_info = tokens, rows, non_tensors, meta_info
+        return self
 
     def __len__(self) -> int:
         """Number of trajectories (rows)."""

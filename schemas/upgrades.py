@@ -27,11 +27,13 @@ def _ragged_batch(data: dict[str, Any]) -> dict[str, Any]:
 
 # Built-in upgrades. rollout 1 -> 2: schema 2 sent the batch in the compact layout (issue 17); a schema-1
 # entry's batch is a plain DataProto, the same value once decoded. rollout 2 -> 3: the batch is ragged
-# (schemas.ragged; the codec reads a compact layout straight into it). local_update / step_end 1 -> 2:
+# (schemas.ragged; the codec reads a compact layout straight into it). rollout 3 -> 4: only the ragged batch's
+# wire layout changed (the codec reads both). local_update / step_end 1 -> 2:
 # schema 2 adds rank and world_size (issue 16); a schema-1 event is rank 0 of a world of one (the defaults).
 _UPGRADES: dict[tuple[str, int], Upgrade] = {
     ("rollout", 1): _same_fields,
     ("rollout", 2): _ragged_batch,
+    ("rollout", 3): _same_fields,
     ("local_update", 1): _same_fields,
     ("step_end", 1): _same_fields,
     ("dead", 1): _same_fields,  # schema 2 adds omitted and sha256 (a bounded copy); a schema-1 copy is whole

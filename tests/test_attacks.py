@@ -75,7 +75,7 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
     attacks["mismatch"] = (mismatch, f"header sample_id=b'header-{tag}' != payload sample_id=b'payload-{tag}'")
     schema = sample_fields(f"schema-{tag}")
     schema[b"schema"] = b"999"
-    attacks["schema"] = (schema, "header schema='999' != payload schema_version=3")
+    attacks["schema"] = (schema, "header schema='999' != payload schema_version=4")
     extra = sample_fields(f"extra-{tag}")
     extra[b"junk"] = b"x" * (50 << 10)
     attacks["unknown"] = (extra, "unknown field 'junk' in a 'rollout' entry")

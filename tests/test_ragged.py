@@ -1,4 +1,4 @@
-"""The ragged sample (schema 3): old schemas read into it, and encode -> decode -> assemble equals a direct
+"""The ragged sample (schema 4): old schemas read into it, and encode -> decode -> assemble equals a direct
 padded build for random ragged batches (no Redis)."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from schemas import RolloutSample, decode, decode_as, encode
 from schemas.ragged import RaggedBatch, id_range_ok, ids_dtype
 
 OLD = Path(__file__).parent / "data" / "old_rollouts"  # written by commit c292fb6 (make_old.py there)
+SCHEMA3 = Path(__file__).parent / "data" / "schema3"  # written by commit d852c4c (make_schema3.py there)
 VOCAB_EDGES = (2, 255, 256, 257, 65535, 65536, 65537, (1 << 31) - 1, 1 << 31, (1 << 31) + 1)
 
 
@@ -55,9 +56,28 @@ def test_schema_1_and_2_entries_decode_ragged(name: str) -> None:
     assert entry["fields"][b"schema"] in (b"1", b"2")
     got = decode_as(entry["fields"], RolloutSample)
     want = entry["expected"]
-    assert got.schema_version == RolloutSample.SCHEMA == 3
+    assert got.schema_version == RolloutSample.SCHEMA == 4
     assert (got.sample_id, got.n, got.num_tokens) == (want["sample_id"], want["n"], want["tokens"])
     assert _rows(got.full_batch) == want["rows"]
+
+
+def _schema3_entries() -> dict[str, Any]:
+    return msgpack.unpackb((SCHEMA3 / "entries.msgpack").read_bytes(), raw=False)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", sorted(_schema3_entries()))
+def test_schema_3_entries_decode(name: str) -> None:
+    """Committed bytes of schema-3 entries (one flat array header per array, inline and out-of-band) decode
+    with the values, id dtype and per-row object arrays they were built from."""
+    entry = _schema3_entries()[name]
+    assert entry["fields"][b"schema"] == b"3"
+    got = decode_as(entry["fields"], RolloutSample)
+    want = entry["expected"]
+    assert got.schema_version == RolloutSample.SCHEMA
+    assert (got.sample_id, got.n, got.num_tokens) == (want["sample_id"], want["n"], want["tokens"])
+    assert _rows(got.full_batch) == want["rows"]
+    assert got.full_batch.response_ids.dtype.str == got.full_batch.prompt_ids.dtype.str == want["ids_dtype"]
+    assert {k: v.tolist() for k, v in got.full_batch.non_tensors.items()} == want["non_tensors"]
 
 
 def test_archived_old_entries_decode_ragged() -> None:

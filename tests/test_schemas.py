@@ -220,7 +220,7 @@ def test_header_fields_come_first_and_are_readable() -> None:
         "payload",
     ]
     assert all(k.startswith("a") for k in keys[9:]) and len(keys) > 9
-    assert fields["type"] == b"rollout" and fields["schema"] == b"3" and fields["n"] == b"3"
+    assert fields["type"] == b"rollout" and fields["schema"] == b"4" and fields["n"] == b"3"
     assert fields["tokens"] == str(3 * 299).encode() == str(event.num_tokens).encode()
     assert all(isinstance(fields[k], memoryview) for k in keys[9:])
     metrics = encode(StepMetrics(type="step_end", global_step=7, local_step=4, sample_count=64))
@@ -374,7 +374,7 @@ def test_oversized_bin_with_small_limits() -> None:
     assert "max_str_len" in reason_of(fields, Limits(max_str_len=4))
     assert "over the 10 limit" in reason_of(fields, Limits(max_payload_bytes=10))
     big = as_redis(encode(make_rollout(resp_len=300)))
-    assert "field 'a1' is 2392 bytes, over the 100 limit" in reason_of(big, Limits(max_field_bytes=100))
+    assert "field 'a0' is 4784 bytes, over the 100 limit" in reason_of(big, Limits(max_field_bytes=100))
     assert decode_as(fields, RolloutSample, Limits()).sample_id == "p0:17"
 
 
@@ -392,10 +392,11 @@ def test_lengths_disagree_on_the_wire() -> None:
     )
     body = make_batch()
     body.rows["rewards"] = np.zeros(3, dtype=np.float32)  # after the constructor's check
-    assert "rows['rewards'] must have first dimension n=2" in reason_of(tamper(small_rollout(), full_batch=body))
+    assert "rows['rewards'] has 3 values (12 bytes of <f4), the lengths say 2" in reason_of(
+        tamper(small_rollout(), full_batch=body))
     body = make_batch()
     body.response_lens = np.array([3, 4], np.int32)
-    assert "response_ids has 6 ids, the lengths say 7" in reason_of(tamper(small_rollout(), full_batch=body))
+    assert "response_ids has 6 values (48 bytes of <i8), the lengths say 7" in reason_of(tamper(small_rollout(), full_batch=body))
     body = make_batch()
     body.tokens["token_level_scores"] = np.zeros(5, np.float32)
     assert "tokens['token_level_scores'] has 5 values" in reason_of(tamper(small_rollout(), full_batch=body))
@@ -412,7 +413,7 @@ def hostile(meta_value: Any, **extra_fields: bytes) -> dict[bytes, bytes]:
     body = msgpack.unpackb(fields[b"payload"])
     parts = msgpack.unpackb(body["full_batch"].data)
     parts[7]["x"] = meta_value  # the ragged batch's meta_info
-    body["full_batch"] = msgpack.ExtType(7, msgpack.packb(parts))
+    body["full_batch"] = msgpack.ExtType(8, msgpack.packb(parts))
     fields[b"payload"] = msgpack.packb(body)
     fields.update({k.encode(): v for k, v in extra_fields.items()})
     return fields

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 from typing import Any
 
 import msgpack  # only to read and craft payloads the codec itself would never produce
@@ -33,33 +34,39 @@ def flat_ext(*args: Any, **kwargs: Any) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_FLAT_ARRAY, flat(*args, **kwargs))
 
 
+EXT_RAGGED_BATCH_3, EXT_RAGGED_BATCH = 7, 8
+SCHEMA3 = Path(__file__).parent / "data" / "schema3" / "entries.msgpack"  # committed schema-3 entries
+
+
 def full_batch_parts(fields: dict[bytes, bytes]) -> tuple[dict[str, Any], list[Any]]:
-    """The payload map and the raw [prompt_lens, prompt_ids, response_lens, response_ids, tokens, rows,
-    non_tensors, meta_info] of an entry's full_batch."""
+    """The payload map and the raw parts of an entry's full_batch (schema 4: [prompt_lens, response_lens,
+    prompt_ids, response_ids, tokens, rows, non_tensors, meta_info]; schema 3: [prompt_lens, prompt_ids,
+    response_lens, response_ids, tokens, rows, non_tensors, meta_info])."""
     body = msgpack.unpackb(fields[b"payload"])
     return body, msgpack.unpackb(body["full_batch"].data)
 
 
-def with_parts(fields: dict[bytes, bytes], body: dict[str, Any], parts: list[Any]) -> dict[bytes, bytes]:
+def with_parts(fields: dict[bytes, bytes], body: dict[str, Any], parts: list[Any],
+               code: int = EXT_RAGGED_BATCH) -> dict[bytes, bytes]:
     """The entry with its full_batch ext rebuilt from parts."""
-    body["full_batch"] = msgpack.ExtType(7, msgpack.packb(parts))
+    body["full_batch"] = msgpack.ExtType(code, msgpack.packb(parts))
     return {**fields, b"payload": msgpack.packb(body)}
 
 
-def test_tensors_travel_as_flat_headers() -> None:
-    """Out-of-band arrays are a fixed-size header naming their field; small ones carry their bytes inline."""
+def test_ragged_batch_layout() -> None:
+    """Schema 4: lengths are int lists, ids and per-token arrays [dtype code, data] (out-of-band ones name
+    their field, small ones carry their bytes), per-row arrays flat headers, a 1-d object array its values."""
     event = make_rollout(n=2, resp_len=300)
     fields = as_redis(encode(event))
-    _, (plen, _prompt, rlen, resp, tokens, rows, non_tensors, _meta) = full_batch_parts(fields)
-    responses = event.full_batch.response_ids
-    code, ndim, kind, size, index = struct.unpack("<BBBQI", resp)
-    assert (WIRE_DTYPES[code], ndim, kind, size) == ("<i8", 1, 1, 2 * 299)
-    assert fields[f"a{index}".encode()] == responses.tobytes()
-    assert rlen == struct.pack("<BBBQ", WIRE_DTYPES.index("<i4"), 1, 0, 2) + np.array([299, 299], "<i4").tobytes()
-    rewards = event.full_batch.rows["rewards"]
-    assert rows["rewards"] == struct.pack("<BBBQ", F4, 1, 0, 2) + rewards.tobytes()
-    assert set(tokens) == {"rollout_log_probs"} and len(plen) == 3 + 8 + 2 * 4  # each row's own prompt
-    assert non_tensors["uid"] == [[2], ["u0", "u1"]]
+    _, (plen, rlen, prompt, resp, tokens, rows, non_tensors, _meta) = full_batch_parts(fields)
+    b = event.full_batch
+    assert (plen, rlen) == ([3, 3], [299, 299])  # each row's own prompt
+    assert prompt == [WIRE_DTYPES.index("<i8"), b.prompt_ids.tobytes()]
+    assert WIRE_DTYPES[resp[0]] == "<i8" and fields[f"a{resp[1]}".encode()] == b.response_ids.tobytes()
+    lp = tokens["rollout_log_probs"]
+    assert lp[0] == F4 and fields[f"a{lp[1]}".encode()] == b.tokens["rollout_log_probs"].tobytes()
+    assert rows["rewards"] == [F4, b.rows["rewards"].tobytes()]
+    assert non_tensors["uid"] == ["u0", "u1"]
 
 
 def test_hostile_flat_headers() -> None:
@@ -89,21 +96,74 @@ def test_hostile_flat_headers() -> None:
 
 
 def test_hostile_ragged_parts() -> None:
-    """A bad flat array, sizes that disagree with the lengths, an object array whose shape disagrees, and
-    parts of the wrong kind are refused, each with a reason naming the part."""
+    """Schema 4: every check of RaggedBatch.check, made where decode reads the part, refuses a bad part with a
+    reason naming the field and its value: lengths (type, sign, count), ids and token sizes against the lengths,
+    dtypes, per-row arrays' first dimension, rows numeric, maps and keys."""
     fields = as_redis(encode(make_rollout(n=2, resp_len=300)))
     body, parts = full_batch_parts(fields)
+    i4 = WIRE_DTYPES.index("<i4")
 
     def swap(i: int, value: Any) -> dict[bytes, bytes]:
         return with_parts(fields, dict(body), [*parts[:i], value, *parts[i + 1 :]])
 
+    assert "response_lens must be a list of ints in [0, 2**31), got [299, -1]" in reason_of(swap(1, [299, -1]))
+    assert "response_lens must be a list of ints in [0, 2**31), got [299.0, 299]" in reason_of(swap(1, [299.0, 299]))
+    assert "prompt_lens must be a list of ints in [0, 2**31), got [2147483648]" in reason_of(swap(0, [1 << 31]))
+    assert "response_lens must be a list of ints in [0, 2**31), got 'x'" in reason_of(swap(1, "x"))
+    assert "prompt_lens has 3 entries, expected 1 (shared) or n=2" in reason_of(swap(0, [3, 3, 3]))
+    assert "response_ids has 598 values (4784 bytes of <i8), the lengths say 599" in reason_of(swap(1, [299, 300]))
+    assert "prompt_ids has 6 values (48 bytes of <i8), the lengths say 7" in reason_of(swap(0, [3, 4]))
+    assert "response_ids must be a 1-d integer array, got dtype code 10 (<f4)" in reason_of(swap(3, [F4, parts[3][1]]))
+    assert "prompt_ids must be a 1-d integer array, got dtype code 250" in reason_of(swap(2, [250, b""]))
+    assert "prompt_ids must be [dtype code, data], got str" in reason_of(swap(2, "not an array"))
+    assert "missing array field 'a9'" in reason_of(swap(3, [parts[3][0], 9]))
+    assert "tokens['rollout_log_probs'] has 3 values (12 bytes of <f4), the lengths say 598" in reason_of(
+        swap(4, {"rollout_log_probs": [F4, b"\x00" * 12]}))
+    assert "tokens['x'] must be a 1-d numeric array, got dtype code 99" in reason_of(swap(4, {"x": [99, b""]}))
+    assert "tokens key b'x' is not a str" in reason_of(swap(4, {b"x": [F4, b""]}))
+    assert "needs 12 bytes, got 8" in reason_of(swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 8))))
+    assert "rows['rewards'] must have first dimension n=2 and a numeric dtype, got <f4[3]" in reason_of(
+        swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 12))))
+    assert "rows['rewards'] must have first dimension n=2 and a numeric dtype, got |O[2]" in reason_of(
+        swap(5, dict(parts[5], rewards=msgpack.ExtType(2, msgpack.packb([[2], ["a", "b"]])))))
+    assert "rows['rewards'] must be a 1-d numeric array, got dtype code 1.0" in reason_of(
+        swap(5, dict(parts[5], rewards=[1.0, 2.0])))
+    assert "rows['rewards'] has 3 values (12 bytes of <f4), the lengths say 2" in reason_of(
+        swap(5, dict(parts[5], rewards=[F4, b"\x00" * 12])))
+    assert "rows key b'r' is not a str" in reason_of(swap(5, {b"r": [F4, b"\x00" * 8]}))
+    assert "non_tensors['uid'] must have first dimension n=2, got 3 values" in reason_of(
+        swap(6, dict(parts[6], uid=["a", "b", "c"])))
+    two = decode_as(swap(5, dict(parts[5], scores=flat(F4, [2, 2], data=b"\x00" * 16))), RolloutSample)
+    assert two.full_batch.rows["scores"].shape == (2, 2)  # rows of other shapes: flat headers
+    assert "non_tensors['uid'] must have first dimension n=2, got <i4[1]" in reason_of(
+        swap(6, dict(parts[6], uid=flat(i4, [1], data=b"\x00" * 4))))
+    assert "non_tensors['uid'] must have first dimension n=2, got str" in reason_of(swap(6, dict(parts[6], uid="ab")))
+    assert "tokens and meta_info must be maps" in reason_of(swap(4, []))
+    assert "rows must be a map" in reason_of(swap(5, []))
+    assert "non_tensors must be a map" in reason_of(swap(6, []))
+    assert "malformed ragged batch ext" in reason_of(with_parts(fields, dict(body), parts[:7]))
+    one = decode_as(swap(6, dict(parts[6], uid=[["x"], {"k": 1}])), RolloutSample).full_batch.non_tensors["uid"]
+    assert one.shape == (2,) and one.tolist() == [["x"], {"k": 1}]  # values kept as they are, never broadcast
+
+
+def test_hostile_schema_3_ragged_parts() -> None:
+    """Schema 3 (still read): a bad flat array, sizes that disagree with the lengths, an object array whose
+    shape disagrees, and parts of the wrong kind are refused, each with a reason naming the part."""
+    fields = msgpack.unpackb(SCHEMA3.read_bytes())["s3_big_vocab_out_of_band"]["fields"]
+    body, parts = full_batch_parts(fields)
+    assert body["full_batch"].code == EXT_RAGGED_BATCH_3
+
+    def swap(i: int, value: Any) -> dict[bytes, bytes]:
+        return with_parts(fields, dict(body), [*parts[:i], value, *parts[i + 1 :]], EXT_RAGGED_BATCH_3)
+
+    assert decode_as(swap(0, parts[0]), RolloutSample).n == 2
     assert "needs 12 bytes, got 8" in reason_of(swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 8))))
     assert "rows['rewards'] must have first dimension n=2" in reason_of(
         swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 12))))
     assert "tokens['rollout_log_probs'] has 3 values" in reason_of(
         swap(4, {"rollout_log_probs": flat(F4, [3], data=b"\x00" * 12)}))
-    lens = flat(WIRE_DTYPES.index("<i4"), [2], data=np.array([299, 300], "<i4").tobytes())
-    assert "response_ids has 598 ids, the lengths say 599" in reason_of(swap(2, lens))
+    lens = flat(WIRE_DTYPES.index("<i4"), [2], data=np.array([600, 3], "<i4").tobytes())
+    assert "response_ids has 602 ids, the lengths say 603" in reason_of(swap(2, lens))
     floats = flat(F4, [2], data=b"\x00" * 8)
     assert "response_lens must be a 1-d integer array" in reason_of(swap(2, floats))
     odd = dict(parts[6], uid=[[3], ["a", "b"]])
@@ -112,7 +172,7 @@ def test_hostile_ragged_parts() -> None:
     assert "prompt_ids is str, not an array" in reason_of(swap(1, "not an array"))
     assert "tokens and rows must be maps" in reason_of(swap(4, []))
     assert "parts must be maps" in reason_of(swap(6, []))
-    assert "malformed ragged batch ext" in reason_of(with_parts(fields, dict(body), parts[:7]))
+    assert "malformed ragged batch ext" in reason_of(with_parts(fields, dict(body), parts[:7], EXT_RAGGED_BATCH_3))
 
 
 def test_older_msgpack_array_ext_still_decodes() -> None:
@@ -127,9 +187,10 @@ def test_older_msgpack_array_ext_still_decodes() -> None:
 
     old_parts = [old(b.prompt_lens), old(b.prompt_ids), old(b.response_lens), old(b.response_ids),
                  {k: old(v) for k, v in b.tokens.items()}, {k: old(v) for k, v in b.rows.items()},
-                 {"uid": msgpack.ExtType(2, msgpack.packb(parts[6]["uid"])),
-                  "extra": msgpack.ExtType(2, msgpack.packb(parts[6]["extra"]))}, parts[7]]
-    entry = with_parts(fields, body, old_parts)
+                 {"uid": msgpack.ExtType(2, msgpack.packb([[2], parts[6]["uid"]])),
+                  "extra": msgpack.ExtType(2, msgpack.packb([[2], parts[6]["extra"]]))}, parts[7]]
+    body["schema_version"] = 3  # (a schema-3 writer's layout)
+    entry = with_parts({**fields, b"schema": b"3"}, body, old_parts, EXT_RAGGED_BATCH_3)
     entry = {k: v for k, v in entry.items() if not k.startswith(b"a")}  # every array is inline now
     got = decode_as(entry, RolloutSample)
     assert got.full_batch.response_ids.tobytes() == b.response_ids.tobytes()
@@ -153,6 +214,7 @@ def test_encoding_a_mutated_batch_names_the_key() -> None:
         encode(event)
 
 
+@pytest.mark.filterwarnings("error")  # the finite check must not warn (check_finite: vdot, no np.errstate)
 @pytest.mark.parametrize("size", [2, 16, 17, 5000])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
@@ -168,8 +230,9 @@ def test_non_finite_log_probs_and_rewards_refused(size: int, bad: float, dtype: 
     assert "rewards contains NaN/inf" in reason_of(tamper(make_rollout(), full_batch=batch))
 
 
+@pytest.mark.filterwarnings("error")  # an overflow in the finite check's one pass must not warn either
 def test_large_finite_values_accepted() -> None:
-    """Huge but finite values (whose float32 sum would overflow) are not mistaken for inf."""
+    """Huge but finite values (whose float32 sum of squares overflows) are not mistaken for inf."""
     big = np.finfo(np.float32).max
     batch = make_batch(n=2, resp_len=4000)
     batch.tokens["rollout_log_probs"] = np.full(2 * 3999, -big, dtype=np.float32)

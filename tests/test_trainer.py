@@ -191,7 +191,7 @@ def test_trainer_run_keeps_every_sample_exactly_once(
     assert counts["trained"] == 4 * TBS and counts["dropped"] > 0 and counts["updates"] == 8
     schema_of = producer.schema
     trained = [fate.sample_id for fate in (decode_fate(f) for _, f in r.xrange(keys.fates)) if fate.fate == TRAINED]
-    assert {schema_of[sid] for sid in trained} == {b"1", b"3"}  # old-schema entries train alongside new ones
+    assert {schema_of[sid] for sid in trained} == {b"1", b"4"}  # old-schema entries train alongside new ones
     assert len(list((tmp_path / keys.run / "checkpoints").iterdir())) == 2
 
 
