@@ -68,17 +68,6 @@ class VersionSource(Protocol):
         ...
 
 
-@dataclass
-class FixedVersion:
-    """A VersionSource that never changes (loops without a bus, tests)."""
-
-    version: int = 0
-
-    def refresh(self) -> bool:
-        """Never loads anything."""
-        return False
-
-
 @dataclass(frozen=True)
 class GenerationSettings:
     """Sampling and sync settings of the agent loops (from `rollout.*` and `data.max_response_length`)."""

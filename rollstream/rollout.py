@@ -16,6 +16,7 @@ from rollstream.model import Tokenizer
 from rollstream.model.chat import encode_prompt
 from rollstream.tasks import Prompt, RewardResult
 from schemas import DataProto, RolloutSample
+from schemas.batch import object_array
 from schemas.ragged import RaggedBatch, ids_dtype
 
 #: Agent loop names (verl's): multi-turn tool agent, and plain single-turn generation.
@@ -56,14 +57,6 @@ class Trajectory:
         return sum(self.response_mask)
 
 
-def _object_array(values: Sequence[Any]) -> np.ndarray:
-    """A 1-d object array holding `values` as they are."""
-    out = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
-
-
 def prepare_single_generation_data(
     prompt: Prompt, n: int, multi_turn: bool, tokenizer: Tokenizer, *, sample_id: str | None = None
 ) -> DataProto:
@@ -77,11 +70,11 @@ def prepare_single_generation_data(
     row = DataProto(
         tensors={"input_ids": ids, "attention_mask": np.ones_like(ids)},
         non_tensors={
-            "raw_prompt_ids": _object_array([prompt_ids]),
-            "uid": _object_array([sample_id or prompt.uid]),
-            "raw_prompt": _object_array([prompt.text]),
-            "prompt_uid": _object_array([prompt.uid]),
-            "agent_name": _object_array([AGENT_TOOL if multi_turn else AGENT_SINGLE_TURN]),
+            "raw_prompt_ids": object_array([prompt_ids]),
+            "uid": object_array([sample_id or prompt.uid]),
+            "raw_prompt": object_array([prompt.text]),
+            "prompt_uid": object_array([prompt.uid]),
+            "agent_name": object_array([AGENT_TOOL if multi_turn else AGENT_SINGLE_TURN]),
         },
     )
     return row.repeat(n, interleave=True)
@@ -216,10 +209,10 @@ def build_rollout_sample(
     batch.rows["rewards"] = np.asarray([rw.score for rw in rewards], dtype=np.float32)
     texts = list(response_texts) if response_texts is not None else [tokenizer.decode(t.response_ids) for t in trajectories]
     batch.non_tensors.update({
-        "uid": _object_array([sample_id] * n),
-        "raw_prompt": _object_array([raw_prompt] * n),
-        "response_text": _object_array(texts),
-        **({"ground_truth": _object_array([ground_truth] * n)} if ground_truth is not None else {}),
+        "uid": object_array([sample_id] * n),
+        "raw_prompt": object_array([raw_prompt] * n),
+        "response_text": object_array(texts),
+        **({"ground_truth": object_array([ground_truth] * n)} if ground_truth is not None else {}),
     })
     batch.check()
     outputs = [

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -40,6 +41,24 @@ def reader(r: redis.Redis, keys: Keys, consumer: str = "c1", **kw: object) -> Gr
     return GroupReader(r, keys.rollouts, TRAINER_GROUP, consumer, **opts)
 
 
+def consume(rd: GroupReader, handler: Callable[[list[Message]], None], *, burst: bool = False) -> int:
+    """A worker's loop over `rd.batches`: handler(batch) for every non-empty batch, then ack the batch; a
+    handler exception hands the batch back (it is re-read and dead-lettered after max_deliveries). Returns
+    messages handled."""
+    handled = 0
+    for msgs in rd.batches(burst=burst):
+        if not msgs:
+            continue
+        try:
+            handler(msgs)
+        except Exception:
+            rd.release(m.id for m in msgs)
+            continue
+        handled += len(msgs)
+        rd.ack([m.id for m in msgs])
+    return handled
+
+
 def publish_samples(r: redis.Redis, keys: Keys, count: int, start: int = 0) -> list[str]:
     setup_run(r, keys)
     pub = Publisher(r)
@@ -66,7 +85,7 @@ def test_round_trip_through_group(r: redis.Redis, keys: Keys) -> None:
     setup_run(r, keys)
     Publisher(r).publish_many(keys.rollouts, sent)
     got: list[Message] = []
-    handled = reader(r, keys).run(got.extend, burst=True)
+    handled = consume(reader(r, keys), got.extend, burst=True)
     assert handled == 10
     by_id = {m.event.sample_id: m.event for m in got if isinstance(m.event, RolloutSample)}
     for s in sent:
@@ -109,7 +128,7 @@ def test_malformed_entries_go_to_dead_and_reader_continues(r: redis.Redis, keys:
         r.xadd(keys.rollouts, fields)  # type: ignore[arg-type]
     r.xadd(keys.rollouts, encode(fake_rollout_sample("good-2")))  # type: ignore[arg-type]
     got: list[Message] = []
-    reader(r, keys).run(got.extend, burst=True)
+    consume(reader(r, keys), got.extend, burst=True)
     assert sorted(m.event.sample_id for m in got if isinstance(m.event, RolloutSample)) == ["good-1", "good-2"]
     dead = dead_entries(r, keys)
     assert len(dead) == len(bad_entries)
@@ -127,7 +146,7 @@ def test_oversized_field_is_dead_lettered(r: redis.Redis, keys: Keys) -> None:
     setup_run(r, keys)
     Publisher(r).publish(keys.rollouts, fake_rollout_sample("big", n=4, response_len=4096))
     got: list[Message] = []
-    reader(r, keys, limits=Limits(max_bin_len=1024, max_field_bytes=1024)).run(got.extend, burst=True)
+    consume(reader(r, keys, limits=Limits(max_bin_len=1024, max_field_bytes=1024)), got.extend, burst=True)
     assert got == []
     [d] = dead_entries(r, keys)
     assert d.source_id and "decode" in d.reason
@@ -145,7 +164,7 @@ def test_an_oversize_entry_leaves_a_small_dead_copy_with_header_sizes_and_digest
     original = {k.decode(): bytes(v) for k, v in original.items()}
     size = sum(len(k) + len(v) for k, v in original.items())
     assert size > 2 * DEAD_COPY_MAX_BYTES
-    reader(r, keys, limits=entry_limits(1 << 20)).run(lambda msgs: None, burst=True)
+    consume(reader(r, keys, limits=entry_limits(1 << 20)), lambda msgs: None, burst=True)
     [(_, raw)] = r.xrange(keys.dead)
     assert sum(len(k) + len(v) for k, v in raw.items()) < DEAD_COPY_MAX_BYTES + (64 << 10)  # not the payload
     [d] = dead_entries(r, keys)
@@ -177,7 +196,7 @@ def test_repeatedly_failing_entry_is_dead_after_max_deliveries(r: redis.Redis, k
             raise RuntimeError("poison")
 
     rd = reader(r, keys, count=1, max_deliveries=3)
-    rd.run(handler, burst=True)
+    consume(rd, handler, burst=True)
     assert calls["s0"] == 1 and calls["s2"] == 1
     assert calls["s1"] == 3
     [d] = dead_entries(r, keys)
@@ -302,7 +321,9 @@ def test_claimed_after_sigkill_and_acked_once(r: redis.Redis, keys: Keys, redis_
                 r.rpush({effects!r}, "doomed:" + m.event.sample_id)
             print("HOLDING", flush=True)
             time.sleep(60)
-        rd.run(handler)
+        for msgs in rd.batches():
+            if msgs:
+                handler(msgs)
         """
     )
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
@@ -321,7 +342,7 @@ def test_claimed_after_sigkill_and_acked_once(r: redis.Redis, keys: Keys, redis_
 
     deadline = time.time() + 10
     while len(seen) < 12 and time.time() < deadline:
-        survivor.run(handler, burst=True)
+        consume(survivor, handler, burst=True)
     assert sorted(seen) == sorted(f"s{i}" for i in range(12))  # each handled once by the survivor
     assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
     assert survivor.stats.acked == 12  # acked exactly once each
@@ -345,7 +366,7 @@ def test_trim_never_removes_unread(r: redis.Redis, keys: Keys, tmp_path: Path) -
     # a second, lagging group that has read nothing
     r.xgroup_create(keys.rollouts, "lagging", id="0")
     fast = reader(r, keys, count=20)
-    fast.run(lambda msgs: None, burst=True)
+    consume(fast, lambda msgs: None, burst=True)
     arc = Archive(tmp_path)
     move_to_archive(r, arc, keys.rollouts, stream_floor(r, keys.rollouts))
     assert r.xlen(keys.rollouts) == 20  # lagging group has read nothing

@@ -43,10 +43,10 @@ from rollstream.bus import iter_stream
 from rollstream.fakes import fake_rollout_sample, step_end
 from rollstream.names import COMMITTED_STEP_FIELD, Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
-from rollstream.ops.plan import private_violations
 from rollstream.ops.process import rpc
 from rollstream.ops.target import SECRETS_DIR, open_run
 from schemas import DeadLetter, decode, encode
+from tests.test_ops_supervise import private_violations
 
 SEED = int(os.environ.get("ROLLSTREAM_FAULT_SEED", "7"))  # which process dies when, and in what order
 TINY = [

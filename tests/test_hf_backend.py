@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from producers.agent import FixedVersion, GenerationSettings, run_agent_loop  # noqa: E402
+from producers.agent import GenerationSettings, run_agent_loop  # noqa: E402
 from rollstream.config import ConfigError, load_config  # noqa: E402
 from rollstream.factory import build_policy  # noqa: E402
 from rollstream.model import CharTokenizer, Completion, build_batch  # noqa: E402
@@ -34,6 +34,17 @@ MODELS = {
     "qwen2-bpe-chat": dict(arch="qwen2", tokenizer="bpe", chat_template=True),
 }
 PROMPTS = ["12*34+5=?", "  1234>", "7", "(3*4)-5=?"]
+
+
+class FixedVersion:
+    """A VersionSource that never changes (an agent loop without a bus)."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def refresh(self) -> bool:
+        """Never loads anything."""
+        return False
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -104,7 +115,7 @@ def test_chunked_log_probs_and_gradient_checkpointing_change_no_number(model_dir
 
 PEAK = textwrap.dedent("""
     import sys, torch
-    from rollstream.model.chunked import chunked_logprobs_entropy, head_logprobs_entropy
+    from rollstream.model.logprobs import chunked_logprobs_entropy, head_logprobs_entropy
     N, H, V, chunk = int(sys.argv[1]), 64, 8192, int(sys.argv[2])
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, N, H, generator=g, requires_grad=True)

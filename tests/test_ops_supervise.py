@@ -15,7 +15,7 @@ from rollstream.cli.main import main
 from rollstream.config import load_config
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
-from rollstream.ops.plan import plan_run, private_violations, render_supervisord_conf, trainer_argv
+from rollstream.ops.plan import PRIVATE_UMASK, plan_run, render_supervisord_conf, trainer_argv
 from rollstream.ops.process import process_states, start_run, start_supervisord, stop_run
 
 # Stand-in worker: logs its name, then on SIGTERM exits with the code given as argv[1].
@@ -26,6 +26,14 @@ STANDIN = (
     "print('up', os.environ['SUPERVISOR_PROCESS_NAME'], os.environ['ROLLSTREAM_REDIS_URL'], flush=True)\n"
     "while True: time.sleep(0.05)\n"
 )
+
+
+def private_violations(run_dir: Path) -> list[str]:
+    """`path mode` of everything under run_dir (itself included) that group or others may access (sockets
+    aside: their access is the directory's); [] for a private run."""
+    paths = [run_dir, *run_dir.rglob("*")]
+    return [f"{p} {stat.S_IMODE(p.lstat().st_mode):o}" for p in paths
+            if not p.is_socket() and stat.S_IMODE(p.lstat().st_mode) & PRIVATE_UMASK]
 
 
 def sections(conf: str) -> dict[str, dict[str, str]]:

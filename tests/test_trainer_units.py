@@ -16,7 +16,7 @@ from consumers.trainer.checkpoint import (
     META_VERSION,
     checkpoint_path,
     list_checkpoints,
-    load_latest_checkpoint,
+    load_checkpoint,
     save_checkpoint,
 )
 from consumers.trainer.learner import Learner
@@ -91,8 +91,8 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path: Path
 
     b = Learner(cfg)  # fresh weights and an empty optimizer
     torch.manual_seed(0)
-    got = load_latest_checkpoint(tmp_path, b.policy, b.optimizer)
-    assert got is not None and got["global_step"] == 3 and got["steps"] == [{"anything": [1, 2]}]
+    got = load_checkpoint(list_checkpoints(tmp_path)[-1][1], b.policy, b.optimizer)
+    assert got["global_step"] == 3 and got["steps"] == [{"anything": [1, 2]}]
     for (na, pa), (nb, pb) in zip(a.policy.module.named_parameters(), b.policy.module.named_parameters(), strict=True):
         assert na == nb and torch.equal(pa, pb)
     sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
@@ -204,8 +204,8 @@ def test_a_checkpoint_with_old_format_metadata_loads_upgraded(r: redis.Redis, ke
     tensors["meta/payload"] = torch.frombuffer(bytearray(encode_payload(meta)), dtype=torch.uint8)
     save_file(tensors, str(checkpoint_path(tmp_path, 4)))
 
-    got = load_latest_checkpoint(tmp_path, Learner(cfg).policy, Learner(cfg).optimizer)
-    assert got is not None and "meta_version" not in got and got["param_version"] == 4
+    got = load_checkpoint(checkpoint_path(tmp_path, 4), Learner(cfg).policy, Learner(cfg).optimizer)
+    assert "meta_version" not in got and got["param_version"] == 4
     (ledger,) = [StepLedger.from_plain(d) for d in got["steps"]]
     assert ledger.fates == [Fate("s0", "5-0", TRAINED, 1, 3, 4), Fate("s1", "6-0", DROPPED, 3, 1, 4)]
     assert ledger.dropped == 1 and ledger.ack_ids == ["5-0", "6-0"]
@@ -229,4 +229,4 @@ def test_a_checkpoint_from_a_newer_rollstream_is_refused(tmp_path: Path) -> None
     tensors["meta/payload"] = torch.frombuffer(bytearray(encode_payload(meta)), dtype=torch.uint8)
     save_file(tensors, str(path))
     with pytest.raises(ValueError, match="newer than"):
-        load_latest_checkpoint(tmp_path, learner.policy, learner.optimizer)
+        load_checkpoint(path, learner.policy, learner.optimizer)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
-import stat
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -175,14 +174,6 @@ def write_acl(run_dir: Path, keys: Keys, producers: list[str]) -> tuple[Path, di
         f.write("\n".join(lines) + "\n")
     env = {role: {USERNAME_ENV: role, PASSWORD_FILE_ENV: str(files[role].resolve())} for role in users}
     return acl_file, env
-
-
-def private_violations(run_dir: Path) -> list[str]:
-    """`path mode` of everything under run_dir (itself included) that group or others may access (sockets
-    aside: their access is the directory's); [] for a private run."""
-    paths = [run_dir, *run_dir.rglob("*")]
-    return [f"{p} {stat.S_IMODE(p.lstat().st_mode):o}" for p in paths
-            if not p.is_socket() and stat.S_IMODE(p.lstat().st_mode) & PRIVATE_UMASK]
 
 
 def write_private(path: Path, text: str) -> None:

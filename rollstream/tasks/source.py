@@ -138,12 +138,6 @@ class PromptSource:
         """True when every position draws a new prompt (``fresh_from_task``) rather than a fixed set."""
         return self._fresh is not None
 
-    def train_prompts(self) -> list[Prompt]:
-        """Return the training prompts of epoch 0 in their unshuffled order."""
-        if self._fresh is not None:
-            return [self.prompt_at(0, i) for i in range(self._size)]
-        return list(self._train)
-
     def prompt_at(self, epoch: int, pos: int) -> Prompt:
         """The training prompt at position ``pos`` of ``epoch`` (the same for every shard and restart)."""
         if self._fresh is None:
