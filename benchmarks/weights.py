@@ -39,7 +39,6 @@ import torch
 from torch import nn
 
 from rollstream.bus import connect, delete_run
-from rollstream.model.base import load_state_dict_from_bytes, state_dict_to_bytes
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import free_port, redis_server_binary, wait_for_redis
 from rollstream.weights import (
@@ -49,7 +48,7 @@ from rollstream.weights import (
     publish_module_weights,
     publish_weights,
 )
-from rollstream.weights_file import unique_state
+from rollstream.weights_io import load_bytes_into, module_bytes, unique_state
 
 INLINE_MAX = 64 << 20  # the bus.weights_inline_max_bytes default
 
@@ -97,7 +96,7 @@ class Holder:
 
     def load_state_dict_bytes(self, data: bytes) -> None:
         """Inline blobs (not used above the inline limit)."""
-        load_state_dict_from_bytes(self.module, data)
+        load_bytes_into(self.module, data)
 
 
 def first_token(model: nn.Module, preset: str) -> float:
@@ -128,7 +127,7 @@ def measure_path(r: redis.Redis, trainer: nn.Module, producer: nn.Module, preset
                                         file_dir=work_dir, transport="redis" if path == "redis" else "file",
                                         chunk_bytes=chunk_bytes)
         else:
-            pv = publish_weights(r, keys, version, state_dict_to_bytes(trainer), global_step=version,
+            pv = publish_weights(r, keys, version, module_bytes(trainer), global_step=version,
                                  inline_max_bytes=INLINE_MAX, file_dir=work_dir)
         out["publish_s"] = time.perf_counter() - t0
         out["publish_peak_extra_mib"] = (rss("VmHWM:") - before) / 2**20
@@ -138,7 +137,7 @@ def measure_path(r: redis.Redis, trainer: nn.Module, producer: nn.Module, preset
         before = reset_peak()
         t0 = time.perf_counter()
         if path == "bytes":
-            load_state_dict_from_bytes(producer, load_weights(r, pv))
+            load_bytes_into(producer, load_weights(r, pv))
         else:
             load_weights_into(r, pv, Holder(producer))  # type: ignore[arg-type]
         out["load_s"] = time.perf_counter() - t0

@@ -11,7 +11,8 @@ per-position partial credit is almost never earned and GRPO groups are mostly al
            the demo's allowed "short supervised warm start that itself ends under 10% exact match".
 
     policy, report = warm_start(cfg, mode="reverse")
-    save_policy(policy, "warm.safetensors")   # the trainer starts from it with model.init_from=warm.safetensors
+    save_policy(policy, "warm.safetensors")   # rollstream.weights_io; the trainer starts from it with
+                                              # model.init_from=warm.safetensors
 """
 
 from __future__ import annotations
@@ -20,14 +21,12 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_policy, build_prompt_source, build_task
-from rollstream.files import atomic_write
 from rollstream.model import BasePolicy, build_batch
 from rollstream.model.chat import encode_prompt
 from rollstream.tasks import Prompt, Task
@@ -151,12 +150,3 @@ def warm_start(
     report = WarmStartReport(mode, step, float(loss.detach()), acc, reward, fmt, time.perf_counter() - t0)
     return policy, report
 
-
-def save_policy(policy: BasePolicy, path: str | Path) -> None:
-    """Write the policy's weights as a safetensors file (what `model.init_from` reads), atomically."""
-    atomic_write(Path(path), policy.state_dict_bytes())
-
-
-def load_init(policy: BasePolicy, path: str | Path) -> None:
-    """Load a safetensors weights file (from `save_policy`) into the policy in place."""
-    policy.load_state_dict_bytes(Path(path).read_bytes())

@@ -27,7 +27,6 @@ from consumers.trainer.distributed import (
     RankInfo,
     check_strategy,
     consumer_name,
-    state_bytes,
 )
 from consumers.trainer.learner import Learner
 from consumers.trainer.ranks import RoundClaim, rank_info, resolve_round
@@ -35,6 +34,7 @@ from rollstream.config import load_config
 from rollstream.fakes import fake_rollout_sample
 from rollstream.rl import agg_loss
 from rollstream.rl.masked import agg_count
+from rollstream.weights_io import state_bytes
 
 TINY = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu",
         "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=2", "data.train_batch_size=8", "rollout.n=4"]

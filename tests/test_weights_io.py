@@ -16,7 +16,7 @@ from torch import nn
 
 from rollstream.names import Keys
 from rollstream.weights import WeightsError, latest_param_version, load_weights_into, publish_module_weights
-from rollstream.weights_file import file_sha256, load_file_into, module_file_bytes, unique_state, write_module
+from rollstream.weights_io import file_sha256, load_file_into, module_file_bytes, unique_state, write_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,9 +46,9 @@ class Holder:
 
     def load_state_dict_bytes(self, data: bytes) -> None:
         """Inline path."""
-        from rollstream.model.base import load_state_dict_from_bytes
+        from rollstream.weights_io import load_bytes_into
 
-        load_state_dict_from_bytes(self.module, data)
+        load_bytes_into(self.module, data)
 
 
 def same(a: nn.Module, b: nn.Module) -> bool:

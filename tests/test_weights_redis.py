@@ -20,10 +20,10 @@ from rollstream.weights import (
     publish_module_weights,
     register_producer_version,
 )
-from rollstream.weights_file import module_file_bytes
+from rollstream.weights_io import module_file_bytes
 from rollstream.weights_redis import chunk_key, parse_chunks_uri
 from schemas import ParamVersion
-from tests.test_weights_file import Holder, Tied, same
+from tests.test_weights_io import Holder, Tied, same
 
 CHUNK = 1024
 

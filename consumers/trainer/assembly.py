@@ -9,10 +9,11 @@ every per-token array on the right, with 0. The learner trains on these as they 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from rollstream.rl.metrics import summary_stats
 from schemas import DataProto, RolloutSample
 from schemas.ragged import RESPONSE_MASK, RaggedBatch
 
@@ -123,16 +124,7 @@ def tool_call_stats(samples: Sequence[RolloutSample]) -> dict[str, float]:
     """verl's `timing_s/agent_loop/tool_calls/{max,min,mean}` over rows; {} when no sample used tools."""
     if not any(s.tool_calls for s in samples):
         return {}
-    a = np.asarray(row_tool_seconds(samples), dtype=np.float64)
-    return {
-        f"{TOOL_PREFIX}/max": float(a.max()),
-        f"{TOOL_PREFIX}/min": float(a.min()),
-        f"{TOOL_PREFIX}/mean": float(a.mean()),
-    }
-
-
-#: Reorders an assembled batch's rows (e.g. balancing tokens across data-parallel ranks); see balance.py.
-BalanceFn = Callable[[DataProto], DataProto]
+    return summary_stats(row_tool_seconds(samples), TOOL_PREFIX)
 
 
 def _meta_info(samples: Sequence[RolloutSample]) -> dict[str, object]:
@@ -181,9 +173,7 @@ def assemble_micro_batches(
     return out, _metrics(samples)
 
 
-def assemble_batch_from_rollout_samples(
-    samples: list[RolloutSample], pad_id: int = 0, balance_batch: BalanceFn | None = None
-) -> tuple[DataProto, dict[str, float]]:
+def assemble_batch_from_rollout_samples(samples: list[RolloutSample]) -> tuple[DataProto, dict[str, float]]:
     """The samples' rows as one padded batch [sum n rows] (every row padded to the batch's widest prompt and
     response) -> (batch, metrics).
 
@@ -191,15 +181,8 @@ def assemble_batch_from_rollout_samples(
     `trajectory_param_versions` (per row: the version of its last token), `param_version_diversity`
     (distinct end versions over the trajectories), `global_token_num` (per row: prompt + response tokens).
     Metrics: processing-time percentiles, tool-call times, partial-rollout stats and the first sample's
-    rollout_status under `fully_async/`. `balance_batch`, when given, reorders the rows (whole groups)
-    and global_token_num alike, as verl does. `pad_id` must be 0 (the wire convention); an empty list raises
+    rollout_status under `fully_async/`. Rows are padded with 0 (the wire convention). An empty list raises
     ValueError.
     """
-    if pad_id != 0:
-        raise ValueError(f"the wire convention pads with 0, got pad_id={pad_id}")
     parts, metrics = assemble_micro_batches(samples, 0)
-    batch = parts[0]
-    if balance_batch is not None:
-        batch = balance_batch(batch)
-        batch.meta_info["global_token_num"] = batch.tensors["attention_mask"].sum(axis=-1).astype(int).tolist()
-    return batch, metrics
+    return parts[0], metrics

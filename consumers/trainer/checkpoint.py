@@ -37,8 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from rollstream.files import atomic_write, private_dir
 from rollstream.model import BasePolicy
-from rollstream.model.base import load_state_dict_checked
-from rollstream.weights_file import unique_state
+from rollstream.weights_io import load_tensors_into, unique_state
 from schemas import decode_payload, encode_payload
 
 _NAME = re.compile(r"^step-(\d{8})\.safetensors$")
@@ -226,7 +225,7 @@ def load_checkpoint(path: Path, policy: BasePolicy, optimizer: torch.optim.Optim
     """Restore weights, optimizer state and RNG states from `path`; returns its metadata dict, upgraded
     to META_VERSION."""
     weights, optimizer_state, meta = read_checkpoint(load_file(str(path)))
-    load_state_dict_checked(policy.module, weights)
+    load_tensors_into(policy.module, weights)
     optimizer.load_state_dict(optimizer_state)
     return meta
 
@@ -248,16 +247,6 @@ def read_checkpoint(
     else:
         _restore_rng(tensors, rng)
     return model, optimizer_state, meta
-
-
-def load_latest_checkpoint(
-    ckpt_dir: Path, policy: BasePolicy, optimizer: torch.optim.Optimizer
-) -> dict[str, Any] | None:
-    """Restore the newest checkpoint in `ckpt_dir` (see load_checkpoint); None when there is none."""
-    found = list_checkpoints(ckpt_dir)
-    if not found:
-        return None
-    return load_checkpoint(found[-1][1], policy, optimizer)
 
 
 def copy_checkpoint(src_dir: Path, dst_dir: Path, global_step: int) -> Path:

@@ -25,20 +25,19 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save as st_save
 from torch import nn
 
 from consumers.trainer.ranks import RankInfo, consumer_name, rank_info
 from schemas import decode_payload, encode_payload
 
-__all__ = ["DataParallel", "DistributedError", "RankInfo", "check_strategy", "consumer_name", "dedupe_state", "rank_info", "state_bytes", "watch_parent"]
+__all__ = ["DataParallel", "DistributedError", "RankInfo", "check_strategy", "consumer_name", "rank_info", "watch_parent"]
 
 log = logging.getLogger(__name__)
 
@@ -114,25 +113,6 @@ def _shard(module: nn.Module) -> None:
             for block in child:
                 fully_shard(block)
     fully_shard(module)
-
-
-def state_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
-    """safetensors bytes of a state dict whose tied tensors appear once (see dedupe_state)."""
-    return st_save({k: v.contiguous() for k, v in state.items()})
-
-
-def dedupe_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A state dict with a tensor shared by several names (tied weights) kept once, under its first name
-    (as rollstream.weights_file.unique_state does for a module), on the CPU."""
-    keep: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()  # (storage, offset, shape) of each kept tensor
-    for name, t in state.items():
-        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(int(d) for d in t.shape))
-        if key in seen and key[0] != 0:
-            continue
-        seen.add(key)
-        keep[name] = t.detach().cpu()
-    return keep
 
 
 class DataParallel:

@@ -34,18 +34,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from consumers.trainer.distributed import DataParallel, RankInfo, dedupe_state
+from consumers.trainer.distributed import DataParallel, RankInfo
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_policy
 from rollstream.model import BasePolicy
-from rollstream.model.base import load_state_dict_checked, resolve_device
+from rollstream.model.base import resolve_device
 from rollstream.rl import (
     AggMode,
     agg_loss,
     grpo_advantages,
     grpo_token_advantages,
-    kl_penalty,
     length_metrics,
+    low_var_kl,
     ppo_loss,
     reward_metrics,
 )
@@ -57,8 +57,7 @@ from rollstream.rl.rollout_correction import (
     normalize_totals,
     rollout_correction,
 )
-from rollstream.warmstart import load_init
-from rollstream.weights_file import unique_state
+from rollstream.weights_io import load_init, load_tensors_into, unique_state, unique_tensors
 from schemas import DataProto
 
 log = logging.getLogger(__name__)
@@ -196,7 +195,7 @@ class Learner:
         if not self.dp.sharded:
             return unique_state(self.policy.module)
         state = self.dp.full_state_dict(self.policy.module)
-        return dedupe_state(state) if self.dp.is_main else {}
+        return unique_tensors(state) if self.dp.is_main else {}
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state_dict, index-keyed; under fsdp whole (a collective; rank 0's alone)."""
@@ -207,7 +206,7 @@ class Learner:
         if self.dp.sharded:
             self.dp.load_full_state(self.policy.module, self.optimizer, weights, optimizer_state)
             return
-        load_state_dict_checked(self.policy.module, weights)
+        load_tensors_into(self.policy.module, weights)
         self.optimizer.load_state_dict(optimizer_state)
 
     def _dp_count(self, total: float) -> tuple[float, int]:
@@ -335,7 +334,7 @@ class Learner:
                 if ent_coef > 0:
                     m_loss = m_loss - ent_coef * m_ent
                 if ref_logp is not None:
-                    m_kl = agg_loss(kl_penalty(logp, ref_logp, "low_var_kl"), m_resp, mode)
+                    m_kl = agg_loss(low_var_kl(logp, ref_logp), m_resp, mode)
                     m_loss = m_loss + self.actor.kl_coef * m_kl
                     kl += float(m_kl.detach()) * share
                 (m_loss * grad_share).backward()

@@ -15,12 +15,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
-from rollstream.model.chunked import chunked_logprobs_entropy
+from rollstream.model.logprobs import chunked_logprobs_entropy, logprobs_entropy
 from rollstream.model.tokenizer import Tokenizer
+from rollstream.weights_io import load_bytes_into, module_bytes
 
 
 @dataclass
@@ -142,49 +141,6 @@ def check_generate_args(
         raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} > max_seq_len {limit}")
 
 
-def _alias_groups(module: nn.Module) -> list[list[str]]:
-    """State-dict names grouped by shared storage (tied weights), first name kept in bytes."""
-    groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
-    for name, t in module.state_dict(keep_vars=False).items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        groups.setdefault(key, []).append(name)
-    return list(groups.values())
-
-
-def state_dict_to_bytes(module: nn.Module) -> bytes:
-    """safetensors bytes of the module's state dict (tied tensors stored once, under the first name)."""
-    sd = module.state_dict()
-    keep = {names[0] for names in _alias_groups(module)}
-    return st_save({k: v.detach().contiguous() for k, v in sd.items() if k in keep})
-
-
-def load_state_dict_from_bytes(module: nn.Module, data: bytes) -> None:
-    """Copy safetensors bytes into the module in place; refuse unknown or missing (non-tied) names."""
-    load_state_dict_checked(module, st_load(data))
-
-
-def check_state_names(module: nn.Module, names: set[str]) -> None:
-    """ValueError unless `names` are state-dict names of the module covering all of it (a tied tensor
-    under any one of its names)."""
-    expected = set(module.state_dict())
-    unexpected = sorted(names - expected)
-    if unexpected:
-        raise ValueError(f"weights have unknown tensors: {unexpected[:5]}")
-    covered = set(names)
-    for group in _alias_groups(module):
-        if covered.intersection(group):
-            covered.update(group)
-    missing = sorted(expected - covered)
-    if missing:
-        raise ValueError(f"weights lack tensors: {missing[:5]}")
-
-
-def load_state_dict_checked(module: nn.Module, sd: dict[str, Tensor]) -> None:
-    """Copy tensors into the module in place; refuse unknown or missing (non-tied) names."""
-    check_state_names(module, set(sd))
-    module.load_state_dict(sd, strict=False)
-
-
 class BasePolicy(ABC):
     """The policy interface the producer and trainer use: generate, log_probs, weights as bytes."""
 
@@ -302,7 +258,7 @@ class BasePolicy(ABC):
         """Per-token log-prob and entropy [B,R] of the last R tokens under softmax(logits / temperature)
         (the sampling distribution, as verl's actor computes it); grad follows torch grad mode. With
         `logprob_chunk_size` > 0 and a backend giving hidden states, the output head runs chunk by chunk
-        (rollstream.model.chunked): same numbers, peak memory O(chunk x vocab)."""
+        (rollstream.model.logprobs): same numbers, peak memory O(chunk x vocab)."""
         if response_len < 1 or response_len >= input_ids.shape[1]:
             raise ValueError(f"response_len {response_len} must be in [1, {input_ids.shape[1] - 1}]")
         if not temperature > 0:
@@ -314,13 +270,8 @@ class BasePolicy(ABC):
                 hidden, weight, bias = head
                 labels = ids[:, -response_len:]
                 return chunked_logprobs_entropy(hidden, weight, bias, labels, temperature, self.logprob_chunk_size)
-        logits = self._response_logits(ids, mask, response_len).float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp_all = F.log_softmax(logits, dim=-1)  # [B,R,V]
-        logp = logp_all.gather(-1, ids[:, -response_len:, None]).squeeze(-1)  # [B,R]
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B,R]
-        return logp, entropy
+        logits = self._response_logits(ids, mask, response_len)  # [B,R,V]
+        return logprobs_entropy(logits, ids[:, -response_len:], temperature)  # [B,R], [B,R]
 
     def log_probs(
         self, input_ids: Tensor, attention_mask: Tensor, response_len: int, temperature: float = 1.0
@@ -331,11 +282,11 @@ class BasePolicy(ABC):
     # ---- weights and modes -----------------------------------------------------------------------
     def state_dict_bytes(self) -> bytes:
         """The weights as safetensors bytes."""
-        return state_dict_to_bytes(self.module)
+        return module_bytes(self.module)
 
     def load_state_dict_bytes(self, data: bytes) -> None:
         """Load safetensors bytes (from `state_dict_bytes`) into the weights in place."""
-        load_state_dict_from_bytes(self.module, data)
+        load_bytes_into(self.module, data)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The trainable parameters (for the optimizer)."""
