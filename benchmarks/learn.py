@@ -33,7 +33,7 @@ from typing import Any
 
 from rollstream.config import load_config
 from rollstream.ops.progress import Curve, watch_run
-from rollstream.ops.target import open_run
+from rollstream.ops.run_target import open_run
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {

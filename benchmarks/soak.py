@@ -33,7 +33,7 @@ from rollstream.config import load_config
 from rollstream.names import TRAINER_GROUP
 from rollstream.ops import process
 from rollstream.ops.plan import SuperviseError, plan_run
-from rollstream.ops.target import open_run
+from rollstream.ops.run_target import open_run
 
 SOAK_CONFIG = [
     "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=2", "rollout.n=4",

@@ -38,8 +38,8 @@ from rollstream.model.base import resolve_dtype
 from rollstream.model.hf import make_tiny_hf_model
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
+from rollstream.ops.run_target import open_run
 from rollstream.ops.runcheck import behaviour_logprob_error, producer_stats, throughput, wait_for_steps
-from rollstream.ops.target import open_run
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOW_CPU_ENV = "ROLLSTREAM_GPU_CHECK_ALLOW_CPU"

@@ -189,7 +189,7 @@ def test_cumulative_counters_are_never_averaged_in_a_record() -> None:
 
 
 def test_producer_stats_below_the_step_end_id_are_used_whatever_the_feed_order() -> None:
-    """Stats come from their own stream (issue 12): a record uses each producer's latest stats entry with an
+    """Stats come from their own stream (producers may not write `metrics`): a record uses each producer's latest stats entry with an
     id below its step_end's, so the live worker (stats drained first) and replay (id order) agree."""
     stats = [("stats:1-0", producer_stats("a", 1, 10.0, 0.5, 0)), ("stats:5-0", producer_stats("a", 9, 90.0, 0.0, 1))]
     steps = [("2-0", lu(1, 1, 1, y=1.0)), ("3-0", end(1, 1))]

@@ -168,7 +168,7 @@ def test_incomplete_step_is_reported_once(
 def test_what_cannot_be_placed_is_dead_lettered_not_folded(
     r: redis.Redis, keys: Keys, dst_keys: Keys, tmp_path: Path, redis_url: str
 ) -> None:
-    """Issue 12, findings 1 and 7: a forged step far ahead must not complete a record, block the real
+    """A forged step far ahead must not complete a record, block the real
     ones, or stay pending; wrong-stream events are dead-lettered; replay folds what live folded."""
     cfg = make_cfg(keys, tmp_path, redis_url)
     real = [lu(1, 1, 2, x=1.0), step_end(1, 1), lu(2, 1, 2, x=2.0), step_end(2, 1)]

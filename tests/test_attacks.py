@@ -1,4 +1,4 @@
-"""A malicious producer (issue 12): what it can put on `rollouts` with valid credentials goes to `dead`
+"""A malicious producer: what it can put on `rollouts` with valid credentials goes to `dead`
 with a reason naming the field and value, and the trainer goes on training the real samples."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 6 launch test: `rollstream run` a tiny config under supervisord with an embedded Redis, wait for 3
+"""Launch test: `rollstream run` a tiny config under supervisord with an embedded Redis, wait for 3
 records, read them with redis-cli, `rollstream stop`, and every process exited 0."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_run_wait_for_records_then_stop_cleanly(tmp_path: Path) -> None:
 @pytest.mark.skipif(WORKERS_MISSING, reason="worker packages (producers, consumers.trainer, consumers.aggregator) not there yet")
 def test_watch_follows_a_run_to_its_target_and_records_show_recent_train_accuracy(tmp_path: Path) -> None:
     from rollstream.ops.progress import read_new_records
-    from rollstream.ops.target import open_run
+    from rollstream.ops.run_target import open_run
     from schemas import RolloutSample, decode
 
     args = ["pipeline.yaml", *TINY, "trainer.test_freq=1", "actor.adv_estimator=grpo_token",

@@ -16,7 +16,7 @@ of the run dir, or the output of `rollstream status` / `stop`.
 Redis is killed with SIGKILL, not stopped gracefully: the embedded redis fsyncs every write, so nothing
 it acknowledged is lost.
 
-Then (issue 12) a malicious producer, with a real producer's credentials, tries to forge trainer events
+Then a malicious producer, with a real producer's credentials, tries to forge trainer events
 (refused by ACL), and XADDs rollouts from the future, with a header that lies about the payload, with an
 unknown field, and over the size limit (all dead-lettered, with reasons); then Redis alone is SIGKILLed
 and restarted, and every worker must keep its PID (reconnected in place, not restarted). After the stop,
@@ -44,7 +44,7 @@ from rollstream.fakes import fake_rollout_sample, step_end
 from rollstream.names import COMMITTED_STEP_FIELD, Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.process import rpc
-from rollstream.ops.target import SECRETS_DIR, open_run
+from rollstream.ops.run_target import SECRETS_DIR, open_run
 from schemas import DeadLetter, decode, encode
 from tests.test_ops_supervise import private_violations
 

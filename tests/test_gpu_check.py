@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh (issue 15): refuses to pretend without a GPU, and with --allow-cpu runs the same
+"""scripts/gpu_check.sh: refuses to pretend without a GPU, and with --allow-cpu runs the same
 pipeline check on the CPU (small settings here), printing the rates and a clean audit."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""HF backend beyond the Llama basics (issue 15): Qwen2 and Llama built in the test with locally built
+"""HF backend beyond the Llama basics: Qwen2 and Llama built in the test with locally built
 tokenizers (char-level WordLevel, byte-level BPE trained here), behaviour log-probs against the trainer's
 recompute, chunked log-probs (same numbers and gradients, bounded memory), gradient checkpointing,
 model.dtype, and chat-template prompts and tool turns."""

@@ -1,4 +1,4 @@
-"""Issue 15: `rollstream run model.backend=hf model.hf_path=DIR` end to end, for a tiny random Llama (char
+"""`rollstream run model.backend=hf model.hf_path=DIR` end to end, for a tiny random Llama (char
 tokenizer, reverse task) and a tiny random Qwen2 (byte-level BPE with a chat template, the arith task in
 multi-turn tool mode), both built and saved in the test (no downloads).
 
@@ -29,8 +29,8 @@ from rollstream.audit import audit_run  # noqa: E402
 from rollstream.model.hf import make_tiny_hf_model  # noqa: E402
 from rollstream.names import Keys  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
+from rollstream.ops.run_target import open_run  # noqa: E402
 from rollstream.ops.runcheck import behaviour_logprob_error, throughput, wait_for_steps  # noqa: E402
-from rollstream.ops.target import open_run  # noqa: E402
 from rollstream.weights import producer_versions  # noqa: E402
 
 STEPS = 3

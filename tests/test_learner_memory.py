@@ -1,4 +1,4 @@
-"""The trainer's memory knobs change no number (issue 15): a local update accumulated over micro-batches
+"""The trainer's memory knobs change no number: a local update accumulated over micro-batches
 (`actor.micro_batch_size`) equals the whole-mini-batch update, for every loss aggregation, with the entropy
 bonus and the KL term on, on the tiny GPT and on an HF model with gradient checkpointing and chunked
 log-probs."""

@@ -190,7 +190,7 @@ def test_supervisord_lifecycle_with_standin_workers(tmp_path: Path, capsys: pyte
 
 
 def assert_private(run_dir: Path) -> None:
-    """Issue 12, finding 6: the run dir is 0700 and nothing under it (AOF, logs, configs, secrets) is
+    """A run's files are private to its user: the run dir is 0700 and nothing under it (AOF, logs, configs, secrets) is
     readable by group or others."""
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     assert private_violations(run_dir) == []

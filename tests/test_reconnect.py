@@ -1,4 +1,4 @@
-"""Issue 12, finding 4: a Redis restart (SIGKILL, AOF, same port) is ridden out in place by every worker:
+"""A Redis restart (SIGKILL, AOF, same port) is ridden out in place by every worker:
 trainer, producer and aggregator keep their PIDs, go on to more records, exit 0 on SIGTERM, and the log
 audits clean (nothing lost, nothing trained twice, records equal to replay)."""
 

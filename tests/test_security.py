@@ -88,7 +88,7 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
     assert prod.get(keys.budget(0)) == b"7"  # the released prompt's room is back (6 left + 1)
     assert latest_param_version(prod, keys) is not None and prod.get(keys.weights(0)) == b"w" * 16
 
-    # and nothing else (issue 12, finding 5): each command a compromised producer could try
+    # and nothing else (a compromised producer must not reach another role's keys): each command a compromised producer could try
     forbidden = {
         "read rollouts": lambda: prod.xrange(keys.rollouts),
         "write weights": lambda: prod.set(keys.weights(1), b"evil"),

@@ -75,7 +75,7 @@ def as_schema_1(sample: RolloutSample) -> dict[str, Any]:
 class FakeProducer(threading.Thread):
     """Takes budget for the newest version, publishes fake samples stamped with it; the 5th (those at the
     `corrupt_at` indices) is corrupt, and every other one is written in RolloutSample schema 1 (the padded
-    int64 batch of writers before issue 17; `as_schema_1`). `cap[v]` limits how many prompts it dispatches for version v (until the
+    int64 batch that schema still decodes into; `as_schema_1`). `cap[v]` limits how many prompts it dispatches for version v (until the
     cap is removed)."""
 
     def __init__(

@@ -28,7 +28,7 @@ from rollstream.bus import iter_stream
 from rollstream.names import TRAINER_GROUP, Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.process import rpc
-from rollstream.ops.target import open_run
+from rollstream.ops.run_target import open_run
 from schemas import StepMetrics, SyncStepRecord, decode
 
 SEED = int(os.environ.get("ROLLSTREAM_FAULT_SEED", "7"))

@@ -187,7 +187,7 @@ def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
 
 def test_a_checkpoint_with_old_format_metadata_loads_upgraded(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
     """Metadata written before it had a version (fates with `entry_id`, no `global_step`) is upgraded on
-    load, and committing its steps writes the fates entries the old code wrote."""
+    load, and committing its steps writes the same fates entries as current metadata would."""
     cfg = load_config(None, TINY + ["actor.ppo_mini_batch_size=2", "data.train_batch_size=4"])
     learner = Learner(cfg)
     path = save_checkpoint(tmp_path, 4, learner.policy, learner.optimizer, {"param_version": 4, "steps": []})

@@ -28,8 +28,8 @@ from rollstream.model.hf import make_tiny_hf_model  # noqa: E402
 from rollstream.names import Keys  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from rollstream.ops.process import rpc  # noqa: E402
+from rollstream.ops.run_target import open_run  # noqa: E402
 from rollstream.ops.runcheck import behaviour_logprob_error, producer_stats, wait_for_steps  # noqa: E402
-from rollstream.ops.target import open_run  # noqa: E402
 from rollstream.weights import producer_versions  # noqa: E402
 
 STEPS = 3

@@ -1,4 +1,4 @@
-"""Weights above bus.weights_inline_max_bytes (issue 15): streamed to a safetensors file tensor by tensor,
+"""Weights above bus.weights_inline_max_bytes: streamed to a safetensors file tensor by tensor,
 announced on `params`, hashed and read back into a producer's model in place, in bounded memory."""
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from typing import Any
 import redis
 
 from rollstream.bus.connection import CONNECTION_ERRORS, connection_count, retry_on_connection
+from rollstream.bus.ids import text
 from rollstream.bus.publish import ensure_group
-from rollstream.bus.streams import text
 from schemas import DEFAULT_LIMITS, DecodeError, Event, Limits, dead_letter_of, decode, encode
 
 log = logging.getLogger(__name__)

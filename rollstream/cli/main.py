@@ -21,7 +21,7 @@ from typing import Any
 from rollstream.bus import CONNECTION_ERRORS
 from rollstream.config import ConfigError, config_to_yaml, load_config
 from rollstream.ops.log_server import LogServerError
-from rollstream.ops.target import RunTarget, mask_url, open_run
+from rollstream.ops.run_target import RunTarget, mask_url, open_run
 
 
 def _cmd_config(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ private redis-server up on that AOF, the command reads through it, and the serve
   permission on keys (`%R~*`); the default user stays off with every permission, because redis 7.0
   replays the AOF's MULTI/EXEC blocks with the default user's rights.
 
-The run's own `rollstream run` later resumes from the untouched AOF as before.
+The run's own `rollstream run` later resumes from the AOF, which the reader never touched.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from rollstream.bus import CONNECTION_ERRORS
 from rollstream.config import config_to_yaml
 from rollstream.ops.embedded_redis import EmbeddedRedis, redis_server_binary, wait_for_redis
 from rollstream.ops.plan import private_dir, write_private
-from rollstream.ops.target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, RunTarget
+from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, RunTarget
 
 #: AOF folder and manifest names of redis 7's multi-part AOF (redis' defaults, which the run uses).
 AOF_DIR = "appendonlydir"

@@ -42,7 +42,7 @@ from rollstream.files import private_dir
 from rollstream.names import Keys
 from rollstream.names import producer_names as _producer_names
 from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded
-from rollstream.ops.target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, split_password
+from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, split_password
 from rollstream.security import ROLES, acl_rules, generate_passwords
 from rollstream.worker import REDIS_URL_ENV
 

@@ -31,7 +31,7 @@ from rollstream.ops.plan import (
     SuperviseError,
     supervisor_socket,
 )
-from rollstream.ops.target import RunTarget
+from rollstream.ops.run_target import RunTarget
 
 # --- talking to a running supervisord ----------------------------------------------------------------
 
