@@ -101,7 +101,8 @@ def _generate_turn(
     weights: VersionSource,
     generator: torch.Generator | None,
 ) -> tuple[list[Completion], int, list[int]]:
-    """One generate call over `histories` (n=1 each) -> (trajectories, version at start, version after each swap)."""
+    """One generate call over `histories` (n=1 each) -> (trajectories, version at start, version after each
+    swap)."""
     swaps: list[int] = []
 
     def on_chunk() -> bool:
@@ -131,7 +132,8 @@ def _version_of_last_token(traj: Completion, kept: int, start: int, swaps: list[
 
 
 def tool_cut(task: Task, tokenizer: Tokenizer, ids: Sequence[int]) -> int | None:
-    """Length of the shortest prefix of `ids` that ends with a complete tool call (None: no call before eos)."""
+    """Length of the shortest prefix of `ids` that ends with a complete tool call (None: no call before
+    eos)."""
     for k in range(1, len(ids) + 1):
         if ids[k - 1] == tokenizer.eos_id:
             return None

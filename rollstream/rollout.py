@@ -1,6 +1,7 @@
 """Rollouts: a prompt -> the generation batch (verl's prepare_single_generation_data), the `Trajectory`
 an agent loop fills, and finished trajectories -> one RolloutSample in the wire conventions the trainer
-reads (`build_rollout_sample`: ragged arrays, nothing padded). Producers publish what this module builds, and the test and benchmark
+reads (`build_rollout_sample`: ragged arrays, nothing padded). Producers publish what this module builds, and
+the test and benchmark
 fakes (rollstream/fakes.py) are built with it too."""
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ def failed_trajectories(batch: DataProto, param_version: int, seconds: float) ->
     """One empty trajectory per row of a generation batch whose generation failed: the row's prompt, no
     response, unfinished (the producer still publishes the group, marked as a rollout failure)."""
     return [
-        Trajectory(prompt_ids=row, version_start=param_version, version_end=param_version, processing_time_s=seconds)
+        Trajectory(
+            prompt_ids=row, version_start=param_version, version_end=param_version, processing_time_s=seconds
+        )
         for row in prompt_rows(batch)
     ]
 
@@ -123,7 +126,9 @@ def token_scores(
     chars = reward.char_scores
     if chars is not None:
         lengths = [len(tokenizer.decode([t])) for t in response_ids]
-        if sum(lengths) == len(chars) and all(m or not n for m, n in zip(response_mask, lengths, strict=True)):
+        if sum(lengths) == len(chars) and all(
+            m or not n for m, n in zip(response_mask, lengths, strict=True)
+        ):
             pos = 0
             for i, n in enumerate(lengths):
                 out[i] = sum(chars[pos : pos + n])
@@ -207,7 +212,11 @@ def build_rollout_sample(
                   for t, rw in zip(trajectories, rewards, strict=True)]
     batch = ragged_batch(trajectories, tokenizer.vocab_size, scores)
     batch.rows["rewards"] = np.asarray([rw.score for rw in rewards], dtype=np.float32)
-    texts = list(response_texts) if response_texts is not None else [tokenizer.decode(t.response_ids) for t in trajectories]
+    texts = (
+        list(response_texts)
+        if response_texts is not None
+        else [tokenizer.decode(t.response_ids) for t in trajectories]
+    )
     batch.non_tensors.update({
         "uid": object_array([sample_id] * n),
         "raw_prompt": object_array([raw_prompt] * n),
@@ -233,7 +242,9 @@ def build_rollout_sample(
         agent_loop_output_list=outputs,
         processing_times=[t.processing_time_s for t in trajectories],
         tool_calls=list(tool_calls),
-        param_version_start=[t.version_start if t.version_start >= 0 else param_version for t in trajectories],
+        param_version_start=[
+            t.version_start if t.version_start >= 0 else param_version for t in trajectories
+        ],
         param_version_end=[t.version_end if t.version_end >= 0 else param_version for t in trajectories],
         rollout_status=dict(rollout_status),
         producer=producer,

@@ -89,8 +89,12 @@ def greedy_scores(policy: BasePolicy, cfg: PipelineConfig) -> tuple[float, float
 def _greedy_exact(policy: BasePolicy, task: Task, prompts: list[Prompt], max_new_tokens: int) -> float:
     """Share of prompts whose greedy answer is exact."""
     tok = policy.tokenizer
-    trajs = policy.generate([encode_prompt(tok, p.text) for p in prompts], n=1, max_new_tokens=max_new_tokens, greedy=True)
-    return sum(task.reward(p, tok.decode(t.response_ids)).exact for p, t in zip(prompts, trajs, strict=True)) / len(prompts)
+    trajs = policy.generate(
+        [encode_prompt(tok, p.text) for p in prompts], n=1, max_new_tokens=max_new_tokens, greedy=True
+    )
+    return sum(
+        task.reward(p, tok.decode(t.response_ids)).exact for p, t in zip(prompts, trajs, strict=True)
+    ) / len(prompts)
 
 
 def warm_start(

@@ -164,7 +164,8 @@ def iter_weight_tensors(r: redis.Redis, pv: ParamVersion) -> Iterator[tuple[str,
 
     from rollstream.weights_io import file_sha256
 
-    if pv.uri.startswith(CHUNKS_SCHEME):  # into a private temp file, opened, then unlinked (the handle reads it)
+    # into a private temp file, opened, then unlinked (the handle reads it)
+    if pv.uri.startswith(CHUNKS_SCHEME):
         with tempfile.TemporaryDirectory(prefix="rollstream-weights-") as tmp:
             handle = safe_open(str(_gather_chunks(r, pv, Path(tmp))), framework="pt")
         return ((name, handle.get_tensor(name)) for name in handle.keys())

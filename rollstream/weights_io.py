@@ -182,7 +182,9 @@ def read_header(f: IO[bytes], file_bytes: int) -> tuple[dict[str, Any], int]:
     return meta, 8 + n
 
 
-def _entries(meta: dict[str, Any], data_start: int, file_bytes: int) -> Iterator[tuple[str, torch.dtype, list[int], int, int]]:
+def _entries(
+    meta: dict[str, Any], data_start: int, file_bytes: int
+) -> Iterator[tuple[str, torch.dtype, list[int], int, int]]:
     """(name, dtype, shape, start, end) of each tensor in file order; ValueError on bad entries."""
     for name, e in sorted(meta.items(), key=lambda kv: kv[1]["data_offsets"][0]):
         dtype = TORCH_DTYPES.get(e.get("dtype"))
@@ -210,7 +212,9 @@ def load_file_into(module: nn.Module, path: Path) -> None:
         check_state_names(module, {e[0] for e in entries})
         for name, _, shape, _, _ in entries:
             if list(sd[name].shape) != shape:
-                raise ValueError(f"tensor {name}: shape {shape} in the file, {list(sd[name].shape)} in the model")
+                raise ValueError(
+                    f"tensor {name}: shape {shape} in the file, {list(sd[name].shape)} in the model"
+                )
         with torch.no_grad():
             for name, dtype, shape, start, end in entries:
                 target = sd[name]

@@ -37,7 +37,8 @@ class DataProto:
     def adopt(
         cls, tensors: dict[str, Any], non_tensors: dict[str, Any], meta_info: dict[str, Any]
     ) -> DataProto:
-        """Build a batch that takes ownership of fresh dicts (no copies; the codec's decode path); checked as in
+        """Build a batch that takes ownership of fresh dicts (no copies; the codec's decode path); checked as
+        in
         __init__."""
         self = cls.__new__(cls)
         self.tensors, self.non_tensors, self.meta_info = tensors, non_tensors, meta_info

@@ -47,11 +47,13 @@ from schemas.upgrades import upgrade
 EXT_ARRAY = 1  # packed [dtype str, shape, bin (inline) | int (index of field a<i>)]
 EXT_OBJECT_ARRAY = 2  # packed [shape, flat list of msgpack values] -> numpy object array
 # packed [tensors, non_tensors, meta_info] maps; a tensors value may be a bin holding a flat array header
-# (schemas.arrays.pack_head, + inline data), a non_tensors value a list [shape, flat values] of an object array.
+# (schemas.arrays.pack_head, + inline data), a non_tensors value a list [shape, flat values] of an object
+# array.
 EXT_DATAPROTO = 3
 EXT_BYTES = 4  # packed int: index of the raw field a<i> holding a bytes value
 EXT_FLAT_ARRAY = 5  # flat header (schemas.arrays.pack_head) + inline bytes, or + uint32 index of field a<i>
-# packed [layout, tensors, non_tensors, meta_info]: a RolloutSample's batch in schema 2 (the compact layout; read
+# packed [layout, tensors, non_tensors, meta_info]: a RolloutSample's batch in schema 2 (the compact layout;
+# read
 # only, into the ragged form by schemas.ragged.from_compact).
 EXT_COMPACT_BATCH = 6
 # packed [prompt_lens, prompt_ids, response_lens, response_ids, tokens, rows, non_tensors, meta_info]: a
@@ -108,11 +110,12 @@ class _OutOfBand:
 
 def _ext_type(code: int, data: bytes) -> msgpack.ExtType:
     """msgpack.ExtType(code, data) without its argument checks (code and data come from this module)."""
-    return tuple.__new__(msgpack.ExtType, (code, data))  # type: ignore[type-var]
+    return tuple.__new__(msgpack.ExtType, (code, data))
 
 
 class _Packer:
-    """msgpack packer that turns arrays, DataProto and RaggedBatch into ExtTypes, collecting out-of-band buffers."""
+    """msgpack packer that turns arrays, DataProto and RaggedBatch into ExtTypes, collecting out-of-band
+    buffers."""
 
     def __init__(self, out_of_band: bool) -> None:
         """out_of_band=False inlines every array (for standalone payload bytes)."""
@@ -121,7 +124,8 @@ class _Packer:
 
     def pack(self, obj: Any) -> bytes:
         """Pack one value."""
-        return msgpack.packb(obj, default=self._default, use_bin_type=True)
+        packed: bytes = msgpack.packb(obj, default=self._default, use_bin_type=True)
+        return packed
 
     def _ref(self, data: memoryview) -> memoryview | int:
         """Inline small buffers; give large ones a field index."""
@@ -131,8 +135,10 @@ class _Packer:
         return len(self.buffers) - 1
 
     def _array(self, obj: Any) -> bytes | msgpack.ExtType:
-        """A numeric array or tensor as its flat header (+ inline data), or an EXT_ARRAY for dtypes without a code."""
-        if type(obj) is np.ndarray and obj.dtype.kind in WIRE_KINDS:  # the usual case, without building strings
+        """A numeric array or tensor as its flat header (+ inline data), or an EXT_ARRAY for dtypes without a
+        code."""
+        # the usual case, without building strings
+        if type(obj) is np.ndarray and obj.dtype.kind in WIRE_KINDS:
             big = self.out_of_band and obj.nbytes >= INLINE_MAX_BYTES
             flat = flat_array(obj, len(self.buffers) if big else None)
             if flat is not None:
@@ -153,7 +159,8 @@ class _Packer:
         return _ext_type(EXT_ARRAY, self.pack([dtype, shape, data]))
 
     def _dataproto(self, obj: DataProto) -> msgpack.ExtType:
-        """DataProto as [tensors: {name: flat header bin}, non_tensors: {name: [shape, values] | array}, meta]."""
+        """DataProto as [tensors: {name: flat header bin}, non_tensors: {name: [shape, values] | array},
+        meta]."""
         return _ext_type(EXT_DATAPROTO, self.pack(self._parts(obj, obj.tensors)))
 
     def _ragged(self, obj: RaggedBatch) -> msgpack.ExtType:
@@ -161,7 +168,10 @@ class _Packer:
         array = self._array
         try:
             body = [
-                array(obj.prompt_lens), array(obj.prompt_ids), array(obj.response_lens), array(obj.response_ids),
+                array(obj.prompt_lens),
+                array(obj.prompt_ids),
+                array(obj.response_lens),
+                array(obj.response_ids),
                 {key: array(arr) for key, arr in obj.tokens.items()},
                 {key: array(arr) for key, arr in obj.rows.items()},
                 self._non_tensors(obj.non_tensors, obj),
@@ -217,7 +227,8 @@ class _Packer:
         if isinstance(obj, np.generic):
             return obj.item()
         raise TypeError(
-            f"cannot encode {type(obj).__name__} (allowed: msgpack values, numpy, torch, DataProto, RaggedBatch)"
+            f"cannot encode {type(obj).__name__} (allowed: msgpack values, numpy, torch, DataProto, "
+            "RaggedBatch)"
         )
 
 
@@ -234,7 +245,8 @@ class _Unpacker:
         self.fields = fields
         self.limits = limits
         self.depth = 0
-        self.used: set[str | bytes] = set()  # names (str and bytes) of the out-of-band fields the payload referenced
+        # names (str and bytes) of the out-of-band fields the payload referenced
+        self.used: set[str | bytes] = set()
 
     def unpack(self, data: bytes) -> Any:
         """Unpack one value with the configured limits."""
@@ -259,7 +271,8 @@ class _Unpacker:
             self.depth -= 1
 
     def _field(self, ref: Any) -> Any:
-        """The raw bytes of out-of-band field a<ref> (bytes or a byte memoryview), or inline bytes as given."""
+        """The raw bytes of out-of-band field a<ref> (bytes or a byte memoryview), or inline bytes as
+        given."""
         if type(ref) is not int:
             if isinstance(ref, bytes):
                 return ref
@@ -355,7 +368,8 @@ class _Unpacker:
         return DataProto.adopt(*self._parts(tensors, non_tensors, meta_info, "DataProto"))
 
     def _flat(self, value: Any, name: str) -> np.ndarray:
-        """One array of a ragged batch from its flat header bin (or an older array ExtType, already decoded)."""
+        """One array of a ragged batch from its flat header bin (or an older array ExtType, already
+        decoded)."""
         if type(value) is bytes:
             value = array_from_flat(value, self._field, self.limits.max_bin_len)
         if not isinstance(value, np.ndarray):
@@ -438,7 +452,9 @@ def _check_entry_size(fields: Fields, limits: Limits) -> None:
     else:
         total = 0
         for name, value in fields.items():
-            total += len(name) + (len(value) if isinstance(value, bytes | bytearray | memoryview | str) else 0)
+            total += len(name) + (
+                len(value) if isinstance(value, bytes | bytearray | memoryview | str) else 0
+            )
     if total > limits.max_entry_bytes:
         raise DecodeError(f"entry is {total} bytes, over the max_entry_bytes={limits.max_entry_bytes} limit")
 
@@ -470,7 +486,8 @@ def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str | 
     schema = _get(fields, b"schema", "schema")
     if schema is not None and type(raw_schema) is int and _text(schema) != str(raw_schema):
         raise DecodeError(f"header schema={_text(schema)[:40]!r} != payload schema_version={raw_schema}")
-    for name, bname, attr in _header_names(model):  # the values event.header() renders, attribute by attribute
+    # the values event.header() renders, attribute by attribute
+    for name, bname, attr in _header_names(model):
         got = fields.get(bname)  # type: ignore[call-overload]
         if got is None:
             got = fields.get(name)  # type: ignore[call-overload]
@@ -536,7 +553,8 @@ def encode_payload(obj: Any) -> bytes:
 
 
 def decode_payload(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Any:
-    """Inverse of encode_payload; arrays are read-only views of the decoded bytes; failures raise DecodeError."""
+    """Inverse of encode_payload; arrays are read-only views of the decoded bytes; failures raise
+    DecodeError."""
     try:
         if len(data) > limits.max_payload_bytes:
             raise DecodeError(f"payload is {len(data)} bytes, over the {limits.max_payload_bytes} limit")

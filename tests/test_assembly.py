@@ -97,7 +97,10 @@ def test_micro_batches_are_padded_to_their_own_widths() -> None:
     whole, _ = assemble_batch_from_rollout_samples(samples)
     parts, _ = assemble_micro_batches(samples, 3)
     assert [len(p) for p in parts] == [3, 3]
-    assert parts[0].tensors["input_ids"].shape == (3, 4 + 5) and parts[1].tensors["input_ids"].shape == (3, 4 + 5)
+    assert parts[0].tensors["input_ids"].shape == (3, 4 + 5) and parts[1].tensors["input_ids"].shape == (
+        3,
+        4 + 5,
+    )
     small, _ = assemble_micro_batches(samples[:1] + samples[2:], 2)
     assert [p.tensors["input_ids"].shape for p in small] == [(2, 2 + 3), (2, 3 + 1)]
     rows = 0

@@ -62,7 +62,9 @@ def consume(rd: GroupReader, handler: Callable[[list[Message]], None], *, burst:
 def publish_samples(r: redis.Redis, keys: Keys, count: int, start: int = 0) -> list[str]:
     setup_run(r, keys)
     pub = Publisher(r)
-    return pub.publish_many(keys.rollouts, [fake_rollout_sample(f"s{i}", seed=i) for i in range(start, start + count)])
+    return pub.publish_many(
+        keys.rollouts, [fake_rollout_sample(f"s{i}", seed=i) for i in range(start, start + count)]
+    )
 
 
 def dead_entries(r: redis.Redis, keys: Keys) -> list[DeadLetter]:
@@ -101,13 +103,20 @@ def test_round_trip_through_group(r: redis.Redis, keys: Keys) -> None:
 
 def test_headers_are_plain_text_in_redis_cli(r: redis.Redis, keys: Keys, redis_url: str) -> None:
     setup_run(r, keys)
-    Publisher(r).publish(keys.rollouts, fake_rollout_sample("abc-123", param_version=7, epoch=2, producer="rollout_01"))
+    Publisher(r).publish(
+        keys.rollouts, fake_rollout_sample("abc-123", param_version=7, epoch=2, producer="rollout_01")
+    )
     out = subprocess.run(
         ["redis-cli", "-u", redis_url, "--no-raw", "XRANGE", keys.rollouts, "-", "+"],
         capture_output=True, text=True, check=True,
     ).stdout
     lines = [ln.split(")", 1)[-1].strip().strip('"') for ln in out.splitlines()]
-    for name, value in (("sample_id", "abc-123"), ("param_version", "7"), ("epoch", "2"), ("producer", "rollout_01")):
+    for name, value in (
+        ("sample_id", "abc-123"),
+        ("param_version", "7"),
+        ("epoch", "2"),
+        ("producer", "rollout_01"),
+    ):
         i = lines.index(name)
         assert lines[i + 1] == value
 
@@ -119,7 +128,10 @@ def test_malformed_entries_go_to_dead_and_reader_continues(r: redis.Redis, keys:
     bad_entries = {
         "garbage": {"type": b"rollout", "payload": b"\xc1\xff\x00garbage"},
         "truncated": {"type": b"rollout", "payload": bytes(good["payload"])[:-7]},
-        "future schema": {"type": b"rollout", "payload": msgpack.packb({"type": "rollout", "schema_version": 99})},
+        "future schema": {
+            "type": b"rollout",
+            "payload": msgpack.packb({"type": "rollout", "schema_version": 99}),
+        },
         "missing field": {"type": b"rollout", "payload": payload},
         "no payload": {"type": b"rollout", "sample_id": b"x"},
     }
@@ -129,7 +141,10 @@ def test_malformed_entries_go_to_dead_and_reader_continues(r: redis.Redis, keys:
     r.xadd(keys.rollouts, encode(fake_rollout_sample("good-2")))  # type: ignore[arg-type]
     got: list[Message] = []
     consume(reader(r, keys), got.extend, burst=True)
-    assert sorted(m.event.sample_id for m in got if isinstance(m.event, RolloutSample)) == ["good-1", "good-2"]
+    assert sorted(m.event.sample_id for m in got if isinstance(m.event, RolloutSample)) == [
+        "good-1",
+        "good-2",
+    ]
     dead = dead_entries(r, keys)
     assert len(dead) == len(bad_entries)
     assert all(d.reason.startswith("decode:") and d.source == keys.rollouts for d in dead)
@@ -152,7 +167,9 @@ def test_oversized_field_is_dead_lettered(r: redis.Redis, keys: Keys) -> None:
     assert d.source_id and "decode" in d.reason
 
 
-def test_an_oversize_entry_leaves_a_small_dead_copy_with_header_sizes_and_digest(r: redis.Redis, keys: Keys) -> None:
+def test_an_oversize_entry_leaves_a_small_dead_copy_with_header_sizes_and_digest(
+    r: redis.Redis, keys: Keys
+) -> None:
     from rollstream.bus import entry_limits
     from schemas import DEAD_COPY_MAX_BYTES, DEAD_FIELD_KEEP_BYTES
     from schemas.events import entry_digest
@@ -315,7 +332,8 @@ def test_claimed_after_sigkill_and_acked_once(r: redis.Redis, keys: Keys, redis_
         from rollstream.names import Keys, TRAINER_GROUP
         r = redis.Redis.from_url({redis_url!r})
         keys = Keys({keys.run!r})
-        rd = GroupReader(r, keys.rollouts, TRAINER_GROUP, "doomed", dead_stream=keys.dead, count=5, block_ms=50)
+        rd = GroupReader(r, keys.rollouts, TRAINER_GROUP, "doomed", dead_stream=keys.dead, count=5,
+                         block_ms=50)
         def handler(msgs):
             for m in msgs:
                 r.rpush({effects!r}, "doomed:" + m.event.sample_id)
@@ -330,6 +348,7 @@ def test_claimed_after_sigkill_and_acked_once(r: redis.Redis, keys: Keys, redis_
     assert p.stdout is not None and p.stdout.readline().strip() == "HOLDING"
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
+    p.stdout.close()
     assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 5
 
     survivor = reader(r, keys, consumer="survivor", claim_idle_s=0.2)
@@ -383,9 +402,13 @@ def test_trim_never_removes_unread(r: redis.Redis, keys: Keys, tmp_path: Path) -
     assert [m.id for m in rest] == ids[5:8]
 
 
-def test_byte_cap_bites_loudly(r: redis.Redis, keys: Keys, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_byte_cap_bites_loudly(
+    r: redis.Redis, keys: Keys, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     setup_run(r, keys)
-    Publisher(r).publish_many(keys.rollouts, [fake_rollout_sample(f"b{i}", response_len=2048) for i in range(40)])
+    Publisher(r).publish_many(
+        keys.rollouts, [fake_rollout_sample(f"b{i}", response_len=2048) for i in range(40)]
+    )
     before = r.xlen(keys.rollouts)
     jan = Janitor(r, keys, Archive(tmp_path), budget_bytes=1 << 30, every_s=1.0, max_stream_bytes=1 << 20)
     res = jan.run_pass()
@@ -405,7 +428,9 @@ def test_janitor_runs_on_interval_and_keeps_unread(r: redis.Redis, keys: Keys, t
     assert jan.maybe_run(now=1001.0) is None  # not due yet
 
 
-def test_a_janitor_pass_cut_by_a_lost_connection_stays_due(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+def test_a_janitor_pass_cut_by_a_lost_connection_stays_due(
+    r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
     """Redis going away mid-pass reaches the caller (its retry_on_connection runs the pass again at once),
     instead of being logged as an archive failure and skipped until the next interval."""
     publish_samples(r, keys, 4)
@@ -422,7 +447,8 @@ def test_a_janitor_pass_cut_by_a_lost_connection_stays_due(r: redis.Redis, keys:
     jan.run_pass = flaky  # type: ignore[method-assign]
     with pytest.raises(redis.ConnectionError):
         jan.maybe_run(now=1000.0)
-    assert not jan.over_budget or jan.last is None or jan.last.error is None  # not taken for an archive failure
+    # not taken for an archive failure
+    assert not jan.over_budget or jan.last is None or jan.last.error is None
     res = jan.maybe_run(now=1000.0)  # the retry: still due
     assert res is not None and res.error is None and len(calls) == 2
     assert jan.maybe_run(now=1001.0) is None  # now it is not due

@@ -48,8 +48,11 @@ def test_bad_train_batch_size_names_all_three() -> None:
         ("rollout.n=zero", "rollout.n='zero'"),
         ("trainer.no_such_key=1", "trainer.no_such_key: unknown key"),
         ("bus.block_ms=20000", "socket_timeout_s"),
-        ("trainer.nproc_per_node=3", "actor.ppo_mini_batch_size=8 must be divisible by the trainer world size "
-                                     "trainer.nnodes=1 * trainer.nproc_per_node=3 (= 3)"),
+        (
+            "trainer.nproc_per_node=3",
+            "actor.ppo_mini_batch_size=8 must be divisible by the trainer world size "
+            "trainer.nnodes=1 * trainer.nproc_per_node=3 (= 3)",
+        ),
         ("trainer.nnodes=2", "trainer.nnodes=2 needs trainer.rdzv_endpoint"),
         ("trainer.strategy=zero3", "trainer.strategy='zero3'"),
     ],
@@ -81,8 +84,17 @@ def test_every_field_has_a_description() -> None:
 
 def test_cli_error_has_no_traceback() -> None:
     p = subprocess.run(
-        [sys.executable, "-m", "rollstream.cli", "config", str(ROOT / "pipeline.yaml"), "data.train_batch_size=3"],
-        capture_output=True, text=True, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "rollstream.cli",
+            "config",
+            str(ROOT / "pipeline.yaml"),
+            "data.train_batch_size=3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert p.returncode == 2
     assert "Traceback" not in p.stderr

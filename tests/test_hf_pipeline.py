@@ -42,11 +42,19 @@ SMALL = [
     "actor.gradient_checkpointing=true", "actor.logprob_chunk_size=5", "bus.block_ms=200",
 ]
 CASES = {
-    "llama": dict(model=dict(arch="llama", tokenizer="char"),
-                  overrides=["data.max_response_length=6", "data.max_digits=3"]),
-    "qwen2": dict(model=dict(arch="qwen2", tokenizer="bpe", chat_template=True),
-                  overrides=["data.task=arith", "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=2",
-                             "data.max_response_length=8"]),
+    "llama": dict(
+        model=dict(arch="llama", tokenizer="char"),
+        overrides=["data.max_response_length=6", "data.max_digits=3"],
+    ),
+    "qwen2": dict(
+        model=dict(arch="qwen2", tokenizer="bpe", chat_template=True),
+        overrides=[
+            "data.task=arith",
+            "rollout.multi_turn.enable=true",
+            "rollout.multi_turn.max_turns=2",
+            "data.max_response_length=8",
+        ],
+    ),
 }
 
 
@@ -70,7 +78,9 @@ def test_hf_model_through_the_whole_pipeline(arch: str, tmp_path: Path) -> None:
         try:
             wait_for_steps(target, STEPS, timeout_s=120)
         except Exception:
-            logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+            logs = "\n".join(
+                f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log"))
+            )
             raise AssertionError(logs) from None
         r = target.connect()
         error, tokens = behaviour_logprob_error(r, target.keys, target.cfg, version=0)
@@ -89,7 +99,8 @@ def test_hf_model_through_the_whole_pipeline(arch: str, tmp_path: Path) -> None:
     assert weights and weights[-1] == f"weights-{STEPS:08d}.safetensors"  # the file path carried the weights
     records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines()]
     assert [rec["step"] for rec in records if rec["step"] > 0] == list(range(1, STEPS + 1))
-    assert any("val/acc" in rec for rec in records)  # validation with chat-rendered prompts ran in the trainer
+    # validation with chat-rendered prompts ran in the trainer
+    assert any("val/acc" in rec for rec in records)
 
     with EmbeddedRedis(run_dir) as srv:  # the run's log, read back from its AOF
         r = redis.Redis.from_url(srv.url)

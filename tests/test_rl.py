@@ -112,7 +112,9 @@ def _tis(prox: torch.Tensor, behave: torch.Tensor, cap: float | str = 5.0) -> to
 
 def test_ppo_decoupled_by_hand() -> None:
     logp, prox, behave = _logs()
-    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), ONES, clip_eps=0.2, is_weights=_tis(prox, behave))
+    loss, m = ppo_loss(
+        logp, prox, behave, torch.tensor([1.0]), ONES, clip_eps=0.2, is_weights=_tis(prox, behave)
+    )
     assert loss.item() == approx(-5.9 / 3)
     assert m["actor/pg_loss"] == approx(-5.9 / 3)
     assert m["actor/pg_clipfrac"] == approx(1 / 3)
@@ -123,7 +125,9 @@ def test_ppo_decoupled_by_hand() -> None:
 def test_ppo_decoupled_negative_advantage_by_hand() -> None:
     # A = -1: token 0: 1*1; token 1: max(1.5, 1.2)=1.5 (unclipped) *2; token 2: max(0.5, 0.8)=0.8 (clipped) *5
     logp, prox, behave = _logs()
-    loss, m = ppo_loss(logp, prox, behave, torch.tensor([[-1.0, -1.0, -1.0]]), ONES, is_weights=_tis(prox, behave))
+    loss, m = ppo_loss(
+        logp, prox, behave, torch.tensor([[-1.0, -1.0, -1.0]]), ONES, is_weights=_tis(prox, behave)
+    )
     assert loss.item() == approx((1 + 3 + 4) / 3)
     assert m["actor/pg_clipfrac"] == approx(1 / 3)
 

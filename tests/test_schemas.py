@@ -100,19 +100,24 @@ def make_batch(n: int = 2, prompt_len: int = 3, resp_len: int = 4, seed: int = 0
     responses = rng.integers(0, 100, (n, resp_len), dtype=np.int64)
     response_mask = np.ones((n, resp_len), dtype=np.int64)
     response_mask[:, -1] = 0
-    return from_padded(DataProto(
-        tensors={
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": np.concatenate([prompts, responses], axis=1),
-            "attention_mask": np.concatenate([np.ones_like(prompts), response_mask], axis=1),
-            "response_mask": response_mask,
-            "rollout_log_probs": -rng.random((n, resp_len), dtype=np.float32),
-            "rewards": rng.random(n, dtype=np.float32),
-        },
-        non_tensors={"uid": object_array([f"u{i}" for i in range(n)]), "extra": object_array([{"k": i} for i in range(n)])},
-        meta_info={"temperature": 1.0, "agent_name": "partial_single_turn_agent"},
-    ))
+    return from_padded(
+        DataProto(
+            tensors={
+                "prompts": prompts,
+                "responses": responses,
+                "input_ids": np.concatenate([prompts, responses], axis=1),
+                "attention_mask": np.concatenate([np.ones_like(prompts), response_mask], axis=1),
+                "response_mask": response_mask,
+                "rollout_log_probs": -rng.random((n, resp_len), dtype=np.float32),
+                "rewards": rng.random(n, dtype=np.float32),
+            },
+            non_tensors={
+                "uid": object_array([f"u{i}" for i in range(n)]),
+                "extra": object_array([{"k": i} for i in range(n)]),
+            },
+            meta_info={"temperature": 1.0, "agent_name": "partial_single_turn_agent"},
+        )
+    )
 
 
 def make_rollout(n: int = 2, resp_len: int = 4, **overrides: Any) -> RolloutSample:
@@ -224,7 +229,15 @@ def test_header_fields_come_first_and_are_readable() -> None:
     assert fields["tokens"] == str(3 * 299).encode() == str(event.num_tokens).encode()
     assert all(isinstance(fields[k], memoryview) for k in keys[9:])
     metrics = encode(StepMetrics(type="step_end", global_step=7, local_step=4, sample_count=64))
-    assert list(metrics)[:7] == ["type", "schema", "global_step", "local_step", "sample_count", "rank", "payload"]
+    assert list(metrics)[:7] == [
+        "type",
+        "schema",
+        "global_step",
+        "local_step",
+        "sample_count",
+        "rank",
+        "payload",
+    ]
     assert metrics["type"] == b"step_end" and metrics["global_step"] == b"7"
     params = encode(ParamVersion(version=1, uri="u", sha256="s", bytes=9, global_step=1))
     assert list(params)[2:7] == ["version", "uri", "sha256", "bytes", "global_step"]
@@ -284,7 +297,9 @@ def test_rollout_rejects_nan_logprobs_rewards_and_size_mismatch() -> None:
         make_rollout(full_batch=batch)
     b = make_batch()
     with pytest.raises(ValueError, match=r"tokens\['rollout_log_probs'\] has 2 values, response_lens say 6"):
-        RaggedBatch(b.prompt_ids, b.prompt_lens, b.response_ids, b.response_lens, {"rollout_log_probs": np.zeros(2)})
+        RaggedBatch(
+            b.prompt_ids, b.prompt_lens, b.response_ids, b.response_lens, {"rollout_log_probs": np.zeros(2)}
+        )
     with pytest.raises(ValueError, match="response_ids has 6 ids, the lengths say 7"):
         RaggedBatch(b.prompt_ids, b.prompt_lens, b.response_ids, np.array([3, 4], np.int32))
     with pytest.raises(ValueError, match="prompt_lens has 3 entries"):
@@ -392,7 +407,9 @@ def test_lengths_disagree_on_the_wire() -> None:
     )
     body = make_batch()
     body.rows["rewards"] = np.zeros(3, dtype=np.float32)  # after the constructor's check
-    assert "rows['rewards'] must have first dimension n=2" in reason_of(tamper(small_rollout(), full_batch=body))
+    assert "rows['rewards'] must have first dimension n=2" in reason_of(
+        tamper(small_rollout(), full_batch=body)
+    )
     body = make_batch()
     body.response_lens = np.array([3, 4], np.int32)
     assert "response_ids has 6 ids, the lengths say 7" in reason_of(tamper(small_rollout(), full_batch=body))

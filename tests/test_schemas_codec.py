@@ -174,7 +174,8 @@ def test_dataproto_payload_and_dead_letter_bytes() -> None:
 
 
 def test_unencodable_values_raise_type_error() -> None:
-    """Encoding something that is not a msgpack value, array or DataProto is a TypeError (a bug, not input)."""
+    """Encoding something that is not a msgpack value, array or DataProto is a TypeError (a bug, not
+    input)."""
     with pytest.raises(TypeError, match="cannot encode"):
         encode_payload({"x": object()})
     with pytest.raises(TypeError, match="dtype"):

@@ -1,4 +1,5 @@
-"""The flat array wire format: header layout, hostile headers, ragged batch parts, older writers, finite checks."""
+"""The flat array wire format: header layout, hostile headers, ragged batch parts, older writers,
+finite checks."""
 
 from __future__ import annotations
 
@@ -55,7 +56,10 @@ def test_tensors_travel_as_flat_headers() -> None:
     code, ndim, kind, size, index = struct.unpack("<BBBQI", resp)
     assert (WIRE_DTYPES[code], ndim, kind, size) == ("<i8", 1, 1, 2 * 299)
     assert fields[f"a{index}".encode()] == responses.tobytes()
-    assert rlen == struct.pack("<BBBQ", WIRE_DTYPES.index("<i4"), 1, 0, 2) + np.array([299, 299], "<i4").tobytes()
+    assert (
+        rlen
+        == struct.pack("<BBBQ", WIRE_DTYPES.index("<i4"), 1, 0, 2) + np.array([299, 299], "<i4").tobytes()
+    )
     rewards = event.full_batch.rows["rewards"]
     assert rows["rewards"] == struct.pack("<BBBQ", F4, 1, 0, 2) + rewards.tobytes()
     assert set(tokens) == {"rollout_log_probs"} and len(plen) == 3 + 8 + 2 * 4  # each row's own prompt
@@ -97,7 +101,9 @@ def test_hostile_ragged_parts() -> None:
     def swap(i: int, value: Any) -> dict[bytes, bytes]:
         return with_parts(fields, dict(body), [*parts[:i], value, *parts[i + 1 :]])
 
-    assert "needs 12 bytes, got 8" in reason_of(swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 8))))
+    assert "needs 12 bytes, got 8" in reason_of(
+        swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 8)))
+    )
     assert "rows['rewards'] must have first dimension n=2" in reason_of(
         swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 12))))
     assert "tokens['rollout_log_probs'] has 3 values" in reason_of(

@@ -464,7 +464,8 @@ def test_reverse_fixed_width_prompts_are_right_aligned_with_spaces() -> None:
 
 
 def test_fresh_source_draws_new_prompts_deterministically_and_never_validation() -> None:
-    task = ReverseTask(min_digits=3, max_digits=3)  # only 1000 prompts exist: repeats and val collisions happen
+    # only 1000 prompts exist: repeats and val collisions happen
+    task = ReverseTask(min_digits=3, max_digits=3)
     src = PromptSource.fresh_from_task(task, seed=5, epoch_size=64, val_size=100)
     val = {p.text for p in src.val_prompts()}
     assert len(val) == 100 and src.fresh
@@ -496,6 +497,8 @@ def test_config_builds_a_fresh_source_by_default() -> None:
 
     cfg = load_config(None, ["data.val_size=8"])
     assert cfg.data.fresh_prompts and build_prompt_source(cfg).fresh
-    fixed = build_prompt_source(load_config(None, ["data.val_size=8", "data.fresh_prompts=false", "data.epoch_size=20"]))
+    fixed = build_prompt_source(
+        load_config(None, ["data.val_size=8", "data.fresh_prompts=false", "data.epoch_size=20"])
+    )
     assert not fixed.fresh and len(train_prompts(fixed)) == 20
     assert load_config(None, []).data.val_size >= 256

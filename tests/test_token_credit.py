@@ -38,7 +38,10 @@ def test_token_scores_follow_the_characters_and_fall_back_to_the_last_token() ->
 
 def test_returns_to_go_and_outcome_placement() -> None:
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]])
-    assert returns_to_go(torch.tensor([[1.0, 0, 2, 9], [3, 1, 7, 0]]), mask).tolist() == [[3, 2, 2, 0], [4, 1, 0, 0]]
+    assert returns_to_go(torch.tensor([[1.0, 0, 2, 9], [3, 1, 7, 0]]), mask).tolist() == [
+        [3, 2, 2, 0],
+        [4, 1, 0, 0],
+    ]
     placed = token_rewards(torch.tensor([0.5, 2.0]), mask, None)
     assert placed.tolist() == [[0, 0, 0.5, 0], [0, 2.0, 0, 0]]
 

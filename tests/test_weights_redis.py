@@ -1,5 +1,6 @@
-"""Weights above the inline limit through Redis chunks (`bus.weights_transport=redis`): a producer on a host that
-shares no disk with the trainer loads them (sha256 checked, a chunk at a time), a missing or corrupt chunk is
+"""Weights above the inline limit through Redis chunks (`bus.weights_transport=redis`): a producer on a host
+that shares no disk with the trainer loads them (sha256 checked, a chunk at a time), a missing or corrupt
+chunk is
 refused before the model changes, and garbage collection keeps only the versions still in use."""
 
 from __future__ import annotations

@@ -28,7 +28,9 @@ def _keys(batches: Sequence[RaggedBatch], part: str, ids: Sequence[str]) -> list
     for b, sid in zip(batches, ids, strict=True):
         have = {k for k in getattr(b, part) if not (part == "tokens" and k == RESPONSE_MASK)}
         if have != set(first):
-            raise ValueError(f"sample {sid}: {part} keys {sorted(have)} differ from {sorted(first)} of sample {ids[0]}")
+            raise ValueError(
+                f"sample {sid}: {part} keys {sorted(have)} differ from {sorted(first)} of sample {ids[0]}"
+            )
     return first
 
 
@@ -67,8 +69,10 @@ def _pad_rows(batches: Sequence[RaggedBatch], spans: Sequence[tuple[int, int, in
                "attention_mask": mask, RESPONSE_MASK: resp_mask, **per_token}
     for k in row_keys:
         tensors[k] = np.concatenate([b.rows[k][lo:hi] for b, (_, lo, hi) in zip(used, spans, strict=True)])
-    non_tensors = {k: np.concatenate([b.non_tensors[k][lo:hi] for b, (_, lo, hi) in zip(used, spans, strict=True)])
-                   for k in nt_keys}
+    non_tensors = {
+        k: np.concatenate([b.non_tensors[k][lo:hi] for b, (_, lo, hi) in zip(used, spans, strict=True)])
+        for k in nt_keys
+    }
     return DataProto(tensors, non_tensors)
 
 
@@ -106,7 +110,11 @@ def percentile_stats(values: Sequence[float], prefix: str) -> dict[str, float]:
 
 def partial_stats(samples: Sequence[RolloutSample]) -> dict[str, float]:
     """Partial-rollout stats: trajectories whose tokens span versions (start < end), their share, max span."""
-    spans = [end - start for s in samples for start, end in zip(s.param_version_start, s.param_version_end, strict=True)]
+    spans = [
+        end - start
+        for s in samples
+        for start, end in zip(s.param_version_start, s.param_version_end, strict=True)
+    ]
     partial = sum(1 for d in spans if d > 0)
     return {
         f"{PREFIX}/partial/total_partial_num": float(partial),
@@ -136,8 +144,11 @@ def _meta_info(samples: Sequence[RolloutSample]) -> dict[str, object]:
         "rollout_param_versions": [s.param_version for s in samples],
         "trajectory_param_versions": trajectory_versions,
         "param_version_diversity": len(set(trajectory_versions)),
-        "global_token_num": [p + r for s in samples
-                             for p, r in zip(s.full_batch.row_prompt_lens(), s.full_batch.response_lens.tolist(), strict=True)],
+        "global_token_num": [
+            p + r
+            for s in samples
+            for p, r in zip(s.full_batch.row_prompt_lens(), s.full_batch.response_lens.tolist(), strict=True)
+        ],
     }
 
 
@@ -145,7 +156,9 @@ def _metrics(samples: Sequence[RolloutSample]) -> dict[str, float]:
     """Processing-time percentiles, tool-call times, partial-rollout stats and the first sample's
     rollout_status under `fully_async/`."""
     metrics: dict[str, float] = {}
-    metrics.update(percentile_stats([t for s in samples for t in s.processing_times], f"{PREFIX}/processing_time"))
+    metrics.update(
+        percentile_stats([t for s in samples for t in s.processing_times], f"{PREFIX}/processing_time")
+    )
     metrics.update(tool_call_stats(samples))
     metrics.update(partial_stats(samples))
     for key, value in samples[0].rollout_status.items():

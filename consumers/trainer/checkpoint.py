@@ -99,7 +99,9 @@ def rng_plain() -> dict[str, Any]:
     tensors, scalars = _rng_tensors()
     return {
         "torch": tensors["rng/torch"].numpy().tobytes(),
-        "cuda": [tensors[k].numpy().tobytes() for k in sorted(k for k in tensors if k.startswith("rng/cuda/"))],
+        "cuda": [
+            tensors[k].numpy().tobytes() for k in sorted(k for k in tensors if k.startswith("rng/cuda/"))
+        ],
         "numpy": tensors["rng/numpy"].numpy().tobytes(),
         "python": tensors["rng/python"].numpy().tobytes(),
         "scalars": scalars,
@@ -172,7 +174,9 @@ def upgrade_meta(meta: dict[str, Any]) -> dict[str, Any]:
     ValueError for a layout newer than this code knows."""
     version = meta.pop(_VERSION_KEY, 1)
     if type(version) is not int or version > META_VERSION:
-        raise ValueError(f"checkpoint metadata version {version!r} is newer than {META_VERSION}: update rollstream")
+        raise ValueError(
+            f"checkpoint metadata version {version!r} is newer than {META_VERSION}: update rollstream"
+        )
     while version < META_VERSION:
         meta = _META_UPGRADES[version](meta)
         version += 1
@@ -191,7 +195,9 @@ def save_checkpoint(
     keep_last: int = 2,
 ) -> Path:
     """Write the checkpoint of `global_step` durably (rollstream.files.atomic_write); prune old ones."""
-    return write_checkpoint(ckpt_dir, global_step, unique_state(policy.module), optimizer.state_dict(), meta, keep_last)
+    return write_checkpoint(
+        ckpt_dir, global_step, unique_state(policy.module), optimizer.state_dict(), meta, keep_last
+    )
 
 
 def write_checkpoint(
@@ -215,7 +221,9 @@ def write_checkpoint(
                               "rng": rng_scalars, **meta})
     tensors[_META] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     path = checkpoint_path(ckpt_dir, global_step)
-    atomic_write(path, lambda tmp: save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp))
+    atomic_write(
+        path, lambda tmp: save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
+    )
     for _, old in list_checkpoints(ckpt_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return path

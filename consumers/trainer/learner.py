@@ -64,7 +64,8 @@ log = logging.getLogger(__name__)
 
 
 def group_advantages(rewards: torch.Tensor, group_sizes: list[int], norm_by_std: bool = True) -> torch.Tensor:
-    """GRPO advantages [B] for contiguous groups of the given sizes (std-normalised unless norm_by_std=False)."""
+    """GRPO advantages [B] for contiguous groups of the given sizes (std-normalised unless
+    norm_by_std=False)."""
     if len(set(group_sizes)) == 1:
         return grpo_advantages(rewards, n=group_sizes[0], norm_by_std=norm_by_std)
     parts, start = [], 0
@@ -74,7 +75,9 @@ def group_advantages(rewards: torch.Tensor, group_sizes: list[int], norm_by_std:
     return torch.cat(parts)
 
 
-def token_rewards(rewards: torch.Tensor, resp_mask: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+def token_rewards(
+    rewards: torch.Tensor, resp_mask: torch.Tensor, scores: torch.Tensor | None
+) -> torch.Tensor:
     """Per-token rewards [B, R]: the sample's `token_level_scores` when it has them, else each response's
     reward on its last response token (verl's placement of an outcome score)."""
     if scores is not None:
@@ -96,7 +99,8 @@ def pad_cat(parts: list[torch.Tensor], width: int) -> torch.Tensor:
 
 
 def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
-    """Entropy bonus weight at `global_step` (1-based): `coef`, decayed linearly to 0 over `decay_steps` when > 0."""
+    """Entropy bonus weight at `global_step` (1-based): `coef`, decayed linearly to 0 over `decay_steps` when
+    > 0."""
     if decay_steps <= 0:
         return coef
     return coef * max(0.0, 1.0 - (global_step - 1) / decay_steps)
@@ -130,7 +134,9 @@ def _tensors(batch: DataProto, dev: torch.device) -> _Micro:
     )
 
 
-def _token_advantages(micro: list[_Micro], groups: list[int], norm_by_std: bool, gamma: float) -> list[torch.Tensor]:
+def _token_advantages(
+    micro: list[_Micro], groups: list[int], norm_by_std: bool, gamma: float
+) -> list[torch.Tensor]:
     """Token-level GRPO advantages per micro-batch [b, w]: a group is compared position by position, so its
     rows' per-token rewards and masks are right-aligned into one [B, W] (W: the widest micro-batch's
     responses; only the response side, for this arithmetic) and the result cut back to each micro-batch."""
@@ -140,9 +146,12 @@ def _token_advantages(micro: list[_Micro], groups: list[int], norm_by_std: bool,
         return torch.nn.functional.pad(x, (0, W - x.shape[1]))
 
     masks = [m.resp_mask.cpu() for m in micro]
-    per_token = torch.cat([wide(token_rewards(m.rewards, rm, m.scores)) for m, rm in zip(micro, masks, strict=True)])
-    adv = grpo_token_advantages(per_token, torch.cat([wide(rm) for rm in masks]), groups, norm_by_std=norm_by_std,
-                                gamma=gamma)
+    per_token = torch.cat(
+        [wide(token_rewards(m.rewards, rm, m.scores)) for m, rm in zip(micro, masks, strict=True)]
+    )
+    adv = grpo_token_advantages(
+        per_token, torch.cat([wide(rm) for rm in masks]), groups, norm_by_std=norm_by_std, gamma=gamma
+    )
     out, start = [], 0
     for m in micro:
         b, w = m.resp_mask.shape
@@ -191,7 +200,8 @@ class Learner:
 
     def whole_weights(self) -> dict[str, torch.Tensor]:
         """The policy's weights, tied tensors once: the module's own tensors (no copy) unless sharded; under
-        fsdp gathered whole on the CPU, a collective (every rank calls it; rank 0 gets them, the others {})."""
+        fsdp gathered whole on the CPU, a collective (every rank calls it; rank 0 gets them, the others
+        {})."""
         if not self.dp.sharded:
             return unique_state(self.policy.module)
         state = self.dp.full_state_dict(self.policy.module)
@@ -201,7 +211,9 @@ class Learner:
         """The optimizer's state_dict, index-keyed; under fsdp whole (a collective; rank 0's alone)."""
         return self.dp.full_optimizer_state(self.policy.module, self.optimizer)
 
-    def load_checkpoint_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+    def load_checkpoint_state(
+        self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+    ) -> None:
         """Restore weights and optimizer state read from a checkpoint (every rank, the same values)."""
         if self.dp.sharded:
             self.dp.load_full_state(self.policy.module, self.optimizer, weights, optimizer_state)
@@ -220,7 +232,9 @@ class Learner:
         if self.prox is not None:
             self.prox.module.load_state_dict(self.policy.module.state_dict())
 
-    def _frozen_logprobs(self, micro: list[_Micro], temp: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _frozen_logprobs(
+        self, micro: list[_Micro], temp: float
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per micro-batch, without grad: the log-probs rollout correction compares with the behaviour's (the
         proximal policy's; in bypass mode with rejection the policy's own before the update; else none) and
         the reference policy's (when kl_coef > 0). Each [b, w] (the micro-batch's own response width)."""
@@ -256,7 +270,8 @@ class Learner:
 
     def update(self, batch: DataProto | Sequence[DataProto]) -> dict[str, float]:
         """One optimizer step on a mini-batch, given as the padded micro-batches the assembly built (or one
-        padded batch, cut into actor.micro_batch_size rows); returns its actor/critic/length/timing metrics."""
+        padded batch, cut into actor.micro_batch_size rows); returns its actor/critic/length/timing
+        metrics."""
         if isinstance(batch, DataProto):
             parts = [batch[rows] for rows in micro_slices(len(batch), self.actor.micro_batch_size)]
         else:
@@ -353,7 +368,8 @@ class Learner:
             metrics["actor/kl_coef"] = self.actor.kl_coef
         t0 = time.perf_counter()
         norm = torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), self.actor.grad_clip)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under fsdp
+        # a DTensor under fsdp
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
         else:

@@ -185,7 +185,7 @@ class GroupReader:
             log.warning("%s: claimed %d idle entries from %s", self.consumer, len(entries), self.stream)
         return self._accept(entries, deliveries=self._delivery_counts(entries))
 
-    def _delivery_counts(self, entries: list) -> dict[str, int]:
+    def _delivery_counts(self, entries: list[Any]) -> dict[str, int]:
         if not entries:
             return {}
         rows = self.r.xpending_range(
@@ -193,7 +193,7 @@ class GroupReader:
         )
         return {text(row["message_id"]): int(row["times_delivered"]) for row in rows}
 
-    def _accept(self, entries: list, deliveries: dict[str, int] | None) -> list[Message]:
+    def _accept(self, entries: list[Any], deliveries: dict[str, int] | None) -> list[Message]:
         """Decode entries; dead-letter the undecodable and the over-delivered; return the rest."""
         out: list[Message] = []
         for raw_id, fields in entries:

@@ -29,7 +29,8 @@ class Completion:
 
     `log_probs[i]` is the behaviour log-prob of `response_ids[i]`: log_softmax(logits / temperature)
     of the weights that sampled it (no top-p renormalisation); this is what `BasePolicy.log_probs` with the
-    same temperature recomputes. `swap_points` lists response indices i at which new weights took effect (tokens
+    same temperature recomputes. `swap_points` lists response indices i at which new weights took effect
+    (tokens
     from i on were sampled, with a re-prefilled cache, under the newer weights).
     """
 
@@ -125,7 +126,12 @@ def sample_tokens(
 
 
 def check_generate_args(
-    prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float, top_p: float, limit: int | None
+    prompts: Sequence[Sequence[int]],
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    limit: int | None,
 ) -> None:
     """ValueError naming the argument unless a generate call's arguments are valid for a model of `limit`
     positions (None: unbounded): n >= 1, max_new_tokens and temperature >= 0, 0 < top_p <= 1, non-empty
@@ -176,7 +182,9 @@ class BasePolicy(ABC):
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute activations in backward instead of storing them; backends without it refuse."""
-        raise ValueError(f"gradient checkpointing is not supported by {type(self).__name__} (use model.backend=hf)")
+        raise ValueError(
+            f"gradient checkpointing is not supported by {type(self).__name__} (use model.backend=hf)"
+        )
 
     @property
     def max_seq_len(self) -> int | None:
@@ -269,14 +277,17 @@ class BasePolicy(ABC):
             if head is not None:
                 hidden, weight, bias = head
                 labels = ids[:, -response_len:]
-                return chunked_logprobs_entropy(hidden, weight, bias, labels, temperature, self.logprob_chunk_size)
+                return chunked_logprobs_entropy(
+                    hidden, weight, bias, labels, temperature, self.logprob_chunk_size
+                )
         logits = self._response_logits(ids, mask, response_len)  # [B,R,V]
         return logprobs_entropy(logits, ids[:, -response_len:], temperature)  # [B,R], [B,R]
 
     def log_probs(
         self, input_ids: Tensor, attention_mask: Tensor, response_len: int, temperature: float = 1.0
     ) -> Tensor:
-        """Per-token log-probs [B,R] of the last R tokens of a left-padded batch under logits / temperature."""
+        """Per-token log-probs [B,R] of the last R tokens of a left-padded batch under logits /
+        temperature."""
         return self.forward_logprobs_entropy(input_ids, attention_mask, response_len, temperature)[0]
 
     # ---- weights and modes -----------------------------------------------------------------------

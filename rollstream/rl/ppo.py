@@ -7,7 +7,8 @@ Three policies meet in an off-policy update:
 
 decoupled: ratio = pi_theta / pi_prox is clipped as in PPO, and each token's loss is multiplied by the
            detached importance weight the caller passes (`is_weights`: verl's rollout correction,
-           rollstream/rl/rollout_correction.py; the default config's is token-level min(pi_prox / pi_behave, 5)).
+           rollstream/rl/rollout_correction.py; the default config's is token-level min(pi_prox / pi_behave,
+           5)).
 bypass:    pi_prox := pi_behave (verl's `use_rollout_log_probs`); no extra forward pass; the ratio itself
            corrects for the behaviour policy, so `is_weights` is not applied.
 """
