@@ -1,4 +1,4 @@
-"""Aggregator fold throughput: the pure Fold (decoded events, and decode + fold), and the worker through Redis.
+"""Aggregator fold throughput: the pure Fold (decoded events, decode + fold) and the worker through Redis.
 
 Run: `rollstream bench aggregator [--steps N] [--local-updates K] [--producers P]
 [--metrics M] [--redis-url URL]`. The Redis part uses a throwaway run namespace and deletes it afterwards.
@@ -47,13 +47,15 @@ def bench_worker(events: list[Any], redis_url: str) -> dict[str, float]:
     r = connect(redis_url)
     keys = Keys(f"bench-agg-{uuid.uuid4().hex[:8]}")
     try:
-        publish_log(r, keys, events)  # stats to `stats`, trainer events to `metrics`, vouched for by the trainer hash
+        # stats to `stats`, trainer events to `metrics`, vouched for by the trainer hash
+        publish_log(r, keys, events)
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp}", f"run.redis_url={redis_url}"])
             worker = AggregatorWorker(cfg, r, keys)
             t0 = time.perf_counter()
             worker.run(burst=True)
-            elapsed = time.perf_counter() - t0 - BURST_BLOCK_MS / 1000  # burst ends with one empty blocking poll
+            # burst ends with one empty blocking poll
+            elapsed = time.perf_counter() - t0 - BURST_BLOCK_MS / 1000
         return {"events_per_s": len(events) / elapsed, "records": worker.records_written, "seconds": elapsed}
     finally:
         delete_run(r, keys)
@@ -69,7 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis for the worker benchmark")
     args = p.parse_args(argv)
     events = fake_metrics_log(
-        args.steps, local_updates=args.local_updates, producers=args.producers, metrics_per_update=args.metrics
+        args.steps,
+        local_updates=args.local_updates,
+        producers=args.producers,
+        metrics_per_update=args.metrics,
     )
     print(
         f"log: {len(events)} events ({args.steps} steps x ({args.local_updates} local updates + step_end "
@@ -79,5 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"pure fold (decoded events):  {fold_eps:10.0f} events/s")
     print(f"decode + fold:               {decode_eps:10.0f} events/s")
     w = bench_worker(events, args.redis_url)
-    print(f"worker through Redis:        {w['events_per_s']:10.0f} events/s ({w['records']:.0f} records, {w['seconds']:.2f} s)")
+    print(
+        f"worker through Redis:        {w['events_per_s']:10.0f} events/s ({w['records']:.0f} records, "
+        f"{w['seconds']:.2f} s)"
+    )
     return 0

@@ -3,7 +3,8 @@
     rollstream bench async [pipeline.yaml] [key=value ...] [--quick] [--steps N] [--json]
 
 Workload: the config's prompts, tiny policy, seed, `--steps` global steps of train_batch_size samples.
-Producers are **latency-model producers** (benchmarks/latency_producer.py): the real producer loop (budget take,
+Producers are **latency-model producers** (benchmarks/latency_producer.py): the real producer loop (budget
+take,
 dispatch, param_version stamping, weight sync, scoring, publish, pacing) with decoding replaced by sleeping
 each prompt's modelled decode time (lognormal response lengths, long-tailed, truncated at
 max_response_length; a prompt's n trajectories decode together, so it takes its longest one's time), in
@@ -109,11 +110,17 @@ class ModeResult:
 NAMESPACE = "bench-async"
 
 
-def bench_config(config: str | None, overrides: Sequence[str], quick: bool, steps: int, staleness: float) -> PipelineConfig:
+def bench_config(
+    config: str | None, overrides: Sequence[str], quick: bool, steps: int, staleness: float
+) -> PipelineConfig:
     """The benchmark's resolved config: size defaults, then the user's overrides, then the fixed ones."""
     size = QUICK_OVERRIDES if quick else DEFAULT_OVERRIDES
-    fixed = [*FIXED_OVERRIDES, f"trainer.total_global_steps={steps}", f"rollout.staleness_threshold={staleness}",
-             f"trainer.max_off_policy_threshold={int(staleness) + 3}"]
+    fixed = [
+        *FIXED_OVERRIDES,
+        f"trainer.total_global_steps={steps}",
+        f"rollout.staleness_threshold={staleness}",
+        f"trainer.max_off_policy_threshold={int(staleness) + 3}",
+    ]
     return load_config(config, [*size, *overrides, *fixed])
 
 
@@ -148,11 +155,19 @@ def calibrate(
 
     keys = Keys(f"{namespace}-cal-{uuid.uuid4().hex[:8]}")
     tbs = cfg.data.train_batch_size
-    ccfg = _with(cfg, [
-        f"run.name={keys.run}", f"run.dir={run_dir}", f"trainer.total_global_steps={steps + 1}",
-        "trainer.max_off_policy_threshold=1000", "rollout.latency_model.tokens_per_s=1e9",
-        "rollout.latency_model.concurrency=1", "rollout.num_producers=1", f"rollout.prompts_per_dispatch={tbs}",
-    ])
+    ccfg = _with(
+        cfg,
+        [
+            f"run.name={keys.run}",
+            f"run.dir={run_dir}",
+            f"trainer.total_global_steps={steps + 1}",
+            "trainer.max_off_policy_threshold=1000",
+            "rollout.latency_model.tokens_per_s=1e9",
+            "rollout.latency_model.concurrency=1",
+            "rollout.num_producers=1",
+            f"rollout.prompts_per_dispatch={tbs}",
+        ],
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(max(getattr(ccfg.trainer, "torch_threads", 0), 0) or threads)
     r = connect(redis_url)
@@ -173,7 +188,8 @@ def calibrate(
 
 
 def _step_times(events: list[Any]) -> dict[int, tuple[float, float, float]]:
-    """global step -> (timing_s/step, waiting for samples, transport) from local_update and step_end events."""
+    """global step -> (timing_s/step, waiting for samples, transport) from local_update and step_end
+    events."""
     wait: dict[int, float] = {}
     transport: dict[int, float] = {}
     step: dict[int, float] = {}
@@ -193,12 +209,19 @@ def _step_times(events: list[Any]) -> dict[int, tuple[float, float, float]]:
 
 
 def run_mode(
-    cfg: PipelineConfig, mode: str, redis_url: str, work_dir: Path, timeout_s: float, namespace: str = NAMESPACE
+    cfg: PipelineConfig,
+    mode: str,
+    redis_url: str,
+    work_dir: Path,
+    timeout_s: float,
+    namespace: str = NAMESPACE,
 ) -> ModeResult:
     """Run producers + trainer as subprocesses in a fresh namespace; collect the figures; delete the keys."""
     keys = Keys(f"{namespace}-{mode}-{uuid.uuid4().hex[:8]}")
     mode_overrides = (
-        ["rollout.staleness_threshold=0", "trainer.sync_mode=true"] if mode == "sync" else ["trainer.sync_mode=false"]
+        ["rollout.staleness_threshold=0", "trainer.sync_mode=true"]
+        if mode == "sync"
+        else ["trainer.sync_mode=false"]
     )
     mcfg = _with(cfg, [f"run.name={keys.run}", f"run.dir={work_dir}", *mode_overrides])
     path = work_dir / f"{mode}.yaml"
@@ -210,9 +233,9 @@ def run_mode(
     procs: list[subprocess.Popen[bytes]] = []
 
     def spawn(module: str, name: str) -> subprocess.Popen[bytes]:
-        out = (logs / f"{name}.log").open("wb")
-        p = subprocess.Popen([sys.executable, "-m", module, str(path), "--name", name], cwd=ROOT, env=env,
-                             stdout=out, stderr=subprocess.STDOUT)
+        with (logs / f"{name}.log").open("wb") as out:  # the child holds its own copy of the file
+            p = subprocess.Popen([sys.executable, "-m", module, str(path), "--name", name], cwd=ROOT, env=env,
+                                 stdout=out, stderr=subprocess.STDOUT)
         procs.append(p)
         return p
 
@@ -232,7 +255,9 @@ def run_mode(
         try:
             rc = trainer.wait(timeout=max(deadline - time.monotonic(), 1.0))
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{mode}: trainer did not finish in {timeout_s:.0f}s; logs in {logs}") from None
+            raise RuntimeError(
+                f"{mode}: trainer did not finish in {timeout_s:.0f}s; logs in {logs}"
+            ) from None
         if rc != 0:
             tail = (logs / "trainer.log").read_text()[-3000:]
             raise RuntimeError(f"{mode}: trainer exited {rc}:\n{tail}")
@@ -302,11 +327,22 @@ def collect(r: redis.Redis, keys: Keys, cfg: PipelineConfig, mode: str) -> ModeR
     train_s = step_s - wait_s
     samples = len(trained)
     return ModeResult(
-        mode=mode, wall_s=wall_s, steps=N, samples=samples, dropped=len(fates) - samples,
-        samples_per_s=samples / wall_s, step_s=step_s, wait_s=wait_s, train_s=train_s, transport_s=transport_s,
-        trainer_idle_ratio=wait_s / step_s, transport_share=transport_s / step_s,
+        mode=mode,
+        wall_s=wall_s,
+        steps=N,
+        samples=samples,
+        dropped=len(fates) - samples,
+        samples_per_s=samples / wall_s,
+        step_s=step_s,
+        wait_s=wait_s,
+        train_s=train_s,
+        transport_s=transport_s,
+        trainer_idle_ratio=wait_s / step_s,
+        transport_share=transport_s / step_s,
         transport_ms_per_sample=1000 * transport_s / max(len(fates), 1),
-        producer_idle_ratio=idle / window if window else 0.0, gen_work_s=gen_work, gen_per_slot_s=gen_work / slots,
+        producer_idle_ratio=idle / window if window else 0.0,
+        gen_work_s=gen_work,
+        gen_per_slot_s=gen_work / slots,
         ideal_s=max(gen_work / slots, train_s),
         staleness_mean=sum(trained.values()) / max(samples, 1),
     )
@@ -322,11 +358,16 @@ def summarize(cal: dict[str, Any], sync: ModeResult, asyn: ModeResult, cfg: Pipe
         "producers": "latency-model (decode replaced by sleeping the modelled time; real producer loop)",
         "trainer": "real (CPU training of the tiny policy)",
         "workload": {
-            "global_steps": cfg.trainer.total_global_steps, "train_batch_size": cfg.data.train_batch_size,
-            "n": cfg.rollout.n, "producers": cfg.rollout.num_producers, "slots_per_producer": lm.concurrency,
-            "length_median": lm.length_median, "length_sigma": lm.length_sigma,
-            "max_response_length": cfg.data.max_response_length, "async_staleness_threshold":
-            cfg.rollout.staleness_threshold, "model": f"d{cfg.model.d_model} L{cfg.model.n_layer}",
+            "global_steps": cfg.trainer.total_global_steps,
+            "train_batch_size": cfg.data.train_batch_size,
+            "n": cfg.rollout.n,
+            "producers": cfg.rollout.num_producers,
+            "slots_per_producer": lm.concurrency,
+            "length_median": lm.length_median,
+            "length_sigma": lm.length_sigma,
+            "max_response_length": cfg.data.max_response_length,
+            "async_staleness_threshold": cfg.rollout.staleness_threshold,
+            "model": f"d{cfg.model.d_model} L{cfg.model.n_layer}",
             "seed": cfg.run.seed,
         },
         "calibration": cal,
@@ -335,7 +376,8 @@ def summarize(cal: dict[str, Any], sync: ModeResult, asyn: ModeResult, cfg: Pipe
         "speedup": sync.wall_s / asyn.wall_s,
         "async_over_ideal": asyn.wall_s / asyn.ideal_s,
         "transport_share": asyn.transport_share,
-        "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, Python {platform.python_version()}",
+        "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, Python "
+                   f"{platform.python_version()}",
     }
 
 
@@ -344,23 +386,31 @@ def format_report(rep: dict[str, Any]) -> str:
     w, c = rep["workload"], rep["calibration"]
     lines = [
         f"producers: {rep['producers']}; trainer: {rep['trainer']}",
-        f"workload: {w['global_steps']} steps x {w['train_batch_size']} prompts x n={w['n']}, model {w['model']}, "
-        f"{w['producers']} producers x {w['slots_per_producer']} slots, lengths lognormal(median {w['length_median']}, "
+        f"workload: {w['global_steps']} steps x {w['train_batch_size']} prompts x n={w['n']}, model "
+        f"{w['model']}, "
+        f"{w['producers']} producers x {w['slots_per_producer']} slots, lengths lognormal(median "
+        f"{w['length_median']}, "
         f"sigma {w['length_sigma']}) <= {w['max_response_length']}",
-        (f"calibration: training {c['train_step_s']:.3f} s/step -> tokens_per_s {c['tokens_per_s']:.1f} "
-         f"(mean prompt {c['mean_prompt_tokens']:.1f} tokens)") if c["train_step_s"] is not None
+        (
+            f"calibration: training {c['train_step_s']:.3f} s/step -> tokens_per_s {c['tokens_per_s']:.1f} "
+            f"(mean prompt {c['mean_prompt_tokens']:.1f} tokens)"
+        )
+        if c["train_step_s"] is not None
         else f"calibration skipped: tokens_per_s {c['tokens_per_s']:.1f}",
         "",
         f"{'mode':6s} {'wall_s':>7s} {'samples/s':>9s} {'trainer_idle':>12s} {'producer_idle':>13s} "
-        f"{'train_s':>7s} {'gen/slot_s':>10s} {'ideal_s':>7s} {'transport':>9s} {'staleness':>9s} {'dropped':>7s} "
+        f"{'train_s':>7s} {'gen/slot_s':>10s} {'ideal_s':>7s} {'transport':>9s} {'staleness':>9s} "
+        f"{'dropped':>7s} "
         f"{'cpu_trainer':>11s} {'cpu_producers':>13s}",
     ]
     for mode in ("sync", "async"):
         m = rep[mode]
         lines.append(
             f"{mode:6s} {m['wall_s']:7.2f} {m['samples_per_s']:9.2f} {m['trainer_idle_ratio']:12.2f} "
-            f"{m['producer_idle_ratio']:13.2f} {m['train_s']:7.2f} {m['gen_per_slot_s']:10.2f} {m['ideal_s']:7.2f} "
-            f"{m['transport_share']:9.2%} {m['staleness_mean']:9.2f} {m['dropped']:7d} {m['trainer_cpu_s']:11.2f} "
+            f"{m['producer_idle_ratio']:13.2f} {m['train_s']:7.2f} {m['gen_per_slot_s']:10.2f} "
+            f"{m['ideal_s']:7.2f} "
+            f"{m['transport_share']:9.2%} {m['staleness_mean']:9.2f} {m['dropped']:7d} "
+            f"{m['trainer_cpu_s']:11.2f} "
             f"{m['producers_cpu_s']:13.2f}"
         )
     lines += [
@@ -382,10 +432,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny size (tests; ~30 s)")
     p.add_argument("--steps", type=int, default=None, help="global steps per mode (default 20, quick 4)")
     p.add_argument("--staleness", type=float, default=1.0, help="async mode's rollout.staleness_threshold")
-    p.add_argument("--calibration-steps", type=int, default=None, help="timed calibration steps (default 4, quick 2)")
-    p.add_argument("--tokens-per-s", type=float, default=None, help="skip calibration and use this decode speed")
-    p.add_argument("--redis-url", default=DEFAULT_URL, help="Redis to run against (fresh namespaces, deleted after)")
-    p.add_argument("--namespace", default=NAMESPACE, help="prefix of the run names (Redis key namespaces) the bench creates")
+    p.add_argument(
+        "--calibration-steps", type=int, default=None, help="timed calibration steps (default 4, quick 2)"
+    )
+    p.add_argument(
+        "--tokens-per-s", type=float, default=None, help="skip calibration and use this decode speed"
+    )
+    p.add_argument(
+        "--redis-url", default=DEFAULT_URL, help="Redis to run against (fresh namespaces, deleted after)"
+    )
+    p.add_argument(
+        "--namespace",
+        default=NAMESPACE,
+        help="prefix of the run names (Redis key namespaces) the bench creates",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a mode's trainer is given up")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
@@ -397,8 +457,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = Path(tmp)
         cal: dict[str, Any]
         if args.tokens_per_s is None:
-            cal = calibrate(cfg, args.redis_url, str(work / "cal"), args.calibration_steps or (2 if args.quick else 4),
-                            args.namespace)
+            cal = calibrate(
+                cfg,
+                args.redis_url,
+                str(work / "cal"),
+                args.calibration_steps or (2 if args.quick else 4),
+                args.namespace,
+            )
         else:
             cal = {"train_step_s": None, "mean_prompt_tokens": None, "tokens_per_s": args.tokens_per_s}
         cfg = _with(cfg, [f"rollout.latency_model.tokens_per_s={cal['tokens_per_s']}"])

@@ -1,4 +1,4 @@
-"""Decode while holding a batch: µs per sample and page faults of decoding RolloutSamples the way a trainer does
+"""Decode while holding a batch: µs per sample and page faults of decoding samples as a trainer does
 (the previous batch still alive in its buffer), with the workers' malloc tuning and without.
 
     rollstream bench decode_held [--sizes 256K,4M] [--batch 15] [--batches 100] [--reps 3] [--json]
@@ -74,7 +74,8 @@ def measure(sizes: Sequence[int], batch: int, batches: int, reps: int) -> list[d
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of BENCHMARKS.md."""
     out = [
-        "| size | batch held | plain µs/sample | tuned µs/sample | plain ÷ tuned | faults/sample plain → tuned |",
+        "| size | batch held | plain µs/sample | tuned µs/sample | plain ÷ tuned | faults/sample plain → "
+        "tuned |",
         "|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
@@ -87,7 +88,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print the table (or --json)."""
-    p = argparse.ArgumentParser(prog="rollstream bench decode_held", description=(__doc__ or "").splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="rollstream bench decode_held", description=(__doc__ or "").splitlines()[0]
+    )
     p.add_argument("--sizes", default="256K,4M", help="comma-separated sample sizes on the wire, e.g. 16K,4M")
     p.add_argument("--batch", type=int, default=15, help="samples per batch (the held buffer)")
     p.add_argument("--batches", type=int, default=100, help="timed batches per interpreter")

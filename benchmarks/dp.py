@@ -74,7 +74,9 @@ def _rank(
     try:
         cfg = load_config(config, overrides)
         r = redis.Redis.from_url(url)
-        trainer = Trainer(cfg, r, Keys(cfg.run.name), consumer_name("trainer", info), threading.Event(), burst=True, dp=dp)
+        trainer = Trainer(
+            cfg, r, Keys(cfg.run.name), consumer_name("trainer", info), threading.Event(), burst=True, dp=dp
+        )
         hook = {"s": 0.0, "world": world}
         if world > 1:  # DDP checks the hook's annotations as objects (this module's are strings)
             _timed_allreduce.__annotations__ = {"state": dict, "bucket": dist.GradBucket,
@@ -91,14 +93,24 @@ def _rank(
             pass
         wall = time.perf_counter() - t0
         if rank == 0:
-            Path(out).write_text(json.dumps({"wall_s": wall, "steps": trainer.global_step - warmup,
-                                             "grad_allreduce_s": hook["s"], "collectives_s": dp.collective_s}))
+            Path(out).write_text(
+                json.dumps(
+                    {
+                        "wall_s": wall,
+                        "steps": trainer.global_step - warmup,
+                        "grad_allreduce_s": hook["s"],
+                        "collectives_s": dp.collective_s,
+                    }
+                )
+            )
         r.close()
     finally:
         dp.close()
 
 
-def measure(config: str, overrides: list[str], ranks: int, steps: int, warmup: int, url: str) -> dict[str, float]:
+def measure(
+    config: str, overrides: list[str], ranks: int, steps: int, warmup: int, url: str
+) -> dict[str, float]:
     """Publish the samples, train them with `ranks` spawned ranks; the figures of the timed steps."""
     import redis
     import torch.multiprocessing as mp
@@ -110,20 +122,42 @@ def measure(config: str, overrides: list[str], ranks: int, steps: int, warmup: i
 
     run = f"bench-dp-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="rs-bench-dp-") as tmp:
-        every = [*overrides, f"run.name={run}", f"run.dir={tmp}", "run.device=cpu", f"trainer.nproc_per_node={ranks}",
-                 f"trainer.total_global_steps={warmup + steps}", "trainer.test_freq=0",
-                 "trainer.max_off_policy_threshold=1000000", "trainer.num_warmup_batches=0"]
+        every = [
+            *overrides,
+            f"run.name={run}",
+            f"run.dir={tmp}",
+            "run.device=cpu",
+            f"trainer.nproc_per_node={ranks}",
+            f"trainer.total_global_steps={warmup + steps}",
+            "trainer.test_freq=0",
+            "trainer.max_off_policy_threshold=1000000",
+            "trainer.num_warmup_batches=0",
+        ]
         cfg = load_config(config, every)
         keys, r = Keys(run), redis.Redis.from_url(url)
         try:
             setup_run(r, keys)
             count = (warmup + steps) * cfg.data.train_batch_size
-            samples = [fake_rollout_sample(f"s{i}", n=cfg.rollout.n, prompt_len=PROMPT_LEN, response_len=cfg.data.max_response_length,
-                                           ragged=True, seed=i, vocab=VOCAB) for i in range(count)]
+            samples = [
+                fake_rollout_sample(
+                    f"s{i}",
+                    n=cfg.rollout.n,
+                    prompt_len=PROMPT_LEN,
+                    response_len=cfg.data.max_response_length,
+                    ragged=True,
+                    seed=i,
+                    vocab=VOCAB,
+                )
+                for i in range(count)
+            ]
             Publisher(r).publish_many(keys.rollouts, samples)
             out = Path(tmp) / "result.json"
-            mp.spawn(_rank, args=(ranks, str(Path(tmp) / "init"), url, config, every, warmup, str(out)), nprocs=ranks,
-                     join=True)
+            mp.spawn(
+                _rank,
+                args=(ranks, str(Path(tmp) / "init"), url, config, every, warmup, str(out)),
+                nprocs=ranks,
+                join=True,
+            )
             res = json.loads(out.read_text())
         finally:
             delete_run(r, keys)
@@ -131,17 +165,26 @@ def measure(config: str, overrides: list[str], ranks: int, steps: int, warmup: i
     steps_done = max(res["steps"], 1)
     step_s = res["wall_s"] / steps_done
     comm = (res["grad_allreduce_s"] + res["collectives_s"]) / steps_done
-    return {"ranks": ranks, "samples_per_s": steps_done * cfg.data.train_batch_size / res["wall_s"],
-            "step_ms": 1000 * step_s, "grad_allreduce_ms": 1000 * res["grad_allreduce_s"] / steps_done,
-            "collectives_ms": 1000 * res["collectives_s"] / steps_done, "comm_share": comm / step_s if step_s else 0.0,
-            "steps": steps_done, "train_batch_size": cfg.data.train_batch_size}
+    return {
+        "ranks": ranks,
+        "samples_per_s": steps_done * cfg.data.train_batch_size / res["wall_s"],
+        "step_ms": 1000 * step_s,
+        "grad_allreduce_ms": 1000 * res["grad_allreduce_s"] / steps_done,
+        "collectives_ms": 1000 * res["collectives_s"] / steps_done,
+        "comm_share": comm / step_s if step_s else 0.0,
+        "steps": steps_done,
+        "train_batch_size": cfg.data.train_batch_size,
+    }
 
 
 def format_table(rows: list[dict[str, float]]) -> str:
     """Markdown table of the figures, with each row's samples/s relative to the first row's."""
     base = rows[0]["samples_per_s"] if rows else 1.0
-    lines = ["| ranks | samples/s | vs first | step ms | grad all-reduce ms/step | loop collectives ms/step | share of step |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| ranks | samples/s | vs first | step ms | grad all-reduce ms/step | loop collectives ms/step | "
+        "share of step |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         lines.append(f"| {row['ranks']} | {row['samples_per_s']:.1f} | {row['samples_per_s'] / base:.2f}x | "
                      f"{row['step_ms']:.1f} | {row['grad_allreduce_ms']:.2f} | {row['collectives_ms']:.2f} | "
@@ -152,7 +195,9 @@ def format_table(rows: list[dict[str, float]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark for each --ranks count and print the table (or --json)."""
     p = argparse.ArgumentParser(prog="rollstream bench dp", description=__doc__.splitlines()[0])
-    p.add_argument("config", nargs="?", default="pipeline.yaml", help="pipeline.yaml (default ./pipeline.yaml)")
+    p.add_argument(
+        "config", nargs="?", default="pipeline.yaml", help="pipeline.yaml (default ./pipeline.yaml)"
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="trainer rank counts to compare")
     p.add_argument("--steps", type=int, default=20, help="timed global steps per rank count")
@@ -160,6 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--redis-url", default=DEFAULT_URL, help="Redis for the throwaway namespaces")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args(argv)
-    rows = [measure(args.config, args.overrides, n, args.steps, args.warmup_steps, args.redis_url) for n in args.ranks]
+    rows = [
+        measure(args.config, args.overrides, n, args.steps, args.warmup_steps, args.redis_url)
+        for n in args.ranks
+    ]
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0

@@ -43,7 +43,9 @@ from rollstream.worker import WorkerContext
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
-def unthrottled_producer(cfg: PipelineConfig, r: redis.Redis, keys: Keys, build: type[Producer] = Producer) -> Producer:
+def unthrottled_producer(
+    cfg: PipelineConfig, r: redis.Redis, keys: Keys, build: type[Producer] = Producer
+) -> Producer:
     """Set a run up with version 0 = the config's initial weights and an unlimited budget, and return its
     `rollout_00` producer made by `build` (for benchmarks and calibration: no trainer needed)."""
     setup_run(r, keys)
@@ -60,10 +62,22 @@ def unthrottled_producer(cfg: PipelineConfig, r: redis.Redis, keys: Keys, build:
 #: Model shapes `--preset` builds (random weights, BPE tokenizer) and the dispatch they are measured with.
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen2-76m": dict(
-        model=dict(arch="qwen2", hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=3072,
-                   max_positions=256),
-        overrides=["rollout.prompts_per_dispatch=64", "rollout.n=8", "data.max_response_length=32",
-                   "data.task=reverse", "rollout.vllm.max_model_len=256"],
+        model=dict(
+            arch="qwen2",
+            hidden_size=768,
+            num_layers=12,
+            num_heads=12,
+            num_kv_heads=4,
+            intermediate_size=3072,
+            max_positions=256,
+        ),
+        overrides=[
+            "rollout.prompts_per_dispatch=64",
+            "rollout.n=8",
+            "data.max_response_length=32",
+            "data.task=reverse",
+            "rollout.vllm.max_model_len=256",
+        ],
     ),
 }
 
@@ -141,8 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured dispatches first (engine warm-up)")
     p.add_argument("--engines", nargs="+", choices=("builtin", "vllm"), default=None,
                    help="compare these rollout.engine values on the same config in one run")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="build a random HF model of this shape in a temp dir and benchmark it (model.backend=hf)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="build a random HF model of this shape in a temp dir and benchmark it (model.backend=hf)",
+    )
     args = p.parse_args(argv)
     base = load_config(args.config, args.overrides)
     if "vllm" in (args.engines or [base.rollout.engine]):  # every engine measured under the same OpenMP
@@ -158,8 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         set_torch_threads(cfg.rollout.torch_threads)
         if args.engines:
-            return _print_comparison(compare_engines(cfg, args.redis_url, args.dispatches, args.warmup, args.engines),
-                                     args.json)
+            return _print_comparison(
+                compare_engines(cfg, args.redis_url, args.dispatches, args.warmup, args.engines), args.json
+            )
         res = bench_generation(cfg, args.redis_url, args.dispatches, args.warmup)
     if args.json:
         print(json.dumps(res))
@@ -175,7 +194,15 @@ def _print_comparison(results: dict[str, dict[str, Any]], as_json: bool) -> int:
         print(json.dumps(results))
         return 0
     names = list(results)
-    rows = ["gen_tokens_per_s", "samples_per_s", "trajectories_per_s", "gen_share", "swap_s", "tokens", "samples"]
+    rows = [
+        "gen_tokens_per_s",
+        "samples_per_s",
+        "trajectories_per_s",
+        "gen_share",
+        "swap_s",
+        "tokens",
+        "samples",
+    ]
     print(f"{'':20s} " + " ".join(f"{n:>12s}" for n in names))
     for row in rows:
         print(f"{row:20s} " + " ".join(f"{results[n][row]:12.4g}" for n in names))

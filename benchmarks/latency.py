@@ -106,7 +106,9 @@ def run_plan(
     end = version_start if version_now is None else version_now()
     out = []
     for prompt, resp, done in zip(plan.prompt_rows, plan.responses, plan.finished, strict=True):
-        t = Trajectory(prompt_ids=prompt, finished=done, num_turns=1, version_start=version_start, version_end=end)
+        t = Trajectory(
+            prompt_ids=prompt, finished=done, num_turns=1, version_start=version_start, version_end=end
+        )
         t.extend(resp, [DIGIT_LOGP] * len(resp), generated=True)
         t.processing_time_s = len(resp) / plan.tokens_per_s
         out.append(t)
@@ -114,7 +116,10 @@ def run_plan(
 
 
 def modelled_generate(
-    model: LatencyModel, tokenizer: Tokenizer, rng: np.random.Generator, version_now: Callable[[], int] | None = None
+    model: LatencyModel,
+    tokenizer: Tokenizer,
+    rng: np.random.Generator,
+    version_now: Callable[[], int] | None = None,
 ) -> GenerateFn:
     """A producer's generate function that sleeps the modelled decode time of each dispatch (draws from
     `rng`, one slot at a time); `version_now` as for run_plan."""

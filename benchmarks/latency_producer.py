@@ -1,7 +1,8 @@
 """Latency-model producers: the producer with the modelled decode injected (benchmarks/latency.py), its
 loop run in slots. What `rollstream run` starts as producers when `rollout.latency_model.enable`:
 
-    python -m benchmarks.latency_producer pipeline.yaml [key=value ...] [--name rollout_NN] [--burst] [--max-dispatches N]
+    python -m benchmarks.latency_producer pipeline.yaml [key=value ...] [--name rollout_NN] [--burst]
+    [--max-dispatches N]
 
 `latency_model.concurrency` slots (threads) run the producer's loop (producers/worker.py) side by side (an
 inference engine's continuous batching), each taking budget for one prompt at a time; they share the
@@ -40,10 +41,14 @@ log = logging.getLogger(__name__)
 class LatencyProducer(Producer):
     """A Producer with the modelled decode injected, its loop run in `latency_model.concurrency` slots."""
 
-    def __init__(self, ctx: WorkerContext, policy: BasePolicy | None = None, task: Task | None = None) -> None:
+    def __init__(
+        self, ctx: WorkerContext, policy: BasePolicy | None = None, task: Task | None = None
+    ) -> None:
         cfg = ctx.cfg
         policy = policy or build_policy(cfg)
-        rng = np.random.default_rng(producer_seed(cfg.run.seed, producer_index(ctx.name, cfg.rollout.num_producers)))
+        rng = np.random.default_rng(
+            producer_seed(cfg.run.seed, producer_index(ctx.name, cfg.rollout.num_producers))
+        )
         version_now = (lambda: self.weights.version) if cfg.rollout.partial_rollout else None
         generate = modelled_generate(LatencyModel.from_config(cfg), policy.tokenizer, rng, version_now)
         self.slots = cfg.rollout.latency_model.concurrency
@@ -59,7 +64,9 @@ class LatencyProducer(Producer):
             super()._serve(limit, burst)
             return
         slots = [
-            threading.Thread(target=self._loop, args=(1, limit, burst), name=f"{self.name}-slot{i}", daemon=True)
+            threading.Thread(
+                target=self._loop, args=(1, limit, burst), name=f"{self.name}-slot{i}", daemon=True
+            )
             for i in range(self.slots)
         ]
         for t in slots:
@@ -103,14 +110,20 @@ class LatencyProducer(Producer):
             return super()._take_prompts(amount)
 
     def _finish(
-        self, ids: list[str], items: list[tuple[int, int, Prompt]], param_version: int, trajs: list[Trajectory],
-        gen_s: float, status: dict[str, float | int],
+        self,
+        ids: list[str],
+        items: list[tuple[int, int, Prompt]],
+        param_version: int,
+        trajs: list[Trajectory],
+        gen_s: float,
+        status: dict[str, float | int],
     ) -> list[RolloutSample]:
         with self.lock:
             if getattr(self._slot, "generation", self.generation) != self.generation:
                 log.warning("discarding %d samples: their budget was released by a reconnect", len(items))
                 return []
-            return super()._finish(ids, items, param_version, trajs, gen_s / self.slots, status)  # slot-averaged
+            # slot-averaged
+            return super()._finish(ids, items, param_version, trajs, gen_s / self.slots, status)
 
     def _maybe_stats(self) -> None:
         with self.lock:
@@ -122,7 +135,8 @@ class LatencyProducer(Producer):
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `python -m benchmarks.latency_producer`: `python -m producers` with a LatencyProducer."""
+    """Entry point of `python -m benchmarks.latency_producer`: `python -m producers` with a
+    LatencyProducer."""
     from producers.__main__ import main
 
     return main(argv, build=LatencyProducer, role="benchmarks.latency_producer")

@@ -33,7 +33,7 @@ from typing import Any
 
 from rollstream.config import load_config
 from rollstream.ops.progress import Curve, watch_run
-from rollstream.ops.target import open_run
+from rollstream.ops.run_target import open_run
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
@@ -64,9 +64,13 @@ class ModeRun:
 
 def _rs(*args: str) -> subprocess.CompletedProcess[str]:
     """Run the rollstream CLI of this interpreter; raise with its output on failure."""
-    proc = subprocess.run([sys.executable, "-m", "rollstream.cli", *args], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollstream.cli", *args], capture_output=True, text=True, cwd=ROOT
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"rollstream {' '.join(args[:1])} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        raise RuntimeError(
+            f"rollstream {' '.join(args[:1])} failed ({proc.returncode}): {proc.stderr[-2000:]}"
+        )
     return proc
 
 
@@ -76,7 +80,9 @@ def warm_start_file(config: str, overrides: list[str], out: Path) -> None:
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
 
 
-def run_one(config: str, overrides: list[str], *, target: float, limit_s: float, hold_s: float) -> tuple[Curve, int]:
+def run_one(
+    config: str, overrides: list[str], *, target: float, limit_s: float, hold_s: float
+) -> tuple[Curve, int]:
     """`rollstream run` the config, watch it to the target or the limit, stop it; (curve, global steps)."""
     run_dir = load_config(config, overrides).run_dir()
     if run_dir.exists():
@@ -88,8 +94,11 @@ def run_one(config: str, overrides: list[str], *, target: float, limit_s: float,
         curve = watch_run(t.connect(), t.keys, target_acc=target, limit_s=limit_s, since=start, hold_s=hold_s,
                           poll_s=0.5, show=False)
     finally:
-        subprocess.run([sys.executable, "-m", "rollstream.cli", "stop", config, *overrides], capture_output=True,
-                       cwd=ROOT)
+        subprocess.run(
+            [sys.executable, "-m", "rollstream.cli", "stop", config, *overrides],
+            capture_output=True,
+            cwd=ROOT,
+        )
     return curve, (curve.steps[-1] if curve.steps else 0)
 
 
@@ -158,16 +167,24 @@ def format_table(runs: Sequence[ModeRun], acc: float) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments, run every seed x mode, write the plots, print the table (or JSON)."""
     p = argparse.ArgumentParser(prog="rollstream bench learn", description=__doc__.splitlines()[0])
-    p.add_argument("config", nargs="?", default="pipeline.yaml", help="pipeline.yaml (default ./pipeline.yaml)")
+    p.add_argument(
+        "config", nargs="?", default="pipeline.yaml", help="pipeline.yaml (default ./pipeline.yaml)"
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides for every run")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run.seed values")
-    p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["sync", "async"], help="modes to run")
+    p.add_argument(
+        "--modes", nargs="+", choices=sorted(MODES), default=["sync", "async"], help="modes to run"
+    )
     p.add_argument("--target", type=float, default=0.9, help="val/acc at which a run stops (reached)")
-    p.add_argument("--report", type=float, nargs="+", default=None, help="val/acc levels tabulated (default: --target)")
+    p.add_argument(
+        "--report", type=float, nargs="+", default=None, help="val/acc levels tabulated (default: --target)"
+    )
     p.add_argument("--limit-s", type=float, default=300.0, help="seconds per run before giving up")
     p.add_argument("--hold-s", type=float, default=0.0, help="keep running S seconds after the target")
     p.add_argument("--out-dir", default="runs/bench-learn", help="run dirs, warm starts and PNGs go here")
-    p.add_argument("--json", action="store_true", help="print the per-run figures as JSON instead of the table")
+    p.add_argument(
+        "--json", action="store_true", help="print the per-run figures as JSON instead of the table"
+    )
     args = p.parse_args(argv)
     if "=" in args.config and not Path(args.config).is_file():
         args.overrides, args.config = [args.config, *args.overrides], "pipeline.yaml"
@@ -182,7 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed_runs = []
         for mode in args.modes:
             ov = [*base, f"run.name=learn-{mode}-s{seed}", f"model.init_from={warm}", *MODES[mode]]
-            curve, steps = run_one(args.config, ov, target=args.target, limit_s=args.limit_s, hold_s=args.hold_s)
+            curve, steps = run_one(
+                args.config, ov, target=args.target, limit_s=args.limit_s, hold_s=args.hold_s
+            )
             run = ModeRun(seed, mode, curve, steps)
             seed_runs.append(run)
             print(f"seed {seed} {mode}: {args.target:.0%} after {_fmt(curve.reached_s, '.0f')} s / "

@@ -31,7 +31,9 @@ from rollstream.tasks import Prompt, Task
 from rollstream.warmstart import warm_start
 
 
-def evaluate(policy: BasePolicy, task: Task, val: list[Prompt], max_new: int) -> tuple[float, dict[int, float], str]:
+def evaluate(
+    policy: BasePolicy, task: Task, val: list[Prompt], max_new: int
+) -> tuple[float, dict[int, float], str]:
     """(exact match, exact match per answer length, per-position accuracy string) of greedy answers."""
     tok = policy.tokenizer
     trajs = policy.generate([tok.encode(p.text, add_bos=True) for p in val], 1, max_new, greedy=True)
@@ -80,9 +82,20 @@ def probe(cfg: PipelineConfig, limit_s: float, eval_every: int) -> None:
                                       response_mask=[1] * len(t.response_ids), log_probs=t.log_probs,
                                       finished=t.finished) for t in group]
             rewards = [task.reward(p, tok.decode(t.response_ids)) for t in group]
-            samples.append(build_rollout_sample(sample_id=f"{g}-{i}", epoch=epoch, param_version=g - 1, producer="probe",
-                                                trajectories=agents, rewards=rewards, raw_prompt=p.text,
-                                                tokenizer=tok, rollout_status={}, ground_truth=p.answer))
+            samples.append(
+                build_rollout_sample(
+                    sample_id=f"{g}-{i}",
+                    epoch=epoch,
+                    param_version=g - 1,
+                    producer="probe",
+                    trajectories=agents,
+                    rewards=rewards,
+                    raw_prompt=p.text,
+                    tokenizer=tok,
+                    rollout_status={},
+                    ground_truth=p.answer,
+                )
+            )
         batch, _ = assemble_batch_from_rollout_samples(samples)
         m = learner.update(batch)
         if g % eval_every == 0:
@@ -95,7 +108,9 @@ def probe(cfg: PipelineConfig, limit_s: float, eval_every: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments and run the probe."""
     p = argparse.ArgumentParser(prog="rollstream bench learn_probe", description=__doc__.splitlines()[0])
-    p.add_argument("config", nargs="?", default="pipeline.yaml", help="pipeline.yaml (default ./pipeline.yaml)")
+    p.add_argument(
+        "config", nargs="?", default="pipeline.yaml", help="pipeline.yaml (default ./pipeline.yaml)"
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     p.add_argument("--limit-s", type=float, default=420.0, help="seconds to run (warm start included)")
     p.add_argument("--eval-every", type=int, default=20, help="global steps between evaluations")

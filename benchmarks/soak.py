@@ -1,7 +1,8 @@
-"""Soak benchmark: a bounded soak of the whole pipeline with retention (on by default) and a small Redis budget.
+"""Soak benchmark: a bounded soak of the whole pipeline with retention (on by default), a small Redis budget.
 
 Starts `rollstream run` (embedded redis, ACLs, supervisord) with up to 8 latency-model producers (decoding
-replaced by sleeping its modelled time, benchmarks/latency_producer.py), a tiny trainer and the aggregator, with
+replaced by sleeping its modelled time, benchmarks/latency_producer.py), a tiny trainer and the aggregator,
+with
 `bus.redis_max_bytes` = `--budget-mib` so that retention moves most of the log to the archive. Every
 `--sample-every-s` it samples redis `INFO memory` used_memory, the bytes of the run's archive on disk, the
 trainer's RSS (/proc/<pid>/status VmRSS), the rollouts stream's length and the trainer group's lag and
@@ -33,7 +34,7 @@ from rollstream.config import load_config
 from rollstream.names import TRAINER_GROUP
 from rollstream.ops import process
 from rollstream.ops.plan import SuperviseError, plan_run
-from rollstream.ops.target import open_run
+from rollstream.ops.run_target import open_run
 
 SOAK_CONFIG = [
     "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=2", "rollout.n=4",
@@ -107,8 +108,11 @@ def take_sample(r: Any, target: Any, run_dir: Path, t_s: float) -> Sample:
 
 def table(samples: list[Sample]) -> str:
     """The samples as a markdown table, then a min/max row per column."""
-    head = ("| t (s) | redis used_memory (MiB) | archive (MiB) | trainer RSS (MiB) | rollouts entries | trainer lag "
-            "| trainer pending | global step |")
+    head = (
+        "| t (s) | redis used_memory (MiB) | archive (MiB) | trainer RSS (MiB) | rollouts entries | trainer "
+        "lag "
+        "| trainer pending | global step |"
+    )
     rows = [head, "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in samples:
         rows.append(f"| {s.t_s:.0f} | {s.redis_used_mb:.1f} | {s.archive_mb:.1f} | {s.trainer_rss_mb:.0f} | "
@@ -164,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration-s", type=float, default=300.0, help="how long to soak after the first record")
     p.add_argument("--producers", type=int, default=8, help="latency-model producer processes (1-8)")
     p.add_argument("--sample-every-s", type=float, default=10.0, help="seconds between samples")
-    p.add_argument("--growth-limit", type=float, default=1.5, help="allowed ratio of late to early memory peaks")
+    p.add_argument(
+        "--growth-limit", type=float, default=1.5, help="allowed ratio of late to early memory peaks"
+    )
     p.add_argument("--budget-mib", type=float, default=16.0, help="bus.redis_max_bytes of the soak, in MiB")
     p.add_argument("--run-dir", default=None, help="parent folder of the run dir (default: a temp dir)")
     return p
@@ -178,9 +184,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("rollstream bench soak: --producers must be 1..8", file=sys.stderr)
         return 2
     parent = Path(args.run_dir or tempfile.mkdtemp(prefix="rollstream-soak-"))
-    cfg = load_config(args.config, [*SOAK_CONFIG, f"bus.redis_max_bytes={int(args.budget_mib * 2**20)}",
-                                    f"rollout.num_producers={args.producers}", f"run.dir={parent}", "run.name=soak",
-                                    *args.overrides])
+    cfg = load_config(
+        args.config,
+        [
+            *SOAK_CONFIG,
+            f"bus.redis_max_bytes={int(args.budget_mib * 2**20)}",
+            f"rollout.num_producers={args.producers}",
+            f"run.dir={parent}",
+            "run.name=soak",
+            *args.overrides,
+        ],
+    )
     plan = plan_run(cfg)
     print(f"soak: {args.producers} producers for {args.duration_s:.0f}s; run dir {plan.run_dir}", flush=True)
     process.start_supervisord(plan)
@@ -224,15 +238,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("streams in Redis at the end, entries / MiB: "
           + ", ".join(f"{k} {n} / {b / 2**20:.2f}" for k, (n, b) in lengths.items()))
     steady = archiving(samples)
-    print(f"once archiving started (t >= {steady[0].t_s:.0f}s, {steady[-1].global_step - steady[0].global_step} steps), "
-          f"growth per global step: redis used_memory {per_step_kib(steady[0], steady[-1], 'redis_used_mb'):.2f} KiB, "
-          f"archive {per_step_kib(steady[0], steady[-1], 'archive_mb'):.2f} KiB")
+    print(
+        f"once archiving started (t >= {steady[0].t_s:.0f}s, "
+        f"{steady[-1].global_step - steady[0].global_step} steps), "
+        "growth per global step: redis used_memory "
+        f"{per_step_kib(steady[0], steady[-1], 'redis_used_mb'):.2f} KiB, "
+        f"archive {per_step_kib(steady[0], steady[-1], 'archive_mb'):.2f} KiB"
+    )
     if passes:
-        print(f"retention passes that moved entries: {len(passes)}, median {statistics.median(passes):.0f} ms, "
-              f"max {max(passes):.0f} ms")
+        print(
+            f"retention passes that moved entries: {len(passes)}, median {statistics.median(passes):.0f} ms, "
+            f"max {max(passes):.0f} ms"
+        )
     print(f"global steps during the soak: {steps} ({steps / max(samples[-1].t_s, 1e-9):.2f}/s)")
-    print(f"redis used_memory bounded: {mem_ok}; archive linear: {archive_ok}; trainer RSS bounded: {rss_ok}; "
-          f"rollouts backlog bounded: {backlog_ok}; retention cap bit {cap_bits} times")
+    print(
+        f"redis used_memory bounded: {mem_ok}; archive linear: {archive_ok}; trainer RSS bounded: {rss_ok}; "
+        f"rollouts backlog bounded: {backlog_ok}; retention cap bit {cap_bits} times"
+    )
     print("programs: " + ", ".join(report.lines()))
     ok = mem_ok and archive_ok and rss_ok and backlog_ok and cap_bits == 0 and report.ok
     return 0 if ok else 1

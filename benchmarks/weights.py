@@ -1,7 +1,8 @@
 """Weight sync at scale: publish a model's weights above bus.weights_inline_max_bytes and load them into a
 second model, measuring time to the first token on the new version and the peak extra RSS of each side.
 
-    rollstream bench weights --preset qwen2.5-0.5b          # ~1 GB, the Qwen2.5-0.5B shape in bf16: file vs redis
+    rollstream bench weights --preset qwen2.5-0.5b          # ~1 GB, the Qwen2.5-0.5B shape in bf16: file vs
+    redis
     rollstream bench weights --preset mlp64 --json           # 64 MiB float32 (the test's size)
     rollstream bench weights --preset qwen2.5-0.5b --path bytes   # the old whole-blob path, to compare
 
@@ -39,7 +40,6 @@ import torch
 from torch import nn
 
 from rollstream.bus import connect, delete_run
-from rollstream.model.base import load_state_dict_from_bytes, state_dict_to_bytes
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import free_port, redis_server_binary, wait_for_redis
 from rollstream.weights import (
@@ -49,7 +49,7 @@ from rollstream.weights import (
     publish_module_weights,
     publish_weights,
 )
-from rollstream.weights_file import unique_state
+from rollstream.weights_io import load_bytes_into, module_bytes, unique_state
 
 INLINE_MAX = 64 << 20  # the bus.weights_inline_max_bytes default
 
@@ -97,7 +97,7 @@ class Holder:
 
     def load_state_dict_bytes(self, data: bytes) -> None:
         """Inline blobs (not used above the inline limit)."""
-        load_state_dict_from_bytes(self.module, data)
+        load_bytes_into(self.module, data)
 
 
 def first_token(model: nn.Module, preset: str) -> float:
@@ -111,8 +111,16 @@ def first_token(model: nn.Module, preset: str) -> float:
     return time.perf_counter() - t0
 
 
-def measure_path(r: redis.Redis, trainer: nn.Module, producer: nn.Module, preset: str, path: str, version: int,
-                 work_dir: Path, chunk_bytes: int) -> dict[str, Any]:
+def measure_path(
+    r: redis.Redis,
+    trainer: nn.Module,
+    producer: nn.Module,
+    preset: str,
+    path: str,
+    version: int,
+    work_dir: Path,
+    chunk_bytes: int,
+) -> dict[str, Any]:
     """Publish the trainer model's weights by `path`, load them into the (zeroed) producer model, take the
     first token; times and peaks."""
     keys = Keys(f"bench-weights-{uuid.uuid4().hex[:8]}")
@@ -124,11 +132,19 @@ def measure_path(r: redis.Redis, trainer: nn.Module, producer: nn.Module, preset
         before = reset_peak()
         t0 = time.perf_counter()
         if path in ("streamed", "redis"):
-            pv = publish_module_weights(r, keys, version, trainer, global_step=version, inline_max_bytes=INLINE_MAX,
-                                        file_dir=work_dir, transport="redis" if path == "redis" else "file",
-                                        chunk_bytes=chunk_bytes)
+            pv = publish_module_weights(
+                r,
+                keys,
+                version,
+                trainer,
+                global_step=version,
+                inline_max_bytes=INLINE_MAX,
+                file_dir=work_dir,
+                transport="redis" if path == "redis" else "file",
+                chunk_bytes=chunk_bytes,
+            )
         else:
-            pv = publish_weights(r, keys, version, state_dict_to_bytes(trainer), global_step=version,
+            pv = publish_weights(r, keys, version, module_bytes(trainer), global_step=version,
                                  inline_max_bytes=INLINE_MAX, file_dir=work_dir)
         out["publish_s"] = time.perf_counter() - t0
         out["publish_peak_extra_mib"] = (rss("VmHWM:") - before) / 2**20
@@ -138,7 +154,7 @@ def measure_path(r: redis.Redis, trainer: nn.Module, producer: nn.Module, preset
         before = reset_peak()
         t0 = time.perf_counter()
         if path == "bytes":
-            load_state_dict_from_bytes(producer, load_weights(r, pv))
+            load_bytes_into(producer, load_weights(r, pv))
         else:
             load_weights_into(r, pv, Holder(producer))  # type: ignore[arg-type]
         out["load_s"] = time.perf_counter() - t0
@@ -168,7 +184,9 @@ def private_redis() -> Iterator[str]:
         proc.wait(30)
 
 
-def measure(preset: str, paths: list[str], redis_url: str, work_dir: Path, chunk_bytes: int) -> list[dict[str, Any]]:
+def measure(
+    preset: str, paths: list[str], redis_url: str, work_dir: Path, chunk_bytes: int
+) -> list[dict[str, Any]]:
     """Build the trainer and producer models once, then measure each path in turn on them."""
     t0 = time.perf_counter()
     trainer, producer = build(preset, 0), build(preset, 1)
@@ -189,14 +207,22 @@ def main(argv: list[str]) -> int:
     """Parse the flags, measure each path, print them (table rows or JSON lines)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b", "mlp64"], help="model shape")
-    p.add_argument("--path", nargs="+", default=["streamed", "redis"], choices=["streamed", "redis", "bytes"],
-                   help="weights paths measured in turn: streamed (file://, shared disk), redis (chunks), bytes (old)")
-    p.add_argument("--redis-url", default=None, help="Redis for params and chunks (default: a private redis-server)")
+    p.add_argument(
+        "--path",
+        nargs="+",
+        default=["streamed", "redis"],
+        choices=["streamed", "redis", "bytes"],
+        help="weights paths measured in turn: streamed (file://, shared disk), redis (chunks), bytes (old)",
+    )
+    p.add_argument(
+        "--redis-url", default=None, help="Redis for params and chunks (default: a private redis-server)"
+    )
     p.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES, help="chunk size of the redis path")
     p.add_argument("--dir", default=None, help="folder for the weights file (default: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="print one JSON object per path instead of table rows")
     args = p.parse_args(argv)
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # glibc reads it at start-up: re-exec once with it set
+    # glibc reads it at start-up: re-exec once with it set
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
         os.execv(sys.executable, [sys.executable, "-m", "benchmarks.weights", *argv])
     with contextlib.ExitStack() as stack:
@@ -207,13 +233,20 @@ def main(argv: list[str]) -> int:
         for res in rows:
             print(json.dumps(res))
     else:
-        print("| preset | path | state dict MiB | publish s | publish peak extra MiB | load s | load peak extra MiB "
-              "| first token s | publish -> first token s | equal |")
+        print(
+            "| preset | path | state dict MiB | publish s | publish peak extra MiB | load s | load peak "
+            "extra MiB "
+            "| first token s | publish -> first token s | equal |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for res in rows:
-            print(f"| {res['preset']} | {res['path']} | {res['state_dict_mib']:.0f} | {res['publish_s']:.2f} | "
-                  f"{res['publish_peak_extra_mib']:.0f} | {res['load_s']:.2f} | {res['load_peak_extra_mib']:.0f} | "
-                  f"{res['first_token_s']:.2f} | {res['publish_to_first_token_s']:.2f} | {res['loaded_equal']} |")
+            print(
+                f"| {res['preset']} | {res['path']} | {res['state_dict_mib']:.0f} | {res['publish_s']:.2f} | "
+                f"{res['publish_peak_extra_mib']:.0f} | {res['load_s']:.2f} | "
+                f"{res['load_peak_extra_mib']:.0f} | "
+                f"{res['first_token_s']:.2f} | {res['publish_to_first_token_s']:.2f} | {res['loaded_equal']} "
+                "|"
+            )
     return 0 if all(res["loaded_equal"] and res["uri_ok"] for res in rows) else 1
 
 

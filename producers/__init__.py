@@ -1,1 +1,2 @@
-"""Rollout producers: prompt -> generate (policy) -> reward -> RolloutSample -> XADD (run `python -m producers`)."""
+"""Rollout producers: prompt -> generate (policy) -> reward -> RolloutSample -> XADD
+(run `python -m producers`)."""

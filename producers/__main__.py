@@ -30,7 +30,9 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     from rollstream.worker import freeze_startup_heap, start_worker
 
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--max-dispatches", type=int, default=None, help="exit after this many dispatches (tests)")
+    pre.add_argument(
+        "--max-dispatches", type=int, default=None, help="exit after this many dispatches (tests)"
+    )
     known, rest = pre.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     ctx, args = start_worker(role, rest)
     if ctx.cfg.rollout.engine == "vllm" and build is None:

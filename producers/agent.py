@@ -68,17 +68,6 @@ class VersionSource(Protocol):
         ...
 
 
-@dataclass
-class FixedVersion:
-    """A VersionSource that never changes (loops without a bus, tests)."""
-
-    version: int = 0
-
-    def refresh(self) -> bool:
-        """Never loads anything."""
-        return False
-
-
 @dataclass(frozen=True)
 class GenerationSettings:
     """Sampling and sync settings of the agent loops (from `rollout.*` and `data.max_response_length`)."""
@@ -112,7 +101,8 @@ def _generate_turn(
     weights: VersionSource,
     generator: torch.Generator | None,
 ) -> tuple[list[Completion], int, list[int]]:
-    """One generate call over `histories` (n=1 each) -> (trajectories, version at start, version after each swap)."""
+    """One generate call over `histories` (n=1 each) -> (trajectories, version at start, version after each
+    swap)."""
     swaps: list[int] = []
 
     def on_chunk() -> bool:
@@ -142,7 +132,8 @@ def _version_of_last_token(traj: Completion, kept: int, start: int, swaps: list[
 
 
 def tool_cut(task: Task, tokenizer: Tokenizer, ids: Sequence[int]) -> int | None:
-    """Length of the shortest prefix of `ids` that ends with a complete tool call (None: no call before eos)."""
+    """Length of the shortest prefix of `ids` that ends with a complete tool call (None: no call before
+    eos)."""
     for k in range(1, len(ids) + 1):
         if ids[k - 1] == tokenizer.eos_id:
             return None

@@ -71,7 +71,8 @@ class WeightSync:
             self.on_switch(old, pv.version)
 
     def wait_initial(self, stop: threading.Event, timeout_s: float | None = None) -> bool:
-        """Block until a version exists (the trainer publishes 0 at start), then load it unless loaded; False on stop/timeout."""
+        """Block until a version exists (the trainer publishes 0 at start), then load it unless loaded; False
+        on stop/timeout."""
         pv = wait_for_param_version(self.r, self.keys, newer_than=-1, timeout_s=timeout_s, stop=stop)
         if pv is None:
             return False

@@ -26,7 +26,8 @@ from typing import Any
 
 import redis
 
-from rollstream.bus.streams import PAGE, iter_stream, parse_id, text
+from rollstream.bus.ids import parse_id, text
+from rollstream.bus.streams import PAGE, iter_stream
 from rollstream.names import TRAINER_GROUP, Keys
 from schemas import EVICTED, TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
 

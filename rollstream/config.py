@@ -23,32 +23,46 @@ class _Section(BaseModel):
 class RunConfig(_Section):
     """Where the run lives."""
 
-    name: str = Field("demo", description="Run name; every Redis key is rs:{<name>}:…", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    name: str = Field(
+        "demo", description="Run name; every Redis key is rs:{<name>}:…", pattern=r"^[A-Za-z0-9_.-]{1,64}$"
+    )
     redis_url: str | None = Field(
         None, description="Redis URL (redis://, rediss://, unix://); null = start an embedded redis-server"
     )
-    password_file: str | None = Field(None, description="File holding the Redis password (instead of the URL)")
-    dir: str = Field("runs", description="Parent folder of run directories (logs, checkpoints, supervisord config)")
+    password_file: str | None = Field(
+        None, description="File holding the Redis password (instead of the URL)"
+    )
+    dir: str = Field(
+        "runs", description="Parent folder of run directories (logs, checkpoints, supervisord config)"
+    )
     seed: int = Field(0, description="Seed for prompts, model init and sampling")
     device: str = Field("auto", description="torch device: auto (cuda when present), cpu or cuda[:N]")
     acl: bool = Field(
-        True, description="Embedded redis only: one ACL user per role (producer, trainer, aggregator, admin), default user off"
+        True,
+        description="Embedded redis only: one ACL user per role (producer, trainer, aggregator, admin), "
+                    "default user off",
     )
 
 
 class DataConfig(_Section):
     """Prompts and batch sizes."""
 
-    task: Literal["reverse", "arith"] = Field("reverse", description="Built-in task: reverse digits or arithmetic with a calculator tool")
+    task: Literal["reverse", "arith"] = Field(
+        "reverse", description="Built-in task: reverse digits or arithmetic with a calculator tool"
+    )
     train_batch_size: int = Field(16, ge=1, description="Samples (prompts) per global step")
     min_digits: int = Field(3, ge=1, description="Reverse task: shortest digit string")
     max_digits: int = Field(6, ge=1, description="Reverse task: longest digit string")
     fixed_width: bool = Field(
-        False, description="Reverse task: right-align the digits to max_digits with spaces (every prompt the same length)"
+        False,
+        description="Reverse task: right-align the digits to max_digits with spaces (every prompt the same "
+                    "length)",
     )
     prompts_file: str | None = Field(None, description="JSONL prompt file instead of the seeded generator")
     fresh_prompts: bool = Field(
-        True, description="Seeded generator: draw a new prompt at every position (never a validation one) instead of cycling epoch_size prompts"
+        True,
+        description="Seeded generator: draw a new prompt at every position (never a validation one) instead "
+                    "of cycling epoch_size prompts",
     )
     epoch_size: int = Field(4096, ge=1, description="Generated prompts per epoch (seeded generator mode)")
     val_size: int = Field(256, ge=0, description="Held-out prompts used for validation")
@@ -64,23 +78,32 @@ class DataConfig(_Section):
 class ModelConfig(_Section):
     """The policy network."""
 
-    backend: Literal["tiny", "hf"] = Field("tiny", description="tiny = built-in char GPT; hf = transformers causal LM")
-    hf_path: str | None = Field(None, description="Local directory of the HF model and tokenizer (backend=hf)")
+    backend: Literal["tiny", "hf"] = Field(
+        "tiny", description="tiny = built-in char GPT; hf = transformers causal LM"
+    )
+    hf_path: str | None = Field(
+        None, description="Local directory of the HF model and tokenizer (backend=hf)"
+    )
     d_model: int = Field(64, ge=8, description="Tiny GPT: embedding width")
     n_layer: int = Field(2, ge=1, description="Tiny GPT: transformer blocks")
     n_head: int = Field(4, ge=1, description="Tiny GPT: attention heads")
     max_seq_len: int = Field(64, ge=8, description="Tiny GPT: longest prompt+response in tokens")
     position: Literal["learned", "rope"] = Field(
-        "learned", description="Tiny GPT: learned absolute position embeddings, or rotary positions (as Llama/Qwen)"
+        "learned",
+        description="Tiny GPT: learned absolute position embeddings, or rotary positions (as Llama/Qwen)",
     )
     init_from: str | None = Field(
-        None, description="safetensors weights the trainer starts from instead of the seeded init (e.g. scripts/warm_start.py output)"
+        None,
+        description="safetensors weights the trainer starts from instead of the seeded init (e.g. "
+                    "scripts/warm_start.py output)",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight dtype on producers and trainer: auto = bfloat16 on CUDA, float32 on CPU"
     )
     chat_template: bool = Field(
-        True, description="backend=hf: render prompts and tool results with the tokenizer's chat template when it has one"
+        True,
+        description="backend=hf: render prompts and tool results with the tokenizer's chat template when it "
+                    "has one",
     )
 
     @model_validator(mode="after")
@@ -88,7 +111,9 @@ class ModelConfig(_Section):
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         if self.position == "rope" and (self.d_model // self.n_head) % 2:
-            raise ValueError(f"position=rope needs an even head size, got d_model/n_head={self.d_model // self.n_head}")
+            raise ValueError(
+                f"position=rope needs an even head size, got d_model/n_head={self.d_model // self.n_head}"
+            )
         if self.backend == "hf" and not self.hf_path:
             raise ValueError("backend=hf needs hf_path")
         return self
@@ -102,16 +127,28 @@ class MultiTurnConfig(_Section):
 
 
 class LatencyModelConfig(_Section):
-    """Benchmarks only: a producer that models generation time instead of decoding (see benchmarks/latency.py)."""
+    """Benchmarks only: a producer that models generation time instead of decoding (see
+    benchmarks/latency.py)."""
 
     enable: bool = Field(
-        False, description="Replace decoding by sleeping each dispatch's modelled decode time (rest of the producer unchanged)"
+        False,
+        description="Replace decoding by sleeping each dispatch's modelled decode time (rest of the producer "
+                    "unchanged)",
     )
-    tokens_per_s: float = Field(200.0, gt=0, description="Modelled decode speed of one trajectory in tokens per second")
-    length_median: float = Field(8.0, gt=0, description="Median modelled response length in tokens (lognormal)")
-    length_sigma: float = Field(1.0, ge=0, description="Log-space std of the modelled response length (the long tail)")
+    tokens_per_s: float = Field(
+        200.0, gt=0, description="Modelled decode speed of one trajectory in tokens per second"
+    )
+    length_median: float = Field(
+        8.0, gt=0, description="Median modelled response length in tokens (lognormal)"
+    )
+    length_sigma: float = Field(
+        1.0, ge=0, description="Log-space std of the modelled response length (the long tail)"
+    )
     concurrency: int = Field(
-        8, ge=1, description="Slots per producer, each dispatching one prompt at a time (an engine's continuous batching)"
+        8,
+        ge=1,
+        description="Slots per producer, each dispatching one prompt at a time (an engine's continuous "
+                    "batching)",
     )
 
 
@@ -119,21 +156,35 @@ class VLLMConfig(_Section):
     """The vLLM engine of each producer (`rollout.engine=vllm`)."""
 
     kv_cache_gib: int = Field(
-        1, ge=1, description="CPU build: GiB of memory each producer's engine reserves for its KV cache (VLLM_CPU_KVCACHE_SPACE)"
+        1,
+        ge=1,
+        description="CPU build: GiB of memory each producer's engine reserves for its KV cache "
+                    "(VLLM_CPU_KVCACHE_SPACE)",
     )
     gpu_memory_utilization: float = Field(
-        0.3, gt=0, le=1, description="CUDA build: share of GPU memory each producer's engine takes (the trainer shares the GPU)"
+        0.3,
+        gt=0,
+        le=1,
+        description="CUDA build: share of GPU memory each producer's engine takes (the trainer shares the "
+                    "GPU)",
     )
     cpu_threads_bind: str = Field(
         "nobind",
-        description="CPU build: VLLM_CPU_OMP_THREADS_BIND ('nobind' keeps rollout.torch_threads; 'auto' or core lists like '0-3|4-7' bind OpenMP threads)",
+        description="CPU build: VLLM_CPU_OMP_THREADS_BIND ('nobind' keeps rollout.torch_threads; 'auto' or "
+                    "core lists like '0-3|4-7' bind OpenMP threads)",
     )
     max_model_len: int | None = Field(
-        None, ge=8, description="Longest prompt + response the engine plans for (null: the model's max_position_embeddings)"
+        None,
+        ge=8,
+        description="Longest prompt + response the engine plans for (null: the model's "
+                    "max_position_embeddings)",
     )
-    enforce_eager: bool = Field(True, description="Skip graph capture / compilation (faster start; CUDA graphs off)")
+    enforce_eager: bool = Field(
+        True, description="Skip graph capture / compilation (faster start; CUDA graphs off)"
+    )
     enable_prefix_caching: bool = Field(
-        True, description="Reuse the KV cache of a shared prompt across a group's n rows and a multi-turn history"
+        True,
+        description="Reuse the KV cache of a shared prompt across a group's n rows and a multi-turn history",
     )
 
 
@@ -142,32 +193,52 @@ class RolloutConfig(_Section):
 
     engine: Literal["builtin", "vllm"] = Field(
         "builtin",
-        description="Generation engine: builtin = the KV-cache sampling loop over the policy module; vllm = one vLLM engine per producer (model.backend=hf)",
+        description="Generation engine: builtin = the KV-cache sampling loop over the policy module; vllm = "
+                    "one vLLM engine per producer (model.backend=hf)",
     )
-    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (rollout.engine=vllm)")
+    vllm: VLLMConfig = Field(
+        default_factory=VLLMConfig, description="vLLM engine settings (rollout.engine=vllm)"
+    )
 
     n: int = Field(8, ge=1, description="Trajectories per prompt (GRPO group size)")
     num_producers: int = Field(2, ge=1, description="Producer processes started by `rollstream run`")
-    prompts_per_dispatch: int = Field(4, ge=1, description="Prompts a producer takes budget for and generates in one batch")
+    prompts_per_dispatch: int = Field(
+        4, ge=1, description="Prompts a producer takes budget for and generates in one batch"
+    )
     temperature: float = Field(
-        1.0, gt=0, description="Sampling temperature; behaviour log-probs and the trainer's log-probs both use logits / temperature"
+        1.0,
+        gt=0,
+        description="Sampling temperature; behaviour log-probs and the trainer's log-probs both use logits / "
+                    "temperature",
     )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass")
     staleness_threshold: float = Field(
         0.0, ge=0, description="Pacing: at most train_batch_size*(1+staleness_threshold) prompts outstanding"
     )
-    partial_rollout: bool = Field(True, description="Swap weights mid-trajectory (start<end) instead of finishing under old weights")
+    partial_rollout: bool = Field(
+        True, description="Swap weights mid-trajectory (start<end) instead of finishing under old weights"
+    )
     sync_every_tokens: int = Field(4, ge=1, description="Decode tokens between checks for newer weights")
-    stats_every_s: float = Field(5.0, gt=0, description="Seconds between ProducerStats events (also sent on each new version)")
+    stats_every_s: float = Field(
+        5.0, gt=0, description="Seconds between ProducerStats events (also sent on each new version)"
+    )
     torch_threads: int = Field(
-        1, ge=0, description="torch intra-op threads per producer process (0 = torch default); 1 avoids oversubscribed cores"
+        1,
+        ge=0,
+        description="torch intra-op threads per producer process (0 = torch default); 1 avoids "
+                    "oversubscribed cores",
     )
     nice: int = Field(
-        0, ge=0, le=19, description="Raise each producer process's nice value by this much (CPU hosts: the trainer wins shared cores)"
+        0,
+        ge=0,
+        le=19,
+        description="Raise each producer process's nice value by this much (CPU hosts: the trainer wins "
+                    "shared cores)",
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Multi-turn tool use")
     latency_model: LatencyModelConfig = Field(
-        default_factory=LatencyModelConfig, description="Benchmarks: modelled generation time instead of decoding"
+        default_factory=LatencyModelConfig,
+        description="Benchmarks: modelled generation time instead of decoding",
     )
 
 
@@ -176,21 +247,28 @@ class RolloutCorrectionConfig(_Section):
     sequences whose rollout log-probs disagree with the trainer's (rollstream/rl/rollout_correction.py)."""
 
     rollout_is: Literal["token", "sequence"] | None = Field(
-        "token", description="IS weight pi_old/pi_rollout per token or per sequence (product); null = none (verl's default)"
+        "token",
+        description="IS weight pi_old/pi_rollout per token or per sequence (product); null = none (verl's "
+                    "default)",
     )
     rollout_is_threshold: float | str = Field(
-        5.0, description="IS bound: a number U truncates weights to <= U (TIS); 'L_U' zeroes weights outside [L, U] (IcePop)"
+        5.0,
+        description="IS bound: a number U truncates weights to <= U (TIS); 'L_U' zeroes weights outside [L, "
+                    "U] (IcePop)",
     )
     rollout_is_batch_normalize: bool = Field(
         False, description="Divide IS weights by their mean over the mini-batch (every data-parallel rank's)"
     )
     rollout_rs: str | None = Field(
         None,
-        description="Rejection: comma-separated token_k{1,2,3}, seq_sum_k{1,2,3}, seq_mean_k{1,2,3} (geometric), "
+        description="Rejection: comma-separated token_k{1,2,3}, seq_sum_k{1,2,3}, seq_mean_k{1,2,3} "
+                    "(geometric), "
         "seq_max_k{2,3} (veto); null = none",
     )
     rollout_rs_threshold: float | str | None = Field(
-        None, description="Rejection bound(s), one or one per option: k1 takes ratio bounds 'L_U' (U alone: L = 1/U), k2/k3 an upper bound"
+        None,
+        description="Rejection bound(s), one or one per option: k1 takes ratio bounds 'L_U' (U alone: L = "
+                    "1/U), k2/k3 an upper bound",
     )
 
     @model_validator(mode="after")
@@ -208,47 +286,74 @@ class ActorConfig(_Section):
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm")
-    clip_ratio: float = Field(0.2, gt=0, description="PPO clip epsilon (low side, and high side unless clip_ratio_high)")
-    clip_ratio_high: float | None = Field(None, gt=0, description="PPO clip epsilon, high side (DAPO clip-higher)")
+    clip_ratio: float = Field(
+        0.2, gt=0, description="PPO clip epsilon (low side, and high side unless clip_ratio_high)"
+    )
+    clip_ratio_high: float | None = Field(
+        None, gt=0, description="PPO clip epsilon, high side (DAPO clip-higher)"
+    )
     rollout_correction: RolloutCorrectionConfig = Field(
         default_factory=RolloutCorrectionConfig,
-        description="verl's rollout correction: IS weights, rejection, mismatch metrics (the default: min(pi_prox/pi_behave, 5))",
+        description="verl's rollout correction: IS weights, rejection, mismatch metrics (the default: "
+                    "min(pi_prox/pi_behave, 5))",
     )
     off_policy_mode: Literal["decoupled", "bypass"] = Field(
-        "decoupled", description="decoupled = proximal log-probs pinned per global step; bypass = behaviour log-probs as old policy"
+        "decoupled",
+        description="decoupled = proximal log-probs pinned per global step; bypass = behaviour log-probs as "
+                    "old policy",
     )
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
         "token-mean", description="How token losses are aggregated"
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of KL to the frozen reference policy (0 = off)")
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight (at global step 1 when entropy_decay_steps > 0)")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus weight (at global step 1 when entropy_decay_steps > 0)"
+    )
     entropy_decay_steps: int = Field(
-        0, ge=0, description="Decay the entropy bonus linearly to 0 over this many global steps (0 = constant)"
+        0,
+        ge=0,
+        description="Decay the entropy bonus linearly to 0 over this many global steps (0 = constant)",
     )
     adv_estimator: Literal["grpo", "grpo_token", "reinforce_plus_plus"] = Field(
         "grpo",
-        description="grpo = one outcome advantage per response; grpo_token = token-level credit (return-to-go vs the group's same position); reinforce_plus_plus = token returns whitened over the whole mini-batch (verl's name)",
+        description="grpo = one outcome advantage per response; grpo_token = token-level credit "
+        "(return-to-go vs the group's same position); reinforce_plus_plus = token returns whitened "
+        "over the whole mini-batch (verl's name)",
     )
     gamma: float = Field(
-        1.0, ge=0, le=1, description="grpo_token / reinforce_plus_plus: discount of later token rewards in a token's return (1 = return-to-go, 0 = its own reward)"
+        1.0,
+        ge=0,
+        le=1,
+        description="grpo_token / reinforce_plus_plus: discount of later token rewards in a token's return "
+        "(1 = return-to-go, 0 = its own reward)",
     )
     norm_adv_by_std: bool = Field(
-        True, description="GRPO: divide group-centred rewards by the group std (False = Dr. GRPO, centring only)"
+        True,
+        description="GRPO: divide group-centred rewards by the group std (False = Dr. GRPO, centring only)",
     )
     micro_batch_size: int = Field(
-        0, ge=0, description="Trajectories per forward/backward inside a local update, gradients accumulated (0 = all at once)"
+        0,
+        ge=0,
+        description="Trajectories per forward/backward inside a local update, gradients accumulated (0 = all "
+        "at once)",
     )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute decoder-layer activations in backward instead of keeping them (model.backend=hf)"
+        False,
+        description="Recompute decoder-layer activations in backward instead of keeping them "
+        "(model.backend=hf)",
     )
     logprob_chunk_size: int = Field(
-        1024, ge=0, description="Tokens per output-head chunk when computing log-probs/entropy (0 = all at once; backend=hf)"
+        1024,
+        ge=0,
+        description="Tokens per output-head chunk when computing log-probs/entropy (0 = all at once; "
+        "backend=hf)",
     )
 
     @model_validator(mode="before")
     @classmethod
     def _behave_imp_cap(cls, data: Any) -> Any:
-        """`actor.behave_imp_cap=C` (the old single truncated weight) reads as token-level TIS with threshold C."""
+        """`actor.behave_imp_cap=C` (the old single truncated weight) reads as token-level TIS with threshold
+        C."""
         if not isinstance(data, dict) or "behave_imp_cap" not in data:
             return data
         data = dict(data)
@@ -256,67 +361,104 @@ class ActorConfig(_Section):
         correction = dict(data.get("rollout_correction") or {})
         if "rollout_is_threshold" in correction or "rollout_is" in correction:
             raise ValueError(
-                f"actor.behave_imp_cap={cap!r} is the old name of actor.rollout_correction.rollout_is_threshold: set one"
+                f"actor.behave_imp_cap={cap!r} is the old name of "
+                "actor.rollout_correction.rollout_is_threshold: set one"
             )
         data["rollout_correction"] = {**correction, "rollout_is": "token", "rollout_is_threshold": cap}
         return data
 
 
 class FilterGroupsConfig(_Section):
-    """DAPO dynamic sampling (verl's algorithm.filter_groups): groups without reward variance are not trained."""
+    """DAPO dynamic sampling (verl's algorithm.filter_groups): groups without reward variance are not
+    trained."""
 
     enable: bool = Field(
-        False, description="Evict groups whose trajectories all got the same reward (no GRPO signal) and refill the batch"
+        False,
+        description="Evict groups whose trajectories all got the same reward (no GRPO signal) and refill the "
+        "batch",
     )
 
 
 class TrainerConfig(_Section):
     """The trainer consumer."""
 
-    parameter_sync_step: int = Field(2, ge=1, description="Local updates per global step (one weight publish each)")
-    max_off_policy_threshold: int = Field(2, description="Drop samples with staleness (global_step - param_version) above this")
+    parameter_sync_step: int = Field(
+        2, ge=1, description="Local updates per global step (one weight publish each)"
+    )
+    max_off_policy_threshold: int = Field(
+        2, description="Drop samples with staleness (global_step - param_version) above this"
+    )
     max_off_policy_strategy: Literal["drop", "train"] = Field(
-        "drop", description="Samples over the threshold: drop (recorded) or train them, weighted by actor.rollout_correction"
+        "drop",
+        description="Samples over the threshold: drop (recorded) or train them, weighted by "
+        "actor.rollout_correction",
     )
     filter_groups: FilterGroupsConfig = Field(
-        default_factory=FilterGroupsConfig, description="Dynamic sampling: zero-variance groups evicted, budget given back"
+        default_factory=FilterGroupsConfig,
+        description="Dynamic sampling: zero-variance groups evicted, budget given back",
     )
     num_warmup_batches: int = Field(
         1, ge=0, description="Mini-batches of samples the trainer waits for before its first update (as verl)"
     )
     total_global_steps: int = Field(50, ge=1, description="Stop after this many global steps")
-    save_freq: int = Field(1, ge=1, description="Checkpoint every this many global steps (rollouts acked only after)")
+    save_freq: int = Field(
+        1, ge=1, description="Checkpoint every this many global steps (rollouts acked only after)"
+    )
     keep_checkpoints: int = Field(
-        2, ge=1, description="Newest checkpoints kept on disk; `rollstream replay trainer --steps A-B` needs step A-1's"
+        2,
+        ge=1,
+        description="Newest checkpoints kept on disk; `rollstream replay trainer --steps A-B` needs step "
+        "A-1's",
     )
     test_freq: int = Field(5, ge=0, description="Validate every this many versions (0 = never)")
     heartbeat_stall_s: float = Field(
-        120.0, gt=0, description="`rollstream status` marks the trainer stalled when its heartbeat is older (`--check` exits 1)"
+        120.0,
+        gt=0,
+        description="`rollstream status` marks the trainer stalled when its heartbeat is older (`--check` "
+        "exits 1)",
     )
     sync_mode: bool = Field(
-        False, description="Collect the full global batch before training, as synchronous RL does (benchmarks)"
+        False,
+        description="Collect the full global batch before training, as synchronous RL does (benchmarks)",
     )
     torch_threads: int = Field(
-        1, ge=0, description="torch intra-op threads of each trainer process (0 = torch default); 1 avoids oversubscribed cores"
+        1,
+        ge=0,
+        description="torch intra-op threads of each trainer process (0 = torch default); 1 avoids "
+        "oversubscribed cores",
     )
     nproc_per_node: int = Field(
-        1, ge=1, description="Data-parallel trainer ranks per host; > 1 (or nnodes > 1) launches the trainer under torchrun"
+        1,
+        ge=1,
+        description="Data-parallel trainer ranks per host; > 1 (or nnodes > 1) launches the trainer under "
+        "torchrun",
     )
-    nnodes: int = Field(1, ge=1, description="Hosts running trainer ranks (one torchrun per host, same rendezvous)")
+    nnodes: int = Field(
+        1, ge=1, description="Hosts running trainer ranks (one torchrun per host, same rendezvous)"
+    )
     rdzv_endpoint: str | None = Field(
-        None, description="torchrun rendezvous host:port (c10d) shared by every trainer host; null = standalone on one host"
+        None,
+        description="torchrun rendezvous host:port (c10d) shared by every trainer host; null = standalone on "
+        "one host",
     )
     max_restarts: int = Field(
-        3, ge=0, description="torchrun restarts of the whole rank group after a rank fails, before torchrun itself exits"
+        3,
+        ge=0,
+        description="torchrun restarts of the whole rank group after a rank fails, before torchrun itself "
+        "exits",
     )
     strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="Data parallel: ddp = replicated weights, averaged gradients; fsdp = fully_shard (CUDA only)"
+        "ddp",
+        description="Data parallel: ddp = replicated weights, averaged gradients; fsdp = fully_shard (CUDA "
+        "only)",
     )
 
     @model_validator(mode="after")
     def _threshold(self) -> TrainerConfig:
         if self.max_off_policy_threshold < 1:
-            raise ValueError(f"max_off_policy_threshold={self.max_off_policy_threshold} must be >= 1 (1 = on-policy only)")
+            raise ValueError(
+                f"max_off_policy_threshold={self.max_off_policy_threshold} must be >= 1 (1 = on-policy only)"
+            )
         return self
 
     @property
@@ -326,7 +468,8 @@ class TrainerConfig(_Section):
 
     @property
     def distributed(self) -> bool:
-        """True when the trainer runs as torchrun ranks (more than one rank, or fsdp, which needs a process group)."""
+        """True when the trainer runs as torchrun ranks (more than one rank, or fsdp, which needs a process
+        group)."""
         return self.world_size > 1 or self.strategy == "fsdp"
 
 
@@ -335,47 +478,71 @@ class BusConfig(_Section):
 
     block_ms: int = Field(1000, ge=1, description="XREADGROUP BLOCK time")
     read_count: int = Field(64, ge=1, description="Entries per XREADGROUP call")
-    claim_idle_s: float = Field(60.0, gt=0, description="XAUTOCLAIM entries idle longer than this from dead consumers")
+    claim_idle_s: float = Field(
+        60.0, gt=0, description="XAUTOCLAIM entries idle longer than this from dead consumers"
+    )
     max_deliveries: int = Field(5, ge=1, description="Deliveries before an entry goes to dead")
     socket_timeout_s: float = Field(10.0, gt=0, description="Socket timeout (must exceed block_ms)")
     max_stream_bytes: int = Field(
-        2 << 30, ge=1 << 20,
-        description="Safety-net cap per stream: beyond it even unread entries go to the archive (logged loudly when it bites)",
+        2 << 30,
+        ge=1 << 20,
+        description="Safety-net cap per stream: beyond it even unread entries go to the archive (logged "
+        "loudly when it bites)",
     )
     retention: bool = Field(
-        True, description="Move old entries of the log from Redis to the archive (off: the whole log stays in Redis)"
+        True,
+        description="Move old entries of the log from Redis to the archive (off: the whole log stays in "
+        "Redis)",
     )
     redis_max_bytes: int = Field(
-        2 << 30, ge=1 << 16,
-        description="Budget of the run's streams in Redis: over it, read entries go to the archive; unread data over it paces producers to one step per version",
+        2 << 30,
+        ge=1 << 16,
+        description="Budget of the run's streams in Redis: over it, read entries go to the archive; unread "
+        "data over it paces producers to one step per version",
     )
     archive_uri: str | None = Field(
         None, description="Folder (local path or file:// URI) of the log archive; null = <run dir>/archive"
     )
-    trim_every_s: float = Field(10.0, gt=0, description="Seconds between retention passes (when retention is on)")
+    trim_every_s: float = Field(
+        10.0, gt=0, description="Seconds between retention passes (when retention is on)"
+    )
     audit_maxlen: int = Field(
-        100_000, ge=100, description="With retention on: newest entries kept in Redis in fates, dispatch_log and params (older ones archived)"
+        100_000,
+        ge=100,
+        description="With retention on: newest entries kept in Redis in fates, dispatch_log and params "
+        "(older ones archived)",
     )
     records_maxlen: int = Field(
-        0, ge=0, description="With retention on: newest records kept in Redis (0 = as the budget allows; older ones archived)"
+        0,
+        ge=0,
+        description="With retention on: newest records kept in Redis (0 = as the budget allows; older ones "
+        "archived)",
     )
     weights_inline_max_bytes: int = Field(
-        64 << 20, ge=0,
-        description="Weight blobs up to this size go in Redis as one string; larger ones per bus.weights_transport",
+        64 << 20,
+        ge=0,
+        description="Weight blobs up to this size go in Redis as one string; larger ones per "
+        "bus.weights_transport",
     )
     weights_transport: Literal["file", "redis"] = Field(
         "file",
-        description="Weights above the inline limit: `file` = the trainer's run dir (producers must share that disk); "
-        "`redis` = chunks in Redis (producers on hosts with no shared disk; Redis holds the versions still in use)",
+        description="Weights above the inline limit: `file` = the trainer's run dir (producers must share "
+        "that disk); "
+        "`redis` = chunks in Redis (producers on hosts with no shared disk; Redis holds the versions still "
+        "in use)",
     )
     weights_chunk_bytes: int = Field(
-        16 << 20, ge=1 << 10, le=512 << 20,
-        description="Size of one weights chunk in Redis (weights_transport=redis); also a producer's extra memory",
+        16 << 20,
+        ge=1 << 10,
+        le=512 << 20,
+        description="Size of one weights chunk in Redis (weights_transport=redis); also a producer's extra "
+        "memory",
     )
     max_entry_bytes: int = Field(
-        64 << 20, ge=1024, description="Largest stream entry (all fields together) accepted on decode; larger ones go to dead"
+        64 << 20,
+        ge=1024,
+        description="Largest stream entry (all fields together) accepted on decode; larger ones go to dead",
     )
-
 
     @model_validator(mode="after")
     def _archive_local(self) -> BusConfig:
@@ -391,22 +558,31 @@ class BusConfig(_Section):
     @model_validator(mode="after")
     def _timeouts(self) -> BusConfig:
         if self.socket_timeout_s * 1000 <= self.block_ms:
-            raise ValueError(f"socket_timeout_s={self.socket_timeout_s} must exceed block_ms={self.block_ms} ms")
+            raise ValueError(
+                f"socket_timeout_s={self.socket_timeout_s} must exceed block_ms={self.block_ms} ms"
+            )
         return self
 
 
 class AggregatorConfig(_Section):
     """The metrics aggregator consumer."""
 
-    incomplete_timeout_s: float = Field(120.0, gt=0, description="Report a global step still incomplete after this")
+    incomplete_timeout_s: float = Field(
+        120.0, gt=0, description="Report a global step still incomplete after this"
+    )
     total_gpus: int = Field(1, ge=1, description="GPUs behind perf/throughput")
     jsonl: bool = Field(True, description="Write records to <run dir>/records.jsonl")
-    tensorboard: bool = Field(True, description="Also write TensorBoard scalars when tensorboard is installed")
-    wandb_project: str | None = Field(None, description="Also log to this wandb project when wandb is installed")
+    tensorboard: bool = Field(
+        True, description="Also write TensorBoard scalars when tensorboard is installed"
+    )
+    wandb_project: str | None = Field(
+        None, description="Also log to this wandb project when wandb is installed"
+    )
     max_deliveries: int = Field(
         1000,
         ge=1,
-        description="Deliveries before a metrics entry goes to dead (high: a restart re-delivers kept-pending entries)",
+        description="Deliveries before a metrics entry goes to dead (high: a restart re-delivers "
+        "kept-pending entries)",
     )
 
 
@@ -442,19 +618,25 @@ class PipelineConfig(_Section):
                 "ppo_mini_batch_size / world_size samples per local update"
             )
         if nodes > 1 and not self.trainer.rdzv_endpoint:
-            raise ValueError(f"trainer.nnodes={nodes} needs trainer.rdzv_endpoint (host:port every trainer host reaches)")
+            raise ValueError(
+                f"trainer.nnodes={nodes} needs trainer.rdzv_endpoint (host:port every trainer host reaches)"
+            )
         if self.rollout.engine == "vllm" and self.model.backend != "hf":
             raise ValueError(
-                f"rollout.engine=vllm needs model.backend=hf (model.backend={self.model.backend!r}: vLLM loads a HF checkpoint)"
+                f"rollout.engine=vllm needs model.backend=hf (model.backend={self.model.backend!r}: vLLM "
+                "loads a HF checkpoint)"
             )
         if self.rollout.engine == "vllm" and self.rollout.top_p < 1.0:
             raise ValueError(
-                f"rollout.top_p={self.rollout.top_p} with rollout.engine=vllm: vLLM's log-probs are then those of the "
-                "top-p-renormalised distribution, not log_softmax(logits / temperature) the trainer recomputes; use top_p=1"
+                f"rollout.top_p={self.rollout.top_p} with rollout.engine=vllm: vLLM's log-probs are then "
+                "those of the "
+                "top-p-renormalised distribution, not log_softmax(logits / temperature) the trainer "
+                "recomputes; use top_p=1"
             )
         if self.actor.gradient_checkpointing and self.model.backend != "hf":
             raise ValueError(
-                f"actor.gradient_checkpointing=true needs model.backend=hf (model.backend={self.model.backend!r} has none)"
+                "actor.gradient_checkpointing=true needs model.backend=hf "
+                f"(model.backend={self.model.backend!r} has none)"
             )
         return self
 

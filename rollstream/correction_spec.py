@@ -41,7 +41,9 @@ def parse_rs_options(rollout_rs: str) -> list[str]:
     return options
 
 
-def parse_rs_thresholds(options: list[str], spec: float | str | None) -> dict[str, tuple[float | None, float]]:
+def parse_rs_thresholds(
+    options: list[str], spec: float | str | None
+) -> dict[str, tuple[float | None, float]]:
     """Per option (lower or None, upper): one threshold shared by all options or one per option (commas).
     k1 options take ratio bounds "L_U" (a single U means L = 1/U); the others one upper bound."""
     if spec is None or isinstance(spec, bool):
@@ -49,7 +51,8 @@ def parse_rs_thresholds(options: list[str], spec: float | str | None) -> dict[st
     parts = [p.strip() for p in str(spec).split(",") if p.strip()]
     if len(parts) not in (1, len(options)):
         raise ValueError(
-            f"rollout_rs_threshold={spec!r} has {len(parts)} values: give one, or one per rollout_rs option ({len(options)})"
+            f"rollout_rs_threshold={spec!r} has {len(parts)} values: give one, or one per rollout_rs option "
+            f"({len(options)})"
         )
     parts = parts * len(options) if len(parts) == 1 else parts
     out: dict[str, tuple[float | None, float]] = {}

@@ -14,18 +14,25 @@ def build_task(cfg: PipelineConfig) -> Task:
     """The task named by data.task with its size settings."""
     if cfg.data.task == "reverse":
         return make_task(
-            "reverse", min_digits=cfg.data.min_digits, max_digits=cfg.data.max_digits, fixed_width=cfg.data.fixed_width
+            "reverse",
+            min_digits=cfg.data.min_digits,
+            max_digits=cfg.data.max_digits,
+            fixed_width=cfg.data.fixed_width,
         )
     return make_task(cfg.data.task)
 
 
 def build_prompt_source(cfg: PipelineConfig, task: Task | None = None) -> PromptSource:
-    """Training prompts (fresh draws or a fixed set cycled by epochs, seeded) plus the held-out validation split."""
-    if cfg.data.prompts_file:  # the char vocabulary is checked only where the tiny GPT's tokenizer must cover it
+    """Training prompts (fresh draws or a fixed set cycled by epochs, seeded) plus the held-out validation
+    split."""
+    # the char vocabulary is checked only where the tiny GPT's tokenizer must cover it
+    if cfg.data.prompts_file:
         return PromptSource.from_jsonl(cfg.data.prompts_file, seed=cfg.run.seed, val_size=cfg.data.val_size,
                                        vocab_check=cfg.model.backend == "tiny")
     make = PromptSource.fresh_from_task if cfg.data.fresh_prompts else PromptSource.from_task
-    return make(task or build_task(cfg), seed=cfg.run.seed, epoch_size=cfg.data.epoch_size, val_size=cfg.data.val_size)
+    return make(
+        task or build_task(cfg), seed=cfg.run.seed, epoch_size=cfg.data.epoch_size, val_size=cfg.data.val_size
+    )
 
 
 def build_policy(cfg: PipelineConfig, device: str | None = None) -> BasePolicy:

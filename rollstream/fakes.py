@@ -62,7 +62,9 @@ def fake_rollout_sample(
     rng = np.random.default_rng(seed)
     prompt = rng.integers(3, vocab, size=prompt_len, dtype=np.int64).tolist()
     responses = rng.integers(3, vocab, size=(n, response_len), dtype=np.int64)
-    lengths = rng.integers(1, response_len + 1, size=n) if ragged and response_len else np.full(n, response_len)
+    lengths = (
+        rng.integers(1, response_len + 1, size=n) if ragged and response_len else np.full(n, response_len)
+    )
     logp = -rng.random((n, response_len), dtype=np.float32)
     scores = rewards if rewards is not None else rng.random(n).tolist()
     trajectories = [
@@ -104,10 +106,14 @@ def response_len_for_bytes(target_bytes: int, n: int = 4) -> int:
 
 def local_update(g: int, k: int, sample_count: int, metrics: dict[str, float]) -> StepMetrics:
     """A `local_update` event of global step g, local step k."""
-    return StepMetrics(type="local_update", global_step=g, local_step=k, sample_count=sample_count, metrics=metrics)
+    return StepMetrics(
+        type="local_update", global_step=g, local_step=k, sample_count=sample_count, metrics=metrics
+    )
 
 
-def step_end(g: int, k: int, metrics: dict[str, float] | None = None, created_at: float = 100.0) -> StepMetrics:
+def step_end(
+    g: int, k: int, metrics: dict[str, float] | None = None, created_at: float = 100.0
+) -> StepMetrics:
     """The `step_end` event of global step g after k local updates."""
     return StepMetrics(
         type="step_end",
@@ -120,7 +126,9 @@ def step_end(g: int, k: int, metrics: dict[str, float] | None = None, created_at
     )
 
 
-def producer_stats(name: str, samples: int, gen_tokens_per_s: float, idle_ratio: float, pv: int) -> ProducerStats:
+def producer_stats(
+    name: str, samples: int, gen_tokens_per_s: float, idle_ratio: float, pv: int
+) -> ProducerStats:
     """A ProducerStats event (tokens = 10 per sample)."""
     return ProducerStats(
         producer=name,
@@ -165,7 +173,9 @@ def fake_metrics_log(
     """Events of `num_steps` global steps in the order a run emits them: producer stats, local updates,
     a validation every `test_freq` versions, then the step_end."""
     rng = random.Random(seed)
-    names = list(BASE_METRICS) + [f"extra/m{i}" for i in range(max(0, metrics_per_update - len(BASE_METRICS)))]
+    names = list(BASE_METRICS) + [
+        f"extra/m{i}" for i in range(max(0, metrics_per_update - len(BASE_METRICS)))
+    ]
     names = names[:metrics_per_update]
     events: list[EventBase] = []
     clock = 1_700_000_000.0
@@ -199,7 +209,9 @@ def fake_metrics_log(
         if test_freq and g % test_freq == 0:
             clock += 0.1
             events.append(
-                ValidateMetrics(param_version=g, global_step=g, metrics={"val/acc": rng.random()}, created_at=clock)
+                ValidateMetrics(
+                    param_version=g, global_step=g, metrics={"val/acc": rng.random()}, created_at=clock
+                )
             )
         clock += 0.1
         events.append(
@@ -219,7 +231,8 @@ def fake_metrics_log(
 def publish_log(r: redis.Redis, keys: Keys, events: list[EventBase], trainer_at: int = 10**6) -> list[str]:
     """Set the run up (idempotent) and XADD the events in order: producer stats to `stats`, the rest to
     `metrics`, with explicit ids increasing across both streams (one log order). The trainer hash says
-    the trainer committed up to `trainer_at`, so the aggregator finds the events plausible. Returns the ids."""
+    the trainer committed up to `trainer_at`, so the aggregator finds the events plausible. Returns the
+    ids."""
     setup_run(r, keys)
     r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: trainer_at, TRAINING_STEP_FIELD: trainer_at})
     rc: Any = r
@@ -229,6 +242,10 @@ def publish_log(r: redis.Redis, keys: Keys, events: list[EventBase], trainer_at:
     base = max(int(sec) * 1000 + int(usec) // 1000, last[0] + 1)
     pub = Publisher(r)
     return [
-        pub.publish(keys.stats if isinstance(ev, ProducerStats) else keys.metrics, ev, entry_id=f"{base}-{i + 1}")  # type: ignore[arg-type]
+        pub.publish(
+            keys.stats if isinstance(ev, ProducerStats) else keys.metrics,
+            ev,  # type: ignore[arg-type]
+            entry_id=f"{base}-{i + 1}",
+        )
         for i, ev in enumerate(events)
     ]

@@ -33,9 +33,11 @@ def rank_heartbeat_field(rank: int) -> str:
     """The trainer hash field of one data-parallel rank's heartbeat."""
     return f"{RANK_HEARTBEAT_PREFIX}{rank}"
 
-DEAD_LETTERED_FIELD = "dead_lettered"  # rollouts dead-lettered so far (incremented in the dead-letter's own script)
+# rollouts dead-lettered so far (incremented in the dead-letter's own script)
+DEAD_LETTERED_FIELD = "dead_lettered"
 DEAD_COUNTED_FIELD = "dead_counted"  # how many of them pacing has counted as consumed (TOPUP)
-EVICTED_EARLY_FIELD = "evicted_early"  # evictions counted as consumed (EVICT) before their step's count settled them
+# evictions counted as consumed (EVICT) before their step's count settled them
+EVICTED_EARLY_FIELD = "evicted_early"
 
 # Field of the `archive` hash: the folder retention archives the run's streams into (written by the trainer).
 ARCHIVE_DIR_FIELD = "dir"
@@ -65,7 +67,8 @@ class Keys:
 
     @property
     def metrics(self) -> str:
-        """Stream of the trainer's StepMetrics / ValidateMetrics (-> aggregator); only the trainer writes it."""
+        """Stream of the trainer's StepMetrics / ValidateMetrics (-> aggregator); only the trainer writes
+        it."""
         return self._k("metrics")
 
     @property
@@ -123,11 +126,13 @@ class Keys:
         return self.producer_prefix(producer) + "inflight"
 
     def producer_cursor(self, producer: str) -> str:
-        """String: this producer's next prompt (schemas.plain.encode_cursor; advanced with each publish, resumed on restart)."""
+        """String: this producer's next prompt (schemas.plain.encode_cursor; advanced with each publish,
+        resumed on restart)."""
         return self.producer_prefix(producer) + "cursor"
 
     def producer_version(self, producer: str) -> str:
-        """String: the param_version this producer generates with (for weight garbage collection and status)."""
+        """String: the param_version this producer generates with (for weight garbage collection and
+        status)."""
         return self.producer_prefix(producer) + "version"
 
     def producer_dispatch_log(self, producer: str) -> str:
@@ -149,7 +154,8 @@ class Keys:
 
     @property
     def trainer(self) -> str:
-        """Hash of the trainer's progress: the *_FIELD names above (global_step, committed_step, heartbeat …)."""
+        """Hash of the trainer's progress: the *_FIELD names above (global_step, committed_step, heartbeat
+        …)."""
         return self._k("trainer")
 
     @property
@@ -164,7 +170,8 @@ class Keys:
 
     @property
     def sink_cursor(self) -> str:
-        """Hash: aggregator sink name -> last global step it wrote (so a restart never writes a step twice)."""
+        """Hash: aggregator sink name -> last global step it wrote (so a restart never writes a step
+        twice)."""
         return self._k("sink_cursor")
 
     def all_streams(self) -> list[str]:

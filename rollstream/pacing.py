@@ -39,7 +39,8 @@ from typing import Any, cast
 
 import redis
 
-from rollstream.bus.streams import iter_stream, parse_id, text
+from rollstream.bus.ids import parse_id, text
+from rollstream.bus.streams import iter_stream
 from rollstream.names import (
     BUDGET_CAP_FIELD,
     BUDGET_VERSION_FIELD,

@@ -1,6 +1,7 @@
 """Rollouts: a prompt -> the generation batch (verl's prepare_single_generation_data), the `Trajectory`
 an agent loop fills, and finished trajectories -> one RolloutSample in the wire conventions the trainer
-reads (`build_rollout_sample`: ragged arrays, nothing padded). Producers publish what this module builds, and the test and benchmark
+reads (`build_rollout_sample`: ragged arrays, nothing padded). Producers publish what this module builds, and
+the test and benchmark
 fakes (rollstream/fakes.py) are built with it too."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from rollstream.model import Tokenizer
 from rollstream.model.chat import encode_prompt
 from rollstream.tasks import Prompt, RewardResult
 from schemas import DataProto, RolloutSample
+from schemas.batch import object_array
 from schemas.ragged import RaggedBatch, ids_dtype
 
 #: Agent loop names (verl's): multi-turn tool agent, and plain single-turn generation.
@@ -56,14 +58,6 @@ class Trajectory:
         return sum(self.response_mask)
 
 
-def _object_array(values: Sequence[Any]) -> np.ndarray:
-    """A 1-d object array holding `values` as they are."""
-    out = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
-
-
 def prepare_single_generation_data(
     prompt: Prompt, n: int, multi_turn: bool, tokenizer: Tokenizer, *, sample_id: str | None = None
 ) -> DataProto:
@@ -77,11 +71,11 @@ def prepare_single_generation_data(
     row = DataProto(
         tensors={"input_ids": ids, "attention_mask": np.ones_like(ids)},
         non_tensors={
-            "raw_prompt_ids": _object_array([prompt_ids]),
-            "uid": _object_array([sample_id or prompt.uid]),
-            "raw_prompt": _object_array([prompt.text]),
-            "prompt_uid": _object_array([prompt.uid]),
-            "agent_name": _object_array([AGENT_TOOL if multi_turn else AGENT_SINGLE_TURN]),
+            "raw_prompt_ids": object_array([prompt_ids]),
+            "uid": object_array([sample_id or prompt.uid]),
+            "raw_prompt": object_array([prompt.text]),
+            "prompt_uid": object_array([prompt.uid]),
+            "agent_name": object_array([AGENT_TOOL if multi_turn else AGENT_SINGLE_TURN]),
         },
     )
     return row.repeat(n, interleave=True)
@@ -101,7 +95,9 @@ def failed_trajectories(batch: DataProto, param_version: int, seconds: float) ->
     """One empty trajectory per row of a generation batch whose generation failed: the row's prompt, no
     response, unfinished (the producer still publishes the group, marked as a rollout failure)."""
     return [
-        Trajectory(prompt_ids=row, version_start=param_version, version_end=param_version, processing_time_s=seconds)
+        Trajectory(
+            prompt_ids=row, version_start=param_version, version_end=param_version, processing_time_s=seconds
+        )
         for row in prompt_rows(batch)
     ]
 
@@ -130,7 +126,9 @@ def token_scores(
     chars = reward.char_scores
     if chars is not None:
         lengths = [len(tokenizer.decode([t])) for t in response_ids]
-        if sum(lengths) == len(chars) and all(m or not n for m, n in zip(response_mask, lengths, strict=True)):
+        if sum(lengths) == len(chars) and all(
+            m or not n for m, n in zip(response_mask, lengths, strict=True)
+        ):
             pos = 0
             for i, n in enumerate(lengths):
                 out[i] = sum(chars[pos : pos + n])
@@ -214,12 +212,16 @@ def build_rollout_sample(
                   for t, rw in zip(trajectories, rewards, strict=True)]
     batch = ragged_batch(trajectories, tokenizer.vocab_size, scores)
     batch.rows["rewards"] = np.asarray([rw.score for rw in rewards], dtype=np.float32)
-    texts = list(response_texts) if response_texts is not None else [tokenizer.decode(t.response_ids) for t in trajectories]
+    texts = (
+        list(response_texts)
+        if response_texts is not None
+        else [tokenizer.decode(t.response_ids) for t in trajectories]
+    )
     batch.non_tensors.update({
-        "uid": _object_array([sample_id] * n),
-        "raw_prompt": _object_array([raw_prompt] * n),
-        "response_text": _object_array(texts),
-        **({"ground_truth": _object_array([ground_truth] * n)} if ground_truth is not None else {}),
+        "uid": object_array([sample_id] * n),
+        "raw_prompt": object_array([raw_prompt] * n),
+        "response_text": object_array(texts),
+        **({"ground_truth": object_array([ground_truth] * n)} if ground_truth is not None else {}),
     })
     batch.check()
     outputs = [
@@ -240,7 +242,9 @@ def build_rollout_sample(
         agent_loop_output_list=outputs,
         processing_times=[t.processing_time_s for t in trajectories],
         tool_calls=list(tool_calls),
-        param_version_start=[t.version_start if t.version_start >= 0 else param_version for t in trajectories],
+        param_version_start=[
+            t.version_start if t.version_start >= 0 else param_version for t in trajectories
+        ],
         param_version_end=[t.version_end if t.version_end >= 0 else param_version for t in trajectories],
         rollout_status=dict(rollout_status),
         producer=producer,

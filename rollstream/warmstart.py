@@ -11,7 +11,8 @@ per-position partial credit is almost never earned and GRPO groups are mostly al
            the demo's allowed "short supervised warm start that itself ends under 10% exact match".
 
     policy, report = warm_start(cfg, mode="reverse")
-    save_policy(policy, "warm.safetensors")   # the trainer starts from it with model.init_from=warm.safetensors
+    save_policy(policy, "warm.safetensors")   # rollstream.weights_io; the trainer starts from it with
+                                              # model.init_from=warm.safetensors
 """
 
 from __future__ import annotations
@@ -20,14 +21,12 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_policy, build_prompt_source, build_task
-from rollstream.files import atomic_write
 from rollstream.model import BasePolicy, build_batch
 from rollstream.model.chat import encode_prompt
 from rollstream.tasks import Prompt, Task
@@ -90,8 +89,12 @@ def greedy_scores(policy: BasePolicy, cfg: PipelineConfig) -> tuple[float, float
 def _greedy_exact(policy: BasePolicy, task: Task, prompts: list[Prompt], max_new_tokens: int) -> float:
     """Share of prompts whose greedy answer is exact."""
     tok = policy.tokenizer
-    trajs = policy.generate([encode_prompt(tok, p.text) for p in prompts], n=1, max_new_tokens=max_new_tokens, greedy=True)
-    return sum(task.reward(p, tok.decode(t.response_ids)).exact for p, t in zip(prompts, trajs, strict=True)) / len(prompts)
+    trajs = policy.generate(
+        [encode_prompt(tok, p.text) for p in prompts], n=1, max_new_tokens=max_new_tokens, greedy=True
+    )
+    return sum(
+        task.reward(p, tok.decode(t.response_ids)).exact for p, t in zip(prompts, trajs, strict=True)
+    ) / len(prompts)
 
 
 def warm_start(
@@ -151,12 +154,3 @@ def warm_start(
     report = WarmStartReport(mode, step, float(loss.detach()), acc, reward, fmt, time.perf_counter() - t0)
     return policy, report
 
-
-def save_policy(policy: BasePolicy, path: str | Path) -> None:
-    """Write the policy's weights as a safetensors file (what `model.init_from` reads), atomically."""
-    atomic_write(Path(path), policy.state_dict_bytes())
-
-
-def load_init(policy: BasePolicy, path: str | Path) -> None:
-    """Load a safetensors weights file (from `save_policy`) into the policy in place."""
-    policy.load_state_dict_bytes(Path(path).read_bytes())

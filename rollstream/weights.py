@@ -5,7 +5,7 @@ sha256 check; old versions removed once no producer uses them.
 
 A module's weights (`publish_module_weights`, `load_weights_into`) above `bus.weights_inline_max_bytes`
 never exist as one blob in memory: the file or the chunks are written and read a tensor (a chunk) at a
-time (weights_file.py)."""
+time (weights_io.py)."""
 
 from __future__ import annotations
 
@@ -95,13 +95,12 @@ def publish_module_weights(
     """Publish a module's weights: safetensors bytes in Redis when they fit `inline_max_bytes` (or neither
     a file_dir nor the redis transport), else streamed tensor by tensor (no second copy in memory) into a
     file in file_dir, or with `transport="redis"` into chunks of chunk_bytes; then XADD the ParamVersion."""
-    from rollstream.model.base import state_dict_to_bytes
-    from rollstream.weights_file import module_file_bytes, module_pieces, write_module
+    from rollstream.weights_io import module_bytes, module_file_bytes, module_pieces, write_module
 
     chunked = transport == REDIS_TRANSPORT
     if (file_dir is None and not chunked) or module_file_bytes(module) <= inline_max_bytes:
         return publish_weights(
-            r, keys, version, state_dict_to_bytes(module), global_step=global_step,
+            r, keys, version, module_bytes(module), global_step=global_step,
             inline_max_bytes=inline_max_bytes, file_dir=file_dir,
         )
     if chunked:
@@ -132,7 +131,7 @@ def _gather_chunks(r: redis.Redis, pv: ParamVersion, folder: Path) -> Path:
 def load_weights_into(r: redis.Redis, pv: ParamVersion, policy: BasePolicy) -> None:
     """Load the weights a ParamVersion names into `policy` after checking their sha256: a file is hashed
     in blocks, then read a tensor at a time into the parameters; an inline blob via load_state_dict_bytes."""
-    from rollstream.weights_file import file_sha256, load_file_into
+    from rollstream.weights_io import file_sha256, load_file_into
 
     if pv.uri.startswith(CHUNKS_SCHEME):  # through a private temp file on this host's own disk
         with tempfile.TemporaryDirectory(prefix="rollstream-weights-") as tmp:
@@ -163,9 +162,10 @@ def iter_weight_tensors(r: redis.Redis, pv: ParamVersion) -> Iterator[tuple[str,
     from safetensors import safe_open
     from safetensors.torch import load as st_load
 
-    from rollstream.weights_file import file_sha256
+    from rollstream.weights_io import file_sha256
 
-    if pv.uri.startswith(CHUNKS_SCHEME):  # into a private temp file, opened, then unlinked (the handle reads it)
+    # into a private temp file, opened, then unlinked (the handle reads it)
+    if pv.uri.startswith(CHUNKS_SCHEME):
         with tempfile.TemporaryDirectory(prefix="rollstream-weights-") as tmp:
             handle = safe_open(str(_gather_chunks(r, pv, Path(tmp))), framework="pt")
         return ((name, handle.get_tensor(name)) for name in handle.keys())

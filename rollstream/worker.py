@@ -120,7 +120,8 @@ def freeze_startup_heap() -> None:
     """Collect once, then move every object alive now (modules, config, model, clients) out of the cyclic
     garbage collector's reach (`gc.freeze`); called by worker mains once built, before their loop. Without
     it every full collection re-scans the start-up heap (with torch, ~0.2-0.6 s per full collection in the
-    traced trainers of BENCHMARKS.md, issue 17), a pause that lands wherever the allocation that triggers
+    traced trainers of BENCHMARKS.md, Bus: compact wire format), a pause that lands wherever the allocation
+    that triggers
     it happens, decoding included."""
     import gc
 
@@ -138,10 +139,13 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (mall
 
 def tune_allocator() -> dict[str, int]:
     """Let freed sample buffers be reused instead of returned to the kernel (glibc only; a no-op elsewhere);
-    returns the thresholds set, by name. glibc serves every allocation over 128 KB (the size grows only as such
+    returns the thresholds set, by name. glibc serves every allocation over 128 KB (the size grows only as
+    such
     buffers are freed) with a fresh mmap and returns freed heap space above 128 KB: while a trainer holds one
-    batch of decoded samples and decodes the next, each new array costs a page fault per 4 KB page (decode of a 4 MB
-    sample 2.0 ms instead of 1.1 ms, BENCHMARKS.md, issue 17). Called by worker mains at start; glibc's own
+    batch of decoded samples and decodes the next, each new array costs a page fault per 4 KB page (decode of
+    a 4 MB
+    sample 2.0 ms instead of 1.1 ms, BENCHMARKS.md, Bus: compact wire format). Called by worker mains at
+    start; glibc's own
     settings win: a MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ environment variable or the matching
     GLIBC_TUNABLES entry. The trim threshold is set only after the mmap one was accepted."""
     import ctypes
@@ -162,7 +166,8 @@ def tune_allocator() -> dict[str, int]:
         if env in os.environ or tunable in tunables:
             continue  # the user's own setting
         if libc.mallopt(param, value) != 1:
-            # (setting only the trim threshold would switch off glibc's dynamic mmap threshold: worse than nothing)
+            # (setting only the trim threshold would switch off glibc's dynamic mmap threshold: worse than
+            # nothing)
             break
         done[env] = value
     return done

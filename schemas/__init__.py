@@ -47,7 +47,6 @@ from schemas.plain import (
     encode_fate,
 )
 from schemas.ragged import RaggedBatch
-from schemas.upgrades import register_upgrade, unregister_upgrade
 
 __all__ = [
     "DEAD_COPY_MAX_BYTES",
@@ -87,6 +86,4 @@ __all__ = [
     "encode_cursor",
     "encode_fate",
     "encode_payload",
-    "register_upgrade",
-    "unregister_upgrade",
 ]

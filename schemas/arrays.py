@@ -60,7 +60,8 @@ def is_torch_tensor(obj: object) -> bool:
 
 
 def array_to_wire(obj: Any) -> tuple[str, list[int], memoryview]:
-    """Return (dtype string, shape, flat byte view) of a numpy array or torch tensor, copying only if needed."""
+    """Return (dtype string, shape, flat byte view) of a numpy array or torch tensor, copying only if
+    needed."""
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind not in WIRE_KINDS or obj.dtype.fields is not None:
             raise TypeError(f"cannot encode numpy dtype {obj.dtype} (allowed kinds: {WIRE_KINDS})")

@@ -8,22 +8,7 @@ from typing import Any
 import numpy as np
 
 
-def _as_array(value: Any) -> np.ndarray:
-    """Turn a list/array-like into an ndarray; lists holding strings or mixed values become object arrays."""
-    if isinstance(value, np.ndarray):
-        return value
-    if isinstance(value, list | tuple):
-        try:
-            arr = np.asarray(value)
-        except ValueError:  # ragged
-            arr = _object_array(value)
-        if arr.dtype.kind in "USO":
-            arr = _object_array(value)
-        return arr
-    return np.asarray(value)
-
-
-def _object_array(values: Sequence[Any]) -> np.ndarray:
+def object_array(values: Sequence[Any]) -> np.ndarray:
     """Build a 1-d object array holding `values` as they are (no nested-list broadcasting)."""
     out = np.empty(len(values), dtype=object)
     for i, v in enumerate(values):
@@ -52,7 +37,8 @@ class DataProto:
     def adopt(
         cls, tensors: dict[str, Any], non_tensors: dict[str, Any], meta_info: dict[str, Any]
     ) -> DataProto:
-        """Build a batch that takes ownership of fresh dicts (no copies; the codec's decode path); checked as in
+        """Build a batch that takes ownership of fresh dicts (no copies; the codec's decode path); checked as
+        in
         __init__."""
         self = cls.__new__(cls)
         self.tensors, self.non_tensors, self.meta_info = tensors, non_tensors, meta_info
@@ -82,20 +68,6 @@ class DataProto:
                             f"expected {rows} (as {first_key!r})"
                         )
                     first_key, rows = key, shape[0]
-
-    @classmethod
-    def from_dict(
-        cls,
-        tensors: Mapping[str, Any] | None = None,
-        non_tensors: Mapping[str, Any] | None = None,
-        meta_info: Mapping[str, Any] | None = None,
-    ) -> DataProto:
-        """Build a batch from array-likes (lists of strings become object arrays)."""
-        return cls(
-            {k: _as_array(v) for k, v in (tensors or {}).items()},
-            {k: _as_array(v) for k, v in (non_tensors or {}).items()},
-            meta_info,
-        )
 
     def __len__(self) -> int:
         """Number of rows (0 for an empty batch)."""

@@ -51,16 +51,17 @@ from schemas.upgrades import upgrade
 EXT_ARRAY = 1  # packed [dtype str, shape, bin (inline) | int (index of field a<i>)]
 EXT_OBJECT_ARRAY = 2  # packed [shape, flat list of msgpack values] -> numpy object array
 # packed [tensors, non_tensors, meta_info] maps; a tensors value may be a bin holding a flat array header
-# (schemas.arrays.pack_head, + inline data), a non_tensors value a list [shape, flat values] of an object array.
+# (schemas.arrays.pack_head, + inline data), a non_tensors value a list [shape, flat values] of an object
+# array.
 EXT_DATAPROTO = 3
 EXT_BYTES = 4  # packed int: index of the raw field a<i> holding a bytes value
 EXT_FLAT_ARRAY = 5  # flat header (schemas.arrays.pack_head) + inline bytes, or + uint32 index of field a<i>
-# packed [layout, tensors, non_tensors, meta_info]: a RolloutSample's batch in schema 2 (the compact layout; read
-# only, into the ragged form by schemas.ragged.from_compact).
+# packed [layout, tensors, non_tensors, meta_info]: a RolloutSample's batch in schema 2 (the compact layout;
+# read only, into the ragged form by schemas.ragged.from_compact).
 EXT_COMPACT_BATCH = 6
 # packed [prompt_lens, prompt_ids, response_lens, response_ids, tokens, rows, non_tensors, meta_info]: a
-# RaggedBatch in schema 3 (read only). Arrays are flat array headers (bins); tokens and rows map names to them,
-# non_tensors as in EXT_DATAPROTO.
+# RaggedBatch in schema 3 (read only). Arrays are flat array headers (bins); tokens and rows map names to
+# them, non_tensors as in EXT_DATAPROTO.
 EXT_RAGGED_BATCH_3 = 7
 # packed [prompt_lens, response_lens, prompt_ids, response_ids, tokens, rows, non_tensors, meta_info]: a
 # RaggedBatch (schema 4). Lengths are msgpack int lists; the ids, each tokens array and each 1-d rows array
@@ -118,11 +119,12 @@ class _OutOfBand:
 
 def _ext_type(code: int, data: bytes) -> msgpack.ExtType:
     """msgpack.ExtType(code, data) without its argument checks (code and data come from this module)."""
-    return tuple.__new__(msgpack.ExtType, (code, data))  # type: ignore[type-var]
+    return tuple.__new__(msgpack.ExtType, (code, data))
 
 
 class _Packer:
-    """msgpack packer that turns arrays, DataProto and RaggedBatch into ExtTypes, collecting out-of-band buffers."""
+    """msgpack packer that turns arrays, DataProto and RaggedBatch into ExtTypes, collecting out-of-band
+    buffers."""
 
     def __init__(self, out_of_band: bool) -> None:
         """out_of_band=False inlines every array (for standalone payload bytes)."""
@@ -131,7 +133,8 @@ class _Packer:
 
     def pack(self, obj: Any) -> bytes:
         """Pack one value."""
-        return msgpack.packb(obj, default=self._default, use_bin_type=True)
+        packed: bytes = msgpack.packb(obj, default=self._default, use_bin_type=True)
+        return packed
 
     def _ref(self, data: memoryview) -> memoryview | int:
         """Inline small buffers; give large ones a field index."""
@@ -141,8 +144,10 @@ class _Packer:
         return len(self.buffers) - 1
 
     def _array(self, obj: Any) -> bytes | msgpack.ExtType:
-        """A numeric array or tensor as its flat header (+ inline data), or an EXT_ARRAY for dtypes without a code."""
-        if type(obj) is np.ndarray and obj.dtype.kind in WIRE_KINDS:  # the usual case, without building strings
+        """A numeric array or tensor as its flat header (+ inline data), or an EXT_ARRAY for dtypes without a
+        code."""
+        # the usual case, without building strings
+        if type(obj) is np.ndarray and obj.dtype.kind in WIRE_KINDS:
             big = self.out_of_band and obj.nbytes >= INLINE_MAX_BYTES
             flat = flat_array(obj, len(self.buffers) if big else None)
             if flat is not None:
@@ -163,12 +168,13 @@ class _Packer:
         return _ext_type(EXT_ARRAY, self.pack([dtype, shape, data]))
 
     def _dataproto(self, obj: DataProto) -> msgpack.ExtType:
-        """DataProto as [tensors: {name: flat header bin}, non_tensors: {name: [shape, values] | array}, meta]."""
+        """DataProto as [tensors: {name: flat header bin}, non_tensors: {name: [shape, values] | array},
+        meta]."""
         return _ext_type(EXT_DATAPROTO, self.pack(self._parts(obj, obj.tensors)))
 
     def _vector(self, arr: Any) -> list[Any] | None:
-        """[dtype code, data] of a 1-d numeric array whose size the lengths give: its bytes inline, or the index
-        of the field carrying them; None for anything else."""
+        """[dtype code, data] of a 1-d numeric array whose size the lengths give: its bytes inline, or the
+        index of the field carrying them; None for anything else."""
         if type(arr) is not np.ndarray or arr.ndim != 1:
             return None
         code = NUMPY_CODES.get(arr.dtype)
@@ -189,7 +195,10 @@ class _Packer:
                 raise TypeError("ragged batch: ids and tokens arrays must be 1-d numeric numpy arrays")
             array = self._array
             body = [
-                obj.prompt_lens.tolist(), obj.response_lens.tolist(), *ids, tokens,
+                obj.prompt_lens.tolist(),
+                obj.response_lens.tolist(),
+                *ids,
+                tokens,
                 {key: vector(arr) or array(arr) for key, arr in obj.rows.items()},
                 self._ragged_non_tensors(obj),
                 obj.meta_info,
@@ -200,8 +209,8 @@ class _Packer:
         return _ext_type(EXT_RAGGED_BATCH, self.pack(body))
 
     def _ragged_non_tensors(self, obj: RaggedBatch) -> dict[str, Any]:
-        """Per-row arrays of a ragged batch: a 1-d object array as the list of its values, a numeric one as its
-        flat header, any other object array as an EXT_OBJECT_ARRAY."""
+        """Per-row arrays of a ragged batch: a 1-d object array as the list of its values, a numeric one as
+        its flat header, any other object array as an EXT_OBJECT_ARRAY."""
         out: dict[str, Any] = {}
         for key, arr in obj.non_tensors.items():
             if type(arr) is not np.ndarray:
@@ -260,7 +269,8 @@ class _Packer:
         if isinstance(obj, np.generic):
             return obj.item()
         raise TypeError(
-            f"cannot encode {type(obj).__name__} (allowed: msgpack values, numpy, torch, DataProto, RaggedBatch)"
+            f"cannot encode {type(obj).__name__} (allowed: msgpack values, numpy, torch, DataProto, "
+            "RaggedBatch)"
         )
 
 
@@ -277,7 +287,8 @@ class _Unpacker:
         self.fields = fields
         self.limits = limits
         self.depth = 0
-        self.used: set[str | bytes] = set()  # names (str and bytes) of the out-of-band fields the payload referenced
+        # names (str and bytes) of the out-of-band fields the payload referenced
+        self.used: set[str | bytes] = set()
 
     def unpack(self, data: bytes) -> Any:
         """Unpack one value with the configured limits."""
@@ -302,7 +313,8 @@ class _Unpacker:
             self.depth -= 1
 
     def _field(self, ref: Any) -> Any:
-        """The raw bytes of out-of-band field a<ref> (bytes or a byte memoryview), or inline bytes as given."""
+        """The raw bytes of out-of-band field a<ref> (bytes or a byte memoryview), or inline bytes as
+        given."""
         if type(ref) is not int:
             if isinstance(ref, bytes):
                 return ref
@@ -400,7 +412,8 @@ class _Unpacker:
         return DataProto.adopt(*self._parts(tensors, non_tensors, meta_info, "DataProto"))
 
     def _flat(self, value: Any, name: str) -> np.ndarray:
-        """One array of a ragged batch from its flat header bin (or an older array ExtType, already decoded)."""
+        """One array of a ragged batch from its flat header bin (or an older array ExtType, already
+        decoded)."""
         if type(value) is bytes:
             value = array_from_flat(value, self._field, self.limits.max_bin_len)
         if not isinstance(value, np.ndarray):
@@ -415,18 +428,22 @@ class _Unpacker:
         code, data = spec
         dtype = CODE_DTYPES.get(code) if type(code) is int else None
         if dtype is None or dtype.kind not in kinds:
-            raise DecodeError(f"ragged batch: {name} must be a 1-d {'integer' if kinds == 'iu' else 'numeric'} "
-                              f"array, got dtype code {code!r:.20}{f' ({dtype.str})' if dtype else ''}")
+            raise DecodeError(
+                f"ragged batch: {name} must be a 1-d {'integer' if kinds == 'iu' else 'numeric'} "
+                f"array, got dtype code {code!r:.20}{f' ({dtype.str})' if dtype else ''}"
+            )
         if type(data) is not bytes:
             data = self._field(data)
         if len(data) != count * dtype.itemsize:
-            raise DecodeError(f"ragged batch: {name} has {len(data) / dtype.itemsize:g} values ({len(data)} bytes "
-                              f"of {dtype.str}), the lengths say {count}")
+            raise DecodeError(
+                f"ragged batch: {name} has {len(data) / dtype.itemsize:g} values ({len(data)} bytes "
+                f"of {dtype.str}), the lengths say {count}"
+            )
         return np.ndarray(count, dtype, data)
 
     def _rows(self, arrays: Any, n: int, group: str) -> dict[str, np.ndarray]:
-        """A ragged batch's map of per-row arrays (rows or non_tensors), each with first dimension n; a list is a
-        1-d object array's values."""
+        """A ragged batch's map of per-row arrays (rows or non_tensors), each with first dimension n; a list
+        is a 1-d object array's values."""
         if type(arrays) is not dict:
             raise DecodeError(f"malformed ragged batch ext: {group} must be a map")
         rows = group == "rows"
@@ -443,15 +460,31 @@ class _Unpacker:
                     continue
             arr = array_from_flat(value, self._field, self.limits.max_bin_len) if kind is bytes else value
             if type(arr) is not np.ndarray or arr.shape[:1] != (n,) or (rows and arr.dtype.hasobject):
-                what = (f"{arr.dtype.str}{list(arr.shape)[:4]}" if isinstance(arr, np.ndarray)
-                        else f"{len(arr)} values" if type(arr) is list else type(arr).__name__)
-                raise DecodeError(f"ragged batch: {group}[{key!r:.40}] must have first dimension n={n}"
-                                  f"{' and a numeric dtype' if rows else ''}, got {what}")
+                what = (
+                    f"{arr.dtype.str}{list(arr.shape)[:4]}"
+                    if isinstance(arr, np.ndarray)
+                    else f"{len(arr)} values"
+                    if type(arr) is list
+                    else type(arr).__name__
+                )
+                raise DecodeError(
+                    f"ragged batch: {group}[{key!r:.40}] must have first dimension n={n}"
+                    f"{' and a numeric dtype' if rows else ''}, got {what}"
+                )
             arrays[key] = arr
         return arrays
 
-    def _ragged(self, plen: Any, rlen: Any, prompt: Any, resp: Any, tokens: Any, rows: Any, non_tensors: Any,
-                meta_info: Any) -> RaggedBatch:
+    def _ragged(
+        self,
+        plen: Any,
+        rlen: Any,
+        prompt: Any,
+        resp: Any,
+        tokens: Any,
+        rows: Any,
+        non_tensors: Any,
+        meta_info: Any,
+    ) -> RaggedBatch:
         """A RaggedBatch from its schema-4 parts. The checks of RaggedBatch.check, each made where the part is
         read: lengths are lists of non-negative int32s, one prompt length or n, every array's size agrees
         with the lengths, per-row arrays have first dimension n, rows are numeric."""
@@ -459,7 +492,9 @@ class _Unpacker:
         prompt_lens = _lengths(plen, "prompt_lens")
         n = len(response_lens)
         if len(prompt_lens) != 1 and len(prompt_lens) != n or (n == 0 and prompt_lens):
-            raise DecodeError(f"ragged batch: prompt_lens has {len(prompt_lens)} entries, expected 1 (shared) or n={n}")
+            raise DecodeError(
+                f"ragged batch: prompt_lens has {len(prompt_lens)} entries, expected 1 (shared) or n={n}"
+            )
         if type(tokens) is not dict or type(meta_info) is not dict:
             raise DecodeError("malformed ragged batch ext: tokens and meta_info must be maps")
         n_resp, vector = sum(response_lens), self._vector
@@ -470,20 +505,43 @@ class _Unpacker:
                 raise DecodeError(f"ragged batch: tokens key {key!r:.40} is not a str")
             tokens[key] = vector(spec, n_resp, f"tokens[{key!r}]", WIRE_KINDS)
         return RaggedBatch.adopt(
-            prompt_ids, np.array(prompt_lens, np.int32), response_ids, np.array(response_lens, np.int32),
-            tokens, self._rows(rows, n, "rows"), self._rows(non_tensors, n, "non_tensors"), meta_info,
+            prompt_ids,
+            np.array(prompt_lens, np.int32),
+            response_ids,
+            np.array(response_lens, np.int32),
+            tokens,
+            self._rows(rows, n, "rows"),
+            self._rows(non_tensors, n, "non_tensors"),
+            meta_info,
         )
 
-    def _ragged_3(self, plen: Any, prompt: Any, rlen: Any, resp: Any, tokens: Any, rows: Any, non_tensors: Any,
-                  meta_info: Any) -> RaggedBatch:
+    def _ragged_3(
+        self,
+        plen: Any,
+        prompt: Any,
+        rlen: Any,
+        resp: Any,
+        tokens: Any,
+        rows: Any,
+        non_tensors: Any,
+        meta_info: Any,
+    ) -> RaggedBatch:
         """A RaggedBatch from its schema-3 parts; its sizes are checked against its lengths."""
         if not (type(tokens) is dict and type(rows) is dict):
             raise DecodeError("malformed ragged batch ext: tokens and rows must be maps")
         flat = self._flat
         tokens = {key: flat(value, f"tokens[{key!r}]") for key, value in tokens.items()}
         rows, non_tensors, meta_info = self._parts(rows, non_tensors, meta_info, "ragged batch")
-        return RaggedBatch(flat(prompt, "prompt_ids"), flat(plen, "prompt_lens"), flat(resp, "response_ids"),
-                           flat(rlen, "response_lens"), tokens, rows, non_tensors, meta_info)
+        return RaggedBatch(
+            flat(prompt, "prompt_ids"),
+            flat(plen, "prompt_lens"),
+            flat(resp, "response_ids"),
+            flat(rlen, "response_lens"),
+            tokens,
+            rows,
+            non_tensors,
+            meta_info,
+        )
 
 
 INT32_MAX = (1 << 31) - 1
@@ -492,7 +550,9 @@ _INT = {int}
 
 def _lengths(value: Any, name: str) -> list[int]:
     """A schema-4 length list: ints in [0, 2**31)."""
-    if type(value) is not list or (value and (set(map(type, value)) != _INT or min(value) < 0 or max(value) > INT32_MAX)):
+    if type(value) is not list or (
+        value and (set(map(type, value)) != _INT or min(value) < 0 or max(value) > INT32_MAX)
+    ):
         shown = value[:8] if type(value) is list else value
         raise DecodeError(f"ragged batch: {name} must be a list of ints in [0, 2**31), got {shown!r:.80}")
     return value
@@ -564,7 +624,9 @@ def _check_entry_size(fields: Fields, limits: Limits) -> None:
     else:
         total = 0
         for name, value in fields.items():
-            total += len(name) + (len(value) if isinstance(value, bytes | bytearray | memoryview | str) else 0)
+            total += len(name) + (
+                len(value) if isinstance(value, bytes | bytearray | memoryview | str) else 0
+            )
     if total > limits.max_entry_bytes:
         raise DecodeError(f"entry is {total} bytes, over the max_entry_bytes={limits.max_entry_bytes} limit")
 
@@ -573,8 +635,10 @@ def _check_entry_size(fields: Fields, limits: Limits) -> None:
 def _header_names(model: type[EventBase]) -> tuple[tuple[str, bytes, str], ...]:
     """(entry header field name, its bytes, the attribute whose value it renders) per header field of a
     model (RolloutSample writes num_tokens as `tokens`); computed once per model."""
-    return tuple(("tokens" if a == "num_tokens" else a, ("tokens" if a == "num_tokens" else a).encode(), a)
-                 for a in model.HEADER)
+    return tuple(
+        ("tokens" if a == "num_tokens" else a, ("tokens" if a == "num_tokens" else a).encode(), a)
+        for a in model.HEADER
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -584,8 +648,9 @@ def _known_names(model: type[EventBase]) -> frozenset[str | bytes]:
     return frozenset({*names, *(name.encode() for name in names)})
 
 
-def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str | bytes], event: EventBase,
-                        raw_schema: Any) -> None:
+def _check_entry_fields(
+    fields: Fields, model: type[EventBase], used: set[str | bytes], event: EventBase, raw_schema: Any
+) -> None:
     """Every field is one the encoder writes, and every readable header field equals the payload's value."""
     for raw_name in fields.keys() - _known_names(model):
         if raw_name not in used:
@@ -595,7 +660,8 @@ def _check_entry_fields(fields: Fields, model: type[EventBase], used: set[str | 
     schema = _get(fields, b"schema", "schema")
     if schema is not None and type(raw_schema) is int and _text(schema) != str(raw_schema):
         raise DecodeError(f"header schema={_text(schema)[:40]!r} != payload schema_version={raw_schema}")
-    for name, bname, attr in _header_names(model):  # the values event.header() renders, attribute by attribute
+    # the values event.header() renders, attribute by attribute
+    for name, bname, attr in _header_names(model):
         got = fields.get(bname)  # type: ignore[call-overload]
         if got is None:
             got = fields.get(name)  # type: ignore[call-overload]
@@ -661,7 +727,8 @@ def encode_payload(obj: Any) -> bytes:
 
 
 def decode_payload(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Any:
-    """Inverse of encode_payload; arrays are read-only views of the decoded bytes; failures raise DecodeError."""
+    """Inverse of encode_payload; arrays are read-only views of the decoded bytes; failures raise
+    DecodeError."""
     try:
         if len(data) > limits.max_payload_bytes:
             raise DecodeError(f"payload is {len(data)} bytes, over the {limits.max_payload_bytes} limit")

@@ -87,7 +87,8 @@ class RolloutSample(EventBase):
     full_batch: RaggedBatch
     agent_loop_output_list: list[dict[str, Any]]
     processing_times: list[float]
-    tool_calls: list[float] = Field(default_factory=list)  # per trajectory: total tool seconds ([] = no tools)
+    # per trajectory: total tool seconds ([] = no tools)
+    tool_calls: list[float] = Field(default_factory=list)
     param_version_start: list[int]
     param_version_end: list[int]
     rollout_status: dict[str, float | int] = Field(default_factory=dict)
@@ -107,7 +108,10 @@ class RolloutSample(EventBase):
                 if got != n:
                     raise ValueError(f"{name} has {got} entries, full_batch has {n}")
         if self.tool_calls and len(self.tool_calls) != n:
-            raise ValueError(f"tool_calls has {len(self.tool_calls)} entries (one per trajectory or none), full_batch has {n}")
+            raise ValueError(
+                f"tool_calls has {len(self.tool_calls)} entries (one per trajectory or none), full_batch has "
+                f"{n}"
+            )
         if starts != ends:  # equal lists (the usual case: no swap mid-generation) are ordered
             for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
                 if start > end:
@@ -116,7 +120,9 @@ class RolloutSample(EventBase):
         lp = tokens.get(LOG_PROBS)
         if lp is not None and lp.dtype.kind != "f":
             raise ValueError(f"{LOG_PROBS} must be float, got {lp.dtype}")
-        check_finite(((lp, LOG_PROBS), (tokens.get(TOKEN_SCORES), TOKEN_SCORES), (rows.get("rewards"), "rewards")))
+        check_finite(
+            ((lp, LOG_PROBS), (tokens.get(TOKEN_SCORES), TOKEN_SCORES), (rows.get("rewards"), "rewards"))
+        )
         return self
 
     @property
@@ -131,7 +137,9 @@ class RolloutSample(EventBase):
 
     def header(self) -> dict[str, HeaderValue]:
         """Header with `tokens` for num_tokens."""
-        h: dict[str, HeaderValue] = {name: getattr(self, name) for name in self.HEADER if name != "num_tokens"}
+        h: dict[str, HeaderValue] = {
+            name: getattr(self, name) for name in self.HEADER if name != "num_tokens"
+        }
         h["tokens"] = self.num_tokens
         return h
 
@@ -150,7 +158,8 @@ class ParamVersion(EventBase):
 
 
 class StepMetrics(EventBase):
-    """Trainer metrics of one local update (of one data-parallel rank), or the end of a global step (`step_end`)."""
+    """Trainer metrics of one local update (of one data-parallel rank), or the end of a global step
+    (`step_end`)."""
 
     SCHEMA: ClassVar[int] = 2  # 2: rank and world_size (data-parallel trainer); 1 decodes as rank 0 of 1
     HEADER: ClassVar[tuple[str, ...]] = ("global_step", "local_step", "sample_count", "rank")
@@ -161,9 +170,11 @@ class StepMetrics(EventBase):
     sample_count: int
     num_local_updates: int = 0
     rank: int = Field(0, ge=0)  # the trainer rank that emitted it (step_end: rank 0)
-    world_size: int = Field(1, ge=1)  # step_end: ranks whose num_local_updates local updates complete the step
+    # step_end: ranks whose num_local_updates local updates complete the step
+    world_size: int = Field(1, ge=1)
     metrics: dict[str, float] = Field(default_factory=dict)
-    # dict-valued metrics, {name: {key: count}} (verl's `_dapo_filtered_reward_counts`: reward value -> groups)
+    # dict-valued metrics, {name: {key: count}} (verl's `_dapo_filtered_reward_counts`: reward value ->
+    # groups)
     counts: dict[str, dict[str, float]] = Field(default_factory=dict)
 
 
@@ -176,7 +187,8 @@ class SyncStepRecord(EventBase):
     global_step: int
     num_local_updates: int
     metrics: dict[str, float] = Field(default_factory=dict)
-    counts: dict[str, dict[str, float]] = Field(default_factory=dict)  # dict metrics, merged (MetricsAggregator)
+    # dict metrics, merged (MetricsAggregator)
+    counts: dict[str, dict[str, float]] = Field(default_factory=dict)
     source_ids: list[str] = Field(default_factory=list)
 
 
@@ -231,7 +243,8 @@ class DeadLetter(EventBase):
 
 
 def entry_digest(fields: dict[str, bytes]) -> str:
-    """sha256 hex of an entry: each name and value as an 8-byte little-endian length and its bytes, in order."""
+    """sha256 hex of an entry: each name and value as an 8-byte little-endian length and its bytes, in
+    order."""
     h = hashlib.sha256()
     for name, value in fields.items():
         for part in (name.encode(), value):
@@ -246,7 +259,9 @@ def dead_letter_of(source: str, source_id: str, reason: str, fields: dict[str, b
     others and the digest of the whole, never the payload."""
     total = sum(len(k) + len(v) for k, v in fields.items())
     if total <= DEAD_COPY_MAX_BYTES:
-        return DeadLetter(source=source, source_id=source_id, reason=reason, fields=fields, sha256=entry_digest(fields))
+        return DeadLetter(
+            source=source, source_id=source_id, reason=reason, fields=fields, sha256=entry_digest(fields)
+        )
     kept: dict[str, bytes] = {}
     omitted: dict[str, int] = {}
     used = 0

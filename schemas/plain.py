@@ -93,7 +93,9 @@ def decode_fate(entry: Mapping[Any, Any]) -> Fate:
         staleness=_int(entry, "staleness", "fates"),
         param_version=_int(entry, "param_version", "fates"),
         global_step=_int(entry, "global_step", "fates"),
-        reason=_get(entry, "reason", "fates") if entry.get(b"reason", entry.get("reason")) is not None else "",
+        reason=_get(entry, "reason", "fates")
+        if entry.get(b"reason", entry.get("reason")) is not None
+        else "",
     )
 
 
@@ -133,7 +135,9 @@ def dispatch_lua_fields(op: str, **values: str) -> str:
     want = _DISPATCH_REQUIRED[op]
     if set(values) != set(want):
         raise ValueError(f"a {op} entry has fields {want}, got {sorted(values)}")
-    return ", ".join([f"'op', '{op}'", *(f"'{name}', {values[name]}" for name in DISPATCH_FIELDS if name in values)])
+    return ", ".join(
+        [f"'op', '{op}'", *(f"'{name}', {values[name]}" for name in DISPATCH_FIELDS if name in values)]
+    )
 
 
 def decode_dispatch(entry: Mapping[Any, Any]) -> DispatchRecord:

@@ -1,7 +1,8 @@
 """CUDA check: a tiny random HF model runs N global steps through producers and trainer on the GPU.
 
     bash scripts/gpu_check.sh                      # needs CUDA; prints tokens/s and samples/s, audits the log
-    bash scripts/gpu_check.sh --allow-cpu          # no GPU: the same run on the CPU (float32), clearly labelled
+    bash scripts/gpu_check.sh --allow-cpu          # no GPU: the same run on the CPU (float32), clearly
+    labelled
     bash scripts/gpu_check.sh --steps 5 rollout.n=16   # key=value overrides go to `rollstream run`
     bash scripts/gpu_check.sh --engine vllm        # producers generate with vLLM (the `vllm` extra on CUDA)
 
@@ -38,8 +39,8 @@ from rollstream.model.base import resolve_dtype
 from rollstream.model.hf import make_tiny_hf_model
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
+from rollstream.ops.run_target import open_run
 from rollstream.ops.runcheck import behaviour_logprob_error, producer_stats, throughput, wait_for_steps
-from rollstream.ops.target import open_run
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOW_CPU_ENV = "ROLLSTREAM_GPU_CHECK_ALLOW_CPU"
@@ -60,7 +61,11 @@ def cli(*argv: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
 
 def mean_swap_s(r: redis.Redis, keys: Keys) -> float | None:
     """Mean `producer/weight_swap_s` over the producers' stats (None when no swap was reported)."""
-    values = [ev.metrics["producer/weight_swap_s"] for ev in producer_stats(r, keys) if "producer/weight_swap_s" in ev.metrics]
+    values = [
+        ev.metrics["producer/weight_swap_s"]
+        for ev in producer_stats(r, keys)
+        if "producer/weight_swap_s" in ev.metrics
+    ]
     return sum(values) / len(values) if values else None
 
 
@@ -70,10 +75,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=3, help="global steps to run")
     p.add_argument("--hidden-size", type=int, default=256, help="model width")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
-    p.add_argument("--allow-cpu", action="store_true", help=f"run on the CPU when no GPU is there (or {ALLOW_CPU_ENV}=1)")
-    p.add_argument("--dir", default=None, help="keep the model and run dir here (default: a temp dir, removed)")
+    p.add_argument(
+        "--allow-cpu", action="store_true", help=f"run on the CPU when no GPU is there (or {ALLOW_CPU_ENV}=1)"
+    )
+    p.add_argument(
+        "--dir", default=None, help="keep the model and run dir here (default: a temp dir, removed)"
+    )
     p.add_argument("--timeout-s", type=float, default=300.0, help="give up when the steps take longer")
-    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin", help="rollout.engine of the producers")
+    p.add_argument(
+        "--engine", choices=("builtin", "vllm"), default="builtin", help="rollout.engine of the producers"
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides for `rollstream run`")
     args = p.parse_args(argv)
 
@@ -82,8 +93,12 @@ def main(argv: list[str]) -> int:
     elif args.allow_cpu or os.environ.get(ALLOW_CPU_ENV) == "1":
         device, label = "cpu", "cpu (no CUDA device: CPU fallback, float32; these are not GPU figures)"
     else:
-        print("gpu_check: no CUDA device (torch.cuda.is_available() is False); pass --allow-cpu to run the same "
-              "check on the CPU", file=sys.stderr)
+        print(
+            "gpu_check: no CUDA device (torch.cuda.is_available() is False); pass --allow-cpu to run the "
+            "same "
+            "check on the CPU",
+            file=sys.stderr,
+        )
         return 2
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
@@ -118,17 +133,25 @@ def check(work: Path, device: str, label: str, args: argparse.Namespace) -> int:
         swap_s = mean_swap_s(r, target.keys)
         r.close()
         dtype = str(resolve_dtype(target.cfg.model.dtype, torch.device(device))).removeprefix("torch.")
-        print(f"gpu_check: {args.steps} global steps in {wall:.1f}s from `rollstream run` (model load included); "
-              f"weights {dtype}")
+        print(
+            f"gpu_check: {args.steps} global steps in {wall:.1f}s from `rollstream run` (model load "
+            "included); "
+            f"weights {dtype}"
+        )
         print(f"gpu_check: samples/s {rates.samples_per_s:.2f}  tokens/s {rates.tokens_per_s:.0f}  "
               f"(trained, steps 2..{args.steps}, {rates.window_s:.2f}s); producer decode tokens/s "
               f"{rates.gen_tokens_per_s:.0f}")
         exact = dtype == "float32"
         bound = 1e-5 if args.engine == "builtin" else 1e-4
-        print(f"gpu_check: behaviour vs trainer log-probs, version 0: max |diff| {error:.2e} over {tokens} tokens"
-              f" ({f'must be < {bound:g}' if exact else 'bfloat16: for information'})")
+        print(
+            f"gpu_check: behaviour vs trainer log-probs, version 0: max |diff| {error:.2e} over {tokens} "
+            "tokens"
+            f" ({f'must be < {bound:g}' if exact else 'bfloat16: for information'})"
+        )
         if swap_s is not None:
-            print(f"gpu_check: weight swap (a new version into the running engine): {swap_s * 1e3:.1f} ms mean")
+            print(
+                f"gpu_check: weight swap (a new version into the running engine): {swap_s * 1e3:.1f} ms mean"
+            )
         ok = tokens > 0 and (error < bound or not exact)
     finally:
         stopped = cli("stop", *run_args, timeout_s=180)

@@ -29,9 +29,22 @@ def run(fold: Fold, log: list[tuple[str, EventBase]]) -> list[SyncStepRecord]:
 def test_step_record_merges_updates_sync_metrics_validation_and_producers() -> None:
     log = [
         ("1-0", producer_stats("a", 10, 50.0, 0.2, 0)),
-        ("2-0", lu(1, 1, 4, **{"actor/loss": 1.0, "timing_s/update": 0.5, "actor/grad_max": 3.0, "actor/lr": 0.1})),
+        (
+            "2-0",
+            lu(
+                1, 1, 4, **{"actor/loss": 1.0, "timing_s/update": 0.5, "actor/grad_max": 3.0, "actor/lr": 0.1}
+            ),
+        ),
         ("3-0", producer_stats("b", 6, 30.0, 0.4, 1)),
-        ("4-0", lu(1, 2, 12, **{"actor/loss": 2.0, "timing_s/update": 0.25, "actor/grad_max": 2.0, "actor/lr": 0.05})),
+        (
+            "4-0",
+            lu(
+                1,
+                2,
+                12,
+                **{"actor/loss": 2.0, "timing_s/update": 0.25, "actor/grad_max": 2.0, "actor/lr": 0.05},
+            ),
+        ),
         ("5-0", producer_stats("a", 20, 70.0, 0.1, 1)),  # newer stats of producer a: replaces 1-0
         ("6-0", validation(1, {"val/acc": 0.5})),
         ("7-0", end(1, 2, created_at=123.0, **{"actor/lr": 0.07, "timing_s/step": 2.0, "timing_s/gen": 0.5})),
@@ -46,7 +59,9 @@ def test_step_record_merges_updates_sync_metrics_validation_and_producers() -> N
     assert m["actor/lr"] == 0.07  # step_end metrics override the aggregated ones
     assert m["fully_async/trainer/idle_ratio"] == approx(0.25)  # derived on the merged record: gen / step
     assert m["val/acc"] == 0.5
-    assert m["producer/a/samples"] == 20 and m["producer/a/param_version"] == 1 and m["producer/a/tokens"] == 200
+    assert (
+        m["producer/a/samples"] == 20 and m["producer/a/param_version"] == 1 and m["producer/a/tokens"] == 200
+    )
     assert m["producer/b/gen_tokens_per_s"] == 30.0
     assert m["producer/total_samples"] == 26
     assert m["producer/gen_tokens_per_s"] == approx(100.0)
@@ -65,11 +80,40 @@ def test_a_step_of_two_trainer_ranks_waits_for_both_and_folds_them() -> None:
 
     closing = end(1, 2, **{"trainer/world_size": 2.0}).model_copy(update={"world_size": 2})
     log = [
-        ("1-0", ranked(1, 0, 3, **{"actor/loss": 1.0, "timing_s/update_actor": 0.5, "perf/total_num_tokens": 30.0,
-                                   "fully_async/total_wait_time": 0.2})),
-        ("2-0", ranked(1, 1, 1, **{"actor/loss": 5.0, "timing_s/update_actor": 0.7, "perf/total_num_tokens": 10.0,
-                                   "fully_async/total_wait_time": 0.4})),
-        ("3-0", ranked(2, 0, 2, **{"actor/loss": 2.0, "timing_s/update_actor": 0.5, "perf/total_num_tokens": 20.0})),
+        (
+            "1-0",
+            ranked(
+                1,
+                0,
+                3,
+                **{
+                    "actor/loss": 1.0,
+                    "timing_s/update_actor": 0.5,
+                    "perf/total_num_tokens": 30.0,
+                    "fully_async/total_wait_time": 0.2,
+                },
+            ),
+        ),
+        (
+            "2-0",
+            ranked(
+                1,
+                1,
+                1,
+                **{
+                    "actor/loss": 5.0,
+                    "timing_s/update_actor": 0.7,
+                    "perf/total_num_tokens": 10.0,
+                    "fully_async/total_wait_time": 0.4,
+                },
+            ),
+        ),
+        (
+            "3-0",
+            ranked(
+                2, 0, 2, **{"actor/loss": 2.0, "timing_s/update_actor": 0.5, "perf/total_num_tokens": 20.0}
+            ),
+        ),
         ("4-0", closing),
     ]
     fold = Fold()
@@ -91,7 +135,8 @@ def test_a_step_of_two_trainer_ranks_waits_for_both_and_folds_them() -> None:
 
 
 def test_schema_1_trainer_events_decode_as_rank_0_of_one() -> None:
-    """StepMetrics schema 2 added rank and world_size; an entry written before reads as rank 0 of a world of one."""
+    """StepMetrics schema 2 added rank and world_size; an entry written before reads as rank 0 of a world of
+    one."""
     from schemas import decode, decode_payload, encode_payload
 
     fields = {k: bytes(v) for k, v in encode(lu(3, 1, 4, **{"actor/loss": 1.0})).items()}
@@ -157,7 +202,9 @@ def test_validation_of_version_zero_is_a_step_zero_record_and_late_validation_is
     fold = Fold()
     [rec0] = run(fold, [("1-0", validation(0, {"val/acc": 0.1}))])
     assert rec0.global_step == 0 and rec0.metrics == {"val/acc": 0.1, "training/global_step": 0.0}
-    records = run(fold, [("2-0", lu(1, 1, 1, z=1.0)), ("3-0", end(1, 1)), ("4-0", validation(1, {"val/acc": 0.9}))])
+    records = run(
+        fold, [("2-0", lu(1, 1, 1, z=1.0)), ("3-0", end(1, 1)), ("4-0", validation(1, {"val/acc": 0.9}))]
+    )
     assert "val/acc" not in records[0].metrics
     assert fold.stats.late == 1 and fold.take_ackable() == ["4-0"]
 
@@ -189,12 +236,20 @@ def test_cumulative_counters_are_never_averaged_in_a_record() -> None:
 
 
 def test_producer_stats_below_the_step_end_id_are_used_whatever_the_feed_order() -> None:
-    """Stats come from their own stream (issue 12): a record uses each producer's latest stats entry with an
+    """Stats come from their own stream (producers may not write `metrics`): a record uses each producer's
+    latest stats entry with an
     id below its step_end's, so the live worker (stats drained first) and replay (id order) agree."""
-    stats = [("stats:1-0", producer_stats("a", 1, 10.0, 0.5, 0)), ("stats:5-0", producer_stats("a", 9, 90.0, 0.0, 1))]
+    stats = [
+        ("stats:1-0", producer_stats("a", 1, 10.0, 0.5, 0)),
+        ("stats:5-0", producer_stats("a", 9, 90.0, 0.0, 1)),
+    ]
     steps = [("2-0", lu(1, 1, 1, y=1.0)), ("3-0", end(1, 1))]
     live, replay = run(Fold(), [*stats, *steps]), run(Fold(), [stats[0], *steps, stats[1]])
-    assert [r.metrics["producer/a/samples"] for r in live] == [1.0] == [r.metrics["producer/a/samples"] for r in replay]
+    assert (
+        [r.metrics["producer/a/samples"] for r in live]
+        == [1.0]
+        == [r.metrics["producer/a/samples"] for r in replay]
+    )
     assert [encode(x) for x in live] == [encode(y) for y in replay]
     assert live[0].source_ids == ["stats:1-0", "2-0", "3-0"]
 

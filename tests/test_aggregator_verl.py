@@ -59,7 +59,10 @@ def test_evicted_samples_are_summed_across_iterations() -> None:
 def test_evicted_samples_staleness_mean_uses_evicted_count_weight() -> None:
     agg = MetricsAggregator()
     agg.add_step_metrics(
-        {"training/off_policy/evicted_samples": 1, "training/off_policy/evicted_samples_staleness/mean": 10.0},
+        {
+            "training/off_policy/evicted_samples": 1,
+            "training/off_policy/evicted_samples_staleness/mean": 10.0,
+        },
         sample_count=100,
     )
     agg.add_step_metrics(
@@ -85,8 +88,12 @@ def test_rollout_probs_diff_valid_keeps_last() -> None:
 
 def test_global_seqlen_minmax_diff_is_recomputed_from_aggregated_min_max() -> None:
     agg = MetricsAggregator()
-    agg.add_step_metrics({"global_seqlen/min": 10.0, "global_seqlen/max": 20.0, "global_seqlen/minmax_diff": 10.0})
-    agg.add_step_metrics({"global_seqlen/min": 0.0, "global_seqlen/max": 15.0, "global_seqlen/minmax_diff": 15.0})
+    agg.add_step_metrics(
+        {"global_seqlen/min": 10.0, "global_seqlen/max": 20.0, "global_seqlen/minmax_diff": 10.0}
+    )
+    agg.add_step_metrics(
+        {"global_seqlen/min": 0.0, "global_seqlen/max": 15.0, "global_seqlen/minmax_diff": 15.0}
+    )
     out = agg.get_aggregated_metrics()
     assert (out["global_seqlen/min"], out["global_seqlen/max"]) == (0.0, 20.0)
     assert out["global_seqlen/minmax_diff"] == approx(20.0)  # a max over the per-update diffs would give 15
@@ -101,7 +108,9 @@ def test_minmax_diff_falls_back_when_min_max_absent() -> None:
 
 def test_tensor_and_non_scalar_handling() -> None:
     agg = MetricsAggregator()
-    agg.add_step_metrics({"actor/loss/mean": torch.tensor(2.0), "actor/vec": torch.tensor([1.0, 2.0])}, sample_count=1)
+    agg.add_step_metrics(
+        {"actor/loss/mean": torch.tensor(2.0), "actor/vec": torch.tensor([1.0, 2.0])}, sample_count=1
+    )
     agg.add_step_metrics({"actor/loss/mean": torch.tensor(4.0)}, sample_count=3)
     out = agg.get_aggregated_metrics()
     assert out["actor/loss/mean"] == approx(3.5)

@@ -51,7 +51,8 @@ def make_cfg(keys: Keys, tmp_path: Path, redis_url: str, *extra: str) -> Pipelin
 
 
 def publish(r: redis.Redis, keys: Keys, events: list[EventBase], trainer_at: int = 10**6) -> list[str]:
-    """The events on the run's log in one order, the trainer hash vouching up to `trainer_at` (publish_log)."""
+    """The events on the run's log in one order, the trainer hash vouching up to `trainer_at`
+    (publish_log)."""
     return publish_log(r, keys, events, trainer_at)
 
 
@@ -168,7 +169,7 @@ def test_incomplete_step_is_reported_once(
 def test_what_cannot_be_placed_is_dead_lettered_not_folded(
     r: redis.Redis, keys: Keys, dst_keys: Keys, tmp_path: Path, redis_url: str
 ) -> None:
-    """Issue 12, findings 1 and 7: a forged step far ahead must not complete a record, block the real
+    """A forged step far ahead must not complete a record, block the real
     ones, or stay pending; wrong-stream events are dead-lettered; replay folds what live folded."""
     cfg = make_cfg(keys, tmp_path, redis_url)
     real = [lu(1, 1, 2, x=1.0), step_end(1, 1), lu(2, 1, 2, x=2.0), step_end(2, 1)]
@@ -185,9 +186,17 @@ def test_what_cannot_be_placed_is_dead_lettered_not_folded(
     rc: Any = r
     dead = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead)]
     by_id = {d.source_id: d.reason for d in dead}
-    assert by_id[ids[1]] == "implausible: local_update global_step=1000000 is ahead of the trainer's training_step=1"
-    assert by_id[ids[2]] == "implausible: step_end global_step=1000000 is ahead of the trainer's committed_step=1"
-    assert len(dead) == 6 and any("not a trainer event: a 'producer' event on metrics" in d.reason for d in dead)
+    assert (
+        by_id[ids[1]]
+        == "implausible: local_update global_step=1000000 is ahead of the trainer's training_step=1"
+    )
+    assert (
+        by_id[ids[2]]
+        == "implausible: step_end global_step=1000000 is ahead of the trainer's committed_step=1"
+    )
+    assert len(dead) == 6 and any(
+        "not a trainer event: a 'producer' event on metrics" in d.reason for d in dead
+    )
     assert any("not producer stats: a 'step_end' event on stats" in d.reason for d in dead)
     assert pending_ids(r, keys) == []
     assert replay_records(r, keys, dst_keys) == 2 and records(r, dst_keys) == records(r, keys)
@@ -211,7 +220,9 @@ class FakeWriter:
         pass
 
 
-def test_sinks_write_each_step_once_across_restarts(r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str) -> None:
+def test_sinks_write_each_step_once_across_restarts(
+    r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str
+) -> None:
     cfg = make_cfg(keys, tmp_path, redis_url)
     path = cfg.run_dir() / "records.jsonl"
     FakeWriter.calls = []
@@ -221,7 +232,9 @@ def test_sinks_write_each_step_once_across_restarts(r: redis.Redis, keys: Keys, 
         return AggregatorWorker(cfg, r, keys, sinks=sinks)
 
     events = fake_metrics_log(5, local_updates=2, producers=1, test_freq=0)
-    cut = next(i for i, ev in enumerate(events) if getattr(ev, "type", "") == "step_end" and ev.global_step == 3)
+    cut = next(
+        i for i, ev in enumerate(events) if getattr(ev, "type", "") == "step_end" and ev.global_step == 3
+    )
     publish(r, keys, events[: cut + 1])
     start().run(burst=True)
     assert jsonl_steps(cfg) == [1, 2, 3]
@@ -246,18 +259,21 @@ def test_sigkill_mid_fold_then_restart_gives_the_uninterrupted_records(
     cut = next(i for i, ev in enumerate(events) if getattr(ev, "local_step", 0) == 2 and ev.global_step == 3)
     publish(r, keys, events[: cut + 1])
     cmd = [sys.executable, "-m", "consumers.aggregator", str(REPO / "pipeline.yaml"),
-           f"run.name={keys.run}", f"run.dir={tmp_path}", f"run.redis_url={redis_url}", "bus.block_ms=100"]  # fmt: skip
+           f"run.name={keys.run}", f"run.dir={tmp_path}", f"run.redis_url={redis_url}", "bus.block_ms=100"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
-        while len(records(r, keys)) < 2 or len(pending_ids(r, keys)) != 2 + 2:  # step 3's 2 updates + 2 producers
+        # step 3's 2 updates + 2 producers
+        while len(records(r, keys)) < 2 or len(pending_ids(r, keys)) != 2 + 2:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             assert time.monotonic() < deadline, "aggregator never wrote steps 1-2"
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     finally:
+        if proc.stderr:
+            proc.stderr.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -279,8 +295,10 @@ def test_sigkill_mid_fold_then_restart_gives_the_uninterrupted_records(
 def test_sigterm_finishes_and_exits_zero(r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str) -> None:
     publish(r, keys, fake_metrics_log(2, local_updates=2, producers=1, test_freq=0))
     cmd = [sys.executable, "-m", "consumers.aggregator", str(REPO / "pipeline.yaml"),
-           f"run.name={keys.run}", f"run.dir={tmp_path}", f"run.redis_url={redis_url}", "bus.block_ms=100"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+           f"run.name={keys.run}", f"run.dir={tmp_path}", f"run.redis_url={redis_url}", "bus.block_ms=100"]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 30
         while len(records(r, keys)) < 2:
@@ -303,7 +321,9 @@ def test_stats_drain_after_a_reconnect_reads_past_entries_it_already_holds(
     entries the fold already has; such an empty page is not a drained stream (seen in the fault test:
     a record folded without the stats entries just below its step_end, unlike the replay)."""
     cfg = make_cfg(keys, tmp_path, redis_url, "bus.read_count=2")
-    publish(r, keys, [producer_stats(p, 1, 10.0, 0.5, 0) for p in "abc"] + [lu(1, 1, 2, x=1.0), step_end(1, 1)])
+    publish(
+        r, keys, [producer_stats(p, 1, 10.0, 0.5, 0) for p in "abc"] + [lu(1, 1, 2, x=1.0), step_end(1, 1)]
+    )
     worker = AggregatorWorker(cfg, r, keys, sinks=Sinks(r, keys, []))
     worker.run(burst=True)
     worker.stats_reader.on_reconnect()  # as after a Redis restart

@@ -1,5 +1,5 @@
-"""Workers keep freed sample buffers for reuse (rollstream.worker.tune_allocator): a trainer that holds one batch
-of decoded samples while it decodes the next must not pay a page fault per 4 KB of every new array."""
+"""Workers keep freed sample buffers for reuse (rollstream.worker.tune_allocator): a trainer that holds one
+batch of decoded samples while it decodes the next must not pay a page fault per 4 KB of every new array."""
 
 from __future__ import annotations
 

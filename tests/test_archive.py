@@ -125,7 +125,9 @@ def test_an_uncommitted_tail_is_invisible_then_cut_off(tmp_path: Path) -> None:
     assert [i for i, _ in arc.entries(key)] == ["1-1", "2-1", "3-1"]
 
 
-def test_segments_roll_and_duplicates_across_them_are_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_segments_roll_and_duplicates_across_them_are_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(archive_mod, "SEGMENT_BYTES", 200)
     arc = Archive(tmp_path)
     key = "rs:{x}:rollouts"
@@ -168,7 +170,9 @@ def test_iter_stream_reads_archive_then_redis_as_one_log(r: redis.Redis, keys: K
     assert run_archive(r, keys.rollouts) is not None and run_archive(r, "no-run-key") is None
 
 
-def test_a_crash_between_commit_and_trim_leaves_duplicates_read_once(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+def test_a_crash_between_commit_and_trim_leaves_duplicates_read_once(
+    r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
     setup_run(r, keys)
     full = fill(r, keys.metrics, 10)
     arc = Archive(tmp_path)
@@ -210,7 +214,9 @@ def test_a_reader_racing_the_janitor_sees_no_gap(r: redis.Redis, keys: Keys, tmp
     assert r.xlen(keys.metrics) == 0 and got + list(it) == full
 
 
-def test_an_archive_that_cannot_be_read_is_an_error_not_a_gap(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+def test_an_archive_that_cannot_be_read_is_an_error_not_a_gap(
+    r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
     setup_run(r, keys)
     full = fill(r, keys.fates, 5)
     arc = Archive(tmp_path / "a")
@@ -265,7 +271,9 @@ def janitor(r: redis.Redis, keys: Keys, tmp_path: Path, budget: int, **kw: Any) 
     return Janitor(r, keys, Archive(tmp_path / "archive"), budget_bytes=budget, every_s=60.0, **kw)
 
 
-def test_over_budget_only_read_entries_leave_redis_and_status_shows_both(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+def test_over_budget_only_read_entries_leave_redis_and_status_shows_both(
+    r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
     setup_run(r, keys)
     full = fill(r, keys.rollouts, 200, size=2000)
     fill(r, keys.fates, 50)
@@ -315,7 +323,9 @@ def test_a_pass_the_archive_fails_trims_nothing_and_paces(
     assert r.xlen(keys.rollouts) == 50 and "retention pass failed" in caplog.text
 
 
-def test_sigkill_between_archive_fsync_and_xtrim_loses_nothing(r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str) -> None:
+def test_sigkill_between_archive_fsync_and_xtrim_loses_nothing(
+    r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str
+) -> None:
     """A janitor process is SIGKILLed by the fault hook right after its commit; the re-run only trims."""
     setup_run(r, keys)
     full = fill(r, keys.rollouts, 60, size=1000)

@@ -66,8 +66,20 @@ def test_a_small_budget_run_archives_its_log_survives_a_kill_mid_trim_and_replay
 ) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = small_budget(keys, redis_url, tmp_path, STEPS)
-    agg = subprocess.Popen([sys.executable, "-m", "consumers.aggregator", "pipeline.yaml", *args[4:-2],
-                            "aggregator.tensorboard=false"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    agg = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "consumers.aggregator",
+            "pipeline.yaml",
+            *args[4:-2],
+            "aggregator.tensorboard=false",
+        ],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         killed = subprocess.run(args, cwd=ROOT, env={**env, KILL_BEFORE_TRIM_ENV: "2"}, capture_output=True,
                                 text=True, timeout=120)
@@ -84,7 +96,9 @@ def test_a_small_budget_run_archives_its_log_survives_a_kill_mid_trim_and_replay
         assert done.returncode == 0, done.stderr[-3000:]
         deadline = time.monotonic() + 60
         while sum(1 for _ in iter_stream(r, keys.records)) < STEPS + 1:  # records 0 (validation) .. STEPS
-            assert agg.poll() is None and time.monotonic() < deadline, "the aggregator did not fold every step"
+            assert agg.poll() is None and time.monotonic() < deadline, (
+                "the aggregator did not fold every step"
+            )
             time.sleep(0.1)
     finally:
         agg.send_signal(signal.SIGTERM)

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples, assemble_micro_batches
-from consumers.trainer.balance import balance_groups_by_tokens
 from rollstream.fakes import fake_rollout_sample
 from schemas import RolloutSample
 
@@ -98,7 +97,10 @@ def test_micro_batches_are_padded_to_their_own_widths() -> None:
     whole, _ = assemble_batch_from_rollout_samples(samples)
     parts, _ = assemble_micro_batches(samples, 3)
     assert [len(p) for p in parts] == [3, 3]
-    assert parts[0].tensors["input_ids"].shape == (3, 4 + 5) and parts[1].tensors["input_ids"].shape == (3, 4 + 5)
+    assert parts[0].tensors["input_ids"].shape == (3, 4 + 5) and parts[1].tensors["input_ids"].shape == (
+        3,
+        4 + 5,
+    )
     small, _ = assemble_micro_batches(samples[:1] + samples[2:], 2)
     assert [p.tensors["input_ids"].shape for p in small] == [(2, 2 + 3), (2, 3 + 1)]
     rows = 0
@@ -122,23 +124,3 @@ def test_samples_with_different_keys_are_refused() -> None:
     b.full_batch.tokens["token_level_scores"] = np.zeros(b.full_batch.response_ids.size, np.float32)
     with pytest.raises(ValueError, match="sample b: tokens keys"):
         assemble_batch_from_rollout_samples([a, b])
-
-
-def test_balance_batch_moves_whole_groups_and_their_meta() -> None:
-    samples = [_sample(sid, 2, w) for sid, w in (("a", 9), ("bb", 8), ("ccc", 1), ("dddd", 2))]
-    plain, _ = assemble_batch_from_rollout_samples(samples)
-    batch, _ = assemble_batch_from_rollout_samples(samples, balance_batch=balance_groups_by_tokens(2))
-    # tokens per group (2 rows of 2 + w): a 22, bb 20, ccc 6, dddd 8 -> ranks {a, ccc} 28 and {bb, dddd} 28
-    ids = batch.meta_info["sample_ids"]
-    assert ids == ["a", "ccc", "bb", "dddd"]
-    assert batch.meta_info["group_sizes"] == [2, 2, 2, 2]
-    tokens = batch.meta_info["global_token_num"]
-    assert sum(tokens[:4]) == sum(tokens[4:]) == 28
-    # rows moved with their group; per-row meta follows
-    for k, sid in enumerate(ids):
-        j = plain.meta_info["sample_ids"].index(sid)
-        np.testing.assert_array_equal(batch.tensors["input_ids"][2 * k : 2 * k + 2],
-                                      plain.tensors["input_ids"][2 * j : 2 * j + 2])
-    assert len(batch.meta_info["trajectory_param_versions"]) == 8
-    with pytest.raises(ValueError, match="evenly"):
-        assemble_batch_from_rollout_samples(samples[:3], balance_batch=balance_groups_by_tokens(2))

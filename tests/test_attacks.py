@@ -1,4 +1,4 @@
-"""A malicious producer (issue 12): what it can put on `rollouts` with valid credentials goes to `dead`
+"""A malicious producer: what it can put on `rollouts` with valid credentials goes to `dead`
 with a reason naming the field and value, and the trainer goes on training the real samples."""
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def sample_fields(sid: str, version: int = 0) -> dict[bytes, bytes]:
     if version < 0:  # what a producer that skips the model would write
         fields[b"param_version"] = str(version).encode()
         body = fields[b"payload"]
-        fields[b"payload"] = body.replace(b"\xadparam_version\x00", b"\xadparam_version\xfb")  # fixint 0 -> -5
+        # fixint 0 -> -5
+        fields[b"payload"] = body.replace(b"\xadparam_version\x00", b"\xadparam_version\xfb")
     return fields
 
 
@@ -72,7 +73,10 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
                            "param_version: Input should be greater than or equal to 0")
     mismatch = sample_fields(f"payload-{tag}")
     mismatch[b"sample_id"] = f"header-{tag}".encode()
-    attacks["mismatch"] = (mismatch, f"header sample_id=b'header-{tag}' != payload sample_id=b'payload-{tag}'")
+    attacks["mismatch"] = (
+        mismatch,
+        f"header sample_id=b'header-{tag}' != payload sample_id=b'payload-{tag}'",
+    )
     schema = sample_fields(f"schema-{tag}")
     schema[b"schema"] = b"999"
     attacks["schema"] = (schema, "header schema='999' != payload schema_version=4")
@@ -121,5 +125,7 @@ def test_versions_published_before_a_restart_are_not_from_the_future(
     for i in range(2):
         r.xadd(keys.rollouts, sample_fields(f"v2-{tag}-{i}", 2))  # type: ignore[arg-type]
     assert trainer.train_step(1)
-    assert dead_reasons(r, keys) == {future: "invalid: param_version=3 is newer than the newest published version 2"}
+    assert dead_reasons(r, keys) == {
+        future: "invalid: param_version=3 is newer than the newest published version 2"
+    }
     assert sorted(f[b"sample_id"].decode() for _, f in r.xrange(keys.fates)) == [f"v2-{tag}-0", f"v2-{tag}-1"]  # type: ignore[union-attr]

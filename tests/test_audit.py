@@ -44,7 +44,10 @@ def test_clean_run_with_a_step_zero_validation_record_has_no_problems(r: redis.R
     assert rep.records == [0, 1] and rep.records_consecutive
     assert rep.problems() == [], rep.problems()
     assert rep.reemitted == {(1, 1): 2} and "re-emitted local updates 1" in rep.summary()  # finding 9
-    assert {p: dict(c) for p, c in rep.producer_versions.items()} == {"rollout_00": {0: 1}, "rollout_01": {0: 1, 1: 1}}
+    assert {p: dict(c) for p, c in rep.producer_versions.items()} == {
+        "rollout_00": {0: 1},
+        "rollout_01": {0: 1, 1: 1},
+    }
 
     Publisher(r, nomkstream=False).publish(keys.records, SyncStepRecord(global_step=3, num_local_updates=1),
                                            entry_id="3-1")

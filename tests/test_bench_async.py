@@ -27,7 +27,13 @@ from rollstream.weights import latest_param_version, publish_weights
 from rollstream.worker import WorkerContext
 from schemas import RolloutSample, StepMetrics, decode, encode
 
-TINY_MODEL = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu"]
+TINY_MODEL = [
+    "model.d_model=16",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.max_seq_len=32",
+    "run.device=cpu",
+]
 
 
 def events(r: redis.Redis, stream: str) -> list[Any]:
@@ -46,11 +52,22 @@ def wait_for(cond: Any, timeout_s: float = 30.0) -> None:
 
 
 def trainer_cfg(keys: Keys, tmp_path: Path, sync_mode: bool) -> PipelineConfig:
-    return load_config(None, [
-        *TINY_MODEL, f"run.name={keys.run}", f"run.dir={tmp_path}", "data.train_batch_size=4",
-        "actor.ppo_mini_batch_size=2", "trainer.parameter_sync_step=2", "trainer.total_global_steps=1",
-        "trainer.test_freq=0", "trainer.num_warmup_batches=0", "bus.block_ms=100", f"trainer.sync_mode={str(sync_mode).lower()}",
-    ])
+    return load_config(
+        None,
+        [
+            *TINY_MODEL,
+            f"run.name={keys.run}",
+            f"run.dir={tmp_path}",
+            "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=2",
+            "trainer.parameter_sync_step=2",
+            "trainer.total_global_steps=1",
+            "trainer.test_freq=0",
+            "trainer.num_warmup_batches=0",
+            "bus.block_ms=100",
+            f"trainer.sync_mode={str(sync_mode).lower()}",
+        ],
+    )
 
 
 def publish_fake(r: redis.Redis, keys: Keys, i: int) -> None:
@@ -87,16 +104,28 @@ def test_sync_mode_trains_only_once_the_whole_global_batch_is_in(
 
 def test_latency_model_producer_slots_run_side_by_side(r: redis.Redis, keys: Keys, redis_url: str) -> None:
     # sigma 0: every trajectory is 10 tokens (9 digits + eos) and every prompt decodes for 10/40 = 0.25 s
-    cfg = load_config(None, [
-        *TINY_MODEL, f"run.name={keys.run}", "rollout.num_producers=1", "rollout.n=3", "data.max_response_length=16",
-        "rollout.latency_model.enable=true", "rollout.latency_model.concurrency=4", "rollout.latency_model.tokens_per_s=40",
-        "rollout.latency_model.length_median=10", "rollout.latency_model.length_sigma=0",
-    ])
+    cfg = load_config(
+        None,
+        [
+            *TINY_MODEL,
+            f"run.name={keys.run}",
+            "rollout.num_producers=1",
+            "rollout.n=3",
+            "data.max_response_length=16",
+            "rollout.latency_model.enable=true",
+            "rollout.latency_model.concurrency=4",
+            "rollout.latency_model.tokens_per_s=40",
+            "rollout.latency_model.length_median=10",
+            "rollout.latency_model.length_sigma=0",
+        ],
+    )
     setup_run(r, keys)
     policy = build_policy(cfg)
     publish_weights(r, keys, 0, policy.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
     grant_budget(r, keys, 0, 8)
-    producer = LatencyProducer(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=connect(redis_url)), policy=policy)
+    producer = LatencyProducer(
+        WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=connect(redis_url)), policy=policy
+    )
     t0 = time.monotonic()
     assert producer.run(burst=True) == 8  # one prompt per dispatch, until the budget of 8 is gone
     elapsed = time.monotonic() - t0
@@ -112,15 +141,20 @@ def test_latency_model_producer_slots_run_side_by_side(r: redis.Redis, keys: Key
     assert int(r.get(keys.dispatched) or 0) == 8
 
 
-def test_the_production_producer_refuses_a_latency_model_config(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+def test_the_production_producer_refuses_a_latency_model_config(
+    r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
     """`python -m producers` never silently decodes for real when the config asks for the latency model."""
     cfg = load_config(None, [*TINY_MODEL, f"run.name={keys.run}", "rollout.latency_model.enable=true"])
     with pytest.raises(ValueError, match="benchmarks.latency_producer"):
         Producer(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=connect(redis_url)))
 
 
-def test_bench_async_quick_reports_every_figure(r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    ns = f"bench-async-t{uuid.uuid4().hex[:8]}"  # this test's own runs: a bench running beside it is not counted
+def test_bench_async_quick_reports_every_figure(
+    r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # this test's own runs: a bench running beside it is not counted
+    ns = f"bench-async-t{uuid.uuid4().hex[:8]}"
     assert cli_main(["bench", "async", "--quick", "--json", "--steps", "3", "--redis-url", redis_url,
                      "--namespace", ns]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

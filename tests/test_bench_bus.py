@@ -1,4 +1,5 @@
-"""The bus benchmark runs end to end at a tiny size against real Redis and reports sane numbers (no ratios)."""
+"""The bus benchmark runs end to end at a tiny size against real Redis and reports sane numbers
+(no ratios)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,17 @@ def test_json_report_has_every_size_with_positive_rates(
         assert 0.8 < row["wire_bytes"] / row["target_bytes"] < 1.25
         assert row["samples_per_trial"] >= row["batch"] >= 1
         assert len(row["trials"]["ours"]) == len(row["trials"]["raw"]) == 2
-        for name in ("ours_samples_per_s", "ours_mb_per_s", "raw_mb_per_s", "ours_over_raw",
-                     "encode_ours_us", "encode_pickle_us", "decode_ours_us", "decode_pickle_us", "decode_assemble_us"):
+        for name in (
+            "ours_samples_per_s",
+            "ours_mb_per_s",
+            "raw_mb_per_s",
+            "ours_over_raw",
+            "encode_ours_us",
+            "encode_pickle_us",
+            "decode_ours_us",
+            "decode_pickle_us",
+            "decode_assemble_us",
+        ):
             assert row[name] > 0, name
     assert report["machine"]["cpus"] >= 1
     # every benchmark namespace (prefix-<uuid>) was deleted again
@@ -96,12 +106,17 @@ def test_phases_mode_cuts_one_entry_into_its_phases(
     assert not list(r.scan_iter(match=Keys(f"{keys.run}-*").pattern()))
 
 
-def test_e2e_mode_runs_each_tree_in_its_own_processes(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_e2e_mode_runs_each_tree_in_its_own_processes(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """bench bus_e2e: one producer and one consumer process per trial, importing the tree given (here this
     one), a row per size and tree with its wire bytes and samples/s."""
     from benchmarks.bus_e2e import main as e2e
 
-    assert e2e(["--trees", str(ROOT), "--reps", "1", "--sizes", "small", "--scale", "0.005", "--url", redis_url]) == 0
+    assert (
+        e2e(["--trees", str(ROOT), "--reps", "1", "--sizes", "small", "--scale", "0.005", "--url", redis_url])
+        == 0
+    )
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| small")]
     assert len(rows) == 1 and rows[0].split("|")[2].strip() == str(ROOT)
     assert int(rows[0].split("|")[3].replace(",", "")) < 4000  # ragged: ~2.2 KB, the padded int64 form ~22 KB

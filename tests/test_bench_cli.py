@@ -15,7 +15,13 @@ from rollstream.cli.main import main
 from rollstream.names import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_MODEL = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu"]
+TINY_MODEL = [
+    "model.d_model=16",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.max_seq_len=32",
+    "run.device=cpu",
+]
 
 
 def modules_with_main() -> set[str]:
@@ -27,13 +33,16 @@ def modules_with_main() -> set[str]:
 
 
 @pytest.mark.parametrize("argv", [["bench", "--list"], ["bench"]])
-def test_list_shows_every_benchmark_with_its_description(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_list_shows_every_benchmark_with_its_description(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     names = [ln.split()[0] for ln in lines]
     assert set(names) == {m.rstrip("_") for m in modules_with_main()}
     assert {"bus", "async", "learn", "learn_probe", "soak", "generation", "aggregator", "dp"} <= set(names)
-    assert not {"latency", "latency_producer", "bus_tokens"} & set(names)  # helpers and a producer entry point
+    # helpers and a producer entry point
+    assert not {"latency", "latency_producer", "bus_tokens"} & set(names)
     described = dict(ln.split(None, 1) for ln in lines)
     assert described["async"].startswith("Async vs sync benchmark:")
     assert described["generation"].startswith("Generation benchmark:")
@@ -45,9 +54,21 @@ def test_unknown_benchmark_exits_1_naming_the_known_ones(capsys: pytest.CaptureF
     assert "no benchmark 'nosuch'" in err and "generation" in err and "aggregator" in err
 
 
-def test_generation_runs_through_the_cli(r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_generation_runs_through_the_cli(
+    r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = set(r.scan_iter(match="rs:{bench-gen-*"))
-    argv = ["bench", "generation", "pipeline.yaml", *TINY_MODEL, "--dispatches", "1", "--json", "--redis-url", redis_url]
+    argv = [
+        "bench",
+        "generation",
+        "pipeline.yaml",
+        *TINY_MODEL,
+        "--dispatches",
+        "1",
+        "--json",
+        "--redis-url",
+        redis_url,
+    ]
     assert main(argv) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["dispatches"] == 1 and res["samples"] > 0 and res["tokens"] > 0 and res["gen_tokens_per_s"] > 0
@@ -57,8 +78,20 @@ def test_generation_runs_through_the_cli(r: redis.Redis, redis_url: str, capsys:
 def test_aggregator_runs_through_the_cli_and_the_worker_folds_records(
     r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["bench", "aggregator", "--steps", "5", "--local-updates", "1", "--producers", "1", "--metrics", "5",
-            "--redis-url", redis_url]
+    argv = [
+        "bench",
+        "aggregator",
+        "--steps",
+        "5",
+        "--local-updates",
+        "1",
+        "--producers",
+        "1",
+        "--metrics",
+        "5",
+        "--redis-url",
+        redis_url,
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "pure fold (decoded events)" in out and "decode + fold" in out
@@ -66,14 +99,34 @@ def test_aggregator_runs_through_the_cli_and_the_worker_folds_records(
     assert not list(r.scan_iter(match=Keys("bench-agg-*").pattern()))
 
 
-def test_dp_runs_one_and_two_ranks_through_the_cli(r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """`rollstream bench dp`: the same recorded samples trained by 1 and 2 gloo ranks (figures not asserted)."""
-    argv = ["bench", "dp", "pipeline.yaml", *TINY_MODEL, "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
-            "rollout.n=2", "--steps", "2", "--warmup-steps", "1", "--json", "--redis-url", redis_url]
+def test_dp_runs_one_and_two_ranks_through_the_cli(
+    r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`rollstream bench dp`: the same recorded samples trained by 1 and 2 gloo ranks (figures not
+    asserted)."""
+    argv = [
+        "bench",
+        "dp",
+        "pipeline.yaml",
+        *TINY_MODEL,
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "rollout.n=2",
+        "--steps",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--json",
+        "--redis-url",
+        redis_url,
+    ]
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [row["ranks"] for row in rows] == [1, 2] and all(row["steps"] == 2 and row["samples_per_s"] > 0 for row in rows)
-    assert rows[0]["grad_allreduce_ms"] == 0 and rows[1]["grad_allreduce_ms"] > 0  # one rank has nothing to reduce
+    assert [row["ranks"] for row in rows] == [1, 2] and all(
+        row["steps"] == 2 and row["samples_per_s"] > 0 for row in rows
+    )
+    # one rank has nothing to reduce
+    assert rows[0]["grad_allreduce_ms"] == 0 and rows[1]["grad_allreduce_ms"] > 0
     assert not list(r.scan_iter(match=Keys("bench-dp-*").pattern()))
 
 

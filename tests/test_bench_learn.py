@@ -13,8 +13,25 @@ def test_learn_probe_trains_and_reports_per_length_and_position() -> None:
     tiny = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "data.max_digits=4", "data.val_size=16",
             "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "run.device=cpu",
             "actor.adv_estimator=grpo_token", "rollout.temperature=2.0"]
-    proc = subprocess.run([sys.executable, "-m", "rollstream.cli", "bench", "learn_probe", "pipeline.yaml", *tiny,
-                           "--limit-s", "12", "--eval-every", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollstream.cli",
+            "bench",
+            "learn_probe",
+            "pipeline.yaml",
+            *tiny,
+            "--limit-s",
+            "12",
+            "--eval-every",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
     assert lines, proc.stdout
@@ -22,9 +39,19 @@ def test_learn_probe_trains_and_reports_per_length_and_position() -> None:
 
 
 def test_bench_learn_runs_both_modes_as_users_run_them_and_writes_curves(tmp_path: Path) -> None:
-    tiny = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "data.max_digits=3", "data.val_size=8",
-            "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "rollout.num_producers=1",
-            "trainer.test_freq=1", "run.device=cpu"]
+    tiny = [
+        "model.d_model=32",
+        "model.n_layer=1",
+        "model.n_head=2",
+        "data.max_digits=3",
+        "data.val_size=8",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "rollout.n=2",
+        "rollout.num_producers=1",
+        "trainer.test_freq=1",
+        "run.device=cpu",
+    ]
     proc = subprocess.run([sys.executable, "-m", "rollstream.cli", "bench", "learn", "pipeline.yaml", *tiny,
                            "--seeds", "3", "--target", "0", "--report", "0", "--limit-s", "90",
                            "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)

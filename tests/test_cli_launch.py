@@ -1,4 +1,4 @@
-"""Issue 6 launch test: `rollstream run` a tiny config under supervisord with an embedded Redis, wait for 3
+"""Launch test: `rollstream run` a tiny config under supervisord with an embedded Redis, wait for 3
 records, read them with redis-cli, `rollstream stop`, and every process exited 0."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import pytest
 from rollstream.names import Keys
 
 WORKERS_MISSING = any(
-    importlib.util.find_spec(m) is None for m in ("producers.worker", "consumers.trainer", "consumers.aggregator.worker")
+    importlib.util.find_spec(m) is None
+    for m in ("producers.worker", "consumers.trainer", "consumers.aggregator.worker")
 )
 
 TINY = [
@@ -37,23 +38,43 @@ TINY = [
 
 def rollstream(*argv: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     """Run the CLI as a user would (a subprocess), capturing its output."""
-    return subprocess.run([sys.executable, "-m", "rollstream.cli", *argv], capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "rollstream.cli", *argv], capture_output=True, text=True, timeout=timeout_s
+    )
 
 
-@pytest.mark.skipif(WORKERS_MISSING, reason="worker packages (producers, consumers.trainer, consumers.aggregator) not there yet")
+@pytest.mark.skipif(
+    WORKERS_MISSING,
+    reason="worker packages (producers, consumers.trainer, consumers.aggregator) not there yet",
+)
 @pytest.mark.skipif(shutil.which("redis-cli") is None, reason="needs redis-cli")
 def test_run_wait_for_records_then_stop_cleanly(tmp_path: Path) -> None:
     args = ["pipeline.yaml", *TINY, f"run.dir={tmp_path}", "run.name=launch"]
     run_dir = tmp_path / "launch"
     try:
         started = rollstream("run", *args, "--wait-records", "3", "--wait-timeout", "150", timeout_s=200)
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+        logs = "\n".join(
+            f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log"))
+        )
         assert started.returncode == 0, started.stdout + started.stderr + logs
         assert int(started.stdout.strip().splitlines()[-1].removeprefix("records: ")) >= 3
-        admin_pw = (run_dir / "secrets" / "admin.password").read_text().strip()  # run.acl: the default user is off
+        # run.acl: the default user is off
+        admin_pw = (run_dir / "secrets" / "admin.password").read_text().strip()
         cli = subprocess.run(
-            ["redis-cli", "-s", str(run_dir / "redis.sock"), "--user", "admin", "XRANGE", Keys("launch").records, "-", "+"],
-            capture_output=True, timeout=10, env={**os.environ, "REDISCLI_AUTH": admin_pw},
+            [
+                "redis-cli",
+                "-s",
+                str(run_dir / "redis.sock"),
+                "--user",
+                "admin",
+                "XRANGE",
+                Keys("launch").records,
+                "-",
+                "+",
+            ],
+            capture_output=True,
+            timeout=10,
+            env={**os.environ, "REDISCLI_AUTH": admin_pw},
         )
         assert cli.returncode == 0
         lines = cli.stdout.split(b"\n")
@@ -67,10 +88,13 @@ def test_run_wait_for_records_then_stop_cleanly(tmp_path: Path) -> None:
     assert any((run_dir / "redis").rglob("*.aof"))
 
 
-@pytest.mark.skipif(WORKERS_MISSING, reason="worker packages (producers, consumers.trainer, consumers.aggregator) not there yet")
+@pytest.mark.skipif(
+    WORKERS_MISSING,
+    reason="worker packages (producers, consumers.trainer, consumers.aggregator) not there yet",
+)
 def test_watch_follows_a_run_to_its_target_and_records_show_recent_train_accuracy(tmp_path: Path) -> None:
     from rollstream.ops.progress import read_new_records
-    from rollstream.ops.target import open_run
+    from rollstream.ops.run_target import open_run
     from schemas import RolloutSample, decode
 
     args = ["pipeline.yaml", *TINY, "trainer.test_freq=1", "actor.adv_estimator=grpo_token",
@@ -79,7 +103,9 @@ def test_watch_follows_a_run_to_its_target_and_records_show_recent_train_accurac
         started = rollstream("run", *args, timeout_s=60)
         assert started.returncode == 0, started.stderr
         # target 0: reached by the first record carrying val/acc (step 0 validation or later)
-        watched = rollstream("watch", *args, "--until-val-acc", "0", "--limit-s", "150", "--hold-s", "8", timeout_s=200)
+        watched = rollstream(
+            "watch", *args, "--until-val-acc", "0", "--limit-s", "150", "--hold-s", "8", timeout_s=200
+        )
         assert watched.returncode == 0, watched.stdout + watched.stderr
         assert "val/acc >= 0.0 after" in watched.stdout
         short = rollstream("watch", *args, "--until-val-acc", "1.01", "--limit-s", "1", timeout_s=60)

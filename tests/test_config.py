@@ -21,16 +21,30 @@ def test_shipped_pipeline_yaml_loads() -> None:
 def test_shipped_configs_load_and_differ_from_the_demo_only_in_their_levers() -> None:
     demo = load_config(ROOT / "pipeline.yaml")
     hard = load_config(ROOT / "configs" / "reverse-variable.yaml")
-    assert hard.data.fixed_width is False and hard.actor.adv_estimator == "grpo_token" and hard.actor.gamma == 0.0
+    assert (
+        hard.data.fixed_width is False
+        and hard.actor.adv_estimator == "grpo_token"
+        and hard.actor.gamma == 0.0
+    )
     assert hard.rollout.temperature == 2.0 and hard.actor.entropy_coef == 0.01
-    assert (hard.model, hard.data.train_batch_size, hard.rollout.n) == (demo.model, demo.data.train_batch_size, demo.rollout.n)
+    assert (hard.model, hard.data.train_batch_size, hard.rollout.n) == (
+        demo.model,
+        demo.data.train_batch_size,
+        demo.rollout.n,
+    )
 
 
 def test_overrides_are_typed() -> None:
     cfg = load_config(
         None,
-        ["trainer.parameter_sync_step=4", "data.train_batch_size=32", "rollout.partial_rollout=false",
-         "rollout.temperature=0.7", "rollout.multi_turn.enable=true", "run.redis_url=redis://h:1/2"],
+        [
+            "trainer.parameter_sync_step=4",
+            "data.train_batch_size=32",
+            "rollout.partial_rollout=false",
+            "rollout.temperature=0.7",
+            "rollout.multi_turn.enable=true",
+            "run.redis_url=redis://h:1/2",
+        ],
     )
     assert cfg.trainer.parameter_sync_step == 4
     assert cfg.rollout.partial_rollout is False
@@ -56,8 +70,11 @@ def test_bad_train_batch_size_names_all_three() -> None:
         ("rollout.n=zero", "rollout.n='zero'"),
         ("trainer.no_such_key=1", "trainer.no_such_key: unknown key"),
         ("bus.block_ms=20000", "socket_timeout_s"),
-        ("trainer.nproc_per_node=3", "actor.ppo_mini_batch_size=8 must be divisible by the trainer world size "
-                                     "trainer.nnodes=1 * trainer.nproc_per_node=3 (= 3)"),
+        (
+            "trainer.nproc_per_node=3",
+            "actor.ppo_mini_batch_size=8 must be divisible by the trainer world size "
+            "trainer.nnodes=1 * trainer.nproc_per_node=3 (= 3)",
+        ),
         ("trainer.nnodes=2", "trainer.nnodes=2 needs trainer.rdzv_endpoint"),
         ("trainer.strategy=zero3", "trainer.strategy='zero3'"),
     ],
@@ -89,8 +106,17 @@ def test_every_field_has_a_description() -> None:
 
 def test_cli_error_has_no_traceback() -> None:
     p = subprocess.run(
-        [sys.executable, "-m", "rollstream.cli", "config", str(ROOT / "pipeline.yaml"), "data.train_batch_size=3"],
-        capture_output=True, text=True, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "rollstream.cli",
+            "config",
+            str(ROOT / "pipeline.yaml"),
+            "data.train_batch_size=3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert p.returncode == 2
     assert "Traceback" not in p.stderr

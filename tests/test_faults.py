@@ -16,7 +16,7 @@ of the run dir, or the output of `rollstream status` / `stop`.
 Redis is killed with SIGKILL, not stopped gracefully: the embedded redis fsyncs every write, so nothing
 it acknowledged is lost.
 
-Then (issue 12) a malicious producer, with a real producer's credentials, tries to forge trainer events
+Then a malicious producer, with a real producer's credentials, tries to forge trainer events
 (refused by ACL), and XADDs rollouts from the future, with a header that lies about the payload, with an
 unknown field, and over the size limit (all dead-lettered, with reasons); then Redis alone is SIGKILLed
 and restarted, and every worker must keep its PID (reconnected in place, not restarted). After the stop,
@@ -43,10 +43,10 @@ from rollstream.bus import iter_stream
 from rollstream.fakes import fake_rollout_sample, step_end
 from rollstream.names import COMMITTED_STEP_FIELD, Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
-from rollstream.ops.plan import private_violations
 from rollstream.ops.process import rpc
-from rollstream.ops.target import SECRETS_DIR, open_run
+from rollstream.ops.run_target import SECRETS_DIR, open_run
 from schemas import DeadLetter, decode, encode
+from tests.test_ops_supervise import private_violations
 
 SEED = int(os.environ.get("ROLLSTREAM_FAULT_SEED", "7"))  # which process dies when, and in what order
 TINY = [
@@ -142,7 +142,9 @@ def test_kills_of_every_process_lose_and_repeat_nothing(tmp_path: Path) -> None:
         os.kill(redis_pid, signal.SIGKILL)
         _wait_restarted(run_dir, "redis", redis_pid)
         _wait_records(target, _records(target) + MORE_RECORDS, timeout_s=90)
-        assert {name: _pid(run_dir, name) for name in WORKERS} == pids, "a worker was restarted, not reconnected"
+        assert {name: _pid(run_dir, name) for name in WORKERS} == pids, (
+            "a worker was restarted, not reconnected"
+        )
         status = rollstream("status", "--run-dir", str(run_dir), timeout_s=60)  # as admin, from the run dir
         assert status.returncode == 0 and "param_version" in status.stdout, status.stderr
         _check_roles_confined(run_dir, target.redis_url, Keys("faults"))
@@ -162,7 +164,8 @@ def test_kills_of_every_process_lose_and_repeat_nothing(tmp_path: Path) -> None:
     with EmbeddedRedis(run_dir) as srv:  # the run's redis, restarted from its AOF (ACL file not loaded)
         r = redis.Redis.from_url(srv.url)
         keys = Keys("faults")
-        rep = audit_run(r, keys)  # what `rollstream audit` checks: none lost, none twice, steps and records 1..N
+        # what `rollstream audit` checks: none lost, none twice, steps and records 1..N
+        rep = audit_run(r, keys)
         print(f"\nfaults survived: {restarts} ({', '.join(victims)})\n{format_report(rep)}")
         assert rep.problems() == [], rep.problems()
         assert rep.published and rep.trained and len(rep.steps) >= 2 + MORE_RECORDS, rep.steps

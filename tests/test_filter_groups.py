@@ -77,7 +77,9 @@ def test_zero_variance_groups_are_evicted_refilled_and_accounted(
         assert rec.metrics["fully_async/count/evicted_samples"] == n + lost
 
 
-def test_evictions_counted_early_are_settled_once_or_uncounted_after_a_crash(r: redis.Redis, keys: Keys) -> None:
+def test_evictions_counted_early_are_settled_once_or_uncounted_after_a_crash(
+    r: redis.Redis, keys: Keys
+) -> None:
     setup_run(r, keys)
     grant_budget(r, keys, 0, max_outstanding=4)
     assert take_budget(r, keys, 0, 4, "p").amount == 4  # the whole window dispatched: no budget left
@@ -117,4 +119,6 @@ def test_filter_groups_and_dropped_share_metrics() -> None:
         "training/off_policy/dropped_share/resp_len_q4": 1.0,  # long responses go stale first
     }
     merged = LengthBuckets.merged(8, [buckets.to_plain(), buckets.to_plain()])
-    assert merged.trained == [6, 0, 2, 0] and merged.share_metrics()["training/off_policy/dropped_share"] == 0.5
+    assert (
+        merged.trained == [6, 0, 2, 0] and merged.share_metrics()["training/off_policy/dropped_share"] == 0.5
+    )

@@ -33,7 +33,7 @@ from rollstream.factory import build_policy
 from rollstream.fakes import fake_rollout_sample
 from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.weights import latest_param_version, publish_weights
-from schemas import DeadLetter, decode, decode_payload, encode, encode_payload
+from schemas import EVENT_MODELS, DeadLetter, decode, decode_payload, encode, encode_payload
 
 FUZZ = settings(max_examples=12, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -61,7 +61,9 @@ def as_fields(event: Any) -> Fields:
 
 
 def garbage(f: Fields, draw: st.DrawFn) -> Fields:
-    return draw(st.dictionaries(st.binary(min_size=1, max_size=8), st.binary(max_size=64), min_size=1, max_size=4))
+    return draw(
+        st.dictionaries(st.binary(min_size=1, max_size=8), st.binary(max_size=64), min_size=1, max_size=4)
+    )
 
 
 def truncated(f: Fields, draw: st.DrawFn) -> Fields:
@@ -75,7 +77,8 @@ def header_type(f: Fields, draw: st.DrawFn) -> Fields:
 
 
 def unknown_schema(f: Fields, draw: st.DrawFn) -> Fields:
-    return _payload(f, lambda d: d.__setitem__("schema_version", draw(st.integers(2, 2**31))))
+    newest = max(m.SCHEMA for m in EVENT_MODELS.values())  # above every event's current schema
+    return _payload(f, lambda d: d.__setitem__("schema_version", draw(st.integers(newest + 1, 2**31))))
 
 
 def huge_declared(f: Fields, draw: st.DrawFn) -> Fields:
@@ -128,7 +131,9 @@ def bad_log_probs(f: Fields, draw: st.DrawFn) -> Fields:
 
 
 def lengths_disagree(f: Fields, draw: st.DrawFn) -> Fields:
-    name = draw(st.sampled_from(["response_ids", "rollout_log_probs", "response_lens", "rewards", "prompt_ids"]))
+    name = draw(
+        st.sampled_from(["response_ids", "rollout_log_probs", "response_lens", "rewards", "prompt_ids"])
+    )
 
     def cut(t: dict[str, np.ndarray]) -> None:
         t[name] = t[name][:-1]
@@ -223,16 +228,25 @@ def test_trainer_dead_letters_bad_rollouts_and_trains_the_good_ones(
 @FUZZ
 @given(data=st.data(), bad=breakers(ANY_ENTRY), rollout_on_metrics=st.booleans())
 def test_aggregator_dead_letters_bad_metrics_and_writes_the_record(
-    r: redis.Redis, keys: Keys, tmp_path: Path, data: st.DataObject, bad: list[Mutation], rollout_on_metrics: bool
+    r: redis.Redis,
+    keys: Keys,
+    tmp_path: Path,
+    data: st.DataObject,
+    bad: list[Mutation],
+    rollout_on_metrics: bool,
 ) -> None:
     setup_run(r, keys)
     # an example hypothesis abandoned mid-way (a draw past its buffer) may have left entries: fold them first
     r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: 10**6, TRAINING_STEP_FIELD: 10**6})
     AggregatorWorker(tiny_cfg(keys, tmp_path), r, keys, sinks=Sinks(r, keys, [])).run(burst=True)
     g = len(r.xrange(keys.records)) + 1
-    r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: g, TRAINING_STEP_FIELD: g})  # the trainer vouches for step g
-    good = [fakes.local_update(g, 1, 2, {"actor/loss": 0.5}), fakes.local_update(g, 2, 2, {"actor/loss": 1.5}),
-            fakes.step_end(g, 2)]
+    # the trainer vouches for step g
+    r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: g, TRAINING_STEP_FIELD: g})
+    good = [
+        fakes.local_update(g, 1, 2, {"actor/loss": 0.5}),
+        fakes.local_update(g, 2, 2, {"actor/loss": 1.5}),
+        fakes.step_end(g, 2),
+    ]
     bads = []
     for i, event in enumerate(good):
         for mutate in bad:

@@ -1,4 +1,4 @@
-"""HF backend beyond the Llama basics (issue 15): Qwen2 and Llama built in the test with locally built
+"""HF backend beyond the Llama basics: Qwen2 and Llama built in the test with locally built
 tokenizers (char-level WordLevel, byte-level BPE trained here), behaviour log-probs against the trainer's
 recompute, chunked log-probs (same numbers and gradients, bounded memory), gradient checkpointing,
 model.dtype, and chat-template prompts and tool turns."""
@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from producers.agent import FixedVersion, GenerationSettings, run_agent_loop  # noqa: E402
+from producers.agent import GenerationSettings, run_agent_loop  # noqa: E402
 from rollstream.config import ConfigError, load_config  # noqa: E402
 from rollstream.factory import build_policy  # noqa: E402
 from rollstream.model import CharTokenizer, Completion, build_batch  # noqa: E402
@@ -34,6 +34,17 @@ MODELS = {
     "qwen2-bpe-chat": dict(arch="qwen2", tokenizer="bpe", chat_template=True),
 }
 PROMPTS = ["12*34+5=?", "  1234>", "7", "(3*4)-5=?"]
+
+
+class FixedVersion:
+    """A VersionSource that never changes (an agent loop without a bus)."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def refresh(self) -> bool:
+        """Never loads anything."""
+        return False
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -58,18 +69,23 @@ def sampled(policy: HFPolicy, temperature: float) -> tuple[list[Completion], tor
     for i, t in enumerate(trajs):
         keep = max(1, len(t.response_ids) - i % 5)
         t.response_ids, t.log_probs = t.response_ids[:keep], t.log_probs[:keep]
-    ids, mask, R = build_batch([t.prompt_ids for t in trajs], [t.response_ids for t in trajs], policy.tokenizer.pad_id)
+    ids, mask, R = build_batch(
+        [t.prompt_ids for t in trajs], [t.response_ids for t in trajs], policy.tokenizer.pad_id
+    )
     return trajs, ids, mask, R
 
 
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
 @pytest.mark.parametrize("chunk", [0, 7])
-def test_behaviour_log_probs_equal_the_trainers_recompute(model_dir: Path, temperature: float, chunk: int) -> None:
+def test_behaviour_log_probs_equal_the_trainers_recompute(
+    model_dir: Path, temperature: float, chunk: int
+) -> None:
     """The HF twin of the tiny model's test: stored log-probs are those of softmax(logits / T), and the
     trainer's recompute (KV-cache-free, left-padded batch, chunked or not) gives them within 1e-5."""
     policy = load(model_dir, chunk)
     trajs, ids, mask, R = sampled(policy, temperature)
-    assert len({len(t.prompt_ids) for t in trajs}) > 1 and len({len(t.response_ids) for t in trajs}) > 1  # padding both sides
+    # padding both sides
+    assert len({len(t.prompt_ids) for t in trajs}) > 1 and len({len(t.response_ids) for t in trajs}) > 1
     with torch.no_grad():
         at_t = policy.log_probs(ids, mask, R, temperature=temperature)
         at_1 = policy.log_probs(ids, mask, R)
@@ -79,7 +95,9 @@ def test_behaviour_log_probs_equal_the_trainers_recompute(model_dir: Path, tempe
     assert off > 1e-2  # a temperature-1 recompute would be wrong: the test can tell the two apart
 
 
-def _logprobs_and_grads(policy: HFPolicy, ids: torch.Tensor, mask: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def _logprobs_and_grads(
+    policy: HFPolicy, ids: torch.Tensor, mask: torch.Tensor, R: int
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     policy.module.zero_grad(set_to_none=True)
     policy.train()
     logp, ent = policy.forward_logprobs_entropy(ids, mask, R, temperature=0.8)
@@ -88,7 +106,9 @@ def _logprobs_and_grads(policy: HFPolicy, ids: torch.Tensor, mask: torch.Tensor,
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_chunked_log_probs_and_gradient_checkpointing_change_no_number(model_dir: Path, checkpointing: bool) -> None:
+def test_chunked_log_probs_and_gradient_checkpointing_change_no_number(
+    model_dir: Path, checkpointing: bool
+) -> None:
     base = load(model_dir, chunk=0)
     _, ids, mask, R = sampled(base, 1.0)
     want = _logprobs_and_grads(base, ids, mask, R)
@@ -104,7 +124,7 @@ def test_chunked_log_probs_and_gradient_checkpointing_change_no_number(model_dir
 
 PEAK = textwrap.dedent("""
     import sys, torch
-    from rollstream.model.chunked import chunked_logprobs_entropy, head_logprobs_entropy
+    from rollstream.model.logprobs import chunked_logprobs_entropy, head_logprobs_entropy
     N, H, V, chunk = int(sys.argv[1]), 64, 8192, int(sys.argv[2])
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, N, H, generator=g, requires_grad=True)
@@ -112,7 +132,8 @@ PEAK = textwrap.dedent("""
     labels = torch.randint(0, V, (1, N), generator=g)
     def rss(field):
         return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) * 1024
-    head_logprobs_entropy(hidden[0, :4].detach(), weight.detach(), None, labels[0, :4], 1.0)  # warm the kernels
+    # warm the kernels
+    head_logprobs_entropy(hidden[0, :4].detach(), weight.detach(), None, labels[0, :4], 1.0)
     open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
     before = rss("VmRSS:")
     if chunk:
@@ -134,8 +155,15 @@ def test_chunked_log_probs_peak_memory_does_not_grow_with_tokens_times_vocab() -
 
     def peak(tokens: int, chunk: int) -> int:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-        out = subprocess.run([sys.executable, "-c", PEAK, str(tokens), str(chunk)], capture_output=True, text=True,
-                             timeout=120, cwd=ROOT, env=env, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", PEAK, str(tokens), str(chunk)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=env,
+            check=True,
+        )
         return int(out.stdout.strip().splitlines()[-1])
 
     full, full_short = peak(4096, 0), peak(1024, 0)
@@ -146,7 +174,8 @@ def test_chunked_log_probs_peak_memory_does_not_grow_with_tokens_times_vocab() -
     # Growths, not absolute peaks: the first backward allocates a fixed ~150-200 MiB (autograd and thread
     # buffers) whatever the token count, which would blur a ratio of peaks.
     assert full - full_short > logits_4096  # unchunked: 3072 more tokens cost more than their full logits
-    assert long - short < logits_4096 / 4  # chunked: 7168 more tokens cost < 32 MiB (their full logits: 224 MiB)
+    # chunked: 7168 more tokens cost < 32 MiB (their full logits: 224 MiB)
+    assert long - short < logits_4096 / 4
     assert long - short < (full - full_short) / 8
 
 
@@ -162,8 +191,11 @@ def test_dtype_and_checkpointing_knobs_and_their_errors(tmp_path: Path) -> None:
     assert bf16.log_probs(ids, mask, R).dtype == torch.float32  # scored in float32 whatever the weights
     tiny_bf16 = build_policy(load_config(None, ["run.device=cpu", "model.dtype=bfloat16"]))
     assert {p.dtype for p in tiny_bf16.parameters()} == {torch.bfloat16}
-    for bad, field in [("model.dtype=fp8", "model.dtype"), ("actor.micro_batch_size=-1", "actor.micro_batch_size"),
-                       ("actor.logprob_chunk_size=-5", "actor.logprob_chunk_size")]:
+    for bad, field in [
+        ("model.dtype=fp8", "model.dtype"),
+        ("actor.micro_batch_size=-1", "actor.micro_batch_size"),
+        ("actor.logprob_chunk_size=-5", "actor.logprob_chunk_size"),
+    ]:
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(None, [bad])
     with pytest.raises(ConfigError, match=r"actor\.gradient_checkpointing=true needs model\.backend=hf"):
@@ -179,7 +211,8 @@ def test_prompts_are_rendered_with_the_chat_template_when_there_is_one() -> None
     ids = encode_prompt(chat, "12+3=?")
     assert chat.decode(ids, skip_special=False) == "<bos><|user|>12+3=?<eos><|assistant|>"
     assert chat.decode(ids) == "12+3=?"
-    plain = HFTokenizer(build_tokenizer("char", chat_template=True), chat_template=False)  # model.chat_template=false
+    # model.chat_template=false
+    plain = HFTokenizer(build_tokenizer("char", chat_template=True), chat_template=False)
     assert encode_prompt(plain, "12+3=?") == plain.encode("12+3=?", add_bos=True)
     no_template = HFTokenizer(build_tokenizer("char"))
     assert not no_template.use_chat_template
@@ -194,7 +227,9 @@ def test_tool_results_go_in_the_templates_tool_turn() -> None:
     ids = encode_tool_result(chat, "[=15]")
     assert chat.decode(ids, skip_special=False) == "<eos><|tool|>[=15]<eos><|assistant|>"
     hf = build_tokenizer("char", chat_template=True)
-    hf.chat_template = "{% for m in messages %}{% if m['role'] != 'tool' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    hf.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'tool' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
     with pytest.raises(ValueError, match="tool message"):
         render_tool_turn(hf, "[=15]")
 
@@ -228,8 +263,15 @@ def test_multi_turn_tool_agent_with_a_chat_template() -> None:
     policy = ScriptedChatPolicy(tok)
     settings = GenerationSettings(max_new_tokens=32, max_turns=3)
     trajs = run_agent_loop(policy, task, batch, settings, FixedVersion(0))  # type: ignore[arg-type]
-    call, turn, answer = tok.encode("[calc:12*3+4]"), encode_tool_result(tok, "[=40]"), tok.encode("40") + [tok.eos_id]
-    assert policy.histories[-1] == "<bos><|user|>12*3+4=?<eos><|assistant|>[calc:12*3+4]<eos><|tool|>[=40]<eos><|assistant|>"
+    call, turn, answer = (
+        tok.encode("[calc:12*3+4]"),
+        encode_tool_result(tok, "[=40]"),
+        tok.encode("40") + [tok.eos_id],
+    )
+    assert (
+        policy.histories[-1]
+        == "<bos><|user|>12*3+4=?<eos><|assistant|>[calc:12*3+4]<eos><|tool|>[=40]<eos><|assistant|>"
+    )
     for t in trajs:
         assert t.response_ids == call + turn + answer
         assert t.response_mask == [1] * len(call) + [0] * len(turn) + [1] * len(answer)
@@ -242,7 +284,9 @@ def test_prompt_files_are_held_to_the_char_vocabulary_only_with_the_tiny_model(t
     from rollstream.factory import build_prompt_source
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(f'{{"prompt": "Wie viel ist {i}+2? Über", "answer": "{i + 2}"}}\n' for i in range(3)))
+    prompts.write_text(
+        "".join(f'{{"prompt": "Wie viel ist {i}+2? Über", "answer": "{i + 2}"}}\n' for i in range(3))
+    )
     data = [f"data.prompts_file={prompts}", "data.val_size=1"]
     with pytest.raises(ValueError, match="outside the task vocabulary"):
         build_prompt_source(load_config(None, data))

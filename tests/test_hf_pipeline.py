@@ -1,4 +1,4 @@
-"""Issue 15: `rollstream run model.backend=hf model.hf_path=DIR` end to end, for a tiny random Llama (char
+"""`rollstream run model.backend=hf model.hf_path=DIR` end to end, for a tiny random Llama (char
 tokenizer, reverse task) and a tiny random Qwen2 (byte-level BPE with a chat template, the arith task in
 multi-turn tool mode), both built and saved in the test (no downloads).
 
@@ -29,8 +29,8 @@ from rollstream.audit import audit_run  # noqa: E402
 from rollstream.model.hf import make_tiny_hf_model  # noqa: E402
 from rollstream.names import Keys  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
+from rollstream.ops.run_target import open_run  # noqa: E402
 from rollstream.ops.runcheck import behaviour_logprob_error, throughput, wait_for_steps  # noqa: E402
-from rollstream.ops.target import open_run  # noqa: E402
 from rollstream.weights import producer_versions  # noqa: E402
 
 STEPS = 3
@@ -42,11 +42,19 @@ SMALL = [
     "actor.gradient_checkpointing=true", "actor.logprob_chunk_size=5", "bus.block_ms=200",
 ]
 CASES = {
-    "llama": dict(model=dict(arch="llama", tokenizer="char"),
-                  overrides=["data.max_response_length=6", "data.max_digits=3"]),
-    "qwen2": dict(model=dict(arch="qwen2", tokenizer="bpe", chat_template=True),
-                  overrides=["data.task=arith", "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=2",
-                             "data.max_response_length=8"]),
+    "llama": dict(
+        model=dict(arch="llama", tokenizer="char"),
+        overrides=["data.max_response_length=6", "data.max_digits=3"],
+    ),
+    "qwen2": dict(
+        model=dict(arch="qwen2", tokenizer="bpe", chat_template=True),
+        overrides=[
+            "data.task=arith",
+            "rollout.multi_turn.enable=true",
+            "rollout.multi_turn.max_turns=2",
+            "data.max_response_length=8",
+        ],
+    ),
 }
 
 
@@ -70,7 +78,9 @@ def test_hf_model_through_the_whole_pipeline(arch: str, tmp_path: Path) -> None:
         try:
             wait_for_steps(target, STEPS, timeout_s=120)
         except Exception:
-            logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+            logs = "\n".join(
+                f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log"))
+            )
             raise AssertionError(logs) from None
         r = target.connect()
         error, tokens = behaviour_logprob_error(r, target.keys, target.cfg, version=0)
@@ -89,7 +99,8 @@ def test_hf_model_through_the_whole_pipeline(arch: str, tmp_path: Path) -> None:
     assert weights and weights[-1] == f"weights-{STEPS:08d}.safetensors"  # the file path carried the weights
     records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines()]
     assert [rec["step"] for rec in records if rec["step"] > 0] == list(range(1, STEPS + 1))
-    assert any("val/acc" in rec for rec in records)  # validation with chat-rendered prompts ran in the trainer
+    # validation with chat-rendered prompts ran in the trainer
+    assert any("val/acc" in rec for rec in records)
 
     with EmbeddedRedis(run_dir) as srv:  # the run's log, read back from its AOF
         r = redis.Redis.from_url(srv.url)

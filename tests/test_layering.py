@@ -50,3 +50,77 @@ def test_package_imports_no_higher_package(package: str) -> None:
         if top in FORBIDDEN[package]
     ]
     assert offenders == []
+
+
+#: Import circles still to break, each a set of modules; temporary: benchmarks/bus*.py are being reworked by
+#: another change, after which bus.py's shared pieces move below bus_phases and bus_tokens.
+KNOWN_CIRCLES: list[set[str]] = [{"benchmarks.bus", "benchmarks.bus_phases", "benchmarks.bus_tokens"}]
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports (anywhere in it, lazily or for type checking too)."""
+    modules: dict[str, Path] = {}
+    for package in FORBIDDEN.keys() | {"benchmarks"}:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            modules[name.removesuffix(".__init__")] = path
+
+    def ours(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                deps.update(m for a in node.names if (m := ours(a.name)))
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                base = ours(node.module)
+                for a in node.names:
+                    sub = ours(f"{node.module}.{a.name}")
+                    deps.update(m for m in ((sub if sub != base else None) or base,) if m)
+        graph[name] = deps - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+def test_no_import_circles() -> None:
+    found = circles(module_graph())
+    assert [c for c in found if c not in KNOWN_CIRCLES] == []

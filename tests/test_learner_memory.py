@@ -1,4 +1,4 @@
-"""The trainer's memory knobs change no number (issue 15): a local update accumulated over micro-batches
+"""The trainer's memory knobs change no number: a local update accumulated over micro-batches
 (`actor.micro_batch_size`) equals the whole-mini-batch update, for every loss aggregation, with the entropy
 bonus and the KL term on, on the tiny GPT and on an HF model with gradient checkpointing and chunked
 log-probs."""
@@ -51,8 +51,17 @@ def capture_grads(learner: Learner) -> list[list[torch.Tensor]]:
     return seen
 
 
-COMPARED = ("actor/loss", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl",
-            "actor/pg_clipfrac", "rollout_corr/rollout_is_mean", "training/rollout_probs_diff_mean")
+COMPARED = (
+    "actor/loss",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/kl_loss",
+    "actor/grad_norm",
+    "actor/ppo_kl",
+    "actor/pg_clipfrac",
+    "rollout_corr/rollout_is_mean",
+    "training/rollout_probs_diff_mean",
+)
 
 
 def assert_same_updates(plain: list[str], knobs: list[str]) -> None:
@@ -108,5 +117,7 @@ def test_hf_micro_batches_checkpointing_and_chunks_equal_the_plain_update(tmp_pa
 
     model = make_tiny_hf_model(tmp_path / "qwen2", arch="qwen2")
     cfg = [*BASE, "model.backend=hf", f"model.hf_path={model}"]
-    assert_same_updates([*cfg, "actor.logprob_chunk_size=0"],
-                        [*cfg, "actor.micro_batch_size=3", "actor.gradient_checkpointing=true", "actor.logprob_chunk_size=7"])
+    assert_same_updates(
+        [*cfg, "actor.logprob_chunk_size=0"],
+        [*cfg, "actor.micro_batch_size=3", "actor.gradient_checkpointing=true", "actor.logprob_chunk_size=7"],
+    )

@@ -38,7 +38,11 @@ def encoded(prompts: list[str] = PROMPTS) -> list[list[int]]:
 
 
 def max_logprob_error(
-    policy: TinyPolicy, trajs: list[Completion], upto: int | None = None, start: int = 0, temperature: float = 1.0
+    policy: TinyPolicy,
+    trajs: list[Completion],
+    upto: int | None = None,
+    start: int = 0,
+    temperature: float = 1.0,
 ) -> float:
     """Largest |stored - fresh forward| over response tokens start..upto of every trajectory."""
     ids, mask, R = build_batch([t.prompt_ids for t in trajs], [t.response_ids for t in trajs], TOK.pad_id)
@@ -282,7 +286,8 @@ def test_rope_positions_come_from_the_mask_so_left_padding_changes_nothing() -> 
     assert policy.module.pos_emb is None
     alone = TOK.encode("12345>", add_bos=True)
     ids, mask = left_pad([alone, TOK.encode("1>", add_bos=True)], TOK.pad_id)  # row 0 unpadded, row 1 padded
-    padded_ids, padded_mask = left_pad([alone, TOK.encode("123456789>", add_bos=True)], TOK.pad_id)  # row 0 padded
+    # row 0 padded
+    padded_ids, padded_mask = left_pad([alone, TOK.encode("123456789>", add_bos=True)], TOK.pad_id)
     with torch.no_grad():
         a = policy.module(ids, 0, None, positions_from_mask(mask), mask)[0]
         b = policy.module(padded_ids, 0, None, positions_from_mask(padded_mask), padded_mask)[0, -len(alone):]
@@ -291,7 +296,10 @@ def test_rope_positions_come_from_the_mask_so_left_padding_changes_nothing() -> 
 
 def test_rope_and_learned_positions_differ_and_bad_shapes_are_refused() -> None:
     rope, learned = make_policy(position="rope"), make_policy()
-    assert sum(p.numel() for p in learned.parameters()) - sum(p.numel() for p in rope.parameters()) == CFG.max_seq_len * CFG.d_model
+    assert (
+        sum(p.numel() for p in learned.parameters()) - sum(p.numel() for p in rope.parameters())
+        == CFG.max_seq_len * CFG.d_model
+    )
     with pytest.raises(ValueError, match="position="):
         GPTConfig(vocab_size=10, position="alibi")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="even head size"):

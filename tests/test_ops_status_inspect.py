@@ -18,8 +18,8 @@ from rollstream.model import CharTokenizer
 from rollstream.names import GLOBAL_STEP_FIELD, PARAM_VERSION_FIELD, Keys
 from rollstream.ops.inspect import entry_to_json, read_entry
 from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts
+from rollstream.ops.run_target import mask_url, split_password
 from rollstream.ops.status import collect_status, format_status, worker_health
-from rollstream.ops.target import mask_url, split_password
 from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import RewardResult
 from rollstream.weights import publish_weights, register_producer_version
@@ -46,9 +46,17 @@ def text_sample(sample_id: str, param_version: int, prompt: str, answers: list[s
         ids = tok.encode(a) + [tok.eos_id]
         t.extend(ids, [-0.5] * len(ids), generated=True)
     rewards = [RewardResult(1.0 if a == prompt[::-1] else 0.0, exact=a == prompt[::-1]) for a in answers]
-    return build_rollout_sample(sample_id=sample_id, epoch=0, param_version=param_version, producer="rollout_00",
-                                trajectories=trajectories, rewards=rewards, raw_prompt=prompt, tokenizer=tok,
-                                rollout_status={})
+    return build_rollout_sample(
+        sample_id=sample_id,
+        epoch=0,
+        param_version=param_version,
+        producer="rollout_00",
+        trajectories=trajectories,
+        rewards=rewards,
+        raw_prompt=prompt,
+        tokenizer=tok,
+        rollout_status={},
+    )
 
 
 def fill_run(r: redis.Redis, keys: Keys) -> None:
@@ -60,8 +68,11 @@ def fill_run(r: redis.Redis, keys: Keys) -> None:
     pub.publish(keys.stats, ProducerStats(producer="rollout_00", param_version=1, samples=3, tokens=24,
                                             gen_tokens_per_s=10.0, idle_ratio=0.25))
     for step in (1, 2):
-        rec = SyncStepRecord(global_step=step, num_local_updates=2,
-                             metrics={"critic/rewards/mean": 0.1 * step, "fully_async/trainer/idle_ratio": 0.4})
+        rec = SyncStepRecord(
+            global_step=step,
+            num_local_updates=2,
+            metrics={"critic/rewards/mean": 0.1 * step, "fully_async/trainer/idle_ratio": 0.4},
+        )
         pub_new.publish(keys.records, rec, entry_id=f"{step}-1")
     for v in range(3):
         publish_weights(r, keys, v, b"w" * 16, global_step=v, inline_max_bytes=1 << 20)
@@ -110,7 +121,9 @@ def test_status_estimates_staleness_from_rollouts_without_fates(r: redis.Redis, 
     assert st.staleness == {2: 2, 3: 1} and st.staleness_source.startswith("rollouts")
 
 
-def test_status_cli_masks_password(capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str) -> None:
+def test_status_cli_masks_password(
+    capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
     fill_run(r, keys)
     code, out, _ = cli(capsys, "status", *run_args(keys, redis_url))
     assert code == 0 and f"run {keys.run}" in out and "param_version 2" in out
@@ -124,10 +137,19 @@ def test_worker_health_states() -> None:
     assert worker_health({"heartbeat": "990.5"}, 60, now=now)[0].state == "ok"
     stalled = worker_health({"heartbeat": "900", "global_step": "3"}, 60, total_steps=10, now=now)[0]
     assert (stalled.state, stalled.age_s, stalled.healthy) == ("stalled", 100.0, False)
-    assert worker_health({"heartbeat": "900", "committed_step": "10"}, 60, total_steps=10, now=now)[0].state == "finished"
+    assert (
+        worker_health({"heartbeat": "900", "committed_step": "10"}, 60, total_steps=10, now=now)[0].state
+        == "finished"
+    )
     # a data-parallel trainer: one line per rank, from its own heartbeat
-    ranks = worker_health({"world_size": "3", "heartbeat": "999", "heartbeat:r0": "999", "heartbeat:r2": "900"}, 60, now=now)
-    assert [(w.name, w.state) for w in ranks] == [("trainer-r0", "ok"), ("trainer-r1", "missing"), ("trainer-r2", "stalled")]
+    ranks = worker_health(
+        {"world_size": "3", "heartbeat": "999", "heartbeat:r0": "999", "heartbeat:r2": "900"}, 60, now=now
+    )
+    assert [(w.name, w.state) for w in ranks] == [
+        ("trainer-r0", "ok"),
+        ("trainer-r1", "missing"),
+        ("trainer-r2", "stalled"),
+    ]
 
 
 def test_status_check_exits_nonzero_for_a_stalled_or_missing_trainer(
@@ -140,12 +162,20 @@ def test_status_check_exits_nonzero_for_a_stalled_or_missing_trainer(
     code, out, _ = cli(capsys, "status", "--check", *run_args(keys, redis_url))
     assert code == 0 and "(limit 120s): ok" in out
     r.hset(keys.trainer, "heartbeat", time.time() - 90)
-    code, out, _ = cli(capsys, "status", "--check", *run_args(keys, redis_url), "trainer.heartbeat_stall_s=60")
+    code, out, _ = cli(
+        capsys, "status", "--check", *run_args(keys, redis_url), "trainer.heartbeat_stall_s=60"
+    )
     assert code == 1 and "STALLED" in out
     code, _, _ = cli(capsys, "status", *run_args(keys, redis_url), "trainer.heartbeat_stall_s=60")
     assert code == 0  # without --check the screen is informational
-    code, out, _ = cli(capsys, "status", "--check", *run_args(keys, redis_url), "trainer.heartbeat_stall_s=60",
-                       "trainer.total_global_steps=2")
+    code, out, _ = cli(
+        capsys,
+        "status",
+        "--check",
+        *run_args(keys, redis_url),
+        "trainer.heartbeat_stall_s=60",
+        "trainer.total_global_steps=2",
+    )
     assert code == 0 and ": finished" in out  # the trainer reached its last step
 
 
@@ -177,8 +207,14 @@ def test_inspect_records_by_step_dead_letters_and_plain_streams(
     dead = json.loads(out)
     assert dead["event"]["reason"] == "boom" and dead["original"]["text"][0]["response"] == "54"
     code, out, _ = cli(capsys, "inspect", "fates", "-1", *run_args(keys, redis_url))
-    assert json.loads(out)["fields"] == {"sample_id": "c", "source_id": "2-0", "fate": "trained", "staleness": "2",
-                                         "param_version": "0", "global_step": "2"}
+    assert json.loads(out)["fields"] == {
+        "sample_id": "c",
+        "source_id": "2-0",
+        "fate": "trained",
+        "staleness": "2",
+        "param_version": "0",
+        "global_step": "2",
+    }
     code, _, err = cli(capsys, "inspect", "records", "9", *run_args(keys, redis_url))
     assert code == 1 and "no entry 9" in err
     code, _, err = cli(capsys, "inspect", "nope", *run_args(keys, redis_url))
@@ -197,7 +233,9 @@ def test_tail_prints_recent_then_follows_new_entries(
     fill_run(r, keys)
     timer = threading.Timer(0.3, lambda: r.xadd(keys.fates, encode_fate(Fate("d", "3-0", TRAINED, 3, 0, 3))))  # type: ignore[arg-type]
     timer.start()
-    code, out, _ = cli(capsys, "tail", "fates", "--count", "1", "--exit-after", "2", *run_args(keys, redis_url))
+    code, out, _ = cli(
+        capsys, "tail", "fates", "--count", "1", "--exit-after", "2", *run_args(keys, redis_url)
+    )
     timer.join()
     lines = [json.loads(x) for x in out.splitlines()]
     assert code == 0 and [x["fields"]["sample_id"] for x in lines] == ["c", "d"]
@@ -212,7 +250,9 @@ def test_plot_writes_png_from_records_and_from_jsonl(
     assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "2 records" in out
     run_dir = tmp_path / "runs" / "gone"
     run_dir.mkdir(parents=True)
-    rows = [{"global_step": s, "metrics": {"critic/rewards/mean": s / 10, "val/acc": s / 20}} for s in (1, 2, 3)]
+    rows = [
+        {"global_step": s, "metrics": {"critic/rewards/mean": s / 10, "val/acc": s / 20}} for s in (1, 2, 3)
+    ]
     (run_dir / "records.jsonl").write_text("\n".join(json.dumps(x) for x in rows))
     png2 = tmp_path / "offline.png"
     code, out, _ = cli(capsys, "plot", "run.name=gone", "run.redis_url=redis://127.0.0.1:1/0",

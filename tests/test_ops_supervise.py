@@ -15,7 +15,7 @@ from rollstream.cli.main import main
 from rollstream.config import load_config
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
-from rollstream.ops.plan import plan_run, private_violations, render_supervisord_conf, trainer_argv
+from rollstream.ops.plan import PRIVATE_UMASK, plan_run, render_supervisord_conf, trainer_argv
 from rollstream.ops.process import process_states, start_run, start_supervisord, stop_run
 
 # Stand-in worker: logs its name, then on SIGTERM exits with the code given as argv[1].
@@ -26,6 +26,14 @@ STANDIN = (
     "print('up', os.environ['SUPERVISOR_PROCESS_NAME'], os.environ['ROLLSTREAM_REDIS_URL'], flush=True)\n"
     "while True: time.sleep(0.05)\n"
 )
+
+
+def private_violations(run_dir: Path) -> list[str]:
+    """`path mode` of everything under run_dir (itself included) that group or others may access (sockets
+    aside: their access is the directory's); [] for a private run."""
+    paths = [run_dir, *run_dir.rglob("*")]
+    return [f"{p} {stat.S_IMODE(p.lstat().st_mode):o}" for p in paths
+            if not p.is_socket() and stat.S_IMODE(p.lstat().st_mode) & PRIVATE_UMASK]
 
 
 def sections(conf: str) -> dict[str, dict[str, str]]:
@@ -53,7 +61,10 @@ def test_conf_for_external_redis_has_workers_and_no_password(tmp_path: Path) -> 
     assert trainer["stopwaitsecs"] == "60" and trainer["stopsignal"] == "TERM"
     assert trainer["autorestart"] == "unexpected" and trainer["exitcodes"] == "0"
     assert "-m consumers.trainer" in trainer["command"] and str(plan.resolved_config) in trainer["command"]
-    assert "-m producers" in conf["program:rollout_01"]["command"] and "--name rollout_01" in conf["program:rollout_01"]["command"]
+    assert (
+        "-m producers" in conf["program:rollout_01"]["command"]
+        and "--name rollout_01" in conf["program:rollout_01"]["command"]
+    )
     env = conf["program:rollout_00"]["environment"]
     assert 'ROLLSTREAM_REDIS_URL="rediss://alice@redis.example:6380/2?ssl_cert_reqs=none"' in env
     assert 'PYTHONUNBUFFERED="1"' in env and "ROLLSTREAM_REDIS_PASSWORD_FILE" in env
@@ -85,13 +96,26 @@ def test_data_parallel_trainer_is_launched_by_torchrun(tmp_path: Path) -> None:
     cmd = one["program:trainer"]["command"]
     assert "-m consumers.trainer.torchrun --nnodes=1 --nproc-per-node=2 --max-restarts=5" in cmd
     assert "--standalone -m consumers.trainer " in cmd and "--rdzv-endpoint" not in cmd
-    many = load_config("pipeline.yaml", [*base, "run.name=dpn", "trainer.nnodes=2", "trainer.nproc_per_node=4",
-                                         "trainer.rdzv_endpoint=host0:29400"])
+    many = load_config(
+        "pipeline.yaml",
+        [
+            *base,
+            "run.name=dpn",
+            "trainer.nnodes=2",
+            "trainer.nproc_per_node=4",
+            "trainer.rdzv_endpoint=host0:29400",
+        ],
+    )
     assert trainer_argv(many, "c.yaml", "py") == [
         "py", "-m", "consumers.trainer.torchrun", "--nnodes=2", "--nproc-per-node=4", "--max-restarts=3",
         "--shutdown-timeout=45", "--rdzv-backend=c10d", "--rdzv-endpoint=host0:29400", "--rdzv-id=dpn",
         "-m", "consumers.trainer", "c.yaml"]
-    assert trainer_argv(load_config("pipeline.yaml", base), "c.yaml", "py") == ["py", "-m", "consumers.trainer", "c.yaml"]
+    assert trainer_argv(load_config("pipeline.yaml", base), "c.yaml", "py") == [
+        "py",
+        "-m",
+        "consumers.trainer",
+        "c.yaml",
+    ]
 
 
 def test_conf_for_embedded_redis_starts_redis_first_with_aof(tmp_path: Path) -> None:
@@ -101,7 +125,8 @@ def test_conf_for_embedded_redis_starts_redis_first_with_aof(tmp_path: Path) -> 
     red = conf["program:redis"]
     assert red["priority"] == "1" and red["autostart"] == "true"
     assert "--appendonly yes" in red["command"] and f"--dir {tmp_path.resolve()}/emb/redis" in red["command"]
-    assert "--appendfsync always" in red["command"] and "everysec" not in red["command"]  # one policy, stated once
+    # one policy, stated once
+    assert "--appendfsync always" in red["command"] and "everysec" not in red["command"]
     assert plan.redis_url == f"unix://{tmp_path.resolve()}/emb/redis.sock?db=0"
     assert f'ROLLSTREAM_REDIS_URL="{plan.redis_url}"' in conf["program:trainer"]["environment"]
     assert int(conf["program:rollout_00"]["priority"]) > int(conf["program:trainer"]["priority"])
@@ -120,8 +145,14 @@ def test_a_run_dir_that_does_not_exist_is_created_private_with_its_parents(tmp_p
         atomic_write(tmp_path / "elsewhere" / "deep" / "f.bin", b"x")  # any folder a worker creates
     finally:
         os.umask(old)
-    for d in (tmp_path / "runs", tmp_path / "runs" / "nested", tmp_path / "runs" / "nested" / "fresh",
-              tmp_path / "runs" / "nested" / "fresh" / "redis", tmp_path / "elsewhere", tmp_path / "elsewhere" / "deep"):
+    for d in (
+        tmp_path / "runs",
+        tmp_path / "runs" / "nested",
+        tmp_path / "runs" / "nested" / "fresh",
+        tmp_path / "runs" / "nested" / "fresh" / "redis",
+        tmp_path / "elsewhere",
+        tmp_path / "elsewhere" / "deep",
+    ):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
     (tmp_path / "shared").mkdir(mode=0o755)
     private_dir(tmp_path / "shared" / "mine")
@@ -144,7 +175,9 @@ def test_embedded_redis_starts_with_aof_and_keeps_data_across_restart(tmp_path: 
         client.close()
 
 
-def test_supervisord_lifecycle_with_standin_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_supervisord_lifecycle_with_standin_workers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = load_config("pipeline.yaml", [f"run.dir={tmp_path}", "run.name=life", "rollout.num_producers=2"])
     plan = plan_run(cfg)
     standin = tmp_path / "standin.py"
@@ -182,7 +215,8 @@ def test_supervisord_lifecycle_with_standin_workers(tmp_path: Path, capsys: pyte
 
 
 def assert_private(run_dir: Path) -> None:
-    """Issue 12, finding 6: the run dir is 0700 and nothing under it (AOF, logs, configs, secrets) is
+    """A run's files are private to its user: the run dir is 0700 and nothing under it (AOF, logs, configs,
+    secrets) is
     readable by group or others."""
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     assert private_violations(run_dir) == []

@@ -26,7 +26,8 @@ from schemas.plain import TOPUP
 
 
 def dead(r: redis.Redis, keys: Keys, total: int, max_outstanding: int) -> tuple[int, int]:
-    """`total` rollouts dead-lettered so far (as the trainer's reader counts them), then the trainer's TOPUP."""
+    """`total` rollouts dead-lettered so far (as the trainer's reader counts them), then the trainer's
+    TOPUP."""
     r.hset(keys.trainer, DEAD_LETTERED_FIELD, total)
     return consume_dead(r, keys, max_outstanding)
 
@@ -117,7 +118,8 @@ def test_a_grant_between_the_read_and_the_top_up_is_retried_on_the_new_version(
 def test_a_crashed_producers_release_gives_sync_mode_its_prompts_back(r: redis.Redis, keys: Keys) -> None:
     """Sync mode (window = one batch of 4): a producer took all 4, published 2 and was killed (or lost Redis).
     The trainer needs all 4 for its step; the restarted producer's release puts their room back into the
-    version's budget so it can dispatch them again (it waited for a version that needs them before), within the
+    version's budget so it can dispatch them again (it waited for a version that needs them before), within
+    the
     bound and the memory cap, once."""
     setup_run(r, keys)
     grant_budget(r, keys, 0, max_outstanding=4)
@@ -127,7 +129,13 @@ def test_a_crashed_producers_release_gives_sync_mode_its_prompts_back(r: redis.R
     assert release_unpublished(r, keys, "rollout_00", 4) == 0  # a second restart: nothing more
     assert take_budget(r, keys, 0, 4, "rollout_00").amount == 2 and outstanding(r, keys) == 4
     log = dispatch_entries(r, keys)
-    assert [(e.op, e.amount) for e in log] == [("grant", 4), ("take", 4), ("release", 2), ("topup", 2), ("take", 2)]
+    assert [(e.op, e.amount) for e in log] == [
+        ("grant", 4),
+        ("take", 4),
+        ("release", 2),
+        ("topup", 2),
+        ("take", 2),
+    ]
     # under back-pressure the cap holds: one prompt left of a cap of 1, so a release of 2 adds nothing
     grant_budget(r, keys, 1, max_outstanding=8, cap=1)
     assert take_budget(r, keys, 1, 0, "rollout_01").amount == 0
@@ -143,7 +151,8 @@ def test_dead_letters_before_any_grant_only_count(r: redis.Redis, keys: Keys) ->
 
 
 def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: redis.Redis, keys: Keys) -> None:
-    """The trainer's reader counts a dead letter in the script that acks it: a retried dead-letter (lost reply)
+    """The trainer's reader counts a dead letter in the script that acks it: a retried dead-letter (lost
+    reply)
     writes no second copy and no second count, and a trainer killed before pacing counted it leaves it to the
     next process, whose first pass tops the budget up (sync mode would otherwise wait forever for the 4th)."""
     import threading
@@ -165,7 +174,9 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
     assert take_budget(r, keys, 0, B, "rollout_00").amount == B
     pipe = r.pipeline(transaction=True)
     for i in range(B):
-        fields: dict[str, Any] = encode(fake_rollout_sample(f"s{i}", param_version=0, n=2, prompt_len=4, response_len=4))
+        fields: dict[str, Any] = encode(
+            fake_rollout_sample(f"s{i}", param_version=0, n=2, prompt_len=4, response_len=4)
+        )
         if i == 1:
             fields["payload"] = b"\xc1 corrupt"
         pipe.xadd(keys.rollouts, fields)  # type: ignore[arg-type]
@@ -204,7 +215,9 @@ def test_a_dead_letter_that_is_no_prompt_is_not_counted(r: redis.Redis, keys: Ke
     from schemas import ParamVersion
 
     setup_run(r, keys)
-    Publisher(r).publish(keys.rollouts, ParamVersion(version=0, uri="x", sha256="0" * 64, bytes=0, global_step=0))
+    Publisher(r).publish(
+        keys.rollouts, ParamVersion(version=0, uri="x", sha256="0" * 64, bytes=0, global_step=0)
+    )
     reader = GroupReader(r, keys.rollouts, TRAINER_GROUP, "trainer", dead_stream=keys.dead, block_ms=10,
                          dead_count=(keys.trainer, DEAD_LETTERED_FIELD))  # fmt: skip
     (m,) = reader.poll(0)

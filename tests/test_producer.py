@@ -110,7 +110,9 @@ def outstanding(r: redis.Redis, keys: Keys) -> int:
 
 def build_blob(cfg: PipelineConfig, seed: int) -> bytes:
     """Weights of a freshly initialised policy of `cfg`'s shape with another seed."""
-    return build_policy(cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": seed})})).state_dict_bytes()
+    return build_policy(
+        cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": seed})})
+    ).state_dict_bytes()
 
 
 def padded(s: RolloutSample) -> dict[str, np.ndarray]:
@@ -214,7 +216,9 @@ def test_new_version_mid_generation(r: redis.Redis, keys: Keys, redis_url: str, 
     assert set(starts) == {0}
     if partial:
         assert 1 in ends  # weights changed mid-trajectory: start < end
-        swapped = sum(int(a < b) for s in first for a, b in zip(s.param_version_start, s.param_version_end, strict=True))
+        swapped = sum(
+            int(a < b) for s in first for a, b in zip(s.param_version_start, s.param_version_end, strict=True)
+        )
         assert producer.counters.partial_swaps == swapped > 0
         assert second[0].rollout_status["count/total_generated_samples"] == len(first)
         v0_policy, v1_policy = build_policy(cfg), build_policy(cfg)
@@ -303,7 +307,9 @@ def test_three_producers_respect_the_budget(r: redis.Redis, keys: Keys, redis_ur
     assert any(p.counters.idle_s > 0 for p in producers)  # budget, not the producers, set the pace
 
 
-def test_an_idle_producer_takes_the_budget_a_dead_letter_gives_back(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+def test_an_idle_producer_takes_the_budget_a_dead_letter_gives_back(
+    r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
     """Sync mode: the version's whole window dispatched, the producer idles; the trainer dead-letters one
     rollout and tops the budget up (no new version: that comes only after a full batch trains). The
     producer must take it and publish a replacement stamped with the same version, within the bound."""
@@ -347,7 +353,9 @@ class ScriptedToolPolicy:
         self.calls: list[list[str]] = []
         self.loaded: list[bytes] = []
 
-    def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, **kwargs: Any) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], n: int, max_new_tokens: int, **kwargs: Any
+    ) -> list[Completion]:
         out, texts = [], []
         for p in prompts:
             text = self.tokenizer.decode(p)
@@ -358,7 +366,9 @@ class ScriptedToolPolicy:
                 ids = self.tokenizer.encode(f"[calc:{text.split('=')[0]}]xx")
             ids = ids[:max_new_tokens]
             for _ in range(n):
-                out.append(Completion(list(p), list(ids), [-0.5] * len(ids), ids[-1] == self.tokenizer.eos_id))
+                out.append(
+                    Completion(list(p), list(ids), [-0.5] * len(ids), ids[-1] == self.tokenizer.eos_id)
+                )
         self.calls.append(texts)
         return out
 
@@ -367,8 +377,14 @@ class ScriptedToolPolicy:
 
 
 def test_tool_agent_records_tool_calls(r: redis.Redis, keys: Keys, redis_url: str) -> None:
-    cfg = small_cfg(keys, "data.task=arith", "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3",
-                    "data.max_response_length=20", "rollout.n=2")
+    cfg = small_cfg(
+        keys,
+        "data.task=arith",
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.max_turns=3",
+        "data.max_response_length=20",
+        "rollout.n=2",
+    )
     start_run(r, keys, b"scripted weights", grant=cfg.max_outstanding)
     fake = ScriptedToolPolicy()
     producer = Producer(context(cfg, keys, "rollout_00", redis_url), policy=fake)  # type: ignore[arg-type]
@@ -422,8 +438,15 @@ def test_hf_weights_round_trip(r: redis.Redis, keys: Keys, tmp_path: Path) -> No
 # ---- the worker process --------------------------------------------------------------------------
 
 # Big enough that a dispatch takes seconds, so the process can be signalled between take and publish.
-SLOW = ["model.d_model=64", "model.n_layer=2", "model.n_head=4", "rollout.n=64", "rollout.prompts_per_dispatch=8",
-        "data.max_response_length=24", "rollout.partial_rollout=false"]
+SLOW = [
+    "model.d_model=64",
+    "model.n_layer=2",
+    "model.n_head=4",
+    "rollout.n=64",
+    "rollout.prompts_per_dispatch=8",
+    "data.max_response_length=24",
+    "rollout.partial_rollout=false",
+]
 # The same model, restarted in-process with a small amount of work.
 RESTART = [*SLOW, "rollout.n=2", "rollout.prompts_per_dispatch=2", "data.max_response_length=4"]
 
@@ -495,7 +518,9 @@ def test_sigkill_before_publish_is_released_on_restart(r: redis.Redis, keys: Key
     assert [s.full_batch.non_tensors["raw_prompt"][0] for s in samples(r, keys)] == first
 
 
-def test_rollout_status_is_the_global_status_of_all_producers(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+def test_rollout_status_is_the_global_status_of_all_producers(
+    r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
     cfg = small_cfg(keys, "rollout.num_producers=2")
     policy = build_policy(cfg)
     start_run(r, keys, policy.state_dict_bytes(), grant=cfg.max_outstanding)
@@ -525,7 +550,8 @@ def test_lower_priority_raises_the_nice_value_of_the_process() -> None:
     import subprocess
     import sys
 
-    code = "import os; from producers.worker import lower_priority; a = os.nice(0); lower_priority(3); print(os.nice(0) - a)"
+    code = ("import os; from producers.worker import lower_priority; a = os.nice(0); lower_priority(3); "
+            "print(os.nice(0) - a)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "3"
 

@@ -46,7 +46,12 @@ def test_watch_stops_when_the_target_is_reached_and_counts_samples(r: redis.Redi
     assert curve.reached_samples == 64 and curve.steps == [0, 1, 2]
     assert [round(p[2], 2) for p in curve.val_points()] == [0.05, 0.96]
     line = progress_line(curve, 2.0)
-    assert "step 2" in line and "val/acc 0.960 (best 0.960)" in line and "32 samples/s" in line and "staleness 1.50" in line
+    assert (
+        "step 2" in line
+        and "val/acc 0.960 (best 0.960)" in line
+        and "32 samples/s" in line
+        and "staleness 1.50" in line
+    )
 
 
 def test_watch_gives_up_at_the_limit(r: redis.Redis, keys: Keys) -> None:
@@ -69,5 +74,11 @@ def test_learn_table_reports_ratios_and_missing_targets() -> None:
     rows = table.splitlines()
     assert rows[2].startswith("| 0 | 100 | 60 | 0.60 | 3000 | 3300 | 1.10 |")
     assert rows[3].startswith("| 1 | not reached | 80 | not reached |")
-    assert "| 0 | not reached | not reached |" in format_table([run(0, "sync", 100, 3000), run(0, "async", 60, 3300)], 0.95)
-    assert format_table([run(2, "async", 50, 900)], 0.9).splitlines()[2].startswith("| 2 | - | 50 | - | - | 900 | - |")
+    assert "| 0 | not reached | not reached |" in format_table(
+        [run(0, "sync", 100, 3000), run(0, "async", 60, 3300)], 0.95
+    )
+    assert (
+        format_table([run(2, "async", 50, 900)], 0.9)
+        .splitlines()[2]
+        .startswith("| 2 | - | 50 | - | - | 900 | - |")
+    )

@@ -102,9 +102,14 @@ def test_guard_names_ids_outside_the_vocabulary_and_long_rows() -> None:
     trajs = [Trajectory([1, 2, 3], [4, 5], [1, 1], [-0.5, -0.5]), Trajectory([1, 2, 3], [6], [1], [-0.1])]
     sample = _sample("g", trajs, 7)
     assert unusable_reason(sample, 7, None) is None
-    assert unusable_reason(sample, 6, None) == "response_ids holds token ids in [4, 6], outside the vocabulary [0, 6)"
+    assert (
+        unusable_reason(sample, 6, None)
+        == "response_ids holds token ids in [4, 6], outside the vocabulary [0, 6)"
+    )
     assert unusable_reason(sample, 7, 4) == "rows are up to 5 tokens, over the model's max_seq_len 4"
-    with pytest.raises(ValueError, match=r"trajectory 1: response_ids hold ids in \[6, 6\], outside the vocabulary"):
+    with pytest.raises(
+        ValueError, match=r"trajectory 1: response_ids hold ids in \[6, 6\], outside the vocabulary"
+    ):
         ragged_batch(trajs, 6)
     tool = _sample("t", [Trajectory([1, 2], [4, 5], [1, 0], [-0.5, 0.0])], 7)
     assert unusable_reason(tool, 7, None) is None
@@ -123,7 +128,9 @@ def _sample(sid: str, trajs: list[Trajectory], vocab: int, scores: list[np.ndarr
                          param_version_start=[0] * n, param_version_end=[0] * n, producer="p")
 
 
-def _direct(samples: list[tuple[list[Trajectory], list[np.ndarray] | None, list[float]]]) -> dict[str, np.ndarray]:
+def _direct(
+    samples: list[tuple[list[Trajectory], list[np.ndarray] | None, list[float]]],
+) -> dict[str, np.ndarray]:
     """The padded batch built straight from the trajectories, the obvious way (left-padded prompts,
     right-padded responses, zeros everywhere else)."""
     rows = [(t, None if s is None else s[i], r[i]) for trajs, s, r in samples for i, t in enumerate(trajs)]
@@ -131,7 +138,9 @@ def _direct(samples: list[tuple[list[Trajectory], list[np.ndarray] | None, list[
     R = max(len(t.response_ids) for t, _, _ in rows)
     B = len(rows)
     out = {k: np.zeros((B, P + R), np.int64) for k in ("input_ids", "attention_mask")}
-    out.update({"response_mask": np.zeros((B, R), np.int64), "rollout_log_probs": np.zeros((B, R), np.float32)})
+    out.update(
+        {"response_mask": np.zeros((B, R), np.int64), "rollout_log_probs": np.zeros((B, R), np.float32)}
+    )
     if samples[0][1] is not None:
         out["token_level_scores"] = np.zeros((B, R), np.float32)
     out["rewards"] = np.zeros(B, np.float32)
@@ -153,7 +162,9 @@ def _direct(samples: list[tuple[list[Trajectory], list[np.ndarray] | None, list[
 
 
 @st.composite
-def _batches(draw: st.DrawFn) -> tuple[int, list[tuple[list[Trajectory], list[np.ndarray] | None, list[float]]]]:
+def _batches(
+    draw: st.DrawFn,
+) -> tuple[int, list[tuple[list[Trajectory], list[np.ndarray] | None, list[float]]]]:
     """1-3 samples of 1-4 trajectories over one vocabulary at a dtype boundary: shared or per-row prompts,
     empty and one-token responses, tool-masked tokens, ids at 0 and vocab - 1."""
     vocab = draw(st.sampled_from(VOCAB_EDGES))
@@ -240,15 +251,22 @@ def _tampered_layout(name: str, **changes: Any) -> dict[bytes, bytes]:
     return fields
 
 
-@pytest.mark.parametrize(("name", "changes", "needle"), [
-    ("s2_shared_ragged_scores", {"n": 5}, "compact batch: plen has 4 values, expected 5"),
-    ("s2_shared_ragged_scores", {"R": 2}, "compact batch: rlen holds 5, over R=2"),
-    ("s2_shared_ragged_scores", {"shared": "yes"}, "compact batch: shared='yes'"),
-    ("s2_shared_ragged_scores", {"n": -1}, "compact batch: n=-1 is not an int"),
-    ("s2_rows_prompts", {"shared": True}, "compact batch: shared=True with prompt lengths [2, 5, 1]"),
-    ("s2_tool_mask", {"response_mask": ["<i8", b"\x00"]}, "compact batch: response_mask bits must be 2 uint8 bytes"),
-    ("s2_tool_mask", {"prompt": None}, "compact batch: prompt is NoneType"),
-])
+@pytest.mark.parametrize(
+    ("name", "changes", "needle"),
+    [
+        ("s2_shared_ragged_scores", {"n": 5}, "compact batch: plen has 4 values, expected 5"),
+        ("s2_shared_ragged_scores", {"R": 2}, "compact batch: rlen holds 5, over R=2"),
+        ("s2_shared_ragged_scores", {"shared": "yes"}, "compact batch: shared='yes'"),
+        ("s2_shared_ragged_scores", {"n": -1}, "compact batch: n=-1 is not an int"),
+        ("s2_rows_prompts", {"shared": True}, "compact batch: shared=True with prompt lengths [2, 5, 1]"),
+        (
+            "s2_tool_mask",
+            {"response_mask": ["<i8", b"\x00"]},
+            "compact batch: response_mask bits must be 2 uint8 bytes",
+        ),
+        ("s2_tool_mask", {"prompt": None}, "compact batch: prompt is NoneType"),
+    ],
+)
 def test_hostile_schema_2_layouts_are_refused(name: str, changes: dict[str, Any], needle: str) -> None:
     """The schema-2 reader still checks every length and size against the layout, naming the field."""
     from schemas import DecodeError

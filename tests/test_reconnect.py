@@ -1,4 +1,4 @@
-"""Issue 12, finding 4: a Redis restart (SIGKILL, AOF, same port) is ridden out in place by every worker:
+"""A Redis restart (SIGKILL, AOF, same port) is ridden out in place by every worker:
 trainer, producer and aggregator keep their PIDs, go on to more records, exit 0 on SIGTERM, and the log
 audits clean (nothing lost, nothing trained twice, records equal to replay)."""
 
@@ -24,12 +24,29 @@ from rollstream.names import Keys
 from schemas import decode
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ["run.device=cpu", "model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=24",
-          "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "trainer.parameter_sync_step=2",
-          "rollout.n=2", "rollout.num_producers=1", "rollout.prompts_per_dispatch=2", "rollout.stats_every_s=1",
-          "data.max_response_length=5", "data.max_digits=3", "data.epoch_size=256", "data.val_size=4",
-          "trainer.test_freq=0", "trainer.save_freq=2", "trainer.total_global_steps=1000", "bus.block_ms=200",
-          "bus.socket_timeout_s=2"]
+CONFIG = [
+    "run.device=cpu",
+    "model.d_model=16",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.max_seq_len=24",
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=2",
+    "trainer.parameter_sync_step=2",
+    "rollout.n=2",
+    "rollout.num_producers=1",
+    "rollout.prompts_per_dispatch=2",
+    "rollout.stats_every_s=1",
+    "data.max_response_length=5",
+    "data.max_digits=3",
+    "data.epoch_size=256",
+    "data.val_size=4",
+    "trainer.test_freq=0",
+    "trainer.save_freq=2",
+    "trainer.total_global_steps=1000",
+    "bus.block_ms=200",
+    "bus.socket_timeout_s=2",
+]
 
 
 def diff(a: Any, b: Any) -> str:
@@ -37,7 +54,8 @@ def diff(a: Any, b: Any) -> str:
     if b is None:
         return "missing from the replay"
     keys = sorted(k for k in set(a.metrics) | set(b.metrics) if a.metrics.get(k) != b.metrics.get(k))
-    return f"metrics {[(k, a.metrics.get(k), b.metrics.get(k)) for k in keys]}, sources {a.source_ids} vs {b.source_ids}"
+    pairs = [(k, a.metrics.get(k), b.metrics.get(k)) for k in keys]
+    return f"metrics {pairs}, sources {a.source_ids} vs {b.source_ids}"
 
 
 def free_port() -> int:
@@ -60,8 +78,24 @@ class Server:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -95,7 +129,9 @@ def xlen(url: str, stream: str) -> int:
         return -1
 
 
-def wait_records(url: str, keys: Keys, n: int, procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
+def wait_records(
+    url: str, keys: Keys, n: int, procs: dict[str, subprocess.Popen[bytes]], timeout_s: float
+) -> None:
     deadline = time.monotonic() + timeout_s
     while xlen(url, keys.records) < n:
         for name, p in procs.items():
@@ -107,8 +143,18 @@ def wait_records(url: str, keys: Keys, n: int, procs: dict[str, subprocess.Popen
 def test_redis_restart_every_worker_reconnects_in_place(server: Server, tmp_path: Path) -> None:
     keys = Keys("reconnect")
     setup_run(redis.Redis.from_url(server.url), keys)
-    args = ["pipeline.yaml", *CONFIG, f"run.name={keys.run}", f"run.dir={tmp_path}", f"run.redis_url={server.url}"]
-    modules = {"aggregator": "consumers.aggregator", "trainer": "consumers.trainer", "rollout_00": "producers"}
+    args = [
+        "pipeline.yaml",
+        *CONFIG,
+        f"run.name={keys.run}",
+        f"run.dir={tmp_path}",
+        f"run.redis_url={server.url}",
+    ]
+    modules = {
+        "aggregator": "consumers.aggregator",
+        "trainer": "consumers.trainer",
+        "rollout_00": "producers",
+    }
     logs = {name: (tmp_path / f"{name}.log").open("wb") for name in modules}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = {name: subprocess.Popen([sys.executable, "-m", mod, *args, "--name", name], cwd=ROOT, env=env,

@@ -7,13 +7,12 @@ import math
 import pytest
 import torch
 
+from rollstream.model.logprobs import logprobs_entropy
 from rollstream.rl import (
     agg_loss,
-    entropy_from_logits,
     grpo_advantages,
-    kl_penalty,
     length_metrics,
-    logprobs_from_logits,
+    low_var_kl,
     masked_mean,
     masked_sum,
     ppo_loss,
@@ -113,7 +112,9 @@ def _tis(prox: torch.Tensor, behave: torch.Tensor, cap: float | str = 5.0) -> to
 
 def test_ppo_decoupled_by_hand() -> None:
     logp, prox, behave = _logs()
-    loss, m = ppo_loss(logp, prox, behave, torch.tensor([1.0]), ONES, clip_eps=0.2, is_weights=_tis(prox, behave))
+    loss, m = ppo_loss(
+        logp, prox, behave, torch.tensor([1.0]), ONES, clip_eps=0.2, is_weights=_tis(prox, behave)
+    )
     assert loss.item() == approx(-5.9 / 3)
     assert m["actor/pg_loss"] == approx(-5.9 / 3)
     assert m["actor/pg_clipfrac"] == approx(1 / 3)
@@ -124,7 +125,9 @@ def test_ppo_decoupled_by_hand() -> None:
 def test_ppo_decoupled_negative_advantage_by_hand() -> None:
     # A = -1: token 0: 1*1; token 1: max(1.5, 1.2)=1.5 (unclipped) *2; token 2: max(0.5, 0.8)=0.8 (clipped) *5
     logp, prox, behave = _logs()
-    loss, m = ppo_loss(logp, prox, behave, torch.tensor([[-1.0, -1.0, -1.0]]), ONES, is_weights=_tis(prox, behave))
+    loss, m = ppo_loss(
+        logp, prox, behave, torch.tensor([[-1.0, -1.0, -1.0]]), ONES, is_weights=_tis(prox, behave)
+    )
     assert loss.item() == approx((1 + 3 + 4) / 3)
     assert m["actor/pg_clipfrac"] == approx(1 / 3)
 
@@ -155,16 +158,6 @@ def test_ppo_uncapped_weight_mask_and_clip_high() -> None:
     assert loss.item() == approx((-1.0 - 2.4) / 2)
 
 
-def test_ppo_dual_clip() -> None:
-    # A = -1, ratio 4 (pi_theta 0.8 vs prox 0.2), bypass: loss max(4, 1.2) = 4, dual clip caps at 3
-    logp, behave = torch.tensor([[0.8]]).log(), torch.tensor([[0.2]]).log()
-    loss, m = ppo_loss(
-        logp, None, behave, torch.tensor([-1.0]), torch.ones(1, 1), mode="bypass", dual_clip_c=3.0
-    )
-    assert loss.item() == approx(3.0)
-    assert m["actor/pg_clipfrac_lower"] == 1.0
-
-
 def test_ppo_gradient_flows_only_through_logp() -> None:
     logp, prox, behave = _logs()
     behave.requires_grad_(True)
@@ -186,22 +179,24 @@ def test_ppo_rejects_missing_prox_in_decoupled_mode() -> None:
 # --- KL, entropy, log-probs ---------------------------------------------------------------------
 
 
-def test_kl_penalty_estimators() -> None:
+def test_low_var_kl() -> None:
     logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
     # k3: r = ref/pi = 0.5 -> r - log r - 1 = 0.5 + 0.693147 - 1
-    assert kl_penalty(logp, ref, "low_var_kl").item() == approx(0.5 + math.log(2) - 1)
-    assert kl_penalty(logp, ref, "kl").item() == approx(math.log(2))
-    assert kl_penalty(logp, ref, "abs").item() == approx(math.log(2))
-    assert kl_penalty(logp, ref, "mse").item() == approx(0.5 * math.log(2) ** 2)
+    assert low_var_kl(logp, ref).item() == approx(0.5 + math.log(2) - 1)
     # ref far more likely than pi: exp(15) - 15 - 1 is clamped to 10
-    assert kl_penalty(torch.tensor([-15.0]), torch.tensor([0.0]), "low_var_kl").item() == 10.0
+    assert low_var_kl(torch.tensor([-15.0]), torch.tensor([0.0])).item() == 10.0
 
 
 def test_entropy_and_logprobs_from_logits() -> None:
-    assert entropy_from_logits(torch.zeros(2, 3, 4)).flatten().tolist() == approx([math.log(4)] * 6)
-    assert entropy_from_logits(torch.tensor([0.0, -1e4])).item() == approx(0.0, abs=1e-6)
+    _, ent = logprobs_entropy(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long))
+    assert ent.flatten().tolist() == approx([math.log(4)] * 6)
+    _, ent = logprobs_entropy(torch.tensor([[0.0, -1e4]]), torch.tensor([0]))
+    assert ent.item() == approx(0.0, abs=1e-6)
     logits = torch.tensor([[[0.0, math.log(3.0)]]])  # probs 0.25, 0.75
-    assert logprobs_from_logits(logits, torch.tensor([[1]])).item() == approx(math.log(0.75))
+    logp, _ = logprobs_entropy(logits, torch.tensor([[1]]))
+    assert logp.item() == approx(math.log(0.75))
+    hot, _ = logprobs_entropy(logits * 2.0, torch.tensor([[1]]), temperature=2.0)  # tempered back to the same
+    assert hot.item() == approx(math.log(0.75))
 
 
 # --- metrics helpers ----------------------------------------------------------------------------

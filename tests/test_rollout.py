@@ -45,9 +45,15 @@ def test_concat_left_pads_and_interleaves() -> None:
     assert (ids[mask == 0] == TOK.pad_id).all()
     assert np.array_equal(ids[0, 3:], a.tensors["input_ids"][0])
     # the agent loops read each row's prompt unpadded, as prepared (no unpadding of input_ids)
-    assert prompt_rows(both) == [[TOK.bos_id, *TOK.encode("12>")]] * 2 + [[TOK.bos_id, *TOK.encode("12345>")]] * 2
+    assert (
+        prompt_rows(both)
+        == [[TOK.bos_id, *TOK.encode("12>")]] * 2 + [[TOK.bos_id, *TOK.encode("12345>")]] * 2
+    )
     del both.non_tensors["raw_prompt_ids"]
-    assert prompt_rows(both) == [[TOK.bos_id, *TOK.encode("12>")]] * 2 + [[TOK.bos_id, *TOK.encode("12345>")]] * 2
+    assert (
+        prompt_rows(both)
+        == [[TOK.bos_id, *TOK.encode("12>")]] * 2 + [[TOK.bos_id, *TOK.encode("12345>")]] * 2
+    )
 
 
 def test_producer_index_from_name() -> None:

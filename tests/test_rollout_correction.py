@@ -84,8 +84,9 @@ def test_rejection_masks_tokens_and_sequences(rs: str, threshold: float | str, k
     assert mask.tolist() == kept
     rejected = 5 - sum(map(sum, kept))
     assert m["rollout_rs_masked_fraction"] == approx(rejected / 5)
-    assert m["rollout_rs_seq_masked_fraction"] == approx(sum(1 for row, k in zip(MASK.tolist(), kept, strict=True)
-                                                              if sum(row) != sum(k)) / 2)
+    assert m["rollout_rs_seq_masked_fraction"] == approx(
+        sum(1 for row, k in zip(MASK.tolist(), kept, strict=True) if sum(row) != sum(k)) / 2
+    )
 
 
 def test_rejection_statistics_by_hand() -> None:
@@ -122,8 +123,14 @@ def test_all_of_it_under_verls_names_and_no_valid_token() -> None:
     out = rollout_correction(P_OLD.log(), P_ROLL.log(), MASK, rollout_is="token", rollout_is_threshold=3.0,
                              rollout_rs="seq_max_k2", rollout_rs_threshold=0.5)
     assert out.weights is not None and out.mask.tolist() == [[0, 0, 0], [1, 1, 0]]
-    for key in ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_rs_masked_fraction", "rollout_corr/kl",
-                "rollout_corr/chi2_seq", "training/rollout_probs_diff_max", "training/rollout_actor_probs_pearson_corr"):
+    for key in (
+        "rollout_corr/rollout_is_mean",
+        "rollout_corr/rollout_rs_masked_fraction",
+        "rollout_corr/kl",
+        "rollout_corr/chi2_seq",
+        "training/rollout_probs_diff_max",
+        "training/rollout_actor_probs_pearson_corr",
+    ):
         assert key in out.metrics, key
     none = rollout_correction(P_OLD.log(), P_ROLL.log(), torch.zeros_like(MASK))
     assert none.metrics == {"training/rollout_probs_diff_valid": 0.0}
@@ -143,7 +150,10 @@ RC = "actor.rollout_correction."
     [
         ([RC + "rollout_rs=token_k4", RC + "rollout_rs_threshold=2"], "rollout_rs option 'token_k4'"),
         ([RC + "rollout_rs=token_k1"], "rollout_rs_threshold=None must be given"),
-        ([RC + "rollout_rs=seq_max_k2", RC + "rollout_rs_threshold=0.1_2"], "rollout_rs_threshold '0.1_2' for seq_max_k2"),
+        (
+            [RC + "rollout_rs=seq_max_k2", RC + "rollout_rs_threshold=0.1_2"],
+            "rollout_rs_threshold '0.1_2' for seq_max_k2",
+        ),
         ([RC + "rollout_rs=token_k2,seq_sum_k3", RC + "rollout_rs_threshold=1,2,3"], "has 3 values"),
         ([RC + "rollout_is_threshold=3_2"], "rollout_is_threshold='3_2' needs 0 < lower <= upper"),
         ([RC + "rollout_is=seq"], "actor.rollout_correction.rollout_is='seq'"),
@@ -175,7 +185,8 @@ def test_learner_logs_mismatch_metrics_every_update_and_rejection_silences_the_l
     plain = Learner(load_config(None, TINY + [f"actor.off_policy_mode={mode}"]))
     plain.begin_step()
     m = plain.update(_batch())
-    assert m["training/rollout_probs_diff_valid"] == 1.0 and m["rollout_corr/kl"] != 0.0  # fake log-probs differ
+    # fake log-probs differ
+    assert m["training/rollout_probs_diff_valid"] == 1.0 and m["rollout_corr/kl"] != 0.0
     assert ("rollout_corr/rollout_is_mean" in m) == (mode == "decoupled")  # bypass applies no IS weight
     # every token rejected (a k2 bound no real mismatch passes): nothing is trained on
     strict = Learner(load_config(None, TINY + [f"actor.off_policy_mode={mode}", RC + "rollout_rs=token_k2",

@@ -24,6 +24,7 @@ from schemas import (
     encode,
     encode_payload,
 )
+from schemas.batch import object_array
 from schemas.ragged import RaggedBatch
 
 DTYPES = st.one_of(
@@ -159,7 +160,7 @@ def test_object_arrays_and_numpy_scalars() -> None:
 def test_dataproto_payload_and_dead_letter_bytes() -> None:
     """DataProto and RaggedBatch through encode_payload; dead-letter originals (large ones out of band) stay
     bytes."""
-    dp = DataProto.from_dict({"x": np.arange(4).reshape(2, 2)}, {"uid": ["u0", "u1"]})
+    dp = DataProto({"x": np.arange(4).reshape(2, 2)}, {"uid": object_array(["u0", "u1"])})
     got = decode_payload(encode_payload(dp))
     assert isinstance(got, DataProto) and got.non_tensors["uid"].tolist() == ["u0", "u1"]
     ragged = decode_payload(encode_payload(make_rollout().full_batch))
@@ -173,7 +174,8 @@ def test_dataproto_payload_and_dead_letter_bytes() -> None:
 
 
 def test_unencodable_values_raise_type_error() -> None:
-    """Encoding something that is not a msgpack value, array or DataProto is a TypeError (a bug, not input)."""
+    """Encoding something that is not a msgpack value, array or DataProto is a TypeError (a bug, not
+    input)."""
     with pytest.raises(TypeError, match="cannot encode"):
         encode_payload({"x": object()})
     with pytest.raises(TypeError, match="dtype"):

@@ -1,4 +1,5 @@
-"""The flat array wire format: header layout, hostile headers, ragged batch parts, older writers, finite checks."""
+"""The flat array wire format: header layout, hostile headers, ragged batch parts, older writers,
+finite checks."""
 
 from __future__ import annotations
 
@@ -97,8 +98,8 @@ def test_hostile_flat_headers() -> None:
 
 def test_hostile_ragged_parts() -> None:
     """Schema 4: every check of RaggedBatch.check, made where decode reads the part, refuses a bad part with a
-    reason naming the field and its value: lengths (type, sign, count), ids and token sizes against the lengths,
-    dtypes, per-row arrays' first dimension, rows numeric, maps and keys."""
+    reason naming the field and its value: lengths (type, sign, count), ids and token sizes against the
+    lengths, dtypes, per-row arrays' first dimension, rows numeric, maps and keys."""
     fields = as_redis(encode(make_rollout(n=2, resp_len=300)))
     body, parts = full_batch_parts(fields)
     i4 = WIRE_DTYPES.index("<i4")
@@ -106,43 +107,68 @@ def test_hostile_ragged_parts() -> None:
     def swap(i: int, value: Any) -> dict[bytes, bytes]:
         return with_parts(fields, dict(body), [*parts[:i], value, *parts[i + 1 :]])
 
-    assert "response_lens must be a list of ints in [0, 2**31), got [299, -1]" in reason_of(swap(1, [299, -1]))
-    assert "response_lens must be a list of ints in [0, 2**31), got [299.0, 299]" in reason_of(swap(1, [299.0, 299]))
-    assert "prompt_lens must be a list of ints in [0, 2**31), got [2147483648]" in reason_of(swap(0, [1 << 31]))
+    assert "response_lens must be a list of ints in [0, 2**31), got [299, -1]" in reason_of(
+        swap(1, [299, -1])
+    )
+    assert "response_lens must be a list of ints in [0, 2**31), got [299.0, 299]" in reason_of(
+        swap(1, [299.0, 299])
+    )
+    assert "prompt_lens must be a list of ints in [0, 2**31), got [2147483648]" in reason_of(
+        swap(0, [1 << 31])
+    )
     assert "response_lens must be a list of ints in [0, 2**31), got 'x'" in reason_of(swap(1, "x"))
     assert "prompt_lens has 3 entries, expected 1 (shared) or n=2" in reason_of(swap(0, [3, 3, 3]))
-    assert "response_ids has 598 values (4784 bytes of <i8), the lengths say 599" in reason_of(swap(1, [299, 300]))
+    assert "response_ids has 598 values (4784 bytes of <i8), the lengths say 599" in reason_of(
+        swap(1, [299, 300])
+    )
     assert "prompt_ids has 6 values (48 bytes of <i8), the lengths say 7" in reason_of(swap(0, [3, 4]))
-    assert "response_ids must be a 1-d integer array, got dtype code 10 (<f4)" in reason_of(swap(3, [F4, parts[3][1]]))
+    assert "response_ids must be a 1-d integer array, got dtype code 10 (<f4)" in reason_of(
+        swap(3, [F4, parts[3][1]])
+    )
     assert "prompt_ids must be a 1-d integer array, got dtype code 250" in reason_of(swap(2, [250, b""]))
     assert "prompt_ids must be [dtype code, data], got str" in reason_of(swap(2, "not an array"))
     assert "missing array field 'a9'" in reason_of(swap(3, [parts[3][0], 9]))
     assert "tokens['rollout_log_probs'] has 3 values (12 bytes of <f4), the lengths say 598" in reason_of(
-        swap(4, {"rollout_log_probs": [F4, b"\x00" * 12]}))
-    assert "tokens['x'] must be a 1-d numeric array, got dtype code 99" in reason_of(swap(4, {"x": [99, b""]}))
+        swap(4, {"rollout_log_probs": [F4, b"\x00" * 12]})
+    )
+    assert "tokens['x'] must be a 1-d numeric array, got dtype code 99" in reason_of(
+        swap(4, {"x": [99, b""]})
+    )
     assert "tokens key b'x' is not a str" in reason_of(swap(4, {b"x": [F4, b""]}))
-    assert "needs 12 bytes, got 8" in reason_of(swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 8))))
+    assert "needs 12 bytes, got 8" in reason_of(
+        swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 8)))
+    )
     assert "rows['rewards'] must have first dimension n=2 and a numeric dtype, got <f4[3]" in reason_of(
-        swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 12))))
+        swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 12)))
+    )
     assert "rows['rewards'] must have first dimension n=2 and a numeric dtype, got |O[2]" in reason_of(
-        swap(5, dict(parts[5], rewards=msgpack.ExtType(2, msgpack.packb([[2], ["a", "b"]])))))
+        swap(5, dict(parts[5], rewards=msgpack.ExtType(2, msgpack.packb([[2], ["a", "b"]]))))
+    )
     assert "rows['rewards'] must be a 1-d numeric array, got dtype code 1.0" in reason_of(
-        swap(5, dict(parts[5], rewards=[1.0, 2.0])))
+        swap(5, dict(parts[5], rewards=[1.0, 2.0]))
+    )
     assert "rows['rewards'] has 3 values (12 bytes of <f4), the lengths say 2" in reason_of(
-        swap(5, dict(parts[5], rewards=[F4, b"\x00" * 12])))
+        swap(5, dict(parts[5], rewards=[F4, b"\x00" * 12]))
+    )
     assert "rows key b'r' is not a str" in reason_of(swap(5, {b"r": [F4, b"\x00" * 8]}))
     assert "non_tensors['uid'] must have first dimension n=2, got 3 values" in reason_of(
-        swap(6, dict(parts[6], uid=["a", "b", "c"])))
+        swap(6, dict(parts[6], uid=["a", "b", "c"]))
+    )
     two = decode_as(swap(5, dict(parts[5], scores=flat(F4, [2, 2], data=b"\x00" * 16))), RolloutSample)
     assert two.full_batch.rows["scores"].shape == (2, 2)  # rows of other shapes: flat headers
     assert "non_tensors['uid'] must have first dimension n=2, got <i4[1]" in reason_of(
-        swap(6, dict(parts[6], uid=flat(i4, [1], data=b"\x00" * 4))))
-    assert "non_tensors['uid'] must have first dimension n=2, got str" in reason_of(swap(6, dict(parts[6], uid="ab")))
+        swap(6, dict(parts[6], uid=flat(i4, [1], data=b"\x00" * 4)))
+    )
+    assert "non_tensors['uid'] must have first dimension n=2, got str" in reason_of(
+        swap(6, dict(parts[6], uid="ab"))
+    )
     assert "tokens and meta_info must be maps" in reason_of(swap(4, []))
     assert "rows must be a map" in reason_of(swap(5, []))
     assert "non_tensors must be a map" in reason_of(swap(6, []))
     assert "malformed ragged batch ext" in reason_of(with_parts(fields, dict(body), parts[:7]))
-    one = decode_as(swap(6, dict(parts[6], uid=[["x"], {"k": 1}])), RolloutSample).full_batch.non_tensors["uid"]
+    one = decode_as(swap(6, dict(parts[6], uid=[["x"], {"k": 1}])), RolloutSample).full_batch.non_tensors[
+        "uid"
+    ]
     assert one.shape == (2,) and one.tolist() == [["x"], {"k": 1}]  # values kept as they are, never broadcast
 
 
@@ -157,11 +183,15 @@ def test_hostile_schema_3_ragged_parts() -> None:
         return with_parts(fields, dict(body), [*parts[:i], value, *parts[i + 1 :]], EXT_RAGGED_BATCH_3)
 
     assert decode_as(swap(0, parts[0]), RolloutSample).n == 2
-    assert "needs 12 bytes, got 8" in reason_of(swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 8))))
+    assert "needs 12 bytes, got 8" in reason_of(
+        swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 8)))
+    )
     assert "rows['rewards'] must have first dimension n=2" in reason_of(
-        swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 12))))
+        swap(5, dict(parts[5], rewards=flat(F4, [3], data=b"\x00" * 12)))
+    )
     assert "tokens['rollout_log_probs'] has 3 values" in reason_of(
-        swap(4, {"rollout_log_probs": flat(F4, [3], data=b"\x00" * 12)}))
+        swap(4, {"rollout_log_probs": flat(F4, [3], data=b"\x00" * 12)})
+    )
     lens = flat(WIRE_DTYPES.index("<i4"), [2], data=np.array([600, 3], "<i4").tobytes())
     assert "response_ids has 602 ids, the lengths say 603" in reason_of(swap(2, lens))
     floats = flat(F4, [2], data=b"\x00" * 8)
@@ -172,7 +202,9 @@ def test_hostile_schema_3_ragged_parts() -> None:
     assert "prompt_ids is str, not an array" in reason_of(swap(1, "not an array"))
     assert "tokens and rows must be maps" in reason_of(swap(4, []))
     assert "parts must be maps" in reason_of(swap(6, []))
-    assert "malformed ragged batch ext" in reason_of(with_parts(fields, dict(body), parts[:7], EXT_RAGGED_BATCH_3))
+    assert "malformed ragged batch ext" in reason_of(
+        with_parts(fields, dict(body), parts[:7], EXT_RAGGED_BATCH_3)
+    )
 
 
 def test_older_msgpack_array_ext_still_decodes() -> None:
@@ -185,10 +217,19 @@ def test_older_msgpack_array_ext_still_decodes() -> None:
     def old(v: np.ndarray) -> msgpack.ExtType:
         return msgpack.ExtType(1, msgpack.packb([v.dtype.str, list(v.shape), v.tobytes()]))
 
-    old_parts = [old(b.prompt_lens), old(b.prompt_ids), old(b.response_lens), old(b.response_ids),
-                 {k: old(v) for k, v in b.tokens.items()}, {k: old(v) for k, v in b.rows.items()},
-                 {"uid": msgpack.ExtType(2, msgpack.packb([[2], parts[6]["uid"]])),
-                  "extra": msgpack.ExtType(2, msgpack.packb([[2], parts[6]["extra"]]))}, parts[7]]
+    old_parts = [
+        old(b.prompt_lens),
+        old(b.prompt_ids),
+        old(b.response_lens),
+        old(b.response_ids),
+        {k: old(v) for k, v in b.tokens.items()},
+        {k: old(v) for k, v in b.rows.items()},
+        {
+            "uid": msgpack.ExtType(2, msgpack.packb([[2], parts[6]["uid"]])),
+            "extra": msgpack.ExtType(2, msgpack.packb([[2], parts[6]["extra"]])),
+        },
+        parts[7],
+    ]
     body["schema_version"] = 3  # (a schema-3 writer's layout)
     entry = with_parts({**fields, b"schema": b"3"}, body, old_parts, EXT_RAGGED_BATCH_3)
     entry = {k: v for k, v in entry.items() if not k.startswith(b"a")}  # every array is inline now

@@ -28,7 +28,14 @@ def test_a_fate_reads_back_as_written(r: redis.Redis, keys: Keys) -> None:
     r.xadd(keys.fates, encode_fate(fate), id="7-1")  # type: ignore[arg-type]
     (entry_id, fields), = r.xrange(keys.fates)  # type: ignore[misc]
     assert entry_id == b"7-1" and decode_fate(fields) == fate
-    assert list(fields) == [b"sample_id", b"source_id", b"fate", b"staleness", b"param_version", b"global_step"]
+    assert list(fields) == [
+        b"sample_id",
+        b"source_id",
+        b"fate",
+        b"staleness",
+        b"param_version",
+        b"global_step",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -58,9 +65,12 @@ def test_grants_takes_and_releases_read_back_as_dispatch_records(r: redis.Redis,
     assert release_unpublished(r, keys, "rollout_00", 5) == 3  # it never published them: their room goes back
     assert dispatch_entries(r, keys) == [
         DispatchRecord("grant", version=0, amount=5, outstanding=0, max_outstanding=5, producer=None),
-        DispatchRecord("take", version=0, amount=3, outstanding=3, max_outstanding=None, producer="rollout_00"),
-        DispatchRecord("release", version=None, amount=3, outstanding=None, max_outstanding=None,
-                       producer="rollout_00"),
+        DispatchRecord(
+            "take", version=0, amount=3, outstanding=3, max_outstanding=None, producer="rollout_00"
+        ),
+        DispatchRecord(
+            "release", version=None, amount=3, outstanding=None, max_outstanding=None, producer="rollout_00"
+        ),
         DispatchRecord("topup", version=0, amount=3, outstanding=0, max_outstanding=5, producer=None),
     ]
 
@@ -75,7 +85,10 @@ def test_a_malformed_dispatch_entry_is_a_decode_error() -> None:
 def test_the_lua_fields_of_a_dispatch_entry_come_in_one_order_and_only_for_its_op() -> None:
     lua = dispatch_lua_fields(GRANT, max_outstanding="ARGV[2]", amount="budget", version="ARGV[1]",
                               outstanding="o")
-    assert lua == "'op', 'grant', 'version', ARGV[1], 'amount', budget, 'outstanding', o, 'max_outstanding', ARGV[2]"
+    assert (
+        lua
+        == "'op', 'grant', 'version', ARGV[1], 'amount', budget, 'outstanding', o, 'max_outstanding', ARGV[2]"
+    )
     with pytest.raises(ValueError, match="a grant entry has fields"):
         dispatch_lua_fields(GRANT, version="ARGV[1]", amount="budget", outstanding="o", producer="ARGV[3]")
 

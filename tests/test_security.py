@@ -76,8 +76,12 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
     prod = connect(f"redis://127.0.0.1:{port}/0", username="rollout_00", password=pw["rollout_00"])
     # everything a producer does works: publish, stats, take, publish-with-cursor, version, release
     Publisher(prod).publish(keys.rollouts, fake_rollout_sample("p1"))
-    Publisher(prod).publish(keys.stats, ProducerStats(producer="rollout_00", param_version=0, samples=1, tokens=1,
-                                                      gen_tokens_per_s=1.0, idle_ratio=0.0))
+    Publisher(prod).publish(
+        keys.stats,
+        ProducerStats(
+            producer="rollout_00", param_version=0, samples=1, tokens=1, gen_tokens_per_s=1.0, idle_ratio=0.0
+        ),
+    )
     assert take_budget(prod, keys, 0, 2, "rollout_00").amount == 2
     pipe = prod.pipeline(transaction=True)
     mark_published(pipe, keys, "rollout_00", 1)
@@ -88,7 +92,8 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
     assert prod.get(keys.budget(0)) == b"7"  # the released prompt's room is back (6 left + 1)
     assert latest_param_version(prod, keys) is not None and prod.get(keys.weights(0)) == b"w" * 16
 
-    # and nothing else (issue 12, finding 5): each command a compromised producer could try
+    # and nothing else (a compromised producer must not reach another role's keys): each command a compromised
+    # producer could try
     forbidden = {
         "read rollouts": lambda: prod.xrange(keys.rollouts),
         "write weights": lambda: prod.set(keys.weights(1), b"evil"),
@@ -99,8 +104,9 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
         "write params": lambda: prod.xadd(keys.params, {"x": "1"}),
         "HSET trainer global_step": lambda: prod.hset(keys.trainer, "global_step", 10**6),
         "HSET trainer committed_step": lambda: prod.hset(keys.trainer, "committed_step", 10**6),
-        "HSET trainer via a script": lambda: prod.eval("return redis.call('HSET', KEYS[1], 'committed_step', 9)",
-                                                       1, keys.trainer),
+        "HSET trainer via a script": lambda: prod.eval(
+            "return redis.call('HSET', KEYS[1], 'committed_step', 9)", 1, keys.trainer
+        ),
         "another producer's cursor": lambda: prod.set(keys.producer_cursor("rollout_01"), "9:9"),
         "another producer's inflight": lambda: prod.incrby(keys.producer_inflight("rollout_01"), 5),
         "another producer's version": lambda: prod.set(keys.producer_version("rollout_01"), 0),
@@ -147,7 +153,8 @@ def _permitted(call: Callable[[], object]) -> bool:
     except redis.exceptions.NoPermissionError:
         return False
     except redis.ResponseError as e:
-        refusals = ("NOPERM", "can't run this command", "can't access at least one of the keys")  # (the last: in a script)
+        # (the last: in a script)
+        refusals = ("NOPERM", "can't run this command", "can't access at least one of the keys")
         return not any(r in str(e) for r in refusals)
     return True
 
@@ -199,22 +206,33 @@ FORBIDDEN_MODULES = {"pickle", "cPickle", "cloudpickle", "dill", "marshal", "she
 
 def test_no_pickle_eval_exec_in_package() -> None:
     offenders = []
-    for pkg in ("rollstream", "schemas", "producers", "consumers"):  # not benchmarks/: pickle is their baseline
+    # not benchmarks/: pickle is their baseline
+    for pkg in ("rollstream", "schemas", "producers", "consumers"):
         for path in (ROOT / pkg).rglob("*.py"):
             tree = ast.parse(path.read_text(), str(path))
             for node in ast.walk(tree):
                 if isinstance(node, ast.Import):
                     offenders += [f"{path}:{node.lineno} import {a.name}" for a in node.names
                                   if a.name.split(".")[0] in FORBIDDEN_MODULES]
-                elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in FORBIDDEN_MODULES:
+                elif (
+                    isinstance(node, ast.ImportFrom)
+                    and (node.module or "").split(".")[0] in FORBIDDEN_MODULES
+                ):
                     offenders.append(f"{path}:{node.lineno} from {node.module}")
                 elif isinstance(node, ast.Call):
                     f = node.func
                     name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
-                    builtin = isinstance(f, ast.Name) or getattr(getattr(f, "value", None), "id", "") == "builtins"
-                    if name in FORBIDDEN_CALLS and builtin:  # r.eval(...) is Lua on the server, m.eval() torch
+                    builtin = (
+                        isinstance(f, ast.Name) or getattr(getattr(f, "value", None), "id", "") == "builtins"
+                    )
+                    # r.eval(...) is Lua on the server, m.eval() torch
+                    if name in FORBIDDEN_CALLS and builtin:
                         offenders.append(f"{path}:{node.lineno} {name}()")
-                    if name == "load" and isinstance(f, ast.Attribute) and getattr(f.value, "id", "") == "torch":
+                    if (
+                        name == "load"
+                        and isinstance(f, ast.Attribute)
+                        and getattr(f.value, "id", "") == "torch"
+                    ):
                         offenders.append(f"{path}:{node.lineno} torch.load (pickle)")
                     if name == "import_module" and node.args and isinstance(node.args[0], ast.Constant) \
                             and str(node.args[0].value) in FORBIDDEN_MODULES:

@@ -38,7 +38,8 @@ from schemas.plain import TAKE
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32"]
 # a latency-model producer (the producer with a modelled decode injected, as `rollstream run` starts it for
-# this config): one modelled dispatch = 1 prompt x 2 trajectories of 6 tokens at 2 tokens/s: ~3 s of "generation"
+# this config): one modelled dispatch = 1 prompt x 2 trajectories of 6 tokens at 2 tokens/s: ~3 s of
+# "generation"
 SLOW_PRODUCER = ["rollout.n=2", "rollout.num_producers=1", "data.max_response_length=6",
                  "rollout.latency_model.enable=true", "rollout.latency_model.tokens_per_s=2",
                  "rollout.latency_model.length_median=6", "rollout.latency_model.length_sigma=0"]
@@ -71,7 +72,9 @@ def spawn(module: str, args: list[str], tmp: Path) -> Worker:
 def wait_until(cond: Callable[[], Any], proc: Worker, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
-        assert proc.poll() is None, f"exited early ({proc.returncode}) waiting for {what}: {proc.stderr_text()[-2000:]}"
+        assert proc.poll() is None, (
+            f"exited early ({proc.returncode}) waiting for {what}: {proc.stderr_text()[-2000:]}"
+        )
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
 
@@ -84,7 +87,9 @@ def terminate(proc: Worker, times: int) -> tuple[int, float]:
     can merge into one); returns (exit code, seconds from the last signal until exit)."""
     proc.send_signal(signal.SIGTERM)
     if times == 2:
-        wait_until(lambda: FIRST_SIGNAL_SEEN in proc.stderr_text(), proc, 10, "the first signal to be handled")
+        wait_until(
+            lambda: FIRST_SIGNAL_SEEN in proc.stderr_text(), proc, 10, "the first signal to be handled"
+        )
         proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
     try:
@@ -155,7 +160,9 @@ def test_producer_sigterm_while_importing_torch_exits_0(r: redis.Redis, keys: Ke
 
 def _trainer_mid_step(r: redis.Redis, keys: Keys, redis_url: str, tmp: Path) -> Worker:
     """A trainer that ran step 1's first local update and now waits for the rest of the step."""
-    proc = spawn("consumers.trainer", [*common(keys, redis_url, tmp), "bus.block_ms=2000", "--name", "trainer"], tmp)
+    proc = spawn(
+        "consumers.trainer", [*common(keys, redis_url, tmp), "bus.block_ms=2000", "--name", "trainer"], tmp
+    )
     wait_until(lambda: r.exists(keys.params), proc, 60, "version 0")
     for i in range(2):
         r.xadd(keys.rollouts, encode(fake_rollout_sample(f"s{i}", param_version=0, n=2, prompt_len=4,  # type: ignore[arg-type]
@@ -177,7 +184,8 @@ def test_trainer_first_sigterm_mid_step_exits_0_and_acks_nothing_unfinished(
     assert code == EXIT_OK, proc.stderr_text()[-2000:]
     assert took < 10
     assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) is None
-    rep = audit_run(r, keys)  # nothing ended or lost: both samples stay pending, retrained by the next trainer
+    # nothing ended or lost: both samples stay pending, retrained by the next trainer
+    rep = audit_run(r, keys)
     assert rep.problems() == [] and rep.pending == {"s0", "s1"} and not rep.trained | rep.dropped | rep.dead
     assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 2
 
@@ -187,8 +195,13 @@ def test_trainer_second_sigterm_while_starting_exits_forced(r: redis.Redis, keys
     proc = spawn("consumers.trainer", [*common(keys, redis_url, tmp_path), "--name", "trainer"], tmp_path)
     wait_until(lambda: torch_loading(proc.pid), proc, 30, "torch to start loading")
     proc.send_signal(signal.SIGTERM)
-    wait_until(lambda: "while starting" in proc.stderr_text() or FIRST_SIGNAL_SEEN in proc.stderr_text(), proc, 10,
-               "the first signal to be recorded")  # torch is still importing: the second lands before any work
+    wait_until(
+        lambda: "while starting" in proc.stderr_text() or FIRST_SIGNAL_SEEN in proc.stderr_text(),
+        proc,
+        10,
+        # torch is still importing: the second lands before any work
+        "the first signal to be recorded",
+    )
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == EXIT_FORCED
     assert not r.exists(keys.params)  # it never got as far as publishing version 0
@@ -208,9 +221,20 @@ def test_trainer_sigterm_while_importing_torch_exits_0(r: redis.Redis, keys: Key
 def _aggregator_with_open_step(r: redis.Redis, keys: Keys, redis_url: str, tmp: Path) -> Worker:
     """An aggregator that wrote step 1's record and holds step 2's first local update pending."""
     setup_run(r, keys)
-    r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: 1, TRAINING_STEP_FIELD: 2})  # the aggregator checks events against it
-    proc = spawn("consumers.aggregator", [*common(keys, redis_url, tmp), "aggregator.jsonl=false",
-                                          "aggregator.tensorboard=false", "bus.block_ms=2000", "--name", "aggregator"], tmp)
+    # the aggregator checks events against it
+    r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: 1, TRAINING_STEP_FIELD: 2})
+    proc = spawn(
+        "consumers.aggregator",
+        [
+            *common(keys, redis_url, tmp),
+            "aggregator.jsonl=false",
+            "aggregator.tensorboard=false",
+            "bus.block_ms=2000",
+            "--name",
+            "aggregator",
+        ],
+        tmp,
+    )
     for ev in (fakes.local_update(1, 1, 2, {"a": 1.0}), fakes.local_update(1, 2, 2, {"a": 3.0}),
                fakes.step_end(1, 2), fakes.local_update(2, 1, 2, {"a": 5.0})):
         r.xadd(keys.metrics, encode(ev))  # type: ignore[arg-type]
@@ -226,7 +250,8 @@ def test_aggregator_first_sigterm_exits_0_keeping_the_open_step_pending(
     code, took = terminate(proc, 1)
     assert code == EXIT_OK, proc.stderr_text()[-2000:]
     assert took < 10
-    assert r.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 1  # step 2's event, for the next aggregator
+    # step 2's event, for the next aggregator
+    assert r.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 1
 
 
 def test_frozen_startup_heap_still_collects_later_garbage() -> None:

@@ -94,7 +94,10 @@ def test_tensorboard_and_wandb_sinks_write_what_their_own_readers_read_back(
         if kind == "run":
             project = rec.run.project
         elif kind == "history":
-            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
+            row = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in rec.history.item
+            }
             history[int(row.pop("_step"))] = {k: v for k, v in row.items() if not k.startswith("_")}
     assert project == "rollstream-test"
     assert history == METRICS

@@ -21,8 +21,9 @@ from schemas import StepMetrics
 
 def step_end(g: int, at: float, samples: int = 4) -> StepMetrics:
     """A step_end event of global step g completed at unix time `at`."""
-    return StepMetrics(type="step_end", global_step=g, local_step=2, sample_count=samples, num_local_updates=2,
-                       created_at=at)
+    return StepMetrics(
+        type="step_end", global_step=g, local_step=2, sample_count=samples, num_local_updates=2, created_at=at
+    )
 
 
 def test_trained_rate_counts_committed_steps_over_the_wall_clock() -> None:
@@ -43,9 +44,13 @@ def test_progress_states() -> None:
     assert progress_health(fresh, 60, 10, now=now).state == "ok"
     stalled = progress_health({"progress_at": "800", "global_step": "3"}, 60, 10, now=now)
     assert stalled.state == "stalled" and not stalled.healthy
-    assert "no global step completed in 200s (last: 3)" in stalled.why and "heartbeat_stall_s=60" in stalled.why
+    assert (
+        "no global step completed in 200s (last: 3)" in stalled.why and "heartbeat_stall_s=60" in stalled.why
+    )
     assert progress_health({"progress_at": "800", "global_step": "3"}, 60, 10, stopping=True, now=now).healthy
-    assert progress_health({"progress_at": "800", "committed_step": "10"}, 60, 10, now=now).state == "finished"
+    assert (
+        progress_health({"progress_at": "800", "committed_step": "10"}, 60, 10, now=now).state == "finished"
+    )
     gone = progress_health({"progress_at": "800", "global_step": "3"}, 60, 10, stopped=True, now=now)
     assert gone.state == "stopped" and not gone.healthy
     # a trainer without progress_at: the newest step_end stands in
@@ -61,12 +66,19 @@ def test_status_check_fails_on_a_stalled_run_whose_heartbeat_is_fresh(
     for g in (1, 2):
         pub.publish(keys.metrics, step_end(g, now - 400 + 10 * g))
     r.hset(keys.trainer, mapping={"global_step": 2, "heartbeat": now, "progress_at": now - 380})
-    argv = ["status", "--check", f"run.name={keys.run}", f"run.redis_url={redis_url}", "trainer.heartbeat_stall_s=60"]
+    argv = [
+        "status",
+        "--check",
+        f"run.name={keys.run}",
+        f"run.redis_url={redis_url}",
+        "trainer.heartbeat_stall_s=60",
+    ]
     code = main(argv)
     out = capsys.readouterr()
     assert code == 1, out.out
     assert "trainer heartbeat" in out.out and "): ok" in out.out  # the heart beats ...
-    assert "global steps last completed (or start)" in out.out and "STALLED" in out.out  # ... but nothing moves
+    # ... but nothing moves
+    assert "global steps last completed (or start)" in out.out and "STALLED" in out.out
     assert "no global step completed in 38" in out.err and "(last: 2)" in out.err
     assert "trained (committed steps" in out.out and "0.00 samples/s" in out.out
     r.hset(keys.trainer, "progress_at", time.time())  # a step completes: healthy again

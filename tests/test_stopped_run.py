@@ -1,5 +1,5 @@
-"""A finished run stays readable: after `rollstream stop`, the README's inspection and replay commands read the
-run's log from its own files (a private read-only Redis over its AOF, plus the archive), change no byte of
+"""A finished run stays readable: after `rollstream stop`, the README's inspection and replay commands read
+the run's log from its own files (a private read-only Redis over its AOF, plus the archive), change no byte of
 it, leave nothing behind, and `rollstream run` on the same name still resumes the run."""
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def test_readme_inspection_commands_work_after_stop_and_change_nothing(tmp_path:
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert not (run_dir / "redis.sock").exists()
     before, temp_before = _digests(run_dir), _temp_leftovers()
-    assert any(k.startswith("archive/") for k in before), "the tiny budget should have archived part of the log"
+    assert any(k.startswith("archive/") for k in before), (
+        "the tiny budget should have archived part of the log"
+    )
 
     audit = rollstream("audit", "--run-dir", str(run_dir), timeout_s=120)
     assert audit.returncode == 0, audit.stdout + audit.stderr
@@ -70,15 +72,17 @@ def test_readme_inspection_commands_work_after_stop_and_change_nothing(tmp_path:
     assert json.loads(record.stdout)["event"]["global_step"] == 2
     sample = rollstream("inspect", "rollouts", "-1", *args, timeout_s=120)
     assert sample.returncode == 0 and '"sample_id"' in sample.stdout, sample.stderr
-    tail = rollstream("tail", "metrics", *args, "--count", "3", timeout_s=120)  # nothing more can come: it returns
+    # nothing more can come: it returns
+    tail = rollstream("tail", "metrics", *args, "--count", "3", timeout_s=120)
     assert tail.returncode == 0 and len(tail.stdout.strip().splitlines()) == 3, tail.stdout + tail.stderr
     status = rollstream("status", *args, timeout_s=120)
     assert status.returncode == 0, status.stdout + status.stderr
     assert "rollouts" in status.stdout and "archived" in status.stdout
     plot = rollstream("plot", *args, "--out", str(tmp_path / "reward.png"), timeout_s=120)
     assert plot.returncode == 0 and (tmp_path / "reward.png").stat().st_size > 0, plot.stderr
-    replayed = rollstream("replay", "records", "--from", "done", "--to", "done-replay", "--run-dir", str(run_dir),
-                          timeout_s=120)
+    replayed = rollstream(
+        "replay", "records", "--from", "done", "--to", "done-replay", "--run-dir", str(run_dir), timeout_s=120
+    )
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     copied = rollstream("replay", "trainer", "--from", "done", "--to", "done-dbg", "--steps", "1-2", *args,
                         timeout_s=120)
@@ -93,9 +97,18 @@ def test_readme_inspection_commands_work_after_stop_and_change_nothing(tmp_path:
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["event"]["metrics"] == live["event"]["metrics"]
     # the trainer replay's copy is served writable to the printed command
-    served = rollstream("serve", "--write", "--run-dir", str(tmp_path / "done-dbg"), "--", sys.executable, "-c",
-                        "import os, redis; r = redis.Redis.from_url(os.environ['ROLLSTREAM_REDIS_URL']);"
-                        "print(r.xlen('rs:{done-dbg}:rollouts'))", timeout_s=120)
+    served = rollstream(
+        "serve",
+        "--write",
+        "--run-dir",
+        str(tmp_path / "done-dbg"),
+        "--",
+        sys.executable,
+        "-c",
+        "import os, redis; r = redis.Redis.from_url(os.environ['ROLLSTREAM_REDIS_URL']);"
+        "print(r.xlen('rs:{done-dbg}:rollouts'))",
+        timeout_s=120,
+    )
     assert served.returncode == 0 and int(served.stdout.strip()) == 8, served.stdout + served.stderr
 
     try:  # the stopped run resumes under its own name
@@ -109,6 +122,20 @@ def test_readme_inspection_commands_work_after_stop_and_change_nothing(tmp_path:
 
 
 def test_serve_refuses_a_run_whose_redis_answers(tmp_path: Path, redis_url: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "rollstream.cli", "serve", "pipeline.yaml", f"run.dir={tmp_path}",
-                           f"run.redis_url={redis_url}", "--", "true"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollstream.cli",
+            "serve",
+            "pipeline.yaml",
+            f"run.dir={tmp_path}",
+            f"run.redis_url={redis_url}",
+            "--",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 3 and "serve is for a stopped run" in done.stderr

@@ -290,6 +290,11 @@ def _drain_epoch(src: PromptSource, epoch: int) -> list[tuple[int, int, Prompt]]
     return out
 
 
+def train_prompts(src: PromptSource) -> list[Prompt]:
+    """The training prompts of epoch 0 in their unshuffled order."""
+    return [src.prompt_at(0, i) for i in range(src.epoch_size)] if src.fresh else list(src._train)
+
+
 def test_generator_source_deterministic() -> None:
     a = PromptSource.from_task(ReverseTask(), seed=3, epoch_size=50, val_size=10)
     b = PromptSource.from_task(ReverseTask(), seed=3, epoch_size=50, val_size=10)
@@ -298,7 +303,7 @@ def test_generator_source_deterministic() -> None:
     assert [(e, i, p.uid) for e, i, p in ta] == [(e, i, p.uid) for e, i, p in tb]
     assert [p.uid for _, _, p in ta] != [p.uid for _, _, p in tc]
     assert [p.uid for p in a.val_prompts()] == [p.uid for p in b.val_prompts()]
-    assert len({p.uid for p in a.train_prompts()}) == 50
+    assert len({p.uid for p in train_prompts(a)}) == 50
 
 
 def test_epochs_same_prompts_reshuffled() -> None:
@@ -311,7 +316,7 @@ def test_epochs_same_prompts_reshuffled() -> None:
     assert len(set(epochs[0])) == 40
     assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
     unshuffled = PromptSource.from_task(ArithToolTask(), seed=0, epoch_size=40, shuffle=False)
-    assert [p.uid for _, _, p in unshuffled.take(40)] == [p.uid for p in unshuffled.train_prompts()]
+    assert [p.uid for _, _, p in unshuffled.take(40)] == [p.uid for p in train_prompts(unshuffled)]
 
 
 def test_val_split_disjoint_generator() -> None:
@@ -320,7 +325,7 @@ def test_val_split_disjoint_generator() -> None:
     src = PromptSource.from_task(task, seed=1, epoch_size=60, val_size=30)
     val = src.val_prompts()
     assert len(val) == 30
-    train = src.train_prompts()
+    train = train_prompts(src)
     assert {p.uid for p in val}.isdisjoint(p.uid for p in train)
     assert {p.text for p in val}.isdisjoint(p.text for p in train)
     drawn = {p.uid for _, _, p in src.take(180)}
@@ -339,13 +344,13 @@ def test_shards_disjoint_and_covering(count: int) -> None:
         positions = [i for items in per_shard for _, i, _ in items]
         uids = [p.uid for items in per_shard for _, _, p in items]
         assert sorted(positions) == list(range(50))
-        assert sorted(uids) == sorted(p.uid for p in src.train_prompts())
+        assert sorted(uids) == sorted(p.uid for p in train_prompts(src))
         for a in range(count):
             for b in range(a + 1, count):
                 assert {p.uid for _, _, p in per_shard[a]}.isdisjoint(p.uid for _, _, p in per_shard[b])
         # a shard's items follow the global epoch order
         order = src.epoch_order(epoch)
-        train = src.train_prompts()
+        train = train_prompts(src)
         for items in per_shard:
             assert all(p.uid == train[order[i]].uid for _, i, p in items)
     with pytest.raises(ValueError):
@@ -405,12 +410,12 @@ def test_jsonl_source(tmp_path: Path) -> None:
     assert {p.uid for p in val}.isdisjoint(p.uid for _, _, p in src.take(48))
     # uids derived from content are stable across loads
     again = PromptSource.from_jsonl(f, seed=2, val_size=5)
-    assert [p.uid for p in again.train_prompts()] == [p.uid for p in src.train_prompts()]
+    assert [p.uid for p in train_prompts(again)] == [p.uid for p in train_prompts(src)]
     # separate val file; overlapping training lines are removed
     vf = _write(tmp_path / "v.jsonl", [_rows(20)[3], json.dumps({"prompt": "77>", "answer": "77"})])
     src2 = PromptSource.from_jsonl(f, val_file=vf)
     assert src2.epoch_size == 20
-    assert "003>" not in {p.text for p in src2.train_prompts()}
+    assert "003>" not in {p.text for p in train_prompts(src2)}
     assert [p.text for p in src2.val_prompts()] == ["003>", "77>"]
     # epochs reshuffle the same prompts
     items = src2.take(40)
@@ -459,7 +464,8 @@ def test_reverse_fixed_width_prompts_are_right_aligned_with_spaces() -> None:
 
 
 def test_fresh_source_draws_new_prompts_deterministically_and_never_validation() -> None:
-    task = ReverseTask(min_digits=3, max_digits=3)  # only 1000 prompts exist: repeats and val collisions happen
+    # only 1000 prompts exist: repeats and val collisions happen
+    task = ReverseTask(min_digits=3, max_digits=3)
     src = PromptSource.fresh_from_task(task, seed=5, epoch_size=64, val_size=100)
     val = {p.text for p in src.val_prompts()}
     assert len(val) == 100 and src.fresh
@@ -491,6 +497,8 @@ def test_config_builds_a_fresh_source_by_default() -> None:
 
     cfg = load_config(None, ["data.val_size=8"])
     assert cfg.data.fresh_prompts and build_prompt_source(cfg).fresh
-    fixed = build_prompt_source(load_config(None, ["data.val_size=8", "data.fresh_prompts=false", "data.epoch_size=20"]))
-    assert not fixed.fresh and len(fixed.train_prompts()) == 20
+    fixed = build_prompt_source(
+        load_config(None, ["data.val_size=8", "data.fresh_prompts=false", "data.epoch_size=20"])
+    )
+    assert not fixed.fresh and len(train_prompts(fixed)) == 20
     assert load_config(None, []).data.val_size >= 256

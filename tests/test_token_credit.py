@@ -38,7 +38,10 @@ def test_token_scores_follow_the_characters_and_fall_back_to_the_last_token() ->
 
 def test_returns_to_go_and_outcome_placement() -> None:
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]])
-    assert returns_to_go(torch.tensor([[1.0, 0, 2, 9], [3, 1, 7, 0]]), mask).tolist() == [[3, 2, 2, 0], [4, 1, 0, 0]]
+    assert returns_to_go(torch.tensor([[1.0, 0, 2, 9], [3, 1, 7, 0]]), mask).tolist() == [
+        [3, 2, 2, 0],
+        [4, 1, 0, 0],
+    ]
     placed = token_rewards(torch.tensor([0.5, 2.0]), mask, None)
     assert placed.tolist() == [[0, 0, 0.5, 0], [0, 2.0, 0, 0]]
 
@@ -94,7 +97,8 @@ def test_reinforce_plus_plus_whitens_returns_over_the_whole_batch_by_hand() -> N
     assert adv[2, 1].item() == pytest.approx((0.0 - mean) / std, rel=1e-5)  # negative: the batch does better
     assert adv[0, 0].item() == pytest.approx((0.5 - mean) / std, rel=1e-5)
     assert adv[3, 1].item() == 0.0  # off the mask
-    assert grpo_token_advantages(rewards, mask, [2, 2], gamma=0.0)[2, 1].item() == 0.0  # the group's own baseline
+    # the group's own baseline gives it nothing
+    assert grpo_token_advantages(rewards, mask, [2, 2], gamma=0.0)[2, 1].item() == 0.0
     gamma_one = reinforce_pp_advantages(rewards, mask, gamma=1.0)
     assert gamma_one[0, 0].item() > gamma_one[0, 1].item()  # return-to-go: the first token carries both
 

@@ -60,7 +60,8 @@ def trainer_args(keys: Keys, redis_url: str, run_dir: Path, steps: int) -> list[
 
 
 def as_schema_1(sample: RolloutSample) -> dict[str, Any]:
-    """The entry a schema-1 writer made of this sample: its batch padded (verl's int64 DataProto) in the payload."""
+    """The entry a schema-1 writer made of this sample: its batch padded (verl's int64 DataProto) in the
+    payload."""
     fields: dict[str, Any] = encode(sample)
     body = decode_payload(bytes(fields.pop("payload")))
     padded = assemble_batch_from_rollout_samples([sample])[0]
@@ -75,16 +76,28 @@ def as_schema_1(sample: RolloutSample) -> dict[str, Any]:
 class FakeProducer(threading.Thread):
     """Takes budget for the newest version, publishes fake samples stamped with it; the 5th (those at the
     `corrupt_at` indices) is corrupt, and every other one is written in RolloutSample schema 1 (the padded
-    int64 batch of writers before issue 17; `as_schema_1`). `cap[v]` limits how many prompts it dispatches for version v (until the
+    int64 batch that schema still decodes into; `as_schema_1`). `cap[v]` limits how many prompts it dispatches
+    for version v (until the
     cap is removed)."""
 
     def __init__(
-        self, r: redis.Redis, keys: Keys, corrupt_at: tuple[int, ...] = (4,), flat_every: int = 0, failed_at: tuple[int, ...] = ()
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        corrupt_at: tuple[int, ...] = (4,),
+        flat_every: int = 0,
+        failed_at: tuple[int, ...] = (),
     ) -> None:
         """`flat_every` > 0: every flat_every-th sample's 4 trajectories all get reward 1.0 (no GRPO signal);
         the samples at `failed_at` indices are rollout failures (rollout_status rollout_failure = 1)."""
         super().__init__(daemon=True)
-        self.r, self.keys, self.corrupt_at, self.flat_every, self.failed_at = r, keys, corrupt_at, flat_every, failed_at
+        self.r, self.keys, self.corrupt_at, self.flat_every, self.failed_at = (
+            r,
+            keys,
+            corrupt_at,
+            flat_every,
+            failed_at,
+        )
         self.flat: list[str] = []
         self.failed: list[str] = []
         self.stop = threading.Event()
@@ -120,7 +133,9 @@ class FakeProducer(threading.Thread):
                 if len(self.published) in self.failed_at:
                     sample.rollout_status["rollout_failure"] = 1
                     self.failed.append(sid)
-                fields: dict[str, Any] = encode(sample) if len(self.published) % 2 == 0 else as_schema_1(sample)
+                fields: dict[str, Any] = (
+                    encode(sample) if len(self.published) % 2 == 0 else as_schema_1(sample)
+                )
                 self.schema[sid] = fields["schema"]
                 if len(self.published) in self.corrupt_at:
                     fields["payload"] = b"\xc1 not msgpack"
@@ -142,7 +157,11 @@ def check_invariants(r: redis.Redis, keys: Keys, producer: FakeProducer, steps: 
     assert rep.problems() == [], rep.problems()
     assert rep.published == set(producer.published) and rep.duplicate_entries == 0 and not rep.unknown
     assert rep.dead == set(producer.corrupt)
-    unacked = {f[b"sample_id"].decode() for i, f in r.xrange(keys.rollouts) if i.decode() in unacked_entry_ids(r, keys)}
+    unacked = {
+        f[b"sample_id"].decode()
+        for i, f in r.xrange(keys.rollouts)
+        if i.decode() in unacked_entry_ids(r, keys)
+    }
     assert unacked == rep.pending, "a committed sample is still pending"
     assert rep.steps == list(range(1, steps + 1))
     fates = [decode_fate(f) for _, f in r.xrange(keys.fates)]
@@ -190,7 +209,9 @@ def test_trainer_run_keeps_every_sample_exactly_once(
     counts = check_invariants(r, keys, producer, 4)
     assert counts["trained"] == 4 * TBS and counts["dropped"] > 0 and counts["updates"] == 8
     schema_of = producer.schema
-    trained = [fate.sample_id for fate in (decode_fate(f) for _, f in r.xrange(keys.fates)) if fate.fate == TRAINED]
+    trained = [
+        fate.sample_id for fate in (decode_fate(f) for _, f in r.xrange(keys.fates)) if fate.fate == TRAINED
+    ]
     assert {schema_of[sid] for sid in trained} == {b"1", b"4"}  # old-schema entries train alongside new ones
     assert len(list((tmp_path / keys.run / "checkpoints").iterdir())) == 2
 
@@ -230,12 +251,18 @@ def test_sync_mode_run_with_dead_lettered_samples_finishes(
     assert int(r.get(keys.consumed)) == 3 * TBS + 3  # type: ignore[arg-type]
 
 
-def _wait_for_local_update(r: redis.Redis, keys: Keys, step: int, proc: subprocess.Popen, timeout_s: float) -> None:
+def _wait_for_local_update(
+    r: redis.Redis, keys: Keys, step: int, proc: subprocess.Popen, timeout_s: float
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         evs = events(r, keys.metrics)
-        if any(isinstance(e, StepMetrics) and e.type == "local_update" and e.global_step == step for e in evs):
-            assert not any(isinstance(e, StepMetrics) and e.type == "step_end" and e.global_step == step for e in evs)
+        if any(
+            isinstance(e, StepMetrics) and e.type == "local_update" and e.global_step == step for e in evs
+        ):
+            assert not any(
+                isinstance(e, StepMetrics) and e.type == "step_end" and e.global_step == step for e in evs
+            )
             return
         assert proc.poll() is None, "trainer exited early"
         time.sleep(0.05)
@@ -255,6 +282,8 @@ def test_trainer_sigkill_mid_step_then_restart_loses_and_repeats_nothing(
     finally:
         if proc.poll() is None:
             proc.kill()
+        if proc.stderr:
+            proc.stderr.close()
     assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) == b"1"
     assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] > 0  # step 2's samples were not acked
     del producer.cap[1]
@@ -268,8 +297,18 @@ def test_trainer_sigkill_mid_step_then_restart_loses_and_repeats_nothing(
 
 def test_bad_train_batch_size_is_refused_with_the_three_values(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "consumers.trainer", "pipeline.yaml", "data.train_batch_size=3", f"run.dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "consumers.trainer",
+            "pipeline.yaml",
+            "data.train_batch_size=3",
+            f"run.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     for part in ("data.train_batch_size=3", "trainer.parameter_sync_step=1", "actor.ppo_mini_batch_size=32"):
@@ -284,17 +323,26 @@ def test_trainer_with_real_producers(r: redis.Redis, keys: Keys, redis_url: str,
     steps = 3
     args = trainer_args(keys, redis_url, tmp_path, steps)
     common = [a for a in args[4:] if "=" in a] + [
-        "rollout.n=2", "rollout.num_producers=2", "rollout.prompts_per_dispatch=2", "data.max_response_length=4",
+        "rollout.n=2",
+        "rollout.num_producers=2",
+        "rollout.prompts_per_dispatch=2",
+        "data.max_response_length=4",
         "rollout.stats_every_s=1",
     ]
     prods = [
-        subprocess.Popen([sys.executable, "-m", "producers", "pipeline.yaml", *common, "--name", f"rollout_{i:02d}"],
-                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-m", "producers", "pipeline.yaml", *common, "--name", f"rollout_{i:02d}"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for i in range(2)
     ]
     try:
-        trainer = subprocess.run([*args[:4], *common, "--name", "trainer"], cwd=ROOT, capture_output=True,
-                                 text=True, timeout=150)
+        trainer = subprocess.run(
+            [*args[:4], *common, "--name", "trainer"], cwd=ROOT, capture_output=True, text=True, timeout=150
+        )
     finally:
         for p in prods:
             p.send_signal(signal.SIGTERM)
@@ -309,9 +357,16 @@ def test_trainer_with_real_producers(r: redis.Redis, keys: Keys, redis_url: str,
     assert counts["trained"] == steps * TBS
 
 
-def test_sigterm_while_waiting_for_samples_exits_0(r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path) -> None:
-    proc = subprocess.Popen(trainer_args(keys, redis_url, tmp_path, 2), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+def test_sigterm_while_waiting_for_samples_exits_0(
+    r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path
+) -> None:
+    proc = subprocess.Popen(
+        trainer_args(keys, redis_url, tmp_path, 2),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while r.hget(keys.trainer, HEARTBEAT_FIELD) is None:  # version 0 published, now polling for samples
@@ -330,6 +385,8 @@ def test_sigterm_while_waiting_for_samples_exits_0(r: redis.Redis, keys: Keys, r
     finally:
         if proc.poll() is None:
             proc.kill()
+        if proc.stderr:
+            proc.stderr.close()
     assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) is None
 
 
@@ -351,6 +408,8 @@ def test_trainer_waits_for_num_warmup_batches_before_its_first_update(
     finally:
         if proc.poll() is None:
             proc.kill()
+        if proc.stderr:
+            proc.stderr.close()
     first = min(i for i, f in r.xrange(keys.metrics) if f.get(b"type") == b"local_update")
     assert len(r.xrange(keys.rollouts, max=first)) >= 6  # 3 mini-batches had arrived before it
 
@@ -378,8 +437,13 @@ def test_over_threshold_samples_train_under_rollout_correction_when_asked(
     """trainer.max_off_policy_strategy=train: samples over the staleness threshold are trained (their IS
     weights from actor.rollout_correction), none dropped, and every step_end reports a dropped share of 0."""
     args = trainer_args(keys, redis_url, tmp_path, 3)
-    proc = subprocess.run([*args[:-2], "trainer.max_off_policy_strategy=train", *args[-2:]], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*args[:-2], "trainer.max_off_policy_strategy=train", *args[-2:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = audit_run(r, keys)
     assert rep.problems() == [] and not rep.dropped and len(rep.trained) == 3 * TBS
@@ -387,5 +451,7 @@ def test_over_threshold_samples_train_under_rollout_correction_when_asked(
     assert any(f.staleness > 1 for f in fates), "the run had no over-threshold sample to train"
     ends = [ev for ev in events(r, keys.metrics) if isinstance(ev, StepMetrics) and ev.type == "step_end"]
     assert [ev.metrics["training/off_policy/dropped_share"] for ev in ends] == [0.0, 0.0, 0.0]
-    updates = [ev for ev in events(r, keys.metrics) if isinstance(ev, StepMetrics) and ev.type == "local_update"]
+    updates = [
+        ev for ev in events(r, keys.metrics) if isinstance(ev, StepMetrics) and ev.type == "local_update"
+    ]
     assert all("rollout_corr/rollout_is_mean" in ev.metrics for ev in updates)

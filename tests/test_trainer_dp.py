@@ -27,7 +27,6 @@ from consumers.trainer.distributed import (
     RankInfo,
     check_strategy,
     consumer_name,
-    state_bytes,
 )
 from consumers.trainer.learner import Learner
 from consumers.trainer.ranks import RoundClaim, rank_info, resolve_round
@@ -35,9 +34,19 @@ from rollstream.config import load_config
 from rollstream.fakes import fake_rollout_sample
 from rollstream.rl import agg_loss
 from rollstream.rl.masked import agg_count
+from rollstream.weights_io import state_bytes
 
-TINY = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu",
-        "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=2", "data.train_batch_size=8", "rollout.n=4"]
+TINY = [
+    "model.d_model=16",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.max_seq_len=32",
+    "run.device=cpu",
+    "actor.ppo_mini_batch_size=4",
+    "trainer.parameter_sync_step=2",
+    "data.train_batch_size=8",
+    "rollout.n=4",
+]
 STEPS, K, MINI = 3, 2, 4
 #: name -> overrides of one exactness case (every loss aggregation, both off-policy modes, KL and entropy
 #: terms, micro-batches)
@@ -45,7 +54,10 @@ CASES = {
     "token-mean": ["actor.loss_agg_mode=token-mean", "actor.kl_coef=0.1", "actor.entropy_coef=0.01"],
     "seq-mean-token-mean": ["actor.loss_agg_mode=seq-mean-token-mean", "actor.off_policy_mode=bypass"],
     "seq-mean-token-sum": ["actor.loss_agg_mode=seq-mean-token-sum", "actor.adv_estimator=grpo_token"],
-    "micro-batches": ["actor.loss_agg_mode=token-mean", "actor.micro_batch_size=3"],  # DDP's no_sync accumulation
+    "micro-batches": [
+        "actor.loss_agg_mode=token-mean",
+        "actor.micro_batch_size=3",
+    ],  # DDP's no_sync accumulation
     # the batch-wide whitening's statistics are all-reduced: each rank's advantages are the whole batch's
     "reinforce_plus_plus": ["actor.adv_estimator=reinforce_plus_plus", "actor.gamma=0.5"],
 }
@@ -54,8 +66,10 @@ CONTROL = "token-mean"  # also run with per-rank normalisation: must NOT match
 
 def _samples() -> list[Any]:
     """STEPS * K * MINI recorded samples: ragged responses, prompts of different lengths."""
-    return [fake_rollout_sample(f"s{i}", n=4, prompt_len=3 + i % 5, response_len=7, ragged=True, seed=i, vocab=20)
-            for i in range(STEPS * K * MINI)]
+    return [
+        fake_rollout_sample(f"s{i}", n=4, prompt_len=3 + i % 5, response_len=7, ragged=True, seed=i, vocab=20)
+        for i in range(STEPS * K * MINI)
+    ]
 
 
 def _train(learner: Learner, rank: int, world: int) -> bytes:
@@ -88,17 +102,23 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
         weights, optim = learner.whole_weights(), learner.optimizer_state()
         ckpt_dir = Path(out_dir, "ckpt")
         path = write_checkpoint(ckpt_dir, 3, weights, optim, {"steps": []}) if rank == 0 else None
-        data = fsdp.broadcast_bytes(path.read_bytes() if path is not None else None)  # as a resuming rank reads it
+        # as a resuming rank reads it
+        data = fsdp.broadcast_bytes(path.read_bytes() if path is not None else None)
         resumed = Learner(load_config(None, TINY + CASES[CONTROL]), fsdp)
         resumed.load_checkpoint_state(*read_checkpoint(data, rank, world)[:2])
         again = resumed.whole_weights(), resumed.optimizer_state()
         if rank == 0:
             Path(out_dir, "fsdp.safetensors").write_bytes(blob)
-            assert again[0].keys() == weights.keys() and all(torch.equal(again[0][k], weights[k]) for k in weights)
+            assert again[0].keys() == weights.keys() and all(
+                torch.equal(again[0][k], weights[k]) for k in weights
+            )
             assert again[1]["state"].keys() == optim["state"].keys()
             for i, st in optim["state"].items():
                 for key, value in st.items():
-                    assert torch.equal(torch.as_tensor(again[1]["state"][i][key]), torch.as_tensor(value)), (i, key)
+                    assert torch.equal(torch.as_tensor(again[1]["state"][i][key]), torch.as_tensor(value)), (
+                        i,
+                        key,
+                    )
         else:
             assert weights == {} and again[0] == {}  # whole weights reach rank 0 only
         Learner._dp_count = lambda self, total: (total, 1)  # type: ignore[method-assign]  # each rank's own counts
@@ -146,7 +166,9 @@ def test_counts_over_every_rank_give_the_global_loss() -> None:
     every_loss, every_mask = torch.cat(losses), torch.cat(masks)
     for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
         total = sum(agg_count(m, mode) for m in masks)
-        shares = [agg_loss(x, m, mode) * agg_count(m, mode) * 2 / total for x, m in zip(losses, masks, strict=True)]
+        shares = [
+            agg_loss(x, m, mode) * agg_count(m, mode) * 2 / total for x, m in zip(losses, masks, strict=True)
+        ]
         torch.testing.assert_close(sum(shares) / 2, agg_loss(every_loss, every_mask, mode))
 
 
@@ -174,13 +196,22 @@ def _trainer_rank(rank: int, world: int, init_file: str, redis_url: str, overrid
         cfg = load_config(None, overrides)
         r = redis_lib.Redis.from_url(redis_url)
         dp = DataParallel(RankInfo(rank, world, rank), torch.device("cpu"))
-        Trainer(cfg, r, Keys(cfg.run.name), consumer_name("trainer", RankInfo(rank, world, rank)), threading.Event(),
-                burst=True, dp=dp).run()
+        Trainer(
+            cfg,
+            r,
+            Keys(cfg.run.name),
+            consumer_name("trainer", RankInfo(rank, world, rank)),
+            threading.Event(),
+            burst=True,
+            dp=dp,
+        ).run()
     finally:
         dp.close()
 
 
-def test_two_trainer_ranks_train_a_sample_read_by_both_once(r: Any, keys: Any, redis_url: str, tmp_path: Path) -> None:
+def test_two_trainer_ranks_train_a_sample_read_by_both_once(
+    r: Any, keys: Any, redis_url: str, tmp_path: Path
+) -> None:
     """Every id published twice in a row (a producer's retried XADD) reaches both ranks in one round (each
     reads one entry per round); the lower rank trains it, the other acks its copy without a fate."""
     from consumers.trainer.checkpoint import list_checkpoints
@@ -188,10 +219,20 @@ def test_two_trainer_ranks_train_a_sample_read_by_both_once(r: Any, keys: Any, r
     from rollstream.bus import iter_stream, setup_run
     from schemas import StepMetrics, decode, decode_payload, encode
 
-    overrides = TINY[:5] + [f"run.name={keys.run}", f"run.dir={tmp_path}", "actor.ppo_mini_batch_size=2",
-                            "trainer.parameter_sync_step=1", "data.train_batch_size=2", "rollout.n=2",
-                            "trainer.total_global_steps=4", "trainer.max_off_policy_threshold=1000", "trainer.test_freq=0",
-                            "trainer.save_freq=2", "trainer.nproc_per_node=2", "bus.block_ms=50"]
+    overrides = TINY[:5] + [
+        f"run.name={keys.run}",
+        f"run.dir={tmp_path}",
+        "actor.ppo_mini_batch_size=2",
+        "trainer.parameter_sync_step=1",
+        "data.train_batch_size=2",
+        "rollout.n=2",
+        "trainer.total_global_steps=4",
+        "trainer.max_off_policy_threshold=1000",
+        "trainer.test_freq=0",
+        "trainer.save_freq=2",
+        "trainer.nproc_per_node=2",
+        "bus.block_ms=50",
+    ]
     setup_run(r, keys)
     for i in range(10):
         sample = encode(fake_rollout_sample(f"s{i}", n=2, prompt_len=4, response_len=5, seed=i, vocab=20))
@@ -206,10 +247,12 @@ def test_two_trainer_ranks_train_a_sample_read_by_both_once(r: Any, keys: Any, r
     assert rep.duplicate_entries == 10
     events = [ev for _, f in iter_stream(r, keys.metrics) if isinstance(ev := decode(f), StepMetrics)]
     updates = [e for e in events if e.type == "local_update"]
-    assert sorted((e.global_step, e.rank, e.sample_count) for e in updates) == [(g, k, 1) for g in (1, 2, 3, 4) for k in (0, 1)]
+    assert sorted((e.global_step, e.rank, e.sample_count) for e in updates) == [
+        (g, k, 1) for g in (1, 2, 3, 4) for k in (0, 1)
+    ]
     consumers = {c["name"].decode(): c["pending"] for c in r.xinfo_consumers(keys.rollouts, "trainer")}
     assert set(consumers) == {"trainer-r0", "trainer-r1"}
-    (_, newest), = list_checkpoints(tmp_path / keys.run / "checkpoints")[-1:]
+    ((_, newest),) = list_checkpoints(tmp_path / keys.run / "checkpoints")[-1:]
     meta = decode_payload(st_load(newest.read_bytes())["meta/payload"].numpy().tobytes())
     assert [rk["rank"] for rk in meta["ranks"]] == [0, 1] and all(rk["rng"]["torch"] for rk in meta["ranks"])
     assert sorted(sid for rk in meta["ranks"] for sid in rk["sample_ids"]) == [f"s{i}" for i in range(4, 8)]
@@ -217,8 +260,11 @@ def test_two_trainer_ranks_train_a_sample_read_by_both_once(r: Any, keys: Any, r
 
 def test_a_round_gives_an_id_taken_by_two_ranks_to_the_lower_one() -> None:
     claimed = {"old"}  # claimed in an earlier round or step
-    claims = [RoundClaim(False, 1, [("a", True), ("b", False)]), RoundClaim(False, 1, [("a", True), ("old", True)]),
-              RoundClaim(False, 2, [])]
+    claims = [
+        RoundClaim(False, 1, [("a", True), ("b", False)]),
+        RoundClaim(False, 1, [("a", True), ("old", True)]),
+        RoundClaim(False, 2, []),
+    ]
     for rank, dupes in ((0, []), (1, [0, 1]), (2, [])):
         seen = set(claimed)
         res = resolve_round(claims, seen, want=2, rank=rank)

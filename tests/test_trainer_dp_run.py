@@ -28,7 +28,7 @@ from rollstream.bus import iter_stream
 from rollstream.names import TRAINER_GROUP, Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.process import rpc
-from rollstream.ops.target import open_run
+from rollstream.ops.run_target import open_run
 from schemas import StepMetrics, SyncStepRecord, decode
 
 SEED = int(os.environ.get("ROLLSTREAM_FAULT_SEED", "7"))
@@ -129,12 +129,15 @@ def test_two_rank_trainer_runs_the_demo_and_stops_cleanly(tmp_path: Path) -> Non
         assert started.returncode == 0, started.stdout + started.stderr
         status = rollstream("status", "--run-dir", str(run_dir), timeout_s=60)
         assert status.returncode == 0, status.stderr
-        assert "trainer-r0 heartbeat" in status.stdout and "trainer-r1 heartbeat" in status.stdout, status.stdout
+        assert "trainer-r0 heartbeat" in status.stdout and "trainer-r1 heartbeat" in status.stdout, (
+            status.stdout
+        )
         assert "trainer consumers: trainer-r0 pending" in status.stdout, status.stdout
         assert sorted(_ranks(run_dir)) == [0, 1]
     finally:
         _stop_clean(args)
-    assert list(temp.iterdir()) == []  # torchrun's torchelastic_*, torch's torchinductor_* stayed in the run dir
+    # torchrun's torchelastic_*, torch's torchinductor_* stayed in the run dir
+    assert list(temp.iterdir()) == []
     assert not (run_dir / "tmp").exists()  # and went with a clean stop
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert "trainer-r0" in log and "trainer-r1" in log and "Traceback" not in log
@@ -144,8 +147,10 @@ def test_two_rank_trainer_runs_the_demo_and_stops_cleanly(tmp_path: Path) -> Non
     updates = [e for e in events if e.type == "local_update"]
     assert {e.rank for e in updates} == {0, 1} and {e.sample_count for e in updates} == {1}  # 2 / 2 ranks
     ends = [e for e in events if e.type == "step_end"]
-    assert ends and all(e.world_size == 2 and e.sample_count + e.metrics["fully_async/count/dropped_samples"] >= 4
-                        for e in ends)
+    assert ends and all(
+        e.world_size == 2 and e.sample_count + e.metrics["fully_async/count/dropped_samples"] >= 4
+        for e in ends
+    )
     trained = [r for r in records if r.global_step > 0]
     assert trained and all(r.metrics["trainer/world_size"] == 2 and r.num_local_updates == 2 for r in trained)
 

@@ -16,7 +16,7 @@ from consumers.trainer.checkpoint import (
     META_VERSION,
     checkpoint_path,
     list_checkpoints,
-    load_latest_checkpoint,
+    load_checkpoint,
     save_checkpoint,
 )
 from consumers.trainer.learner import Learner
@@ -48,8 +48,17 @@ def test_staleness_threshold_keeps_k_and_drops_k_plus_one(r: redis.Redis, keys: 
 
     k = 2
     assert staleness(global_step=5, param_version=4) == 1  # on-policy
-    cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "actor.ppo_mini_batch_size=2",
-                                    "data.train_batch_size=4", f"trainer.max_off_policy_threshold={k}"])
+    cfg = load_config(
+        None,
+        TINY
+        + [
+            f"run.name={keys.run}",
+            f"run.dir={tmp_path}",
+            "actor.ppo_mini_batch_size=2",
+            "data.train_batch_size=4",
+            f"trainer.max_off_policy_threshold={k}",
+        ],
+    )
     setup_run(r, keys)
     for sid, version in (("too-old", 5 - k - 1), ("edge", 5 - k), ("fresh", 4)):
         r.xadd(keys.rollouts, encode(fake_rollout_sample(sid, param_version=version, n=2, prompt_len=5,
@@ -57,7 +66,8 @@ def test_staleness_threshold_keeps_k_and_drops_k_plus_one(r: redis.Redis, keys: 
     trainer = Trainer(cfg, r, keys, "trainer", threading.Event(), burst=True)  # burst: returns once drained
     trainer.newest_published = 4
     ledger = StepLedger(5)
-    got = trainer._collect(5, ledger)  # global step 5 through the consumer loop: staleness k kept, k+1 dropped
+    # global step 5 through the consumer loop: staleness k kept, k+1 dropped
+    got = trainer._collect(5, ledger)
     assert got is not None
     kept, dropped = got.kept, got.dropped
     assert got.dropped_lengths == [6.0] and got.evicted == []
@@ -72,7 +82,9 @@ def test_staleness_threshold_keeps_k_and_drops_k_plus_one(r: redis.Redis, keys: 
 
 
 def _batch(n_samples: int = 2) -> object:
-    samples = [fake_rollout_sample(f"s{i}", n=4, prompt_len=5, response_len=6, seed=i) for i in range(n_samples)]
+    samples = [
+        fake_rollout_sample(f"s{i}", n=4, prompt_len=5, response_len=6, seed=i) for i in range(n_samples)
+    ]
     return assemble_batch_from_rollout_samples(samples)[0]
 
 
@@ -91,9 +103,11 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path: Path
 
     b = Learner(cfg)  # fresh weights and an empty optimizer
     torch.manual_seed(0)
-    got = load_latest_checkpoint(tmp_path, b.policy, b.optimizer)
-    assert got is not None and got["global_step"] == 3 and got["steps"] == [{"anything": [1, 2]}]
-    for (na, pa), (nb, pb) in zip(a.policy.module.named_parameters(), b.policy.module.named_parameters(), strict=True):
+    got = load_checkpoint(list_checkpoints(tmp_path)[-1][1], b.policy, b.optimizer)
+    assert got["global_step"] == 3 and got["steps"] == [{"anything": [1, 2]}]
+    for (na, pa), (nb, pb) in zip(
+        a.policy.module.named_parameters(), b.policy.module.named_parameters(), strict=True
+    ):
         assert na == nb and torch.equal(pa, pb)
     sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
     assert sa["param_groups"] == [dict(g, betas=tuple(g["betas"])) for g in sb["param_groups"]]
@@ -110,7 +124,9 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path: Path
 
 
 def test_learner_update_reports_metrics_and_changes_weights() -> None:
-    cfg = load_config(None, TINY + ["actor.ppo_mini_batch_size=2", "data.train_batch_size=4", "actor.kl_coef=0.1"])
+    cfg = load_config(
+        None, TINY + ["actor.ppo_mini_batch_size=2", "data.train_batch_size=4", "actor.kl_coef=0.1"]
+    )
     learner = Learner(cfg)
     before = learner.policy.state_dict_bytes()
     learner.begin_step()
@@ -132,10 +148,15 @@ def test_commit_is_atomic_and_a_replay_is_harmless(r: redis.Redis, keys: Keys) -
     r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts: ">"})
     ledger = StepLedger(
         1,
-        fates=[Fate("s0", ids[0], TRAINED, 1, 0, 1), Fate("s1", ids[1], TRAINED, 1, 0, 1),
-               Fate("s2", ids[2], DROPPED, 3, -2, 1)],
+        fates=[
+            Fate("s0", ids[0], TRAINED, 1, 0, 1),
+            Fate("s1", ids[1], TRAINED, 1, 0, 1),
+            Fate("s2", ids[2], DROPPED, 3, -2, 1),
+        ],
         ack_ids=ids,
-        step_end=StepMetrics(type="step_end", global_step=1, local_step=2, sample_count=2, num_local_updates=2),
+        step_end=StepMetrics(
+            type="step_end", global_step=1, local_step=2, sample_count=2, num_local_updates=2
+        ),
     )
     commit_steps(r, keys, [ledger], param_version=1)
     assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
@@ -169,8 +190,12 @@ def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
     r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts: ">"})
     # a crash right after the step-1 checkpoint: nothing published, nothing committed
     first = Trainer(cfg, r, keys, "trainer", threading.Event())
-    ledger = StepLedger(1, [Fate("s0", ids[0], TRAINED, 1, 0, 1), Fate("s1", ids[1], TRAINED, 1, 0, 1)], ids,
-                        StepMetrics(type="step_end", global_step=1, local_step=2, sample_count=2, num_local_updates=2))
+    ledger = StepLedger(
+        1,
+        [Fate("s0", ids[0], TRAINED, 1, 0, 1), Fate("s1", ids[1], TRAINED, 1, 0, 1)],
+        ids,
+        StepMetrics(type="step_end", global_step=1, local_step=2, sample_count=2, num_local_updates=2),
+    )
     save_checkpoint(first.ckpt_dir, 1, first.learner.policy, first.learner.optimizer,
                     {"param_version": 1, "steps": [ledger.to_plain()]})
     for _ in range(2):  # the second resume finds everything done and changes nothing
@@ -185,27 +210,33 @@ def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
         assert current_budget(r, keys)[0] == 1
 
 
-def test_a_checkpoint_with_old_format_metadata_loads_upgraded(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+def test_a_checkpoint_with_old_format_metadata_loads_upgraded(
+    r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
     """Metadata written before it had a version (fates with `entry_id`, no `global_step`) is upgraded on
-    load, and committing its steps writes the fates entries the old code wrote."""
+    load, and committing its steps writes the same fates entries as current metadata would."""
     cfg = load_config(None, TINY + ["actor.ppo_mini_batch_size=2", "data.train_batch_size=4"])
     learner = Learner(cfg)
     path = save_checkpoint(tmp_path, 4, learner.policy, learner.optimizer, {"param_version": 4, "steps": []})
     tensors = load_file(str(path))
     meta = decode_payload(tensors["meta/payload"].numpy().tobytes())
     assert meta.pop("meta_version") == META_VERSION == 2
-    meta["steps"] = [{  # what the trainer wrote before metadata versions (layout 1)
-        "global_step": 4,
-        "fates": [{"sample_id": "s0", "entry_id": "5-0", "fate": "trained", "staleness": 1, "param_version": 3},
-                  {"sample_id": "s1", "entry_id": "6-0", "fate": "dropped", "staleness": 3, "param_version": 1}],
-        "ack_ids": ["5-0", "6-0"],
-        "step_end": None,
-    }]
+    meta["steps"] = [
+        {  # what the trainer wrote before metadata versions (layout 1)
+            "global_step": 4,
+            "fates": [
+                {"sample_id": "s0", "entry_id": "5-0", "fate": "trained", "staleness": 1, "param_version": 3},
+                {"sample_id": "s1", "entry_id": "6-0", "fate": "dropped", "staleness": 3, "param_version": 1},
+            ],
+            "ack_ids": ["5-0", "6-0"],
+            "step_end": None,
+        }
+    ]
     tensors["meta/payload"] = torch.frombuffer(bytearray(encode_payload(meta)), dtype=torch.uint8)
     save_file(tensors, str(checkpoint_path(tmp_path, 4)))
 
-    got = load_latest_checkpoint(tmp_path, Learner(cfg).policy, Learner(cfg).optimizer)
-    assert got is not None and "meta_version" not in got and got["param_version"] == 4
+    got = load_checkpoint(checkpoint_path(tmp_path, 4), Learner(cfg).policy, Learner(cfg).optimizer)
+    assert "meta_version" not in got and got["param_version"] == 4
     (ledger,) = [StepLedger.from_plain(d) for d in got["steps"]]
     assert ledger.fates == [Fate("s0", "5-0", TRAINED, 1, 3, 4), Fate("s1", "6-0", DROPPED, 3, 1, 4)]
     assert ledger.dropped == 1 and ledger.ack_ids == ["5-0", "6-0"]
@@ -229,4 +260,4 @@ def test_a_checkpoint_from_a_newer_rollstream_is_refused(tmp_path: Path) -> None
     tensors["meta/payload"] = torch.frombuffer(bytearray(encode_payload(meta)), dtype=torch.uint8)
     save_file(tensors, str(path))
     with pytest.raises(ValueError, match="newer than"):
-        load_latest_checkpoint(tmp_path, learner.policy, learner.optimizer)
+        load_checkpoint(path, learner.policy, learner.optimizer)

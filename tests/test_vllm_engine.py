@@ -1,5 +1,6 @@
-"""The vLLM engine (`rollout.engine=vllm`, producers/engines/vllm.py) on a tiny random Qwen2 built here, on CPU:
-its log-probs are log_softmax(logits / T) at T != 1, weights published by the trainer load into the running
+"""The vLLM engine (`rollout.engine=vllm`, producers/engines/vllm.py) on a tiny random Qwen2 built here, on
+CPU: its log-probs are log_softmax(logits / T) at T != 1, weights published by the trainer load into the
+running
 engine (inline and file:// versions; greedy output then equals the built-in sampler's on the same weights),
 a version that arrives mid-generation pauses, swaps and resumes the rows in flight with truthful swap points,
 the tool agent loop runs through it token in, token out, and an engine that cannot start says why in one line.
@@ -42,8 +43,16 @@ def engine_config(model_dir: Path, *overrides: str) -> PipelineConfig:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen2 (hidden 128, 4 heads: head size 32, which vLLM's CPU attention takes) with a BPE
     tokenizer and a chat template."""
-    return Path(make_tiny_hf_model(tmp_path_factory.mktemp("vllm") / "qwen2", seed=0, arch="qwen2", tokenizer="bpe",
-                                   chat_template=True, hidden_size=128))
+    return Path(
+        make_tiny_hf_model(
+            tmp_path_factory.mktemp("vllm") / "qwen2",
+            seed=0,
+            arch="qwen2",
+            tokenizer="bpe",
+            chat_template=True,
+            hidden_size=128,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +84,9 @@ def perturbed(policy: HFPolicy, scale: float) -> HFPolicy:
     return policy
 
 
-def test_logprobs_are_the_tempered_distribution_the_trainer_recomputes(engine: VLLMPolicy, reference: HFPolicy) -> None:
+def test_logprobs_are_the_tempered_distribution_the_trainer_recomputes(
+    engine: VLLMPolicy, reference: HFPolicy
+) -> None:
     rows = engine.generate(PROMPTS, n=2, max_new_tokens=10, temperature=2.0)
     assert len(rows) == 6 and [r.prompt_ids for r in rows[::2]] == PROMPTS
     worst = 0.0
@@ -127,7 +138,9 @@ def test_a_version_mid_generation_pauses_swaps_and_resumes(
         calls.append(sync.refresh())
         return calls[-1]
 
-    rows = engine.generate(PROMPTS, n=2, max_new_tokens=12, temperature=1.5, sync_every_tokens=3, on_chunk=on_chunk)
+    rows = engine.generate(
+        PROMPTS, n=2, max_new_tokens=12, temperature=1.5, sync_every_tokens=3, on_chunk=on_chunk
+    )
     assert calls[0] is True and sync.version == 1
     swapped = [row for row in rows if row.swap_points]
     assert swapped, "rows in flight at the swap record where the new weights took over"
@@ -137,7 +150,8 @@ def test_a_version_mid_generation_pauses_swaps_and_resumes(
         old = recompute(reference, row.prompt_ids, row.response_ids[:k], 1.5)
         new = recompute(newer, row.prompt_ids + row.response_ids[:k], row.response_ids[k:], 1.5)
         assert float((old - torch.tensor(row.log_probs[:k])).abs().max()) < 1e-4  # sampled by version 0
-        assert float((new - torch.tensor(row.log_probs[k:])).abs().max()) < 1e-4  # by version 1, cache recomputed
+        # by version 1, cache recomputed
+        assert float((new - torch.tensor(row.log_probs[k:])).abs().max()) < 1e-4
     assert all(row.finished or len(row.response_ids) == 12 for row in rows)
 
 
@@ -153,17 +167,22 @@ class _CallAfterThreeChars:
         raise NotImplementedError
 
 
-def test_tool_agent_runs_token_in_token_out(engine: VLLMPolicy, reference: HFPolicy, r: redis.Redis, keys: Keys) -> None:
+def test_tool_agent_runs_token_in_token_out(
+    engine: VLLMPolicy, reference: HFPolicy, r: redis.Redis, keys: Keys
+) -> None:
     sync = WeightSync(r, keys, None, "rollout_00", loader=engine.load_param_version)
     publish_weights(r, keys, 0, reference.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
     assert sync.refresh()
-    batch = prepare_single_generation_data(Prompt(uid="p", text="12+30=?", answer="42"), 2, True, engine.tokenizer)
+    batch = prepare_single_generation_data(
+        Prompt(uid="p", text="12+30=?", answer="42"), 2, True, engine.tokenizer
+    )
     settings = GenerationSettings(max_new_tokens=6, temperature=1.0, max_turns=3, partial_rollout=False)
     trajs = run_agent_loop(engine, _CallAfterThreeChars(), batch, settings, sync)  # type: ignore[arg-type]
     assert batch.non_tensors["agent_name"][0] == AGENT_TOOL
     for t in trajs:
         assert t.num_turns >= 2 and 0 in t.response_mask  # tool tokens went in between turns, masked
-        # the trainer's recompute over exactly these ids gives the engine's log-probs at every generated token:
+        # the trainer's recompute over exactly these ids gives the engine's log-probs at every generated
+        # token:
         # later turns were fed the earlier ids and the tool ids as ids, never text re-tokenized
         ref = recompute(reference, t.prompt_ids, t.response_ids, 1.0)
         mask = torch.tensor(t.response_mask, dtype=torch.bool)

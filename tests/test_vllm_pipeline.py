@@ -1,5 +1,6 @@
-"""`rollstream run … rollout.engine=vllm` end to end on CPU: two producers, each with its own vLLM engine, for a
-tiny random Llama (char tokenizer, reverse task) and a tiny random Qwen2 (BPE with a chat template, the arith
+"""`rollstream run … rollout.engine=vllm` end to end on CPU: two producers, each with its own vLLM engine, for
+a tiny random Llama (char tokenizer, reverse task) and a tiny random Qwen2 (BPE with a chat template, the
+arith
 task through the tool agent loop), built in the test (hidden 128, 4 heads: a head size vLLM's CPU attention
 takes). After 3 global steps: the audit is clean, both producers generate with the last version, each swapped
 weights in place (no restart), and the producers' behaviour log-probs agree with the trainer's recompute.
@@ -28,8 +29,8 @@ from rollstream.model.hf import make_tiny_hf_model  # noqa: E402
 from rollstream.names import Keys  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from rollstream.ops.process import rpc  # noqa: E402
+from rollstream.ops.run_target import open_run  # noqa: E402
 from rollstream.ops.runcheck import behaviour_logprob_error, producer_stats, wait_for_steps  # noqa: E402
-from rollstream.ops.target import open_run  # noqa: E402
 from rollstream.weights import producer_versions  # noqa: E402
 
 STEPS = 3
@@ -43,12 +44,26 @@ SMALL = [
 CASES = {
     # on-policy (every sample trained by the step right after its version, no swap mid-generation), so the
     # trainer's mismatch metrics measure the engine's kernels against the trainer's and nothing else
-    "llama": dict(model=dict(arch="llama", tokenizer="char"),
-                  overrides=["data.max_response_length=6", "data.max_digits=3", "rollout.staleness_threshold=0",
-                             "rollout.partial_rollout=false"], kill=False),
-    "qwen2": dict(model=dict(arch="qwen2", tokenizer="bpe", chat_template=True),
-                  overrides=["data.task=arith", "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=2",
-                             "data.max_response_length=8"], kill=True),
+    "llama": dict(
+        model=dict(arch="llama", tokenizer="char"),
+        overrides=[
+            "data.max_response_length=6",
+            "data.max_digits=3",
+            "rollout.staleness_threshold=0",
+            "rollout.partial_rollout=false",
+        ],
+        kill=False,
+    ),
+    "qwen2": dict(
+        model=dict(arch="qwen2", tokenizer="bpe", chat_template=True),
+        overrides=[
+            "data.task=arith",
+            "rollout.multi_turn.enable=true",
+            "rollout.multi_turn.max_turns=2",
+            "data.max_response_length=8",
+        ],
+        kill=True,
+    ),
 }
 
 
@@ -59,11 +74,14 @@ def rollstream(*argv: str, timeout_s: float) -> subprocess.CompletedProcess[str]
 
 
 def _logs(run_dir: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log"))
+    )
 
 
 def _kill_while_generating(run_dir: Path, name: str, timeout_s: float = 120) -> int:
-    """SIGKILL `name` once its engine is up and it has published (so it is mid-loop); returns the pid killed."""
+    """SIGKILL `name` once its engine is up and it has published (so it is mid-loop); returns the pid
+    killed."""
     log = run_dir / "logs" / f"{name}.log"
     deadline = time.monotonic() + timeout_s
     while "loaded param_version" not in (log.read_text() if log.exists() else ""):

@@ -30,20 +30,48 @@ def test_a_producer_with_its_own_disk_gets_weights_through_redis(
     model = make_tiny_hf_model(tmp_path / "model", seed=0, arch="llama", tokenizer="char")
     trainer_host, producer_host = tmp_path / "trainer-host", tmp_path / "producer-host"
     common = [
-        "pipeline.yaml", "model.backend=hf", f"model.hf_path={model}", f"run.name={keys.run}",
-        f"run.redis_url={redis_url}", "run.device=cpu", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
-        "trainer.parameter_sync_step=2", "rollout.n=2", "rollout.num_producers=1", "rollout.prompts_per_dispatch=2",
-        "data.max_response_length=6", "data.max_digits=3", "data.val_size=4", "trainer.test_freq=0",
-        f"trainer.total_global_steps={STEPS}", "bus.block_ms=100",
-        "bus.weights_inline_max_bytes=1024", "bus.weights_transport=redis", "bus.weights_chunk_bytes=65536",
+        "pipeline.yaml",
+        "model.backend=hf",
+        f"model.hf_path={model}",
+        f"run.name={keys.run}",
+        f"run.redis_url={redis_url}",
+        "run.device=cpu",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=2",
+        "trainer.parameter_sync_step=2",
+        "rollout.n=2",
+        "rollout.num_producers=1",
+        "rollout.prompts_per_dispatch=2",
+        "data.max_response_length=6",
+        "data.max_digits=3",
+        "data.val_size=4",
+        "trainer.test_freq=0",
+        f"trainer.total_global_steps={STEPS}",
+        "bus.block_ms=100",
+        "bus.weights_inline_max_bytes=1024",
+        "bus.weights_transport=redis",
+        "bus.weights_chunk_bytes=65536",
     ]
     producer = subprocess.Popen(
         [sys.executable, "-m", "producers", *common, f"run.dir={producer_host}", "--name", "rollout_00"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     try:
-        trainer = subprocess.run([sys.executable, "-m", "consumers.trainer", *common, f"run.dir={trainer_host}",
-                                  "--name", "trainer"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+        trainer = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "consumers.trainer",
+                *common,
+                f"run.dir={trainer_host}",
+                "--name",
+                "trainer",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     finally:
         producer.send_signal(signal.SIGTERM)
         err = producer.communicate(timeout=60)[1]
@@ -54,5 +82,6 @@ def test_a_producer_with_its_own_disk_gets_weights_through_redis(
     assert all(v.uri.startswith("redis-chunks://") and v.bytes > 1024 for v in versions)
     assert producer_versions(r, keys)["rollout_00"] >= STEPS - 1  # it followed the trainer's versions
     assert "loaded param_version 2" in err or "loaded param_version 3" in err
-    assert not (trainer_host / keys.run / "weights").exists()  # no weights folder the producer could have read
+    # no weights folder the producer could have read
+    assert not (trainer_host / keys.run / "weights").exists()
     assert not list(producer_host.rglob("*.safetensors"))  # its temp copies are gone

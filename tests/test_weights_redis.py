@@ -1,5 +1,6 @@
-"""Weights above the inline limit through Redis chunks (`bus.weights_transport=redis`): a producer on a host that
-shares no disk with the trainer loads them (sha256 checked, a chunk at a time), a missing or corrupt chunk is
+"""Weights above the inline limit through Redis chunks (`bus.weights_transport=redis`): a producer on a host
+that shares no disk with the trainer loads them (sha256 checked, a chunk at a time), a missing or corrupt
+chunk is
 refused before the model changes, and garbage collection keeps only the versions still in use."""
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from rollstream.weights import (
     publish_module_weights,
     register_producer_version,
 )
-from rollstream.weights_file import module_file_bytes
+from rollstream.weights_io import module_file_bytes
 from rollstream.weights_redis import chunk_key, parse_chunks_uri
 from schemas import ParamVersion
-from tests.test_weights_file import Holder, Tied, same
+from tests.test_weights_io import Holder, Tied, same
 
 CHUNK = 1024
 

@@ -1,5 +1,6 @@
 """`python -m consumers.trainer pipeline.yaml [key=value ...] [--name N]`: the trainer worker (one process,
-or one data-parallel rank when started by torchrun: `python -m consumers.trainer.torchrun … -m consumers.trainer`)."""
+or one data-parallel rank when started by torchrun: `python -m consumers.trainer.torchrun … -m
+consumers.trainer`)."""
 
 from __future__ import annotations
 

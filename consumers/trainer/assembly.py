@@ -9,10 +9,11 @@ every per-token array on the right, with 0. The learner trains on these as they 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from rollstream.rl.metrics import summary_stats
 from schemas import DataProto, RolloutSample
 from schemas.ragged import RESPONSE_MASK, RaggedBatch
 
@@ -27,7 +28,9 @@ def _keys(batches: Sequence[RaggedBatch], part: str, ids: Sequence[str]) -> list
     for b, sid in zip(batches, ids, strict=True):
         have = {k for k in getattr(b, part) if not (part == "tokens" and k == RESPONSE_MASK)}
         if have != set(first):
-            raise ValueError(f"sample {sid}: {part} keys {sorted(have)} differ from {sorted(first)} of sample {ids[0]}")
+            raise ValueError(
+                f"sample {sid}: {part} keys {sorted(have)} differ from {sorted(first)} of sample {ids[0]}"
+            )
     return first
 
 
@@ -66,8 +69,10 @@ def _pad_rows(batches: Sequence[RaggedBatch], spans: Sequence[tuple[int, int, in
                "attention_mask": mask, RESPONSE_MASK: resp_mask, **per_token}
     for k in row_keys:
         tensors[k] = np.concatenate([b.rows[k][lo:hi] for b, (_, lo, hi) in zip(used, spans, strict=True)])
-    non_tensors = {k: np.concatenate([b.non_tensors[k][lo:hi] for b, (_, lo, hi) in zip(used, spans, strict=True)])
-                   for k in nt_keys}
+    non_tensors = {
+        k: np.concatenate([b.non_tensors[k][lo:hi] for b, (_, lo, hi) in zip(used, spans, strict=True)])
+        for k in nt_keys
+    }
     return DataProto(tensors, non_tensors)
 
 
@@ -105,7 +110,11 @@ def percentile_stats(values: Sequence[float], prefix: str) -> dict[str, float]:
 
 def partial_stats(samples: Sequence[RolloutSample]) -> dict[str, float]:
     """Partial-rollout stats: trajectories whose tokens span versions (start < end), their share, max span."""
-    spans = [end - start for s in samples for start, end in zip(s.param_version_start, s.param_version_end, strict=True)]
+    spans = [
+        end - start
+        for s in samples
+        for start, end in zip(s.param_version_start, s.param_version_end, strict=True)
+    ]
     partial = sum(1 for d in spans if d > 0)
     return {
         f"{PREFIX}/partial/total_partial_num": float(partial),
@@ -123,16 +132,7 @@ def tool_call_stats(samples: Sequence[RolloutSample]) -> dict[str, float]:
     """verl's `timing_s/agent_loop/tool_calls/{max,min,mean}` over rows; {} when no sample used tools."""
     if not any(s.tool_calls for s in samples):
         return {}
-    a = np.asarray(row_tool_seconds(samples), dtype=np.float64)
-    return {
-        f"{TOOL_PREFIX}/max": float(a.max()),
-        f"{TOOL_PREFIX}/min": float(a.min()),
-        f"{TOOL_PREFIX}/mean": float(a.mean()),
-    }
-
-
-#: Reorders an assembled batch's rows (e.g. balancing tokens across data-parallel ranks); see balance.py.
-BalanceFn = Callable[[DataProto], DataProto]
+    return summary_stats(row_tool_seconds(samples), TOOL_PREFIX)
 
 
 def _meta_info(samples: Sequence[RolloutSample]) -> dict[str, object]:
@@ -144,8 +144,11 @@ def _meta_info(samples: Sequence[RolloutSample]) -> dict[str, object]:
         "rollout_param_versions": [s.param_version for s in samples],
         "trajectory_param_versions": trajectory_versions,
         "param_version_diversity": len(set(trajectory_versions)),
-        "global_token_num": [p + r for s in samples
-                             for p, r in zip(s.full_batch.row_prompt_lens(), s.full_batch.response_lens.tolist(), strict=True)],
+        "global_token_num": [
+            p + r
+            for s in samples
+            for p, r in zip(s.full_batch.row_prompt_lens(), s.full_batch.response_lens.tolist(), strict=True)
+        ],
     }
 
 
@@ -153,7 +156,9 @@ def _metrics(samples: Sequence[RolloutSample]) -> dict[str, float]:
     """Processing-time percentiles, tool-call times, partial-rollout stats and the first sample's
     rollout_status under `fully_async/`."""
     metrics: dict[str, float] = {}
-    metrics.update(percentile_stats([t for s in samples for t in s.processing_times], f"{PREFIX}/processing_time"))
+    metrics.update(
+        percentile_stats([t for s in samples for t in s.processing_times], f"{PREFIX}/processing_time")
+    )
     metrics.update(tool_call_stats(samples))
     metrics.update(partial_stats(samples))
     for key, value in samples[0].rollout_status.items():
@@ -181,9 +186,7 @@ def assemble_micro_batches(
     return out, _metrics(samples)
 
 
-def assemble_batch_from_rollout_samples(
-    samples: list[RolloutSample], pad_id: int = 0, balance_batch: BalanceFn | None = None
-) -> tuple[DataProto, dict[str, float]]:
+def assemble_batch_from_rollout_samples(samples: list[RolloutSample]) -> tuple[DataProto, dict[str, float]]:
     """The samples' rows as one padded batch [sum n rows] (every row padded to the batch's widest prompt and
     response) -> (batch, metrics).
 
@@ -191,15 +194,8 @@ def assemble_batch_from_rollout_samples(
     `trajectory_param_versions` (per row: the version of its last token), `param_version_diversity`
     (distinct end versions over the trajectories), `global_token_num` (per row: prompt + response tokens).
     Metrics: processing-time percentiles, tool-call times, partial-rollout stats and the first sample's
-    rollout_status under `fully_async/`. `balance_batch`, when given, reorders the rows (whole groups)
-    and global_token_num alike, as verl does. `pad_id` must be 0 (the wire convention); an empty list raises
+    rollout_status under `fully_async/`. Rows are padded with 0 (the wire convention). An empty list raises
     ValueError.
     """
-    if pad_id != 0:
-        raise ValueError(f"the wire convention pads with 0, got pad_id={pad_id}")
     parts, metrics = assemble_micro_batches(samples, 0)
-    batch = parts[0]
-    if balance_batch is not None:
-        batch = balance_batch(batch)
-        batch.meta_info["global_token_num"] = batch.tensors["attention_mask"].sum(axis=-1).astype(int).tolist()
-    return batch, metrics
+    return parts[0], metrics

@@ -37,8 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from rollstream.files import atomic_write, private_dir
 from rollstream.model import BasePolicy
-from rollstream.model.base import load_state_dict_checked
-from rollstream.weights_file import unique_state
+from rollstream.weights_io import load_tensors_into, unique_state
 from schemas import decode_payload, encode_payload
 
 _NAME = re.compile(r"^step-(\d{8})\.safetensors$")
@@ -100,7 +99,9 @@ def rng_plain() -> dict[str, Any]:
     tensors, scalars = _rng_tensors()
     return {
         "torch": tensors["rng/torch"].numpy().tobytes(),
-        "cuda": [tensors[k].numpy().tobytes() for k in sorted(k for k in tensors if k.startswith("rng/cuda/"))],
+        "cuda": [
+            tensors[k].numpy().tobytes() for k in sorted(k for k in tensors if k.startswith("rng/cuda/"))
+        ],
         "numpy": tensors["rng/numpy"].numpy().tobytes(),
         "python": tensors["rng/python"].numpy().tobytes(),
         "scalars": scalars,
@@ -173,7 +174,9 @@ def upgrade_meta(meta: dict[str, Any]) -> dict[str, Any]:
     ValueError for a layout newer than this code knows."""
     version = meta.pop(_VERSION_KEY, 1)
     if type(version) is not int or version > META_VERSION:
-        raise ValueError(f"checkpoint metadata version {version!r} is newer than {META_VERSION}: update rollstream")
+        raise ValueError(
+            f"checkpoint metadata version {version!r} is newer than {META_VERSION}: update rollstream"
+        )
     while version < META_VERSION:
         meta = _META_UPGRADES[version](meta)
         version += 1
@@ -192,7 +195,9 @@ def save_checkpoint(
     keep_last: int = 2,
 ) -> Path:
     """Write the checkpoint of `global_step` durably (rollstream.files.atomic_write); prune old ones."""
-    return write_checkpoint(ckpt_dir, global_step, unique_state(policy.module), optimizer.state_dict(), meta, keep_last)
+    return write_checkpoint(
+        ckpt_dir, global_step, unique_state(policy.module), optimizer.state_dict(), meta, keep_last
+    )
 
 
 def write_checkpoint(
@@ -216,7 +221,9 @@ def write_checkpoint(
                               "rng": rng_scalars, **meta})
     tensors[_META] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     path = checkpoint_path(ckpt_dir, global_step)
-    atomic_write(path, lambda tmp: save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp))
+    atomic_write(
+        path, lambda tmp: save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
+    )
     for _, old in list_checkpoints(ckpt_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return path
@@ -226,7 +233,7 @@ def load_checkpoint(path: Path, policy: BasePolicy, optimizer: torch.optim.Optim
     """Restore weights, optimizer state and RNG states from `path`; returns its metadata dict, upgraded
     to META_VERSION."""
     weights, optimizer_state, meta = read_checkpoint(load_file(str(path)))
-    load_state_dict_checked(policy.module, weights)
+    load_tensors_into(policy.module, weights)
     optimizer.load_state_dict(optimizer_state)
     return meta
 
@@ -248,16 +255,6 @@ def read_checkpoint(
     else:
         _restore_rng(tensors, rng)
     return model, optimizer_state, meta
-
-
-def load_latest_checkpoint(
-    ckpt_dir: Path, policy: BasePolicy, optimizer: torch.optim.Optimizer
-) -> dict[str, Any] | None:
-    """Restore the newest checkpoint in `ckpt_dir` (see load_checkpoint); None when there is none."""
-    found = list_checkpoints(ckpt_dir)
-    if not found:
-        return None
-    return load_checkpoint(found[-1][1], policy, optimizer)
 
 
 def copy_checkpoint(src_dir: Path, dst_dir: Path, global_step: int) -> Path:

@@ -25,20 +25,27 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save as st_save
 from torch import nn
 
 from consumers.trainer.ranks import RankInfo, consumer_name, rank_info
 from schemas import decode_payload, encode_payload
 
-__all__ = ["DataParallel", "DistributedError", "RankInfo", "check_strategy", "consumer_name", "dedupe_state", "rank_info", "state_bytes", "watch_parent"]
+__all__ = [
+    "DataParallel",
+    "DistributedError",
+    "RankInfo",
+    "check_strategy",
+    "consumer_name",
+    "rank_info",
+    "watch_parent",
+]
 
 log = logging.getLogger(__name__)
 
@@ -116,29 +123,12 @@ def _shard(module: nn.Module) -> None:
     fully_shard(module)
 
 
-def state_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
-    """safetensors bytes of a state dict whose tied tensors appear once (see dedupe_state)."""
-    return st_save({k: v.contiguous() for k, v in state.items()})
-
-
-def dedupe_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A state dict with a tensor shared by several names (tied weights) kept once, under its first name
-    (as rollstream.weights_file.unique_state does for a module), on the CPU."""
-    keep: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()  # (storage, offset, shape) of each kept tensor
-    for name, t in state.items():
-        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(int(d) for d in t.shape))
-        if key in seen and key[0] != 0:
-            continue
-        seen.add(key)
-        keep[name] = t.detach().cpu()
-    return keep
-
-
 class DataParallel:
     """One trainer rank's view of the data-parallel group: wrapping and the collectives the loop uses."""
 
-    def __init__(self, info: RankInfo, device: torch.device, strategy: str = "ddp", fsdp_on_cpu: bool = False) -> None:
+    def __init__(
+        self, info: RankInfo, device: torch.device, strategy: str = "ddp", fsdp_on_cpu: bool = False
+    ) -> None:
         """Describe a rank; `from_env` also joins the process group (collectives need one when world > 1).
         `fsdp_on_cpu` lifts the CUDA-only rule of fsdp (tests run the fsdp code on gloo with it)."""
         if not fsdp_on_cpu:
@@ -149,7 +139,11 @@ class DataParallel:
 
     @classmethod
     def from_env(
-        cls, device: torch.device, strategy: str = "ddp", timeout_s: float = COLLECTIVE_TIMEOUT_S, fsdp_on_cpu: bool = False
+        cls,
+        device: torch.device,
+        strategy: str = "ddp",
+        timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        fsdp_on_cpu: bool = False,
     ) -> DataParallel:
         """Read torchrun's environment and, in a world of more than one, join the process group."""
         info = rank_info()
@@ -157,8 +151,10 @@ class DataParallel:
         dp = cls(info, device, strategy, fsdp_on_cpu)
         if (info.world_size > 1 or strategy == "fsdp") and not dist.is_initialized():
             if "MASTER_ADDR" not in os.environ:
-                raise DistributedError(f"trainer.strategy={strategy} with {info.world_size} rank(s) runs under torchrun "
-                                       "(`rollstream run` starts it so: see rollstream/ops/plan.py trainer_argv)")
+                raise DistributedError(
+                    f"trainer.strategy={strategy} with {info.world_size} rank(s) runs under torchrun "
+                    "(`rollstream run` starts it so: see rollstream/ops/plan.py trainer_argv)"
+                )
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             timeout = timedelta(seconds=timeout_s)
@@ -166,9 +162,20 @@ class DataParallel:
             if store is None:
                 dist.init_process_group(backend_for(device), timeout=timeout)
             else:
-                dist.init_process_group(backend_for(device), store=store, rank=info.rank, world_size=info.world_size,
-                                        timeout=timeout)
-            log.info("rank %d of %d joined the %s group on %s", info.rank, info.world_size, backend_for(device), device)
+                dist.init_process_group(
+                    backend_for(device),
+                    store=store,
+                    rank=info.rank,
+                    world_size=info.world_size,
+                    timeout=timeout,
+                )
+            log.info(
+                "rank %d of %d joined the %s group on %s",
+                info.rank,
+                info.world_size,
+                backend_for(device),
+                device,
+            )
         return dp
 
     # -- who -----------------------------------------------------------------------------------------
@@ -269,7 +276,11 @@ class DataParallel:
         return {"state": {index[n]: st for n, st in osd["state"].items()}, "param_groups": groups}
 
     def load_full_state(
-        self, module: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor], optim_state: dict[str, Any]
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        weights: dict[str, torch.Tensor],
+        optim_state: dict[str, Any],
     ) -> None:
         """Load whole weights and an index-keyed optimizer state_dict (every rank holds both) into a
         sharded module and its optimizer (fsdp only; a collective)."""
@@ -282,10 +293,16 @@ class DataParallel:
         # every rank must walk the tensors in one order (each is a scatter): the module's, not the file's
         names = [name for name, _ in module.named_parameters()]
         opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(module, {k: weights[k] for k in module.state_dict() if k in weights}, options=opts)
+        set_model_state_dict(
+            module, {k: weights[k] for k in module.state_dict() if k in weights}, options=opts
+        )
         osd: Any = {
-            "state": {names[int(i)]: dict(sorted(st.items())) for i, st in sorted(optim_state["state"].items())},
-            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in optim_state["param_groups"]],
+            "state": {
+                names[int(i)]: dict(sorted(st.items())) for i, st in sorted(optim_state["state"].items())
+            },
+            "param_groups": [
+                {**g, "params": [names[int(i)] for i in g["params"]]} for g in optim_state["param_groups"]
+            ],
         }
         set_optimizer_state_dict(module, optimizer, osd, options=opts)
 
@@ -361,7 +378,8 @@ class DataParallel:
         if dist.is_initialized():
             if self.active:
                 self.barrier()
-            # A DDP reducer still alive when the group goes (or at interpreter exit) aborted about 1 process in
+            # A DDP reducer still alive when the group goes (or at interpreter exit) aborted about 1 process
+            # in
             # 5 with "terminate called without an active exception" (torch 2.13, gloo): free it first.
             for wrapped in self._ddp:
                 if hasattr(wrapped, "reducer"):

@@ -32,11 +32,17 @@ def unusable_reason(sample: RolloutSample, vocab_size: int, max_seq_len: int | N
                     f"[0, {vocab_size})")
     mask = batch.tokens.get(RESPONSE_MASK)
     if mask is not None and mask.size and mask.dtype.kind != "b":
-        most = int(mask.view(f"{mask.dtype.str[0]}u{mask.dtype.itemsize}").max()) if mask.dtype.kind in "iu" else None
+        most = (
+            int(mask.view(f"{mask.dtype.str[0]}u{mask.dtype.itemsize}").max())
+            if mask.dtype.kind in "iu"
+            else None
+        )
         if most is None or most > 1:
             return f"{RESPONSE_MASK} holds values in [{mask.min()}, {mask.max()}], not 0/1"
     if max_seq_len is not None and len(batch):
-        longest = max(p + r for p, r in zip(batch.row_prompt_lens(), batch.response_lens.tolist(), strict=True))
+        longest = max(
+            p + r for p, r in zip(batch.row_prompt_lens(), batch.response_lens.tolist(), strict=True)
+        )
         if longest > max_seq_len:
             return f"rows are up to {longest} tokens, over the model's max_seq_len {max_seq_len}"
     return None

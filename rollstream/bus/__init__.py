@@ -9,10 +9,11 @@ from rollstream.bus.connection import (
     retry_on_connection,
     wait_until_ready,
 )
+from rollstream.bus.ids import parse_id, text
 from rollstream.bus.publish import Publisher, RunNotSetUpError, delete_run, ensure_group, setup_run
 from rollstream.bus.reader import GroupReader, Message, ReaderStats, entry_limits
 from rollstream.bus.retention import Janitor, Moved, PassResult, move_to_archive, safe_min_id, stream_floor
-from rollstream.bus.streams import iter_stream, parse_id, run_archive, text
+from rollstream.bus.streams import iter_stream, run_archive
 
 __all__ = [
     "Archive",

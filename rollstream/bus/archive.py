@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from rollstream.bus.ids import parse_id
 from rollstream.bus.segments import SegmentError, encode_record, new_segment, read_records
-from rollstream.bus.streams import parse_id
 from rollstream.files import atomic_write, private_dir
 from rollstream.names import split_key
 

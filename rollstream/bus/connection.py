@@ -86,7 +86,7 @@ class RespPacker(PythonRespSerializer):
 
     def __init__(self) -> None:
         """UTF-8 strict encoding, bytes replies (as connect() uses it)."""
-        super().__init__(6000, Encoder("utf-8", "strict", False).encode)
+        super().__init__(6000, Encoder("utf-8", "strict", False).encode)  # type: ignore[no-untyped-call]
 
     def pack(self, *args: Any) -> list[bytes | memoryview]:
         """The command as a list of buffers to write in order."""
@@ -142,7 +142,7 @@ def connect(
 ) -> redis.Redis:
     """A bytes-returning client for url with socket timeout above any BLOCK. retries > 0: redis-py retries
     transparently (publishers); retries=0: errors surface so a GroupReader can re-read its own pending."""
-    kwargs: dict = dict(
+    kwargs: dict[str, Any] = dict(
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=min(socket_timeout_s, 5.0),
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries=retries),
@@ -176,7 +176,7 @@ class _ConnectCounter:
         self.count = 0
 
     def __call__(self, conn: redis.connection.AbstractConnection) -> None:
-        conn.on_connect()
+        conn.on_connect()  # type: ignore[no-untyped-call]
         self.count += 1
 
 

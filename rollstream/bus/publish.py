@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import redis
 
-from rollstream.bus.streams import text
+from rollstream.bus.ids import text
 from rollstream.names import AGGREGATOR_GROUP, TRAINER_GROUP, Keys
 from schemas import Event, encode
 

@@ -1,12 +1,11 @@
-"""THE consumer loop every worker runs: `GroupReader.batches` (caller-committed acks) and `run` (automatic
-acks after a handler), both one consumer of one group on one stream.
+"""THE consumer loop every worker runs: `GroupReader.batches`, one consumer of one group on one stream, with
+acks committed by the caller.
 
 Order of work in each poll: (1) our own pending entries from id 0 (at start, after a reconnect and after a
 handler failure), (2) every so often entries idle longer than claim_idle_s from other consumers
 (XAUTOCLAIM), (3) new entries (`>`). Each entry is decoded; one that fails to decode, or has been
 delivered max_deliveries times, goes to `dead` with a reason and is acked in the same MULTI. Acks happen
-after the handler's effect, in batches: automatically in `run`, or by the caller, through `ack`, or inside
-its own MULTI with the effect and then `forget` (the trainer acks only once a checkpoint covers a step; the
+after the caller's effect, in batches: through `ack`, or inside its own MULTI with the effect and then `forget` (the trainer acks only once a checkpoint covers a step; the
 aggregator acks in the transaction that writes records). Entries held unacked are kept fresh with XCLAIM
 JUSTID (which resets idle time without counting a delivery) so no one else claims them.
 
@@ -20,16 +19,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import redis
 
 from rollstream.bus.connection import CONNECTION_ERRORS, connection_count, retry_on_connection
+from rollstream.bus.ids import text
 from rollstream.bus.publish import ensure_group
-from rollstream.bus.streams import text
 from schemas import DEFAULT_LIMITS, DecodeError, Event, Limits, dead_letter_of, decode, encode
 
 log = logging.getLogger(__name__)
@@ -68,7 +66,6 @@ class ReaderStats:
     dead: int = 0
     claimed: int = 0
     reconnects: int = 0
-    handler_errors: int = 0
     decode_s: float = 0.0
     transport_s: float = 0.0  # moving entries out of Redis and decoding them, not waiting for writers
 
@@ -188,7 +185,7 @@ class GroupReader:
             log.warning("%s: claimed %d idle entries from %s", self.consumer, len(entries), self.stream)
         return self._accept(entries, deliveries=self._delivery_counts(entries))
 
-    def _delivery_counts(self, entries: list) -> dict[str, int]:
+    def _delivery_counts(self, entries: list[Any]) -> dict[str, int]:
         if not entries:
             return {}
         rows = self.r.xpending_range(
@@ -196,7 +193,7 @@ class GroupReader:
         )
         return {text(row["message_id"]): int(row["times_delivered"]) for row in rows}
 
-    def _accept(self, entries: list, deliveries: dict[str, int] | None) -> list[Message]:
+    def _accept(self, entries: list[Any], deliveries: dict[str, int] | None) -> list[Message]:
         """Decode entries; dead-letter the undecodable and the over-delivered; return the rest."""
         out: list[Message] = []
         for raw_id, fields in entries:
@@ -351,22 +348,3 @@ class GroupReader:
             yield msgs
             if burst and self.drained:
                 return
-
-    def run(self, handler: Callable[[list[Message]], None], *, burst: bool = False) -> int:
-        """`batches` with automatic acks: handler(batch) for every non-empty batch, then one XACK of the
-        batch (retried). A handler exception leaves the batch pending; it is re-read from our PEL and
-        dead-lettered after max_deliveries. Returns messages handled."""
-        handled = 0
-        for msgs in self.batches(burst=burst):
-            if not msgs:
-                continue
-            try:
-                handler(msgs)
-            except Exception:
-                self.stats.handler_errors += 1
-                log.exception("%s: handler failed on %d entries; they stay pending", self.consumer, len(msgs))
-                self.release(m.id for m in msgs)
-                continue
-            handled += len(msgs)
-            retry_on_connection(partial(self.ack, [m.id for m in msgs]), f"{self.consumer}: acking {len(msgs)} entries")
-        return handled

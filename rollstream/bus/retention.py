@@ -34,7 +34,8 @@ import redis
 
 from rollstream.bus.archive import Archive, ArchiveError
 from rollstream.bus.connection import CONNECTION_ERRORS
-from rollstream.bus.streams import PAGE, parse_id, text
+from rollstream.bus.ids import parse_id, text
+from rollstream.bus.streams import PAGE
 from rollstream.names import ARCHIVE_DIR_FIELD, Keys
 
 if TYPE_CHECKING:

@@ -33,7 +33,7 @@ def encode_record(entry_id: str, fields: Mapping[Any, Any]) -> bytes:
     flat: list[Any] = []
     for k, v in fields.items():
         flat += (k, v)
-    body = msgpack.packb([entry_id, flat], use_bin_type=True)
+    body: bytes = msgpack.packb([entry_id, flat], use_bin_type=True)
     return _HEAD.pack(len(body), zlib.crc32(body)) + body
 
 

@@ -1,6 +1,5 @@
 """Reading streams outside a consumer group: the one log iterator (the run's archive, then Redis, as one
-sequence), the one entry-id parser and the one text helper (redis-py replies are bytes; ids, names and
-header values are wanted as str)."""
+sequence)."""
 
 from __future__ import annotations
 
@@ -9,23 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from rollstream.bus.ids import parse_id, text
+
 if TYPE_CHECKING:
     from rollstream.bus.archive import Archive
 
 #: Entries per XRANGE call of `iter_stream`.
 PAGE = 1000
-
-
-def text(x: Any, errors: str = "replace") -> str:
-    """A reply value as str: bytes decoded as UTF-8 (undecodable bytes handled per `errors`), else str(x)."""
-    return x.decode(errors=errors) if isinstance(x, bytes) else str(x)
-
-
-def parse_id(entry_id: bytes | str) -> tuple[int, int]:
-    """(milliseconds, sequence) of a stream entry id `<ms>-<seq>` (a bare `<ms>` has sequence 0): its
-    order key, and its parts for id arithmetic."""
-    ms, _, seq = text(entry_id).partition("-")
-    return int(ms), int(seq or 0)
 
 
 def run_archive(r: redis.Redis, key: str) -> Archive | None:

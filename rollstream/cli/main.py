@@ -21,7 +21,7 @@ from typing import Any
 from rollstream.bus import CONNECTION_ERRORS
 from rollstream.config import ConfigError, config_to_yaml, load_config
 from rollstream.ops.log_server import LogServerError
-from rollstream.ops.target import RunTarget, mask_url, open_run
+from rollstream.ops.run_target import RunTarget, mask_url, open_run
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -74,7 +74,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if args.wait_records:
             target = open_run(str(plan.resolved_config))
             process.wait_for_records(
-                target, args.wait_records, args.wait_timeout, progress=lambda n: print(f"records: {n}", flush=True)
+                target,
+                args.wait_records,
+                args.wait_timeout,
+                progress=lambda n: print(f"records: {n}", flush=True),
             )
         if proc is not None:
             fg = proc
@@ -175,11 +178,16 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     best = curve.best("val/acc")
     step = curve.steps[-1] if curve.steps else 0
     if curve.reached_s is not None:
-        print(f"val/acc >= {args.until_val_acc} after {curve.reached_s:.0f}s ({curve.reached_samples:.0f} samples "
-              f"trained); best {best:.3f}, global step {step}")
+        print(
+            f"val/acc >= {args.until_val_acc} after {curve.reached_s:.0f}s ({curve.reached_samples:.0f} "
+            "samples "
+            f"trained); best {best:.3f}, global step {step}"
+        )
         return 0
     shown = f"{best:.3f}" if best is not None else "none yet"
-    print(f"val/acc {args.until_val_acc} not reached in {args.limit_s:.0f}s: best {shown}, global step {step}")
+    print(
+        f"val/acc {args.until_val_acc} not reached in {args.limit_s:.0f}s: best {shown}, global step {step}"
+    )
     return 2
 
 
@@ -245,8 +253,9 @@ def _cmd_replay_records(args: argparse.Namespace) -> int:
     out = args.stack.enter_context(replay_destination(t, args.dst))
     replay_records = _worker_function("consumers.aggregator.replay", "replay_records")
     try:
-        n = replay_records(t.connect(), Keys(args.src), Keys(args.dst), total_gpus=t.cfg.aggregator.total_gpus,
-                           out=out)
+        n = replay_records(
+            t.connect(), Keys(args.src), Keys(args.dst), total_gpus=t.cfg.aggregator.total_gpus, out=out
+        )
     except (ValueError, ArchiveError) as e:
         print(f"rollstream replay records: {e}", file=sys.stderr)
         return 2
@@ -275,11 +284,15 @@ def _cmd_replay_trainer(args: argparse.Namespace) -> int:
                 copy_checkpoint = _worker_function("consumers.trainer.checkpoint", "copy_checkpoint")
                 run_dir = Path(t.cfg.run.dir)
                 try:
-                    copy_checkpoint(run_dir / src.run / "checkpoints", run_dir / dst.run / "checkpoints", first - 1)
+                    copy_checkpoint(
+                        run_dir / src.run / "checkpoints", run_dir / dst.run / "checkpoints", first - 1
+                    )
                 except FileNotFoundError as e:
                     raise ReplayCopyError(str(e)) from None
             extra = [f"trainer.total_global_steps={last}"]
-            what = f"the {n} rollouts steps {first}-{last} consumed" + ("" if kept_ids else " (new entry ids)")
+            what = f"the {n} rollouts steps {first}-{last} consumed" + (
+                "" if kept_ids else " (new entry ids)"
+            )
         else:
             n = copy_rollouts(r, src, dst, args.start, args.end, out=out)
             what = f"{n} rollouts"
@@ -288,10 +301,16 @@ def _cmd_replay_trainer(args: argparse.Namespace) -> int:
         return 1
     config, overrides = _config_and_overrides(args)
     argv = [config or "pipeline.yaml", *overrides, f"run.name={dst.run}", *extra, "--burst"]
-    print(f"copied {what} from {src.run} to {dst.run}; replay the trainer on them (it exits when they are used up):")
+    print(
+        f"copied {what} from {src.run} to {dst.run}; replay the trainer on them (it exits when they are used "
+        "up):"
+    )
     trainer = f"{shlex.quote(sys.executable)} -m consumers.trainer {shlex.join(argv)}"
     if t.served:  # the copy lives in the new run's own Redis, up only while `serve` runs the trainer
-        print(f"  rollstream serve --write --run-dir {shlex.quote(str(Path(t.cfg.run.dir) / dst.run))} -- {trainer}")
+        print(
+            f"  rollstream serve --write --run-dir {shlex.quote(str(Path(t.cfg.run.dir) / dst.run))} -- "
+            f"{trainer}"
+        )
     else:
         print(f"  ROLLSTREAM_REDIS_URL={shlex.quote(mask_url(t.redis_url))} {trainer}")
     return 0
@@ -359,56 +378,103 @@ def _run_args(p: argparse.ArgumentParser, run_dir: bool = True) -> None:
     p.add_argument("config", nargs="?", help="path to pipeline.yaml (default ./pipeline.yaml when present)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. run.name=demo")
     if run_dir:
-        p.add_argument("--run-dir", help="a run dir made by `rollstream run` (uses its pipeline.resolved.yaml)")
+        p.add_argument(
+            "--run-dir", help="a run dir made by `rollstream run` (uses its pipeline.resolved.yaml)"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    p = argparse.ArgumentParser(prog="rollstream", description="Asynchronous RL post-training on Redis Streams")
+    p = argparse.ArgumentParser(
+        prog="rollstream", description="Asynchronous RL post-training on Redis Streams"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("config", help="validate pipeline.yaml with overrides and print the resolved config")
     c.add_argument("config", help="path to pipeline.yaml")
-    c.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.parameter_sync_step=2")
+    c.add_argument(
+        "overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.parameter_sync_step=2"
+    )
     c.set_defaults(func=_cmd_config)
 
     c = sub.add_parser("run", help="start the run under supervisord (embedded redis unless run.redis_url)")
     c.add_argument("config", help="path to pipeline.yaml")
     c.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    c.add_argument("--wait-records", type=int, default=0, metavar="N", help="wait until N records exist, then return")
-    c.add_argument("--wait-timeout", type=float, default=600.0, metavar="S", help="give up waiting after S seconds")
-    c.add_argument("--foreground", action="store_true", help="keep supervisord in the foreground (Ctrl-C stops the run)")
+    c.add_argument(
+        "--wait-records", type=int, default=0, metavar="N", help="wait until N records exist, then return"
+    )
+    c.add_argument(
+        "--wait-timeout", type=float, default=600.0, metavar="S", help="give up waiting after S seconds"
+    )
+    c.add_argument(
+        "--foreground", action="store_true", help="keep supervisord in the foreground (Ctrl-C stops the run)"
+    )
     c.set_defaults(func=_cmd_run)
 
-    c = sub.add_parser("stop", help="stop producers, trainer, aggregator, redis in turn; non-zero if any exit != 0")
+    c = sub.add_parser(
+        "stop", help="stop producers, trainer, aggregator, redis in turn; non-zero if any exit != 0"
+    )
     _run_args(c)
     c.set_defaults(func=_cmd_stop)
 
     c = sub.add_parser("status", help="streams, groups, versions, staleness, rates, idle ratios, processes")
     _run_args(c)
-    c.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
-    c.add_argument("--check", action="store_true",
-                   help="for monitoring: exit 1, naming why, when a worker's heartbeat is missing or older than "
-                        "trainer.heartbeat_stall_s, or no global step completed within it while the run is not "
-                        "stopping (the trainer having finished is fine)")
+    c.add_argument(
+        "--watch", type=float, default=0, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C"
+    )
+    c.add_argument(
+        "--check",
+        action="store_true",
+        help="for monitoring: exit 1, naming why, when a worker's heartbeat is missing or older than "
+        "trainer.heartbeat_stall_s, or no global step completed within it while the run is not "
+        "stopping (the trainer having finished is fine)",
+    )
     c.set_defaults(func=_cmd_status)
 
-    c = sub.add_parser("audit", help="check the log: every published sample ended once (trained, dropped or dead), "
-                                     "steps and records consecutive; exit 1 when a guarantee is violated")
+    c = sub.add_parser(
+        "audit",
+        help="check the log: every published sample ended once (trained, dropped or dead), "
+        "steps and records consecutive; exit 1 when a guarantee is violated",
+    )
     _run_args(c)
     c.set_defaults(func=_cmd_audit)
 
-    c = sub.add_parser("watch", help="live progress line until val/acc reaches a target or a time limit (exit 2: not reached)")
+    c = sub.add_parser(
+        "watch",
+        help="live progress line until val/acc reaches a target or a time limit (exit 2: not reached)",
+    )
     _run_args(c)
-    c.add_argument("--until-val-acc", type=float, default=0.95, metavar="ACC", help="stop once held-out val/acc >= ACC")
-    c.add_argument("--limit-s", type=float, default=600.0, metavar="S", help="stop after S seconds (counted from --since)")
-    c.add_argument("--since", type=float, default=None, metavar="EPOCH_S", help="start of the clock (time.time(); default now)")
-    c.add_argument("--hold-s", type=float, default=0.0, metavar="S", help="keep watching S seconds after the target is reached")
+    c.add_argument(
+        "--until-val-acc", type=float, default=0.95, metavar="ACC", help="stop once held-out val/acc >= ACC"
+    )
+    c.add_argument(
+        "--limit-s",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="stop after S seconds (counted from --since)",
+    )
+    c.add_argument(
+        "--since",
+        type=float,
+        default=None,
+        metavar="EPOCH_S",
+        help="start of the clock (time.time(); default now)",
+    )
+    c.add_argument(
+        "--hold-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="keep watching S seconds after the target is reached",
+    )
     c.set_defaults(func=_cmd_watch)
 
     c = sub.add_parser("inspect", help="one stream entry as JSON: inspect <stream> [ID|-N] [pipeline.yaml …]")
     c.add_argument("stream", help="rollouts, metrics, records, params, dead, fates or dispatch_log")
-    c.add_argument("rest", nargs="*", help="[ID|-N] [pipeline.yaml] [key=value …]; default -1 (the last entry)")
+    c.add_argument(
+        "rest", nargs="*", help="[ID|-N] [pipeline.yaml] [key=value …]; default -1 (the last entry)"
+    )
     c.add_argument("--full", action="store_true", help="print arrays in full instead of summaries")
     c.add_argument("--run-dir", help="a run dir made by `rollstream run`")
     c.set_defaults(func=_cmd_inspect)
@@ -416,14 +482,18 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("tail", help="print a stream's last entries, then follow it (Ctrl-C to end)")
     c.add_argument("stream", help="rollouts, metrics, records, params, dead, fates or dispatch_log")
     _run_args(c)
-    c.add_argument("--count", type=int, default=5, metavar="N", help="existing entries printed before following")
+    c.add_argument(
+        "--count", type=int, default=5, metavar="N", help="existing entries printed before following"
+    )
     c.add_argument("--full", action="store_true", help="print arrays in full instead of summaries")
     c.add_argument("--exit-after", type=int, default=None, metavar="N", help="exit after printing N entries")
     c.set_defaults(func=_cmd_tail)
 
     c = sub.add_parser("replay", help="rebuild records, or copy rollouts to a new run for a trainer replay")
     rsub = c.add_subparsers(dest="what", required=True)
-    rr = rsub.add_parser("records", help="refold RUN's metrics log into NEWRUN's records (equal to the live ones)")
+    rr = rsub.add_parser(
+        "records", help="refold RUN's metrics log into NEWRUN's records (equal to the live ones)"
+    )
     rr.add_argument("--from", dest="src", required=True, help="source run name")
     rr.add_argument("--to", dest="dst", required=True, help="new run name (must have no records yet)")
     _run_args(rr)
@@ -432,8 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
                                           "print the trainer command that retrains on them and exits")
     rt.add_argument("--from", dest="src", required=True, help="source run name")
     rt.add_argument("--to", dest="dst", required=True, help="new run name (must have no rollouts yet)")
-    rt.add_argument("--steps", default=None, metavar="A-B",
-                    help="copy what global steps A..B consumed and the checkpoint of step A-1 (same config needed)")
+    rt.add_argument(
+        "--steps",
+        default=None,
+        metavar="A-B",
+        help="copy what global steps A..B consumed and the checkpoint of step A-1 (same config needed)",
+    )
     rt.add_argument("--start", default="-", help="first entry id to copy (default: the first)")
     rt.add_argument("--end", default="+", help="last entry id to copy (default: the last)")
     _run_args(rt)
@@ -444,17 +518,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="reward.png", help="PNG file to write")
     c.set_defaults(func=_cmd_plot)
 
-    c = sub.add_parser("serve", help="bring a stopped run's Redis up from its own files and run CMD against it "
-                                      "(ROLLSTREAM_REDIS_URL set), or serve until Ctrl-C: serve [config] [k=v] -- CMD")
+    c = sub.add_parser(
+        "serve",
+        help="bring a stopped run's Redis up from its own files and run CMD against it "
+        "(ROLLSTREAM_REDIS_URL set), or serve until Ctrl-C: serve [config] [k=v] -- CMD",
+    )
     _run_args(c)
     c.add_argument("--write", action="store_true",
                    help="serve it writable (writes persist in the run's AOF: a replay copy to retrain on); "
                         "default read-only, nothing written")
     c.set_defaults(func=_cmd_serve)
 
-    c = sub.add_parser("bench", help="run benchmark NAME (benchmarks/NAME.py's main(args)); further arguments are "
-                                      "passed through; without NAME (or with --list) list the benchmarks")
-    c.add_argument("name", nargs="?", help="benchmark name: a module of the benchmarks package (async = async_.py)")
+    c = sub.add_parser(
+        "bench",
+        help="run benchmark NAME (benchmarks/NAME.py's main(args)); further arguments are "
+        "passed through; without NAME (or with --list) list the benchmarks",
+    )
+    c.add_argument(
+        "name", nargs="?", help="benchmark name: a module of the benchmarks package (async = async_.py)"
+    )
     c.add_argument("--list", action="store_true", help="list the benchmarks with their one-line descriptions")
     c.set_defaults(func=_cmd_bench, passthrough=True)
     return p

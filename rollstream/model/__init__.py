@@ -25,7 +25,8 @@ __all__ = [
 
 
 def load_policy(backend: str, **kwargs: Any) -> BasePolicy:
-    """Build a policy: "tiny" -> TinyPolicy.from_config(**kwargs), "hf" -> HFPolicy.from_pretrained(**kwargs)."""
+    """Build a policy: "tiny" -> TinyPolicy.from_config(**kwargs), "hf" ->
+    HFPolicy.from_pretrained(**kwargs)."""
     if backend == "tiny":
         return TinyPolicy.from_config(**kwargs)
     if backend == "hf":

@@ -15,12 +15,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
-from rollstream.model.chunked import chunked_logprobs_entropy
+from rollstream.model.logprobs import chunked_logprobs_entropy, logprobs_entropy
 from rollstream.model.tokenizer import Tokenizer
+from rollstream.weights_io import load_bytes_into, module_bytes
 
 
 @dataclass
@@ -30,7 +29,8 @@ class Completion:
 
     `log_probs[i]` is the behaviour log-prob of `response_ids[i]`: log_softmax(logits / temperature)
     of the weights that sampled it (no top-p renormalisation); this is what `BasePolicy.log_probs` with the
-    same temperature recomputes. `swap_points` lists response indices i at which new weights took effect (tokens
+    same temperature recomputes. `swap_points` lists response indices i at which new weights took effect
+    (tokens
     from i on were sampled, with a re-prefilled cache, under the newer weights).
     """
 
@@ -126,7 +126,12 @@ def sample_tokens(
 
 
 def check_generate_args(
-    prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float, top_p: float, limit: int | None
+    prompts: Sequence[Sequence[int]],
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    limit: int | None,
 ) -> None:
     """ValueError naming the argument unless a generate call's arguments are valid for a model of `limit`
     positions (None: unbounded): n >= 1, max_new_tokens and temperature >= 0, 0 < top_p <= 1, non-empty
@@ -140,49 +145,6 @@ def check_generate_args(
     longest = max((len(p) for p in prompts), default=0)
     if limit is not None and longest + max_new_tokens > limit:
         raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} > max_seq_len {limit}")
-
-
-def _alias_groups(module: nn.Module) -> list[list[str]]:
-    """State-dict names grouped by shared storage (tied weights), first name kept in bytes."""
-    groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
-    for name, t in module.state_dict(keep_vars=False).items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        groups.setdefault(key, []).append(name)
-    return list(groups.values())
-
-
-def state_dict_to_bytes(module: nn.Module) -> bytes:
-    """safetensors bytes of the module's state dict (tied tensors stored once, under the first name)."""
-    sd = module.state_dict()
-    keep = {names[0] for names in _alias_groups(module)}
-    return st_save({k: v.detach().contiguous() for k, v in sd.items() if k in keep})
-
-
-def load_state_dict_from_bytes(module: nn.Module, data: bytes) -> None:
-    """Copy safetensors bytes into the module in place; refuse unknown or missing (non-tied) names."""
-    load_state_dict_checked(module, st_load(data))
-
-
-def check_state_names(module: nn.Module, names: set[str]) -> None:
-    """ValueError unless `names` are state-dict names of the module covering all of it (a tied tensor
-    under any one of its names)."""
-    expected = set(module.state_dict())
-    unexpected = sorted(names - expected)
-    if unexpected:
-        raise ValueError(f"weights have unknown tensors: {unexpected[:5]}")
-    covered = set(names)
-    for group in _alias_groups(module):
-        if covered.intersection(group):
-            covered.update(group)
-    missing = sorted(expected - covered)
-    if missing:
-        raise ValueError(f"weights lack tensors: {missing[:5]}")
-
-
-def load_state_dict_checked(module: nn.Module, sd: dict[str, Tensor]) -> None:
-    """Copy tensors into the module in place; refuse unknown or missing (non-tied) names."""
-    check_state_names(module, set(sd))
-    module.load_state_dict(sd, strict=False)
 
 
 class BasePolicy(ABC):
@@ -220,7 +182,9 @@ class BasePolicy(ABC):
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute activations in backward instead of storing them; backends without it refuse."""
-        raise ValueError(f"gradient checkpointing is not supported by {type(self).__name__} (use model.backend=hf)")
+        raise ValueError(
+            f"gradient checkpointing is not supported by {type(self).__name__} (use model.backend=hf)"
+        )
 
     @property
     def max_seq_len(self) -> int | None:
@@ -302,7 +266,7 @@ class BasePolicy(ABC):
         """Per-token log-prob and entropy [B,R] of the last R tokens under softmax(logits / temperature)
         (the sampling distribution, as verl's actor computes it); grad follows torch grad mode. With
         `logprob_chunk_size` > 0 and a backend giving hidden states, the output head runs chunk by chunk
-        (rollstream.model.chunked): same numbers, peak memory O(chunk x vocab)."""
+        (rollstream.model.logprobs): same numbers, peak memory O(chunk x vocab)."""
         if response_len < 1 or response_len >= input_ids.shape[1]:
             raise ValueError(f"response_len {response_len} must be in [1, {input_ids.shape[1] - 1}]")
         if not temperature > 0:
@@ -313,29 +277,27 @@ class BasePolicy(ABC):
             if head is not None:
                 hidden, weight, bias = head
                 labels = ids[:, -response_len:]
-                return chunked_logprobs_entropy(hidden, weight, bias, labels, temperature, self.logprob_chunk_size)
-        logits = self._response_logits(ids, mask, response_len).float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp_all = F.log_softmax(logits, dim=-1)  # [B,R,V]
-        logp = logp_all.gather(-1, ids[:, -response_len:, None]).squeeze(-1)  # [B,R]
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B,R]
-        return logp, entropy
+                return chunked_logprobs_entropy(
+                    hidden, weight, bias, labels, temperature, self.logprob_chunk_size
+                )
+        logits = self._response_logits(ids, mask, response_len)  # [B,R,V]
+        return logprobs_entropy(logits, ids[:, -response_len:], temperature)  # [B,R], [B,R]
 
     def log_probs(
         self, input_ids: Tensor, attention_mask: Tensor, response_len: int, temperature: float = 1.0
     ) -> Tensor:
-        """Per-token log-probs [B,R] of the last R tokens of a left-padded batch under logits / temperature."""
+        """Per-token log-probs [B,R] of the last R tokens of a left-padded batch under logits /
+        temperature."""
         return self.forward_logprobs_entropy(input_ids, attention_mask, response_len, temperature)[0]
 
     # ---- weights and modes -----------------------------------------------------------------------
     def state_dict_bytes(self) -> bytes:
         """The weights as safetensors bytes."""
-        return state_dict_to_bytes(self.module)
+        return module_bytes(self.module)
 
     def load_state_dict_bytes(self, data: bytes) -> None:
         """Load safetensors bytes (from `state_dict_bytes`) into the weights in place."""
-        load_state_dict_from_bytes(self.module, data)
+        load_bytes_into(self.module, data)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The trainable parameters (for the optimizer)."""

@@ -42,7 +42,9 @@ def render_tool_turn(hf_tokenizer: Any, result: str) -> str:
     at = full.rfind(_CALL_MARKER)
     tail = full[at + len(_CALL_MARKER) :] if at >= 0 else ""
     if at < 0 or result not in tail:
-        raise ValueError("the tokenizer's chat template does not render a tool message after an assistant turn")
+        raise ValueError(
+            "the tokenizer's chat template does not render a tool message after an assistant turn"
+        )
     return tail
 
 

@@ -31,7 +31,9 @@ class GPTConfig:
         if self.position not in ("learned", "rope"):
             raise ValueError(f"position={self.position!r} must be 'learned' or 'rope'")
         if self.position == "rope" and (self.d_model // self.n_head) % 2:
-            raise ValueError(f"position='rope' needs an even head size, got d_model/n_head={self.d_model // self.n_head}")
+            raise ValueError(
+                f"position='rope' needs an even head size, got d_model/n_head={self.d_model // self.n_head}"
+            )
 
 
 def positions_from_mask(attention_mask: Tensor) -> Tensor:
@@ -41,7 +43,9 @@ def positions_from_mask(attention_mask: Tensor) -> Tensor:
 
 def rope_angles(position_ids: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
     """cos, sin [B,1,T,head_dim/2] of the rotary angles position * theta^(-2i/head_dim)."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    inv_freq = theta ** (
+        -torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+    )
     angles = position_ids.float()[:, None, :, None] * inv_freq  # [B,1,T,hd/2]
     return angles.cos(), angles.sin()
 

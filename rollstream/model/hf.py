@@ -71,9 +71,15 @@ class HFPolicy(BasePolicy):
     """A transformers causal LM (fp32 by default) with its tokenizer; generation uses past_key_values."""
 
     def __init__(
-        self, model: nn.Module, tokenizer: Any, device: str | torch.device = "auto", chat_template: bool = True
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        device: str | torch.device = "auto",
+        chat_template: bool = True,
     ) -> None:
-        self.tokenizer = tokenizer if isinstance(tokenizer, HFTokenizer) else HFTokenizer(tokenizer, chat_template)
+        self.tokenizer = (
+            tokenizer if isinstance(tokenizer, HFTokenizer) else HFTokenizer(tokenizer, chat_template)
+        )
         self.device = resolve_device(device)
         self.module = model.to(self.device)
         params = inspect.signature(self.module.forward).parameters
@@ -155,7 +161,9 @@ class HFPolicy(BasePolicy):
         base = getattr(model, "base_model", None)
         if self._head_checked is False or not isinstance(head, nn.Linear) or base is None or base is model:
             return None
-        out = base(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False)
+        out = base(
+            input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False
+        )
         hidden = out.last_hidden_state[:, -(response_len + 1) : -1]  # [B,R,H]
         if self._head_checked is None:
             with torch.no_grad():

@@ -35,7 +35,8 @@ CHAT_TEMPLATE = (
 
 #: Qwen2's pre-tokenizer split: letters in words, each digit alone, punctuation runs, whitespace.
 QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
 )
 
 
@@ -91,8 +92,11 @@ def _bpe_tokenizer(specials: list[str], vocab_size: int, seed: int) -> Any:
     return raw
 
 
-def build_tokenizer(kind: TokenizerKind = "char", chat_template: bool = False, bpe_vocab_size: int = 320) -> Any:
-    """A PreTrainedTokenizerFast: pad/bos/eos are ids 0/1/2; role tokens and CHAT_TEMPLATE when `chat_template`."""
+def build_tokenizer(
+    kind: TokenizerKind = "char", chat_template: bool = False, bpe_vocab_size: int = 320
+) -> Any:
+    """A PreTrainedTokenizerFast: pad/bos/eos are ids 0/1/2; role tokens and CHAT_TEMPLATE when
+    `chat_template`."""
     from transformers import PreTrainedTokenizerFast
 
     specials = list(SPECIAL_TOKENS) + (list(ROLE_TOKENS) if chat_template else [])
@@ -139,7 +143,8 @@ def tiny_config(
     if arch == "qwen2":
         from transformers import Qwen2Config
 
-        return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)  # as Qwen2.5-0.5B: tied
+        # as Qwen2.5-0.5B: tied
+        return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
     raise ValueError(f"arch={arch!r}: expected 'llama' or 'qwen2'")
 
 
@@ -166,7 +171,9 @@ def make_tiny_hf_model(
     directory.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(tokenizer, chat_template)
     tok.save_pretrained(str(directory))
-    cfg = tiny_config(arch, len(tok), hidden_size, num_layers, max_positions, num_heads, num_kv_heads, intermediate_size)
+    cfg = tiny_config(
+        arch, len(tok), hidden_size, num_layers, max_positions, num_heads, num_kv_heads, intermediate_size
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg)

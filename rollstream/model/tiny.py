@@ -21,7 +21,8 @@ class TinyPolicy(BasePolicy):
         self.tokenizer = tokenizer if tokenizer is not None else CharTokenizer()
         if module.cfg.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(
-                f"GPTConfig.vocab_size={module.cfg.vocab_size} < tokenizer vocab_size={self.tokenizer.vocab_size}"
+                f"GPTConfig.vocab_size={module.cfg.vocab_size} < tokenizer "
+                f"vocab_size={self.tokenizer.vocab_size}"
             )
         self.device = resolve_device(device)
         self.module: GPT = module.to(self.device)

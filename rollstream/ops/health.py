@@ -74,7 +74,11 @@ def worker_health(
     now = time.time() if now is None else now
     world = trainer.get(WORLD_SIZE_FIELD, "1")
     ranks = int(world) if world.isdigit() else 1
-    fields = [("trainer", HEARTBEAT_FIELD)] if ranks <= 1 else [(f"trainer-r{k}", rank_heartbeat_field(k)) for k in range(ranks)]
+    fields = (
+        [("trainer", HEARTBEAT_FIELD)]
+        if ranks <= 1
+        else [(f"trainer-r{k}", rank_heartbeat_field(k)) for k in range(ranks)]
+    )
     finished = _finished(trainer, total_steps)
     out = []
     for name, beat_field in fields:
@@ -85,7 +89,11 @@ def worker_health(
             continue
         age = max(0.0, now - beat)
         state = "finished" if finished else "ok" if age <= stall_after_s else "stalled"
-        why = f"heartbeat {age:.0f}s old, over trainer.heartbeat_stall_s={stall_after_s:g}" if state == "stalled" else ""
+        why = (
+            f"heartbeat {age:.0f}s old, over trainer.heartbeat_stall_s={stall_after_s:g}"
+            if state == "stalled"
+            else ""
+        )
         out.append(WorkerHealth(name, state, age, stall_after_s, why))
     return out
 
@@ -112,15 +120,25 @@ def progress_health(
     if _finished(trainer, total_steps):
         return WorkerHealth("global steps", "finished", age, stall_after_s)
     if stopped:
-        return WorkerHealth("global steps", "stopped", age, stall_after_s,
-                            f"the run is stopped at global step {step}, before trainer.total_global_steps={total_steps}")
+        return WorkerHealth(
+            "global steps",
+            "stopped",
+            age,
+            stall_after_s,
+            f"the run is stopped at global step {step}, before trainer.total_global_steps={total_steps}",
+        )
     if stopping:
         return WorkerHealth("global steps", "stopping", age, stall_after_s)
     if age is None or age <= stall_after_s:
         return WorkerHealth("global steps", "ok", age, stall_after_s)
-    return WorkerHealth("global steps", "stalled", age, stall_after_s,
-                        f"no global step completed in {age:.0f}s (last: {step}), over trainer.heartbeat_stall_s="
-                        f"{stall_after_s:g}")
+    return WorkerHealth(
+        "global steps",
+        "stalled",
+        age,
+        stall_after_s,
+        f"no global step completed in {age:.0f}s (last: {step}), over trainer.heartbeat_stall_s="
+        f"{stall_after_s:g}",
+    )
 
 
 def trainer_stopping(processes: list[dict[str, Any]] | None) -> bool:

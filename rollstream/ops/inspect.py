@@ -71,7 +71,9 @@ def summarise_array(arr: np.ndarray) -> dict[str, Any]:
     flat = arr.reshape(-1)
     if arr.dtype.kind in "biuf" and flat.size:
         out.update(min=_number(flat.min()), max=_number(flat.max()), mean=round(float(flat.mean()), 6))
-    out["first"] = [_number(v) if arr.dtype.kind in "biuf" else jsonable(v, full=True) for v in flat[:FIRST_VALUES]]
+    out["first"] = [
+        _number(v) if arr.dtype.kind in "biuf" else jsonable(v, full=True) for v in flat[:FIRST_VALUES]
+    ]
     return out
 
 
@@ -139,7 +141,11 @@ def entry_to_json(
 ) -> dict[str, Any]:
     """One entry as JSON data: its id, readable header fields, and the decoded event (or raw fields for
     entries that are not events, such as fates and dispatch_log)."""
-    header = {text(k): text(v) for k, v in fields.items() if text(k) != "payload" and not _ARRAY_FIELD.match(text(k))}
+    header = {
+        text(k): text(v)
+        for k, v in fields.items()
+        if text(k) != "payload" and not _ARRAY_FIELD.match(text(k))
+    }
     out: dict[str, Any] = {"stream": stream, "id": entry_id}
     if b"payload" not in fields:
         out["fields"] = {text(k): jsonable(v, full) for k, v in fields.items()}
@@ -225,8 +231,15 @@ def dumps(data: Any, pretty: bool = True, indent: int = 0) -> str:
         return json.dumps(data, ensure_ascii=False, default=str)
     pad, inner = "  " * indent, "  " * (indent + 1)
     flat = json.dumps(data, ensure_ascii=False, default=str)
-    if isinstance(data, dict) and data and (len(flat) > 100 or any(isinstance(v, dict | list) for v in data.values())):
-        items = [f"{inner}{json.dumps(str(k), ensure_ascii=False)}: {dumps(v, True, indent + 1)}" for k, v in data.items()]
+    if (
+        isinstance(data, dict)
+        and data
+        and (len(flat) > 100 or any(isinstance(v, dict | list) for v in data.values()))
+    ):
+        items = [
+            f"{inner}{json.dumps(str(k), ensure_ascii=False)}: {dumps(v, True, indent + 1)}"
+            for k, v in data.items()
+        ]
         return "{\n" + ",\n".join(items) + f"\n{pad}}}"
     if isinstance(data, list) and data and any(isinstance(v, dict | list) for v in data):
         return "[\n" + ",\n".join(f"{inner}{dumps(v, True, indent + 1)}" for v in data) + f"\n{pad}]"

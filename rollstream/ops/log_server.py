@@ -12,7 +12,7 @@ private redis-server up on that AOF, the command reads through it, and the serve
   permission on keys (`%R~*`); the default user stays off with every permission, because redis 7.0
   replays the AOF's MULTI/EXEC blocks with the default user's rights.
 
-The run's own `rollstream run` later resumes from the untouched AOF as before.
+The run's own `rollstream run` later resumes from the AOF, which the reader never touched.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from rollstream.bus import CONNECTION_ERRORS
 from rollstream.config import config_to_yaml
 from rollstream.ops.embedded_redis import EmbeddedRedis, redis_server_binary, wait_for_redis
 from rollstream.ops.plan import private_dir, write_private
-from rollstream.ops.target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, RunTarget
+from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, RunTarget
 
 #: AOF folder and manifest names of redis 7's multi-part AOF (redis' defaults, which the run uses).
 AOF_DIR = "appendonlydir"
@@ -79,14 +79,17 @@ class StoppedLogServer:
         """Plan the server for run_dir (nothing starts yet); LogServerError when it has no AOF."""
         self.source = aof_dir(Path(run_dir).resolve())
         if not (self.source / AOF_MANIFEST).is_file():
-            raise LogServerError(f"{self.source / AOF_MANIFEST} not found: the run's log was never written here")
+            raise LogServerError(
+                f"{self.source / AOF_MANIFEST} not found: the run's log was never written here"
+            )
         self.tmp: Path | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.password = secrets.token_hex(16)
         self.url = ""
 
     def start(self, timeout_s: float = 60.0) -> str:
-        """Link the AOF into a temp folder, start redis-server on it, wait until the log is loaded; the URL."""
+        """Link the AOF into a temp folder, start redis-server on it, wait until the log is loaded; the
+        URL."""
         self.tmp = Path(tempfile.mkdtemp(prefix="rollstream-log-"))  # 0700
         files, manifest = _reader_manifest((self.source / AOF_MANIFEST).read_text())
         linked = self.tmp / AOF_DIR
@@ -109,9 +112,15 @@ class StoppedLogServer:
         try:
             wait_for_redis(f"unix://{READER_USER}:{self.password}@{sock}?db=0", timeout_s)
         except RuntimeError as e:
-            log = (self.tmp / "redis.log").read_text(errors="replace")[-500:] if (self.tmp / "redis.log").is_file() else ""
+            log = (
+                (self.tmp / "redis.log").read_text(errors="replace")[-500:]
+                if (self.tmp / "redis.log").is_file()
+                else ""
+            )
             self.stop()
-            raise LogServerError(f"the run's log could not be loaded: {e}; redis said: {log.strip()}") from None
+            raise LogServerError(
+                f"the run's log could not be loaded: {e}; redis said: {log.strip()}"
+            ) from None
         return self.url
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -201,8 +210,10 @@ def serve_run(target: RunTarget, write: bool = False) -> Iterator[RunTarget]:
     `write` its own embedded server (writes persist in its AOF: a replay copy a trainer retrains on).
     LogServerError when the run's Redis still answers or it has no AOF."""
     if not run_is_down(target):
-        raise LogServerError(f"run {target.keys.run}: its Redis answers at {target.redis_url} (or it has no AOF "
-                             f"in {aof_dir(target.run_dir)}); serve is for a stopped run with the embedded Redis")
+        raise LogServerError(
+            f"run {target.keys.run}: its Redis answers at {target.redis_url} (or it has no AOF "
+            f"in {aof_dir(target.run_dir)}); serve is for a stopped run with the embedded Redis"
+        )
     if not write:
         with serve_stopped_log(target) as served:
             yield served

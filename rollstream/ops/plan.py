@@ -22,7 +22,8 @@ Workers are launched by module name (`python -m consumers.trainer` …): the run
 package. A data-parallel trainer (`trainer.nproc_per_node` or `trainer.nnodes` above 1, or fsdp) is one
 program too: `python -m consumers.trainer.torchrun … -m consumers.trainer` (torchrun, whose stop exits 0),
 which starts and restarts the ranks (`trainer_argv`); its ranks run in sessions of their own, so
-supervisord's SIGTERM reaches torchrun alone, and torchrun forwards it to each rank once. A config with `rollout.latency_model.enable` (benchmarks) gets latency-model producers
+supervisord's SIGTERM reaches torchrun alone, and torchrun forwards it to each rank once. A config with
+`rollout.latency_model.enable` (benchmarks) gets latency-model producers
 (`python -m benchmarks.latency_producer`: the producer with a modelled decode injected).
 """
 
@@ -31,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
-import stat
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -43,7 +43,7 @@ from rollstream.files import private_dir
 from rollstream.names import Keys
 from rollstream.names import producer_names as _producer_names
 from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded
-from rollstream.ops.target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, split_password
+from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, split_password
 from rollstream.security import ROLES, acl_rules, generate_passwords
 from rollstream.worker import REDIS_URL_ENV
 
@@ -113,7 +113,8 @@ def producer_names(cfg: PipelineConfig) -> list[str]:
 
 
 def producer_module(cfg: PipelineConfig) -> str:
-    """The module a producer of this config runs: latency-model producers for `rollout.latency_model.enable`."""
+    """The module a producer of this config runs: latency-model producers for
+    `rollout.latency_model.enable`."""
     return LATENCY_PRODUCER_MODULE if cfg.rollout.latency_model.enable else PRODUCER_MODULE
 
 
@@ -145,9 +146,15 @@ def _worker_programs(
 ) -> list[Program]:
     py, conf = sys.executable, str(resolved)
     progs = [
-        Program("aggregator", [py, "-m", "consumers.aggregator", conf], priority=10,
-                env={**env, **role_env.get("aggregator", {})}),
-        Program("trainer", trainer_argv(cfg, conf, py), priority=20, env={**env, **role_env.get("trainer", {})}),
+        Program(
+            "aggregator",
+            [py, "-m", "consumers.aggregator", conf],
+            priority=10,
+            env={**env, **role_env.get("aggregator", {})},
+        ),
+        Program(
+            "trainer", trainer_argv(cfg, conf, py), priority=20, env={**env, **role_env.get("trainer", {})}
+        ),
     ]
     for name in producer_names(cfg):
         progs.append(Program(name, [py, "-m", producer_module(cfg), conf, "--name", name], priority=30,
@@ -177,14 +184,6 @@ def write_acl(run_dir: Path, keys: Keys, producers: list[str]) -> tuple[Path, di
     return acl_file, env
 
 
-def private_violations(run_dir: Path) -> list[str]:
-    """`path mode` of everything under run_dir (itself included) that group or others may access (sockets
-    aside: their access is the directory's); [] for a private run."""
-    paths = [run_dir, *run_dir.rglob("*")]
-    return [f"{p} {stat.S_IMODE(p.lstat().st_mode):o}" for p in paths
-            if not p.is_socket() and stat.S_IMODE(p.lstat().st_mode) & PRIVATE_UMASK]
-
-
 def write_private(path: Path, text: str) -> None:
     """Write a text file readable by its owner only (0600, also when it already existed)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -206,13 +205,16 @@ def plan_run(cfg: PipelineConfig, run_dir: Path | None = None) -> RunPlan:
     programs: list[Program] = []
     role_env: dict[str, dict[str, str]] = {}
     if cfg.run.redis_url is None:
-        redis_argv, url = plan_embedded(run_dir, appendfsync="always")  # a kill -9 of redis loses nothing acknowledged
+        # a kill -9 of redis loses nothing acknowledged
+        redis_argv, url = plan_embedded(run_dir, appendfsync="always")
         if cfg.run.acl:
             acl_file, role_env = write_acl(run_dir, Keys(cfg.run.name), producer_names(cfg))
             redis_argv += ["--aclfile", str(acl_file)]
         else:
             (run_dir / SECRETS_DIR / ACL_FILE).unlink(missing_ok=True)  # operator commands connect as default
-        programs.append(Program("redis", redis_argv, priority=1, stopwaitsecs=REDIS_STOPWAIT_S, autostart=True))
+        programs.append(
+            Program("redis", redis_argv, priority=1, stopwaitsecs=REDIS_STOPWAIT_S, autostart=True)
+        )
     else:
         url, password = split_password(cfg.run.redis_url)
         resolved_cfg.run.redis_url = None
@@ -252,7 +254,8 @@ def render_supervisord_conf(run_dir: Path, programs: list[Program], cwd: Path) -
         f"pidfile={_esc(str(run_dir / 'supervisord.pid'))}",
         f"childlogdir={_esc(str(logs))}",
         f"identifier=rollstream-{run_dir.name}",
-        f"umask={PRIVATE_UMASK:03o}",  # every program (redis' AOF, checkpoints, logs, sinks) creates 0600 files
+        # every program (redis' AOF, checkpoints, logs, sinks) creates 0600 files
+        f"umask={PRIVATE_UMASK:03o}",
         "",
         "[rpcinterface:supervisor]",
         "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",

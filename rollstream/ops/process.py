@@ -31,14 +31,25 @@ from rollstream.ops.plan import (
     SuperviseError,
     supervisor_socket,
 )
-from rollstream.ops.target import RunTarget
+from rollstream.ops.run_target import RunTarget
 
 # --- talking to a running supervisord ----------------------------------------------------------------
 
 
+class _OneCallTransport(SupervisorTransport):  # type: ignore[misc]
+    """supervisord's unix-socket transport, closing its connection after every call: a proxy is made per
+    use and dropped, which would otherwise leave its socket open until garbage collection."""
+
+    def request(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().request(*args, **kwargs)
+        finally:
+            self.close()
+
+
 def rpc(run_dir: Path) -> Any:
     """XML-RPC proxy of the run's supervisord (the API supervisorctl uses)."""
-    transport = SupervisorTransport(None, None, f"unix://{supervisor_socket(run_dir)}")
+    transport = _OneCallTransport(None, None, f"unix://{supervisor_socket(run_dir)}")
     return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
 
 
@@ -82,7 +93,9 @@ def start_supervisord(plan: RunPlan, foreground: bool = False) -> subprocess.Pop
     else:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=60, umask=PRIVATE_UMASK)
         if done.returncode != 0:
-            raise SuperviseError(f"supervisord failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}")
+            raise SuperviseError(
+                f"supervisord failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}"
+            )
     _wait(lambda: supervisor_up(plan.run_dir), 30, "supervisord to answer")
     return proc
 
@@ -140,7 +153,9 @@ def failed_programs(run_dir: Path) -> list[str]:
         bad = s["statename"] in ("FATAL", "BACKOFF") or (s["statename"] == "EXITED" and s["exitstatus"] != 0)
         if bad or crashes[s["name"]] >= CRASH_LOOP_EXITS:
             why = f"{s['statename']}: {s['description']}, {crashes[s['name']]} unexpected exits"
-            out.append(f"{s['name']} ({why}; last log line: {_last_line(run_dir / 'logs' / (s['name'] + '.log'))})")
+            out.append(
+                f"{s['name']} ({why}; last log line: {_last_line(run_dir / 'logs' / (s['name'] + '.log'))})"
+            )
     return out
 
 
@@ -171,7 +186,8 @@ class ExitReport:
     def lines(self) -> list[str]:
         """One line per program, then each crash."""
         out = [
-            f"{name:<12} {'never started' if st is None else f'exit {st}'}" for name, st in self.statuses.items()
+            f"{name:<12} {'never started' if st is None else f'exit {st}'}"
+            for name, st in self.statuses.items()
         ]
         return out + [f"crash: {c}" for c in self.crashes]
 

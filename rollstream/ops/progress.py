@@ -36,7 +36,11 @@ class Curve:
 
     def val_points(self) -> list[tuple[float, float, float]]:
         """(seconds, samples trained, val/acc) of every record carrying val/acc."""
-        return [(t, n, m[VAL_ACC]) for t, n, m in zip(self.seconds, self.samples, self.metrics, strict=True) if VAL_ACC in m]
+        return [
+            (t, n, m[VAL_ACC])
+            for t, n, m in zip(self.seconds, self.samples, self.metrics, strict=True)
+            if VAL_ACC in m
+        ]
 
     def first_reaching(self, acc: float) -> tuple[float, float] | None:
         """(seconds, samples trained) of the first record with val/acc >= acc, or None."""

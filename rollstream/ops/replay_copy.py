@@ -4,7 +4,8 @@ that data:
     rollstream replay trainer --from RUN --to NEWRUN --steps 3-6 [pipeline.yaml key=value …]
     rollstream replay trainer --from RUN --to NEWRUN [--start ID --end ID] [pipeline.yaml …]
 
-Both read the source's whole log (its archive, then Redis). `--steps A-B` copies the entries global steps A..B consumed (trained or dropped, read from `fates`) in the
+Both read the source's whole log (its archive, then Redis). `--steps A-B` copies the entries global steps A..B
+consumed (trained or dropped, read from `fates`) in the
 order the trainer consumed them, keeping their entry ids when that order is also id order; the caller
 copies the checkpoint of step A-1 beside it and runs the trainer with `--burst` and
 `trainer.total_global_steps=B`, which then retrains steps A..B on the same samples and exits. An id
@@ -90,10 +91,13 @@ def copy_steps(
     _check_destination(out, src, dst)
     wanted = set(ids)
     lo, hi = min(ids, key=parse_id), max(ids, key=parse_id)
-    found = {i: f for i, f in iter_stream(r, src.rollouts, lo, hi, page=BATCH) if i in wanted}  # archive + Redis
+    # archive + Redis
+    found = {i: f for i, f in iter_stream(r, src.rollouts, lo, hi, page=BATCH) if i in wanted}
     gone = [i for i in ids if i not in found]
     if gone:
-        raise ReplayCopyError(f"{len(gone)} consumed entries are neither in {src.rollouts} nor in its archive: {gone[:3]}")
+        raise ReplayCopyError(
+            f"{len(gone)} consumed entries are neither in {src.rollouts} nor in its archive: {gone[:3]}"
+        )
     keep_ids = all(parse_id(a) < parse_id(b) for a, b in zip(ids, ids[1:], strict=False))
     setup_run(out, dst)
     pipe = out.pipeline(transaction=False)

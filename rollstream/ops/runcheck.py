@@ -18,7 +18,7 @@ from rollstream.config import PipelineConfig
 from rollstream.names import Keys
 from rollstream.ops.plan import SuperviseError
 from rollstream.ops.process import failed_programs
-from rollstream.ops.target import RunTarget
+from rollstream.ops.run_target import RunTarget
 from rollstream.weights import latest_param_version, producer_versions
 from schemas import DecodeError, ProducerStats, RolloutSample, StepMetrics, decode
 
@@ -44,7 +44,12 @@ def wait_for_steps(target: RunTarget, steps: int, timeout_s: float, poll_s: floa
             record = _last_record_step(r, keys)
             versions = producer_versions(r, keys)
             behind = {p: v for p, v in versions.items() if v < steps}
-            if published >= steps and record >= steps and len(versions) == cfg.rollout.num_producers and not behind:
+            if (
+                published >= steps
+                and record >= steps
+                and len(versions) == cfg.rollout.num_producers
+                and not behind
+            ):
                 return
             failed = failed_programs(target.run_dir)
             if failed:
@@ -103,7 +108,9 @@ def throughput(r: redis.Redis, keys: Keys) -> Throughput:
         if isinstance(ev, StepMetrics) and ev.type == "step_end":
             ends[ev.global_step] = ev
         elif isinstance(ev, StepMetrics):
-            tokens[ev.global_step] = tokens.get(ev.global_step, 0.0) + ev.metrics.get("perf/total_num_tokens", 0.0)
+            tokens[ev.global_step] = tokens.get(ev.global_step, 0.0) + ev.metrics.get(
+                "perf/total_num_tokens", 0.0
+            )
     gen = [float(st.gen_tokens_per_s) for st in _events(r, keys.stats)
            if isinstance(st, ProducerStats) and st.gen_tokens_per_s > 0]
     steps = sorted(ends)
@@ -144,11 +151,19 @@ def behaviour_logprob_error(
             resp = b.response_ids[ro[i] : ro[i + 1]]
             if not resp.size:
                 continue
-            ids = torch.tensor(np.concatenate([b.prompt_ids[po[i] : po[i] + plen[i]], resp]).astype(np.int64))[None]
+            ids = torch.tensor(
+                np.concatenate([b.prompt_ids[po[i] : po[i] + plen[i]], resp]).astype(np.int64)
+            )[None]
             with torch.no_grad():
-                fresh = policy.log_probs(ids, torch.ones_like(ids), resp.size, cfg.rollout.temperature).cpu()[0]
+                fresh = policy.log_probs(ids, torch.ones_like(ids), resp.size, cfg.rollout.temperature).cpu()[
+                    0
+                ]
             behave = torch.from_numpy(b.tokens["rollout_log_probs"][ro[i] : ro[i + 1]].astype(np.float32))
-            keep = torch.ones(resp.size, dtype=torch.bool) if mask is None else torch.from_numpy(mask[ro[i] : ro[i + 1]] != 0)
+            keep = (
+                torch.ones(resp.size, dtype=torch.bool)
+                if mask is None
+                else torch.from_numpy(mask[ro[i] : ro[i + 1]] != 0)
+            )
             diff = (fresh - behave).abs()[keep]
             if diff.numel():
                 worst = max(worst, float(diff.max()))

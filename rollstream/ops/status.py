@@ -176,7 +176,9 @@ def collect_status(
     streams = [_stream_info(r, k, s, archive) for k, s in zip(keys.all_streams(), shorts, strict=True)]
     trainer_raw: Any = r.hgetall(keys.trainer)
     trainer = {text(k): text(v) for k, v in trainer_raw.items()}
-    step = int(trainer[GLOBAL_STEP_FIELD]) if trainer.get(GLOBAL_STEP_FIELD, "").lstrip("-").isdigit() else None
+    step = (
+        int(trainer[GLOBAL_STEP_FIELD]) if trainer.get(GLOBAL_STEP_FIELD, "").lstrip("-").isdigit() else None
+    )
     pv = latest_param_version(r, keys) if r.exists(keys.params) else None
     hist, source = staleness_histogram(r, keys, step)
     now = time.time()
@@ -212,7 +214,9 @@ def trainer_consumers(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
         rows: Any = r.xinfo_consumers(keys.rollouts, TRAINER_GROUP)
     except redis.ResponseError:  # no stream or no group yet
         return []
-    return [{"name": text(c["name"]), "pending": int(c["pending"]), "idle_s": int(c["idle"]) / 1000} for c in rows]
+    return [
+        {"name": text(c["name"]), "pending": int(c["pending"]), "idle_s": int(c["idle"]) / 1000} for c in rows
+    ]
 
 
 def _bytes(n: int) -> str:
@@ -243,7 +247,10 @@ def format_status(st: RunStatus, redis_url: str) -> str:
         out.append("trainer consumers: " + ", ".join(
             f"{c['name']} pending {c['pending']} idle {c['idle_s']:.1f}s" for c in st.trainer_consumers))
     out.append("")
-    out.append(f"{'stream':<14}{'in redis':>10}{'memory':>12}{'archived':>10}{'on disk':>12}   groups (pending / lag)")
+    out.append(
+        f"{'stream':<14}{'in redis':>10}{'memory':>12}{'archived':>10}{'on disk':>12}   groups (pending / "
+        "lag)"
+    )
     for s in st.streams:
         groups = ", ".join(f"{g['group']} {g['pending']} / {_lag(g['lag'])}" for g in s.groups)
         archived = "?" if s.archived is None else str(s.archived)

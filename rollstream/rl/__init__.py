@@ -7,31 +7,18 @@ from rollstream.rl.advantages import (
     returns_to_go,
 )
 from rollstream.rl.masked import AggMode, agg_loss, masked_mean, masked_sum
-from rollstream.rl.metrics import length_metrics, reward_metrics, staleness_metrics, tensor_summary
-from rollstream.rl.ppo import (
-    KLKind,
-    PPOMode,
-    clipped_surrogate,
-    dual_clip,
-    entropy_from_logits,
-    kl_penalty,
-    logprobs_from_logits,
-    ppo_loss,
-)
+from rollstream.rl.metrics import length_metrics, reward_metrics, staleness_metrics, summary_stats
+from rollstream.rl.ppo import PPOMode, clipped_surrogate, low_var_kl, ppo_loss
 
 __all__ = [
     "AggMode",
-    "KLKind",
     "PPOMode",
     "agg_loss",
     "clipped_surrogate",
-    "dual_clip",
-    "entropy_from_logits",
     "grpo_advantages",
     "grpo_token_advantages",
-    "kl_penalty",
     "length_metrics",
-    "logprobs_from_logits",
+    "low_var_kl",
     "masked_mean",
     "masked_sum",
     "ppo_loss",
@@ -39,5 +26,5 @@ __all__ = [
     "returns_to_go",
     "reward_metrics",
     "staleness_metrics",
-    "tensor_summary",
+    "summary_stats",
 ]

@@ -62,7 +62,8 @@ def grpo_token_advantages(
     norm_by_std: bool = True,
     gamma: float = 1.0,
 ) -> torch.Tensor:
-    """Token-level GRPO advantages [B, T]: each token's (gamma-discounted) return-to-go minus the mean return-to-go of the
+    """Token-level GRPO advantages [B, T]: each token's (gamma-discounted) return-to-go minus the mean
+    return-to-go of the
     group's responses that also have a token at that position (divided by their std when `norm_by_std`).
 
     token_rewards, mask [B, T] (groups contiguous, sizes `group_sizes`). A token is credited only with
@@ -72,7 +73,9 @@ def grpo_token_advantages(
     by a single response of a group gets 0; a group of one keeps its raw returns (as `grpo_advantages`).
     """
     if token_rewards.shape != mask.shape or token_rewards.dim() != 2:
-        raise ValueError(f"token_rewards {tuple(token_rewards.shape)} and mask {tuple(mask.shape)} must be the same [B, T]")
+        raise ValueError(
+            f"token_rewards {tuple(token_rewards.shape)} and mask {tuple(mask.shape)} must be the same [B, T]"
+        )
     if sum(group_sizes) != token_rewards.shape[0] or any(n < 1 for n in group_sizes):
         raise ValueError(f"group sizes {group_sizes} do not cover {token_rewards.shape[0]} rows")
     m = mask.detach().to(torch.float32)  # [B, T]
@@ -108,7 +111,9 @@ def reinforce_pp_advantages(
     does better there. `reduce` sums [sum, sum of squares, count] over data-parallel ranks (None: this
     process holds the whole batch)."""
     if token_rewards.shape != mask.shape or token_rewards.dim() != 2:
-        raise ValueError(f"token_rewards {tuple(token_rewards.shape)} and mask {tuple(mask.shape)} must be the same [B, T]")
+        raise ValueError(
+            f"token_rewards {tuple(token_rewards.shape)} and mask {tuple(mask.shape)} must be the same [B, T]"
+        )
     m = mask.detach().to(torch.float32)  # [B, T]
     ret = returns_to_go(token_rewards, m, gamma)  # [B, T]
     stats = [float(ret.sum()), float((ret**2).sum()), float(m.sum())]

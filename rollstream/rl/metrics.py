@@ -7,13 +7,15 @@ Names are chosen so the MetricsAggregator rules fold them correctly across local
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 
-def tensor_summary(values: torch.Tensor, prefix: str) -> dict[str, float]:
-    """`{prefix}/mean`, `/max`, `/min` of a tensor's elements; {} when it is empty."""
-    flat = values.detach().reshape(-1).to(torch.float64)
+def summary_stats(values: torch.Tensor | Sequence[float] | Any, prefix: str) -> dict[str, float]:
+    """`{prefix}/mean`, `/max`, `/min` of the elements of a tensor, array or sequence (in float64); {} when
+    there are none."""
+    flat = torch.as_tensor(values).detach().reshape(-1).to(torch.float64)
     if flat.numel() == 0:
         return {}
     return {
@@ -25,7 +27,7 @@ def tensor_summary(values: torch.Tensor, prefix: str) -> dict[str, float]:
 
 def reward_metrics(rewards: torch.Tensor, prefix: str = "critic/rewards") -> dict[str, float]:
     """Mean/max/min of per-trajectory rewards [N] under `critic/rewards/…` (verl's names)."""
-    return tensor_summary(rewards, prefix)
+    return summary_stats(rewards, prefix)
 
 
 def length_metrics(
@@ -36,7 +38,7 @@ def length_metrics(
     if max_response_length < 1:
         raise ValueError(f"max_response_length must be >= 1, got {max_response_length}")
     lengths = response_mask.detach().to(torch.float64).sum(dim=-1)  # [B]
-    out = tensor_summary(lengths, prefix)
+    out = summary_stats(lengths, prefix)
     if out:
         out[f"{prefix}/clip_ratio"] = float((lengths >= max_response_length).to(torch.float64).mean())
     return out
@@ -46,11 +48,4 @@ def staleness_metrics(
     staleness: Sequence[int | float], prefix: str = "training/off_policy/staleness"
 ) -> dict[str, float]:
     """Mean/max/min of per-sample staleness (g − param_version) under `…/off_policy/staleness/`."""
-    if len(staleness) == 0:
-        return {}
-    values = [float(s) for s in staleness]
-    return {
-        f"{prefix}/mean": sum(values) / len(values),
-        f"{prefix}/max": max(values),
-        f"{prefix}/min": min(values),
-    }
+    return summary_stats([float(s) for s in staleness], prefix)

@@ -7,7 +7,8 @@ Three policies meet in an off-policy update:
 
 decoupled: ratio = pi_theta / pi_prox is clipped as in PPO, and each token's loss is multiplied by the
            detached importance weight the caller passes (`is_weights`: verl's rollout correction,
-           rollstream/rl/rollout_correction.py; the default config's is token-level min(pi_prox / pi_behave, 5)).
+           rollstream/rl/rollout_correction.py; the default config's is token-level min(pi_prox / pi_behave,
+           5)).
 bypass:    pi_prox := pi_behave (verl's `use_rollout_log_probs`); no extra forward pass; the ratio itself
            corrects for the behaviour policy, so `is_weights` is not applied.
 """
@@ -21,51 +22,23 @@ import torch
 from rollstream.rl.masked import AggMode, agg_loss, masked_mean
 
 PPOMode = Literal["decoupled", "bypass"]
-KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
 
 _LOG_RATIO_CLAMP = 20.0  # exp(±20) stays finite in fp32; padding tokens may hold any log-prob
 _LOW_VAR_KL_CLAMP = 10.0  # verl clamps the k3 estimate to [-10, 10]
 
 
 # ---------------------------------------------------------------------------------------------
-# log-probs, entropy, KL
+# KL to the reference policy
 # ---------------------------------------------------------------------------------------------
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each label: logits [B, T, V], labels [B, T] -> [B, T] (fp32)."""
-    logp_all = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
-    return logp_all.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)  # [B, T]
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Categorical entropy per position: logits [..., V] -> [...] (fp32)."""
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)  # [..., V]
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)  # [...]
-
-
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind = "low_var_kl") -> torch.Tensor:
-    """Per-token KL(pi_theta || pi_ref) estimate [B, T] from sampled-token log-probs [B, T].
-
-    kl / k1:         logp - ref_logp
-    abs:             |logp - ref_logp|
-    mse / k2:        0.5 * (logp - ref_logp)^2
-    low_var_kl / k3: exp(ref - logp) - (ref - logp) - 1, log-ratio clamped to [-20, 20] and
-                     the estimate clamped to [-10, 10] as verl does (Schulman's k3, always >= 0)
-    """
-    diff = logp - ref_logp  # [B, T]
-    if kind in ("kl", "k1"):
-        return diff
-    if kind == "abs":
-        return diff.abs()
-    if kind in ("mse", "k2"):
-        return 0.5 * diff.square()
-    if kind in ("low_var_kl", "k3"):
-        log_ratio = (-diff).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # log(pi_ref / pi_theta)
-        k3 = torch.exp(log_ratio) - log_ratio - 1.0
-        return k3.clamp(-_LOW_VAR_KL_CLAMP, _LOW_VAR_KL_CLAMP)
-    raise ValueError(f"unknown KL estimator {kind!r}")
+def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimate [B, T] from sampled-token log-probs [B, T]: Schulman's k3,
+    exp(ref - logp) - (ref - logp) - 1 (always >= 0), with the log-ratio clamped to [-20, 20] and the
+    estimate to [-10, 10] as verl's `low_var_kl` does."""
+    log_ratio = (ref_logp - logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # log(pi_ref / pi_theta)
+    k3 = torch.exp(log_ratio) - log_ratio - 1.0
+    return k3.clamp(-_LOW_VAR_KL_CLAMP, _LOW_VAR_KL_CLAMP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,13 +55,6 @@ def clipped_surrogate(
     return torch.maximum(loss_unclipped, loss_clipped), loss_clipped > loss_unclipped
 
 
-def dual_clip(loss: torch.Tensor, adv: torch.Tensor, clip_c: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dual-clip PPO: cap the loss at -A*c where A < 0; returns (loss [B, T], capped [B, T])."""
-    loss_cap = -adv * clip_c  # [B, T]
-    capped = (adv < 0) & (loss > loss_cap)
-    return torch.where(capped, loss_cap, loss), capped
-
-
 def ppo_loss(
     logp: torch.Tensor,
     prox_logp: torch.Tensor | None,
@@ -100,7 +66,6 @@ def ppo_loss(
     is_weights: torch.Tensor | None = None,
     mode: PPOMode = "decoupled",
     loss_agg_mode: AggMode = "token-mean",
-    dual_clip_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled (or bypass) clipped PPO loss (scalar) and its `actor/…` metrics as python floats.
 
@@ -108,7 +73,6 @@ def ppo_loss(
     or [B, T]. Only `logp` carries gradient; everything else is detached here. `prox_logp` may be
     None in bypass mode. `clip_eps_high` defaults to `clip_eps` (set it higher for DAPO clip-higher).
     `is_weights` [B, T] (detached; decoupled mode only) multiplies each token's loss; None = no weight.
-    `dual_clip_c` (verl's clip_ratio_c, e.g. 3.0) is off by default.
     """
     if mode not in ("decoupled", "bypass"):
         raise ValueError(f"unknown PPO mode {mode!r}")
@@ -129,9 +93,6 @@ def ppo_loss(
     log_ratio = (logp - prox).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
     pg_losses, clipped = clipped_surrogate(ratio, adv, clip_eps, clip_high)  # [B, T]
-    capped = torch.zeros_like(clipped)
-    if dual_clip_c is not None:
-        pg_losses, capped = dual_clip(pg_losses, adv, dual_clip_c)
 
     # 2. off-policy correction from behaviour to proximal policy (the rollout-correction weights)
     if mode == "decoupled" and is_weights is not None:
@@ -142,7 +103,7 @@ def ppo_loss(
     metrics = {
         "actor/pg_loss": float(loss.detach()),
         "actor/pg_clipfrac": float(masked_mean(clipped.to(logp.dtype), mask)),
-        "actor/pg_clipfrac_lower": float(masked_mean(capped.to(logp.dtype), mask)),
+        "actor/pg_clipfrac_lower": 0.0,  # verl's share of dual-clipped tokens: no dual clip here
         "actor/ppo_kl": float(masked_mean(-log_ratio.detach(), mask)),
     }
     return loss, metrics

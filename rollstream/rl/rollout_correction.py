@@ -7,9 +7,11 @@ log_ratio = log pi_old - log pi_rollout [B, T]:
   IS weights      rollout_is=token:    w_t = exp(log_ratio_t)                      (per token)
                   rollout_is=sequence: w   = exp(sum_t log_ratio_t), on every token (per sequence)
                   threshold "U": TIS, w clamped to <= U; threshold "L_U": IcePop, w zeroed outside [L, U];
-                  optional batch normalisation to mean 1. Detached: they change the measure, not the objective.
+                  optional batch normalisation to mean 1. Detached: they change the measure, not the
+                  objective.
   rejection (RS)  tokens or whole sequences whose divergence leaves a trust region are masked out of the loss.
-                  Divergences per token: k1 = -log_ratio, k2 = log_ratio^2 / 2, k3 = exp(log_ratio) - 1 - log_ratio.
+                  Divergences per token: k1 = -log_ratio, k2 = log_ratio^2 / 2, k3 = exp(log_ratio) - 1 -
+                  log_ratio.
                   token_k{1,2,3}     per token                       (token-level rejection)
                   seq_sum_k{1,2,3}   sum over the sequence           (sequence-level: the product of ratios)
                   seq_mean_k{1,2,3}  mean over the sequence          (geometric: seq_mean_k1 bounds the
@@ -79,7 +81,8 @@ def _is_metrics(
     weights: torch.Tensor, raw: torch.Tensor, stat: torch.Tensor, mask: torch.Tensor, level: str,
     upper: float, lower: float | None,
 ) -> dict[str, float]:
-    """verl's compute_is_metrics: applied-weight mean/max/min/std/ESS, raw-ratio fractions, per-sequence stats."""
+    """verl's compute_is_metrics: applied-weight mean/max/min/std/ESS, raw-ratio fractions, per-sequence
+    stats."""
     lo = 1.0 / upper if lower is None else lower
     valid = mask.bool()
     m: dict[str, float] = {"rollout_is_mean": float(masked_mean(weights, mask))}
@@ -95,7 +98,11 @@ def _is_metrics(
         m["rollout_is_min"] = float(weights.masked_fill(~valid, float("inf")).min())
     clamped = weights.clamp(0.0, upper)
     mean = masked_mean(clamped, mask)
-    m["rollout_is_std"] = float((masked_mean(clamped.square(), mask) - mean.square()).clamp(min=0).sqrt()) if mask.sum() > 1 else 0.0
+    m["rollout_is_std"] = (
+        float((masked_mean(clamped.square(), mask) - mean.square()).clamp(min=0).sqrt())
+        if mask.sum() > 1
+        else 0.0
+    )
     m["rollout_is_eff_sample_size"] = float(1.0 / masked_mean((clamped / (mean + 1e-8)).square(), mask))
     seq = masked_mean(weights, mask, dim=-1)  # [B]
     raw_seq = masked_mean(raw, mask, dim=-1)  # [B]
@@ -170,8 +177,11 @@ def rejection_mask(
         if kind == "token":
             stat, seq_stat = per_token, None
         else:
-            reduce = {"seq_sum": lambda v: masked_sum(v, mask_f, dim=-1), "seq_mean": lambda v: masked_mean(v, mask_f, dim=-1),
-                      "seq_max": lambda v: _seq_max(v, mask_f)}[kind]
+            reduce = {
+                "seq_sum": lambda v: masked_sum(v, mask_f, dim=-1),
+                "seq_mean": lambda v: masked_mean(v, mask_f, dim=-1),
+                "seq_max": lambda v: _seq_max(v, mask_f),
+            }[kind]
             seq_stat = reduce(per_token)  # [B]
             stat = seq_stat.unsqueeze(-1).expand_as(mask_f)
         ok = stat <= hi_stat
@@ -190,10 +200,16 @@ def rejection_mask(
 
 
 def _rs_metrics(
-    option: str, stat: torch.Tensor, seq_stat: torch.Tensor | None, mask: torch.Tensor, seq_valid: torch.Tensor,
-    upper: float, lower: float | None,
+    option: str,
+    stat: torch.Tensor,
+    seq_stat: torch.Tensor | None,
+    mask: torch.Tensor,
+    seq_valid: torch.Tensor,
+    upper: float,
+    lower: float | None,
 ) -> dict[str, float]:
-    """verl's compute_rs_metrics of one option (statistic mean/max/min/std, fractions out of bounds, per-sequence)."""
+    """verl's compute_rs_metrics of one option (statistic mean/max/min/std, fractions out of bounds,
+    per-sequence)."""
     p = f"rollout_rs_{option}"
     valid = mask.bool()
     seq = (seq_stat if seq_stat is not None else masked_mean(stat, mask, dim=-1))[seq_valid]
@@ -210,7 +226,11 @@ def _rs_metrics(
         m[f"{p}_fraction_low"] = float(masked_mean((stat < lo).float(), mask)) if lower is not None else 0.0
     clamped = stat.clamp(lo, upper)
     mean = masked_mean(clamped, mask)
-    m[f"{p}_std"] = float((masked_mean(clamped.square(), mask) - mean.square()).clamp(min=0).sqrt()) if mask.sum() > 1 else 0.0
+    m[f"{p}_std"] = (
+        float((masked_mean(clamped.square(), mask) - mean.square()).clamp(min=0).sqrt())
+        if mask.sum() > 1
+        else 0.0
+    )
     has = seq.numel() > 0
     m[f"{p}_seq_mean"] = float(seq.mean()) if has else 0.0
     m[f"{p}_seq_std"] = float(seq.std()) if seq.numel() > 1 else 0.0
@@ -228,7 +248,9 @@ def _rs_metrics(
 # ---------------------------------------------------------------------------------------------
 
 
-def offpolicy_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def offpolicy_metrics(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """verl's compute_offpolicy_metrics (unprefixed): KL(rollout || old) k1 and k3, both perplexities, their
     log difference and ratio, token and sequence chi^2. Shapes [B, T]; mask needs a valid token."""
     mask_f = mask.to(old_logp.dtype)
@@ -256,7 +278,9 @@ def offpolicy_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: 
     }
 
 
-def probs_diff_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def probs_diff_metrics(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """verl's calculate_debug_metrics: |p_old - p_rollout| max/mean/std over valid tokens and the Pearson
     correlation of the two probabilities, as `training/rollout_probs_diff_…` and
     `training/rollout_actor_probs_pearson_corr`; only `…_valid` = 0 when no token is valid."""

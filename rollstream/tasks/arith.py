@@ -187,7 +187,8 @@ class ArithToolTask:
         return Prompt(uid=content_uid(self.name, text, answer), text=text, answer=answer, meta={"n_ops": k})
 
     def tool(self, call_text: str) -> str | None:
-        """If ``call_text`` ends with a complete ``[calc:EXPR]``, return ``"[=VALUE]"``/``"[=err]"``; else None."""
+        """If ``call_text`` ends with a complete ``[calc:EXPR]``, return ``"[=VALUE]"``/``"[=err]"``; else
+        None."""
         expr = find_tool_call(call_text)
         return None if expr is None else run_tool(expr)
 

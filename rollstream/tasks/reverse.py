@@ -51,7 +51,9 @@ class ReverseTask:
             chars[len(answer) :] = [-penalty] * extra
         exact = response_text == answer
         metrics = {"acc": float(exact), "score": 1.0 if exact else score}
-        return RewardResult(score=1.0 if exact else score, exact=exact, metrics=metrics, char_scores=tuple(chars))
+        return RewardResult(
+            score=1.0 if exact else score, exact=exact, metrics=metrics, char_scores=tuple(chars)
+        )
 
     def tool(self, call_text: str) -> str | None:
         """Single-turn task: never a tool call."""

@@ -65,7 +65,8 @@ class PromptSource:
         shuffle: bool = True,
         num_epochs: int | None = None,
     ) -> PromptSource:
-        """Generate ``epoch_size`` distinct training and ``val_size`` disjoint validation prompts from ``seed``."""
+        """Generate ``epoch_size`` distinct training and ``val_size`` disjoint validation prompts from
+        ``seed``."""
         if epoch_size < 1 or val_size < 0:
             raise ValueError(f"need epoch_size >= 1 and val_size >= 0, got {epoch_size}, {val_size}")
         val = _generate(task, random.Random(f"rollstream-val:{seed}"), val_size, set(), "validation")
@@ -75,7 +76,13 @@ class PromptSource:
 
     @classmethod
     def fresh_from_task(
-        cls, task: Task, *, seed: int = 0, epoch_size: int = 1024, val_size: int = 0, num_epochs: int | None = None
+        cls,
+        task: Task,
+        *,
+        seed: int = 0,
+        epoch_size: int = 1024,
+        val_size: int = 0,
+        num_epochs: int | None = None,
     ) -> PromptSource:
         """Draw a fresh training prompt at every (epoch, index) position, seeded by (seed, epoch, index) so
         every shard and every restart sees the same one; validation prompts (``val_size``, as in
@@ -83,7 +90,9 @@ class PromptSource:
         if epoch_size < 1 or val_size < 0:
             raise ValueError(f"need epoch_size >= 1 and val_size >= 0, got {epoch_size}, {val_size}")
         val = _generate(task, random.Random(f"rollstream-val:{seed}"), val_size, set(), "validation")
-        probe = _generate(task, random.Random(f"rollstream-fresh-probe:{seed}"), 1, {p.text for p in val}, "training")
+        probe = _generate(
+            task, random.Random(f"rollstream-fresh-probe:{seed}"), 1, {p.text for p in val}, "training"
+        )
         src = cls(probe, val, seed=seed, shuffle=False, num_epochs=num_epochs)
         src._fresh, src._size = task, epoch_size
         return src
@@ -100,7 +109,8 @@ class PromptSource:
         num_epochs: int | None = None,
         vocab_check: bool = True,
     ) -> PromptSource:
-        """Load ``{"prompt", "answer", "uid"?, "meta"?}`` lines; validation is ``val_file`` or the last ``val_size`` lines."""
+        """Load ``{"prompt", "answer", "uid"?, "meta"?}`` lines; validation is ``val_file`` or the last
+        ``val_size`` lines."""
         if val_size < 0:
             raise ValueError(f"val_size must be >= 0, got {val_size}")
         rows = load_jsonl(path, vocab_check=vocab_check)
@@ -138,12 +148,6 @@ class PromptSource:
         """True when every position draws a new prompt (``fresh_from_task``) rather than a fixed set."""
         return self._fresh is not None
 
-    def train_prompts(self) -> list[Prompt]:
-        """Return the training prompts of epoch 0 in their unshuffled order."""
-        if self._fresh is not None:
-            return [self.prompt_at(0, i) for i in range(self._size)]
-        return list(self._train)
-
     def prompt_at(self, epoch: int, pos: int) -> Prompt:
         """The training prompt at position ``pos`` of ``epoch`` (the same for every shard and restart)."""
         if self._fresh is None:
@@ -160,7 +164,8 @@ class PromptSource:
         return list(self._val)
 
     def shard(self, index: int, count: int) -> PromptSource:
-        """Return a view drawing positions ``p`` with ``p % count == index`` of each epoch; cursor is copied."""
+        """Return a view drawing positions ``p`` with ``p % count == index`` of each epoch; cursor is
+        copied."""
         if self.shard_count != 1:
             raise ValueError("shard() must be called on an unsharded source")
         if not 0 <= index < count:
@@ -237,7 +242,8 @@ def _check_unique(prompts: Sequence[Prompt], what: str) -> None:
 
 
 def _generate(task: Task, rng: random.Random, n: int, exclude: set[str], what: str) -> list[Prompt]:
-    """Draw ``n`` prompts with distinct texts not in ``exclude``; ValueError if the task cannot supply them."""
+    """Draw ``n`` prompts with distinct texts not in ``exclude``; ValueError if the task cannot supply
+    them."""
     out: list[Prompt] = []
     seen = set(exclude)
     max_draws = max(1000, 50 * n)
@@ -245,7 +251,8 @@ def _generate(task: Task, rng: random.Random, n: int, exclude: set[str], what: s
     while len(out) < n:
         if draws >= max_draws:
             raise ValueError(
-                f"task {task.name!r} gave only {len(out)} distinct {what} prompts of {n} after {draws} draws; "
+                f"task {task.name!r} gave only {len(out)} distinct {what} prompts of {n} after {draws} "
+                "draws; "
                 "lower epoch_size/val_size or widen the task"
             )
         draws += 1
@@ -262,6 +269,46 @@ def _field_error(path: str | Path, lineno: int, field: str, msg: str) -> ValueEr
     return ValueError(f"{path}:{lineno}: field {field!r}: {msg}")
 
 
+def _parse_line(
+    path: str | Path, lineno: int, line: str, vocab_check: bool, first_line: dict[str, int]
+) -> Prompt:
+    """One JSONL line as a Prompt (its uid as given, or from its content; `first_line` maps the uids read so
+    far to their line); ValueError names the field."""
+    try:
+        obj: Any = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+    text = obj.get("prompt")
+    if not isinstance(text, str) or not text:
+        raise _field_error(path, lineno, "prompt", "missing or not a non-empty string")
+    answer = obj.get("answer")
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str) or not answer:
+        raise _field_error(path, lineno, "answer", "missing or not a non-empty string/integer")
+    if vocab_check:
+        for name, value in (("prompt", text), ("answer", answer)):
+            try:
+                check_vocab(value, "value")
+            except ValueError as exc:
+                raise _field_error(path, lineno, name, str(exc)) from None
+    uid = obj.get("uid")
+    if uid is None:
+        uid = content_uid("jsonl", text, answer)
+    elif not isinstance(uid, str | int) or isinstance(uid, bool) or uid == "":
+        raise _field_error(path, lineno, "uid", "must be a non-empty string or integer")
+    uid = str(uid)
+    if uid in first_line:
+        raise _field_error(path, lineno, "uid", f"duplicate uid {uid!r} (first on line {first_line[uid]})")
+    first_line[uid] = lineno
+    meta = obj.get("meta", {})
+    if not isinstance(meta, dict):
+        raise _field_error(path, lineno, "meta", "must be a JSON object")
+    return Prompt(uid=uid, text=text, answer=answer, meta={**meta, "line": lineno})
+
+
 def load_jsonl(path: str | Path, *, vocab_check: bool = True) -> list[Prompt]:
     """Parse a prompt JSONL file (blank lines skipped); ValueError names the file, line and field at fault."""
     prompts: list[Prompt] = []
@@ -270,39 +317,5 @@ def load_jsonl(path: str | Path, *, vocab_check: bool = True) -> list[Prompt]:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
-            try:
-                obj: Any = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            text = obj.get("prompt")
-            if not isinstance(text, str) or not text:
-                raise _field_error(path, lineno, "prompt", "missing or not a non-empty string")
-            answer = obj.get("answer")
-            if isinstance(answer, int) and not isinstance(answer, bool):
-                answer = str(answer)
-            if not isinstance(answer, str) or not answer:
-                raise _field_error(path, lineno, "answer", "missing or not a non-empty string/integer")
-            if vocab_check:
-                for name, value in (("prompt", text), ("answer", answer)):
-                    try:
-                        check_vocab(value, "value")
-                    except ValueError as exc:
-                        raise _field_error(path, lineno, name, str(exc)) from None
-            uid = obj.get("uid")
-            if uid is None:
-                uid = content_uid("jsonl", text, answer)
-            elif not isinstance(uid, str | int) or isinstance(uid, bool) or uid == "":
-                raise _field_error(path, lineno, "uid", "must be a non-empty string or integer")
-            uid = str(uid)
-            if uid in first_line:
-                raise _field_error(
-                    path, lineno, "uid", f"duplicate uid {uid!r} (first on line {first_line[uid]})"
-                )
-            first_line[uid] = lineno
-            meta = obj.get("meta", {})
-            if not isinstance(meta, dict):
-                raise _field_error(path, lineno, "meta", "must be a JSON object")
-            prompts.append(Prompt(uid=uid, text=text, answer=answer, meta={**meta, "line": lineno}))
+            prompts.append(_parse_line(path, lineno, line, vocab_check, first_line))
     return prompts

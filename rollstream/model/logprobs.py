@@ -1,4 +1,6 @@
-"""Log-probs and entropy from final hidden states, a chunk of tokens at a time.
+"""Per-token log-prob and entropy of the sampling distribution softmax(logits / temperature): the one
+place they are computed, from logits (`logprobs_entropy`) or from final hidden states a chunk of tokens at a
+time (`chunked_logprobs_entropy`).
 
 The full logits of a batch are [B, R, V] floats (plus a log-softmax and an exp of the same size, and
 autograd keeps them for backward): with a 150k vocabulary and a few thousand response tokens that is
@@ -15,18 +17,24 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 
+def logprobs_entropy(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """logits [..., V], labels [...] -> (log-prob [...] of each label, entropy [...]) of
+    softmax(logits / temperature), in float32."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = F.log_softmax(logits, dim=-1)  # [..., V]
+    logp = logp_all.gather(-1, labels.long()[..., None]).squeeze(-1)  # [...]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [...]
+    return logp, entropy
+
+
 def head_logprobs_entropy(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float
 ) -> tuple[Tensor, Tensor]:
     """hidden [N,H], head weight [V,H] (+ bias [V]), labels [N] -> (log-prob [N], entropy [N]) of
     softmax(head(hidden) / temperature), in float32."""
-    logits = F.linear(hidden, weight, bias).float()  # [N,V]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = F.log_softmax(logits, dim=-1)  # [N,V]
-    logp = logp_all.gather(-1, labels[:, None]).squeeze(-1)  # [N]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N]
-    return logp, entropy
+    return logprobs_entropy(F.linear(hidden, weight, bias), labels, temperature)  # logits [N,V]
 
 
 def chunked_logprobs_entropy(

@@ -49,7 +49,9 @@ def mask_url(url: str) -> str:
         return url
     parts = urlsplit(bare)
     user = parts.username or ""
-    return urlunsplit((parts.scheme, f"{user}:***@{parts.netloc.split('@')[-1]}", parts.path, parts.query, ""))
+    return urlunsplit(
+        (parts.scheme, f"{user}:***@{parts.netloc.split('@')[-1]}", parts.path, parts.query, "")
+    )
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Weights above bus.weights_inline_max_bytes (issue 15): streamed to a safetensors file tensor by tensor,
+"""Weights above bus.weights_inline_max_bytes: streamed to a safetensors file tensor by tensor,
 announced on `params`, hashed and read back into a producer's model in place, in bounded memory."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from rollstream.names import Keys
 from rollstream.weights import WeightsError, latest_param_version, load_weights_into, publish_module_weights
-from rollstream.weights_file import file_sha256, load_file_into, module_file_bytes, unique_state, write_module
+from rollstream.weights_io import file_sha256, load_file_into, module_file_bytes, unique_state, write_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,23 +46,29 @@ class Holder:
 
     def load_state_dict_bytes(self, data: bytes) -> None:
         """Inline path."""
-        from rollstream.model.base import load_state_dict_from_bytes
+        from rollstream.weights_io import load_bytes_into
 
-        load_state_dict_from_bytes(self.module, data)
+        load_bytes_into(self.module, data)
 
 
 def same(a: nn.Module, b: nn.Module) -> bool:
     """Every state-dict tensor equal (dtype included)."""
     sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+    return sa.keys() == sb.keys() and all(
+        sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa
+    )
 
 
-def test_above_the_inline_limit_weights_go_through_a_streamed_file(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+def test_above_the_inline_limit_weights_go_through_a_streamed_file(
+    r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
     src, dst = Tied(0), Tied(1)
     assert not same(src, dst)
     pv = publish_module_weights(r, keys, 3, src, global_step=3, inline_max_bytes=100, file_dir=tmp_path)
     path = Path(pv.uri.removeprefix("file://"))
-    assert pv.uri.startswith("file://") and path.parent == tmp_path.resolve() and not r.exists(keys.weights(3))
+    assert (
+        pv.uri.startswith("file://") and path.parent == tmp_path.resolve() and not r.exists(keys.weights(3))
+    )
     assert latest_param_version(r, keys) == pv
     assert pv.bytes == path.stat().st_size == module_file_bytes(src) and pv.sha256 == file_sha256(path)
     with safe_open(str(path), framework="pt") as f:  # a standard safetensors file: tied weight once
@@ -80,7 +86,9 @@ def test_small_weights_stay_inline(r: redis.Redis, keys: Keys, tmp_path: Path) -
     assert same(src, dst)
 
 
-def test_a_corrupt_file_is_refused_before_the_model_changes(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+def test_a_corrupt_file_is_refused_before_the_model_changes(
+    r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
     src, dst = Tied(0), Tied(1)
     pv = publish_module_weights(r, keys, 1, src, global_step=1, inline_max_bytes=0, file_dir=tmp_path)
     path = Path(pv.uri.removeprefix("file://"))
@@ -113,20 +121,39 @@ def test_mismatched_files_are_refused_and_dtypes_are_converted(tmp_path: Path) -
         load_file_into(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), tmp_path / "few.safetensors")
     half = Tied(2).to(torch.bfloat16)  # a producer in bf16 reading a trainer's float32 weights
     load_file_into(half, tmp_path / "w.safetensors")
-    assert half.emb.weight.dtype == torch.bfloat16 and torch.equal(half.emb.weight, src.emb.weight.to(torch.bfloat16))
+    assert half.emb.weight.dtype == torch.bfloat16 and torch.equal(
+        half.emb.weight, src.emb.weight.to(torch.bfloat16)
+    )
 
 
 def test_publish_and_load_of_64_mib_stay_in_bounded_memory(redis_url: str) -> None:
-    """`rollstream bench weights` (benchmarks/weights.py; the ~1 GB figures in BENCHMARKS.md) at 64 MiB: publishing adds at most a
+    """`rollstream bench weights` (benchmarks/weights.py; the ~1 GB figures in BENCHMARKS.md) at 64 MiB:
+    publishing adds at most a
     few MiB to the trainer's peak RSS and loading one 16 MiB hash block, where the whole-blob path adds 2x
     the weights on each side."""
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to read the peak RSS")
 
     def bench(path: str) -> dict[str, float]:
-        out = subprocess.run([sys.executable, "-m", "benchmarks.weights", "--preset", "mlp64", "--path", path,
-                              "--redis-url", redis_url, "--json"], capture_output=True, text=True, timeout=120,
-                             cwd=ROOT, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.weights",
+                "--preset",
+                "mlp64",
+                "--path",
+                path,
+                "--redis-url",
+                redis_url,
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            check=True,
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
     streamed, whole, chunks = bench("streamed"), bench("bytes"), bench("redis")

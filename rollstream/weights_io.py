@@ -1,11 +1,16 @@
-"""Weights as a safetensors file, written and read one tensor at a time (large models).
+"""Every weights <-> bytes conversion: tied tensors kept once, safetensors bytes in memory, files written and
+read one tensor at a time, and an initial-weights file loaded into a policy. The Redis side (`params`, blobs,
+chunks) is rollstream/weights.py.
 
-`state_dict_to_bytes` builds the whole safetensors blob in memory, and loading it back deserialises a
-second full copy before copying into the module: fine for the inline (Redis) path, wrong for a 1 GB+
-model. Here the trainer writes the module's tensors straight from their memory into the file (hashing
-them on the way), and a producer hashes the file in blocks, then reads each tensor straight into the
-memory of the parameter it belongs to. Peak extra memory is one tensor (a dtype or device change) or
-nothing. The files are standard safetensors (`safetensors.safe_open` reads them).
+A tensor shared by several state-dict names (tied weights: an embedding and its output head) is stored once,
+under its first name; loading accepts it under any one of its names (`alias_groups`, `unique_tensors`).
+
+In memory (`state_bytes`, `module_bytes`, `load_bytes_into`): the whole safetensors blob, fine for the
+inline (Redis) path. For a 1 GB+ model the blob and a second deserialised copy would not fit, so the trainer
+writes the module's tensors straight from their memory into the file (hashing them on the way,
+`write_module`, `module_pieces`), and a producer hashes the file in blocks, then reads each tensor straight
+into the memory of the parameter it belongs to (`load_file_into`). Peak extra memory is one tensor (a dtype
+or device change) or nothing. The files are standard safetensors (`safetensors.safe_open` reads them).
 """
 
 from __future__ import annotations
@@ -13,15 +18,22 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
-from rollstream.files import atomic_file
-from rollstream.model.base import _alias_groups, check_state_names
+from rollstream.files import atomic_file, atomic_write
+
+
+class HoldsModule(Protocol):
+    """A policy as far as its weights go (rollstream.model.BasePolicy)."""
+
+    module: nn.Module
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -33,10 +45,68 @@ MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 HASH_BLOCK = 16 << 20
 
 
+def _storage_key(t: Tensor) -> tuple[int, int, tuple[int, ...]] | None:
+    """(storage address, offset, shape) that tensors sharing memory have in common; None for a tensor with
+    no storage of its own (empty), which aliases nothing."""
+    ptr = t.untyped_storage().data_ptr()
+    return None if ptr == 0 else (ptr, int(t.storage_offset()), tuple(int(d) for d in t.shape))
+
+
+def alias_groups(state: Mapping[str, Tensor]) -> list[list[str]]:
+    """State-dict names grouped by shared storage (tied weights), in state-dict order."""
+    groups: dict[Any, list[str]] = {}
+    for name, t in state.items():
+        key = _storage_key(t)
+        groups.setdefault(name if key is None else key, []).append(name)
+    return list(groups.values())
+
+
+def unique_tensors(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A state dict with tied tensors once (under the first name), detached, no copies."""
+    return {names[0]: state[names[0]].detach() for names in alias_groups(state)}
+
+
 def unique_state(module: nn.Module) -> dict[str, Tensor]:
     """The module's state dict with tied tensors once (under the first name), no copies."""
-    sd = module.state_dict()
-    return {names[0]: sd[names[0]].detach() for names in _alias_groups(module)}
+    return unique_tensors(module.state_dict())
+
+
+def state_bytes(state: Mapping[str, Tensor]) -> bytes:
+    """safetensors bytes of a state dict whose tied tensors appear once (see unique_tensors)."""
+    return st_save({k: v.detach().contiguous() for k, v in state.items()})
+
+
+def module_bytes(module: nn.Module) -> bytes:
+    """safetensors bytes of the module's weights (tied tensors once, under the first name)."""
+    return state_bytes(unique_state(module))
+
+
+def check_state_names(module: nn.Module, names: set[str]) -> None:
+    """ValueError unless `names` are state-dict names of the module covering all of it (a tied tensor
+    under any one of its names)."""
+    state = module.state_dict()
+    unexpected = sorted(names - set(state))
+    if unexpected:
+        raise ValueError(f"weights have unknown tensors: {unexpected[:5]}")
+    covered = set(names)
+    for group in alias_groups(state):
+        if covered.intersection(group):
+            covered.update(group)
+    missing = sorted(set(state) - covered)
+    if missing:
+        raise ValueError(f"weights lack tensors: {missing[:5]}")
+
+
+def load_tensors_into(module: nn.Module, state: Mapping[str, Tensor]) -> None:
+    """Copy tensors into the module in place; refuse unknown or missing (non-tied) names."""
+    check_state_names(module, set(state))
+    module.load_state_dict(state, strict=False)
+
+
+def load_bytes_into(module: nn.Module, data: bytes) -> None:
+    """Copy safetensors bytes (from `module_bytes`) into the module in place; refuse unknown or missing
+    (non-tied) names."""
+    load_tensors_into(module, st_load(data))
 
 
 def _header(tensors: dict[str, Tensor]) -> bytes:
@@ -112,7 +182,9 @@ def read_header(f: IO[bytes], file_bytes: int) -> tuple[dict[str, Any], int]:
     return meta, 8 + n
 
 
-def _entries(meta: dict[str, Any], data_start: int, file_bytes: int) -> Iterator[tuple[str, torch.dtype, list[int], int, int]]:
+def _entries(
+    meta: dict[str, Any], data_start: int, file_bytes: int
+) -> Iterator[tuple[str, torch.dtype, list[int], int, int]]:
     """(name, dtype, shape, start, end) of each tensor in file order; ValueError on bad entries."""
     for name, e in sorted(meta.items(), key=lambda kv: kv[1]["data_offsets"][0]):
         dtype = TORCH_DTYPES.get(e.get("dtype"))
@@ -140,7 +212,9 @@ def load_file_into(module: nn.Module, path: Path) -> None:
         check_state_names(module, {e[0] for e in entries})
         for name, _, shape, _, _ in entries:
             if list(sd[name].shape) != shape:
-                raise ValueError(f"tensor {name}: shape {shape} in the file, {list(sd[name].shape)} in the model")
+                raise ValueError(
+                    f"tensor {name}: shape {shape} in the file, {list(sd[name].shape)} in the model"
+                )
         with torch.no_grad():
             for name, dtype, shape, start, end in entries:
                 target = sd[name]
@@ -156,3 +230,13 @@ def load_file_into(module: nn.Module, path: Path) -> None:
                     got += n
                 if not direct:
                     target.copy_(buf)
+
+
+def save_policy(policy: HoldsModule, path: str | Path) -> None:
+    """Write the policy's weights as a safetensors file (what `model.init_from` reads), atomically."""
+    atomic_write(Path(path), module_bytes(policy.module))
+
+
+def load_init(policy: HoldsModule, path: str | Path) -> None:
+    """Load a safetensors weights file (from `save_policy`, `model.init_from`) into the policy in place."""
+    load_bytes_into(policy.module, Path(path).read_bytes())
