@@ -104,13 +104,13 @@ class LatencyProducer(Producer):
 
     def _finish(
         self, ids: list[str], items: list[tuple[int, int, Prompt]], param_version: int, trajs: list[Trajectory],
-        gen_s: float, status: dict[str, float | int],
+        gen_s: float, status: dict[str, float | int], before: tuple[int, int],
     ) -> list[RolloutSample]:
         with self.lock:
             if getattr(self._slot, "generation", self.generation) != self.generation:
                 log.warning("discarding %d samples: their budget was released by a reconnect", len(items))
                 return []
-            return super()._finish(ids, items, param_version, trajs, gen_s / self.slots, status)  # slot-averaged
+            return super()._finish(ids, items, param_version, trajs, gen_s / self.slots, status, before)  # slot-averaged
 
     def _maybe_stats(self) -> None:
         with self.lock:

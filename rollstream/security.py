@@ -63,16 +63,15 @@ def acl_rules(keys: Keys, producers: Sequence[str] = ()) -> dict[str, list[str]]
     """ACL SETUSER rules (without `on`/password) for each user of a run: trainer, aggregator, admin and
     one per producer name."""
     k = keys
-    group = ["+xreadgroup", "+xack", "+xautoclaim", "+xclaim", "+xpending", "+xgroup|create", "+xinfo|groups",
-             "+xrange"]
+    group = ["+xreadgroup", "+xack", "+xautoclaim", "+xclaim", "+xpending", "+xinfo|groups", "+xrange", "+watch"]
     trainer = [*_BASE, "+@read", "+@write", "+@stream", "+@hash", "+@string", "+@scripting", "+@transaction",
                "+@keyspace", "-flushall", "-flushdb", "-@dangerous", "+info", f"~{k.prefix}*"]
     aggregator = [
         *_BASE, "+multi", "+exec", "+discard", "+time",
         f"({' '.join(group)} ~{k.metrics} ~{k.stats})",
         f"(+xadd +xrange +xrevrange +xlen %RW~{k.records})",
-        f"(+xadd %W~{k.dead})",
-        f"(+eval +evalsha ~{k.metrics} ~{k.stats} ~{k.dead})",  # dead-lettering (XACK + XADD dead) is one script
+        f"(+xadd %W~{k.dead_aggregator})",
+        "+unwatch",  # dead-lettering is WATCH + MULTI (XADD dead, XACK): no scripts, so no EVAL to freeze Redis
         f"(+hget +hset +hgetall ~{k.sink_cursor})",
         f"(+hget +hmget %R~{k.trainer})",
         f"(+hget %R~{k.archive})",

@@ -123,13 +123,13 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
         "trainer FLUSHALL": lambda: trainer.flushall(),
         "trainer another run": lambda: trainer.get("rs:{other}:weights:0"),
     }
-    # the aggregator dead-letters what it cannot fold (one script: XACK + XADD dead), and a script gives it no
-    # more than its own commands (it still may not write metrics)
+    # the aggregator dead-letters what it cannot fold (WATCH + MULTI: XADD its own dead stream, XACK), and may
+    # run no script at all
     metric_id = trainer.xadd(keys.metrics, {"type": "nonsense"})
-    agg_reader = GroupReader(aggregator, keys.metrics, AGGREGATOR_GROUP, "aggregator", dead_stream=keys.dead,
-                             block_ms=10)  # fmt: skip
+    agg_reader = GroupReader(aggregator, keys.metrics, AGGREGATOR_GROUP, "aggregator",
+                             dead_stream=keys.dead_aggregator, block_ms=10)
     assert [m.id for m in agg_reader.poll(0)] == []  # undecodable: dead-lettered inside the read
-    assert trainer.xlen(keys.dead) == 1 and trainer.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 0
+    assert trainer.xlen(keys.dead_aggregator) == 1 and trainer.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 0
     assert metric_id is not None
     forbidden["aggregator write metrics via a script"] = lambda: aggregator.eval(
         "return redis.call('XADD', KEYS[1], '*', 'x', '1')", 1, keys.metrics)

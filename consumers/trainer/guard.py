@@ -1,6 +1,8 @@
 """Trainer-side checks of a decoded RolloutSample that depend on this model or need a pass over the values:
-token ids inside the vocabulary, a 0/1 loss mask, rows no longer than the model accepts. (Dtypes and sizes
-against lengths are checked by the RolloutSample schema itself, at decode.)
+token ids inside the vocabulary, a 0/1 loss mask, rows no longer than the model accepts, and the values a
+producer claims within their domain (a non-empty sample_id; rewards and token scores finite and within the
+task's reward range). (Dtypes and sizes against lengths are
+checked by the RolloutSample schema itself, at decode.)
 
 A sample failing them would crash the learner (an embedding lookup out of range) or train on garbage; the
 trainer dead-letters it instead, with the reason returned here.
@@ -8,8 +10,26 @@ trainer dead-letters it instead, with the reason returned here.
 
 from __future__ import annotations
 
+import numpy as np
+
 from schemas import RolloutSample
-from schemas.ragged import RESPONSE_MASK, id_range_ok
+from schemas.ragged import RESPONSE_MASK, TOKEN_SCORES, id_range_ok
+
+
+def value_reason(sample: RolloutSample, reward_range: tuple[float, float]) -> str | None:
+    """Why `sample`'s claims cannot be trained on: an empty sample_id, a non-finite reward or token score, or
+    one outside the task's reward range [low, high] (one pass over each array)."""
+    if not sample.sample_id:
+        return "sample_id is empty"
+    low, high = reward_range
+    batch = sample.full_batch
+    for name, values in (("rewards", batch.rows.get("rewards")), (TOKEN_SCORES, batch.tokens.get(TOKEN_SCORES))):
+        if values is None or not values.size:
+            continue
+        lo, hi = float(np.min(values)), float(np.max(values))  # NaN propagates into both
+        if not (np.isfinite(lo) and np.isfinite(hi)) or lo < low or hi > high:
+            return f"{name} hold values in [{lo}, {hi}], outside the task's reward range [{low}, {high}]"
+    return None
 
 
 def version_reason(sample: RolloutSample, newest: int) -> str | None:

@@ -190,7 +190,7 @@ def collect_status(
     return RunStatus(
         run=keys.run,
         streams=streams,
-        dead=next(s.length for s in streams if s.name == "dead"),
+        dead=sum(s.length for s in streams if s.name in ("dead", "dead:aggregator")),
         param_version=pv.version if pv else None,
         trainer=trainer,
         producer_versions=producer_versions(r, keys),

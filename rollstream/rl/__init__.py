@@ -2,7 +2,13 @@
 
 from rollstream.rl.advantages import grpo_advantages, grpo_token_advantages, returns_to_go
 from rollstream.rl.masked import AggMode, agg_loss, masked_mean, masked_sum
-from rollstream.rl.metrics import length_metrics, reward_metrics, staleness_metrics, tensor_summary
+from rollstream.rl.metrics import (
+    finite_metrics,
+    length_metrics,
+    reward_metrics,
+    staleness_metrics,
+    tensor_summary,
+)
 from rollstream.rl.ppo import (
     KLKind,
     PPOMode,
@@ -22,6 +28,7 @@ __all__ = [
     "clipped_surrogate",
     "dual_clip",
     "entropy_from_logits",
+    "finite_metrics",
     "grpo_advantages",
     "grpo_token_advantages",
     "kl_penalty",

@@ -6,6 +6,7 @@ Names are chosen so the MetricsAggregator rules fold them correctly across local
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -54,3 +55,15 @@ def staleness_metrics(
         f"{prefix}/max": max(values),
         f"{prefix}/min": min(values),
     }
+
+
+def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics as floats without their non-finite values (NaN and ±inf never reach `metrics`, records or
+    records.jsonl, whose strict JSON has no literal for them); `actor/nonfinite_metrics` counts the left-out."""
+    out = {k: float(v) for k, v in metrics.items()}
+    bad = [k for k, v in out.items() if not math.isfinite(v)]
+    for k in bad:
+        del out[k]
+    if bad:
+        out["actor/nonfinite_metrics"] = float(len(bad))
+    return out
