@@ -130,13 +130,13 @@ def entries_added(r: redis.Redis, stream: str) -> int | None:
     return int(info["entries-added"])
 
 
-def destroyed_entries(r: redis.Redis, held: dict[str, int]) -> dict[str, int]:
+def destroyed_entries(r: redis.Redis, streams: list[str], held: dict[str, int]) -> dict[str, int]:
     """stream -> entries XADDed beyond those the log holds (`held`: distinct ids in archive and Redis)."""
     out = {}
-    for stream, n in held.items():
+    for stream in streams:
         added = entries_added(r, stream)
-        if added is not None and added > n:
-            out[stream] = added - n
+        if added is not None and added > held.get(stream, 0):
+            out[stream] = added - held.get(stream, 0)
     return out
 
 
@@ -203,7 +203,8 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
     held[keys.records] = len(rep.records)
     for stream in (keys.stats, keys.dead_aggregator):
         held[stream] = sum(1 for _ in iter_stream(r, stream))
-    rep.destroyed = destroyed_entries(r, dict(held))
+    checked = [keys.rollouts, keys.fates, keys.dead, keys.dead_aggregator, keys.metrics, keys.records, keys.stats]
+    rep.destroyed = destroyed_entries(r, checked, dict(held))
     return rep
 
 

@@ -1,0 +1,209 @@
+"""Issue 24's findings, each under the role's real ACL user (the users `rollstream run` creates, on a private
+redis-server): what a credential may no longer do, what the audit now sees, and (strict xfail) what is still
+open until rollouts, stats and pacing are per producer (README, Guarantees)."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+from test_producer import context, small_cfg, start_run
+from test_security import PRODUCERS, _permitted, private_redis  # noqa: F401  (a fixture)
+
+from consumers.aggregator.worker import AggregatorWorker
+from consumers.trainer.learner import UPDATE_SKIPPED
+from consumers.trainer.ledger import StepLedger
+from producers.worker import Producer, PublishError
+from rollstream.audit import audit_run
+from rollstream.bus import Publisher, connect, setup_run
+from rollstream.config import load_config
+from rollstream.factory import build_policy
+from rollstream.fakes import fake_metrics_log, fake_rollout_sample, publish_log
+from rollstream.names import AGGREGATOR_GROUP, Keys
+from rollstream.pacing import grant_budget, inflight
+from rollstream.security import ROLES, apply_acl, generate_passwords
+from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, encode
+
+MAX_ID = "18446744073709551615-18446744073709551615"
+
+
+@dataclass
+class Roles:
+    """One connection per user of a run, as `rollstream run` sets them up."""
+
+    url: str
+    keys: Keys
+    admin: redis.Redis
+    trainer: redis.Redis
+    aggregator: redis.Redis
+    producers: dict[str, redis.Redis]
+
+
+@pytest.fixture
+def roles(private_redis: tuple[str, int], tmp_path: Path) -> Iterator[Roles]:  # noqa: F811
+    url, _ = private_redis
+    keys = Keys("conf")
+    setup_run(redis.Redis.from_url(url), keys)
+    files = generate_passwords(tmp_path / "secrets", [*ROLES, *PRODUCERS])
+    pw = {role: p.read_text() for role, p in files.items()}
+    apply_acl(redis.Redis.from_url(url), keys, pw, producers=PRODUCERS)
+    yield Roles(url, keys, *(connect(url, username=u, password=pw[u]) for u in ("admin", "trainer", "aggregator")),
+                {p: connect(url, username=p, password=pw[p]) for p in PRODUCERS})
+
+
+def test_a_writer_trimming_its_own_output_shows_in_the_audit(roles: Roles) -> None:
+    """Finding 1: XADD's own MAXLEN deletes what ACLs let a writer append to; `entries-added` still counts it."""
+    keys, prod, agg = roles.keys, roles.producers["rollout_00"], roles.aggregator
+    for i in range(3):
+        Publisher(prod).publish(keys.rollouts, fake_rollout_sample(f"rollout_00-{i}", producer="rollout_00"))
+    assert audit_run(roles.admin, keys).problems() == []
+    prod.xadd(keys.rollouts, {"x": "y"}, maxlen=0, approximate=False)  # what no ACL can refuse
+    agg.xadd(keys.records, {"x": "y"}, id="1-1")
+    agg.xadd(keys.records, {"x": "y"}, maxlen=0, approximate=False)
+    agg.xadd(keys.dead_aggregator, {"x": "y"}, maxlen=0, approximate=False)
+    rep = audit_run(roles.admin, keys)
+    assert rep.destroyed == {keys.rollouts: 4, keys.records: 2, keys.dead_aggregator: 1}
+    assert any(f"4 entries of {keys.rollouts} destroyed" in p for p in rep.problems())
+
+
+def test_the_aggregator_runs_no_script_creates_no_group_and_keeps_off_the_trainers_dead(roles: Roles) -> None:
+    """Findings 1, 2, 7: no EVAL (a `while true` script froze Redis), no XGROUP CREATE (a group of its own held
+    retention back), and no write to `dead` (it erased the trainer's dead letters); its own dead letters work."""
+    keys, agg = roles.keys, roles.aggregator
+    forbidden = {
+        "EVAL": lambda: agg.eval("return 1", 0),
+        "XGROUP CREATE metrics": lambda: agg.xgroup_create(keys.metrics, "mine", id="$"),
+        "XADD dead": lambda: agg.xadd(keys.dead, {"x": "y"}),
+        "XADD dead MAXLEN 0": lambda: agg.xadd(keys.dead, {"x": "y"}, maxlen=0),
+    }
+    assert [name for name, call in forbidden.items() if _permitted(call)] == []
+    roles.trainer.xadd(keys.metrics, {"type": "nonsense"})
+    worker = AggregatorWorker(load_config(None, [f"run.name={keys.run}"]), agg, keys)
+    worker.run(burst=True)
+    [(_, fields)] = roles.admin.xrange(keys.dead_aggregator)
+    assert isinstance(dl := decode(fields), DeadLetter) and dl.source == keys.metrics
+    assert roles.admin.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 0
+
+
+def test_stats_out_of_their_domain_never_reach_records(roles: Roles, tmp_path: Path) -> None:
+    """Finding 5: stats of a made-up producer, an idle_ratio of -3, NaN rates and metrics are dead-lettered with
+    the reason; records and records.jsonl (strict JSON) hold only the run's producers and finite values."""
+    keys, prod = roles.keys, roles.producers["rollout_00"]
+    bad = [
+        ProducerStats(producer="rollout_77", param_version=0, samples=5, tokens=5, gen_tokens_per_s=1.0, idle_ratio=0.0),
+        ProducerStats(producer="rollout_01", param_version=0, samples=1, tokens=1, gen_tokens_per_s=1.0, idle_ratio=-3.0),
+        ProducerStats(producer="rollout_00", param_version=0, samples=1, tokens=1, gen_tokens_per_s=math.nan,
+                      idle_ratio=0.5),
+        ProducerStats(producer="rollout_00", param_version=0, samples=1, tokens=1, gen_tokens_per_s=1.0, idle_ratio=0.5,
+                      metrics={"m": math.inf}),
+    ]
+    for ev in bad:
+        Publisher(prod).publish(keys.stats, ev)
+    publish_log(roles.admin, keys, fake_metrics_log(2, local_updates=1, producers=2, test_freq=0))
+    cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"])
+    AggregatorWorker(cfg, roles.aggregator, keys).run(burst=True)
+    records = [decode(f) for _, f in roles.admin.xrange(keys.records)]
+    assert [rec.global_step for rec in records if isinstance(rec, SyncStepRecord)] == [1, 2]
+    for rec in records:
+        assert not any("rollout_77" in name for name in rec.metrics), rec.metrics
+        assert all(math.isfinite(v) for v in rec.metrics.values())
+        assert 0.0 <= rec.metrics["producer/idle_ratio"] <= 1.0
+    reasons = [decode(f).reason for _, f in roles.admin.xrange(keys.dead_aggregator)]  # type: ignore[union-attr]
+    assert reasons == [
+        "implausible: producer='rollout_77' is not one of the run's producers",
+        "implausible: idle_ratio=-3.0 is not in [0, 1]",
+        "implausible: gen_tokens_per_s=nan is not a finite rate >= 0",
+        "implausible: metric m=inf is not finite",
+    ]
+    lines = (tmp_path / keys.run / "records.jsonl").read_text().splitlines()
+
+    def refuse(literal: str) -> None:
+        raise ValueError(f"records.jsonl holds {literal}")
+
+    assert [json.loads(line, parse_constant=refuse)["step"] for line in lines] == [1, 2]
+
+
+def test_a_refused_publish_keeps_the_cursor_and_the_in_flight_count(roles: Roles) -> None:
+    """Finding 4: after `XADD rollouts <max id>` every XADD to rollouts fails; the publish transaction used to
+    move the cursor and in-flight count anyway (64 prompts lost). Now both stay, so a restart releases and
+    re-dispatches those prompts."""
+    keys = roles.keys
+    cfg = small_cfg(keys, f"run.redis_url={roles.url}")
+    start_run(roles.trainer, keys, build_policy(cfg).state_dict_bytes(), grant=cfg.max_outstanding)
+    ctx = context(cfg, keys, "rollout_00", roles.url)
+    ctx.r = roles.producers["rollout_00"]
+    producer = Producer(ctx)
+    assert producer.run(max_dispatches=1) == 1  # one publish lands: the cursor is in Redis
+    cursor = roles.admin.get(keys.producer_cursor("rollout_00"))
+    roles.producers["rollout_01"].xadd(keys.rollouts, {"x": "y"}, id=MAX_ID)  # another writer exhausts the ids
+    before = producer.source.cursor
+    with pytest.raises(PublishError, match="exhausted"):
+        producer.run(max_dispatches=1)
+    assert roles.admin.get(keys.producer_cursor("rollout_00")) == cursor and producer.source.cursor == before
+    assert inflight(roles.admin, keys, "rollout_00") == cfg.rollout.prompts_per_dispatch
+
+
+def test_a_skipped_update_marks_its_samples_skipped(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    """Finding 6: a non-finite loss or gradient skips the optimizer step; its samples were still marked
+    `trained`. Now their fate is `skipped`, the update says `actor/update_skipped` = 1, and no non-finite value
+    is emitted."""
+    from consumers.trainer.loop import Trainer
+
+    cfg = load_config(None, ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32",
+                             "run.device=cpu", f"run.name={keys.run}", f"run.dir={tmp_path}",
+                             "actor.ppo_mini_batch_size=2", "data.train_batch_size=4"])
+    setup_run(r, keys)
+    for i in range(2):
+        r.xadd(keys.rollouts, encode(fake_rollout_sample(f"s{i}", param_version=0, n=2, prompt_len=5,
+                                                         response_len=6, seed=i)))  # type: ignore[arg-type]
+    trainer = Trainer(cfg, r, keys, "trainer", threading.Event(), burst=True)
+    with torch.no_grad():
+        next(trainer.learner.policy.parameters()).fill_(math.nan)  # every log-prob, the loss, the gradient: NaN
+    ledger = StepLedger(1)
+    got = trainer._collect(1, ledger)
+    assert got is not None and len(got.kept) == 2
+    trainer._local_update(1, 1, ledger, got, t_gen=0.0)
+    assert [f.fate for f in ledger.fates] == [SKIPPED, SKIPPED]
+    [(_, fields)] = r.xrange(keys.metrics)
+    update: Any = decode(fields)
+    assert update.metrics[UPDATE_SKIPPED] == 1.0 and all(math.isfinite(v) for v in update.metrics.values())
+
+
+# -- still open: these need one rollouts and one stats stream per producer and trainer-granted leases -----
+
+OPEN = "open until rollouts, stats and pacing are per producer (README, Guarantees)"
+
+
+@pytest.mark.xfail(strict=True, reason=OPEN)
+def test_open_a_producer_may_run_no_script(roles: Roles) -> None:
+    """Finding 2: `EVAL "while true do end" 0` froze Redis; producers still run the pacing scripts."""
+    assert not _permitted(lambda: roles.producers["rollout_00"].eval("return 1", 0))
+
+
+@pytest.mark.xfail(strict=True, reason=OPEN)
+def test_open_a_producer_cannot_move_the_shared_pacing(roles: Roles) -> None:
+    """Finding 3: `INCRBY dispatched 1000000` stopped training for good."""
+    grant_budget(roles.trainer, roles.keys, 0, 8)
+    assert not _permitted(lambda: roles.producers["rollout_00"].incrby(roles.keys.dispatched, 10**6))
+
+
+@pytest.mark.xfail(strict=True, reason=OPEN)
+def test_open_a_producer_cannot_publish_in_another_producers_name(roles: Roles) -> None:
+    """Finding 5: a sample claiming `producer=rollout_01` was trained and counted as rollout_01's."""
+    forged = encode(fake_rollout_sample("rollout_01-x", producer="rollout_01"))
+    assert not _permitted(lambda: roles.producers["rollout_00"].xadd(roles.keys.rollouts, forged))  # type: ignore[arg-type]
+
+
+@pytest.mark.xfail(strict=True, reason=OPEN)
+def test_open_an_explicit_id_cannot_block_another_producer(roles: Roles) -> None:
+    """Finding 4: one producer's `XADD rollouts <max id>` makes every other producer's XADD fail."""
+    roles.producers["rollout_00"].xadd(roles.keys.rollouts, {"x": "y"}, id=MAX_ID)
+    roles.producers["rollout_01"].xadd(roles.keys.rollouts, {"x": "y"})  # raises: no id is left
