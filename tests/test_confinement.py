@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +24,12 @@ from consumers.trainer.learner import UPDATE_SKIPPED
 from consumers.trainer.ledger import StepLedger
 from producers.worker import Producer, PublishError
 from rollstream.audit import audit_run
-from rollstream.bus import Publisher, connect, setup_run
+from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection, setup_run
+from rollstream.bus.connection import watch_busy_scripts
 from rollstream.config import load_config
 from rollstream.factory import build_policy
 from rollstream.fakes import fake_metrics_log, fake_rollout_sample, publish_log
-from rollstream.names import AGGREGATOR_GROUP, Keys
+from rollstream.names import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
 from rollstream.pacing import grant_budget, inflight
 from rollstream.security import ROLES, apply_acl, generate_passwords
 from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, encode
@@ -60,18 +62,27 @@ def roles(private_redis: tuple[str, int], tmp_path: Path) -> Iterator[Roles]:  #
 
 
 def test_a_writer_trimming_its_own_output_shows_in_the_audit(roles: Roles) -> None:
-    """Finding 1: XADD's own MAXLEN deletes what ACLs let a writer append to; `entries-added` still counts it."""
+    """Finding 1: XADD's own MAXLEN deletes what ACLs let a writer append to; `entries-added` still counts it.
+    Samples the trainer holds pending when they are deleted are dead-lettered (and counted for pacing)."""
     keys, prod, agg = roles.keys, roles.producers["rollout_00"], roles.aggregator
     for i in range(3):
         Publisher(prod).publish(keys.rollouts, fake_rollout_sample(f"rollout_00-{i}", producer="rollout_00"))
+    def trainer_reader() -> GroupReader:
+        return GroupReader(roles.trainer, keys.rollouts, TRAINER_GROUP, "trainer", dead_stream=keys.dead,
+                           dead_count=(keys.trainer, DEAD_LETTERED_FIELD), block_ms=10)
+
+    assert len(trainer_reader().poll(0)) == 3  # delivered, pending until trained
     assert audit_run(roles.admin, keys).problems() == []
     prod.xadd(keys.rollouts, {"x": "y"}, maxlen=0, approximate=False)  # what no ACL can refuse
+    assert trainer_reader().poll(0) == []  # a restarted trainer re-reads its pending entries: all three are gone
+    assert roles.admin.hget(keys.trainer, DEAD_LETTERED_FIELD) == b"3" and roles.admin.xlen(keys.dead) == 3
     agg.xadd(keys.records, {"x": "y"}, id="1-1")
     agg.xadd(keys.records, {"x": "y"}, maxlen=0, approximate=False)
     agg.xadd(keys.dead_aggregator, {"x": "y"}, maxlen=0, approximate=False)
     rep = audit_run(roles.admin, keys)
     assert rep.destroyed == {keys.rollouts: 4, keys.records: 2, keys.dead_aggregator: 1}
     assert any(f"4 entries of {keys.rollouts} destroyed" in p for p in rep.problems())
+    assert len(rep.dead) == 3 and not rep.pending
 
 
 def test_the_aggregator_runs_no_script_creates_no_group_and_keeps_off_the_trainers_dead(roles: Roles) -> None:
@@ -175,6 +186,31 @@ def test_a_skipped_update_marks_its_samples_skipped(r: redis.Redis, keys: Keys, 
     [(_, fields)] = r.xrange(keys.metrics)
     update: Any = decode(fields)
     assert update.metrics[UPDATE_SKIPPED] == 1.0 and all(math.isfinite(v) for v in update.metrics.values())
+
+
+def test_a_script_that_never_ends_is_killed_by_the_trainer(roles: Roles) -> None:
+    """Finding 2: a producer's `EVAL "while true do end" 0` blocked Redis until an operator ran SCRIPT KILL;
+    every worker crash-looped on BUSY. The trainer's watch now kills it, and workers wait BUSY out."""
+    roles.admin.config_set("busy-reply-threshold", 100)
+    stop = threading.Event()
+    watch_busy_scripts(roles.trainer, stop, period_s=0.1)
+    errors: list[str] = []
+
+    def freeze() -> None:
+        try:
+            roles.producers["rollout_00"].eval("while true do end", 0)
+        except redis.ResponseError as e:
+            errors.append(str(e))
+
+    attacker = threading.Thread(target=freeze)
+    attacker.start()
+    try:
+        time.sleep(0.3)  # past the threshold: Redis answers BUSY until the script ends
+        assert retry_on_connection(roles.aggregator.ping, "ping while a script blocks", timeout_s=10)
+        attacker.join(10)
+        assert errors and "killed" in errors[0].lower(), errors
+    finally:
+        stop.set()
 
 
 # -- still open: these need one rollouts and one stats stream per producer and trainer-granted leases -----

@@ -211,9 +211,8 @@ class GroupReader:
         out: list[Message] = []
         for raw_id, fields in entries:
             entry_id = text(raw_id)
-            if fields is None:  # deleted while pending: nothing to process or dead-letter
-                log.error("%s: entry %s vanished while pending; acking", self.stream, entry_id)
-                self.ack([entry_id])
+            if fields is None:  # deleted while pending (a writer's own XADD MAXLEN): on record, counted like a loss
+                self.dead_letter(entry_id, {}, "deleted while pending (trimmed by a writer); its content is lost")
                 continue
             count = 1 if deliveries is None else deliveries.get(entry_id, 1)
             if count > self.max_deliveries:
