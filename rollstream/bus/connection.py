@@ -28,6 +28,9 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     BrokenPipeError,
 )
 
+#: What retry_on_connection waits out: a lost connection, and a BUSY reply (a ResponseError; others re-raise).
+_WAITED_OUT: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, redis.ResponseError)
+
 #: Environment variables a worker reads its Redis password from (never from the command line).
 PASSWORD_ENV = "ROLLSTREAM_REDIS_PASSWORD"
 USERNAME_ENV = "ROLLSTREAM_REDIS_USERNAME"
@@ -62,7 +65,7 @@ def retry_on_connection(
     while True:
         try:
             return fn()
-        except (*CONNECTION_ERRORS, redis.ResponseError) as e:
+        except _WAITED_OUT as e:
             if isinstance(e, redis.ResponseError) and not is_busy(e):
                 raise
             delay = next(delays)
