@@ -85,7 +85,9 @@ def test_a_writer_trimming_its_own_output_shows_in_the_audit(roles: Roles) -> No
     assert len(rep.dead) == 3 and not rep.pending
 
 
-def test_the_aggregator_runs_no_script_creates_no_group_and_keeps_off_the_trainers_dead(roles: Roles) -> None:
+def test_the_aggregator_runs_no_script_creates_no_group_and_keeps_off_the_trainers_dead(
+    roles: Roles, tmp_path: Path
+) -> None:
     """Findings 1, 2, 7: no EVAL (a `while true` script froze Redis), no XGROUP CREATE (a group of its own held
     retention back), and no write to `dead` (it erased the trainer's dead letters); its own dead letters work."""
     keys, agg = roles.keys, roles.aggregator
@@ -97,7 +99,7 @@ def test_the_aggregator_runs_no_script_creates_no_group_and_keeps_off_the_traine
     }
     assert [name for name, call in forbidden.items() if _permitted(call)] == []
     roles.trainer.xadd(keys.metrics, {"type": "nonsense"})
-    worker = AggregatorWorker(load_config(None, [f"run.name={keys.run}"]), agg, keys)
+    worker = AggregatorWorker(load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"]), agg, keys)
     worker.run(burst=True)
     [(_, fields)] = roles.admin.xrange(keys.dead_aggregator)
     assert isinstance(dl := decode(fields), DeadLetter) and dl.source == keys.metrics
@@ -142,12 +144,12 @@ def test_stats_out_of_their_domain_never_reach_records(roles: Roles, tmp_path: P
     assert [json.loads(line, parse_constant=refuse)["step"] for line in lines] == [1, 2]
 
 
-def test_a_refused_publish_keeps_the_cursor_and_the_in_flight_count(roles: Roles) -> None:
+def test_a_refused_publish_keeps_the_cursor_and_the_in_flight_count(roles: Roles, tmp_path: Path) -> None:
     """Finding 4: after `XADD rollouts <max id>` every XADD to rollouts fails; the publish transaction used to
     move the cursor and in-flight count anyway (64 prompts lost). Now both stay, so a restart releases and
     re-dispatches those prompts."""
     keys = roles.keys
-    cfg = small_cfg(keys, f"run.redis_url={roles.url}")
+    cfg = small_cfg(keys, f"run.redis_url={roles.url}", f"run.dir={tmp_path}")
     start_run(roles.trainer, keys, build_policy(cfg).state_dict_bytes(), grant=cfg.max_outstanding)
     ctx = context(cfg, keys, "rollout_00", roles.url)
     ctx.r = roles.producers["rollout_00"]
