@@ -30,6 +30,8 @@ from rollstream.config import load_config
 from rollstream.factory import build_policy
 from rollstream.fakes import fake_metrics_log, fake_rollout_sample, publish_log
 from rollstream.names import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
+from rollstream.ops.health import WorkerHealth
+from rollstream.ops.status import collect_status
 from rollstream.pacing import grant_budget, inflight
 from rollstream.security import ROLES, apply_acl, generate_passwords
 from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, encode
@@ -213,6 +215,26 @@ def test_a_script_that_never_ends_is_killed_by_the_trainer(roles: Roles) -> None
         assert errors and "killed" in errors[0].lower(), errors
     finally:
         stop.set()
+
+
+def test_status_check_sees_pacing_counters_moved_outside_the_scripts(roles: Roles) -> None:
+    """Finding 3 (still possible, now seen): `INCRBY dispatched 1000000` stopped training for good and
+    `status --check` said ok; DECRBY made each version grant ~1,000,000. The `pacing` line is now broken."""
+    keys, prod = roles.keys, roles.producers["rollout_00"]
+    grant_budget(roles.trainer, keys, 0, 8)
+
+    def pacing() -> WorkerHealth:
+        [line] = [w for w in collect_status(roles.admin, keys, max_outstanding=8).workers if w.name == "pacing"]
+        return line
+
+    assert pacing().state == "ok"
+    prod.incrby(keys.dispatched, 10**6)
+    assert pacing().state == "broken" and "outstanding=1000000" in pacing().why
+    prod.decrby(keys.dispatched, 2 * 10**6)
+    assert pacing().state == "broken" and "outstanding=-1000000" in pacing().why
+    prod.incrby(keys.dispatched, 10**6)
+    prod.incrby(keys.budget(0), 10**6)
+    assert pacing().state == "broken" and "budget 1000008" in pacing().why
 
 
 # -- still open: these need one rollouts and one stats stream per producer and trainer-granted leases -----
