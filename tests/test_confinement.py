@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import redis
 import torch
@@ -20,6 +21,7 @@ from test_producer import context, small_cfg, start_run
 from test_security import PRODUCERS, _permitted, private_redis  # noqa: F401  (a fixture)
 
 from consumers.aggregator.worker import AggregatorWorker
+from consumers.trainer.guard import value_reason
 from consumers.trainer.learner import UPDATE_SKIPPED
 from consumers.trainer.ledger import StepLedger
 from producers.worker import Producer, PublishError
@@ -34,7 +36,9 @@ from rollstream.ops.health import WorkerHealth
 from rollstream.ops.status import collect_status
 from rollstream.pacing import grant_budget, inflight
 from rollstream.security import ROLES, apply_acl, generate_passwords
+from rollstream.tasks import REWARD_RANGE
 from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, encode
+from schemas.ragged import TOKEN_SCORES
 
 MAX_ID = "18446744073709551615-18446744073709551615"
 
@@ -164,6 +168,25 @@ def test_a_refused_publish_keeps_the_cursor_and_the_in_flight_count(roles: Roles
         producer.run(max_dispatches=1)
     assert roles.admin.get(keys.producer_cursor("rollout_00")) == cursor and producer.source.cursor == before
     assert inflight(roles.admin, keys, "rollout_00") == cfg.rollout.prompts_per_dispatch
+
+
+def test_rewards_are_checked_against_the_tasks_range() -> None:
+    """Finding 6's domain: rewards and each row's token-score sum within the reward range, all finite; one
+    token's own score may be negative (token-level credit)."""
+    sample = fake_rollout_sample("rollout_00-1", n=2, prompt_len=3, response_len=4)
+    batch = sample.full_batch
+    assert value_reason(sample, REWARD_RANGE) is None
+    lens = batch.response_lens
+    batch.tokens[TOKEN_SCORES] = np.zeros(int(lens.sum()), dtype=np.float32)
+    batch.tokens[TOKEN_SCORES][0], batch.tokens[TOKEN_SCORES][1] = -0.2, 0.7  # row 0 sums to 0.5
+    assert value_reason(sample, REWARD_RANGE) is None
+    batch.tokens[TOKEN_SCORES][int(lens[0])] = 3e38  # row 1 sums far out of range
+    assert "token_level_scores row sums" in (value_reason(sample, REWARD_RANGE) or "")
+    batch.tokens[TOKEN_SCORES][int(lens[0])] = np.nan
+    assert "token_level_scores row sums" in (value_reason(sample, REWARD_RANGE) or "")
+    batch.tokens[TOKEN_SCORES][int(lens[0])] = 0.0
+    batch.rows["rewards"] = np.array([1.0, np.inf], dtype=np.float32)
+    assert "rewards hold values in [1.0, inf]" in (value_reason(sample, REWARD_RANGE) or "")
 
 
 def test_a_skipped_update_marks_its_samples_skipped(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
