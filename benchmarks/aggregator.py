@@ -20,7 +20,7 @@ from rollstream.bus.reader import BURST_BLOCK_MS
 from rollstream.config import load_config
 from rollstream.fakes import fake_metrics_log, publish_log
 from rollstream.names import Keys
-from schemas import decode, encode
+from schemas import ProducerStats, decode, encode
 
 
 def bench_pure(events: list[Any], repeats: int = 3) -> tuple[float, float]:
@@ -50,7 +50,18 @@ def bench_worker(events: list[Any], redis_url: str) -> dict[str, float]:
         # stats to `stats`, trainer events to `metrics`, vouched for by the trainer hash
         publish_log(r, keys, events)
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp}", f"run.redis_url={redis_url}"])
+            producers = max(
+                1, len({e.producer for e in events if isinstance(e, ProducerStats)})
+            )  # whose stats fold
+            cfg = load_config(
+                None,
+                [
+                    f"run.name={keys.run}",
+                    f"run.dir={tmp}",
+                    f"run.redis_url={redis_url}",
+                    f"rollout.num_producers={producers}",
+                ],
+            )
             worker = AggregatorWorker(cfg, r, keys)
             t0 = time.perf_counter()
             worker.run(burst=True)

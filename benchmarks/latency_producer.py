@@ -117,13 +117,14 @@ class LatencyProducer(Producer):
         trajs: list[Trajectory],
         gen_s: float,
         status: dict[str, float | int],
+        before: tuple[int, int],
     ) -> list[RolloutSample]:
         with self.lock:
             if getattr(self._slot, "generation", self.generation) != self.generation:
                 log.warning("discarding %d samples: their budget was released by a reconnect", len(items))
                 return []
             # slot-averaged
-            return super()._finish(ids, items, param_version, trajs, gen_s / self.slots, status)
+            return super()._finish(ids, items, param_version, trajs, gen_s / self.slots, status, before)
 
     def _maybe_stats(self) -> None:
         with self.lock:

@@ -79,6 +79,10 @@ BUDGET_POLL_S = 0.25  # while idle for lack of budget, how often to look for a t
 GenerateFn = Callable[[DataProto, int], list[Trajectory]]
 
 
+class PublishError(RuntimeError):
+    """Redis refused a publish's XADD; the cursor and in-flight count were put back, the prompts are not lost."""
+
+
 def producer_index(name: str, count: int) -> int:
     """Shard index from the worker name: `rollout_NN` -> NN, anything else -> 0; must be < count."""
     m = re.fullmatch(r"rollout_(\d+)", name)
@@ -281,6 +285,7 @@ class Producer:
         """Generate `amount` prompts (budget already taken) x n, score and publish them; returns the samples
         ([] when they were discarded instead of published)."""
         cfg = self.ctx.cfg
+        before = self.source.cursor
         items, param_version = self._take_prompts(amount)
         ids = [f"{self.name}-{uuid.uuid4().hex[:12]}" for _ in items]
         groups = [
@@ -302,7 +307,7 @@ class Producer:
         status = rollout_status(counts, cfg, self.weights.version)
         if failed:  # the trainer evicts such a sample (reason rollout_failure) and gives its budget back
             status[ROLLOUT_FAILURE] = 1
-        return self._finish(ids, items, param_version, trajs, gen_s, status)
+        return self._finish(ids, items, param_version, trajs, gen_s, status, before)
 
     def _take_prompts(self, amount: int) -> tuple[list[tuple[int, int, Prompt]], int]:
         """Take `amount` prompts from the source: ((epoch, index, prompt) each, the version stamped on them)."""
@@ -312,9 +317,10 @@ class Producer:
 
     def _finish(
         self, ids: list[str], items: list[tuple[int, int, Prompt]], param_version: int, trajs: list[Trajectory],
-        gen_s: float, status: dict[str, float | int],
+        gen_s: float, status: dict[str, float | int], before: tuple[int, int],
     ) -> list[RolloutSample]:
-        """Count the generation time, score and pack each prompt's trajectories, publish; returns the samples."""
+        """Count the generation time, score and pack each prompt's trajectories, publish (`before`: the cursor
+        ahead of these prompts, restored when the publish fails); returns the samples."""
         n = self.ctx.cfg.rollout.n
         self.counters.gen_s += gen_s
         self.window.gen_s += gen_s
@@ -322,7 +328,7 @@ class Producer:
         for k, (sid, (epoch, _, prompt)) in enumerate(zip(ids, items, strict=True)):
             group = trajs[k * n : (k + 1) * n]
             samples.append(self._sample(sid, epoch, param_version, prompt, group, status))
-        self._publish(samples)
+        self._publish(samples, before)
         return samples
 
     def _sample(
@@ -354,8 +360,11 @@ class Producer:
             response_texts=texts,
         )
 
-    def _publish(self, samples: Sequence[RolloutSample]) -> None:
-        """XADD the samples, mark them published and advance the cursor, in one MULTI/EXEC."""
+    def _publish(self, samples: Sequence[RolloutSample], before: tuple[int, int]) -> None:
+        """XADD the samples, mark them published and advance the cursor, in one MULTI/EXEC. A transaction
+        runs every command even when one fails (an XADD refused: the stream's last id is exhausted, or
+        the stream is gone), so a failed publish is undone at once: the in-flight count goes back up and
+        the cursor back to `before` (the prompts' start), and PublishError is raised."""
         keys = self.ctx.keys
         pipe = self.ctx.r.pipeline(transaction=True)
         for s in samples:
@@ -363,9 +372,17 @@ class Producer:
         mark_published(pipe, keys, self.name, len(samples))
         epoch, index = self.source.cursor
         pipe.set(keys.producer_cursor(self.name), encode_cursor(epoch, index))
-        res = pipe.execute()
-        if any(x is None for x in res[: len(samples)]):
-            raise RunNotSetUpError(f"stream {keys.rollouts} does not exist: run `rollstream run` or setup_run first")
+        res = pipe.execute(raise_on_error=False)
+        refused = [x for x in res[: len(samples)] if x is None or isinstance(x, Exception)]
+        if refused:
+            undo = self.ctx.r.pipeline(transaction=True)
+            undo.incrby(keys.producer_inflight(self.name), len(samples))
+            undo.set(keys.producer_cursor(self.name), encode_cursor(*before))
+            undo.execute()
+            self.source.cursor = before
+            if refused[0] is None:
+                raise RunNotSetUpError(f"stream {keys.rollouts} does not exist: run `rollstream run` or setup_run first")
+            raise PublishError(f"XADD to {keys.rollouts} refused ({refused[0]}); cursor and in-flight count kept")
         self.counters.published += len(samples)
 
     # ---- statistics -------------------------------------------------------------------------------

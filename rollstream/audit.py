@@ -12,6 +12,12 @@ is a re-emission by the trainer itself: a step retrained after a restart from an
 XADD retried after a lost reply. The fold keeps the latest copy; the audit lists them in `reemitted`
 (not a problem).
 
+Nothing destroyed: a writer can still delete entries of a stream it may append to (XADD's own MAXLEN/MINID
+options; Redis ACLs cannot restrict arguments), and what it deleted leaves no entry to classify. Each
+stream's `entries-added` (XINFO STREAM) counts every XADD ever accepted and no trim can lower it; every
+entry is either still in Redis or was moved to the archive by retention, so `entries-added` greater than
+the entries the log holds means that many entries were destroyed (`destroyed`, a problem).
+
 Reads the whole log through `iter_stream`: what retention moved to the run's archive, then what Redis
 holds, each entry once; an archive that cannot be read here stops the audit (ArchiveError), never a
 silent gap.
@@ -29,7 +35,7 @@ import redis
 from rollstream.bus.ids import parse_id, text
 from rollstream.bus.streams import PAGE, iter_stream
 from rollstream.names import TRAINER_GROUP, Keys
-from schemas import EVICTED, TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
+from schemas import EVICTED, SKIPPED, TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
 
 
 @dataclass
@@ -40,6 +46,7 @@ class AuditReport:
     trained: set[str] = field(default_factory=set)
     dropped: set[str] = field(default_factory=set)
     evicted: dict[str, str] = field(default_factory=dict)  # sample_id -> reason (filter_groups)
+    skipped: set[str] = field(default_factory=set)  # in a local update whose optimizer step was skipped
     dead: set[str] = field(default_factory=set)
     pending: set[str] = field(default_factory=set)  # still unacked in the trainer group: legitimately open
     lost: set[str] = field(default_factory=set)  # published, acked, and no fate anywhere
@@ -50,6 +57,8 @@ class AuditReport:
     # (g, k) of rank 0, (g, k, rank) of another data-parallel rank -> copies, when more than one
     reemitted: dict[tuple[int, ...], int] = field(default_factory=dict)
     records: list[int] = field(default_factory=list)  # global steps with a record
+    # stream -> entries XADDed that neither Redis nor the archive holds (deleted by a writer's own trim)
+    destroyed: dict[str, int] = field(default_factory=dict)
     # producer -> param_version -> samples it published dispatched under that version (rollouts headers)
     producer_versions: dict[str, Counter[int]] = field(default_factory=dict)
 
@@ -69,6 +78,8 @@ class AuditReport:
         out = []
         if self.lost:
             out.append(f"{len(self.lost)} published samples lost: {sorted(self.lost)[:5]}")
+        for stream, n in sorted(self.destroyed.items()):
+            out.append(f"{n} entries of {stream} destroyed (XADDed, held neither by Redis nor by the archive)")
         if self.duplicated:
             out.append(f"{len(self.duplicated)} samples ended more than once: {sorted(self.duplicated)[:5]}")
         if not self.steps_consecutive:
@@ -109,12 +120,35 @@ def unacked_entry_ids(r: redis.Redis, keys: Keys) -> set[str]:
     return pending | undelivered
 
 
+def entries_added(r: redis.Redis, stream: str) -> int | None:
+    """How many entries were ever XADDed to `stream` (XINFO STREAM `entries-added`: no trim lowers it);
+    None when the stream does not exist in Redis."""
+    rc: Any = r
+    try:
+        info = rc.xinfo_stream(stream)
+    except redis.ResponseError:
+        return None
+    return int(info["entries-added"])
+
+
+def destroyed_entries(r: redis.Redis, streams: list[str], held: dict[str, int]) -> dict[str, int]:
+    """stream -> entries XADDed beyond those the log holds (`held`: distinct ids in archive and Redis)."""
+    out = {}
+    for stream in streams:
+        added = entries_added(r, stream)
+        if added is not None and added > held.get(stream, 0):
+            out[stream] = added - held.get(stream, 0)
+    return out
+
+
 def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
     """Read rollouts, fates, dead, the trainer group's pending list, metrics and records; classify."""
     rep = AuditReport()
     entry_sample: dict[str, str] = {}
     per_id = Counter[str]()
+    held = Counter[str]()
     for entry_id, f in iter_stream(r, keys.rollouts):
+        held[keys.rollouts] += 1
         sid = text(f.get(b"sample_id", b"entry:" + entry_id.encode()))
         entry_sample[entry_id] = sid
         per_id[sid] += 1
@@ -125,15 +159,17 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
 
     ends = Counter[str]()
     for _, f in iter_stream(r, keys.fates):
+        held[keys.fates] += 1
         fate = decode_fate(f)
         sid = fate.sample_id
         if fate.fate == EVICTED:
             rep.evicted[sid] = fate.reason
         else:
-            (rep.trained if fate.fate == TRAINED else rep.dropped).add(sid)
+            {TRAINED: rep.trained, SKIPPED: rep.skipped}.get(fate.fate, rep.dropped).add(sid)
         ends[sid] += 1
     dead_sources: set[str] = set()
     for _, f in iter_stream(r, keys.dead):
+        held[keys.dead] += 1
         try:
             ev = decode(f)
         except DecodeError:
@@ -153,6 +189,7 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
 
     updates = Counter[tuple[int, ...]]()
     for _, f in iter_stream(r, keys.metrics):
+        held[keys.metrics] += 1
         try:
             ev = decode(f)
         except DecodeError:
@@ -164,6 +201,11 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
             updates[key] += 1
     rep.reemitted = {gk: n for gk, n in sorted(updates.items()) if n > 1}
     rep.records = [parse_id(i)[0] for i, _ in iter_stream(r, keys.records)]
+    held[keys.records] = len(rep.records)
+    for stream in (keys.stats, keys.dead_aggregator):
+        held[stream] = sum(1 for _ in iter_stream(r, stream))
+    checked = [keys.rollouts, keys.fates, keys.dead, keys.dead_aggregator, keys.metrics, keys.records, keys.stats]
+    rep.destroyed = destroyed_entries(r, checked, dict(held))
     return rep
 
 
@@ -186,6 +228,7 @@ def format_report(rep: AuditReport) -> str:
         f"published {len(rep.published)} samples ({rep.duplicate_entries} repeated entries)",
         f"trained once {len(rep.trained - once)}  dropped once {len(rep.dropped - once)}  "
         f"evicted once {len(set(rep.evicted) - once)}{_reasons(rep.evicted)}  "
+        + (f"skipped once {len(rep.skipped - once)}  " if rep.skipped else "") +
         f"dead-lettered once {len(rep.dead - once)}  still pending {len(rep.pending)}",
         f"ended more than once {len(once)}  missing (acked, no fate) {len(rep.lost)}"
         + (f"  fates of ids no longer on rollouts {len(rep.unknown)}" if rep.unknown else ""),

@@ -88,8 +88,14 @@ class Keys:
 
     @property
     def dead(self) -> str:
-        """Dead-letter stream."""
+        """Dead-letter stream of the trainer (rollouts it cannot train)."""
         return self._k("dead")
+
+    @property
+    def dead_aggregator(self) -> str:
+        """Dead-letter stream of the aggregator (metrics and stats entries it cannot fold, and its notes): its
+        own, so that its user cannot write, trim or erase the trainer's dead letters."""
+        return self._k("dead:aggregator")
 
     @property
     def fates(self) -> str:
@@ -176,7 +182,8 @@ class Keys:
 
     def all_streams(self) -> list[str]:
         """Every stream of the run, for status and cleanup."""
-        return [self.rollouts, self.metrics, self.stats, self.records, self.params, self.dead, self.fates,
+        return [self.rollouts, self.metrics, self.stats, self.records, self.params, self.dead,
+                self.dead_aggregator, self.fates,
                 self.dispatch_log]
 
     def pattern(self) -> str:

@@ -10,13 +10,17 @@ trainer hash, the `archive` hash and `consumed`; move the pacing counters (`budg
 through the TAKE and RELEASE scripts (Redis checks every command a script runs against the caller's user,
 so a producer can also DECRBY/INCRBY those two counters directly: it can starve or over-dispatch pacing,
 nothing else); and write its own `producer:<name>:*` keys. It cannot read rollouts, write the trainer
-hash, `metrics`, `dispatch_log`, `records`, `fates`, weights or params, another producer's keys, or
-another run's. The
-aggregator reads `metrics`/`stats` as its group, appends to `records` and `dead`, keeps `sink_cursor`,
-reads the trainer hash and the `archive` hash; it cannot trim or delete anything. The trainer owns the
-run's keys; only it (and admin) can write `archive`, the folder every reader of the log is pointed to.
-Left open (no ACL can close it): any writer of a stream may XADD with an explicit id far ahead, after
-which every other writer's `*` XADD to that stream fails until an operator removes the entry.
+hash, `metrics`, `dispatch_log`, `records`, `fates`, `dead`, weights or params, another producer's keys,
+or another run's. The aggregator reads `metrics`/`stats` as its group (created by setup_run: it may not
+create groups), appends to `records` and its own `dead:aggregator` (dead-lettering is WATCH + MULTI: it may
+run no script), keeps `sink_cursor`, reads the trainer hash and the `archive` hash; it cannot delete
+anything. The trainer owns the run's keys; only it (and admin) can write `archive`, the folder every
+reader of the log is pointed to.
+Left open (no ACL can close it: ACLs do not see arguments): a writer of a stream may trim it with XADD's
+own MAXLEN/MINID (the audit counts what is destroyed, rollstream/audit.py) and XADD with an explicit id
+far ahead, after which every other writer's `*` XADD to that stream gets ids ahead, or, at the last
+possible id, fails for good. Producers can still run any script (the trainer's `watch_busy_scripts` kills
+one that blocks Redis, unless it wrote first) and move the shared pacing counters.
 """
 
 from __future__ import annotations
@@ -63,16 +67,15 @@ def acl_rules(keys: Keys, producers: Sequence[str] = ()) -> dict[str, list[str]]
     """ACL SETUSER rules (without `on`/password) for each user of a run: trainer, aggregator, admin and
     one per producer name."""
     k = keys
-    group = ["+xreadgroup", "+xack", "+xautoclaim", "+xclaim", "+xpending", "+xgroup|create", "+xinfo|groups",
-             "+xrange"]
+    group = ["+xreadgroup", "+xack", "+xautoclaim", "+xclaim", "+xpending", "+xinfo|groups", "+xrange", "+watch"]
     trainer = [*_BASE, "+@read", "+@write", "+@stream", "+@hash", "+@string", "+@scripting", "+@transaction",
                "+@keyspace", "-flushall", "-flushdb", "-@dangerous", "+info", f"~{k.prefix}*"]
     aggregator = [
         *_BASE, "+multi", "+exec", "+discard", "+time",
         f"({' '.join(group)} ~{k.metrics} ~{k.stats})",
         f"(+xadd +xrange +xrevrange +xlen %RW~{k.records})",
-        f"(+xadd %W~{k.dead})",
-        f"(+eval +evalsha ~{k.metrics} ~{k.stats} ~{k.dead})",  # dead-lettering (XACK + XADD dead) is one script
+        f"(+xadd %W~{k.dead_aggregator})",
+        "+unwatch",  # dead-lettering is WATCH + MULTI (XADD dead, XACK): no scripts, so no EVAL to freeze Redis
         f"(+hget +hset +hgetall ~{k.sink_cursor})",
         f"(+hget +hmget %R~{k.trainer})",
         f"(+hget %R~{k.archive})",

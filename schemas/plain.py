@@ -27,7 +27,8 @@ from schemas.errors import DecodeError
 TRAINED = "trained"
 DROPPED = "dropped"  # as too stale
 EVICTED = "evicted"  # not trained for a reason (Fate.reason), its budget given back at once
-FATES = (TRAINED, DROPPED, EVICTED)
+SKIPPED = "skipped"  # in a local update whose optimizer step was skipped (non-finite loss or gradient)
+FATES = (TRAINED, DROPPED, EVICTED, SKIPPED)
 FILTER_GROUPS = "filter_groups"  # eviction reason: a zero-variance group (DAPO dynamic sampling)
 # eviction reason: the producer's generation failed (engine error, timeout); also the rollout_status key
 # (value 1) by which such a sample, published with empty responses so that its prompt is never lost, says so
@@ -66,7 +67,7 @@ class Fate:
 
     sample_id: str
     source_id: str  # the rollouts entry it was read from
-    fate: str  # TRAINED, DROPPED (as stale) or EVICTED
+    fate: str  # TRAINED, DROPPED (as stale), EVICTED or SKIPPED
     staleness: int  # global step - param_version
     param_version: int
     global_step: int  # the step that consumed it

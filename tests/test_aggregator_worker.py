@@ -88,14 +88,14 @@ def test_hand_written_log_through_redis(r: redis.Redis, keys: Keys, tmp_path: Pa
     cfg = make_cfg(keys, tmp_path, redis_url, "bus.read_count=3")
     events: list[EventBase] = [
         validation(0, {"val/acc": 0.1}),
-        producer_stats("a", 10, 50.0, 0.2, 0),
+        producer_stats("rollout_00", 10, 50.0, 0.2, 0),
         lu(1, 1, 4, **{"actor/loss": 1.0, "timing_s/update": 0.5}),
         lu(1, 2, 12, **{"actor/loss": 2.0, "timing_s/update": 0.25}),
-        producer_stats("b", 6, 30.0, 0.4, 1),
+        producer_stats("rollout_01", 6, 30.0, 0.4, 1),
         validation(1, {"val/acc": 0.5}),
         step_end(1, 2, {"timing_s/step": 2.0}),
         lu(2, 1, 8, **{"actor/loss": 5.0}),  # first attempt of step 2 ...
-        producer_stats("a", 20, 70.0, 0.1, 1),
+        producer_stats("rollout_00", 20, 70.0, 0.1, 1),
         lu(2, 1, 8, **{"actor/loss": 1.0}),  # ... retrained after a trainer crash
         lu(2, 2, 8, **{"actor/loss": 3.0}),
         lu(2, 2, 8, **{"actor/loss": 3.0}),  # duplicate XADD
@@ -116,7 +116,7 @@ def test_hand_written_log_through_redis(r: redis.Redis, keys: Keys, tmp_path: Pa
     assert m1["timing_s/step"] == 2.0 and m1["val/acc"] == 0.5
     assert m1["producer/total_samples"] == 16 and m1["producer/idle_ratio"] == approx(0.3)
     assert m2["actor/loss"] == approx(2.0)  # (8*1 + 8*3) / 16 from the retrained updates
-    assert m2["producer/a/samples"] == 20 and m2["producer/total_samples"] == 26
+    assert m2["producer/rollout_00/samples"] == 20 and m2["producer/total_samples"] == 26
     assert m3["actor/loss"] == approx((2 * 4.0 + 6 * 8.0) / 8)
     # winning copies + producer stats used (stats entries as `stats:<id>`)
     assert recs[2].source_ids == [f"stats:{ids[4]}", f"stats:{ids[8]}", *(ids[i] for i in (9, 11, 12))]
@@ -151,7 +151,7 @@ def test_incomplete_step_is_reported_once(
         worker.run(burst=True)
         worker.check_incomplete(now=time.monotonic() + 60)  # past the timeout again: no second report
     rc: Any = r
-    notes = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead)]
+    notes = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead_aggregator)]
     assert len(notes) == 1
     assert notes[0].source == "aggregator" and notes[0].source_id == ids[0]
     assert "step 5" in notes[0].reason and "missing step_end (have local updates [1, 2])" in notes[0].reason
@@ -161,7 +161,7 @@ def test_incomplete_step_is_reported_once(
     # Once the trainer has committed step 5 its missing step_end will never come: the events go to dead.
     r.hset(keys.trainer, COMMITTED_STEP_FIELD, 5)
     assert worker.check_incomplete(now=time.monotonic() + 120) == [5]
-    dead = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead)][1:]
+    dead = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead_aggregator)][1:]
     assert [d.source_id for d in dead] == ids and all("so it never will" in d.reason for d in dead)
     assert pending_ids(r, keys) == [] and worker.fold.pending() == {}
 
@@ -184,7 +184,7 @@ def test_what_cannot_be_placed_is_dead_lettered_not_folded(
     recs = decoded(r, keys)
     assert sorted(recs) == [1, 2] and recs[1].metrics["x"] == 1.0 and recs[2].metrics["x"] == 2.0
     rc: Any = r
-    dead = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead)]
+    dead = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead_aggregator)]
     by_id = {d.source_id: d.reason for d in dead}
     assert (
         by_id[ids[1]]
@@ -327,7 +327,7 @@ def test_stats_drain_after_a_reconnect_reads_past_entries_it_already_holds(
     worker = AggregatorWorker(cfg, r, keys, sinks=Sinks(r, keys, []))
     worker.run(burst=True)
     worker.stats_reader.on_reconnect()  # as after a Redis restart
-    publish(r, keys, [lu(2, 1, 2, x=1.0), producer_stats("a", 7, 70.0, 0.0, 1), step_end(2, 1)])
+    publish(r, keys, [lu(2, 1, 2, x=1.0), producer_stats("rollout_00", 7, 70.0, 0.0, 1), step_end(2, 1)])
     worker.stop.clear()
     worker.run(burst=True)
-    assert decoded(r, keys)[2].metrics["producer/a/samples"] == 7
+    assert decoded(r, keys)[2].metrics["producer/rollout_00/samples"] == 7

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import redis
 
@@ -86,6 +87,17 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
     big = sample_fields(f"big-{tag}")
     big[b"payload"] = big[b"payload"] + b"\0" * MAX_ENTRY_BYTES
     attacks["oversized"] = (big, f"over the max_entry_bytes={MAX_ENTRY_BYTES} limit")
+    absurd = fake_rollout_sample(f"reward-{tag}", n=2, prompt_len=4, response_len=5)
+    absurd.full_batch.rows["rewards"] = np.array([3e38, 0.5], dtype=np.float32)
+    attacks["reward"] = (
+        {k.encode(): bytes(v) for k, v in encode(absurd).items()},  # issue 24: loss inf, grad NaN
+        "out of domain: rewards hold values in [0.5, 3.00",
+    )
+    nameless = fake_rollout_sample("", n=2, prompt_len=4, response_len=5)
+    attacks["empty id"] = (
+        {k.encode(): bytes(v) for k, v in encode(nameless).items()},
+        "out of domain: sample_id is empty",
+    )
 
     ids = {}
     for name, (fields, _) in attacks.items():

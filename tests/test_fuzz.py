@@ -166,9 +166,9 @@ def breakers(draw: st.DrawFn, kinds: list[Mutation]) -> list[Mutation]:
 
 
 def dead_sources(r: redis.Redis, keys: Keys) -> dict[str, str]:
-    """source entry id -> reason, for every dead letter."""
+    """source entry id -> reason, for every dead letter (the trainer's and the aggregator's)."""
     out = {}
-    for _, f in r.xrange(keys.dead):
+    for _, f in [*r.xrange(keys.dead), *r.xrange(keys.dead_aggregator)]:
         ev = decode(f)
         assert isinstance(ev, DeadLetter)
         out[ev.source_id] = ev.reason

@@ -129,16 +129,18 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
         "trainer FLUSHALL": lambda: trainer.flushall(),
         "trainer another run": lambda: trainer.get("rs:{other}:weights:0"),
     }
-    # the aggregator dead-letters what it cannot fold (one script: XACK + XADD dead), and a script gives it no
-    # more than its own commands (it still may not write metrics)
+    # the aggregator dead-letters what it cannot fold (WATCH + MULTI: XADD its own dead stream, XACK), and may
+    # run no script at all
     metric_id = trainer.xadd(keys.metrics, {"type": "nonsense"})
-    agg_reader = GroupReader(aggregator, keys.metrics, AGGREGATOR_GROUP, "aggregator", dead_stream=keys.dead,
-                             block_ms=10)  # fmt: skip
+    agg_reader = GroupReader(aggregator, keys.metrics, AGGREGATOR_GROUP, "aggregator",
+                             dead_stream=keys.dead_aggregator, block_ms=10)
     assert [m.id for m in agg_reader.poll(0)] == []  # undecodable: dead-lettered inside the read
-    assert trainer.xlen(keys.dead) == 1 and trainer.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 0
+    assert trainer.xlen(keys.dead_aggregator) == 1
+    assert trainer.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 0
     assert metric_id is not None
     forbidden["aggregator write metrics via a script"] = lambda: aggregator.eval(
-        "return redis.call('XADD', KEYS[1], '*', 'x', '1')", 1, keys.metrics)
+        "return redis.call('XADD', KEYS[1], '*', 'x', '1')", 1, keys.metrics
+    )
     allowed = [name for name, call in forbidden.items() if _permitted(call)]
     assert allowed == [], f"permitted: {allowed}"
     assert trainer.xlen(keys.rollouts) == 1
@@ -168,9 +170,26 @@ def test_mask_url_hides_password() -> None:
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
     cert, key = tmp / "cert.pem", tmp / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
     )
     return cert, key
 
@@ -178,8 +197,21 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
 def test_tls_rediss(tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
     port = free_port()
-    p = start_redis(tmp_path, "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
-                    "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")
+    p = start_redis(
+        tmp_path,
+        "--port",
+        "0",
+        "--tls-port",
+        str(port),
+        "--tls-cert-file",
+        str(cert),
+        "--tls-key-file",
+        str(key),
+        "--tls-ca-cert-file",
+        str(cert),
+        "--tls-auth-clients",
+        "no",
+    )
     try:
         url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
         r = connect(url)
@@ -212,8 +244,11 @@ def test_no_pickle_eval_exec_in_package() -> None:
             tree = ast.parse(path.read_text(), str(path))
             for node in ast.walk(tree):
                 if isinstance(node, ast.Import):
-                    offenders += [f"{path}:{node.lineno} import {a.name}" for a in node.names
-                                  if a.name.split(".")[0] in FORBIDDEN_MODULES]
+                    offenders += [
+                        f"{path}:{node.lineno} import {a.name}"
+                        for a in node.names
+                        if a.name.split(".")[0] in FORBIDDEN_MODULES
+                    ]
                 elif (
                     isinstance(node, ast.ImportFrom)
                     and (node.module or "").split(".")[0] in FORBIDDEN_MODULES
@@ -234,8 +269,11 @@ def test_no_pickle_eval_exec_in_package() -> None:
                         and getattr(f.value, "id", "") == "torch"
                     ):
                         offenders.append(f"{path}:{node.lineno} torch.load (pickle)")
-                    if name == "import_module" and node.args and isinstance(node.args[0], ast.Constant) \
-                            and str(node.args[0].value) in FORBIDDEN_MODULES:
+                    if (
+                        name == "import_module"
+                        and node.args
+                        and isinstance(node.args[0], ast.Constant)
+                        and str(node.args[0].value) in FORBIDDEN_MODULES
+                    ):
                         offenders.append(f"{path}:{node.lineno} import_module({node.args[0].value!r})")
     assert offenders == []
-

@@ -277,6 +277,9 @@ class Fold:
         metrics.update(self.producer_metrics(latest))
         sources += [i for i, _ in latest]
         metrics["training/global_step"] = float(g)
+        if bad := sorted(k for k, v in metrics.items() if not math.isfinite(v)):  # derived: e.g. a 0 s step
+            log.warning("step %d: non-finite %s left out of the record", g, bad)
+            metrics = {k: v for k, v in metrics.items() if k not in bad}
         extra = sorted(set(step.updates) - set(step.slots()))
         k = step.end[1].num_local_updates if step.end is not None else 0
         if extra:

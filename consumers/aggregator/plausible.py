@@ -1,4 +1,5 @@
-"""What the aggregator may fold: no trainer event ahead of the trainer's own progress.
+"""What the aggregator may fold: no trainer event ahead of the trainer's own progress, no value outside its
+domain (non-finite metrics; producer stats of a producer the run does not have, or out of range).
 
 Only the trainer writes `metrics` (ACL), but without ACLs (an external Redis, `run.acl=false`) anyone
 with the run's credentials could append a step_end for a step far ahead, which would complete a record
@@ -11,13 +12,15 @@ last seen, so the check costs nothing in steady state.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import redis
 
 from rollstream.bus import retry_on_connection
 from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
-from schemas import StepMetrics, ValidateMetrics
+from schemas import ProducerStats, StepMetrics, ValidateMetrics
 
 
 class TrainerProgress:
@@ -68,3 +71,27 @@ class TrainerProgress:
         """True while step g may still complete: its step_end is not committed yet (re-reads the hash)."""
         self.refresh()
         return g > self.committed
+
+
+def nonfinite_reason(metrics: Mapping[str, float], what: str = "metric") -> str | None:
+    """Why `metrics` cannot reach a record: a non-finite value (NaN, ±inf; records.jsonl is strict JSON)."""
+    for name, value in metrics.items():
+        if not math.isfinite(value):
+            return f"{what} {name}={value} is not finite"
+    return None
+
+
+def stats_reason(ev: ProducerStats, producers: Collection[str]) -> str | None:
+    """Why a producer stats entry cannot be folded (a dead-letter reason naming the field and value): a
+    producer outside the run's set (it would become a permanent record column), a negative count, a rate
+    that is not finite and >= 0, an idle_ratio outside [0, 1], or a non-finite metric."""
+    if ev.producer not in producers:
+        return f"producer={ev.producer!r} is not one of the run's producers"
+    for name in ("samples", "tokens", "param_version"):
+        if getattr(ev, name) < 0:
+            return f"{name}={getattr(ev, name)} is negative"
+    if not (math.isfinite(ev.gen_tokens_per_s) and ev.gen_tokens_per_s >= 0):
+        return f"gen_tokens_per_s={ev.gen_tokens_per_s} is not a finite rate >= 0"
+    if not (math.isfinite(ev.idle_ratio) and 0.0 <= ev.idle_ratio <= 1.0):
+        return f"idle_ratio={ev.idle_ratio} is not in [0, 1]"
+    return nonfinite_reason(ev.metrics)

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
+from itertools import chain
 from typing import Any
 
 import redis
@@ -34,7 +35,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 def dead_lettered(r: redis.Redis, keys: Keys) -> set[tuple[str, str]]:
     """(source stream, entry id) of every entry the live workers dead-lettered from metrics or stats."""
     out = set()
-    for _, fields in iter_stream(r, keys.dead):
+    for _, fields in chain(iter_stream(r, keys.dead_aggregator), iter_stream(r, keys.dead)):  # (dead: older runs)
         try:
             ev = decode(fields)
         except DecodeError:

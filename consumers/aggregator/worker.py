@@ -10,7 +10,8 @@ future record may use. A restarted aggregator re-reads its own pending entries f
 rebuilds the same fold state (run one aggregator per run, under a stable name).
 
 What the fold cannot place is dead-lettered with its reason, never left pending: an event of the wrong
-kind for its stream, a trainer event ahead of the trainer's progress (plausible.py), and the events of a
+kind for its stream, a value outside its domain (a non-finite metric; stats of a producer the run does
+not have, or out of range), a trainer event ahead of the trainer's progress (plausible.py), and the events of a
 step still incomplete after `aggregator.incomplete_timeout_s` that can no longer complete (the trainer
 committed past it). An incomplete step still in progress is only reported (an ERROR line and a note on
 `dead` with source `aggregator`). Replay skips what the live aggregator dead-lettered.
@@ -26,7 +27,7 @@ from typing import Any
 import redis
 
 from consumers.aggregator.fold import Completed, Fold, id_key, split_ref, stats_ref
-from consumers.aggregator.plausible import TrainerProgress
+from consumers.aggregator.plausible import TrainerProgress, nonfinite_reason, stats_reason
 from consumers.aggregator.sinks import Sinks, build_sinks
 from rollstream.bus import (
     CONNECTION_ERRORS,
@@ -38,7 +39,7 @@ from rollstream.bus import (
     retry_on_connection,
 )
 from rollstream.config import PipelineConfig
-from rollstream.names import AGGREGATOR_GROUP, AGGREGATOR_NOTE_SOURCE, Keys
+from rollstream.names import AGGREGATOR_GROUP, AGGREGATOR_NOTE_SOURCE, Keys, producer_names
 from schemas import ProducerStats, StepMetrics, ValidateMetrics, dead_letter_of, encode
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class AggregatorWorker:
                 stream,
                 AGGREGATOR_GROUP,
                 name,
-                dead_stream=keys.dead,
+                dead_stream=keys.dead_aggregator,
                 block_ms=cfg.bus.block_ms,
                 count=cfg.bus.read_count,
                 claim_idle_s=cfg.bus.claim_idle_s,
@@ -96,6 +97,7 @@ class AggregatorWorker:
             for stream in (keys.metrics, keys.stats)
         )
         self.progress = TrainerProgress(r, keys)
+        self.producers = frozenset(producer_names(cfg.rollout.num_producers))  # whose stats are folded
         self.fold = Fold(cfg.aggregator.total_gpus, done_steps=recorded_steps(r, keys))
         self.sinks = sinks if sinks is not None else Sinks(r, keys, build_sinks(cfg, r, keys))
         self.records_written = 0
@@ -113,12 +115,15 @@ class AggregatorWorker:
             if not isinstance(m.event, ProducerStats):
                 self.stats_reader.dead_letter(m.id, m.fields, f"not producer stats: a {m.event.type!r} event on stats")
                 continue
+            if (why := stats_reason(m.event, self.producers)) is not None:
+                self.stats_reader.dead_letter(m.id, m.fields, f"implausible: {why}")
+                continue
             completed += self.fold.feed(stats_ref(m.id), m.event)
         for m in msgs:
             if not isinstance(m.event, TRAINER_EVENTS):  # producer stats, a rollout, a record …
                 self.reader.dead_letter(m.id, m.fields, f"not a trainer event: a {m.event.type!r} event on metrics")
                 continue
-            if (why := self.progress.reason(m.event)) is not None:
+            if (why := self.progress.reason(m.event) or nonfinite_reason(m.event.metrics)) is not None:
                 self.reader.dead_letter(m.id, m.fields, f"implausible: {why}")
                 continue
             completed += self.fold.feed(m.id, m.event)
@@ -204,7 +209,7 @@ class AggregatorWorker:
     def _note(self, source_id: str, reason: str, fields: Any = None) -> None:
         """A DeadLetter note on `dead` (source `aggregator`) about the metrics log; nothing is acked by it."""
         dl = dead_letter_of(AGGREGATOR_NOTE_SOURCE, source_id, reason, {k: bytes(v) for k, v in (fields or {}).items()})
-        self.r.xadd(self.keys.dead, encode(dl))
+        self.r.xadd(self.keys.dead_aggregator, encode(dl))
 
     # -- timeouts -------------------------------------------------------------------------------------
 

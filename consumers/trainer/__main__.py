@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from consumers.trainer.ranks import consumer_name, rank_info
+from rollstream.bus.connection import watch_busy_scripts
 from rollstream.worker import (
     EXIT_CONFIG,
     EXIT_OK,
@@ -43,6 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     if dp.active:
         watch_parent(ctx.stop)  # torchrun gone (killed): stop instead of lingering
+    if dp.is_main:
+        watch_busy_scripts(ctx.r, ctx.stop)  # a never-ending script (any role's EVAL) must not stall the run
     try:
         trainer = Trainer(ctx.cfg, ctx.r, ctx.keys, ctx.name, ctx.stop, burst=args.burst, dp=dp)
         freeze_startup_heap()

@@ -36,7 +36,7 @@ import numpy as np
 import redis
 
 from consumers.trainer.distributed import DataParallel
-from consumers.trainer.guard import unusable_reason, version_reason
+from consumers.trainer.guard import unusable_reason, value_reason, version_reason
 from consumers.trainer.ledger import StepLedger
 from consumers.trainer.ranks import RoundClaim, RoundResult, resolve_round
 from consumers.trainer.staleness import mean_response_length, staleness
@@ -44,6 +44,7 @@ from rollstream.bus import GroupReader, Message, retry_on_connection
 from rollstream.config import PipelineConfig
 from rollstream.names import HEARTBEAT_FIELD, Keys, rank_heartbeat_field
 from rollstream.pacing import consume_dead, consume_evicted
+from rollstream.tasks import REWARD_RANGE
 from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, Fate, RolloutSample
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,8 @@ class Collector:
                 self.reader.dead_letter(m.id, m.fields, f"invalid: {why}")  # counted as consumed below
             elif (why := unusable_reason(ev, self.vocab_size, self.max_seq_len)) is not None:
                 self.reader.dead_letter(m.id, m.fields, f"unusable: {why}")  # counted as consumed below
+            elif (why := value_reason(ev, REWARD_RANGE)) is not None:
+                self.reader.dead_letter(m.id, m.fields, f"out of domain: {why}")  # counted as consumed below
             else:
                 self.seen.add(ev.sample_id)
                 self.buffer.append(m)

@@ -1,6 +1,8 @@
 """Trainer-side checks of a decoded RolloutSample that depend on this model or need a pass over the values:
-token ids inside the vocabulary, a 0/1 loss mask, rows no longer than the model accepts. (Dtypes and sizes
-against lengths are checked by the RolloutSample schema itself, at decode.)
+token ids inside the vocabulary, a 0/1 loss mask, rows no longer than the model accepts, and the values a
+producer claims within their domain (a non-empty sample_id; rewards and token scores finite and within the
+task's reward range). (Dtypes and sizes against lengths are
+checked by the RolloutSample schema itself, at decode.)
 
 A sample failing them would crash the learner (an embedding lookup out of range) or train on garbage; the
 trainer dead-letters it instead, with the reason returned here.
@@ -8,8 +10,42 @@ trainer dead-letters it instead, with the reason returned here.
 
 from __future__ import annotations
 
+import numpy as np
+
 from schemas import RolloutSample
-from schemas.ragged import RESPONSE_MASK, id_range_ok
+from schemas.ragged import RESPONSE_MASK, TOKEN_SCORES, RaggedBatch, id_range_ok
+
+#: Slack of the reward-range check of a row's token scores, which sum in float32 to the row's reward.
+SCORE_SUM_SLACK = 1e-3
+
+
+def value_reason(sample: RolloutSample, reward_range: tuple[float, float]) -> str | None:
+    """Why `sample`'s claims cannot be trained on: an empty sample_id, a reward that is not finite or outside
+    the task's reward range [low, high], or token scores that are not finite or whose row sums are outside
+    it (a token's own score may be negative: the row's sum is its reward). One pass over each array."""
+    if not sample.sample_id:
+        return "sample_id is empty"
+    low, high = reward_range
+    batch = sample.full_batch
+    rewards, scores = batch.rows.get("rewards"), batch.tokens.get(TOKEN_SCORES)
+    for name, values, slack in (
+        ("rewards", rewards, 0.0),
+        (f"{TOKEN_SCORES} row sums", _row_sums(batch, scores), SCORE_SUM_SLACK),
+    ):
+        if values is None or not values.size:
+            continue
+        lo, hi = float(np.min(values)), float(np.max(values))  # NaN propagates into both
+        if not (np.isfinite(lo) and np.isfinite(hi)) or lo < low - slack or hi > high + slack:
+            return f"{name} hold values in [{lo}, {hi}], outside the task's reward range [{low}, {high}]"
+    return None
+
+
+def _row_sums(batch: RaggedBatch, scores: np.ndarray | None) -> np.ndarray | None:
+    """Per row, the sum of its tokens' scores (float64); None without token scores."""
+    if scores is None or not scores.size:
+        return None
+    rows = np.repeat(np.arange(len(batch.response_lens)), batch.response_lens)
+    return np.bincount(rows, weights=scores.astype(np.float64), minlength=len(batch.response_lens))
 
 
 def version_reason(sample: RolloutSample, newest: int) -> str | None:
@@ -28,8 +64,10 @@ def unusable_reason(sample: RolloutSample, vocab_size: int, max_seq_len: int | N
     batch = sample.full_batch
     for name, ids in (("prompt_ids", batch.prompt_ids), ("response_ids", batch.response_ids)):
         if not id_range_ok(ids, vocab_size):
-            return (f"{name} holds token ids in [{int(ids.min())}, {int(ids.max())}], outside the vocabulary "
-                    f"[0, {vocab_size})")
+            return (
+                f"{name} holds token ids in [{int(ids.min())}, {int(ids.max())}], outside the vocabulary "
+                f"[0, {vocab_size})"
+            )
     mask = batch.tokens.get(RESPONSE_MASK)
     if mask is not None and mask.size and mask.dtype.kind != "b":
         most = (

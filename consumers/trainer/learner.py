@@ -63,6 +63,9 @@ from schemas import DataProto
 
 log = logging.getLogger(__name__)
 
+#: Metric of a local update: 1 when its optimizer step was skipped (non-finite loss or gradient), else 0.
+UPDATE_SKIPPED = "actor/update_skipped"
+
 
 def group_advantages(rewards: torch.Tensor, group_sizes: list[int], norm_by_std: bool = True) -> torch.Tensor:
     """GRPO advantages [B] for contiguous groups of the given sizes (std-normalised unless
@@ -391,10 +394,13 @@ class Learner:
         norm = torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), self.actor.grad_clip)
         # a DTensor under fsdp
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if math.isfinite(grad_norm):
+        # every rank must agree, else their weights part: one rank's non-finite loss skips the step on all
+        bad_loss = self.dp.all_reduce_sum([0.0 if math.isfinite(loss) else 1.0])[0] > 0
+        skipped = bad_loss or not math.isfinite(grad_norm)
+        if not skipped:
             self.optimizer.step()
         else:
-            log.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
+            log.warning("non-finite loss %s or grad norm %s: optimizer step skipped", loss, grad_norm)
             self.optimizer.zero_grad(set_to_none=True)
         t_update += time.perf_counter() - t0
 
@@ -405,6 +411,7 @@ class Learner:
                 "actor/loss": loss,
                 "actor/entropy": ent,
                 "actor/grad_norm": grad_norm,
+                UPDATE_SKIPPED: float(skipped),
                 "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
                 "critic/rewards/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
                 "critic/advantages/mean": adv_mean,

@@ -74,7 +74,7 @@ from consumers.trainer.checkpoint import list_checkpoints, read_checkpoint, rng_
 from consumers.trainer.collect import Collected, Collector
 from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.evaluate import evaluate
-from consumers.trainer.learner import Learner
+from consumers.trainer.learner import UPDATE_SKIPPED, Learner
 from consumers.trainer.ledger import (
     StepLedger,
     commit_steps,
@@ -110,11 +110,11 @@ from rollstream.names import (
     Keys,
 )
 from rollstream.pacing import current_budget, grant_budget, uncount_evicted
-from rollstream.rl import staleness_metrics
+from rollstream.rl import finite_metrics, staleness_metrics
 from rollstream.tasks import Prompt
 from rollstream.weights import gc_weights, latest_param_version, publish_module_weights, publish_weights
 from rollstream.weights_io import state_bytes
-from schemas import DROPPED, TRAINED, Fate, RolloutSample, StepMetrics, ValidateMetrics
+from schemas import DROPPED, SKIPPED, TRAINED, Fate, RolloutSample, StepMetrics, ValidateMetrics
 
 log = logging.getLogger(__name__)
 
@@ -339,9 +339,10 @@ class Trainer:
         micro, asm_metrics = assemble_micro_batches(samples, self.cfg.actor.micro_batch_size)
         t_asm = time.perf_counter() - t0
         metrics = self.learner.update(micro)
+        fate = SKIPPED if metrics.get(UPDATE_SKIPPED) else TRAINED  # a skipped step trained nothing
         for m, st in kept:
             ev: Any = m.event
-            ledger.fates.append(Fate(ev.sample_id, m.id, TRAINED, st, ev.param_version, g))
+            ledger.fates.append(Fate(ev.sample_id, m.id, fate, st, ev.param_version, g))
             ledger.ack_ids.append(m.id)
             truth = ev.full_batch.non_tensors.get("ground_truth")
             if truth is not None and "raw_prompt" in ev.full_batch.non_tensors:
@@ -360,7 +361,7 @@ class Trainer:
         metrics.update({"training/global_step": float(g), "timing_s/gen": t_gen, "timing_s/assemble": t_asm,
                         "timing_s/transport": transport_s, "fully_async/total_wait_time": t_gen})
         update = StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(kept),
-                             rank=self.dp.rank, metrics={k: float(v) for k, v in metrics.items()}, counts=fg_counts)
+                             rank=self.dp.rank, metrics=finite_metrics(metrics), counts=fg_counts)
         retry_on_connection(partial(self.publisher.publish, self.keys.metrics, update), "publishing local_update")
         self.collector.heartbeat()
 
@@ -396,6 +397,7 @@ class Trainer:
             self._evaluate(g)
         trained = sum(1 for f in merged.fates if f.fate == TRAINED)
         dropped = sum(1 for f in merged.fates if f.fate == DROPPED)
+        skipped = sum(1 for f in merged.fates if f.fate == SKIPPED)
         lengths = LengthBuckets.merged(cfg.data.max_response_length, [rep["lengths"] for rep in reports])
         merged.step_end = StepMetrics(
             type="step_end", global_step=g, local_step=K, sample_count=trained, num_local_updates=K, world_size=W,
@@ -405,7 +407,8 @@ class Trainer:
                 "trainer/world_size": float(W),
                 "fully_async/count/trained_samples": float(trained),
                 "fully_async/count/dropped_samples": float(dropped),
-                "fully_async/count/evicted_samples": float(len(merged.fates) - trained - dropped),
+                "fully_async/count/evicted_samples": float(len(merged.fates) - trained - dropped - skipped),
+                "fully_async/count/skipped_samples": float(skipped),
                 "fully_async/count/dead_samples": float(sum(rep["dead"] for rep in reports)),
                 **lengths.share_metrics(),
             },
@@ -427,8 +430,9 @@ class Trainer:
             self.reader.forget(self._own_acks)  # acked inside rank 0's commit
             self._own_acks, self.pending = [], []
             self.pending_ids = [[] for _ in range(W)]
-        log.info("global step %d done in %.2fs (%d trained, %d dropped, %d evicted; %d ranks)", g,
-                 time.perf_counter() - t_step, trained, dropped, len(merged.fates) - trained - dropped, W)
+        log.info("global step %d done in %.2fs (%d trained, %d dropped, %d evicted, %d skipped; %d ranks)", g,
+                 time.perf_counter() - t_step, trained, dropped, len(merged.fates) - trained - dropped - skipped,
+                 skipped, W)
 
     def _finish_main(
         self, g: int, merged: StepLedger, reports: list[dict[str, Any]], whole: dict[str, Any] | None,

@@ -28,6 +28,9 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     BrokenPipeError,
 )
 
+#: What retry_on_connection waits out: a lost connection, and a BUSY reply (a ResponseError; others re-raise).
+_WAITED_OUT: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, redis.ResponseError)
+
 #: Environment variables a worker reads its Redis password from (never from the command line).
 PASSWORD_ENV = "ROLLSTREAM_REDIS_PASSWORD"
 USERNAME_ENV = "ROLLSTREAM_REDIS_USERNAME"
@@ -53,7 +56,8 @@ def retry_on_connection(
     """The one retry policy: call fn until it gets through. A connection loss (Redis restarting, AOF
     loading) is retried in place with jittered backoff, for as long as it takes (a second SIGTERM still
     ends the process), or, with `stop` / `timeout_s`, until stop is set or the next attempt would pass
-    the timeout: then the last connection error is raised. `on_retry` runs after each loss (e.g. to
+    the timeout: then the last connection error is raised. A BUSY reply (a script running past Redis's
+    busy-reply-threshold, until `watch_busy_scripts` kills it) is waited out the same way. `on_retry` runs after each loss (e.g. to
     re-read a reader's own pending entries). fn must be safe to repeat: its effect may have landed even
     when the reply was lost."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -61,7 +65,9 @@ def retry_on_connection(
     while True:
         try:
             return fn()
-        except CONNECTION_ERRORS as e:
+        except _WAITED_OUT as e:
+            if isinstance(e, redis.ResponseError) and not is_busy(e):
+                raise
             delay = next(delays)
             if (stop is not None and stop.is_set()) or (deadline is not None and time.monotonic() + delay > deadline):
                 raise
@@ -72,6 +78,39 @@ def retry_on_connection(
                 stop.wait(delay)
             else:
                 time.sleep(delay)
+
+
+def is_busy(error: BaseException) -> bool:
+    """True for Redis's BUSY reply: a script or function has run past busy-reply-threshold, and Redis answers
+    nothing else until it ends or is killed."""
+    return isinstance(error, redis.ResponseError) and str(error).startswith("BUSY ")
+
+
+def watch_busy_scripts(r: redis.Redis, stop: threading.Event, period_s: float = 1.0) -> threading.Thread:
+    """Start a daemon thread that PINGs every `period_s` until `stop` and answers BUSY with SCRIPT KILL, so
+    a script that never ends (`EVAL "while true do end" 0` from any user allowed EVAL) stalls the run for
+    at most busy-reply-threshold + period_s. The trainer runs it (its user may SCRIPT KILL). A script that
+    already wrote cannot be killed (Redis refuses: only SHUTDOWN NOSAVE, an operator's, ends it): logged."""
+
+    def watch() -> None:
+        while not stop.wait(period_s):
+            try:
+                r.ping()
+            except redis.ResponseError as e:
+                if not is_busy(e):
+                    continue
+                try:
+                    r.script_kill()
+                    log.error("SCRIPT KILL: a script ran past busy-reply-threshold and blocked Redis")
+                except redis.ResponseError as refused:
+                    log.error("a script blocks Redis and cannot be killed (%s): an operator must SHUTDOWN NOSAVE",
+                              refused)
+            except CONNECTION_ERRORS:
+                continue
+
+    thread = threading.Thread(target=watch, name="busy-script-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 class RespPacker(PythonRespSerializer):

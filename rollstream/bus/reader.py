@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import redis
@@ -126,8 +127,18 @@ class GroupReader:
     # -- setup -------------------------------------------------------------------------------------
 
     def ensure_group(self) -> None:
-        """Create the group (idempotent; MKSTREAM) so a reader may start before any producer."""
-        ensure_group(self.r, self.stream, self.group)
+        """Create the group (idempotent; MKSTREAM) so a reader may start before any producer. A user that
+        may not create groups (the aggregator's) finds it made by setup_run, or gets an error saying so."""
+        try:
+            ensure_group(self.r, self.stream, self.group)
+        except redis.exceptions.NoPermissionError:
+            try:
+                groups = self.r.xinfo_groups(self.stream)
+            except redis.ResponseError:  # no such stream
+                groups = []
+            if not any(text(g["name"]) == self.group for g in groups):
+                raise RuntimeError(f"group {self.group} of {self.stream} does not exist and this user may not "
+                                   "create it: run `rollstream run` or setup_run first") from None
         self._group_ready = True
 
     # -- reading -----------------------------------------------------------------------------------
@@ -198,9 +209,8 @@ class GroupReader:
         out: list[Message] = []
         for raw_id, fields in entries:
             entry_id = text(raw_id)
-            if fields is None:  # deleted while pending: nothing to process or dead-letter
-                log.error("%s: entry %s vanished while pending; acking", self.stream, entry_id)
-                self.ack([entry_id])
+            if fields is None:  # deleted while pending (a writer's own XADD MAXLEN): on record, counted like a loss
+                self.dead_letter(entry_id, {}, "deleted while pending (trimmed by a writer); its content is lost")
                 continue
             count = 1 if deliveries is None else deliveries.get(entry_id, 1)
             if count > self.max_deliveries:
@@ -264,10 +274,29 @@ class GroupReader:
         def write() -> None:
             self.r.eval(_DEAD_LETTER, 3, self.stream, self.dead_stream, key, self.group, entry_id, field, *flat)
 
-        retry_on_connection(write, f"dead-lettering {entry_id}")
+        retry_on_connection(write if self.dead_count is not None else partial(self._dead_letter_watched, body, entry_id),
+                            f"dead-lettering {entry_id}")
         self._inflight.discard(entry_id)
         self.stats.dead += 1
         log.error("%s: %s -> dead: %s", self.stream, entry_id, reason)
+
+    def _dead_letter_watched(self, body: Mapping[str, Any], entry_id: str) -> None:
+        """The dead letter without a script (a reader whose user may not run scripts): under WATCH of the
+        stream, XADD the copy and XACK in one MULTI only if the entry is still pending; a write to the stream
+        in between makes EXEC fail and the check runs again."""
+        while True:
+            with self.r.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(self.stream)
+                    if not pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1):
+                        return  # acked already (a retry after a lost reply): nothing twice
+                    pipe.multi()
+                    pipe.xadd(self.dead_stream, dict(body))
+                    pipe.xack(self.stream, self.group, entry_id)
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue
 
     def _touch_inflight(self) -> None:
         """Reset idle time of entries we still hold (XCLAIM JUSTID does not count a delivery)."""

@@ -124,7 +124,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     limit_s = t.cfg.trainer.heartbeat_stall_s
     while True:
         st = collect_status(r, t.keys, process_states(t.run_dir), limit_s, t.cfg.trainer.total_global_steps,
-                            stopped=t.served)
+                            stopped=t.served, max_outstanding=t.cfg.max_outstanding)
         text = format_status(st, mask_url(t.redis_url))
         if args.check or not args.watch:
             print(text)

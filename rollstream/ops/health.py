@@ -12,6 +12,11 @@
 - Rates: trained samples per second from the committed steps (`step_end` events: their `created_at` and
   `sample_count`) over the wall clock up to now, so a stall shows as a falling rate and then 0; never from
   entry ids.
+- Pacing: the counters behind the dispatch budget move only through the pacing scripts, which keep
+  outstanding (dispatched - consumed) within [0, max_outstanding] and a version's budget within
+  max_outstanding (up to a prompt or two after a lost reply). A user that may run those scripts may also
+  move the counters directly (INCRBY dispatched stops training for good); the `pacing` line is `broken`
+  when they are outside those bounds by more than max_outstanding's slack.
 - Lag: entries of a stream after a group's last-delivered id, counted (up to LAG_COUNT_CAP), not redis'
   own `lag` (whose entries-read counter is wrong after a restart).
 """
@@ -139,6 +144,22 @@ def progress_health(
         f"no global step completed in {age:.0f}s (last: {step}), over trainer.heartbeat_stall_s="
         f"{stall_after_s:g}",
     )
+
+
+def pacing_health(outstanding: int, budget_left: int, max_outstanding: int) -> WorkerHealth:
+    """The `pacing` line: `broken` when outstanding prompts or the current budget are outside what the
+    pacing scripts allow (module docstring); the slack is max_outstanding itself, so only a moved counter
+    trips it."""
+    why = ""
+    if not -max_outstanding <= outstanding <= max_outstanding:
+        why = f"outstanding={outstanding} is outside [0, max_outstanding={max_outstanding}]"
+    elif budget_left > max_outstanding:
+        why = f"the current budget {budget_left} is over max_outstanding={max_outstanding}"
+    if why:
+        return WorkerHealth(
+            "pacing", "broken", None, 0.0, why + ": a pacing counter was moved outside the scripts"
+        )
+    return WorkerHealth("pacing", "ok", None, 0.0)
 
 
 def trainer_stopping(processes: list[dict[str, Any]] | None) -> bool:

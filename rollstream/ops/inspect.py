@@ -23,7 +23,17 @@ from schemas import DataProto, DeadLetter, DecodeError, RolloutSample, decode
 from schemas.ragged import RaggedBatch
 
 #: Short stream names an operator types.
-STREAM_NAMES = ("rollouts", "metrics", "stats", "records", "params", "dead", "fates", "dispatch_log")
+STREAM_NAMES = (
+    "rollouts",
+    "metrics",
+    "stats",
+    "records",
+    "params",
+    "dead",
+    "dead:aggregator",
+    "fates",
+    "dispatch_log",
+)
 #: Values shown of an array in summary mode.
 FIRST_VALUES = 8
 _ID = re.compile(r"^(-\d+|\d+(-\d+)?)$")
@@ -38,7 +48,7 @@ def stream_key(keys: Keys, short: str) -> str:
     """The Redis key of a short stream name (one of STREAM_NAMES)."""
     if short not in STREAM_NAMES:
         raise InspectError(f"unknown stream {short!r} (one of {', '.join(STREAM_NAMES)})")
-    return str(getattr(keys, short))
+    return str(getattr(keys, short.replace(":", "_")))
 
 
 def looks_like_id(text: str) -> bool:
@@ -86,8 +96,12 @@ def jsonable(value: Any, full: bool = False) -> Any:
             "meta_info": jsonable(value.meta_info, full),
         }
     if isinstance(value, RaggedBatch):
-        arrays = {"prompt_lens": value.prompt_lens, "prompt_ids": value.prompt_ids,
-                  "response_lens": value.response_lens, "response_ids": value.response_ids}
+        arrays = {
+            "prompt_lens": value.prompt_lens,
+            "prompt_ids": value.prompt_ids,
+            "response_lens": value.response_lens,
+            "response_ids": value.response_ids,
+        }
         return {
             **{k: jsonable(v, full) for k, v in arrays.items()},
             "tokens": {k: jsonable(v, full) for k, v in value.tokens.items()},

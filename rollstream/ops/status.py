@@ -24,12 +24,14 @@ from rollstream.ops.health import (
     RATE_WINDOW_S,
     WorkerHealth,
     group_lag,
+    pacing_health,
     progress_health,
     step_ends,
     trained_rate,
     trainer_stopping,
     worker_health,
 )
+from rollstream.pacing import current_budget, rollout_counts
 from rollstream.weights import latest_param_version, producer_versions
 from schemas import DecodeError, ProducerStats, SyncStepRecord, decode, decode_fate
 
@@ -168,9 +170,11 @@ def collect_status(
     stall_after_s: float = 120.0,
     total_steps: int | None = None,
     stopped: bool = False,
+    max_outstanding: int | None = None,
 ) -> RunStatus:
     """Read everything the status screen shows; heartbeats older than `stall_after_s` count as stalled, and
-    so does a run with no global step completed within it (unless finished, stopping, or `stopped`)."""
+    so does a run with no global step completed within it (unless finished, stopping, or `stopped`); with
+    `max_outstanding` (the run's pacing bound) the pacing counters are checked too (`pacing_health`)."""
     shorts = [k.removeprefix(keys.prefix) for k in keys.all_streams()]
     archive = run_archive(r, keys.rollouts)
     streams = [_stream_info(r, k, s, archive) for k, s in zip(keys.all_streams(), shorts, strict=True)]
@@ -188,11 +192,15 @@ def collect_status(
     workers = [] if stopped else worker_health(trainer, stall_after_s, total_steps, now)
     workers.append(progress_health(trainer, stall_after_s, total_steps, trainer_stopping(processes), stopped,
                                    last_step_at, now))
+    if max_outstanding is not None and current_budget(r, keys)[0] >= 0:
+        counts = rollout_counts(r, keys, [])
+        outstanding = counts.dispatched - counts.consumed
+        workers.append(pacing_health(outstanding, current_budget(r, keys)[1], max_outstanding))
     pidle, tidle = latest_idle(r, keys)
     return RunStatus(
         run=keys.run,
         streams=streams,
-        dead=next(s.length for s in streams if s.name == "dead"),
+        dead=sum(s.length for s in streams if s.name in ("dead", "dead:aggregator")),
         param_version=pv.version if pv else None,
         trainer=trainer,
         producer_versions=producer_versions(r, keys),
@@ -236,31 +244,42 @@ def format_status(st: RunStatus, redis_url: str) -> str:
     """The status screen as text (redis_url must already be masked)."""
     out = [f"run {st.run}   redis {redis_url}"]
     step = st.trainer.get(GLOBAL_STEP_FIELD, "-")
-    out.append(f"param_version {st.param_version if st.param_version is not None else '-'}   "
-               f"trainer global_step {step}   dead letters {st.dead}")
+    out.append(
+        f"param_version {st.param_version if st.param_version is not None else '-'}   "
+        f"trainer global_step {step}   dead letters {st.dead}"
+    )
     for w in st.workers:
         age = f"{w.age_s:.1f}s ago" if w.age_s is not None else "never"
         flag = "" if w.healthy else f"   <-- {w.state.upper()}: {w.why}"
+        if w.name == "pacing":
+            out.append(f"pacing counters: {w.state}{flag}")
+            continue
         what = "last completed (or start)" if w.name == "global steps" else "heartbeat"
         out.append(f"{w.name} {what} {age} (limit {w.limit_s:g}s): {w.state}{flag}")
     if len(st.trainer_consumers) > 1 or any(c["name"] != "trainer" for c in st.trainer_consumers):
-        out.append("trainer consumers: " + ", ".join(
-            f"{c['name']} pending {c['pending']} idle {c['idle_s']:.1f}s" for c in st.trainer_consumers))
+        out.append(
+            "trainer consumers: "
+            + ", ".join(
+                f"{c['name']} pending {c['pending']} idle {c['idle_s']:.1f}s" for c in st.trainer_consumers
+            )
+        )
     out.append("")
     out.append(
-        f"{'stream':<14}{'in redis':>10}{'memory':>12}{'archived':>10}{'on disk':>12}   groups (pending / "
+        f"{'stream':<16}{'in redis':>10}{'memory':>12}{'archived':>10}{'on disk':>12}   groups (pending / "
         "lag)"
     )
     for s in st.streams:
         groups = ", ".join(f"{g['group']} {g['pending']} / {_lag(g['lag'])}" for g in s.groups)
         archived = "?" if s.archived is None else str(s.archived)
         on_disk = "?" if s.archived_bytes is None else _bytes(s.archived_bytes)
-        out.append(f"{s.name:<14}{s.length:>10}{_bytes(s.bytes):>12}{archived:>10}{on_disk:>12}   {groups}")
+        out.append(f"{s.name:<16}{s.length:>10}{_bytes(s.bytes):>12}{archived:>10}{on_disk:>12}   {groups}")
     out.append("")
     pv = ", ".join(f"{k}={v}" for k, v in sorted(st.producer_versions.items())) or "-"
     out.append(f"producer versions: {pv}")
-    out.append(f"trained (committed steps, last {RATE_WINDOW_S:.0f}s+ of wall clock): {st.samples_per_s:.2f} "
-               f"samples/s, {st.steps_per_min:.2f} global steps/min")
+    out.append(
+        f"trained (committed steps, last {RATE_WINDOW_S:.0f}s+ of wall clock): {st.samples_per_s:.2f} "
+        f"samples/s, {st.steps_per_min:.2f} global steps/min"
+    )
     pidle = ", ".join(f"{k} {v:.2f}" for k, v in st.producer_idle.items()) or "-"
     tidle = f"{st.trainer_idle:.2f}" if st.trainer_idle is not None else "-"
     out.append(f"idle ratio: trainer {tidle}; producers {pidle}")

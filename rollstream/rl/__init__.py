@@ -7,7 +7,13 @@ from rollstream.rl.advantages import (
     returns_to_go,
 )
 from rollstream.rl.masked import AggMode, agg_loss, masked_mean, masked_sum
-from rollstream.rl.metrics import length_metrics, reward_metrics, staleness_metrics, summary_stats
+from rollstream.rl.metrics import (
+    finite_metrics,
+    length_metrics,
+    reward_metrics,
+    staleness_metrics,
+    summary_stats,
+)
 from rollstream.rl.ppo import PPOMode, clipped_surrogate, low_var_kl, ppo_loss
 
 __all__ = [
@@ -15,6 +21,7 @@ __all__ = [
     "PPOMode",
     "agg_loss",
     "clipped_surrogate",
+    "finite_metrics",
     "grpo_advantages",
     "grpo_token_advantages",
     "length_metrics",

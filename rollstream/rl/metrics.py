@@ -6,6 +6,7 @@ Names are chosen so the MetricsAggregator rules fold them correctly across local
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,3 +50,16 @@ def staleness_metrics(
 ) -> dict[str, float]:
     """Mean/max/min of per-sample staleness (g − param_version) under `…/off_policy/staleness/`."""
     return summary_stats([float(s) for s in staleness], prefix)
+
+
+def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics as floats without their non-finite values (NaN and ±inf never reach `metrics`, records
+    or records.jsonl, whose strict JSON has no literal for them); `actor/nonfinite_metrics` counts the
+    left-out."""
+    out = {k: float(v) for k, v in metrics.items()}
+    bad = [k for k, v in out.items() if not math.isfinite(v)]
+    for k in bad:
+        del out[k]
+    if bad:
+        out["actor/nonfinite_metrics"] = float(len(bad))
+    return out

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollstream.tasks.arith import ArithToolTask, calculate, final_answer, find_tool_call
-from rollstream.tasks.base import VOCAB_CHARS, Prompt, RewardResult, Task, check_vocab, in_vocab
+from rollstream.tasks.base import REWARD_RANGE, VOCAB_CHARS, Prompt, RewardResult, Task, check_vocab, in_vocab
 from rollstream.tasks.reverse import ReverseTask
 from rollstream.tasks.source import PromptSource, load_jsonl
 
@@ -23,6 +23,7 @@ def make_task(name: str, **kwargs: Any) -> Task:
 
 
 __all__ = [
+    "REWARD_RANGE",
     "TASKS",
     "VOCAB_CHARS",
     "ArithToolTask",

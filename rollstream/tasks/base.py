@@ -41,6 +41,10 @@ class Prompt:
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
+#: The range every task's reward (and token score) lies in; the trainer dead-letters a sample outside it.
+REWARD_RANGE: tuple[float, float] = (0.0, 1.0)
+
+
 @dataclass(frozen=True)
 class RewardResult:
     """A scored response: ``score`` in [0, 1], ``exact`` match flag and per-response float ``metrics``.
@@ -56,7 +60,7 @@ class RewardResult:
 
     def __post_init__(self) -> None:
         """Reject a score outside [0, 1] and character scores that do not sum to it."""
-        if not 0.0 <= self.score <= 1.0:
+        if not REWARD_RANGE[0] <= self.score <= REWARD_RANGE[1]:
             raise ValueError(f"reward score must be in [0, 1], got {self.score}")
         if self.char_scores is not None and abs(sum(self.char_scores) - self.score) > 1e-6:
             raise ValueError(f"char_scores sum to {sum(self.char_scores)}, not to score {self.score}")

@@ -1,0 +1,344 @@
+"""Issue 24's findings, each under the role's real ACL user (the users `rollstream run` creates, on a private
+redis-server): what a credential may no longer do, what the audit now sees, and (strict xfail) what is still
+open until rollouts, stats and pacing are per producer (README, Guarantees)."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+import torch
+from test_producer import context, small_cfg, start_run
+from test_security import PRODUCERS, _permitted, private_redis  # noqa: F401  (a fixture)
+
+from consumers.aggregator.worker import AggregatorWorker
+from consumers.trainer.guard import value_reason
+from consumers.trainer.learner import UPDATE_SKIPPED
+from consumers.trainer.ledger import StepLedger
+from producers.worker import Producer, PublishError
+from rollstream.audit import audit_run
+from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection, setup_run
+from rollstream.bus.connection import watch_busy_scripts
+from rollstream.config import load_config
+from rollstream.factory import build_policy
+from rollstream.fakes import fake_metrics_log, fake_rollout_sample, publish_log
+from rollstream.names import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
+from rollstream.ops.health import WorkerHealth
+from rollstream.ops.status import collect_status
+from rollstream.pacing import grant_budget, inflight
+from rollstream.security import ROLES, apply_acl, generate_passwords
+from rollstream.tasks import REWARD_RANGE
+from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, encode
+from schemas.ragged import TOKEN_SCORES
+
+MAX_ID = "18446744073709551615-18446744073709551615"
+
+
+@dataclass
+class Roles:
+    """One connection per user of a run, as `rollstream run` sets them up."""
+
+    url: str
+    keys: Keys
+    admin: redis.Redis
+    trainer: redis.Redis
+    aggregator: redis.Redis
+    producers: dict[str, redis.Redis]
+
+
+@pytest.fixture
+def roles(private_redis: tuple[str, int], tmp_path: Path) -> Iterator[Roles]:  # noqa: F811
+    url, _ = private_redis
+    keys = Keys("conf")
+    setup_run(redis.Redis.from_url(url), keys)
+    files = generate_passwords(tmp_path / "secrets", [*ROLES, *PRODUCERS])
+    pw = {role: p.read_text() for role, p in files.items()}
+    apply_acl(redis.Redis.from_url(url), keys, pw, producers=PRODUCERS)
+    yield Roles(
+        url,
+        keys,
+        *(connect(url, username=u, password=pw[u]) for u in ("admin", "trainer", "aggregator")),
+        {p: connect(url, username=p, password=pw[p]) for p in PRODUCERS},
+    )
+
+
+def test_a_writer_trimming_its_own_output_shows_in_the_audit(roles: Roles) -> None:
+    """Finding 1: XADD's own MAXLEN deletes what ACLs let a writer append to; `entries-added` still counts it.
+    Samples the trainer holds pending when they are deleted are dead-lettered (and counted for pacing)."""
+    keys, prod, agg = roles.keys, roles.producers["rollout_00"], roles.aggregator
+    for i in range(3):
+        Publisher(prod).publish(keys.rollouts, fake_rollout_sample(f"rollout_00-{i}", producer="rollout_00"))
+
+    def trainer_reader() -> GroupReader:
+        return GroupReader(
+            roles.trainer,
+            keys.rollouts,
+            TRAINER_GROUP,
+            "trainer",
+            dead_stream=keys.dead,
+            dead_count=(keys.trainer, DEAD_LETTERED_FIELD),
+            block_ms=10,
+        )
+
+    assert len(trainer_reader().poll(0)) == 3  # delivered, pending until trained
+    assert audit_run(roles.admin, keys).problems() == []
+    prod.xadd(keys.rollouts, {"x": "y"}, maxlen=0, approximate=False)  # what no ACL can refuse
+    assert (
+        trainer_reader().poll(0) == []
+    )  # a restarted trainer re-reads its pending entries: all three are gone
+    assert roles.admin.hget(keys.trainer, DEAD_LETTERED_FIELD) == b"3" and roles.admin.xlen(keys.dead) == 3
+    agg.xadd(keys.records, {"x": "y"}, id="1-1")
+    agg.xadd(keys.records, {"x": "y"}, maxlen=0, approximate=False)
+    agg.xadd(keys.dead_aggregator, {"x": "y"}, maxlen=0, approximate=False)
+    rep = audit_run(roles.admin, keys)
+    assert rep.destroyed == {keys.rollouts: 4, keys.records: 2, keys.dead_aggregator: 1}
+    assert any(f"4 entries of {keys.rollouts} destroyed" in p for p in rep.problems())
+    assert len(rep.dead) == 3 and not rep.pending
+
+
+def test_the_aggregator_runs_no_script_creates_no_group_and_keeps_off_the_trainers_dead(
+    roles: Roles, tmp_path: Path
+) -> None:
+    """Findings 1, 2, 7: no EVAL (a `while true` script froze Redis), no XGROUP CREATE (a group of its own
+    held retention back), and no write to `dead` (it erased the trainer's dead letters); its own dead letters
+    work."""
+    keys, agg = roles.keys, roles.aggregator
+    forbidden = {
+        "EVAL": lambda: agg.eval("return 1", 0),
+        "XGROUP CREATE metrics": lambda: agg.xgroup_create(keys.metrics, "mine", id="$"),
+        "XADD dead": lambda: agg.xadd(keys.dead, {"x": "y"}),
+        "XADD dead MAXLEN 0": lambda: agg.xadd(keys.dead, {"x": "y"}, maxlen=0),
+    }
+    assert [name for name, call in forbidden.items() if _permitted(call)] == []
+    roles.trainer.xadd(keys.metrics, {"type": "nonsense"})
+    worker = AggregatorWorker(load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"]), agg, keys)
+    worker.run(burst=True)
+    [(_, fields)] = roles.admin.xrange(keys.dead_aggregator)
+    assert isinstance(dl := decode(fields), DeadLetter) and dl.source == keys.metrics
+    assert roles.admin.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 0
+
+
+def test_stats_out_of_their_domain_never_reach_records(roles: Roles, tmp_path: Path) -> None:
+    """Finding 5: stats of a made-up producer, an idle_ratio of -3, NaN rates and metrics are dead-lettered
+    with the reason; records and records.jsonl (strict JSON) hold only the run's producers and finite
+    values."""
+    keys, prod = roles.keys, roles.producers["rollout_00"]
+    bad = [
+        ProducerStats(
+            producer="rollout_77", param_version=0, samples=5, tokens=5, gen_tokens_per_s=1.0, idle_ratio=0.0
+        ),
+        ProducerStats(
+            producer="rollout_01", param_version=0, samples=1, tokens=1, gen_tokens_per_s=1.0, idle_ratio=-3.0
+        ),
+        ProducerStats(
+            producer="rollout_00",
+            param_version=0,
+            samples=1,
+            tokens=1,
+            gen_tokens_per_s=math.nan,
+            idle_ratio=0.5,
+        ),
+        ProducerStats(
+            producer="rollout_00",
+            param_version=0,
+            samples=1,
+            tokens=1,
+            gen_tokens_per_s=1.0,
+            idle_ratio=0.5,
+            metrics={"m": math.inf},
+        ),
+    ]
+    for ev in bad:
+        Publisher(prod).publish(keys.stats, ev)
+    publish_log(roles.admin, keys, fake_metrics_log(2, local_updates=1, producers=2, test_freq=0))
+    cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"])
+    AggregatorWorker(cfg, roles.aggregator, keys).run(burst=True)
+    records = [decode(f) for _, f in roles.admin.xrange(keys.records)]
+    assert [rec.global_step for rec in records if isinstance(rec, SyncStepRecord)] == [1, 2]
+    for rec in records:
+        assert not any("rollout_77" in name for name in rec.metrics), rec.metrics
+        assert all(math.isfinite(v) for v in rec.metrics.values())
+        assert 0.0 <= rec.metrics["producer/idle_ratio"] <= 1.0
+    reasons = [decode(f).reason for _, f in roles.admin.xrange(keys.dead_aggregator)]  # type: ignore[union-attr]
+    assert reasons == [
+        "implausible: producer='rollout_77' is not one of the run's producers",
+        "implausible: idle_ratio=-3.0 is not in [0, 1]",
+        "implausible: gen_tokens_per_s=nan is not a finite rate >= 0",
+        "implausible: metric m=inf is not finite",
+    ]
+    lines = (tmp_path / keys.run / "records.jsonl").read_text().splitlines()
+
+    def refuse(literal: str) -> None:
+        raise ValueError(f"records.jsonl holds {literal}")
+
+    assert [json.loads(line, parse_constant=refuse)["step"] for line in lines] == [1, 2]
+
+
+def test_a_refused_publish_keeps_the_cursor_and_the_in_flight_count(roles: Roles, tmp_path: Path) -> None:
+    """Finding 4: after `XADD rollouts <max id>` every XADD to rollouts fails; the publish transaction used to
+    move the cursor and in-flight count anyway (64 prompts lost). Now both stay, so a restart releases and
+    re-dispatches those prompts."""
+    keys = roles.keys
+    cfg = small_cfg(keys, f"run.redis_url={roles.url}", f"run.dir={tmp_path}")
+    start_run(roles.trainer, keys, build_policy(cfg).state_dict_bytes(), grant=cfg.max_outstanding)
+    ctx = context(cfg, keys, "rollout_00", roles.url)
+    ctx.r = roles.producers["rollout_00"]
+    producer = Producer(ctx)
+    assert producer.run(max_dispatches=1) == 1  # one publish lands: the cursor is in Redis
+    cursor = roles.admin.get(keys.producer_cursor("rollout_00"))
+    roles.producers["rollout_01"].xadd(
+        keys.rollouts, {"x": "y"}, id=MAX_ID
+    )  # another writer exhausts the ids
+    before = producer.source.cursor
+    with pytest.raises(PublishError, match="exhausted"):
+        producer.run(max_dispatches=1)
+    assert roles.admin.get(keys.producer_cursor("rollout_00")) == cursor and producer.source.cursor == before
+    assert inflight(roles.admin, keys, "rollout_00") == cfg.rollout.prompts_per_dispatch
+
+
+def test_rewards_are_checked_against_the_tasks_range() -> None:
+    """Finding 6's domain: rewards and each row's token-score sum within the reward range, all finite; one
+    token's own score may be negative (token-level credit)."""
+    sample = fake_rollout_sample("rollout_00-1", n=2, prompt_len=3, response_len=4)
+    batch = sample.full_batch
+    assert value_reason(sample, REWARD_RANGE) is None
+    lens = batch.response_lens
+    batch.tokens[TOKEN_SCORES] = np.zeros(int(lens.sum()), dtype=np.float32)
+    batch.tokens[TOKEN_SCORES][0], batch.tokens[TOKEN_SCORES][1] = -0.2, 0.7  # row 0 sums to 0.5
+    assert value_reason(sample, REWARD_RANGE) is None
+    batch.tokens[TOKEN_SCORES][int(lens[0])] = 3e38  # row 1 sums far out of range
+    assert "token_level_scores row sums" in (value_reason(sample, REWARD_RANGE) or "")
+    batch.tokens[TOKEN_SCORES][int(lens[0])] = np.nan
+    assert "token_level_scores row sums" in (value_reason(sample, REWARD_RANGE) or "")
+    batch.tokens[TOKEN_SCORES][int(lens[0])] = 0.0
+    batch.rows["rewards"] = np.array([1.0, np.inf], dtype=np.float32)
+    assert "rewards hold values in [1.0, inf]" in (value_reason(sample, REWARD_RANGE) or "")
+
+
+def test_a_skipped_update_marks_its_samples_skipped(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    """Finding 6: a non-finite loss or gradient skips the optimizer step; its samples were still marked
+    `trained`. Now their fate is `skipped`, the update says `actor/update_skipped` = 1, and no non-finite
+    value is emitted."""
+    from consumers.trainer.loop import Trainer
+
+    cfg = load_config(
+        None,
+        [
+            "model.d_model=16",
+            "model.n_layer=1",
+            "model.n_head=2",
+            "model.max_seq_len=32",
+            "run.device=cpu",
+            f"run.name={keys.run}",
+            f"run.dir={tmp_path}",
+            "actor.ppo_mini_batch_size=2",
+            "data.train_batch_size=4",
+        ],
+    )
+    setup_run(r, keys)
+    for i in range(2):
+        r.xadd(
+            keys.rollouts,
+            encode(fake_rollout_sample(f"s{i}", param_version=0, n=2, prompt_len=5, response_len=6, seed=i)),
+        )  # type: ignore[arg-type]
+    trainer = Trainer(cfg, r, keys, "trainer", threading.Event(), burst=True)
+    with torch.no_grad():
+        next(trainer.learner.policy.parameters()).fill_(
+            math.nan
+        )  # every log-prob, the loss, the gradient: NaN
+    ledger = StepLedger(1)
+    got = trainer._collect(1, ledger)
+    assert got is not None and len(got.kept) == 2
+    trainer._local_update(1, 1, ledger, got, t_gen=0.0)
+    assert [f.fate for f in ledger.fates] == [SKIPPED, SKIPPED]
+    [(_, fields)] = r.xrange(keys.metrics)
+    update: Any = decode(fields)
+    assert update.metrics[UPDATE_SKIPPED] == 1.0 and all(math.isfinite(v) for v in update.metrics.values())
+
+
+def test_a_script_that_never_ends_is_killed_by_the_trainer(roles: Roles) -> None:
+    """Finding 2: a producer's `EVAL "while true do end" 0` blocked Redis until an operator ran SCRIPT KILL;
+    every worker crash-looped on BUSY. The trainer's watch now kills it, and workers wait BUSY out."""
+    roles.admin.config_set("busy-reply-threshold", 100)
+    stop = threading.Event()
+    watch_busy_scripts(roles.trainer, stop, period_s=0.1)
+    errors: list[str] = []
+
+    def freeze() -> None:
+        try:
+            roles.producers["rollout_00"].eval("while true do end", 0)
+        except redis.ResponseError as e:
+            errors.append(str(e))
+
+    attacker = threading.Thread(target=freeze)
+    attacker.start()
+    try:
+        time.sleep(0.3)  # past the threshold: Redis answers BUSY until the script ends
+        assert retry_on_connection(roles.aggregator.ping, "ping while a script blocks", timeout_s=10)
+        attacker.join(10)
+        assert errors and "killed" in errors[0].lower(), errors
+    finally:
+        stop.set()
+
+
+def test_status_check_sees_pacing_counters_moved_outside_the_scripts(roles: Roles) -> None:
+    """Finding 3 (still possible, now seen): `INCRBY dispatched 1000000` stopped training for good and
+    `status --check` said ok; DECRBY made each version grant ~1,000,000. The `pacing` line is now broken."""
+    keys, prod = roles.keys, roles.producers["rollout_00"]
+    grant_budget(roles.trainer, keys, 0, 8)
+
+    def pacing() -> WorkerHealth:
+        [line] = [
+            w for w in collect_status(roles.admin, keys, max_outstanding=8).workers if w.name == "pacing"
+        ]
+        return line
+
+    assert pacing().state == "ok"
+    prod.incrby(keys.dispatched, 10**6)
+    assert pacing().state == "broken" and "outstanding=1000000" in pacing().why
+    prod.decrby(keys.dispatched, 2 * 10**6)
+    assert pacing().state == "broken" and "outstanding=-1000000" in pacing().why
+    prod.incrby(keys.dispatched, 10**6)
+    prod.incrby(keys.budget(0), 10**6)
+    assert pacing().state == "broken" and "budget 1000008" in pacing().why
+
+
+# -- still open: these need one rollouts and one stats stream per producer and trainer-granted leases -----
+
+OPEN = "open until rollouts, stats and pacing are per producer (README, Guarantees)"
+
+
+@pytest.mark.xfail(strict=True, reason=OPEN)
+def test_open_a_producer_may_run_no_script(roles: Roles) -> None:
+    """Finding 2: `EVAL "while true do end" 0` froze Redis; producers still run the pacing scripts."""
+    assert not _permitted(lambda: roles.producers["rollout_00"].eval("return 1", 0))
+
+
+@pytest.mark.xfail(strict=True, reason=OPEN)
+def test_open_a_producer_cannot_move_the_shared_pacing(roles: Roles) -> None:
+    """Finding 3: `INCRBY dispatched 1000000` stopped training for good."""
+    grant_budget(roles.trainer, roles.keys, 0, 8)
+    assert not _permitted(lambda: roles.producers["rollout_00"].incrby(roles.keys.dispatched, 10**6))
+
+
+@pytest.mark.xfail(strict=True, reason=OPEN)
+def test_open_a_producer_cannot_publish_in_another_producers_name(roles: Roles) -> None:
+    """Finding 5: a sample claiming `producer=rollout_01` was trained and counted as rollout_01's."""
+    forged = encode(fake_rollout_sample("rollout_01-x", producer="rollout_01"))
+    assert not _permitted(lambda: roles.producers["rollout_00"].xadd(roles.keys.rollouts, forged))  # type: ignore[arg-type]
+
+
+@pytest.mark.xfail(strict=True, reason=OPEN)
+def test_open_an_explicit_id_cannot_block_another_producer(roles: Roles) -> None:
+    """Finding 4: one producer's `XADD rollouts <max id>` makes every other producer's XADD fail."""
+    roles.producers["rollout_00"].xadd(roles.keys.rollouts, {"x": "y"}, id=MAX_ID)
+    roles.producers["rollout_01"].xadd(roles.keys.rollouts, {"x": "y"})  # raises: no id is left
