@@ -13,9 +13,10 @@ alternate so that machine drift hits both alike; the table reports medians and t
   python|hiredis` puts both on one of redis-py's own command packers instead (raw is no faster with either:
   BENCHMARKS.md, Bus).
 
-Each trial uses a fresh run namespace (`Keys(f"{prefix}-<uuid>")`) whose keys are deleted afterwards.
-Run: `rollstream bench bus [--quick] [--json] [--sizes 16K,256K,4M] [--redis-url URL]`; `--tokens` for the
-token-equal mode (benchmarks/bus_tokens.py), `--phases` for µs per sample of each phase (benchmarks/bus_phases.py).
+Each trial uses a fresh run namespace (`Keys(f"{prefix}-<uuid>")`) whose keys are deleted afterwards. Run:
+`rollstream bench bus [--quick] [--json] [--sizes 16K,256K,4M] [--redis-url URL]`; `--tokens` for the
+token-equal mode (benchmarks/bus_tokens.py), `--phases` for µs per sample of each phase
+(benchmarks/bus_phases.py).
 """
 
 from __future__ import annotations
@@ -255,7 +256,10 @@ def codec_round(r: redis.Redis, sample: RolloutSample, min_s: float, prefix: str
         "encode_pickle": _per_call_us(lambda: pickle.dumps(sample, protocol=5), min_s),
         "decode_ours": _per_call_us(lambda: decode(fields), min_s),
         "decode_pickle": _per_call_us(lambda: pickle.loads(blob), min_s),
-        "decode_assemble": _per_call_us(lambda: assemble_micro_batches([decode_as(fields, RolloutSample) for _ in range(8)]), min_s) / 8,
+        "decode_assemble": _per_call_us(
+            lambda: assemble_micro_batches([decode_as(fields, RolloutSample) for _ in range(8)]), min_s
+        )
+        / 8,
     }
 
 
@@ -287,9 +291,9 @@ def measure_size(r: redis.Redis, target_bytes: int, s: Settings) -> SizeResult:
 
 
 def bench_client(url: str, packer: str) -> redis.Redis:
-    """A client as workers get it from connect() (rollstream.bus.connection.RespPacker), optionally with one of
-    redis-py's RESP command packers: its pure-Python one sends every memoryview and value over 6000 bytes as
-    its own socket write; the hiredis one copies everything into one buffer (each memoryview to bytes
+    """A client as workers get it from connect() (rollstream.bus.connection.RespPacker), optionally with one
+    of redis-py's RESP command packers: its pure-Python one sends every memoryview and value over 6000 bytes
+    as its own socket write; the hiredis one copies everything into one buffer (each memoryview to bytes
     first)."""
     r = connect(url, retries=0, socket_timeout_s=30.0)
     if packer == "python":
@@ -311,8 +315,9 @@ def packer_name(r: redis.Redis) -> str:
         r.connection_pool.release(conn)
 
 
-def run_bench(url: str, s: Settings, shapes: list[tuple[int, int, int]] | None = None,
-              phases: bool = False) -> dict[str, Any]:
+def run_bench(
+    url: str, s: Settings, shapes: list[tuple[int, int, int]] | None = None, phases: bool = False
+) -> dict[str, Any]:
     """Measure every size (or, given token shapes, the token-equal mode of benchmarks.bus_tokens; with
     phases, benchmarks.bus_phases per size instead); returns the JSON-ready report (settings, machine,
     bytes per token, per-size medians and trials, phase rows)."""
@@ -368,14 +373,17 @@ def format_table(report: dict[str, Any]) -> str:
         return tokens.split("\n\n")[0] + "\n\n" + format_phases(report["phases"])
     if not report["sizes"]:
         return tokens
-    lines = [tokens.split("\n\n")[0], "",
+    lines = [
+        tokens.split("\n\n")[0],
+        "",
         "| size | batch | ours samples/s | ours MB/s | raw MB/s | ours/raw "
         "| encode µs ours vs pickle | decode µs ours vs pickle | decode pickle/ours | decode + assembly µs |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["sizes"]:
         lines.append(
-            f"| {row['size']} | {row['batch']} | {row['ours_samples_per_s']:,.0f} | {row['ours_mb_per_s']:,.0f} "
+            f"| {row['size']} | {row['batch']} | {row['ours_samples_per_s']:,.0f} "
+            f"| {row['ours_mb_per_s']:,.0f} "
             f"| {row['raw_mb_per_s']:,.0f} | {row['ours_over_raw']:.2f} "
             f"| {row['encode_ours_us']:,.0f} vs {row['encode_pickle_us']:,.0f} "
             f"| {row['decode_ours_us']:,.0f} vs {row['decode_pickle_us']:,.0f} "
@@ -387,23 +395,47 @@ def format_table(report: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of `rollstream bench bus`."""
     p = argparse.ArgumentParser(prog="rollstream bench bus", description=__doc__.splitlines()[0])
-    p.add_argument("--redis-url", default=DEFAULT_URL, help="Redis to benchmark against (keys are cleaned up)")
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated sample sizes on the wire, e.g. 16K,4M")
-    p.add_argument("--mb-per-trial", type=float, default=None, help="MB each trial moves (default 48; quick 2)")
-    p.add_argument("--reps", type=int, default=None, help="interleaved ours/raw repetitions per size (default 5)")
-    p.add_argument("--batch", type=int, default=None, help="samples per pipeline and XREADGROUP (default ~4 MB)")
-    p.add_argument("--quick", action="store_true", help="a few seconds: small trials, 2 repetitions, no warm-up")
+    p.add_argument(
+        "--redis-url", default=DEFAULT_URL, help="Redis to benchmark against (keys are cleaned up)"
+    )
+    p.add_argument(
+        "--sizes", default=DEFAULT_SIZES, help="comma-separated sample sizes on the wire, e.g. 16K,4M"
+    )
+    p.add_argument(
+        "--mb-per-trial", type=float, default=None, help="MB each trial moves (default 48; quick 2)"
+    )
+    p.add_argument(
+        "--reps", type=int, default=None, help="interleaved ours/raw repetitions per size (default 5)"
+    )
+    p.add_argument(
+        "--batch", type=int, default=None, help="samples per pipeline and XREADGROUP (default ~4 MB)"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a few seconds: small trials, 2 repetitions, no warm-up"
+    )
     p.add_argument("--json", action="store_true", help="print the full report as JSON instead of the table")
-    p.add_argument("--packer", default="client", choices=["client", "python", "hiredis"],
-                   help="RESP command packer of ours and raw: as connect() builds it (client), or redis-py's "
-                        "pure-Python or hiredis one")
+    p.add_argument(
+        "--packer",
+        default="client",
+        choices=["client", "python", "hiredis"],
+        help="RESP command packer of ours and raw: as connect() builds it (client), or redis-py's "
+        "pure-Python or hiredis one",
+    )
     p.add_argument("--prefix", default="bench", help="run-name prefix of the benchmark's Redis namespaces")
-    p.add_argument("--phases", action="store_true",
-                   help="instead of the rates: µs per sample of each phase (encode, XADD, XREADGROUP, decode, "
-                        "XACK, gc) at each --sizes, against raw's")
-    p.add_argument("--tokens", default=None, const="8x512x2048,8x512x16384", nargs="?",
-                   help="token-equal mode instead of --sizes: comma-separated NxPROMPTxRESPONSE shapes "
-                        "(alone: 8x512x2048,8x512x16384); ours vs raw at equal tokens")
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="instead of the rates: µs per sample of each phase (encode, XADD, XREADGROUP, decode, "
+        "XACK, gc) at each --sizes, against raw's",
+    )
+    p.add_argument(
+        "--tokens",
+        default=None,
+        const="8x512x2048,8x512x16384",
+        nargs="?",
+        help="token-equal mode instead of --sizes: comma-separated NxPROMPTxRESPONSE shapes "
+        "(alone: 8x512x2048,8x512x16384); ours vs raw at equal tokens",
+    )
     return p
 
 
@@ -439,8 +471,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(report, indent=1))
     else:
         cmd = " ".join(["rollstream bench bus", *(argv if argv is not None else sys.argv[1:])])
-        print(f"<!-- {cmd}: {report['machine']['cpus']} cpus, redis {report['machine']['redis']}, "
-              f"{report['machine']['command_packer']}, "
-              f"{s.reps} reps x {s.mb_per_trial:g} MB, {report['elapsed_s']:.0f} s -->")
+        print(
+            f"<!-- {cmd}: {report['machine']['cpus']} cpus, redis {report['machine']['redis']}, "
+            f"{report['machine']['command_packer']}, "
+            f"{s.reps} reps x {s.mb_per_trial:g} MB, {report['elapsed_s']:.0f} s -->"
+        )
         print(format_table(report), end="")
     return 0

@@ -64,18 +64,37 @@ def build_sample(mean_len: int, seed: int) -> Any:
             ids[i, :PROMPT_LEN], ids[i, PROMPT_LEN : PROMPT_LEN + len(resp)] = prompt, resp
             mask[i, : PROMPT_LEN + len(resp)] = 1
             lp[i, : len(resp)] = lps
-        batch: Any = DataProto({"prompts": ids[:, :PROMPT_LEN], "responses": ids[:, PROMPT_LEN:], "input_ids": ids,
-                                "attention_mask": mask, "response_mask": mask[:, PROMPT_LEN:].copy(),
-                                "rollout_log_probs": lp, "rewards": rewards}, {"uid": uid})
+        batch: Any = DataProto(
+            {
+                "prompts": ids[:, :PROMPT_LEN],
+                "responses": ids[:, PROMPT_LEN:],
+                "input_ids": ids,
+                "attention_mask": mask,
+                "response_mask": mask[:, PROMPT_LEN:].copy(),
+                "rollout_log_probs": lp,
+                "rewards": rewards,
+            },
+            {"uid": uid},
+        )
     else:
         from rollstream.rollout import Trajectory, ragged_batch
 
-        trajs = [Trajectory(prompt, r, [1] * len(r), lps) for r, lps in zip(responses, log_probs, strict=True)]
+        trajs = [
+            Trajectory(prompt, r, [1] * len(r), lps) for r, lps in zip(responses, log_probs, strict=True)
+        ]
         batch = ragged_batch(trajs, VOCAB)
         batch.rows["rewards"], batch.non_tensors["uid"] = rewards, uid
-    return RolloutSample(sample_id="e2e", epoch=0, param_version=0, full_batch=batch,
-                         agent_loop_output_list=[{"num_turns": 1} for _ in range(N)], processing_times=[0.0] * N,
-                         param_version_start=[0] * N, param_version_end=[0] * N, producer="e2e")
+    return RolloutSample(
+        sample_id="e2e",
+        epoch=0,
+        param_version=0,
+        full_batch=batch,
+        agent_loop_output_list=[{"num_turns": 1} for _ in range(N)],
+        processing_times=[0.0] * N,
+        param_version_start=[0] * N,
+        param_version_end=[0] * N,
+        producer="e2e",
+    )
 
 
 def _client(url: str) -> Any:
@@ -114,8 +133,23 @@ def run_consumer(url: str, stream: str, size: str, count: int, tree: str) -> dic
     wire = sum(len(k) + memoryview(v).nbytes for k, v in encode(build_sample(SIZES[size], seed=1)).items())
     reader = GroupReader(r, stream, group, "c", dead_stream=dead, count=64)
     env = {**os.environ, "PYTHONPATH": tree}
-    producer = subprocess.Popen([sys.executable, __file__, "--role", "producer", "--url", url, "--stream", stream,
-                                 "--size", size, "--count", str(count)], env=env)
+    producer = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--role",
+            "producer",
+            "--url",
+            url,
+            "--stream",
+            stream,
+            "--size",
+            size,
+            "--count",
+            str(count),
+        ],
+        env=env,
+    )
     got, first, last = 0, 0.0, 0.0
     try:
         while got < count:
@@ -139,7 +173,8 @@ def run_consumer(url: str, stream: str, size: str, count: int, tree: str) -> dic
 
 def run_codec(sizes: list[str]) -> dict[str, Any]:
     """CPU µs per encode and per decode (of the fields as Redis returns them) of each size's sample in this
-    process's tree: time.process_time, best of 5 loops (other processes' load inflates wall time, not this)."""
+    process's tree: time.process_time, best of 5 loops (other processes' load inflates wall time, not
+    this)."""
     from schemas import decode, encode
 
     def per_call_us(fn: Any, calls: int) -> float:
@@ -156,8 +191,10 @@ def run_codec(sizes: list[str]) -> dict[str, Any]:
         sample = build_sample(SIZES[size], seed=1)
         fields = {k.encode(): bytes(v) for k, v in encode(sample).items()}
         calls = max(20, 40_000 // SIZES[size])
-        out[size] = {"encode_us": per_call_us(partial(encode, sample), calls),
-                     "decode_us": per_call_us(partial(decode, fields), calls)}
+        out[size] = {
+            "encode_us": per_call_us(partial(encode, sample), calls),
+            "decode_us": per_call_us(partial(decode, fields), calls),
+        }
     return out
 
 
@@ -165,9 +202,29 @@ def trial(tree: str, size: str, url: str, count: int) -> dict[str, Any]:
     """One consumer process (which starts its producer) on `tree`: its JSON result."""
     stream = f"rs:{{e2e-{uuid.uuid4().hex[:8]}}}:rollouts"
     env = {**os.environ, "PYTHONPATH": tree}
-    out = subprocess.run([sys.executable, __file__, "--role", "consumer", "--url", url, "--stream", stream,
-                          "--size", size, "--count", str(count), "--tree", tree],
-                         env=env, capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--role",
+            "consumer",
+            "--url",
+            url,
+            "--stream",
+            stream,
+            "--size",
+            size,
+            "--count",
+            str(count),
+            "--tree",
+            tree,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{tree} {size}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -177,9 +234,14 @@ def codec_table(trees: list[str], sizes: list[str]) -> int:
     """Print CPU µs per encode / decode per size and tree (each tree in its own process)."""
     got = {}
     for tree in trees:
-        out = subprocess.run([sys.executable, __file__, "--role", "codec", "--sizes", ",".join(sizes)],
-                             env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, timeout=600,
-                             check=False)
+        out = subprocess.run(
+            [sys.executable, __file__, "--role", "codec", "--sizes", ",".join(sizes)],
+            env={**os.environ, "PYTHONPATH": tree},
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"{tree}: {out.stderr[-2000:]}")
         got[tree] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -195,17 +257,33 @@ def codec_table(trees: list[str], sizes: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of `rollstream bench bus_e2e` (and of the script's own producer/consumer roles)."""
     p = argparse.ArgumentParser(prog="rollstream bench bus_e2e", description=__doc__.splitlines()[0])
-    p.add_argument("--trees", nargs="+", default=["."], help="source trees to compare (the first is the base)")
+    p.add_argument(
+        "--trees", nargs="+", default=["."], help="source trees to compare (the first is the base)"
+    )
     p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated size classes of {list(SIZES)}")
-    p.add_argument("--reps", type=int, default=3, help="repetitions; each runs every size on every tree in turn")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply every size's sample count (trial length)")
-    p.add_argument("--url", default=os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                   help="Redis to run against (each trial's stream is deleted afterwards)")
+    p.add_argument(
+        "--reps", type=int, default=3, help="repetitions; each runs every size on every tree in turn"
+    )
+    p.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every size's sample count (trial length)"
+    )
+    p.add_argument(
+        "--url",
+        default=os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="Redis to run against (each trial's stream is deleted afterwards)",
+    )
     p.add_argument("--json", action="store_true", help="print every trial as JSON instead of the table")
-    p.add_argument("--codec", action="store_true",
-                   help="instead of the bus: CPU µs per encode and decode of each size's sample in each tree")
-    p.add_argument("--role", choices=["driver", "producer", "consumer", "codec"], default="driver",
-                   help=argparse.SUPPRESS)
+    p.add_argument(
+        "--codec",
+        action="store_true",
+        help="instead of the bus: CPU µs per encode and decode of each size's sample in each tree",
+    )
+    p.add_argument(
+        "--role",
+        choices=["driver", "producer", "consumer", "codec"],
+        default="driver",
+        help=argparse.SUPPRESS,
+    )
     p.add_argument("--stream", default="", help=argparse.SUPPRESS)
     p.add_argument("--size", default="small", help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
@@ -216,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _only_the_tree() -> None:
     """Drop the editable install's import hooks, so that every rollstream / schemas module comes from the
     tree on PYTHONPATH (the hooks would fill in modules an older tree lacks from the installed one)."""
+
     def editable(hook: Any) -> bool:
         return "__editable__" in str(getattr(hook, "__module__", ""))
 
@@ -262,8 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for tree in trees:
             rates = [x["samples_per_s"] for x in runs[(size, tree)]]
             med = statistics.median(rates)
-            print(f"| {size} | {tree} | {runs[(size, tree)][0]['wire_bytes']:,} | {med:,.0f} "
-                  f"({min(rates):,.0f}-{max(rates):,.0f}) | {med / base:.2f} |")
+            print(
+                f"| {size} | {tree} | {runs[(size, tree)][0]['wire_bytes']:,} | {med:,.0f} "
+                f"({min(rates):,.0f}-{max(rates):,.0f}) | {med / base:.2f} |"
+            )
     return 0
 
 

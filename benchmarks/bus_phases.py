@@ -59,7 +59,9 @@ class _GcClock:
         gc.callbacks.remove(self)
 
 
-def phase_trial(r: redis.Redis, sample: RolloutSample, n_samples: int, batch: int, prefix: str) -> dict[str, float]:
+def phase_trial(
+    r: redis.Redis, sample: RolloutSample, n_samples: int, batch: int, prefix: str
+) -> dict[str, float]:
     """Seconds per phase (and gc) of n_samples through publish -> poll -> decode -> ack, batch by batch."""
     out = dict.fromkeys((*PHASES, "gc"), 0.0)
     with fresh_stream(r, prefix) as keys, _GcClock() as clock:
@@ -83,7 +85,9 @@ def phase_trial(r: redis.Redis, sample: RolloutSample, n_samples: int, batch: in
             reader.ack([m.id for m in msgs])
             t4 = time.perf_counter()
             decode_s = reader.stats.decode_s - decode0
-            for name, s in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2 - decode_s, decode_s, t4 - t3), strict=True):
+            for name, s in zip(
+                PHASES, (t1 - t0, t2 - t1, t3 - t2 - decode_s, decode_s, t4 - t3), strict=True
+            ):
                 out[name] += s
             got += len(msgs)
         out["gc"] = clock.total_s
@@ -112,7 +116,12 @@ def measure_phases(r: redis.Redis, target_bytes: int, s: Settings) -> dict[str, 
                 t = trial_raw(r, payload, n, batch, s.prefix)
                 raw.append({"xadd": t.publish_s, "xreadgroup_xack": t.consume_s, "total": t.total_s})
     us = 1e6 / n
-    row: dict[str, Any] = {"size": human_size(wire), "wire_bytes": wire, "batch": batch, "samples_per_trial": n}
+    row: dict[str, Any] = {
+        "size": human_size(wire),
+        "wire_bytes": wire,
+        "batch": batch,
+        "samples_per_trial": n,
+    }
     for name in (*PHASES, "gc"):
         row[f"ours_{name}_us"] = statistics.median(t[name] for t in ours) * us
     row["ours_total_us"] = statistics.median(sum(t[p] for p in PHASES) for t in ours) * us

@@ -171,7 +171,8 @@ def format_tokens(report: dict[str, Any]) -> str:
     for row in report["shapes"]:
         lines.append(
             f"| {row['shape']} | {row['batch']} | {row['bytes_per_token']:.1f} "
-            f"| {row['ours_samples_per_s']:,.1f} | {row['raw_samples_per_s']:,.1f} | {row['ours_over_raw']:.2f} "
+            f"| {row['ours_samples_per_s']:,.1f} | {row['raw_samples_per_s']:,.1f} "
+            f"| {row['ours_over_raw']:.2f} "
             f"| {row['decode_ours_us']:,.0f} / {row['decode_pickle_us']:,.0f} |"
         )
     return "\n".join(lines) + "\n"

@@ -80,7 +80,8 @@ GenerateFn = Callable[[DataProto, int], list[Trajectory]]
 
 
 class PublishError(RuntimeError):
-    """Redis refused a publish's XADD; the cursor and in-flight count were put back, the prompts are not lost."""
+    """Redis refused a publish's XADD; the cursor and in-flight count were put back, the prompts are not
+    lost."""
 
 
 def producer_index(name: str, count: int) -> int:
@@ -102,13 +103,18 @@ class Producer:
     `generate` replaces the policy's generation (benchmarks inject a modelled decode)."""
 
     def __init__(
-        self, ctx: WorkerContext, policy: BasePolicy | None = None, task: Task | None = None,
+        self,
+        ctx: WorkerContext,
+        policy: BasePolicy | None = None,
+        task: Task | None = None,
         generate: GenerateFn | None = None,
     ) -> None:
         cfg = ctx.cfg
         if cfg.rollout.latency_model.enable and generate is None:
-            raise ValueError("rollout.latency_model.enable is for benchmarks: run the latency-model producer "
-                             "(`python -m benchmarks.latency_producer`, which `rollstream run` starts for such a config)")
+            raise ValueError(
+                "rollout.latency_model.enable is for benchmarks: run the latency-model producer "
+                "(`python -m benchmarks.latency_producer`, which `rollstream run` starts for such a config)"
+            )
         self.ctx = ctx
         self.name = ctx.name
         self.index = producer_index(ctx.name, cfg.rollout.num_producers)
@@ -120,7 +126,9 @@ class Producer:
 
             engine = VLLMPolicy.from_config(cfg, seed=producer_seed(cfg.run.seed, self.index))
             self.policy = engine
-            self.weights = WeightSync(ctx.r, ctx.keys, None, ctx.name, self._on_switch, engine.load_param_version)
+            self.weights = WeightSync(
+                ctx.r, ctx.keys, None, ctx.name, self._on_switch, engine.load_param_version
+            )
         else:
             self.policy = builtin = policy or build_policy(cfg)
             self.weights = WeightSync(ctx.r, ctx.keys, builtin, ctx.name, on_switch=self._on_switch)
@@ -147,14 +155,25 @@ class Producer:
         r, keys = self.ctx.r, self.ctx.keys
         self.counters.released_on_start = retry_on_connection(self._resync, "start")
         if self.counters.released_on_start:
-            log.warning("released %d dispatched-but-unpublished prompts of a previous run of %s",
-                        self.counters.released_on_start, self.name)
-        log.info("producer %s: shard %d of %d; waiting for param version 0", self.name, self.index,
-                 self.ctx.cfg.rollout.num_producers)
+            log.warning(
+                "released %d dispatched-but-unpublished prompts of a previous run of %s",
+                self.counters.released_on_start,
+                self.name,
+            )
+        log.info(
+            "producer %s: shard %d of %d; waiting for param version 0",
+            self.name,
+            self.index,
+            self.ctx.cfg.rollout.num_producers,
+        )
         if not retry_on_connection(lambda: self.weights.wait_initial(self.ctx.stop), "waiting for version 0"):
             return False
-        if not r.exists(keys.setup):  # set by setup_run once the streams exist (the producer's ACL cannot read rollouts)
-            raise RunNotSetUpError(f"stream {keys.rollouts} does not exist: run `rollstream run` or setup_run first")
+        if not r.exists(
+            keys.setup
+        ):  # set by setup_run once the streams exist (the producer's ACL cannot read rollouts)
+            raise RunNotSetUpError(
+                f"stream {keys.rollouts} does not exist: run `rollstream run` or setup_run first"
+            )
         self.counters.versions_loaded = self.weights.loads
         return True
 
@@ -252,8 +271,9 @@ class Producer:
         return loaded, self.weights.version
 
     def _topped_up(self, version: int) -> bool:
-        """True when `version`'s budget went above 0 while we waited (the trainer tops it up after dead letters);
-        looked up at most every BUDGET_POLL_S, so an idle producer adds no round trip to most version checks."""
+        """True when `version`'s budget went above 0 while we waited (the trainer tops it up after dead
+        letters); looked up at most every BUDGET_POLL_S, so an idle producer adds no round trip to most
+        version checks."""
         now = time.monotonic()
         if now - self._budget_checked < BUDGET_POLL_S:
             return False
@@ -266,7 +286,8 @@ class Producer:
         return -1 if pv is None else pv.version
 
     def _idle_until(self, ready: Callable[..., bool], once: bool = False) -> None:
-        """Sleep in short steps until `ready()` or stop (or after one step when `once`), counting idle time."""
+        """Sleep in short steps until `ready()` or stop (or after one step when `once`), counting idle
+        time."""
         t0 = time.monotonic()
         while not self.ctx.stop.is_set() and not ready():
             time.sleep(POLL_S)
@@ -289,7 +310,9 @@ class Producer:
         items, param_version = self._take_prompts(amount)
         ids = [f"{self.name}-{uuid.uuid4().hex[:12]}" for _ in items]
         groups = [
-            prepare_single_generation_data(p, cfg.rollout.n, self.multi_turn, self.policy.tokenizer, sample_id=sid)
+            prepare_single_generation_data(
+                p, cfg.rollout.n, self.multi_turn, self.policy.tokenizer, sample_id=sid
+            )
             for sid, (_, _, p) in zip(ids, items, strict=True)
         ]
         batch = concat_generation_data(groups, self.policy.tokenizer.pad_id)  # prompts*n rows, prompt-major
@@ -310,14 +333,21 @@ class Producer:
         return self._finish(ids, items, param_version, trajs, gen_s, status, before)
 
     def _take_prompts(self, amount: int) -> tuple[list[tuple[int, int, Prompt]], int]:
-        """Take `amount` prompts from the source: ((epoch, index, prompt) each, the version stamped on them)."""
+        """Take `amount` prompts from the source: ((epoch, index, prompt) each, the version stamped on
+        them)."""
         items = self.source.take(amount)
         self.counters.dispatched += len(items)
         return items, self.weights.version  # stamped at dispatch
 
     def _finish(
-        self, ids: list[str], items: list[tuple[int, int, Prompt]], param_version: int, trajs: list[Trajectory],
-        gen_s: float, status: dict[str, float | int], before: tuple[int, int],
+        self,
+        ids: list[str],
+        items: list[tuple[int, int, Prompt]],
+        param_version: int,
+        trajs: list[Trajectory],
+        gen_s: float,
+        status: dict[str, float | int],
+        before: tuple[int, int],
     ) -> list[RolloutSample]:
         """Count the generation time, score and pack each prompt's trajectories, publish (`before`: the cursor
         ahead of these prompts, restored when the publish fails); returns the samples."""
@@ -332,7 +362,12 @@ class Producer:
         return samples
 
     def _sample(
-        self, sample_id: str, epoch: int, param_version: int, prompt: Prompt, group: list[Any],
+        self,
+        sample_id: str,
+        epoch: int,
+        param_version: int,
+        prompt: Prompt,
+        group: list[Any],
         status: dict[str, float | int],
     ) -> RolloutSample:
         """Score one prompt's trajectories and pack them as a RolloutSample carrying the global `status`."""
@@ -381,8 +416,12 @@ class Producer:
             undo.execute()
             self.source.cursor = before
             if refused[0] is None:
-                raise RunNotSetUpError(f"stream {keys.rollouts} does not exist: run `rollstream run` or setup_run first")
-            raise PublishError(f"XADD to {keys.rollouts} refused ({refused[0]}); cursor and in-flight count kept")
+                raise RunNotSetUpError(
+                    f"stream {keys.rollouts} does not exist: run `rollstream run` or setup_run first"
+                )
+            raise PublishError(
+                f"XADD to {keys.rollouts} refused ({refused[0]}); cursor and in-flight count kept"
+            )
         self.counters.published += len(samples)
 
     # ---- statistics -------------------------------------------------------------------------------

@@ -1,16 +1,16 @@
 """Audit a run from its log: did every published sample end exactly once, and are the steps consecutive?
 
-Every sample_id on `rollouts` must end exactly once as trained, dropped-as-stale or evicted (an entry in `fates`)
-or dead-lettered (an entry on `dead` whose source is `rollouts`); the only other legitimate state is
-still unacked in the trainer group (pending, or not yet delivered). A redelivered or duplicate XADD of
-an id that already ended is acked without a second fate, so ids, not entries, are what is counted.
-`step_end` events on `metrics` must be global steps 1..N, once each, and `records` must hold 1..M, after
-an optional record 0 (the validation of version 0, taken before any training when trainer.test_freq > 0).
+Every sample_id on `rollouts` must end exactly once as trained, dropped-as-stale or evicted (an entry in
+`fates`) or dead-lettered (an entry on `dead` whose source is `rollouts`); the only other legitimate state is
+still unacked in the trainer group (pending, or not yet delivered). A redelivered or duplicate XADD of an id
+that already ended is acked without a second fate, so ids, not entries, are what is counted. `step_end` events
+on `metrics` must be global steps 1..N, once each, and `records` must hold 1..M, after an optional record 0
+(the validation of version 0, taken before any training when trainer.test_freq > 0).
 
-Only the trainer writes `metrics` (ACL), so a (global step, local step, rank) with more than one `local_update`
-is a re-emission by the trainer itself: a step retrained after a restart from an older checkpoint, or an
-XADD retried after a lost reply. The fold keeps the latest copy; the audit lists them in `reemitted`
-(not a problem).
+Only the trainer writes `metrics` (ACL), so a (global step, local step, rank) with more than one
+`local_update` is a re-emission by the trainer itself: a step retrained after a restart from an older
+checkpoint, or an XADD retried after a lost reply. The fold keeps the latest copy; the audit lists them in
+`reemitted` (not a problem).
 
 Nothing destroyed: a writer can still delete entries of a stream it may append to (XADD's own MAXLEN/MINID
 options; Redis ACLs cannot restrict arguments), and what it deleted leaves no entry to classify. Each
@@ -79,7 +79,9 @@ class AuditReport:
         if self.lost:
             out.append(f"{len(self.lost)} published samples lost: {sorted(self.lost)[:5]}")
         for stream, n in sorted(self.destroyed.items()):
-            out.append(f"{n} entries of {stream} destroyed (XADDed, held neither by Redis nor by the archive)")
+            out.append(
+                f"{n} entries of {stream} destroyed (XADDed, held neither by Redis nor by the archive)"
+            )
         if self.duplicated:
             out.append(f"{len(self.duplicated)} samples ended more than once: {sorted(self.duplicated)[:5]}")
         if not self.steps_consecutive:
@@ -177,7 +179,9 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
         if not isinstance(ev, DeadLetter) or ev.source != keys.rollouts or ev.source_id in dead_sources:
             continue
         dead_sources.add(ev.source_id)
-        sid = entry_sample.get(ev.source_id) or text(ev.fields.get("sample_id", f"entry:{ev.source_id}".encode()))
+        sid = entry_sample.get(ev.source_id) or text(
+            ev.fields.get("sample_id", f"entry:{ev.source_id}".encode())
+        )
         rep.dead.add(sid)
         ends[sid] += 1
     rep.duplicated = {sid for sid, n in ends.items() if n > 1}
@@ -197,14 +201,24 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
         if isinstance(ev, StepMetrics) and ev.type == "step_end":
             rep.steps.append(ev.global_step)
         elif isinstance(ev, StepMetrics):
-            key = (ev.global_step, ev.local_step) if ev.rank == 0 else (ev.global_step, ev.local_step, ev.rank)
+            key = (
+                (ev.global_step, ev.local_step) if ev.rank == 0 else (ev.global_step, ev.local_step, ev.rank)
+            )
             updates[key] += 1
     rep.reemitted = {gk: n for gk, n in sorted(updates.items()) if n > 1}
     rep.records = [parse_id(i)[0] for i, _ in iter_stream(r, keys.records)]
     held[keys.records] = len(rep.records)
     for stream in (keys.stats, keys.dead_aggregator):
         held[stream] = sum(1 for _ in iter_stream(r, stream))
-    checked = [keys.rollouts, keys.fates, keys.dead, keys.dead_aggregator, keys.metrics, keys.records, keys.stats]
+    checked = [
+        keys.rollouts,
+        keys.fates,
+        keys.dead,
+        keys.dead_aggregator,
+        keys.metrics,
+        keys.records,
+        keys.stats,
+    ]
     rep.destroyed = destroyed_entries(r, checked, dict(held))
     return rep
 
@@ -228,15 +242,17 @@ def format_report(rep: AuditReport) -> str:
         f"published {len(rep.published)} samples ({rep.duplicate_entries} repeated entries)",
         f"trained once {len(rep.trained - once)}  dropped once {len(rep.dropped - once)}  "
         f"evicted once {len(set(rep.evicted) - once)}{_reasons(rep.evicted)}  "
-        + (f"skipped once {len(rep.skipped - once)}  " if rep.skipped else "") +
-        f"dead-lettered once {len(rep.dead - once)}  still pending {len(rep.pending)}",
+        + (f"skipped once {len(rep.skipped - once)}  " if rep.skipped else "")
+        + f"dead-lettered once {len(rep.dead - once)}  still pending {len(rep.pending)}",
         f"ended more than once {len(once)}  missing (acked, no fate) {len(rep.lost)}"
         + (f"  fates of ids no longer on rollouts {len(rep.unknown)}" if rep.unknown else ""),
         f"global steps ended {len(rep.steps)}  records {len(rep.records)}  "
         f"re-emitted local updates {len(rep.reemitted)}",
     ]
-    producers = [f"{name} {sum(c.values())} samples, versions {_versions(c)}"
-                 for name, c in sorted(rep.producer_versions.items())]
+    producers = [
+        f"{name} {sum(c.values())} samples, versions {_versions(c)}"
+        for name, c in sorted(rep.producer_versions.items())
+    ]
     out.append("producers: " + ("; ".join(producers) or "-"))
     problems = rep.problems()
     out.append("problems: none" if not problems else "problems:")

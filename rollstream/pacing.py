@@ -79,8 +79,11 @@ local function give_back(current, n, outstanding, max_outstanding)
   if cap >= 0 then add = math.min(add, cap - left) end
   if add <= 0 then return 0 end
   redis.call('INCRBY', KEYS[1], add)
-  redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(TOPUP, version="current", amount="add",
-                                                        outstanding="outstanding", max_outstanding="max_outstanding")})
+  redis.call('XADD', KEYS[5], '*', {
+    dispatch_lua_fields(
+        TOPUP, version="current", amount="add", outstanding="outstanding", max_outstanding="max_outstanding"
+    )
+})
   return add
 end
 local current = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_VERSION_FIELD}') or '-1')
@@ -90,7 +93,9 @@ if current ~= tonumber(ARGV[1]) then return {{-1, current}} end
 # KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log
 # ARGV: version (the caller's reading of budget_version), max_outstanding
 # Returns {counted, added}, or {-1, budget_version} when a grant moved budget_version (nothing done).
-_TOPUP = _GIVE_BACK + f"""
+_TOPUP = (
+    _GIVE_BACK
+    + f"""
 local lettered = tonumber(redis.call('HGET', KEYS[4], '{DEAD_LETTERED_FIELD}') or '0')
 local n = lettered - tonumber(redis.call('HGET', KEYS[4], '{DEAD_COUNTED_FIELD}') or '0')
 if n <= 0 then return {{0, 0}} end
@@ -99,17 +104,21 @@ local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - redis.call('IN
 if current < 0 then return {{n, 0}} end
 return {{n, give_back(current, n, outstanding, tonumber(ARGV[2]))}}
 """
+)
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log
 # ARGV: version (the caller's reading of budget_version), max_outstanding, n (evicted rollouts)
 # Returns {n, added}, or {-1, budget_version} when a grant moved budget_version (nothing done).
-_EVICT = _GIVE_BACK + f"""
+_EVICT = (
+    _GIVE_BACK
+    + f"""
 local n = tonumber(ARGV[3])
 redis.call('HINCRBY', KEYS[4], '{EVICTED_EARLY_FIELD}', n)
 local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - redis.call('INCRBY', KEYS[3], n)
 if current < 0 then return {{n, 0}} end
 return {{n, give_back(current, n, outstanding, tonumber(ARGV[2]))}}
 """
+)
 
 # KEYS: trainer hash, consumed. Un-count the early-counted evictions of a crashed trainer process.
 _UNCOUNT = f"""
@@ -133,15 +142,18 @@ redis.call('DECRBY', KEYS[1], take)
 local dispatched = redis.call('INCRBY', KEYS[2], take)
 redis.call('INCRBY', KEYS[6], take)
 local outstanding = dispatched - tonumber(redis.call('GET', KEYS[3]) or '0')
-redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(TAKE, version="ARGV[1]", amount="take",
-                                                      outstanding="outstanding", producer="ARGV[3]")})
+redis.call('XADD', KEYS[5], '*', {
+    dispatch_lua_fields(TAKE, version="ARGV[1]", amount="take", outstanding="outstanding", producer="ARGV[3]")
+})
 return {{take, current}}
 """
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, producer's dispatch_log, producer's inflight counter
 # ARGV: version (the caller's reading of budget_version), max_outstanding, producer
 # Returns {released, added}, or {-1, budget_version} when a grant moved budget_version (nothing done).
-_RELEASE = _GIVE_BACK + f"""
+_RELEASE = (
+    _GIVE_BACK
+    + f"""
 local n = tonumber(redis.call('GET', KEYS[6]) or '0')
 redis.call('SET', KEYS[6], 0)
 if n <= 0 then return {{0, 0}} end
@@ -151,6 +163,7 @@ if current < 0 then return {{n, 0}} end
 local outstanding = dispatched - tonumber(redis.call('GET', KEYS[3]) or '0')
 return {{n, give_back(current, n, outstanding, tonumber(ARGV[2]))}}
 """
+)
 
 
 @dataclass(frozen=True)
@@ -173,8 +186,17 @@ def grant_budget(
     back-pressure, see the module docstring); returns (budget, outstanding)."""
     older = [keys.budget(v) for v in range(max(0, version - 8), version)]
     res: Any = r.eval(
-        _GRANT, 5 + len(older), keys.budget(version), keys.dispatched, keys.consumed, keys.trainer,
-        keys.dispatch_log, *older, version, max_outstanding, -1 if cap is None else cap,
+        _GRANT,
+        5 + len(older),
+        keys.budget(version),
+        keys.dispatched,
+        keys.consumed,
+        keys.trainer,
+        keys.dispatch_log,
+        *older,
+        version,
+        max_outstanding,
+        -1 if cap is None else cap,
     )
     return int(res[0]), int(res[1])
 
@@ -182,8 +204,17 @@ def grant_budget(
 def take_budget(r: redis.Redis, keys: Keys, version: int, want: int, producer: str) -> Take:
     """Producer side: atomically take up to `want` dispatches from `version`'s budget."""
     res: Any = r.eval(
-        _TAKE, 6, keys.budget(version), keys.dispatched, keys.consumed, keys.trainer,
-        keys.producer_dispatch_log(producer), keys.producer_inflight(producer), version, want, producer,
+        _TAKE,
+        6,
+        keys.budget(version),
+        keys.dispatched,
+        keys.consumed,
+        keys.trainer,
+        keys.producer_dispatch_log(producer),
+        keys.producer_inflight(producer),
+        version,
+        want,
+        producer,
     )
     return Take(int(res[0]), int(res[1]))
 
@@ -194,13 +225,17 @@ def mark_published(pipe: Any, keys: Keys, producer: str, count: int = 1) -> None
 
 
 def release_unpublished(r: redis.Redis, keys: Keys, producer: str, max_outstanding: int) -> int:
-    """On producer (re)start or reconnect: prompts it dispatched but never published (it crashed, or Redis went
-    away mid-dispatch) stop counting as outstanding, and the current version's budget gets their room back (a
-    top-up logged on the producer's dispatch_log, bounded like TOPUP's), else sync mode would wait forever for
-    prompts nobody may dispatch again. Returns how many were released."""
+    """On producer (re)start or reconnect: prompts it dispatched but never published (it crashed, or Redis
+    went away mid-dispatch) stop counting as outstanding, and the current version's budget gets their room
+    back (a top-up logged on the producer's dispatch_log, bounded like TOPUP's), else sync mode would wait
+    forever for prompts nobody may dispatch again. Returns how many were released."""
     released, _ = _give_back_script(
-        r, keys, _RELEASE, [keys.producer_dispatch_log(producer), keys.producer_inflight(producer)],
-        max_outstanding, producer,
+        r,
+        keys,
+        _RELEASE,
+        [keys.producer_dispatch_log(producer), keys.producer_inflight(producer)],
+        max_outstanding,
+        producer,
     )
     return released
 
@@ -238,13 +273,22 @@ def uncount_evicted(r: redis.Redis, keys: Keys) -> int:
 def _give_back_script(
     r: redis.Redis, keys: Keys, script: str, more_keys: list[str], max_outstanding: int, *args: str
 ) -> tuple[int, int]:
-    """Run TOPUP or RELEASE on the current budget version's keys (budget:v, dispatched, consumed, trainer hash,
-    then `more_keys`); again on the new version when a grant moved it in between. Returns the script's pair."""
+    """Run TOPUP or RELEASE on the current budget version's keys (budget:v, dispatched, consumed, trainer
+    hash, then `more_keys`); again on the new version when a grant moved it in between. Returns the script's
+    pair."""
     while True:
         version = current_budget(r, keys)[0]
         res: Any = r.eval(
-            script, 4 + len(more_keys), keys.budget(max(version, 0)), keys.dispatched, keys.consumed,
-            keys.trainer, *more_keys, version, max_outstanding, *args,
+            script,
+            4 + len(more_keys),
+            keys.budget(max(version, 0)),
+            keys.dispatched,
+            keys.consumed,
+            keys.trainer,
+            *more_keys,
+            version,
+            max_outstanding,
+            *args,
         )
         if int(res[0]) >= 0:
             return int(res[0]), int(res[1])
@@ -263,7 +307,10 @@ def inflight(r: redis.Redis, keys: Keys, producer: str) -> int:
 def dispatch_entries(r: redis.Redis, keys: Keys) -> list[DispatchRecord]:
     """Every grant, top-up, take and release (the trainer's log and every producer's), in id order."""
     rc: Any = r
-    streams = [keys.dispatch_log, *(text(k) for k in rc.scan_iter(match=keys.producer_pattern("dispatch_log")))]
+    streams = [
+        keys.dispatch_log,
+        *(text(k) for k in rc.scan_iter(match=keys.producer_pattern("dispatch_log"))),
+    ]
     rows = sorted(((i, f) for s in streams for i, f in iter_stream(r, s)), key=lambda row: parse_id(row[0]))
     return [decode_dispatch(f) for _, f in rows]
 

@@ -50,10 +50,14 @@ def producer_rules(keys: Keys, producer: str) -> list[str]:
     weights = k.weights(0).rsplit(":", 1)[0] + ":*"
     own = k.producer_prefix(producer) + "*"
     return [
-        *_BASE, "+multi", "+exec", "+discard",
+        *_BASE,
+        "+multi",
+        "+exec",
+        "+discard",
         f"(+xadd %W~{k.rollouts} %W~{k.stats})",
         f"(+xrevrange +xrange %R~{k.params})",
-        f"(+get %R~{weights} %R~{k.consumed} %R~{budget} %R~{k.dispatched} %R~{k.producer_pattern('inflight')})",
+        f"(+get %R~{weights} %R~{k.consumed} %R~{budget} %R~{k.dispatched} "
+        f"%R~{k.producer_pattern('inflight')})",
         f"(+exists %R~{k.setup})",
         f"(+hget %R~{k.trainer} %R~{k.archive})",
         f"(+decrby ~{budget} ~{k.dispatched})",
@@ -67,15 +71,43 @@ def acl_rules(keys: Keys, producers: Sequence[str] = ()) -> dict[str, list[str]]
     """ACL SETUSER rules (without `on`/password) for each user of a run: trainer, aggregator, admin and
     one per producer name."""
     k = keys
-    group = ["+xreadgroup", "+xack", "+xautoclaim", "+xclaim", "+xpending", "+xinfo|groups", "+xrange", "+watch"]
-    trainer = [*_BASE, "+@read", "+@write", "+@stream", "+@hash", "+@string", "+@scripting", "+@transaction",
-               "+@keyspace", "-flushall", "-flushdb", "-@dangerous", "+info", f"~{k.prefix}*"]
+    group = [
+        "+xreadgroup",
+        "+xack",
+        "+xautoclaim",
+        "+xclaim",
+        "+xpending",
+        "+xinfo|groups",
+        "+xrange",
+        "+watch",
+    ]
+    trainer = [
+        *_BASE,
+        "+@read",
+        "+@write",
+        "+@stream",
+        "+@hash",
+        "+@string",
+        "+@scripting",
+        "+@transaction",
+        "+@keyspace",
+        "-flushall",
+        "-flushdb",
+        "-@dangerous",
+        "+info",
+        f"~{k.prefix}*",
+    ]
     aggregator = [
-        *_BASE, "+multi", "+exec", "+discard", "+time",
+        *_BASE,
+        "+multi",
+        "+exec",
+        "+discard",
+        "+time",
         f"({' '.join(group)} ~{k.metrics} ~{k.stats})",
         f"(+xadd +xrange +xrevrange +xlen %RW~{k.records})",
         f"(+xadd %W~{k.dead_aggregator})",
-        "+unwatch",  # dead-lettering is WATCH + MULTI (XADD dead, XACK): no scripts, so no EVAL to freeze Redis
+        # dead-lettering is WATCH + MULTI (XADD dead, XACK): no scripts, so no EVAL to freeze Redis
+        "+unwatch",
         f"(+hget +hset +hgetall ~{k.sink_cursor})",
         f"(+hget +hmget %R~{k.trainer})",
         f"(+hget %R~{k.archive})",
@@ -103,9 +135,16 @@ def generate_passwords(secrets_dir: Path, users: Sequence[str] = ROLES) -> dict[
     return out
 
 
-def apply_acl(r: redis.Redis, keys: Keys, passwords: dict[str, str], *, producers: Sequence[str] = (),
-              disable_default: bool = True) -> None:
-    """Create/replace the users (trainer, aggregator, admin, one per producer) and switch the default user off."""
+def apply_acl(
+    r: redis.Redis,
+    keys: Keys,
+    passwords: dict[str, str],
+    *,
+    producers: Sequence[str] = (),
+    disable_default: bool = True,
+) -> None:
+    """Create/replace the users (trainer, aggregator, admin, one per producer) and switch the default user
+    off."""
     rules = acl_rules(keys, producers)
     for role, rule in rules.items():
         cmd: list[Any] = ["ACL", "SETUSER", role, "reset", "on", f">{passwords[role]}", *rule]

@@ -90,8 +90,16 @@ class RaggedBatch:
     """One group's n trajectories, unpadded (see the module docstring for each field). A plain class, not a
     dataclass: pydantic then checks a RolloutSample's batch by its type alone, and `check` is the one pass."""
 
-    __slots__ = ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "tokens", "rows", "non_tensors",
-                 "meta_info")
+    __slots__ = (
+        "prompt_ids",
+        "prompt_lens",
+        "response_ids",
+        "response_lens",
+        "tokens",
+        "rows",
+        "non_tensors",
+        "meta_info",
+    )
 
     def __init__(
         self,
@@ -130,7 +138,11 @@ class RaggedBatch:
         schema-4 decode): no second pass."""
         self = cls.__new__(cls)
         self.prompt_ids, self.prompt_lens, self.response_ids, self.response_lens = (
-            prompt_ids, prompt_lens, response_ids, response_lens)
+            prompt_ids,
+            prompt_lens,
+            response_ids,
+            response_lens,
+        )
         self.tokens, self.rows, self.non_tensors, self.meta_info = tokens, rows, non_tensors, meta_info
         return self
 
@@ -140,9 +152,11 @@ class RaggedBatch:
 
     def __repr__(self) -> str:
         """Short description: rows, token counts and the keys of each part."""
-        return (f"RaggedBatch(n={len(self)}, prompt_tokens={self.prompt_ids.size}, "
-                f"response_tokens={self.response_ids.size}, tokens={list(self.tokens)}, rows={list(self.rows)}, "
-                f"non_tensors={list(self.non_tensors)})")
+        return (
+            f"RaggedBatch(n={len(self)}, prompt_tokens={self.prompt_ids.size}, "
+            f"response_tokens={self.response_ids.size}, tokens={list(self.tokens)}, rows={list(self.rows)}, "
+            f"non_tensors={list(self.non_tensors)})"
+        )
 
     def check(self) -> None:
         """Raise ValueError naming the first field whose type or size disagrees with the lengths."""
@@ -152,7 +166,10 @@ class RaggedBatch:
         if len(plen) not in (1, n) or (n == 0 and plen):
             raise ValueError(f"prompt_lens has {len(plen)} entries, expected 1 (shared) or n={n}")
         n_resp = sum(rlen)
-        for name, ids, want in (("prompt_ids", self.prompt_ids, sum(plen)), ("response_ids", self.response_ids, n_resp)):
+        for name, ids, want in (
+            ("prompt_ids", self.prompt_ids, sum(plen)),
+            ("response_ids", self.response_ids, n_resp),
+        ):
             if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in _ID_KINDS:
                 raise ValueError(f"{name} must be a 1-d integer array, got {_describe(ids)}")
             if ids.size != want:
@@ -165,7 +182,9 @@ class RaggedBatch:
         for group, arrays in (("rows", self.rows), ("non_tensors", self.non_tensors)):
             for key, arr in arrays.items():
                 if not isinstance(arr, np.ndarray) or not arr.ndim or arr.shape[0] != n:
-                    raise ValueError(f"{group}[{key!r}] must have first dimension n={n}, got {_describe(arr)}")
+                    raise ValueError(
+                        f"{group}[{key!r}] must have first dimension n={n}, got {_describe(arr)}"
+                    )
                 if group == "rows" and arr.dtype.hasobject:
                     raise ValueError(f"rows[{key!r}] has object dtype; put it in non_tensors")
 
@@ -206,9 +225,13 @@ def from_padded(batch: DataProto) -> RaggedBatch:
         raise ValueError(f"a padded batch needs 2-d responses, got {_describe(responses)}")
     n, R = responses.shape
     ids = t.get("input_ids")
-    prompts = ids[:, : ids.shape[1] - R] if isinstance(ids, np.ndarray) and ids.ndim == 2 else t.get("prompts")
+    prompts = (
+        ids[:, : ids.shape[1] - R] if isinstance(ids, np.ndarray) and ids.ndim == 2 else t.get("prompts")
+    )
     if not isinstance(prompts, np.ndarray) or prompts.ndim != 2 or prompts.shape[0] != n:
-        raise ValueError(f"a padded batch needs input_ids or prompts with n={n} rows, got {_describe(prompts)}")
+        raise ValueError(
+            f"a padded batch needs input_ids or prompts with n={n} rows, got {_describe(prompts)}"
+        )
     P = prompts.shape[1]
     mask = t.get("attention_mask")
     if mask is None:
@@ -222,7 +245,9 @@ def from_padded(batch: DataProto) -> RaggedBatch:
         for i, (p, r) in enumerate(zip(plen.tolist(), rlen.tolist(), strict=True)):
             bits[i, P - p : P + r] = True
         if not bool((mask == bits).all()):
-            raise ValueError("attention_mask is not a left-padded prompt and a right-padded response on every row")
+            raise ValueError(
+                "attention_mask is not a left-padded prompt and a right-padded response on every row"
+            )
     pbits = np.arange(P)[None, :] >= (P - plen)[:, None]  # [n, P]
     rbits = np.arange(R)[None, :] < rlen[:, None]  # [n, R]
     id_dt = ids.dtype if isinstance(ids, np.ndarray) else prompts.dtype
@@ -242,7 +267,11 @@ def from_padded(batch: DataProto) -> RaggedBatch:
     if RESPONSE_MASK in tokens and bool((tokens[RESPONSE_MASK] == 1).all()):
         del tokens[RESPONSE_MASK]  # every attended token generated: the lengths say it
     prompt_rows = prompts[pbits]
-    if n > 1 and bool((plen == plen[0]).all()) and bool((prompt_rows.reshape(n, -1) == prompt_rows[: plen[0]]).all()):
+    if (
+        n > 1
+        and bool((plen == plen[0]).all())
+        and bool((prompt_rows.reshape(n, -1) == prompt_rows[: plen[0]]).all())
+    ):
         prompt_ids, prompt_lens = prompt_rows[: int(plen[0])], plen[:1]
     else:
         prompt_ids, prompt_lens = prompt_rows, plen
@@ -251,7 +280,10 @@ def from_padded(batch: DataProto) -> RaggedBatch:
         prompt_lens=np.ascontiguousarray(prompt_lens, dtype=np.int32),
         response_ids=np.ascontiguousarray(responses[rbits], dtype=id_dt),
         response_lens=rlen,
-        tokens=tokens, rows=rows, non_tensors=dict(batch.non_tensors), meta_info=dict(batch.meta_info),
+        tokens=tokens,
+        rows=rows,
+        non_tensors=dict(batch.non_tensors),
+        meta_info=dict(batch.meta_info),
     )
 
 
@@ -273,8 +305,9 @@ def _layout_vector(layout: dict[str, Any], name: str, size: int | None, kinds: s
     return arr
 
 
-def from_compact(layout: Any, rest: dict[str, np.ndarray], non_tensors: dict[str, np.ndarray],
-                 meta_info: dict[str, Any]) -> RaggedBatch:
+def from_compact(
+    layout: Any, rest: dict[str, np.ndarray], non_tensors: dict[str, np.ndarray], meta_info: dict[str, Any]
+) -> RaggedBatch:
     """The ragged form of a schema-2 compact batch: its layout (lengths, the prompt once or per row, the
     attended response tokens, log-probs and mask bits) is ragged already; [n, R] rest tensors
     (token_level_scores) keep their attended values, 1-d ones are per-row arrays."""
@@ -303,9 +336,15 @@ def from_compact(layout: Any, rest: dict[str, np.ndarray], non_tensors: dict[str
             raise ValueError(f"compact batch: {RESPONSE_MASK} must be [dtype, bits or nil], got {spec!r:.40}")
         bits = spec[1]
         if bits is not None:
-            if not isinstance(bits, np.ndarray) or bits.dtype != np.uint8 or bits.ndim != 1 \
-                    or bits.size != math.ceil(n_resp / 8):
-                raise ValueError(f"compact batch: {RESPONSE_MASK} bits must be {math.ceil(n_resp / 8)} uint8 bytes")
+            if (
+                not isinstance(bits, np.ndarray)
+                or bits.dtype != np.uint8
+                or bits.ndim != 1
+                or bits.size != math.ceil(n_resp / 8)
+            ):
+                raise ValueError(
+                    f"compact batch: {RESPONSE_MASK} bits must be {math.ceil(n_resp / 8)} uint8 bytes"
+                )
             tokens[RESPONSE_MASK] = np.unpackbits(bits, count=n_resp)
     if LOG_PROBS in layout:
         tokens[LOG_PROBS] = _layout_vector(layout, LOG_PROBS, n_resp, "f")
@@ -326,5 +365,13 @@ def from_compact(layout: Any, rest: dict[str, np.ndarray], non_tensors: dict[str
             rows[key] = arr
         else:
             raise ValueError(f"compact batch: tensor {key!r} of shape {list(arr.shape)} fits no row layout")
-    return RaggedBatch(prompt_ids=prompt, prompt_lens=prompt_lens, response_ids=resp, response_lens=rlen,
-                       tokens=tokens, rows=rows, non_tensors=non_tensors, meta_info=meta_info)
+    return RaggedBatch(
+        prompt_ids=prompt,
+        prompt_lens=prompt_lens,
+        response_ids=resp,
+        response_lens=rlen,
+        tokens=tokens,
+        rows=rows,
+        non_tensors=non_tensors,
+        meta_info=meta_info,
+    )

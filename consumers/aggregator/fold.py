@@ -84,7 +84,9 @@ def _newer(entry_id: str, than: str) -> bool:
 class _Step:
     """Events of one global step collected so far (each slot holds the latest entry by id)."""
 
-    updates: dict[tuple[int, int], tuple[str, StepMetrics]] = field(default_factory=dict)  # (local_step, rank)
+    updates: dict[tuple[int, int], tuple[str, StepMetrics]] = field(
+        default_factory=dict
+    )  # (local_step, rank)
     end: tuple[str, StepMetrics] | None = None
     validation: tuple[str, ValidateMetrics] | None = None
 
@@ -104,7 +106,9 @@ class _Step:
     def missing(self) -> str:
         """What the step still waits for, in words."""
         one_rank = all(r == 0 for _, r in self.updates) and (self.end is None or self.end[1].world_size == 1)
-        have: list[Any] = sorted(k for k, _ in self.updates) if one_rank else [f"{k}/r{r}" for k, r in sorted(self.updates)]
+        have: list[Any] = (
+            sorted(k for k, _ in self.updates) if one_rank else [f"{k}/r{r}" for k, r in sorted(self.updates)]
+        )
         if self.end is None:
             extra = " and a validation" if self.validation is not None else ""
             return f"missing step_end (have local updates {have}{extra})"
@@ -112,7 +116,8 @@ class _Step:
         lacking = [slot for slot in self.slots() if slot not in self.updates]
         if one_rank:
             return f"missing local updates {[i for i, _ in lacking]} of {k}"
-        return f"missing local updates {[f'{i}/r{r}' for i, r in lacking]} of {k} on each of {self.end[1].world_size} ranks"
+        each = [f"{i}/r{r}" for i, r in lacking]
+        return f"missing local updates {each} of {k} on each of {self.end[1].world_size} ranks"
 
 
 @dataclass(frozen=True)
@@ -262,7 +267,9 @@ class Fold:
         for _, ev in updates:
             metrics = ev.metrics
             if ranks > 1:  # ranks run side by side: a time is their mean, not their sum
-                metrics = {k: v / ranks if aggregation_rule(k) == "time_sum" else v for k, v in metrics.items()}
+                metrics = {
+                    k: v / ranks if aggregation_rule(k) == "time_sum" else v for k, v in metrics.items()
+                }
             agg.add_step_metrics({**metrics, **ev.counts}, ev.sample_count)
         metrics = agg.scalar_metrics()
         sources = [i for i, _ in updates]
@@ -283,13 +290,22 @@ class Fold:
         extra = sorted(set(step.updates) - set(step.slots()))
         k = step.end[1].num_local_updates if step.end is not None else 0
         if extra:
-            log.warning("step %d: local updates (local_step, rank) %s beyond num_local_updates=%d of world_size=%d "
-                        "ignored", g, extra, k, ranks)
+            log.warning(
+                "step %d: local updates (local_step, rank) %s beyond num_local_updates=%d of world_size=%d "
+                "ignored",
+                g,
+                extra,
+                k,
+                ranks,
+            )
         record = SyncStepRecord(
             global_step=g,
             num_local_updates=k,
             metrics=dict(sorted(metrics.items())),
-            counts={name: {str(k): float(c) for k, c in sorted(merged.items())} for name, merged in agg.dict_metrics().items()},
+            counts={
+                name: {str(k): float(c) for k, c in sorted(merged.items())}
+                for name, merged in agg.dict_metrics().items()
+            },
             source_ids=sorted(sources, key=id_key),
             created_at=created_at,
         )

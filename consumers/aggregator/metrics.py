@@ -218,7 +218,9 @@ class MetricsAggregator:
             if value is None:
                 continue
             sibling = staleness_weight_key(key)
-            weight = sibling_weight(metrics.get(sibling), sample_count) if sibling is not None else sample_count
+            weight = (
+                sibling_weight(metrics.get(sibling), sample_count) if sibling is not None else sample_count
+            )
             self._pairs.setdefault(key, []).append((value, float(weight)))
         self._step_count += 1
 

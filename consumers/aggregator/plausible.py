@@ -36,7 +36,8 @@ class TrainerProgress:
     def refresh(self) -> None:
         """Re-read both fields from the trainer hash (missing = 0)."""
         committed, training = retry_on_connection(
-            lambda: self.r.hmget(self.keys.trainer, COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD), "reading trainer progress"
+            lambda: self.r.hmget(self.keys.trainer, COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD),
+            "reading trainer progress",
         )
         self.committed = int(committed or 0)
         self.training = max(int(training or 0), self.committed)

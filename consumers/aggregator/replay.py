@@ -35,7 +35,9 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 def dead_lettered(r: redis.Redis, keys: Keys) -> set[tuple[str, str]]:
     """(source stream, entry id) of every entry the live workers dead-lettered from metrics or stats."""
     out = set()
-    for _, fields in chain(iter_stream(r, keys.dead_aggregator), iter_stream(r, keys.dead)):  # (dead: older runs)
+    for _, fields in chain(
+        iter_stream(r, keys.dead_aggregator), iter_stream(r, keys.dead)
+    ):  # (dead: older runs)
         try:
             ev = decode(fields)
         except DecodeError:
@@ -112,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollstream replay records", description=__doc__.splitlines()[0])
     p.add_argument("--from", dest="src", required=True, help="run name whose metrics log is replayed")
     p.add_argument("--to", dest="dst", required=True, help="new run name that receives the records")
-    p.add_argument("--redis-url", default=None, help=f"Redis URL (default ${REDIS_URL_ENV} or {DEFAULT_REDIS_URL})")
+    p.add_argument(
+        "--redis-url", default=None, help=f"Redis URL (default ${REDIS_URL_ENV} or {DEFAULT_REDIS_URL})"
+    )
     p.add_argument("--total-gpus", type=int, default=1, help="GPUs behind perf/throughput (as the live run)")
     return p
 

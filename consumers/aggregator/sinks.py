@@ -129,7 +129,8 @@ class TensorBoardSink(_CursorSink):
         self.writer = writer_cls(log_dir=str(log_dir))
 
     def write(self, step: int, metrics: dict[str, float], counts: Counts | None = None) -> None:
-        """One scalar per metric (a dict metric: one per key, `name/key`) at `step`, then advance the cursor."""
+        """One scalar per metric (a dict metric: one per key, `name/key`) at `step`, then advance the
+        cursor."""
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=step)
         for name, by_key in (counts or {}).items():
@@ -165,7 +166,8 @@ class WandbSink(_CursorSink):
 
 
 def _tensorboard_writer() -> Any:
-    """torch's SummaryWriter class, or None when tensorboard is not installed (checked before importing torch)."""
+    """torch's SummaryWriter class, or None when tensorboard is not installed (checked before importing
+    torch)."""
     if importlib.util.find_spec("tensorboard") is None:
         return None
     try:
@@ -225,7 +227,9 @@ class Sinks:
         lasts = {s.name: s.last_step() for s in self.sinks}
         start = min(lasts.values())
         writes = 0
-        for entry_id, fields in iter_stream(self.r, self.keys.records, f"({start}-1" if start >= 0 else "-", page=READ_CHUNK):
+        for entry_id, fields in iter_stream(
+            self.r, self.keys.records, f"({start}-1" if start >= 0 else "-", page=READ_CHUNK
+        ):
             try:
                 rec = decode_as(fields, SyncStepRecord)
             except DecodeError as e:

@@ -9,12 +9,12 @@ late copies). Everything else stays pending: the events of incomplete steps and 
 future record may use. A restarted aggregator re-reads its own pending entries first, in log order, so it
 rebuilds the same fold state (run one aggregator per run, under a stable name).
 
-What the fold cannot place is dead-lettered with its reason, never left pending: an event of the wrong
-kind for its stream, a value outside its domain (a non-finite metric; stats of a producer the run does
-not have, or out of range), a trainer event ahead of the trainer's progress (plausible.py), and the events of a
-step still incomplete after `aggregator.incomplete_timeout_s` that can no longer complete (the trainer
-committed past it). An incomplete step still in progress is only reported (an ERROR line and a note on
-`dead` with source `aggregator`). Replay skips what the live aggregator dead-lettered.
+What the fold cannot place is dead-lettered with its reason, never left pending: an event of the wrong kind
+for its stream, a value outside its domain (a non-finite metric; stats of a producer the run does not have, or
+out of range), a trainer event ahead of the trainer's progress (plausible.py), and the events of a step still
+incomplete after `aggregator.incomplete_timeout_s` that can no longer complete (the trainer committed past
+it). An incomplete step still in progress is only reported (an ERROR line and a note on `dead` with source
+`aggregator`). Replay skips what the live aggregator dead-lettered.
 """
 
 from __future__ import annotations
@@ -113,7 +113,9 @@ class AggregatorWorker:
         completed: list[Completed] = []
         for m in stats or []:
             if not isinstance(m.event, ProducerStats):
-                self.stats_reader.dead_letter(m.id, m.fields, f"not producer stats: a {m.event.type!r} event on stats")
+                self.stats_reader.dead_letter(
+                    m.id, m.fields, f"not producer stats: a {m.event.type!r} event on stats"
+                )
                 continue
             if (why := stats_reason(m.event, self.producers)) is not None:
                 self.stats_reader.dead_letter(m.id, m.fields, f"implausible: {why}")
@@ -121,7 +123,9 @@ class AggregatorWorker:
             completed += self.fold.feed(stats_ref(m.id), m.event)
         for m in msgs:
             if not isinstance(m.event, TRAINER_EVENTS):  # producer stats, a rollout, a record …
-                self.reader.dead_letter(m.id, m.fields, f"not a trainer event: a {m.event.type!r} event on metrics")
+                self.reader.dead_letter(
+                    m.id, m.fields, f"not a trainer event: a {m.event.type!r} event on metrics"
+                )
                 continue
             if (why := self.progress.reason(m.event) or nonfinite_reason(m.event.metrics)) is not None:
                 self.reader.dead_letter(m.id, m.fields, f"implausible: {why}")
@@ -147,7 +151,12 @@ class AggregatorWorker:
             for msgs in reader.batches(burst=True, block_ms=0):
                 out += msgs
                 # a page of the own-pending re-read is not the edge of the stream yet
-                if upto is not None and msgs and not reader.reading_own_pending and id_key(msgs[-1].id) > id_key(upto):
+                if (
+                    upto is not None
+                    and msgs
+                    and not reader.reading_own_pending
+                    and id_key(msgs[-1].id) > id_key(upto)
+                ):
                     return out, True
             if self.stop.is_set():
                 return out, upto is None
@@ -183,7 +192,11 @@ class AggregatorWorker:
                 raise res
             else:
                 self.records_written += 1
-                log.info("step %d: record written (%d local updates)", c.record.global_step, c.record.num_local_updates)
+                log.info(
+                    "step %d: record written (%d local updates)",
+                    c.record.global_step,
+                    c.record.num_local_updates,
+                )
         for res in results[len(completed) :]:
             if isinstance(res, Exception):
                 raise res
@@ -200,7 +213,9 @@ class AggregatorWorker:
             if {k.decode(): bytes(v) for k, v in existing[0][1].items()} != {
                 k: bytes(v) for k, v in encode(c.record).items()
             }:
-                log.warning("step %d: re-folded record differs from the one written earlier (kept that one)", g)
+                log.warning(
+                    "step %d: re-folded record differs from the one written earlier (kept that one)", g
+                )
             return
         reason = f"record of step {g} not written: the records stream already holds a later step"
         log.error("%s", reason)
@@ -208,7 +223,9 @@ class AggregatorWorker:
 
     def _note(self, source_id: str, reason: str, fields: Any = None) -> None:
         """A DeadLetter note on `dead` (source `aggregator`) about the metrics log; nothing is acked by it."""
-        dl = dead_letter_of(AGGREGATOR_NOTE_SOURCE, source_id, reason, {k: bytes(v) for k, v in (fields or {}).items()})
+        dl = dead_letter_of(
+            AGGREGATOR_NOTE_SOURCE, source_id, reason, {k: bytes(v) for k, v in (fields or {}).items()}
+        )
         self.r.xadd(self.keys.dead_aggregator, encode(dl))
 
     # -- timeouts -------------------------------------------------------------------------------------
@@ -244,7 +261,9 @@ class AggregatorWorker:
         """Dead-letter a held entry (metrics or stats) by its fold ref, copying its fields."""
         is_stats, entry_id = split_ref(ref)
         reader = self.stats_reader if is_stats else self.reader
-        rows = retry_on_connection(lambda: self.r.xrange(reader.stream, min=entry_id, max=entry_id), "reading entry")
+        rows = retry_on_connection(
+            lambda: self.r.xrange(reader.stream, min=entry_id, max=entry_id), "reading entry"
+        )
         reader.dead_letter(entry_id, rows[0][1] if rows else {}, reason)
 
     # -- loop -----------------------------------------------------------------------------------------

@@ -12,13 +12,13 @@ polls until it has its share; data-parallel ranks collect in rounds they agree o
 all-gather of what each took), so they start and abandon every local update together, never train one
 sample id twice, and none reads more entries than it still needs (the others would wait for what it hoards).
 
-Each sample taken gets a verdict (`verdict`): trained; evicted as a rollout failure (the producer's
-generation failed and it published the prompts with empty responses, rollout_status `rollout_failure`);
-dropped as too stale (staleness over trainer.max_off_policy_threshold, unless
-trainer.max_off_policy_strategy=train); or evicted by dynamic sampling (trainer.filter_groups.enable: every
-trajectory of its group has the same reward, so GRPO gives it no gradient). An eviction is counted as consumed at once and its room given back to the current version's
-budget (rollstream/pacing.py, EVICT), so producers refill the batch; the collector keeps reading until the
-share has enough samples to train.
+Each sample taken gets a verdict (`verdict`): trained; evicted as a rollout failure (the producer's generation
+failed and it published the prompts with empty responses, rollout_status `rollout_failure`); dropped as too
+stale (staleness over trainer.max_off_policy_threshold, unless trainer.max_off_policy_strategy=train); or
+evicted by dynamic sampling (trainer.filter_groups.enable: every trajectory of its group has the same reward,
+so GRPO gives it no gradient). An eviction is counted as consumed at once and its room given back to the
+current version's budget (rollstream/pacing.py, EVICT), so producers refill the batch; the collector keeps
+reading until the share has enough samples to train.
 """
 
 from __future__ import annotations
@@ -79,11 +79,27 @@ class Collector:
     """The trainer's rollouts buffer and the rules that fill it and take mini-batch shares from it."""
 
     def __init__(
-        self, cfg: PipelineConfig, r: redis.Redis, keys: Keys, reader: GroupReader, dp: DataParallel,
-        stop: threading.Event, burst: bool, vocab_size: int, max_seq_len: int | None,
+        self,
+        cfg: PipelineConfig,
+        r: redis.Redis,
+        keys: Keys,
+        reader: GroupReader,
+        dp: DataParallel,
+        stop: threading.Event,
+        burst: bool,
+        vocab_size: int,
+        max_seq_len: int | None,
     ) -> None:
         """Read through `reader`'s consumer loop; samples must fit the policy's vocabulary and positions."""
-        self.cfg, self.r, self.keys, self.reader, self.dp, self.stop, self.burst = cfg, r, keys, reader, dp, stop, burst
+        self.cfg, self.r, self.keys, self.reader, self.dp, self.stop, self.burst = (
+            cfg,
+            r,
+            keys,
+            reader,
+            dp,
+            stop,
+            burst,
+        )
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.share = cfg.actor.ppo_mini_batch_size // dp.world_size  # this rank's samples per local update
         self._batches: Iterator[list[Message]] = reader.batches(burst=burst)  # the shared consumer loop
@@ -97,7 +113,7 @@ class Collector:
         self.step_dead = 0  # dead-lettered rollouts since the step began
         self._own_dead = 0  # non-rollout entries we dead-lettered ourselves (not prompts)
         self._dead_seen = 0  # this process's dead-lettered rollouts when pacing last counted them
-        self._dead_checked = False  # pacing counted once since start (catching a previous process's uncounted)
+        self._dead_checked = False
 
     def heartbeat(self) -> None:
         """Write this rank's heartbeat (rank 0: `heartbeat`; with several ranks also `heartbeat:r<rank>`)."""
@@ -105,7 +121,9 @@ class Collector:
         if self.dp.active:
             fields.append(rank_heartbeat_field(self.dp.rank))
         now = time.time()
-        retry_on_connection(lambda: self.r.hset(self.keys.trainer, mapping=dict.fromkeys(fields, now)), "heartbeat")
+        retry_on_connection(
+            lambda: self.r.hset(self.keys.trainer, mapping=dict.fromkeys(fields, now)), "heartbeat"
+        )
 
     def fill(self) -> bool:
         """One pass of the consumer loop: buffer new samples, ack duplicates of seen ids, count
@@ -122,7 +140,9 @@ class Collector:
             ev = m.event
             if not isinstance(ev, RolloutSample):
                 self._own_dead += 1
-                self.reader.dead_letter(m.id, m.fields, f"not a rollout: {ev.type}", counted=False)  # no prompt
+                self.reader.dead_letter(
+                    m.id, m.fields, f"not a rollout: {ev.type}", counted=False
+                )  # no prompt
             elif ev.sample_id in self.seen or ev.sample_id in self.claimed:
                 dupes.append(m.id)  # the original is committed or still pending: safe to ack this copy
             elif (why := version_reason(ev, self.newest_published)) is not None:
@@ -144,10 +164,11 @@ class Collector:
         return True
 
     def _count_dead(self, dead: int) -> None:
-        """Have pacing count every dead-lettered rollout not counted yet (this process's `dead` so far and any a
-        previous one left uncounted) as consumed, topping the budget up by the room they freed."""
+        """Have pacing count every dead-lettered rollout not counted yet (this process's `dead` so far and any
+        a previous one left uncounted) as consumed, topping the budget up by the room they freed."""
         counted, added = retry_on_connection(
-            lambda: consume_dead(self.r, self.keys, self.cfg.max_outstanding), "counting dead")
+            lambda: consume_dead(self.r, self.keys, self.cfg.max_outstanding), "counting dead"
+        )
         if counted:
             log.info("%d dead-lettered rollouts counted as consumed: budget topped up by %d", counted, added)
         self.step_dead += dead - self._dead_seen
@@ -221,8 +242,11 @@ class Collector:
                 taken += self.take(g, short)
             ready = len(got.kept) + sum(self.verdict(m, st) is None for m, st in taken) >= want
             if self.dp.active:
-                claim = RoundClaim(ended or self.stop.is_set(), len(got.kept),
-                                   [(m.event.sample_id, self.verdict(m, st) is None) for m, st in taken])  # type: ignore[union-attr]
+                claim = RoundClaim(
+                    ended or self.stop.is_set(),
+                    len(got.kept),
+                    [(m.event.sample_id, self.verdict(m, st) is None) for m, st in taken],  # type: ignore[union-attr]
+                )
                 res = self.agree(claim, want)
                 dupes = [taken[i][0].id for i in res.duplicates]
                 if dupes:
@@ -260,5 +284,11 @@ class Collector:
             evicted += 1
         if evicted:
             n, added = retry_on_connection(
-                lambda: consume_evicted(self.r, self.keys, evicted, self.cfg.max_outstanding), "counting evicted")
-            log.info("%d samples evicted (rollout failures, zero-variance groups), budget topped up by %d", n, added)
+                lambda: consume_evicted(self.r, self.keys, evicted, self.cfg.max_outstanding),
+                "counting evicted",
+            )
+            log.info(
+                "%d samples evicted (rollout failures, zero-variance groups), budget topped up by %d",
+                n,
+                added,
+            )

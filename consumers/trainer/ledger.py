@@ -114,7 +114,9 @@ def count_consumed(r: redis.Redis, keys: Keys, ledger: StepLedger) -> None:
     if ledger.global_step > counted:
         record_consumed(pipe, keys, ledger.consumed)
         pipe.hincrby(keys.trainer, DROPPED_STALE_FIELD, ledger.dropped)
-        pipe.hset(keys.trainer, mapping={CONSUMED_STEP_FIELD: ledger.global_step, PROGRESS_AT_FIELD: time.time()})
+        pipe.hset(
+            keys.trainer, mapping={CONSUMED_STEP_FIELD: ledger.global_step, PROGRESS_AT_FIELD: time.time()}
+        )
     settle_evicted(pipe, keys, ledger, counted)
     pipe.execute()
     ledger.settled = True
@@ -150,7 +152,9 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
     if ack_ids:
         pipe.xack(keys.rollouts, TRAINER_GROUP, *ack_ids)
     record_consumed(pipe, keys, sum(lg.consumed for lg in ledgers if lg.global_step > counted))
-    pipe.hincrby(keys.trainer, DROPPED_STALE_FIELD, sum(lg.dropped for lg in ledgers if lg.global_step > counted))
+    pipe.hincrby(
+        keys.trainer, DROPPED_STALE_FIELD, sum(lg.dropped for lg in ledgers if lg.global_step > counted)
+    )
     for lg in ledgers:
         settle_evicted(pipe, keys, lg, counted)
     pipe.hset(

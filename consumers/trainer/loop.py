@@ -126,22 +126,47 @@ class Trainer:
     """One trainer process: owns the learner, the rollouts reader and the step bookkeeping."""
 
     def __init__(
-        self, cfg: PipelineConfig, r: redis.Redis, keys: Keys, name: str, stop: threading.Event, burst: bool = False,
+        self,
+        cfg: PipelineConfig,
+        r: redis.Redis,
+        keys: Keys,
+        name: str,
+        stop: threading.Event,
+        burst: bool = False,
         dp: DataParallel | None = None,
     ) -> None:
         """Build the learner and the reader (group `trainer`, consumer = worker name); `burst` exits
-        once the rollouts stream is drained; `dp` is this rank's data-parallel group (None: a world of one)."""
+        once the rollouts stream is drained; `dp` is this rank's data-parallel group (None: a world of
+        one)."""
         self.cfg, self.r, self.keys, self.stop, self.burst = cfg, r, keys, stop, burst
         self.dp = dp if dp is not None else DataParallel(RankInfo(), resolve_device(cfg.run.device))
         self.learner = Learner(cfg, self.dp)
         limits = entry_limits(cfg.bus.max_entry_bytes)
         self.reader = GroupReader(
-            r, keys.rollouts, TRAINER_GROUP, name, dead_stream=keys.dead, block_ms=cfg.bus.block_ms,
-            count=cfg.bus.read_count, claim_idle_s=cfg.bus.claim_idle_s, max_deliveries=cfg.bus.max_deliveries,
-            limits=limits, stop=stop, dead_count=(keys.trainer, DEAD_LETTERED_FIELD),
+            r,
+            keys.rollouts,
+            TRAINER_GROUP,
+            name,
+            dead_stream=keys.dead,
+            block_ms=cfg.bus.block_ms,
+            count=cfg.bus.read_count,
+            claim_idle_s=cfg.bus.claim_idle_s,
+            max_deliveries=cfg.bus.max_deliveries,
+            limits=limits,
+            stop=stop,
+            dead_count=(keys.trainer, DEAD_LETTERED_FIELD),
         )
-        self.collector = Collector(cfg, r, keys, self.reader, self.dp, stop, burst,
-                                   self.learner.policy.tokenizer.vocab_size, self.learner.policy.max_seq_len)
+        self.collector = Collector(
+            cfg,
+            r,
+            keys,
+            self.reader,
+            self.dp,
+            stop,
+            burst,
+            self.learner.policy.tokenizer.vocab_size,
+            self.learner.policy.max_seq_len,
+        )
         self.publisher = Publisher(r, nomkstream=True)
         self.janitor = Janitor.from_config(cfg, r, keys) if cfg.bus.retention and self.dp.is_main else None
         self.ckpt_dir = cfg.run_dir() / "checkpoints"
@@ -154,7 +179,9 @@ class Trainer:
         self.counters = {STALE_SAMPLES: 0, STALE_TRAJECTORIES: 0}  # cumulative, kept in the checkpoint
         self.lengths = LengthBuckets(cfg.data.max_response_length)  # this step's trained/dropped by length
         self.agreed_stop = False  # data parallel: some rank asked to stop at the last step end
-        self.pending_ids: list[list[str]] = [[] for _ in range(self.dp.world_size)]  # per rank, since the checkpoint
+        self.pending_ids: list[list[str]] = [
+            [] for _ in range(self.dp.world_size)
+        ]  # per rank, since the checkpoint
         self._own_acks: list[str] = []  # this rank's ack ids in `pending` (forgotten once committed)
 
     # -- start / resume ----------------------------------------------------------------------------
@@ -217,10 +244,12 @@ class Trainer:
         self.collector.seen = committed_sample_ids(self.r, self.keys)
         log.info("%d sample ids already committed", len(self.seen))
 
-    def _publish(self, version: int, whole: dict[str, Any] | None = None, only_if_missing: bool = False) -> float:
+    def _publish(
+        self, version: int, whole: dict[str, Any] | None = None, only_if_missing: bool = False
+    ) -> float:
         """Publish the current weights as `version` (skipped when params has it and only_if_missing; a retry
-        after a connection loss always checks, as the first attempt may have landed): from the policy's module,
-        or (fsdp) from `whole`, the weights gathered on rank 0."""
+        after a connection loss always checks, as the first attempt may have landed): from the policy's
+        module, or (fsdp) from `whole`, the weights gathered on rank 0."""
         t0 = time.perf_counter()
         module = self.learner.policy.module
         attempts = [only_if_missing]
@@ -232,8 +261,12 @@ class Trainer:
                 if latest is not None and latest.version >= version:
                     return
             bus = self.cfg.bus
-            where: dict[str, Any] = dict(inline_max_bytes=bus.weights_inline_max_bytes, file_dir=self.weights_dir,
-                                         transport=bus.weights_transport, chunk_bytes=bus.weights_chunk_bytes)
+            where: dict[str, Any] = dict(
+                inline_max_bytes=bus.weights_inline_max_bytes,
+                file_dir=self.weights_dir,
+                transport=bus.weights_transport,
+                chunk_bytes=bus.weights_chunk_bytes,
+            )
             if whole is not None:  # fsdp: the gathered copy (already a second copy: bytes are one more)
                 publish_weights(self.r, self.keys, version, state_bytes(whole), global_step=version, **where)
                 return
@@ -275,7 +308,9 @@ class Trainer:
         metrics.update({k.replace("val/", "val/recent_train_"): v for k, v in recent.items()})
         if metrics and self.dp.is_main:
             ev = ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
-            retry_on_connection(lambda: self.publisher.publish(self.keys.metrics, ev), "publishing validation")
+            retry_on_connection(
+                lambda: self.publisher.publish(self.keys.metrics, ev), "publishing validation"
+            )
             log.info("validation of version %d: %s", version, metrics)
 
     # -- reading (consumers/trainer/collect.py) ------------------------------------------------------
@@ -309,7 +344,9 @@ class Trainer:
         self.collector.step_dead = 0
         if g > self.training_step:  # before any event of step g: the aggregator places nothing beyond it
             if self.dp.is_main:  # the other ranks emit nothing of step g before rank 0's first collective
-                retry_on_connection(lambda: self.r.hset(self.keys.trainer, TRAINING_STEP_FIELD, g), "training_step")
+                retry_on_connection(
+                    lambda: self.r.hset(self.keys.trainer, TRAINING_STEP_FIELD, g), "training_step"
+                )
             self.training_step = g
         self.learner.begin_step(g)
         K = cfg.trainer.parameter_sync_step
@@ -348,21 +385,41 @@ class Trainer:
             if truth is not None and "raw_prompt" in ev.full_batch.non_tensors:
                 text = str(ev.full_batch.non_tensors["raw_prompt"][0])
                 self.recent.append(Prompt(uid=ev.sample_id, text=text, answer=str(truth[0])))
-        transport_s, self._transport_mark = (self.reader.stats.transport_s - self._transport_mark,
-                                             self.reader.stats.transport_s)
+        transport_s, self._transport_mark = (
+            self.reader.stats.transport_s - self._transport_mark,
+            self.reader.stats.transport_s,
+        )
         metrics.update(asm_metrics)
         metrics.update(dropped_metrics(got.dropped))
-        fg_metrics, fg_counts = filter_groups_metrics(got.evicted) if self.cfg.trainer.filter_groups.enable else ({}, {})
+        fg_metrics, fg_counts = (
+            filter_groups_metrics(got.evicted) if self.cfg.trainer.filter_groups.enable else ({}, {})
+        )
         metrics.update(fg_metrics)
         metrics[ROLLOUT_FAILURE_EVICTED] = float(got.failed)
         self.lengths.add(got.kept, got.dropped_lengths)
         metrics.update(staleness_metrics([st for _, st in kept]))
         metrics.update(self._count_stale(g - 1, samples, micro[0].meta_info["trajectory_param_versions"]))
-        metrics.update({"training/global_step": float(g), "timing_s/gen": t_gen, "timing_s/assemble": t_asm,
-                        "timing_s/transport": transport_s, "fully_async/total_wait_time": t_gen})
-        update = StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(kept),
-                             rank=self.dp.rank, metrics=finite_metrics(metrics), counts=fg_counts)
-        retry_on_connection(partial(self.publisher.publish, self.keys.metrics, update), "publishing local_update")
+        metrics.update(
+            {
+                "training/global_step": float(g),
+                "timing_s/gen": t_gen,
+                "timing_s/assemble": t_asm,
+                "timing_s/transport": transport_s,
+                "fully_async/total_wait_time": t_gen,
+            }
+        )
+        update = StepMetrics(
+            type="local_update",
+            global_step=g,
+            local_step=local,
+            sample_count=len(kept),
+            rank=self.dp.rank,
+            metrics=finite_metrics(metrics),
+            counts=fg_counts,
+        )
+        retry_on_connection(
+            partial(self.publisher.publish, self.keys.metrics, update), "publishing local_update"
+        )
         self.collector.heartbeat()
 
     def _gather_step(self, ledger: StepLedger) -> list[dict[str, Any]]:
@@ -370,8 +427,13 @@ class Trainer:
         janitor's over-budget flag (rank 0 has the janitor), counters and RNG state (a world of one: its own,
         nothing exchanged)."""
         over_budget = self.janitor is not None and self.janitor.over_budget
-        mine = {"dead": self.collector.step_dead, "stop": self.stop.is_set(), "counters": dict(self.counters),
-                "over_budget": over_budget, "lengths": self.lengths.to_plain()}
+        mine = {
+            "dead": self.collector.step_dead,
+            "stop": self.stop.is_set(),
+            "counters": dict(self.counters),
+            "over_budget": over_budget,
+            "lengths": self.lengths.to_plain(),
+        }
         if not self.dp.active:
             return [{**mine, "ledger": ledger}]
         mine.update({"ledger": ledger.to_plain(), "rng": rng_plain()})
@@ -400,7 +462,12 @@ class Trainer:
         skipped = sum(1 for f in merged.fates if f.fate == SKIPPED)
         lengths = LengthBuckets.merged(cfg.data.max_response_length, [rep["lengths"] for rep in reports])
         merged.step_end = StepMetrics(
-            type="step_end", global_step=g, local_step=K, sample_count=trained, num_local_updates=K, world_size=W,
+            type="step_end",
+            global_step=g,
+            local_step=K,
+            sample_count=trained,
+            num_local_updates=K,
+            world_size=W,
             metrics={
                 "training/global_step": float(g),
                 "trainer/param_version": float(g),
@@ -415,28 +482,48 @@ class Trainer:
         )
         if self.dp.active:  # the run's counters are every rank's together (each local update has its own)
             for name in self.counters:
-                merged.step_end.metrics[f"fully_async/count/{name}"] = float(sum(rep["counters"][name] for rep in reports))
+                merged.step_end.metrics[f"fully_async/count/{name}"] = float(
+                    sum(rep["counters"][name] for rep in reports)
+                )
         self.pending.append(merged)
         self.global_step = g
         due = g % cfg.trainer.save_freq == 0 or g >= cfg.trainer.total_global_steps or self.agreed_stop
-        due = due or any(rep["over_budget"] for rep in reports)  # rank 0's janitor: ack now, acked entries may leave Redis
+        due = due or any(
+            rep["over_budget"] for rep in reports
+        )  # rank 0's janitor: ack now, acked entries may leave Redis
         t0 = time.perf_counter()
         # under fsdp reading the whole weights and optimizer state is a collective: every rank takes part
         whole = self.learner.whole_weights() if self.dp.sharded else None
-        optimizer_state = self.learner.optimizer_state() if due and (self.dp.is_main or self.dp.sharded) else {}
+        optimizer_state = (
+            self.learner.optimizer_state() if due and (self.dp.is_main or self.dp.sharded) else {}
+        )
         if self.dp.is_main:
             self._finish_main(g, merged, reports, whole, optimizer_state, due, t_step, t0)
         if due:
             self.reader.forget(self._own_acks)  # acked inside rank 0's commit
             self._own_acks, self.pending = [], []
             self.pending_ids = [[] for _ in range(W)]
-        log.info("global step %d done in %.2fs (%d trained, %d dropped, %d evicted, %d skipped; %d ranks)", g,
-                 time.perf_counter() - t_step, trained, dropped, len(merged.fates) - trained - dropped - skipped,
-                 skipped, W)
+        log.info(
+            "global step %d done in %.2fs (%d trained, %d dropped, %d evicted, %d skipped; %d ranks)",
+            g,
+            time.perf_counter() - t_step,
+            trained,
+            dropped,
+            len(merged.fates) - trained - dropped - skipped,
+            skipped,
+            W,
+        )
 
     def _finish_main(
-        self, g: int, merged: StepLedger, reports: list[dict[str, Any]], whole: dict[str, Any] | None,
-        optimizer_state: dict[str, Any], due: bool, t_step: float, t0: float,
+        self,
+        g: int,
+        merged: StepLedger,
+        reports: list[dict[str, Any]],
+        whole: dict[str, Any] | None,
+        optimizer_state: dict[str, Any],
+        due: bool,
+        t_step: float,
+        t0: float,
     ) -> None:
         """Rank 0's end of step g: checkpoint (when due) / publish / commit or count, grant, retention."""
         cfg, step_end = self.cfg, merged.step_end
@@ -445,29 +532,50 @@ class Trainer:
             step_end.metrics["timing_s/step"] = time.perf_counter() - t_step
             meta: dict[str, Any] = {"param_version": g, "steps": [lg.to_plain() for lg in self.pending]}
             meta["counters"] = {name: sum(rep["counters"][name] for rep in reports) for name in self.counters}
-            if self.dp.active:  # each rank's RNG, counters and the sample ids it consumed since the last checkpoint
-                meta["ranks"] = [{"rank": r, "rng": rep["rng"], "counters": rep["counters"],
-                                  "sample_ids": self.pending_ids[r]} for r, rep in enumerate(reports)]
+            if (
+                self.dp.active
+            ):  # each rank's RNG, counters and the sample ids it consumed since the last checkpoint
+                meta["ranks"] = [
+                    {
+                        "rank": r,
+                        "rng": rep["rng"],
+                        "counters": rep["counters"],
+                        "sample_ids": self.pending_ids[r],
+                    }
+                    for r, rep in enumerate(reports)
+                ]
             weights = whole if whole is not None else self.learner.whole_weights()  # the module's own tensors
-            write_checkpoint(self.ckpt_dir, g, weights, optimizer_state, meta, keep_last=cfg.trainer.keep_checkpoints)
+            write_checkpoint(
+                self.ckpt_dir, g, weights, optimizer_state, meta, keep_last=cfg.trainer.keep_checkpoints
+            )
             t_ckpt = time.perf_counter() - t0
             t_pub = self._publish(g, whole)
             step_s = time.perf_counter() - t_step
-            step_end.metrics.update({
-                "timing_s/checkpoint": t_ckpt, "timing_s/publish": t_pub,
-                "timing_s/step": step_s, "perf/time_per_step": step_s,
-            })
-            retry_on_connection(lambda: commit_steps(self.r, self.keys, self.pending, g), f"committing step {g}")
+            step_end.metrics.update(
+                {
+                    "timing_s/checkpoint": t_ckpt,
+                    "timing_s/publish": t_pub,
+                    "timing_s/step": step_s,
+                    "perf/time_per_step": step_s,
+                }
+            )
+            retry_on_connection(
+                lambda: commit_steps(self.r, self.keys, self.pending, g), f"committing step {g}"
+            )
         else:
             t_pub = self._publish(g, whole)
             step_s = time.perf_counter() - t_step
-            step_end.metrics.update({"timing_s/publish": t_pub, "timing_s/step": step_s, "perf/time_per_step": step_s})
+            step_end.metrics.update(
+                {"timing_s/publish": t_pub, "timing_s/step": step_s, "perf/time_per_step": step_s}
+            )
             retry_on_connection(lambda: count_consumed(self.r, self.keys, merged), f"counting step {g}")
         self._grant(g)
         if self.janitor is not None:
             retry_on_connection(self.janitor.maybe_run, "retention")
 
-    def _count_stale(self, version: int, samples: list[RolloutSample], trajectory_versions: list[int]) -> dict[str, float]:
+    def _count_stale(
+        self, version: int, samples: list[RolloutSample], trajectory_versions: list[int]
+    ) -> dict[str, float]:
         """Add this update's stale samples / trajectories (older than `version`, the one being trained) to
         the run's counters; returns verl's fully_async/count metrics."""
         self.counters[STALE_SAMPLES] += sum(1 for s in samples if version - s.param_version >= 1)

@@ -51,11 +51,15 @@ def dropped_metrics(dropped_staleness: Sequence[int]) -> dict[str, float]:
     return out
 
 
-def filter_groups_metrics(evicted_rewards: Sequence[float]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+def filter_groups_metrics(
+    evicted_rewards: Sequence[float],
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """verl's `training/filter_groups/evicted_samples` (also 0) and the dict metric
     `_dapo_filtered_reward_counts` {shared reward: evicted groups} (empty when none)."""
     counts = Counter(repr(float(r)) for r in evicted_rewards)
-    dicts = {DAPO_FILTERED_REWARD_COUNTS_KEY: {k: float(v) for k, v in sorted(counts.items())}} if counts else {}
+    dicts = (
+        {DAPO_FILTERED_REWARD_COUNTS_KEY: {k: float(v) for k, v in sorted(counts.items())}} if counts else {}
+    )
     return {FG_EVICTED: float(len(evicted_rewards))}, dicts
 
 
@@ -94,8 +98,9 @@ class LengthBuckets:
         return out
 
     def share_metrics(self) -> dict[str, float]:
-        """`training/off_policy/dropped_share` = dropped / (trained + dropped) over the step (0 when none), and
-        `…/dropped_share/resp_len_q<i>` for each quarter i = 1..4 of max_response_length that had a sample."""
+        """`training/off_policy/dropped_share` = dropped / (trained + dropped) over the step (0 when none),
+        and `…/dropped_share/resp_len_q<i>` for each quarter i = 1..4 of max_response_length that had a
+        sample."""
         total = sum(self.trained) + sum(self.dropped)
         out = {DROPPED_SHARE: sum(self.dropped) / total if total else 0.0}
         for i, (t, d) in enumerate(zip(self.trained, self.dropped, strict=True), start=1):

@@ -5,12 +5,13 @@ Layout under the archive root (`bus.archive_uri`, default `<run dir>/archive`; f
     <stream>/index.json        the committed segments: file, committed bytes, entries, first and last id
     <stream>/00000001.seg …    framed records (rollstream/bus/segments.py), appended in id order
 
-`<stream>` is the key's name inside its run (`rollouts`, `fates`, `producer~rollout_00~dispatch_log`).
-Writers of a stream take turns (an flock on `<stream>/lock`). A writer appends, fsyncs the segment and its folder, then replaces index.json atomically (files.py): the
-index is the commit. Readers read the index, then each segment up to its committed length, so they never
-see a half-written record, and a writer that crashed before its commit left only bytes past the committed
-length, which the next writer truncates. Ids only grow: a writer skips entries at or below the last id
-committed, and readers skip any id not above the last one they yielded (duplicates are skipped by id).
+`<stream>` is the key's name inside its run (`rollouts`, `fates`, `producer~rollout_00~dispatch_log`). Writers
+of a stream take turns (an flock on `<stream>/lock`). A writer appends, fsyncs the segment and its folder,
+then replaces index.json atomically (files.py): the index is the commit. Readers read the index, then each
+segment up to its committed length, so they never see a half-written record, and a writer that crashed before
+its commit left only bytes past the committed length, which the next writer truncates. Ids only grow: a writer
+skips entries at or below the last id committed, and readers skip any id not above the last one they yielded
+(duplicates are skipped by id).
 """
 
 from __future__ import annotations
@@ -125,8 +126,10 @@ class Archive:
             raw = json.loads(path.read_bytes())
         except FileNotFoundError:
             if not self.root.is_dir():  # the log says it is here: reading on without it would leave a gap
-                raise ArchiveError(f"the run's archive folder {self.root} is not here (read the log on the host "
-                                   f"that holds it)") from None
+                raise ArchiveError(
+                    f"the run's archive folder {self.root} is not here (read the log on the host "
+                    f"that holds it)"
+                ) from None
             return StreamIndex(key)
         except (OSError, ValueError) as e:
             raise ArchiveError(f"cannot read {path}: {e}") from None
@@ -139,7 +142,11 @@ class Archive:
         return StreamIndex(key, segments)
 
     def entries(
-        self, key: str, index: StreamIndex | None = None, after: str | None = None, upto: str | None = None,
+        self,
+        key: str,
+        index: StreamIndex | None = None,
+        after: str | None = None,
+        upto: str | None = None,
         reverse: bool = False,
     ) -> Iterator[tuple[str, dict[Any, Any]]]:
         """(id, fields) of the committed entries of `key` with after < id <= upto (None: unbounded), in id
@@ -147,8 +154,11 @@ class Archive:
         index = self.index(key) if index is None else index
         lo = parse_id(after) if after is not None else None
         hi = parse_id(upto) if upto is not None else None
-        segments = [s for s in index.segments
-                    if (lo is None or parse_id(s.last) > lo) and (hi is None or parse_id(s.first) <= hi)]
+        segments = [
+            s
+            for s in index.segments
+            if (lo is None or parse_id(s.last) > lo) and (hi is None or parse_id(s.first) <= hi)
+        ]
         if not reverse:
             last = lo
             for seg in segments:
@@ -163,7 +173,11 @@ class Archive:
         for seg in reversed(segments):
             rows = [(parse_id(i), i, f) for i, f in self._read(key, seg)]
             for k, entry_id, fields in reversed(rows):
-                if (lo is not None and k <= lo) or (hi is not None and k > hi) or (newer is not None and k >= newer):
+                if (
+                    (lo is not None and k <= lo)
+                    or (hi is not None and k > hi)
+                    or (newer is not None and k >= newer)
+                ):
                     continue
                 newer = k
                 yield entry_id, fields

@@ -53,13 +53,13 @@ def retry_on_connection(
     on_retry: Callable[[], None] | None = None,
     timeout_s: float | None = None,
 ) -> T:
-    """The one retry policy: call fn until it gets through. A connection loss (Redis restarting, AOF
-    loading) is retried in place with jittered backoff, for as long as it takes (a second SIGTERM still
-    ends the process), or, with `stop` / `timeout_s`, until stop is set or the next attempt would pass
-    the timeout: then the last connection error is raised. A BUSY reply (a script running past Redis's
-    busy-reply-threshold, until `watch_busy_scripts` kills it) is waited out the same way. `on_retry` runs after each loss (e.g. to
-    re-read a reader's own pending entries). fn must be safe to repeat: its effect may have landed even
-    when the reply was lost."""
+    """The one retry policy: call fn until it gets through. A connection loss (Redis restarting, AOF loading)
+    is retried in place with jittered backoff, for as long as it takes (a second SIGTERM still ends the
+    process), or, with `stop` / `timeout_s`, until stop is set or the next attempt would pass the timeout:
+    then the last connection error is raised. A BUSY reply (a script running past Redis's
+    busy-reply-threshold, until `watch_busy_scripts` kills it) is waited out the same way. `on_retry` runs
+    after each loss (e.g. to re-read a reader's own pending entries). fn must be safe to repeat: its effect
+    may have landed even when the reply was lost."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     delays = backoff_delays()
     while True:
@@ -69,7 +69,9 @@ def retry_on_connection(
             if isinstance(e, redis.ResponseError) and not is_busy(e):
                 raise
             delay = next(delays)
-            if (stop is not None and stop.is_set()) or (deadline is not None and time.monotonic() + delay > deadline):
+            if (stop is not None and stop.is_set()) or (
+                deadline is not None and time.monotonic() + delay > deadline
+            ):
                 raise
             log.warning("%s failed, redis unavailable (%s); retry in %.2fs", what, e, delay)
             if on_retry is not None:
@@ -103,8 +105,10 @@ def watch_busy_scripts(r: redis.Redis, stop: threading.Event, period_s: float = 
                     r.script_kill()
                     log.error("SCRIPT KILL: a script ran past busy-reply-threshold and blocked Redis")
                 except redis.ResponseError as refused:
-                    log.error("a script blocks Redis and cannot be killed (%s): an operator must SHUTDOWN NOSAVE",
-                              refused)
+                    log.error(
+                        "a script blocks Redis and cannot be killed (%s): an operator must SHUTDOWN NOSAVE",
+                        refused,
+                    )
             except CONNECTION_ERRORS:
                 continue
 

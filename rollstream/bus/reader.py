@@ -2,12 +2,13 @@
 acks committed by the caller.
 
 Order of work in each poll: (1) our own pending entries from id 0 (at start, after a reconnect and after a
-handler failure), (2) every so often entries idle longer than claim_idle_s from other consumers
-(XAUTOCLAIM), (3) new entries (`>`). Each entry is decoded; one that fails to decode, or has been
-delivered max_deliveries times, goes to `dead` with a reason and is acked in the same MULTI. Acks happen
-after the caller's effect, in batches: through `ack`, or inside its own MULTI with the effect and then `forget` (the trainer acks only once a checkpoint covers a step; the
-aggregator acks in the transaction that writes records). Entries held unacked are kept fresh with XCLAIM
-JUSTID (which resets idle time without counting a delivery) so no one else claims them.
+handler failure), (2) every so often entries idle longer than claim_idle_s from other consumers (XAUTOCLAIM),
+(3) new entries (`>`). Each entry is decoded; one that fails to decode, or has been delivered max_deliveries
+times, goes to `dead` with a reason and is acked in the same MULTI. Acks happen after the caller's effect, in
+batches: through `ack`, or inside its own MULTI with the effect and then `forget` (the trainer acks only once
+a checkpoint covers a step; the aggregator acks in the transaction that writes records). Entries held unacked
+are kept fresh with XCLAIM JUSTID (which resets idle time without counting a delivery) so no one else claims
+them.
 
 Burst mode (tests, replays, benchmarks): the loop ends after the poll that finds the stream drained, i.e.
 a read of new entries (`>`) that returned none while not re-reading our own pending list. A connection
@@ -102,7 +103,7 @@ class GroupReader:
         dead_count: tuple[str, str] | None = None,
     ) -> None:
         self.r: Any = r  # redis-py's stubs type stream replies loosely; we parse them here
-        self.dead_count = dead_count  # (hash, field) counting dead letters atomically with them (see dead_letter)
+        self.dead_count = dead_count
         self.stream = stream
         self.group = group
         self.consumer = consumer
@@ -137,8 +138,10 @@ class GroupReader:
             except redis.ResponseError:  # no such stream
                 groups = []
             if not any(text(g["name"]) == self.group for g in groups):
-                raise RuntimeError(f"group {self.group} of {self.stream} does not exist and this user may not "
-                                   "create it: run `rollstream run` or setup_run first") from None
+                raise RuntimeError(
+                    f"group {self.group} of {self.stream} does not exist and this user may not "
+                    "create it: run `rollstream run` or setup_run first"
+                ) from None
         self._group_ready = True
 
     # -- reading -----------------------------------------------------------------------------------
@@ -160,14 +163,18 @@ class GroupReader:
             if msgs:
                 return msgs
         wait = self.block_ms if block_ms is None else block_ms
-        resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=self.count, block=wait or None)
+        resp = self.r.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=self.count, block=wait or None
+        )
         entries = resp[0][1] if resp else []
         self.drained = not entries
         return self._accept(entries, deliveries=None)
 
     def _read_pending(self) -> list[Message] | None:
         """Our own PEL from the cursor; None once it is drained (then we switch to `>`)."""
-        resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: self._pending_cursor}, count=self.count)
+        resp = self.r.xreadgroup(
+            self.group, self.consumer, {self.stream: self._pending_cursor}, count=self.count
+        )
         entries = resp[0][1] if resp else []
         entries = [(i, f) for i, f in entries if text(i) not in self._inflight]
         if not entries:
@@ -184,7 +191,12 @@ class GroupReader:
     def _claim(self) -> list[Message]:
         """XAUTOCLAIM entries idle past claim_idle_s (their consumer died or hung)."""
         resp = self.r.xautoclaim(
-            self.stream, self.group, self.consumer, self.claim_idle_ms, start_id=self._claim_cursor, count=self.count
+            self.stream,
+            self.group,
+            self.consumer,
+            self.claim_idle_ms,
+            start_id=self._claim_cursor,
+            count=self.count,
         )
         cursor, entries = text(resp[0]), resp[1]
         self._claim_cursor = cursor
@@ -209,12 +221,18 @@ class GroupReader:
         out: list[Message] = []
         for raw_id, fields in entries:
             entry_id = text(raw_id)
-            if fields is None:  # deleted while pending (a writer's own XADD MAXLEN): on record, counted like a loss
-                self.dead_letter(entry_id, {}, "deleted while pending (trimmed by a writer); its content is lost")
+            if (
+                fields is None
+            ):  # deleted while pending (a writer's own XADD MAXLEN): on record, counted like a loss
+                self.dead_letter(
+                    entry_id, {}, "deleted while pending (trimmed by a writer); its content is lost"
+                )
                 continue
             count = 1 if deliveries is None else deliveries.get(entry_id, 1)
             if count > self.max_deliveries:
-                self.dead_letter(entry_id, fields, f"delivered {count} times (max_deliveries={self.max_deliveries})")
+                self.dead_letter(
+                    entry_id, fields, f"delivered {count} times (max_deliveries={self.max_deliveries})"
+                )
                 continue
             t0 = time.perf_counter()
             try:
@@ -254,11 +272,13 @@ class GroupReader:
         self._pending_cursor = "0"
         self.drained = False
 
-    def dead_letter(self, entry_id: str, fields: Mapping[bytes, bytes], reason: str, counted: bool = True) -> None:
+    def dead_letter(
+        self, entry_id: str, fields: Mapping[bytes, bytes], reason: str, counted: bool = True
+    ) -> None:
         """Copy an entry to `dead` with a reason and ack it, atomically (one script); a connection loss is
         retried. The copy is written only if the ack found the entry pending, so a retry after a lost reply
-        writes nothing twice; with `dead_count` set, a `counted` dead letter also increments that (hash, field)
-        in the same step."""
+        writes nothing twice; with `dead_count` set, a `counted` dead letter also increments that (hash,
+        field) in the same step."""
         dl = dead_letter_of(  # the copy is bounded: an oversize entry keeps its header, sizes and digest
             self.stream,
             entry_id,
@@ -272,10 +292,14 @@ class GroupReader:
         flat = [x for name, value in body.items() for x in (name, value)]
 
         def write() -> None:
-            self.r.eval(_DEAD_LETTER, 3, self.stream, self.dead_stream, key, self.group, entry_id, field, *flat)
+            self.r.eval(
+                _DEAD_LETTER, 3, self.stream, self.dead_stream, key, self.group, entry_id, field, *flat
+            )
 
-        retry_on_connection(write if self.dead_count is not None else partial(self._dead_letter_watched, body, entry_id),
-                            f"dead-lettering {entry_id}")
+        retry_on_connection(
+            write if self.dead_count is not None else partial(self._dead_letter_watched, body, entry_id),
+            f"dead-lettering {entry_id}",
+        )
         self._inflight.discard(entry_id)
         self.stats.dead += 1
         log.error("%s: %s -> dead: %s", self.stream, entry_id, reason)
@@ -351,8 +375,9 @@ class GroupReader:
                 return []
 
         try:
-            return retry_on_connection(attempt, f"{self.consumer}: reading {self.stream}", stop=self.stop,
-                                       on_retry=self.on_reconnect)
+            return retry_on_connection(
+                attempt, f"{self.consumer}: reading {self.stream}", stop=self.stop, on_retry=self.on_reconnect
+            )
         except CONNECTION_ERRORS:
             return []
 

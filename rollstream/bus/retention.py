@@ -215,7 +215,8 @@ class Janitor:
 
     def streams(self) -> list[str]:
         """Every stream of the run that exists: the fixed ones and each producer's dispatch log."""
-        found = [text(k) for k in self.r.scan_iter(match=self.keys.producer_pattern("dispatch_log"), count=1000)]
+        logs = self.r.scan_iter(match=self.keys.producer_pattern("dispatch_log"), count=1000)
+        found = [text(k) for k in logs]
         return [s for s in [*self.keys.all_streams(), *sorted(found)] if self.r.exists(s)]
 
     def _register(self) -> None:
@@ -226,7 +227,9 @@ class Janitor:
         here = str(self.archive.root.resolve())
         recorded = self.r.hget(self.keys.archive, ARCHIVE_DIR_FIELD)
         if recorded is not None and text(recorded) != here:
-            log.error("the run already archives into %s; keeping it (bus.archive_uri says %s)", text(recorded), here)
+            log.error(
+                "the run already archives into %s; keeping it (bus.archive_uri says %s)", text(recorded), here
+            )
             self.archive = Archive(Path(text(recorded))).create()
         else:
             self.archive.create()  # before readers are pointed to it
@@ -305,23 +308,35 @@ class Janitor:
         keep = max(1, int(length * self.max_stream_bytes / used * 0.9))
         moved = self._move(stream, None, length - keep)
         log.error(
-            "%s on %s: %d bytes > bus.max_stream_bytes %d; moved the %d oldest entries to the archive, unread "
-            "ones included (a consumer group will not see those: consumers are too far behind)",
-            CAP_BIT, stream, used, self.max_stream_bytes, moved.trimmed,
+            "%s on %s: %d bytes > bus.max_stream_bytes %d; moved the %d oldest entries to the archive, "
+            "unread ones included (a consumer group will not see those: consumers are too far behind)",
+            CAP_BIT,
+            stream,
+            used,
+            self.max_stream_bytes,
+            moved.trimmed,
         )
         return moved
 
     def _log(self, res: PassResult) -> None:
         if res.archived or any(m.trimmed for m in res.moved):
             log.info(
-                "retention: archived %d entries (%s), trimmed %d, in %.0f ms; streams %s -> %s of a %s budget",
-                res.archived, _size(sum(m.archived_bytes for m in res.moved)), sum(m.trimmed for m in res.moved),
-                res.seconds * 1000, _size(res.used_before), _size(res.used_after), _size(self.budget_bytes),
+                "retention: archived %d entries (%s), trimmed %d, in %.0f ms; streams %s -> %s of a %s "
+                "budget",
+                res.archived,
+                _size(sum(m.archived_bytes for m in res.moved)),
+                sum(m.trimmed for m in res.moved),
+                res.seconds * 1000,
+                _size(res.used_before),
+                _size(res.used_after),
+                _size(self.budget_bytes),
             )
         if res.over_budget:
             log.warning(
-                "retention: unread data takes %s, over bus.redis_max_bytes %s: producers are paced to one global "
-                "step per version until consumers catch up", _size(res.used_after), _size(self.budget_bytes),
+                "retention: unread data takes %s, over bus.redis_max_bytes %s: producers are paced to one "
+                "global step per version until consumers catch up",
+                _size(res.used_after),
+                _size(self.budget_bytes),
             )
 
 

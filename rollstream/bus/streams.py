@@ -60,7 +60,9 @@ def iter_stream(
     holds, each id once: `archive=True` finds the run's archive from Redis, an Archive reads that one,
     False reads Redis alone."""
     if reverse:  # the archive is looked up only if the reader goes below what Redis holds
-        yield from _reverse(r, key, start, end, page, None if archive is True else (archive or None), lazy=archive is True)
+        yield from _reverse(
+            r, key, start, end, page, None if archive is True else (archive or None), lazy=archive is True
+        )
         return
     arc = run_archive(r, key) if archive is True else (archive or None)
     if arc is None:
@@ -76,7 +78,11 @@ def _pages(
     rows; the last page is shorter than `page`, possibly empty."""
     rc: Any = r  # redis-py's stubs type stream replies loosely
     while True:
-        raw = rc.xrevrange(key, max=hi, min=lo, count=page) if reverse else rc.xrange(key, min=lo, max=hi, count=page)
+        raw = (
+            rc.xrevrange(key, max=hi, min=lo, count=page)
+            if reverse
+            else rc.xrange(key, min=lo, max=hi, count=page)
+        )
         rows = [(text(i), f) for i, f in raw]
         yield rows
         if len(rows) < page:
@@ -92,7 +98,9 @@ def _redis(r: redis.Redis, key: str, start: str, end: str, page: int) -> Iterato
         yield from rows
 
 
-def _forward(r: redis.Redis, key: str, start: str, end: str, page: int, arc: Archive) -> Iterator[tuple[str, Any]]:
+def _forward(
+    r: redis.Redis, key: str, start: str, end: str, page: int, arc: Archive
+) -> Iterator[tuple[str, Any]]:
     """Archive then Redis. Retention archives (and commits the index) before it trims, so a Redis page read
     while the index is unchanged has no gap below it; when the index changed meanwhile, the page is
     dropped and the newly archived entries are read from the archive first."""
@@ -105,7 +113,9 @@ def _forward(r: redis.Redis, key: str, start: str, end: str, page: int, arc: Arc
         for entry_id, fields in arc.entries(key, index, after=after, upto=upto):
             last = entry_id
             yield entry_id, fields
-        floor = max((i for i in (last, index.last, _after(start)) if i is not None), key=parse_id, default=None)
+        floor = max(
+            (i for i in (last, index.last, _after(start)) if i is not None), key=parse_id, default=None
+        )
         for rows in _pages(r, key, start if floor is None else "(" + floor, end, page):
             if arc.signature(key) != sig:
                 break  # archived (maybe trimmed) meanwhile: read the archive again from `last`
