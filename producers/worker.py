@@ -168,12 +168,9 @@ class Producer:
         )
         if not retry_on_connection(lambda: self.weights.wait_initial(self.ctx.stop), "waiting for version 0"):
             return False
-        if not r.exists(
-            keys.setup
-        ):  # set by setup_run once the streams exist (the producer's ACL cannot read rollouts)
-            raise RunNotSetUpError(
-                f"stream {keys.rollouts} does not exist: run `rollstream run` or setup_run first"
-            )
+        # set by setup_run once the streams exist (the producer's ACL cannot read rollouts)
+        if not r.exists(keys.setup):
+            raise RunNotSetUpError.for_stream(keys.rollouts)
         self.counters.versions_loaded = self.weights.loads
         return True
 
@@ -416,9 +413,7 @@ class Producer:
             undo.execute()
             self.source.cursor = before
             if refused[0] is None:
-                raise RunNotSetUpError(
-                    f"stream {keys.rollouts} does not exist: run `rollstream run` or setup_run first"
-                )
+                raise RunNotSetUpError.for_stream(keys.rollouts)
             raise PublishError(
                 f"XADD to {keys.rollouts} refused ({refused[0]}); cursor and in-flight count kept"
             )

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollstream.bus import Message
+from rollstream.rl.metrics import summary_stats
 from schemas import RolloutSample
 
 DROPPED = "training/off_policy/dropped_samples"
@@ -42,13 +43,8 @@ def staleness(global_step: int, param_version: int) -> int:
 
 def dropped_metrics(dropped_staleness: Sequence[int]) -> dict[str, float]:
     """`training/off_policy/dropped_samples` (count, also 0) and `…_staleness/{mean,max,min}` when any."""
-    out: dict[str, float] = {DROPPED: float(len(dropped_staleness))}
-    if dropped_staleness:
-        values = [float(s) for s in dropped_staleness]
-        out[f"{DROPPED}_staleness/mean"] = sum(values) / len(values)
-        out[f"{DROPPED}_staleness/max"] = max(values)
-        out[f"{DROPPED}_staleness/min"] = min(values)
-    return out
+    values = [float(s) for s in dropped_staleness]
+    return {DROPPED: float(len(values)), **summary_stats(values, f"{DROPPED}_staleness")}
 
 
 def filter_groups_metrics(

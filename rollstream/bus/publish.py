@@ -14,6 +14,11 @@ from schemas import Event, encode
 class RunNotSetUpError(RuntimeError):
     """XADD NOMKSTREAM found no stream: the run was never set up (or was deleted)."""
 
+    @classmethod
+    def for_stream(cls, stream: str) -> RunNotSetUpError:
+        """The error for a write that found no `stream`, saying how to set the run up."""
+        return cls(f"stream {stream} does not exist: run `rollstream run` or setup_run first")
+
 
 def setup_run(r: redis.Redis, keys: Keys) -> None:
     """Create the run's consumed streams and their groups (idempotent), then mark the run set up."""
@@ -51,7 +56,7 @@ class Publisher:
         """XADD one event; returns its entry id."""
         new_id = self.r.xadd(stream, encode(event), id=entry_id, nomkstream=self.nomkstream)  # type: ignore[arg-type]
         if new_id is None:
-            raise RunNotSetUpError(f"stream {stream} does not exist: run `rollstream run` or setup_run first")
+            raise RunNotSetUpError.for_stream(stream)
         return text(new_id)
 
     def publish_many(self, stream: str, events: Sequence[Event]) -> list[str]:
@@ -61,5 +66,5 @@ class Publisher:
             pipe.xadd(stream, encode(ev), nomkstream=self.nomkstream)  # type: ignore[arg-type]
         ids = pipe.execute()
         if any(i is None for i in ids):
-            raise RunNotSetUpError(f"stream {stream} does not exist: run `rollstream run` or setup_run first")
+            raise RunNotSetUpError.for_stream(stream)
         return [text(i) for i in ids]
