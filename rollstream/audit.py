@@ -146,9 +146,37 @@ def destroyed_entries(r: redis.Redis, streams: list[str], held: dict[str, int]) 
 def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
     """Read rollouts, fates, dead, the trainer group's pending list, metrics and records; classify."""
     rep = AuditReport()
+    held = Counter[str]()  # entries each stream holds (Redis + archive), against what was ever added
+    entry_sample = _read_rollouts(r, keys, rep, held)
+    ends = _read_ends(r, keys, rep, held, entry_sample)
+    rep.duplicated = {sid for sid, n in ends.items() if n > 1}
+    rep.unknown = set(ends) - rep.published
+    open_ids = {entry_sample[i] for i in unacked_entry_ids(r, keys) if i in entry_sample}
+    for sid in rep.published - set(ends):
+        (rep.pending if sid in open_ids else rep.lost).add(sid)
+    _read_trainer_events(r, keys, rep, held)
+    rep.records = [parse_id(i)[0] for i, _ in iter_stream(r, keys.records)]
+    held[keys.records] = len(rep.records)
+    for stream in (keys.stats, keys.dead_aggregator):
+        held[stream] = sum(1 for _ in iter_stream(r, stream))
+    checked = [
+        keys.rollouts,
+        keys.fates,
+        keys.dead,
+        keys.dead_aggregator,
+        keys.metrics,
+        keys.records,
+        keys.stats,
+    ]
+    rep.destroyed = destroyed_entries(r, checked, dict(held))
+    return rep
+
+
+def _read_rollouts(r: redis.Redis, keys: Keys, rep: AuditReport, held: Counter[str]) -> dict[str, str]:
+    """Fill the published sample ids, duplicate entries and versions per producer; returns entry id ->
+    sample id."""
     entry_sample: dict[str, str] = {}
     per_id = Counter[str]()
-    held = Counter[str]()
     for entry_id, f in iter_stream(r, keys.rollouts):
         held[keys.rollouts] += 1
         sid = text(f.get(b"sample_id", b"entry:" + entry_id.encode()))
@@ -158,7 +186,14 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
             rep.producer_versions.setdefault(text(f.get(b"producer", b"?")), Counter())[int(version)] += 1
     rep.published = set(per_id)
     rep.duplicate_entries = sum(n - 1 for n in per_id.values())
+    return entry_sample
 
+
+def _read_ends(
+    r: redis.Redis, keys: Keys, rep: AuditReport, held: Counter[str], entry_sample: dict[str, str]
+) -> Counter[str]:
+    """Fill the fates (trained, skipped, dropped, evicted) and the dead-lettered rollouts; returns how many
+    ends each sample id has."""
     ends = Counter[str]()
     for _, f in iter_stream(r, keys.fates):
         held[keys.fates] += 1
@@ -184,13 +219,11 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
         )
         rep.dead.add(sid)
         ends[sid] += 1
-    rep.duplicated = {sid for sid, n in ends.items() if n > 1}
-    rep.unknown = set(ends) - rep.published
+    return ends
 
-    open_ids = {entry_sample[i] for i in unacked_entry_ids(r, keys) if i in entry_sample}
-    for sid in rep.published - set(ends):
-        (rep.pending if sid in open_ids else rep.lost).add(sid)
 
+def _read_trainer_events(r: redis.Redis, keys: Keys, rep: AuditReport, held: Counter[str]) -> None:
+    """Fill the completed steps and the local updates emitted more than once, from `metrics`."""
     updates = Counter[tuple[int, ...]]()
     for _, f in iter_stream(r, keys.metrics):
         held[keys.metrics] += 1
@@ -206,21 +239,6 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
             )
             updates[key] += 1
     rep.reemitted = {gk: n for gk, n in sorted(updates.items()) if n > 1}
-    rep.records = [parse_id(i)[0] for i, _ in iter_stream(r, keys.records)]
-    held[keys.records] = len(rep.records)
-    for stream in (keys.stats, keys.dead_aggregator):
-        held[stream] = sum(1 for _ in iter_stream(r, stream))
-    checked = [
-        keys.rollouts,
-        keys.fates,
-        keys.dead,
-        keys.dead_aggregator,
-        keys.metrics,
-        keys.records,
-        keys.stats,
-    ]
-    rep.destroyed = destroyed_entries(r, checked, dict(held))
-    return rep
 
 
 def _versions(counts: Counter[int]) -> str:
