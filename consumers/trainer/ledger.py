@@ -171,7 +171,14 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
     for lg in ledgers:
         if lg.step_end is not None and lg.global_step > done:
             pipe.xadd(keys.metrics, encode(lg.step_end))  # type: ignore[arg-type]
-    results = pipe.execute(raise_on_error=False)
+    _raise_commit_errors(pipe.execute(raise_on_error=False), n_fates)
+    for lg in ledgers:
+        lg.settled = True
+
+
+def _raise_commit_errors(results: list[Any], n_fates: int) -> None:
+    """Raise the commit's first error, except a fates entry already present (its first `n_fates` replies):
+    that is a replay of a commit that landed, logged and let through."""
     for res in results[:n_fates]:
         if isinstance(res, Exception):
             if "equal or smaller" not in str(res):
@@ -180,8 +187,6 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
     for res in results[n_fates:]:
         if isinstance(res, Exception):
             raise res
-    for lg in ledgers:
-        lg.settled = True
 
 
 def committed_sample_ids(r: redis.Redis, keys: Keys, page: int = 1000) -> set[str]:
