@@ -233,37 +233,11 @@ def from_padded(batch: DataProto) -> RaggedBatch:
             f"a padded batch needs input_ids or prompts with n={n} rows, got {_describe(prompts)}"
         )
     P = prompts.shape[1]
-    mask = t.get("attention_mask")
-    if mask is None:
-        plen, rlen = np.full(n, P, np.int32), np.full(n, R, np.int32)
-    else:
-        if not isinstance(mask, np.ndarray) or mask.shape != (n, P + R):
-            raise ValueError(f"attention_mask is {_describe(mask)}, expected [{n}, {P + R}]")
-        plen = np.count_nonzero(mask[:, :P], axis=1).astype(np.int32)
-        rlen = np.count_nonzero(mask[:, P:], axis=1).astype(np.int32)
-        bits = np.zeros((n, P + R), bool)
-        for i, (p, r) in enumerate(zip(plen.tolist(), rlen.tolist(), strict=True)):
-            bits[i, P - p : P + r] = True
-        if not bool((mask == bits).all()):
-            raise ValueError(
-                "attention_mask is not a left-padded prompt and a right-padded response on every row"
-            )
+    plen, rlen = _padded_lengths(t.get("attention_mask"), n, P, R)
     pbits = np.arange(P)[None, :] >= (P - plen)[:, None]  # [n, P]
     rbits = np.arange(R)[None, :] < rlen[:, None]  # [n, R]
     id_dt = ids.dtype if isinstance(ids, np.ndarray) else prompts.dtype
-    tokens: dict[str, np.ndarray] = {}
-    rows: dict[str, np.ndarray] = {}
-    for key, arr in t.items():
-        if key in ("input_ids", "attention_mask", "prompts", "responses"):
-            continue
-        if arr.ndim == 2 and arr.shape[1] == R and key != "position_ids":
-            tokens[key] = np.ascontiguousarray(arr[rbits])
-        elif arr.ndim == 2 and arr.shape[1] == P + R:
-            continue
-        elif arr.ndim == 1 or (arr.ndim >= 2 and arr.shape[1] not in (R, P + R)):
-            rows[key] = arr
-        else:
-            raise ValueError(f"tensor {key!r} of shape {list(arr.shape)} fits neither P={P} nor R={R}")
+    tokens, rows = _padded_tensors(t, rbits, P, R)
     if RESPONSE_MASK in tokens and bool((tokens[RESPONSE_MASK] == 1).all()):
         del tokens[RESPONSE_MASK]  # every attended token generated: the lengths say it
     prompt_rows = prompts[pbits]
@@ -287,6 +261,46 @@ def from_padded(batch: DataProto) -> RaggedBatch:
     )
 
 
+def _padded_lengths(mask: Any, n: int, P: int, R: int) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt lengths, response lengths) [n] int32 of a padded batch from its attention mask [n, P+R] (None:
+    nothing padded), which must be a left-padded prompt and a right-padded response on every row."""
+    if mask is None:
+        return np.full(n, P, np.int32), np.full(n, R, np.int32)
+    if not isinstance(mask, np.ndarray) or mask.shape != (n, P + R):
+        raise ValueError(f"attention_mask is {_describe(mask)}, expected [{n}, {P + R}]")
+    plen = np.count_nonzero(mask[:, :P], axis=1).astype(np.int32)
+    rlen = np.count_nonzero(mask[:, P:], axis=1).astype(np.int32)
+    bits = np.zeros((n, P + R), bool)
+    for i, (p, r) in enumerate(zip(plen.tolist(), rlen.tolist(), strict=True)):
+        bits[i, P - p : P + r] = True
+    if not bool((mask == bits).all()):
+        raise ValueError(
+            "attention_mask is not a left-padded prompt and a right-padded response on every row"
+        )
+    return plen, rlen
+
+
+def _padded_tensors(
+    t: dict[str, np.ndarray], rbits: np.ndarray, P: int, R: int
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(per-token arrays: the attended values of [n, R] tensors, per-row arrays: 1-d and other-width ones) of
+    a padded batch's tensors other than ids, mask, prompts and responses; [n, P+R] ones are dropped."""
+    tokens: dict[str, np.ndarray] = {}
+    rows: dict[str, np.ndarray] = {}
+    for key, arr in t.items():
+        if key in ("input_ids", "attention_mask", "prompts", "responses"):
+            continue
+        if arr.ndim == 2 and arr.shape[1] == R and key != "position_ids":
+            tokens[key] = np.ascontiguousarray(arr[rbits])
+        elif arr.ndim == 2 and arr.shape[1] == P + R:
+            continue
+        elif arr.ndim == 1 or (arr.ndim >= 2 and arr.shape[1] not in (R, P + R)):
+            rows[key] = arr
+        else:
+            raise ValueError(f"tensor {key!r} of shape {list(arr.shape)} fits neither P={P} nor R={R}")
+    return tokens, rows
+
+
 def _layout_int(layout: dict[str, Any], name: str, most: int) -> int:
     """An int field of a schema-2 layout within [0, most]."""
     value = layout.get(name)
@@ -303,6 +317,22 @@ def _layout_vector(layout: dict[str, Any], name: str, size: int | None, kinds: s
     if size is not None and arr.size != size:
         raise ValueError(f"compact batch: {name} has {arr.size} values, expected {size}")
     return arr
+
+
+def _compact_mask(spec: Any, n_resp: int) -> np.ndarray | None:
+    """A schema-2 layout's response mask, [dtype, bits or nil], as one 0/1 value per response token (None:
+    absent, or nil bits = every token generated)."""
+    if spec is None:
+        return None
+    if type(spec) is not list or len(spec) != 2:
+        raise ValueError(f"compact batch: {RESPONSE_MASK} must be [dtype, bits or nil], got {spec!r:.40}")
+    bits = spec[1]
+    if bits is None:
+        return None
+    size = math.ceil(n_resp / 8)
+    if not isinstance(bits, np.ndarray) or bits.dtype != np.uint8 or bits.ndim != 1 or bits.size != size:
+        raise ValueError(f"compact batch: {RESPONSE_MASK} bits must be {size} uint8 bytes")
+    return np.unpackbits(bits, count=n_resp)
 
 
 def from_compact(
@@ -330,22 +360,9 @@ def from_compact(
     prompt = _layout_vector(layout, "prompt", _total(prompt_lens), _ID_KINDS)
     resp = _layout_vector(layout, "resp", n_resp, _ID_KINDS)
     tokens: dict[str, np.ndarray] = {}
-    spec = layout.get(RESPONSE_MASK)
-    if spec is not None:
-        if type(spec) is not list or len(spec) != 2:
-            raise ValueError(f"compact batch: {RESPONSE_MASK} must be [dtype, bits or nil], got {spec!r:.40}")
-        bits = spec[1]
-        if bits is not None:
-            if (
-                not isinstance(bits, np.ndarray)
-                or bits.dtype != np.uint8
-                or bits.ndim != 1
-                or bits.size != math.ceil(n_resp / 8)
-            ):
-                raise ValueError(
-                    f"compact batch: {RESPONSE_MASK} bits must be {math.ceil(n_resp / 8)} uint8 bytes"
-                )
-            tokens[RESPONSE_MASK] = np.unpackbits(bits, count=n_resp)
+    mask = _compact_mask(layout.get(RESPONSE_MASK), n_resp)
+    if mask is not None:
+        tokens[RESPONSE_MASK] = mask
     if LOG_PROBS in layout:
         tokens[LOG_PROBS] = _layout_vector(layout, LOG_PROBS, n_resp, "f")
     rbits: np.ndarray | None = None
