@@ -33,7 +33,7 @@ import torch
 from producers.worker import Producer, set_torch_threads
 from rollstream.bus import connect, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.factory import build_policy
+from rollstream.from_config import build_policy
 from rollstream.model.hf_tiny import make_tiny_hf_model
 from rollstream.names import Keys
 from rollstream.pacing import grant_budget

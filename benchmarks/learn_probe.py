@@ -24,7 +24,7 @@ import torch
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.learner import Learner
 from rollstream.config import PipelineConfig, load_config
-from rollstream.factory import build_prompt_source, build_task
+from rollstream.from_config import build_prompt_source, build_task
 from rollstream.model import BasePolicy
 from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import Prompt, Task

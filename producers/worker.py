@@ -43,7 +43,7 @@ from producers.agent import GenerationSettings, run_agent_loop
 from producers.stats import Counters, StatsWindow, rollout_status
 from producers.weight_sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
-from rollstream.factory import build_policy, build_prompt_source, build_task
+from rollstream.from_config import build_policy, build_prompt_source, build_task
 from rollstream.model import BasePolicy
 from rollstream.names import producer_names
 from rollstream.pacing import (

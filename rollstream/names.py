@@ -11,7 +11,7 @@ TRAINER_GROUP = "trainer"
 AGGREGATOR_GROUP = "aggregator"
 
 # Fields of the `trainer` hash. The trainer writes them (its step commit, heartbeat and budget grants);
-# committed_step and training_step bound what the aggregator accepts (consumers/aggregator/plausible.py),
+# committed_step and training_step bound what the aggregator accepts (consumers/aggregator/admission.py),
 # budget_version is read by the producers' pacing script.
 GLOBAL_STEP_FIELD = "global_step"  # last committed global step
 PARAM_VERSION_FIELD = "param_version"  # the version published with that commit
@@ -99,7 +99,8 @@ class Keys:
 
     @property
     def fates(self) -> str:
-        """Stream of per-sample outcomes recorded by the trainer (schemas.plain.Fate), one entry per id."""
+        """Stream of per-sample outcomes recorded by the trainer (schemas.text_entries.Fate), one entry per
+        id."""
         return self._k("fates")
 
     def weights(self, version: int) -> str:
@@ -132,8 +133,8 @@ class Keys:
         return self.producer_prefix(producer) + "inflight"
 
     def producer_cursor(self, producer: str) -> str:
-        """String: this producer's next prompt (schemas.plain.encode_cursor; advanced with each publish,
-        resumed on restart)."""
+        """String: this producer's next prompt (schemas.text_entries.encode_cursor; advanced with each
+        publish, resumed on restart)."""
         return self.producer_prefix(producer) + "cursor"
 
     def producer_version(self, producer: str) -> str:
@@ -142,7 +143,8 @@ class Keys:
         return self.producer_prefix(producer) + "version"
 
     def producer_dispatch_log(self, producer: str) -> str:
-        """Stream: this producer's budget takes and releases (schemas.plain.DispatchRecord) for audit."""
+        """Stream: this producer's budget takes and releases (schemas.text_entries.DispatchRecord) for
+        audit."""
         return self.producer_prefix(producer) + "dispatch_log"
 
     def producer_of(self, key: str) -> str:
@@ -155,7 +157,8 @@ class Keys:
 
     @property
     def dispatch_log(self) -> str:
-        """Stream: one entry per budget grant by the trainer (schemas.plain.DispatchRecord) for audit."""
+        """Stream: one entry per budget grant by the trainer (schemas.text_entries.DispatchRecord) for
+        audit."""
         return self._k("dispatch_log")
 
     @property

@@ -50,7 +50,15 @@ from rollstream.names import (
     EVICTED_EARLY_FIELD,
     Keys,
 )
-from schemas.plain import GRANT, RELEASE, TAKE, TOPUP, DispatchRecord, decode_dispatch, dispatch_lua_fields
+from schemas.text_entries import (
+    GRANT,
+    RELEASE,
+    TAKE,
+    TOPUP,
+    DispatchRecord,
+    decode_dispatch,
+    dispatch_lua_fields,
+)
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log, budget:v-1 … (older ones to delete)
 # ARGV: version, max_outstanding, cap (-1: none)

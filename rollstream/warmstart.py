@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from rollstream.config import PipelineConfig
-from rollstream.factory import build_policy, build_prompt_source, build_task
+from rollstream.from_config import build_policy, build_prompt_source, build_task
 from rollstream.model import BasePolicy, build_batch
 from rollstream.model.chat import encode_prompt
 from rollstream.tasks import Prompt, Task

@@ -32,7 +32,8 @@ from schemas.events import (
     ValidateMetrics,
     dead_letter_of,
 )
-from schemas.plain import (
+from schemas.ragged import RaggedBatch
+from schemas.text_entries import (
     DROPPED,
     EVICTED,
     FILTER_GROUPS,
@@ -47,7 +48,6 @@ from schemas.plain import (
     encode_cursor,
     encode_fate,
 )
-from schemas.ragged import RaggedBatch
 
 __all__ = [
     "DEAD_COPY_MAX_BYTES",

@@ -31,7 +31,7 @@ from rollstream.bus.retention import KILL_BEFORE_TRIM_ENV
 from rollstream.names import COMMITTED_STEP_FIELD, Keys
 from rollstream.ops.replay_copy import consumed_entry_ids, copy_steps
 from rollstream.pacing import dispatch_entries
-from schemas.plain import GRANT
+from schemas.text_entries import GRANT
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10

@@ -19,8 +19,8 @@ from producers.worker import Producer
 from rollstream.bus import connect, setup_run
 from rollstream.cli.main import main as cli_main
 from rollstream.config import PipelineConfig, load_config
-from rollstream.factory import build_policy
 from rollstream.fakes import fake_rollout_sample
+from rollstream.from_config import build_policy
 from rollstream.names import Keys
 from rollstream.pacing import grant_budget
 from rollstream.weights import latest_param_version, publish_weights

@@ -29,8 +29,8 @@ from rollstream.audit import audit_run
 from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection, setup_run
 from rollstream.bus.connection import watch_busy_scripts
 from rollstream.config import load_config
-from rollstream.factory import build_policy
 from rollstream.fakes import fake_metrics_log, fake_rollout_sample, publish_log
+from rollstream.from_config import build_policy
 from rollstream.names import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import WorkerHealth
 from rollstream.ops.status import collect_status

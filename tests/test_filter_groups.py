@@ -26,7 +26,7 @@ from rollstream.pacing import (
     uncount_evicted,
 )
 from schemas import EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, TRAINED, Fate, StepMetrics, decode, decode_fate
-from schemas.plain import TOPUP
+from schemas.text_entries import TOPUP
 
 
 def test_zero_variance_groups_are_evicted_refilled_and_accounted(

@@ -29,8 +29,8 @@ from producers.weight_sync import WeightSync
 from rollstream import fakes
 from rollstream.bus import Publisher, setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.factory import build_policy
 from rollstream.fakes import fake_rollout_sample
+from rollstream.from_config import build_policy
 from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.weights import latest_param_version, publish_weights
 from schemas import EVENT_MODELS, DeadLetter, decode, decode_payload, encode, encode_payload

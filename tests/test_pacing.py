@@ -22,7 +22,7 @@ from rollstream.pacing import (
     take_budget,
 )
 from schemas import DispatchRecord
-from schemas.plain import TOPUP
+from schemas.text_entries import TOPUP
 
 
 def dead(r: redis.Redis, keys: Keys, total: int, max_outstanding: int) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from producers.weight_sync import WeightSync
 from producers.worker import Producer, producer_seed
 from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.factory import build_policy, build_prompt_source
+from rollstream.from_config import build_policy, build_prompt_source
 from rollstream.model import CharTokenizer, Completion, build_batch
 from rollstream.names import DEAD_LETTERED_FIELD, DROPPED_STALE_FIELD, Keys
 from rollstream.pacing import (
@@ -36,7 +36,7 @@ from rollstream.tasks import calculate
 from rollstream.weights import producer_versions, publish_weights
 from rollstream.worker import EXIT_OK, WorkerContext
 from schemas import DispatchRecord, ProducerStats, RolloutSample, decode
-from schemas.plain import GRANT, RELEASE, TAKE, TOPUP
+from schemas.text_entries import GRANT, RELEASE, TAKE, TOPUP
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipeline.yaml"

@@ -25,15 +25,15 @@ from rollstream import fakes
 from rollstream.audit import audit_run
 from rollstream.bus import setup_run
 from rollstream.config import load_config
-from rollstream.factory import build_policy
 from rollstream.fakes import fake_rollout_sample
+from rollstream.from_config import build_policy
 from rollstream.names import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
 from rollstream.ops.plan import LATENCY_PRODUCER_MODULE, WORKER_STOPWAIT_S
 from rollstream.pacing import dispatch_entries, grant_budget, inflight
 from rollstream.weights import publish_weights
 from rollstream.worker import EXIT_FORCED, EXIT_OK, freeze_startup_heap
 from schemas import StepMetrics, decode, encode
-from schemas.plain import TAKE
+from schemas.text_entries import TAKE
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32"]

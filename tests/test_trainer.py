@@ -40,7 +40,7 @@ from schemas import (
     encode,
     encode_payload,
 )
-from schemas.plain import GRANT, TAKE, TOPUP
+from schemas.text_entries import GRANT, TAKE, TOPUP
 
 ROOT = Path(__file__).resolve().parent.parent
 TBS = 4

@@ -29,7 +29,7 @@ from consumers.trainer.distributed import (
     consumer_name,
 )
 from consumers.trainer.learner import Learner
-from consumers.trainer.ranks import RoundClaim, rank_info, resolve_round
+from consumers.trainer.rank_agreement import RoundClaim, rank_info, resolve_round
 from rollstream.config import load_config
 from rollstream.fakes import fake_rollout_sample
 from rollstream.rl import agg_loss

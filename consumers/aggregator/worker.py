@@ -11,7 +11,7 @@ rebuilds the same fold state (run one aggregator per run, under a stable name).
 
 What the fold cannot place is dead-lettered with its reason, never left pending: an event of the wrong kind
 for its stream, a value outside its domain (a non-finite metric; stats of a producer the run does not have, or
-out of range), a trainer event ahead of the trainer's progress (plausible.py), and the events of a step still
+out of range), a trainer event ahead of the trainer's progress (admission.py), and the events of a step still
 incomplete after `aggregator.incomplete_timeout_s` that can no longer complete (the trainer committed past
 it). An incomplete step still in progress is only reported (an ERROR line and a note on `dead` with source
 `aggregator`). Replay skips what the live aggregator dead-lettered.
@@ -26,8 +26,8 @@ from typing import Any
 
 import redis
 
+from consumers.aggregator.admission import TrainerProgress, nonfinite_reason, stats_reason
 from consumers.aggregator.fold import Completed, Fold, id_key, split_ref, stats_ref
-from consumers.aggregator.plausible import TrainerProgress, nonfinite_reason, stats_reason
 from consumers.aggregator.sinks import Sinks, build_sinks
 from rollstream.bus import (
     CONNECTION_ERRORS,

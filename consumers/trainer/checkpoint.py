@@ -18,7 +18,8 @@ same (the file's rng/* tensors are rank 0's).
 The metadata layout is versioned like the wire schema (schemas/upgrades.py): a file written by an older
 version is upgraded one version at a time on load, so a trainer resumes from any older checkpoint.
   1  (no meta_version key) a fate is {sample_id, entry_id, fate, staleness, param_version}
-  2  a fate is a schemas.plain.Fate, as on the `fates` stream (entry_id renamed source_id, global_step added)
+  2  a fate is a schemas.text_entries.Fate, as on the `fates` stream (entry_id renamed source_id,
+     global_step added)
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def _optim_state(tensors: dict[str, torch.Tensor], groups: list[dict[str, Any]])
 
 
 def _meta_1_to_2(meta: dict[str, Any]) -> dict[str, Any]:
-    """Fates become schemas.plain.Fate: entry_id -> source_id, plus their step's global_step."""
+    """Fates become schemas.text_entries.Fate: entry_id -> source_id, plus their step's global_step."""
     for step in meta.get("steps", []):
         for fate in step.get("fates", []):
             fate["source_id"] = fate.pop("entry_id")

@@ -2,15 +2,15 @@
 usable samples -> this rank's share of a mini-batch (stale ones dropped and recorded).
 
 A `Collector` is the trainer's reading half: it owns the rollouts buffer, the sample ids already seen
-(committed, buffered, or, with several ranks, claimed by any rank: consumers/trainer/ranks.py) and the
-count of dead-lettered rollouts. Its reader counts each dead letter in the trainer hash in the same script
+(committed, buffered, or, with several ranks, claimed by any rank: consumers/trainer/rank_agreement.py) and
+the count of dead-lettered rollouts. Its reader counts each dead letter in the trainer hash in the same script
 that acks it; the Collector then has pacing count them as consumed (at its first pass, which catches a
-previous process's uncounted ones, and after each pass that dead-lettered any), which gives their room back
-to the current version's budget (rollstream/pacing.py, TOPUP), so producers replace them before the next
-version (else sync mode, whose window is one global batch, would wait forever for them). A world of one
-polls until it has its share; data-parallel ranks collect in rounds they agree on (one poll each, then an
-all-gather of what each took), so they start and abandon every local update together, never train one
-sample id twice, and none reads more entries than it still needs (the others would wait for what it hoards).
+previous process's uncounted ones, and after each pass that dead-lettered any), which gives their room back to
+the current version's budget (rollstream/pacing.py, TOPUP), so producers replace them before the next version
+(else sync mode, whose window is one global batch, would wait forever for them). A world of one polls until it
+has its share; data-parallel ranks collect in rounds they agree on (one poll each, then an all-gather of what
+each took), so they start and abandon every local update together, never train one sample id twice, and none
+reads more entries than it still needs (the others would wait for what it hoards).
 
 Each sample taken gets a verdict (`verdict`): trained; evicted as a rollout failure (the producer's generation
 failed and it published the prompts with empty responses, rollout_status `rollout_failure`); dropped as too
@@ -38,7 +38,7 @@ import redis
 from consumers.trainer.distributed import DataParallel
 from consumers.trainer.guard import unusable_reason, value_reason, version_reason
 from consumers.trainer.ledger import StepLedger
-from consumers.trainer.ranks import RoundClaim, RoundResult, resolve_round
+from consumers.trainer.rank_agreement import RoundClaim, RoundResult, resolve_round
 from consumers.trainer.staleness import mean_response_length, staleness
 from rollstream.bus import GroupReader, Message, retry_on_connection
 from rollstream.config import PipelineConfig
@@ -105,7 +105,8 @@ class Collector:
         self._batches: Iterator[list[Message]] = reader.batches(burst=burst)  # the shared consumer loop
         self.buffer: deque[Message] = deque()  # decoded, deduplicated, not yet used
         self.seen: set[str] = set()  # sample ids committed, in uncommitted ledgers, or buffered
-        self.claimed: set[str] = set()  # data parallel: sample ids any rank took since the start (ranks.py)
+        # data parallel: sample ids any rank took since the start (rank_agreement.py)
+        self.claimed: set[str] = set()
         # newest version on `params`: after a restart from an older checkpoint, versions published past it
         # (by steps the crash abandoned) exist and producers may have stamped samples with them
         self.newest_published = 0
@@ -223,7 +224,8 @@ class Collector:
         return out
 
     def agree(self, claim: RoundClaim, want: int) -> RoundResult:
-        """Exchange one collection round's claims with the other ranks and resolve them (ranks.py)."""
+        """Exchange one collection round's claims with the other ranks and resolve them
+        (rank_agreement.py)."""
         claims = [RoundClaim.from_plain(d) for d in self.dp.all_gather_plain(claim.to_plain())]
         return resolve_round(claims, self.claimed, want, self.dp.rank)
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from consumers.trainer.ranks import RankInfo, consumer_name, rank_info
+from consumers.trainer.rank_agreement import RankInfo, consumer_name, rank_info
 from schemas import decode_payload, encode_payload
 
 __all__ = [

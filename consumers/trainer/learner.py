@@ -36,7 +36,7 @@ import torch
 
 from consumers.trainer.distributed import DataParallel, RankInfo
 from rollstream.config import PipelineConfig
-from rollstream.factory import build_policy
+from rollstream.from_config import build_policy
 from rollstream.model import BasePolicy
 from rollstream.model.base import resolve_device
 from rollstream.rl import (

@@ -5,7 +5,7 @@ to ack (including redelivered duplicates) and the step's `step_end` event. Ledge
 the previous checkpoint are stored in the checkpoint, and committed only once that file is durable:
 
   MULTI
-    XADD fates <g>-<i> …   one entry per consumed sample (schemas.plain.Fate); an explicit id makes a
+    XADD fates <g>-<i> …   one entry per consumed sample (schemas.text_entries.Fate); an explicit id makes a
                            replay fail harmlessly
     XACK rollouts trainer …
     INCRBY consumed …      only for steps not already counted (see count_consumed), and

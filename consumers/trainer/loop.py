@@ -48,7 +48,7 @@ runs inside a retried call (a repeat on one rank would pair it with the wrong co
 Data parallel (`trainer.nproc_per_node` / `nnodes` > 1, under torchrun; consumers/trainer/distributed.py):
 every rank runs this loop on its own reader (consumer `trainer-r<rank>` of the `trainer` group) and
 trains `ppo_mini_batch_size / world_size` samples per local update (so `train_batch_size / world_size`
-per global step), collected in agreed rounds (consumers/trainer/ranks.py: same step, same stop, no
+per global step), collected in agreed rounds (consumers/trainer/rank_agreement.py: same step, same stop, no
 sample id on two ranks); DDP averages the gradients. Each rank emits its own `local_update` (with its
 rank and sample_count). At the end of a step the ranks all-gather their ledgers, RNG states, counters
 and stop flags; rank 0 alone evaluates (all ranks under fsdp), writes the checkpoint (weights and
@@ -98,7 +98,7 @@ from rollstream.bus import (
     setup_run,
 )
 from rollstream.config import PipelineConfig
-from rollstream.factory import build_prompt_source, build_task
+from rollstream.from_config import build_prompt_source, build_task
 from rollstream.model.base import resolve_device
 from rollstream.names import (
     DEAD_LETTERED_FIELD,

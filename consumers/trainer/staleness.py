@@ -20,7 +20,7 @@ from rollstream.bus import Message
 from rollstream.rl.metrics import summary_stats
 from schemas import RolloutSample
 
-DROPPED = "training/off_policy/dropped_samples"
+DROPPED_SAMPLES = "training/off_policy/dropped_samples"  # the metric (schemas.DROPPED is the fate)
 DROPPED_SHARE = "training/off_policy/dropped_share"
 BUCKETS = 4  # quarters of data.max_response_length
 FG_EVICTED = "training/filter_groups/evicted_samples"
@@ -44,7 +44,7 @@ def staleness(global_step: int, param_version: int) -> int:
 def dropped_metrics(dropped_staleness: Sequence[int]) -> dict[str, float]:
     """`training/off_policy/dropped_samples` (count, also 0) and `…_staleness/{mean,max,min}` when any."""
     values = [float(s) for s in dropped_staleness]
-    return {DROPPED: float(len(values)), **summary_stats(values, f"{DROPPED}_staleness")}
+    return {DROPPED_SAMPLES: float(len(values)), **summary_stats(values, f"{DROPPED_SAMPLES}_staleness")}
 
 
 def filter_groups_metrics(

@@ -1,5 +1,5 @@
-"""The plain-text entries of the wire contract (schemas/plain.py): fates, dispatch logs and producer cursors
-read back from real Redis as they were written, and malformed ones refused with a reason."""
+"""The plain-text entries of the wire contract (schemas/text_entries.py): fates, dispatch logs and producer
+cursors read back from real Redis as they were written, and malformed ones refused with a reason."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from schemas import (
     encode_cursor,
     encode_fate,
 )
-from schemas.plain import GRANT, dispatch_lua_fields
+from schemas.text_entries import GRANT, dispatch_lua_fields
 
 
 def test_a_fate_reads_back_as_written(r: redis.Redis, keys: Keys) -> None:
