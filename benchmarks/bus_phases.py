@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from benchmarks.bus import (
+from benchmarks.bus_trials import (
     CONSUMER,
     Settings,
     _batches,

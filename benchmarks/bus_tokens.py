@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from benchmarks.bus import (
+from benchmarks.bus_trials import (
     VOCAB,
     MiB,
     Settings,

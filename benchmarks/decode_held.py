@@ -3,12 +3,12 @@
 
     rollstream bench decode_held [--sizes 256K,4M] [--batch 15] [--batches 100] [--reps 3] [--json]
 
-Per size, one fake sample (benchmarks.bus.make_sample: n = 4, calibrated to the size on the wire) is encoded
-once; a fresh interpreter then decodes `--batches` batches of `--batch` copies of its entry, each batch
-replacing the last, so every decode allocates while the previous batch is held. "tuned" calls
-`rollstream.worker.tune_allocator()` first, as every worker does at start; "plain" keeps glibc's defaults.
-The two modes alternate over --reps fresh interpreters; the table gives medians of the per-batch µs per sample
-and the minor page faults per sample, and plain ÷ tuned. No Redis is involved: this is the decode alone.
+Per size, one fake sample (benchmarks.bus_trials.make_sample: n = 4, calibrated to the size on the wire) is
+encoded once; a fresh interpreter then decodes `--batches` batches of `--batch` copies of its entry, each
+batch replacing the last, so every decode allocates while the previous batch is held. "tuned" calls
+`rollstream.worker.tune_allocator()` first, as every worker does at start; "plain" keeps glibc's defaults. The
+two modes alternate over --reps fresh interpreters; the table gives medians of the per-batch µs per sample and
+the minor page faults per sample, and plain ÷ tuned. No Redis is involved: this is the decode alone.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.bus import human_size, parse_size
+from benchmarks.bus_trials import human_size, parse_size
 
 PROBE = """
 import json, resource, statistics, sys, time
 from rollstream.worker import tune_allocator
 if sys.argv[1] == "tuned":
     tune_allocator()
-from benchmarks.bus import make_sample
+from benchmarks.bus_trials import make_sample
 from schemas import decode, encode
 size, batch, batches = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 fields = {k.encode(): bytes(v) for k, v in encode(make_sample(size)).items()}  # as redis-py returns them
