@@ -187,7 +187,8 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
     def collector() -> Collector:
         reader = GroupReader(r, keys.rollouts, TRAINER_GROUP, "trainer", dead_stream=keys.dead, block_ms=10,
                              dead_count=(keys.trainer, DEAD_LETTERED_FIELD))  # as the Trainer builds it
-        return Collector(cfg, r, keys, reader, dp, threading.Event(), False, 1000, 64)  # type: ignore[arg-type]
+        return Collector(cfg, r, keys, reader, dp, threading.Event(), False, 1000, 64,  # type: ignore[arg-type]
+                         lambda: None)
 
     first = collector()
     first.reader.poll(0)  # the corrupt entry is dead-lettered inside the read...

@@ -415,15 +415,13 @@ def test_trainer_waits_for_num_warmup_batches_before_its_first_update(
 
 
 def test_stale_counts_follow_verl() -> None:
-    from types import SimpleNamespace
-
-    from consumers.trainer.loop import Trainer
+    from consumers.trainer.staleness import count_stale
     from rollstream.fakes import fake_rollout_sample
 
-    holder = SimpleNamespace(counters={"stale_samples_processed": 5, "stale_trajectory_processed": 1})
+    counters = {"stale_samples_processed": 5, "stale_trajectory_processed": 1}
     samples = [fake_rollout_sample("a", param_version=3, n=2), fake_rollout_sample("b", param_version=4, n=2)]
     # training version 4: sample a (v3) is stale; trajectories ending at 2 and 3 are, 4 and 5 are not
-    out = Trainer._count_stale(holder, 4, samples, [2, 3, 4, 5])  # type: ignore[arg-type]
+    out = count_stale(counters, 4, samples, [2, 3, 4, 5])
     assert out == {
         "fully_async/count/stale_samples_processed": 6.0,
         "fully_async/count/stale_trajectory_processed": 3.0,

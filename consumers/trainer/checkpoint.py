@@ -36,6 +36,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save_file
 
+from consumers.trainer.distributed import DataParallel
+from consumers.trainer.learner import Learner
 from rollstream.files import atomic_write, private_dir
 from rollstream.model import BasePolicy
 from rollstream.weights_io import load_tensors_into, unique_state
@@ -270,3 +272,29 @@ def copy_checkpoint(src_dir: Path, dst_dir: Path, global_step: int) -> Path:
     dst = checkpoint_path(dst_dir, global_step)
     shutil.copy2(src, dst)  # keeps the file mode
     return dst
+
+
+
+def restore_newest(
+    ckpt_dir: Path, dp: DataParallel, learner: Learner, counters: dict[str, int]
+) -> dict[str, Any] | None:
+    """Restore the newest checkpoint into `learner` (and this rank's RNG) and this rank's `counters`; its
+    metadata, None when there is none. Rank 0 reads the file and broadcasts its bytes (other hosts need no
+    shared folder)."""
+    found = list_checkpoints(ckpt_dir) if dp.is_main else []
+    data = dp.broadcast_bytes(found[-1][1].read_bytes() if found else None)
+    if not data:
+        return None
+    weights, optimizer_state, meta = read_checkpoint(data, dp.rank, dp.world_size)
+    learner.load_checkpoint_state(weights, optimizer_state)
+    counters.update({k: int(v) for k, v in rank_counters(meta, dp).items() if k in counters})
+    return meta
+
+
+def rank_counters(meta: dict[str, Any], dp: DataParallel) -> dict[str, Any]:
+    """This rank's counters in a checkpoint's metadata: its own when the checkpoint has one entry per rank
+    of this world; otherwise (another world size, or a world of one) the totals go to rank 0."""
+    ranks = meta.get("ranks") or []
+    if len(ranks) == dp.world_size:
+        return dict(ranks[dp.rank].get("counters", {}))
+    return dict(meta.get("counters", {})) if dp.is_main else {}

@@ -19,15 +19,28 @@ evicted by dynamic sampling (trainer.filter_groups.enable: every trajectory of i
 so GRPO gives it no gradient). An eviction is counted as consumed at once and its room given back to the
 current version's budget (rollstream/pacing.py, EVICT), so producers refill the batch; the collector keeps
 reading until the share has enough samples to train.
+
+Transport (`timing_s/transport` of a local update, `transport_since_last`: the reader's `transport_s` since
+the last one): time moving rollouts out of Redis and decoding them, not time waiting for producers. A poll of
+the consumer loop that returns entries without blocking counts in full; when none are ready the loop waits in
+a blocking poll, and of that poll only the decoding counts (the reply of a blocked read carries the few
+entries that woke it; its transfer is not separable from the wait).
+
+Warmup (`trainer.num_warmup_batches`, as in verl): before the run's first update (global step 1) the
+trainer waits until that many mini-batches of samples have arrived.
+
+Burst (`--burst`, used by `rollstream replay trainer`): the shared consumer loop's burst rule; once the
+rollouts stream is drained (a read of new entries found none) and the buffer is empty, the trainer
+abandons the step it is in, unacked, and exits 0, so a replay on a copied range ends when its samples are
+used up.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -40,14 +53,35 @@ from consumers.trainer.guard import unusable_reason, value_reason, version_reaso
 from consumers.trainer.ledger import StepLedger
 from consumers.trainer.rank_agreement import RoundClaim, RoundResult, resolve_round
 from consumers.trainer.staleness import mean_response_length, staleness
-from rollstream.bus import GroupReader, Message, retry_on_connection
+from rollstream.bus import GroupReader, Message, entry_limits, retry_on_connection
 from rollstream.config import PipelineConfig
-from rollstream.names import HEARTBEAT_FIELD, Keys, rank_heartbeat_field
+from rollstream.names import DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
 from rollstream.pacing import consume_dead, consume_evicted
 from rollstream.tasks import REWARD_RANGE
 from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, Fate, RolloutSample
 
 log = logging.getLogger(__name__)
+
+
+def rollouts_reader(
+    cfg: PipelineConfig, r: redis.Redis, keys: Keys, name: str, stop: threading.Event
+) -> GroupReader:
+    """The trainer's reader of `rollouts`: group `trainer`, consumer `name`; it counts each dead letter in
+    the trainer hash."""
+    return GroupReader(
+        r,
+        keys.rollouts,
+        TRAINER_GROUP,
+        name,
+        dead_stream=keys.dead,
+        block_ms=cfg.bus.block_ms,
+        count=cfg.bus.read_count,
+        claim_idle_s=cfg.bus.claim_idle_s,
+        max_deliveries=cfg.bus.max_deliveries,
+        limits=entry_limits(cfg.bus.max_entry_bytes),
+        stop=stop,
+        dead_count=(keys.trainer, DEAD_LETTERED_FIELD),
+    )
 
 
 def failed(ev: RolloutSample) -> bool:
@@ -89,8 +123,10 @@ class Collector:
         burst: bool,
         vocab_size: int,
         max_seq_len: int | None,
+        heartbeat: Callable[[], None],
     ) -> None:
-        """Read through `reader`'s consumer loop; samples must fit the policy's vocabulary and positions."""
+        """Read through `reader`'s consumer loop; samples must fit the policy's vocabulary and positions;
+        `heartbeat` writes this rank's heartbeat (TrainerEffects.heartbeat) after each pass."""
         self.cfg, self.r, self.keys, self.reader, self.dp, self.stop, self.burst = (
             cfg,
             r,
@@ -100,7 +136,7 @@ class Collector:
             stop,
             burst,
         )
-        self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
+        self.vocab_size, self.max_seq_len, self.heartbeat = vocab_size, max_seq_len, heartbeat
         self.share = cfg.actor.ppo_mini_batch_size // dp.world_size  # this rank's samples per local update
         self._batches: Iterator[list[Message]] = reader.batches(burst=burst)  # the shared consumer loop
         self.buffer: deque[Message] = deque()  # decoded, deduplicated, not yet used
@@ -115,16 +151,13 @@ class Collector:
         self._own_dead = 0  # non-rollout entries we dead-lettered ourselves (not prompts)
         self._dead_seen = 0  # this process's dead-lettered rollouts when pacing last counted them
         self._dead_checked = False
+        self._transport_mark = 0.0  # the reader's transport_s at the last transport_since_last
 
-    def heartbeat(self) -> None:
-        """Write this rank's heartbeat (rank 0: `heartbeat`; with several ranks also `heartbeat:r<rank>`)."""
-        fields = [HEARTBEAT_FIELD] if self.dp.is_main else []
-        if self.dp.active:
-            fields.append(rank_heartbeat_field(self.dp.rank))
-        now = time.time()
-        retry_on_connection(
-            lambda: self.r.hset(self.keys.trainer, mapping=dict.fromkeys(fields, now)), "heartbeat"
-        )
+    def transport_since_last(self) -> float:
+        """The reader's transport seconds since the last call (a local update's `timing_s/transport`)."""
+        total = self.reader.stats.transport_s
+        since, self._transport_mark = total - self._transport_mark, total
+        return since
 
     def fill(self) -> bool:
         """One pass of the consumer loop: buffer new samples, ack duplicates of seen ids, count

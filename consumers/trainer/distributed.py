@@ -360,11 +360,16 @@ class DataParallel:
         return out
 
     def all_gather_plain(self, value: Any) -> list[Any]:
-        """Every rank's msgpack-able value (dicts, lists, str, numbers, bytes), in rank order."""
+        """Every rank's msgpack-able value (dicts, lists, str, numbers, bytes), in rank order (a world of one:
+        its own value)."""
+        if not self.active:
+            return [value]
         return [decode_payload(b) for b in self.all_gather_bytes(encode_payload(value))]
 
     def broadcast_plain(self, value: Any, src: int = 0) -> Any:
-        """Rank `src`'s msgpack-able value on every rank."""
+        """Rank `src`'s msgpack-able value on every rank (a world of one: its own value)."""
+        if not self.active:
+            return value
         return decode_payload(self.broadcast_bytes(encode_payload(value) if self.rank == src else None, src))
 
     def barrier(self) -> None:

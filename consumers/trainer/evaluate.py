@@ -6,9 +6,30 @@ producers encode them (`encode_prompt`: chat template or bos first) and decoded 
 
 from __future__ import annotations
 
+from consumers.trainer.distributed import DataParallel
+from rollstream.config import PipelineConfig
+from rollstream.from_config import build_prompt_source, build_task
 from rollstream.model import BasePolicy
 from rollstream.model.chat import encode_prompt
 from rollstream.tasks import Prompt, Task
+
+
+def validate(
+    cfg: PipelineConfig, policy: BasePolicy, dp: DataParallel, recent_prompts: list[Prompt]
+) -> dict[str, float]:
+    """Greedy-decode the held-out prompts (`val/…`) and the newest trained prompts (`val/recent_train_…`:
+    memorisation shows as a gap between the two). Under fsdp every rank decodes in step (the weights are
+    sharded), on rank 0's prompts."""
+    task = build_task(cfg)
+    prompts = build_prompt_source(cfg, task).val_prompts()
+    limit = cfg.data.max_response_length
+    if dp.sharded:
+        rows = dp.broadcast_plain([[p.uid, p.text, p.answer] for p in recent_prompts])
+        recent_prompts = [Prompt(uid=u, text=t, answer=a) for u, t, a in rows]
+    metrics = evaluate(policy, task, prompts, limit)
+    recent = evaluate(policy, task, recent_prompts, limit)
+    metrics.update({k.replace("val/", "val/recent_train_"): v for k, v in recent.items()})
+    return metrics
 
 
 def evaluate(

@@ -8,6 +8,12 @@ trainer.max_off_policy_strategy=train, trained under the rollout correction like
 Dropping skews training toward fast rollouts (short, easy responses finish first, long ones go stale), so
 every step_end reports the dropped share, overall and per response-length quarter (`LengthBuckets`).
 Dynamic sampling's metrics (`filter_groups_metrics`) are verl's names too.
+
+Fully-async counters (`count_stale`; verl's names, cumulative over the run, kept in the checkpoint; the
+aggregator takes the last value): `fully_async/count/stale_samples_processed` and
+`…/stale_trajectory_processed` count trained samples / trajectories whose version (a trajectory's: its last
+token's) is older than the version being trained, `fully_async/count/current_param_version` is that
+version (g − 1).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ DROPPED_SHARE = "training/off_policy/dropped_share"
 BUCKETS = 4  # quarters of data.max_response_length
 FG_EVICTED = "training/filter_groups/evicted_samples"
 ROLLOUT_FAILURE_EVICTED = "training/rollout_failure/evicted_samples"
+STALE_SAMPLES = "stale_samples_processed"  # the run's counters (fully_async/count/…)
+STALE_TRAJECTORIES = "stale_trajectory_processed"
 DAPO_FILTERED_REWARD_COUNTS_KEY = "_dapo_filtered_reward_counts"
 
 
@@ -39,6 +47,23 @@ def mean_response_length(ev: RolloutSample) -> float:
 def staleness(global_step: int, param_version: int) -> int:
     """Staleness of a sample stamped `param_version` consumed at `global_step` (1 = on-policy)."""
     return global_step - param_version
+
+
+def count_stale(
+    counters: dict[str, int],
+    version: int,
+    samples: Sequence[RolloutSample],
+    trajectory_versions: Sequence[int],
+) -> dict[str, float]:
+    """Add an update's stale samples / trajectories (older than `version`, the one being trained) to the
+    run's `counters`; returns verl's fully_async/count metrics."""
+    counters[STALE_SAMPLES] += sum(1 for s in samples if version - s.param_version >= 1)
+    counters[STALE_TRAJECTORIES] += sum(1 for v in trajectory_versions if version - v >= 1)
+    return {
+        f"fully_async/count/{STALE_SAMPLES}": float(counters[STALE_SAMPLES]),
+        f"fully_async/count/{STALE_TRAJECTORIES}": float(counters[STALE_TRAJECTORIES]),
+        "fully_async/count/current_param_version": float(version),
+    }
 
 
 def dropped_metrics(dropped_staleness: Sequence[int]) -> dict[str, float]:

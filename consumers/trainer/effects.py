@@ -1,0 +1,210 @@
+"""Every Redis effect of the trainer, named, idempotent, and retried by one policy.
+
+Each public method is one effect, run under `effect`: `retry_on_connection` with the effect's name, so a
+Redis restart pauses the trainer in place instead of killing it. Each is safe to repeat (its reply may
+be lost after it landed): the commit, the consumed count and the grant are guarded by the trainer hash,
+a weight publish re-checks `params` before a retry, and a repeated event is resolved by the aggregator's
+fold. No collective runs inside an effect: a repeat on one rank would pair it with the wrong collective
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import redis
+from torch import nn
+
+from consumers.trainer.distributed import DataParallel
+from consumers.trainer.ledger import (
+    StepLedger,
+    commit_steps,
+    committed_sample_ids,
+    committed_step,
+    count_consumed,
+)
+from rollstream.bus import Janitor, Publisher, retry_on_connection, setup_run
+from rollstream.config import PipelineConfig
+from rollstream.names import (
+    HEARTBEAT_FIELD,
+    PROGRESS_AT_FIELD,
+    REPLAYED_VERSIONS_FIELD,
+    TRAINING_STEP_FIELD,
+    WORLD_SIZE_FIELD,
+    Keys,
+    rank_heartbeat_field,
+)
+from rollstream.pacing import current_budget, grant_budget, uncount_evicted
+from rollstream.weights import gc_weights, latest_param_version, publish_module_weights, publish_weights
+from rollstream.weights_io import state_bytes
+from schemas import StepMetrics, ValidateMetrics
+
+log = logging.getLogger("consumers.trainer.loop")  # the trainer's log lines keep the one logger name
+
+P = ParamSpec("P")
+T = TypeVar("T")
+E = TypeVar("E", bound="TrainerEffects")
+
+
+def effect(what: str) -> Callable[[Callable[Concatenate[E, P], T]], Callable[Concatenate[E, P], T]]:
+    """The one retry policy: run the method under `retry_on_connection`, named `what` (formatted with the
+    method's arguments, e.g. "granting version {version}") in its retry warnings."""
+
+    def wrap(fn: Callable[Concatenate[E, P], T]) -> Callable[Concatenate[E, P], T]:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def run(self: E, *args: P.args, **kwargs: P.kwargs) -> T:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            return retry_on_connection(lambda: fn(self, *args, **kwargs), what.format(**bound.arguments))
+
+        return run
+
+    return wrap
+
+
+class TrainerEffects:
+    """The trainer's writes to (and progress reads from) Redis: the trainer hash, `metrics`, `params`,
+    the commit, the budget grant and the janitor."""
+
+    def __init__(
+        self, cfg: PipelineConfig, r: redis.Redis, keys: Keys, weights_dir: Path, dp: DataParallel
+    ) -> None:
+        """Rank 0 alone runs the janitor (when `bus.retention` is on)."""
+        self.cfg, self.r, self.keys, self.weights_dir = cfg, r, keys, weights_dir
+        self.publisher = Publisher(r, nomkstream=True)
+        self.janitor = Janitor.from_config(cfg, r, keys) if cfg.bus.retention and dp.is_main else None
+        # this rank's heartbeat fields: rank 0 `heartbeat`; with several ranks also `heartbeat:r<rank>`
+        self.heartbeat_fields = [HEARTBEAT_FIELD] if dp.is_main else []
+        if dp.active:
+            self.heartbeat_fields.append(rank_heartbeat_field(dp.rank))
+
+    @property
+    def over_budget(self) -> bool:
+        """The janitor's last run found unread data over the retention budget (False without a janitor)."""
+        return self.janitor is not None and self.janitor.over_budget
+
+    # -- resume ------------------------------------------------------------------------------------
+
+    @effect("resume")
+    def resume_main(
+        self,
+        global_step: int,
+        ledgers: list[StepLedger],
+        module: nn.Module,
+        whole: dict[str, Any] | None,
+        world_size: int,
+    ) -> None:
+        """Rank 0's part of the resume: set up the run, publish the checkpoint's version if `params` lacks
+        it, redo its commit if it never ran, grant its budget."""
+        setup_run(self.r, self.keys)
+        self.publish_weights(global_step, module, whole, only_if_missing=True)
+        if ledgers and committed_step(self.r, self.keys) < global_step:
+            log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
+            commit_steps(self.r, self.keys, ledgers, global_step)
+        if uncounted := uncount_evicted(self.r, self.keys):  # a crashed process's evictions come back pending
+            log.warning("%d evictions of an abandoned step no longer counted as consumed", uncounted)
+        self.grant(global_step)
+        self.r.hset(self.keys.trainer, PROGRESS_AT_FIELD, time.time())  # the clock of `status`'s stall check
+        if world_size > 1:
+            self.r.hset(self.keys.trainer, WORLD_SIZE_FIELD, world_size)
+
+    @effect("resume")
+    def read_progress(self, global_step: int) -> tuple[int, int, set[str]]:
+        """Every rank's part of the resume: the newest published version (at least `global_step`), the
+        trainer's begun step and the sample ids already committed."""
+        latest = latest_param_version(self.r, self.keys)
+        replayed = int(self.r.hget(self.keys.trainer, REPLAYED_VERSIONS_FIELD) or 0)  # type: ignore[arg-type]
+        newest = max(global_step, latest.version if latest is not None else 0, replayed)
+        training_step = int(self.r.hget(self.keys.trainer, TRAINING_STEP_FIELD) or 0)  # type: ignore[arg-type]
+        return newest, training_step, committed_sample_ids(self.r, self.keys)
+
+    # -- one global step ---------------------------------------------------------------------------
+
+    def heartbeat(self) -> None:
+        """Write this rank's heartbeat (the time now; a retry writes the same time)."""
+        self._beat(time.time())
+
+    @effect("heartbeat")
+    def _beat(self, now: float) -> None:
+        """One attempt of heartbeat."""
+        self.r.hset(self.keys.trainer, mapping=dict.fromkeys(self.heartbeat_fields, now))
+
+    @effect("training_step")
+    def mark_training_step(self, global_step: int) -> None:
+        """Record that step `global_step` has begun (before any of its events: the aggregator places
+        nothing beyond it)."""
+        self.r.hset(self.keys.trainer, TRAINING_STEP_FIELD, global_step)
+
+    @effect("publishing local_update")
+    def emit_local_update(self, update: StepMetrics) -> None:
+        """Emit a `local_update` event."""
+        self.publisher.publish(self.keys.metrics, update)
+
+    @effect("publishing validation")
+    def emit_validation(self, event: ValidateMetrics) -> None:
+        """Emit a `validation` event."""
+        self.publisher.publish(self.keys.metrics, event)
+
+    def publish_weights(
+        self, version: int, module: nn.Module, whole: dict[str, Any] | None, only_if_missing: bool = False
+    ) -> None:
+        """Publish `module`'s weights, or (fsdp) `whole`, the weights gathered on rank 0, as `version`
+        (skipped when `params` has it and only_if_missing; a retry after a connection loss always checks,
+        as the first attempt may have landed)."""
+        self._publish(version, module, whole, iter([only_if_missing]))
+
+    @effect("publishing version {version}")
+    def _publish(
+        self, version: int, module: nn.Module, whole: dict[str, Any] | None, checks: Iterator[bool]
+    ) -> None:
+        """One attempt of publish_weights; `checks` says whether to look at `params` first (exhausted: a
+        retry, which always looks)."""
+        if next(checks, True):
+            latest = latest_param_version(self.r, self.keys)
+            if latest is not None and latest.version >= version:
+                return
+        bus = self.cfg.bus
+        where: dict[str, Any] = dict(
+            inline_max_bytes=bus.weights_inline_max_bytes,
+            file_dir=self.weights_dir,
+            transport=bus.weights_transport,
+            chunk_bytes=bus.weights_chunk_bytes,
+        )
+        if whole is not None:  # fsdp: the gathered copy (already a second copy: bytes are one more)
+            publish_weights(self.r, self.keys, version, state_bytes(whole), global_step=version, **where)
+            return
+        # above the inline limit: streamed to a file or to Redis chunks, never one blob in memory
+        publish_module_weights(self.r, self.keys, version, module, global_step=version, **where)
+
+    @effect("committing step {global_step}")
+    def commit(self, ledgers: list[StepLedger], global_step: int) -> None:
+        """Commit the steps' ledgers up to `global_step` in one MULTI (ledger.commit_steps)."""
+        commit_steps(self.r, self.keys, ledgers, global_step)
+
+    @effect("counting step {global_step}")
+    def count_consumed(self, ledger: StepLedger, global_step: int) -> None:
+        """Count a step's samples as consumed without committing it (pacing needs it before the grant)."""
+        count_consumed(self.r, self.keys, ledger)
+
+    @effect("granting version {version}")
+    def grant(self, version: int) -> None:
+        """Grant `version` its dispatch budget (once), then drop weight blobs nobody uses."""
+        if current_budget(self.r, self.keys)[0] != version:
+            cap = self.cfg.data.train_batch_size if self.over_budget else None  # unread data over the budget
+            budget, out = grant_budget(self.r, self.keys, version, self.cfg.max_outstanding, cap)
+            log.info("version %d: budget %d (outstanding %d)", version, budget, out)
+        gc_weights(self.r, self.keys, version, file_dir=self.weights_dir)
+
+    @effect("retention")
+    def run_janitor(self) -> None:
+        """Retention: the janitor's run, when one is due (rank 0 with `bus.retention` only)."""
+        if self.janitor is not None:
+            self.janitor.maybe_run()

@@ -1,0 +1,120 @@
+"""What a global step records and reports: each local update's fates and metrics; at the end, every rank's
+report and what rank 0 builds from them (the `step_end` event and the checkpoint metadata). A world of one
+gathers its own report: the collective's identity case."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from consumers.trainer.checkpoint import rng_plain
+from consumers.trainer.collect import Collected
+from consumers.trainer.distributed import DataParallel
+from consumers.trainer.ledger import StepLedger
+from consumers.trainer.staleness import (
+    ROLLOUT_FAILURE_EVICTED,
+    LengthBuckets,
+    dropped_metrics,
+    filter_groups_metrics,
+)
+from rollstream.bus import Message
+from rollstream.rl import staleness_metrics
+from rollstream.tasks import Prompt
+from schemas import DROPPED, SKIPPED, TRAINED, Fate, StepMetrics
+
+
+def record_fates(ledger: StepLedger, kept: list[tuple[Message, int]], fate: str, g: int) -> list[Prompt]:
+    """Append each kept sample's fate (with its staleness) and ack id to step g's ledger; returns the prompts
+    among them that carry a ground truth (the newest trained prompts of `val/recent_train_…`)."""
+    prompts: list[Prompt] = []
+    for m, st in kept:
+        ev: Any = m.event
+        ledger.fates.append(Fate(ev.sample_id, m.id, fate, st, ev.param_version, g))
+        ledger.ack_ids.append(m.id)
+        truth = ev.full_batch.non_tensors.get("ground_truth")
+        if truth is not None and "raw_prompt" in ev.full_batch.non_tensors:
+            text = str(ev.full_batch.non_tensors["raw_prompt"][0])
+            prompts.append(Prompt(uid=ev.sample_id, text=text, answer=str(truth[0])))
+    return prompts
+
+
+def collected_metrics(
+    got: Collected, filter_groups: bool
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """(metrics, counts) of a local update's collection: the samples dropped as stale, the filter_groups
+    evictions (when on), the rollout failures evicted and the staleness of the samples kept."""
+    metrics = dropped_metrics(got.dropped)
+    fg_metrics, fg_counts = filter_groups_metrics(got.evicted) if filter_groups else ({}, {})
+    metrics.update(fg_metrics)
+    metrics[ROLLOUT_FAILURE_EVICTED] = float(got.failed)
+    metrics.update(staleness_metrics([st for _, st in got.kept]))
+    return metrics, fg_counts
+
+
+def gather_reports(dp: DataParallel, ledger: StepLedger, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's end-of-step report (`mine` with its ledger and, with several ranks, its RNG state for
+    the checkpoint's `ranks`), in rank order."""
+    rng = rng_plain() if dp.active else None  # a world of one: write_checkpoint saves this process's RNG
+    reports = dp.all_gather_plain({**mine, "ledger": ledger.to_plain(), "rng": rng})
+    for rep in reports:
+        rep["ledger"] = StepLedger.from_plain(rep["ledger"])
+    return reports
+
+
+def fate_counts(ledger: StepLedger) -> tuple[int, int, int, int]:
+    """(trained, dropped, evicted, skipped) samples of a step's ledger."""
+    trained = sum(1 for f in ledger.fates if f.fate == TRAINED)
+    dropped = sum(1 for f in ledger.fates if f.fate == DROPPED)
+    skipped = sum(1 for f in ledger.fates if f.fate == SKIPPED)
+    return trained, dropped, len(ledger.fates) - trained - dropped - skipped, skipped
+
+
+def step_end_event(
+    g: int, K: int, W: int, merged: StepLedger, reports: list[dict[str, Any]], max_response_length: int
+) -> StepMetrics:
+    """Step g's `step_end` event over every rank's fates; with several ranks the run's counters are every
+    rank's together (each local update has its own)."""
+    trained, dropped, evicted, skipped = fate_counts(merged)
+    lengths = LengthBuckets.merged(max_response_length, [rep["lengths"] for rep in reports])
+    step_end = StepMetrics(
+        type="step_end",
+        global_step=g,
+        local_step=K,
+        sample_count=trained,
+        num_local_updates=K,
+        world_size=W,
+        metrics={
+            "training/global_step": float(g),
+            "trainer/param_version": float(g),
+            "trainer/world_size": float(W),
+            "fully_async/count/trained_samples": float(trained),
+            "fully_async/count/dropped_samples": float(dropped),
+            "fully_async/count/evicted_samples": float(evicted),
+            "fully_async/count/skipped_samples": float(skipped),
+            "fully_async/count/dead_samples": float(sum(rep["dead"] for rep in reports)),
+            **lengths.share_metrics(),
+        },
+    )
+    if W > 1:
+        for name, total in counter_totals(reports).items():
+            step_end.metrics[f"fully_async/count/{name}"] = float(total)
+    return step_end
+
+
+def counter_totals(reports: list[dict[str, Any]]) -> dict[str, int]:
+    """The run's counters: every rank's together."""
+    return {name: sum(rep["counters"][name] for rep in reports) for name in reports[0]["counters"]}
+
+
+def checkpoint_meta(
+    g: int, pending: list[StepLedger], reports: list[dict[str, Any]], pending_ids: list[list[str]]
+) -> dict[str, Any]:
+    """The checkpoint metadata of version g: the ledgers it covers and the run's counters; with several
+    ranks also each rank's RNG, counters and the sample ids it consumed since the last checkpoint."""
+    meta: dict[str, Any] = {"param_version": g, "steps": [lg.to_plain() for lg in pending]}
+    meta["counters"] = counter_totals(reports)
+    if len(reports) > 1:
+        meta["ranks"] = [
+            {"rank": r, "rng": rep["rng"], "counters": rep["counters"], "sample_ids": pending_ids[r]}
+            for r, rep in enumerate(reports)
+        ]
+    return meta
