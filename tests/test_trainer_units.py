@@ -261,3 +261,27 @@ def test_a_checkpoint_from_a_newer_rollstream_is_refused(tmp_path: Path) -> None
     save_file(tensors, str(path))
     with pytest.raises(ValueError, match="newer than"):
         load_checkpoint(path, learner.policy, learner.optimizer)
+
+
+def test_an_effect_is_retried_whole_under_its_name(caplog: pytest.LogCaptureFixture) -> None:
+    """The one retry policy: a connection loss inside an effect repeats the whole effect, and the retry
+    warning names it with its arguments."""
+    import logging
+
+    from consumers.trainer.effects import TrainerEffects, effect
+
+    class Flaky(TrainerEffects):
+        def __init__(self) -> None:  # no Redis: the effect's body is what is tested
+            self.calls: list[int] = []
+
+        @effect("granting version {version}")
+        def grant(self, version: int) -> None:
+            self.calls.append(version)
+            if len(self.calls) == 1:
+                raise redis.ConnectionError("gone")
+
+    flaky = Flaky()
+    with caplog.at_level(logging.WARNING, logger="rollstream.bus.connection"):
+        flaky.grant(3)
+    assert flaky.calls == [3, 3]
+    assert "granting version 3 failed, redis unavailable" in caplog.text
