@@ -134,20 +134,7 @@ def run_consumer(url: str, stream: str, size: str, count: int, tree: str) -> dic
     reader = GroupReader(r, stream, group, "c", dead_stream=dead, count=64)
     env = {**os.environ, "PYTHONPATH": tree}
     producer = subprocess.Popen(
-        [
-            sys.executable,
-            __file__,
-            "--role",
-            "producer",
-            "--url",
-            url,
-            "--stream",
-            stream,
-            "--size",
-            size,
-            "--count",
-            str(count),
-        ],
+        _role_argv("producer", url, stream, size, count),
         env=env,
     )
     got, first, last = 0, 0.0, 0.0
@@ -169,6 +156,12 @@ def run_consumer(url: str, stream: str, size: str, count: int, tree: str) -> dic
             producer.kill()
         r.delete(stream, dead)
     return {"samples_per_s": (got - 1) / (last - first) if last > first else 0.0, "wire_bytes": wire}
+
+
+def _role_argv(role: str, url: str, stream: str, size: str, count: int) -> list[str]:
+    """The command line of this script in `role` (producer or consumer) on `stream`."""
+    return [sys.executable, __file__, "--role", role, "--url", url, "--stream", stream, "--size", size,
+            "--count", str(count)]
 
 
 def run_codec(sizes: list[str]) -> dict[str, Any]:
@@ -203,22 +196,7 @@ def trial(tree: str, size: str, url: str, count: int) -> dict[str, Any]:
     stream = f"rs:{{e2e-{uuid.uuid4().hex[:8]}}}:rollouts"
     env = {**os.environ, "PYTHONPATH": tree}
     out = subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--role",
-            "consumer",
-            "--url",
-            url,
-            "--stream",
-            stream,
-            "--size",
-            size,
-            "--count",
-            str(count),
-            "--tree",
-            tree,
-        ],
+        [*_role_argv("consumer", url, stream, size, count), "--tree", tree],
         env=env,
         capture_output=True,
         text=True,

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from consumers.trainer.distributed import DataParallel, RankInfo
-from rollstream.config import PipelineConfig
+from rollstream.config import ActorConfig, PipelineConfig
 from rollstream.from_config import build_policy
 from rollstream.model import BasePolicy
 from rollstream.model.base import resolve_device
@@ -139,7 +139,7 @@ def _tensors(batch: DataProto, dev: torch.device) -> _Micro:
 
 
 def _token_advantages(
-    micro: list[_Micro], groups: list[int], actor: Any, reduce: Callable[[list[float]], list[float]]
+    micro: list[_Micro], groups: list[int], actor: ActorConfig, reduce: Callable[[list[float]], list[float]]
 ) -> list[torch.Tensor]:
     """Token-level advantages per micro-batch [b, w] (`actor.adv_estimator` grpo_token or
     reinforce_plus_plus): the rows' per-token rewards and masks are right-aligned into one [B, W] (W: the
