@@ -1,6 +1,6 @@
 """Generation benchmark: one producer with the config's policy, through the real loop and a real Redis.
 
-A throwaway run namespace gets version 0 (the config's initial weights) and an unlimited budget; the
+A throwaway run namespace gets version 0 (the config's initial weights) and an unlimited lease; the
 producer runs `warmup` dispatches, then `dispatches` measured ones. Reported: generated tokens per second
 of generation time (`rollout.n` x `prompts_per_dispatch` rows per batch), and end-to-end samples per
 second (generation + scoring + encode + publish). The namespace's keys are deleted afterwards.
@@ -36,7 +36,7 @@ from rollstream.config import PipelineConfig, load_config
 from rollstream.from_config import build_policy
 from rollstream.model.hf_tiny import make_tiny_hf_model
 from rollstream.names import Keys
-from rollstream.pacing import grant_budget
+from rollstream.pacing import lease_outright
 from rollstream.weights import latest_param_version, load_weights, publish_weights
 from rollstream.worker import WorkerContext
 
@@ -46,12 +46,12 @@ DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:637
 def unthrottled_producer(
     cfg: PipelineConfig, r: redis.Redis, keys: Keys, build: type[Producer] = Producer
 ) -> Producer:
-    """Set a run up with version 0 = the config's initial weights and an unlimited budget, and return its
+    """Set a run up with version 0 = the config's initial weights and an unlimited lease, and return its
     `rollout_00` producer made by `build` (for benchmarks and calibration: no trainer needed)."""
     setup_run(r, keys)
     policy = build_policy(cfg)
     publish_weights(r, keys, 0, policy.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
-    grant_budget(r, keys, 0, 1 << 30)
+    lease_outright(r, keys, "rollout_00", 1 << 30)
     ctx = WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=r)
     if cfg.rollout.engine == "vllm":  # the producer starts its own engine on the checkpoint
         del policy

@@ -5,10 +5,13 @@ loop run in slots. What `rollstream run` starts as producers when `rollout.laten
     [--max-dispatches N]
 
 `latency_model.concurrency` slots (threads) run the producer's loop (producers/worker.py) side by side (an
-inference engine's continuous batching), each taking budget for one prompt at a time; they share the
-producer's prompt source, counters, stats window and weights under one lock. Idle and generation seconds
-are slot-averaged (divided by the slot count), so idle_ratio stays the idle fraction of the slots. A
-dispatch whose budget a reconnect (by any slot) released meanwhile is discarded instead of published.
+inference engine's continuous batching), each dispatching one leased prompt at a time (the producer asks
+for a lease of one prompt per slot); they share the producer's prompt source, lease, counters, stats window
+and weights under one lock. Idle and generation seconds are slot-averaged (divided by the slot count), so
+idle_ratio stays the idle fraction of the slots. A dispatch taken before a reconnect (by any slot) is
+discarded instead of published: the reconnect resynced the producer, whose unpublished prompts are
+dispatched again under the same ids. Slots publish out of order, so a crash can skip or repeat a prompt of
+the source (benchmark producers only).
 """
 
 from __future__ import annotations
@@ -105,9 +108,13 @@ class LatencyProducer(Producer):
         with self.lock:
             super()._add_idle(seconds / self.slots)  # slot-averaged
 
-    def _take_prompts(self, amount: int) -> tuple[list[tuple[int, int, Prompt]], int]:
+    def _take_prompts(self, amount: int) -> tuple[list[tuple[int, int, Prompt]], int, list[str]]:
         with self.lock:
             return super()._take_prompts(amount)
+
+    def _lease_want(self, want: int) -> int:
+        """A lease of one prompt per slot."""
+        return want * self.slots
 
     def _finish(
         self,
@@ -121,7 +128,8 @@ class LatencyProducer(Producer):
     ) -> list[RolloutSample]:
         with self.lock:
             if getattr(self._slot, "generation", self.generation) != self.generation:
-                log.warning("discarding %d samples: their budget was released by a reconnect", len(items))
+                log.warning("discarding %d samples: taken before a reconnect resynced the producer",
+                            len(items))
                 return []
             # slot-averaged
             return super()._finish(ids, items, param_version, trajs, gen_s / self.slots, status, before)

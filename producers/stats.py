@@ -16,15 +16,15 @@ from schemas import ProducerStats
 class Counters:
     """Run-long totals of one producer (logged; samples carry the global `rollout_status` instead)."""
 
-    dispatched: int = 0  # prompts taken from the budget and generated
+    dispatched: int = 0  # leased prompts dispatched and generated
     published: int = 0  # samples XADDed to rollouts
     tokens: int = 0  # model-generated response tokens
-    idle_s: float = 0.0  # waiting for budget or a new version
+    idle_s: float = 0.0  # waiting for a lease or a new version
     gen_s: float = 0.0  # inside the agent loops
     versions_loaded: int = 0
     partial_swaps: int = 0  # trajectories whose weights changed mid-generation (start < end)
     tool_calls: int = 0
-    released_on_start: int = 0  # dispatches of a crashed predecessor released by release_unpublished
+    released_on_start: int = 0  # leased prompts a crashed predecessor never published (dispatched again)
 
 
 

@@ -1,24 +1,29 @@
-"""The rollout producer: take budget -> dispatch prompts -> generate -> score -> publish.
+"""The rollout producer: lease -> dispatch prompts -> generate -> score -> publish.
 
 Started as `python -m producers pipeline.yaml [key=value ...] [--name rollout_00] [--burst]
 [--max-dispatches N]` (producers/__main__.py).
 
 A producer named `rollout_NN` draws shard NN of `rollout.num_producers` from the prompt source and keeps
 its cursor in Redis (`producer_cursor`), advanced in the same MULTI/EXEC as the samples it publishes, so
-a restart resumes where the last publish left off. On start it releases the budget a crashed
-predecessor took but never published, then waits for param version 0.
+a restart resumes where the last publish left off. Its prompts are numbered over the run (`seq`, sample
+id `<name>-<seq>`), and its published count (`producer:<name>:published`) moves with the cursor, so a
+restarted producer dispatches what a crashed predecessor leased and never published again, under the same
+ids. Then it waits for param version 0.
 
-Loop (until stop): load the newest weights (between dispatches), take up to `prompts_per_dispatch`
-from that version's budget (none left: wait, idle, for the next version), stamp `param_version` = the
-loaded version, generate all prompts x n in one agent-loop call (weights may change mid-generation
-with partial rollout), score each response, and publish one RolloutSample per prompt together with
-`mark_published` in one transaction. A ProducerStats event goes to `stats` on each version switch
-(tagged with the version left) and every `rollout.stats_every_s`. The first SIGTERM finishes and
+Loop (until stop): read its lease (rollstream/pacing.py: the trainer leases prompts to producers; a
+producer runs no script); with prompts left on it, load the newest weights (after reading the lease: a
+prompt leased under version v is never generated with older weights), dispatch up to
+`prompts_per_dispatch` of them, stamp `param_version` = the loaded version, generate all prompts x n in one
+agent-loop call (weights may change mid-generation with partial rollout), score each response, and publish
+one RolloutSample per prompt together with `mark_published` and the cursor in one transaction. With none
+left it asks for one more dispatch (`producer:<name>:want`) and waits, idle, for the trainer's lease.
+A ProducerStats event goes to `stats` on each version switch (tagged with the version left) and every
+`rollout.stats_every_s`. The first SIGTERM finishes and
 publishes the current dispatch, then exits 0.
 
 Reconnects: a Redis connection loss anywhere in the loop is handled in place, the way a restart would
-handle it: wait (with backoff) until Redis answers, release what this producer took and has not
-published (`release_unpublished`), reload its cursor from Redis, and go on. A publish whose reply was lost
+handle it: wait (with backoff) until Redis answers, reload its cursor and published count from Redis (the
+dispatch in flight is abandoned: its prompts are dispatched again), and go on. A publish whose reply was lost
 either landed (the cursor in Redis moved with it) or not (its prompts are dispatched again), so nothing is
 published twice or skipped.
 
@@ -33,7 +38,6 @@ import logging
 import os
 import re
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,12 +51,12 @@ from rollstream.from_config import build_policy, build_prompt_source, build_task
 from rollstream.model import BasePolicy
 from rollstream.names import producer_names
 from rollstream.pacing import (
-    budget_left,
-    current_budget,
+    ask_lease,
+    lease_of,
+    leased_sample_id,
     mark_published,
-    release_unpublished,
+    published_count,
     rollout_counts,
-    take_budget,
 )
 from rollstream.rollout import (
     Trajectory,
@@ -71,8 +75,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.02  # sleep between checks while idle (budget or version)
-BUDGET_POLL_S = 0.25  # while idle for lack of budget, how often to look for a top-up (rare: dead letters)
+POLL_S = 0.02  # sleep between checks while idle (waiting for a lease or a version)
+BURST_WAIT_S = 0.25  # burst mode: how long to wait for a lease asked for before stopping
 
 #: Generation of one dispatch: (the batch, prompts x n rows prompt-major; the param version stamped at
 #: dispatch) -> one trajectory per row, in row order.
@@ -139,7 +143,8 @@ class Producer:
         self.metrics = Publisher(ctx.r, nomkstream=True)
         self.counters = Counters()
         self.window = StatsWindow()
-        self._budget_checked = 0.0  # monotonic time of the last look for a top-up while idle
+        self.next_seq = 0  # the seq of the next prompt to dispatch (published + in flight)
+        self.leased = 0  # prompts leased to this producer, as last read
         self.last_stats = time.monotonic()
         self._done = 0
         self.reconnects = 0
@@ -150,13 +155,13 @@ class Producer:
 
     # ---- start-up ---------------------------------------------------------------------------------
     def start(self) -> bool:
-        """Release a crashed predecessor's unpublished budget, resume the cursor, load version 0.
-        False when stopped before any version appeared."""
+        """Resume the cursor and published count (a crashed predecessor's leased, unpublished prompts are
+        dispatched again), load version 0. False when stopped before any version appeared."""
         r, keys = self.ctx.r, self.ctx.keys
         self.counters.released_on_start = retry_on_connection(self._resync, "start")
         if self.counters.released_on_start:
             log.warning(
-                "released %d dispatched-but-unpublished prompts of a previous run of %s",
+                "%d leased prompts not published by a previous run of %s: dispatching them again",
                 self.counters.released_on_start,
                 self.name,
             )
@@ -175,10 +180,12 @@ class Producer:
         return True
 
     def _resync(self) -> int:
-        """Release what this producer took and never published, reload its cursor from Redis (at start
-        and after a reconnect); returns the prompts released."""
+        """Reload the cursor and published count from Redis (at start and after a reconnect); returns the
+        leased prompts not published (dispatched again)."""
         r, keys = self.ctx.r, self.ctx.keys
-        released = release_unpublished(r, keys, self.name, self.ctx.cfg.max_outstanding)
+        self.next_seq = published_count(r, keys, self.name)
+        self.leased = lease_of(r, keys, self.name)
+        released = max(0, self.leased - self.next_seq)
         saved: Any = r.get(keys.producer_cursor(self.name))
         if saved is not None:
             epoch, index = decode_cursor(saved)
@@ -188,15 +195,15 @@ class Producer:
 
     def _reconnect(self, error: BaseException) -> None:
         """After a connection loss: wait for Redis, then resync as a restarted producer would (the dispatch
-        in flight is abandoned: its budget is released)."""
+        in flight is abandoned: its prompts are dispatched again)."""
         log.warning("redis connection lost (%s); reconnecting in place", error)
         released = retry_on_connection(self._resync, "reconnect")
         self.reconnects += 1
-        log.warning("reconnected; released %d dispatched-but-unpublished prompts", released)
+        log.warning("reconnected; %d leased prompts not published, dispatching them again", released)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self, max_dispatches: int | None = None, burst: bool = False) -> int:
-        """Dispatch until stop, `max_dispatches` dispatches, or (burst) no budget left; returns dispatches."""
+        """Dispatch until stop, `max_dispatches` dispatches, or (burst) no lease comes; returns dispatches."""
         if not self.start():
             return 0
         self.window = StatsWindow()  # the first window starts once version 0 is loaded
@@ -214,7 +221,7 @@ class Producer:
         self._loop(self.ctx.cfg.rollout.prompts_per_dispatch, limit, burst)
 
     def _loop(self, want: int, limit: int | None, burst: bool) -> None:
-        """`_turn` until stop, `limit` dispatches in all, or (burst) no budget left; a connection loss is
+        """`_turn` until stop, `limit` dispatches in all, or (burst) no lease comes; a connection loss is
         handled in place (`_reconnect`)."""
         while not self.ctx.stop.is_set() and self._reserve(limit):
             published: list[bool] = []
@@ -240,42 +247,32 @@ class Producer:
         self._done -= 1
 
     def _turn(self, want: int, burst: bool, published: list[bool]) -> bool:
-        """Refresh weights, take budget and dispatch (appending to `published` once on the log), or wait
-        for budget (a new version's, or the trainer's top-up of ours after dead letters); False to stop
-        (burst mode, no budget)."""
+        """With prompts left on the lease: load the newest weights and dispatch (appending to `published`
+        once on the log); else ask for `want` more and wait for the trainer's lease. False to stop (burst
+        mode, no lease within BURST_WAIT_S)."""
         r, keys = self.ctx.r, self.ctx.keys
-        _, mine = self._refresh()  # between dispatches: always the newest version
-        take = take_budget(r, keys, mine, want, self.name)
-        if take.amount > 0:
-            if self.dispatch(take.amount):  # [] = nothing published
+        self.leased = max(self.leased, lease_of(r, keys, self.name))  # read before the weights (liveness)
+        seq = self.next_seq
+        if self.leased > seq:
+            self._refresh()  # between dispatches: always the newest version
+            if self.dispatch(want):  # [] = nothing published
                 published.append(True)
             self._maybe_stats()
             return True
-        if take.stale:
-            if take.budget_version < mine:  # our version's grant is not made yet
-                self._idle_until(lambda v=mine: current_budget(r, keys)[0] >= v)
-            elif not self._refresh()[0]:  # budget is for a newer version we could not load yet
-                self._idle_until(lambda: False, once=True)  # one poll step, then retry
-            return True
-        if burst:
-            return False
-        self._idle_until(lambda v=mine: self._newest_version() > v or self._topped_up(v))
-        return True
+        ask_lease(r, keys, self.name, seq + self._lease_want(want))
+        deadline = time.monotonic() + BURST_WAIT_S if burst else None
+        self._idle_until(lambda: lease_of(r, keys, self.name) > seq
+                         or (deadline is not None and time.monotonic() > deadline))
+        return not burst or lease_of(r, keys, self.name) > seq
+
+    def _lease_want(self, want: int) -> int:
+        """How many prompts to ask for when the lease is used up: one dispatch."""
+        return want
 
     def _refresh(self) -> tuple[bool, int]:
         """Load the newest weights when a newer version is out: (loaded one, the version in use)."""
         loaded = self.weights.refresh()
         return loaded, self.weights.version
-
-    def _topped_up(self, version: int) -> bool:
-        """True when `version`'s budget went above 0 while we waited (the trainer tops it up after dead
-        letters); looked up at most every BUDGET_POLL_S, so an idle producer adds no round trip to most
-        version checks."""
-        now = time.monotonic()
-        if now - self._budget_checked < BUDGET_POLL_S:
-            return False
-        self._budget_checked = now
-        return budget_left(self.ctx.r, self.ctx.keys, version) > 0
 
     def _newest_version(self) -> int:
         """The newest published version (one XREVRANGE)."""
@@ -294,18 +291,19 @@ class Producer:
         self._add_idle(time.monotonic() - t0)
 
     def _add_idle(self, seconds: float) -> None:
-        """Count idle seconds (waiting for budget or a version)."""
+        """Count idle seconds (waiting for a lease or a version)."""
         self.counters.idle_s += seconds
         self.window.idle_s += seconds
 
     # ---- one dispatch -----------------------------------------------------------------------------
     def dispatch(self, amount: int) -> list[RolloutSample]:
-        """Generate `amount` prompts (budget already taken) x n, score and publish them; returns the samples
-        ([] when they were discarded instead of published)."""
+        """Generate up to `amount` prompts x n (as many as the lease has left), score and publish them;
+        returns the samples ([] when none was left, or they were discarded instead of published)."""
         cfg = self.ctx.cfg
         before = self.source.cursor
-        items, param_version = self._take_prompts(amount)
-        ids = [f"{self.name}-{uuid.uuid4().hex[:12]}" for _ in items]
+        items, param_version, ids = self._take_prompts(amount)
+        if not items:
+            return []
         groups = [
             prepare_single_generation_data(
                 p, cfg.rollout.n, self.multi_turn, self.policy.tokenizer, sample_id=sid
@@ -325,16 +323,21 @@ class Producer:
         gen_s = time.perf_counter() - t0
         counts = rollout_counts(self.ctx.r, self.ctx.keys, producer_names(cfg.rollout.num_producers))
         status = rollout_status(counts, cfg, self.weights.version)
-        if failed:  # the trainer evicts such a sample (reason rollout_failure) and gives its budget back
+        if failed:  # the trainer evicts such a sample (reason rollout_failure) and gives its room back
             status[ROLLOUT_FAILURE] = 1
         return self._finish(ids, items, param_version, trajs, gen_s, status, before)
 
-    def _take_prompts(self, amount: int) -> tuple[list[tuple[int, int, Prompt]], int]:
-        """Take `amount` prompts from the source: ((epoch, index, prompt) each, the version stamped on
-        them)."""
+    def _take_prompts(self, amount: int) -> tuple[list[tuple[int, int, Prompt]], int, list[str]]:
+        """Take up to `amount` prompts from the source, no more than the lease has left: ((epoch, index,
+        prompt) each, the version stamped on them, their sample ids `<name>-<seq>`)."""
+        amount = min(amount, self.leased - self.next_seq)
+        if amount <= 0:
+            return [], self.weights.version, []
         items = self.source.take(amount)
+        ids = [leased_sample_id(self.name, self.next_seq + k) for k in range(len(items))]
+        self.next_seq += len(items)
         self.counters.dispatched += len(items)
-        return items, self.weights.version  # stamped at dispatch
+        return items, self.weights.version, ids  # stamped at dispatch
 
     def _finish(
         self,
@@ -395,8 +398,8 @@ class Producer:
     def _publish(self, samples: Sequence[RolloutSample], before: tuple[int, int]) -> None:
         """XADD the samples, mark them published and advance the cursor, in one MULTI/EXEC. A transaction
         runs every command even when one fails (an XADD refused: the stream's last id is exhausted, or
-        the stream is gone), so a failed publish is undone at once: the in-flight count goes back up and
-        the cursor back to `before` (the prompts' start), and PublishError is raised."""
+        the stream is gone), so a failed publish is undone at once: the published count goes back down,
+        the cursor back to `before` (the prompts' start) with the next seq, and PublishError is raised."""
         keys = self.ctx.keys
         pipe = self.ctx.r.pipeline(transaction=True)
         for s in samples:
@@ -408,14 +411,15 @@ class Producer:
         refused = [x for x in res[: len(samples)] if x is None or isinstance(x, Exception)]
         if refused:
             undo = self.ctx.r.pipeline(transaction=True)
-            undo.incrby(keys.producer_inflight(self.name), len(samples))
+            undo.decrby(keys.producer_published(self.name), len(samples))
             undo.set(keys.producer_cursor(self.name), encode_cursor(*before))
             undo.execute()
             self.source.cursor = before
+            self.next_seq -= len(samples)
             if refused[0] is None:
                 raise RunNotSetUpError.for_stream(keys.rollouts)
             raise PublishError(
-                f"XADD to {keys.rollouts} refused ({refused[0]}); cursor and in-flight count kept"
+                f"XADD to {keys.rollouts} refused ({refused[0]}); cursor and published count kept"
             )
         self.counters.published += len(samples)
 

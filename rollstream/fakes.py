@@ -14,6 +14,7 @@ import redis
 from rollstream.bus import Publisher, parse_id, setup_run
 from rollstream.model import CharTokenizer
 from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
+from rollstream.pacing import lease_outright, leased_sample_id
 from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import RewardResult
 from schemas import EventBase, ProducerStats, RolloutSample, StepMetrics, ValidateMetrics
@@ -92,6 +93,21 @@ def fake_rollout_sample(
         tokenizer=FakeTokenizer(vocab),
         rollout_status={"dispatched": 1},
     )
+
+
+def leased_fakes(
+    r: redis.Redis, keys: Keys, count: int, producer: str = "rollout_00", **kwargs: Any
+) -> list[RolloutSample]:
+    """`count` fake samples of `producer` that its lease covers: the prompts are leased outright (as the
+    trainer would lease them) and the samples get their ids `<producer>-<seq>`; `kwargs` go to
+    fake_rollout_sample (`seed` defaults to the seq)."""
+    end = lease_outright(r, keys, producer, count)
+    return [
+        fake_rollout_sample(
+            leased_sample_id(producer, seq), producer=producer, **{"seed": seq, **kwargs}
+        )
+        for seq in range(end - count, end)
+    ]
 
 
 def response_len_for_bytes(target_bytes: int, n: int = 4) -> int:

@@ -12,7 +12,7 @@ AGGREGATOR_GROUP = "aggregator"
 
 # Fields of the `trainer` hash. The trainer writes them (its step commit, heartbeat and budget grants);
 # committed_step and training_step bound what the aggregator accepts (consumers/aggregator/admission.py),
-# budget_version is read by the producers' pacing script.
+# budget_version is read by pacing (rollstream/pacing.py: grants, leases, top-ups).
 GLOBAL_STEP_FIELD = "global_step"  # last committed global step
 PARAM_VERSION_FIELD = "param_version"  # the version published with that commit
 COMMITTED_STEP_FIELD = "committed_step"  # last global step whose commit (with its step_end) executed
@@ -33,11 +33,8 @@ def rank_heartbeat_field(rank: int) -> str:
     """The trainer hash field of one data-parallel rank's heartbeat."""
     return f"{RANK_HEARTBEAT_PREFIX}{rank}"
 
-# rollouts dead-lettered so far (incremented in the dead-letter's own script)
+# rollouts dead-lettered so far (incremented in the dead-letter's own script; for status, not for pacing)
 DEAD_LETTERED_FIELD = "dead_lettered"
-DEAD_COUNTED_FIELD = "dead_counted"  # how many of them pacing has counted as consumed (TOPUP)
-# evictions counted as consumed (EVICT) before their step's count settled them
-EVICTED_EARLY_FIELD = "evicted_early"
 
 # Field of the `archive` hash: the folder retention archives the run's streams into (written by the trainer).
 ARCHIVE_DIR_FIELD = "dir"
@@ -108,29 +105,44 @@ class Keys:
         return self._k(f"weights:{version}")
 
     def budget(self, version: int) -> str:
-        """Counter: dispatch budget left for a version."""
+        """Counter: dispatch budget left for a version, not yet leased (only the trainer writes it)."""
         return self._k(f"budget:{version}")
 
     @property
     def dispatched(self) -> str:
-        """Counter: prompts dispatched by all producers."""
+        """Counter: prompts leased to all producers so far (only the trainer writes it)."""
         return self._k("dispatched")
 
     @property
     def consumed(self) -> str:
-        """Counter: prompts consumed by the trainer (trained or dropped)."""
+        """Counter: leased prompts the trainer finished with (trained, dropped, evicted, dead-lettered)."""
         return self._k("consumed")
+
+    @property
+    def lease(self) -> str:
+        """Hash: producer name -> prompts leased to it so far (only the trainer writes it;
+        rollstream/pacing.py)."""
+        return self._k("lease")
+
+    def consumed_bits(self, producer: str) -> str:
+        """Bitmap: bit `seq` set once the trainer counted `producer`'s prompt `seq` as consumed."""
+        return self._k(f"consumed:{producer}")
 
     # A producer's own state lives under producer:<name>:…, the only keys its ACL user may write.
 
     def producer_prefix(self, producer: str) -> str:
-        """Prefix of every key one producer owns (its ACL user may write only these, the log streams it
-        appends to, and the pacing counters)."""
+        """Prefix of every key one producer owns (its ACL user may write only these and the log streams it
+        appends to)."""
         return self._k(f"producer:{producer}:")
 
-    def producer_inflight(self, producer: str) -> str:
-        """Counter: prompts this producer dispatched and has not yet published."""
-        return self.producer_prefix(producer) + "inflight"
+    def producer_want(self, producer: str) -> str:
+        """String: the lease total this producer asks for (what it used plus one dispatch; pacing's
+        Leaser grants up to it)."""
+        return self.producer_prefix(producer) + "want"
+
+    def producer_published(self, producer: str) -> str:
+        """Counter: leased prompts this producer has published (its next seq), moved with each publish."""
+        return self.producer_prefix(producer) + "published"
 
     def producer_cursor(self, producer: str) -> str:
         """String: this producer's next prompt (schemas.text_entries.encode_cursor; advanced with each
@@ -142,11 +154,6 @@ class Keys:
         status)."""
         return self.producer_prefix(producer) + "version"
 
-    def producer_dispatch_log(self, producer: str) -> str:
-        """Stream: this producer's budget takes and releases (schemas.text_entries.DispatchRecord) for
-        audit."""
-        return self.producer_prefix(producer) + "dispatch_log"
-
     def producer_of(self, key: str) -> str:
         """The producer name a per-producer key belongs to."""
         return key.removeprefix(self._k("producer:")).rsplit(":", 1)[0]
@@ -157,8 +164,8 @@ class Keys:
 
     @property
     def dispatch_log(self) -> str:
-        """Stream: one entry per budget grant by the trainer (schemas.text_entries.DispatchRecord) for
-        audit."""
+        """Stream: one entry per budget grant, top-up and lease by the trainer
+        (schemas.text_entries.DispatchRecord) for audit."""
         return self._k("dispatch_log")
 
     @property

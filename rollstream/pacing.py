@@ -1,64 +1,76 @@
-"""Producer pacing (verl fully-async's budget with carry-over), shared by all producers through atomic
-Redis operations.
+"""Producer pacing (verl fully-async's budget with carry-over) as leases that only the trainer writes.
 
 max_outstanding = train_batch_size * (1 + staleness_threshold). When the trainer publishes version v it
-grants budget:v = max_outstanding - outstanding, where outstanding = dispatched - consumed, and deletes
-every older budget. A producer takes budget from the newest version before dispatching prompts; one that
-finds none waits for the next version. Hence outstanding never exceeds max_outstanding.
-A producer that crashed (or lost Redis) mid-dispatch releases what it took and never published when it
-starts again, and that room goes back to the current version's budget the same way (RELEASE).
+grants budget:v = max_outstanding - outstanding, where outstanding = dispatched - consumed (`dispatched`:
+every prompt ever leased to a producer), and deletes every older budget. Producers never touch those
+counters, and run no script: a producer asks by writing its own `producer:<name>:want` (the lease total it
+wants to reach: what it has used plus one dispatch), and the trainer's `Leaser` (a thread of rank 0) moves
+budget into the `lease` hash (producer -> prompts leased to it so far) up to each want, a few producers a
+pass in turn. A producer dispatches only what its lease allows: prompt number `seq` of a producer (counted
+from 0 over the whole run, as published) gets sample id `<name>-<seq>`, and the trainer refuses a sample
+whose seq is outside its producer's lease. Hence outstanding never exceeds max_outstanding, whatever a
+producer writes: a producer can use only its own lease, and a junk or duplicate entry consumes nothing.
+
+Consumption is counted per prompt, once: `consumed:<name>` is a bitmap of that producer's seqs the trainer
+has finished with (trained, dropped as stale, evicted, dead-lettered, skipped); a script sets the bits and
+adds to `consumed` only the bits it flipped, and only for seqs inside the lease. So a retried call, a
+commit replayed after a crash, a sample evicted again after a restart, and several ranks all count a prompt
+once, and nothing a producer publishes beyond its lease or twice moves the pacing.
+
+A producer that crashed (or lost Redis) mid-dispatch keeps its lease: its published count
+(`producer:<name>:published`, moved with the publish) says where its next seq starts, so the restarted
+producer dispatches the same prompts again under the same ids.
+
+Early consumption gives room back at once: samples evicted (filter_groups, rollout failures), dropped as
+stale or dead-lettered count as consumed when the trainer meets them, and the current version's budget gets
+their room back (a top-up: budget += n, never past max_outstanding - outstanding nor the grant's cap), else
+sync mode (window = one global batch) would wait forever for their replacements. Trained samples are
+counted in the step's commit; their room comes back with the next version's grant.
 Memory back-pressure: while the run's unread stream data alone exceeds bus.redis_max_bytes (a retention
 pass reports it), the trainer caps each grant at one global step's prompts (`cap`): producers then get no
-more than the trainer consumes per version, so the backlog shrinks towards one step instead of
-max_outstanding; they pause between versions. The cap never starves the trainer: prompts dispatched
-under version g are fresh at step g+1 (staleness 1, always kept), so one step's worth completes it.
-Dead letters: a dispatched prompt whose rollout the trainer dead-letters (undecodable, invalid, unusable)
-never trains, yet the next version comes only after a full global batch has trained; with
-staleness_threshold = 0 one dead letter would leave the trainer waiting for a prompt nobody may dispatch.
-So the trainer counts dead-lettered rollouts as consumed with TOPUP, which also gives the current version
-back the room they freed: budget += n, never past max_outstanding - outstanding nor the grant's cap. Each
-is counted exactly once: the trainer's reader increments the trainer hash's `dead_lettered` in the same
-script that acks the entry and writes its dead copy (rollstream/bus/reader.py), and TOPUP counts
-`dead_lettered - dead_counted` inside Redis and sets `dead_counted`; a retried call, a crash between the
-dead letter and its count (the next trainer process runs TOPUP at start) and several ranks all count each
-dead letter once. Evictions (filter_groups: a group every trajectory of which scored the same is not
-trained) take the same give-back at once (EVICT, `consume_evicted`), else sync mode would wait forever
-for their replacements.
-Grants and top-ups are logged on the trainer's `dispatch_log` stream, each producer's takes and releases on
-its own (`producer:<name>:dispatch_log`), so the bound can be checked from the log (`dispatch_entries`).
+more than the trainer consumes per version, so the backlog shrinks towards one step; they pause between
+versions. Prompts leased under version g are fresh at step g+1, so one step's worth completes it.
+Grants, top-ups and leases are logged on the trainer's `dispatch_log` stream, so the bound can be checked
+from the log (`dispatch_entries`).
 
-Producers run TAKE and RELEASE as scripts, and their ACL user may touch only the keys those scripts need:
-read the trainer hash and `consumed`, move `budget:<v>` and `dispatched`, write its own producer keys.
+Liveness: a producer reads its lease before it loads the newest weights, so a prompt leased under version v
+is never generated with weights older than v's predecessor, and the trainer publishes a version's weights
+before it grants its budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
 
+from rollstream.bus.connection import CONNECTION_ERRORS
 from rollstream.bus.ids import parse_id, text
 from rollstream.bus.streams import iter_stream
 from rollstream.names import (
     BUDGET_CAP_FIELD,
     BUDGET_VERSION_FIELD,
-    DEAD_COUNTED_FIELD,
-    DEAD_LETTERED_FIELD,
     DROPPED_STALE_FIELD,
-    EVICTED_EARLY_FIELD,
     Keys,
 )
 from schemas.text_entries import (
     GRANT,
-    RELEASE,
-    TAKE,
+    LEASE,
     TOPUP,
     DispatchRecord,
     decode_dispatch,
     dispatch_lua_fields,
 )
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two passes of the trainer's Leaser (a producer waits at most about this for a lease).
+LEASE_PERIOD_S = 0.01
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log, budget:v-1 … (older ones to delete)
 # ARGV: version, max_outstanding, cap (-1: none)
@@ -76,115 +88,122 @@ redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(GRANT, version="ARGV[1]", 
 return {{budget, outstanding}}
 """
 
-# Shared by TOPUP and RELEASE, whose KEYS start budget:v, dispatched, consumed, trainer hash, a dispatch_log:
-# give version `current`'s budget back up to n prompts of room, never past max_outstanding - outstanding nor
-# the grant's cap (both less what is left), logged as a top-up; returns what it added.
-_GIVE_BACK = f"""
-local function give_back(current, n, outstanding, max_outstanding)
-  local left = tonumber(redis.call('GET', KEYS[1]) or '0')
-  local add = math.min(n, max_outstanding - outstanding - left)
-  local cap = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_CAP_FIELD}') or '-1')
-  if cap >= 0 then add = math.min(add, cap - left) end
-  if add <= 0 then return 0 end
-  redis.call('INCRBY', KEYS[1], add)
-  redis.call('XADD', KEYS[5], '*', {
+# Scripts whose KEYS start budget:v, dispatched, consumed, trainer hash, dispatch_log, lease hash and whose
+# ARGV[1] is the caller's reading of budget_version: nothing is done when a grant moved it ({-1, current}).
+_CURRENT = f"""
+local current = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_VERSION_FIELD}') or '-1')
+if current ~= tonumber(ARGV[1]) then return {{-1, current}} end
+"""
+
+# KEYS: the six above, then each asking producer's want key; ARGV: version, then the producers' names (in
+# the order of their want keys). Leases each producer up to its want (a number it wrote; anything else
+# counts as 0) from what is left of the budget, in the given order. Returns {leased, version}.
+_LEASE = (
+    _CURRENT
+    + f"""
+local left = tonumber(redis.call('GET', KEYS[1]) or '0')
+local total = 0
+for i = 2, #ARGV do
+  if left <= 0 then break end
+  local want = tonumber(redis.call('GET', KEYS[5 + i]) or '0') or 0
+  local have = tonumber(redis.call('HGET', KEYS[6], ARGV[i]) or '0')
+  local add = math.floor(math.min(want - have, left))
+  if add > 0 then
+    left = left - add
+    total = total + add
+    redis.call('HINCRBY', KEYS[6], ARGV[i], add)
+    local outstanding = redis.call('INCRBY', KEYS[2], add) - tonumber(redis.call('GET', KEYS[3]) or '0')
+    redis.call('XADD', KEYS[5], '*', {
+        dispatch_lua_fields(
+            LEASE, version="ARGV[1]", amount="add", outstanding="outstanding", producer="ARGV[i]"
+        )
+    })
+  end
+end
+if total > 0 then redis.call('DECRBY', KEYS[1], total) end
+return {{total, current}}
+"""
+)
+
+# Count prompts as consumed, once each: KEYS from 7 are `consumed:<producer>` bitmaps; ARGV from `first`:
+# the number of producers P, their names (in bitmap order), then (producer index, seq) pairs. A seq counts
+# when it is inside that producer's lease and its bit was not set. Returns how many counted.
+_COUNT_FN = """
+local function count_ids(first)
+  local np = tonumber(ARGV[first])
+  local limit = {}
+  for k = 1, np do limit[k] = tonumber(redis.call('HGET', KEYS[6], ARGV[first + k]) or '0') end
+  local n = 0
+  for i = first + np + 1, #ARGV, 2 do
+    local k = tonumber(ARGV[i])
+    local seq = tonumber(ARGV[i + 1])
+    if seq < limit[k] and redis.call('SETBIT', KEYS[6 + k], seq, 1) == 0 then n = n + 1 end
+  end
+  if n > 0 then redis.call('INCRBY', KEYS[3], n) end
+  return n
+end
+"""
+
+# In the step's commit (a MULTI: no retry on a moved version, no top-up). ARGV[1] is unused.
+_COUNT = _COUNT_FN + "return count_ids(2)\n"
+
+# Early consumption. ARGV: version, max_outstanding, then the ids as for count_ids. Counts, then gives the
+# current version's budget back up to n prompts of room, never past max_outstanding - outstanding nor the
+# grant's cap (both less what is left), logged as a top-up. Returns {counted, added}.
+_CONSUME = (
+    _COUNT_FN
+    + _CURRENT
+    + f"""
+local n = count_ids(3)
+if n == 0 or current < 0 then return {{n, 0}} end
+local max_outstanding = tonumber(ARGV[2])
+local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
+local left = tonumber(redis.call('GET', KEYS[1]) or '0')
+local add = math.min(n, max_outstanding - outstanding - left)
+local cap = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_CAP_FIELD}') or '-1')
+if cap >= 0 then add = math.min(add, cap - left) end
+if add <= 0 then return {{n, 0}} end
+redis.call('INCRBY', KEYS[1], add)
+redis.call('XADD', KEYS[5], '*', {
     dispatch_lua_fields(
         TOPUP, version="current", amount="add", outstanding="outstanding", max_outstanding="max_outstanding"
     )
 })
-  return add
-end
-local current = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_VERSION_FIELD}') or '-1')
-if current ~= tonumber(ARGV[1]) then return {{-1, current}} end
-"""
-
-# KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log
-# ARGV: version (the caller's reading of budget_version), max_outstanding
-# Returns {counted, added}, or {-1, budget_version} when a grant moved budget_version (nothing done).
-_TOPUP = (
-    _GIVE_BACK
-    + f"""
-local lettered = tonumber(redis.call('HGET', KEYS[4], '{DEAD_LETTERED_FIELD}') or '0')
-local n = lettered - tonumber(redis.call('HGET', KEYS[4], '{DEAD_COUNTED_FIELD}') or '0')
-if n <= 0 then return {{0, 0}} end
-redis.call('HSET', KEYS[4], '{DEAD_COUNTED_FIELD}', lettered)
-local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - redis.call('INCRBY', KEYS[3], n)
-if current < 0 then return {{n, 0}} end
-return {{n, give_back(current, n, outstanding, tonumber(ARGV[2]))}}
-"""
-)
-
-# KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log
-# ARGV: version (the caller's reading of budget_version), max_outstanding, n (evicted rollouts)
-# Returns {n, added}, or {-1, budget_version} when a grant moved budget_version (nothing done).
-_EVICT = (
-    _GIVE_BACK
-    + f"""
-local n = tonumber(ARGV[3])
-redis.call('HINCRBY', KEYS[4], '{EVICTED_EARLY_FIELD}', n)
-local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - redis.call('INCRBY', KEYS[3], n)
-if current < 0 then return {{n, 0}} end
-return {{n, give_back(current, n, outstanding, tonumber(ARGV[2]))}}
-"""
-)
-
-# KEYS: trainer hash, consumed. Un-count the early-counted evictions of a crashed trainer process.
-_UNCOUNT = f"""
-local early = tonumber(redis.call('HGET', KEYS[1], '{EVICTED_EARLY_FIELD}') or '0')
-if early ~= 0 then
-  redis.call('HSET', KEYS[1], '{EVICTED_EARLY_FIELD}', 0)
-  redis.call('DECRBY', KEYS[2], early)
-end
-return early
-"""
-
-# KEYS: budget:v, dispatched, consumed, trainer hash, producer's dispatch_log, producer's inflight counter
-# ARGV: version, want, producer
-_TAKE = f"""
-local current = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_VERSION_FIELD}') or '-1')
-if current ~= tonumber(ARGV[1]) then return {{-1, current}} end
-local left = tonumber(redis.call('GET', KEYS[1]) or '0')
-local take = math.min(left, tonumber(ARGV[2]))
-if take <= 0 then return {{0, current}} end
-redis.call('DECRBY', KEYS[1], take)
-local dispatched = redis.call('INCRBY', KEYS[2], take)
-redis.call('INCRBY', KEYS[6], take)
-local outstanding = dispatched - tonumber(redis.call('GET', KEYS[3]) or '0')
-redis.call('XADD', KEYS[5], '*', {
-    dispatch_lua_fields(TAKE, version="ARGV[1]", amount="take", outstanding="outstanding", producer="ARGV[3]")
-})
-return {{take, current}}
-"""
-
-# KEYS: budget:v, dispatched, consumed, trainer hash, producer's dispatch_log, producer's inflight counter
-# ARGV: version (the caller's reading of budget_version), max_outstanding, producer
-# Returns {released, added}, or {-1, budget_version} when a grant moved budget_version (nothing done).
-_RELEASE = (
-    _GIVE_BACK
-    + f"""
-local n = tonumber(redis.call('GET', KEYS[6]) or '0')
-redis.call('SET', KEYS[6], 0)
-if n <= 0 then return {{0, 0}} end
-local dispatched = redis.call('DECRBY', KEYS[2], n)
-redis.call('XADD', KEYS[5], '*', {dispatch_lua_fields(RELEASE, amount="n", producer="ARGV[3]")})
-if current < 0 then return {{n, 0}} end
-local outstanding = dispatched - tonumber(redis.call('GET', KEYS[3]) or '0')
-return {{n, give_back(current, n, outstanding, tonumber(ARGV[2]))}}
+return {{n, add}}
 """
 )
 
 
-@dataclass(frozen=True)
-class Take:
-    """Result of a budget take: how many prompts may be dispatched, and the version the budget is for."""
+def split_sample_id(sample_id: str) -> tuple[str, int] | None:
+    """(producer, seq) of a leased sample id `<producer>-<seq>`; None for any other id."""
+    producer, _, seq = sample_id.rpartition("-")
+    if not producer or not seq.isdigit() or len(seq) > 18:  # isdigit: no sign, no spaces
+        return None
+    return producer, int(seq)
 
-    amount: int
-    budget_version: int
 
-    @property
-    def stale(self) -> bool:
-        """True when the caller asked for an older version than the one budget is granted for."""
-        return self.amount < 0
+def leased_sample_id(producer: str, seq: int) -> str:
+    """The sample id of `producer`'s prompt number `seq` (counted from 0 over the run)."""
+    return f"{producer}-{seq}"
+
+
+def _base_keys(keys: Keys, version: int) -> list[str]:
+    return [keys.budget(max(version, 0)), keys.dispatched, keys.consumed, keys.trainer, keys.dispatch_log,
+            keys.lease]
+
+
+def _id_args(keys: Keys, sample_ids: Iterable[str]) -> tuple[list[str], list[str | int]]:
+    """(bitmap keys, ARGV tail) of count_ids for the leased ids among `sample_ids`."""
+    seqs: dict[str, list[int]] = defaultdict(list)
+    for sid in sample_ids:
+        if (parsed := split_sample_id(sid)) is not None:
+            seqs[parsed[0]].append(parsed[1])
+    names = sorted(seqs)
+    args: list[str | int] = [len(names), *names]
+    for k, name in enumerate(names, start=1):
+        for seq in seqs[name]:
+            args += [k, seq]
+    return [keys.consumed_bits(name) for name in names], args
 
 
 def grant_budget(
@@ -209,97 +228,131 @@ def grant_budget(
     return int(res[0]), int(res[1])
 
 
-def take_budget(r: redis.Redis, keys: Keys, version: int, want: int, producer: str) -> Take:
-    """Producer side: atomically take up to `want` dispatches from `version`'s budget."""
-    res: Any = r.eval(
-        _TAKE,
-        6,
-        keys.budget(version),
-        keys.dispatched,
-        keys.consumed,
-        keys.trainer,
-        keys.producer_dispatch_log(producer),
-        keys.producer_inflight(producer),
-        version,
-        want,
-        producer,
-    )
-    return Take(int(res[0]), int(res[1]))
+def lease_pass(r: redis.Redis, keys: Keys, producers: Sequence[str]) -> int:
+    """Trainer side: lease each producer (in the given order) up to its want from the current version's
+    budget; returns the prompts leased (0 before the first grant)."""
+    while True:
+        version = current_budget(r, keys)[0]
+        if version < 0 or not producers:
+            return 0
+        res: Any = r.eval(
+            _LEASE,
+            6 + len(producers),
+            *_base_keys(keys, version),
+            *(keys.producer_want(p) for p in producers),
+            version,
+            *producers,
+        )
+        if int(res[0]) >= 0:
+            return int(res[0])
 
 
-def mark_published(pipe: Any, keys: Keys, producer: str, count: int = 1) -> None:
-    """Queue, on the producer's publish pipeline, that `count` dispatched prompts are now on the log."""
-    pipe.decrby(keys.producer_inflight(producer), count)
+def lease_outright(r: redis.Redis, keys: Keys, producer: str, n: int) -> int:
+    """Trainer (or admin) side with no Leaser running: lease `n` more prompts to `producer` at once, outside
+    any budget (benchmarks and tests that run producers without a trainer); returns its lease total."""
+    pipe = r.pipeline(transaction=True)
+    pipe.hincrby(keys.lease, producer, n)
+    pipe.incrby(keys.dispatched, n)
+    total, _ = pipe.execute()
+    return int(total)
 
 
-def release_unpublished(r: redis.Redis, keys: Keys, producer: str, max_outstanding: int) -> int:
-    """On producer (re)start or reconnect: prompts it dispatched but never published (it crashed, or Redis
-    went away mid-dispatch) stop counting as outstanding, and the current version's budget gets their room
-    back (a top-up logged on the producer's dispatch_log, bounded like TOPUP's), else sync mode would wait
-    forever for prompts nobody may dispatch again. Returns how many were released."""
-    released, _ = _give_back_script(
-        r,
-        keys,
-        _RELEASE,
-        [keys.producer_dispatch_log(producer), keys.producer_inflight(producer)],
-        max_outstanding,
-        producer,
-    )
-    return released
+def queue_count_consumed(pipe: Any, keys: Keys, sample_ids: Iterable[str]) -> None:
+    """Queue, on the trainer's commit MULTI, that the prompts of `sample_ids` are consumed (each once; ids
+    outside their producer's lease count nothing). Their room comes back with the next grant."""
+    bitmaps, args = _id_args(keys, sample_ids)
+    if bitmaps:
+        pipe.eval(_COUNT, 6 + len(bitmaps), *_base_keys(keys, 0), *bitmaps, 0, *args)
 
 
-def record_consumed(r: redis.Redis | Any, keys: Keys, count: int) -> None:
-    """Trainer side (may be a pipeline): `count` prompts were consumed (trained or dropped)."""
-    if count:
-        r.incrby(keys.consumed, count)
-
-
-def consume_dead(r: redis.Redis, keys: Keys, max_outstanding: int) -> tuple[int, int]:
-    """Trainer side: count the rollouts dead-lettered and not yet counted (the trainer hash's `dead_lettered`
-    minus `dead_counted`) as consumed and give the current version's budget back the room they freed (TOPUP,
-    see the module docstring). Returns (newly counted, budget added); a repeat counts nothing twice."""
-    return _give_back_script(r, keys, _TOPUP, [keys.dispatch_log], max_outstanding)
-
-
-def consume_evicted(r: redis.Redis, keys: Keys, n: int, max_outstanding: int) -> tuple[int, int]:
-    """Trainer side: `n` rollouts evicted mid-step (filter_groups) count as consumed now and give the current
-    version's budget back their room (the dead letters' TOPUP rule), so producers refill the batch before
-    the next version. They stay in the trainer hash's `evicted_early` until their step's consumed count
-    settles them (consumers/trainer/ledger.py), and a restarted trainer un-counts what a crash left there
-    (`uncount_evicted`): its samples come back and are evicted (or trained) again. Returns (n, added)."""
-    if n <= 0:
+def consume(r: redis.Redis, keys: Keys, sample_ids: Iterable[str], max_outstanding: int) -> tuple[int, int]:
+    """Trainer side, early consumption (evicted, dropped as stale, dead-lettered): count each leased prompt
+    of `sample_ids` once and give the current version's budget back the room they freed (a top-up, see
+    the module docstring). Returns (newly counted, budget added); a repeat counts nothing twice."""
+    bitmaps, args = _id_args(keys, sample_ids)
+    if not bitmaps:
         return 0, 0
-    return _give_back_script(r, keys, _EVICT, [keys.dispatch_log], max_outstanding, str(n))
-
-
-def uncount_evicted(r: redis.Redis, keys: Keys) -> int:
-    """Trainer start: evictions counted early by a process that crashed before its step counted them are
-    no longer consumed (their samples are pending again); returns how many."""
-    return int(cast(Any, r.eval(_UNCOUNT, 2, keys.trainer, keys.consumed)))
-
-
-def _give_back_script(
-    r: redis.Redis, keys: Keys, script: str, more_keys: list[str], max_outstanding: int, *args: str
-) -> tuple[int, int]:
-    """Run TOPUP or RELEASE on the current budget version's keys (budget:v, dispatched, consumed, trainer
-    hash, then `more_keys`); again on the new version when a grant moved it in between. Returns the script's
-    pair."""
     while True:
         version = current_budget(r, keys)[0]
         res: Any = r.eval(
-            script,
-            4 + len(more_keys),
-            keys.budget(max(version, 0)),
-            keys.dispatched,
-            keys.consumed,
-            keys.trainer,
-            *more_keys,
-            version,
-            max_outstanding,
-            *args,
+            _CONSUME, 6 + len(bitmaps), *_base_keys(keys, version), *bitmaps, version, max_outstanding, *args
         )
         if int(res[0]) >= 0:
             return int(res[0]), int(res[1])
+
+
+def is_consumed(r: redis.Redis, keys: Keys, sample_id: str) -> bool:
+    """True when the prompt of a leased sample id was counted as consumed."""
+    parsed = split_sample_id(sample_id)
+    return parsed is not None and bool(r.getbit(keys.consumed_bits(parsed[0]), parsed[1]))
+
+
+def leases(r: redis.Redis, keys: Keys) -> dict[str, int]:
+    """Producer -> prompts leased to it so far."""
+    raw: Any = r.hgetall(keys.lease)
+    return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+
+
+def lease_of(r: redis.Redis, keys: Keys, producer: str) -> int:
+    """Prompts leased to `producer` so far (0 before its first lease)."""
+    return int(cast(Any, r.hget(keys.lease, producer)) or 0)
+
+
+def published_count(r: redis.Redis, keys: Keys, producer: str) -> int:
+    """Prompts `producer` has published so far (its next seq)."""
+    return int(cast(Any, r.get(keys.producer_published(producer))) or 0)
+
+
+def ask_lease(r: redis.Redis | Any, keys: Keys, producer: str, total: int) -> None:
+    """Producer side: ask for leases up to `total` prompts in all (its own key; the Leaser grants)."""
+    r.set(keys.producer_want(producer), total)
+
+
+def mark_published(pipe: Any, keys: Keys, producer: str, count: int = 1) -> None:
+    """Queue, on the producer's publish pipeline, that `count` more of its leased prompts are on the log."""
+    pipe.incrby(keys.producer_published(producer), count)
+
+
+class Leaser:
+    """The trainer's lease loop: a daemon thread running `lease_pass` every LEASE_PERIOD_S, the producers
+    taken in turn (a different one first each pass), until `stop`. Connection errors are waited out."""
+
+    def __init__(
+        self, r: redis.Redis, keys: Keys, producers: Sequence[str], stop: threading.Event,
+        period_s: float = LEASE_PERIOD_S,
+    ) -> None:
+        """Lease to `producers` (the run's producer names) on `r` until `stop` is set."""
+        self.r, self.keys, self.producers, self.stop, self.period_s = r, keys, list(producers), stop, period_s
+        self.leased = 0  # prompts leased by this loop
+        self.thread: threading.Thread | None = None
+        self._turn = 0
+
+    def run_once(self) -> int:
+        """One pass; returns the prompts leased."""
+        if not self.producers:
+            return 0
+        k = self._turn % len(self.producers)
+        self._turn += 1
+        n = lease_pass(self.r, self.keys, self.producers[k:] + self.producers[:k])
+        self.leased += n
+        return n
+
+    def start(self) -> Leaser:
+        """Run the loop in a daemon thread; returns self."""
+        self.thread = threading.Thread(target=self._loop, name="leaser", daemon=True)
+        self.thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.period_s):
+            try:
+                self.run_once()
+            except CONNECTION_ERRORS as e:
+                log.warning("leaser: %s; retrying", e)
+                self.stop.wait(0.5)
+            except redis.ResponseError as e:  # e.g. BUSY while another script runs: waited out
+                log.warning("leaser: %s; retrying", e)
+                self.stop.wait(0.5)
 
 
 def budget_left(r: redis.Redis, keys: Keys, version: int) -> int:
@@ -307,13 +360,8 @@ def budget_left(r: redis.Redis, keys: Keys, version: int) -> int:
     return int(cast(Any, r.get(keys.budget(version))) or 0)
 
 
-def inflight(r: redis.Redis, keys: Keys, producer: str) -> int:
-    """Prompts `producer` took and has not published (0 when it never took any)."""
-    return int(cast(Any, r.get(keys.producer_inflight(producer))) or 0)
-
-
 def dispatch_entries(r: redis.Redis, keys: Keys) -> list[DispatchRecord]:
-    """Every grant, top-up, take and release (the trainer's log and every producer's), in id order."""
+    """Every grant, top-up and lease (and an older run's producer takes and releases), in id order."""
     rc: Any = r
     streams = [
         keys.dispatch_log,
@@ -336,14 +384,14 @@ def current_budget(r: redis.Redis, keys: Keys) -> tuple[int, int]:
 class RolloutCounts:
     """Run-wide pacing counters of all producers together, read in one snapshot."""
 
-    dispatched: int  # prompts taken from the budget (crashed producers' unpublished ones released)
-    consumed: int  # prompts the trainer finished with: trained, dropped as stale, or dead-lettered
-    in_flight: int  # dispatched, not yet published (generating)
+    dispatched: int  # prompts leased to producers
+    consumed: int  # prompts the trainer finished with: trained, dropped as stale, evicted or dead-lettered
+    in_flight: int  # leased, not yet published (generating, or a lease not used yet)
     dropped_stale: int  # consumed prompts the trainer dropped as too stale
 
     @property
     def published(self) -> int:
-        """Samples on the rollouts stream so far (dispatched minus in flight)."""
+        """Leased prompts on the rollouts stream so far (leased minus in flight)."""
         return self.dispatched - self.in_flight
 
     @property
@@ -353,18 +401,19 @@ class RolloutCounts:
 
 
 def rollout_counts(r: redis.Redis, keys: Keys, producers: Sequence[str]) -> RolloutCounts:
-    """One MULTI snapshot of the global counters, in-flight summed over the named producers' own
-    counters (GETs only: what the producer ACL allows)."""
+    """One MULTI snapshot of the global counters, in flight summed over the named producers (their lease
+    less what they published; GETs only: what the producer ACL allows)."""
     pipe = r.pipeline(transaction=True)
     pipe.get(keys.dispatched)
     pipe.get(keys.consumed)
     pipe.hget(keys.trainer, DROPPED_STALE_FIELD)
     for name in producers:
-        pipe.get(keys.producer_inflight(name))
-    dispatched, consumed, dropped, *inflight = pipe.execute()
+        pipe.hget(keys.lease, name)
+        pipe.get(keys.producer_published(name))
+    dispatched, consumed, dropped, *per = pipe.execute()
     return RolloutCounts(
         dispatched=int(dispatched or 0),
         consumed=int(consumed or 0),
-        in_flight=sum(max(0, int(v or 0)) for v in inflight),
+        in_flight=sum(max(0, int(per[i] or 0) - int(per[i + 1] or 0)) for i in range(0, len(per), 2)),
         dropped_stale=int(dropped or 0),
     )

@@ -6,21 +6,21 @@ workers as ROLLSTREAM_REDIS_PASSWORD_FILE; they never appear on a command line, 
 
 Redis 7 selectors bind each command to the keys it may touch, so no user can write what another role
 writes. A producer may: XADD to `rollouts` and `stats`; read `params`, `weights:*`, `setup`; read the
-trainer hash, the `archive` hash and `consumed`; move the pacing counters (`budget:*`, `dispatched`)
-through the TAKE and RELEASE scripts (Redis checks every command a script runs against the caller's user,
-so a producer can also DECRBY/INCRBY those two counters directly: it can starve or over-dispatch pacing,
-nothing else); and write its own `producer:<name>:*` keys. It cannot read rollouts, write the trainer
-hash, `metrics`, `dispatch_log`, `records`, `fates`, `dead`, weights or params, another producer's keys,
-or another run's. The aggregator reads `metrics`/`stats` as its group (created by setup_run: it may not
-create groups), appends to `records` and its own `dead:aggregator` (dead-lettering is WATCH + MULTI: it may
-run no script), keeps `sink_cursor`, reads the trainer hash and the `archive` hash; it cannot delete
+trainer hash, the `archive` hash, the `lease` hash, `consumed`, `dispatched` and every producer's
+published count; and write its own `producer:<name>:*` keys (among them `want`, the lease it asks for).
+It runs no script and cannot move the pacing: only the trainer writes budgets, leases and the counters
+(rollstream/pacing.py). It cannot read rollouts, write the trainer hash, `metrics`, `dispatch_log`,
+`records`, `fates`, `dead`, weights or params, another producer's keys, or another run's.
+The aggregator reads `metrics`/`stats` as its group (created by setup_run: it may not create groups),
+appends to `records` and its own `dead:aggregator` (dead-lettering is WATCH + MULTI: it may run no
+script), keeps `sink_cursor`, reads the trainer hash and the `archive` hash; it cannot delete
 anything. The trainer owns the run's keys; only it (and admin) can write `archive`, the folder every
 reader of the log is pointed to.
 Left open (no ACL can close it: ACLs do not see arguments): a writer of a stream may trim it with XADD's
 own MAXLEN/MINID (the audit counts what is destroyed, rollstream/audit.py) and XADD with an explicit id
 far ahead, after which every other writer's `*` XADD to that stream gets ids ahead, or, at the last
-possible id, fails for good. Producers can still run any script (the trainer's `watch_busy_scripts` kills
-one that blocks Redis, unless it wrote first) and move the shared pacing counters.
+possible id, fails for good. The trainer's `watch_busy_scripts` kills a script that blocks Redis (only the
+trainer and admin may run scripts).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ _BASE = ["+ping", "+hello", "+auth", "+client|setname", "+client|id", "+select",
 def producer_rules(keys: Keys, producer: str) -> list[str]:
     """ACL SETUSER rules of one producer's user: each command bound to the only keys it may touch."""
     k = keys
-    budget = k.budget(0).rsplit(":", 1)[0] + ":*"
     weights = k.weights(0).rsplit(":", 1)[0] + ":*"
     own = k.producer_prefix(producer) + "*"
     return [
@@ -56,14 +55,11 @@ def producer_rules(keys: Keys, producer: str) -> list[str]:
         "+discard",
         f"(+xadd %W~{k.rollouts} %W~{k.stats})",
         f"(+xrevrange +xrange %R~{k.params})",
-        f"(+get %R~{weights} %R~{k.consumed} %R~{budget} %R~{k.dispatched} "
-        f"%R~{k.producer_pattern('inflight')})",
+        f"(+get %R~{weights} %R~{k.consumed} %R~{k.dispatched} %R~{k.producer_pattern('published')})",
         f"(+exists %R~{k.setup})",
-        f"(+hget %R~{k.trainer} %R~{k.archive})",
-        f"(+decrby ~{budget} ~{k.dispatched})",
-        f"(+incrby ~{budget} ~{k.dispatched})",  # (budget: RELEASE gives a crashed dispatch's room back)
+        f"(+hget %R~{k.trainer} %R~{k.archive} %R~{k.lease})",
+        # its own keys: cursor, published count, want (the lease it asks for), version; no script at all
         f"(+get +set +incrby +decrby +xadd ~{own})",
-        f"(+eval +evalsha ~{budget} ~{k.dispatched} ~{k.consumed} ~{k.trainer} ~{own})",
     ]
 
 
@@ -89,6 +85,7 @@ def acl_rules(keys: Keys, producers: Sequence[str] = ()) -> dict[str, list[str]]
         "+@hash",
         "+@string",
         "+@scripting",
+        "+@bitmap",
         "+@transaction",
         "+@keyspace",
         "-flushall",

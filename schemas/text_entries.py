@@ -4,10 +4,12 @@
     sample_id  source_id (its rollouts entry id)  fate (trained | dropped | evicted)  staleness  param_version
     global_step  [reason (evicted: filter_groups = every trajectory of the group scored the same;
     rollout_failure = the producer's generation failed)]
-`dispatch_log` (the trainer's grants and top-ups) and `producer:<name>:dispatch_log` (a producer's takes
-and releases), written by the pacing Lua scripts (rollstream/pacing.py), fields in this order:
+`dispatch_log` (the trainer's grants, leases and top-ups), written by the trainer's pacing Lua scripts
+(rollstream/pacing.py), fields in this order:
     grant:   op version amount outstanding max_outstanding
-    topup:   op version amount outstanding max_outstanding  (budget added back after dead letters)
+    topup:   op version amount outstanding max_outstanding  (budget added back after early consumption)
+    lease:   op version amount outstanding producer  (prompts leased to that producer)
+Logs of older runs also hold a producer's own takes and releases (`producer:<name>:dispatch_log`):
     take:    op version amount outstanding producer
     release: op amount producer
 `producer:<name>:cursor`: the producer's next prompt as "<epoch>:<index>".
@@ -104,27 +106,30 @@ def decode_fate(entry: Mapping[Any, Any]) -> Fate:
 
 GRANT = "grant"
 TOPUP = "topup"
-TAKE = "take"
-RELEASE = "release"
-DISPATCH_OPS = (GRANT, TOPUP, TAKE, RELEASE)
+LEASE = "lease"
+TAKE = "take"  # older runs: a producer took budget itself
+RELEASE = "release"  # older runs: a restarted producer gave back what it took and never published
+DISPATCH_OPS = (GRANT, TOPUP, LEASE, TAKE, RELEASE)
 
 
 @dataclass(frozen=True)
 class DispatchRecord:
-    """One budget grant or top-up (trainer), take or release (a producer) on a dispatch log."""
+    """One budget grant, top-up or lease (trainer), or an older run's take or release (a producer) on a
+    dispatch log."""
 
-    op: str  # GRANT, TOPUP, TAKE or RELEASE
+    op: str  # GRANT, TOPUP, LEASE (or an older run's TAKE, RELEASE)
     version: int | None  # the version the budget is for (None on a release)
-    amount: int  # prompts granted, added, taken or released
+    amount: int  # prompts granted, added, leased, taken or released
     outstanding: int | None  # dispatched - consumed after the operation (None on a release)
     max_outstanding: int | None  # the bound the grant or top-up was computed for (trainer's entries only)
-    producer: str | None  # who took or released (None on the trainer's entries)
+    producer: str | None  # who was leased, took or released (None on grants and top-ups)
 
 
 DISPATCH_FIELDS = tuple(f.name for f in fields(DispatchRecord))
 _DISPATCH_REQUIRED = {
     GRANT: ("version", "amount", "outstanding", "max_outstanding"),
     TOPUP: ("version", "amount", "outstanding", "max_outstanding"),
+    LEASE: ("version", "amount", "outstanding", "producer"),
     TAKE: ("version", "amount", "outstanding", "producer"),
     RELEASE: ("amount", "producer"),
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -10,7 +11,8 @@ import pytest
 import redis
 
 from rollstream.bus import delete_run
-from rollstream.names import Keys
+from rollstream.names import Keys, producer_names
+from rollstream.pacing import Leaser
 
 REDIS_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -39,3 +41,14 @@ def keys(r: redis.Redis) -> Iterator[Keys]:
     k = Keys(f"t-{uuid.uuid4().hex[:12]}")
     yield k
     delete_run(r, k)
+
+
+@pytest.fixture
+def leasing(r: redis.Redis, keys: Keys) -> Iterator[Leaser]:
+    """The trainer's lease loop for rollout_00 … rollout_03 of this test's run (tests that play the trainer
+    with grant_budget and run real producers); stopped afterwards."""
+    leaser = Leaser(r, keys, producer_names(4), threading.Event()).start()
+    yield leaser
+    leaser.stop.set()
+    assert leaser.thread is not None
+    leaser.thread.join(timeout=5)

@@ -4,7 +4,6 @@ with a reason naming the field and value, and the trainer goes on training the r
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.fakes import fake_rollout_sample
 from rollstream.names import Keys
+from rollstream.pacing import lease_outright
 from rollstream.weights import publish_weights
 from schemas import DeadLetter, decode, encode
 
@@ -34,8 +34,14 @@ def tiny_cfg(keys: Keys, tmp: Path) -> PipelineConfig:
     ])
 
 
+def leased_id(r: redis.Redis, keys: Keys) -> str:
+    """One more prompt leased to rollout_00 (as the trainer would lease it): its sample id."""
+    return f"rollout_00-{lease_outright(r, keys, 'rollout_00', 1) - 1}"
+
+
 def sample_fields(sid: str, version: int = 0) -> dict[bytes, bytes]:
-    ev = fake_rollout_sample(sid, param_version=max(version, 0), n=2, prompt_len=4, response_len=5)
+    ev = fake_rollout_sample(sid, param_version=max(version, 0), n=2, prompt_len=4, response_len=5,
+                             producer="rollout_00")
     fields = {k.encode(): bytes(v) for k, v in encode(ev).items()}
     if version < 0:  # what a producer that skips the model would write
         fields[b"param_version"] = str(version).encode()
@@ -50,6 +56,7 @@ def trainer(r: redis.Redis, keys: Keys, tmp_path: Path) -> Iterator[Trainer]:
     t = Trainer(tiny_cfg(keys, tmp_path), r, keys, "trainer", threading.Event())
     t.resume()
     yield t
+    t.effects.stop_leaser()
 
 
 def dead_reasons(r: redis.Redis, keys: Keys) -> dict[str, str]:
@@ -67,42 +74,72 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
     r: redis.Redis, keys: Keys, trainer: Trainer
 ) -> None:
     attacks: dict[str, tuple[dict[bytes, Any], str]] = {}
-    tag = uuid.uuid4().hex[:6]
-    attacks["future"] = (sample_fields(f"future-{tag}", 10**9),
-                         "invalid: param_version=1000000000 is newer than the newest published version 0")
-    attacks["negative"] = (sample_fields(f"neg-{tag}", -5),
-                           "param_version: Input should be greater than or equal to 0")
-    mismatch = sample_fields(f"payload-{tag}")
-    mismatch[b"sample_id"] = f"header-{tag}".encode()
+    names = (
+        "future",
+        "neg",
+        "payload",
+        "header",
+        "schema",
+        "extra",
+        "big",
+        "reward",
+        "victim",
+        "good-0",
+        "good-1",
+    )
+    lid = {name: leased_id(r, keys) for name in names}
+    attacks["future"] = (
+        sample_fields(lid["future"], 10**9),
+        "invalid: param_version=1000000000 is newer than the newest published version 0",
+    )
+    attacks["negative"] = (
+        sample_fields(lid["neg"], -5),
+        "param_version: Input should be greater than or equal to 0",
+    )
+    mismatch = sample_fields(lid["payload"])
+    mismatch[b"sample_id"] = lid["header"].encode()
     attacks["mismatch"] = (
         mismatch,
-        f"header sample_id=b'header-{tag}' != payload sample_id=b'payload-{tag}'",
+        f"header sample_id=b'{lid['header']}' != payload sample_id=b'{lid['payload']}'",
     )
-    schema = sample_fields(f"schema-{tag}")
+    schema = sample_fields(lid["schema"])
     schema[b"schema"] = b"999"
     attacks["schema"] = (schema, "header schema='999' != payload schema_version=4")
-    extra = sample_fields(f"extra-{tag}")
+    extra = sample_fields(lid["extra"])
     extra[b"junk"] = b"x" * (50 << 10)
     attacks["unknown"] = (extra, "unknown field 'junk' in a 'rollout' entry")
-    big = sample_fields(f"big-{tag}")
+    big = sample_fields(lid["big"])
     big[b"payload"] = big[b"payload"] + b"\0" * MAX_ENTRY_BYTES
     attacks["oversized"] = (big, f"over the max_entry_bytes={MAX_ENTRY_BYTES} limit")
-    absurd = fake_rollout_sample(f"reward-{tag}", n=2, prompt_len=4, response_len=5)
+    absurd = fake_rollout_sample(lid["reward"], n=2, prompt_len=4, response_len=5, producer="rollout_00")
     absurd.full_batch.rows["rewards"] = np.array([3e38, 0.5], dtype=np.float32)
     attacks["reward"] = (
         {k.encode(): bytes(v) for k, v in encode(absurd).items()},  # issue 24: loss inf, grad NaN
         "out of domain: rewards hold values in [0.5, 3.00",
     )
-    nameless = fake_rollout_sample("", n=2, prompt_len=4, response_len=5)
+    nameless = fake_rollout_sample("", n=2, prompt_len=4, response_len=5, producer="rollout_00")
     attacks["empty id"] = (
         {k.encode(): bytes(v) for k, v in encode(nameless).items()},
-        "out of domain: sample_id is empty",
+        "outside lease: sample_id='' is not '<producer>-<seq>' for producer='rollout_00'",
+    )
+    unleased = fake_rollout_sample(
+        f"rollout_00-{10**6}", n=2, prompt_len=4, response_len=5, producer="rollout_00"
+    )
+    attacks["outside the lease"] = (  # issue 24: entries published without budget loosened the pacing
+        {k.encode(): bytes(v) for k, v in encode(unleased).items()},
+        f"outside lease: sample_id='rollout_00-1000000': seq 1000000 >= {len(lid)} prompts leased to "
+        "'rollout_00'",
+    )
+    other = fake_rollout_sample(lid["victim"], n=2, prompt_len=4, response_len=5, producer="rollout_01")
+    attacks["another's id"] = (
+        {k.encode(): bytes(v) for k, v in encode(other).items()},
+        f"outside lease: sample_id='{lid['victim']}' is not '<producer>-<seq>' for producer='rollout_01'",
     )
 
     ids = {}
     for name, (fields, _) in attacks.items():
         ids[name] = r.xadd(keys.rollouts, fields).decode()  # type: ignore[union-attr]
-    goods = [f"good-{tag}-{i}" for i in range(2)]
+    goods = [lid["good-0"], lid["good-1"]]
     for sid in goods:
         r.xadd(keys.rollouts, sample_fields(sid))  # type: ignore[arg-type]
     guard = threading.Timer(30, trainer.stop.set)
@@ -116,9 +153,11 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
     for name, (_, reason) in attacks.items():
         assert reason in dead[ids[name]], (name, dead[ids[name]])
     fates = [f[b"sample_id"].decode() for _, f in r.xrange(keys.fates)]  # type: ignore[union-attr]
-    assert sorted(fates) == goods
+    assert sorted(fates) == sorted(goods)
+    # each leased prompt counted once, by the header's sample_id (the mismatch's payload id never was)
+    assert int(r.get(keys.consumed)) == len(lid) - 1  # type: ignore[arg-type]
     rep = audit_run(r, keys)  # the header's sample_id is what the audit sees: it ended in `dead`, not lost
-    assert f"header-{tag}" in rep.dead and not rep.lost and not rep.duplicated, rep.problems()
+    assert lid["header"] in rep.dead and not rep.lost and not rep.duplicated, rep.problems()
 
 
 def test_versions_published_before_a_restart_are_not_from_the_future(
@@ -131,13 +170,14 @@ def test_versions_published_before_a_restart_are_not_from_the_future(
         publish_weights(r, keys, v, b"w" * 16, global_step=v, inline_max_bytes=1 << 20)
     trainer = Trainer(tiny_cfg(keys, tmp_path), r, keys, "trainer", threading.Event())
     trainer.resume()
+    trainer.effects.stop_leaser()
     assert trainer.global_step == 0 and trainer.newest_published == 2
-    tag = uuid.uuid4().hex[:6]
-    future = r.xadd(keys.rollouts, sample_fields(f"v3-{tag}", 3)).decode()  # type: ignore[arg-type,union-attr]
-    for i in range(2):
-        r.xadd(keys.rollouts, sample_fields(f"v2-{tag}-{i}", 2))  # type: ignore[arg-type]
+    ids = [leased_id(r, keys) for _ in range(3)]
+    future = r.xadd(keys.rollouts, sample_fields(ids[0], 3)).decode()  # type: ignore[arg-type,union-attr]
+    for sid in ids[1:]:
+        r.xadd(keys.rollouts, sample_fields(sid, 2))  # type: ignore[arg-type]
     assert trainer.train_step(1)
     assert dead_reasons(r, keys) == {
         future: "invalid: param_version=3 is newer than the newest published version 2"
     }
-    assert sorted(f[b"sample_id"].decode() for _, f in r.xrange(keys.fates)) == [f"v2-{tag}-0", f"v2-{tag}-1"]  # type: ignore[union-attr]
+    assert sorted(f[b"sample_id"].decode() for _, f in r.xrange(keys.fates)) == ids[1:]  # type: ignore[union-attr]

@@ -19,10 +19,10 @@ from producers.worker import Producer
 from rollstream.bus import connect, setup_run
 from rollstream.cli.main import main as cli_main
 from rollstream.config import PipelineConfig, load_config
-from rollstream.fakes import fake_rollout_sample
+from rollstream.fakes import leased_fakes
 from rollstream.from_config import build_policy
 from rollstream.names import Keys
-from rollstream.pacing import grant_budget
+from rollstream.pacing import lease_outright
 from rollstream.weights import latest_param_version, publish_weights
 from rollstream.worker import WorkerContext
 from schemas import RolloutSample, StepMetrics, decode, encode
@@ -71,7 +71,9 @@ def trainer_cfg(keys: Keys, tmp_path: Path, sync_mode: bool) -> PipelineConfig:
 
 
 def publish_fake(r: redis.Redis, keys: Keys, i: int) -> None:
-    sample = fake_rollout_sample(f"fake-{i}", param_version=0, n=2, prompt_len=4, response_len=6, seed=i)
+    """Publish rollout_00's sample number `i` (leased outright, as the trainer would lease it)."""
+    [sample] = leased_fakes(r, keys, 1, param_version=0, n=2, prompt_len=4, response_len=6)
+    assert sample.sample_id == f"rollout_00-{i}"
     r.xadd(keys.rollouts, encode(sample))  # type: ignore[arg-type]
 
 
@@ -122,12 +124,12 @@ def test_latency_model_producer_slots_run_side_by_side(r: redis.Redis, keys: Key
     setup_run(r, keys)
     policy = build_policy(cfg)
     publish_weights(r, keys, 0, policy.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
-    grant_budget(r, keys, 0, 8)
+    lease_outright(r, keys, "rollout_00", 8)
     producer = LatencyProducer(
         WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=connect(redis_url)), policy=policy
     )
     t0 = time.monotonic()
-    assert producer.run(burst=True) == 8  # one prompt per dispatch, until the budget of 8 is gone
+    assert producer.run(burst=True) == 8  # one prompt per dispatch, until the lease of 8 is used up
     elapsed = time.monotonic() - t0
     assert elapsed < 1.5, f"8 prompts x 0.25 s on 4 slots took {elapsed:.2f} s (serial would be 2 s)"
     samples = [ev for ev in events(r, keys.rollouts) if isinstance(ev, RolloutSample)]

@@ -16,15 +16,8 @@ from consumers.trainer.ledger import StepLedger, commit_steps, count_consumed
 from consumers.trainer.staleness import LengthBuckets, filter_groups_metrics
 from rollstream.audit import audit_run, format_report
 from rollstream.bus import setup_run
-from rollstream.names import EVICTED_EARLY_FIELD, Keys
-from rollstream.pacing import (
-    consume_evicted,
-    current_budget,
-    dispatch_entries,
-    grant_budget,
-    take_budget,
-    uncount_evicted,
-)
+from rollstream.names import Keys
+from rollstream.pacing import ask_lease, consume, current_budget, dispatch_entries, grant_budget, lease_pass
 from schemas import EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, TRAINED, Fate, StepMetrics, decode, decode_fate
 from schemas.text_entries import TOPUP
 
@@ -59,7 +52,6 @@ def test_zero_variance_groups_are_evicted_refilled_and_accounted(
     assert all(e.outstanding is None or e.outstanding <= TBS for e in log), log
     assert sum(e.amount for e in log if e.op == TOPUP) == len(evicted)
     assert int(r.get(keys.consumed)) == len(fates)  # type: ignore[arg-type]
-    assert int(r.hget(keys.trainer, EVICTED_EARLY_FIELD) or 0) == 0  # every early count settled
     # the records carry verl's filter_groups metrics: counts summed over the step, the reward breakdown merged
     fold, records = Fold(), []
     for entry_id, fields in r.xrange(keys.metrics):
@@ -77,31 +69,36 @@ def test_zero_variance_groups_are_evicted_refilled_and_accounted(
         assert rec.metrics["fully_async/count/evicted_samples"] == n + lost
 
 
-def test_evictions_counted_early_are_settled_once_or_uncounted_after_a_crash(
+def test_evictions_counted_early_are_counted_once_across_the_commit_and_a_crash(
     r: redis.Redis, keys: Keys
 ) -> None:
     setup_run(r, keys)
     grant_budget(r, keys, 0, max_outstanding=4)
-    assert take_budget(r, keys, 0, 4, "p").amount == 4  # the whole window dispatched: no budget left
+    ask_lease(r, keys, "rollout_00", 4)
+    assert lease_pass(r, keys, ["rollout_00"]) == 4  # the whole window leased: no budget left
     assert current_budget(r, keys) == (0, 0)
-    assert consume_evicted(r, keys, 2, max_outstanding=4) == (2, 2)  # consumed now, room given back now
+    ids = [f"rollout_00-{i}" for i in range(4)]
+    assert consume(r, keys, ids[:2], max_outstanding=4) == (2, 2)  # consumed now, room given back now
     assert current_budget(r, keys) == (0, 2) and int(r.get(keys.consumed)) == 2  # type: ignore[arg-type]
 
-    def ledger(g: int, n_evicted: int, n_trained: int) -> StepLedger:
-        fates = [Fate(f"e{g}{i}", "1-0", EVICTED, 1, g - 1, g, FILTER_GROUPS) for i in range(n_evicted)]
-        fates += [Fate(f"t{g}{i}", "1-0", TRAINED, 1, g - 1, g) for i in range(n_trained)]
+    def ledger(g: int, evicted: list[str], trained: list[str]) -> StepLedger:
+        fates = [Fate(sid, "1-0", EVICTED, 1, g - 1, g, FILTER_GROUPS) for sid in evicted]
+        fates += [Fate(sid, "1-0", TRAINED, 1, g - 1, g) for sid in trained]
         return StepLedger(g, fates)
 
-    first = ledger(1, 2, 2)
-    count_consumed(r, keys, first)  # the trained ones are counted, the evicted ones settled
-    assert int(r.get(keys.consumed)) == 4 and int(r.hget(keys.trainer, EVICTED_EARLY_FIELD)) == 0  # type: ignore[arg-type]
-    commit_steps(r, keys, [first], 1)  # the commit does not count them again
+    first = ledger(1, ids[:2], ids[2:])
+    count_consumed(r, keys, first)  # the trained ones are counted, the evicted ones not again
     assert int(r.get(keys.consumed)) == 4  # type: ignore[arg-type]
-    # a crash after evicting early in step 2: the restarted trainer un-counts them (their samples come back)
-    consume_evicted(r, keys, 3, max_outstanding=4)
-    assert int(r.get(keys.consumed)) == 7  # type: ignore[arg-type]
-    assert uncount_evicted(r, keys) == 3 and int(r.get(keys.consumed)) == 4  # type: ignore[arg-type]
-    assert uncount_evicted(r, keys) == 0
+    commit_steps(r, keys, [first], 1)  # the commit does not count anything again
+    assert int(r.get(keys.consumed)) == 4  # type: ignore[arg-type]
+    # a crash after evicting early in step 2: its samples come back and are evicted (or trained) again
+    ask_lease(r, keys, "rollout_00", 6)
+    assert lease_pass(r, keys, ["rollout_00"]) == 2
+    more = ["rollout_00-4", "rollout_00-5"]
+    assert consume(r, keys, more, max_outstanding=4)[0] == 2
+    assert consume(r, keys, more, max_outstanding=4)[0] == 0  # the restarted trainer evicts them again
+    commit_steps(r, keys, [ledger(2, [], more)], 2)  # ...or trains them
+    assert int(r.get(keys.consumed)) == 6  # type: ignore[arg-type]
 
 
 def test_filter_groups_and_dropped_share_metrics() -> None:

@@ -23,20 +23,21 @@ from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.from_config import build_policy, build_prompt_source
 from rollstream.model import CharTokenizer, Completion, build_batch
-from rollstream.names import DEAD_LETTERED_FIELD, DROPPED_STALE_FIELD, Keys
+from rollstream.names import DROPPED_STALE_FIELD, Keys
 from rollstream.pacing import (
-    consume_dead,
+    consume,
     dispatch_entries,
     grant_budget,
-    inflight,
-    record_consumed,
+    queue_count_consumed,
     rollout_counts,
 )
 from rollstream.tasks import calculate
 from rollstream.weights import producer_versions, publish_weights
 from rollstream.worker import EXIT_OK, WorkerContext
 from schemas import DispatchRecord, ProducerStats, RolloutSample, decode
-from schemas.text_entries import GRANT, RELEASE, TAKE, TOPUP
+from schemas.text_entries import GRANT, LEASE, TOPUP
+
+pytestmark = pytest.mark.usefixtures("leasing")  # the trainer's lease loop runs in every test
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipeline.yaml"
@@ -98,14 +99,26 @@ def producer_stats(r: redis.Redis, keys: Keys) -> list[ProducerStats]:
 
 
 def dispatch_log(r: redis.Redis, keys: Keys) -> list[DispatchRecord]:
-    """Every grant, take and release (the trainer's log and each producer's), in id order."""
+    """Every grant, top-up and lease on the trainer's log, in id order."""
     return dispatch_entries(r, keys)
 
 
 def outstanding(r: redis.Redis, keys: Keys) -> int:
-    """Prompts dispatched and not yet consumed, from the counters the producers' stats report."""
+    """Prompts leased and not yet consumed, from the counters the producers' stats report."""
     counts = rollout_counts(r, keys, [])
     return counts.dispatched - counts.consumed
+
+
+def in_flight(r: redis.Redis, keys: Keys, producer: str) -> int:
+    """Prompts leased to `producer` and not published."""
+    return rollout_counts(r, keys, [producer]).in_flight
+
+
+def count_consumed(r: redis.Redis, keys: Keys, sample_ids: list[str]) -> None:
+    """Play the trainer's commit: these samples' prompts are consumed."""
+    pipe = r.pipeline(transaction=True)
+    queue_count_consumed(pipe, keys, sample_ids)
+    pipe.execute()
 
 
 def build_blob(cfg: PipelineConfig, seed: int) -> bytes:
@@ -170,9 +183,10 @@ def test_published_samples_are_what_was_generated(r: redis.Redis, keys: Keys, re
         # the global status when the dispatch finished: nothing published yet, this dispatch in flight
         assert s.rollout_status["count/total_generated_samples"] == 0
         assert s.rollout_status["monitor/active_tasks_size"] == cfg.rollout.prompts_per_dispatch
-    # Budget bookkeeping: published prompts stay outstanding until consumed; none in flight.
+    # Lease bookkeeping: published prompts stay outstanding until consumed; none in flight.
     assert outstanding(r, keys) == cfg.rollout.prompts_per_dispatch
-    assert inflight(r, keys, "rollout_01") == 0
+    assert in_flight(r, keys, "rollout_01") == 0
+    assert [s.sample_id for s in got] == [f"rollout_01-{i}" for i in range(len(got))]  # seqs of its lease
     assert r.get(keys.producer_cursor("rollout_01")) is not None
     assert producer_versions(r, keys) == {"rollout_01": 0}
     stats = producer_stats(r, keys)
@@ -265,17 +279,18 @@ def test_three_producers_respect_the_budget(r: redis.Redis, keys: Keys, redis_ur
     for t in threads:
         t.start()
     # Fake trainer: consume samples in global steps of train_batch_size; publish + grant after each.
-    version, pending, last_id = 0, 0, "0-0"
+    version, pending, last_id = 0, [], "0-0"
     deadline = time.monotonic() + 60
     try:
         while version < 5 and not errors:
             assert time.monotonic() < deadline, "producers stalled"
             reply: Any = r.xread({keys.rollouts: last_id}, block=100)
             for _, entries in reply or []:
-                last_id, pending = entries[-1][0], pending + len(entries)
-            while pending >= tbs:
-                record_consumed(r, keys, tbs)
-                pending -= tbs
+                last_id = entries[-1][0]
+                pending += [decode(f).sample_id for _, f in entries]  # type: ignore[union-attr]
+            while len(pending) >= tbs:
+                count_consumed(r, keys, pending[:tbs])
+                pending = pending[tbs:]
                 version += 1
                 publish(r, keys, version, blob, grant=bound)
     finally:
@@ -289,30 +304,31 @@ def test_three_producers_respect_the_budget(r: redis.Redis, keys: Keys, redis_ur
     granted = {e.version: e.amount for e in log if e.op == GRANT}
     taken: dict[int | None, int] = {}
     for e in log:
-        if e.op == TAKE:
+        if e.op == LEASE:
             taken[e.version] = taken.get(e.version, 0) + e.amount
             assert e.outstanding is not None and e.outstanding <= bound
     assert set(granted) == set(range(version + 1))
     assert all(taken.get(v, 0) <= granted[v] for v in granted), (granted, taken)
-    assert {e.producer for e in log if e.op == TAKE} == {"rollout_00", "rollout_01", "rollout_02"}
+    assert {e.producer for e in log if e.op == LEASE} == {"rollout_00", "rollout_01", "rollout_02"}
     # Everything dispatched was published (SIGTERM-like stop finishes the dispatch), once each.
     got = samples(r, keys)
-    assert len({s.sample_id for s in got}) == len(got) == sum(taken.values())
+    assert len({s.sample_id for s in got}) == len(got) <= sum(taken.values())  # a lease may be unused
     assert outstanding(r, keys) <= bound
     by_producer: dict[str, set[str]] = {}
     for s in got:
         by_producer.setdefault(s.producer, set()).add(s.full_batch.non_tensors["raw_prompt"][0])
     a, b, c = by_producer.values()
     assert not (a & b or a & c or b & c)  # disjoint prompt shards
-    assert any(p.counters.idle_s > 0 for p in producers)  # budget, not the producers, set the pace
+    assert any(p.counters.idle_s > 0 for p in producers)  # leases, not the producers, set the pace
 
 
-def test_an_idle_producer_takes_the_budget_a_dead_letter_gives_back(
+def test_an_idle_producer_is_leased_the_budget_a_dead_letter_gives_back(
     r: redis.Redis, keys: Keys, redis_url: str
 ) -> None:
     """Sync mode: the version's whole window dispatched, the producer idles; the trainer dead-letters one
     rollout and tops the budget up (no new version: that comes only after a full batch trains). The
-    producer must take it and publish a replacement stamped with the same version, within the bound."""
+    producer must be leased it and publish a replacement stamped with the same version, within the
+    bound."""
     cfg = small_cfg(keys, "rollout.n=2", "data.max_response_length=4", "rollout.staleness_threshold=0")
     bound = cfg.max_outstanding
     start_run(r, keys, build_blob(cfg, 0), grant=bound)
@@ -326,8 +342,9 @@ def test_an_idle_producer_takes_the_budget_a_dead_letter_gives_back(
             time.sleep(0.02)
         time.sleep(0.5)
         assert r.xlen(keys.rollouts) == bound  # the window is out: it idles
-        r.hincrby(keys.trainer, DEAD_LETTERED_FIELD, 1)  # the trainer's reader dead-letters one rollout
-        assert consume_dead(r, keys, bound) == (1, 1)  # and pacing counts it
+        first = samples(r, keys)[0].sample_id  # the trainer dead-letters one rollout, and pacing counts it
+        assert consume(r, keys, [first], bound) == (1, 1)
+        assert consume(r, keys, [first], bound) == (0, 0)  # once
         while r.xlen(keys.rollouts) < bound + 1:
             assert time.monotonic() < deadline, "the producer never took the budget given back"
             time.sleep(0.02)
@@ -338,7 +355,7 @@ def test_an_idle_producer_takes_the_budget_a_dead_letter_gives_back(
     assert len(got) == bound + 1 and {s.param_version for s in got} == {0}
     log = dispatch_log(r, keys)
     assert [(e.op, e.amount) for e in log if e.op in (GRANT, TOPUP)] == [(GRANT, bound), (TOPUP, 1)]
-    assert all(e.outstanding is not None and e.outstanding <= bound for e in log if e.op == TAKE)
+    assert all(e.outstanding is not None and e.outstanding <= bound for e in log if e.op == LEASE)
 
 
 # ---- the tool agent ------------------------------------------------------------------------------
@@ -459,15 +476,16 @@ def spawn_producer(keys: Keys, redis_url: str, *overrides: str) -> subprocess.Po
 
 
 def wait_for_take(r: redis.Redis, keys: Keys, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> int:
-    """Block until the process took budget; returns the amount taken."""
+    """Block until the process was leased prompts and began generating them; returns the amount leased."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        takes = [e for e in dispatch_log(r, keys) if e.op == TAKE]
+        takes = [e for e in dispatch_log(r, keys) if e.op == LEASE]
         if takes:
+            time.sleep(0.05)  # it reads its lease within POLL_S (0.02 s); a dispatch of SLOW takes longer
             return takes[0].amount
         assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
         time.sleep(0.01)
-    raise AssertionError("producer never took budget")
+    raise AssertionError("producer was never leased prompts")
 
 
 def test_sigterm_finishes_and_publishes_the_dispatch(r: redis.Redis, keys: Keys, redis_url: str) -> None:
@@ -482,8 +500,8 @@ def test_sigterm_finishes_and_publishes_the_dispatch(r: redis.Redis, keys: Keys,
         proc.kill()
     assert proc.returncode == EXIT_OK, err.decode()[-2000:]
     got = samples(r, keys)
-    assert len(got) == taken == cfg.rollout.prompts_per_dispatch  # finished, published, took no more
-    assert inflight(r, keys, "rollout_00") == 0
+    assert len(got) == taken == cfg.rollout.prompts_per_dispatch  # finished, published, asked no more
+    assert in_flight(r, keys, "rollout_00") == 0
     # A restart resumes after the published prompts (the cursor moved with the publish).
     restarted = Producer(context(small_cfg(keys, *RESTART), keys, "rollout_00", redis_url))
     assert restarted.run(max_dispatches=1) == 1 and restarted.counters.released_on_start == 0
@@ -492,7 +510,9 @@ def test_sigterm_finishes_and_publishes_the_dispatch(r: redis.Redis, keys: Keys,
     assert after and not before & after
 
 
-def test_sigkill_before_publish_is_released_on_restart(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+def test_sigkill_before_publish_is_dispatched_again_on_restart(
+    r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
     cfg = small_cfg(keys, *SLOW)
     start_run(r, keys, build_blob(cfg, 0), grant=1000)
     proc = spawn_producer(keys, redis_url)
@@ -508,14 +528,17 @@ def test_sigkill_before_publish_is_released_on_restart(r: redis.Redis, keys: Key
 
     restarted = Producer(context(small_cfg(keys, *RESTART), keys, "rollout_00", redis_url))
     assert restarted.start()
-    assert restarted.counters.released_on_start == taken
-    assert outstanding(r, keys) == 0
-    assert [e for e in dispatch_log(r, keys) if e.op == RELEASE][0].amount == taken
-    # Nothing was skipped: the restarted producer draws its shard from the start again.
+    assert restarted.counters.released_on_start == taken  # its lease is still its own
+    assert outstanding(r, keys) == taken
+    # Nothing was skipped: the restarted producer draws its shard from the start again, under the same ids.
     assert restarted.run(max_dispatches=1) == 1
     shard = build_prompt_source(cfg).shard(0, cfg.rollout.num_producers)
-    first = [p.text for _, _, p in shard.take(restarted.ctx.cfg.rollout.prompts_per_dispatch)]
-    assert [s.full_batch.non_tensors["raw_prompt"][0] for s in samples(r, keys)] == first
+    per = restarted.ctx.cfg.rollout.prompts_per_dispatch
+    first = [p.text for _, _, p in shard.take(per)]
+    got = samples(r, keys)
+    assert [s.full_batch.non_tensors["raw_prompt"][0] for s in got] == first
+    assert [s.sample_id for s in got] == [f"rollout_00-{i}" for i in range(per)]
+    assert [e.op for e in dispatch_log(r, keys)].count(LEASE) == 1  # no new lease: it used the old one
 
 
 def test_rollout_status_is_the_global_status_of_all_producers(
@@ -550,8 +573,10 @@ def test_lower_priority_raises_the_nice_value_of_the_process() -> None:
     import subprocess
     import sys
 
-    code = ("import os; from producers.worker import lower_priority; a = os.nice(0); lower_priority(3); "
-            "print(os.nice(0) - a)")
+    code = (
+        "import os; from producers.worker import lower_priority; a = os.nice(0); lower_priority(3); "
+        "print(os.nice(0) - a)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "3"
 
@@ -561,7 +586,7 @@ def test_a_generation_failure_publishes_its_prompts_as_rollout_failures(
 ) -> None:
     """An engine error (or an engine's timeout) neither hangs the producer nor loses the prompts: each is
     published with empty responses and rollout_status `rollout_failure` = 1 (the trainer evicts it and gives
-    its budget back), and the producer goes on generating."""
+    its room back), and the producer goes on generating."""
     cfg = small_cfg(keys)
     policy = build_policy(cfg)
     start_run(r, keys, policy.state_dict_bytes(), grant=cfg.max_outstanding)
@@ -582,4 +607,4 @@ def test_a_generation_failure_publishes_its_prompts_as_rollout_failures(
     for s in failed:
         assert s.rollout_status["rollout_failure"] == 1 and s.n == cfg.rollout.n and s.num_tokens == 0
     assert all("rollout_failure" not in s.rollout_status and s.num_tokens > 0 for s in fine)
-    assert outstanding(r, keys) == 2 * per and inflight(r, keys, "rollout_00") == 0
+    assert outstanding(r, keys) == 2 * per and in_flight(r, keys, "rollout_00") == 0

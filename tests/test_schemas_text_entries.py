@@ -8,7 +8,7 @@ import redis
 
 from rollstream.bus import setup_run
 from rollstream.names import Keys
-from rollstream.pacing import dispatch_entries, grant_budget, release_unpublished, take_budget
+from rollstream.pacing import ask_lease, consume, dispatch_entries, grant_budget, lease_pass
 from schemas import (
     DROPPED,
     DecodeError,
@@ -58,21 +58,32 @@ def test_a_malformed_fate_is_a_decode_error(change: dict[bytes, bytes | None], r
         decode_fate(fields)
 
 
-def test_grants_takes_and_releases_read_back_as_dispatch_records(r: redis.Redis, keys: Keys) -> None:
+def test_grants_leases_and_top_ups_read_back_as_dispatch_records(r: redis.Redis, keys: Keys) -> None:
     setup_run(r, keys)
     assert grant_budget(r, keys, 0, max_outstanding=5) == (5, 0)
-    assert take_budget(r, keys, 0, 3, "rollout_00").amount == 3
-    assert release_unpublished(r, keys, "rollout_00", 5) == 3  # it never published them: their room goes back
+    ask_lease(r, keys, "rollout_00", 5)
+    assert lease_pass(r, keys, ["rollout_00"]) == 5
+    assert consume(r, keys, ["rollout_00-0", "rollout_00-1", "rollout_00-2"], 5) == (3, 3)  # evicted early
     assert dispatch_entries(r, keys) == [
         DispatchRecord("grant", version=0, amount=5, outstanding=0, max_outstanding=5, producer=None),
         DispatchRecord(
-            "take", version=0, amount=3, outstanding=3, max_outstanding=None, producer="rollout_00"
+            "lease", version=0, amount=5, outstanding=5, max_outstanding=None, producer="rollout_00"
         ),
-        DispatchRecord(
-            "release", version=None, amount=3, outstanding=None, max_outstanding=None, producer="rollout_00"
-        ),
-        DispatchRecord("topup", version=0, amount=3, outstanding=0, max_outstanding=5, producer=None),
+        DispatchRecord("topup", version=0, amount=3, outstanding=2, max_outstanding=5, producer=None),
     ]
+
+
+def test_an_older_runs_takes_and_releases_still_read_back() -> None:
+    take = {
+        b"op": b"take",
+        b"version": b"0",
+        b"amount": b"3",
+        b"outstanding": b"3",
+        b"producer": b"rollout_00",
+    }
+    release = {b"op": b"release", b"amount": b"3", b"producer": b"rollout_00"}
+    assert decode_dispatch(take) == DispatchRecord("take", 0, 3, 3, None, "rollout_00")
+    assert decode_dispatch(release) == DispatchRecord("release", None, 3, None, None, "rollout_00")
 
 
 def test_a_malformed_dispatch_entry_is_a_decode_error() -> None:
@@ -83,8 +94,9 @@ def test_a_malformed_dispatch_entry_is_a_decode_error() -> None:
 
 
 def test_the_lua_fields_of_a_dispatch_entry_come_in_one_order_and_only_for_its_op() -> None:
-    lua = dispatch_lua_fields(GRANT, max_outstanding="ARGV[2]", amount="budget", version="ARGV[1]",
-                              outstanding="o")
+    lua = dispatch_lua_fields(
+        GRANT, max_outstanding="ARGV[2]", amount="budget", version="ARGV[1]", outstanding="o"
+    )
     assert (
         lua
         == "'op', 'grant', 'version', ARGV[1], 'amount', budget, 'outstanding', o, 'max_outstanding', ARGV[2]"

@@ -16,7 +16,7 @@ import redis
 from rollstream.bus import GroupReader, Publisher, connect, setup_run
 from rollstream.fakes import fake_rollout_sample
 from rollstream.names import AGGREGATOR_GROUP, Keys
-from rollstream.pacing import grant_budget, mark_published, release_unpublished, take_budget
+from rollstream.pacing import ask_lease, grant_budget, lease_of, lease_pass, mark_published, rollout_counts
 from rollstream.security import ROLES, apply_acl, generate_passwords, mask_url
 from rollstream.weights import latest_param_version, publish_weights, register_producer_version
 from schemas import ProducerStats
@@ -74,22 +74,23 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
     grant_budget(trainer, keys, 0, 8)
     publish_weights(trainer, keys, 0, b"w" * 16, global_step=0, inline_max_bytes=1 << 20)
     prod = connect(f"redis://127.0.0.1:{port}/0", username="rollout_00", password=pw["rollout_00"])
-    # everything a producer does works: publish, stats, take, publish-with-cursor, version, release
-    Publisher(prod).publish(keys.rollouts, fake_rollout_sample("p1"))
+    # everything a producer does works: publish, stats, ask for and read its lease, publish-with-cursor,
+    # version, the run's counts
+    Publisher(prod).publish(keys.rollouts, fake_rollout_sample("rollout_00-0", producer="rollout_00"))
     Publisher(prod).publish(
         keys.stats,
         ProducerStats(
             producer="rollout_00", param_version=0, samples=1, tokens=1, gen_tokens_per_s=1.0, idle_ratio=0.0
         ),
     )
-    assert take_budget(prod, keys, 0, 2, "rollout_00").amount == 2
+    ask_lease(prod, keys, "rollout_00", 2)
+    assert lease_pass(trainer, keys, [*PRODUCERS]) == 2 and lease_of(prod, keys, "rollout_00") == 2
     pipe = prod.pipeline(transaction=True)
     mark_published(pipe, keys, "rollout_00", 1)
     pipe.set(keys.producer_cursor("rollout_00"), "0:1")
     pipe.execute()
     register_producer_version(prod, keys, "rollout_00", 0)
-    assert release_unpublished(prod, keys, "rollout_00", 8) == 1
-    assert prod.get(keys.budget(0)) == b"7"  # the released prompt's room is back (6 left + 1)
+    assert rollout_counts(prod, keys, PRODUCERS).in_flight == 1  # leased 2, published 1
     assert latest_param_version(prod, keys) is not None and prod.get(keys.weights(0)) == b"w" * 16
 
     # and nothing else (a compromised producer must not reach another role's keys): each command a compromised
@@ -108,7 +109,19 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
             "return redis.call('HSET', KEYS[1], 'committed_step', 9)", 1, keys.trainer
         ),
         "another producer's cursor": lambda: prod.set(keys.producer_cursor("rollout_01"), "9:9"),
-        "another producer's inflight": lambda: prod.incrby(keys.producer_inflight("rollout_01"), 5),
+        "another producer's published count": lambda: prod.incrby(keys.producer_published("rollout_01"), 5),
+        "another producer's want": lambda: prod.set(keys.producer_want("rollout_01"), 10**6),
+        "EVAL": lambda: prod.eval("return 1", 0),
+        "EVALSHA": lambda: prod.evalsha("e0e1f9fabfc9d4800c877a703b823ac0578ff8db", 0),
+        "FCALL": lambda: prod.execute_command("FCALL", "f", 0),
+        "INCRBY dispatched": lambda: prod.incrby(keys.dispatched, 10**6),
+        "DECRBY dispatched": lambda: prod.decrby(keys.dispatched, 10**6),
+        "INCRBY consumed": lambda: prod.incrby(keys.consumed, 10**6),
+        "INCRBY budget": lambda: prod.incrby(keys.budget(0), 10**6),
+        "DECRBY budget": lambda: prod.decrby(keys.budget(0), 10**6),
+        "HINCRBY lease": lambda: prod.hincrby(keys.lease, "rollout_00", 10**6),
+        "HSET lease": lambda: prod.hset(keys.lease, "rollout_01", 0),
+        "SETBIT consumed": lambda: prod.setbit(keys.consumed_bits("rollout_01"), 0, 1),
         "another producer's version": lambda: prod.set(keys.producer_version("rollout_01"), 0),
         "SET budget": lambda: prod.set(keys.budget(0), 10**6),
         "DEL budget": lambda: prod.delete(keys.budget(0)),

@@ -25,15 +25,15 @@ from rollstream import fakes
 from rollstream.audit import audit_run
 from rollstream.bus import setup_run
 from rollstream.config import load_config
-from rollstream.fakes import fake_rollout_sample
+from rollstream.fakes import leased_fakes
 from rollstream.from_config import build_policy
 from rollstream.names import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
 from rollstream.ops.plan import LATENCY_PRODUCER_MODULE, WORKER_STOPWAIT_S
-from rollstream.pacing import dispatch_entries, grant_budget, inflight
+from rollstream.pacing import Leaser, dispatch_entries, grant_budget, rollout_counts
 from rollstream.weights import publish_weights
 from rollstream.worker import EXIT_FORCED, EXIT_OK, freeze_startup_heap
 from schemas import StepMetrics, decode, encode
-from schemas.text_entries import TAKE
+from schemas.text_entries import LEASE
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32"]
@@ -119,32 +119,46 @@ def _start_run_for_producer(r: redis.Redis, keys: Keys, tmp: Path, args: list[st
 
 
 def _taken(r: redis.Redis, keys: Keys) -> int:
-    return sum(e.amount for e in dispatch_entries(r, keys) if e.op == TAKE)
+    """Prompts leased to the producer so far."""
+    return sum(e.amount for e in dispatch_entries(r, keys) if e.op == LEASE)
+
+
+def _dispatching(r: redis.Redis, keys: Keys) -> bool:
+    """The producer was leased prompts, and has had the time to begin generating them (a dispatch of
+    SLOW_PRODUCER takes ~3 s; it reads its lease every 0.02 s)."""
+    if _taken(r, keys) == 0:
+        return False
+    time.sleep(0.2)
+    return True
+
+
+def _in_flight(r: redis.Redis, keys: Keys) -> int:
+    return rollout_counts(r, keys, ["rollout_00"]).in_flight
 
 
 def test_producer_first_sigterm_publishes_the_dispatch_in_flight(r: redis.Redis, keys: Keys, redis_url: str,
-                                                                 tmp_path: Path) -> None:
+                                                                 tmp_path: Path, leasing: Leaser) -> None:
     args = [*common(keys, redis_url, tmp_path), *SLOW_PRODUCER]
     _start_run_for_producer(r, keys, tmp_path, args)
     proc = spawn(LATENCY_PRODUCER_MODULE, [*args, "--name", "rollout_00"], tmp_path)
-    wait_until(lambda: _taken(r, keys) > 0, proc, 60, "a dispatch")
+    wait_until(lambda: _dispatching(r, keys), proc, 60, "a dispatch")
     code, took = terminate(proc, 1)
     assert code == EXIT_OK, proc.stderr_text()[-2000:]
     assert took < WORKER_STOPWAIT_S
     assert r.xlen(keys.rollouts) == _taken(r, keys)  # the dispatch in flight was finished and published
-    assert inflight(r, keys, "rollout_00") == 0
+    assert _in_flight(r, keys) == 0
 
 
 def test_producer_second_sigterm_exits_at_once_without_publishing(r: redis.Redis, keys: Keys, redis_url: str,
-                                                                  tmp_path: Path) -> None:
+                                                                  tmp_path: Path, leasing: Leaser) -> None:
     args = [*common(keys, redis_url, tmp_path), *SLOW_PRODUCER]
     _start_run_for_producer(r, keys, tmp_path, args)
     proc = spawn(LATENCY_PRODUCER_MODULE, [*args, "--name", "rollout_00"], tmp_path)
-    wait_until(lambda: _taken(r, keys) > 0, proc, 60, "a dispatch")
+    wait_until(lambda: _dispatching(r, keys), proc, 60, "a dispatch")
     code, took = terminate(proc, 2)
     assert code == EXIT_FORCED and took < 1.0
     assert r.xlen(keys.rollouts) < _taken(r, keys)  # the unfinished dispatch was not published …
-    assert inflight(r, keys, "rollout_00") > 0  # … and is released on restart
+    assert _in_flight(r, keys) > 0  # … and is dispatched again on restart (its lease is kept)
 
 
 def test_producer_sigterm_while_importing_torch_exits_0(r: redis.Redis, keys: Keys, redis_url: str,
@@ -164,9 +178,8 @@ def _trainer_mid_step(r: redis.Redis, keys: Keys, redis_url: str, tmp: Path) -> 
         "consumers.trainer", [*common(keys, redis_url, tmp), "bus.block_ms=2000", "--name", "trainer"], tmp
     )
     wait_until(lambda: r.exists(keys.params), proc, 60, "version 0")
-    for i in range(2):
-        r.xadd(keys.rollouts, encode(fake_rollout_sample(f"s{i}", param_version=0, n=2, prompt_len=4,  # type: ignore[arg-type]
-                                                           response_len=4, seed=i)))
+    for sample in leased_fakes(r, keys, 2, param_version=0, n=2, prompt_len=4, response_len=4):
+        r.xadd(keys.rollouts, encode(sample))  # type: ignore[arg-type]
 
     def updated() -> bool:
         return any(isinstance(ev := decode(f), StepMetrics) and ev.type == "local_update"

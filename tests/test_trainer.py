@@ -25,7 +25,7 @@ from rollstream.audit import audit_run, unacked_entry_ids
 from rollstream.fakes import fake_rollout_sample
 from rollstream.names import COMMITTED_STEP_FIELD, DROPPED_STALE_FIELD, HEARTBEAT_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import progress_health, worker_health
-from rollstream.pacing import dispatch_entries, mark_published, take_budget
+from rollstream.pacing import ask_lease, dispatch_entries, lease_of, mark_published
 from rollstream.weights import latest_param_version
 from schemas import (
     TRAINED,
@@ -40,7 +40,7 @@ from schemas import (
     encode,
     encode_payload,
 )
-from schemas.text_entries import GRANT, TAKE, TOPUP
+from schemas.text_entries import GRANT, LEASE, TOPUP
 
 ROOT = Path(__file__).resolve().parent.parent
 TBS = 4
@@ -73,12 +73,15 @@ def as_schema_1(sample: RolloutSample) -> dict[str, Any]:
     return fields
 
 
+#: The fake producer's name (one of the run's producers: the trainer leases to it).
+FAKE = "rollout_00"
+
+
 class FakeProducer(threading.Thread):
-    """Takes budget for the newest version, publishes fake samples stamped with it; the 5th (those at the
-    `corrupt_at` indices) is corrupt, and every other one is written in RolloutSample schema 1 (the padded
-    int64 batch that schema still decodes into; `as_schema_1`). `cap[v]` limits how many prompts it dispatches
-    for version v (until the
-    cap is removed)."""
+    """Asks the trainer for leases, publishes fake samples stamped with the newest version; the 5th (those
+    at the `corrupt_at` indices) is corrupt, and every other one is written in RolloutSample schema 1 (the
+    padded int64 batch that schema still decodes into; `as_schema_1`). `cap[v]` limits how many prompts it
+    dispatches for version v (until the cap is removed)."""
 
     def __init__(
         self,
@@ -117,17 +120,28 @@ class FakeProducer(threading.Thread):
             want = 2
             if v in self.cap:
                 want = min(want, self.cap[v] - self.taken.get(v, 0))
-            take = take_budget(self.r, self.keys, v, want, "fake") if want > 0 else None
-            if take is None or take.amount <= 0:
+            left = lease_of(self.r, self.keys, FAKE) - len(self.published)
+            if want > 0 and left <= 0:
+                ask_lease(self.r, self.keys, FAKE, len(self.published) + want)
+            amount = min(want, left)
+            if amount <= 0:
                 time.sleep(0.02)
                 continue
-            self.taken[v] = self.taken.get(v, 0) + take.amount
+            self.taken[v] = self.taken.get(v, 0) + amount
             pipe = self.r.pipeline(transaction=True)
-            for _ in range(take.amount):
-                sid = f"fake-{len(self.published):04d}"
+            for _ in range(amount):
+                sid = f"{FAKE}-{len(self.published)}"
                 flat = self.flat_every > 0 and len(self.published) % self.flat_every == 1
-                sample = fake_rollout_sample(sid, param_version=v, n=4, prompt_len=6, response_len=8,
-                                             seed=len(self.published), rewards=[1.0] * 4 if flat else None)
+                sample = fake_rollout_sample(
+                    sid,
+                    param_version=v,
+                    n=4,
+                    prompt_len=6,
+                    response_len=8,
+                    producer=FAKE,
+                    seed=len(self.published),
+                    rewards=[1.0] * 4 if flat else None,
+                )
                 if flat:
                     self.flat.append(sid)
                 if len(self.published) in self.failed_at:
@@ -142,7 +156,7 @@ class FakeProducer(threading.Thread):
                     self.corrupt.append(sid)
                 pipe.xadd(self.keys.rollouts, fields)
                 self.published.append(sid)
-            mark_published(pipe, self.keys, "fake", take.amount)
+            mark_published(pipe, self.keys, FAKE, amount)
             pipe.execute()
 
 
@@ -186,7 +200,8 @@ def check_invariants(r: redis.Redis, keys: Keys, producer: FakeProducer, steps: 
         assert ev.metrics["fully_async/count/current_param_version"] == ev.global_step - 1
     last = max(updates, key=lambda ev: (ev.global_step, ev.local_step)).metrics
     assert last["fully_async/count/stale_samples_processed"] == sum(
-        f.fate == TRAINED and f.staleness >= 2 for f in fates)
+        f.fate == TRAINED and f.staleness >= 2 for f in fates
+    )
     assert int(r.hget(keys.trainer, DROPPED_STALE_FIELD) or 0) == len(rep.dropped)
     return {"trained": len(rep.trained), "dropped": len(rep.dropped), "updates": len(updates)}
 
@@ -203,8 +218,9 @@ def producer(r: redis.Redis, keys: Keys) -> Any:
 def test_trainer_run_keeps_every_sample_exactly_once(
     r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path, producer: FakeProducer
 ) -> None:
-    proc = subprocess.run(trainer_args(keys, redis_url, tmp_path, 4), cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        trainer_args(keys, redis_url, tmp_path, 4), cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = check_invariants(r, keys, producer, 4)
     assert counts["trained"] == 4 * TBS and counts["dropped"] > 0 and counts["updates"] == 8
@@ -244,7 +260,7 @@ def test_sync_mode_run_with_dead_lettered_samples_finishes(
         if e.op in (GRANT, TOPUP):
             assert e.outstanding is not None and e.outstanding + e.amount <= TBS, e
             budget[e.version] = budget.get(e.version, 0) + e.amount
-        elif e.op == TAKE:
+        elif e.op == LEASE:
             taken[e.version] = taken.get(e.version, 0) + e.amount
     assert sum(e.amount for e in log if e.op == TOPUP) == 3  # one prompt back per dead letter
     assert all(taken[v] <= budget[v] for v in taken), (budget, taken)
@@ -266,7 +282,8 @@ def _wait_for_local_update(
             return
         assert proc.poll() is None, "trainer exited early"
         time.sleep(0.05)
-    raise AssertionError(f"no local_update for step {step} within {timeout_s}s")
+    proc.kill()
+    raise AssertionError(f"no local_update for step {step} within {timeout_s}s: {proc.stderr.read()[-3000:]}")
 
 
 def test_trainer_sigkill_mid_step_then_restart_loses_and_repeats_nothing(

@@ -31,7 +31,7 @@ from consumers.trainer.distributed import (
 from consumers.trainer.learner import Learner
 from consumers.trainer.rank_agreement import RoundClaim, rank_info, resolve_round
 from rollstream.config import load_config
-from rollstream.fakes import fake_rollout_sample
+from rollstream.fakes import fake_rollout_sample, leased_fakes
 from rollstream.rl import agg_loss
 from rollstream.rl.masked import agg_count
 from rollstream.weights_io import state_bytes
@@ -234,8 +234,8 @@ def test_two_trainer_ranks_train_a_sample_read_by_both_once(
         "bus.block_ms=50",
     ]
     setup_run(r, keys)
-    for i in range(10):
-        sample = encode(fake_rollout_sample(f"s{i}", n=2, prompt_len=4, response_len=5, seed=i, vocab=20))
+    for s in leased_fakes(r, keys, 10, n=2, prompt_len=4, response_len=5, vocab=20):
+        sample = encode(s)
         r.xadd(keys.rollouts, sample)
         r.xadd(keys.rollouts, sample)  # the duplicate right behind it
     init = tempfile.mktemp(prefix="rs-dp-init-", dir=tmp_path)
@@ -243,7 +243,8 @@ def test_two_trainer_ranks_train_a_sample_read_by_both_once(
 
     rep = audit_run(r, keys)
     assert rep.duplicated == set() and rep.lost == set()
-    assert rep.trained == {f"s{i}" for i in range(8)} and rep.steps == [1, 2, 3, 4]  # 4 steps of 2 samples
+    assert rep.trained == {f"rollout_00-{i}" for i in range(8)}
+    assert rep.steps == [1, 2, 3, 4]  # 4 steps of 2 samples
     assert rep.duplicate_entries == 10
     events = [ev for _, f in iter_stream(r, keys.metrics) if isinstance(ev := decode(f), StepMetrics)]
     updates = [e for e in events if e.type == "local_update"]

@@ -24,7 +24,7 @@ from consumers.trainer.ledger import StepLedger, commit_steps, committed_sample_
 from consumers.trainer.staleness import dropped_metrics, staleness
 from rollstream.bus import setup_run
 from rollstream.config import load_config
-from rollstream.fakes import fake_rollout_sample
+from rollstream.fakes import fake_rollout_sample, leased_fakes
 from rollstream.names import COMMITTED_STEP_FIELD, TRAINER_GROUP, Keys
 from schemas import (
     DROPPED,
@@ -60,9 +60,11 @@ def test_staleness_threshold_keeps_k_and_drops_k_plus_one(r: redis.Redis, keys: 
         ],
     )
     setup_run(r, keys)
-    for sid, version in (("too-old", 5 - k - 1), ("edge", 5 - k), ("fresh", 4)):
-        r.xadd(keys.rollouts, encode(fake_rollout_sample(sid, param_version=version, n=2, prompt_len=5,
-                                                         response_len=6)))  # type: ignore[arg-type]
+    too_old, edge, fresh = "rollout_00-0", "rollout_00-1", "rollout_00-2"
+    for sample, version in zip(leased_fakes(r, keys, 3, n=2, prompt_len=5, response_len=6, seed=0),
+                               (5 - k - 1, 5 - k, 4), strict=True):
+        sample.param_version = version
+        r.xadd(keys.rollouts, encode(sample))  # type: ignore[arg-type]
     trainer = Trainer(cfg, r, keys, "trainer", threading.Event(), burst=True)  # burst: returns once drained
     trainer.newest_published = 4
     ledger = StepLedger(5)
@@ -71,8 +73,9 @@ def test_staleness_threshold_keeps_k_and_drops_k_plus_one(r: redis.Redis, keys: 
     assert got is not None
     kept, dropped = got.kept, got.dropped
     assert got.dropped_lengths == [6.0] and got.evicted == []
-    assert [(m.event.sample_id, st) for m, st in kept] == [("edge", k), ("fresh", 1)]  # type: ignore[union-attr]
-    assert dropped == [k + 1] and [(f.sample_id, f.fate) for f in ledger.fates] == [("too-old", DROPPED)]
+    assert [(m.event.sample_id, st) for m, st in kept] == [(edge, k), (fresh, 1)]  # type: ignore[union-attr]
+    assert dropped == [k + 1] and [(f.sample_id, f.fate) for f in ledger.fates] == [(too_old, DROPPED)]
+    assert int(r.get(keys.consumed)) == 1  # type: ignore[arg-type]  # the drop is counted at once
     assert dropped_metrics([]) == {"training/off_policy/dropped_samples": 0.0}
     m = dropped_metrics([3, 5])
     assert m["training/off_policy/dropped_samples"] == 2
@@ -144,14 +147,16 @@ def test_learner_update_reports_metrics_and_changes_weights() -> None:
 
 def test_commit_is_atomic_and_a_replay_is_harmless(r: redis.Redis, keys: Keys) -> None:
     setup_run(r, keys)
-    ids = [r.xadd(keys.rollouts, encode(fake_rollout_sample(f"s{i}", n=1))).decode() for i in range(3)]
+    samples = leased_fakes(r, keys, 3, n=1)
+    ids = [r.xadd(keys.rollouts, encode(s)).decode() for s in samples]  # type: ignore[union-attr,arg-type]
+    sids = [s.sample_id for s in samples]
     r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts: ">"})
     ledger = StepLedger(
         1,
         fates=[
-            Fate("s0", ids[0], TRAINED, 1, 0, 1),
-            Fate("s1", ids[1], TRAINED, 1, 0, 1),
-            Fate("s2", ids[2], DROPPED, 3, -2, 1),
+            Fate(sids[0], ids[0], TRAINED, 1, 0, 1),
+            Fate(sids[1], ids[1], TRAINED, 1, 0, 1),
+            Fate(sids[2], ids[2], DROPPED, 3, -2, 1),
         ],
         ack_ids=ids,
         step_end=StepMetrics(
@@ -162,7 +167,7 @@ def test_commit_is_atomic_and_a_replay_is_harmless(r: redis.Redis, keys: Keys) -
     assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
     assert [e[0] for e in r.xrange(keys.fates)] == [b"1-1", b"1-2", b"1-3"]
     assert [decode_fate(f) for _, f in r.xrange(keys.fates)] == ledger.fates
-    assert committed_sample_ids(r, keys) == {"s0", "s1", "s2"}
+    assert committed_sample_ids(r, keys) == set(sids)
     assert int(r.get(keys.consumed)) == 3
     assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) == b"1"
     ends = [decode(f) for _, f in r.xrange(keys.metrics) if f[b"type"] == b"step_end"]
@@ -170,7 +175,7 @@ def test_commit_is_atomic_and_a_replay_is_harmless(r: redis.Redis, keys: Keys) -
     # replaying the same commit: fates refused by Redis, nothing raised, nothing double-written
     commit_steps(r, keys, [StepLedger.from_plain(ledger.to_plain())], param_version=1)
     assert r.xlen(keys.fates) == 3
-    assert int(r.get(keys.consumed)) == 3  # consumed_step guards the count
+    assert int(r.get(keys.consumed)) == 3  # each prompt is counted once
     assert sum(1 for _, f in r.xrange(keys.metrics) if f[b"type"] == b"step_end") == 1
 
 
@@ -186,13 +191,15 @@ def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
     cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "trainer.test_freq=0",
                                     "actor.ppo_mini_batch_size=1", "data.train_batch_size=2"])
     setup_run(r, keys)
-    ids = [r.xadd(keys.rollouts, encode(fake_rollout_sample(f"s{i}", n=2))).decode() for i in range(2)]
+    samples = leased_fakes(r, keys, 2, n=2)
+    ids = [r.xadd(keys.rollouts, encode(s)).decode() for s in samples]  # type: ignore[union-attr,arg-type]
+    s0, s1 = (s.sample_id for s in samples)
     r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts: ">"})
     # a crash right after the step-1 checkpoint: nothing published, nothing committed
     first = Trainer(cfg, r, keys, "trainer", threading.Event())
     ledger = StepLedger(
         1,
-        [Fate("s0", ids[0], TRAINED, 1, 0, 1), Fate("s1", ids[1], TRAINED, 1, 0, 1)],
+        [Fate(s0, ids[0], TRAINED, 1, 0, 1), Fate(s1, ids[1], TRAINED, 1, 0, 1)],
         ids,
         StepMetrics(type="step_end", global_step=1, local_step=2, sample_count=2, num_local_updates=2),
     )
@@ -201,7 +208,8 @@ def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
     for _ in range(2):  # the second resume finds everything done and changes nothing
         t = Trainer(cfg, r, keys, "trainer", threading.Event())
         t.resume()
-        assert t.global_step == 1 and t.seen == {"s0", "s1"}
+        t.effects.stop_leaser()
+        assert t.global_step == 1 and t.seen == {s0, s1}
         assert [ev.version for ev in (decode(f) for _, f in r.xrange(keys.params))
                 if isinstance(ev, ParamVersion)] == [1]
         assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0

@@ -3,11 +3,12 @@ usable samples -> this rank's share of a mini-batch (stale ones dropped and reco
 
 A `Collector` is the trainer's reading half: it owns the rollouts buffer, the sample ids already seen
 (committed, buffered, or, with several ranks, claimed by any rank: consumers/trainer/rank_agreement.py) and
-the count of dead-lettered rollouts. Its reader counts each dead letter in the trainer hash in the same script
-that acks it; the Collector then has pacing count them as consumed (at its first pass, which catches a
-previous process's uncounted ones, and after each pass that dead-lettered any), which gives their room back to
-the current version's budget (rollstream/pacing.py, TOPUP), so producers replace them before the next version
-(else sync mode, whose window is one global batch, would wait forever for them). A world of one polls until it
+the producers' leases as last read. A sample whose id is not `<producer>-<seq>` inside its producer's
+lease is dead-lettered (rollstream/pacing.py). After each pass that dead-lettered rollouts (and at its
+first pass, which catches what a previous process left) it reads the new entries of `dead` and has pacing
+count their prompts as consumed, each once, which gives their room back to the current version's budget
+(a top-up), so producers replace them before the next version (else sync mode, whose window is one global
+batch, would wait forever for them). A world of one polls until it
 has its share; data-parallel ranks collect in rounds they agree on (one poll each, then an all-gather of what
 each took), so they start and abandon every local update together, never train one sample id twice, and none
 reads more entries than it still needs (the others would wait for what it hoards).
@@ -17,8 +18,8 @@ failed and it published the prompts with empty responses, rollout_status `rollou
 stale (staleness over trainer.max_off_policy_threshold, unless trainer.max_off_policy_strategy=train); or
 evicted by dynamic sampling (trainer.filter_groups.enable: every trajectory of its group has the same reward,
 so GRPO gives it no gradient). An eviction is counted as consumed at once and its room given back to the
-current version's budget (rollstream/pacing.py, EVICT), so producers refill the batch; the collector keeps
-reading until the share has enough samples to train.
+current version's budget (rollstream/pacing.py, `consume`), so producers refill the batch; the collector keeps
+reading until the share has enough samples to train. Stale drops are counted at once the same way.
 
 Transport (`timing_s/transport` of a local update, `transport_since_last`: the reader's `transport_s` since
 the last one): time moving rollouts out of Redis and decoding them, not time waiting for producers. A poll of
@@ -53,12 +54,12 @@ from consumers.trainer.guard import unusable_reason, value_reason, version_reaso
 from consumers.trainer.ledger import StepLedger
 from consumers.trainer.rank_agreement import RoundClaim, RoundResult, resolve_round
 from consumers.trainer.staleness import mean_response_length, staleness
-from rollstream.bus import GroupReader, Message, entry_limits, retry_on_connection
+from rollstream.bus import GroupReader, Message, entry_limits, iter_stream, retry_on_connection
 from rollstream.config import PipelineConfig
 from rollstream.names import DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
-from rollstream.pacing import consume_dead, consume_evicted
+from rollstream.pacing import consume, leases, split_sample_id
 from rollstream.tasks import REWARD_RANGE
-from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, Fate, RolloutSample
+from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, DeadLetter, Fate, RolloutSample, decode
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,8 @@ class Collector:
         self._own_dead = 0  # non-rollout entries we dead-lettered ourselves (not prompts)
         self._dead_seen = 0  # this process's dead-lettered rollouts when pacing last counted them
         self._dead_checked = False
+        self._dead_cursor = "-"  # the last `dead` entry whose prompt pacing counted ("-": none read yet)
+        self.leases: dict[str, int] = {}  # producer -> prompts leased to it, as last read
         self._transport_mark = 0.0  # the reader's transport_s at the last transport_since_last
 
     def transport_since_last(self) -> float:
@@ -179,6 +182,8 @@ class Collector:
                 )  # no prompt
             elif ev.sample_id in self.seen or ev.sample_id in self.claimed:
                 dupes.append(m.id)  # the original is committed or still pending: safe to ack this copy
+            elif (why := self.lease_reason(ev)) is not None:
+                self.reader.dead_letter(m.id, m.fields, f"outside lease: {why}")  # counts nothing
             elif (why := version_reason(ev, self.newest_published)) is not None:
                 self.reader.dead_letter(m.id, m.fields, f"invalid: {why}")  # counted as consumed below
             elif (why := unusable_reason(ev, self.vocab_size, self.max_seq_len)) is not None:
@@ -197,16 +202,44 @@ class Collector:
         self.heartbeat()
         return True
 
+    def lease_reason(self, ev: RolloutSample) -> str | None:
+        """Why a sample is outside its producer's lease (its id is not `<producer>-<seq>` with seq below the
+        prompts leased to that producer), or None. The leases are read again when a seq is past them."""
+        parsed = split_sample_id(ev.sample_id)
+        if parsed is None or parsed[0] != ev.producer:
+            return f"sample_id={ev.sample_id!r} is not '<producer>-<seq>' for producer={ev.producer!r}"
+        producer, seq = parsed
+        if seq >= self.leases.get(producer, 0):
+            self.leases = retry_on_connection(lambda: leases(self.r, self.keys), "reading leases")
+        if seq >= (leased := self.leases.get(producer, 0)):
+            return f"sample_id={ev.sample_id!r}: seq {seq} >= {leased} prompts leased to {producer!r}"
+        return None
+
     def _count_dead(self, dead: int) -> None:
-        """Have pacing count every dead-lettered rollout not counted yet (this process's `dead` so far and any
-        a previous one left uncounted) as consumed, topping the budget up by the room they freed."""
+        """Have pacing count the prompts of the rollouts dead-lettered since the last look (the first look
+        reads all of `dead`, catching what a previous process left uncounted) as consumed, each once,
+        topping the budget up by the room they freed."""
+        ids: list[str] = []
+        for entry_id, fields in iter_stream(self.r, self.keys.dead, start=self._dead_start()):
+            self._dead_cursor = entry_id
+            try:
+                letter = decode(fields)
+            except Exception:  # noqa: BLE001 - not ours to judge here: the audit reports a bad dead letter
+                continue
+            if isinstance(letter, DeadLetter) and letter.source == self.keys.rollouts:
+                if (sid := letter.fields.get("sample_id")) is not None:
+                    ids.append(sid.decode(errors="replace"))
         counted, added = retry_on_connection(
-            lambda: consume_dead(self.r, self.keys, self.cfg.max_outstanding), "counting dead"
+            lambda: consume(self.r, self.keys, ids, self.cfg.max_outstanding), "counting dead"
         )
         if counted:
             log.info("%d dead-lettered rollouts counted as consumed: budget topped up by %d", counted, added)
         self.step_dead += dead - self._dead_seen
         self._dead_seen, self._dead_checked = dead, True
+
+    def _dead_start(self) -> str:
+        """Where the next look at `dead` starts: past the last entry read."""
+        return "-" if self._dead_cursor == "-" else f"({self._dead_cursor}"
 
     def starve(self, need: int) -> bool:
         """The buffer lacks `need` samples: run one more pass of the loop; True when the caller must give up
@@ -296,9 +329,9 @@ class Collector:
                 return got
 
     def _sort(self, g: int, ledger: StepLedger, taken: list[tuple[Message, int]], got: Collected) -> None:
-        """Keep, drop or evict each taken sample (fates of the last two in the ledger); evictions count as
-        consumed at once, giving their room back to the current version's budget."""
-        evicted = 0
+        """Keep, drop or evict each taken sample (fates of the last two in the ledger); drops and evictions
+        count as consumed at once, giving their room back to the current version's budget."""
+        early: list[str] = []
         for m, st in taken:
             ev: Any = m.event
             verdict = self.verdict(m, st)
@@ -308,6 +341,7 @@ class Collector:
             reason = "" if verdict == DROPPED else ROLLOUT_FAILURE if failed(ev) else FILTER_GROUPS
             ledger.fates.append(Fate(ev.sample_id, m.id, verdict, st, ev.param_version, g, reason=reason))
             ledger.ack_ids.append(m.id)
+            early.append(ev.sample_id)
             if verdict == DROPPED:
                 got.dropped.append(st)
                 got.dropped_lengths.append(mean_response_length(ev))
@@ -316,14 +350,11 @@ class Collector:
                 got.failed += 1
             else:
                 got.evicted.append(zero_variance_reward(ev))  # type: ignore[arg-type]
-            evicted += 1
-        if evicted:
+        if early:
             n, added = retry_on_connection(
-                lambda: consume_evicted(self.r, self.keys, evicted, self.cfg.max_outstanding),
-                "counting evicted",
+                lambda: consume(self.r, self.keys, early, self.cfg.max_outstanding), "counting evicted"
             )
             log.info(
-                "%d samples evicted (rollout failures, zero-variance groups), budget topped up by %d",
-                n,
-                added,
+                "%d samples dropped or evicted (stale, rollout failures, zero-variance groups): %d counted, "
+                "budget topped up by %d", len(early), n, added,
             )

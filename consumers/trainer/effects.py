@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,9 +39,10 @@ from rollstream.names import (
     TRAINING_STEP_FIELD,
     WORLD_SIZE_FIELD,
     Keys,
+    producer_names,
     rank_heartbeat_field,
 )
-from rollstream.pacing import current_budget, grant_budget, uncount_evicted
+from rollstream.pacing import Leaser, current_budget, grant_budget
 from rollstream.weights import gc_weights, latest_param_version, publish_module_weights, publish_weights
 from rollstream.weights_io import state_bytes
 from schemas import StepMetrics, ValidateMetrics
@@ -83,8 +85,22 @@ class TrainerEffects:
         self.janitor = Janitor.from_config(cfg, r, keys) if cfg.bus.retention and dp.is_main else None
         # this rank's heartbeat fields: rank 0 `heartbeat`; with several ranks also `heartbeat:r<rank>`
         self.heartbeat_fields = [HEARTBEAT_FIELD] if dp.is_main else []
+        self.leaser: Leaser | None = None  # rank 0's lease loop, once resumed
         if dp.active:
             self.heartbeat_fields.append(rank_heartbeat_field(dp.rank))
+
+    def start_leaser(self) -> None:
+        """Rank 0: start leasing the current budget to the producers that ask (rollstream/pacing.py Leaser),
+        until `stop_leaser`."""
+        if self.leaser is None:
+            names = producer_names(self.cfg.rollout.num_producers)
+            self.leaser = Leaser(self.r, self.keys, names, threading.Event()).start()
+
+    def stop_leaser(self) -> None:
+        """Stop the lease loop (a no-op when none runs)."""
+        if self.leaser is not None:
+            self.leaser.stop.set()
+            self.leaser = None
 
     @property
     def over_budget(self) -> bool:
@@ -109,8 +125,6 @@ class TrainerEffects:
         if ledgers and committed_step(self.r, self.keys) < global_step:
             log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
             commit_steps(self.r, self.keys, ledgers, global_step)
-        if uncounted := uncount_evicted(self.r, self.keys):  # a crashed process's evictions come back pending
-            log.warning("%d evictions of an abandoned step no longer counted as consumed", uncounted)
         self.grant(global_step)
         self.r.hset(self.keys.trainer, PROGRESS_AT_FIELD, time.time())  # the clock of `status`'s stall check
         if world_size > 1:

@@ -8,11 +8,11 @@ the previous checkpoint are stored in the checkpoint, and committed only once th
     XADD fates <g>-<i> …   one entry per consumed sample (schemas.text_entries.Fate); an explicit id makes a
                            replay fail harmlessly
     XACK rollouts trainer …
-    INCRBY consumed …      only for steps not already counted (see count_consumed), and
-    HINCRBY trainer dropped_stale …   alike (producers report it in rollout_status)
-    HINCRBY trainer evicted_early -e  the step's evictions, counted as consumed when they happened
-                           (pacing's EVICT), are settled; a step counted before (retrained after a
-                           restart) takes its re-counted evictions back off `consumed` instead
+    EVAL count …           every sample's prompt counted as consumed, once (pacing's per-producer bitmaps:
+                           a replay, an earlier count_consumed or an early count of an eviction, a stale
+                           drop or a dead letter adds nothing)
+    HINCRBY trainer dropped_stale …   only for steps not already counted (producers report it in
+                           rollout_status)
     HSET trainer global_step param_version committed_step consumed_step heartbeat progress_at
     XADD metrics step_end  (so step_end is emitted exactly once)
   EXEC
@@ -32,7 +32,6 @@ from rollstream.names import (
     COMMITTED_STEP_FIELD,
     CONSUMED_STEP_FIELD,
     DROPPED_STALE_FIELD,
-    EVICTED_EARLY_FIELD,
     GLOBAL_STEP_FIELD,
     HEARTBEAT_FIELD,
     PARAM_VERSION_FIELD,
@@ -40,8 +39,8 @@ from rollstream.names import (
     TRAINER_GROUP,
     Keys,
 )
-from rollstream.pacing import record_consumed
-from schemas import DROPPED, EVICTED, Fate, StepMetrics, decode_fate, encode, encode_fate
+from rollstream.pacing import queue_count_consumed
+from schemas import DROPPED, Fate, StepMetrics, decode_fate, encode, encode_fate
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +53,11 @@ class StepLedger:
     fates: list[Fate] = field(default_factory=list)
     ack_ids: list[str] = field(default_factory=list)
     step_end: StepMetrics | None = None
-    settled: bool = False  # its evictions' early count settled (count_consumed or the commit ran)
 
     @property
-    def consumed(self) -> int:
-        """Prompts this step consumed for pacing and not counted when it happened: trained or dropped
-        (evictions are counted at once, rollstream.pacing.consume_evicted)."""
-        return len(self.fates) - self.evicted
-
-    @property
-    def evicted(self) -> int:
-        """Prompts this step evicted (filter_groups), already counted as consumed by pacing."""
-        return sum(1 for f in self.fates if f.fate == EVICTED)
+    def sample_ids(self) -> list[str]:
+        """The sample id of every prompt this step consumed (counted once each by pacing)."""
+        return [f.sample_id for f in self.fates]
 
     @property
     def dropped(self) -> int:
@@ -79,7 +71,6 @@ class StepLedger:
             "fates": [asdict(f) for f in self.fates],
             "ack_ids": list(self.ack_ids),
             "step_end": self.step_end.model_dump() if self.step_end is not None else None,
-            "settled": self.settled,
         }
 
     @classmethod
@@ -91,8 +82,7 @@ class StepLedger:
             fates=[Fate(**f) for f in d["fates"]],
             ack_ids=list(d["ack_ids"]),
             step_end=StepMetrics.model_validate(end) if end is not None else None,
-            settled=bool(d.get("settled", False)),
-        )
+        )  # an older checkpoint's `settled` flag is ignored: consumption is counted per prompt now
 
 
 def _int_field(r: redis.Redis, keys: Keys, name: str) -> int:
@@ -106,37 +96,25 @@ def committed_step(r: redis.Redis, keys: Keys) -> int:
 
 
 def count_consumed(r: redis.Redis, keys: Keys, ledger: StepLedger) -> None:
-    """Count a finished but not yet checkpointed step toward `consumed` now (pacing needs it before the
-    next grant), once: guarded by the trainer hash's consumed_step, in one MULTI. Its evictions are settled
-    here either way (settle_evicted)."""
+    """Count a finished but not yet checkpointed step's prompts as consumed now (pacing needs it before the
+    next grant), each once (pacing's bitmaps), in one MULTI; its stale drops are added to the trainer hash's
+    dropped_stale once, guarded by consumed_step."""
     counted = _int_field(r, keys, CONSUMED_STEP_FIELD)
     pipe = r.pipeline(transaction=True)
+    queue_count_consumed(pipe, keys, ledger.sample_ids)
     if ledger.global_step > counted:
-        record_consumed(pipe, keys, ledger.consumed)
         pipe.hincrby(keys.trainer, DROPPED_STALE_FIELD, ledger.dropped)
         pipe.hset(
             keys.trainer, mapping={CONSUMED_STEP_FIELD: ledger.global_step, PROGRESS_AT_FIELD: time.time()}
         )
-    settle_evicted(pipe, keys, ledger, counted)
     pipe.execute()
-    ledger.settled = True
-
-
-def settle_evicted(pipe: Any, keys: Keys, ledger: StepLedger, counted: int) -> None:
-    """Queue on `pipe`, once per ledger (its `settled` flag): its evictions leave `evicted_early` (they were
-    counted as consumed when they happened); for a step whose consumed count was already taken (<= `counted`:
-    retrained after a restart) they also leave `consumed`, counted twice otherwise."""
-    if ledger.settled or not ledger.evicted:
-        return
-    pipe.hincrby(keys.trainer, EVICTED_EARLY_FIELD, -ledger.evicted)
-    if ledger.global_step <= counted:
-        pipe.decrby(keys.consumed, ledger.evicted)
 
 
 def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_version: int) -> None:
     """Commit checkpointed steps in one MULTI/EXEC (see the module docstring). A replay after a crash is
-    harmless: fates ids already present are refused by Redis, the other commands still run, and step_end
-    / consumed are written only for steps past the trainer hash's committed_step / consumed_step."""
+    harmless: fates ids already present are refused by Redis, the other commands still run, each prompt is
+    counted as consumed once, and step_end / dropped_stale are written only for steps past the trainer
+    hash's committed_step / consumed_step."""
     if not ledgers:
         return
     last = max(lg.global_step for lg in ledgers)
@@ -151,12 +129,10 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
     ack_ids = [i for lg in ledgers for i in lg.ack_ids]
     if ack_ids:
         pipe.xack(keys.rollouts, TRAINER_GROUP, *ack_ids)
-    record_consumed(pipe, keys, sum(lg.consumed for lg in ledgers if lg.global_step > counted))
+    queue_count_consumed(pipe, keys, [sid for lg in ledgers for sid in lg.sample_ids])
     pipe.hincrby(
         keys.trainer, DROPPED_STALE_FIELD, sum(lg.dropped for lg in ledgers if lg.global_step > counted)
     )
-    for lg in ledgers:
-        settle_evicted(pipe, keys, lg, counted)
     pipe.hset(
         keys.trainer,
         mapping={
@@ -172,8 +148,6 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
         if lg.step_end is not None and lg.global_step > done:
             pipe.xadd(keys.metrics, encode(lg.step_end))  # type: ignore[arg-type]
     _raise_commit_errors(pipe.execute(raise_on_error=False), n_fates)
-    for lg in ledgers:
-        lg.settled = True
 
 
 def _raise_commit_errors(results: list[Any], n_fates: int) -> None:

@@ -123,6 +123,7 @@ class Trainer:
         if self.dp.is_main:
             ledgers = [StepLedger.from_plain(d) for d in meta["steps"]] if meta is not None else []
             self.effects.resume_main(g0, ledgers, self.learner.policy.module, whole, self.dp.world_size)
+            self.effects.start_leaser()  # producers get their leases from here on
         self.dp.barrier()  # the redone commit is in `fates` before any rank reads it
         self.newest_published, self.training_step, self.collector.seen = self.effects.read_progress(g0)
         log.info("%d sample ids already committed", len(self.seen))
@@ -287,12 +288,17 @@ class Trainer:
     def run(self) -> int:
         """Resume, then train global steps until total_global_steps, a stop request or (burst) no rollouts
         left; returns 0."""
-        self.resume()
-        total = self.cfg.trainer.total_global_steps
-        # stop before the next step: a world of one asks its stop flag; ranks use what they agreed at the
-        # last step end (a stop arriving since is agreed in the next step's first round)
-        while self.global_step < total and not (self.agreed_stop if self.dp.active else self.stop.is_set()):
-            if not self.train_step(self.global_step + 1):
-                break
+        try:
+            self.resume()
+            total = self.cfg.trainer.total_global_steps
+            # stop before the next step: a world of one asks its stop flag; ranks use what they agreed at
+            # the last step end (a stop arriving since is agreed in the next step's first round)
+            while self.global_step < total and not (
+                self.agreed_stop if self.dp.active else self.stop.is_set()
+            ):
+                if not self.train_step(self.global_step + 1):
+                    break
+        finally:
+            self.effects.stop_leaser()
         log.info("trainer stopping at global step %d", self.global_step)
         return 0
