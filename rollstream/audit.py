@@ -16,7 +16,10 @@ Nothing destroyed: a writer can still delete entries of a stream it may append t
 options; Redis ACLs cannot restrict arguments), and what it deleted leaves no entry to classify. Each
 stream's `entries-added` (XINFO STREAM) counts every XADD ever accepted and no trim can lower it; every
 entry is either still in Redis or was moved to the archive by retention, so `entries-added` greater than
-the entries the log holds means that many entries were destroyed (`destroyed`, a problem).
+the entries the log holds means that many entries were destroyed (`destroyed`, a problem). Which samples
+they were is known too: a producer's prompts are numbered (sample id `<producer>-<seq>`, rollstream/pacing.py)
+and its published count moves with each publish, so every id below both its count and its lease (which
+only the trainer writes) must be on the log; one that is neither there nor ended is `destroyed_ids`.
 
 Reads the whole log through `iter_stream`: what retention moved to the run's archive, then what Redis
 holds, each entry once; an archive that cannot be read here stops the audit (ArchiveError), never a
@@ -35,6 +38,7 @@ import redis
 from rollstream.bus.ids import parse_id, text
 from rollstream.bus.streams import PAGE, iter_stream
 from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.pacing import leased_sample_id, leases, published_count
 from schemas import EVICTED, SKIPPED, TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
 
 
@@ -59,6 +63,8 @@ class AuditReport:
     records: list[int] = field(default_factory=list)  # global steps with a record
     # stream -> entries XADDed that neither Redis nor the archive holds (deleted by a writer's own trim)
     destroyed: dict[str, int] = field(default_factory=dict)
+    # leased ids their producer published that are neither on the log nor ended (destroyed before a read)
+    destroyed_ids: set[str] = field(default_factory=set)
     # producer -> param_version -> samples it published dispatched under that version (rollouts headers)
     producer_versions: dict[str, Counter[int]] = field(default_factory=dict)
 
@@ -78,6 +84,11 @@ class AuditReport:
         out = []
         if self.lost:
             out.append(f"{len(self.lost)} published samples lost: {sorted(self.lost)[:5]}")
+        if self.destroyed_ids:
+            out.append(
+                f"{len(self.destroyed_ids)} published samples are not on the log (destroyed before the trainer "
+                f"read them): {sorted(self.destroyed_ids)[:5]}"
+            )
         for stream, n in sorted(self.destroyed.items()):
             out.append(
                 f"{n} entries of {stream} destroyed (XADDed, held neither by Redis nor by the archive)"
@@ -154,6 +165,7 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
     open_ids = {entry_sample[i] for i in unacked_entry_ids(r, keys) if i in entry_sample}
     for sid in rep.published - set(ends):
         (rep.pending if sid in open_ids else rep.lost).add(sid)
+    rep.destroyed_ids = published_ids(r, keys) - rep.published - set(ends)
     _read_trainer_events(r, keys, rep, held)
     rep.records = [parse_id(i)[0] for i, _ in iter_stream(r, keys.records)]
     held[keys.records] = len(rep.records)
@@ -170,6 +182,15 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
     ]
     rep.destroyed = destroyed_entries(r, checked, dict(held))
     return rep
+
+
+def published_ids(r: redis.Redis, keys: Keys) -> set[str]:
+    """Every sample id a producer has published as it says (its published count), within its lease."""
+    out: set[str] = set()
+    for producer, leased in leases(r, keys).items():
+        n = min(leased, published_count(r, keys, producer))
+        out.update(leased_sample_id(producer, seq) for seq in range(n))
+    return out
 
 
 def _read_rollouts(r: redis.Redis, keys: Keys, rep: AuditReport, held: Counter[str]) -> dict[str, str]:

@@ -29,12 +29,12 @@ from rollstream.audit import audit_run
 from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection, setup_run
 from rollstream.bus.connection import watch_busy_scripts
 from rollstream.config import load_config
-from rollstream.fakes import fake_metrics_log, fake_rollout_sample, publish_log
+from rollstream.fakes import fake_metrics_log, fake_rollout_sample, leased_fakes, publish_log
 from rollstream.from_config import build_policy
 from rollstream.names import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import WorkerHealth
 from rollstream.ops.status import collect_status
-from rollstream.pacing import grant_budget, inflight
+from rollstream.pacing import Leaser, ask_lease, grant_budget, lease_of, rollout_counts
 from rollstream.security import ROLES, apply_acl, generate_passwords
 from rollstream.tasks import REWARD_RANGE
 from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, encode
@@ -183,16 +183,20 @@ def test_stats_out_of_their_domain_never_reach_records(roles: Roles, tmp_path: P
     assert [json.loads(line, parse_constant=refuse)["step"] for line in lines] == [1, 2]
 
 
-def test_a_refused_publish_keeps_the_cursor_and_the_in_flight_count(roles: Roles, tmp_path: Path) -> None:
+def test_a_refused_publish_keeps_the_cursor_and_the_in_flight_count(
+    roles: Roles, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """Finding 4: after `XADD rollouts <max id>` every XADD to rollouts fails; the publish transaction used to
-    move the cursor and in-flight count anyway (64 prompts lost). Now both stay, so a restart releases and
-    re-dispatches those prompts."""
+    move the cursor and in-flight count anyway (64 prompts lost). Now the cursor and the published count
+    stay, so those prompts are dispatched again under their ids."""
     keys = roles.keys
     cfg = small_cfg(keys, f"run.redis_url={roles.url}", f"run.dir={tmp_path}")
     start_run(roles.trainer, keys, build_policy(cfg).state_dict_bytes(), grant=cfg.max_outstanding)
     ctx = context(cfg, keys, "rollout_00", roles.url)
     ctx.r = roles.producers["rollout_00"]
     producer = Producer(ctx)
+    leaser = Leaser(roles.trainer, keys, PRODUCERS, threading.Event()).start()
+    request.addfinalizer(leaser.stop.set)
     assert producer.run(max_dispatches=1) == 1  # one publish lands: the cursor is in Redis
     cursor = roles.admin.get(keys.producer_cursor("rollout_00"))
     roles.producers["rollout_01"].xadd(
@@ -202,7 +206,7 @@ def test_a_refused_publish_keeps_the_cursor_and_the_in_flight_count(roles: Roles
     with pytest.raises(PublishError, match="exhausted"):
         producer.run(max_dispatches=1)
     assert roles.admin.get(keys.producer_cursor("rollout_00")) == cursor and producer.source.cursor == before
-    assert inflight(roles.admin, keys, "rollout_00") == cfg.rollout.prompts_per_dispatch
+    assert rollout_counts(roles.admin, keys, ["rollout_00"]).in_flight == cfg.rollout.prompts_per_dispatch
 
 
 def test_rewards_are_checked_against_the_tasks_range() -> None:
@@ -245,11 +249,8 @@ def test_a_skipped_update_marks_its_samples_skipped(r: redis.Redis, keys: Keys, 
         ],
     )
     setup_run(r, keys)
-    for i in range(2):
-        r.xadd(
-            keys.rollouts,
-            encode(fake_rollout_sample(f"s{i}", param_version=0, n=2, prompt_len=5, response_len=6, seed=i)),
-        )  # type: ignore[arg-type]
+    for sample in leased_fakes(r, keys, 2, param_version=0, n=2, prompt_len=5, response_len=6):
+        r.xadd(keys.rollouts, encode(sample))  # type: ignore[arg-type]
     trainer = Trainer(cfg, r, keys, "trainer", threading.Event(), burst=True)
     with torch.no_grad():
         next(trainer.learner.policy.parameters()).fill_(
@@ -267,7 +268,9 @@ def test_a_skipped_update_marks_its_samples_skipped(r: redis.Redis, keys: Keys, 
 
 def test_a_script_that_never_ends_is_killed_by_the_trainer(roles: Roles) -> None:
     """Finding 2: a producer's `EVAL "while true do end" 0` blocked Redis until an operator ran SCRIPT KILL;
-    every worker crash-looped on BUSY. The trainer's watch now kills it, and workers wait BUSY out."""
+    every worker crash-looped on BUSY. No producer may run a script now (above); should a script that may
+    (an admin's, or a bug in the trainer's) never end, the trainer's watch kills it, and workers wait BUSY
+    out."""
     roles.admin.config_set("busy-reply-threshold", 100)
     stop = threading.Event()
     watch_busy_scripts(roles.trainer, stop, period_s=0.1)
@@ -275,7 +278,7 @@ def test_a_script_that_never_ends_is_killed_by_the_trainer(roles: Roles) -> None
 
     def freeze() -> None:
         try:
-            roles.producers["rollout_00"].eval("while true do end", 0)
+            roles.admin.eval("while true do end", 0)
         except redis.ResponseError as e:
             errors.append(str(e))
 
@@ -291,9 +294,10 @@ def test_a_script_that_never_ends_is_killed_by_the_trainer(roles: Roles) -> None
 
 
 def test_status_check_sees_pacing_counters_moved_outside_the_scripts(roles: Roles) -> None:
-    """Finding 3 (still possible, now seen): `INCRBY dispatched 1000000` stopped training for good and
-    `status --check` said ok; DECRBY made each version grant ~1,000,000. The `pacing` line is now broken."""
-    keys, prod = roles.keys, roles.producers["rollout_00"]
+    """Finding 3: `INCRBY dispatched 1000000` stopped training for good and `status --check` said ok. No
+    producer may move the counters now (below); should anything else (an admin's hand, a bug), the
+    `pacing` line says broken."""
+    keys, prod = roles.keys, roles.admin
     grant_budget(roles.trainer, keys, 0, 8)
 
     def pacing() -> WorkerHealth:
@@ -312,22 +316,66 @@ def test_status_check_sees_pacing_counters_moved_outside_the_scripts(roles: Role
     assert pacing().state == "broken" and "budget 1000008" in pacing().why
 
 
-# -- still open: these need one rollouts and one stats stream per producer and trainer-granted leases -----
+def test_a_producer_may_run_no_script(roles: Roles) -> None:
+    """Finding 2: `EVAL "while true do end" 0` froze Redis. Producers pace by leases now and run no script."""
+    prod = roles.producers["rollout_00"]
+    for call in (
+        lambda: prod.eval("while true do end", 0),
+        lambda: prod.evalsha("e0e1f9fabfc9d4800c877a703b823ac0578ff8db", 0),
+        lambda: prod.execute_command("FCALL", "f", 0),
+        lambda: prod.execute_command("SCRIPT", "LOAD", "return 1"),
+        lambda: prod.execute_command("FUNCTION", "LOAD", "#!lua name=x\nredis.register_function('f', print)"),
+    ):
+        assert not _permitted(call)
 
-OPEN = "open until rollouts, stats and pacing are per producer (README, Guarantees)"
+
+def test_a_producer_cannot_move_the_pacing_nor_take_more_than_its_lease(roles: Roles) -> None:
+    """Finding 3: `INCRBY dispatched 1000000` stopped training for good; DECRBY made each version grant
+    ~1,000,000; 40 entries published without taking budget loosened the pacing for good. Only the trainer
+    writes budgets, leases and counters; a producer's want of any size gets it at most the budget; entries
+    outside its lease are refused and count nothing."""
+    keys, prod, trainer = roles.keys, roles.producers["rollout_00"], roles.trainer
+    grant_budget(trainer, keys, 0, 8)
+    moves = {
+        "INCRBY dispatched": lambda: prod.incrby(keys.dispatched, 10**6),
+        "DECRBY dispatched": lambda: prod.decrby(keys.dispatched, 10**6),
+        "SET consumed": lambda: prod.set(keys.consumed, 10**6),
+        "DECRBY budget": lambda: prod.decrby(keys.budget(0), 10**6),
+        "HINCRBY lease": lambda: prod.hincrby(keys.lease, "rollout_00", 10**6),
+        "HSET trainer budget_version": lambda: prod.hset(keys.trainer, "budget_version", 10**6),
+        "SETBIT consumed": lambda: prod.setbit(keys.consumed_bits("rollout_00"), 0, 1),
+        "another's want": lambda: prod.set(keys.producer_want("rollout_01"), 10**6),
+    }
+    assert [name for name, move in moves.items() if _permitted(move)] == []
+    ask_lease(prod, keys, "rollout_00", 10**12)  # its own key: any value it likes
+    leaser = Leaser(trainer, keys, PRODUCERS, threading.Event())
+    assert leaser.run_once() == 8 and leaser.run_once() == 0  # the budget, and no more
+    assert lease_of(prod, keys, "rollout_00") == 8 and int(roles.admin.get(keys.dispatched)) == 8  # type: ignore[arg-type]
+    # 40 entries outside its lease, then its 8: the 40 are dead-lettered and count nothing
+    cfg = load_config(None, [f"run.name={keys.run}", "bus.block_ms=10", "data.train_batch_size=8",
+                             "actor.ppo_mini_batch_size=8", "trainer.parameter_sync_step=1"])
+    pub = Publisher(prod)
+    for seq in [*range(8, 48), *range(8)]:
+        pub.publish(keys.rollouts, fake_rollout_sample(f"rollout_00-{seq}", n=2, prompt_len=3, response_len=4,
+                                                       producer="rollout_00"))
+    from types import SimpleNamespace
+
+    from consumers.trainer.collect import Collector, rollouts_reader
+
+    dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    reader = rollouts_reader(cfg, trainer, keys, "trainer", threading.Event())
+    collector = Collector(cfg, trainer, keys, reader, dp, threading.Event(), False, 1000, 64,  # type: ignore[arg-type]
+                          lambda: None)
+    while len(collector.buffer) < 8:
+        assert collector.fill()
+    assert roles.admin.xlen(keys.dead) == 40
+    assert int(roles.admin.get(keys.consumed) or 0) == 0  # type: ignore[arg-type]
+    assert grant_budget(trainer, keys, 1, 8) == (0, 8)  # nothing consumed yet: no room for more
 
 
-@pytest.mark.xfail(strict=True, reason=OPEN)
-def test_open_a_producer_may_run_no_script(roles: Roles) -> None:
-    """Finding 2: `EVAL "while true do end" 0` froze Redis; producers still run the pacing scripts."""
-    assert not _permitted(lambda: roles.producers["rollout_00"].eval("return 1", 0))
+# -- still open: these need one rollouts and one stats stream per producer ---------------------------------
 
-
-@pytest.mark.xfail(strict=True, reason=OPEN)
-def test_open_a_producer_cannot_move_the_shared_pacing(roles: Roles) -> None:
-    """Finding 3: `INCRBY dispatched 1000000` stopped training for good."""
-    grant_budget(roles.trainer, roles.keys, 0, 8)
-    assert not _permitted(lambda: roles.producers["rollout_00"].incrby(roles.keys.dispatched, 10**6))
+OPEN = "open until rollouts and stats are per producer (README, Guarantees)"
 
 
 @pytest.mark.xfail(strict=True, reason=OPEN)

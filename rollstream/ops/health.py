@@ -12,11 +12,10 @@
 - Rates: trained samples per second from the committed steps (`step_end` events: their `created_at` and
   `sample_count`) over the wall clock up to now, so a stall shows as a falling rate and then 0; never from
   entry ids.
-- Pacing: the counters behind the dispatch budget move only through the pacing scripts, which keep
-  outstanding (dispatched - consumed) within [0, max_outstanding] and a version's budget within
-  max_outstanding (up to a prompt or two after a lost reply). A user that may run those scripts may also
-  move the counters directly (INCRBY dispatched stops training for good); the `pacing` line is `broken`
-  when they are outside those bounds by more than max_outstanding's slack.
+- Pacing: the counters behind the leases (rollstream/pacing.py) move only through the trainer's pacing
+  scripts, which keep outstanding (leased - consumed) within [0, max_outstanding] and a version's budget
+  within max_outstanding. No producer may write them (ACL); the `pacing` line is `broken` when they are
+  outside those bounds by more than max_outstanding's slack (a bug, or an admin's hand).
 - Lag: entries of a stream after a group's last-delivered id, counted (up to LAG_COUNT_CAP), not redis'
   own `lag` (whose entries-read counter is wrong after a restart).
 """
@@ -148,8 +147,8 @@ def progress_health(
 
 def pacing_health(outstanding: int, budget_left: int, max_outstanding: int) -> WorkerHealth:
     """The `pacing` line: `broken` when outstanding prompts or the current budget are outside what the
-    pacing scripts allow (module docstring); the slack is max_outstanding itself, so only a moved counter
-    trips it."""
+    trainer's pacing scripts allow (module docstring); the slack is max_outstanding itself, so only a moved
+    counter trips it."""
     why = ""
     if not -max_outstanding <= outstanding <= max_outstanding:
         why = f"outstanding={outstanding} is outside [0, max_outstanding={max_outstanding}]"
