@@ -248,8 +248,8 @@ class Producer:
 
     def _turn(self, want: int, burst: bool, published: list[bool]) -> bool:
         """With prompts left on the lease: load the newest weights and dispatch (appending to `published`
-        once on the log); else ask for `want` more and wait for the trainer's lease. False to stop (burst
-        mode, no lease within BURST_WAIT_S)."""
+        once on the log); else load the newest weights, ask for `want` more and wait for the trainer's lease
+        or a newer version. False to stop (burst mode, neither within BURST_WAIT_S)."""
         r, keys = self.ctx.r, self.ctx.keys
         self.leased = max(self.leased, lease_of(r, keys, self.name))  # read before the weights (liveness)
         seq = self.next_seq
@@ -259,11 +259,15 @@ class Producer:
                 published.append(True)
             self._maybe_stats()
             return True
+        _, mine = self._refresh()  # idle or not, follow the versions (a switch reports its stats window)
         ask_lease(r, keys, self.name, seq + self._lease_want(want))
         deadline = time.monotonic() + BURST_WAIT_S if burst else None
-        self._idle_until(lambda: lease_of(r, keys, self.name) > seq
-                         or (deadline is not None and time.monotonic() > deadline))
-        return not burst or lease_of(r, keys, self.name) > seq
+        self._idle_until(
+            lambda: lease_of(r, keys, self.name) > seq
+            or self._newest_version() > mine
+            or (deadline is not None and time.monotonic() > deadline)
+        )
+        return not burst or lease_of(r, keys, self.name) > seq or self._newest_version() > mine
 
     def _lease_want(self, want: int) -> int:
         """How many prompts to ask for when the lease is used up: one dispatch."""

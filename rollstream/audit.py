@@ -86,8 +86,8 @@ class AuditReport:
             out.append(f"{len(self.lost)} published samples lost: {sorted(self.lost)[:5]}")
         if self.destroyed_ids:
             out.append(
-                f"{len(self.destroyed_ids)} published samples are not on the log (destroyed before the trainer "
-                f"read them): {sorted(self.destroyed_ids)[:5]}"
+                f"{len(self.destroyed_ids)} published samples are not on the log (destroyed before the "
+                f"trainer read them): {sorted(self.destroyed_ids)[:5]}"
             )
         for stream, n in sorted(self.destroyed.items()):
             out.append(

@@ -24,6 +24,9 @@ BUDGET_VERSION_FIELD = "budget_version"  # the version whose dispatch budget is 
 BUDGET_CAP_FIELD = "budget_cap"  # that grant's memory back-pressure cap on the budget left (-1: none)
 DROPPED_STALE_FIELD = "dropped_stale"  # samples dropped as stale over the whole run (written in the commit)
 REPLAYED_VERSIONS_FIELD = "replayed_versions"  # replay copies: the source had published versions up to this
+# set on a replay copy (`rollstream replay trainer`): its rollouts were copied by an admin, not published
+# under the pacing's leases, so the trainer does not check sample ids against leases (rollstream/pacing.py)
+REPLAY_COPY_FIELD = "replay_copy"
 WORLD_SIZE_FIELD = "world_size"  # data-parallel trainer ranks (written by rank 0 at start)
 #: Prefix of a data-parallel rank's own heartbeat field, `heartbeat:r<rank>` (rank 0 also writes `heartbeat`).
 RANK_HEARTBEAT_PREFIX = "heartbeat:r"

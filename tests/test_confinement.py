@@ -34,7 +34,15 @@ from rollstream.from_config import build_policy
 from rollstream.names import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import WorkerHealth
 from rollstream.ops.status import collect_status
-from rollstream.pacing import Leaser, ask_lease, grant_budget, lease_of, rollout_counts
+from rollstream.pacing import (
+    Leaser,
+    ask_lease,
+    grant_budget,
+    lease_of,
+    lease_outright,
+    mark_published,
+    rollout_counts,
+)
 from rollstream.security import ROLES, apply_acl, generate_passwords
 from rollstream.tasks import REWARD_RANGE
 from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, encode
@@ -371,6 +379,23 @@ def test_a_producer_cannot_move_the_pacing_nor_take_more_than_its_lease(roles: R
     assert roles.admin.xlen(keys.dead) == 40
     assert int(roles.admin.get(keys.consumed) or 0) == 0  # type: ignore[arg-type]
     assert grant_budget(trainer, keys, 1, 8) == (0, 8)  # nothing consumed yet: no room for more
+
+
+def test_the_audit_names_the_samples_a_trim_destroyed_before_any_read(roles: Roles) -> None:
+    """Finding 1: a trim of rollouts before the trainer read it left no id to report. A producer's ids are
+    its lease's seqs and its published count moves with each publish, so the audit names them."""
+    keys, prod = roles.keys, roles.producers["rollout_00"]
+    lease_outright(roles.trainer, keys, "rollout_00", 3)
+    pipe = prod.pipeline(transaction=True)
+    for seq in range(3):
+        pipe.xadd(keys.rollouts, encode(fake_rollout_sample(f"rollout_00-{seq}", producer="rollout_00")))  # type: ignore[arg-type]
+    mark_published(pipe, keys, "rollout_00", 3)
+    pipe.execute()
+    assert audit_run(roles.admin, keys).problems() == []
+    prod.xadd(keys.rollouts, {"x": "y"}, maxlen=0, approximate=False)
+    rep = audit_run(roles.admin, keys)
+    assert rep.destroyed_ids == {"rollout_00-0", "rollout_00-1", "rollout_00-2"}
+    assert any("3 published samples are not on the log" in p for p in rep.problems())
 
 
 # -- still open: these need one rollouts and one stats stream per producer ---------------------------------

@@ -56,7 +56,7 @@ from consumers.trainer.rank_agreement import RoundClaim, RoundResult, resolve_ro
 from consumers.trainer.staleness import mean_response_length, staleness
 from rollstream.bus import GroupReader, Message, entry_limits, iter_stream, retry_on_connection
 from rollstream.config import PipelineConfig
-from rollstream.names import DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
+from rollstream.names import DEAD_LETTERED_FIELD, REPLAY_COPY_FIELD, TRAINER_GROUP, Keys
 from rollstream.pacing import consume, leases, split_sample_id
 from rollstream.tasks import REWARD_RANGE
 from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, DeadLetter, Fate, RolloutSample, decode
@@ -154,6 +154,10 @@ class Collector:
         self._dead_checked = False
         self._dead_cursor = "-"  # the last `dead` entry whose prompt pacing counted ("-": none read yet)
         self.leases: dict[str, int] = {}  # producer -> prompts leased to it, as last read
+        # a replay copy's rollouts were copied by an admin, not published under leases: not checked
+        self.check_leases = not retry_on_connection(
+            lambda: r.hexists(keys.trainer, REPLAY_COPY_FIELD), "reading the trainer hash"
+        )
         self._transport_mark = 0.0  # the reader's transport_s at the last transport_since_last
 
     def transport_since_last(self) -> float:
@@ -204,7 +208,10 @@ class Collector:
 
     def lease_reason(self, ev: RolloutSample) -> str | None:
         """Why a sample is outside its producer's lease (its id is not `<producer>-<seq>` with seq below the
-        prompts leased to that producer), or None. The leases are read again when a seq is past them."""
+        prompts leased to that producer), or None (always on a replay copy). The leases are read again when
+        a seq is past them."""
+        if not self.check_leases:
+            return None
         parsed = split_sample_id(ev.sample_id)
         if parsed is None or parsed[0] != ev.producer:
             return f"sample_id={ev.sample_id!r} is not '<producer>-<seq>' for producer={ev.producer!r}"

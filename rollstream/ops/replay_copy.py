@@ -17,7 +17,7 @@ from __future__ import annotations
 import redis
 
 from rollstream.bus import iter_stream, parse_id, setup_run
-from rollstream.names import REPLAYED_VERSIONS_FIELD, Keys
+from rollstream.names import REPLAY_COPY_FIELD, REPLAYED_VERSIONS_FIELD, Keys
 from schemas import decode_fate
 
 BATCH = 500
@@ -56,6 +56,7 @@ def copy_rollouts(
     out = r if out is None else out
     _check_destination(out, src, dst)
     setup_run(out, dst)
+    out.hset(dst.trainer, REPLAY_COPY_FIELD, src.run)
     copied = 0
     pipe = out.pipeline(transaction=False)
     for entry_id, fields in iter_stream(r, src.rollouts, start, end, page=BATCH):
@@ -100,6 +101,7 @@ def copy_steps(
         )
     keep_ids = all(parse_id(a) < parse_id(b) for a, b in zip(ids, ids[1:], strict=False))
     setup_run(out, dst)
+    out.hset(dst.trainer, REPLAY_COPY_FIELD, src.run)
     pipe = out.pipeline(transaction=False)
     for i in ids:
         pipe.xadd(dst.rollouts, found[i], id=i if keep_ids else "*")

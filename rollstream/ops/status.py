@@ -31,7 +31,7 @@ from rollstream.ops.health import (
     trainer_stopping,
     worker_health,
 )
-from rollstream.pacing import current_budget, rollout_counts
+from rollstream.pacing import current_budget, leases, published_count, rollout_counts
 from rollstream.weights import latest_param_version, producer_versions
 from schemas import DecodeError, ProducerStats, SyncStepRecord, decode, decode_fate
 
@@ -71,6 +71,7 @@ class RunStatus:
     processes: list[dict[str, Any]] | None = None
     workers: list[WorkerHealth] = field(default_factory=list)
     trainer_consumers: list[dict[str, Any]] = field(default_factory=list)  # the trainer group's consumers
+    leases: dict[str, tuple[int, int]] = field(default_factory=dict)  # producer -> (leased, published)
 
     @property
     def healthy(self) -> bool:
@@ -213,6 +214,7 @@ def collect_status(
         processes=processes,
         workers=workers,
         trainer_consumers=trainer_consumers(r, keys),
+        leases={p: (n, published_count(r, keys, p)) for p, n in sorted(leases(r, keys).items())},
     )
 
 
@@ -276,6 +278,8 @@ def format_status(st: RunStatus, redis_url: str) -> str:
     out.append("")
     pv = ", ".join(f"{k}={v}" for k, v in sorted(st.producer_versions.items())) or "-"
     out.append(f"producer versions: {pv}")
+    held = ", ".join(f"{p} {n} ({n - done} not published)" for p, (n, done) in st.leases.items()) or "-"
+    out.append(f"leased prompts: {held}")
     out.append(
         f"trained (committed steps, last {RATE_WINDOW_S:.0f}s+ of wall clock): {st.samples_per_s:.2f} "
         f"samples/s, {st.steps_per_min:.2f} global steps/min"
