@@ -118,7 +118,9 @@ def measure(
     from rollstream.bus import Publisher, delete_run, setup_run
     from rollstream.config import load_config
     from rollstream.fakes import fake_rollout_sample
-    from rollstream.names import Keys
+    from rollstream.names import Keys, producer_names
+
+    producer = producer_names(1)[0]  # one producer's stream carries every sample
 
     run = f"bench-dp-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="rs-bench-dp-") as tmp:
@@ -136,11 +138,12 @@ def measure(
         cfg = load_config(config, every)
         keys, r = Keys(run), redis.Redis.from_url(url)
         try:
-            setup_run(r, keys)
+            setup_run(r, keys, producer_names(cfg.rollout.num_producers))
             count = (warmup + steps) * cfg.data.train_batch_size
             samples = [
                 fake_rollout_sample(
-                    f"s{i}",
+                    f"{producer}-s{i}",
+                    producer=producer,
                     n=cfg.rollout.n,
                     prompt_len=PROMPT_LEN,
                     response_len=cfg.data.max_response_length,
@@ -150,7 +153,7 @@ def measure(
                 )
                 for i in range(count)
             ]
-            Publisher(r).publish_many(keys.rollouts, samples)
+            Publisher(r).publish_many(keys.rollouts_of(producer), samples)
             out = Path(tmp) / "result.json"
             mp.spawn(
                 _rank,

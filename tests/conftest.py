@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from rollstream.bus import delete_run
-from rollstream.names import Keys
+from rollstream.names import Keys, producer_names
 
 REDIS_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -39,3 +39,8 @@ def keys(r: redis.Redis) -> Iterator[Keys]:
     k = Keys(f"t-{uuid.uuid4().hex[:12]}")
     yield k
     delete_run(r, k)
+
+
+#: The producers of a test run (a default config's two) and the one whose streams a test writes by default.
+PRODUCERS = producer_names(2)
+P0 = PRODUCERS[0]

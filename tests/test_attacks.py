@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from conftest import P0, PRODUCERS
 
 from consumers.trainer.loop import Trainer
 from rollstream.audit import audit_run
@@ -35,7 +36,9 @@ def tiny_cfg(keys: Keys, tmp: Path) -> PipelineConfig:
 
 
 def sample_fields(sid: str, version: int = 0) -> dict[bytes, bytes]:
-    ev = fake_rollout_sample(sid, param_version=max(version, 0), n=2, prompt_len=4, response_len=5)
+    """The fields of producer P0's sample `<P0>-<sid>` (stamped with `version`, even a negative one)."""
+    ev = fake_rollout_sample(f"{P0}-{sid}", param_version=max(version, 0), n=2, prompt_len=4, response_len=5,
+                             producer=P0)
     fields = {k.encode(): bytes(v) for k, v in encode(ev).items()}
     if version < 0:  # what a producer that skips the model would write
         fields[b"param_version"] = str(version).encode()
@@ -58,7 +61,7 @@ def dead_reasons(r: redis.Redis, keys: Keys) -> dict[str, str]:
     for _, f in r.xrange(keys.dead):  # type: ignore[union-attr]
         ev = decode(f)
         assert isinstance(ev, DeadLetter)
-        if ev.source == keys.rollouts:
+        if ev.source == keys.rollouts_of(P0):
             out[ev.source_id] = ev.reason
     return out
 
@@ -76,7 +79,7 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
     mismatch[b"sample_id"] = f"header-{tag}".encode()
     attacks["mismatch"] = (
         mismatch,
-        f"header sample_id=b'header-{tag}' != payload sample_id=b'payload-{tag}'",
+        f"header sample_id=b'header-{tag}' != payload sample_id=b'{P0}-payload-{tag}'",
     )
     schema = sample_fields(f"schema-{tag}")
     schema[b"schema"] = b"999"
@@ -87,24 +90,29 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
     big = sample_fields(f"big-{tag}")
     big[b"payload"] = big[b"payload"] + b"\0" * MAX_ENTRY_BYTES
     attacks["oversized"] = (big, f"over the max_entry_bytes={MAX_ENTRY_BYTES} limit")
-    absurd = fake_rollout_sample(f"reward-{tag}", n=2, prompt_len=4, response_len=5)
+    absurd = fake_rollout_sample(f"{P0}-reward-{tag}", n=2, prompt_len=4, response_len=5, producer=P0)
     absurd.full_batch.rows["rewards"] = np.array([3e38, 0.5], dtype=np.float32)
     attacks["reward"] = (
         {k.encode(): bytes(v) for k, v in encode(absurd).items()},  # issue 24: loss inf, grad NaN
         "out of domain: rewards hold values in [0.5, 3.00",
     )
-    nameless = fake_rollout_sample("", n=2, prompt_len=4, response_len=5)
+    nameless = fake_rollout_sample("", n=2, prompt_len=4, response_len=5, producer=P0)
     attacks["empty id"] = (
         {k.encode(): bytes(v) for k, v in encode(nameless).items()},
-        "out of domain: sample_id is empty",
+        f"impersonation: field sample_id='' on the stream of producer '{P0}'",
+    )
+    other = fake_rollout_sample(f"rollout_01-{tag}", n=2, prompt_len=4, response_len=5, producer="rollout_01")
+    attacks["another's name"] = (
+        {k.encode(): bytes(v) for k, v in encode(other).items()},
+        f"impersonation: field producer='rollout_01' on the stream of producer '{P0}'",
     )
 
     ids = {}
     for name, (fields, _) in attacks.items():
-        ids[name] = r.xadd(keys.rollouts, fields).decode()  # type: ignore[union-attr]
+        ids[name] = r.xadd(keys.rollouts_of(P0), fields).decode()  # type: ignore[union-attr]
     goods = [f"good-{tag}-{i}" for i in range(2)]
     for sid in goods:
-        r.xadd(keys.rollouts, sample_fields(sid))  # type: ignore[arg-type]
+        r.xadd(keys.rollouts_of(P0), sample_fields(sid))  # type: ignore[arg-type]
     guard = threading.Timer(30, trainer.stop.set)
     guard.start()
     try:
@@ -116,7 +124,7 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
     for name, (_, reason) in attacks.items():
         assert reason in dead[ids[name]], (name, dead[ids[name]])
     fates = [f[b"sample_id"].decode() for _, f in r.xrange(keys.fates)]  # type: ignore[union-attr]
-    assert sorted(fates) == goods
+    assert sorted(fates) == [f"{P0}-{sid}" for sid in goods]
     rep = audit_run(r, keys)  # the header's sample_id is what the audit sees: it ended in `dead`, not lost
     assert f"header-{tag}" in rep.dead and not rep.lost and not rep.duplicated, rep.problems()
 
@@ -126,18 +134,19 @@ def test_versions_published_before_a_restart_are_not_from_the_future(
 ) -> None:
     """A trainer that restarts from an older checkpoint finds versions published by the steps its crash
     abandoned; samples stamped with them are real (seen in the fault test), only newer ones are invalid."""
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     for v in (0, 1, 2):  # published by a previous trainer process that never checkpointed
         publish_weights(r, keys, v, b"w" * 16, global_step=v, inline_max_bytes=1 << 20)
     trainer = Trainer(tiny_cfg(keys, tmp_path), r, keys, "trainer", threading.Event())
     trainer.resume()
     assert trainer.global_step == 0 and trainer.newest_published == 2
     tag = uuid.uuid4().hex[:6]
-    future = r.xadd(keys.rollouts, sample_fields(f"v3-{tag}", 3)).decode()  # type: ignore[arg-type,union-attr]
+    future = r.xadd(keys.rollouts_of(P0), sample_fields(f"v3-{tag}", 3)).decode()  # type: ignore[arg-type,union-attr]
     for i in range(2):
-        r.xadd(keys.rollouts, sample_fields(f"v2-{tag}-{i}", 2))  # type: ignore[arg-type]
+        r.xadd(keys.rollouts_of(P0), sample_fields(f"v2-{tag}-{i}", 2))  # type: ignore[arg-type]
     assert trainer.train_step(1)
     assert dead_reasons(r, keys) == {
         future: "invalid: param_version=3 is newer than the newest published version 2"
     }
-    assert sorted(f[b"sample_id"].decode() for _, f in r.xrange(keys.fates)) == [f"v2-{tag}-0", f"v2-{tag}-1"]  # type: ignore[union-attr]
+    fates = sorted(f[b"sample_id"].decode() for _, f in r.xrange(keys.fates))  # type: ignore[union-attr]
+    assert fates == [f"{P0}-v2-{tag}-{i}" for i in (0, 1)]

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import redis
+from conftest import PRODUCERS
 from test_trainer import ROOT, TBS, FakeProducer, trainer_args
 
 from consumers.aggregator.fold import Fold
@@ -80,7 +81,7 @@ def test_zero_variance_groups_are_evicted_refilled_and_accounted(
 def test_evictions_counted_early_are_settled_once_or_uncounted_after_a_crash(
     r: redis.Redis, keys: Keys
 ) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, max_outstanding=4)
     assert take_budget(r, keys, 0, 4, "p").amount == 4  # the whole window dispatched: no budget left
     assert current_budget(r, keys) == (0, 0)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import P0, PRODUCERS
 
 import rollstream.pacing as pacing
 from rollstream.bus import setup_run
@@ -40,7 +41,7 @@ def outstanding(r: redis.Redis, keys: Keys) -> int:
 def test_a_dead_letter_gives_its_room_back_once(r: redis.Redis, keys: Keys) -> None:
     """Sync mode's window (max_outstanding = one batch) all dispatched, one rollout dead-lettered: the
     version gets one prompt of budget back; a repeat of the call (a retry after a lost reply) adds nothing."""
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, max_outstanding=4)
     assert take_budget(r, keys, 0, 4, "rollout_00").amount == 4
     assert take_budget(r, keys, 0, 1, "rollout_00").amount == 0  # the window is full
@@ -62,7 +63,7 @@ def test_a_top_up_gives_back_only_the_dead_letters_room_and_never_passes_the_bou
 ) -> None:
     """A crashed producer's released prompts and a dead letter each give their room back; budget left +
     outstanding never exceeds max_outstanding, even when a restart shrank the window under the grant."""
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, max_outstanding=4)
     assert take_budget(r, keys, 0, 4, "rollout_00").amount == 4
     mark_published(r, keys, "rollout_00", 2)
@@ -80,7 +81,7 @@ def test_a_top_up_gives_back_only_the_dead_letters_room_and_never_passes_the_bou
 def test_a_top_up_keeps_the_memory_cap(r: redis.Redis, keys: Keys) -> None:
     """Under back-pressure a grant is capped at one global step's prompts; a top-up never leaves more than
     the cap to take. An uncapped grant lifts it."""
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, max_outstanding=8)
     assert take_budget(r, keys, 0, 6, "rollout_00").amount == 6
     assert grant_budget(r, keys, 1, max_outstanding=8, cap=2) == (2, 6)
@@ -96,7 +97,7 @@ def test_a_top_up_keeps_the_memory_cap(r: redis.Redis, keys: Keys) -> None:
 def test_a_grant_between_the_read_and_the_top_up_is_retried_on_the_new_version(
     r: redis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, max_outstanding=2)
     assert take_budget(r, keys, 0, 2, "rollout_00").amount == 2
     reads: list[tuple[int, int]] = []
@@ -121,7 +122,7 @@ def test_a_crashed_producers_release_gives_sync_mode_its_prompts_back(r: redis.R
     version's budget so it can dispatch them again (it waited for a version that needs them before), within
     the
     bound and the memory cap, once."""
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, max_outstanding=4)
     assert take_budget(r, keys, 0, 4, "rollout_00").amount == 4
     mark_published(r, keys, "rollout_00", 2)
@@ -145,7 +146,7 @@ def test_a_crashed_producers_release_gives_sync_mode_its_prompts_back(r: redis.R
 
 
 def test_dead_letters_before_any_grant_only_count(r: redis.Redis, keys: Keys) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     assert dead(r, keys, 2, 4) == (2, 0)
     assert int(r.get(keys.consumed)) == 2 and dispatch_entries(r, keys) == []  # type: ignore[arg-type]
 
@@ -169,31 +170,35 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
     cfg = load_config("pipeline.yaml", [f"run.name={keys.run}", f"data.train_batch_size={B}",
                       "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=1",
                       "rollout.staleness_threshold=0"])  # fmt: skip
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, cfg.max_outstanding)
     assert take_budget(r, keys, 0, B, "rollout_00").amount == B
     pipe = r.pipeline(transaction=True)
     for i in range(B):
         fields: dict[str, Any] = encode(
-            fake_rollout_sample(f"s{i}", param_version=0, n=2, prompt_len=4, response_len=4)
+            fake_rollout_sample(f"{P0}-s{i}", param_version=0, n=2, prompt_len=4, response_len=4, producer=P0)
         )
         if i == 1:
             fields["payload"] = b"\xc1 corrupt"
-        pipe.xadd(keys.rollouts, fields)  # type: ignore[arg-type]
+        pipe.xadd(keys.rollouts_of(P0), fields)  # type: ignore[arg-type]
     mark_published(pipe, keys, "rollout_00", B)
     pipe.execute()
     dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
 
     def collector() -> Collector:
-        reader = GroupReader(r, keys.rollouts, TRAINER_GROUP, "trainer", dead_stream=keys.dead, block_ms=10,
-                             dead_count=(keys.trainer, DEAD_LETTERED_FIELD))  # as the Trainer builds it
+        reader = GroupReader(r, keys.rollouts_of(P0), TRAINER_GROUP, "trainer", dead_stream=keys.dead,
+                             block_ms=10, dead_count=(keys.trainer, DEAD_LETTERED_FIELD))  # as the Trainer
         return Collector(cfg, r, keys, reader, dp, threading.Event(), False, 1000, 64,  # type: ignore[arg-type]
                          lambda: None)
 
     first = collector()
     first.reader.poll(0)  # the corrupt entry is dead-lettered inside the read...
-    (dead_id, dead_fields), = [(i, f) for i, f in r.xrange(keys.rollouts) if f[b"payload"] == b"\xc1 corrupt"]
-    first.reader.dead_letter(dead_id.decode(), dead_fields, "a retry after a lost reply")
+    (dead_id, dead_fields), = [
+        (i, f) for i, f in r.xrange(keys.rollouts_of(P0)) if f[b"payload"] == b"\xc1 corrupt"
+    ]
+    first.reader.dead_letter(
+        dead_id.decode(), dead_fields, "a retry after a lost reply", stream=keys.rollouts_of(P0)
+    )
     assert r.xlen(keys.dead) == 1 and int(r.hget(keys.trainer, DEAD_LETTERED_FIELD)) == 1  # type: ignore[arg-type]
     assert int(r.get(keys.consumed) or 0) == 0  # ...and the trainer dies before pacing counted it
     del first
@@ -215,11 +220,12 @@ def test_a_dead_letter_that_is_no_prompt_is_not_counted(r: redis.Redis, keys: Ke
     from rollstream.names import TRAINER_GROUP
     from schemas import ParamVersion
 
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     Publisher(r).publish(
-        keys.rollouts, ParamVersion(version=0, uri="x", sha256="0" * 64, bytes=0, global_step=0)
+        keys.rollouts_of(P0), ParamVersion(version=0, uri="x", sha256="0" * 64, bytes=0, global_step=0)
     )
-    reader = GroupReader(r, keys.rollouts, TRAINER_GROUP, "trainer", dead_stream=keys.dead, block_ms=10,
+    reader = GroupReader(r, keys.rollouts_of(P0), TRAINER_GROUP, "trainer", dead_stream=keys.dead,
+                         block_ms=10,
                          dead_count=(keys.trainer, DEAD_LETTERED_FIELD))  # fmt: skip
     (m,) = reader.poll(0)
     reader.dead_letter(m.id, m.fields, "not a rollout", counted=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import delete_run
+from conftest import P0, delete_run
 from safetensors.torch import load_file
 from test_trainer import FakeProducer, trainer_args
 
@@ -79,7 +79,7 @@ def test_replay_steps_3_to_6_from_the_step_2_checkpoint_equals_the_live_weights(
 def test_replay_steps_needs_the_checkpoint_before_the_first_step(
     capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path
 ) -> None:
-    r.xadd(keys.rollouts, {"x": "1"}, id="5-1")
+    r.xadd(keys.rollouts_of(P0), {"x": "1"}, id="5-1")
     r.xadd(keys.fates, encode_fate(Fate("s", "5-1", TRAINED, 1, 1, 2)), id="2-1")  # type: ignore[arg-type]
     dst = Keys(keys.run + "-replay")
     try:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from conftest import P0, PRODUCERS
 
 from rollstream import fakes
 from rollstream.audit import audit_run
@@ -112,7 +113,7 @@ def torch_loading(pid: int) -> bool:
 
 
 def _start_run_for_producer(r: redis.Redis, keys: Keys, tmp: Path, args: list[str]) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     cfg = load_config("pipeline.yaml", args)
     publish_weights(r, keys, 0, build_policy(cfg).state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
     grant_budget(r, keys, 0, cfg.max_outstanding)
@@ -131,7 +132,8 @@ def test_producer_first_sigterm_publishes_the_dispatch_in_flight(r: redis.Redis,
     code, took = terminate(proc, 1)
     assert code == EXIT_OK, proc.stderr_text()[-2000:]
     assert took < WORKER_STOPWAIT_S
-    assert r.xlen(keys.rollouts) == _taken(r, keys)  # the dispatch in flight was finished and published
+    # the dispatch in flight was finished and published
+    assert r.xlen(keys.rollouts_of(P0)) == _taken(r, keys)
     assert inflight(r, keys, "rollout_00") == 0
 
 
@@ -143,7 +145,7 @@ def test_producer_second_sigterm_exits_at_once_without_publishing(r: redis.Redis
     wait_until(lambda: _taken(r, keys) > 0, proc, 60, "a dispatch")
     code, took = terminate(proc, 2)
     assert code == EXIT_FORCED and took < 1.0
-    assert r.xlen(keys.rollouts) < _taken(r, keys)  # the unfinished dispatch was not published …
+    assert r.xlen(keys.rollouts_of(P0)) < _taken(r, keys)  # the unfinished dispatch was not published …
     assert inflight(r, keys, "rollout_00") > 0  # … and is released on restart
 
 
@@ -165,8 +167,9 @@ def _trainer_mid_step(r: redis.Redis, keys: Keys, redis_url: str, tmp: Path) -> 
     )
     wait_until(lambda: r.exists(keys.params), proc, 60, "version 0")
     for i in range(2):
-        r.xadd(keys.rollouts, encode(fake_rollout_sample(f"s{i}", param_version=0, n=2, prompt_len=4,  # type: ignore[arg-type]
-                                                           response_len=4, seed=i)))
+        sample = fake_rollout_sample(f"{P0}-s{i}", param_version=0, n=2, prompt_len=4, response_len=4, seed=i,
+                                     producer=P0)
+        r.xadd(keys.rollouts_of(P0), encode(sample))  # type: ignore[arg-type]
 
     def updated() -> bool:
         return any(isinstance(ev := decode(f), StepMetrics) and ev.type == "local_update"
@@ -187,7 +190,7 @@ def test_trainer_first_sigterm_mid_step_exits_0_and_acks_nothing_unfinished(
     # nothing ended or lost: both samples stay pending, retrained by the next trainer
     rep = audit_run(r, keys)
     assert rep.problems() == [] and rep.pending == {"s0", "s1"} and not rep.trained | rep.dropped | rep.dead
-    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 2
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 2
 
 
 def test_trainer_second_sigterm_while_starting_exits_forced(r: redis.Redis, keys: Keys, redis_url: str,
@@ -220,7 +223,7 @@ def test_trainer_sigterm_while_importing_torch_exits_0(r: redis.Redis, keys: Key
 
 def _aggregator_with_open_step(r: redis.Redis, keys: Keys, redis_url: str, tmp: Path) -> Worker:
     """An aggregator that wrote step 1's record and holds step 2's first local update pending."""
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     # the aggregator checks events against it
     r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: 1, TRAINING_STEP_FIELD: 2})
     proc = spawn(

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from conftest import P0
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from rollstream.audit import audit_run, unacked_entry_ids
@@ -117,17 +118,18 @@ class FakeProducer(threading.Thread):
             want = 2
             if v in self.cap:
                 want = min(want, self.cap[v] - self.taken.get(v, 0))
-            take = take_budget(self.r, self.keys, v, want, "fake") if want > 0 else None
+            take = take_budget(self.r, self.keys, v, want, P0) if want > 0 else None
             if take is None or take.amount <= 0:
                 time.sleep(0.02)
                 continue
             self.taken[v] = self.taken.get(v, 0) + take.amount
             pipe = self.r.pipeline(transaction=True)
             for _ in range(take.amount):
-                sid = f"fake-{len(self.published):04d}"
+                sid = f"{P0}-{len(self.published):04d}"
                 flat = self.flat_every > 0 and len(self.published) % self.flat_every == 1
                 sample = fake_rollout_sample(sid, param_version=v, n=4, prompt_len=6, response_len=8,
-                                             seed=len(self.published), rewards=[1.0] * 4 if flat else None)
+                                             producer=P0, seed=len(self.published),
+                                             rewards=[1.0] * 4 if flat else None)
                 if flat:
                     self.flat.append(sid)
                 if len(self.published) in self.failed_at:
@@ -140,9 +142,9 @@ class FakeProducer(threading.Thread):
                 if len(self.published) in self.corrupt_at:
                     fields["payload"] = b"\xc1 not msgpack"
                     self.corrupt.append(sid)
-                pipe.xadd(self.keys.rollouts, fields)
+                pipe.xadd(self.keys.rollouts_of(P0), fields)
                 self.published.append(sid)
-            mark_published(pipe, self.keys, "fake", take.amount)
+            mark_published(pipe, self.keys, P0, take.amount)
             pipe.execute()
 
 
@@ -159,8 +161,8 @@ def check_invariants(r: redis.Redis, keys: Keys, producer: FakeProducer, steps: 
     assert rep.dead == set(producer.corrupt)
     unacked = {
         f[b"sample_id"].decode()
-        for i, f in r.xrange(keys.rollouts)
-        if i.decode() in unacked_entry_ids(r, keys)
+        for i, f in r.xrange(keys.rollouts_of(P0))
+        if i.decode() in unacked_entry_ids(r, keys.rollouts_of(P0))
     }
     assert unacked == rep.pending, "a committed sample is still pending"
     assert rep.steps == list(range(1, steps + 1))
@@ -285,7 +287,7 @@ def test_trainer_sigkill_mid_step_then_restart_loses_and_repeats_nothing(
         if proc.stderr:
             proc.stderr.close()
     assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) == b"1"
-    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] > 0  # step 2's samples were not acked
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] > 0  # step 2's samples were not acked
     del producer.cap[1]
     proc2 = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc2.returncode == 0, proc2.stderr[-3000:]
@@ -350,7 +352,7 @@ def test_trainer_with_real_producers(r: redis.Redis, keys: Keys, redis_url: str,
     assert trainer.returncode == 0, trainer.stderr[-3000:]
     assert [p.returncode for p in prods] == [0, 0], [e[-2000:] for e in errs]
 
-    published = [f[b"sample_id"].decode() for _, f in r.xrange(keys.rollouts)]
+    published = [f[b"sample_id"].decode() for _, f in r.xrange(keys.rollouts_of(P0))]
     fake = FakeProducer(r, keys)
     fake.published = published
     counts = check_invariants(r, keys, fake, steps)
@@ -398,7 +400,7 @@ def test_trainer_waits_for_num_warmup_batches_before_its_first_update(
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while r.xlen(keys.rollouts) < 4 or r.hget(keys.trainer, HEARTBEAT_FIELD) is None:
+        while r.xlen(keys.rollouts_of(P0)) < 4 or r.hget(keys.trainer, HEARTBEAT_FIELD) is None:
             assert proc.poll() is None and time.monotonic() < deadline, "trainer did not start"
             time.sleep(0.05)
         time.sleep(1.5)  # 4 samples would do for a first update (2 per mini-batch); warmup wants 6
@@ -411,7 +413,7 @@ def test_trainer_waits_for_num_warmup_batches_before_its_first_update(
         if proc.stderr:
             proc.stderr.close()
     first = min(i for i, f in r.xrange(keys.metrics) if f.get(b"type") == b"local_update")
-    assert len(r.xrange(keys.rollouts, max=first)) >= 6  # 3 mini-batches had arrived before it
+    assert len(r.xrange(keys.rollouts_of(P0), max=first)) >= 6  # 3 mini-batches had arrived before it
 
 
 def test_stale_counts_follow_verl() -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import P0, PRODUCERS
 from safetensors.torch import load as st_load
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
@@ -233,29 +234,35 @@ def test_two_trainer_ranks_train_a_sample_read_by_both_once(
         "trainer.nproc_per_node=2",
         "bus.block_ms=50",
     ]
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     for i in range(10):
-        sample = encode(fake_rollout_sample(f"s{i}", n=2, prompt_len=4, response_len=5, seed=i, vocab=20))
-        r.xadd(keys.rollouts, sample)
-        r.xadd(keys.rollouts, sample)  # the duplicate right behind it
+        sample = encode(
+            fake_rollout_sample(
+                f"{P0}-s{i}", n=2, prompt_len=4, response_len=5, seed=i, vocab=20, producer=P0
+            )
+        )
+        r.xadd(keys.rollouts_of(P0), sample)
+        r.xadd(keys.rollouts_of(P0), sample)  # the duplicate right behind it
     init = tempfile.mktemp(prefix="rs-dp-init-", dir=tmp_path)
     mp.spawn(_trainer_rank, args=(2, init, redis_url, overrides), nprocs=2, join=True)
 
     rep = audit_run(r, keys)
     assert rep.duplicated == set() and rep.lost == set()
-    assert rep.trained == {f"s{i}" for i in range(8)} and rep.steps == [1, 2, 3, 4]  # 4 steps of 2 samples
+    # 4 steps of 2 samples
+    assert rep.trained == {f"{P0}-s{i}" for i in range(8)} and rep.steps == [1, 2, 3, 4]
     assert rep.duplicate_entries == 10
     events = [ev for _, f in iter_stream(r, keys.metrics) if isinstance(ev := decode(f), StepMetrics)]
     updates = [e for e in events if e.type == "local_update"]
     assert sorted((e.global_step, e.rank, e.sample_count) for e in updates) == [
         (g, k, 1) for g in (1, 2, 3, 4) for k in (0, 1)
     ]
-    consumers = {c["name"].decode(): c["pending"] for c in r.xinfo_consumers(keys.rollouts, "trainer")}
+    consumers = {c["name"].decode(): c["pending"] for c in r.xinfo_consumers(keys.rollouts_of(P0), "trainer")}
     assert set(consumers) == {"trainer-r0", "trainer-r1"}
     ((_, newest),) = list_checkpoints(tmp_path / keys.run / "checkpoints")[-1:]
     meta = decode_payload(st_load(newest.read_bytes())["meta/payload"].numpy().tobytes())
     assert [rk["rank"] for rk in meta["ranks"]] == [0, 1] and all(rk["rng"]["torch"] for rk in meta["ranks"])
-    assert sorted(sid for rk in meta["ranks"] for sid in rk["sample_ids"]) == [f"s{i}" for i in range(4, 8)]
+    got = sorted(sid for rk in meta["ranks"] for sid in rk["sample_ids"])
+    assert got == [f"{P0}-s{i}" for i in range(4, 8)]
 
 
 def test_a_round_gives_an_id_taken_by_two_ranks_to_the_lower_one() -> None:
