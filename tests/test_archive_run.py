@@ -111,7 +111,7 @@ def test_a_small_budget_run_archives_its_log_survives_a_kill_mid_trim_and_replay
     # most of the log lives in the archive; read together, each entry once and in order
     for stream in (keys.rollouts_of(P0), keys.metrics):
         assert arc.index(stream).entries > r.xlen(stream), stream
-    for stream in keys.all_streams():
+    for stream in keys.all_streams([P0]):
         ids = [parse_id(i) for i, _ in iter_stream(r, stream)]
         assert ids == sorted(set(ids)), stream
         in_redis = {parse_id(i) for i, _ in r.xrange(stream)}
@@ -127,7 +127,9 @@ def test_a_small_budget_run_archives_its_log_survives_a_kill_mid_trim_and_replay
     assert list(iter_stream(r, dst.records)) == live  # field for field, byte for byte
 
     # `replay trainer --steps 2-4` copies what those steps consumed, from the archive
-    ids = consumed_entry_ids(r, keys, 2, 4)
+    refs = consumed_entry_ids(r, keys, 2, 4)
+    assert {p for p, _ in refs} == {P0}  # the fake producer is rollout_00
+    ids = [i for _, i in refs]
     assert not {i.decode() for i, _ in r.xrange(keys.rollouts_of(P0))} & set(ids)  # all archived by now
     n, _ = copy_steps(r, keys, dst, 2, 4)
     source = dict(iter_stream(r, keys.rollouts_of(P0)))

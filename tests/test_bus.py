@@ -455,3 +455,63 @@ def test_a_janitor_pass_cut_by_a_lost_connection_stays_due(
     res = jan.maybe_run(now=1000.0)  # the retry: still due
     assert res is not None and res.error is None and len(calls) == 2
     assert jan.maybe_run(now=1001.0) is None  # now it is not due
+
+
+# -- one reader across several streams (the trainer's, over every producer's rollouts:<p>) ---------------
+
+
+def multi_reader(r: redis.Redis, keys: Keys, consumer: str = "c1", **kw: object) -> GroupReader:
+    """A reader of both producers' rollouts streams, as the trainer builds it."""
+    return GroupReader(
+        r, keys.rollouts_streams(PRODUCERS), TRAINER_GROUP, consumer, dead_stream=keys.dead, block_ms=10, **kw
+    )  # type: ignore[arg-type]
+
+
+def test_one_reader_reads_every_stream_and_acks_each_entry_on_its_own(r: redis.Redis, keys: Keys) -> None:
+    """Entry ids of two streams may be equal: each message carries its stream, acks, dead letters and the
+    re-read of pending entries after a restart are per stream."""
+    setup_run(r, keys, PRODUCERS)
+    for p in PRODUCERS:  # the same explicit ids on both streams
+        for i in (1, 2):
+            fields = encode(fake_rollout_sample(f"{p}-{i}", producer=p))
+            r.xadd(keys.rollouts_of(p), fields, id=f"{i}-0")  # type: ignore[arg-type]
+    r.xadd(keys.rollouts_of(PRODUCERS[1]), {"x": "garbage"}, id="3-0")
+    first = multi_reader(r, keys)
+    got = first.poll(0)
+    refs = [(keys.rollouts_of(p), f"{i}-0") for p in PRODUCERS for i in (1, 2)]
+    assert sorted(m.ref for m in got) == sorted(refs)
+    assert all(m.event.sample_id.startswith(keys.stream_producer(m.stream)) for m in got)  # type: ignore[union-attr]
+    [(_, dead_fields)] = r.xrange(keys.dead)
+    dl = decode(dead_fields)
+    assert isinstance(dl, DeadLetter) and (dl.source, dl.source_id) == (keys.rollouts_of(PRODUCERS[1]), "3-0")
+    assert first.ack([(keys.rollouts_of(P0), "1-0")]) == 1  # only that stream's 1-0
+    with pytest.raises(ValueError, match="name the entry's stream"):
+        first.ack(["2-0"])  # a bare id is ambiguous across streams
+    restarted = multi_reader(r, keys)  # same consumer: re-reads its own pending entries on every stream
+    again = restarted.poll(0)
+    assert sorted(m.ref for m in again) == sorted(
+        [(keys.rollouts_of(P0), "2-0"), *((keys.rollouts_of(PRODUCERS[1]), f"{i}-0") for i in (1, 2))]
+    )
+    assert all(m.deliveries == 2 for m in again)
+    assert restarted.ack(m.ref for m in again) == 3
+    assert all(r.xpending(s, TRAINER_GROUP)["pending"] == 0 for s in keys.rollouts_streams(PRODUCERS))
+
+
+def test_a_read_of_new_entries_takes_at_most_count_across_the_streams(r: redis.Redis, keys: Keys) -> None:
+    """With several streams one XREADGROUP gives each count // streams, and with count below the number of
+    streams it reads them in turn: a data-parallel rank never takes more than it asked for."""
+    setup_run(r, keys, PRODUCERS)
+    for p in PRODUCERS:
+        samples = [fake_rollout_sample(f"{p}-{i}", producer=p) for i in range(4)]
+        Publisher(r).publish_many(keys.rollouts_of(p), samples)
+    rd = multi_reader(r, keys, count=1)
+    seen: list[str] = []
+    for _ in range(20):  # (the first poll also scans its own pending list, empty)
+        msgs = rd.poll(0)
+        assert len(msgs) <= 1
+        seen += [m.stream for m in msgs]
+        if len(seen) == 8:
+            break
+    assert seen[:4] == keys.rollouts_streams(PRODUCERS) * 2  # in turn
+    rd.count = 4
+    assert rd.poll(0) == [] and rd.drained

@@ -106,7 +106,7 @@ def test_readme_inspection_commands_work_after_stop_and_change_nothing(tmp_path:
         sys.executable,
         "-c",
         "import os, redis; r = redis.Redis.from_url(os.environ['ROLLSTREAM_REDIS_URL']);"
-        "print(r.xlen('rs:{done-dbg}:rollouts'))",
+        "print(sum(r.xlen(f'rs:{{done-dbg}}:rollouts:rollout_0{i}') for i in (0, 1)))",
         timeout_s=120,
     )
     assert served.returncode == 0 and int(served.stdout.strip()) == 8, served.stdout + served.stderr

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from conftest import P0
+from conftest import P0, PRODUCERS
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from rollstream.audit import audit_run, unacked_entry_ids
@@ -161,8 +161,9 @@ def check_invariants(r: redis.Redis, keys: Keys, producer: FakeProducer, steps: 
     assert rep.dead == set(producer.corrupt)
     unacked = {
         f[b"sample_id"].decode()
-        for i, f in r.xrange(keys.rollouts_of(P0))
-        if i.decode() in unacked_entry_ids(r, keys.rollouts_of(P0))
+        for stream in keys.rollouts_streams(PRODUCERS)
+        for i, f in r.xrange(stream)
+        if i.decode() in unacked_entry_ids(r, stream)
     }
     assert unacked == rep.pending, "a committed sample is still pending"
     assert rep.steps == list(range(1, steps + 1))
@@ -352,7 +353,7 @@ def test_trainer_with_real_producers(r: redis.Redis, keys: Keys, redis_url: str,
     assert trainer.returncode == 0, trainer.stderr[-3000:]
     assert [p.returncode for p in prods] == [0, 0], [e[-2000:] for e in errs]
 
-    published = [f[b"sample_id"].decode() for _, f in r.xrange(keys.rollouts_of(P0))]
+    published = [f[b"sample_id"].decode() for p in PRODUCERS for _, f in r.xrange(keys.rollouts_of(p))]
     fake = FakeProducer(r, keys)
     fake.published = published
     counts = check_invariants(r, keys, fake, steps)

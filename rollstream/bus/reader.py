@@ -135,7 +135,7 @@ class GroupReader:
         self._claim_queue = list(self.streams)  # streams left in this round of XAUTOCLAIM
         self._claim_cursor = dict.fromkeys(self.streams, "0-0")
         self._rotation = 0  # first stream of the next read of new entries (when count < streams)
-        self._found_empty: set[str] = set()  # streams whose last read of new entries found none
+        self._found_empty: set[str] = set()  # streams found empty since a read of new entries returned some
         self._inflight: set[EntryRef] = set()
         self._last_touch = time.monotonic()
         self._group_ready = False
@@ -208,7 +208,8 @@ class GroupReader:
             block=wait or None,
         )
         got = {text(stream): entries for stream, entries in resp or [] if entries}
-        self._found_empty = (self._found_empty | set(chosen)) - set(got)
+        # drained: every stream found empty since the last read that returned anything
+        self._found_empty = set() if got else self._found_empty | set(chosen)
         self.drained = not got and self._found_empty >= set(self.streams)
         out: list[Message] = []
         for stream, entries in got.items():
