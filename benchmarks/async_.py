@@ -52,7 +52,7 @@ import redis
 
 from rollstream.bus import connect, delete_run
 from rollstream.config import PipelineConfig, apply_overrides, config_to_yaml, load_config
-from rollstream.names import Keys
+from rollstream.names import Keys, producer_names
 from rollstream.ops.plan import producer_module
 from schemas import ProducerStats, RolloutSample, StepMetrics, decode
 
@@ -311,16 +311,29 @@ def collect(r: redis.Redis, keys: Keys, cfg: PipelineConfig, mode: str) -> ModeR
     wait_s = sum(w for _, w, _ in per_step.values())
     transport_s = sum(t for _, _, t in per_step.values())
     # producers: slot-averaged idle over the windows of versions 0..N-1
-    stats = [ev for ev in _events(r, keys.stats) if isinstance(ev, ProducerStats) and ev.param_version < N]
+    names = producer_names(cfg.rollout.num_producers)
+    stats = [
+        ev
+        for stream in keys.stats_streams(names)
+        for ev in _events(r, stream)
+        if isinstance(ev, ProducerStats) and ev.param_version < N
+    ]
     idle = sum(ev.metrics.get("producer/idle_s", 0.0) for ev in stats)
     window = sum(ev.metrics.get("producer/window_s", 0.0) for ev in stats)
     # generation work of the trained samples: each prompt's longest trajectory
     fates: Any = r.xrange(keys.fates)
-    trained = {f[b"source_id"].decode(): int(f[b"staleness"]) for _, f in fates if f[b"fate"] == b"trained"}
+    trained = {
+        (f[b"sample_id"].decode(), f[b"source_id"].decode()): int(f[b"staleness"])
+        for _, f in fates
+        if f[b"fate"] == b"trained"
+    }
     gen_work = 0.0
-    rollouts: Any = r.xrange(keys.rollouts)
-    for entry_id, fields in rollouts:
-        if entry_id.decode() in trained:
+    rollouts: Any = [
+        (p, entry_id, fields) for p in names for entry_id, fields in r.xrange(keys.rollouts_of(p)) or []
+    ]
+    trained_refs = {(sid.split("-", 1)[0], i) for sid, i in trained}  # sample ids are `<producer>-…`
+    for p, entry_id, fields in rollouts:
+        if (p, entry_id.decode()) in trained_refs:
             ev = decode(fields)
             assert isinstance(ev, RolloutSample)
             gen_work += max(ev.processing_times)

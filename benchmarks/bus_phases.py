@@ -21,6 +21,7 @@ import redis
 
 from benchmarks.bus_trials import (
     CONSUMER,
+    PRODUCER,
     Settings,
     _batches,
     default_batch,
@@ -65,7 +66,9 @@ def phase_trial(
     """Seconds per phase (and gc) of n_samples through publish -> poll -> decode -> ack, batch by batch."""
     out = dict.fromkeys((*PHASES, "gc"), 0.0)
     with fresh_stream(r, prefix) as keys, _GcClock() as clock:
-        reader = GroupReader(r, keys.rollouts, TRAINER_GROUP, CONSUMER, dead_stream=keys.dead, count=batch)
+        reader = GroupReader(
+            r, keys.rollouts_of(PRODUCER), TRAINER_GROUP, CONSUMER, dead_stream=keys.dead, count=batch
+        )
         reader.poll(block_ms=0)  # own-pending scan and first XAUTOCLAIM, once per reader
         got = 0
         for b in _batches(n_samples, batch):
@@ -74,7 +77,7 @@ def phase_trial(
             t1 = time.perf_counter()
             pipe = r.pipeline(transaction=False)
             for fields in entries:
-                pipe.xadd(keys.rollouts, fields, nomkstream=True)  # type: ignore[arg-type]
+                pipe.xadd(keys.rollouts_of(PRODUCER), fields, nomkstream=True)  # type: ignore[arg-type]
             pipe.execute()
             t2 = time.perf_counter()
             decode0 = reader.stats.decode_s

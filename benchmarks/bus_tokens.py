@@ -18,6 +18,7 @@ from typing import Any
 import redis
 
 from benchmarks.bus_trials import (
+    PRODUCER,
     VOCAB,
     MiB,
     Settings,
@@ -100,8 +101,8 @@ def _codec_round(r: redis.Redis, sample: RolloutSample, min_s: float, prefix: st
     """µs per decode of our entry as Redis returns it and of pickle's blob, and per encode."""
     pickle = importlib.import_module("pickle")  # the baseline being measured, never a read path
     with fresh_stream(r, prefix) as keys:
-        Publisher(r).publish(keys.rollouts, sample)
-        entries: Any = r.xrange(keys.rollouts, count=1)
+        Publisher(r).publish(keys.rollouts_of(PRODUCER), sample)
+        entries: Any = r.xrange(keys.rollouts_of(PRODUCER), count=1)
         fields = entries[0][1]
     blob = pickle.dumps(sample, protocol=5)
     return {

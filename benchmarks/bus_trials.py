@@ -27,6 +27,8 @@ VOCAB = 151_936  # token ids up to Qwen2's vocabulary: int32 on the wire
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 DEFAULT_SIZES = "16K,256K,4M"
 CONSUMER = "bench"
+#: The one producer whose rollouts stream the bus trials use (a run has one such stream per producer).
+PRODUCER = "rollout_00"
 
 
 @dataclass
@@ -133,7 +135,7 @@ def default_batch(wire_bytes: int) -> int:
 def fresh_stream(r: redis.Redis, prefix: str) -> Iterator[Keys]:
     """A new run namespace with its rollouts stream and trainer group; every key of it deleted afterwards."""
     keys = Keys(f"{prefix}-{uuid.uuid4().hex[:12]}")
-    ensure_group(r, keys.rollouts, TRAINER_GROUP)
+    ensure_group(r, keys.rollouts_of(PRODUCER), TRAINER_GROUP)
     try:
         yield keys
     finally:
@@ -153,13 +155,15 @@ def trial_ours(r: redis.Redis, sample: RolloutSample, n_samples: int, batch: int
     """Publish/read/decode/ack n_samples through Publisher and GroupReader, batch by batch."""
     with fresh_stream(r, prefix) as keys:
         pub = Publisher(r, nomkstream=True)
-        reader = GroupReader(r, keys.rollouts, TRAINER_GROUP, CONSUMER, dead_stream=keys.dead, count=batch)
+        reader = GroupReader(
+            r, keys.rollouts_of(PRODUCER), TRAINER_GROUP, CONSUMER, dead_stream=keys.dead, count=batch
+        )
         reader.poll(block_ms=0)  # prime: own-pending scan and first XAUTOCLAIM happen once per reader
         publish_s = consume_s = 0.0
         got = 0
         for b in _batches(n_samples, batch):
             t0 = time.perf_counter()
-            pub.publish_many(keys.rollouts, [sample] * b)
+            pub.publish_many(keys.rollouts_of(PRODUCER), [sample] * b)
             t1 = time.perf_counter()
             msgs: list[Message] = []
             while len(msgs) < b:
@@ -176,7 +180,7 @@ def trial_ours(r: redis.Redis, sample: RolloutSample, n_samples: int, batch: int
 def trial_raw(r: Any, payload: bytes, n_samples: int, batch: int, prefix: str) -> Trial:
     """The baseline: the same cycle with one opaque payload field, plain redis-py calls."""
     with fresh_stream(r, prefix) as keys:
-        stream = keys.rollouts
+        stream = keys.rollouts_of(PRODUCER)
         publish_s = consume_s = 0.0
         got = 0
         for b in _batches(n_samples, batch):
@@ -224,8 +228,8 @@ def codec_round(r: redis.Redis, sample: RolloutSample, min_s: float, prefix: str
     # pickle is the baseline being measured here, never a read path: nothing it loads comes from the wire.
     pickle = importlib.import_module("pickle")
     with fresh_stream(r, prefix) as keys:
-        Publisher(r).publish(keys.rollouts, sample)
-        entries: Any = r.xrange(keys.rollouts, count=1)
+        Publisher(r).publish(keys.rollouts_of(PRODUCER), sample)
+        entries: Any = r.xrange(keys.rollouts_of(PRODUCER), count=1)
         fields = entries[0][1]  # {bytes: bytes}, as every reader gets it
     blob = pickle.dumps(sample, protocol=5)
     return {

@@ -117,8 +117,10 @@ def measure(
 
     from rollstream.bus import Publisher, delete_run, setup_run
     from rollstream.config import load_config
-    from rollstream.fakes import fake_rollout_sample
-    from rollstream.names import Keys
+    from rollstream.fakes import leased_fakes
+    from rollstream.names import Keys, producer_names
+
+    producer = producer_names(1)[0]  # one producer's stream carries every sample
 
     run = f"bench-dp-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="rs-bench-dp-") as tmp:
@@ -136,21 +138,20 @@ def measure(
         cfg = load_config(config, every)
         keys, r = Keys(run), redis.Redis.from_url(url)
         try:
-            setup_run(r, keys)
+            setup_run(r, keys, producer_names(cfg.rollout.num_producers))
             count = (warmup + steps) * cfg.data.train_batch_size
-            samples = [
-                fake_rollout_sample(
-                    f"s{i}",
-                    n=cfg.rollout.n,
-                    prompt_len=PROMPT_LEN,
-                    response_len=cfg.data.max_response_length,
-                    ragged=True,
-                    seed=i,
-                    vocab=VOCAB,
-                )
-                for i in range(count)
-            ]
-            Publisher(r).publish_many(keys.rollouts, samples)
+            samples = leased_fakes(  # leased outright: the trainer checks every sample against its lease
+                r,
+                keys,
+                count,
+                producer,
+                n=cfg.rollout.n,
+                prompt_len=PROMPT_LEN,
+                response_len=cfg.data.max_response_length,
+                ragged=True,
+                vocab=VOCAB,
+            )
+            Publisher(r).publish_many(keys.rollouts_of(producer), samples)
             out = Path(tmp) / "result.json"
             mp.spawn(
                 _rank,

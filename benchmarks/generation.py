@@ -35,7 +35,7 @@ from rollstream.bus import connect, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.from_config import build_policy
 from rollstream.model.hf_tiny import make_tiny_hf_model
-from rollstream.names import Keys
+from rollstream.names import Keys, producer_names
 from rollstream.pacing import lease_outright
 from rollstream.weights import latest_param_version, load_weights, publish_weights
 from rollstream.worker import WorkerContext
@@ -48,7 +48,7 @@ def unthrottled_producer(
 ) -> Producer:
     """Set a run up with version 0 = the config's initial weights and an unlimited lease, and return its
     `rollout_00` producer made by `build` (for benchmarks and calibration: no trainer needed)."""
-    setup_run(r, keys)
+    setup_run(r, keys, producer_names(cfg.rollout.num_producers))
     policy = build_policy(cfg)
     publish_weights(r, keys, 0, policy.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
     lease_outright(r, keys, "rollout_00", 1 << 30)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollstream.bus import ArchiveError, run_archive
+from rollstream.bus import ArchiveError, run_archive, run_producers
 from rollstream.config import load_config
 from rollstream.names import TRAINER_GROUP
 from rollstream.ops import process
@@ -76,10 +76,10 @@ def rss_mb(pid: int) -> float:
 
 def archive_bytes(r: Any, target: Any) -> int:
     """Committed bytes of the run's archive on disk, over every stream (0 before anything was archived)."""
-    arc = run_archive(r, target.keys.rollouts)
+    arc = run_archive(r, target.keys.fates)
     if arc is None:
         return 0
-    streams = [*target.keys.all_streams(), *(k.decode() for k in r.scan_iter(
+    streams = [*target.keys.all_streams(run_producers(r, target.keys)), *(k.decode() for k in r.scan_iter(
         match=target.keys.producer_pattern("dispatch_log")))]
     try:
         return sum(arc.index(k).bytes for k in streams)
@@ -91,17 +91,19 @@ def take_sample(r: Any, target: Any, run_dir: Path, t_s: float) -> Sample:
     """Measure redis memory, the archive's size, trainer RSS, the rollouts backlog and the trainer's step."""
     info = r.info("memory")
     pid = int(process.rpc(run_dir).supervisor.getProcessInfo("trainer")["pid"])
-    groups = {g["name"].decode(): g for g in r.xinfo_groups(target.keys.rollouts)}
-    g = groups.get(TRAINER_GROUP, {})
+    rollouts = target.keys.rollouts_streams(run_producers(r, target.keys))
+    trainer_groups = [
+        g for stream in rollouts for g in r.xinfo_groups(stream) if g["name"].decode() == TRAINER_GROUP
+    ]
     step = r.hget(target.keys.trainer, "global_step")
     return Sample(
         t_s=t_s,
         redis_used_mb=int(info["used_memory"]) / 2**20,
         archive_mb=archive_bytes(r, target) / 2**20,
         trainer_rss_mb=rss_mb(pid) if pid else 0.0,
-        rollouts_len=int(r.xlen(target.keys.rollouts)),
-        trainer_lag=int(g.get("lag") or 0),
-        trainer_pending=int(g.get("pending") or 0),
+        rollouts_len=sum(int(r.xlen(stream)) for stream in rollouts),
+        trainer_lag=sum(int(g.get("lag") or 0) for g in trainer_groups),
+        trainer_pending=sum(int(g.get("pending") or 0) for g in trainer_groups),
         global_step=int(step or 0),
     )
 
@@ -214,8 +216,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"trainer={s.trainer_rss_mb:.0f}MiB "
                   f"rollouts={s.rollouts_len} lag={s.trainer_lag} step={s.global_step}", flush=True)
             if t >= args.duration_s:
-                lengths = {k.rsplit(":", 1)[-1]: (int(r.xlen(k)), int(r.memory_usage(k, samples=0) or 0))
-                           for k in target.keys.all_streams() if r.exists(k)}
+                streams = target.keys.all_streams(run_producers(r, target.keys))
+                lengths = {
+                    k.removeprefix(target.keys.prefix): (int(r.xlen(k)),
+                                                         int(r.memory_usage(k, samples=0) or 0))
+                    for k in streams
+                    if r.exists(k)
+                }
                 break
             time.sleep(min(args.sample_every_s, max(0.0, args.duration_s - t)))
             failed = process.failed_programs(plan.run_dir)

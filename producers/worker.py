@@ -175,7 +175,7 @@ class Producer:
             return False
         # set by setup_run once the streams exist (the producer's ACL cannot read rollouts)
         if not r.exists(keys.setup):
-            raise RunNotSetUpError.for_stream(keys.rollouts)
+            raise RunNotSetUpError.for_stream(keys.rollouts_of(self.name))
         self.counters.versions_loaded = self.weights.loads
         return True
 
@@ -407,7 +407,7 @@ class Producer:
         keys = self.ctx.keys
         pipe = self.ctx.r.pipeline(transaction=True)
         for s in samples:
-            pipe.xadd(keys.rollouts, encode(s), nomkstream=True)  # type: ignore[arg-type]
+            pipe.xadd(keys.rollouts_of(self.name), encode(s), nomkstream=True)  # type: ignore[arg-type]
         mark_published(pipe, keys, self.name, len(samples))
         epoch, index = self.source.cursor
         pipe.set(keys.producer_cursor(self.name), encode_cursor(epoch, index))
@@ -421,9 +421,10 @@ class Producer:
             self.source.cursor = before
             self.next_seq -= len(samples)
             if refused[0] is None:
-                raise RunNotSetUpError.for_stream(keys.rollouts)
+                raise RunNotSetUpError.for_stream(keys.rollouts_of(self.name))
             raise PublishError(
-                f"XADD to {keys.rollouts} refused ({refused[0]}); cursor and published count kept"
+                f"XADD to {keys.rollouts_of(self.name)} refused ({refused[0]}); cursor and published count "
+                "kept"
             )
         self.counters.published += len(samples)
 
@@ -443,7 +444,7 @@ class Producer:
     def _emit_stats(self, param_version: int) -> None:
         """Publish the current window as a ProducerStats on `stats` and start a new window."""
         ev = self.window.event(self.name, param_version)
-        self.metrics.publish(self.ctx.keys.stats, ev)
+        self.metrics.publish(self.ctx.keys.stats_of(self.name), ev)
         self.window = StatsWindow()
         self.last_stats = time.monotonic()
 

@@ -1,11 +1,12 @@
 """Audit a run from its log: did every published sample end exactly once, and are the steps consecutive?
 
-Every sample_id on `rollouts` must end exactly once as trained, dropped-as-stale or evicted (an entry in
-`fates`) or dead-lettered (an entry on `dead` whose source is `rollouts`); the only other legitimate state is
-still unacked in the trainer group (pending, or not yet delivered). A redelivered or duplicate XADD of an id
-that already ended is acked without a second fate, so ids, not entries, are what is counted. `step_end` events
-on `metrics` must be global steps 1..N, once each, and `records` must hold 1..M, after an optional record 0
-(the validation of version 0, taken before any training when trainer.test_freq > 0).
+Every sample_id on the rollouts streams (one `rollouts:<p>` per producer, as setup_run recorded them in the
+`producers` set) must end exactly once as trained, dropped-as-stale or evicted (an entry in `fates`) or
+dead-lettered (an entry on `dead` whose source is that rollouts stream); the only other legitimate state is
+still unacked in the trainer group of its stream (pending, or not yet delivered). A redelivered or duplicate
+XADD of an id that already ended is acked without a second fate, so ids, not entries, are what is counted.
+`step_end` events on `metrics` must be global steps 1..N, once each, and `records` must hold 1..M, after an
+optional record 0 (the validation of version 0, taken before any training when trainer.test_freq > 0).
 
 Only the trainer writes `metrics` (ACL), so a (global step, local step, rank) with more than one
 `local_update` is a re-emission by the trainer itself: a step retrained after a restart from an older
@@ -36,6 +37,7 @@ from typing import Any
 import redis
 
 from rollstream.bus.ids import parse_id, text
+from rollstream.bus.publish import run_producers
 from rollstream.bus.streams import PAGE, iter_stream
 from rollstream.names import TRAINER_GROUP, Keys
 from rollstream.pacing import leased_sample_id, leases, published_count
@@ -112,24 +114,25 @@ class AuditReport:
         )
 
 
-def unacked_entry_ids(r: redis.Redis, keys: Keys) -> set[str]:
-    """Rollouts entries the trainer group has not acked: its pending list plus those never delivered."""
+def unacked_entry_ids(r: redis.Redis, stream: str) -> set[str]:
+    """Entries of a rollouts stream its trainer group has not acked: its pending list plus those never
+    delivered."""
     rc: Any = r
-    if not rc.exists(keys.rollouts):
+    if not rc.exists(stream):
         return set()
-    groups = {text(g["name"]): g for g in rc.xinfo_groups(keys.rollouts)}
+    groups = {text(g["name"]): g for g in rc.xinfo_groups(stream)}
     if TRAINER_GROUP not in groups:
-        return {i for i, _ in iter_stream(r, keys.rollouts)}
+        return {i for i, _ in iter_stream(r, stream)}
     last = parse_id(groups[TRAINER_GROUP]["last-delivered-id"])
     pending: set[str] = set()
     start = "-"
     while True:
-        rows = rc.xpending_range(keys.rollouts, TRAINER_GROUP, start, "+", PAGE)
+        rows = rc.xpending_range(stream, TRAINER_GROUP, start, "+", PAGE)
         pending |= {text(p["message_id"]) for p in rows}
         if len(rows) < PAGE:
             break
         start = "(" + text(rows[-1]["message_id"])
-    undelivered = {i for i, _ in iter_stream(r, keys.rollouts, f"({last[0]}-{last[1]}")}
+    undelivered = {i for i, _ in iter_stream(r, stream, f"({last[0]}-{last[1]}")}
     return pending | undelivered
 
 
@@ -155,30 +158,38 @@ def destroyed_entries(r: redis.Redis, streams: list[str], held: dict[str, int]) 
 
 
 def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
-    """Read rollouts, fates, dead, the trainer group's pending list, metrics and records; classify."""
+    """Read every producer's rollouts and stats, fates, dead, the trainer group's pending lists, metrics and
+    records; classify."""
     rep = AuditReport()
+    producers = run_producers(r, keys)
+    rollouts = keys.rollouts_streams(producers)
     held = Counter[str]()  # entries each stream holds (Redis + archive), against what was ever added
-    entry_sample = _read_rollouts(r, keys, rep, held)
-    ends = _read_ends(r, keys, rep, held, entry_sample)
+    entry_sample = _read_rollouts(r, rollouts, rep, held)
+    ends = _read_ends(r, keys, set(rollouts), rep, held, entry_sample)
     rep.duplicated = {sid for sid, n in ends.items() if n > 1}
     rep.unknown = set(ends) - rep.published
-    open_ids = {entry_sample[i] for i in unacked_entry_ids(r, keys) if i in entry_sample}
+    open_ids = {
+        entry_sample[(stream, i)]
+        for stream in rollouts
+        for i in unacked_entry_ids(r, stream)
+        if (stream, i) in entry_sample
+    }
     for sid in rep.published - set(ends):
         (rep.pending if sid in open_ids else rep.lost).add(sid)
     rep.destroyed_ids = published_ids(r, keys) - rep.published - set(ends)
     _read_trainer_events(r, keys, rep, held)
     rep.records = [parse_id(i)[0] for i, _ in iter_stream(r, keys.records)]
     held[keys.records] = len(rep.records)
-    for stream in (keys.stats, keys.dead_aggregator):
+    for stream in (*keys.stats_streams(producers), keys.dead_aggregator):
         held[stream] = sum(1 for _ in iter_stream(r, stream))
     checked = [
-        keys.rollouts,
+        *rollouts,
         keys.fates,
         keys.dead,
         keys.dead_aggregator,
         keys.metrics,
         keys.records,
-        keys.stats,
+        *keys.stats_streams(producers),
     ]
     rep.destroyed = destroyed_entries(r, checked, dict(held))
     return rep
@@ -193,25 +204,33 @@ def published_ids(r: redis.Redis, keys: Keys) -> set[str]:
     return out
 
 
-def _read_rollouts(r: redis.Redis, keys: Keys, rep: AuditReport, held: Counter[str]) -> dict[str, str]:
-    """Fill the published sample ids, duplicate entries and versions per producer; returns entry id ->
-    sample id."""
-    entry_sample: dict[str, str] = {}
+def _read_rollouts(
+    r: redis.Redis, streams: list[str], rep: AuditReport, held: Counter[str]
+) -> dict[tuple[str, str], str]:
+    """Fill the published sample ids, duplicate entries and versions per producer from every rollouts
+    stream; returns (stream, entry id) -> sample id."""
+    entry_sample: dict[tuple[str, str], str] = {}
     per_id = Counter[str]()
-    for entry_id, f in iter_stream(r, keys.rollouts):
-        held[keys.rollouts] += 1
-        sid = text(f.get(b"sample_id", b"entry:" + entry_id.encode()))
-        entry_sample[entry_id] = sid
-        per_id[sid] += 1
-        if per_id[sid] == 1 and (version := f.get(b"param_version", b"")).isdigit():
-            rep.producer_versions.setdefault(text(f.get(b"producer", b"?")), Counter())[int(version)] += 1
+    for stream in streams:
+        for entry_id, f in iter_stream(r, stream):
+            held[stream] += 1
+            sid = text(f.get(b"sample_id", b"entry:" + entry_id.encode()))
+            entry_sample[(stream, entry_id)] = sid
+            per_id[sid] += 1
+            if per_id[sid] == 1 and (version := f.get(b"param_version", b"")).isdigit():
+                rep.producer_versions.setdefault(text(f.get(b"producer", b"?")), Counter())[int(version)] += 1
     rep.published = set(per_id)
     rep.duplicate_entries = sum(n - 1 for n in per_id.values())
     return entry_sample
 
 
 def _read_ends(
-    r: redis.Redis, keys: Keys, rep: AuditReport, held: Counter[str], entry_sample: dict[str, str]
+    r: redis.Redis,
+    keys: Keys,
+    rollouts: set[str],
+    rep: AuditReport,
+    held: Counter[str],
+    entry_sample: dict[tuple[str, str], str],
 ) -> Counter[str]:
     """Fill the fates (trained, skipped, dropped, evicted) and the dead-lettered rollouts; returns how many
     ends each sample id has."""
@@ -225,17 +244,19 @@ def _read_ends(
         else:
             {TRAINED: rep.trained, SKIPPED: rep.skipped}.get(fate.fate, rep.dropped).add(sid)
         ends[sid] += 1
-    dead_sources: set[str] = set()
+    dead_sources: set[tuple[str, str]] = set()
     for _, f in iter_stream(r, keys.dead):
         held[keys.dead] += 1
         try:
             ev = decode(f)
         except DecodeError:
             continue
-        if not isinstance(ev, DeadLetter) or ev.source != keys.rollouts or ev.source_id in dead_sources:
+        if not isinstance(ev, DeadLetter) or ev.source not in rollouts:
             continue
-        dead_sources.add(ev.source_id)
-        sid = entry_sample.get(ev.source_id) or text(
+        if (ev.source, ev.source_id) in dead_sources:
+            continue
+        dead_sources.add((ev.source, ev.source_id))
+        sid = entry_sample.get((ev.source, ev.source_id)) or text(
             ev.fields.get("sample_id", f"entry:{ev.source_id}".encode())
         )
         rep.dead.add(sid)

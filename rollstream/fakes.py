@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from rollstream.bus import Publisher, parse_id, setup_run
+from rollstream.bus import Publisher, parse_id, run_producers, setup_run
 from rollstream.model import CharTokenizer
 from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.pacing import lease_outright, leased_sample_id
@@ -245,21 +245,22 @@ def fake_metrics_log(
 
 
 def publish_log(r: redis.Redis, keys: Keys, events: list[EventBase], trainer_at: int = 10**6) -> list[str]:
-    """Set the run up (idempotent) and XADD the events in order: producer stats to `stats`, the rest to
-    `metrics`, with explicit ids increasing across both streams (one log order). The trainer hash says
-    the trainer committed up to `trainer_at`, so the aggregator finds the events plausible. Returns the
-    ids."""
-    setup_run(r, keys)
+    """Set the run up (idempotent; its producers are those the stats events name) and XADD the events in
+    order: producer stats to their producer's `stats:<p>`, the rest to `metrics`, with explicit ids increasing
+    across the streams (one log order). The trainer hash says the trainer committed up to `trainer_at`, so
+    the aggregator finds the events plausible. Returns the ids."""
+    producers = sorted({ev.producer for ev in events if isinstance(ev, ProducerStats)})
+    setup_run(r, keys, producers)
     r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: trainer_at, TRAINING_STEP_FIELD: trainer_at})
     rc: Any = r
-    last = max((parse_id(i) for s in (keys.metrics, keys.stats) for i, _ in rc.xrevrange(s, count=1)),
-               default=(0, 0))
+    streams = [keys.metrics, *keys.stats_streams(run_producers(r, keys))]
+    last = max((parse_id(i) for s in streams for i, _ in rc.xrevrange(s, count=1)), default=(0, 0))
     sec, usec = rc.time()
     base = max(int(sec) * 1000 + int(usec) // 1000, last[0] + 1)
     pub = Publisher(r)
     return [
         pub.publish(
-            keys.stats if isinstance(ev, ProducerStats) else keys.metrics,
+            keys.stats_of(ev.producer) if isinstance(ev, ProducerStats) else keys.metrics,
             ev,  # type: ignore[arg-type]
             entry_id=f"{base}-{i + 1}",
         )

@@ -4,7 +4,12 @@ writes a key string or a trainer hash field (stream entry fields are defined in 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+# Kinds of per-producer stream: `rollouts:<producer>`, `stats:<producer>`.
+ROLLOUTS = "rollouts"
+STATS = "stats"
 
 # Consumer groups.
 TRAINER_GROUP = "trainer"
@@ -60,10 +65,14 @@ class Keys:
     def _k(self, name: str) -> str:
         return f"{self.prefix}{name}"
 
-    @property
-    def rollouts(self) -> str:
-        """Stream of RolloutSample entries (producers -> trainer)."""
-        return self._k("rollouts")
+    def rollouts_of(self, producer: str) -> str:
+        """Stream of one producer's RolloutSample entries (that producer -> trainer); only its user may XADD
+        to it, so the stream names who wrote each entry."""
+        return self._k(f"{ROLLOUTS}:{producer}")
+
+    def rollouts_streams(self, producers: Iterable[str]) -> list[str]:
+        """The rollouts stream of each producer, in the order given."""
+        return [self.rollouts_of(p) for p in producers]
 
     @property
     def metrics(self) -> str:
@@ -71,10 +80,33 @@ class Keys:
         it."""
         return self._k("metrics")
 
+    def stats_of(self, producer: str) -> str:
+        """Stream of one producer's ProducerStats (that producer -> aggregator); only its user may XADD to
+        it; the trainer never writes it."""
+        return self._k(f"{STATS}:{producer}")
+
+    def stats_streams(self, producers: Iterable[str]) -> list[str]:
+        """The stats stream of each producer, in the order given."""
+        return [self.stats_of(p) for p in producers]
+
+    def stream_producer(self, stream: str) -> str:
+        """The producer a per-producer rollouts or stats stream belongs to (its key's last part); '' for
+        any other key."""
+        for kind in (ROLLOUTS, STATS):
+            head = self._k(f"{kind}:")
+            if stream.startswith(head):
+                return stream[len(head) :]
+        return ""
+
+    def stream_pattern(self, kind: str) -> str:
+        """ACL key pattern of every per-producer stream of one kind (`rollouts` or `stats`)."""
+        return self._k(f"{kind}:*")
+
     @property
-    def stats(self) -> str:
-        """Stream of the producers' ProducerStats (-> aggregator); the trainer never writes it."""
-        return self._k("stats")
+    def producers(self) -> str:
+        """Set of the run's producer names (written by setup_run; only the trainer and admin may write it):
+        which per-producer streams tools without a config read."""
+        return self._k("producers")
 
     @property
     def records(self) -> str:
@@ -193,11 +225,12 @@ class Keys:
         twice)."""
         return self._k("sink_cursor")
 
-    def all_streams(self) -> list[str]:
-        """Every stream of the run, for status and cleanup."""
-        return [self.rollouts, self.metrics, self.stats, self.records, self.params, self.dead,
-                self.dead_aggregator, self.fates,
-                self.dispatch_log]
+    def all_streams(self, producers: Iterable[str] = ()) -> list[str]:
+        """Every stream of the run with the given producers (each one's rollouts and stats stream), for
+        status, retention and cleanup."""
+        names = list(producers)
+        return [*self.rollouts_streams(names), self.metrics, *self.stats_streams(names), self.records,
+                self.params, self.dead, self.dead_aggregator, self.fates, self.dispatch_log]
 
     def pattern(self) -> str:
         """SCAN pattern matching every key of the run."""

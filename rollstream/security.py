@@ -4,23 +4,24 @@ Users: one per producer, named after it (`rollout_00` …), `trainer`, `aggregat
 user is switched off. Passwords are generated into a 0600 file per user in the run directory and reach
 workers as ROLLSTREAM_REDIS_PASSWORD_FILE; they never appear on a command line, in a log, or in `status`.
 
-Redis 7 selectors bind each command to the keys it may touch, so no user can write what another role
-writes. A producer may: XADD to `rollouts` and `stats`; read `params`, `weights:*`, `setup`; read the
-trainer hash, the `archive` hash, the `lease` hash, `consumed`, `dispatched` and every producer's
-published count; and write its own `producer:<name>:*` keys (among them `want`, the lease it asks for).
-It runs no script and cannot move the pacing: only the trainer writes budgets, leases and the counters
-(rollstream/pacing.py). It cannot read rollouts, write the trainer hash, `metrics`, `dispatch_log`,
-`records`, `fates`, `dead`, weights or params, another producer's keys, or another run's.
-The aggregator reads `metrics`/`stats` as its group (created by setup_run: it may not create groups),
-appends to `records` and its own `dead:aggregator` (dead-lettering is WATCH + MULTI: it may run no
-script), keeps `sink_cursor`, reads the trainer hash and the `archive` hash; it cannot delete
-anything. The trainer owns the run's keys; only it (and admin) can write `archive`, the folder every
-reader of the log is pointed to.
-Left open (no ACL can close it: ACLs do not see arguments): a writer of a stream may trim it with XADD's
-own MAXLEN/MINID (the audit counts what is destroyed, rollstream/audit.py) and XADD with an explicit id
-far ahead, after which every other writer's `*` XADD to that stream gets ids ahead, or, at the last
-possible id, fails for good. The trainer's `watch_busy_scripts` kills a script that blocks Redis (only the
-trainer and admin may run scripts).
+Redis 7 selectors bind each command to the keys it may touch, so no user can write what another role writes. A
+producer may: XADD to its own `rollouts:<name>` and `stats:<name>` (no other producer's: the stream names its
+writer, and a trim or an explicit id there hurts only its own entries); read `params`, `weights:*`, `setup`;
+read the trainer hash, the `archive` hash, the `lease` hash, `consumed`, `dispatched` and every producer's
+published count; and write its own `producer:<name>:*` keys (among them `want`, the lease it asks for). It
+runs no script and cannot move the pacing: only the trainer writes budgets, leases and the counters
+(rollstream/pacing.py). It cannot read rollouts, write another producer's streams, write the trainer hash,
+`metrics`, `dispatch_log`, `records`, `fates`, `dead`, weights or params, another producer's keys, or another
+run's. The trainer reads every `rollouts:*` stream as its group. The aggregator
+reads `metrics` and every `stats:*` stream as its group (created by setup_run: it may not create groups),
+appends to `records` and its own `dead:aggregator` (dead-lettering is WATCH + MULTI: it may run no script),
+keeps `sink_cursor`, reads the trainer hash and the `archive` hash; it cannot delete anything. The trainer
+owns the run's keys; only it (and admin) can write `archive`, the folder every reader of the log is pointed
+to.
+Left open (no ACL can close it: ACLs do not see arguments): a writer of a stream may trim it with XADD's own
+MAXLEN/MINID (the audit counts what is destroyed, rollstream/audit.py) and XADD with an explicit id far ahead;
+since every producer writes only its own streams, that destroys or blocks only its own output. The
+trainer's `watch_busy_scripts` kills a script that blocks Redis (only the trainer and admin may run scripts).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 import redis
 
 from rollstream.files import private_dir
-from rollstream.names import Keys
+from rollstream.names import STATS, Keys
 
 #: Users other than the producers (one user per producer, named after it).
 ROLES = ("trainer", "aggregator", "admin")
@@ -53,7 +54,7 @@ def producer_rules(keys: Keys, producer: str) -> list[str]:
         "+multi",
         "+exec",
         "+discard",
-        f"(+xadd %W~{k.rollouts} %W~{k.stats})",
+        f"(+xadd %W~{k.rollouts_of(producer)} %W~{k.stats_of(producer)})",
         f"(+xrevrange +xrange %R~{k.params})",
         f"(+get %R~{weights} %R~{k.consumed} %R~{k.dispatched} %R~{k.producer_pattern('published')})",
         f"(+exists %R~{k.setup})",
@@ -100,7 +101,7 @@ def acl_rules(keys: Keys, producers: Sequence[str] = ()) -> dict[str, list[str]]
         "+exec",
         "+discard",
         "+time",
-        f"({' '.join(group)} ~{k.metrics} ~{k.stats})",
+        f"({' '.join(group)} ~{k.metrics} ~{k.stream_pattern(STATS)})",
         f"(+xadd +xrange +xrevrange +xlen %RW~{k.records})",
         f"(+xadd %W~{k.dead_aggregator})",
         # dead-lettering is WATCH + MULTI (XADD dead, XACK): no scripts, so no EVAL to freeze Redis

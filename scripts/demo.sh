@@ -31,7 +31,7 @@ $RS run "${ARGS[@]}" model.init_from="$RUN_DIR/warm_start.safetensors"
 trap '$RS stop "${ARGS[@]}" >/dev/null 2>&1 || true' INT TERM
 rc=0
 $RS watch "${ARGS[@]}" --until-val-acc "$TARGET" --limit-s "$LIMIT_S" --since "$T0" || rc=$?
-$RS inspect rollouts -1 "${ARGS[@]}" | head -30 || true
+$RS inspect rollouts:rollout_00 -1 "${ARGS[@]}" | head -30 || true
 $RS plot "${ARGS[@]}" --out "$RUN_DIR/reward.png" || true
 $RS stop "${ARGS[@]}"
 exit $rc

@@ -43,6 +43,11 @@ def keys(r: redis.Redis) -> Iterator[Keys]:
     delete_run(r, k)
 
 
+#: The producers of a test run (a default config's two) and the one whose streams a test writes by default.
+PRODUCERS = producer_names(2)
+P0 = PRODUCERS[0]
+
+
 @pytest.fixture
 def leasing(r: redis.Redis, keys: Keys) -> Iterator[Leaser]:
     """The trainer's lease loop for rollout_00 … rollout_03 of this test's run (tests that play the trainer

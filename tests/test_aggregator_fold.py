@@ -240,8 +240,8 @@ def test_producer_stats_below_the_step_end_id_are_used_whatever_the_feed_order()
     latest stats entry with an
     id below its step_end's, so the live worker (stats drained first) and replay (id order) agree."""
     stats = [
-        ("stats:1-0", producer_stats("a", 1, 10.0, 0.5, 0)),
-        ("stats:5-0", producer_stats("a", 9, 90.0, 0.0, 1)),
+        ("stats:a:1-0", producer_stats("a", 1, 10.0, 0.5, 0)),
+        ("stats:a:5-0", producer_stats("a", 9, 90.0, 0.0, 1)),
     ]
     steps = [("2-0", lu(1, 1, 1, y=1.0)), ("3-0", end(1, 1))]
     live, replay = run(Fold(), [*stats, *steps]), run(Fold(), [stats[0], *steps, stats[1]])
@@ -251,7 +251,7 @@ def test_producer_stats_below_the_step_end_id_are_used_whatever_the_feed_order()
         == [r.metrics["producer/a/samples"] for r in replay]
     )
     assert [encode(x) for x in live] == [encode(y) for y in replay]
-    assert live[0].source_ids == ["stats:1-0", "2-0", "3-0"]
+    assert live[0].source_ids == ["stats:a:1-0", "2-0", "3-0"]
 
 
 def test_dict_metrics_are_merged_into_the_record_counts_and_sums_summed() -> None:

@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import P0, PRODUCERS
 
 from consumers.aggregator.replay import main as replay_main
 from consumers.aggregator.replay import replay_records
 from consumers.aggregator.sinks import JsonlSink, Sinks, TensorBoardSink
 from consumers.aggregator.worker import AggregatorWorker
-from rollstream.bus import Publisher, delete_run
+from rollstream.bus import Publisher, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.fakes import fake_metrics_log, local_update, producer_stats, publish_log, step_end, validation
 from rollstream.names import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, Keys
@@ -74,7 +75,7 @@ def decoded(r: redis.Redis, keys: Keys) -> dict[int, SyncStepRecord]:
 def pending_ids(r: redis.Redis, keys: Keys) -> list[str]:
     """Ids still pending in the aggregator group (metrics and stats; test ids never collide)."""
     rc: Any = r
-    return [row["message_id"].decode() for s in (keys.metrics, keys.stats)
+    return [row["message_id"].decode() for s in (keys.metrics, *keys.stats_streams(PRODUCERS))
             for row in rc.xpending_range(s, AGGREGATOR_GROUP, "-", "+", 1000)]
 
 
@@ -118,8 +119,10 @@ def test_hand_written_log_through_redis(r: redis.Redis, keys: Keys, tmp_path: Pa
     assert m2["actor/loss"] == approx(2.0)  # (8*1 + 8*3) / 16 from the retrained updates
     assert m2["producer/rollout_00/samples"] == 20 and m2["producer/total_samples"] == 26
     assert m3["actor/loss"] == approx((2 * 4.0 + 6 * 8.0) / 8)
-    # winning copies + producer stats used (stats entries as `stats:<id>`)
-    assert recs[2].source_ids == [f"stats:{ids[4]}", f"stats:{ids[8]}", *(ids[i] for i in (9, 11, 12))]
+    # winning copies + producer stats used (stats entries as `stats:<producer>:<id>`)
+    assert recs[2].source_ids == [
+        f"stats:rollout_01:{ids[4]}", f"stats:rollout_00:{ids[8]}", *(ids[i] for i in (9, 11, 12))
+    ]
     # Only what a restart needs stays pending: step 4's update and the latest stats of each producer.
     assert sorted(pending_ids(r, keys)) == sorted([ids[4], ids[8], ids[16]])
     assert jsonl_steps(cfg) == [0, 1, 2, 3]
@@ -175,8 +178,9 @@ def test_what_cannot_be_placed_is_dead_lettered_not_folded(
     real = [lu(1, 1, 2, x=1.0), step_end(1, 1), lu(2, 1, 2, x=2.0), step_end(2, 1)]
     forged = [lu(10**6, 1, 2, x=666.0), step_end(10**6, 1), lu(40, 1, 2, x=666.0), step_end(40, 1)]
     ids = publish(r, keys, [real[0], *forged, real[1]], trainer_at=1)
+    setup_run(r, keys, PRODUCERS)
     Publisher(r).publish(keys.metrics, producer_stats("evil", 1, 1.0, 0.0, 0))  # stats belong on `stats`
-    Publisher(r).publish(keys.stats, step_end(1, 1))  # trainer events belong on `metrics`
+    Publisher(r).publish(keys.stats_of(P0), step_end(1, 1))  # trainer events belong on `metrics`
     AggregatorWorker(cfg, r, keys).run(burst=True)
     ids += publish(r, keys, real[2:], trainer_at=2)
     AggregatorWorker(cfg, r, keys).run(burst=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import P0, PRODUCERS
 
 from rollstream.bus import (
     Archive,
@@ -151,29 +152,30 @@ def test_segments_roll_and_duplicates_across_them_are_skipped(
 
 
 def test_iter_stream_reads_archive_then_redis_as_one_log(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
-    setup_run(r, keys)
-    full = fill(r, keys.rollouts, 30)
-    read_group(r, keys.rollouts, 12)
+    setup_run(r, keys, PRODUCERS)
+    full = fill(r, keys.rollouts_of(P0), 30)
+    read_group(r, keys.rollouts_of(P0), 12)
     arc = Archive(tmp_path / "archive")
     r.hset(keys.archive, ARCHIVE_DIR_FIELD, str(arc.root))
-    moved = move_to_archive(r, arc, keys.rollouts, below=full[20][0])
-    assert (moved.archived, moved.trimmed) == (20, 20) and r.xlen(keys.rollouts) == 10
-    assert list(iter_stream(r, keys.rollouts, page=7)) == full  # fields exactly as Redis returned them
-    assert list(iter_stream(r, keys.rollouts, archive=False)) == full[20:]
-    assert list(iter_stream(r, keys.rollouts, reverse=True, page=4)) == full[::-1]
+    moved = move_to_archive(r, arc, keys.rollouts_of(P0), below=full[20][0])
+    assert (moved.archived, moved.trimmed) == (20, 20) and r.xlen(keys.rollouts_of(P0)) == 10
+    assert list(iter_stream(r, keys.rollouts_of(P0), page=7)) == full  # fields exactly as Redis returned them
+    assert list(iter_stream(r, keys.rollouts_of(P0), archive=False)) == full[20:]
+    assert list(iter_stream(r, keys.rollouts_of(P0), reverse=True, page=4)) == full[::-1]
     ids = [i for i, _ in full]
-    assert [i for i, _ in iter_stream(r, keys.rollouts, ids[5], ids[24])] == ids[5:25]
-    assert [i for i, _ in iter_stream(r, keys.rollouts, "(" + ids[5], "(" + ids[24])] == ids[6:24]
-    assert [i for i, _ in iter_stream(r, keys.rollouts, ids[3], ids[18], reverse=True)] == ids[3:19][::-1]
-    assert read_entry(r, keys.rollouts, ids[2]) == full[2]  # inspect sees an archived entry
-    assert read_entry(r, keys.rollouts, "-25") == full[5]
-    assert run_archive(r, keys.rollouts) is not None and run_archive(r, "no-run-key") is None
+    assert [i for i, _ in iter_stream(r, keys.rollouts_of(P0), ids[5], ids[24])] == ids[5:25]
+    assert [i for i, _ in iter_stream(r, keys.rollouts_of(P0), "(" + ids[5], "(" + ids[24])] == ids[6:24]
+    stream = keys.rollouts_of(P0)
+    assert [i for i, _ in iter_stream(r, stream, ids[3], ids[18], reverse=True)] == ids[3:19][::-1]
+    assert read_entry(r, keys.rollouts_of(P0), ids[2]) == full[2]  # inspect sees an archived entry
+    assert read_entry(r, keys.rollouts_of(P0), "-25") == full[5]
+    assert run_archive(r, keys.rollouts_of(P0)) is not None and run_archive(r, "no-run-key") is None
 
 
 def test_a_crash_between_commit_and_trim_leaves_duplicates_read_once(
     r: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     full = fill(r, keys.metrics, 10)
     arc = Archive(tmp_path)
     r.hset(keys.archive, ARCHIVE_DIR_FIELD, str(arc.root))
@@ -192,7 +194,7 @@ def test_a_crash_between_commit_and_trim_leaves_duplicates_read_once(
 
 
 def test_a_reader_racing_the_janitor_sees_no_gap(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     full = fill(r, keys.metrics, 40)
     arc = Archive(tmp_path)
     r.hset(keys.archive, ARCHIVE_DIR_FIELD, str(arc.root))
@@ -217,7 +219,7 @@ def test_a_reader_racing_the_janitor_sees_no_gap(r: redis.Redis, keys: Keys, tmp
 def test_an_archive_that_cannot_be_read_is_an_error_not_a_gap(
     r: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     full = fill(r, keys.fates, 5)
     arc = Archive(tmp_path / "a")
     r.hset(keys.archive, ARCHIVE_DIR_FIELD, str(arc.root))
@@ -274,23 +276,24 @@ def janitor(r: redis.Redis, keys: Keys, tmp_path: Path, budget: int, **kw: Any) 
 def test_over_budget_only_read_entries_leave_redis_and_status_shows_both(
     r: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
-    setup_run(r, keys)
-    full = fill(r, keys.rollouts, 200, size=2000)
+    setup_run(r, keys, PRODUCERS)
+    full = fill(r, keys.rollouts_of(P0), 200, size=2000)
     fill(r, keys.fates, 50)
-    read_group(r, keys.rollouts, 150)
-    pending = read_group(r, keys.rollouts, 10, ack=False)  # delivered, not acked: still needed
-    used = int(r.memory_usage(keys.rollouts) or 0)
+    read_group(r, keys.rollouts_of(P0), 150)
+    pending = read_group(r, keys.rollouts_of(P0), 10, ack=False)  # delivered, not acked: still needed
+    used = int(r.memory_usage(keys.rollouts_of(P0)) or 0)
     jan = janitor(r, keys, tmp_path, budget=used // 2, keep_newest={keys.fates: 20})
     res = jan.maybe_run(now=1000.0)
     assert res is not None and jan.maybe_run(now=1001.0) is None  # not due yet
-    left = [i for i, _ in iter_stream(r, keys.rollouts, archive=False)]
+    left = [i for i, _ in iter_stream(r, keys.rollouts_of(P0), archive=False)]
     assert pending[0] in left and set(left) >= set(pending)  # nothing at or after the floor moved
     assert len(left) < 200 and res.used_after < res.used_before and not res.over_budget
     assert r.xlen(keys.fates) == 20 and r.hget(keys.archive, ARCHIVE_DIR_FIELD) == str(
         (tmp_path / "archive").resolve()).encode()
-    assert list(iter_stream(r, keys.rollouts)) == full  # the reader finds the archive through Redis
+    assert list(iter_stream(r, keys.rollouts_of(P0))) == full  # the reader finds the archive through Redis
     st = {s.name: s for s in collect_status(r, keys).streams}
-    assert st["rollouts"].length + st["rollouts"].archived == 200 and st["rollouts"].archived_bytes > 0
+    mine = st[f"rollouts:{P0}"]
+    assert mine.length + mine.archived == 200 and mine.archived_bytes > 0
     assert (st["fates"].length, st["fates"].archived) == (20, 30)
     assert " archived " in format_status(collect_status(r, keys), "redis://x")
 
@@ -298,38 +301,38 @@ def test_over_budget_only_read_entries_leave_redis_and_status_shows_both(
 def test_unread_data_over_budget_is_reported_and_the_cap_still_archives(
     r: redis.Redis, keys: Keys, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    setup_run(r, keys)
-    full = fill(r, keys.rollouts, 100, size=2000)
-    read_group(r, keys.rollouts, 10)
+    setup_run(r, keys, PRODUCERS)
+    full = fill(r, keys.rollouts_of(P0), 100, size=2000)
+    read_group(r, keys.rollouts_of(P0), 10)
     jan = janitor(r, keys, tmp_path, budget=64 << 10)
     res = jan.run_pass()
     assert res.over_budget and jan.over_budget  # 90 unread entries take more than 64 KiB
-    assert r.xlen(keys.rollouts) == 90 and "paced to one global step" in caplog.text
+    assert r.xlen(keys.rollouts_of(P0)) == 90 and "paced to one global step" in caplog.text
     capped = janitor(r, keys, tmp_path, budget=64 << 10, max_stream_bytes=100 << 10).run_pass()
-    assert capped.capped == [keys.rollouts] and CAP_BIT in caplog.text
-    assert list(iter_stream(r, keys.rollouts)) == full  # cut from Redis, never from the log
+    assert capped.capped == [keys.rollouts_of(P0)] and CAP_BIT in caplog.text
+    assert list(iter_stream(r, keys.rollouts_of(P0))) == full  # cut from Redis, never from the log
 
 
 def test_a_pass_the_archive_fails_trims_nothing_and_paces(
     r: redis.Redis, keys: Keys, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    setup_run(r, keys)
-    fill(r, keys.rollouts, 50, size=2000)
-    read_group(r, keys.rollouts, 50)
+    setup_run(r, keys, PRODUCERS)
+    fill(r, keys.rollouts_of(P0), 50, size=2000)
+    read_group(r, keys.rollouts_of(P0), 50)
     (tmp_path / "archive").write_text("a file where the archive folder should be")
     jan = janitor(r, keys, tmp_path, budget=1 << 16)
     res = jan.maybe_run(now=1.0)
     assert res is not None and res.error and jan.over_budget
-    assert r.xlen(keys.rollouts) == 50 and "retention pass failed" in caplog.text
+    assert r.xlen(keys.rollouts_of(P0)) == 50 and "retention pass failed" in caplog.text
 
 
 def test_sigkill_between_archive_fsync_and_xtrim_loses_nothing(
     r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str
 ) -> None:
     """A janitor process is SIGKILLed by the fault hook right after its commit; the re-run only trims."""
-    setup_run(r, keys)
-    full = fill(r, keys.rollouts, 60, size=1000)
-    read_group(r, keys.rollouts, 50)
+    setup_run(r, keys, PRODUCERS)
+    full = fill(r, keys.rollouts_of(P0), 60, size=1000)
+    read_group(r, keys.rollouts_of(P0), 50)
     script = textwrap.dedent(f"""
         import redis
         from rollstream.bus import Archive, Janitor
@@ -342,10 +345,11 @@ def test_sigkill_between_archive_fsync_and_xtrim_loses_nothing(
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -9, proc.stderr[-2000:]
     arc = Archive(tmp_path / "archive")
-    assert arc.index(keys.rollouts).entries == 50 and r.xlen(keys.rollouts) == 60  # archived, not trimmed
-    assert list(iter_stream(r, keys.rollouts)) == full
+    stream = keys.rollouts_of(P0)
+    assert arc.index(stream).entries == 50 and r.xlen(stream) == 60  # archived, not trimmed
+    assert list(iter_stream(r, keys.rollouts_of(P0))) == full
     env.pop(KILL_BEFORE_TRIM_ENV)
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert arc.index(keys.rollouts).entries == 50 and r.xlen(keys.rollouts) == 10
-    assert list(iter_stream(r, keys.rollouts)) == full
+    assert arc.index(keys.rollouts_of(P0)).entries == 50 and r.xlen(keys.rollouts_of(P0)) == 10
+    assert list(iter_stream(r, keys.rollouts_of(P0))) == full

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from conftest import P0
 from test_trainer import TBS, FakeProducer, trainer_args
 
 from consumers.aggregator.replay import replay_records
@@ -85,7 +86,7 @@ def test_a_small_budget_run_archives_its_log_survives_a_kill_mid_trim_and_replay
                                 text=True, timeout=120)
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
         assert "SIGKILL after archiving" in killed.stderr
-        arc = run_archive(r, keys.rollouts)
+        arc = run_archive(r, keys.rollouts_of(P0))
         assert arc is not None
         both = [k for k in keys.all_streams() if (last := arc.index(k).last) is not None
                 and (first := r.xrange(k, count=1)) and parse_id(first[0][0]) <= parse_id(last)]
@@ -108,9 +109,9 @@ def test_a_small_budget_run_archives_its_log_survives_a_kill_mid_trim_and_replay
     producer.join(5)
 
     # most of the log lives in the archive; read together, each entry once and in order
-    for stream in (keys.rollouts, keys.metrics):
+    for stream in (keys.rollouts_of(P0), keys.metrics):
         assert arc.index(stream).entries > r.xlen(stream), stream
-    for stream in keys.all_streams():
+    for stream in keys.all_streams([P0]):
         ids = [parse_id(i) for i, _ in iter_stream(r, stream)]
         assert ids == sorted(set(ids)), stream
         in_redis = {parse_id(i) for i, _ in r.xrange(stream)}
@@ -126,11 +127,13 @@ def test_a_small_budget_run_archives_its_log_survives_a_kill_mid_trim_and_replay
     assert list(iter_stream(r, dst.records)) == live  # field for field, byte for byte
 
     # `replay trainer --steps 2-4` copies what those steps consumed, from the archive
-    ids = consumed_entry_ids(r, keys, 2, 4)
-    assert not {i.decode() for i, _ in r.xrange(keys.rollouts)} & set(ids)  # all archived by now
+    refs = consumed_entry_ids(r, keys, 2, 4)
+    assert {p for p, _ in refs} == {P0}  # the fake producer is rollout_00
+    ids = [i for _, i in refs]
+    assert not {i.decode() for i, _ in r.xrange(keys.rollouts_of(P0))} & set(ids)  # all archived by now
     n, _ = copy_steps(r, keys, dst, 2, 4)
-    source = dict(iter_stream(r, keys.rollouts))
-    assert n == len(ids) and [f for _, f in r.xrange(dst.rollouts)] == [source[i] for i in ids]
+    source = dict(iter_stream(r, keys.rollouts_of(P0)))
+    assert n == len(ids) and [f for _, f in r.xrange(dst.rollouts_of(P0))] == [source[i] for i in ids]
 
 
 def test_unread_data_over_the_budget_paces_producers_to_one_step(

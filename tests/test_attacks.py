@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from conftest import P0, PRODUCERS
 
 from consumers.trainer.loop import Trainer
 from rollstream.audit import audit_run
@@ -40,8 +41,9 @@ def leased_id(r: redis.Redis, keys: Keys) -> str:
 
 
 def sample_fields(sid: str, version: int = 0) -> dict[bytes, bytes]:
+    """The fields of producer P0's sample `sid` (stamped with `version`, even a negative one)."""
     ev = fake_rollout_sample(sid, param_version=max(version, 0), n=2, prompt_len=4, response_len=5,
-                             producer="rollout_00")
+                             producer=P0)
     fields = {k.encode(): bytes(v) for k, v in encode(ev).items()}
     if version < 0:  # what a producer that skips the model would write
         fields[b"param_version"] = str(version).encode()
@@ -65,7 +67,7 @@ def dead_reasons(r: redis.Redis, keys: Keys) -> dict[str, str]:
     for _, f in r.xrange(keys.dead):  # type: ignore[union-attr]
         ev = decode(f)
         assert isinstance(ev, DeadLetter)
-        if ev.source == keys.rollouts:
+        if ev.source == keys.rollouts_of(P0):
             out[ev.source_id] = ev.reason
     return out
 
@@ -83,7 +85,6 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
         "extra",
         "big",
         "reward",
-        "victim",
         "good-0",
         "good-1",
     )
@@ -111,37 +112,34 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
     big = sample_fields(lid["big"])
     big[b"payload"] = big[b"payload"] + b"\0" * MAX_ENTRY_BYTES
     attacks["oversized"] = (big, f"over the max_entry_bytes={MAX_ENTRY_BYTES} limit")
-    absurd = fake_rollout_sample(lid["reward"], n=2, prompt_len=4, response_len=5, producer="rollout_00")
+    absurd = fake_rollout_sample(lid["reward"], n=2, prompt_len=4, response_len=5, producer=P0)
     absurd.full_batch.rows["rewards"] = np.array([3e38, 0.5], dtype=np.float32)
     attacks["reward"] = (
         {k.encode(): bytes(v) for k, v in encode(absurd).items()},  # issue 24: loss inf, grad NaN
         "out of domain: rewards hold values in [0.5, 3.00",
     )
-    nameless = fake_rollout_sample("", n=2, prompt_len=4, response_len=5, producer="rollout_00")
+    nameless = fake_rollout_sample("", n=2, prompt_len=4, response_len=5, producer=P0)
     attacks["empty id"] = (
         {k.encode(): bytes(v) for k, v in encode(nameless).items()},
-        "outside lease: sample_id='' is not '<producer>-<seq>' for producer='rollout_00'",
+        f"impersonation: field sample_id='' on the stream of producer '{P0}'",
     )
-    unleased = fake_rollout_sample(
-        f"rollout_00-{10**6}", n=2, prompt_len=4, response_len=5, producer="rollout_00"
-    )
+    unleased = fake_rollout_sample(f"{P0}-{10**6}", n=2, prompt_len=4, response_len=5, producer=P0)
     attacks["outside the lease"] = (  # issue 24: entries published without budget loosened the pacing
         {k.encode(): bytes(v) for k, v in encode(unleased).items()},
-        f"outside lease: sample_id='rollout_00-1000000': seq 1000000 >= {len(lid)} prompts leased to "
-        "'rollout_00'",
+        f"outside lease: sample_id='{P0}-1000000': seq 1000000 >= {len(lid)} prompts leased to '{P0}'",
     )
-    other = fake_rollout_sample(lid["victim"], n=2, prompt_len=4, response_len=5, producer="rollout_01")
-    attacks["another's id"] = (
+    other = fake_rollout_sample("rollout_01-0", n=2, prompt_len=4, response_len=5, producer="rollout_01")
+    attacks["another's name"] = (
         {k.encode(): bytes(v) for k, v in encode(other).items()},
-        f"outside lease: sample_id='{lid['victim']}' is not '<producer>-<seq>' for producer='rollout_01'",
+        f"impersonation: field producer='rollout_01' on the stream of producer '{P0}'",
     )
 
     ids = {}
     for name, (fields, _) in attacks.items():
-        ids[name] = r.xadd(keys.rollouts, fields).decode()  # type: ignore[union-attr]
+        ids[name] = r.xadd(keys.rollouts_of(P0), fields).decode()  # type: ignore[union-attr]
     goods = [lid["good-0"], lid["good-1"]]
     for sid in goods:
-        r.xadd(keys.rollouts, sample_fields(sid))  # type: ignore[arg-type]
+        r.xadd(keys.rollouts_of(P0), sample_fields(sid))  # type: ignore[arg-type]
     guard = threading.Timer(30, trainer.stop.set)
     guard.start()
     try:
@@ -165,7 +163,7 @@ def test_versions_published_before_a_restart_are_not_from_the_future(
 ) -> None:
     """A trainer that restarts from an older checkpoint finds versions published by the steps its crash
     abandoned; samples stamped with them are real (seen in the fault test), only newer ones are invalid."""
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     for v in (0, 1, 2):  # published by a previous trainer process that never checkpointed
         publish_weights(r, keys, v, b"w" * 16, global_step=v, inline_max_bytes=1 << 20)
     trainer = Trainer(tiny_cfg(keys, tmp_path), r, keys, "trainer", threading.Event())
@@ -173,9 +171,9 @@ def test_versions_published_before_a_restart_are_not_from_the_future(
     trainer.effects.stop_leaser()
     assert trainer.global_step == 0 and trainer.newest_published == 2
     ids = [leased_id(r, keys) for _ in range(3)]
-    future = r.xadd(keys.rollouts, sample_fields(ids[0], 3)).decode()  # type: ignore[arg-type,union-attr]
+    future = r.xadd(keys.rollouts_of(P0), sample_fields(ids[0], 3)).decode()  # type: ignore[arg-type,union-attr]
     for sid in ids[1:]:
-        r.xadd(keys.rollouts, sample_fields(sid, 2))  # type: ignore[arg-type]
+        r.xadd(keys.rollouts_of(P0), sample_fields(sid, 2))  # type: ignore[arg-type]
     assert trainer.train_step(1)
     assert dead_reasons(r, keys) == {
         future: "invalid: param_version=3 is newer than the newest published version 2"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import redis
+from conftest import P0, PRODUCERS
 
 from rollstream.audit import audit_run
 from rollstream.bus import Publisher, setup_run
@@ -17,12 +18,14 @@ from schemas import DROPPED, TRAINED, Fate, SyncStepRecord, encode_fate
 def clean_run(r: redis.Redis, keys: Keys) -> list[str]:
     """Three samples of two producers, all consumed at step 1 (two trained, one dropped), its step_end,
     records 0 and 1; returns the rollouts entry ids."""
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     pub, records = Publisher(r), Publisher(r, nomkstream=False)
-    entries = [pub.publish(keys.rollouts, fake_rollout_sample(sid, param_version=v, producer=p))
-               for sid, v, p in (("s1", 0, "rollout_00"), ("s2", 0, "rollout_01"), ("s3", 1, "rollout_01"))]
-    r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts: ">"})
-    r.xack(keys.rollouts, TRAINER_GROUP, *entries)
+    entries = []
+    for sid, v, p in (("s1", 0, "rollout_00"), ("s2", 0, "rollout_01"), ("s3", 1, "rollout_01")):
+        sample = fake_rollout_sample(sid, param_version=v, producer=p)
+        entries.append(pub.publish(keys.rollouts_of(p), sample))
+        r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts_of(p): ">"})
+        r.xack(keys.rollouts_of(p), TRAINER_GROUP, entries[-1])
     for i, (sid, fate) in enumerate((("s1", TRAINED), ("s2", TRAINED), ("s3", DROPPED)), start=1):
         r.xadd(keys.fates, encode_fate(Fate(sid, entries[i - 1], fate, 1, 0, 1)), id=f"1-{i}")  # type: ignore[arg-type]
     pub.publish(keys.metrics, local_update(1, 1, 1, {"x": 1.0}))
@@ -72,9 +75,9 @@ def test_audit_command_exits_1_on_a_sample_ended_twice_or_lost(
 ) -> None:
     entries = clean_run(r, keys)
     r.xadd(keys.fates, encode_fate(Fate("s1", entries[0], TRAINED, 1, 0, 2)), id="2-1")  # type: ignore[arg-type]
-    lost = Publisher(r).publish(keys.rollouts, fake_rollout_sample("s4"))
-    r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts: ">"})
-    r.xack(keys.rollouts, TRAINER_GROUP, lost)  # acked with no fate anywhere
+    lost = Publisher(r).publish(keys.rollouts_of(P0), fake_rollout_sample("s4"))
+    r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts_of(P0): ">"})
+    r.xack(keys.rollouts_of(P0), TRAINER_GROUP, lost)  # acked with no fate anywhere
     code, out = audit_cli(capsys, keys, redis_url)
     assert code == 1, out
     assert "trained once 1" in out and "ended more than once 1  missing (acked, no fate) 1" in out

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import P0, PRODUCERS
 
 from benchmarks.latency_producer import LatencyProducer
 from consumers.trainer.loop import Trainer
@@ -73,8 +74,8 @@ def trainer_cfg(keys: Keys, tmp_path: Path, sync_mode: bool) -> PipelineConfig:
 def publish_fake(r: redis.Redis, keys: Keys, i: int) -> None:
     """Publish rollout_00's sample number `i` (leased outright, as the trainer would lease it)."""
     [sample] = leased_fakes(r, keys, 1, param_version=0, n=2, prompt_len=4, response_len=6)
-    assert sample.sample_id == f"rollout_00-{i}"
-    r.xadd(keys.rollouts, encode(sample))  # type: ignore[arg-type]
+    assert sample.sample_id == f"{P0}-{i}"
+    r.xadd(keys.rollouts_of(P0), encode(sample))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("sync_mode", [True, False])
@@ -121,7 +122,7 @@ def test_latency_model_producer_slots_run_side_by_side(r: redis.Redis, keys: Key
             "rollout.latency_model.length_sigma=0",
         ],
     )
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     policy = build_policy(cfg)
     publish_weights(r, keys, 0, policy.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
     lease_outright(r, keys, "rollout_00", 8)
@@ -132,7 +133,7 @@ def test_latency_model_producer_slots_run_side_by_side(r: redis.Redis, keys: Key
     assert producer.run(burst=True) == 8  # one prompt per dispatch, until the lease of 8 is used up
     elapsed = time.monotonic() - t0
     assert elapsed < 1.5, f"8 prompts x 0.25 s on 4 slots took {elapsed:.2f} s (serial would be 2 s)"
-    samples = [ev for ev in events(r, keys.rollouts) if isinstance(ev, RolloutSample)]
+    samples = [ev for ev in events(r, keys.rollouts_of(P0)) if isinstance(ev, RolloutSample)]
     assert len(samples) == 8 and len({s.sample_id for s in samples}) == 8
     for s in samples:
         assert s.param_version == 0

@@ -15,6 +15,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import redis
+from conftest import P0, PRODUCERS
 
 from rollstream.bus import (
     Archive,
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def reader(r: redis.Redis, keys: Keys, consumer: str = "c1", **kw: object) -> GroupReader:
     opts: dict = dict(dead_stream=keys.dead, block_ms=50, count=16, claim_idle_s=30.0, max_deliveries=3)
     opts.update(kw)
-    return GroupReader(r, keys.rollouts, TRAINER_GROUP, consumer, **opts)
+    return GroupReader(r, keys.rollouts_of(P0), TRAINER_GROUP, consumer, **opts)
 
 
 def consume(rd: GroupReader, handler: Callable[[list[Message]], None], *, burst: bool = False) -> int:
@@ -60,10 +61,10 @@ def consume(rd: GroupReader, handler: Callable[[list[Message]], None], *, burst:
 
 
 def publish_samples(r: redis.Redis, keys: Keys, count: int, start: int = 0) -> list[str]:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     pub = Publisher(r)
     return pub.publish_many(
-        keys.rollouts, [fake_rollout_sample(f"s{i}", seed=i) for i in range(start, start + count)]
+        keys.rollouts_of(P0), [fake_rollout_sample(f"s{i}", seed=i) for i in range(start, start + count)]
     )
 
 
@@ -78,14 +79,14 @@ def dead_entries(r: redis.Redis, keys: Keys) -> list[DeadLetter]:
 
 def test_publish_requires_setup(r: redis.Redis, keys: Keys) -> None:
     with pytest.raises(RunNotSetUpError):
-        Publisher(r).publish(keys.rollouts, fake_rollout_sample("x"))
-    assert not r.exists(keys.rollouts)
+        Publisher(r).publish(keys.rollouts_of(P0), fake_rollout_sample("x"))
+    assert not r.exists(keys.rollouts_of(P0))
 
 
 def test_round_trip_through_group(r: redis.Redis, keys: Keys) -> None:
     sent = [fake_rollout_sample(f"s{i}", seed=i, param_version=i % 3) for i in range(10)]
-    setup_run(r, keys)
-    Publisher(r).publish_many(keys.rollouts, sent)
+    setup_run(r, keys, PRODUCERS)
+    Publisher(r).publish_many(keys.rollouts_of(P0), sent)
     got: list[Message] = []
     handled = consume(reader(r, keys), got.extend, burst=True)
     assert handled == 10
@@ -98,16 +99,16 @@ def test_round_trip_through_group(r: redis.Redis, keys: Keys) -> None:
         for k, v in s.full_batch.tokens.items():
             assert (d.full_batch.tokens[k] == v).all()
     # acked after the handler: nothing pending
-    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 0
 
 
 def test_headers_are_plain_text_in_redis_cli(r: redis.Redis, keys: Keys, redis_url: str) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     Publisher(r).publish(
-        keys.rollouts, fake_rollout_sample("abc-123", param_version=7, epoch=2, producer="rollout_01")
+        keys.rollouts_of(P0), fake_rollout_sample("abc-123", param_version=7, epoch=2, producer="rollout_01")
     )
     out = subprocess.run(
-        ["redis-cli", "-u", redis_url, "--no-raw", "XRANGE", keys.rollouts, "-", "+"],
+        ["redis-cli", "-u", redis_url, "--no-raw", "XRANGE", keys.rollouts_of(P0), "-", "+"],
         capture_output=True, text=True, check=True,
     ).stdout
     lines = [ln.split(")", 1)[-1].strip().strip('"') for ln in out.splitlines()]
@@ -122,7 +123,7 @@ def test_headers_are_plain_text_in_redis_cli(r: redis.Redis, keys: Keys, redis_u
 
 
 def test_malformed_entries_go_to_dead_and_reader_continues(r: redis.Redis, keys: Keys) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     good = encode(fake_rollout_sample("good-1"))
     payload = msgpack.packb({"type": "rollout", "schema_version": 1})
     bad_entries = {
@@ -135,10 +136,10 @@ def test_malformed_entries_go_to_dead_and_reader_continues(r: redis.Redis, keys:
         "missing field": {"type": b"rollout", "payload": payload},
         "no payload": {"type": b"rollout", "sample_id": b"x"},
     }
-    r.xadd(keys.rollouts, good)  # type: ignore[arg-type]
+    r.xadd(keys.rollouts_of(P0), good)  # type: ignore[arg-type]
     for fields in bad_entries.values():
-        r.xadd(keys.rollouts, fields)  # type: ignore[arg-type]
-    r.xadd(keys.rollouts, encode(fake_rollout_sample("good-2")))  # type: ignore[arg-type]
+        r.xadd(keys.rollouts_of(P0), fields)  # type: ignore[arg-type]
+    r.xadd(keys.rollouts_of(P0), encode(fake_rollout_sample("good-2")))  # type: ignore[arg-type]
     got: list[Message] = []
     consume(reader(r, keys), got.extend, burst=True)
     assert sorted(m.event.sample_id for m in got if isinstance(m.event, RolloutSample)) == [
@@ -147,19 +148,19 @@ def test_malformed_entries_go_to_dead_and_reader_continues(r: redis.Redis, keys:
     ]
     dead = dead_entries(r, keys)
     assert len(dead) == len(bad_entries)
-    assert all(d.reason.startswith("decode:") and d.source == keys.rollouts for d in dead)
+    assert all(d.reason.startswith("decode:") and d.source == keys.rollouts_of(P0) for d in dead)
     reasons = " | ".join(d.reason for d in dead)
     assert "schema" in reasons and "payload" in reasons
     # originals are kept for inspection
     assert any(d.fields.get("payload", b"").startswith(b"\xc1\xff") for d in dead)
-    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 0
 
 
 def test_oversized_field_is_dead_lettered(r: redis.Redis, keys: Keys) -> None:
     from schemas import Limits
 
-    setup_run(r, keys)
-    Publisher(r).publish(keys.rollouts, fake_rollout_sample("big", n=4, response_len=4096))
+    setup_run(r, keys, PRODUCERS)
+    Publisher(r).publish(keys.rollouts_of(P0), fake_rollout_sample("big", n=4, response_len=4096))
     got: list[Message] = []
     consume(reader(r, keys, limits=Limits(max_bin_len=1024, max_field_bytes=1024)), got.extend, burst=True)
     assert got == []
@@ -174,10 +175,10 @@ def test_an_oversize_entry_leaves_a_small_dead_copy_with_header_sizes_and_digest
     from schemas import DEAD_COPY_MAX_BYTES, DEAD_FIELD_KEEP_BYTES
     from schemas.events import entry_digest
 
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     sample = fake_rollout_sample("huge", n=8, response_len=64 << 10)  # a few MiB of arrays
-    Publisher(r).publish(keys.rollouts, sample)
-    [(_, original)] = r.xrange(keys.rollouts)
+    Publisher(r).publish(keys.rollouts_of(P0), sample)
+    [(_, original)] = r.xrange(keys.rollouts_of(P0))
     original = {k.decode(): bytes(v) for k, v in original.items()}
     size = sum(len(k) + len(v) for k, v in original.items())
     assert size > 2 * DEAD_COPY_MAX_BYTES
@@ -190,7 +191,7 @@ def test_an_oversize_entry_leaves_a_small_dead_copy_with_header_sizes_and_digest
     big = {k: len(v) for k, v in original.items() if len(v) > DEAD_FIELD_KEEP_BYTES}
     assert big and d.omitted == big and not set(big) & set(d.fields)
     assert d.sha256 == entry_digest(original)
-    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 0
 
 
 def test_a_small_bad_entry_is_copied_whole() -> None:
@@ -218,32 +219,32 @@ def test_repeatedly_failing_entry_is_dead_after_max_deliveries(r: redis.Redis, k
     assert calls["s1"] == 3
     [d] = dead_entries(r, keys)
     assert "delivered 4 times" in d.reason
-    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 0
 
 
 def test_caller_committed_acks_and_burst_ends_only_when_drained(r: redis.Redis, keys: Keys) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     for i in range(6):  # whole batches that only dead-letter must not end the burst
-        r.xadd(keys.rollouts, {"type": b"rollout", "payload": b"garbage %d" % i})
-    Publisher(r).publish_many(keys.rollouts, [fake_rollout_sample(f"s{i}") for i in range(2)])
+        r.xadd(keys.rollouts_of(P0), {"type": b"rollout", "payload": b"garbage %d" % i})
+    Publisher(r).publish_many(keys.rollouts_of(P0), [fake_rollout_sample(f"s{i}") for i in range(2)])
     effects = keys.prefix + "effects"
     rd = reader(r, keys, count=3)
     for msgs in rd.batches(burst=True):  # the trainer's and the aggregator's style: ack inside our own MULTI
         if msgs:
             pipe = r.pipeline(transaction=True)
             pipe.rpush(effects, *(m.event.sample_id for m in msgs))  # type: ignore[union-attr]
-            pipe.xack(keys.rollouts, TRAINER_GROUP, *(m.id for m in msgs))
+            pipe.xack(keys.rollouts_of(P0), TRAINER_GROUP, *(m.id for m in msgs))
             pipe.execute()
             rd.forget(m.id for m in msgs)
     assert rd.drained and r.lrange(effects, 0, -1) == [b"s0", b"s1"]
     assert len(dead_entries(r, keys)) == 6 and rd.stats.acked == 2
-    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 0
 
 
 def test_ready_read_does_not_wait_and_waiting_is_not_transport(r: redis.Redis, keys: Keys) -> None:
     # The first read of a pass is an XREADGROUP without BLOCK. (`BLOCK 1` lasted until Redis's next
     # event-loop tick, up to 100 ms on a quiet server, and a sample published meanwhile counted as transport.)
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     rd = reader(r, keys, block_ms=2000)
     passes = rd.batches(block_ms=0)
     times = []
@@ -272,7 +273,7 @@ def test_command_packer_writes_what_redis_py_writes_in_fewer_pieces(r: redis.Red
 
     ours, theirs = RespPacker(), PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
     big = memoryview(bytes(range(256)) * (RespPacker.ZERO_COPY_MIN // 256))
-    args = ("XADD", keys.rollouts, "*", "s", "é✓", b"b", b"\x00\r\n", "i", 12, "f", 0.1, "m",
+    args = ("XADD", keys.rollouts_of(P0), "*", "s", "é✓", b"b", b"\x00\r\n", "i", 12, "f", 0.1, "m",
             memoryview(b"x" * 7000), "a", bytearray(b"ab"), "big", big)
     pieces = ours.pack(*args)
     assert b"".join(pieces) == b"".join(theirs.pack(*args))
@@ -282,9 +283,10 @@ def test_command_packer_writes_what_redis_py_writes_in_fewer_pieces(r: redis.Red
     for bad in (True, None, [1]):
         with pytest.raises(redis.DataError):
             ours.pack("SET", "k", bad)
-    setup_run(r, keys)
-    entry_id = r.xadd(keys.rollouts, {"s": "é✓", "i": 12, "f": 0.1, "m": memoryview(b"x" * 7000), "big": big})
-    got = r.xrange(keys.rollouts, entry_id, entry_id)[0][1]
+    setup_run(r, keys, PRODUCERS)
+    fields = {"s": "é✓", "i": 12, "f": 0.1, "m": memoryview(b"x" * 7000), "big": big}
+    entry_id = r.xadd(keys.rollouts_of(P0), fields)
+    got = r.xrange(keys.rollouts_of(P0), entry_id, entry_id)[0][1]
     assert got == {b"s": "é✓".encode(), b"i": b"12", b"f": b"0.1", b"m": b"x" * 7000, b"big": bytes(big)}
 
 
@@ -305,14 +307,14 @@ def test_restart_drains_own_pending_first(r: redis.Redis, keys: Keys) -> None:
 def test_reconnect_rereads_own_pending(r: redis.Redis, keys: Keys, redis_url: str) -> None:
     from rollstream.bus import connect
 
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     client = connect(redis_url)
     rd = reader(r, keys, consumer="victim")
     rd.r = client
     assert rd.poll() == []
     publish_samples(r, keys, 2)
     # The server delivers to "victim" but the reply is lost with the connection.
-    r.xreadgroup(TRAINER_GROUP, "victim", {keys.rollouts: ">"}, count=10)
+    r.xreadgroup(TRAINER_GROUP, "victim", {keys.rollouts_of(P0): ">"}, count=10)
     r.client_kill_filter(_id=client.client_id())
     got: list[Message] = []
     loop = rd.batches()  # the consumer loop workers run
@@ -332,7 +334,8 @@ def test_claimed_after_sigkill_and_acked_once(r: redis.Redis, keys: Keys, redis_
         from rollstream.names import Keys, TRAINER_GROUP
         r = redis.Redis.from_url({redis_url!r})
         keys = Keys({keys.run!r})
-        rd = GroupReader(r, keys.rollouts, TRAINER_GROUP, "doomed", dead_stream=keys.dead, count=5,
+        rd = GroupReader(r, keys.rollouts_of("rollout_00"), TRAINER_GROUP, "doomed", dead_stream=keys.dead,
+                         count=5,
                          block_ms=50)
         def handler(msgs):
             for m in msgs:
@@ -349,7 +352,7 @@ def test_claimed_after_sigkill_and_acked_once(r: redis.Redis, keys: Keys, redis_
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     p.stdout.close()
-    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 5
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 5
 
     survivor = reader(r, keys, consumer="survivor", claim_idle_s=0.2)
     seen: list[str] = []
@@ -363,7 +366,7 @@ def test_claimed_after_sigkill_and_acked_once(r: redis.Redis, keys: Keys, redis_
     while len(seen) < 12 and time.time() < deadline:
         consume(survivor, handler, burst=True)
     assert sorted(seen) == sorted(f"s{i}" for i in range(12))  # each handled once by the survivor
-    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 0
     assert survivor.stats.acked == 12  # acked exactly once each
     assert survivor.stats.claimed == 5
 
@@ -383,20 +386,20 @@ def test_held_entries_are_not_claimed_by_others(r: redis.Redis, keys: Keys) -> N
 def test_trim_never_removes_unread(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
     ids = publish_samples(r, keys, 20)
     # a second, lagging group that has read nothing
-    r.xgroup_create(keys.rollouts, "lagging", id="0")
+    r.xgroup_create(keys.rollouts_of(P0), "lagging", id="0")
     fast = reader(r, keys, count=20)
     consume(fast, lambda msgs: None, burst=True)
     arc = Archive(tmp_path)
-    move_to_archive(r, arc, keys.rollouts, stream_floor(r, keys.rollouts))
-    assert r.xlen(keys.rollouts) == 20  # lagging group has read nothing
+    move_to_archive(r, arc, keys.rollouts_of(P0), stream_floor(r, keys.rollouts_of(P0)))
+    assert r.xlen(keys.rollouts_of(P0)) == 20  # lagging group has read nothing
     # lagging reads 8, acks 5 (3 pending): only the 5 acked may go
-    lag = GroupReader(r, keys.rollouts, "lagging", "l1", dead_stream=keys.dead, count=8, block_ms=10)
+    lag = GroupReader(r, keys.rollouts_of(P0), "lagging", "l1", dead_stream=keys.dead, count=8, block_ms=10)
     msgs = lag.poll()
     lag.ack(m.id for m in msgs[:5])
-    moved = move_to_archive(r, arc, keys.rollouts, stream_floor(r, keys.rollouts))
-    remaining = [i.decode() for i, _ in r.xrange(keys.rollouts)]
+    moved = move_to_archive(r, arc, keys.rollouts_of(P0), stream_floor(r, keys.rollouts_of(P0)))
+    remaining = [i.decode() for i, _ in r.xrange(keys.rollouts_of(P0))]
     assert remaining == ids[5:] and moved.archived == moved.trimmed == 5
-    assert [i for i, _ in arc.entries(keys.rollouts)] == ids[:5]
+    assert [i for i, _ in arc.entries(keys.rollouts_of(P0))] == ids[:5]
     # and the pending + undelivered ones are all still readable
     rest = lag.release([m.id for m in msgs[5:]]) or lag.poll()
     assert [m.id for m in rest] == ids[5:8]
@@ -405,16 +408,16 @@ def test_trim_never_removes_unread(r: redis.Redis, keys: Keys, tmp_path: Path) -
 def test_byte_cap_bites_loudly(
     r: redis.Redis, keys: Keys, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     Publisher(r).publish_many(
-        keys.rollouts, [fake_rollout_sample(f"b{i}", response_len=2048) for i in range(40)]
+        keys.rollouts_of(P0), [fake_rollout_sample(f"b{i}", response_len=2048) for i in range(40)]
     )
-    before = r.xlen(keys.rollouts)
+    before = r.xlen(keys.rollouts_of(P0))
     jan = Janitor(r, keys, Archive(tmp_path), budget_bytes=1 << 30, every_s=1.0, max_stream_bytes=1 << 20)
     res = jan.run_pass()
-    assert res.capped == [keys.rollouts] and r.xlen(keys.rollouts) < before
+    assert res.capped == [keys.rollouts_of(P0)] and r.xlen(keys.rollouts_of(P0)) < before
     assert "RETENTION CAP BIT" in caplog.text
-    assert len(list(iter_stream(r, keys.rollouts))) == before  # archived, not lost from the log
+    assert len(list(iter_stream(r, keys.rollouts_of(P0)))) == before  # archived, not lost from the log
 
 
 def test_janitor_runs_on_interval_and_keeps_unread(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
@@ -424,7 +427,7 @@ def test_janitor_runs_on_interval_and_keeps_unread(r: redis.Redis, keys: Keys, t
     jan = Janitor(r, keys, Archive(tmp_path), budget_bytes=1, every_s=60.0)
     res = jan.maybe_run(now=1000.0)
     assert res is not None and res.over_budget and sum(m.trimmed for m in res.moved) == 4
-    assert [i.decode() for i, _ in r.xrange(keys.rollouts)] == ids[4:]
+    assert [i.decode() for i, _ in r.xrange(keys.rollouts_of(P0))] == ids[4:]
     assert jan.maybe_run(now=1001.0) is None  # not due yet
 
 
@@ -452,3 +455,63 @@ def test_a_janitor_pass_cut_by_a_lost_connection_stays_due(
     res = jan.maybe_run(now=1000.0)  # the retry: still due
     assert res is not None and res.error is None and len(calls) == 2
     assert jan.maybe_run(now=1001.0) is None  # now it is not due
+
+
+# -- one reader across several streams (the trainer's, over every producer's rollouts:<p>) ---------------
+
+
+def multi_reader(r: redis.Redis, keys: Keys, consumer: str = "c1", **kw: object) -> GroupReader:
+    """A reader of both producers' rollouts streams, as the trainer builds it."""
+    return GroupReader(
+        r, keys.rollouts_streams(PRODUCERS), TRAINER_GROUP, consumer, dead_stream=keys.dead, block_ms=10, **kw
+    )  # type: ignore[arg-type]
+
+
+def test_one_reader_reads_every_stream_and_acks_each_entry_on_its_own(r: redis.Redis, keys: Keys) -> None:
+    """Entry ids of two streams may be equal: each message carries its stream, acks, dead letters and the
+    re-read of pending entries after a restart are per stream."""
+    setup_run(r, keys, PRODUCERS)
+    for p in PRODUCERS:  # the same explicit ids on both streams
+        for i in (1, 2):
+            fields = encode(fake_rollout_sample(f"{p}-{i}", producer=p))
+            r.xadd(keys.rollouts_of(p), fields, id=f"{i}-0")  # type: ignore[arg-type]
+    r.xadd(keys.rollouts_of(PRODUCERS[1]), {"x": "garbage"}, id="3-0")
+    first = multi_reader(r, keys)
+    got = first.poll(0)
+    refs = [(keys.rollouts_of(p), f"{i}-0") for p in PRODUCERS for i in (1, 2)]
+    assert sorted(m.ref for m in got) == sorted(refs)
+    assert all(m.event.sample_id.startswith(keys.stream_producer(m.stream)) for m in got)  # type: ignore[union-attr]
+    [(_, dead_fields)] = r.xrange(keys.dead)
+    dl = decode(dead_fields)
+    assert isinstance(dl, DeadLetter) and (dl.source, dl.source_id) == (keys.rollouts_of(PRODUCERS[1]), "3-0")
+    assert first.ack([(keys.rollouts_of(P0), "1-0")]) == 1  # only that stream's 1-0
+    with pytest.raises(ValueError, match="name the entry's stream"):
+        first.ack(["2-0"])  # a bare id is ambiguous across streams
+    restarted = multi_reader(r, keys)  # same consumer: re-reads its own pending entries on every stream
+    again = restarted.poll(0)
+    assert sorted(m.ref for m in again) == sorted(
+        [(keys.rollouts_of(P0), "2-0"), *((keys.rollouts_of(PRODUCERS[1]), f"{i}-0") for i in (1, 2))]
+    )
+    assert all(m.deliveries == 2 for m in again)
+    assert restarted.ack(m.ref for m in again) == 3
+    assert all(r.xpending(s, TRAINER_GROUP)["pending"] == 0 for s in keys.rollouts_streams(PRODUCERS))
+
+
+def test_a_read_of_new_entries_takes_at_most_count_across_the_streams(r: redis.Redis, keys: Keys) -> None:
+    """With several streams one XREADGROUP gives each count // streams, and with count below the number of
+    streams it reads them in turn: a data-parallel rank never takes more than it asked for."""
+    setup_run(r, keys, PRODUCERS)
+    for p in PRODUCERS:
+        samples = [fake_rollout_sample(f"{p}-{i}", producer=p) for i in range(4)]
+        Publisher(r).publish_many(keys.rollouts_of(p), samples)
+    rd = multi_reader(r, keys, count=1)
+    seen: list[str] = []
+    for _ in range(20):  # (the first poll also scans its own pending list, empty)
+        msgs = rd.poll(0)
+        assert len(msgs) <= 1
+        seen += [m.stream for m in msgs]
+        if len(seen) == 8:
+            break
+    assert seen[:4] == keys.rollouts_streams(PRODUCERS) * 2  # in turn
+    rd.count = 4
+    assert rd.poll(0) == [] and rd.drained

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import P0
 
 from rollstream.names import Keys
 
@@ -115,7 +116,7 @@ def test_watch_follows_a_run_to_its_target_and_records_show_recent_train_accurac
         records, _ = read_new_records(r, t.keys, "-")
         trained = [rec for rec in records if rec.global_step >= 1 and "val/acc" in rec.metrics]
         assert trained and all("val/recent_train_acc" in rec.metrics for rec in trained)
-        sample = decode(r.xrevrange(t.keys.rollouts, count=1)[0][1])
+        sample = decode(r.xrevrange(t.keys.rollouts_of(P0), count=1)[0][1])
         assert isinstance(sample, RolloutSample)
         b = sample.full_batch
         nt = b.non_tensors

@@ -1,6 +1,5 @@
 """Issue 24's findings, each under the role's real ACL user (the users `rollstream run` creates, on a private
-redis-server): what a credential may no longer do, what the audit now sees, and (strict xfail) what is still
-open until rollouts, stats and pacing are per producer (README, Guarantees)."""
+redis-server): what a credential may no longer do, and what the audit now sees (README, Guarantees)."""
 
 from __future__ import annotations
 
@@ -11,12 +10,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import redis
 import torch
+from conftest import P0
 from test_producer import context, small_cfg, start_run
 from test_security import PRODUCERS, _permitted, private_redis  # noqa: F401  (a fixture)
 
@@ -45,7 +46,7 @@ from rollstream.pacing import (
 )
 from rollstream.security import ROLES, apply_acl, generate_passwords
 from rollstream.tasks import REWARD_RANGE
-from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, encode
+from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, decode_as, encode
 from schemas.ragged import TOKEN_SCORES
 
 MAX_ID = "18446744073709551615-18446744073709551615"
@@ -67,7 +68,7 @@ class Roles:
 def roles(private_redis: tuple[str, int], tmp_path: Path) -> Iterator[Roles]:  # noqa: F811
     url, _ = private_redis
     keys = Keys("conf")
-    setup_run(redis.Redis.from_url(url), keys)
+    setup_run(redis.Redis.from_url(url), keys, PRODUCERS)
     files = generate_passwords(tmp_path / "secrets", [*ROLES, *PRODUCERS])
     pw = {role: p.read_text() for role, p in files.items()}
     apply_acl(redis.Redis.from_url(url), keys, pw, producers=PRODUCERS)
@@ -84,12 +85,12 @@ def test_a_writer_trimming_its_own_output_shows_in_the_audit(roles: Roles) -> No
     Samples the trainer holds pending when they are deleted are dead-lettered (and counted for pacing)."""
     keys, prod, agg = roles.keys, roles.producers["rollout_00"], roles.aggregator
     for i in range(3):
-        Publisher(prod).publish(keys.rollouts, fake_rollout_sample(f"rollout_00-{i}", producer="rollout_00"))
+        Publisher(prod).publish(keys.rollouts_of(P0), fake_rollout_sample(f"{P0}-{i}", producer=P0))
 
     def trainer_reader() -> GroupReader:
         return GroupReader(
             roles.trainer,
-            keys.rollouts,
+            keys.rollouts_of(P0),
             TRAINER_GROUP,
             "trainer",
             dead_stream=keys.dead,
@@ -99,7 +100,7 @@ def test_a_writer_trimming_its_own_output_shows_in_the_audit(roles: Roles) -> No
 
     assert len(trainer_reader().poll(0)) == 3  # delivered, pending until trained
     assert audit_run(roles.admin, keys).problems() == []
-    prod.xadd(keys.rollouts, {"x": "y"}, maxlen=0, approximate=False)  # what no ACL can refuse
+    prod.xadd(keys.rollouts_of(P0), {"x": "y"}, maxlen=0, approximate=False)  # what no ACL can refuse
     assert (
         trainer_reader().poll(0) == []
     )  # a restarted trainer re-reads its pending entries: all three are gone
@@ -108,8 +109,8 @@ def test_a_writer_trimming_its_own_output_shows_in_the_audit(roles: Roles) -> No
     agg.xadd(keys.records, {"x": "y"}, maxlen=0, approximate=False)
     agg.xadd(keys.dead_aggregator, {"x": "y"}, maxlen=0, approximate=False)
     rep = audit_run(roles.admin, keys)
-    assert rep.destroyed == {keys.rollouts: 4, keys.records: 2, keys.dead_aggregator: 1}
-    assert any(f"4 entries of {keys.rollouts} destroyed" in p for p in rep.problems())
+    assert rep.destroyed == {keys.rollouts_of(P0): 4, keys.records: 2, keys.dead_aggregator: 1}
+    assert any(f"4 entries of {keys.rollouts_of(P0)} destroyed" in p for p in rep.problems())
     assert len(rep.dead) == 3 and not rep.pending
 
 
@@ -145,7 +146,7 @@ def test_stats_out_of_their_domain_never_reach_records(roles: Roles, tmp_path: P
             producer="rollout_77", param_version=0, samples=5, tokens=5, gen_tokens_per_s=1.0, idle_ratio=0.0
         ),
         ProducerStats(
-            producer="rollout_01", param_version=0, samples=1, tokens=1, gen_tokens_per_s=1.0, idle_ratio=-3.0
+            producer="rollout_00", param_version=0, samples=1, tokens=1, gen_tokens_per_s=1.0, idle_ratio=-3.0
         ),
         ProducerStats(
             producer="rollout_00",
@@ -166,7 +167,7 @@ def test_stats_out_of_their_domain_never_reach_records(roles: Roles, tmp_path: P
         ),
     ]
     for ev in bad:
-        Publisher(prod).publish(keys.stats, ev)
+        Publisher(prod).publish(keys.stats_of(P0), ev)
     publish_log(roles.admin, keys, fake_metrics_log(2, local_updates=1, producers=2, test_freq=0))
     cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"])
     AggregatorWorker(cfg, roles.aggregator, keys).run(burst=True)
@@ -178,7 +179,7 @@ def test_stats_out_of_their_domain_never_reach_records(roles: Roles, tmp_path: P
         assert 0.0 <= rec.metrics["producer/idle_ratio"] <= 1.0
     reasons = [decode(f).reason for _, f in roles.admin.xrange(keys.dead_aggregator)]  # type: ignore[union-attr]
     assert reasons == [
-        "implausible: producer='rollout_77' is not one of the run's producers",
+        "impersonation: field producer='rollout_77' on the stream of producer 'rollout_00'",
         "implausible: idle_ratio=-3.0 is not in [0, 1]",
         "implausible: gen_tokens_per_s=nan is not a finite rate >= 0",
         "implausible: metric m=inf is not finite",
@@ -207,9 +208,7 @@ def test_a_refused_publish_keeps_the_cursor_and_the_in_flight_count(
     request.addfinalizer(leaser.stop.set)
     assert producer.run(max_dispatches=1) == 1  # one publish lands: the cursor is in Redis
     cursor = roles.admin.get(keys.producer_cursor("rollout_00"))
-    roles.producers["rollout_01"].xadd(
-        keys.rollouts, {"x": "y"}, id=MAX_ID
-    )  # another writer exhausts the ids
+    roles.producers["rollout_00"].xadd(keys.rollouts_of(P0), {"x": "y"}, id=MAX_ID)  # it exhausts its own ids
     before = producer.source.cursor
     with pytest.raises(PublishError, match="exhausted"):
         producer.run(max_dispatches=1)
@@ -256,9 +255,9 @@ def test_a_skipped_update_marks_its_samples_skipped(r: redis.Redis, keys: Keys, 
             "data.train_batch_size=4",
         ],
     )
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     for sample in leased_fakes(r, keys, 2, param_version=0, n=2, prompt_len=5, response_len=6):
-        r.xadd(keys.rollouts, encode(sample))  # type: ignore[arg-type]
+        r.xadd(keys.rollouts_of(P0), encode(sample))  # type: ignore[arg-type]
     trainer = Trainer(cfg, r, keys, "trainer", threading.Event(), burst=True)
     with torch.no_grad():
         next(trainer.learner.policy.parameters()).fill_(
@@ -335,6 +334,83 @@ def test_a_producer_may_run_no_script(roles: Roles) -> None:
         lambda: prod.execute_command("FUNCTION", "LOAD", "#!lua name=x\nredis.register_function('f', print)"),
     ):
         assert not _permitted(call)
+def test_a_producer_cannot_publish_in_another_producers_name(roles: Roles, tmp_path: Path) -> None:
+    """Finding 5: a sample claiming `producer=rollout_01` was trained and counted as rollout_01's. A producer
+    may write only its own streams; on them, a sample or stats in another's name (the `producer` field, or a
+    sample_id not `<producer>-…`) is dead-lettered with the reason, never trained or folded."""
+    from consumers.trainer.collect import Collector, rollouts_reader
+
+    keys, p0, p1 = roles.keys, roles.producers[P0], roles.producers["rollout_01"]
+    forged = encode(
+        fake_rollout_sample("rollout_01-x", producer="rollout_01", n=2, prompt_len=4, response_len=4)
+    )
+    stats = ProducerStats(
+        producer="rollout_01", param_version=0, samples=1, tokens=1, gen_tokens_per_s=1.0, idle_ratio=0.0
+    )
+    assert not _permitted(lambda: p0.xadd(keys.rollouts_of("rollout_01"), forged))  # type: ignore[arg-type]
+    assert not _permitted(lambda: p0.xadd(keys.stats_of("rollout_01"), encode(stats)))  # type: ignore[arg-type]
+    assert not _permitted(lambda: p1.xadd(keys.rollouts_of(P0), {"x": "y"}))
+    p0.xadd(keys.rollouts_of(P0), forged)  # type: ignore[arg-type]
+    for sid in ("rollout_01-y", f"{P0}-z"):  # another's sample id, then an honest sample
+        p0.xadd(
+            keys.rollouts_of(P0),
+            encode(fake_rollout_sample(sid, producer=P0, n=2, prompt_len=4, response_len=4)),  # type: ignore[arg-type]
+        )
+    cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"])
+    stop = threading.Event()
+    dp: Any = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    reader = rollouts_reader(cfg, roles.trainer, keys, "trainer", stop)
+    collector = Collector(cfg, roles.trainer, keys, reader, dp, stop, True, 1000, 64, lambda: None)
+    while collector.fill() and not reader.drained:
+        pass
+    assert [m.event.sample_id for m in collector.buffer] == [f"{P0}-z"]  # type: ignore[union-attr]
+    dead, source = [decode(f) for _, f in roles.admin.xrange(keys.dead)], keys.rollouts_of(P0)
+    assert [(d.source, d.reason) for d in dead] == [  # type: ignore[union-attr]
+        (source, f"impersonation: field producer='rollout_01' on the stream of producer '{P0}'"),
+        (source, f"impersonation: field sample_id='rollout_01-y' on the stream of producer '{P0}'"),
+    ]
+    Publisher(p0).publish(keys.stats_of(P0), stats)
+    AggregatorWorker(cfg, roles.aggregator, keys).run(burst=True)
+    [(_, fields)] = roles.admin.xrange(keys.dead_aggregator)
+    assert decode_as(fields, DeadLetter).reason == (
+        "impersonation: field producer='rollout_01' on the stream of producer 'rollout_00'"
+    )
+
+
+def test_an_explicit_id_cannot_block_another_producer(roles: Roles) -> None:
+    """Finding 4: one producer's `XADD rollouts <max id>` made every other producer's XADD fail. Now it can
+    exhaust only the ids of its own streams."""
+    keys, p0, p1 = roles.keys, roles.producers[P0], roles.producers["rollout_01"]
+    p0.xadd(keys.rollouts_of(P0), {"x": "y"}, id=MAX_ID)
+    p0.xadd(keys.stats_of(P0), {"x": "y"}, id=MAX_ID)
+    assert p1.xadd(keys.rollouts_of("rollout_01"), {"x": "y"})  # its own streams have every id left
+    assert p1.xadd(keys.stats_of("rollout_01"), {"x": "y"})
+    for stream in (keys.rollouts_of("rollout_01"), keys.stats_of("rollout_01")):
+        assert not _permitted(lambda s=stream: p0.xadd(s, {"x": "y"}, id=MAX_ID))  # type: ignore[misc]
+
+
+def test_a_producers_trim_destroys_only_its_own_entries_and_the_audit_names_them(roles: Roles) -> None:
+    """Finding 1 per producer: `XADD MAXLEN 0` on its own stream deletes only that producer's entries (it may
+    not touch another's stream), and the audit reports the destroyed entries of exactly that stream."""
+    keys = roles.keys
+    for p in PRODUCERS:
+        for i in range(3):
+            sample = fake_rollout_sample(f"{p}-{i}", producer=p)
+            Publisher(roles.producers[p]).publish(keys.rollouts_of(p), sample)
+    p0 = roles.producers[P0]
+    assert not _permitted(
+        lambda: p0.xadd(keys.rollouts_of("rollout_01"), {"x": "y"}, maxlen=0, approximate=False)
+    )
+    p0.xadd(keys.rollouts_of(P0), {"x": "y"}, maxlen=0, approximate=False)
+    assert roles.admin.xlen(keys.rollouts_of(P0)) == 0
+    assert roles.admin.xlen(keys.rollouts_of("rollout_01")) == 3
+    rep = audit_run(roles.admin, keys)
+    assert rep.destroyed == {keys.rollouts_of(P0): 4}
+    assert any(f"4 entries of {keys.rollouts_of(P0)} destroyed" in p for p in rep.problems())
+    assert rep.published == rep.pending == {f"rollout_01-{i}" for i in range(3)}  # undelivered, intact
+
+
+# -- pacing: leases only the trainer writes -----------------------------------------------------------------
 
 
 def test_a_producer_cannot_move_the_pacing_nor_take_more_than_its_lease(roles: Roles) -> None:
@@ -364,16 +440,30 @@ def test_a_producer_cannot_move_the_pacing_nor_take_more_than_its_lease(roles: R
                              "actor.ppo_mini_batch_size=8", "trainer.parameter_sync_step=1"])
     pub = Publisher(prod)
     for seq in [*range(8, 48), *range(8)]:
-        pub.publish(keys.rollouts, fake_rollout_sample(f"rollout_00-{seq}", n=2, prompt_len=3, response_len=4,
-                                                       producer="rollout_00"))
+        pub.publish(
+            keys.rollouts_of(P0),
+            fake_rollout_sample(
+                f"rollout_00-{seq}", n=2, prompt_len=3, response_len=4, producer="rollout_00"
+            ),
+        )
     from types import SimpleNamespace
 
     from consumers.trainer.collect import Collector, rollouts_reader
 
     dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
     reader = rollouts_reader(cfg, trainer, keys, "trainer", threading.Event())
-    collector = Collector(cfg, trainer, keys, reader, dp, threading.Event(), False, 1000, 64,  # type: ignore[arg-type]
-                          lambda: None)
+    collector = Collector(
+        cfg,
+        trainer,
+        keys,
+        reader,
+        dp,
+        threading.Event(),
+        False,
+        1000,
+        64,  # type: ignore[arg-type]
+        lambda: None,
+    )
     while len(collector.buffer) < 8:
         assert collector.fill()
     assert roles.admin.xlen(keys.dead) == 40
@@ -388,30 +478,13 @@ def test_the_audit_names_the_samples_a_trim_destroyed_before_any_read(roles: Rol
     lease_outright(roles.trainer, keys, "rollout_00", 3)
     pipe = prod.pipeline(transaction=True)
     for seq in range(3):
-        pipe.xadd(keys.rollouts, encode(fake_rollout_sample(f"rollout_00-{seq}", producer="rollout_00")))  # type: ignore[arg-type]
+        pipe.xadd(
+            keys.rollouts_of(P0), encode(fake_rollout_sample(f"rollout_00-{seq}", producer="rollout_00"))
+        )  # type: ignore[arg-type]
     mark_published(pipe, keys, "rollout_00", 3)
     pipe.execute()
     assert audit_run(roles.admin, keys).problems() == []
-    prod.xadd(keys.rollouts, {"x": "y"}, maxlen=0, approximate=False)
+    prod.xadd(keys.rollouts_of(P0), {"x": "y"}, maxlen=0, approximate=False)
     rep = audit_run(roles.admin, keys)
     assert rep.destroyed_ids == {"rollout_00-0", "rollout_00-1", "rollout_00-2"}
     assert any("3 published samples are not on the log" in p for p in rep.problems())
-
-
-# -- still open: these need one rollouts and one stats stream per producer ---------------------------------
-
-OPEN = "open until rollouts and stats are per producer (README, Guarantees)"
-
-
-@pytest.mark.xfail(strict=True, reason=OPEN)
-def test_open_a_producer_cannot_publish_in_another_producers_name(roles: Roles) -> None:
-    """Finding 5: a sample claiming `producer=rollout_01` was trained and counted as rollout_01's."""
-    forged = encode(fake_rollout_sample("rollout_01-x", producer="rollout_01"))
-    assert not _permitted(lambda: roles.producers["rollout_00"].xadd(roles.keys.rollouts, forged))  # type: ignore[arg-type]
-
-
-@pytest.mark.xfail(strict=True, reason=OPEN)
-def test_open_an_explicit_id_cannot_block_another_producer(roles: Roles) -> None:
-    """Finding 4: one producer's `XADD rollouts <max id>` makes every other producer's XADD fail."""
-    roles.producers["rollout_00"].xadd(roles.keys.rollouts, {"x": "y"}, id=MAX_ID)
-    roles.producers["rollout_01"].xadd(roles.keys.rollouts, {"x": "y"})  # raises: no id is left

@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import P0
 
 from consumers.aggregator.replay import replay_records
 from rollstream.audit import audit_run, format_report
@@ -202,20 +203,27 @@ def _malicious_producer(run_dir: Path, url: str, keys: Keys) -> dict[str, str]:
     with pytest.raises(redis.exceptions.NoPermissionError):
         evil.hset(keys.trainer, COMMITTED_STEP_FIELD, 10**6)
 
-    def fields(sid: str, version: int = 0) -> dict[bytes, bytes]:
-        ev = fake_rollout_sample(sid, param_version=version, n=2, prompt_len=4, response_len=4)
+    def fields(sid: str, version: int = 0, producer: str = "rollout_00") -> dict[bytes, bytes]:
+        ev = fake_rollout_sample(sid, param_version=version, n=2, prompt_len=4, response_len=4,
+                                 producer=producer)
         return {k.encode(): bytes(v) for k, v in encode(ev).items()}
 
+    with pytest.raises(redis.exceptions.NoPermissionError):  # another producer's stream
+        evil.xadd(keys.rollouts_of("rollout_01"), fields("rollout_01-evil", producer="rollout_01"))  # type: ignore[arg-type]
     lying = fields("evil-payload")
     lying[b"sample_id"] = b"evil-header"
     extra = fields("evil-extra")
     extra[b"junk"] = b"x" * 1000
     big = fields("evil-big")
     big[b"payload"] += b"\0" * (300 << 10)
-    attacks = [(fields("evil-future", 10**9), "param_version=1000000000 is newer than the newest published"),
+    attacks = [(fields("rollout_00-evil-future", 10**9),
+                "outside lease: sample_id='rollout_00-evil-future' is not '<producer>-<seq>'"),
+               (fields(f"rollout_00-{10**9}"), f"outside lease: sample_id='rollout_00-{10**9}': seq {10**9}"),
+               (fields("rollout_01-evil-name", producer="rollout_01"),
+                "impersonation: field producer='rollout_01' on the stream of producer 'rollout_00'"),
                (lying, "header sample_id=b'evil-header' != payload sample_id=b'evil-payload'"),
                (extra, "unknown field 'junk'"), (big, f"over the max_entry_bytes={256 << 10} limit")]
-    out = {evil.xadd(keys.rollouts, f).decode(): reason for f, reason in attacks}  # type: ignore[arg-type,union-attr]
+    out = {evil.xadd(keys.rollouts_of(P0), f).decode(): reason for f, reason in attacks}  # type: ignore[arg-type,union-attr]
     evil.close()
     return out
 
@@ -227,7 +235,7 @@ def _check_roles_confined(run_dir: Path, url: str, keys: Keys) -> None:
     pw = (run_dir / SECRETS_DIR / "rollout_00.password").read_text()
     prod = redis.Redis.from_url(url, username="rollout_00", password=pw)
     with pytest.raises(redis.exceptions.NoPermissionError):
-        prod.xrange(keys.rollouts, count=1)
+        prod.xrange(keys.rollouts_of(P0), count=1)
     with pytest.raises(redis.exceptions.NoPermissionError):
         prod.xadd(keys.records, {"x": "1"})
     prod.close()

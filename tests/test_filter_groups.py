@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import redis
+from conftest import PRODUCERS
 from test_trainer import ROOT, TBS, FakeProducer, trainer_args
 
 from consumers.aggregator.fold import Fold
@@ -72,7 +73,7 @@ def test_zero_variance_groups_are_evicted_refilled_and_accounted(
 def test_evictions_counted_early_are_counted_once_across_the_commit_and_a_crash(
     r: redis.Redis, keys: Keys
 ) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, max_outstanding=4)
     ask_lease(r, keys, "rollout_00", 4)
     assert lease_pass(r, keys, ["rollout_00"]) == 4  # the whole window leased: no budget left

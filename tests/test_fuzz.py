@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from conftest import P0, PRODUCERS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +33,7 @@ from rollstream.config import PipelineConfig, load_config
 from rollstream.fakes import fake_rollout_sample
 from rollstream.from_config import build_policy
 from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
+from rollstream.pacing import lease_outright
 from rollstream.weights import latest_param_version, publish_weights
 from schemas import EVENT_MODELS, DeadLetter, decode, decode_payload, encode, encode_payload
 
@@ -183,6 +185,7 @@ def trainer(r: redis.Redis, keys: Keys, tmp_path: Path) -> Iterator[Trainer]:
     t = Trainer(tiny_cfg(keys, tmp_path), r, keys, "trainer", threading.Event())
     t.resume()
     yield t
+    t.effects.stop_leaser()
 
 
 @FUZZ
@@ -195,15 +198,16 @@ def test_trainer_dead_letters_bad_rollouts_and_trains_the_good_ones(
     entries = []
     for _ in range(2):  # one good sample per local update, bad entries before and between them
         for mutate in bad:
-            sid = f"bad-{uuid.uuid4().hex[:8]}"
-            good = as_fields(fake_rollout_sample(sid, param_version=g - 1, n=2, prompt_len=4, response_len=5))
+            sid = f"{P0}-bad-{uuid.uuid4().hex[:8]}"
+            good = as_fields(fake_rollout_sample(sid, param_version=g - 1, n=2, prompt_len=4, response_len=5,
+                                                 producer=P0))
             entries.append(("bad", mutate(good, data.draw)))
-        sid = f"good-{uuid.uuid4().hex[:8]}"
+        sid = f"{P0}-{lease_outright(r, keys, P0, 1) - 1}"  # leased, as the trainer would lease it
         entries.append(("good", as_fields(fake_rollout_sample(sid, param_version=g - 1, n=2, prompt_len=4,
-                                                              response_len=5, seed=g))))
+                                                              response_len=5, seed=g, producer=P0))))
         goods.append(sid)
     for kind, fields in entries:
-        eid = r.xadd(keys.rollouts, fields).decode()  # type: ignore[arg-type, union-attr]
+        eid = r.xadd(keys.rollouts_of(P0), fields).decode()  # type: ignore[arg-type, union-attr]
         if kind == "bad":
             bads.append(eid)
     before = dead_sources(r, keys)
@@ -219,7 +223,7 @@ def test_trainer_dead_letters_bad_rollouts_and_trains_the_good_ones(
     assert all(reason.strip() for reason in dead.values())
     fates = [f[b"sample_id"].decode() for _, f in r.xrange(keys.fates, f"{g}-0", f"{g}-99")]
     assert sorted(fates) == sorted(goods)
-    assert r.xpending(keys.rollouts, "trainer")["pending"] == 0
+    assert r.xpending(keys.rollouts_of(P0), "trainer")["pending"] == 0
 
 
 # -- the aggregator ---------------------------------------------------------------------------------
@@ -235,7 +239,7 @@ def test_aggregator_dead_letters_bad_metrics_and_writes_the_record(
     bad: list[Mutation],
     rollout_on_metrics: bool,
 ) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     # an example hypothesis abandoned mid-way (a draw past its buffer) may have left entries: fold them first
     r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: 10**6, TRAINING_STEP_FIELD: 10**6})
     AggregatorWorker(tiny_cfg(keys, tmp_path), r, keys, sinks=Sinks(r, keys, [])).run(burst=True)

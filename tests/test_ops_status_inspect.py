@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import delete_run
+from conftest import P0, PRODUCERS, delete_run
 
 from rollstream.bus import Publisher, setup_run
 from rollstream.cli.main import main
@@ -61,11 +61,11 @@ def text_sample(sample_id: str, param_version: int, prompt: str, answers: list[s
 
 def fill_run(r: redis.Redis, keys: Keys) -> None:
     """3 rollouts (versions 0, 1, 1), a producer stat, 2 records, params v0..v2, fates, a dead letter."""
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     pub, pub_new = Publisher(r), Publisher(r, nomkstream=False)
     for i, pv in enumerate((0, 1, 1)):
-        pub.publish(keys.rollouts, text_sample(f"p-{i}", pv, "123", ["321", "312"]))
-    pub.publish(keys.stats, ProducerStats(producer="rollout_00", param_version=1, samples=3, tokens=24,
+        pub.publish(keys.rollouts_of(P0), text_sample(f"p-{i}", pv, "123", ["321", "312"]))
+    pub.publish(keys.stats_of(P0), ProducerStats(producer="rollout_00", param_version=1, samples=3, tokens=24,
                                             gen_tokens_per_s=10.0, idle_ratio=0.25))
     for step in (1, 2):
         rec = SyncStepRecord(
@@ -81,7 +81,7 @@ def fill_run(r: redis.Redis, keys: Keys) -> None:
     for i, (sid, st) in enumerate((("a", 1), ("b", 1), ("c", 2))):
         r.xadd(keys.fates, encode_fate(Fate(sid, f"{i}-0", TRAINED, st, 2 - st, 2)))  # type: ignore[arg-type]
     orig = encode(text_sample("p-bad", 0, "45", ["54"]))
-    pub_new.publish(keys.dead, DeadLetter(source=keys.rollouts, source_id="1-0", reason="boom",
+    pub_new.publish(keys.dead, DeadLetter(source=keys.rollouts_of(P0), source_id="1-0", reason="boom",
                                              fields={k: bytes(v) for k, v in orig.items()}))
 
 
@@ -101,8 +101,8 @@ def test_status_reports_streams_groups_versions_staleness_rates(r: redis.Redis, 
     fill_run(r, keys)
     st = collect_status(r, keys)
     streams = {s.name: s for s in st.streams}
-    assert streams["rollouts"].length == 3 and streams["rollouts"].bytes > 0
-    trainer_group = streams["rollouts"].groups[0]
+    assert streams["rollouts:rollout_00"].length == 3 and streams["rollouts:rollout_00"].bytes > 0
+    trainer_group = streams["rollouts:rollout_00"].groups[0]
     assert (trainer_group["group"], trainer_group["lag"], trainer_group["pending"]) == ("trainer", 3, 0)
     assert st.dead == 1 and st.param_version == 2 and st.trainer["global_step"] == "2"
     assert st.producer_versions == {"rollout_00": 1}
@@ -183,7 +183,7 @@ def test_inspect_rollout_decodes_text_and_summarises_arrays(
     capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str
 ) -> None:
     fill_run(r, keys)
-    code, out, _ = cli(capsys, "inspect", "rollouts", "-3", *run_args(keys, redis_url))
+    code, out, _ = cli(capsys, "inspect", "rollouts:rollout_00", "-3", *run_args(keys, redis_url))
     assert code == 0
     doc = json.loads(out)
     assert doc["event"]["sample_id"] == "p-0"
@@ -191,7 +191,7 @@ def test_inspect_rollout_decodes_text_and_summarises_arrays(
                            {"prompt": "123", "response": "312", "reward": 0.0}]
     lp = doc["event"]["full_batch"]["tokens"]["rollout_log_probs"]
     assert lp["dtype"] == "float32" and lp["shape"] == [8] and lp["max"] <= 0 and len(lp["first"]) == 8
-    code, out, _ = cli(capsys, "inspect", "rollouts", "--full", *run_args(keys, redis_url))
+    code, out, _ = cli(capsys, "inspect", "rollouts:rollout_00", "--full", *run_args(keys, redis_url))
     full = json.loads(out)
     assert full["event"]["sample_id"] == "p-2"
     assert full["event"]["full_batch"]["response_ids"][:3] == CharTokenizer().encode("321")
@@ -223,7 +223,7 @@ def test_inspect_records_by_step_dead_letters_and_plain_streams(
 
 def test_read_entry_counts_from_the_end(r: redis.Redis, keys: Keys) -> None:
     fill_run(r, keys)
-    entry_id, fields = read_entry(r, keys.rollouts, "-2")
+    entry_id, fields = read_entry(r, keys.rollouts_of(P0), "-2")
     assert entry_to_json("rollouts", entry_id, fields)["header"]["sample_id"] == "p-1"
 
 
@@ -264,14 +264,14 @@ def test_replay_trainer_copies_a_range_into_a_new_namespace(
     capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str
 ) -> None:
     fill_run(r, keys)
-    ids = [e[0].decode() for e in r.xrange(keys.rollouts)]
+    ids = [e[0].decode() for e in r.xrange(keys.rollouts_of(P0))]
     dst = Keys(keys.run + "-replay")
     try:
         code, out, _ = cli(capsys, "replay", "trainer", "--from", keys.run, "--to", dst.run,
                            "--start", ids[1], *run_args(keys, redis_url))
         assert code == 0 and "copied 2 rollouts" in out and f"run.name={dst.run} --burst" in out
-        assert [e[0].decode() for e in r.xrange(dst.rollouts)] == ids[1:]
-        assert r.xinfo_groups(dst.rollouts)[0]["lag"] == 2
+        assert [e[0].decode() for e in r.xrange(dst.rollouts_of(P0))] == ids[1:]
+        assert r.xinfo_groups(dst.rollouts_of(P0))[0]["lag"] == 2
         with pytest.raises(ReplayCopyError, match="already has entries"):
             copy_rollouts(r, keys, dst)
     finally:

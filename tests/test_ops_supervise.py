@@ -13,7 +13,7 @@ import redis
 
 from rollstream.cli.main import main
 from rollstream.config import load_config
-from rollstream.names import Keys
+from rollstream.names import Keys, producer_names
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.plan import PRIVATE_UMASK, plan_run, render_supervisord_conf, trainer_argv
 from rollstream.ops.process import process_states, start_run, start_supervisord, stop_run
@@ -192,7 +192,9 @@ def test_supervisord_lifecycle_with_standin_workers(
         admin_pw = (plan.run_dir / "secrets" / "admin.password").read_text()  # run.acl: default user off
         client = redis.Redis.from_url(plan.redis_url, username="admin", password=admin_pw)
         assert client.get(Keys("life").setup) == b"1"
-        assert client.xinfo_groups(Keys("life").rollouts)[0]["name"] == b"trainer"
+        for p in producer_names(cfg.rollout.num_producers):  # one rollouts stream per producer
+            assert client.xinfo_groups(Keys("life").rollouts_of(p))[0]["name"] == b"trainer"
+        assert sorted(client.smembers(Keys("life").producers)) == [b"rollout_00", b"rollout_01"]
         client.close()
         logs = [plan.run_dir / "logs" / f"{n}.log" for n in plan.workers]
         deadline = time.monotonic() + 20

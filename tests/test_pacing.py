@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import P0, PRODUCERS
 
 import rollstream.pacing as pacing
 from rollstream.bus import setup_run
@@ -48,7 +49,7 @@ def leased(r: redis.Redis, keys: Keys, producer: str, n: int) -> list[str]:
 def test_a_lease_pass_gives_each_asking_producer_up_to_its_want_and_never_more_than_the_budget(
     r: redis.Redis, keys: Keys
 ) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     assert lease_pass(r, keys, ["rollout_00"]) == 0  # no grant yet: nothing to lease
     grant_budget(r, keys, 0, max_outstanding=5)
     ask_lease(r, keys, "rollout_00", 3)
@@ -75,7 +76,7 @@ def test_a_lease_pass_gives_each_asking_producer_up_to_its_want_and_never_more_t
 def test_a_producers_want_of_any_value_never_leases_past_the_budget(
     r: redis.Redis, keys: Keys, junk: bytes
 ) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, max_outstanding=4)
     r.set(keys.producer_want("rollout_00"), junk)
     n = lease_pass(r, keys, ["rollout_00"])
@@ -87,7 +88,7 @@ def test_consume_counts_each_leased_prompt_once_and_nothing_else(r: redis.Redis,
     """Sync mode's window (max_outstanding = one batch) all leased and published: a dead-lettered or evicted
     one gives its room back once; a retry, an id outside the lease, another producer's id, junk ids and the
     commit's count of the same ids add nothing."""
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, max_outstanding=4)
     ids = leased(r, keys, "rollout_00", 4)
     assert ids == ["rollout_00-0", "rollout_00-1", "rollout_00-2", "rollout_00-3"]
@@ -108,7 +109,7 @@ def test_consume_counts_each_leased_prompt_once_and_nothing_else(r: redis.Redis,
 def test_a_top_up_keeps_the_bound_and_the_memory_cap(r: redis.Redis, keys: Keys) -> None:
     """Under back-pressure a grant is capped at one global step's prompts; a top-up never leaves more than
     the cap to lease, nor more than max_outstanding - outstanding. An uncapped grant lifts it."""
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, max_outstanding=8)
     ids = leased(r, keys, "rollout_00", 6)
     assert grant_budget(r, keys, 1, max_outstanding=8, cap=2) == (2, 6)
@@ -124,7 +125,7 @@ def test_a_top_up_keeps_the_bound_and_the_memory_cap(r: redis.Redis, keys: Keys)
 
 
 def test_consume_before_any_grant_only_counts(r: redis.Redis, keys: Keys) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     pacing.lease_outright(r, keys, "rollout_00", 2)
     assert consume(r, keys, ["rollout_00-0", "rollout_00-1"], 4) == (2, 0)
     assert int(r.get(keys.consumed)) == 2 and dispatch_entries(r, keys) == []  # type: ignore[arg-type]
@@ -133,7 +134,7 @@ def test_consume_before_any_grant_only_counts(r: redis.Redis, keys: Keys) -> Non
 def test_a_grant_between_the_read_and_the_top_up_is_retried_on_the_new_version(
     r: redis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, max_outstanding=2)
     ids = leased(r, keys, "rollout_00", 2)
     reads: list[tuple[int, int]] = []
@@ -155,7 +156,7 @@ def test_a_grant_between_the_read_and_the_top_up_is_retried_on_the_new_version(
 def test_the_leaser_takes_producers_in_turn(r: redis.Redis, keys: Keys) -> None:
     """Two producers both asking for more than the budget: the one served first alternates, so neither is
     starved by the other's place in the list."""
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     leaser = Leaser(r, keys, ["rollout_00", "rollout_01"], threading.Event())
     firsts = []
     for v in range(4):
@@ -196,7 +197,7 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
     cfg = load_config("pipeline.yaml", [f"run.name={keys.run}", f"data.train_batch_size={B}",
                       "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=1",
                       "rollout.staleness_threshold=0", "bus.block_ms=10"])  # fmt: skip
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, cfg.max_outstanding)
     ids = leased(r, keys, "rollout_00", B)
     pipe = r.pipeline(transaction=True)
@@ -208,7 +209,7 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
         )
         if i in (1, B):
             fields["payload"] = b"\xc1 corrupt"
-        pipe.xadd(keys.rollouts, fields)  # type: ignore[arg-type]
+        pipe.xadd(keys.rollouts_of(P0), fields)  # type: ignore[arg-type]
     pipe.execute()
     dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
 
@@ -229,9 +230,10 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
 
     first = collector()
     first.reader.poll(0)  # the corrupt entries are dead-lettered inside the read...
-    rows: Any = r.xrange(keys.rollouts)
+    rows: Any = r.xrange(keys.rollouts_of(P0))
     dead_id, dead_fields = next((i, f) for i, f in rows if f[b"sample_id"] == ids[1].encode())
-    first.reader.dead_letter(dead_id.decode(), dead_fields, "a retry after a lost reply")
+    retry = "a retry after a lost reply"
+    first.reader.dead_letter(dead_id.decode(), dead_fields, retry, stream=keys.rollouts_of(P0))
     assert r.xlen(keys.dead) == 2
     assert int(r.get(keys.consumed) or 0) == 0  # type: ignore[arg-type]  # ...and the trainer dies here
     del first

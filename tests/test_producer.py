@@ -15,15 +15,16 @@ import numpy as np
 import pytest
 import redis
 import torch
+from conftest import P0
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from producers.weight_sync import WeightSync
 from producers.worker import Producer, producer_seed
-from rollstream.bus import setup_run
+from rollstream.bus import parse_id, run_producers, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.from_config import build_policy, build_prompt_source
 from rollstream.model import CharTokenizer, Completion, build_batch
-from rollstream.names import DROPPED_STALE_FIELD, Keys
+from rollstream.names import DROPPED_STALE_FIELD, Keys, producer_names
 from rollstream.pacing import (
     consume,
     dispatch_entries,
@@ -78,23 +79,26 @@ def publish(r: redis.Redis, keys: Keys, version: int, blob: bytes, grant: int | 
         grant_budget(r, keys, version, grant)
 
 
-def start_run(r: redis.Redis, keys: Keys, blob: bytes, grant: int) -> None:
-    """Set up the run's streams and publish version 0 with a budget."""
-    setup_run(r, keys)
+def start_run(r: redis.Redis, keys: Keys, blob: bytes, grant: int, producers: int = 2) -> None:
+    """Set up the run's streams (of `producers` producers) and publish version 0 with a budget."""
+    setup_run(r, keys, producer_names(producers))
     publish(r, keys, 0, blob, grant)
 
 
 def samples(r: redis.Redis, keys: Keys) -> list[RolloutSample]:
-    """Every RolloutSample on the rollouts stream, decoded, in log order."""
-    rows: Any = r.xrange(keys.rollouts)
-    out = [decode(fields) for _, fields in rows]
+    """Every RolloutSample on the producers' rollouts streams, decoded, in id order."""
+    rows: Any = [row for s in keys.rollouts_streams(run_producers(r, keys)) for row in r.xrange(s)]
+    out = [decode(fields) for _, fields in sorted(rows, key=lambda row: parse_id(row[0]))]
     assert all(isinstance(s, RolloutSample) for s in out)
     return out  # type: ignore[return-value]
 
 
 def producer_stats(r: redis.Redis, keys: Keys) -> list[ProducerStats]:
-    """Every ProducerStats event on the stats stream."""
-    rows: Any = r.xrange(keys.stats)
+    """Every ProducerStats event on the producers' stats streams, in id order."""
+    rows: Any = sorted(
+        (row for s in keys.stats_streams(run_producers(r, keys)) for row in r.xrange(s)),
+        key=lambda row: parse_id(row[0]),
+    )
     return [ev for ev in (decode(f) for _, f in rows) if isinstance(ev, ProducerStats)]
 
 
@@ -265,7 +269,7 @@ def test_three_producers_respect_the_budget(r: redis.Redis, keys: Keys, redis_ur
     tbs, bound = cfg.data.train_batch_size, cfg.max_outstanding
     assert bound == 6
     blob = build_blob(cfg, 0)
-    start_run(r, keys, blob, grant=bound)
+    start_run(r, keys, blob, grant=bound, producers=3)
     producers = [Producer(context(cfg, keys, f"rollout_{i:02d}", redis_url)) for i in range(3)]
     errors: list[BaseException] = []
 
@@ -279,14 +283,15 @@ def test_three_producers_respect_the_budget(r: redis.Redis, keys: Keys, redis_ur
     for t in threads:
         t.start()
     # Fake trainer: consume samples in global steps of train_batch_size; publish + grant after each.
-    version, pending, last_id = 0, [], "0-0"
+    version, pending = 0, []
+    last_ids: dict[str, Any] = dict.fromkeys(keys.rollouts_streams(producer_names(3)), "0-0")
     deadline = time.monotonic() + 60
     try:
         while version < 5 and not errors:
             assert time.monotonic() < deadline, "producers stalled"
-            reply: Any = r.xread({keys.rollouts: last_id}, block=100)
-            for _, entries in reply or []:
-                last_id = entries[-1][0]
+            reply: Any = r.xread(dict(last_ids), block=100)
+            for stream, entries in reply or []:
+                last_ids[stream.decode()] = entries[-1][0]
                 pending += [decode(f).sample_id for _, f in entries]  # type: ignore[union-attr]
             while len(pending) >= tbs:
                 count_consumed(r, keys, pending[:tbs])
@@ -337,15 +342,15 @@ def test_an_idle_producer_is_leased_the_budget_a_dead_letter_gives_back(
     thread.start()
     try:
         deadline = time.monotonic() + 60
-        while r.xlen(keys.rollouts) < bound:
+        while r.xlen(keys.rollouts_of(P0)) < bound:
             assert time.monotonic() < deadline and thread.is_alive(), "producer did not dispatch the window"
             time.sleep(0.02)
         time.sleep(0.5)
-        assert r.xlen(keys.rollouts) == bound  # the window is out: it idles
+        assert r.xlen(keys.rollouts_of(P0)) == bound  # the window is out: it idles
         first = samples(r, keys)[0].sample_id  # the trainer dead-letters one rollout, and pacing counts it
         assert consume(r, keys, [first], bound) == (1, 1)
         assert consume(r, keys, [first], bound) == (0, 0)  # once
-        while r.xlen(keys.rollouts) < bound + 1:
+        while r.xlen(keys.rollouts_of(P0)) < bound + 1:
             assert time.monotonic() < deadline, "the producer never took the budget given back"
             time.sleep(0.02)
     finally:
@@ -522,7 +527,7 @@ def test_sigkill_before_publish_is_dispatched_again_on_restart(
         proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert r.xlen(keys.rollouts) == 0, "killed too late: the dispatch was already published"
+    assert r.xlen(keys.rollouts_of(P0)) == 0, "killed too late: the dispatch was already published"
     assert outstanding(r, keys) == taken > 0
     assert r.get(keys.producer_cursor("rollout_00")) is None
 

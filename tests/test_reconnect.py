@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import PRODUCERS
 
 from consumers.aggregator.replay import replay_records
 from rollstream.audit import audit_run
@@ -142,7 +143,7 @@ def wait_records(
 
 def test_redis_restart_every_worker_reconnects_in_place(server: Server, tmp_path: Path) -> None:
     keys = Keys("reconnect")
-    setup_run(redis.Redis.from_url(server.url), keys)
+    setup_run(redis.Redis.from_url(server.url), keys, PRODUCERS)
     args = [
         "pipeline.yaml",
         *CONFIG,

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import delete_run
+from conftest import P0, delete_run
 from safetensors.torch import load_file
 from test_trainer import FakeProducer, trainer_args
 
+from rollstream.bus import setup_run
 from rollstream.cli.main import main
 from rollstream.names import COMMITTED_STEP_FIELD, Keys
 from schemas import TRAINED, Fate, decode_fate, encode_fate
@@ -79,8 +80,9 @@ def test_replay_steps_3_to_6_from_the_step_2_checkpoint_equals_the_live_weights(
 def test_replay_steps_needs_the_checkpoint_before_the_first_step(
     capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path
 ) -> None:
-    r.xadd(keys.rollouts, {"x": "1"}, id="5-1")
-    r.xadd(keys.fates, encode_fate(Fate("s", "5-1", TRAINED, 1, 1, 2)), id="2-1")  # type: ignore[arg-type]
+    setup_run(r, keys, [P0])
+    r.xadd(keys.rollouts_of(P0), {"x": "1"}, id="5-1")
+    r.xadd(keys.fates, encode_fate(Fate(f"{P0}-s", "5-1", TRAINED, 1, 1, 2)), id="2-1")  # type: ignore[arg-type]
     dst = Keys(keys.run + "-replay")
     try:
         code = main(["replay", "trainer", "--from", keys.run, "--to", dst.run, "--steps", "2-2",

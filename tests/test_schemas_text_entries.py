@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import redis
+from conftest import PRODUCERS
 
 from rollstream.bus import setup_run
 from rollstream.names import Keys
@@ -59,7 +60,7 @@ def test_a_malformed_fate_is_a_decode_error(change: dict[bytes, bytes | None], r
 
 
 def test_grants_leases_and_top_ups_read_back_as_dispatch_records(r: redis.Redis, keys: Keys) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     assert grant_budget(r, keys, 0, max_outstanding=5) == (5, 0)
     ask_lease(r, keys, "rollout_00", 5)
     assert lease_pass(r, keys, ["rollout_00"]) == 5

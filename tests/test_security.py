@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from conftest import P0
 
 from rollstream.bus import GroupReader, Publisher, connect, setup_run
 from rollstream.fakes import fake_rollout_sample
@@ -61,7 +62,7 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
     url, port = private_redis
     keys = Keys("acl")
     admin0 = redis.Redis.from_url(url)
-    setup_run(admin0, keys)
+    setup_run(admin0, keys, PRODUCERS)
     files = generate_passwords(tmp_path / "secrets", [*ROLES, *PRODUCERS])
     assert all(oct(p.stat().st_mode)[-3:] == "600" for p in files.values())
     pw = {role: p.read_text() for role, p in files.items()}
@@ -76,9 +77,9 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
     prod = connect(f"redis://127.0.0.1:{port}/0", username="rollout_00", password=pw["rollout_00"])
     # everything a producer does works: publish, stats, ask for and read its lease, publish-with-cursor,
     # version, the run's counts
-    Publisher(prod).publish(keys.rollouts, fake_rollout_sample("rollout_00-0", producer="rollout_00"))
+    Publisher(prod).publish(keys.rollouts_of(P0), fake_rollout_sample("rollout_00-0", producer="rollout_00"))
     Publisher(prod).publish(
-        keys.stats,
+        keys.stats_of(P0),
         ProducerStats(
             producer="rollout_00", param_version=0, samples=1, tokens=1, gen_tokens_per_s=1.0, idle_ratio=0.0
         ),
@@ -96,7 +97,7 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
     # and nothing else (a compromised producer must not reach another role's keys): each command a compromised
     # producer could try
     forbidden = {
-        "read rollouts": lambda: prod.xrange(keys.rollouts),
+        "read rollouts": lambda: prod.xrange(keys.rollouts_of(P0)),
         "write weights": lambda: prod.set(keys.weights(1), b"evil"),
         "write records": lambda: prod.xadd(keys.records, {"x": "1"}),
         "write metrics": lambda: prod.xadd(keys.metrics, {"x": "1"}),
@@ -125,8 +126,8 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
         "another producer's version": lambda: prod.set(keys.producer_version("rollout_01"), 0),
         "SET budget": lambda: prod.set(keys.budget(0), 10**6),
         "DEL budget": lambda: prod.delete(keys.budget(0)),
-        "XTRIM rollouts": lambda: prod.xtrim(keys.rollouts, maxlen=0),
-        "XDEL rollouts": lambda: prod.execute_command("XDEL", keys.rollouts, "0-1"),
+        "XTRIM rollouts": lambda: prod.xtrim(keys.rollouts_of(P0), maxlen=0),
+        "XDEL rollouts": lambda: prod.execute_command("XDEL", keys.rollouts_of(P0), "0-1"),
         "FLUSHALL": lambda: prod.flushall(),
         "another run": lambda: prod.get("rs:{other}:weights:0"),
     }
@@ -137,7 +138,7 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
         "aggregator DEL records": lambda: aggregator.delete(keys.records),
         "aggregator write metrics": lambda: aggregator.xadd(keys.metrics, {"x": "1"}),
         "aggregator write trainer hash": lambda: aggregator.hset(keys.trainer, "committed_step", 1),
-        "aggregator read rollouts": lambda: aggregator.xrange(keys.rollouts),
+        "aggregator read rollouts": lambda: aggregator.xrange(keys.rollouts_of(P0)),
         "aggregator read dead": lambda: aggregator.xrange(keys.dead),
         "trainer FLUSHALL": lambda: trainer.flushall(),
         "trainer another run": lambda: trainer.get("rs:{other}:weights:0"),
@@ -156,7 +157,7 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
     )
     allowed = [name for name, call in forbidden.items() if _permitted(call)]
     assert allowed == [], f"permitted: {allowed}"
-    assert trainer.xlen(keys.rollouts) == 1
+    assert trainer.xlen(keys.rollouts_of(P0)) == 1
     admin = connect(url, username="admin", password=pw["admin"])
     assert admin.ping()
 
@@ -235,9 +236,9 @@ def test_tls_rediss(tmp_path: Path) -> None:
             except redis.ConnectionError:
                 time.sleep(0.05)
         keys = Keys("tls")
-        setup_run(r, keys)
-        Publisher(r).publish(keys.rollouts, fake_rollout_sample("over-tls"))
-        assert r.xlen(keys.rollouts) == 1
+        setup_run(r, keys, PRODUCERS)
+        Publisher(r).publish(keys.rollouts_of(P0), fake_rollout_sample("over-tls"))
+        assert r.xlen(keys.rollouts_of(P0)) == 1
         with pytest.raises(redis.ConnectionError):  # plain TCP to the TLS port fails
             redis.Redis(host="127.0.0.1", port=port, socket_timeout=2).ping()
     finally:

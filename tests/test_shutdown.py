@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from conftest import P0, PRODUCERS
 
 from rollstream import fakes
 from rollstream.audit import audit_run
@@ -112,7 +113,7 @@ def torch_loading(pid: int) -> bool:
 
 
 def _start_run_for_producer(r: redis.Redis, keys: Keys, tmp: Path, args: list[str]) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     cfg = load_config("pipeline.yaml", args)
     publish_weights(r, keys, 0, build_policy(cfg).state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
     grant_budget(r, keys, 0, cfg.max_outstanding)
@@ -145,24 +146,27 @@ def test_producer_first_sigterm_publishes_the_dispatch_in_flight(r: redis.Redis,
     code, took = terminate(proc, 1)
     assert code == EXIT_OK, proc.stderr_text()[-2000:]
     assert took < WORKER_STOPWAIT_S
-    assert r.xlen(keys.rollouts) == _taken(r, keys)  # the dispatch in flight was finished and published
+    # the dispatch in flight was finished and published
+    assert r.xlen(keys.rollouts_of(P0)) == _taken(r, keys)
     assert _in_flight(r, keys) == 0
 
 
-def test_producer_second_sigterm_exits_at_once_without_publishing(r: redis.Redis, keys: Keys, redis_url: str,
-                                                                  tmp_path: Path, leasing: Leaser) -> None:
+def test_producer_second_sigterm_exits_at_once_without_publishing(
+    r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path, leasing: Leaser
+) -> None:
     args = [*common(keys, redis_url, tmp_path), *SLOW_PRODUCER]
     _start_run_for_producer(r, keys, tmp_path, args)
     proc = spawn(LATENCY_PRODUCER_MODULE, [*args, "--name", "rollout_00"], tmp_path)
     wait_until(lambda: _dispatching(r, keys), proc, 60, "a dispatch")
     code, took = terminate(proc, 2)
     assert code == EXIT_FORCED and took < 1.0
-    assert r.xlen(keys.rollouts) < _taken(r, keys)  # the unfinished dispatch was not published …
+    assert r.xlen(keys.rollouts_of(P0)) < _taken(r, keys)  # the unfinished dispatch was not published …
     assert _in_flight(r, keys) > 0  # … and is dispatched again on restart (its lease is kept)
 
 
-def test_producer_sigterm_while_importing_torch_exits_0(r: redis.Redis, keys: Keys, redis_url: str,
-                                                        tmp_path: Path) -> None:
+def test_producer_sigterm_while_importing_torch_exits_0(
+    r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path
+) -> None:
     proc = spawn("producers", [*common(keys, redis_url, tmp_path), "--name", "rollout_00"], tmp_path)
     wait_until(lambda: torch_loading(proc.pid), proc, 30, "torch to start loading")
     code, _ = terminate(proc, 1)
@@ -179,11 +183,13 @@ def _trainer_mid_step(r: redis.Redis, keys: Keys, redis_url: str, tmp: Path) -> 
     )
     wait_until(lambda: r.exists(keys.params), proc, 60, "version 0")
     for sample in leased_fakes(r, keys, 2, param_version=0, n=2, prompt_len=4, response_len=4):
-        r.xadd(keys.rollouts, encode(sample))  # type: ignore[arg-type]
+        r.xadd(keys.rollouts_of(P0), encode(sample))  # type: ignore[arg-type]
 
     def updated() -> bool:
-        return any(isinstance(ev := decode(f), StepMetrics) and ev.type == "local_update"
-                   for _, f in r.xrange(keys.metrics))
+        return any(
+            isinstance(ev := decode(f), StepMetrics) and ev.type == "local_update"
+            for _, f in r.xrange(keys.metrics)
+        )
 
     wait_until(updated, proc, 60, "the first local update")
     return proc
@@ -199,12 +205,14 @@ def test_trainer_first_sigterm_mid_step_exits_0_and_acks_nothing_unfinished(
     assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) is None
     # nothing ended or lost: both samples stay pending, retrained by the next trainer
     rep = audit_run(r, keys)
-    assert rep.problems() == [] and rep.pending == {"s0", "s1"} and not rep.trained | rep.dropped | rep.dead
-    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 2
+    assert rep.problems() == [] and rep.pending == {f"{P0}-s0", f"{P0}-s1"}
+    assert not rep.trained | rep.dropped | rep.dead
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 2
 
 
-def test_trainer_second_sigterm_while_starting_exits_forced(r: redis.Redis, keys: Keys, redis_url: str,
-                                                           tmp_path: Path) -> None:
+def test_trainer_second_sigterm_while_starting_exits_forced(
+    r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path
+) -> None:
     proc = spawn("consumers.trainer", [*common(keys, redis_url, tmp_path), "--name", "trainer"], tmp_path)
     wait_until(lambda: torch_loading(proc.pid), proc, 30, "torch to start loading")
     proc.send_signal(signal.SIGTERM)
@@ -220,8 +228,9 @@ def test_trainer_second_sigterm_while_starting_exits_forced(r: redis.Redis, keys
     assert not r.exists(keys.params)  # it never got as far as publishing version 0
 
 
-def test_trainer_sigterm_while_importing_torch_exits_0(r: redis.Redis, keys: Keys, redis_url: str,
-                                                       tmp_path: Path) -> None:
+def test_trainer_sigterm_while_importing_torch_exits_0(
+    r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path
+) -> None:
     proc = spawn("consumers.trainer", [*common(keys, redis_url, tmp_path), "--name", "trainer"], tmp_path)
     wait_until(lambda: torch_loading(proc.pid), proc, 30, "torch to start loading")
     code, _ = terminate(proc, 1)
@@ -233,7 +242,7 @@ def test_trainer_sigterm_while_importing_torch_exits_0(r: redis.Redis, keys: Key
 
 def _aggregator_with_open_step(r: redis.Redis, keys: Keys, redis_url: str, tmp: Path) -> Worker:
     """An aggregator that wrote step 1's record and holds step 2's first local update pending."""
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     # the aggregator checks events against it
     r.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: 1, TRAINING_STEP_FIELD: 2})
     proc = spawn(
@@ -248,8 +257,12 @@ def _aggregator_with_open_step(r: redis.Redis, keys: Keys, redis_url: str, tmp: 
         ],
         tmp,
     )
-    for ev in (fakes.local_update(1, 1, 2, {"a": 1.0}), fakes.local_update(1, 2, 2, {"a": 3.0}),
-               fakes.step_end(1, 2), fakes.local_update(2, 1, 2, {"a": 5.0})):
+    for ev in (
+        fakes.local_update(1, 1, 2, {"a": 1.0}),
+        fakes.local_update(1, 2, 2, {"a": 3.0}),
+        fakes.step_end(1, 2),
+        fakes.local_update(2, 1, 2, {"a": 5.0}),
+    ):
         r.xadd(keys.metrics, encode(ev))  # type: ignore[arg-type]
     wait_until(lambda: r.xlen(keys.records) == 1, proc, 30, "the record of step 1")
     wait_until(lambda: r.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 1, proc, 10, "step 1's acks")

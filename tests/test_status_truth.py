@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from conftest import P0, PRODUCERS
 
 from rollstream.bus import Publisher, setup_run
 from rollstream.cli.main import main
@@ -60,7 +61,7 @@ def test_progress_states() -> None:
 def test_status_check_fails_on_a_stalled_run_whose_heartbeat_is_fresh(
     capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str
 ) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     pub = Publisher(r, nomkstream=False)
     now = time.time()
     for g in (1, 2):
@@ -94,20 +95,21 @@ def test_group_lag_is_right_after_a_redis_restart(tmp_path: Path) -> None:
     server = EmbeddedRedis(tmp_path)
     r = server.start()
     try:
-        setup_run(r, keys)
+        setup_run(r, keys, PRODUCERS)
         for i in range(50):
-            r.xadd(keys.rollouts, {"i": i})
-        got = r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts: ">"}, count=50)
-        r.xack(keys.rollouts, TRAINER_GROUP, *[i for i, _ in got[0][1]])
-        r.xdel(keys.rollouts, *[i for i, _ in got[0][1]][:20])  # retention-like deletions skew redis' counter
+            r.xadd(keys.rollouts_of(P0), {"i": i})
+        got = r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts_of(P0): ">"}, count=50)
+        r.xack(keys.rollouts_of(P0), TRAINER_GROUP, *[i for i, _ in got[0][1]])
+        # retention-like deletions skew redis' counter
+        r.xdel(keys.rollouts_of(P0), *[i for i, _ in got[0][1]][:20])
         r.close()
         server.stop()
         r = server.start()
-        groups = {s.name: s for s in collect_status(r, keys).streams}["rollouts"].groups
+        groups = {s.name: s for s in collect_status(r, keys).streams}["rollouts:rollout_00"].groups
         assert groups[0]["group"] == "trainer" and groups[0]["lag"] == 0 and groups[0]["pending"] == 0
         for i in range(3):
-            r.xadd(keys.rollouts, {"i": i})
-        groups = {s.name: s for s in collect_status(r, keys).streams}["rollouts"].groups
+            r.xadd(keys.rollouts_of(P0), {"i": i})
+        groups = {s.name: s for s in collect_status(r, keys).streams}["rollouts:rollout_00"].groups
         assert groups[0]["lag"] == 3
     finally:
         r.close()

@@ -70,7 +70,7 @@ def test_readme_inspection_commands_work_after_stop_and_change_nothing(tmp_path:
     record = rollstream("inspect", "records", "2", *args, timeout_s=120)
     assert record.returncode == 0, record.stderr
     assert json.loads(record.stdout)["event"]["global_step"] == 2
-    sample = rollstream("inspect", "rollouts", "-1", *args, timeout_s=120)
+    sample = rollstream("inspect", "rollouts:rollout_00", "-1", *args, timeout_s=120)
     assert sample.returncode == 0 and '"sample_id"' in sample.stdout, sample.stderr
     # nothing more can come: it returns
     tail = rollstream("tail", "metrics", *args, "--count", "3", timeout_s=120)
@@ -106,7 +106,7 @@ def test_readme_inspection_commands_work_after_stop_and_change_nothing(tmp_path:
         sys.executable,
         "-c",
         "import os, redis; r = redis.Redis.from_url(os.environ['ROLLSTREAM_REDIS_URL']);"
-        "print(r.xlen('rs:{done-dbg}:rollouts'))",
+        "print(sum(r.xlen(f'rs:{{done-dbg}}:rollouts:rollout_0{i}') for i in (0, 1)))",
         timeout_s=120,
     )
     assert served.returncode == 0 and int(served.stdout.strip()) == 8, served.stdout + served.stderr

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from conftest import P0, PRODUCERS
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from rollstream.audit import audit_run, unacked_entry_ids
@@ -74,7 +75,7 @@ def as_schema_1(sample: RolloutSample) -> dict[str, Any]:
 
 
 #: The fake producer's name (one of the run's producers: the trainer leases to it).
-FAKE = "rollout_00"
+FAKE = P0
 
 
 class FakeProducer(threading.Thread):
@@ -154,7 +155,7 @@ class FakeProducer(threading.Thread):
                 if len(self.published) in self.corrupt_at:
                     fields["payload"] = b"\xc1 not msgpack"
                     self.corrupt.append(sid)
-                pipe.xadd(self.keys.rollouts, fields)
+                pipe.xadd(self.keys.rollouts_of(P0), fields)
                 self.published.append(sid)
             mark_published(pipe, self.keys, FAKE, amount)
             pipe.execute()
@@ -173,8 +174,9 @@ def check_invariants(r: redis.Redis, keys: Keys, producer: FakeProducer, steps: 
     assert rep.dead == set(producer.corrupt)
     unacked = {
         f[b"sample_id"].decode()
-        for i, f in r.xrange(keys.rollouts)
-        if i.decode() in unacked_entry_ids(r, keys)
+        for stream in keys.rollouts_streams(PRODUCERS)
+        for i, f in r.xrange(stream)
+        if i.decode() in unacked_entry_ids(r, stream)
     }
     assert unacked == rep.pending, "a committed sample is still pending"
     assert rep.steps == list(range(1, steps + 1))
@@ -302,7 +304,7 @@ def test_trainer_sigkill_mid_step_then_restart_loses_and_repeats_nothing(
         if proc.stderr:
             proc.stderr.close()
     assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) == b"1"
-    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] > 0  # step 2's samples were not acked
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] > 0  # step 2's samples were not acked
     del producer.cap[1]
     proc2 = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc2.returncode == 0, proc2.stderr[-3000:]
@@ -367,7 +369,7 @@ def test_trainer_with_real_producers(r: redis.Redis, keys: Keys, redis_url: str,
     assert trainer.returncode == 0, trainer.stderr[-3000:]
     assert [p.returncode for p in prods] == [0, 0], [e[-2000:] for e in errs]
 
-    published = [f[b"sample_id"].decode() for _, f in r.xrange(keys.rollouts)]
+    published = [f[b"sample_id"].decode() for p in PRODUCERS for _, f in r.xrange(keys.rollouts_of(p))]
     fake = FakeProducer(r, keys)
     fake.published = published
     counts = check_invariants(r, keys, fake, steps)
@@ -415,7 +417,7 @@ def test_trainer_waits_for_num_warmup_batches_before_its_first_update(
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while r.xlen(keys.rollouts) < 4 or r.hget(keys.trainer, HEARTBEAT_FIELD) is None:
+        while r.xlen(keys.rollouts_of(P0)) < 4 or r.hget(keys.trainer, HEARTBEAT_FIELD) is None:
             assert proc.poll() is None and time.monotonic() < deadline, "trainer did not start"
             time.sleep(0.05)
         time.sleep(1.5)  # 4 samples would do for a first update (2 per mini-batch); warmup wants 6
@@ -428,7 +430,7 @@ def test_trainer_waits_for_num_warmup_batches_before_its_first_update(
         if proc.stderr:
             proc.stderr.close()
     first = min(i for i, f in r.xrange(keys.metrics) if f.get(b"type") == b"local_update")
-    assert len(r.xrange(keys.rollouts, max=first)) >= 6  # 3 mini-batches had arrived before it
+    assert len(r.xrange(keys.rollouts_of(P0), max=first)) >= 6  # 3 mini-batches had arrived before it
 
 
 def test_stale_counts_follow_verl() -> None:

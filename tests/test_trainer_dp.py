@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import P0, PRODUCERS
 from safetensors.torch import load as st_load
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
@@ -233,11 +234,11 @@ def test_two_trainer_ranks_train_a_sample_read_by_both_once(
         "trainer.nproc_per_node=2",
         "bus.block_ms=50",
     ]
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     for s in leased_fakes(r, keys, 10, n=2, prompt_len=4, response_len=5, vocab=20):
         sample = encode(s)
-        r.xadd(keys.rollouts, sample)
-        r.xadd(keys.rollouts, sample)  # the duplicate right behind it
+        r.xadd(keys.rollouts_of(P0), sample)
+        r.xadd(keys.rollouts_of(P0), sample)  # the duplicate right behind it
     init = tempfile.mktemp(prefix="rs-dp-init-", dir=tmp_path)
     mp.spawn(_trainer_rank, args=(2, init, redis_url, overrides), nprocs=2, join=True)
 
@@ -251,12 +252,13 @@ def test_two_trainer_ranks_train_a_sample_read_by_both_once(
     assert sorted((e.global_step, e.rank, e.sample_count) for e in updates) == [
         (g, k, 1) for g in (1, 2, 3, 4) for k in (0, 1)
     ]
-    consumers = {c["name"].decode(): c["pending"] for c in r.xinfo_consumers(keys.rollouts, "trainer")}
+    consumers = {c["name"].decode(): c["pending"] for c in r.xinfo_consumers(keys.rollouts_of(P0), "trainer")}
     assert set(consumers) == {"trainer-r0", "trainer-r1"}
     ((_, newest),) = list_checkpoints(tmp_path / keys.run / "checkpoints")[-1:]
     meta = decode_payload(st_load(newest.read_bytes())["meta/payload"].numpy().tobytes())
     assert [rk["rank"] for rk in meta["ranks"]] == [0, 1] and all(rk["rng"]["torch"] for rk in meta["ranks"])
-    assert sorted(sid for rk in meta["ranks"] for sid in rk["sample_ids"]) == [f"s{i}" for i in range(4, 8)]
+    got = sorted(sid for rk in meta["ranks"] for sid in rk["sample_ids"])
+    assert got == [f"{P0}-s{i}" for i in range(4, 8)]
 
 
 def test_a_round_gives_an_id_taken_by_two_ranks_to_the_lower_one() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import P0
 
 from rollstream.audit import audit_run, format_report
 from rollstream.bus import iter_stream
@@ -104,7 +105,7 @@ def _audit(run_dir: Path, name: str) -> tuple[Any, list[StepMetrics], list[SyncS
         rep = audit_run(r, keys)
         events = [ev for _, f in iter_stream(r, keys.metrics) if isinstance(ev := decode(f), StepMetrics)]
         records = [ev for _, f in iter_stream(r, keys.records) if isinstance(ev := decode(f), SyncStepRecord)]
-        consumers = sorted(c["name"].decode() for c in r.xinfo_consumers(keys.rollouts, TRAINER_GROUP))  # type: ignore[union-attr]
+        consumers = sorted(c["name"].decode() for c in r.xinfo_consumers(keys.rollouts_of(P0), TRAINER_GROUP))  # type: ignore[union-attr]
         r.close()
     return rep, events, records, consumers
 

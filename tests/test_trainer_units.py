@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import redis
 import torch
+from conftest import P0, PRODUCERS
 from safetensors.torch import load_file, save_file
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
@@ -59,12 +60,12 @@ def test_staleness_threshold_keeps_k_and_drops_k_plus_one(r: redis.Redis, keys: 
             f"trainer.max_off_policy_threshold={k}",
         ],
     )
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     too_old, edge, fresh = "rollout_00-0", "rollout_00-1", "rollout_00-2"
     for sample, version in zip(leased_fakes(r, keys, 3, n=2, prompt_len=5, response_len=6, seed=0),
                                (5 - k - 1, 5 - k, 4), strict=True):
         sample.param_version = version
-        r.xadd(keys.rollouts, encode(sample))  # type: ignore[arg-type]
+        r.xadd(keys.rollouts_of(P0), encode(sample))  # type: ignore[arg-type]
     trainer = Trainer(cfg, r, keys, "trainer", threading.Event(), burst=True)  # burst: returns once drained
     trainer.newest_published = 4
     ledger = StepLedger(5)
@@ -146,11 +147,11 @@ def test_learner_update_reports_metrics_and_changes_weights() -> None:
 
 
 def test_commit_is_atomic_and_a_replay_is_harmless(r: redis.Redis, keys: Keys) -> None:
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     samples = leased_fakes(r, keys, 3, n=1)
-    ids = [r.xadd(keys.rollouts, encode(s)).decode() for s in samples]  # type: ignore[union-attr,arg-type]
+    ids = [r.xadd(keys.rollouts_of(P0), encode(s)).decode() for s in samples]  # type: ignore[union-attr,arg-type]
     sids = [s.sample_id for s in samples]
-    r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts: ">"})
+    r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts_of(P0): ">"})
     ledger = StepLedger(
         1,
         fates=[
@@ -158,13 +159,13 @@ def test_commit_is_atomic_and_a_replay_is_harmless(r: redis.Redis, keys: Keys) -
             Fate(sids[1], ids[1], TRAINED, 1, 0, 1),
             Fate(sids[2], ids[2], DROPPED, 3, -2, 1),
         ],
-        ack_ids=ids,
+        ack_ids=[(keys.rollouts_of(P0), i) for i in ids],
         step_end=StepMetrics(
             type="step_end", global_step=1, local_step=2, sample_count=2, num_local_updates=2
         ),
     )
     commit_steps(r, keys, [ledger], param_version=1)
-    assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 0
     assert [e[0] for e in r.xrange(keys.fates)] == [b"1-1", b"1-2", b"1-3"]
     assert [decode_fate(f) for _, f in r.xrange(keys.fates)] == ledger.fates
     assert committed_sample_ids(r, keys) == set(sids)
@@ -190,17 +191,17 @@ def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
 
     cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "trainer.test_freq=0",
                                     "actor.ppo_mini_batch_size=1", "data.train_batch_size=2"])
-    setup_run(r, keys)
+    setup_run(r, keys, PRODUCERS)
     samples = leased_fakes(r, keys, 2, n=2)
-    ids = [r.xadd(keys.rollouts, encode(s)).decode() for s in samples]  # type: ignore[union-attr,arg-type]
+    ids = [r.xadd(keys.rollouts_of(P0), encode(s)).decode() for s in samples]  # type: ignore[union-attr,arg-type]
     s0, s1 = (s.sample_id for s in samples)
-    r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts: ">"})
+    r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts_of(P0): ">"})
     # a crash right after the step-1 checkpoint: nothing published, nothing committed
     first = Trainer(cfg, r, keys, "trainer", threading.Event())
     ledger = StepLedger(
         1,
         [Fate(s0, ids[0], TRAINED, 1, 0, 1), Fate(s1, ids[1], TRAINED, 1, 0, 1)],
-        ids,
+        [(keys.rollouts_of(P0), i) for i in ids],
         StepMetrics(type="step_end", global_step=1, local_step=2, sample_count=2, num_local_updates=2),
     )
     save_checkpoint(first.ckpt_dir, 1, first.learner.policy, first.learner.optimizer,
@@ -212,7 +213,7 @@ def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
         assert t.global_step == 1 and t.seen == {s0, s1}
         assert [ev.version for ev in (decode(f) for _, f in r.xrange(keys.params))
                 if isinstance(ev, ParamVersion)] == [1]
-        assert r.xpending(keys.rollouts, TRAINER_GROUP)["pending"] == 0
+        assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 0
         assert r.xlen(keys.fates) == 2 and int(r.get(keys.consumed)) == 2
         assert sum(1 for _, f in r.xrange(keys.metrics) if f[b"type"] == b"step_end") == 1
         assert current_budget(r, keys)[0] == 1
@@ -222,13 +223,14 @@ def test_a_checkpoint_with_old_format_metadata_loads_upgraded(
     r: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
     """Metadata written before it had a version (fates with `entry_id`, no `global_step`) is upgraded on
-    load, and committing its steps writes the same fates entries as current metadata would."""
+    load, and committing its steps writes the same fates entries as current metadata would; its bare ack ids
+    (of the shared `rollouts` stream this version no longer reads) are dropped."""
     cfg = load_config(None, TINY + ["actor.ppo_mini_batch_size=2", "data.train_batch_size=4"])
     learner = Learner(cfg)
     path = save_checkpoint(tmp_path, 4, learner.policy, learner.optimizer, {"param_version": 4, "steps": []})
     tensors = load_file(str(path))
     meta = decode_payload(tensors["meta/payload"].numpy().tobytes())
-    assert meta.pop("meta_version") == META_VERSION == 2
+    assert meta.pop("meta_version") == META_VERSION == 3
     meta["steps"] = [
         {  # what the trainer wrote before metadata versions (layout 1)
             "global_step": 4,
@@ -247,8 +249,8 @@ def test_a_checkpoint_with_old_format_metadata_loads_upgraded(
     assert "meta_version" not in got and got["param_version"] == 4
     (ledger,) = [StepLedger.from_plain(d) for d in got["steps"]]
     assert ledger.fates == [Fate("s0", "5-0", TRAINED, 1, 3, 4), Fate("s1", "6-0", DROPPED, 3, 1, 4)]
-    assert ledger.dropped == 1 and ledger.ack_ids == ["5-0", "6-0"]
-    setup_run(r, keys)
+    assert ledger.dropped == 1 and ledger.ack_ids == []
+    setup_run(r, keys, PRODUCERS)
     commit_steps(r, keys, [ledger], param_version=4)
     assert [(i, f) for i, f in r.xrange(keys.fates)] == [
         (b"4-1", {b"sample_id": b"s0", b"source_id": b"5-0", b"fate": b"trained", b"staleness": b"1",

@@ -26,9 +26,10 @@ same MetricsAggregator and go in the record's `counts`, not its `metrics`.
 
 Trainer events come from `metrics`, producer stats from `stats` (a stream producers may write and the
 trainer never does); both streams' ids are server-clock ids, so "below the step_end's id" is the same
-rule live and in replay. Stats entries are fed as refs `stats:<id>` (see `stats_ref`), so a record's
-`source_ids` says which stream each id came from. The caller feeds every stats entry with an id below a
-metrics entry before that metrics entry (the worker drains `stats` up to each metrics batch).
+rule live and in replay. Stats entries are fed as refs `stats:<producer>:<id>` (see `stats_ref`; each
+producer writes its own `stats:<producer>` stream), so a record's `source_ids` says which stream each id came
+from. The caller feeds every stats entry with an id below a metrics entry before that metrics entry (the
+worker drains every producer's stats stream up to each metrics batch).
 
 Record 0 is the validation of version 0, taken before any training: a ValidateMetrics for version 0
 completes at once as the record of step 0; training records are steps 1, 2, ….
@@ -59,20 +60,23 @@ Entry = tuple[str, Any]  # (entry id, event)
 STATS_PREFIX = "stats:"
 
 
-def stats_ref(entry_id: str) -> str:
-    """The ref under which a `stats` stream entry is fed to the fold (ids of two streams may collide)."""
-    return STATS_PREFIX + entry_id
+def stats_ref(producer: str, entry_id: str) -> str:
+    """The ref `stats:<producer>:<id>` under which an entry of a producer's `stats:<producer>` stream is fed
+    to the fold (ids of two streams may collide)."""
+    return f"{STATS_PREFIX}{producer}:{entry_id}"
 
 
-def split_ref(ref: str) -> tuple[bool, str]:
-    """(is a stats entry, the bare stream entry id) of a ref."""
+def split_ref(ref: str) -> tuple[str | None, str]:
+    """(the producer of a stats entry, None for a `metrics` entry; the bare stream entry id) of a ref."""
     if ref.startswith(STATS_PREFIX):
-        return True, ref[len(STATS_PREFIX) :]
-    return False, ref
+        producer, entry_id = ref[len(STATS_PREFIX) :].rsplit(":", 1)
+        return producer, entry_id
+    return None, ref
 
 
 def id_key(ref: str) -> tuple[int, int]:
-    """Sort key of a stream entry id `<ms>-<seq>` or a ref `stats:<ms>-<seq>` (server-clock order)."""
+    """Sort key of a stream entry id `<ms>-<seq>` or a ref `stats:<producer>:<ms>-<seq>` (server-clock
+    order)."""
     return parse_id(split_ref(ref)[1])
 
 

@@ -1,5 +1,5 @@
-"""Rebuild a run's records from its log: `metrics` and `stats` merged in id order, through the same Fold,
-into a new run.
+"""Rebuild a run's records from its log: `metrics` and every producer's `stats:<p>` merged in id order,
+through the same Fold, into a new run.
 
 `rollstream replay records --from RUN --to NEWRUN [--redis-url URL]` calls `main`. The result equals the
 live records field for field (records take the step_end's created_at). Entries the live aggregator
@@ -22,7 +22,7 @@ import redis
 
 from consumers.aggregator.fold import Completed, Fold, id_key, stats_ref
 from consumers.aggregator.worker import TRAINER_EVENTS, record_id
-from rollstream.bus import connect, iter_stream, read_password
+from rollstream.bus import connect, iter_stream, read_password, run_producers
 from rollstream.names import Keys
 from rollstream.worker import REDIS_URL_ENV
 from schemas import DeadLetter, DecodeError, ProducerStats, decode, encode
@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-def dead_lettered(r: redis.Redis, keys: Keys) -> set[tuple[str, str]]:
-    """(source stream, entry id) of every entry the live workers dead-lettered from metrics or stats."""
+def dead_lettered(r: redis.Redis, keys: Keys, producers: Sequence[str]) -> set[tuple[str, str]]:
+    """(source stream, entry id) of every entry the live workers dead-lettered from metrics or a producer's
+    stats."""
+    sources = {keys.metrics, *keys.stats_streams(producers)}
     out = set()
     for _, fields in chain(
         iter_stream(r, keys.dead_aggregator), iter_stream(r, keys.dead)
@@ -42,14 +44,16 @@ def dead_lettered(r: redis.Redis, keys: Keys) -> set[tuple[str, str]]:
             ev = decode(fields)
         except DecodeError:
             continue
-        if isinstance(ev, DeadLetter) and ev.source in (keys.metrics, keys.stats):
+        if isinstance(ev, DeadLetter) and ev.source in sources:
             out.add((ev.source, ev.source_id))
     return out
 
 
-def _merged(r: redis.Redis, keys: Keys) -> Iterator[tuple[str, str, Any]]:
-    """(stream, id, fields) of metrics and stats entries merged in id order (stats first on a tie)."""
-    its = {keys.stats: iter_stream(r, keys.stats), keys.metrics: iter_stream(r, keys.metrics)}
+def _merged(r: redis.Redis, keys: Keys, producers: Sequence[str]) -> Iterator[tuple[str, str, Any]]:
+    """(stream, id, fields) of metrics and the producers' stats entries merged in id order (stats first on a
+    tie)."""
+    streams = [*keys.stats_streams(producers), keys.metrics]
+    its = {stream: iter_stream(r, stream) for stream in streams}
     heads = {stream: head for stream, it in its.items() if (head := next(it, None)) is not None}
     while heads:
         stream = min(heads, key=lambda s: id_key(heads[s][0]))  # dicts keep order: stats wins a tie
@@ -62,8 +66,9 @@ def _merged(r: redis.Redis, keys: Keys) -> Iterator[tuple[str, str, Any]]:
 def fold_log(r: redis.Redis, keys: Keys, total_gpus: int = 1) -> Iterator[Completed]:
     """Every record the log of `keys` folds into, in completion order."""
     fold = Fold(total_gpus)
-    skip = dead_lettered(r, keys)
-    for stream, entry_id, fields in _merged(r, keys):
+    producers = run_producers(r, keys)
+    skip = dead_lettered(r, keys, producers)
+    for stream, entry_id, fields in _merged(r, keys, producers):
         if (stream, entry_id) in skip:
             continue
         try:
@@ -71,9 +76,10 @@ def fold_log(r: redis.Redis, keys: Keys, total_gpus: int = 1) -> Iterator[Comple
         except DecodeError as e:
             log.warning("%s entry %s skipped: %s", stream, entry_id, e)
             continue
-        if stream == keys.stats:
-            if isinstance(event, ProducerStats):
-                yield from fold.feed(stats_ref(entry_id), event)
+        if stream != keys.metrics:
+            producer = keys.stream_producer(stream)
+            if isinstance(event, ProducerStats) and event.producer == producer:
+                yield from fold.feed(stats_ref(producer, entry_id), event)
         elif isinstance(event, TRAINER_EVENTS):
             yield from fold.feed(entry_id, event)
     for g, missing in fold.pending().items():

@@ -1,20 +1,22 @@
-"""The aggregator worker: reads `metrics` (trainer events) and `stats` (producer stats) as group
-`aggregator`, folds, writes `records`, feeds the sinks.
+"""The aggregator worker: reads `metrics` (trainer events) and every producer's `stats:<p>` (producer stats)
+as group `aggregator`, folds, writes `records`, feeds the sinks.
 
-Each metrics batch is preceded by draining `stats` up to the batch's newest id, so the fold has every
-stats entry a record may use (see fold.py). Each batch is one MULTI/EXEC: XADD every record it completed
+Each metrics batch is preceded by draining the stats streams up to the batch's newest id, so the fold has
+every stats entry a record may use (see fold.py). Each batch is one MULTI/EXEC: XADD every record it completed
 with explicit id `<global_step>-1` (a record already written is refused by Redis, which makes a re-fold
-idempotent) and XACK the entries no future record needs (the completed steps' events, superseded and
-late copies). Everything else stays pending: the events of incomplete steps and the stats entries a
-future record may use. A restarted aggregator re-reads its own pending entries first, in log order, so it
-rebuilds the same fold state (run one aggregator per run, under a stable name).
+idempotent) and XACK the entries no future record needs (the completed steps' events, superseded and late
+copies). Everything else stays pending: the events of incomplete steps and the stats entries a future record
+may use. A restarted aggregator re-reads its own pending entries first, in log order, so it rebuilds the same
+fold state (run one aggregator per run, under a stable name).
 
 What the fold cannot place is dead-lettered with its reason, never left pending: an event of the wrong kind
-for its stream, a value outside its domain (a non-finite metric; stats of a producer the run does not have, or
-out of range), a trainer event ahead of the trainer's progress (admission.py), and the events of a step still
-incomplete after `aggregator.incomplete_timeout_s` that can no longer complete (the trainer committed past
-it). An incomplete step still in progress is only reported (an ERROR line and a note on `dead` with source
-`aggregator`). Replay skips what the live aggregator dead-lettered.
+for its stream, stats in the name of a producer other than the one whose stream they came from (identity from
+the key: only that producer's user may write it), a value outside its domain (a non-finite metric; stats of a
+producer the run does not have, or out of range), a trainer event ahead of the trainer's progress
+(admission.py), and the events of a step still incomplete after `aggregator.incomplete_timeout_s` that can no
+longer complete (the trainer committed past it). An incomplete step still in progress is only reported (an
+ERROR line and a note on `dead` with source `aggregator`). Replay skips what the live aggregator
+dead-lettered.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 from typing import Any
 
 import redis
@@ -34,6 +37,7 @@ from rollstream.bus import (
     GroupReader,
     Message,
     entry_limits,
+    group_refs,
     iter_stream,
     parse_id,
     retry_on_connection,
@@ -80,10 +84,11 @@ class AggregatorWorker:
         self.keys = keys
         self.stop = stop or threading.Event()
         self.timeout_s = cfg.aggregator.incomplete_timeout_s
+        self.producers = frozenset(producer_names(cfg.rollout.num_producers))  # whose stats are folded
         self.reader, self.stats_reader = (
             GroupReader(
                 r,
-                stream,
+                streams,
                 AGGREGATOR_GROUP,
                 name,
                 dead_stream=keys.dead_aggregator,
@@ -94,10 +99,9 @@ class AggregatorWorker:
                 limits=entry_limits(cfg.bus.max_entry_bytes),
                 stop=self.stop,
             )
-            for stream in (keys.metrics, keys.stats)
+            for streams in ([keys.metrics], keys.stats_streams(sorted(self.producers)))
         )
         self.progress = TrainerProgress(r, keys)
-        self.producers = frozenset(producer_names(cfg.rollout.num_producers))  # whose stats are folded
         self.fold = Fold(cfg.aggregator.total_gpus, done_steps=recorded_steps(r, keys))
         self.sinks = sinks if sinks is not None else Sinks(r, keys, build_sinks(cfg, r, keys))
         self.records_written = 0
@@ -112,15 +116,17 @@ class AggregatorWorker:
         transaction (retried until it lands). What cannot be placed is dead-lettered with its reason."""
         completed: list[Completed] = []
         for m in stats or []:
+            producer = self.keys.stream_producer(m.stream)
+            dead = partial(self.stats_reader.dead_letter, m.id, m.fields, stream=m.stream)
             if not isinstance(m.event, ProducerStats):
-                self.stats_reader.dead_letter(
-                    m.id, m.fields, f"not producer stats: a {m.event.type!r} event on stats"
-                )
-                continue
-            if (why := stats_reason(m.event, self.producers)) is not None:
-                self.stats_reader.dead_letter(m.id, m.fields, f"implausible: {why}")
-                continue
-            completed += self.fold.feed(stats_ref(m.id), m.event)
+                dead(f"not producer stats: a {m.event.type!r} event on stats")
+            elif m.event.producer != producer:
+                dead(f"impersonation: field producer={m.event.producer!r} on the stream of producer "
+                     f"{producer!r}")
+            elif (why := stats_reason(m.event, self.producers)) is not None:
+                dead(f"implausible: {why}")
+            else:
+                completed += self.fold.feed(stats_ref(producer, m.id), m.event)
         for m in msgs:
             if not isinstance(m.event, TRAINER_EVENTS):  # producer stats, a rollout, a record …
                 self.reader.dead_letter(
@@ -140,24 +146,22 @@ class AggregatorWorker:
         return completed
 
     def drain_stats(self, upto: str | None) -> tuple[list[Message], bool]:
-        """Read `stats` until every entry with an id below `upto` is in: until an entry above it arrives,
-        or the stream is drained and the server clock is past it (no later XADD can get a lower id).
-        Returns (entries, complete); not complete when stopped first (the caller then holds back the
-        metrics batch, so no record is folded without its stats)."""
+        """Read the stats streams until every entry with an id below `upto` is in: until each stream has
+        delivered an entry above it, or the streams are drained and the server clock is past it (no later
+        XADD can get a lower id). Returns (entries, complete); not complete when stopped first (the caller
+        then holds back the metrics batch, so no record is folded without its stats)."""
         out: list[Message] = []
         deadline = time.monotonic() + DRAIN_MAX_S
         reader = self.stats_reader
+        past: set[str] = set()  # streams that delivered an entry above `upto`
         while True:
             for msgs in reader.batches(burst=True, block_ms=0):
                 out += msgs
                 # a page of the own-pending re-read is not the edge of the stream yet
-                if (
-                    upto is not None
-                    and msgs
-                    and not reader.reading_own_pending
-                    and id_key(msgs[-1].id) > id_key(upto)
-                ):
-                    return out, True
+                if upto is not None and not reader.reading_own_pending:
+                    past |= {m.stream for m in msgs if id_key(m.id) > id_key(upto)}
+                    if len(past) == len(reader.streams):
+                        return out, True
             if self.stop.is_set():
                 return out, upto is None
             if upto is None:
@@ -171,8 +175,10 @@ class AggregatorWorker:
             time.sleep(0.001)
 
     def _commit(self, completed: list[Completed], refs: list[str]) -> None:
-        ack_ids = [i for is_stats, i in map(split_ref, refs) if not is_stats]
-        stats_ids = [i for is_stats, i in map(split_ref, refs) if is_stats]
+        ack_ids = [i for producer, i in map(split_ref, refs) if producer is None]
+        stats_refs = [
+            (self.keys.stats_of(producer), i) for producer, i in map(split_ref, refs) if producer is not None
+        ]
 
         def commit() -> list[Any]:  # EXEC may or may not have landed: re-running it is idempotent
             pipe = self.r.pipeline(transaction=True)
@@ -180,8 +186,8 @@ class AggregatorWorker:
                 pipe.xadd(self.keys.records, encode(c.record), id=record_id(c.record.global_step))
             if ack_ids:
                 pipe.xack(self.keys.metrics, AGGREGATOR_GROUP, *ack_ids)
-            if stats_ids:
-                pipe.xack(self.keys.stats, AGGREGATOR_GROUP, *stats_ids)
+            for stream, ids in group_refs(stats_refs).items():
+                pipe.xack(stream, AGGREGATOR_GROUP, *ids)
             return list(pipe.execute(raise_on_error=False))
 
         results = retry_on_connection(commit, "committing records and acks")
@@ -201,7 +207,7 @@ class AggregatorWorker:
             if isinstance(res, Exception):
                 raise res
         self.reader.forget(ack_ids)  # acked inside the transaction
-        self.stats_reader.forget(stats_ids)
+        self.stats_reader.forget(stats_refs)
 
     def _refused(self, c: Completed, err: redis.ResponseError) -> None:
         """XADD refused: the record exists (a re-fold after a restart) or a later step was written first."""
@@ -259,12 +265,11 @@ class AggregatorWorker:
 
     def _dead_letter_ref(self, ref: str, reason: str) -> None:
         """Dead-letter a held entry (metrics or stats) by its fold ref, copying its fields."""
-        is_stats, entry_id = split_ref(ref)
-        reader = self.stats_reader if is_stats else self.reader
-        rows = retry_on_connection(
-            lambda: self.r.xrange(reader.stream, min=entry_id, max=entry_id), "reading entry"
-        )
-        reader.dead_letter(entry_id, rows[0][1] if rows else {}, reason)
+        producer, entry_id = split_ref(ref)
+        reader = self.reader if producer is None else self.stats_reader
+        stream = self.keys.metrics if producer is None else self.keys.stats_of(producer)
+        rows = retry_on_connection(lambda: self.r.xrange(stream, min=entry_id, max=entry_id), "reading entry")
+        reader.dead_letter(entry_id, rows[0][1] if rows else {}, reason, stream=stream)
 
     # -- loop -----------------------------------------------------------------------------------------
 

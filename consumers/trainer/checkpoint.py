@@ -20,6 +20,8 @@ version is upgraded one version at a time on load, so a trainer resumes from any
   1  (no meta_version key) a fate is {sample_id, entry_id, fate, staleness, param_version}
   2  a fate is a schemas.text_entries.Fate, as on the `fates` stream (entry_id renamed source_id,
      global_step added)
+  3  a step's ack_ids are [stream, entry id] pairs (one rollouts stream per producer); the bare ids of
+     version 2 were entries of the shared `rollouts` stream, which this version no longer reads: dropped
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from schemas import decode_payload, encode_payload
 _NAME = re.compile(r"^step-(\d{8})\.safetensors$")
 _META = "meta/payload"
 #: Layout version of the metadata this code writes (see the module docstring).
-META_VERSION = 2
+META_VERSION = 3
 _VERSION_KEY = "meta_version"
 
 
@@ -168,8 +170,16 @@ def _meta_1_to_2(meta: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
+def _meta_2_to_3(meta: dict[str, Any]) -> dict[str, Any]:
+    """Ack ids become [stream, id] pairs: the bare ids of the shared `rollouts` stream are dropped (no
+    per-producer stream holds them)."""
+    for step in meta.get("steps", []):
+        step["ack_ids"] = [ref for ref in step.get("ack_ids", []) if not isinstance(ref, str)]
+    return meta
+
+
 #: version -> function turning metadata of that version into the next one.
-_META_UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _meta_1_to_2}
+_META_UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _meta_1_to_2, 2: _meta_2_to_3}
 
 
 def upgrade_meta(meta: dict[str, Any]) -> dict[str, Any]:

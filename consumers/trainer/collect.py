@@ -50,13 +50,13 @@ import numpy as np
 import redis
 
 from consumers.trainer.distributed import DataParallel
-from consumers.trainer.guard import unusable_reason, value_reason, version_reason
+from consumers.trainer.guard import identity_reason, unusable_reason, value_reason, version_reason
 from consumers.trainer.ledger import StepLedger
 from consumers.trainer.rank_agreement import RoundClaim, RoundResult, resolve_round
 from consumers.trainer.staleness import mean_response_length, staleness
-from rollstream.bus import GroupReader, Message, entry_limits, iter_stream, retry_on_connection
+from rollstream.bus import EntryRef, GroupReader, Message, entry_limits, iter_stream, retry_on_connection
 from rollstream.config import PipelineConfig
-from rollstream.names import DEAD_LETTERED_FIELD, REPLAY_COPY_FIELD, TRAINER_GROUP, Keys
+from rollstream.names import DEAD_LETTERED_FIELD, REPLAY_COPY_FIELD, TRAINER_GROUP, Keys, producer_names
 from rollstream.pacing import consume, leases, split_sample_id
 from rollstream.tasks import REWARD_RANGE
 from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, DeadLetter, Fate, RolloutSample, decode
@@ -67,11 +67,11 @@ log = logging.getLogger(__name__)
 def rollouts_reader(
     cfg: PipelineConfig, r: redis.Redis, keys: Keys, name: str, stop: threading.Event
 ) -> GroupReader:
-    """The trainer's reader of `rollouts`: group `trainer`, consumer `name`; it counts each dead letter in
-    the trainer hash."""
+    """The trainer's reader of every producer's `rollouts:<p>` stream: group `trainer`, consumer `name`; it
+    counts each dead letter in the trainer hash."""
     return GroupReader(
         r,
-        keys.rollouts,
+        keys.rollouts_streams(producer_names(cfg.rollout.num_producers)),
         TRAINER_GROUP,
         name,
         dead_stream=keys.dead,
@@ -83,6 +83,18 @@ def rollouts_reader(
         stop=stop,
         dead_count=(keys.trainer, DEAD_LETTERED_FIELD),
     )
+
+
+def _own_sample_id(keys: Keys, letter: DeadLetter) -> str | None:
+    """The sample id a dead-lettered rollout's header names, when it is one of the producer whose stream it
+    came from (a forged id of another producer counts nothing for that one); None otherwise."""
+    producer = keys.stream_producer(letter.source)
+    raw = letter.fields.get("sample_id")
+    if not producer or not letter.source.startswith(keys.rollouts_of("")) or raw is None:
+        return None
+    sid = raw.decode(errors="replace")
+    parsed = split_sample_id(sid)
+    return sid if parsed is not None and parsed[0] == producer else None
 
 
 def failed(ev: RolloutSample) -> bool:
@@ -176,24 +188,25 @@ class Collector:
                 log.info("burst: no rollouts left to read")
                 self.used_up = True
             return False
-        dupes: list[str] = []
+        dupes: list[EntryRef] = []
         for m in msgs:
             ev = m.event
+            to_dead = partial(self.reader.dead_letter, m.id, m.fields, stream=m.stream)
             if not isinstance(ev, RolloutSample):
                 self._own_dead += 1
-                self.reader.dead_letter(
-                    m.id, m.fields, f"not a rollout: {ev.type}", counted=False
-                )  # no prompt
+                to_dead(f"not a rollout: {ev.type}", counted=False)  # no prompt
+            elif (why := identity_reason(ev, self.keys.stream_producer(m.stream))) is not None:
+                to_dead(f"impersonation: {why}")  # counted as consumed below
             elif ev.sample_id in self.seen or ev.sample_id in self.claimed:
-                dupes.append(m.id)  # the original is committed or still pending: safe to ack this copy
+                dupes.append(m.ref)  # the original is committed or still pending: safe to ack this copy
             elif (why := self.lease_reason(ev)) is not None:
-                self.reader.dead_letter(m.id, m.fields, f"outside lease: {why}")  # counts nothing
+                to_dead(f"outside lease: {why}")  # counts nothing
             elif (why := version_reason(ev, self.newest_published)) is not None:
-                self.reader.dead_letter(m.id, m.fields, f"invalid: {why}")  # counted as consumed below
+                to_dead(f"invalid: {why}")  # counted as consumed below
             elif (why := unusable_reason(ev, self.vocab_size, self.max_seq_len)) is not None:
-                self.reader.dead_letter(m.id, m.fields, f"unusable: {why}")  # counted as consumed below
+                to_dead(f"unusable: {why}")  # counted as consumed below
             elif (why := value_reason(ev, REWARD_RANGE)) is not None:
-                self.reader.dead_letter(m.id, m.fields, f"out of domain: {why}")  # counted as consumed below
+                to_dead(f"out of domain: {why}")  # counted as consumed below
             else:
                 self.seen.add(ev.sample_id)
                 self.buffer.append(m)
@@ -233,9 +246,8 @@ class Collector:
                 letter = decode(fields)
             except Exception:  # noqa: BLE001 - not ours to judge here: the audit reports a bad dead letter
                 continue
-            if isinstance(letter, DeadLetter) and letter.source == self.keys.rollouts:
-                if (sid := letter.fields.get("sample_id")) is not None:
-                    ids.append(sid.decode(errors="replace"))
+            if isinstance(letter, DeadLetter) and (sid := _own_sample_id(self.keys, letter)) is not None:
+                ids.append(sid)
         counted, added = retry_on_connection(
             lambda: consume(self.r, self.keys, ids, self.cfg.max_outstanding), "counting dead"
         )
@@ -323,7 +335,7 @@ class Collector:
                     [(m.event.sample_id, self.verdict(m, st) is None) for m, st in taken],  # type: ignore[union-attr]
                 )
                 res = self.agree(claim, want)
-                dupes = [taken[i][0].id for i in res.duplicates]
+                dupes = [taken[i][0].ref for i in res.duplicates]
                 if dupes:
                     log.warning("acking %d samples another rank took first, without training", len(dupes))
                     retry_on_connection(partial(self.reader.ack, dupes), "acking duplicates")
@@ -347,7 +359,7 @@ class Collector:
                 continue
             reason = "" if verdict == DROPPED else ROLLOUT_FAILURE if failed(ev) else FILTER_GROUPS
             ledger.fates.append(Fate(ev.sample_id, m.id, verdict, st, ev.param_version, g, reason=reason))
-            ledger.ack_ids.append(m.id)
+            ledger.ack_ids.append(m.ref)
             early.append(ev.sample_id)
             if verdict == DROPPED:
                 got.dropped.append(st)

@@ -120,7 +120,7 @@ class TrainerEffects:
     ) -> None:
         """Rank 0's part of the resume: set up the run, publish the checkpoint's version if `params` lacks
         it, redo its commit if it never ran, grant its budget."""
-        setup_run(self.r, self.keys)
+        setup_run(self.r, self.keys, producer_names(self.cfg.rollout.num_producers))
         self.publish_weights(global_step, module, whole, only_if_missing=True)
         if ledgers and committed_step(self.r, self.keys) < global_step:
             log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])

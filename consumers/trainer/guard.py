@@ -1,5 +1,6 @@
 """Trainer-side checks of a decoded RolloutSample that depend on this model or need a pass over the values:
-token ids inside the vocabulary, a 0/1 loss mask, rows no longer than the model accepts, and the values a
+the sample is the producer's whose stream it came from (identity from the key), token ids inside the
+vocabulary, a 0/1 loss mask, rows no longer than the model accepts, and the values a
 producer claims within their domain (a non-empty sample_id; rewards and token scores finite and within the
 task's reward range). (Dtypes and sizes against lengths are
 checked by the RolloutSample schema itself, at decode.)
@@ -17,6 +18,17 @@ from schemas.ragged import RESPONSE_MASK, TOKEN_SCORES, RaggedBatch, id_range_ok
 
 #: Slack of the reward-range check of a row's token scores, which sum in float32 to the row's reward.
 SCORE_SUM_SLACK = 1e-3
+
+
+def identity_reason(sample: RolloutSample, producer: str) -> str | None:
+    """Why `sample` is not `producer`'s, the producer whose own stream it came from (only that producer's
+    user may XADD to it): a `producer` field naming another, or a sample_id not of the form
+    `<producer>-…`."""
+    if sample.producer != producer:
+        return f"field producer={sample.producer!r} on the stream of producer {producer!r}"
+    if not sample.sample_id.startswith(f"{producer}-"):
+        return f"field sample_id={sample.sample_id!r} on the stream of producer {producer!r}"
+    return None
 
 
 def value_reason(sample: RolloutSample, reward_range: tuple[float, float]) -> str | None:

@@ -1,13 +1,14 @@
 """What a global step consumed, and the one MULTI/EXEC that commits it to the log.
 
-A `StepLedger` lists every sample a step consumed (its `Fate`: trained or dropped), the rollout entry ids
-to ack (including redelivered duplicates) and the step's `step_end` event. Ledgers of the steps since
-the previous checkpoint are stored in the checkpoint, and committed only once that file is durable:
+A `StepLedger` lists every sample a step consumed (its `Fate`: trained or dropped), the rollout entries to ack
+(each an EntryRef: its producer's stream and its id) (including redelivered duplicates) and the step's
+`step_end` event. Ledgers of the steps since the previous checkpoint are stored in the checkpoint, and
+committed only once that file is durable:
 
   MULTI
     XADD fates <g>-<i> …   one entry per consumed sample (schemas.text_entries.Fate); an explicit id makes a
                            replay fail harmlessly
-    XACK rollouts trainer …
+    XACK rollouts:<p> trainer …   per producer stream, the step's entries of that stream
     EVAL count …           every sample's prompt counted as consumed, once (pacing's per-producer bitmaps:
                            a replay, an earlier count_consumed or an early count of an eviction, a stale
                            drop or a dead letter adds nothing)
@@ -27,7 +28,7 @@ from typing import Any
 
 import redis
 
-from rollstream.bus import iter_stream
+from rollstream.bus import EntryRef, group_refs, iter_stream
 from rollstream.names import (
     COMMITTED_STEP_FIELD,
     CONSUMED_STEP_FIELD,
@@ -51,7 +52,7 @@ class StepLedger:
 
     global_step: int
     fates: list[Fate] = field(default_factory=list)
-    ack_ids: list[str] = field(default_factory=list)
+    ack_ids: list[EntryRef] = field(default_factory=list)  # (rollouts:<p> stream, entry id) each
     step_end: StepMetrics | None = None
 
     @property
@@ -69,7 +70,7 @@ class StepLedger:
         return {
             "global_step": self.global_step,
             "fates": [asdict(f) for f in self.fates],
-            "ack_ids": list(self.ack_ids),
+            "ack_ids": [list(ref) for ref in self.ack_ids],
             "step_end": self.step_end.model_dump() if self.step_end is not None else None,
         }
 
@@ -80,9 +81,16 @@ class StepLedger:
         return cls(
             global_step=int(d["global_step"]),
             fates=[Fate(**f) for f in d["fates"]],
-            ack_ids=list(d["ack_ids"]),
+            ack_ids=[_entry_ref(ref) for ref in d["ack_ids"]],
             step_end=StepMetrics.model_validate(end) if end is not None else None,
         )  # an older checkpoint's `settled` flag is ignored: consumption is counted per prompt now
+
+
+def _entry_ref(ref: Any) -> EntryRef:
+    """An ack ref of the plain form: a [stream, entry id] pair (a bare id names no stream: ValueError)."""
+    if isinstance(ref, str | bytes) or len(ref) != 2:
+        raise ValueError(f"ack ref {ref!r} is not a [stream, entry id] pair")
+    return (str(ref[0]), str(ref[1]))
 
 
 def _int_field(r: redis.Redis, keys: Keys, name: str) -> int:
@@ -126,9 +134,8 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
         for i, f in enumerate(lg.fates, start=1):
             pipe.xadd(keys.fates, encode_fate(f), id=f"{lg.global_step}-{i}")  # type: ignore[arg-type]
             n_fates += 1
-    ack_ids = [i for lg in ledgers for i in lg.ack_ids]
-    if ack_ids:
-        pipe.xack(keys.rollouts, TRAINER_GROUP, *ack_ids)
+    for stream, ids in group_refs(ref for lg in ledgers for ref in lg.ack_ids).items():
+        pipe.xack(stream, TRAINER_GROUP, *ids)
     queue_count_consumed(pipe, keys, [sid for lg in ledgers for sid in lg.sample_ids])
     pipe.hincrby(
         keys.trainer, DROPPED_STALE_FIELD, sum(lg.dropped for lg in ledgers if lg.global_step > counted)

@@ -62,6 +62,7 @@ from consumers.trainer.evaluate import validate
 from consumers.trainer.learner import UPDATE_SKIPPED, Learner
 from consumers.trainer.ledger import StepLedger, merge_ledgers
 from consumers.trainer.staleness import STALE_SAMPLES, STALE_TRAJECTORIES, LengthBuckets, count_stale
+from rollstream.bus import EntryRef
 from rollstream.config import PipelineConfig
 from rollstream.model.base import resolve_device
 from rollstream.names import Keys
@@ -106,7 +107,7 @@ class Trainer:
         self.lengths = LengthBuckets(cfg.data.max_response_length)  # this step's trained/dropped by length
         self.agreed_stop = False  # data parallel: some rank asked to stop at the last step end
         self.pending_ids: list[list[str]] = [[] for _ in range(self.dp.world_size)]  # per rank, since ckpt
-        self._own_acks: list[str] = []  # this rank's ack ids in `pending` (forgotten once committed)
+        self._own_acks: list[EntryRef] = []  # this rank's ack refs in `pending` (forgotten once committed)
 
     # -- start / resume ----------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ def record_fates(ledger: StepLedger, kept: list[tuple[Message, int]], fate: str,
     for m, st in kept:
         ev: Any = m.event
         ledger.fates.append(Fate(ev.sample_id, m.id, fate, st, ev.param_version, g))
-        ledger.ack_ids.append(m.id)
+        ledger.ack_ids.append(m.ref)
         truth = ev.full_batch.non_tensors.get("ground_truth")
         if truth is not None and "raw_prompt" in ev.full_batch.non_tensors:
             text = str(ev.full_batch.non_tensors["raw_prompt"][0])

@@ -10,8 +10,15 @@ from rollstream.bus.connection import (
     wait_until_ready,
 )
 from rollstream.bus.ids import parse_id, text
-from rollstream.bus.publish import Publisher, RunNotSetUpError, delete_run, ensure_group, setup_run
-from rollstream.bus.reader import GroupReader, Message, ReaderStats, entry_limits
+from rollstream.bus.publish import (
+    Publisher,
+    RunNotSetUpError,
+    delete_run,
+    ensure_group,
+    run_producers,
+    setup_run,
+)
+from rollstream.bus.reader import EntryRef, GroupReader, Message, ReaderStats, entry_limits, group_refs
 from rollstream.bus.retention import Janitor, Moved, PassResult, move_to_archive, safe_min_id, stream_floor
 from rollstream.bus.streams import iter_stream, run_archive
 
@@ -19,6 +26,7 @@ __all__ = [
     "Archive",
     "ArchiveError",
     "CONNECTION_ERRORS",
+    "EntryRef",
     "GroupReader",
     "Janitor",
     "Message",
@@ -31,11 +39,13 @@ __all__ = [
     "delete_run",
     "entry_limits",
     "ensure_group",
+    "group_refs",
     "iter_stream",
     "move_to_archive",
     "parse_id",
     "read_password",
     "retry_on_connection",
+    "run_producers",
     "run_archive",
     "safe_min_id",
     "setup_run",

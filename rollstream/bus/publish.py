@@ -20,12 +20,23 @@ class RunNotSetUpError(RuntimeError):
         return cls(f"stream {stream} does not exist: run `rollstream run` or setup_run first")
 
 
-def setup_run(r: redis.Redis, keys: Keys) -> None:
-    """Create the run's consumed streams and their groups (idempotent), then mark the run set up."""
-    for stream, group in ((keys.rollouts, TRAINER_GROUP), (keys.metrics, AGGREGATOR_GROUP),
-                          (keys.stats, AGGREGATOR_GROUP)):
+def setup_run(r: redis.Redis, keys: Keys, producers: Sequence[str]) -> None:
+    """Create the run's consumed streams and their groups (idempotent): `metrics`, and each producer's
+    `rollouts:<p>` (trainer group) and `stats:<p>` (aggregator group); record the producers in the
+    `producers` set, then mark the run set up."""
+    pairs = [(keys.metrics, AGGREGATOR_GROUP)]
+    pairs += [(s, TRAINER_GROUP) for s in keys.rollouts_streams(producers)]
+    pairs += [(s, AGGREGATOR_GROUP) for s in keys.stats_streams(producers)]
+    for stream, group in pairs:
         ensure_group(r, stream, group)
+    if producers:
+        r.sadd(keys.producers, *producers)
     r.set(keys.setup, b"1")
+
+
+def run_producers(r: redis.Redis, keys: Keys) -> list[str]:
+    """The run's producer names as setup_run recorded them (sorted; [] for a run never set up)."""
+    return sorted(text(p) for p in r.smembers(keys.producers))
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str, start_id: str = "0") -> None:

@@ -1,14 +1,15 @@
-"""THE consumer loop every worker runs: `GroupReader.batches`, one consumer of one group on one stream, with
-acks committed by the caller.
+"""THE consumer loop every worker runs: `GroupReader.batches`, one consumer of one group on one or more
+streams (the trainer reads every producer's `rollouts:<p>` with one reader), with acks committed by the
+caller. Each entry is known by its stream and id (`EntryRef`; `Message.ref`): ids of two streams may be equal.
 
 Order of work in each poll: (1) our own pending entries from id 0 (at start, after a reconnect and after a
 handler failure), (2) every so often entries idle longer than claim_idle_s from other consumers (XAUTOCLAIM),
-(3) new entries (`>`). Each entry is decoded; one that fails to decode, or has been delivered max_deliveries
-times, goes to `dead` with a reason and is acked in the same MULTI. Acks happen after the caller's effect, in
-batches: through `ack`, or inside its own MULTI with the effect and then `forget` (the trainer acks only once
-a checkpoint covers a step; the aggregator acks in the transaction that writes records). Entries held unacked
-are kept fresh with XCLAIM JUSTID (which resets idle time without counting a delivery) so no one else claims
-them.
+(3) new entries (`>`: one XREADGROUP naming every stream, at most `count` entries in all). Each entry is
+decoded; one that fails to decode, or has been delivered max_deliveries times, goes to `dead` with a reason
+and is acked in the same MULTI. Acks happen after the caller's effect, in batches: through `ack`, or inside
+its own MULTI with the effect and then `forget` (the trainer acks only once a checkpoint covers a step; the
+aggregator acks in the transaction that writes records). Entries held unacked are kept fresh with XCLAIM
+JUSTID (which resets idle time without counting a delivery) so no one else claims them.
 
 Burst mode (tests, replays, benchmarks): the loop ends after the poll that finds the stream drained, i.e.
 a read of new entries (`>`) that returned none while not re-reading our own pending list. A connection
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -49,14 +50,24 @@ def entry_limits(max_entry_bytes: int) -> Limits:
     return Limits(max_bin_len=n, max_ext_len=n, max_payload_bytes=n, max_field_bytes=n, max_entry_bytes=n)
 
 
+#: An entry of one of a reader's streams: (stream key, entry id).
+EntryRef = tuple[str, str]
+
+
 @dataclass
 class Message:
-    """One decoded stream entry handed to a handler."""
+    """One decoded stream entry handed to a handler, with the stream it was read from."""
 
     id: str
     fields: Mapping[bytes, bytes]
     event: Event
     deliveries: int = 1
+    stream: str = ""
+
+    @property
+    def ref(self) -> EntryRef:
+        """(stream, id): what ack, forget, release and dead_letter take."""
+        return (self.stream, self.id)
 
 
 @dataclass
@@ -84,12 +95,13 @@ return 1
 
 
 class GroupReader:
-    """Reads one stream as one consumer of one group, with claim, dead-letter, batched acks and reconnect."""
+    """Reads one or more streams as one consumer of one group, with claim, dead-letter, batched acks and
+    reconnect."""
 
     def __init__(
         self,
         r: redis.Redis,
-        stream: str,
+        stream: str | Sequence[str],
         group: str,
         consumer: str,
         *,
@@ -104,7 +116,9 @@ class GroupReader:
     ) -> None:
         self.r: Any = r  # redis-py's stubs type stream replies loosely; we parse them here
         self.dead_count = dead_count
-        self.stream = stream
+        self.streams = [stream] if isinstance(stream, str) else list(stream)
+        if not self.streams:
+            raise ValueError("a GroupReader needs at least one stream")
         self.group = group
         self.consumer = consumer
         self.dead_stream = dead_stream
@@ -116,32 +130,48 @@ class GroupReader:
         self.stop = stop or threading.Event()
         self.stats = ReaderStats()
         self._read_own_pending = True
-        self._pending_cursor = "0"
+        self._pending_cursors = dict.fromkeys(self.streams, "0")  # streams whose own PEL is being re-read
         self._next_claim = 0.0
-        self._claim_cursor = "0-0"
-        self._inflight: set[str] = set()
+        self._claim_queue = list(self.streams)  # streams left in this round of XAUTOCLAIM
+        self._claim_cursor = dict.fromkeys(self.streams, "0-0")
+        self._rotation = 0  # first stream of the next read of new entries (when count < streams)
+        self._found_empty: set[str] = set()  # streams found empty since a read of new entries returned some
+        self._inflight: set[EntryRef] = set()
         self._last_touch = time.monotonic()
         self._group_ready = False
         self._connects = 0
         self.drained = False  # the last poll read new entries (`>`) and found none
 
+    @property
+    def stream(self) -> str:
+        """The reader's stream, when it reads exactly one (ValueError otherwise)."""
+        if len(self.streams) != 1:
+            raise ValueError(f"this reader reads {len(self.streams)} streams; name the entry's stream")
+        return self.streams[0]
+
+    def _ref(self, ref: str | EntryRef) -> EntryRef:
+        """An EntryRef; a bare id is one of the reader's only stream."""
+        return (self.stream, ref) if isinstance(ref, str) else (ref[0], ref[1])
+
     # -- setup -------------------------------------------------------------------------------------
 
     def ensure_group(self) -> None:
-        """Create the group (idempotent; MKSTREAM) so a reader may start before any producer. A user that
-        may not create groups (the aggregator's) finds it made by setup_run, or gets an error saying so."""
-        try:
-            ensure_group(self.r, self.stream, self.group)
-        except redis.exceptions.NoPermissionError:
+        """Create the group on each stream (idempotent; MKSTREAM) so a reader may start before any producer.
+        A user that may not create groups (the aggregator's) finds it made by setup_run, or gets an error
+        saying so."""
+        for stream in self.streams:
             try:
-                groups = self.r.xinfo_groups(self.stream)
-            except redis.ResponseError:  # no such stream
-                groups = []
-            if not any(text(g["name"]) == self.group for g in groups):
-                raise RuntimeError(
-                    f"group {self.group} of {self.stream} does not exist and this user may not "
-                    "create it: run `rollstream run` or setup_run first"
-                ) from None
+                ensure_group(self.r, stream, self.group)
+            except redis.exceptions.NoPermissionError:
+                try:
+                    groups = self.r.xinfo_groups(stream)
+                except redis.ResponseError:  # no such stream
+                    groups = []
+                if not any(text(g["name"]) == self.group for g in groups):
+                    raise RuntimeError(
+                        f"group {self.group} of {stream} does not exist and this user may not "
+                        "create it: run `rollstream run` or setup_run first"
+                    ) from None
         self._group_ready = True
 
     # -- reading -----------------------------------------------------------------------------------
@@ -162,62 +192,84 @@ class GroupReader:
             msgs = self._claim()
             if msgs:
                 return msgs
-        wait = self.block_ms if block_ms is None else block_ms
+        return self._read_new(self.block_ms if block_ms is None else block_ms)
+
+    def _read_new(self, wait: int) -> list[Message]:
+        """New entries (`>`) of the streams, at most `count` in all: one XREADGROUP over every stream with
+        COUNT count // streams, or, when count is below the number of streams, over `count` of them in
+        turn (COUNT 1). `drained` once every stream's last read found none."""
+        n = len(self.streams)
+        k = min(n, max(1, self.count))
+        start = self._rotation % n
+        chosen = [self.streams[(start + i) % n] for i in range(k)]
+        self._rotation = (start + k) % n
         resp = self.r.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=self.count, block=wait or None
+            self.group, self.consumer, dict.fromkeys(chosen, ">"), count=max(1, self.count // k),
+            block=wait or None,
         )
-        entries = resp[0][1] if resp else []
-        self.drained = not entries
-        return self._accept(entries, deliveries=None)
+        got = {text(stream): entries for stream, entries in resp or [] if entries}
+        # drained: every stream found empty since the last read that returned anything
+        self._found_empty = set() if got else self._found_empty | set(chosen)
+        self.drained = not got and self._found_empty >= set(self.streams)
+        out: list[Message] = []
+        for stream, entries in got.items():
+            out += self._accept(stream, entries, deliveries=None)
+        return out
 
     def _read_pending(self) -> list[Message] | None:
-        """Our own PEL from the cursor; None once it is drained (then we switch to `>`)."""
-        resp = self.r.xreadgroup(
-            self.group, self.consumer, {self.stream: self._pending_cursor}, count=self.count
-        )
-        entries = resp[0][1] if resp else []
-        entries = [(i, f) for i, f in entries if text(i) not in self._inflight]
-        if not entries:
-            if resp and resp[0][1]:
-                # Everything left is already in flight in this process: advance past it.
-                self._pending_cursor = text(resp[0][1][-1][0])
-                return []
+        """Our own PEL of each stream from its cursor; None once all are drained (then we switch to `>`)."""
+        resp = self.r.xreadgroup(self.group, self.consumer, dict(self._pending_cursors), count=self.count)
+        out: list[Message] = []
+        replies = {text(stream): raw for stream, raw in resp or []}
+        for stream in list(self._pending_cursors):
+            raw = replies.get(stream) or []
+            entries = [(i, f) for i, f in raw if (stream, text(i)) not in self._inflight]
+            if raw:  # entries already in flight in this process are passed over
+                self._pending_cursors[stream] = text(raw[-1][0])
+            else:
+                del self._pending_cursors[stream]
+            out += self._accept(stream, entries, deliveries=self._delivery_counts(stream, entries))
+        if not self._pending_cursors:
             self._read_own_pending = False
-            self._pending_cursor = "0"
-            return None
-        self._pending_cursor = text(entries[-1][0])
-        return self._accept(entries, deliveries=self._delivery_counts(entries))
+            self._pending_cursors = dict.fromkeys(self.streams, "0")
+            return out or None
+        return out
 
     def _claim(self) -> list[Message]:
-        """XAUTOCLAIM entries idle past claim_idle_s (their consumer died or hung)."""
-        resp = self.r.xautoclaim(
-            self.stream,
-            self.group,
-            self.consumer,
-            self.claim_idle_ms,
-            start_id=self._claim_cursor,
-            count=self.count,
-        )
-        cursor, entries = text(resp[0]), resp[1]
-        self._claim_cursor = cursor
-        if cursor == "0-0":
-            self._next_claim = time.monotonic() + max(self.claim_idle_ms / 4000, 0.05)
-        entries = [(i, f) for i, f in entries if text(i) not in self._inflight]
-        if entries:
-            self.stats.claimed += len(entries)
-            log.warning("%s: claimed %d idle entries from %s", self.consumer, len(entries), self.stream)
-        return self._accept(entries, deliveries=self._delivery_counts(entries))
+        """XAUTOCLAIM entries idle past claim_idle_s (their consumer died or hung), one stream at a time."""
+        while self._claim_queue:
+            stream = self._claim_queue[0]
+            resp = self.r.xautoclaim(
+                stream,
+                self.group,
+                self.consumer,
+                self.claim_idle_ms,
+                start_id=self._claim_cursor[stream],
+                count=self.count,
+            )
+            cursor, entries = text(resp[0]), resp[1]
+            self._claim_cursor[stream] = cursor
+            if cursor == "0-0":
+                self._claim_queue.pop(0)
+            entries = [(i, f) for i, f in entries if (stream, text(i)) not in self._inflight]
+            if entries:
+                self.stats.claimed += len(entries)
+                log.warning("%s: claimed %d idle entries from %s", self.consumer, len(entries), stream)
+                return self._accept(stream, entries, deliveries=self._delivery_counts(stream, entries))
+        self._claim_queue = list(self.streams)
+        self._next_claim = time.monotonic() + max(self.claim_idle_ms / 4000, 0.05)
+        return []
 
-    def _delivery_counts(self, entries: list[Any]) -> dict[str, int]:
+    def _delivery_counts(self, stream: str, entries: list[Any]) -> dict[str, int]:
         if not entries:
             return {}
         rows = self.r.xpending_range(
-            self.stream, self.group, min=entries[0][0], max=entries[-1][0], count=len(entries) * 4 + 16
+            stream, self.group, min=entries[0][0], max=entries[-1][0], count=len(entries) * 4 + 16
         )
         return {text(row["message_id"]): int(row["times_delivered"]) for row in rows}
 
-    def _accept(self, entries: list[Any], deliveries: dict[str, int] | None) -> list[Message]:
-        """Decode entries; dead-letter the undecodable and the over-delivered; return the rest."""
+    def _accept(self, stream: str, entries: list[Any], deliveries: dict[str, int] | None) -> list[Message]:
+        """Decode entries of `stream`; dead-letter the undecodable and the over-delivered; return the rest."""
         out: list[Message] = []
         for raw_id, fields in entries:
             entry_id = text(raw_id)
@@ -225,62 +277,75 @@ class GroupReader:
                 fields is None
             ):  # deleted while pending (a writer's own XADD MAXLEN): on record, counted like a loss
                 self.dead_letter(
-                    entry_id, {}, "deleted while pending (trimmed by a writer); its content is lost"
+                    entry_id, {}, "deleted while pending (trimmed by a writer); its content is lost",
+                    stream=stream,
                 )
                 continue
             count = 1 if deliveries is None else deliveries.get(entry_id, 1)
             if count > self.max_deliveries:
                 self.dead_letter(
-                    entry_id, fields, f"delivered {count} times (max_deliveries={self.max_deliveries})"
+                    entry_id, fields, f"delivered {count} times (max_deliveries={self.max_deliveries})",
+                    stream=stream,
                 )
                 continue
             t0 = time.perf_counter()
             try:
                 event = decode(fields, self.limits or DEFAULT_LIMITS)
             except DecodeError as e:
-                self.dead_letter(entry_id, fields, f"decode: {e}")
+                self.dead_letter(entry_id, fields, f"decode: {e}", stream=stream)
                 continue
             finally:
                 self.stats.decode_s += time.perf_counter() - t0
-            out.append(Message(entry_id, fields, event, count))
-            self._inflight.add(entry_id)
+            out.append(Message(entry_id, fields, event, count, stream))
+            self._inflight.add((stream, entry_id))
         self.stats.delivered += len(out)
         return out
 
     # -- effects -----------------------------------------------------------------------------------
 
-    def ack(self, ids: Iterable[str]) -> int:
-        """XACK ids in one call (after their effect); returns how many were pending."""
-        ids = list(ids)
-        if not ids:
-            return 0
-        n = int(self.r.xack(self.stream, self.group, *ids))
-        self._inflight.difference_update(ids)
+    def ack(self, refs: Iterable[str | EntryRef]) -> int:
+        """XACK entries (refs, or bare ids of a one-stream reader), one call per stream, after their effect;
+        returns how many were pending."""
+        by_stream = group_refs(self._ref(x) for x in refs)
+        n = 0
+        for stream, ids in by_stream.items():
+            n += int(self.r.xack(stream, self.group, *ids))
+            self._inflight.difference_update((stream, i) for i in ids)
         self.stats.acked += n
         return n
 
-    def forget(self, ids: Iterable[str]) -> None:
-        """Stop tracking ids the caller acked itself (e.g. inside its own MULTI/EXEC with the effect)."""
-        ids = list(ids)
-        self._inflight.difference_update(ids)
-        self.stats.acked += len(ids)
+    def forget(self, refs: Iterable[str | EntryRef]) -> None:
+        """Stop tracking entries the caller acked itself (e.g. inside its own MULTI/EXEC with the effect)."""
+        done = [self._ref(x) for x in refs]
+        self._inflight.difference_update(done)
+        self.stats.acked += len(done)
 
-    def release(self, ids: Iterable[str]) -> None:
-        """Forget ids without acking (they stay pending and are re-read from our PEL on the next poll)."""
-        self._inflight.difference_update(ids)
-        self._read_own_pending = True
-        self._pending_cursor = "0"
+    def release(self, refs: Iterable[str | EntryRef]) -> None:
+        """Forget entries without acking (they stay pending and are re-read from our PEL on the next poll)."""
+        self._inflight.difference_update(self._ref(x) for x in refs)
+        self._reread_own_pending()
         self.drained = False
 
+    def _reread_own_pending(self) -> None:
+        self._read_own_pending = True
+        self._pending_cursors = dict.fromkeys(self.streams, "0")
+
     def dead_letter(
-        self, entry_id: str, fields: Mapping[bytes, bytes], reason: str, counted: bool = True
+        self,
+        entry_id: str,
+        fields: Mapping[bytes, bytes],
+        reason: str,
+        counted: bool = True,
+        *,
+        stream: str | None = None,
     ) -> None:
-        """Copy an entry to `dead` with a reason and ack it, atomically (one script); a connection loss is
-        retried. The copy is written only if the ack found the entry pending, so a retry after a lost reply
-        writes nothing twice; with `dead_count` set, a `counted` dead letter also increments that (hash,
-        field) in the same step."""
+        """Copy an entry of `stream` (default: the reader's only one) to `dead` with a reason and ack it,
+        atomically (one script); a connection loss is retried. The copy is written only if the ack found the
+        entry pending, so a retry after a lost reply writes nothing twice; with `dead_count` set, a `counted`
+        dead letter also increments that (hash, field) in the same step."""
+        stream = self.stream if stream is None else stream
         dl = dead_letter_of(  # the copy is bounded: an oversize entry keeps its header, sizes and digest
-            self.stream,
+            stream,
             entry_id,
             reason[:1000],
             # field names are whatever the writer sent: a non-UTF-8 name must not stop dead-lettering
@@ -292,31 +357,31 @@ class GroupReader:
         flat = [x for name, value in body.items() for x in (name, value)]
 
         def write() -> None:
-            self.r.eval(
-                _DEAD_LETTER, 3, self.stream, self.dead_stream, key, self.group, entry_id, field, *flat
-            )
+            self.r.eval(_DEAD_LETTER, 3, stream, self.dead_stream, key, self.group, entry_id, field, *flat)
 
         retry_on_connection(
-            write if self.dead_count is not None else partial(self._dead_letter_watched, body, entry_id),
+            write
+            if self.dead_count is not None
+            else partial(self._dead_letter_watched, stream, body, entry_id),
             f"dead-lettering {entry_id}",
         )
-        self._inflight.discard(entry_id)
+        self._inflight.discard((stream, entry_id))
         self.stats.dead += 1
-        log.error("%s: %s -> dead: %s", self.stream, entry_id, reason)
+        log.error("%s: %s -> dead: %s", stream, entry_id, reason)
 
-    def _dead_letter_watched(self, body: Mapping[str, Any], entry_id: str) -> None:
+    def _dead_letter_watched(self, stream: str, body: Mapping[str, Any], entry_id: str) -> None:
         """The dead letter without a script (a reader whose user may not run scripts): under WATCH of the
         stream, XADD the copy and XACK in one MULTI only if the entry is still pending; a write to the stream
         in between makes EXEC fail and the check runs again."""
         while True:
             with self.r.pipeline(transaction=True) as pipe:
                 try:
-                    pipe.watch(self.stream)
-                    if not pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1):
+                    pipe.watch(stream)
+                    if not pipe.xpending_range(stream, self.group, min=entry_id, max=entry_id, count=1):
                         return  # acked already (a retry after a lost reply): nothing twice
                     pipe.multi()
                     pipe.xadd(self.dead_stream, dict(body))
-                    pipe.xack(self.stream, self.group, entry_id)
+                    pipe.xack(stream, self.group, entry_id)
                     pipe.execute()
                     return
                 except redis.WatchError:
@@ -326,9 +391,9 @@ class GroupReader:
         """Reset idle time of entries we still hold (XCLAIM JUSTID does not count a delivery)."""
         if not self._inflight or time.monotonic() - self._last_touch < self.claim_idle_ms / 3000:
             return
-        ids = sorted(self._inflight)
-        for i in range(0, len(ids), 512):
-            self.r.xclaim(self.stream, self.group, self.consumer, 0, ids[i : i + 512], justid=True)
+        for stream, ids in group_refs(sorted(self._inflight)).items():
+            for i in range(0, len(ids), 512):
+                self.r.xclaim(stream, self.group, self.consumer, 0, ids[i : i + 512], justid=True)
         self._last_touch = time.monotonic()
 
     @property
@@ -343,8 +408,7 @@ class GroupReader:
         """After a connection loss: re-read our own pending entries (those not already held) and re-check
         the group (Redis may have restarted)."""
         self.stats.reconnects += 1
-        self._read_own_pending = True
-        self._pending_cursor = "0"
+        self._reread_own_pending()
         self._group_ready = False
         self.drained = False
 
@@ -376,7 +440,10 @@ class GroupReader:
 
         try:
             return retry_on_connection(
-                attempt, f"{self.consumer}: reading {self.stream}", stop=self.stop, on_retry=self.on_reconnect
+                attempt,
+                f"{self.consumer}: reading {', '.join(self.streams)}",
+                stop=self.stop,
+                on_retry=self.on_reconnect,
             )
         except CONNECTION_ERRORS:
             return []
@@ -402,3 +469,11 @@ class GroupReader:
             yield msgs
             if burst and self.drained:
                 return
+
+
+def group_refs(refs: Iterable[EntryRef]) -> dict[str, list[str]]:
+    """stream -> its entry ids, in the order given (one XACK or XCLAIM per stream)."""
+    out: dict[str, list[str]] = {}
+    for stream, entry_id in refs:
+        out.setdefault(stream, []).append(entry_id)
+    return out

@@ -35,6 +35,7 @@ import redis
 from rollstream.bus.archive import Archive, ArchiveError
 from rollstream.bus.connection import CONNECTION_ERRORS
 from rollstream.bus.ids import parse_id, text
+from rollstream.bus.publish import run_producers
 from rollstream.bus.streams import PAGE
 from rollstream.names import ARCHIVE_DIR_FIELD, Keys
 
@@ -214,10 +215,12 @@ class Janitor:
         )
 
     def streams(self) -> list[str]:
-        """Every stream of the run that exists: the fixed ones and each producer's dispatch log."""
+        """Every stream of the run that exists: the fixed ones, each producer's rollouts and stats streams
+        (each archived and trimmed under its own group floor) and each producer's dispatch log."""
         logs = self.r.scan_iter(match=self.keys.producer_pattern("dispatch_log"), count=1000)
         found = [text(k) for k in logs]
-        return [s for s in [*self.keys.all_streams(), *sorted(found)] if self.r.exists(s)]
+        fixed = self.keys.all_streams(run_producers(self.r, self.keys))
+        return [s for s in [*fixed, *sorted(found)] if self.r.exists(s)]
 
     def _register(self) -> None:
         """Record the archive folder in the run's `archive` hash (readers find it there). A run that

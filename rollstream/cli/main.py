@@ -471,7 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_watch)
 
     c = sub.add_parser("inspect", help="one stream entry as JSON: inspect <stream> [ID|-N] [pipeline.yaml …]")
-    c.add_argument("stream", help="rollouts, metrics, records, params, dead, fates or dispatch_log")
+    c.add_argument(
+        "stream",
+        help="rollouts:<producer>, stats:<producer>, metrics, records, params, dead, fates or dispatch_log",
+    )
     c.add_argument(
         "rest", nargs="*", help="[ID|-N] [pipeline.yaml] [key=value …]; default -1 (the last entry)"
     )
@@ -480,7 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_inspect)
 
     c = sub.add_parser("tail", help="print a stream's last entries, then follow it (Ctrl-C to end)")
-    c.add_argument("stream", help="rollouts, metrics, records, params, dead, fates or dispatch_log")
+    c.add_argument(
+        "stream",
+        help="rollouts:<producer>, stats:<producer>, metrics, records, params, dead, fates or dispatch_log",
+    )
     _run_args(c)
     c.add_argument(
         "--count", type=int, default=5, metavar="N", help="existing entries printed before following"

@@ -18,15 +18,13 @@ from rollstream.bus import iter_stream, text
 from rollstream.bus.streams import PAGE
 from rollstream.config import PipelineConfig
 from rollstream.model import CharTokenizer, Tokenizer
-from rollstream.names import Keys
+from rollstream.names import ROLLOUTS, STATS, Keys
 from schemas import DataProto, DeadLetter, DecodeError, RolloutSample, decode
 from schemas.ragged import RaggedBatch
 
-#: Short stream names an operator types.
+#: Short stream names an operator types (besides each producer's `rollouts:<name>` and `stats:<name>`).
 STREAM_NAMES = (
-    "rollouts",
     "metrics",
-    "stats",
     "records",
     "params",
     "dead",
@@ -45,9 +43,18 @@ class InspectError(ValueError):
 
 
 def stream_key(keys: Keys, short: str) -> str:
-    """The Redis key of a short stream name (one of STREAM_NAMES)."""
+    """The Redis key of a short stream name: one of STREAM_NAMES, or a producer's `rollouts:<name>` or
+    `stats:<name>`."""
+    kind, _, producer = short.partition(":")
+    if kind in (ROLLOUTS, STATS):
+        if not producer:
+            raise InspectError(f"name the producer: {kind}:<producer> (e.g. {kind}:rollout_00)")
+        return keys.rollouts_of(producer) if kind == ROLLOUTS else keys.stats_of(producer)
     if short not in STREAM_NAMES:
-        raise InspectError(f"unknown stream {short!r} (one of {', '.join(STREAM_NAMES)})")
+        raise InspectError(
+            f"unknown stream {short!r} (one of {', '.join(STREAM_NAMES)}, rollouts:<producer>, "
+            "stats:<producer>)"
+        )
     return str(getattr(keys, short.replace(":", "_")))
 
 

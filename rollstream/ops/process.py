@@ -21,7 +21,7 @@ from supervisor.xmlrpc import SupervisorTransport
 
 from rollstream.bus import setup_run, wait_until_ready
 from rollstream.config import PipelineConfig
-from rollstream.names import Keys
+from rollstream.names import Keys, producer_names
 from rollstream.ops.embedded_redis import wait_for_redis
 from rollstream.ops.plan import (
     PRIVATE_UMASK,
@@ -108,7 +108,7 @@ def start_run(plan: RunPlan, cfg: PipelineConfig, redis_timeout_s: float = 60.0)
     r = target.connect()
     try:
         wait_until_ready(r, timeout_s=redis_timeout_s)
-        setup_run(r, target.keys)
+        setup_run(r, target.keys, producer_names(cfg.rollout.num_producers))
     finally:
         r.close()
     server = rpc(plan.run_dir)

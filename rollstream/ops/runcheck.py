@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from rollstream.bus import iter_stream, parse_id
+from rollstream.bus import iter_stream, parse_id, run_producers
 from rollstream.config import PipelineConfig
 from rollstream.names import Keys
 from rollstream.ops.plan import SuperviseError
@@ -84,18 +84,20 @@ class Throughput:
         return self.tokens / self.window_s if self.window_s > 0 else 0.0
 
 
-def _events(r: redis.Redis, stream: str) -> Iterator[Any]:
-    """Every decodable event of a stream, in order (undecodable entries are skipped)."""
-    for _, fields in iter_stream(r, stream):
-        try:
-            yield decode(fields)
-        except DecodeError:
-            continue
+def _events(r: redis.Redis, *streams: str) -> Iterator[Any]:
+    """Every decodable event of the streams, one stream after the other, each in order (undecodable entries
+    are skipped)."""
+    for stream in streams:
+        for _, fields in iter_stream(r, stream):
+            try:
+                yield decode(fields)
+            except DecodeError:
+                continue
 
 
 def producer_stats(r: redis.Redis, keys: Keys) -> Iterator[ProducerStats]:
-    """Every ProducerStats event of the run's `stats` stream, in order."""
-    for ev in _events(r, keys.stats):
+    """Every ProducerStats event of the run's producers' `stats:<p>` streams, each producer's in order."""
+    for ev in _events(r, *keys.stats_streams(run_producers(r, keys))):
         if isinstance(ev, ProducerStats):
             yield ev
 
@@ -111,8 +113,7 @@ def throughput(r: redis.Redis, keys: Keys) -> Throughput:
             tokens[ev.global_step] = tokens.get(ev.global_step, 0.0) + ev.metrics.get(
                 "perf/total_num_tokens", 0.0
             )
-    gen = [float(st.gen_tokens_per_s) for st in _events(r, keys.stats)
-           if isinstance(st, ProducerStats) and st.gen_tokens_per_s > 0]
+    gen = [float(st.gen_tokens_per_s) for st in producer_stats(r, keys) if st.gen_tokens_per_s > 0]
     steps = sorted(ends)
     if len(steps) < 2:
         raise ValueError(f"need at least 2 finished global steps for a rate, have {steps}")
@@ -139,7 +140,7 @@ def behaviour_logprob_error(
     policy = build_policy(cfg)
     policy.logprob_chunk_size = cfg.actor.logprob_chunk_size
     worst, count, seen = 0.0, 0, 0
-    for ev in _events(r, keys.rollouts):
+    for ev in _events(r, *keys.rollouts_streams(run_producers(r, keys))):
         if not isinstance(ev, RolloutSample) or ev.param_version != version:
             continue
         if set(ev.param_version_start) | set(ev.param_version_end) != {version}:

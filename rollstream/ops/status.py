@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
-from rollstream.bus import Archive, ArchiveError, run_archive, text
+from rollstream.bus import Archive, ArchiveError, run_archive, run_producers, text
 from rollstream.names import GLOBAL_STEP_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import (
     LAG_COUNT_CAP,
@@ -115,9 +116,12 @@ def _stream_info(r: redis.Redis, key: str, short: str, archive: Archive | None =
     return StreamInfo(short, length, int(mem or 0), groups, archived, archived_bytes)
 
 
-def staleness_histogram(r: redis.Redis, keys: Keys, trainer_step: int | None) -> tuple[dict[int, int], str]:
-    """Histogram of recent staleness: from `fates` entries' staleness field, else estimated from recent
-    rollouts as (next global step − param_version). Returns (counts, where they came from)."""
+def staleness_histogram(
+    r: redis.Redis, keys: Keys, trainer_step: int | None, producers: Sequence[str] = ()
+) -> tuple[dict[int, int], str]:
+    """Histogram of recent staleness: from `fates` entries' staleness field, else estimated from the
+    producers' recent rollouts as (next global step − param_version). Returns (counts, where they came
+    from)."""
     rows: Any = r.xrevrange(keys.fates, count=RECENT_ENTRIES)
     counts: Counter[int] = Counter()
     for _, f in rows:
@@ -127,7 +131,8 @@ def staleness_histogram(r: redis.Redis, keys: Keys, trainer_step: int | None) ->
             continue
     if counts:
         return dict(sorted(counts.items())), f"fates (last {len(rows)})"
-    rows = r.xrevrange(keys.rollouts, count=RECENT_ENTRIES)
+    streams = keys.rollouts_streams(producers)
+    rows = [row for stream in streams for row in r.xrevrange(stream, count=RECENT_ENTRIES) or []]
     next_step = (trainer_step or 0) + 1
     for _, f in rows:
         v = f.get(b"param_version")
@@ -136,10 +141,15 @@ def staleness_histogram(r: redis.Redis, keys: Keys, trainer_step: int | None) ->
     return dict(sorted(counts.items())), f"rollouts (last {len(rows)}, vs next step {next_step})"
 
 
-def latest_idle(r: redis.Redis, keys: Keys) -> tuple[dict[str, float], float | None]:
-    """(producer -> idle ratio from its latest ProducerStats, trainer idle ratio from the latest record)."""
+def latest_idle(
+    r: redis.Redis, keys: Keys, names: Sequence[str] = ()
+) -> tuple[dict[str, float], float | None]:
+    """(producer -> idle ratio from the latest ProducerStats on its stats stream, trainer idle ratio from the
+    latest record)."""
     producers: dict[str, float] = {}
-    rows: Any = r.xrevrange(keys.stats, count=RECENT_ENTRIES)
+    rows: Any = [
+        row for stream in keys.stats_streams(names) for row in r.xrevrange(stream, count=RECENT_ENTRIES) or []
+    ]
     for _, f in rows:
         if f.get(b"type") != b"producer":
             continue
@@ -176,16 +186,18 @@ def collect_status(
     """Read everything the status screen shows; heartbeats older than `stall_after_s` count as stalled, and
     so does a run with no global step completed within it (unless finished, stopping, or `stopped`); with
     `max_outstanding` (the run's pacing bound) the pacing counters are checked too (`pacing_health`)."""
-    shorts = [k.removeprefix(keys.prefix) for k in keys.all_streams()]
-    archive = run_archive(r, keys.rollouts)
-    streams = [_stream_info(r, k, s, archive) for k, s in zip(keys.all_streams(), shorts, strict=True)]
+    names = run_producers(r, keys)
+    all_streams = keys.all_streams(names)
+    shorts = [k.removeprefix(keys.prefix) for k in all_streams]
+    archive = run_archive(r, keys.fates)
+    streams = [_stream_info(r, k, s, archive) for k, s in zip(all_streams, shorts, strict=True)]
     trainer_raw: Any = r.hgetall(keys.trainer)
     trainer = {text(k): text(v) for k, v in trainer_raw.items()}
     step = (
         int(trainer[GLOBAL_STEP_FIELD]) if trainer.get(GLOBAL_STEP_FIELD, "").lstrip("-").isdigit() else None
     )
     pv = latest_param_version(r, keys) if r.exists(keys.params) else None
-    hist, source = staleness_histogram(r, keys, step)
+    hist, source = staleness_histogram(r, keys, step, names)
     now = time.time()
     ends = step_ends(r, keys)
     sps, spm = trained_rate(ends, now)
@@ -197,7 +209,7 @@ def collect_status(
         counts = rollout_counts(r, keys, [])
         outstanding = counts.dispatched - counts.consumed
         workers.append(pacing_health(outstanding, current_budget(r, keys)[1], max_outstanding))
-    pidle, tidle = latest_idle(r, keys)
+    pidle, tidle = latest_idle(r, keys, names)
     return RunStatus(
         run=keys.run,
         streams=streams,
@@ -213,20 +225,26 @@ def collect_status(
         trainer_idle=tidle,
         processes=processes,
         workers=workers,
-        trainer_consumers=trainer_consumers(r, keys),
+        trainer_consumers=trainer_consumers(r, keys, names),
         leases={p: (n, published_count(r, keys, p)) for p, n in sorted(leases(r, keys).items())},
     )
 
 
-def trainer_consumers(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
-    """The `trainer` group's consumers (one per data-parallel rank): name, pending entries, idle seconds."""
-    try:
-        rows: Any = r.xinfo_consumers(keys.rollouts, TRAINER_GROUP)
-    except redis.ResponseError:  # no stream or no group yet
-        return []
-    return [
-        {"name": text(c["name"]), "pending": int(c["pending"]), "idle_s": int(c["idle"]) / 1000} for c in rows
-    ]
+def trainer_consumers(r: redis.Redis, keys: Keys, producers: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The `trainer` group's consumers (one per data-parallel rank) across the producers' rollouts streams:
+    name, pending entries (summed over the streams), idle seconds (the least)."""
+    out: dict[str, dict[str, Any]] = {}
+    for stream in keys.rollouts_streams(producers):
+        try:
+            rows: Any = r.xinfo_consumers(stream, TRAINER_GROUP)
+        except redis.ResponseError:  # no stream or no group yet
+            continue
+        for c in rows:
+            name, idle_s = text(c["name"]), int(c["idle"]) / 1000
+            row = out.setdefault(name, {"name": name, "pending": 0, "idle_s": idle_s})
+            row["pending"] += int(c["pending"])
+            row["idle_s"] = min(row["idle_s"], idle_s)
+    return list(out.values())
 
 
 def _bytes(n: int) -> str:
