@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import P0
+from conftest import P0, PRODUCERS
 from test_trainer import TBS, FakeProducer, trainer_args
 
 from consumers.aggregator.replay import replay_records
@@ -88,7 +88,7 @@ def test_a_small_budget_run_archives_its_log_survives_a_kill_mid_trim_and_replay
         assert "SIGKILL after archiving" in killed.stderr
         arc = run_archive(r, keys.rollouts_of(P0))
         assert arc is not None
-        both = [k for k in keys.all_streams() if (last := arc.index(k).last) is not None
+        both = [k for k in keys.all_streams(PRODUCERS) if (last := arc.index(k).last) is not None
                 and (first := r.xrange(k, count=1)) and parse_id(first[0][0]) <= parse_id(last)]
         assert both, "the killed pass left its entries archived and still in Redis"
         assert int(r.hget(keys.trainer, COMMITTED_STEP_FIELD) or 0) < STEPS
