@@ -5,8 +5,10 @@ Entry layout (XADD field order): human-readable header fields (`type`, `schema`,
 An array is described by a flat fixed-size header (`schemas.arrays.pack_head`: dtype code, ndim, dims)
 followed by its bytes inline (< INLINE_MAX_BYTES) or by the index of the field carrying them. In a
 DataProto's tensors map and in a schema-3 ragged batch (EXT_RAGGED_BATCH_3) the header is the value itself
-(a bin); a schema-4 ragged batch (EXT_RAGGED_BATCH) sends its 1-d arrays as [dtype code, data], their sizes
-given by its lengths (msgpack int lists); anywhere else the header is the body of an EXT_FLAT_ARRAY ExtType.
+(a bin); a ragged batch sends its 1-d arrays as [dtype code, data], their sizes given by its lengths (msgpack
+int lists): a RolloutSample's full_batch as a list of its parts right in the payload (schema 5, no ext to
+unpack twice), a ragged batch anywhere else (and schema 4's full_batch) as an EXT_RAGGED_BATCH holding that
+list; anywhere else the header is the body of an EXT_FLAT_ARRAY ExtType.
 Object arrays are [shape, values] lists in a DataProto's non_tensors map (a ragged batch's 1-d ones: their
 values). Schema-2 batches (EXT_COMPACT_BATCH) are only read.
 Dtypes without a code use the msgpack-bodied EXT_ARRAY; that and EXT_OBJECT_ARRAY stay decodable
@@ -43,7 +45,7 @@ from schemas.arrays import (
 )
 from schemas.batch import DataProto
 from schemas.errors import DecodeError, as_decode_error
-from schemas.events import EVENT_MODELS, DeadLetter, Event, EventBase
+from schemas.events import EVENT_MODELS, DeadLetter, Event, EventBase, RolloutSample
 from schemas.ragged import RaggedBatch, from_compact
 from schemas.upgrades import upgrade
 
@@ -64,10 +66,11 @@ EXT_COMPACT_BATCH = 6
 # them, non_tensors as in EXT_DATAPROTO.
 EXT_RAGGED_BATCH_3 = 7
 # packed [prompt_lens, response_lens, prompt_ids, response_ids, tokens, rows, non_tensors, meta_info]: a
-# RaggedBatch (schema 4). Lengths are msgpack int lists; the ids, each tokens array and each 1-d rows array
-# (their sizes given by the lengths) are [dtype code, bin (inline) | int (index of field a<i>)], other rows
-# arrays flat array headers; a non_tensors value is the list of a 1-d object array's n values, a flat array
-# header (numeric), or an EXT_OBJECT_ARRAY (any other shape).
+# RaggedBatch (schema 4's full_batch; from schema 5 on that list is the full_batch value itself, unpacked with
+# the payload, and the ext only carries a RaggedBatch found anywhere else). Lengths are msgpack int lists; the
+# ids, each tokens array and each 1-d rows array (their sizes given by the lengths) are [dtype code, bin
+# (inline) | int (index of field a<i>)], other rows arrays flat array headers; a non_tensors value is the list
+# of a 1-d object array's n values, a flat array header (numeric), or an EXT_OBJECT_ARRAY (any other shape).
 EXT_RAGGED_BATCH = 8
 
 INLINE_MAX_BYTES = 1024
@@ -180,24 +183,29 @@ class _Packer:
         code = NUMPY_CODES.get(arr.dtype)
         if code is None:
             return None
-        if not arr.size:
-            return [code, b""]
+        if arr.nbytes < INLINE_MAX_BYTES:
+            return [code, arr.tobytes()]  # (C order, whatever the strides)
         data = memoryview(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)).cast("B")  # type: ignore[arg-type]
-        return [code, self._ref(data)]
+        if not self.out_of_band:
+            return [code, data]
+        self.buffers.append(data)
+        return [code, len(self.buffers) - 1]
 
-    def _ragged(self, obj: RaggedBatch) -> msgpack.ExtType:
-        """A ragged batch as its lengths (int lists) and 1-d arrays: no layout to find, nothing padded."""
+    def ragged_parts(self, obj: RaggedBatch) -> list[Any]:
+        """A ragged batch as its lengths (int lists) and 1-d arrays, [prompt_lens, response_lens, prompt_ids,
+        response_ids, tokens, rows, non_tensors, meta_info]: no layout to find, nothing padded."""
         vector = self._vector
         try:
-            ids = [vector(obj.prompt_ids), vector(obj.response_ids)]
+            prompt, resp = vector(obj.prompt_ids), vector(obj.response_ids)
             tokens = {key: vector(arr) for key, arr in obj.tokens.items()}
-            if None in ids or None in tokens.values():
+            if prompt is None or resp is None or None in tokens.values():
                 raise TypeError("ragged batch: ids and tokens arrays must be 1-d numeric numpy arrays")
             array = self._array
-            body = [
+            return [
                 obj.prompt_lens.tolist(),
                 obj.response_lens.tolist(),
-                *ids,
+                prompt,
+                resp,
                 tokens,
                 {key: vector(arr) or array(arr) for key, arr in obj.rows.items()},
                 self._ragged_non_tensors(obj),
@@ -206,7 +214,10 @@ class _Packer:
         except (TypeError, AttributeError):
             obj.check()  # a batch mutated after construction: names the bad field
             raise
-        return _ext_type(EXT_RAGGED_BATCH, self.pack(body))
+
+    def _ragged(self, obj: RaggedBatch) -> msgpack.ExtType:
+        """A ragged batch anywhere but a RolloutSample's full_batch: its parts in an EXT_RAGGED_BATCH."""
+        return _ext_type(EXT_RAGGED_BATCH, self.pack(self.ragged_parts(obj)))
 
     def _ragged_non_tensors(self, obj: RaggedBatch) -> dict[str, Any]:
         """Per-row arrays of a ragged batch: a 1-d object array as the list of its values, a numeric one as
@@ -421,9 +432,9 @@ class _Unpacker:
         return value
 
     def _vector(self, spec: Any, count: int, name: str, kinds: str, key: str | None = None) -> np.ndarray:
-        """A 1-d array of a schema-4 ragged batch from its [dtype code, data], `count` values (the lengths'
-        sum) of a numpy dtype of one of the kinds ("iu" or WIRE_KINDS); a view of the data, no copy. The part
-        is named `name`, or `name[key]` in a map."""
+        """A 1-d array of a ragged batch (schema 4 or 5) from its [dtype code, data], `count` values (the
+        lengths' sum) of a numpy dtype of one of the kinds ("iu" or WIRE_KINDS); a view of the data, no copy.
+        The part is named `name`, or `name[key]` in a map."""
         if type(spec) is list and len(spec) == 2:
             code, data = spec
             known = _VECTOR_DTYPES[kinds].get(code) if type(code) is int else None
@@ -502,6 +513,12 @@ class _Unpacker:
             )
         return arr
 
+    def ragged_batch(self, parts: list[Any]) -> RaggedBatch:
+        """A RolloutSample's full_batch (schema 5) from its list of parts (as an EXT_RAGGED_BATCH holds)."""
+        if len(parts) != 8:
+            raise DecodeError(f"malformed ragged batch: full_batch has {len(parts)} parts, not 8")
+        return self._ragged(*parts)
+
     def _ragged(
         self,
         plen: Any,
@@ -513,9 +530,9 @@ class _Unpacker:
         non_tensors: Any,
         meta_info: Any,
     ) -> RaggedBatch:
-        """A RaggedBatch from its schema-4 parts. The checks of RaggedBatch.check, each made where the part is
-        read: lengths are lists of non-negative int32s, one prompt length or n, every array's size agrees
-        with the lengths, per-row arrays have first dimension n, rows are numeric."""
+        """A RaggedBatch from its parts (schema 4 or 5). The checks of RaggedBatch.check, each made where the
+        part is read: lengths are lists of non-negative int32s, one prompt length or n, every array's size
+        agrees with the lengths, per-row arrays have first dimension n, rows are numeric."""
         if type(rlen) is list and type(plen) is list and _int32s(rlen + plen):
             response_lens, prompt_lens = rlen, plen
         else:
@@ -573,7 +590,7 @@ class _Unpacker:
 
 
 INT32_MAX = (1 << 31) - 1
-# per kinds a schema-4 vector may have ("iu": ids, WIRE_KINDS: any numeric): dtype code -> (dtype, itemsize)
+# per kinds a ragged batch's vector may have ("iu": ids, WIRE_KINDS: any numeric): code -> (dtype, itemsize)
 _VECTOR_DTYPES: dict[str, dict[int, tuple[np.dtype, int]]] = {
     kinds: {code: (dt, dt.itemsize) for code, dt in CODE_DTYPES.items() if dt.kind in kinds}
     for kinds in ("iu", WIRE_KINDS)
@@ -588,7 +605,7 @@ def _int32s(values: list[Any]) -> bool:
 
 
 def _lengths(value: Any, name: str) -> list[int]:
-    """A schema-4 length list: ints in [0, 2**31)."""
+    """A ragged batch's length list (schema 4 or 5): ints in [0, 2**31)."""
     if type(value) is not list or not _int32s(value):
         shown = value[:8] if type(value) is list else value
         raise DecodeError(f"ragged batch: {name} must be a list of ints in [0, 2**31), got {shown!r:.80}")
@@ -613,6 +630,8 @@ def encode(event: EventBase) -> dict[str, bytes | memoryview]:
     """XADD fields for an event: header fields, then `payload`, then raw array fields a0, a1, …"""
     packer = _Packer(out_of_band=True)
     body = dict(event.__dict__)  # a model's fields, in order (extra="forbid": nothing else is in there)
+    if type(event) is RolloutSample:
+        body["full_batch"] = packer.ragged_parts(event.full_batch)  # (schema 5: in the payload, no ext)
     if isinstance(event, DeadLetter):
         body["fields"] = {k: _OutOfBand(v) for k, v in event.fields.items()}
     payload = packer.pack(body)
@@ -757,6 +776,8 @@ def _decode(fields: Fields, limits: Limits) -> Event:
     version = data.get("schema_version")
     if type(version) is not int or version != model.SCHEMA:
         data = upgrade(event_type, data, model.SCHEMA)
+    elif model is RolloutSample and type(parts := data.get("full_batch")) is list:
+        data["full_batch"] = unpacker.ragged_batch(parts)
     event = model.__pydantic_validator__.validate_python(data)  # = model_validate
     _check_entry_fields(fields, model, unpacker.used, event, version)
     return event  # type: ignore[no-any-return]

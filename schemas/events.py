@@ -87,9 +87,10 @@ PER_TRAJECTORY_LISTS = (
 class RolloutSample(EventBase):
     """One prompt's group of n trajectories, as a producer publishes it (verl's RolloutSample)."""
 
-    # 4: the ragged batch's lengths as int lists, its 1-d arrays as [dtype code, data]; 3 (the batch ragged,
-    # a flat header per array), 2 (compact layout) and 1 (padded DataProto) still decode
-    SCHEMA: ClassVar[int] = 4
+    # 5: the batch's parts right in the payload (no ext); 4 (the same parts in an ext: lengths as int lists,
+    # 1-d arrays as [dtype code, data]), 3 (the batch ragged, a flat header per array), 2 (compact layout)
+    # and 1 (padded DataProto) still decode
+    SCHEMA: ClassVar[int] = 5
     # the facts an operator looks up (`rollstream audit` reads these three); epoch, n and tokens were header
     # fields up to main at b0225e4 (they cost a field each on every entry, and no reader used them)
     HEADER: ClassVar[tuple[str, ...]] = ("sample_id", "param_version", "producer")

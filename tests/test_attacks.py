@@ -20,7 +20,7 @@ from rollstream.config import PipelineConfig, load_config
 from rollstream.fakes import fake_rollout_sample
 from rollstream.names import Keys
 from rollstream.weights import publish_weights
-from schemas import DeadLetter, decode, encode
+from schemas import DeadLetter, RolloutSample, decode, encode
 
 MAX_ENTRY_BYTES = 256 << 10
 
@@ -80,7 +80,7 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
     )
     schema = sample_fields(f"schema-{tag}")
     schema[b"schema"] = b"999"
-    attacks["schema"] = (schema, "header schema='999' != payload schema_version=4")
+    attacks["schema"] = (schema, f"header schema='999' != payload schema_version={RolloutSample.SCHEMA}")
     extra = sample_fields(f"extra-{tag}")
     extra[b"junk"] = b"x" * (50 << 10)
     attacks["unknown"] = (extra, "unknown field 'junk' in a 'rollout' entry")

@@ -215,7 +215,7 @@ def test_header_fields_come_first_and_are_readable() -> None:
     keys = list(fields)
     assert keys[:6] == ["type", "schema", "sample_id", "param_version", "producer", "payload"]
     assert all(k.startswith("a") for k in keys[6:]) and len(keys) > 6
-    assert fields["type"] == b"rollout" and fields["schema"] == b"4" and fields["sample_id"] == b"p0:17"
+    assert fields["type"] == b"rollout" and fields["schema"] == b"5" and fields["sample_id"] == b"p0:17"
     assert all(isinstance(fields[k], memoryview) for k in keys[6:])
     metrics = encode(StepMetrics(type="step_end", global_step=7, local_step=4, sample_count=64))
     assert list(metrics)[:7] == [
@@ -430,9 +430,7 @@ def hostile(meta_value: Any, **extra_fields: bytes) -> dict[bytes, bytes]:
     """A rollout entry whose full_batch.meta_info['x'] is the given (raw msgpack-able) value."""
     fields = tamper(small_rollout())
     body = msgpack.unpackb(fields[b"payload"])
-    parts = msgpack.unpackb(body["full_batch"].data)
-    parts[7]["x"] = meta_value  # the ragged batch's meta_info
-    body["full_batch"] = msgpack.ExtType(8, msgpack.packb(parts))
+    body["full_batch"][7]["x"] = meta_value  # the ragged batch's meta_info (schema 5: a list in the payload)
     fields[b"payload"] = msgpack.packb(body)
     fields.update({k.encode(): v for k, v in extra_fields.items()})
     return fields
