@@ -1,7 +1,7 @@
 """Token-equal bus benchmark (`rollstream bench bus --tokens 8x512x2048,8x512x16384`): samples sized by
 tokens (n rows, prompt and response lengths, a 151,936-id vocabulary as Qwen's) rather than by bytes.
 
-Per shape, interleaved repetitions of two trials that move the same samples: ours (RolloutSample schema 4,
+Per shape, interleaved repetitions of two trials that move the same samples: ours (RolloutSample schema 5,
 the ragged batch) and raw redis-py moving one opaque field of our entry's size. Also per shape: wire bytes
 per response token per row, and decode µs against pickle. The bytes/token table measures the marginal
 cost of one more response token per row and one more prompt token per group (n = 8).
@@ -163,7 +163,7 @@ def format_tokens(report: dict[str, Any]) -> str:
     lines = [
         "| layout | bytes per response token per row | bytes per prompt token per group (n = 8) |",
         "|---|---:|---:|",
-        f"| schema 4 | {bpt['per_response_token_per_row']:.2f} | {bpt['per_prompt_token_per_group']:.2f} |",
+        f"| schema 5 | {bpt['per_response_token_per_row']:.2f} | {bpt['per_prompt_token_per_group']:.2f} |",
         "",
         "| n x prompt x response | batch | B/token | samples/s ours | samples/s raw | ours/raw "
         "| decode µs ours / pickle |",

@@ -5,8 +5,10 @@ Entry layout (XADD field order): human-readable header fields (`type`, `schema`,
 An array is described by a flat fixed-size header (`schemas.arrays.pack_head`: dtype code, ndim, dims)
 followed by its bytes inline (< INLINE_MAX_BYTES) or by the index of the field carrying them. In a
 DataProto's tensors map and in a schema-3 ragged batch (EXT_RAGGED_BATCH_3) the header is the value itself
-(a bin); a schema-4 ragged batch (EXT_RAGGED_BATCH) sends its 1-d arrays as [dtype code, data], their sizes
-given by its lengths (msgpack int lists); anywhere else the header is the body of an EXT_FLAT_ARRAY ExtType.
+(a bin); a ragged batch sends its 1-d arrays as [dtype code, data], their sizes given by its lengths (msgpack
+int lists): a RolloutSample's full_batch as a list of its parts right in the payload (schema 5, no ext to
+unpack twice), a ragged batch anywhere else (and schema 4's full_batch) as an EXT_RAGGED_BATCH holding that
+list; anywhere else the header is the body of an EXT_FLAT_ARRAY ExtType.
 Object arrays are [shape, values] lists in a DataProto's non_tensors map (a ragged batch's 1-d ones: their
 values). Schema-2 batches (EXT_COMPACT_BATCH) are only read.
 Dtypes without a code use the msgpack-bodied EXT_ARRAY; that and EXT_OBJECT_ARRAY stay decodable
@@ -43,7 +45,7 @@ from schemas.arrays import (
 )
 from schemas.batch import DataProto
 from schemas.errors import DecodeError, as_decode_error
-from schemas.events import EVENT_MODELS, DeadLetter, Event, EventBase
+from schemas.events import EVENT_MODELS, DeadLetter, Event, EventBase, RolloutSample
 from schemas.ragged import RaggedBatch, from_compact
 from schemas.upgrades import upgrade
 
@@ -64,10 +66,11 @@ EXT_COMPACT_BATCH = 6
 # them, non_tensors as in EXT_DATAPROTO.
 EXT_RAGGED_BATCH_3 = 7
 # packed [prompt_lens, response_lens, prompt_ids, response_ids, tokens, rows, non_tensors, meta_info]: a
-# RaggedBatch (schema 4). Lengths are msgpack int lists; the ids, each tokens array and each 1-d rows array
-# (their sizes given by the lengths) are [dtype code, bin (inline) | int (index of field a<i>)], other rows
-# arrays flat array headers; a non_tensors value is the list of a 1-d object array's n values, a flat array
-# header (numeric), or an EXT_OBJECT_ARRAY (any other shape).
+# RaggedBatch (schema 4's full_batch; from schema 5 on that list is the full_batch value itself, unpacked with
+# the payload, and the ext only carries a RaggedBatch found anywhere else). Lengths are msgpack int lists; the
+# ids, each tokens array and each 1-d rows array (their sizes given by the lengths) are [dtype code, bin
+# (inline) | int (index of field a<i>)], other rows arrays flat array headers; a non_tensors value is the list
+# of a 1-d object array's n values, a flat array header (numeric), or an EXT_OBJECT_ARRAY (any other shape).
 EXT_RAGGED_BATCH = 8
 
 INLINE_MAX_BYTES = 1024
@@ -180,24 +183,29 @@ class _Packer:
         code = NUMPY_CODES.get(arr.dtype)
         if code is None:
             return None
-        if not arr.size:
-            return [code, b""]
+        if arr.nbytes < INLINE_MAX_BYTES:
+            return [code, arr.tobytes()]  # (C order, whatever the strides)
         data = memoryview(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)).cast("B")  # type: ignore[arg-type]
-        return [code, self._ref(data)]
+        if not self.out_of_band:
+            return [code, data]
+        self.buffers.append(data)
+        return [code, len(self.buffers) - 1]
 
-    def _ragged(self, obj: RaggedBatch) -> msgpack.ExtType:
-        """A ragged batch as its lengths (int lists) and 1-d arrays: no layout to find, nothing padded."""
+    def ragged_parts(self, obj: RaggedBatch) -> list[Any]:
+        """A ragged batch as its lengths (int lists) and 1-d arrays, [prompt_lens, response_lens, prompt_ids,
+        response_ids, tokens, rows, non_tensors, meta_info]: no layout to find, nothing padded."""
         vector = self._vector
         try:
-            ids = [vector(obj.prompt_ids), vector(obj.response_ids)]
+            prompt, resp = vector(obj.prompt_ids), vector(obj.response_ids)
             tokens = {key: vector(arr) for key, arr in obj.tokens.items()}
-            if None in ids or None in tokens.values():
+            if prompt is None or resp is None or None in tokens.values():
                 raise TypeError("ragged batch: ids and tokens arrays must be 1-d numeric numpy arrays")
             array = self._array
-            body = [
+            return [
                 obj.prompt_lens.tolist(),
                 obj.response_lens.tolist(),
-                *ids,
+                prompt,
+                resp,
                 tokens,
                 {key: vector(arr) or array(arr) for key, arr in obj.rows.items()},
                 self._ragged_non_tensors(obj),
@@ -206,7 +214,10 @@ class _Packer:
         except (TypeError, AttributeError):
             obj.check()  # a batch mutated after construction: names the bad field
             raise
-        return _ext_type(EXT_RAGGED_BATCH, self.pack(body))
+
+    def _ragged(self, obj: RaggedBatch) -> msgpack.ExtType:
+        """A ragged batch anywhere but a RolloutSample's full_batch: its parts in an EXT_RAGGED_BATCH."""
+        return _ext_type(EXT_RAGGED_BATCH, self.pack(self.ragged_parts(obj)))
 
     def _ragged_non_tensors(self, obj: RaggedBatch) -> dict[str, Any]:
         """Per-row arrays of a ragged batch: a 1-d object array as the list of its values, a numeric one as
@@ -348,7 +359,7 @@ class _Unpacker:
     def _list(self, data: bytes, size: int, what: str) -> list[Any]:
         """Unpack an ext body that must be a list of `size` items."""
         value = self.unpack(data)
-        if not isinstance(value, list) or len(value) != size:
+        if type(value) is not list or len(value) != size:
             raise DecodeError(f"malformed {what} ext")
         return value
 
@@ -370,6 +381,8 @@ class _Unpacker:
 
     def _ext(self, code: int, data: bytes) -> Any:
         """Resolve one ExtType."""
+        if code == EXT_RAGGED_BATCH:
+            return self._ragged(*self._list(data, 8, "ragged batch"))
         if code == EXT_FLAT_ARRAY:
             # Inline array data is bin data, so max_bin_len bounds it as it bounds a msgpack bin.
             return array_from_flat(data, self._field, self.limits.max_bin_len)
@@ -380,8 +393,6 @@ class _Unpacker:
             return self._object_array(self.unpack(data))
         if code == EXT_DATAPROTO:
             return self._dataproto(*self._list(data, 3, "DataProto"))
-        if code == EXT_RAGGED_BATCH:
-            return self._ragged(*self._list(data, 8, "ragged batch"))
         if code == EXT_RAGGED_BATCH_3:
             return self._ragged_3(*self._list(data, 8, "ragged batch"))
         if code == EXT_COMPACT_BATCH:
@@ -420,9 +431,22 @@ class _Unpacker:
             raise DecodeError(f"ragged batch: {name} is {type(value).__name__}, not an array")
         return value
 
-    def _vector(self, spec: Any, count: int, name: str, kinds: str) -> np.ndarray:
-        """A 1-d array of a schema-4 ragged batch from its [dtype code, data], `count` values (the lengths'
-        sum) of a numpy dtype of one of the kinds; a view of the data, no copy."""
+    def _vector(self, spec: Any, count: int, name: str, kinds: str, key: str | None = None) -> np.ndarray:
+        """A 1-d array of a ragged batch (schema 4 or 5) from its [dtype code, data], `count` values (the
+        lengths' sum) of a numpy dtype of one of the kinds ("iu" or WIRE_KINDS); a view of the data, no copy.
+        The part is named `name`, or `name[key]` in a map."""
+        if type(spec) is list and len(spec) == 2:
+            code, data = spec
+            known = _VECTOR_DTYPES[kinds].get(code) if type(code) is int else None
+            if known is not None:
+                if type(data) is not bytes:
+                    data = self._field(data)
+                if len(data) == count * known[1]:
+                    return np.frombuffer(data, known[0])
+        return self._bad_vector(spec, count, name if key is None else f"{name}[{key!r}]", kinds)
+
+    def _bad_vector(self, spec: Any, count: int, name: str, kinds: str) -> np.ndarray:
+        """_vector's checks one by one, raising DecodeError naming the field and the value that failed."""
         if type(spec) is not list or len(spec) != 2:
             raise DecodeError(f"ragged batch: {name} must be [dtype code, data], got {type(spec).__name__}")
         code, data = spec
@@ -439,40 +463,61 @@ class _Unpacker:
                 f"ragged batch: {name} has {len(data) / dtype.itemsize:g} values ({len(data)} bytes "
                 f"of {dtype.str}), the lengths say {count}"
             )
-        return np.ndarray(count, dtype, data)
+        return np.frombuffer(data, dtype)  # (not reached: _vector took it)
 
-    def _rows(self, arrays: Any, n: int, group: str) -> dict[str, np.ndarray]:
-        """A ragged batch's map of per-row arrays (rows or non_tensors), each with first dimension n; a list
-        is a 1-d object array's values."""
+    def _rows(self, arrays: Any, n: int) -> dict[str, np.ndarray]:
+        """A ragged batch's per-row numeric arrays: [dtype code, data] for a 1-d one (n values), a flat array
+        header for any other shape (first dimension n)."""
         if type(arrays) is not dict:
-            raise DecodeError(f"malformed ragged batch ext: {group} must be a map")
-        rows = group == "rows"
+            raise DecodeError("malformed ragged batch ext: rows must be a map")
         for key, value in arrays.items():
             if type(key) is not str:
-                raise DecodeError(f"ragged batch: {group} key {key!r:.40} is not a str")
-            kind = type(value)
-            if kind is list:
-                if rows:  # a 1-d numeric array: [dtype code, data]
-                    arrays[key] = self._vector(value, n, f"rows[{key!r}]", WIRE_KINDS)
-                    continue
-                if len(value) == n:  # a 1-d object array's values, each kept as it is (never broadcast)
-                    arrays[key] = np.fromiter(value, object, n)
-                    continue
-            arr = array_from_flat(value, self._field, self.limits.max_bin_len) if kind is bytes else value
-            if type(arr) is not np.ndarray or arr.shape[:1] != (n,) or (rows and arr.dtype.hasobject):
-                what = (
-                    f"{arr.dtype.str}{list(arr.shape)[:4]}"
-                    if isinstance(arr, np.ndarray)
-                    else f"{len(arr)} values"
-                    if type(arr) is list
-                    else type(arr).__name__
-                )
-                raise DecodeError(
-                    f"ragged batch: {group}[{key!r:.40}] must have first dimension n={n}"
-                    f"{' and a numeric dtype' if rows else ''}, got {what}"
-                )
-            arrays[key] = arr
+                raise DecodeError(f"ragged batch: rows key {key!r:.40} is not a str")
+            if type(value) is list:
+                arrays[key] = self._vector(value, n, "rows", WIRE_KINDS, key)
+            else:
+                arrays[key] = self._row_array(value, n, "rows", key)
         return arrays
+
+    def _non_tensors(self, arrays: Any, n: int) -> dict[str, np.ndarray]:
+        """A ragged batch's per-row object arrays: a list is a 1-d object array's n values (each kept as it
+        is, never broadcast); a flat array header or an object array ext any other (first dimension n)."""
+        if type(arrays) is not dict:
+            raise DecodeError("malformed ragged batch ext: non_tensors must be a map")
+        fromiter = np.fromiter
+        for key, value in arrays.items():
+            if type(key) is not str:
+                raise DecodeError(f"ragged batch: non_tensors key {key!r:.40} is not a str")
+            if type(value) is list and len(value) == n:
+                arrays[key] = fromiter(value, object, n)
+            else:
+                arrays[key] = self._row_array(value, n, "non_tensors", key)
+        return arrays
+
+    def _row_array(self, value: Any, n: int, group: str, key: str) -> np.ndarray:
+        """A per-row array of a ragged batch given as a flat array header (or an already decoded array ext):
+        first dimension n, and a numeric dtype in rows; else DecodeError naming it and what it got."""
+        rows = group == "rows"
+        arr = array_from_flat(value, self._field, self.limits.max_bin_len) if type(value) is bytes else value
+        if type(arr) is not np.ndarray or arr.shape[:1] != (n,) or (rows and arr.dtype.hasobject):
+            what = (
+                f"{arr.dtype.str}{list(arr.shape)[:4]}"
+                if isinstance(arr, np.ndarray)
+                else f"{len(arr)} values"
+                if type(arr) is list
+                else type(arr).__name__
+            )
+            raise DecodeError(
+                f"ragged batch: {group}[{key!r:.40}] must have first dimension n={n}"
+                f"{' and a numeric dtype' if rows else ''}, got {what}"
+            )
+        return arr
+
+    def ragged_batch(self, parts: list[Any]) -> RaggedBatch:
+        """A RolloutSample's full_batch (schema 5) from its list of parts (as an EXT_RAGGED_BATCH holds)."""
+        if len(parts) != 8:
+            raise DecodeError(f"malformed ragged batch: full_batch has {len(parts)} parts, not 8")
+        return self._ragged(*parts)
 
     def _ragged(
         self,
@@ -485,11 +530,13 @@ class _Unpacker:
         non_tensors: Any,
         meta_info: Any,
     ) -> RaggedBatch:
-        """A RaggedBatch from its schema-4 parts. The checks of RaggedBatch.check, each made where the part is
-        read: lengths are lists of non-negative int32s, one prompt length or n, every array's size agrees
-        with the lengths, per-row arrays have first dimension n, rows are numeric."""
-        response_lens = _lengths(rlen, "response_lens")
-        prompt_lens = _lengths(plen, "prompt_lens")
+        """A RaggedBatch from its parts (schema 4 or 5). The checks of RaggedBatch.check, each made where the
+        part is read: lengths are lists of non-negative int32s, one prompt length or n, every array's size
+        agrees with the lengths, per-row arrays have first dimension n, rows are numeric."""
+        if type(rlen) is list and type(plen) is list and _int32s(rlen + plen):
+            response_lens, prompt_lens = rlen, plen
+        else:
+            response_lens, prompt_lens = _lengths(rlen, "response_lens"), _lengths(plen, "prompt_lens")
         n = len(response_lens)
         if len(prompt_lens) != 1 and len(prompt_lens) != n or (n == 0 and prompt_lens):
             raise DecodeError(
@@ -498,22 +545,20 @@ class _Unpacker:
         if type(tokens) is not dict or type(meta_info) is not dict:
             raise DecodeError("malformed ragged batch ext: tokens and meta_info must be maps")
         n_resp, vector = sum(response_lens), self._vector
-        prompt_ids = vector(prompt, sum(prompt_lens), "prompt_ids", "iu")
-        response_ids = vector(resp, n_resp, "response_ids", "iu")
+        batch = _new_batch(RaggedBatch)
+        batch.prompt_ids = vector(prompt, sum(prompt_lens), "prompt_ids", "iu")
+        batch.response_ids = vector(resp, n_resp, "response_ids", "iu")
         for key, spec in tokens.items():
             if type(key) is not str:
                 raise DecodeError(f"ragged batch: tokens key {key!r:.40} is not a str")
-            tokens[key] = vector(spec, n_resp, f"tokens[{key!r}]", WIRE_KINDS)
-        return RaggedBatch.adopt(
-            prompt_ids,
-            np.array(prompt_lens, np.int32),
-            response_ids,
-            np.array(response_lens, np.int32),
-            tokens,
-            self._rows(rows, n, "rows"),
-            self._rows(non_tensors, n, "non_tensors"),
-            meta_info,
-        )
+            tokens[key] = vector(spec, n_resp, "tokens", WIRE_KINDS, key)
+        batch.tokens, batch.meta_info = tokens, meta_info
+        batch.rows = self._rows(rows, n)
+        batch.non_tensors = self._non_tensors(non_tensors, n)
+        # (RaggedBatch.adopt's contract: every check of RaggedBatch.check made above)
+        batch.prompt_lens = np.array(prompt_lens, np.int32)
+        batch.response_lens = np.array(response_lens, np.int32)
+        return batch
 
     def _ragged_3(
         self,
@@ -545,14 +590,23 @@ class _Unpacker:
 
 
 INT32_MAX = (1 << 31) - 1
+# per kinds a ragged batch's vector may have ("iu": ids, WIRE_KINDS: any numeric): code -> (dtype, itemsize)
+_VECTOR_DTYPES: dict[str, dict[int, tuple[np.dtype, int]]] = {
+    kinds: {code: (dt, dt.itemsize) for code, dt in CODE_DTYPES.items() if dt.kind in kinds}
+    for kinds in ("iu", WIRE_KINDS)
+}
+_new_batch = object.__new__
 _INT = {int}
 
 
+def _int32s(values: list[Any]) -> bool:
+    """Whether every value of a list is an int (exactly) in [0, 2**31)."""
+    return not values or (set(map(type, values)) == _INT and min(values) >= 0 and max(values) <= INT32_MAX)
+
+
 def _lengths(value: Any, name: str) -> list[int]:
-    """A schema-4 length list: ints in [0, 2**31)."""
-    if type(value) is not list or (
-        value and (set(map(type, value)) != _INT or min(value) < 0 or max(value) > INT32_MAX)
-    ):
+    """A ragged batch's length list (schema 4 or 5): ints in [0, 2**31)."""
+    if type(value) is not list or not _int32s(value):
         shown = value[:8] if type(value) is list else value
         raise DecodeError(f"ragged batch: {name} must be a list of ints in [0, 2**31), got {shown!r:.80}")
     return value
@@ -576,6 +630,8 @@ def encode(event: EventBase) -> dict[str, bytes | memoryview]:
     """XADD fields for an event: header fields, then `payload`, then raw array fields a0, a1, …"""
     packer = _Packer(out_of_band=True)
     body = dict(event.__dict__)  # a model's fields, in order (extra="forbid": nothing else is in there)
+    if type(event) is RolloutSample:
+        body["full_batch"] = packer.ragged_parts(event.full_batch)  # (schema 5: in the payload, no ext)
     if isinstance(event, DeadLetter):
         body["fields"] = {k: _OutOfBand(v) for k, v in event.fields.items()}
     payload = packer.pack(body)
@@ -583,8 +639,9 @@ def encode(event: EventBase) -> dict[str, bytes | memoryview]:
         "type": event.type.encode(),
         "schema": str(body["schema_version"]).encode(),
     }
-    for key, value in event.header().items():
-        out[key] = value.encode() if type(value) is str else _header_bytes(value)
+    for name, attr in _header_names(type(event)):  # event.header(), rendered
+        value = getattr(event, attr)
+        out[name] = value.encode() if type(value) is str else _header_bytes(value)
     out[PAYLOAD_FIELD] = payload
     for i, buf in enumerate(packer.buffers):
         out[_FIELD_NAMES[i][1] if i < len(_FIELD_NAMES) else f"{ARRAY_FIELD_PREFIX}{i}"] = buf
@@ -608,18 +665,18 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-_BASE_FIELDS = frozenset({"type", "schema", PAYLOAD_FIELD})
-
-
 def _field_name(name: Any) -> str:
     """An entry field name as text (undecodable bytes as escapes, so a reason can show them)."""
     return name.decode(errors="backslashreplace") if isinstance(name, bytes) else str(name)
 
 
+_BYTES = {bytes}
+
+
 def _check_entry_size(fields: Fields, limits: Limits) -> None:
     """Refuse an entry whose names and values together exceed limits.max_entry_bytes."""
     values = fields.values()
-    if set(map(type, values)) == {bytes}:  # as redis-py returns them
+    if set(map(type, values)) == _BYTES:  # as redis-py returns them
         total = sum(map(len, fields)) + sum(map(len, values))
     else:
         total = 0
@@ -631,42 +688,59 @@ def _check_entry_size(fields: Fields, limits: Limits) -> None:
         raise DecodeError(f"entry is {total} bytes, over the max_entry_bytes={limits.max_entry_bytes} limit")
 
 
-@functools.lru_cache(maxsize=64)
-def _header_names(model: type[EventBase]) -> tuple[tuple[str, bytes, str], ...]:
-    """(entry header field name, its bytes, the attribute whose value it renders) per header field of a
-    model (RolloutSample writes num_tokens as `tokens`); computed once per model."""
-    return tuple(
-        ("tokens" if a == "num_tokens" else a, ("tokens" if a == "num_tokens" else a).encode(), a)
-        for a in model.HEADER
-    )
+def _header_name(attr: str) -> str:
+    """The entry field a header attribute is written as (RolloutSample's num_tokens was `tokens`)."""
+    return "tokens" if attr == "num_tokens" else attr
 
 
 @functools.lru_cache(maxsize=64)
-def _known_names(model: type[EventBase]) -> frozenset[str | bytes]:
-    """Every field name a model's entries carry besides array fields, as str and as bytes."""
-    names = {*_BASE_FIELDS, *(name for name, _, _ in _header_names(model))}
-    return frozenset({*names, *(name.encode() for name in names)})
+def _header_names(model: type[EventBase]) -> tuple[tuple[str, str], ...]:
+    """(entry header field name, the attribute whose value it renders) per header field a model's entries
+    are written with, in order; computed once per model."""
+    return tuple((_header_name(a), a) for a in model.HEADER)
+
+
+_SCHEMA_FIELD = ("schema", "schema_version")
+
+
+@functools.lru_cache(maxsize=64)
+def _entry_names(model: type[EventBase]) -> dict[str | bytes, tuple[str, str] | None]:
+    """Every field name a model's entries may carry besides array fields, as str and as bytes: its header
+    fields (those it writes and those older encoders wrote) -> (name, the attribute they render); `schema`
+    -> _SCHEMA_FIELD; `type` and `payload` (checked before validation) -> None."""
+    out: dict[str | bytes, tuple[str, str] | None] = {}
+    for attr in (*model.HEADER, *model.OLD_HEADER):
+        out[_header_name(attr)] = (_header_name(attr), attr)
+    out["schema"] = _SCHEMA_FIELD
+    out["type"] = out[PAYLOAD_FIELD] = None
+    out.update({name.encode(): spec for name, spec in out.items() if isinstance(name, str)})
+    return out
+
+
+_UNKNOWN = ("", "")
 
 
 def _check_entry_fields(
     fields: Fields, model: type[EventBase], used: set[str | bytes], event: EventBase, raw_schema: Any
 ) -> None:
-    """Every field is one the encoder writes, and every readable header field equals the payload's value."""
-    for raw_name in fields.keys() - _known_names(model):
-        if raw_name not in used:
-            name = _field_name(raw_name)
-            if name not in used:
-                raise DecodeError(f"unknown field {name[:40]!r} in a {event.type!r} entry")
-    schema = _get(fields, b"schema", "schema")
-    if schema is not None and type(raw_schema) is int and _text(schema) != str(raw_schema):
-        raise DecodeError(f"header schema={_text(schema)[:40]!r} != payload schema_version={raw_schema}")
-    # the values event.header() renders, attribute by attribute
-    for name, bname, attr in _header_names(model):
-        got = fields.get(bname)  # type: ignore[call-overload]
-        if got is None:
-            got = fields.get(name)  # type: ignore[call-overload]
-            if got is None:
-                continue
+    """Every field is one the encoder writes (or an older one wrote), and every readable header field the
+    entry has equals the payload's value: one pass over the entry's fields."""
+    names = _entry_names(model)
+    for raw_name, got in fields.items():
+        spec = names.get(raw_name, _UNKNOWN)
+        if spec is None:
+            continue
+        if spec is _UNKNOWN:
+            if raw_name not in used:
+                name = _field_name(raw_name)
+                if name not in used:
+                    raise DecodeError(f"unknown field {name[:40]!r} in a {event.type!r} entry")
+            continue
+        if spec is _SCHEMA_FIELD:
+            if type(raw_schema) is int and _text(got) != str(raw_schema):
+                raise DecodeError(f"header schema={_text(got)[:40]!r} != payload schema_version={raw_schema}")
+            continue
+        name, attr = spec
         value = getattr(event, attr)
         kind = type(value)
         want = value.encode() if kind is str else str(value).encode() if kind is int else _header_bytes(value)
@@ -679,20 +753,22 @@ def _decode(fields: Fields, limits: Limits) -> Event:
     if type(fields) is not dict and not isinstance(fields, Mapping):
         raise DecodeError(f"entry fields must be a mapping, got {type(fields).__name__}")
     _check_entry_size(fields, limits)
-    payload = _get(fields, b"payload", PAYLOAD_FIELD)
+    payload = fields.get(b"payload")  # type: ignore[call-overload]
     if payload is None:
-        raise DecodeError("missing 'payload' field")
+        payload = fields.get(PAYLOAD_FIELD)  # type: ignore[call-overload]
+        if payload is None:
+            raise DecodeError("missing 'payload' field")
     if len(payload) > limits.max_payload_bytes:
         raise DecodeError(f"payload is {len(payload)} bytes, over the {limits.max_payload_bytes} limit")
     unpacker = _Unpacker(fields, limits)
     data = unpacker.unpack(payload)
-    if not isinstance(data, dict):
+    if type(data) is not dict:
         raise DecodeError(f"payload is a {type(data).__name__}, not a map")
     event_type = data.get("type")
-    if not isinstance(event_type, str):
+    if type(event_type) is not str:
         raise DecodeError("payload has no 'type'")
     header_type = _get(fields, b"type", "type")
-    if header_type is not None and _text(header_type) != event_type:
+    if header_type is not None and header_type != event_type.encode() and _text(header_type) != event_type:
         raise DecodeError(f"header type {_text(header_type)[:40]!r} != payload type {event_type[:40]!r}")
     model = EVENT_MODELS.get(event_type)
     if model is None:
@@ -700,6 +776,8 @@ def _decode(fields: Fields, limits: Limits) -> Event:
     version = data.get("schema_version")
     if type(version) is not int or version != model.SCHEMA:
         data = upgrade(event_type, data, model.SCHEMA)
+    elif model is RolloutSample and type(parts := data.get("full_batch")) is list:
+        data["full_batch"] = unpacker.ragged_batch(parts)
     event = model.__pydantic_validator__.validate_python(data)  # = model_validate
     _check_entry_fields(fields, model, unpacker.used, event, version)
     return event  # type: ignore[no-any-return]

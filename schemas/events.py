@@ -24,6 +24,9 @@ class EventBase(BaseModel):
     SCHEMA: ClassVar[int] = 1
     # Names of fields copied, in this order, into the human-readable XADD header (after type, schema).
     HEADER: ClassVar[tuple[str, ...]] = ()
+    # Header fields older encoders wrote that this one no longer does: where an entry has one, decode still
+    # holds it to the payload's value (a `tokens` field renders num_tokens).
+    OLD_HEADER: ClassVar[tuple[str, ...]] = ()
 
     type: str
     schema_version: int = 1
@@ -49,17 +52,26 @@ class EventBase(BaseModel):
         return {name: getattr(self, name) for name in self.HEADER}
 
 
+#: check_finite looks at a 1-d float array of at most this many values one value at a time.
+SMALL_FINITE = 32
+
+
 def check_finite(arrays: Sequence[tuple[np.ndarray | None, str]]) -> None:
     """Raise ValueError naming the first float (or complex) array that holds NaN or inf; None and other kinds
-    pass. One pass each: numpy's vdot of the array with itself (BLAS for float32/float64), a sum of squared
-    magnitudes, is finite only when every value is (NaN and inf stay NaN or inf, no two terms cancel); only a
-    result that is not, NaN/inf or an overflow of huge finite values, is looked at closer. vdot, unlike dot,
-    raises no floating-point warning on that overflow, so no np.errstate is needed (it costs as much as the
-    dot of a few thousand values); tests/test_schemas_flat.py holds it to that with warnings as errors."""
+    pass. A 1-d float array of at most SMALL_FINITE values (the rewards) is looked at value by value in
+    Python (cheaper than any numpy call at that size). Any other takes one pass: numpy's vdot of the array
+    with itself (BLAS for float32/float64), a sum of squared magnitudes, is finite only when every value is
+    (NaN and inf stay NaN or inf, no two terms cancel); only a result that is not, NaN/inf or an overflow of
+    huge finite values, is looked at closer. vdot, unlike dot, raises no floating-point warning on that
+    overflow, so no np.errstate is needed (it costs as much as the dot of a few thousand values);
+    tests/test_schemas_flat.py holds it to that with warnings as errors."""
     for arr, what in arrays:
         if arr is None or arr.dtype.kind not in "fc":
             continue
-        if not math.isfinite(np.vdot(arr, arr).real) and np.count_nonzero(np.isfinite(arr)) != arr.size:
+        if arr.size <= SMALL_FINITE and arr.ndim == 1 and arr.dtype.kind == "f":
+            if not all(map(math.isfinite, arr.tolist())):  # a few values (rewards): cheaper than a numpy call
+                raise ValueError(f"{what} contains NaN/inf")
+        elif not math.isfinite(np.vdot(arr, arr).real) and np.count_nonzero(np.isfinite(arr)) != arr.size:
             raise ValueError(f"{what} contains NaN/inf")
 
 
@@ -75,10 +87,14 @@ PER_TRAJECTORY_LISTS = (
 class RolloutSample(EventBase):
     """One prompt's group of n trajectories, as a producer publishes it (verl's RolloutSample)."""
 
-    # 4: the ragged batch's lengths as int lists, its 1-d arrays as [dtype code, data]; 3 (the batch ragged,
-    # a flat header per array), 2 (compact layout) and 1 (padded DataProto) still decode
-    SCHEMA: ClassVar[int] = 4
-    HEADER: ClassVar[tuple[str, ...]] = ("sample_id", "param_version", "epoch", "producer", "n", "num_tokens")
+    # 5: the batch's parts right in the payload (no ext); 4 (the same parts in an ext: lengths as int lists,
+    # 1-d arrays as [dtype code, data]), 3 (the batch ragged, a flat header per array), 2 (compact layout)
+    # and 1 (padded DataProto) still decode
+    SCHEMA: ClassVar[int] = 5
+    # the facts an operator looks up (`rollstream audit` reads these three); epoch, n and tokens were header
+    # fields up to main at b0225e4 (they cost a field each on every entry, and no reader used them)
+    HEADER: ClassVar[tuple[str, ...]] = ("sample_id", "param_version", "producer")
+    OLD_HEADER: ClassVar[tuple[str, ...]] = ("epoch", "n", "num_tokens")
 
     type: Literal["rollout"] = "rollout"
     sample_id: str
@@ -134,14 +150,6 @@ class RolloutSample(EventBase):
     def num_tokens(self) -> int:
         """Response tokens that count for the loss: the response_mask's sum, else every response token."""
         return self.full_batch.num_tokens()
-
-    def header(self) -> dict[str, HeaderValue]:
-        """Header with `tokens` for num_tokens."""
-        h: dict[str, HeaderValue] = {
-            name: getattr(self, name) for name in self.HEADER if name != "num_tokens"
-        }
-        h["tokens"] = self.num_tokens
-        return h
 
 
 class ParamVersion(EventBase):

@@ -10,7 +10,7 @@ One group of n trajectories (`RaggedBatch`):
 - `rows`: arrays with one entry per row (`rewards` [n]); `non_tensors`: per-row object arrays (verl's
   non_tensor_batch: `uid`, `raw_prompt`, ...); `meta_info`.
 
-Token ids travel in the narrowest dtype that holds the vocabulary (`ids_dtype`). Wire schema 4 sends exactly
+Token ids travel in the narrowest dtype that holds the vocabulary (`ids_dtype`). Wire schema 5 sends exactly
 these arrays (schemas/codec.py); the trainer's assembly pads them once, per micro-batch. `from_padded` and
 `from_compact` read the layouts of schemas 1 and 2 (a padded verl DataProto; the compact layout) into this
 form. Every check here costs at most one pass over an array; failures are ValueError naming the field.
@@ -135,7 +135,7 @@ class RaggedBatch:
         meta_info: dict[str, Any],
     ) -> RaggedBatch:
         """A batch of arrays the caller has checked as `check` does, each where it built it (the codec's
-        schema-4 decode): no second pass."""
+        schema-4/5 decode): no second pass."""
         self = cls.__new__(cls)
         self.prompt_ids, self.prompt_lens, self.response_ids, self.response_lens = (
             prompt_ids,

@@ -29,9 +29,10 @@ _UPGRADES: dict[tuple[str, int], Upgrade] = {
 #: Oldest schema still decoded, per event type (default: only the current one). A step between it and the
 #: current schema without an upgrade above leaves the fields as they are, because the newer schema only
 #: changed the wire layout or added fields with defaults: rollout 1 -> 2 sent the batch in a compact layout,
-#: the same DataProto once decoded; rollout 3 -> 4 changed only the ragged batch's wire layout (the codec
-#: reads both); local_update / step_end 1 -> 2 add rank and world_size (a schema-1 event
-#: is rank 0 of a world of one); dead 1 -> 2 adds omitted and sha256 (a schema-1 copy is whole).
+#: the same DataProto once decoded; rollout 3 -> 4 changed only the ragged batch's wire layout and 4 -> 5
+#: moved it out of its ext into the payload (the codec reads all three); local_update / step_end 1 -> 2 add
+#: rank and world_size (a schema-1 event is rank 0 of a world of one); dead 1 -> 2 adds omitted and sha256 (a
+#: schema-1 copy is whole).
 _OLDEST: dict[str, int] = {"rollout": 1, "local_update": 1, "step_end": 1, "dead": 1}
 
 

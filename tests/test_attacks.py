@@ -21,7 +21,7 @@ from rollstream.fakes import fake_rollout_sample
 from rollstream.names import Keys
 from rollstream.pacing import lease_outright
 from rollstream.weights import publish_weights
-from schemas import DeadLetter, decode, encode
+from schemas import DeadLetter, RolloutSample, decode, encode
 
 MAX_ENTRY_BYTES = 256 << 10
 
@@ -105,7 +105,7 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
     )
     schema = sample_fields(lid["schema"])
     schema[b"schema"] = b"999"
-    attacks["schema"] = (schema, "header schema='999' != payload schema_version=4")
+    attacks["schema"] = (schema, f"header schema='999' != payload schema_version={RolloutSample.SCHEMA}")
     extra = sample_fields(lid["extra"])
     extra[b"junk"] = b"x" * (50 << 10)
     attacks["unknown"] = (extra, "unknown field 'junk' in a 'rollout' entry")

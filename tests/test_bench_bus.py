@@ -56,7 +56,7 @@ def test_markdown_table_from_the_command(redis_url: str, keys: Keys) -> None:
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("|")]
     assert lines[0].startswith("| layout | bytes per response token per row")
-    assert [ln.split("|")[1].strip() for ln in lines[2:3]] == ["schema 4"]
+    assert [ln.split("|")[1].strip() for ln in lines[2:3]] == ["schema 5"]
     table = lines[3:]
     assert table[0].startswith("| size | batch | ours samples/s | ours MB/s | raw MB/s | ours/raw")
     assert [ln.split("|")[1].strip() for ln in table[2:]] == ["2 KB", "24 KB"]

@@ -35,7 +35,16 @@ from rollstream.from_config import build_policy
 from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.pacing import lease_outright
 from rollstream.weights import latest_param_version, publish_weights
-from schemas import EVENT_MODELS, DeadLetter, decode, decode_payload, encode, encode_payload
+from schemas import (
+    EVENT_MODELS,
+    DeadLetter,
+    RolloutSample,
+    decode,
+    decode_as,
+    decode_payload,
+    encode,
+    encode_payload,
+)
 
 FUZZ = settings(max_examples=12, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -112,9 +121,10 @@ def _ragged(f: Fields, mutate: Callable[[dict[str, np.ndarray]], Any]) -> Fields
     """The entry with its ragged batch's arrays (by name: the four id/length arrays, tokens and rows keys)
     rewritten by mutate (on copies)."""
     names = ("prompt_ids", "prompt_lens", "response_ids", "response_lens")
+    batch = decode_as(f, RolloutSample).full_batch  # (schema 5's payload holds it as a list of raw parts)
 
     def go(d: dict[str, Any]) -> None:
-        b = d["full_batch"]
+        b = d["full_batch"] = batch
         arrays = {**{k: getattr(b, k).copy() for k in names}, **{k: v.copy() for k, v in b.tokens.items()},
                   **{k: v.copy() for k, v in b.rows.items()}}
         mutate(arrays)

@@ -1,4 +1,4 @@
-"""The ragged sample (schema 4): old schemas read into it, and encode -> decode -> assemble equals a direct
+"""The ragged sample (schema 5): old schemas read into it, and encode -> decode -> assemble equals a direct
 padded build for random ragged batches (no Redis)."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from schemas.ragged import RaggedBatch, id_range_ok, ids_dtype
 
 OLD = Path(__file__).parent / "data" / "old_rollouts"  # written by commit c292fb6 (make_old.py there)
 SCHEMA3 = Path(__file__).parent / "data" / "schema3"  # written by commit d852c4c (make_schema3.py there)
+SCHEMA4 = Path(__file__).parent / "data" / "schema4"  # written by commit b0225e4 (make_schema4.py here)
 VOCAB_EDGES = (2, 255, 256, 257, 65535, 65536, 65537, (1 << 31) - 1, 1 << 31, (1 << 31) + 1)
 
 
@@ -56,21 +57,26 @@ def test_schema_1_and_2_entries_decode_ragged(name: str) -> None:
     assert entry["fields"][b"schema"] in (b"1", b"2")
     got = decode_as(entry["fields"], RolloutSample)
     want = entry["expected"]
-    assert got.schema_version == RolloutSample.SCHEMA == 4
+    assert got.schema_version == RolloutSample.SCHEMA == 5
     assert (got.sample_id, got.n, got.num_tokens) == (want["sample_id"], want["n"], want["tokens"])
     assert _rows(got.full_batch) == want["rows"]
 
 
-def _schema3_entries() -> dict[str, Any]:
-    return msgpack.unpackb((SCHEMA3 / "entries.msgpack").read_bytes(), raw=False)  # type: ignore[no-any-return]
+def _entries_3_and_4() -> dict[str, Any]:
+    """The committed schema-3 and schema-4 entries by name (s3_..., s4_...)."""
+    out: dict[str, Any] = {}
+    for folder in (SCHEMA3, SCHEMA4):
+        out.update(msgpack.unpackb((folder / "entries.msgpack").read_bytes(), raw=False))
+    return out
 
 
-@pytest.mark.parametrize("name", sorted(_schema3_entries()))
-def test_schema_3_entries_decode(name: str) -> None:
-    """Committed bytes of schema-3 entries (one flat array header per array, inline and out-of-band) decode
-    with the values, id dtype and per-row object arrays they were built from."""
-    entry = _schema3_entries()[name]
-    assert entry["fields"][b"schema"] == b"3"
+@pytest.mark.parametrize("name", sorted(_entries_3_and_4()))
+def test_schema_3_and_4_entries_decode(name: str) -> None:
+    """Committed bytes of schema-3 entries (one flat array header per array) and schema-4 entries (the batch
+    in an EXT_RAGGED_BATCH ext), inline and out-of-band, decode with the values, id dtype and per-row object
+    arrays they were built from (their header's epoch, n and tokens still held to the payload)."""
+    entry = _entries_3_and_4()[name]
+    assert entry["fields"][b"schema"] == name[1].encode() and b"tokens" in entry["fields"]
     got = decode_as(entry["fields"], RolloutSample)
     want = entry["expected"]
     assert got.schema_version == RolloutSample.SCHEMA
@@ -207,7 +213,7 @@ def test_encode_decode_assemble_equals_a_direct_padded_build(
         wire = {name.encode(): bytes(v) for name, v in encode(sample).items()}
         got = decode(wire)
         assert isinstance(got, RolloutSample) and unusable_reason(got, vocab, None) is None
-        assert wire[b"tokens"] == str(sum(sum(t.response_mask) for t in trajs)).encode()
+        assert got.num_tokens == sum(sum(t.response_mask) for t in trajs)
         samples.append(got)
     want = _direct(groups)
     parts, _ = assemble_micro_batches(samples, micro)

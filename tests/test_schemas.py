@@ -209,25 +209,14 @@ def test_round_trip_without_bytes_conversion(event: EventBase) -> None:
 
 
 def test_header_fields_come_first_and_are_readable() -> None:
-    """Rollout header: type, schema, ids, n, tokens; then payload; then a0, a1, …"""
-    event = make_rollout(n=3, resp_len=300)
+    """Rollout header: type, schema, sample_id, param_version, producer; then payload; then a0, a1, …"""
+    event = make_rollout(n=3, resp_len=3000)
     fields = encode(event)
     keys = list(fields)
-    assert keys[:9] == [
-        "type",
-        "schema",
-        "sample_id",
-        "param_version",
-        "epoch",
-        "producer",
-        "n",
-        "tokens",
-        "payload",
-    ]
-    assert all(k.startswith("a") for k in keys[9:]) and len(keys) > 9
-    assert fields["type"] == b"rollout" and fields["schema"] == b"4" and fields["n"] == b"3"
-    assert fields["tokens"] == str(3 * 299).encode() == str(event.num_tokens).encode()
-    assert all(isinstance(fields[k], memoryview) for k in keys[9:])
+    assert keys[:6] == ["type", "schema", "sample_id", "param_version", "producer", "payload"]
+    assert all(k.startswith("a") for k in keys[6:]) and len(keys) > 6
+    assert fields["type"] == b"rollout" and fields["schema"] == b"5" and fields["sample_id"] == b"p0:17"
+    assert all(isinstance(fields[k], memoryview) for k in keys[6:])
     metrics = encode(StepMetrics(type="step_end", global_step=7, local_step=4, sample_count=64))
     assert list(metrics)[:7] == [
         "type",
@@ -243,6 +232,19 @@ def test_header_fields_come_first_and_are_readable() -> None:
     assert list(params)[2:7] == ["version", "uri", "sha256", "bytes", "global_step"]
     dead = encode(DeadLetter(source="src", source_id="1-0", reason="why"))
     assert list(dead)[2:5] == ["source", "source_id", "reason"] and dead["reason"] == b"why"
+
+
+def test_older_header_fields_still_decode_and_must_agree() -> None:
+    """epoch, n and tokens, which encoders up to b0225e4 wrote, still decode and are still held to the
+    payload; any other extra field is refused."""
+    event = make_rollout(n=3, resp_len=300)
+    fields = as_redis(encode(event))
+    old = {**fields, b"epoch": b"1", b"n": b"3", b"tokens": str(event.num_tokens).encode()}
+    assert_events_equal(decode(old), event)
+    assert "header n=b'4' != payload n=b'3'" in reason_of({**old, b"n": b"4"})
+    assert "header tokens=" in reason_of({**old, b"tokens": b"1"})
+    assert "header epoch=" in reason_of({**fields, b"epoch": b"0"})
+    assert "unknown field 'num_tokens'" in reason_of({**fields, b"num_tokens": b"1"})
 
 
 def test_rollout_properties() -> None:
@@ -428,9 +430,7 @@ def hostile(meta_value: Any, **extra_fields: bytes) -> dict[bytes, bytes]:
     """A rollout entry whose full_batch.meta_info['x'] is the given (raw msgpack-able) value."""
     fields = tamper(small_rollout())
     body = msgpack.unpackb(fields[b"payload"])
-    parts = msgpack.unpackb(body["full_batch"].data)
-    parts[7]["x"] = meta_value  # the ragged batch's meta_info
-    body["full_batch"] = msgpack.ExtType(8, msgpack.packb(parts))
+    body["full_batch"][7]["x"] = meta_value  # the ragged batch's meta_info (schema 5: a list in the payload)
     fields[b"payload"] = msgpack.packb(body)
     fields.update({k.encode(): v for k, v in extra_fields.items()})
     return fields

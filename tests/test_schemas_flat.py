@@ -37,29 +37,34 @@ def flat_ext(*args: Any, **kwargs: Any) -> msgpack.ExtType:
 
 EXT_RAGGED_BATCH_3, EXT_RAGGED_BATCH = 7, 8
 SCHEMA3 = Path(__file__).parent / "data" / "schema3" / "entries.msgpack"  # committed schema-3 entries
+SCHEMA4 = Path(__file__).parent / "data" / "schema4" / "entries.msgpack"  # committed schema-4 entries
 
 
 def full_batch_parts(fields: dict[bytes, bytes]) -> tuple[dict[str, Any], list[Any]]:
-    """The payload map and the raw parts of an entry's full_batch (schema 4: [prompt_lens, response_lens,
-    prompt_ids, response_ids, tokens, rows, non_tensors, meta_info]; schema 3: [prompt_lens, prompt_ids,
-    response_lens, response_ids, tokens, rows, non_tensors, meta_info])."""
+    """The payload map and the raw parts of an entry's full_batch (schema 5: the payload's list itself,
+    schema 4: the EXT_RAGGED_BATCH's list, both [prompt_lens, response_lens, prompt_ids, response_ids,
+    tokens, rows, non_tensors, meta_info]; schema 3: [prompt_lens, prompt_ids, response_lens, response_ids,
+    tokens, rows, non_tensors, meta_info])."""
     body = msgpack.unpackb(fields[b"payload"])
-    return body, msgpack.unpackb(body["full_batch"].data)
+    batch = body["full_batch"]
+    return body, list(batch) if type(batch) is list else msgpack.unpackb(batch.data)
 
 
 def with_parts(fields: dict[bytes, bytes], body: dict[str, Any], parts: list[Any],
-               code: int = EXT_RAGGED_BATCH) -> dict[bytes, bytes]:
-    """The entry with its full_batch ext rebuilt from parts."""
-    body["full_batch"] = msgpack.ExtType(code, msgpack.packb(parts))
+               code: int | None = None) -> dict[bytes, bytes]:
+    """The entry with its full_batch rebuilt from parts: the list itself (schema 5), or an ext of `code`."""
+    body["full_batch"] = parts if code is None else msgpack.ExtType(code, msgpack.packb(parts))
     return {**fields, b"payload": msgpack.packb(body)}
 
 
 def test_ragged_batch_layout() -> None:
-    """Schema 4: lengths are int lists, ids and per-token arrays [dtype code, data] (out-of-band ones name
-    their field, small ones carry their bytes), per-row arrays flat headers, a 1-d object array its values."""
+    """Schema 5: the batch is a list in the payload (no ext); lengths are int lists, ids and per-token arrays
+    [dtype code, data] (out-of-band ones name their field, small ones carry their bytes), 1-d per-row arrays
+    [dtype code, data] too, a 1-d object array its values."""
     event = make_rollout(n=2, resp_len=300)
     fields = as_redis(encode(event))
-    _, (plen, rlen, prompt, resp, tokens, rows, non_tensors, _meta) = full_batch_parts(fields)
+    body, (plen, rlen, prompt, resp, tokens, rows, non_tensors, _meta) = full_batch_parts(fields)
+    assert type(body["full_batch"]) is list and body["schema_version"] == 5
     b = event.full_batch
     assert (plen, rlen) == ([3, 3], [299, 299])  # each row's own prompt
     assert prompt == [WIRE_DTYPES.index("<i8"), b.prompt_ids.tobytes()]
@@ -97,7 +102,7 @@ def test_hostile_flat_headers() -> None:
 
 
 def test_hostile_ragged_parts() -> None:
-    """Schema 4: every check of RaggedBatch.check, made where decode reads the part, refuses a bad part with a
+    """Schema 5: every check of RaggedBatch.check, made where decode reads the part, refuses a bad part with a
     reason naming the field and its value: lengths (type, sign, count), ids and token sizes against the
     lengths, dtypes, per-row arrays' first dimension, rows numeric, maps and keys."""
     fields = as_redis(encode(make_rollout(n=2, resp_len=300)))
@@ -165,11 +170,43 @@ def test_hostile_ragged_parts() -> None:
     assert "tokens and meta_info must be maps" in reason_of(swap(4, []))
     assert "rows must be a map" in reason_of(swap(5, []))
     assert "non_tensors must be a map" in reason_of(swap(6, []))
-    assert "malformed ragged batch ext" in reason_of(with_parts(fields, dict(body), parts[:7]))
+    assert "full_batch has 7 parts, not 8" in reason_of(with_parts(fields, dict(body), parts[:7]))
+    assert "full_batch: Input should be an instance of RaggedBatch" in reason_of(
+        swap_batch(fields, body, "x")
+    )
     one = decode_as(swap(6, dict(parts[6], uid=[["x"], {"k": 1}])), RolloutSample).full_batch.non_tensors[
         "uid"
     ]
     assert one.shape == (2,) and one.tolist() == [["x"], {"k": 1}]  # values kept as they are, never broadcast
+
+
+def swap_batch(fields: dict[bytes, bytes], body: dict[str, Any], batch: Any) -> dict[bytes, bytes]:
+    """The entry with its payload's full_batch replaced by `batch`."""
+    return {**fields, b"payload": msgpack.packb({**body, "full_batch": batch})}
+
+
+def test_hostile_schema_4_ragged_parts() -> None:
+    """Schema 4 (still read: the batch in an EXT_RAGGED_BATCH ext) makes the same checks, each naming the
+    part; a schema-4 entry whose batch is a bare list (schema 5's form) is refused."""
+    fields = msgpack.unpackb(SCHEMA4.read_bytes())["s4_big_vocab_out_of_band"]["fields"]
+    body, parts = full_batch_parts(fields)
+    assert body["full_batch"].code == EXT_RAGGED_BATCH and body["schema_version"] == 4
+
+    def swap(i: int, value: Any) -> dict[bytes, bytes]:
+        return with_parts(fields, dict(body), [*parts[:i], value, *parts[i + 1 :]], EXT_RAGGED_BATCH)
+
+    assert decode_as(swap(0, parts[0]), RolloutSample).n == 2
+    assert "response_lens must be a list of ints in [0, 2**31), got [600, -1]" in reason_of(
+        swap(1, [600, -1])
+    )
+    assert "response_ids has 602 values (2408 bytes of <i4), the lengths say 603" in reason_of(
+        swap(1, [600, 3])
+    )
+    assert "tokens key b'x' is not a str" in reason_of(swap(4, {b"x": [F4, b""]}))
+    short = with_parts(fields, dict(body), parts[:7], EXT_RAGGED_BATCH)
+    assert "malformed ragged batch ext" in reason_of(short)
+    bare = with_parts(fields, dict(body), parts)  # schema 5's list in a schema-4 payload
+    assert "full_batch: Input should be an instance of RaggedBatch" in reason_of(bare)
 
 
 def test_hostile_schema_3_ragged_parts() -> None:
