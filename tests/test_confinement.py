@@ -351,7 +351,8 @@ def test_a_producer_cannot_publish_in_another_producers_name(roles: Roles, tmp_p
     assert not _permitted(lambda: p0.xadd(keys.stats_of("rollout_01"), encode(stats)))  # type: ignore[arg-type]
     assert not _permitted(lambda: p1.xadd(keys.rollouts_of(P0), {"x": "y"}))
     p0.xadd(keys.rollouts_of(P0), forged)  # type: ignore[arg-type]
-    for sid in ("rollout_01-y", f"{P0}-z"):  # another's sample id, then an honest sample
+    lease_outright(roles.trainer, keys, P0, 1)
+    for sid in ("rollout_01-y", f"{P0}-0"):  # another's sample id, then an honest (leased) sample
         p0.xadd(
             keys.rollouts_of(P0),
             encode(fake_rollout_sample(sid, producer=P0, n=2, prompt_len=4, response_len=4)),  # type: ignore[arg-type]
@@ -363,7 +364,7 @@ def test_a_producer_cannot_publish_in_another_producers_name(roles: Roles, tmp_p
     collector = Collector(cfg, roles.trainer, keys, reader, dp, stop, True, 1000, 64, lambda: None)
     while collector.fill() and not reader.drained:
         pass
-    assert [m.event.sample_id for m in collector.buffer] == [f"{P0}-z"]  # type: ignore[union-attr]
+    assert [m.event.sample_id for m in collector.buffer] == [f"{P0}-0"]  # type: ignore[union-attr]
     dead, source = [decode(f) for _, f in roles.admin.xrange(keys.dead)], keys.rollouts_of(P0)
     assert [(d.source, d.reason) for d in dead] == [  # type: ignore[union-attr]
         (source, f"impersonation: field producer='rollout_01' on the stream of producer '{P0}'"),
