@@ -147,13 +147,14 @@ class AggregatorWorker:
 
     def drain_stats(self, upto: str | None) -> tuple[list[Message], bool]:
         """Read the stats streams until every entry with an id below `upto` is in: until each stream has
-        delivered an entry above it, or the streams are drained and the server clock is past it (no later
-        XADD can get a lower id). Returns (entries, complete); not complete when stopped first (the caller
-        then holds back the metrics batch, so no record is folded without its stats)."""
+        delivered an entry above it, or the streams are drained once more after the server clock passed it
+        (no later XADD can get a lower id). Returns (entries, complete); not complete when stopped first
+        (the caller then holds back the metrics batch, so no record is folded without its stats)."""
         out: list[Message] = []
         deadline = time.monotonic() + DRAIN_MAX_S
         reader = self.stats_reader
         past: set[str] = set()  # streams that delivered an entry above `upto`
+        clock_past = False  # the server clock was past `upto` before the last drain began
         while True:
             for msgs in reader.batches(burst=True, block_ms=0):
                 out += msgs
@@ -164,14 +165,16 @@ class AggregatorWorker:
                         return out, True
             if self.stop.is_set():
                 return out, upto is None
-            if upto is None:
+            if upto is None or clock_past:
                 return out, True
-            try:  # drained: done once the server clock is past `upto`
+            try:  # drained: done after one more drain once the server clock is past `upto` (an XADD that ran
+                # before the clock passed it may have an id below it, on a stream already drained)
                 sec, usec = self.r.time()
             except CONNECTION_ERRORS:
                 continue
             if int(sec) * 1000 + int(usec) // 1000 > id_key(upto)[0] or time.monotonic() > deadline:
-                return out, True
+                clock_past = True
+                continue
             time.sleep(0.001)
 
     def _commit(self, completed: list[Completed], refs: list[str]) -> None:
