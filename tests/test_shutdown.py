@@ -205,7 +205,7 @@ def test_trainer_first_sigterm_mid_step_exits_0_and_acks_nothing_unfinished(
     assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) is None
     # nothing ended or lost: both samples stay pending, retrained by the next trainer
     rep = audit_run(r, keys)
-    assert rep.problems() == [] and rep.pending == {f"{P0}-s0", f"{P0}-s1"}
+    assert rep.problems() == [] and rep.pending == {f"{P0}-0", f"{P0}-1"}
     assert not rep.trained | rep.dropped | rep.dead
     assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 2
 

@@ -286,13 +286,17 @@ def _wait_for_local_update(
         assert proc.poll() is None, "trainer exited early"
         time.sleep(0.05)
     proc.kill()
-    raise AssertionError(f"no local_update for step {step} within {timeout_s}s: {proc.stderr.read()[-3000:]}")
+    err = proc.stderr.read()[-3000:] if proc.stderr else ""
+    proc.wait(10)
+    raise AssertionError(f"no local_update for step {step} within {timeout_s}s: {err}")
 
 
 def test_trainer_sigkill_mid_step_then_restart_loses_and_repeats_nothing(
     r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path, producer: FakeProducer
 ) -> None:
-    producer.cap[1] = 2  # version 1 gets only enough for step 2's first local update
+    # version 1 gets only enough for step 2's first local update (2 good samples; the corrupt 5th may be
+    # among its 3 when the trainer finished step 1 before it was published)
+    producer.cap[1] = 3
     args = trainer_args(keys, redis_url, tmp_path, 4)
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

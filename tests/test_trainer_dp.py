@@ -258,7 +258,7 @@ def test_two_trainer_ranks_train_a_sample_read_by_both_once(
     meta = decode_payload(st_load(newest.read_bytes())["meta/payload"].numpy().tobytes())
     assert [rk["rank"] for rk in meta["ranks"]] == [0, 1] and all(rk["rng"]["torch"] for rk in meta["ranks"])
     got = sorted(sid for rk in meta["ranks"] for sid in rk["sample_ids"])
-    assert got == [f"{P0}-s{i}" for i in range(4, 8)]
+    assert got == [f"{P0}-{i}" for i in range(4, 8)]
 
 
 def test_a_round_gives_an_id_taken_by_two_ranks_to_the_lower_one() -> None:
