@@ -75,7 +75,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.02  # sleep between checks while idle (waiting for a lease or a version)
+POLL_S = 0.005  # sleep between checks while idle (a lease or a version): the wait for a lease is latency
 BURST_WAIT_S = 0.25  # burst mode: how long to wait for a lease asked for before stopping
 
 #: Generation of one dispatch: (the batch, prompts x n rows prompt-major; the param version stamped at

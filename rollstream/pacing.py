@@ -70,7 +70,7 @@ from schemas.text_entries import (
 log = logging.getLogger(__name__)
 
 #: Seconds between two passes of the trainer's Leaser (a producer waits at most about this for a lease).
-LEASE_PERIOD_S = 0.01
+LEASE_PERIOD_S = 0.005
 
 # KEYS: budget:v, dispatched, consumed, trainer hash, dispatch_log, budget:v-1 … (older ones to delete)
 # ARGV: version, max_outstanding, cap (-1: none)
@@ -228,23 +228,42 @@ def grant_budget(
     return int(res[0]), int(res[1])
 
 
-def lease_pass(r: redis.Redis, keys: Keys, producers: Sequence[str]) -> int:
+def lease_pass(r: redis.Redis, keys: Keys, producers: Sequence[str], version: int | None = None) -> int:
     """Trainer side: lease each producer (in the given order) up to its want from the current version's
-    budget; returns the prompts leased (0 before the first grant)."""
-    while True:
+    budget; returns the prompts leased (0 before the first grant). `version`: the caller's last reading of
+    the budget's version (read here when None; a stale one costs one more call)."""
+    return lease_once(r, keys, producers, version)[0]
+
+
+def lease_once(
+    r: redis.Redis, keys: Keys, producers: Sequence[str], version: int | None = None
+) -> tuple[int, int]:
+    """`lease_pass`, also returning the budget's current version (-1 before the first grant), which the
+    Leaser keeps for its next pass: one EVALSHA per pass while no grant moves it."""
+    if version is None or version < 0:
         version = current_budget(r, keys)[0]
+    while True:
         if version < 0 or not producers:
-            return 0
-        res: Any = r.eval(
-            _LEASE,
-            6 + len(producers),
-            *_base_keys(keys, version),
-            *(keys.producer_want(p) for p in producers),
-            version,
-            *producers,
+            return 0, version
+        res: Any = _script(r, _LEASE)(
+            keys=[*_base_keys(keys, version), *(keys.producer_want(p) for p in producers)],
+            args=[version, *producers],
+            client=r,
         )
         if int(res[0]) >= 0:
-            return int(res[0])
+            return int(res[0]), version
+        version = int(res[1])  # a grant moved it: the script said which
+
+
+#: Scripts as redis-py Script objects (EVALSHA; sent again after a NOSCRIPT), by body.
+_SCRIPTS: dict[str, Any] = {}
+
+
+def _script(r: redis.Redis, body: str) -> Any:
+    """`body` as a redis-py Script (its SHA computed once per process); call it with client=r."""
+    if (script := _SCRIPTS.get(body)) is None:
+        script = _SCRIPTS[body] = r.register_script(body)
+    return script
 
 
 def lease_outright(r: redis.Redis, keys: Keys, producer: str, n: int) -> int:
@@ -326,6 +345,7 @@ class Leaser:
         self.leased = 0  # prompts leased by this loop
         self.thread: threading.Thread | None = None
         self._turn = 0
+        self._version = -1  # the budget's version at the last pass (-1: read it on the next)
 
     def run_once(self) -> int:
         """One pass; returns the prompts leased."""
@@ -333,7 +353,8 @@ class Leaser:
             return 0
         k = self._turn % len(self.producers)
         self._turn += 1
-        n = lease_pass(self.r, self.keys, self.producers[k:] + self.producers[:k])
+        order = self.producers[k:] + self.producers[:k]
+        n, self._version = lease_once(self.r, self.keys, order, self._version)
         self.leased += n
         return n
 

@@ -486,7 +486,7 @@ def wait_for_take(r: redis.Redis, keys: Keys, proc: subprocess.Popen[bytes], tim
     while time.monotonic() < deadline:
         takes = [e for e in dispatch_log(r, keys) if e.op == LEASE]
         if takes:
-            time.sleep(0.05)  # it reads its lease within POLL_S (0.02 s); a dispatch of SLOW takes longer
+            time.sleep(0.05)  # it reads its lease within POLL_S (0.005 s); a dispatch of SLOW takes longer
             return takes[0].amount
         assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
         time.sleep(0.01)
