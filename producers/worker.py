@@ -39,12 +39,14 @@ import os
 import re
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from producers.agent import GenerationSettings, run_agent_loop
 from producers.stats import Counters, StatsWindow, rollout_status
+from producers.watchdog import GenerationHung, GenerationWatchdog
 from producers.weight_sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
 from rollstream.from_config import build_policy, build_prompt_source, build_task
@@ -67,7 +69,7 @@ from rollstream.rollout import (
 )
 from rollstream.tasks import Prompt, Task
 from rollstream.weights import latest_param_version
-from rollstream.worker import WorkerContext
+from rollstream.worker import EXIT_HUNG, WorkerContext
 from schemas import ROLLOUT_FAILURE, DataProto, RolloutSample, decode_cursor, encode, encode_cursor
 
 if TYPE_CHECKING:
@@ -148,6 +150,8 @@ class Producer:
         self.last_stats = time.monotonic()
         self._done = 0
         self.reconnects = 0
+        #: called by the generation watchdog after publishing a hung dispatch (tests replace the exit)
+        self.on_hung: Callable[[], None] = partial(os._exit, EXIT_HUNG)
 
     def agent_loop(self, batch: DataProto, param_version: int) -> list[Trajectory]:
         """The default generation: the policy through the agent loop (weights may change mid-generation)."""
@@ -317,19 +321,53 @@ class Producer:
         batch = concat_generation_data(groups, self.policy.tokenizer.pad_id)  # prompts*n rows, prompt-major
         t0 = time.perf_counter()
         failed = False
+        hung = partial(self._hung, ids, items, param_version, batch, t0, before)
         try:
-            trajs = self.generate(batch, param_version)
+            with GenerationWatchdog(cfg.rollout.generate_timeout_s, hung):
+                trajs = self.generate(batch, param_version)
+        except GenerationHung:
+            raise
         except CONNECTION_ERRORS:
             raise
         except Exception:  # an engine error or timeout: the prompts still end on the log, as failures
             log.exception("generation of %d prompts failed: publishing them as rollout failures", len(items))
             trajs, failed = failed_trajectories(batch, param_version, time.perf_counter() - t0), True
         gen_s = time.perf_counter() - t0
-        counts = rollout_counts(self.ctx.r, self.ctx.keys, producer_names(cfg.rollout.num_producers))
-        status = rollout_status(counts, cfg, self.weights.version)
-        if failed:  # the trainer evicts such a sample (reason rollout_failure) and gives its room back
+        return self._finish(ids, items, param_version, trajs, gen_s, self._status(failed), before)
+
+    def _status(self, failed: bool) -> dict[str, float | int]:
+        """The global rollout_status a dispatch's samples carry (`rollout_failure` = 1 when it failed: the
+        trainer evicts such a sample with that reason and gives its room back)."""
+        counts = rollout_counts(self.ctx.r, self.ctx.keys, producer_names(self.ctx.cfg.rollout.num_producers))
+        status = rollout_status(counts, self.ctx.cfg, self.weights.version)
+        if failed:
             status[ROLLOUT_FAILURE] = 1
-        return self._finish(ids, items, param_version, trajs, gen_s, status, before)
+        return status
+
+    def _hung(
+        self,
+        ids: list[str],
+        items: list[tuple[int, int, Prompt]],
+        param_version: int,
+        batch: DataProto,
+        t0: float,
+        before: tuple[int, int],
+    ) -> None:
+        """The watchdog's end of a generation past `rollout.generate_timeout_s`: publish its prompts as
+        rollout failures, then `on_hung` (exit EXIT_HUNG; the supervisor restarts the producer). A publish
+        that fails loses nothing: the restarted producer dispatches the leased, unpublished prompts again."""
+        elapsed = time.perf_counter() - t0
+        log.error(
+            "generation of %d prompts did not finish within rollout.generate_timeout_s=%s s: publishing them "
+            "as rollout failures; exiting (%d) for the supervisor to restart this producer",
+            len(items), self.ctx.cfg.rollout.generate_timeout_s, EXIT_HUNG,
+        )
+        try:
+            trajs = failed_trajectories(batch, param_version, elapsed)
+            self._finish(ids, items, param_version, trajs, elapsed, self._status(True), before)
+        except Exception:
+            log.exception("publishing the hung dispatch failed: a restart dispatches its prompts again")
+        self.on_hung()
 
     def _take_prompts(self, amount: int) -> tuple[list[tuple[int, int, Prompt]], int, list[str]]:
         """Take up to `amount` prompts from the source, no more than the lease has left: ((epoch, index,

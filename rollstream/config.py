@@ -205,6 +205,13 @@ class RolloutConfig(_Section):
     prompts_per_dispatch: int = Field(
         4, ge=1, description="Prompts a producer takes budget for and generates in one batch"
     )
+    generate_timeout_s: float | None = Field(
+        1800.0,
+        gt=0,
+        description="Seconds one dispatch's generation may take; past it (a hung engine) its prompts are "
+                    "published as rollout failures and the producer exits for its supervisor to restart "
+                    "(null: no limit)",
+    )
     temperature: float = Field(
         1.0,
         gt=0,

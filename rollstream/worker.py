@@ -36,6 +36,7 @@ EXIT_ERROR = 1
 EXIT_CONFIG = 2
 EXIT_FORCED = 3  # second SIGTERM: left at once
 EXIT_REDIS = 4  # Redis never became reachable
+EXIT_HUNG = 5  # a producer's generation passed rollout.generate_timeout_s (its prompts published as failures)
 
 #: Environment variable holding the Redis URL when `run.redis_url` is null (set by `rollstream run`).
 REDIS_URL_ENV = "ROLLSTREAM_REDIS_URL"

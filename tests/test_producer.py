@@ -18,6 +18,7 @@ import torch
 from conftest import P0
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from producers.watchdog import GenerationHung
 from producers.weight_sync import WeightSync
 from producers.worker import Producer, producer_seed
 from rollstream.bus import parse_id, run_producers, setup_run
@@ -34,7 +35,7 @@ from rollstream.pacing import (
 )
 from rollstream.tasks import calculate
 from rollstream.weights import producer_versions, publish_weights
-from rollstream.worker import EXIT_OK, WorkerContext
+from rollstream.worker import EXIT_HUNG, EXIT_OK, WorkerContext
 from schemas import DispatchRecord, ProducerStats, RolloutSample, decode
 from schemas.text_entries import GRANT, LEASE, TOPUP
 
@@ -613,3 +614,62 @@ def test_a_generation_failure_publishes_its_prompts_as_rollout_failures(
         assert s.rollout_status["rollout_failure"] == 1 and s.n == cfg.rollout.n and s.num_tokens == 0
     assert all("rollout_failure" not in s.rollout_status and s.num_tokens > 0 for s in fine)
     assert outstanding(r, keys) == 2 * per and in_flight(r, keys, "rollout_00") == 0
+
+
+def test_a_generation_that_never_returns_is_published_as_failures_once(
+    r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
+    """A hung engine: past rollout.generate_timeout_s the watchdog publishes the dispatch's prompts as rollout
+    failures and ends the process (here: a hook); the generation returning later publishes nothing twice."""
+    cfg = small_cfg(keys, "rollout.generate_timeout_s=0.3")
+    start_run(r, keys, build_blob(cfg, 0), grant=cfg.max_outstanding)
+    release, ended = threading.Event(), threading.Event()
+
+    def hang(batch: Any, param_version: int) -> Any:
+        release.wait(30)
+        return producer.agent_loop(batch, param_version)
+
+    producer = Producer(context(cfg, keys, "rollout_00", redis_url), generate=hang)
+    producer.on_hung = ended.set  # instead of os._exit(EXIT_HUNG)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            producer.run(max_dispatches=1)
+        except BaseException as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert ended.wait(30), "the watchdog never ended the hung generation"
+    got = samples(r, keys)
+    per = cfg.rollout.prompts_per_dispatch
+    assert [s.sample_id for s in got] == [f"rollout_00-{i}" for i in range(per)]
+    assert all(s.rollout_status["rollout_failure"] == 1 and s.num_tokens == 0 for s in got)
+    assert in_flight(r, keys, "rollout_00") == 0  # published: the trainer evicts them and gives the room back
+    release.set()  # the engine answers at last: too late, the dispatch is not published again
+    worker.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], GenerationHung), errors
+    assert len(samples(r, keys)) == per
+
+
+def test_a_hung_producer_exits_for_its_supervisor_and_a_restart_goes_on(
+    r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
+    cfg = small_cfg(keys, *SLOW)
+    start_run(r, keys, build_blob(cfg, 0), grant=1000)
+    proc = spawn_producer(keys, redis_url, "rollout.generate_timeout_s=0.001")  # no generation is that fast
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_HUNG, err.decode()[-2000:]
+    assert "generate_timeout_s" in err.decode()
+    failed = samples(r, keys)
+    assert failed and all(s.rollout_status["rollout_failure"] == 1 for s in failed)
+    assert in_flight(r, keys, "rollout_00") == 0
+    restarted = Producer(context(small_cfg(keys, *RESTART), keys, "rollout_00", redis_url))
+    assert restarted.run(max_dispatches=1) == 1 and restarted.counters.released_on_start == 0
+    fresh = samples(r, keys)[len(failed) :]
+    assert fresh and all("rollout_failure" not in s.rollout_status for s in fresh)
+    assert {s.sample_id for s in fresh}.isdisjoint(s.sample_id for s in failed)
