@@ -46,7 +46,7 @@ import torch
 
 from producers.agent import GenerationSettings, run_agent_loop
 from producers.stats import Counters, StatsWindow, rollout_status
-from producers.watchdog import GenerationHung, GenerationWatchdog
+from producers.watchdog import GenerationHung, GenerationWatchdog, exit_hung
 from producers.weight_sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
 from rollstream.from_config import build_policy, build_prompt_source, build_task
@@ -151,7 +151,7 @@ class Producer:
         self._done = 0
         self.reconnects = 0
         #: called by the generation watchdog after publishing a hung dispatch (tests replace the exit)
-        self.on_hung: Callable[[], None] = partial(os._exit, EXIT_HUNG)
+        self.on_hung: Callable[[], None] = partial(exit_hung, EXIT_HUNG)
 
     def agent_loop(self, batch: DataProto, param_version: int) -> list[Trajectory]:
         """The default generation: the policy through the agent loop (weights may change mid-generation)."""

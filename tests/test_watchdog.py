@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from producers.watchdog import GenerationHung, GenerationWatchdog
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_block_within_its_deadline_is_never_expired() -> None:
@@ -49,3 +54,36 @@ def test_a_race_at_the_deadline_has_exactly_one_winner(timeout_s: float) -> None
         except GenerationHung:
             won_by_block = False  # raised only once on_expire has run
         assert expired.is_set() != won_by_block
+
+
+def test_exit_hung_takes_the_engines_processes_with_it() -> None:
+    """A producer leaving a hung engine kills its descendants (a child and a grandchild here) and exits."""
+    code = (
+        "import subprocess, sys, time\n"
+        "from producers.watchdog import descendants, exit_hung\n"
+        "child = subprocess.Popen([sys.executable, '-c', "
+        "'import subprocess, time; subprocess.Popen([\"sleep\", \"60\"]); time.sleep(60)'])\n"
+        "import os\n"
+        "for _ in range(100):\n"
+        "    if len(descendants(os.getpid())) == 2: break\n"
+        "    time.sleep(0.05)\n"
+        "print(' '.join(map(str, descendants(os.getpid()))), flush=True)\n"
+        "exit_hung(5)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 5, out.stderr
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.05)
+    assert not any(_running(p) for p in pids)
+
+
+def _running(pid: int) -> bool:
+    """True while pid exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
