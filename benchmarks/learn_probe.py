@@ -77,11 +77,17 @@ def evaluate(
     return total, by_len, digits, copy_sources(pairs)
 
 
-def probe(cfg: PipelineConfig, limit_s: float, eval_every: int) -> None:
+def probe(
+    cfg: PipelineConfig,
+    limit_s: float,
+    eval_every: int,
+    warm_mode: str = "reverse",
+    warm_stop_at: float = 0.05,
+) -> None:
     """Warm start, then on-policy GRPO steps until `limit_s`, printing evaluations as it goes."""
     torch.manual_seed(cfg.run.seed)
     t0 = time.time()
-    warm, rep = warm_start(cfg, mode="reverse")
+    warm, rep = warm_start(cfg, mode=warm_mode, stop_at_acc=warm_stop_at)  # type: ignore[arg-type]
     print(f"warm start: {rep.steps} steps, val exact {rep.val_acc:.3f}, {rep.seconds:.1f}s", flush=True)
     learner = Learner(cfg)
     learner.policy.module.load_state_dict(warm.module.state_dict())
@@ -152,11 +158,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--limit-s", type=float, default=420.0, help="seconds to run (warm start included)")
     p.add_argument("--eval-every", type=int, default=20, help="global steps between evaluations")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--warm-mode", choices=["reverse", "format"], default="reverse", help="warm start targets")
+    p.add_argument("--warm-stop-at", type=float, default=0.05, help="reverse warm start: stop at this exact")
     args = p.parse_args(argv)
     if "=" in args.config:
         args.overrides, args.config = [args.config, *args.overrides], "pipeline.yaml"
     torch.set_num_threads(args.threads)
-    probe(load_config(args.config, args.overrides), args.limit_s, args.eval_every)
+    probe(
+        load_config(args.config, args.overrides),
+        args.limit_s,
+        args.eval_every,
+        args.warm_mode,
+        args.warm_stop_at,
+    )
     return 0
 
 
