@@ -8,7 +8,9 @@ and `Learner.update` as the pipeline, but strictly on-policy and synchronous (ge
 the current weights, train one update on it). Every `--eval-every` steps it prints held-out greedy exact
 match overall and per answer length, and per-position accuracy per length (`pos-acc`: one digit per answer
 position then the stop token, each the tenths of prompts right there, 9 = 90 % or more), which is what
-shows an exploration collapse: a position stuck at 0 for every prompt of a length.
+shows an exploration collapse: a position stuck at 0 for every prompt of a length; and where each answer
+position copies from (`src`: per length, for each answer position the prompt digit index its greedy digit
+most often equals; the reversal is L-1..0, so `5:43310` means position 2 copies digit 3 instead of 2).
 """
 
 from __future__ import annotations
@@ -31,17 +33,37 @@ from rollstream.tasks import Prompt, Task
 from rollstream.warmstart import warm_start
 
 
+def copy_sources(pairs: Sequence[tuple[str, str]]) -> str:
+    """`L:k0k1..` per prompt length L: for each answer position j, the prompt digit index k (0-based, < 10)
+    whose digit the answer's j-th character most often equals over the (prompt digits, answer) pairs
+    ('-' when no answer reaches j); the correct reversal reads `L:(L-1)..0`."""
+    by_len: dict[int, list[tuple[str, str]]] = collections.defaultdict(list)
+    for digits, text in pairs:
+        by_len[len(digits)].append((digits, text))
+    out = []
+    for n, group in sorted(by_len.items()):
+        cells = ""
+        for j in range(n):
+            hits = [sum(j < len(t) and t[j] == d[k] for d, t in group) for k in range(n)]
+            cells += str(max(range(n), key=lambda k: hits[k])) if any(hits) else "-"
+        out.append(f"{n}:{cells}")
+    return " ".join(out)
+
+
 def evaluate(
     policy: BasePolicy, task: Task, val: list[Prompt], max_new: int
-) -> tuple[float, dict[int, float], str]:
-    """(exact match, exact match per answer length, per-position accuracy string) of greedy answers."""
+) -> tuple[float, dict[int, float], str, str]:
+    """(exact match, exact match per answer length, per-position accuracy string, copy sources) of greedy
+    answers."""
     tok = policy.tokenizer
     trajs = policy.generate([tok.encode(p.text, add_bos=True) for p in val], 1, max_new, greedy=True)
     exact: dict[int, list[bool]] = collections.defaultdict(list)
+    pairs: list[tuple[str, str]] = []
     pos: dict[int, dict[int, list[bool]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for p, t in zip(val, trajs, strict=True):
         text = tok.decode(t.response_ids)
         exact[len(p.answer)].append(task.reward(p, text).exact)
+        pairs.append((p.answer[::-1], text))
         for j in range(len(p.answer) + 1):
             want = p.answer[j] if j < len(p.answer) else "$"
             got = text[j] if j < len(text) else ("$" if t.finished else "?")
@@ -52,14 +74,20 @@ def evaluate(
         f"{n}:" + "".join(str(min(9, int(10 * sum(v) / len(v)))) for _, v in sorted(d.items()))
         for n, d in sorted(pos.items())
     )
-    return total, by_len, digits
+    return total, by_len, digits, copy_sources(pairs)
 
 
-def probe(cfg: PipelineConfig, limit_s: float, eval_every: int) -> None:
+def probe(
+    cfg: PipelineConfig,
+    limit_s: float,
+    eval_every: int,
+    warm_mode: str = "reverse",
+    warm_stop_at: float = 0.05,
+) -> None:
     """Warm start, then on-policy GRPO steps until `limit_s`, printing evaluations as it goes."""
     torch.manual_seed(cfg.run.seed)
     t0 = time.time()
-    warm, rep = warm_start(cfg, mode="reverse")
+    warm, rep = warm_start(cfg, mode=warm_mode, stop_at_acc=warm_stop_at)  # type: ignore[arg-type]
     print(f"warm start: {rep.steps} steps, val exact {rep.val_acc:.3f}, {rep.seconds:.1f}s", flush=True)
     learner = Learner(cfg)
     learner.policy.module.load_state_dict(warm.module.state_dict())
@@ -73,14 +101,26 @@ def probe(cfg: PipelineConfig, limit_s: float, eval_every: int) -> None:
         g += 1
         learner.begin_step(g)
         items = source.take(B)
-        trajs = learner.policy.generate([tok.encode(p.text, add_bos=True) for _, _, p in items], n, max_new,
-                                        temperature=cfg.rollout.temperature, generator=gen)
+        trajs = learner.policy.generate(
+            [tok.encode(p.text, add_bos=True) for _, _, p in items],
+            n,
+            max_new,
+            temperature=cfg.rollout.temperature,
+            generator=gen,
+        )
         samples = []
         for i, (epoch, _, p) in enumerate(items):
             group = trajs[i * n : (i + 1) * n]
-            agents = [Trajectory(prompt_ids=t.prompt_ids, response_ids=t.response_ids,
-                                      response_mask=[1] * len(t.response_ids), log_probs=t.log_probs,
-                                      finished=t.finished) for t in group]
+            agents = [
+                Trajectory(
+                    prompt_ids=t.prompt_ids,
+                    response_ids=t.response_ids,
+                    response_mask=[1] * len(t.response_ids),
+                    log_probs=t.log_probs,
+                    finished=t.finished,
+                )
+                for t in group
+            ]
             rewards = [task.reward(p, tok.decode(t.response_ids)) for t in group]
             samples.append(
                 build_rollout_sample(
@@ -99,10 +139,13 @@ def probe(cfg: PipelineConfig, limit_s: float, eval_every: int) -> None:
         batch, _ = assemble_batch_from_rollout_samples(samples)
         m = learner.update(batch)
         if g % eval_every == 0:
-            acc, by_len, pos = evaluate(learner.policy, task, val, max_new)
+            acc, by_len, pos, src = evaluate(learner.policy, task, val, max_new)
             lens = " ".join(f"{k}:{v:.2f}" for k, v in by_len.items())
-            print(f"step {g} {time.time() - t0:.0f}s val/acc {acc:.3f} [{lens}] pos-acc [{pos}] "
-                  f"reward {m['critic/rewards/mean']:.3f} entropy {m['actor/entropy']:.3f}", flush=True)
+            print(
+                f"step {g} {time.time() - t0:.0f}s val/acc {acc:.3f} [{lens}] pos-acc [{pos}] "
+                f"reward {m['critic/rewards/mean']:.3f} entropy {m['actor/entropy']:.3f} src [{src}]",
+                flush=True,
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -115,11 +158,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--limit-s", type=float, default=420.0, help="seconds to run (warm start included)")
     p.add_argument("--eval-every", type=int, default=20, help="global steps between evaluations")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--warm-mode", choices=["reverse", "format"], default="reverse", help="warm start targets")
+    p.add_argument("--warm-stop-at", type=float, default=0.05, help="reverse warm start: stop at this exact")
     args = p.parse_args(argv)
     if "=" in args.config:
         args.overrides, args.config = [args.config, *args.overrides], "pipeline.yaml"
     torch.set_num_threads(args.threads)
-    probe(load_config(args.config, args.overrides), args.limit_s, args.eval_every)
+    probe(
+        load_config(args.config, args.overrides),
+        args.limit_s,
+        args.eval_every,
+        args.warm_mode,
+        args.warm_stop_at,
+    )
     return 0
 
 

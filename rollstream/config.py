@@ -338,6 +338,11 @@ class ActorConfig(_Section):
         True,
         description="GRPO: divide group-centred rewards by the group std (False = Dr. GRPO, centring only)",
     )
+    norm_adv_by_mean: bool = Field(
+        False,
+        description="grpo_token: divide group-centred returns by the group's mean |return|, not the std (the "
+        "gradient of log P(right) per position; rarely-right positions weigh as much as solved ones)",
+    )
     micro_batch_size: int = Field(
         0,
         ge=0,

@@ -63,3 +63,13 @@ def test_bench_learn_runs_both_modes_as_users_run_them_and_writes_curves(tmp_pat
     for mode in ("sync", "async"):
         resolved = (tmp_path / f"learn-{mode}-s3" / "pipeline.resolved.yaml").read_text()
         assert ("sync_mode: true" in resolved) == (mode == "sync")
+
+
+def test_copy_sources_names_the_prompt_digit_each_answer_position_copies() -> None:
+    from benchmarks.learn_probe import copy_sources
+
+    pairs = [("12345", "54321"), ("90817", "71809"), ("3456", "6543")]  # correct reversals
+    assert copy_sources(pairs) == "4:3210 5:43210"
+    wrong = [("12345", "54421"), ("90817", "71109")]  # position 2 copies digit 3, not 2
+    assert copy_sources(wrong) == "5:43310"
+    assert copy_sources([("123", "3")]) == "3:2--"

@@ -119,3 +119,28 @@ def test_reinforce_plus_plus_over_ranks_equals_one_process() -> None:
     ranks = [reinforce_pp_advantages(r, m, gamma=0.5, reduce=lambda _: summed) for r, m in halves]
     assert torch.allclose(torch.cat(ranks), whole, atol=1e-6)
     assert reinforce_pp_advantages(rewards, torch.zeros_like(mask)).abs().sum().item() == 0.0
+
+
+def test_grpo_token_norm_by_mean_weighs_rarely_right_positions_like_supervised_learning() -> None:
+    # one group of 4, gamma 0 (each token its own 0/0.25 credit): position 0 right once, position 1 right
+    # three times, position 2 a too-long answer's -0.1 penalty against three stops (0)
+    rewards = torch.tensor([[0.25, 0.25, -0.1], [0, 0.25, 0], [0, 0.25, 0], [0, 0, 0]])
+    mask = torch.ones(4, 3)
+    adv = grpo_token_advantages(rewards, mask, [4], gamma=0.0, norm_by_mean=True)
+    # (r - mean) / mean: +3 for the one right token, -1 for each wrong one, as d log P(right)
+    assert torch.allclose(adv[:, 0], torch.tensor([3.0, -1, -1, -1]), atol=1e-4)
+    assert torch.allclose(adv[:, 1], torch.tensor([1 / 3, 1 / 3, 1 / 3, -1]), atol=1e-4)
+    # the rarely-right position outweighs the nearly-solved one (the std makes them equal)
+    assert float(adv[:, 0].abs().sum()) > 2 * float(adv[:, 1].abs().sum())
+    std = grpo_token_advantages(rewards, mask, [4], gamma=0.0)
+    assert abs(float(std[:, 0].abs().sum()) - float(std[:, 1].abs().sum())) < 1e-4
+    # mean |return| 0.025 is floored at max |return| / n = 0.025: the penalty is centred, never blown up
+    assert torch.allclose(adv[:, 2], torch.tensor([-3.0, 1, 1, 1]), atol=1e-4)
+    assert adv.abs().max() <= 4
+
+
+def test_norm_adv_by_mean_is_an_actor_option_off_by_default() -> None:
+    from rollstream.config import load_config
+
+    assert load_config(None, []).actor.norm_adv_by_mean is False
+    assert load_config(None, ["actor.norm_adv_by_mean=true"]).actor.norm_adv_by_mean is True

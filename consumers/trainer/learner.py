@@ -160,7 +160,12 @@ def _token_advantages(
         adv = reinforce_pp_advantages(per_token, mask, gamma=actor.gamma, reduce=reduce)
     else:
         adv = grpo_token_advantages(
-            per_token, mask, groups, norm_by_std=actor.norm_adv_by_std, gamma=actor.gamma
+            per_token,
+            mask,
+            groups,
+            norm_by_std=actor.norm_adv_by_std,
+            gamma=actor.gamma,
+            norm_by_mean=actor.norm_adv_by_mean,
         )
     out, start = [], 0
     for m in micro:

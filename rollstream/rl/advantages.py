@@ -61,6 +61,7 @@ def grpo_token_advantages(
     eps: float = 1e-6,
     norm_by_std: bool = True,
     gamma: float = 1.0,
+    norm_by_mean: bool = False,
 ) -> torch.Tensor:
     """Token-level GRPO advantages [B, T]: each token's (gamma-discounted) return-to-go minus the mean
     return-to-go of the
@@ -71,6 +72,11 @@ def grpo_token_advantages(
     that every response of a group gets right (or wrong) contributes nothing to the others' advantages
     (with one reward on the last token this is outcome GRPO with a per-position baseline). A position held
     by a single response of a group gets 0; a group of one keeps its raw returns (as `grpo_advantages`).
+
+    `norm_by_mean` (instead of the std): divide by the mean |return| at that position, floored at the
+    largest |return| / group size. With 0/1 credit the expected gradient is then that of log P(right) at
+    each position (supervised learning on the right tokens the group found) rather than of P(right), so a
+    position the group rarely gets right weighs as much as one it nearly always gets right.
     """
     if token_rewards.shape != mask.shape or token_rewards.dim() != 2:
         raise ValueError(
@@ -90,7 +96,10 @@ def grpo_token_advantages(
             count = g_m.sum(0, keepdim=True)  # [1, T] responses with a token at t
             mean = g_ret.sum(0, keepdim=True) / count.clamp_min(1)
             centred = (g_ret - mean) * g_m
-            if norm_by_std:
+            if norm_by_mean:
+                floor = (g_ret.abs() * g_m).amax(0, keepdim=True) / n  # [1, T]
+                centred = centred / (torch.maximum(mean.abs(), floor) + eps)
+            elif norm_by_std:
                 var = (centred**2).sum(0, keepdim=True) / (count - 1).clamp_min(1)  # Bessel, as torch.std
                 centred = centred / (var.sqrt() + eps)
             out[start : start + n] = centred * (count > 1)
