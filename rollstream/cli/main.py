@@ -595,3 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LogServerError as e:
         print(f"rollstream: {e}", file=sys.stderr)
         return 3
+
+
+if __name__ == "__main__":  # python -m rollstream.cli.main, as python -m rollstream.cli
+    sys.exit(main())
