@@ -228,18 +228,18 @@ def grant_budget(
     return int(res[0]), int(res[1])
 
 
-def lease_pass(r: redis.Redis, keys: Keys, producers: Sequence[str], version: int | None = None) -> int:
+def lease_pass(r: redis.Redis, keys: Keys, producers: Sequence[str]) -> int:
     """Trainer side: lease each producer (in the given order) up to its want from the current version's
-    budget; returns the prompts leased (0 before the first grant). `version`: the caller's last reading of
-    the budget's version (read here when None; a stale one costs one more call)."""
-    return lease_once(r, keys, producers, version)[0]
+    budget; returns the prompts leased (0 before the first grant)."""
+    return lease_once(r, keys, producers)[0]
 
 
 def lease_once(
     r: redis.Redis, keys: Keys, producers: Sequence[str], version: int | None = None
 ) -> tuple[int, int]:
     """`lease_pass`, also returning the budget's current version (-1 before the first grant), which the
-    Leaser keeps for its next pass: one EVALSHA per pass while no grant moves it."""
+    Leaser keeps for its next pass: one EVALSHA per pass while no grant moves it. `version`: the caller's
+    last reading (read here when None or -1; a stale one costs one more call)."""
     if version is None or version < 0:
         version = current_budget(r, keys)[0]
     while True:

@@ -25,6 +25,7 @@ from rollstream.pacing import (
     grant_budget,
     is_consumed,
     lease_of,
+    lease_once,
     lease_pass,
     queue_count_consumed,
     split_sample_id,
@@ -70,6 +71,21 @@ def test_a_lease_pass_gives_each_asking_producer_up_to_its_want_and_never_more_t
     # the next version's grant carries over: 5 outstanding of 8 leaves 3, rollout_01 still wants 2 more
     assert grant_budget(r, keys, 1, max_outstanding=8) == (3, 5)
     assert lease_pass(r, keys, ["rollout_00", "rollout_01"]) == 2 and lease_of(r, keys, "rollout_01") == 4
+
+
+def test_a_pass_with_a_stale_version_leases_from_the_current_grant(r: redis.Redis, keys: Keys) -> None:
+    """The Leaser keeps the version it read last: after a new grant, its next pass is told the version moved
+    and leases from the new grant's budget, never the old one's."""
+    setup_run(r, keys, PRODUCERS)
+    assert lease_once(r, keys, ["rollout_00"]) == (0, -1)  # before any grant
+    grant_budget(r, keys, 0, max_outstanding=2)
+    ask_lease(r, keys, "rollout_00", 2)
+    assert lease_once(r, keys, ["rollout_00"], -1) == (2, 0)
+    grant_budget(r, keys, 1, max_outstanding=5)  # 2 outstanding of 5: 3 more
+    ask_lease(r, keys, "rollout_00", 9)
+    assert lease_once(r, keys, ["rollout_00"], 0) == (3, 1)  # told 0, leased from version 1's grant
+    assert lease_of(r, keys, "rollout_00") == 5 and budget_left(r, keys, 1) == 0
+    assert [e.version for e in dispatch_entries(r, keys) if e.op == LEASE] == [0, 1]
 
 
 @pytest.mark.parametrize("junk", [b"not a number", b"inf", b"nan", b"-5", b"1e300", b"0x10", b""])
