@@ -54,6 +54,7 @@ from rollstream.bus import connect, delete_run
 from rollstream.config import PipelineConfig, apply_overrides, config_to_yaml, load_config
 from rollstream.names import Keys, producer_names
 from rollstream.ops.plan import producer_module
+from rollstream.procfs import stat_fields
 from schemas import ProducerStats, RolloutSample, StepMetrics, decode
 
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -273,9 +274,8 @@ def run_mode(
 
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a live process (Linux /proc; 0.0 where unavailable)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    fields = stat_fields(pid)
+    if fields is None:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

@@ -18,8 +18,9 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from types import TracebackType
+
+from rollstream.procfs import descendants
 
 
 class GenerationHung(RuntimeError):
@@ -69,23 +70,6 @@ class GenerationWatchdog:
                 return
             self._claimed = self.expired = True
         self.on_expire()
-
-
-def descendants(pid: int, proc: Path = Path("/proc")) -> list[int]:
-    """Every process descended from `pid`, read from /proc (Linux; elsewhere [])."""
-    children: dict[int, list[int]] = {}
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile, or not a process
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
 
 
 def exit_hung(code: int) -> None:

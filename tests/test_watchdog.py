@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from producers.watchdog import GenerationHung, GenerationWatchdog
+from rollstream.procfs import is_running
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +61,8 @@ def test_exit_hung_takes_the_engines_processes_with_it() -> None:
     """A producer leaving a hung engine kills its descendants (a child and a grandchild here) and exits."""
     code = (
         "import subprocess, sys, time\n"
-        "from producers.watchdog import descendants, exit_hung\n"
+        "from producers.watchdog import exit_hung\n"
+        "from rollstream.procfs import descendants\n"
         "child = subprocess.Popen([sys.executable, '-c', "
         "'import subprocess, time; subprocess.Popen([\"sleep\", \"60\"]); time.sleep(60)'])\n"
         "import os\n"
@@ -75,15 +77,7 @@ def test_exit_hung_takes_the_engines_processes_with_it() -> None:
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 2
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_running(p) for p in pids):
+    while time.monotonic() < deadline and any(is_running(p) for p in pids):
         time.sleep(0.05)
-    assert not any(_running(p) for p in pids)
+    assert not any(is_running(p) for p in pids)
 
-
-def _running(pid: int) -> bool:
-    """True while pid exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"

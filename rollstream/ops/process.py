@@ -32,6 +32,7 @@ from rollstream.ops.plan import (
     supervisor_socket,
 )
 from rollstream.ops.run_target import RunTarget
+from rollstream.procfs import is_running
 
 # --- talking to a running supervisord ----------------------------------------------------------------
 
@@ -261,11 +262,4 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     # A zombie child (foreground mode) counts as gone once supervisord removed its pidfile.
-    return Path(f"/proc/{pid}").exists() and "Z" not in _proc_state(pid)
-
-
-def _proc_state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1]
-    except (OSError, IndexError):
-        return ""
+    return Path(f"/proc/{pid}").exists() and is_running(pid)
