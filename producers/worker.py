@@ -320,10 +320,9 @@ class Producer:
         ]
         batch = concat_generation_data(groups, self.policy.tokenizer.pad_id)  # prompts*n rows, prompt-major
         t0 = time.perf_counter()
-        failed = False
-        hung = partial(self._hung, ids, items, param_version, batch, t0, before)
+        failures = partial(self._publish_failures, ids, items, param_version, batch, t0, before)
         try:
-            with GenerationWatchdog(cfg.rollout.generate_timeout_s, hung):
+            with GenerationWatchdog(cfg.rollout.generate_timeout_s, partial(self._hung, failures)):
                 trajs = self.generate(batch, param_version)
         except GenerationHung:
             raise
@@ -331,9 +330,9 @@ class Producer:
             raise
         except Exception:  # an engine error or timeout: the prompts still end on the log, as failures
             log.exception("generation of %d prompts failed: publishing them as rollout failures", len(items))
-            trajs, failed = failed_trajectories(batch, param_version, time.perf_counter() - t0), True
+            return failures()
         gen_s = time.perf_counter() - t0
-        return self._finish(ids, items, param_version, trajs, gen_s, self._status(failed), before)
+        return self._finish(ids, items, param_version, trajs, gen_s, self._status(False), before)
 
     def _status(self, failed: bool) -> dict[str, float | int]:
         """The global rollout_status a dispatch's samples carry (`rollout_failure` = 1 when it failed: the
@@ -344,7 +343,7 @@ class Producer:
             status[ROLLOUT_FAILURE] = 1
         return status
 
-    def _hung(
+    def _publish_failures(
         self,
         ids: list[str],
         items: list[tuple[int, int, Prompt]],
@@ -352,19 +351,24 @@ class Producer:
         batch: DataProto,
         t0: float,
         before: tuple[int, int],
-    ) -> None:
+    ) -> list[RolloutSample]:
+        """Publish a dispatch whose generation (begun at `t0`) failed: each prompt with empty responses and
+        rollout_status `rollout_failure` = 1; returns the samples."""
+        elapsed = time.perf_counter() - t0
+        trajs = failed_trajectories(batch, param_version, elapsed)
+        return self._finish(ids, items, param_version, trajs, elapsed, self._status(True), before)
+
+    def _hung(self, publish_failures: Callable[[], list[RolloutSample]]) -> None:
         """The watchdog's end of a generation past `rollout.generate_timeout_s`: publish its prompts as
         rollout failures, then `on_hung` (exit EXIT_HUNG; the supervisor restarts the producer). A publish
         that fails loses nothing: the restarted producer dispatches the leased, unpublished prompts again."""
-        elapsed = time.perf_counter() - t0
         log.error(
-            "generation of %d prompts did not finish within rollout.generate_timeout_s=%s s: publishing them "
-            "as rollout failures; exiting (%d) for the supervisor to restart this producer",
-            len(items), self.ctx.cfg.rollout.generate_timeout_s, EXIT_HUNG,
+            "a generation did not finish within rollout.generate_timeout_s=%s s: publishing its prompts as "
+            "rollout failures; exiting (%d) for the supervisor to restart this producer",
+            self.ctx.cfg.rollout.generate_timeout_s, EXIT_HUNG,
         )
         try:
-            trajs = failed_trajectories(batch, param_version, elapsed)
-            self._finish(ids, items, param_version, trajs, elapsed, self._status(True), before)
+            publish_failures()
         except Exception:
             log.exception("publishing the hung dispatch failed: a restart dispatches its prompts again")
         self.on_hung()
