@@ -30,7 +30,7 @@ from rollstream.from_config import build_prompt_source, build_task
 from rollstream.model import BasePolicy
 from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import Prompt, Task
-from rollstream.warmstart import warm_start
+from rollstream.warmstart import WarmMode, warm_start
 
 
 def copy_sources(pairs: Sequence[tuple[str, str]]) -> str:
@@ -81,13 +81,13 @@ def probe(
     cfg: PipelineConfig,
     limit_s: float,
     eval_every: int,
-    warm_mode: str = "reverse",
+    warm_mode: WarmMode = "reverse",
     warm_stop_at: float = 0.05,
 ) -> None:
     """Warm start, then on-policy GRPO steps until `limit_s`, printing evaluations as it goes."""
     torch.manual_seed(cfg.run.seed)
     t0 = time.time()
-    warm, rep = warm_start(cfg, mode=warm_mode, stop_at_acc=warm_stop_at)  # type: ignore[arg-type]
+    warm, rep = warm_start(cfg, mode=warm_mode, stop_at_acc=warm_stop_at)
     print(f"warm start: {rep.steps} steps, val exact {rep.val_acc:.3f}, {rep.seconds:.1f}s", flush=True)
     learner = Learner(cfg)
     learner.policy.module.load_state_dict(warm.module.state_dict())
