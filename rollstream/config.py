@@ -88,9 +88,10 @@ class ModelConfig(_Section):
     n_layer: int = Field(2, ge=1, description="Tiny GPT: transformer blocks")
     n_head: int = Field(4, ge=1, description="Tiny GPT: attention heads")
     max_seq_len: int = Field(64, ge=8, description="Tiny GPT: longest prompt+response in tokens")
-    position: Literal["learned", "rope"] = Field(
+    position: Literal["learned", "rope", "learned+rope"] = Field(
         "learned",
-        description="Tiny GPT: learned absolute position embeddings, or rotary positions (as Llama/Qwen)",
+        description="Tiny GPT: learned absolute position embeddings, rotary positions (as Llama/Qwen), or "
+                    "both (learned+rope: absolute embeddings added to the input and rotary queries/keys)",
     )
     init_from: str | None = Field(
         None,
@@ -110,9 +111,10 @@ class ModelConfig(_Section):
     def _shape(self) -> ModelConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
-        if self.position == "rope" and (self.d_model // self.n_head) % 2:
+        if self.position != "learned" and (self.d_model // self.n_head) % 2:
             raise ValueError(
-                f"position=rope needs an even head size, got d_model/n_head={self.d_model // self.n_head}"
+                f"position={self.position} needs an even head size, got d_model/n_head="
+                f"{self.d_model // self.n_head}"
             )
         if self.backend == "hf" and not self.hf_path:
             raise ValueError("backend=hf needs hf_path")

@@ -84,7 +84,7 @@ def test_default_size_is_about_100k_params() -> None:
     assert 80_000 < n < 130_000
 
 
-@pytest.mark.parametrize("position", ["learned", "rope"])
+@pytest.mark.parametrize("position", ["learned", "rope", "learned+rope"])
 def test_kv_cache_decode_equals_full_forward(position: str) -> None:
     model = make_policy(position=position).module
     assert isinstance(model, GPT)
@@ -138,7 +138,7 @@ def test_generate_is_deterministic_with_seed_and_generator() -> None:
     assert run(1) != run(2)
 
 
-@pytest.mark.parametrize("position", ["learned", "rope"])
+@pytest.mark.parametrize("position", ["learned", "rope", "learned+rope"])
 def test_behaviour_logprobs_match_fresh_forward(position: str) -> None:
     policy = make_policy(position=position)
     trajs = policy.generate(encoded(), n=8, max_new_tokens=20, generator=torch.Generator().manual_seed(0))
@@ -300,7 +300,15 @@ def test_rope_and_learned_positions_differ_and_bad_shapes_are_refused() -> None:
         sum(p.numel() for p in learned.parameters()) - sum(p.numel() for p in rope.parameters())
         == CFG.max_seq_len * CFG.d_model
     )
+    both = make_policy(position="learned+rope")  # the learned table plus a rotation (no parameters)
+    assert sum(p.numel() for p in both.parameters()) == sum(p.numel() for p in learned.parameters())
+    both.module.load_state_dict(learned.module.state_dict())
+    ids = torch.tensor([TOK.encode("12345>", add_bos=True)])
+    with torch.no_grad():  # same weights, different scores: the rotation is applied on top of the embeddings
+        assert not torch.allclose(both.module(ids), learned.module(ids), atol=1e-4)
     with pytest.raises(ValueError, match="position="):
         GPTConfig(vocab_size=10, position="alibi")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="position='learned\\+rope' needs an even head size"):
+        GPTConfig(vocab_size=10, d_model=12, n_head=4, position="learned+rope")
     with pytest.raises(ValueError, match="even head size"):
         GPTConfig(vocab_size=10, d_model=12, n_head=4, position="rope")

@@ -1,4 +1,4 @@
-"""A small decoder-only transformer (pre-LN, learned or rotary positions, SDPA attention) with a KV cache."""
+"""A small decoder-only transformer (pre-LN, learned and/or rotary positions, SDPA attention), KV cache."""
 
 from __future__ import annotations
 
@@ -21,18 +21,21 @@ class GPTConfig:
     n_head: int = 4  # attention heads (d_model must divide evenly)
     max_seq_len: int = 64  # largest position id + 1 (prompt + response, padding excluded)
     dropout: float = 0.0  # dropout on attention output, MLP output and embeddings
-    position: Literal["learned", "rope"] = "learned"  # absolute learned embeddings, or rotary (as Llama/Qwen)
-    rope_theta: float = 10000.0  # rotary base (position="rope")
+    # absolute learned embeddings (GPT-2), rotary (as Llama/Qwen), or both: the embeddings give each token its
+    # absolute position, the rotation makes attention scores depend on the query-key offset
+    position: Literal["learned", "rope", "learned+rope"] = "learned"
+    rope_theta: float = 10000.0  # rotary base (position "rope" or "learned+rope")
 
     def __post_init__(self) -> None:
         """Refuse shapes the blocks cannot build, naming the field and value."""
         if self.d_model % self.n_head != 0:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
-        if self.position not in ("learned", "rope"):
-            raise ValueError(f"position={self.position!r} must be 'learned' or 'rope'")
-        if self.position == "rope" and (self.d_model // self.n_head) % 2:
+        if self.position not in ("learned", "rope", "learned+rope"):
+            raise ValueError(f"position={self.position!r} must be 'learned', 'rope' or 'learned+rope'")
+        if self.position != "learned" and (self.d_model // self.n_head) % 2:
             raise ValueError(
-                f"position='rope' needs an even head size, got d_model/n_head={self.d_model // self.n_head}"
+                f"position={self.position!r} needs an even head size, got d_model/n_head="
+                f"{self.d_model // self.n_head}"
             )
 
 
@@ -165,7 +168,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position != "rope" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(cfg.d_model)
@@ -236,7 +239,7 @@ class GPT(nn.Module):
         rope = None
         if self.pos_emb is not None:
             x = x + self.pos_emb(position_ids)
-        else:
+        if self.cfg.position != "learned":
             rope = rope_angles(position_ids, self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta)
         x = self.drop(x)
         for layer, block in enumerate(self.blocks):
