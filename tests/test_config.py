@@ -27,7 +27,9 @@ def test_shipped_configs_load_and_differ_from_the_demo_only_in_their_levers() ->
         and hard.actor.gamma == 0.0
     )
     assert hard.rollout.temperature == 2.0 and hard.actor.entropy_coef == 0.01
-    assert (hard.model, hard.data.train_batch_size, hard.rollout.n) == (
+    assert hard.model.position == "learned+rope" and demo.model.position == "learned"  # a lever, the only one
+    same_model = hard.model.model_copy(update={"position": "learned"})
+    assert (same_model, hard.data.train_batch_size, hard.rollout.n) == (
         demo.model,
         demo.data.train_batch_size,
         demo.rollout.n,
