@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+#: Position schemes: absolute learned embeddings (GPT-2), rotary (as Llama/Qwen), or both: the embeddings give
+#: each token its absolute position, the rotation makes attention scores depend on the query-key offset.
+Position = Literal["learned", "rope", "learned+rope"]
 
 
 @dataclass
@@ -21,17 +25,15 @@ class GPTConfig:
     n_head: int = 4  # attention heads (d_model must divide evenly)
     max_seq_len: int = 64  # largest position id + 1 (prompt + response, padding excluded)
     dropout: float = 0.0  # dropout on attention output, MLP output and embeddings
-    # absolute learned embeddings (GPT-2), rotary (as Llama/Qwen), or both: the embeddings give each token its
-    # absolute position, the rotation makes attention scores depend on the query-key offset
-    position: Literal["learned", "rope", "learned+rope"] = "learned"
+    position: Position = "learned"  # see Position
     rope_theta: float = 10000.0  # rotary base (position "rope" or "learned+rope")
 
     def __post_init__(self) -> None:
         """Refuse shapes the blocks cannot build, naming the field and value."""
         if self.d_model % self.n_head != 0:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
-        if self.position not in ("learned", "rope", "learned+rope"):
-            raise ValueError(f"position={self.position!r} must be 'learned', 'rope' or 'learned+rope'")
+        if self.position not in get_args(Position):
+            raise ValueError(f"position={self.position!r} must be one of {get_args(Position)}")
         if self.position != "learned" and (self.d_model // self.n_head) % 2:
             raise ValueError(
                 f"position={self.position!r} needs an even head size, got d_model/n_head="
