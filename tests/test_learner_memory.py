@@ -121,3 +121,45 @@ def test_hf_micro_batches_checkpointing_and_chunks_equal_the_plain_update(tmp_pa
         [*cfg, "actor.logprob_chunk_size=0"],
         [*cfg, "actor.micro_batch_size=3", "actor.gradient_checkpointing=true", "actor.logprob_chunk_size=7"],
     )
+
+
+def test_first_update_takes_the_proximal_log_probs_from_its_own_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step's first update on one micro-batch does not run the frozen proximal copy (the weights are the
+    same and nothing is random): its metrics and gradients equal the update that does. Later updates of the
+    step, several micro-batches, or dropout use the copy."""
+    cfg = [*BASE, "actor.off_policy_mode=decoupled"]
+    a, b = Learner(load_config(None, cfg)), Learner(load_config(None, cfg))
+    assert b.prox is not None
+    prox_calls: list[int] = []
+    prox_forward = b.prox.forward_logprobs_entropy
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        prox_calls.append(1)
+        return prox_forward(*args, **kwargs)
+
+    monkeypatch.setattr(b.prox, "forward_logprobs_entropy", counted)
+    monkeypatch.setattr(a, "_reuses_forward", lambda micro: False)  # a: always the frozen copy
+    grads_a, grads_b = capture_grads(a), capture_grads(b)
+    first, second = batches(seed=5)
+    a.begin_step(1)
+    b.begin_step(1)
+    ma, mb = a.update(micro_batches(a, first)), b.update(micro_batches(b, first))
+    assert prox_calls == []  # the first update: its own forward
+    for k in COMPARED:
+        assert mb[k] == pytest.approx(ma[k], rel=1e-5, abs=1e-7), k
+    for ga, gb in zip(grads_a[0], grads_b[0], strict=True):
+        assert torch.allclose(gb, ga, rtol=1e-5, atol=1e-8)
+    b.update(micro_batches(b, second))
+    assert prox_calls == [1]  # the second update of the step: the weights moved, the copy is the proximal
+    b.begin_step(2)
+    drop = b.policy.module.get_submodule("drop")
+    assert isinstance(drop, torch.nn.Dropout)
+    drop.p = 0.1  # dropout makes train and eval forwards differ: the copy again
+    b.update(micro_batches(b, first))
+    assert prox_calls == [1, 1]
+    drop.p = 0.0
+    b.begin_step(3)
+    b.update(assemble_micro_batches(first, 8)[0])  # 16 rows in two micro-batches: the copy, once for each
+    assert prox_calls == [1, 1, 1, 1]

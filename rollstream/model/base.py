@@ -312,3 +312,18 @@ class BasePolicy(ABC):
         """Put the module in eval mode; returns self."""
         self.module.eval()
         return self
+
+    def train_is_eval(self) -> bool:
+        """Whether a train-mode forward computes what an eval-mode one does: no dropout module with p > 0
+        and, for a Hugging Face model, no `*dropout` / `*pdrop` probability > 0 in its config."""
+        for m in self.module.modules():
+            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+                return False
+        config = getattr(self.module, "config", None)
+        to_dict = getattr(config, "to_dict", None)
+        settings: dict[str, Any] = to_dict() if callable(to_dict) else {}
+        return not any(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            for k, v in settings.items()
+            if k.endswith("dropout") or k.endswith("pdrop")
+        )
