@@ -33,6 +33,14 @@ from rollstream.tasks import Prompt, Task
 from rollstream.warmstart import WarmMode, warm_start
 
 
+def position_hits(answer: str, text: str, finished: bool) -> list[bool]:
+    """Per answer position, then the stop token: whether the greedy answer `text` (stopped by the model when
+    `finished`) has the right character there. The stop is right only where the model stopped: an answer
+    that stops early is wrong from its stop on, one cut at the length limit is wrong at the stop."""
+    hits = [j < len(text) and text[j] == want for j, want in enumerate(answer)]
+    return [*hits, finished and len(text) == len(answer)]
+
+
 def copy_sources(pairs: Sequence[tuple[str, str]]) -> str:
     """`L:k0k1..` per prompt length L: for each answer position j, the prompt digit index k (0-based, < 10)
     whose digit the answer's j-th character most often equals over the (prompt digits, answer) pairs
@@ -64,10 +72,8 @@ def evaluate(
         text = tok.decode(t.response_ids)
         exact[len(p.answer)].append(task.reward(p, text).exact)
         pairs.append((p.answer[::-1], text))
-        for j in range(len(p.answer) + 1):
-            want = p.answer[j] if j < len(p.answer) else "$"
-            got = text[j] if j < len(text) else ("$" if t.finished else "?")
-            pos[len(p.answer)][j].append(want == got)
+        for j, hit in enumerate(position_hits(p.answer, text, t.finished)):
+            pos[len(p.answer)][j].append(hit)
     total = sum(sum(v) for v in exact.values()) / max(1, len(val))
     by_len = {k: sum(v) / len(v) for k, v in sorted(exact.items())}
     digits = " ".join(

@@ -73,3 +73,13 @@ def test_copy_sources_names_the_prompt_digit_each_answer_position_copies() -> No
     wrong = [("12345", "54421"), ("90817", "71109")]  # position 2 copies digit 3, not 2
     assert copy_sources(wrong) == "5:43310"
     assert copy_sources([("123", "3")]) == "3:2--"
+
+
+def test_position_hits_count_the_stop_only_where_the_model_stopped() -> None:
+    from benchmarks.learn_probe import position_hits
+
+    assert position_hits("321", "321", finished=True) == [True, True, True, True]
+    assert position_hits("321", "32", finished=True) == [True, True, False, False]  # stopped one digit early
+    assert position_hits("321", "3214", finished=False) == [True, True, True, False]  # ran past the answer
+    assert position_hits("321", "321", finished=False) == [True, True, True, False]  # cut by the length limit
+    assert position_hits("321", "", finished=True) == [False, False, False, False]
