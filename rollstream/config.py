@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -75,6 +75,24 @@ class DataConfig(_Section):
         return self
 
 
+#: Tiny GPT position schemes: absolute learned embeddings (GPT-2), rotary (as Llama/Qwen), or both: the
+#: embeddings give each token its absolute position, the rotation makes attention scores depend on the
+#: query-key offset. Here (torch-free) so the config and rollstream.model.gpt read one definition.
+Position = Literal["learned", "rope", "learned+rope"]
+
+
+def gpt_shape_error(d_model: int, n_head: int, position: str) -> str | None:
+    """Why a tiny GPT of this width, head count and position scheme cannot be built (naming the field and
+    value), or None."""
+    if d_model % n_head:
+        return f"d_model={d_model} must be divisible by n_head={n_head}"
+    if position not in get_args(Position):
+        return f"position={position!r} must be one of {get_args(Position)}"
+    if position != "learned" and (d_model // n_head) % 2:
+        return f"position={position!r} needs an even head size, got d_model/n_head={d_model // n_head}"
+    return None
+
+
 class ModelConfig(_Section):
     """The policy network."""
 
@@ -88,7 +106,7 @@ class ModelConfig(_Section):
     n_layer: int = Field(2, ge=1, description="Tiny GPT: transformer blocks")
     n_head: int = Field(4, ge=1, description="Tiny GPT: attention heads")
     max_seq_len: int = Field(64, ge=8, description="Tiny GPT: longest prompt+response in tokens")
-    position: Literal["learned", "rope", "learned+rope"] = Field(
+    position: Position = Field(
         "learned",
         description="Tiny GPT: learned absolute position embeddings, rotary positions (as Llama/Qwen), or "
                     "both (learned+rope: absolute embeddings added to the input and rotary queries/keys)",
@@ -109,13 +127,9 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _shape(self) -> ModelConfig:
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
-        if self.position != "learned" and (self.d_model // self.n_head) % 2:
-            raise ValueError(
-                f"position={self.position} needs an even head size, got d_model/n_head="
-                f"{self.d_model // self.n_head}"
-            )
+        problem = gpt_shape_error(self.d_model, self.n_head, self.position)
+        if problem:
+            raise ValueError(problem)
         if self.backend == "hf" and not self.hf_path:
             raise ValueError("backend=hf needs hf_path")
         return self

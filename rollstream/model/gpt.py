@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-#: Position schemes: absolute learned embeddings (GPT-2), rotary (as Llama/Qwen), or both: the embeddings give
-#: each token its absolute position, the rotation makes attention scores depend on the query-key offset.
-Position = Literal["learned", "rope", "learned+rope"]
+from rollstream.config import Position, gpt_shape_error
 
 
 @dataclass
@@ -30,15 +27,9 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         """Refuse shapes the blocks cannot build, naming the field and value."""
-        if self.d_model % self.n_head != 0:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
-        if self.position not in get_args(Position):
-            raise ValueError(f"position={self.position!r} must be one of {get_args(Position)}")
-        if self.position != "learned" and (self.d_model // self.n_head) % 2:
-            raise ValueError(
-                f"position={self.position!r} needs an even head size, got d_model/n_head="
-                f"{self.d_model // self.n_head}"
-            )
+        problem = gpt_shape_error(self.d_model, self.n_head, self.position)
+        if problem:
+            raise ValueError(problem)
 
 
 def positions_from_mask(attention_mask: Tensor) -> Tensor:
