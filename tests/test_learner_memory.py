@@ -153,10 +153,10 @@ def test_first_update_takes_the_proximal_log_probs_from_its_own_forward(
         assert torch.allclose(gb, ga, rtol=1e-5, atol=1e-8)
     b.update(micro_batches(b, second))
     assert prox_calls == [1]  # the second update of the step: the weights moved, the copy is the proximal
-    b.begin_step(2)
     drop = b.policy.module.get_submodule("drop")
     assert isinstance(drop, torch.nn.Dropout)
     drop.p = 0.1  # dropout makes train and eval forwards differ: the copy again
+    b.begin_step(2)
     b.update(micro_batches(b, first))
     assert prox_calls == [1, 1]
     drop.p = 0.0
