@@ -312,3 +312,24 @@ def test_rope_and_learned_positions_differ_and_bad_shapes_are_refused() -> None:
         GPTConfig(vocab_size=10, d_model=12, n_head=4, position="learned+rope")
     with pytest.raises(ValueError, match="even head size"):
         GPTConfig(vocab_size=10, d_model=12, n_head=4, position="rope")
+
+
+def test_building_a_policy_leaves_the_global_rng_and_dynamo_alone() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from rollstream.model.gpt import GPTConfig\n"
+        "from rollstream.model.tiny import TinyPolicy\n"
+        "cfg = GPTConfig(vocab_size=64, d_model=16, n_layer=1, n_head=2)\n"
+        "torch.manual_seed(5); before = torch.get_rng_state()\n"
+        "a = TinyPolicy.from_config(cfg, seed=3, device='cpu')\n"
+        "assert torch.equal(before, torch.get_rng_state()), 'the global RNG moved'\n"
+        "b = TinyPolicy.from_config(cfg, seed=3, device='cpu')\n"
+        "pairs = zip(a.module.state_dict().values(), b.module.state_dict().values())\n"
+        "assert all(torch.equal(x, y) for x, y in pairs)\n"
+        "assert 'torch._dynamo' not in sys.modules, 'building a policy imported torch._dynamo'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

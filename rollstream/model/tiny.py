@@ -32,9 +32,10 @@ class TinyPolicy(BasePolicy):
         cls, cfg: GPTConfig, seed: int, device: str = "auto", tokenizer: Tokenizer | None = None
     ) -> TinyPolicy:
         """A freshly initialised policy; the same cfg and seed give the same weights on any device."""
-        with torch.device("meta"):
-            module = GPT(cfg)  # no global RNG use: weights come only from the seeded generator below
-        module = module.to_empty(device="cpu")
+        # the global RNG is left as it was: weights come only from the seeded generator below (built on the
+        # CPU, not the meta device, whose init imports torch._dynamo: seconds at every worker start)
+        with torch.random.fork_rng(devices=[]):
+            module = GPT(cfg)
         module.init_weights(torch.Generator().manual_seed(seed))
         return cls(module, tokenizer, device)
 
