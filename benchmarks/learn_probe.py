@@ -26,7 +26,7 @@ import torch
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.learner import Learner
 from rollstream.config import PipelineConfig, load_config
-from rollstream.from_config import build_prompt_source, build_task
+from rollstream.from_config import build_policy, build_prompt_source, build_task
 from rollstream.model import BasePolicy
 from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import Prompt, Task
@@ -83,14 +83,41 @@ def evaluate(
     return total, by_len, digits, copy_sources(pairs)
 
 
+class LaggedSampler:
+    """The policy a step samples from: the learner's own (`lag` 0) or a copy holding the weights of `lag`
+    updates ago (the first steps: the oldest there are), as in a pipeline that trains a batch while the
+    next is generated."""
+
+    def __init__(self, cfg: PipelineConfig, policy: BasePolicy, lag: int) -> None:
+        """`policy` is the learner's; `lag` >= 0 updates behind it."""
+        self.policy, self.lag = policy, lag
+        self.sampler = build_policy(cfg, device=str(policy.device)) if lag > 0 else policy
+        self.behind: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=lag + 1)
+        self.updates = -1  # updates the learner's weights have had when before_step is called
+        self.version = 0  # the version the sampler holds (= the samples' param_version)
+
+    def before_step(self) -> BasePolicy:
+        """Call once per step before generating, while the learner holds the previous step's weights."""
+        self.updates += 1
+        self.version = max(0, self.updates - self.lag)
+        if self.lag > 0:
+            self.behind.append({k: v.detach().clone() for k, v in self.policy.module.state_dict().items()})
+            self.sampler.module.load_state_dict(self.behind[0])
+        return self.sampler
+
+
 def probe(
     cfg: PipelineConfig,
     limit_s: float,
     eval_every: int,
     warm_mode: WarmMode = "reverse",
     warm_stop_at: float = 0.05,
+    lag: int = 0,
+    target: float | None = None,
 ) -> None:
-    """Warm start, then on-policy GRPO steps until `limit_s`, printing evaluations as it goes."""
+    """Warm start, then GRPO steps until `limit_s` (or the first evaluation at `target` or above), printing
+    evaluations as it goes; `lag` > 0 generates step g's batch with the weights of `lag` updates ago, as a
+    pipeline that trains one batch while the next is generated does (staleness `lag`)."""
     torch.manual_seed(cfg.run.seed)
     t0 = time.time()
     warm, rep = warm_start(cfg, mode=warm_mode, stop_at_acc=warm_stop_at)
@@ -102,12 +129,13 @@ def probe(
     val, tok = source.val_prompts(), learner.policy.tokenizer
     gen = torch.Generator().manual_seed(cfg.run.seed)
     B, n, max_new = cfg.data.train_batch_size, cfg.rollout.n, cfg.data.max_response_length
+    lagged = LaggedSampler(cfg, learner.policy, lag)
     g = 0
     while time.time() - t0 < limit_s:
         g += 1
         learner.begin_step(g)
         items = source.take(B)
-        trajs = learner.policy.generate(
+        trajs = lagged.before_step().generate(
             [tok.encode(p.text, add_bos=True) for _, _, p in items],
             n,
             max_new,
@@ -132,7 +160,7 @@ def probe(
                 build_rollout_sample(
                     sample_id=f"{g}-{i}",
                     epoch=epoch,
-                    param_version=g - 1,
+                    param_version=lagged.version,
                     producer="probe",
                     trajectories=agents,
                     rewards=rewards,
@@ -152,6 +180,9 @@ def probe(
                 f"reward {m['critic/rewards/mean']:.3f} entropy {m['actor/entropy']:.3f} src [{src}]",
                 flush=True,
             )
+            if target is not None and acc >= target:
+                print(f"target {target} reached at step {g}, {time.time() - t0:.0f}s", flush=True)
+                return
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -166,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--warm-mode", choices=["reverse", "format"], default="reverse", help="warm start targets")
     p.add_argument("--warm-stop-at", type=float, default=0.05, help="reverse warm start: stop at this exact")
+    p.add_argument("--lag", type=int, default=0, help="generate with the weights of this many updates ago")
+    p.add_argument("--target", type=float, default=None, help="stop at the first val/acc at or above this")
     args = p.parse_args(argv)
     if "=" in args.config:
         args.overrides, args.config = [args.config, *args.overrides], "pipeline.yaml"
@@ -176,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.eval_every,
         args.warm_mode,
         args.warm_stop_at,
+        args.lag,
+        args.target,
     )
     return 0
 

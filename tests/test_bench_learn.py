@@ -83,3 +83,38 @@ def test_position_hits_count_the_stop_only_where_the_model_stopped() -> None:
     assert position_hits("321", "3214", finished=False) == [True, True, True, False]  # ran past the answer
     assert position_hits("321", "321", finished=False) == [True, True, True, False]  # cut by the length limit
     assert position_hits("321", "", finished=True) == [False, False, False, False]
+
+
+def test_lagged_sampler_holds_the_weights_of_lag_updates_ago() -> None:
+    import torch
+
+    from benchmarks.learn_probe import LaggedSampler
+    from consumers.trainer.learner import Learner
+    from rollstream.config import load_config
+
+    cfg = load_config(str(ROOT / "pipeline.yaml"), ["model.d_model=16", "model.n_layer=1", "model.n_head=2",
+                                                    "run.device=cpu"])
+    policy = Learner(cfg).policy
+    first = next(iter(policy.module.parameters()))
+    same = LaggedSampler(cfg, policy, 0)
+    lagged = LaggedSampler(cfg, policy, 1)
+    seen = []
+    for step in range(1, 5):
+        assert same.before_step() is policy and same.version == step - 1
+        sampler = lagged.before_step()
+        weights = next(iter(sampler.module.parameters())).detach().clone()
+        seen.append(first.detach().clone())
+        assert lagged.version == max(0, step - 2)
+        assert torch.equal(weights, seen[max(0, step - 2)])  # one update behind; the first two steps: v0
+        with torch.no_grad():
+            first.add_(1.0)  # stands in for the step's update
+
+
+def test_learn_probe_stops_at_the_target() -> None:
+    tiny = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "data.max_digits=3", "data.val_size=8",
+            "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "run.device=cpu"]
+    proc = subprocess.run([sys.executable, "-m", "rollstream.cli", "bench", "learn_probe", "pipeline.yaml",
+                           *tiny, "--limit-s", "60", "--eval-every", "2", "--lag", "1", "--target", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1].startswith("target 0.0 reached at step 2,"), proc.stdout[-500:]
