@@ -66,6 +66,12 @@ class DataConfig(_Section):
     )
     epoch_size: int = Field(4096, ge=1, description="Generated prompts per epoch (seeded generator mode)")
     val_size: int = Field(256, ge=0, description="Held-out prompts used for validation")
+    val_recent_size: int = Field(
+        64,
+        ge=0,
+        description="Newest trained prompts re-decoded at each validation (`val/recent_train_…`; "
+        "memorisation shows as a gap to `val/…`); 0 = none",
+    )
     max_response_length: int = Field(12, ge=1, description="Max generated tokens per turn")
 
     @model_validator(mode="after")

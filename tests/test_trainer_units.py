@@ -295,3 +295,32 @@ def test_an_effect_is_retried_whole_under_its_name(caplog: pytest.LogCaptureFixt
         flaky.grant(3)
     assert flaky.calls == [3, 3]
     assert "granting version 3 failed, redis unavailable" in caplog.text
+
+
+@pytest.mark.parametrize("size", [3, 0])
+def test_validation_re_decodes_only_the_newest_val_recent_size_trained_prompts(
+    size: int, r: redis.Redis, keys: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import consumers.trainer.evaluate as evaluate_module
+    from consumers.trainer.loop import Trainer
+    from rollstream.tasks import Prompt
+
+    decoded: list[list[str]] = []
+    real = evaluate_module.evaluate
+
+    def spy(policy: object, task: object, prompts: list[Prompt], limit: int) -> dict[str, float]:
+        decoded.append([p.uid for p in prompts])
+        return real(policy, task, prompts, limit)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(evaluate_module, "evaluate", spy)
+    cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "data.val_size=4",
+                                    f"data.val_recent_size={size}"])
+    setup_run(r, keys, PRODUCERS)
+    trainer = Trainer(cfg, r, keys, "trainer", threading.Event())
+    trainer.recent.extend(Prompt(uid=f"p{i}", text=f"{i}12>", answer=f"21{i}") for i in range(10))
+    metrics = evaluate_module.validate(cfg, trainer.learner.policy, trainer.dp, list(trainer.recent))
+    assert len(decoded[0]) == 4  # the held-out prompts
+    assert decoded[1] == [f"p{i}" for i in range(10 - size, 10)]  # the newest `size` trained prompts
+    assert ("val/recent_train_acc" in metrics) == (size > 0) and "val/acc" in metrics

@@ -102,7 +102,7 @@ class Trainer:
         self.pending: list[StepLedger] = []  # finished steps not yet covered by a checkpoint
         self.global_step = 0  # last finished global step (= the version last published)
         self.training_step = 0  # highest global step ever begun (the trainer hash's training_step)
-        self.recent: deque[Prompt] = deque(maxlen=max(1, cfg.data.val_size))  # newest trained prompts
+        self.recent: deque[Prompt] = deque(maxlen=cfg.data.val_recent_size)  # newest trained prompts
         self.counters = {STALE_SAMPLES: 0, STALE_TRAJECTORIES: 0}  # cumulative, kept in the checkpoint
         self.lengths = LengthBuckets(cfg.data.max_response_length)  # this step's trained/dropped by length
         self.agreed_stop = False  # data parallel: some rank asked to stop at the last step end
