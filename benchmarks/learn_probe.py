@@ -200,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lag", type=int, default=0, help="generate with the weights of this many updates ago")
     p.add_argument("--target", type=float, default=None, help="stop at the first val/acc at or above this")
     args = p.parse_args(argv)
+    if args.lag < 0:
+        p.error(f"--lag must be >= 0 (updates behind), got {args.lag}")
     if "=" in args.config:
         args.overrides, args.config = [args.config, *args.overrides], "pipeline.yaml"
     torch.set_num_threads(args.threads)

@@ -118,3 +118,9 @@ def test_learn_probe_stops_at_the_target() -> None:
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1].startswith("target 0.0 reached at step 2,"), proc.stdout[-500:]
+
+
+def test_learn_probe_refuses_a_negative_lag() -> None:
+    proc = subprocess.run([sys.executable, "-m", "rollstream.cli", "bench", "learn_probe", "--lag", "-1"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--lag must be >= 0 (updates behind), got -1" in proc.stderr
