@@ -121,7 +121,7 @@ def plot_seed(runs: Sequence[ModeRun], target: float, out: Path) -> Path:
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"seed {runs[0].seed}: sync vs async")
+    fig.suptitle(f"seed {runs[0].seed}: " + " vs ".join(r.mode for r in runs))
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
