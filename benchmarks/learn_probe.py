@@ -94,12 +94,15 @@ class LaggedSampler:
         self.sampler = build_policy(cfg, device=str(policy.device)) if lag > 0 else policy
         self.behind: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=lag + 1)
         self.updates = -1  # updates the learner's weights have had when before_step is called
-        self.version = 0  # the version the sampler holds (= the samples' param_version)
+
+    @property
+    def version(self) -> int:
+        """The version the sampler holds (= the samples' param_version)."""
+        return max(0, self.updates - self.lag)
 
     def before_step(self) -> BasePolicy:
         """Call once per step before generating, while the learner holds the previous step's weights."""
         self.updates += 1
-        self.version = max(0, self.updates - self.lag)
         if self.lag > 0:
             self.behind.append({k: v.detach().clone() for k, v in self.policy.module.state_dict().items()})
             self.sampler.module.load_state_dict(self.behind[0])
