@@ -12,6 +12,8 @@ alternate so that machine drift hits both alike; the table reports medians and t
   process, which tuned its allocator and froze its start-up heap first as workers do; `--packer
   python|hiredis` puts both on one of redis-py's own command packers instead (raw is no faster with either:
   BENCHMARKS.md, Bus).
+- pickle: the raw cycle carrying `pickle.dumps(sample)` as its one field and `pickle.loads` after the read:
+  the issue's decode baseline moved end to end, with none of our checks (a second baseline: "pickle/raw").
 
 Each trial uses a fresh run namespace (`Keys(f"{prefix}-<uuid>")`) whose keys are deleted afterwards. Run:
 `rollstream bench bus [--quick] [--json] [--sizes 16K,256K,4M] [--redis-url URL]`; `--tokens` for the
@@ -83,7 +85,9 @@ def run_bench(
                 "samples_per_trial": res.samples_per_trial,
                 "batch": res.batch,
                 **res.summary(),
-                "trials": {"ours": [asdict(t) for t in res.ours], "raw": [asdict(t) for t in res.raw]},
+                "trials": {
+                    which: [asdict(t) for t in getattr(res, which)] for which in ("ours", "raw", "pickle")
+                },
                 "codec_us_rounds": res.codec_us,
             }
             for res in results
@@ -101,15 +105,15 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         tokens.split("\n\n")[0],
         "",
-        "| size | batch | ours samples/s | ours MB/s | raw MB/s | ours/raw "
+        "| size | batch | ours samples/s | ours MB/s | raw MB/s | ours/raw | pickle/raw "
         "| encode µs ours vs pickle | decode µs ours vs pickle | decode pickle/ours | decode + assembly µs |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["sizes"]:
         lines.append(
             f"| {row['size']} | {row['batch']} | {row['ours_samples_per_s']:,.0f} "
             f"| {row['ours_mb_per_s']:,.0f} "
-            f"| {row['raw_mb_per_s']:,.0f} | {row['ours_over_raw']:.2f} "
+            f"| {row['raw_mb_per_s']:,.0f} | {row['ours_over_raw']:.2f} | {row['pickle_over_raw']:.2f} "
             f"| {row['encode_ours_us']:,.0f} vs {row['encode_pickle_us']:,.0f} "
             f"| {row['decode_ours_us']:,.0f} vs {row['decode_pickle_us']:,.0f} "
             f"| {row['decode_pickle_over_ours']:.2f} | {row['decode_assemble_us']:,.0f} |"
@@ -130,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mb-per-trial", type=float, default=None, help="MB each trial moves (default 48; quick 2)"
     )
     p.add_argument(
-        "--reps", type=int, default=None, help="interleaved ours/raw repetitions per size (default 5)"
+        "--reps", type=int, default=None, help="interleaved ours/raw/pickle repetitions per size (default 5)"
     )
     p.add_argument(
         "--batch", type=int, default=None, help="samples per pipeline and XREADGROUP (default ~4 MB)"

@@ -64,16 +64,17 @@ class SizeResult:
     batch: int
     ours: list[Trial] = field(default_factory=list)
     raw: list[Trial] = field(default_factory=list)
+    pickle: list[Trial] = field(default_factory=list)
     codec_us: dict[str, list[float]] = field(default_factory=dict)
 
     def median_s(self, which: str, part: str = "total_s") -> float:
-        """Median seconds of a trial part over repetitions ('ours' or 'raw')."""
+        """Median seconds of a trial part over repetitions ('ours', 'raw' or 'pickle')."""
         return statistics.median(getattr(t, part) for t in getattr(self, which))
 
     def summary(self) -> dict[str, float]:
         """Median rates, ratios and codec times of this size."""
         n, mb = self.samples_per_trial, self.samples_per_trial * self.wire_bytes / 1e6
-        ours_s, raw_s = self.median_s("ours"), self.median_s("raw")
+        ours_s, raw_s, pickle_s = self.median_s("ours"), self.median_s("raw"), self.median_s("pickle")
         codec = {k: statistics.median(v) for k, v in self.codec_us.items()}
         return {
             "ours_samples_per_s": n / ours_s,
@@ -81,6 +82,8 @@ class SizeResult:
             "raw_samples_per_s": n / raw_s,
             "raw_mb_per_s": mb / raw_s,
             "ours_over_raw": raw_s / ours_s,
+            "pickle_samples_per_s": n / pickle_s,
+            "pickle_over_raw": raw_s / pickle_s,
             "ours_publish_s": self.median_s("ours", "publish_s"),
             "ours_consume_s": self.median_s("ours", "consume_s"),
             "raw_publish_s": self.median_s("raw", "publish_s"),
@@ -203,6 +206,36 @@ def trial_raw(r: Any, payload: bytes, n_samples: int, batch: int, prefix: str) -
     return Trial(publish_s + consume_s, publish_s, consume_s)
 
 
+def trial_pickle(r: Any, sample: RolloutSample, n_samples: int, batch: int, prefix: str) -> Trial:
+    """A second baseline: the raw cycle carrying the sample as one pickle (protocol 5) field, pickled at
+    publish and unpickled after the read: what the fastest general Python codec, with none of our checks,
+    costs end to end on the same bus (its entry is ~1 % larger than ours)."""
+    pickle = importlib.import_module("pickle")  # the baseline being measured, never a read path
+    with fresh_stream(r, prefix) as keys:
+        stream = keys.rollouts_of(PRODUCER)
+        publish_s = consume_s = 0.0
+        got = 0
+        for b in _batches(n_samples, batch):
+            t0 = time.perf_counter()
+            pipe = r.pipeline(transaction=False)
+            for _ in range(b):
+                pipe.xadd(stream, {"payload": pickle.dumps(sample, protocol=5)})
+            pipe.execute()
+            t1 = time.perf_counter()
+            entries: list[Any] = []
+            while len(entries) < b:
+                resp = r.xreadgroup(TRAINER_GROUP, CONSUMER, {stream: ">"}, count=b, block=1000)
+                entries.extend(resp[0][1] if resp else [])
+            loaded = [pickle.loads(f[b"payload"]) for _, f in entries]
+            r.xack(stream, TRAINER_GROUP, *[i for i, _ in entries])
+            consume_s += time.perf_counter() - t1
+            publish_s += t1 - t0
+            got += sum(type(x) is RolloutSample for x in loaded)
+        if got != n_samples:
+            raise RuntimeError(f"pickle: loaded {got}/{n_samples} samples")
+    return Trial(publish_s + consume_s, publish_s, consume_s)
+
+
 # --- codec ----------------------------------------------------------------------------------------
 
 
@@ -248,7 +281,7 @@ def codec_round(r: redis.Redis, sample: RolloutSample, min_s: float, prefix: str
 
 
 def measure_size(r: redis.Redis, target_bytes: int, s: Settings) -> SizeResult:
-    """Interleaved ours/raw trials and codec rounds at one sample size."""
+    """Interleaved ours/raw/pickle trials and codec rounds at one sample size."""
     sample = make_sample(target_bytes)
     wire = wire_size(encode(sample))
     payload = os.urandom(wire - len("payload"))
@@ -258,14 +291,16 @@ def measure_size(r: redis.Redis, target_bytes: int, s: Settings) -> SizeResult:
     if s.warmup:
         trial_ours(r, sample, min(n, 2 * batch), batch, s.prefix)
         trial_raw(r, payload, min(n, 2 * batch), batch, s.prefix)
+        trial_pickle(r, sample, min(n, 2 * batch), batch, s.prefix)
+    trials = {
+        "ours": lambda: trial_ours(r, sample, n, batch, s.prefix),
+        "raw": lambda: trial_raw(r, payload, n, batch, s.prefix),
+        "pickle": lambda: trial_pickle(r, sample, n, batch, s.prefix),
+    }
     for rep in range(s.reps):
-        # alternate who goes first so neither always runs right after the codec loops
-        order = [trial_ours, trial_raw] if rep % 2 == 0 else [trial_raw, trial_ours]
-        for fn in order:
-            if fn is trial_ours:
-                res.ours.append(trial_ours(r, sample, n, batch, s.prefix))
-            else:
-                res.raw.append(trial_raw(r, payload, n, batch, s.prefix))
+        # rotate who goes first so none always runs right after the codec loops
+        for which in [*trials][rep % 3 :] + [*trials][: rep % 3]:
+            getattr(res, which).append(trials[which]())
         for k, v in codec_round(r, sample, s.codec_min_s, s.prefix).items():
             res.codec_us.setdefault(k, []).append(v)
     return res

@@ -29,9 +29,11 @@ def test_json_report_has_every_size_with_positive_rates(
         # the fake sample is calibrated to the requested size on the wire
         assert 0.8 < row["wire_bytes"] / row["target_bytes"] < 1.25
         assert row["samples_per_trial"] >= row["batch"] >= 1
-        assert len(row["trials"]["ours"]) == len(row["trials"]["raw"]) == 2
+        assert len(row["trials"]["ours"]) == len(row["trials"]["raw"]) == len(row["trials"]["pickle"]) == 2
         for name in (
             "ours_samples_per_s",
+            "pickle_samples_per_s",
+            "pickle_over_raw",
             "ours_mb_per_s",
             "raw_mb_per_s",
             "ours_over_raw",
@@ -58,7 +60,8 @@ def test_markdown_table_from_the_command(redis_url: str, keys: Keys) -> None:
     assert lines[0].startswith("| layout | bytes per response token per row")
     assert [ln.split("|")[1].strip() for ln in lines[2:3]] == ["schema 5"]
     table = lines[3:]
-    assert table[0].startswith("| size | batch | ours samples/s | ours MB/s | raw MB/s | ours/raw")
+    head = "| size | batch | ours samples/s | ours MB/s | raw MB/s | ours/raw | pickle/raw"
+    assert table[0].startswith(head)
     assert [ln.split("|")[1].strip() for ln in table[2:]] == ["2 KB", "24 KB"]
     assert "PythonRespSerializer" in out.stdout
 
