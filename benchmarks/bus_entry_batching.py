@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for _ in range(args.reps):
             one.append(raw_us_per_sample(r, payload, n, batch, 1, args.prefix))
             many.append(raw_us_per_sample(r, payload, n, batch, args.k, args.prefix))
-        codec = measure(r, size, args.calls, 5)
+        codec = measure(r, size, args.calls, 5, held_mb=0)
         raw1, rawk = statistics.median(one), statistics.median(many)
         out[text] = {
             "wire_bytes": wire,
