@@ -32,13 +32,18 @@ class EventBase(BaseModel):
     schema_version: int = 1
     created_at: float = Field(default_factory=time.time)
 
-    @model_validator(mode="before")
     @classmethod
-    def _default_schema(cls, data: Any) -> Any:
-        """Default `schema_version` to the class's SCHEMA (so subclasses that bump SCHEMA stay right)."""
-        if isinstance(data, dict) and "schema_version" not in data:
-            data = {**data, "schema_version": cls.SCHEMA}
-        return data
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse, when the class is made, a subclass whose schema_version does not default to its SCHEMA (one
+        that bumps SCHEMA declares `schema_version: int = SCHEMA`): an event built without a schema_version
+        gets the current one, with no validator run on every event."""
+        super().__pydantic_init_subclass__(**kwargs)
+        default = cls.model_fields["schema_version"].default
+        if default != cls.SCHEMA:
+            raise TypeError(
+                f"{cls.__name__}.SCHEMA is {cls.SCHEMA} but schema_version defaults to {default!r}: declare "
+                "`schema_version: int = SCHEMA` in its body"
+            )
 
     @model_validator(mode="after")
     def _check_schema(self) -> EventBase:
@@ -97,6 +102,7 @@ class RolloutSample(EventBase):
     OLD_HEADER: ClassVar[tuple[str, ...]] = ("epoch", "n", "num_tokens")
 
     type: Literal["rollout"] = "rollout"
+    schema_version: int = SCHEMA
     sample_id: str
     epoch: int = Field(ge=0)
     param_version: int = Field(ge=0)
@@ -173,6 +179,7 @@ class StepMetrics(EventBase):
     HEADER: ClassVar[tuple[str, ...]] = ("global_step", "local_step", "sample_count", "rank")
 
     type: Literal["local_update", "step_end"]
+    schema_version: int = SCHEMA
     global_step: int
     local_step: int
     sample_count: int
@@ -242,6 +249,7 @@ class DeadLetter(EventBase):
     HEADER: ClassVar[tuple[str, ...]] = ("source", "source_id", "reason")
 
     type: Literal["dead"] = "dead"
+    schema_version: int = SCHEMA
     source: str
     source_id: str
     reason: str

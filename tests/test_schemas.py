@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import msgpack  # only to craft hostile payloads the codec itself would never produce
 import numpy as np
@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from schemas import (
+    EVENT_MODELS,
     DataProto,
     DeadLetter,
     DecodeError,
@@ -257,11 +258,21 @@ def test_rollout_properties() -> None:
 
 
 def test_created_at_and_schema_defaults() -> None:
-    """Timestamps come from a default factory; schema_version defaults to SCHEMA."""
+    """Timestamps come from a default factory; schema_version defaults to SCHEMA, also where a model bumped
+    it; a subclass that bumps SCHEMA without its default is refused when the class is made."""
     a = ValidateMetrics(param_version=1, global_step=1)
     b = ValidateMetrics(param_version=1, global_step=1)
     assert a.schema_version == ValidateMetrics.SCHEMA == 1
     assert 0 < a.created_at <= b.created_at
+    assert StepMetrics(type="step_end", global_step=1, local_step=1, sample_count=1).schema_version == 2
+    assert make_rollout().schema_version == RolloutSample.SCHEMA == 5
+    for model in EVENT_MODELS.values():
+        assert model.model_fields["schema_version"].default == model.SCHEMA, model.__name__
+    with pytest.raises(TypeError, match="Bumped.SCHEMA is 3 but schema_version defaults to 1"):
+
+        class Bumped(EventBase):
+            SCHEMA: ClassVar[int] = 3
+            type: Literal["bumped"] = "bumped"
 
 
 # --- model validation ---------------------------------------------------------------------------
