@@ -17,6 +17,8 @@ from schemas import (
     INLINE_MAX_BYTES,
     DataProto,
     DeadLetter,
+    DecodeError,
+    Limits,
     RolloutSample,
     decode,
     decode_as,
@@ -180,3 +182,21 @@ def test_unencodable_values_raise_type_error() -> None:
         encode_payload({"x": object()})
     with pytest.raises(TypeError, match="dtype"):
         encode_payload(np.array(["a"], dtype="U1"))
+
+
+def test_entry_size_limit_counts_names_and_values_of_any_field_type() -> None:
+    """max_entry_bytes bounds the names and values together: bytes as Redis returns them, str and memoryview
+    values as a caller may hand them (their len()), a value without len() counted 0; over it by one byte is
+    refused naming the total, at it the entry goes on to the payload's checks."""
+    fields = as_redis(encode(make_rollout()))
+    size = sum(len(k) + len(v) for k, v in fields.items())
+    assert decode(fields, Limits(max_entry_bytes=size)).type == "rollout"
+    with pytest.raises(DecodeError, match=f"entry is {size} bytes, over the max_entry_bytes={size - 1}"):
+        decode(fields, Limits(max_entry_bytes=size - 1))
+    mixed: dict[Any, Any] = {"type": "rollout", b"payload": memoryview(fields[b"payload"]), "n": 7, "e": "é"}
+    total = len("type") + len("rollout") + len(b"payload") + len(fields[b"payload"]) + 1 + 1 + 1
+    with pytest.raises(DecodeError, match=f"entry is {total} bytes, over the max_entry_bytes={total - 1}"):
+        decode(mixed, Limits(max_entry_bytes=total - 1))
+    with pytest.raises(DecodeError) as exc:  # at the limit: the size passes, the payload's checks refuse it
+        decode(mixed, Limits(max_entry_bytes=total))
+    assert "max_entry_bytes" not in str(exc.value)
