@@ -180,30 +180,48 @@ def trial_ours(r: redis.Redis, sample: RolloutSample, n_samples: int, batch: int
     return Trial(publish_s + consume_s, publish_s, consume_s)
 
 
-def trial_raw(r: Any, payload: bytes, n_samples: int, batch: int, prefix: str) -> Trial:
-    """The baseline: the same cycle with one opaque payload field, plain redis-py calls."""
+def _one_field_trial(
+    r: Any,
+    payload_of: Callable[[], bytes],
+    load: Callable[[bytes], Any],
+    n_samples: int,
+    batch: int,
+    prefix: str,
+) -> tuple[Trial, list[Any]]:
+    """The cycle with one opaque `payload` field per entry, plain redis-py calls: each entry's bytes from
+    payload_of() at publish (timed), load() of each read payload before the XACK (timed); returns the trial
+    and every loaded value."""
     with fresh_stream(r, prefix) as keys:
         stream = keys.rollouts_of(PRODUCER)
         publish_s = consume_s = 0.0
-        got = 0
+        loaded: list[Any] = []
         for b in _batches(n_samples, batch):
             t0 = time.perf_counter()
             pipe = r.pipeline(transaction=False)
             for _ in range(b):
-                pipe.xadd(stream, {"payload": payload})
+                pipe.xadd(stream, {"payload": payload_of()})
             pipe.execute()
             t1 = time.perf_counter()
             entries: list[Any] = []
             while len(entries) < b:
                 resp = r.xreadgroup(TRAINER_GROUP, CONSUMER, {stream: ">"}, count=b, block=1000)
                 entries.extend(resp[0][1] if resp else [])
+            values = [load(f[b"payload"]) for _, f in entries]
             r.xack(stream, TRAINER_GROUP, *[i for i, _ in entries])
             consume_s += time.perf_counter() - t1
             publish_s += t1 - t0
-            got += sum(len(f[b"payload"]) == len(payload) for _, f in entries)
-        if got != n_samples:
-            raise RuntimeError(f"raw: read {got}/{n_samples} payloads")
-    return Trial(publish_s + consume_s, publish_s, consume_s)
+            loaded.extend(values)
+    return Trial(publish_s + consume_s, publish_s, consume_s), loaded
+
+
+def trial_raw(r: Any, payload: bytes, n_samples: int, batch: int, prefix: str) -> Trial:
+    """The baseline: the same cycle with one opaque payload field, plain redis-py calls (each read payload's
+    length taken, nothing decoded)."""
+    trial, lengths = _one_field_trial(r, lambda: payload, len, n_samples, batch, prefix)
+    got = sum(n == len(payload) for n in lengths)
+    if got != n_samples:
+        raise RuntimeError(f"raw: read {got}/{n_samples} payloads")
+    return trial
 
 
 def trial_pickle(r: Any, sample: RolloutSample, n_samples: int, batch: int, prefix: str) -> Trial:
@@ -211,29 +229,13 @@ def trial_pickle(r: Any, sample: RolloutSample, n_samples: int, batch: int, pref
     publish and unpickled after the read: what the fastest general Python codec, with none of our checks,
     costs end to end on the same bus (its entry is ~1 % larger than ours)."""
     pickle = importlib.import_module("pickle")  # the baseline being measured, never a read path
-    with fresh_stream(r, prefix) as keys:
-        stream = keys.rollouts_of(PRODUCER)
-        publish_s = consume_s = 0.0
-        got = 0
-        for b in _batches(n_samples, batch):
-            t0 = time.perf_counter()
-            pipe = r.pipeline(transaction=False)
-            for _ in range(b):
-                pipe.xadd(stream, {"payload": pickle.dumps(sample, protocol=5)})
-            pipe.execute()
-            t1 = time.perf_counter()
-            entries: list[Any] = []
-            while len(entries) < b:
-                resp = r.xreadgroup(TRAINER_GROUP, CONSUMER, {stream: ">"}, count=b, block=1000)
-                entries.extend(resp[0][1] if resp else [])
-            loaded = [pickle.loads(f[b"payload"]) for _, f in entries]
-            r.xack(stream, TRAINER_GROUP, *[i for i, _ in entries])
-            consume_s += time.perf_counter() - t1
-            publish_s += t1 - t0
-            got += sum(type(x) is RolloutSample for x in loaded)
-        if got != n_samples:
-            raise RuntimeError(f"pickle: loaded {got}/{n_samples} samples")
-    return Trial(publish_s + consume_s, publish_s, consume_s)
+    trial, loaded = _one_field_trial(
+        r, lambda: pickle.dumps(sample, protocol=5), pickle.loads, n_samples, batch, prefix
+    )
+    got = sum(type(x) is RolloutSample for x in loaded)
+    if got != n_samples:
+        raise RuntimeError(f"pickle: loaded {got}/{n_samples} samples")
+    return trial
 
 
 # --- codec ----------------------------------------------------------------------------------------
