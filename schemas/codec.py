@@ -678,7 +678,7 @@ def _check_entry_size(fields: Fields, limits: Limits) -> None:
     try:
         if sum(map(len, fields)) + sum(map(len, fields.values())) <= limits.max_entry_bytes:
             return
-    except TypeError:
+    except (TypeError, ValueError, OverflowError):  # a value len() refuses: counted by type below
         pass
     total = 0
     for name, value in fields.items():
