@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 from collections.abc import Sequence
 
 import redis
 
-from benchmarks.bus_trials import DEFAULT_URL, default_batch, make_sample, parse_size, trial_raw, wire_size
+from benchmarks.bus_trials import DEFAULT_URL, make_sample, parse_size, trial_inputs, trial_raw
 from benchmarks.codec_cpu import measure
 from rollstream.worker import freeze_startup_heap, tune_allocator
-from schemas import encode
 
 
 def raw_us_per_sample(r: redis.Redis, payload: bytes, n: int, batch: int, k: int, prefix: str) -> float:
@@ -58,11 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     freeze_startup_heap()
     out = {}
     for text, size in sizes.items():
-        sample = make_sample(size)
-        wire = wire_size(encode(sample))
-        payload = os.urandom(wire - len("payload"))
-        batch = default_batch(wire)
-        n = max(batch * args.k, round(args.mb_per_trial * (1 << 20) / wire))
+        wire, payload, batch, n = trial_inputs(make_sample(size), args.mb_per_trial)
+        n = max(n, batch * args.k)  # at least one batch of K-sample entries
         one: list[float] = []
         many: list[float] = []
         for _ in range(args.reps):

@@ -12,7 +12,6 @@ The medians of each phase over the repetitions are printed; they need not add up
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 import time
 from typing import Any
@@ -24,12 +23,11 @@ from benchmarks.bus_trials import (
     PRODUCER,
     Settings,
     _batches,
-    default_batch,
     fresh_stream,
     human_size,
     make_sample,
+    trial_inputs,
     trial_raw,
-    wire_size,
 )
 from rollstream.bus import GroupReader, Message
 from rollstream.names import TRAINER_GROUP
@@ -102,10 +100,7 @@ def phase_trial(
 def measure_phases(r: redis.Redis, target_bytes: int, s: Settings) -> dict[str, Any]:
     """Interleaved ours (by phase) and raw trials at one size; µs per sample, medians over repetitions."""
     sample = make_sample(target_bytes)
-    wire = wire_size(encode(sample))
-    payload = os.urandom(wire - len("payload"))
-    batch = s.batch or default_batch(wire)
-    n = max(batch, round(s.mb_per_trial * (1 << 20) / wire))
+    wire, payload, batch, n = trial_inputs(sample, s.mb_per_trial, s.batch)
     ours: list[dict[str, float]] = []
     raw: list[dict[str, float]] = []
     if s.warmup:

@@ -10,7 +10,6 @@ cost of one more response token per row and one more prompt token per group (n =
 from __future__ import annotations
 
 import importlib
-import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,12 +19,11 @@ import redis
 from benchmarks.bus_trials import (
     PRODUCER,
     VOCAB,
-    MiB,
     Settings,
     Trial,
     _per_call_us,
-    default_batch,
     fresh_stream,
+    trial_inputs,
     trial_ours,
     trial_raw,
     wire_size,
@@ -115,10 +113,7 @@ def _codec_round(r: redis.Redis, sample: RolloutSample, min_s: float, prefix: st
 def measure_shape(r: redis.Redis, shape: tuple[int, int, int], s: Settings) -> TokenResult:
     """Interleaved ours / raw trials of the same samples at one token shape."""
     sample = token_sample(*shape)
-    wire = wire_size(encode(sample))
-    payload = os.urandom(wire - len("payload"))
-    batch = s.batch or default_batch(wire)
-    count = max(batch, round(s.mb_per_trial * MiB / wire))
+    wire, payload, batch, count = trial_inputs(sample, s.mb_per_trial, s.batch)
     res = TokenResult(*shape, wire, count, batch)
     trials = {
         "ours": lambda k: trial_ours(r, sample, k, batch, s.prefix),

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from redis.connection import Encoder, HiredisRespSerializer, PythonRespSerializer
@@ -132,6 +132,26 @@ def make_sample(target_bytes: int) -> RolloutSample:
 def default_batch(wire_bytes: int) -> int:
     """Samples per pipeline/XREADGROUP: about 4 MB per batch, between 1 and 64 samples."""
     return max(1, min(64, (4 * MiB) // wire_bytes))
+
+
+class TrialInputs(NamedTuple):
+    """What the trials of one sample move: its entry's bytes on the wire, raw's opaque payload making an
+    entry of the same size, samples per pipeline/XREADGROUP, and samples per trial."""
+
+    wire: int
+    payload: bytes
+    batch: int
+    n: int
+
+
+def trial_inputs(sample: RolloutSample, mb_per_trial: float, batch: int | None = None) -> TrialInputs:
+    """TrialInputs of a sample: `batch` (default: default_batch) and about mb_per_trial MB per trial, at
+    least one batch."""
+    wire = wire_size(encode(sample))
+    batch = batch or default_batch(wire)
+    return TrialInputs(
+        wire, os.urandom(wire - len("payload")), batch, max(batch, round(mb_per_trial * MiB / wire))
+    )
 
 
 @contextmanager
@@ -285,10 +305,7 @@ def codec_round(r: redis.Redis, sample: RolloutSample, min_s: float, prefix: str
 def measure_size(r: redis.Redis, target_bytes: int, s: Settings) -> SizeResult:
     """Interleaved ours/raw/pickle trials and codec rounds at one sample size."""
     sample = make_sample(target_bytes)
-    wire = wire_size(encode(sample))
-    payload = os.urandom(wire - len("payload"))
-    batch = s.batch or default_batch(wire)
-    n = max(batch, round(s.mb_per_trial * MiB / wire))
+    wire, payload, batch, n = trial_inputs(sample, s.mb_per_trial, s.batch)
     res = SizeResult(target_bytes, wire, n, batch)
     if s.warmup:
         trial_ours(r, sample, min(n, 2 * batch), batch, s.prefix)

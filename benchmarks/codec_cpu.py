@@ -54,7 +54,6 @@ def measure(r: redis.Redis, size: int, calls: int, rounds: int, held_mb: float =
     pickle = importlib.import_module("pickle")  # the baseline being timed, never a read path
     sample = make_sample(size)
     key = f"codec-cpu-{uuid.uuid4().hex}"
-    fields: dict[bytes, bytes] = {}
     batch = default_batch(wire_size(encode(sample)))  # what one XREADGROUP of the bus benchmark reads
     copies = max(4 * batch, round(held_mb * (1 << 20) / size) // batch * batch) if held_mb > 0 else 0
     try:
@@ -63,7 +62,7 @@ def measure(r: redis.Redis, size: int, calls: int, rounds: int, held_mb: float =
             pipe.xadd(key, encode(sample))  # type: ignore[arg-type]
         pipe.execute()
         entries: Any = r.xrange(key)  # each entry its own bytes, as every reader gets them
-        fields = entries[0][1]
+        fields: dict[bytes, bytes] = entries[0][1]
     finally:
         r.delete(key)
     blob = pickle.dumps(sample, protocol=5)
@@ -82,7 +81,7 @@ def measure(r: redis.Redis, size: int, calls: int, rounds: int, held_mb: float =
         "entry_bytes": sum(len(k) + len(v) for k, v in fields.items()),
     }
     if copies:
-        held = [f for _, f in entries[:copies]]
+        held = [f for _, f in entries]
         blobs = [pickle.dumps(sample, protocol=5) for _ in range(copies)]
         dec_held = held_us(decode, held, batch, 3)
         loads_held = held_us(pickle.loads, blobs, batch, 3)
