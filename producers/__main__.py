@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     `build` makes the producer (default: `Producer(ctx)`; the latency-model benchmark passes its own) and
     `role` names the command in usage and logs."""
     install_early_signal_handlers()  # a SIGTERM during the torch import below must not kill us
-    from producers.engines import EngineStartError
+    from producers.engines import EngineError, EngineStartError
     from producers.worker import Producer, lower_priority, set_torch_threads
     from rollstream.bus import RunNotSetUpError
     from rollstream.weights import WeightsError
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     freeze_startup_heap()
     try:
         done = producer.run(max_dispatches=known.max_dispatches, burst=args.burst)
-    except (RunNotSetUpError, WeightsError) as e:
+    except (RunNotSetUpError, WeightsError, EngineError) as e:  # EngineError: a failed swap, a broken engine
         log.error("%s", e)
         return EXIT_ERROR
     log.info("producer %s: %d dispatches, exiting", ctx.name, done)

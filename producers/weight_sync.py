@@ -1,4 +1,10 @@
-"""The producer's weights: which param version is loaded, and loading newer ones from `params`."""
+"""The producer's weights: which param version is loaded, and loading newer ones from `params`.
+
+Every load is checked (the swap check, rollstream/fingerprint.py): when the ParamVersion carries the trainer's
+probe, the engine's own log-probs of the probe are computed right after the load and compared. Over the bound
+the load is redone once from the version's blob; a second failure raises SwapCheckError and the producer exits
+for its supervisor to start a fresh engine. The version is registered (and stamped on samples) only after the
+check passed, so a producer never stamps a version its engine does not hold."""
 
 from __future__ import annotations
 
@@ -6,9 +12,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import redis
 
+from producers.engines import EngineError
+from rollstream.fingerprint import SwapCheckError, probe_diff
 from rollstream.model import BasePolicy
 from rollstream.names import Keys
 from rollstream.weights import (
@@ -28,6 +37,13 @@ SwitchHook = Callable[[int, int], None]
 #: Loads a published version into the generating engine (default: `load_weights_into` the policy module).
 Loader = Callable[[redis.Redis, ParamVersion], None]
 
+#: The engine's log-probs of a probe sequence (ids -> one log-prob per token after the first), temperature 1.
+Prober = Callable[[list[int]], list[float]]
+
+
+class SwapFailed(SwapCheckError, EngineError):
+    """The engine failed the swap check twice for one version: it holds weights of no published version."""
+
 
 class WeightSync:
     """Loads published weights (sha256 verified) into a policy, or through `loader` into an engine; a
@@ -41,9 +57,20 @@ class WeightSync:
         producer: str,
         on_switch: SwitchHook | None = None,
         loader: Loader | None = None,
+        prober: Prober | None = None,
+        max_diff: float = 1e-3,
     ) -> None:
         if loader is None and policy is None:
             raise ValueError("WeightSync needs a policy or a loader")
+        if prober is None and loader is None and hasattr(policy, "module"):  # the built-in engine's module
+            from rollstream.fingerprint import policy_probe_logprobs
+
+            assert policy is not None
+            prober = partial(policy_probe_logprobs, policy)
+        self.prober = prober
+        self.max_diff = max_diff
+        #: the newest swap check: (version, mean |diff| per probe token, max |diff|); None before any
+        self.last_check: tuple[int, float, float] | None = None
         self.r = r
         self.keys = keys
         self.policy = policy
@@ -62,6 +89,7 @@ class WeightSync:
         """Fetch, verify and load `pv`; register it as this producer's version."""
         t0 = time.perf_counter()
         self.loader(self.r, pv)
+        self._check(pv)
         self.last_load_s = time.perf_counter() - t0
         old, self.version = self.version, pv.version
         self.loads += 1
@@ -69,6 +97,29 @@ class WeightSync:
         log.info("loaded param_version %d (%d bytes) in %.3f s", pv.version, pv.bytes, self.last_load_s)
         if old >= 0 and self.on_switch is not None:
             self.on_switch(old, pv.version)
+
+    def _check(self, pv: ParamVersion) -> None:
+        """The swap check of a just-loaded version (module docstring); SwapFailed when the engine fails it
+        twice. A version without a probe, or a sync without a prober, is not checked."""
+        if self.prober is None or not pv.probe_ids:
+            return
+        for attempt in (1, 2):
+            mean, worst = probe_diff(pv.probe_logprobs, self.prober(list(pv.probe_ids)))
+            self.last_check = (pv.version, mean, worst)
+            if mean <= self.max_diff:
+                return
+            log.error(
+                "swap check of param_version %d failed (attempt %d): mean |log-prob diff| %.3g per probe "
+                "token (max %.3g) > rollout.swap_check_max_diff=%g",
+                pv.version, attempt, mean, worst, self.max_diff,
+            )
+            if attempt == 1:
+                self.loader(self.r, pv)  # load it again from the version's blob
+        raise SwapFailed(
+            f"param_version {pv.version}: the engine's probe log-probs differ from the trainer's by "
+            f"{mean:.3g} per token (> rollout.swap_check_max_diff={self.max_diff:g}) after two loads: "
+            "exiting for a fresh engine"
+        )
 
     def wait_initial(self, stop: threading.Event, timeout_s: float | None = None) -> bool:
         """Block until a version exists (the trainer publishes 0 at start), then load it unless loaded; False

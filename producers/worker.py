@@ -45,10 +45,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from producers.agent import GenerationSettings, run_agent_loop
+from producers.engines import EngineError
 from producers.stats import Counters, StatsWindow, rollout_status
 from producers.watchdog import GenerationHung, GenerationWatchdog, exit_hung
 from producers.weight_sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
+from rollstream.config import PipelineConfig
 from rollstream.from_config import build_policy, build_prompt_source, build_task
 from rollstream.model import BasePolicy
 from rollstream.names import producer_names
@@ -133,11 +135,15 @@ class Producer:
             engine = VLLMPolicy.from_config(cfg, seed=producer_seed(cfg.run.seed, self.index))
             self.policy = engine
             self.weights = WeightSync(
-                ctx.r, ctx.keys, None, ctx.name, self._on_switch, engine.load_param_version
+                ctx.r, ctx.keys, None, ctx.name, self._on_switch, engine.load_param_version,
+                prober=engine.probe_logprobs, max_diff=swap_check_bound(cfg, engine.dtype_name),
             )
         else:
             self.policy = builtin = policy or build_policy(cfg)
-            self.weights = WeightSync(ctx.r, ctx.keys, builtin, ctx.name, on_switch=self._on_switch)
+            module = getattr(builtin, "module", None)  # test fakes have none
+            dtype = str(next(module.parameters()).dtype).removeprefix("torch.") if module else "float32"
+            self.weights = WeightSync(ctx.r, ctx.keys, builtin, ctx.name, on_switch=self._on_switch,
+                                      max_diff=swap_check_bound(cfg, dtype))
         self.generator = torch.Generator().manual_seed(producer_seed(cfg.run.seed, self.index))
         self.settings = GenerationSettings.from_config(cfg)
         self.multi_turn = cfg.rollout.multi_turn.enable and self.task.multi_turn
@@ -324,7 +330,7 @@ class Producer:
         try:
             with GenerationWatchdog(cfg.rollout.generate_timeout_s, partial(self._hung, failures)):
                 trajs = self.generate(batch, param_version)
-        except GenerationHung:
+        except (GenerationHung, EngineError):  # a failed swap or a broken engine: exit, keep the lease
             raise
         except CONNECTION_ERRORS:
             raise
@@ -486,9 +492,32 @@ class Producer:
     def _emit_stats(self, param_version: int) -> None:
         """Publish the current window as a ProducerStats on `stats` and start a new window."""
         ev = self.window.event(self.name, param_version)
+        ev.metrics.update(swap_check_metrics(self.weights.last_check))
         self.metrics.publish(self.ctx.keys.stats_of(self.name), ev)
         self.window = StatsWindow()
         self.last_stats = time.monotonic()
+
+
+def swap_check_bound(cfg: PipelineConfig, dtype: str) -> float:
+    """The swap check's bound for an engine computing in `dtype`: rollout.swap_check_max_diff, else the
+    dtype's default (rollstream/fingerprint.py)."""
+    from rollstream.fingerprint import default_max_diff
+
+    configured = cfg.rollout.swap_check_max_diff
+    return configured if configured is not None else default_max_diff(dtype)
+
+
+def swap_check_metrics(check: tuple[int, float, float] | None) -> dict[str, float]:
+    """The newest swap check as ProducerStats metrics (none before any check): the version checked and the
+    mean and max |log-prob difference| per probe token."""
+    if check is None:
+        return {}
+    version, mean, worst = check
+    return {
+        "producer/swap_check/version": float(version),
+        "producer/swap_check/logprob_diff": mean,
+        "producer/swap_check/logprob_diff_max": worst,
+    }
 
 
 def set_torch_threads(threads: int) -> None:

@@ -248,6 +248,13 @@ class RolloutConfig(_Section):
         True, description="Swap weights mid-trajectory (start<end) instead of finishing under old weights"
     )
     sync_every_tokens: int = Field(4, ge=1, description="Decode tokens between checks for newer weights")
+    swap_check_max_diff: float | None = Field(
+        None,
+        gt=0,
+        description="Swap check: most mean |log-prob difference| per probe token between the trainer and a "
+                    "producer's engine after a weight swap (null: 1e-3 in float32, 5e-2 in bfloat16, 2e-2 in "
+                    "float16); over it the swap failed",
+    )
     stats_every_s: float = Field(
         5.0, gt=0, description="Seconds between ProducerStats events (also sent on each new version)"
     )

@@ -30,6 +30,8 @@ from schemas import DecodeError, ParamVersion, decode
 FILE_TRANSPORT, REDIS_TRANSPORT = "file", "redis"
 #: Default chunk size of the redis transport (bus.weights_chunk_bytes).
 CHUNK_BYTES = 16 << 20
+#: A swap-check probe (rollstream/fingerprint.py): its token ids and the publisher's log-probs of them.
+Probe = tuple[list[int], list[float]]
 
 if TYPE_CHECKING:  # torch stays out of processes that only read params (`rollstream status`)
     from torch import Tensor, nn
@@ -54,9 +56,11 @@ def publish_weights(
     file_dir: Path | None = None,
     transport: str = FILE_TRANSPORT,
     chunk_bytes: int = CHUNK_BYTES,
+    probe: Probe | None = None,
 ) -> ParamVersion:
     """Store the blob (inline, as a file, or as chunks with the redis transport) then XADD its ParamVersion
-    to `params`; returns the event."""
+    (with the swap check's `probe`: token ids and the publisher's log-probs of them) to `params`; returns the
+    event."""
     digest = hashlib.sha256(blob).hexdigest()
     if len(blob) <= inline_max_bytes:
         r.set(keys.weights(version), blob)
@@ -70,10 +74,19 @@ def publish_weights(
         path = _weights_path(file_dir, version)
         atomic_write(path, blob)
         uri = f"file://{path}"
-    pv = ParamVersion(version=version, uri=uri, sha256=digest, bytes=len(blob), global_step=global_step)
+    size, fields = len(blob), _probe_fields(probe)
+    pv = ParamVersion(version=version, uri=uri, sha256=digest, bytes=size, global_step=global_step, **fields)
     Publisher(r, nomkstream=False).publish(keys.params, pv)
     log.info("published param_version %d (%d bytes, %s)", version, len(blob), uri)
     return pv
+
+
+def _probe_fields(probe: Probe | None) -> dict[str, Any]:
+    """The ParamVersion fields of a swap-check probe (none without one)."""
+    if probe is None:
+        return {}
+    ids, logprobs = probe
+    return {"probe_ids": list(ids), "probe_logprobs": list(logprobs)}
 
 
 def _weights_path(file_dir: Path, version: int) -> Path:
@@ -91,6 +104,7 @@ def publish_module_weights(
     file_dir: Path | None = None,
     transport: str = FILE_TRANSPORT,
     chunk_bytes: int = CHUNK_BYTES,
+    probe: Probe | None = None,
 ) -> ParamVersion:
     """Publish a module's weights: safetensors bytes in Redis when they fit `inline_max_bytes` (or neither
     a file_dir nor the redis transport), else streamed tensor by tensor (no second copy in memory) into a
@@ -101,7 +115,7 @@ def publish_module_weights(
     if (file_dir is None and not chunked) or module_file_bytes(module) <= inline_max_bytes:
         return publish_weights(
             r, keys, version, module_bytes(module), global_step=global_step,
-            inline_max_bytes=inline_max_bytes, file_dir=file_dir,
+            inline_max_bytes=inline_max_bytes, file_dir=file_dir, probe=probe,
         )
     if chunked:
         digest, size = write_chunks(r, keys.weights(version), module_pieces(module), chunk_bytes)
@@ -111,7 +125,9 @@ def publish_module_weights(
         path = _weights_path(file_dir, version)
         digest, size = write_module(module, path)
         uri = f"file://{path}"
-    pv = ParamVersion(version=version, uri=uri, sha256=digest, bytes=size, global_step=global_step)
+    pv = ParamVersion(
+        version=version, uri=uri, sha256=digest, bytes=size, global_step=global_step, **_probe_fields(probe)
+    )
     Publisher(r, nomkstream=False).publish(keys.params, pv)
     log.info("published param_version %d (%d bytes, %s, streamed)", version, size, pv.uri)
     return pv

@@ -9,6 +9,9 @@ One engine serves the whole module (start-up takes 10-40 s on 2 shared cores).""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,11 +22,14 @@ import torch
 
 pytest.importorskip("vllm")
 
+from conftest import REDIS_URL  # noqa: E402
+
 from producers.agent import GenerationSettings, run_agent_loop  # noqa: E402
 from producers.engines import EngineStartError  # noqa: E402
-from producers.engines.vllm import VLLMPolicy, start_engine  # noqa: E402
-from producers.weight_sync import WeightSync  # noqa: E402
+from producers.engines.vllm import VLLMPolicy, start_engine, tied_layers  # noqa: E402
+from producers.weight_sync import SwapFailed, WeightSync  # noqa: E402
 from rollstream.config import PipelineConfig, load_config  # noqa: E402
+from rollstream.fingerprint import default_max_diff, policy_probe_logprobs, probe_ids  # noqa: E402
 from rollstream.model.hf import HFPolicy, make_tiny_hf_model  # noqa: E402
 from rollstream.names import Keys  # noqa: E402
 from rollstream.rollout import AGENT_TOOL, prepare_single_generation_data  # noqa: E402
@@ -206,3 +212,131 @@ def test_config_refuses_what_the_engine_cannot_honour(model_dir: Path) -> None:
         load_config(None, ["rollout.engine=vllm"])
     with pytest.raises(ConfigError, match="rollout.top_p=0.9 with rollout.engine=vllm"):
         engine_config(model_dir, "rollout.top_p=0.9")
+
+
+# ---- every swap right, every swap checked (issue 39) -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def untied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (untied output head), head size 32."""
+    return Path(make_tiny_hf_model(tmp_path_factory.mktemp("vllm") / "llama", seed=1, arch="llama",
+                                   tokenizer="bpe", chat_template=True, hidden_size=128))
+
+
+def every_tensor_changed(model_dir: Path, seed: int) -> HFPolicy:
+    """The checkpoint with every tensor moved (embedding, output head, norms, attention, MLP): noise of half
+    each tensor's spread (a constant tensor, e.g. a norm's ones, moves by 0.5)."""
+    policy = HFPolicy.from_pretrained(model_dir, device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.module.parameters():
+            spread = float(p.std()) if p.numel() > 1 and float(p.std()) > 0 else 1.0
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5 * spread)
+    return policy
+
+
+def probe_of(policy: HFPolicy) -> tuple[list[int], list[float]]:
+    """The swap check's probe of a policy, as the trainer publishes it."""
+    ids = probe_ids(policy.tokenizer.vocab_size)
+    return ids, policy_probe_logprobs(policy, ids)
+
+
+def checked_sync(engine: VLLMPolicy, r: redis.Redis, keys: Keys) -> WeightSync:
+    """A producer's WeightSync on the engine with the swap check on (float32 bound)."""
+    return WeightSync(r, keys, None, "rollout_00", loader=engine.load_param_version,
+                      prober=engine.probe_logprobs, max_diff=default_max_diff("float32"))
+
+
+def swap_every_tensor(
+    engine: VLLMPolicy, path: Path, r: redis.Redis, keys: Keys, folder: Path
+) -> dict[str, Any]:
+    """Publish two versions with every tensor changed, then the checkpoint again, each through a checked
+    WeightSync into `engine`; returns what a test asserts on (tied layers, swap-check figures, log-prob
+    errors against transformers under the new and the old weights)."""
+    model = engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+    out: dict[str, Any] = {"tied": len(tied_layers(model)), "checks": [], "worst": [], "stale": []}
+    sync = checked_sync(engine, r, keys)
+    original = HFPolicy.from_pretrained(path, device="cpu")
+    for version in (1, 2):  # two swaps in a row, each to weights with every tensor changed
+        newer = every_tensor_changed(path, seed=version)
+        publish_module_weights(r, keys, version, newer.module, global_step=version, inline_max_bytes=0,
+                               file_dir=folder, probe=probe_of(newer))
+        assert sync.refresh() and sync.version == version
+        out["checks"].append(sync.last_check)
+        rows = engine.generate(PROMPTS, n=2, max_new_tokens=10, temperature=2.0)
+        worst = stale = 0.0
+        for row in rows:
+            got = torch.tensor(row.log_probs)
+            new_lp = recompute(newer, row.prompt_ids, row.response_ids, 2.0)
+            old_lp = recompute(original, row.prompt_ids, row.response_ids, 2.0)
+            worst = max(worst, float((new_lp - got).abs().max()))
+            stale = max(stale, float((old_lp - got).abs().max()))
+        out["worst"].append(worst)
+        out["stale"].append(stale)
+    # and back to the checkpoint's weights (the module's shared engine serves other tests)
+    publish_module_weights(r, keys, 3, original.module, global_step=3, inline_max_bytes=0, file_dir=folder,
+                           probe=probe_of(original))
+    assert sync.refresh()
+    out["checks"].append(sync.last_check)
+    return out
+
+
+def check_swapped_every_tensor(out: dict[str, Any], tied: bool) -> None:
+    """What a swap of every tensor must give, tied output head or not."""
+    assert bool(out["tied"]) == tied, out
+    for version, (checked, mean, _) in zip((1, 2, 3), out["checks"], strict=True):
+        assert checked == version and mean < 1e-5, out  # measured ~1.2e-7 per probe token in float32
+    assert max(out["worst"]) < 1e-4, out  # the engine's log-probs are the new weights' (~5e-7 measured)
+    assert min(out["stale"]) > 1e-2, out  # and the swaps changed them
+
+
+def test_a_swap_loads_every_tensor_with_a_tied_head(
+    engine: VLLMPolicy, model_dir: Path, r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    check_swapped_every_tensor(swap_every_tensor(engine, model_dir, r, keys, tmp_path), tied=True)
+
+
+def test_a_swap_loads_every_tensor_with_an_untied_head(untied_dir: Path, keys: Keys, tmp_path: Path) -> None:
+    # a second engine in this process would tear down the first one's parallel state when it goes: its own
+    # process (this file run as a script, below)
+    done = subprocess.run(
+        [sys.executable, __file__, str(untied_dir), REDIS_URL, keys.run, str(tmp_path)],
+        capture_output=True, text=True, timeout=240, cwd=Path(__file__).parent.parent,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    check_swapped_every_tensor(json.loads(done.stdout.strip().splitlines()[-1]), tied=False)
+
+
+def test_a_swap_that_fails_the_check_is_redone_then_refused(
+    engine: VLLMPolicy, model_dir: Path, r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    sync = checked_sync(engine, r, keys)
+    original = HFPolicy.from_pretrained(model_dir, device="cpu")
+    publish_module_weights(r, keys, 0, original.module, global_step=0, inline_max_bytes=0, file_dir=tmp_path,
+                           probe=probe_of(original))
+    assert sync.refresh() and sync.version == 0
+    # version 1's weights announced with a fingerprint they do not have (what an engine holding the wrong
+    # weights looks like from the producer's side)
+    newer = every_tensor_changed(model_dir, seed=7)
+    publish_module_weights(r, keys, 1, newer.module, global_step=1, inline_max_bytes=0, file_dir=tmp_path,
+                           probe=probe_of(original))
+    loads: list[int] = []
+    inner = sync.loader
+    sync.loader = lambda rr, pv: (loads.append(pv.version), inner(rr, pv))[-1]  # type: ignore[func-returns-value]
+    with pytest.raises(SwapFailed, match="param_version 1: .* after two loads"):
+        sync.refresh()
+    assert loads == [1, 1]  # loaded, checked, loaded again, checked again
+    assert sync.version == 0 and r.get(keys.producer_version("rollout_00")) == b"0"  # never registered as 1
+    assert sync.last_check is not None and sync.last_check[0] == 1 and sync.last_check[1] > 1e-2
+    # back to the checkpoint's weights for the other tests
+    publish_module_weights(r, keys, 2, original.module, global_step=2, inline_max_bytes=0, file_dir=tmp_path,
+                           probe=probe_of(original))
+    assert sync.refresh()
+
+
+if __name__ == "__main__":  # the untied case's own process: model dir, redis URL, run name, a folder
+    _dir, _url, _run, _folder = sys.argv[1:5]
+    _engine = VLLMPolicy.from_config(engine_config(Path(_dir)), seed=0)
+    _out = swap_every_tensor(_engine, Path(_dir), redis.Redis.from_url(_url), Keys(_run), Path(_folder))
+    print(json.dumps(_out))

@@ -18,7 +18,9 @@ same-named keys (verl merges its sync metrics over the aggregated ones):
   5. per producer, its latest ProducerStats whose entry id is below the id of the event that completes
      the record (the step_end; for step 0 the validation): `producer/<name>/{samples,tokens,
      gen_tokens_per_s,idle_ratio,param_version}`, `producer/total_samples`, `producer/gen_tokens_per_s`
-     (sums) and `producer/idle_ratio` (mean)
+     (sums) and `producer/idle_ratio` (mean); the swap check's newest figures per producer
+     (`producer/<name>/swap_check/{version,logprob_diff,logprob_diff_max}`), the worst of them as
+     `producer/swap_check/logprob_diff` and the oldest version checked as `producer/swap_check/version`
   6. `training/global_step` = g
 
 Dict-valued metrics (the local updates' `counts`, e.g. `_dapo_filtered_reward_counts`) are merged by the
@@ -58,6 +60,10 @@ Entry = tuple[str, Any]  # (entry id, event)
 
 
 STATS_PREFIX = "stats:"
+#: The swap check's metrics a producer's stats carry (producers/worker.py swap_check_metrics): per producer in
+#: the record as `producer/<name>/swap_check/…`; across producers the worst diff and the oldest version.
+SWAP_CHECK_DIFF, SWAP_CHECK_VERSION = "producer/swap_check/logprob_diff", "producer/swap_check/version"
+SWAP_CHECK_METRICS = (SWAP_CHECK_VERSION, SWAP_CHECK_DIFF, "producer/swap_check/logprob_diff_max")
 
 
 def stats_ref(producer: str, entry_id: str) -> str:
@@ -337,6 +343,13 @@ class Fold:
             out[prefix + "gen_tokens_per_s"] = float(ev.gen_tokens_per_s)
             out[prefix + "idle_ratio"] = float(ev.idle_ratio)
             out[prefix + "param_version"] = float(ev.param_version)
+            for name in SWAP_CHECK_METRICS:
+                if name in ev.metrics:
+                    out[prefix + name.removeprefix("producer/")] = float(ev.metrics[name])
+        checked = [ev.metrics for ev in latest if SWAP_CHECK_DIFF in ev.metrics]
+        if checked:  # the worst producer's newest check, and the oldest version checked
+            out[SWAP_CHECK_DIFF] = max(float(m[SWAP_CHECK_DIFF]) for m in checked)
+            out[SWAP_CHECK_VERSION] = min(float(m.get(SWAP_CHECK_VERSION, -1.0)) for m in checked)
         if latest:
             out["producer/total_samples"] = float(sum(ev.samples for ev in latest))
             out["producer/gen_tokens_per_s"] = math.fsum(ev.gen_tokens_per_s for ev in latest)

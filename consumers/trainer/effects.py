@@ -43,7 +43,13 @@ from rollstream.names import (
     rank_heartbeat_field,
 )
 from rollstream.pacing import Leaser, current_budget, grant_budget
-from rollstream.weights import gc_weights, latest_param_version, publish_module_weights, publish_weights
+from rollstream.weights import (
+    Probe,
+    gc_weights,
+    latest_param_version,
+    publish_module_weights,
+    publish_weights,
+)
 from rollstream.weights_io import state_bytes
 from schemas import StepMetrics, ValidateMetrics
 
@@ -117,11 +123,12 @@ class TrainerEffects:
         module: nn.Module,
         whole: dict[str, Any] | None,
         world_size: int,
+        probe: Probe | None = None,
     ) -> None:
-        """Rank 0's part of the resume: set up the run, publish the checkpoint's version if `params` lacks
-        it, redo its commit if it never ran, grant its budget."""
+        """Rank 0's part of the resume: set up the run, publish the checkpoint's version (with its swap-check
+        `probe`) if `params` lacks it, redo its commit if it never ran, grant its budget."""
         setup_run(self.r, self.keys, producer_names(self.cfg.rollout.num_producers))
-        self.publish_weights(global_step, module, whole, only_if_missing=True)
+        self.publish_weights(global_step, module, whole, only_if_missing=True, probe=probe)
         if ledgers and committed_step(self.r, self.keys) < global_step:
             log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
             commit_steps(self.r, self.keys, ledgers, global_step)
@@ -168,16 +175,26 @@ class TrainerEffects:
         self.publisher.publish(self.keys.metrics, event)
 
     def publish_weights(
-        self, version: int, module: nn.Module, whole: dict[str, Any] | None, only_if_missing: bool = False
+        self,
+        version: int,
+        module: nn.Module,
+        whole: dict[str, Any] | None,
+        only_if_missing: bool = False,
+        probe: Probe | None = None,
     ) -> None:
-        """Publish `module`'s weights, or (fsdp) `whole`, the weights gathered on rank 0, as `version`
-        (skipped when `params` has it and only_if_missing; a retry after a connection loss always checks,
-        as the first attempt may have landed)."""
-        self._publish(version, module, whole, iter([only_if_missing]))
+        """Publish `module`'s weights, or (fsdp) `whole`, the weights gathered on rank 0, as `version` with
+        the swap check's `probe` (skipped when `params` has it and only_if_missing; a retry after a
+        connection loss always checks, as the first attempt may have landed)."""
+        self._publish(version, module, whole, iter([only_if_missing]), probe)
 
     @effect("publishing version {version}")
     def _publish(
-        self, version: int, module: nn.Module, whole: dict[str, Any] | None, checks: Iterator[bool]
+        self,
+        version: int,
+        module: nn.Module,
+        whole: dict[str, Any] | None,
+        checks: Iterator[bool],
+        probe: Probe | None = None,
     ) -> None:
         """One attempt of publish_weights; `checks` says whether to look at `params` first (exhausted: a
         retry, which always looks)."""
@@ -191,6 +208,7 @@ class TrainerEffects:
             file_dir=self.weights_dir,
             transport=bus.weights_transport,
             chunk_bytes=bus.weights_chunk_bytes,
+            probe=probe,
         )
         if whole is not None:  # fsdp: the gathered copy (already a second copy: bytes are one more)
             publish_weights(self.r, self.keys, version, state_bytes(whole), global_step=version, **where)

@@ -36,6 +36,7 @@ import torch
 
 from consumers.trainer.distributed import DataParallel, RankInfo
 from rollstream.config import ActorConfig, PipelineConfig
+from rollstream.fingerprint import policy_probe_logprobs, probe_ids
 from rollstream.from_config import build_policy
 from rollstream.model import BasePolicy
 from rollstream.model.base import resolve_device
@@ -58,6 +59,7 @@ from rollstream.rl.rollout_correction import (
     normalize_totals,
     rollout_correction,
 )
+from rollstream.weights import Probe
 from rollstream.weights_io import load_init, load_tensors_into, unique_state, unique_tensors
 from schemas import DataProto
 
@@ -215,6 +217,12 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=self.actor.lr, weight_decay=self.actor.weight_decay
         )
+
+    def probe(self) -> Probe:
+        """The swap check's probe of the current weights (rollstream/fingerprint.py): the fixed probe ids and
+        the policy's log-probs of them; every rank calls it (a forward, a collective under fsdp)."""
+        ids = probe_ids(self.policy.tokenizer.vocab_size)
+        return ids, policy_probe_logprobs(self.policy, ids)
 
     def whole_weights(self) -> dict[str, torch.Tensor]:
         """The policy's weights, tied tensors once: the module's own tensors (no copy) unless sharded; under

@@ -68,6 +68,7 @@ from rollstream.model.base import resolve_device
 from rollstream.names import Keys
 from rollstream.rl import finite_metrics
 from rollstream.tasks import Prompt
+from rollstream.weights import Probe
 from schemas import SKIPPED, TRAINED, RolloutSample, StepMetrics, ValidateMetrics
 
 log = logging.getLogger(__name__)
@@ -121,9 +122,11 @@ class Trainer:
             log.info("resumed from checkpoint of global step %d", self.global_step)
         g0 = self.global_step
         whole = self.learner.whole_weights() if self.dp.sharded else None  # fsdp: a collective
+        probe = self.learner.probe()  # every rank: a forward (a collective under fsdp)
         if self.dp.is_main:
             ledgers = [StepLedger.from_plain(d) for d in meta["steps"]] if meta is not None else []
-            self.effects.resume_main(g0, ledgers, self.learner.policy.module, whole, self.dp.world_size)
+            module = self.learner.policy.module
+            self.effects.resume_main(g0, ledgers, module, whole, self.dp.world_size, probe)
             self.effects.start_leaser()  # producers get their leases from here on
         self.dp.barrier()  # the redone commit is in `fates` before any rank reads it
         self.newest_published, self.training_step, self.collector.seen = self.effects.read_progress(g0)
@@ -232,11 +235,12 @@ class Trainer:
         t0 = time.perf_counter()
         # under fsdp reading the whole weights and optimizer state is a collective: every rank takes part
         whole = self.learner.whole_weights() if self.dp.sharded else None
+        probe = self.learner.probe()  # the swap check's fingerprint of version g (every rank: fsdp)
         reads_state = due and (self.dp.is_main or self.dp.sharded)
         optimizer_state = self.learner.optimizer_state() if reads_state else {}
         if self.dp.is_main:
             timings = self._checkpoint(g, reports, whole, optimizer_state, t_step, t0) if due else {}
-            self._publish_commit_grant(g, merged, whole, due, timings, t_step)
+            self._publish_commit_grant(g, merged, whole, due, timings, t_step, probe)
         if due:
             self.reader.forget(self._own_acks)  # acked inside rank 0's commit
             self._own_acks, self.pending = [], []
@@ -269,11 +273,11 @@ class Trainer:
         return {"timing_s/checkpoint": time.perf_counter() - t0}
 
     def _publish_commit_grant(self, g: int, merged: StepLedger, whole: dict[str, Any] | None, due: bool,
-                              timings: dict[str, float], t_step: float) -> None:
+                              timings: dict[str, float], t_step: float, probe: Probe) -> None:
         """(4, 5; rank 0) Publish version g, then commit (checkpoint written) or count the step's samples as
         consumed; grant version g its budget; retention."""
         t0 = time.perf_counter()
-        self.effects.publish_weights(g, self.learner.policy.module, whole)
+        self.effects.publish_weights(g, self.learner.policy.module, whole, probe=probe)
         t_pub = time.perf_counter() - t0
         step_s = time.perf_counter() - t_step
         assert merged.step_end is not None

@@ -12,7 +12,13 @@ the tool result's ids) and token ids come out with their log-probs; text is neve
   distribution). top-p < 1 would renormalise them, so the config refuses it with this engine.
 - **Weights in place.** `load_param_version` feeds vLLM's own `reload_weights` from an iterator over the
   published tensors (one tensor at a time from a file), then drops the prefix cache, whose KV was computed by
-  the old weights.
+  the old weights. A tied output head (Qwen2.5, Llama-3.2, SmolLM2: `lm_head` is the embedding's
+  Parameter) gets no tensor of its own: the embedding's new values reach it through the shared storage,
+  but on CPU vLLM keeps a prepacked copy of every GEMM weight (oneDNN / sgl kernels), which the reload
+  redoes only for layers that received a tensor, so the head sampled with its first weights for ever
+  (`ParallelLMHead: Failed to load weights` at each swap). After each reload every tied layer is processed
+  again (`_reload_in_worker`); any other layer vLLM reports it did not load is a failed swap (EngineError),
+  never a warning. `probe_logprobs` gives the swap check (rollstream/fingerprint.py) its figures.
 - **A new version mid-generation (partial rollout): pause, swap, resume.** The loop steps the engine itself;
   every `sync_every_tokens` steps it asks for newer weights. When they load, the unfinished requests are
   aborted, the weights swapped, and each request resubmitted with its prompt + the tokens generated so far as
@@ -130,6 +136,75 @@ def _check_head_size(path: str, config: dict[str, Any], device: str) -> None:
         )
 
 
+#: vLLM's loggers that report what a reload did not load.
+RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+#: vLLM's warning for a layer that received no tensor in a reload ("<Class>: Failed to load weights").
+NOT_LOADED = "Failed to load weights"
+
+
+class _Warnings(logging.Handler):
+    """Collects the messages of WARNING and above logged while attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def tied_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Layers whose `weight` Parameter is also another, earlier layer's (a tied output head)."""
+    owners: dict[int, torch.nn.Module] = {}
+    tied = []
+    for layer in model.modules():
+        weight = layer._parameters.get("weight")
+        if weight is None:
+            continue
+        if id(weight) in owners:
+            tied.append(layer)
+        else:
+            owners[id(weight)] = layer
+    return tied
+
+
+def _reload_in_worker(worker: Any, weights: Any) -> list[str]:
+    """Run in the engine's worker: vLLM's in-place reload from `weights`, then redo the weight processing
+    of every tied layer (its prepacked copy, on CPU). Returns what vLLM reported it did not load, less the
+    tied layers (which get no tensor of their own by design) and layers without parameters (buffers derived
+    from the config, e.g. a rotary embedding's cos/sin cache, are in no checkpoint)."""
+    from vllm.config import set_current_vllm_config
+
+    model = worker.model_runner.get_model()
+    tied = tied_layers(model)
+    learned = {type(m).__name__ for m in model.modules() if any(p is not None for p in m.parameters(False))}
+    caught = _Warnings()
+    loggers = [logging.getLogger(name) for name in RELOAD_LOGGERS]
+    for lg in loggers:
+        lg.addHandler(caught)
+    try:
+        worker.reload_weights(weights_iterator=weights)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(caught)
+    with set_current_vllm_config(worker.vllm_config):
+        for layer in tied:
+            method = getattr(layer, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(layer)
+    expected = [f"{type(layer).__name__}: {NOT_LOADED}" for layer in tied]
+    failed = []
+    for message in caught.messages:
+        if message in expected:
+            expected.remove(message)
+        elif "not loaded" in message or (NOT_LOADED in message and message.split(":")[0] in learned):
+            failed.append(message)
+    return failed
+
+
 def _one_line(e: BaseException) -> str:
     """An exception as one line: its type and the first line of its message."""
     text = str(e).strip().splitlines()
@@ -210,6 +285,11 @@ class VLLMPolicy:
         return cls(llm, HFTokenizer(tok, cfg.model.chat_template))
 
     @property
+    def dtype_name(self) -> str:
+        """The dtype the engine computes in (float32, bfloat16, ...)."""
+        return str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+
+    @property
     def max_seq_len(self) -> int:
         """Longest prompt + response the engine accepts (its max_model_len)."""
         return int(self.llm.llm_engine.model_config.max_model_len)
@@ -224,12 +304,32 @@ class VLLMPolicy:
             self._live.clear()
         tensors = iter_weight_tensors(r, pv)  # WeightsError here leaves the engine as it was
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+            (failed,) = self.llm.collective_rpc(_reload_in_worker, args=(tensors,))
         except Exception as e:  # a tensor the engine refused half-way: its weights are now a mix, so crash
             raise EngineError(
                 f"version {pv.version}: the vLLM engine failed to load the weights: {_one_line(e)}"
             ) from e
+        if failed:  # some layer kept its old weights: the engine would sample with a mix of versions
+            raise EngineError(f"version {pv.version}: the vLLM engine did not load every layer: {failed[:3]}")
         self.llm.reset_prefix_cache()  # its KV was computed by the old weights
+
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """log p(ids[t+1] | ids[:t+1]) under the engine's weights at temperature 1 (vLLM's prompt
+        log-probs), for the swap check; call only between generations (nothing else in the engine)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        rid = f"probe{next(self._ids)}"
+        self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), params)
+        out = None
+        while self.llm.llm_engine.has_unfinished_requests():
+            for o in self.llm.llm_engine.step():
+                if o.request_id == rid and o.finished:
+                    out = o
+        if out is None or out.prompt_logprobs is None:
+            raise EngineError("the vLLM engine returned no prompt log-probs for the swap check's probe")
+        return [float(lp[t].logprob) for lp, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
 
     # ---- generation -------------------------------------------------------------------------------
     def generate(

@@ -71,6 +71,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         process.start_run(plan, cfg)
         print(f"started {', '.join(plan.workers)}; logs in {plan.run_dir / 'logs'}")
+        if args.ready_timeout > 0:
+            late = process.wait_for_producers(open_run(str(plan.resolved_config)), args.ready_timeout)
+            if late:
+                print(f"not ready after {args.ready_timeout:g}s (still starting): {', '.join(late)}")
         if args.wait_records:
             target = open_run(str(plan.resolved_config))
             process.wait_for_records(
@@ -116,7 +120,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from rollstream.ops.process import process_states
+    from rollstream.ops.process import failed_programs, process_states
     from rollstream.ops.status import collect_status, format_status
 
     t = _log_target(args)
@@ -128,8 +132,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         text = format_status(st, mask_url(t.redis_url))
         if args.check or not args.watch:
             print(text)
-            if args.check and not st.healthy:
-                print("rollstream status --check: " + "; ".join(st.problems()), file=sys.stderr)
+            failed = failed_programs(t.run_dir) if args.check and not t.served else []
+            if args.check and (failed or not st.healthy):
+                print("rollstream status --check: " + "; ".join(failed + st.problems()), file=sys.stderr)
                 return 1
             return 0
         print("\033[H\033[2J" + time.strftime("%H:%M:%S ") + text, flush=True)
@@ -408,6 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--foreground", action="store_true", help="keep supervisord in the foreground (Ctrl-C stops the run)"
+    )
+    c.add_argument(
+        "--ready-timeout", type=float, default=300.0, metavar="S",
+        help="wait up to S seconds for every producer's engine to start and load a version, exiting 1 with "
+             "the producer's last log line if one fails (0: do not wait)",
     )
     c.set_defaults(func=_cmd_run)
 

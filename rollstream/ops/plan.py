@@ -45,7 +45,7 @@ from rollstream.names import producer_names as _producer_names
 from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded
 from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, split_password
 from rollstream.security import ROLES, acl_rules, generate_passwords
-from rollstream.worker import REDIS_URL_ENV
+from rollstream.worker import EXIT_CONFIG, REDIS_URL_ENV
 
 #: Seconds supervisord waits after SIGTERM before SIGKILL; longer than any worker's unit of work.
 WORKER_STOPWAIT_S = 60
@@ -276,7 +276,9 @@ def render_supervisord_conf(run_dir: Path, programs: list[Program], cwd: Path) -
             f"umask={PRIVATE_UMASK:03o}",
             f"autostart={'true' if p.autostart else 'false'}",
             "autorestart=unexpected",
-            "exitcodes=0",
+            # 2 (EXIT_CONFIG: a bad config, an engine that cannot start) is fatal: restarting cannot help,
+            # so the program stays EXITED with its status, which `run`, `watch` and `status --check` report
+            f"exitcodes=0,{EXIT_CONFIG}",
             "startsecs=1",
             "startretries=3",
             "stopsignal=TERM",

@@ -117,6 +117,28 @@ def start_run(plan: RunPlan, cfg: PipelineConfig, redis_timeout_s: float = 60.0)
         server.supervisor.startProcess(name, False)
 
 
+def wait_for_producers(target: RunTarget, timeout_s: float, poll_s: float = 0.5) -> list[str]:
+    """Block until every producer has loaded a version (its engine is up: `producer:<name>:version` set);
+    SuperviseError naming each failed program with its last log line as soon as one fails (an engine that
+    cannot start exits with a status supervisord does not restart). Returns the producers still not ready
+    after `timeout_s` (empty when all are)."""
+    names = producer_names(target.cfg.rollout.num_producers)
+    r = target.connect()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            failed = failed_programs(target.run_dir)
+            if failed:
+                raise SuperviseError("; ".join(failed))
+            values = r.mget([target.keys.producer_version(n) for n in names])
+            waiting = [n for n, v in zip(names, values, strict=True) if v is None]  # type: ignore[arg-type]
+            if not waiting or time.monotonic() > deadline:
+                return waiting
+            time.sleep(poll_s)
+    finally:
+        r.close()
+
+
 def wait_for_records(target: RunTarget, count: int, timeout_s: float, progress: Any = None) -> int:
     """Block until the records stream holds `count` entries; SuperviseError when a program fails or on
     timeout. progress(n) is called when the count changes. Returns the final count."""

@@ -1,0 +1,75 @@
+"""The swap check's fingerprint of a param version: the log-probs of a fixed probe sequence under it.
+
+With every version the trainer publishes the probe's token ids and its own log-probs of them (temperature 1,
+float32, eval mode) in the ParamVersion (`probe_ids`, `probe_logprobs`). After loading a version, a producer
+computes the same with its own engine (the built-in sampler's module, or vLLM through `prompt_logprobs`) and
+compares: the mean absolute difference per token is the check's figure (`producer/swap_check/logprob_diff`
+in the records). A figure over the bound (`rollout.swap_check_max_diff`, by default `default_max_diff` of the
+engine's dtype) is a failed swap: the engine does not hold the weights it would stamp.
+
+The probe is pseudo-random tokens over the vocabulary (from a fixed seed, the same on every host): such
+tokens are unlikely under any model, so their log-probs depend on every layer, the embedding and the output
+head alike, and a stale tensor anywhere moves them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch stays out of processes that only read params
+    from rollstream.model.base import BasePolicy
+
+#: Tokens in the probe sequence (its log-probs: one fewer).
+PROBE_LEN = 32
+#: Seed of the probe's token ids (fixed: every host draws the same sequence for a vocabulary size).
+PROBE_SEED = 20261204
+#: Default bound on the mean absolute log-prob difference per probe token, by the engine's dtype: float32
+#: engines agree with transformers to ~1e-6 (measured 4.8e-7); bf16 and fp16 round every activation.
+DEFAULT_MAX_DIFF = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 2e-2}
+
+
+class SwapCheckError(RuntimeError):
+    """A loaded version's probe log-probs differ from the trainer's by more than the bound."""
+
+
+def probe_ids(vocab_size: int, length: int = PROBE_LEN) -> list[int]:
+    """The probe's token ids: `length` pseudo-random ids in [0, vocab_size), the same on every host."""
+    if vocab_size < 1 or length < 2:
+        raise ValueError(f"probe needs vocab_size >= 1 and length >= 2, got {vocab_size}, {length}")
+    rng = random.Random(PROBE_SEED)
+    return [rng.randrange(vocab_size) for _ in range(length)]
+
+
+def policy_probe_logprobs(policy: BasePolicy, ids: Sequence[int]) -> list[float]:
+    """log p(ids[t+1] | ids[:t+1]) under the policy's module at temperature 1, in float32, eval mode, no
+    grad (the module's train/eval mode is restored)."""
+    import torch
+
+    module = policy.module
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            x = torch.tensor([list(ids)], dtype=torch.long)
+            lp = policy.log_probs(x, torch.ones_like(x), len(ids) - 1, 1.0)
+    finally:
+        module.train(was_training)
+    return [float(v) for v in lp[0].float().cpu()]
+
+
+def probe_diff(expected: Sequence[float], got: Sequence[float]) -> tuple[float, float]:
+    """(mean, max) absolute difference of two probe log-prob lists; a length mismatch or a non-finite value
+    is an infinite difference (never a pass)."""
+    if len(expected) != len(got) or not expected:
+        return float("inf"), float("inf")
+    diffs = [abs(a - b) for a, b in zip(expected, got, strict=True)]
+    if any(d != d for d in diffs):  # NaN
+        return float("inf"), float("inf")
+    return sum(diffs) / len(diffs), max(diffs)
+
+
+def default_max_diff(dtype: str) -> float:
+    """The default bound for an engine computing in `dtype` (float32, bfloat16, float16; else float32's)."""
+    return DEFAULT_MAX_DIFF.get(dtype, DEFAULT_MAX_DIFF["float32"])
