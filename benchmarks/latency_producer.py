@@ -125,14 +125,15 @@ class LatencyProducer(Producer):
         gen_s: float,
         status: dict[str, float | int],
         before: tuple[int, int],
+        after: tuple[int, int] | None = None,
     ) -> list[RolloutSample]:
         with self.lock:
             if getattr(self._slot, "generation", self.generation) != self.generation:
                 log.warning("discarding %d samples: taken before a reconnect resynced the producer",
                             len(items))
                 return []
-            # slot-averaged
-            return super()._finish(ids, items, param_version, trajs, gen_s / self.slots, status, before)
+            gen_s /= self.slots  # slot-averaged
+            return super()._finish(ids, items, param_version, trajs, gen_s, status, before, after)
 
     def _maybe_stats(self) -> None:
         with self.lock:

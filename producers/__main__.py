@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -50,6 +51,9 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
         log.error("%s", e)
         return EXIT_CONFIG
     freeze_startup_heap()
+    if ctx.stop.is_set():  # stopped while the engine started: nothing dispatched, nothing to finish
+        log.info("producer %s: stopped while starting, exiting", ctx.name)
+        return EXIT_OK
     try:
         done = producer.run(max_dispatches=known.max_dispatches, burst=args.burst)
     except (RunNotSetUpError, WeightsError, EngineError) as e:  # EngineError: a failed swap, a broken engine
@@ -59,5 +63,15 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     return EXIT_OK
 
 
+def exit_now(code: int) -> None:
+    """Leave with `code` without the interpreter's teardown (flushing logs and stdio first): everything a
+    producer owes Redis is written by then, and an in-process vLLM engine's teardown can outlast
+    supervisord's stopwaitsecs."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -40,7 +40,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -75,6 +75,7 @@ from rollstream.worker import EXIT_HUNG, WorkerContext
 from schemas import ROLLOUT_FAILURE, DataProto, RolloutSample, decode_cursor, encode, encode_cursor
 
 if TYPE_CHECKING:
+    from producers.continuous import ContinuousLoop
     from producers.engines.vllm import VLLMPolicy
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class Producer:
     def __init__(
         self,
         ctx: WorkerContext,
-        policy: BasePolicy | None = None,
+        policy: BasePolicy | VLLMPolicy | None = None,
         task: Task | None = None,
         generate: GenerateFn | None = None,
     ) -> None:
@@ -129,17 +130,21 @@ class Producer:
         self.task = task or build_task(cfg)
         self.source = build_prompt_source(cfg, self.task).shard(self.index, cfg.rollout.num_producers)
         self.policy: BasePolicy | VLLMPolicy
-        if policy is None and cfg.rollout.engine == "vllm" and generate is None:
+        engine: VLLMPolicy | None = None
+        if cfg.rollout.engine == "vllm" and generate is None:
             from producers.engines.vllm import VLLMPolicy  # vllm is imported only by producers that run it
 
-            engine = VLLMPolicy.from_config(cfg, seed=producer_seed(cfg.run.seed, self.index))
+            if policy is None or isinstance(policy, VLLMPolicy):  # a running engine given (tests) is used
+                engine = policy or VLLMPolicy.from_config(cfg, seed=producer_seed(cfg.run.seed, self.index))
+        if engine is not None:
             self.policy = engine
             self.weights = WeightSync(
                 ctx.r, ctx.keys, None, ctx.name, self._on_switch, engine.load_param_version,
                 prober=engine.probe_logprobs, max_diff=swap_check_bound(cfg, engine.dtype_name),
             )
         else:
-            self.policy = builtin = policy or build_policy(cfg)
+            builtin = cast(BasePolicy, policy) or build_policy(cfg)  # a VLLMPolicy became `engine` above
+            self.policy = builtin
             module = getattr(builtin, "module", None)  # test fakes have none
             dtype = str(next(module.parameters()).dtype).removeprefix("torch.") if module else "float32"
             self.weights = WeightSync(ctx.r, ctx.keys, builtin, ctx.name, on_switch=self._on_switch,
@@ -147,6 +152,15 @@ class Producer:
         self.generator = torch.Generator().manual_seed(producer_seed(cfg.run.seed, self.index))
         self.settings = GenerationSettings.from_config(cfg)
         self.multi_turn = cfg.rollout.multi_turn.enable and self.task.multi_turn
+        #: the continuous loop (producers/continuous.py) when this producer runs one
+        self.continuous: ContinuousLoop | None = None
+        if engine is not None and cfg.rollout.vllm.continuous:
+            if self.multi_turn:
+                log.info("rollout.vllm.continuous: the tool agent loop generates per dispatch")
+            else:
+                from producers.continuous import ContinuousLoop
+
+                self.continuous = ContinuousLoop(self, engine)
         self.generate: GenerateFn = generate or self.agent_loop
         self.metrics = Publisher(ctx.r, nomkstream=True)
         self.counters = Counters()
@@ -171,7 +185,8 @@ class Producer:
         self.counters.released_on_start = retry_on_connection(self._resync, "start")
         if self.counters.released_on_start:
             log.warning(
-                "%d leased prompts not published by a previous run of %s: dispatching them again",
+                "%d leased prompts not published yet (taken by a previous run of %s, or leased ahead): "
+                "dispatching them",
                 self.counters.released_on_start,
                 self.name,
             )
@@ -227,8 +242,20 @@ class Producer:
         return self._done - start
 
     def _serve(self, limit: int | None, burst: bool) -> None:
-        """The dispatch loop, `prompts_per_dispatch` prompts a dispatch."""
-        self._loop(self.ctx.cfg.rollout.prompts_per_dispatch, limit, burst)
+        """The dispatch loop, `prompts_per_dispatch` prompts a dispatch, or the continuous loop (which counts
+        every `prompts_per_dispatch` prompts it publishes as a dispatch)."""
+        per = self.ctx.cfg.rollout.prompts_per_dispatch
+        if self.continuous is None:
+            self._loop(per, limit, burst)
+            return
+        while not self.ctx.stop.is_set() and (limit is None or self._done < limit):
+            try:
+                published = self.continuous.run(None if limit is None else (limit - self._done) * per, burst)
+            except CONNECTION_ERRORS as e:
+                self._reconnect(e)
+                continue
+            self._done += -(-published // per)
+            break
 
     def _loop(self, want: int, limit: int | None, burst: bool) -> None:
         """`_turn` until stop, `limit` dispatches in all, or (burst) no lease comes; a connection loss is
@@ -400,9 +427,11 @@ class Producer:
         gen_s: float,
         status: dict[str, float | int],
         before: tuple[int, int],
+        after: tuple[int, int] | None = None,
     ) -> list[RolloutSample]:
         """Count the generation time, score and pack each prompt's trajectories, publish (`before`: the cursor
-        ahead of these prompts, restored when the publish fails); returns the samples."""
+        ahead of these prompts, restored when the publish fails; `after`: the cursor saved with them, default
+        the shard's current one); returns the samples."""
         n = self.ctx.cfg.rollout.n
         self.counters.gen_s += gen_s
         self.window.gen_s += gen_s
@@ -410,7 +439,7 @@ class Producer:
         for k, (sid, (epoch, _, prompt)) in enumerate(zip(ids, items, strict=True)):
             group = trajs[k * n : (k + 1) * n]
             samples.append(self._sample(sid, epoch, param_version, prompt, group, status))
-        self._publish(samples, before)
+        self._publish(samples, before, after)
         return samples
 
     def _sample(
@@ -447,7 +476,9 @@ class Producer:
             response_texts=texts,
         )
 
-    def _publish(self, samples: Sequence[RolloutSample], before: tuple[int, int]) -> None:
+    def _publish(
+        self, samples: Sequence[RolloutSample], before: tuple[int, int], after: tuple[int, int] | None = None
+    ) -> None:
         """XADD the samples, mark them published and advance the cursor, in one MULTI/EXEC. A transaction
         runs every command even when one fails (an XADD refused: the stream's last id is exhausted, or
         the stream is gone), so a failed publish is undone at once: the published count goes back down,
@@ -457,7 +488,7 @@ class Producer:
         for s in samples:
             pipe.xadd(keys.rollouts_of(self.name), encode(s), nomkstream=True)  # type: ignore[arg-type]
         mark_published(pipe, keys, self.name, len(samples))
-        epoch, index = self.source.cursor
+        epoch, index = after if after is not None else self.source.cursor
         pipe.set(keys.producer_cursor(self.name), encode_cursor(epoch, index))
         res = pipe.execute(raise_on_error=False)
         refused = [x for x in res[: len(samples)] if x is None or isinstance(x, Exception)]

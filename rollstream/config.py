@@ -201,12 +201,20 @@ class VLLMConfig(_Section):
         description="Longest prompt + response the engine plans for (null: the model's "
                     "max_position_embeddings)",
     )
-    enforce_eager: bool = Field(
-        True, description="Skip graph capture / compilation (faster start; CUDA graphs off)"
+    enforce_eager: bool | None = Field(
+        None,
+        description="Skip graph capture / compilation (null: eager on CPU, where compiling only delays the "
+                    "start; CUDA graphs on a GPU, where eager decode is several times slower)",
     )
     enable_prefix_caching: bool = Field(
         True,
         description="Reuse the KV cache of a shared prompt across a group's n rows and a multi-turn history",
+    )
+    continuous: bool = Field(
+        True,
+        description="Keep rollout.prompts_per_dispatch prompts in the engine at all times, admitting leased "
+                    "prompts as rows finish and publishing each group once scored (single-turn; false or "
+                    "the tool agent loop: one batch per dispatch)",
     )
 
 

@@ -34,13 +34,20 @@ from pathlib import Path
 import redis
 import torch
 
+from producers.worker import swap_check_bound
 from rollstream.audit import audit_run
 from rollstream.model.base import resolve_dtype
 from rollstream.model.hf import make_tiny_hf_model
 from rollstream.names import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.run_target import open_run
-from rollstream.ops.runcheck import behaviour_logprob_error, producer_stats, throughput, wait_for_steps
+from rollstream.ops.runcheck import (
+    behaviour_logprob_error,
+    producer_stats,
+    swap_checks,
+    throughput,
+    wait_for_steps,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOW_CPU_ENV = "ROLLSTREAM_GPU_CHECK_ALLOW_CPU"
@@ -120,7 +127,7 @@ def check(work: Path, device: str, label: str, args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     ok = True
     try:
-        started = cli("run", *run_args, timeout_s=120)
+        started = cli("run", *run_args, timeout_s=420)  # waits for the producers' engines
         if started.returncode != 0:
             print(started.stdout + started.stderr, file=sys.stderr)
             return 1
@@ -131,6 +138,7 @@ def check(work: Path, device: str, label: str, args: argparse.Namespace) -> int:
         rates = throughput(r, target.keys)
         error, tokens = behaviour_logprob_error(r, target.keys, target.cfg, version=0)
         swap_s = mean_swap_s(r, target.keys)
+        checks = swap_checks(r, target.keys)
         r.close()
         dtype = str(resolve_dtype(target.cfg.model.dtype, torch.device(device))).removeprefix("torch.")
         print(
@@ -152,7 +160,14 @@ def check(work: Path, device: str, label: str, args: argparse.Namespace) -> int:
             print(
                 f"gpu_check: weight swap (a new version into the running engine): {swap_s * 1e3:.1f} ms mean"
             )
-        ok = tokens > 0 and (error < bound or not exact)
+        worst_check = max(checks.values(), default=float("inf"))
+        check_bound = swap_check_bound(target.cfg, dtype)
+        newest = max((v for _, v in checks), default=-1)
+        print(
+            f"gpu_check: swap check: {len(checks)} (producer, version) checks up to version {newest}, "
+            f"worst mean |log-prob diff| per probe token {worst_check:.2e} (bound {check_bound:g})"
+        )
+        ok = tokens > 0 and (error < bound or not exact) and worst_check <= check_bound and newest >= 1
     finally:
         stopped = cli("stop", *run_args, timeout_s=180)
         print(stopped.stdout.rstrip())

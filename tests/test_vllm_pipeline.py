@@ -30,10 +30,15 @@ from rollstream.names import Keys  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from rollstream.ops.process import rpc  # noqa: E402
 from rollstream.ops.run_target import open_run  # noqa: E402
-from rollstream.ops.runcheck import behaviour_logprob_error, producer_stats, wait_for_steps  # noqa: E402
+from rollstream.ops.runcheck import (  # noqa: E402
+    behaviour_logprob_error,
+    producer_stats,
+    swap_checks,
+    wait_for_steps,
+)
 from rollstream.weights import producer_versions  # noqa: E402
 
-STEPS = 3
+STEPS = 4
 SMALL = [
     "rollout.engine=vllm", "rollout.vllm.max_model_len=128", "data.train_batch_size=4",
     "actor.ppo_mini_batch_size=2", "trainer.parameter_sync_step=2", "rollout.n=4", "rollout.num_producers=2",
@@ -102,7 +107,7 @@ def test_vllm_producers_through_the_whole_pipeline(arch: str, tmp_path: Path) ->
     run_dir = tmp_path / f"vllm-{arch}"
     killed = 0
     try:
-        started = rollstream("run", *args, timeout_s=60)
+        started = rollstream("run", *args, timeout_s=400)  # returns once both engines have loaded version 0
         assert started.returncode == 0, started.stdout + started.stderr
         if case["kill"]:
             killed = _kill_while_generating(run_dir, "rollout_00")
@@ -132,6 +137,11 @@ def test_vllm_producers_through_the_whole_pipeline(arch: str, tmp_path: Path) ->
     print(f"vllm {arch}: training/rollout_probs_diff_max over the run {worst:.2e}")
     if arch == "llama":  # on-policy: only the engine's numerics differ (measured ~1e-7 in float32)
         assert worst < 1e-4, worst
+    # every swap was checked: the records carry each producer's newest check, within the float32 bound, at
+    # version 3 or later by the last record
+    checked = [rec for rec in trained if "producer/swap_check/logprob_diff" in rec]
+    assert checked and max(rec["producer/swap_check/version"] for rec in checked) >= STEPS - 1, checked
+    assert all(rec["producer/swap_check/logprob_diff"] < 1e-3 for rec in checked), checked
 
     with EmbeddedRedis(run_dir) as srv:  # the run's log, read back from its AOF
         r = redis.Redis.from_url(srv.url)
@@ -141,6 +151,9 @@ def test_vllm_producers_through_the_whole_pipeline(arch: str, tmp_path: Path) ->
         assert rep.published == rep.trained | rep.dropped | rep.dead | rep.pending
         assert rep.steps_consecutive and rep.steps == list(range(1, STEPS + 1)), rep.steps
         assert producer_versions(r, keys) == {"rollout_00": STEPS, "rollout_01": STEPS}
+        checks = swap_checks(r, keys)  # every version each producer loaded, checked within the bound
+        assert {v for (_, v) in checks} >= set(range(1, STEPS)), checks
+        assert max(checks.values()) < 1e-4, checks  # measured ~1e-7 per probe token (float32, CPU)
         swaps = {name: 0.0 for name in ("rollout_00", "rollout_01")}
         for ev in producer_stats(r, keys):
             swaps[ev.producer] += ev.metrics.get("producer/weight_swaps", 0.0)
@@ -156,3 +169,28 @@ def _no_leftover_supervisord(tmp_path: Path) -> Iterator[None]:
             os.kill(int(pid_file.read_text()), signal.SIGTERM)
         except (ProcessLookupError, ValueError):
             pass
+
+
+def test_an_engine_that_cannot_start_ends_the_run_loudly(tmp_path: Path) -> None:
+    # head size 8 (hidden 32, 4 heads): vLLM's CPU attention refuses it, so no producer can ever start
+    model_dir = make_tiny_hf_model(tmp_path / "model", seed=0, hidden_size=32, arch="qwen2", tokenizer="bpe",
+                                   chat_template=True)
+    args = ["pipeline.yaml", "model.backend=hf", f"model.hf_path={model_dir}", *SMALL, f"run.dir={tmp_path}",
+            "run.name=vllm-nostart"]
+    run_dir = tmp_path / "vllm-nostart"
+    try:
+        started = rollstream("run", *args, timeout_s=300)
+        assert started.returncode != 0, started.stdout + started.stderr
+        assert "head size 8" in started.stderr and "rollout_0" in started.stderr, started.stderr
+        time.sleep(3)  # no restart loop: the producers stay EXITED with status 2 (EXIT_CONFIG)
+        states = {p["name"]: p for p in rpc(run_dir).supervisor.getAllProcessInfo()}
+        for name in ("rollout_00", "rollout_01"):
+            if states[name]["statename"] != "EXITED":  # the second producer may still be starting its import
+                continue
+            assert states[name]["exitstatus"] == 2, states[name]
+        log = (run_dir / "logs" / "rollout_00.log").read_text()
+        assert log.count("vLLM engine for") == 1, log[-2000:]  # started once, never restarted
+        check = rollstream("status", *args, "--check", timeout_s=60)
+        assert check.returncode == 1 and "head size 8" in check.stderr, check.stdout + check.stderr
+    finally:
+        rollstream("stop", *args, timeout_s=120)

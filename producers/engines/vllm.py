@@ -38,6 +38,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +246,7 @@ def start_engine(cfg: PipelineConfig, seed: int) -> Any:
         logprobs_mode="processed_logprobs",
         # no sampling defaults or extra stop ids from the checkpoint: the config decides
         generation_config="vllm",
-        enforce_eager=v.enforce_eager,
+        enforce_eager=v.enforce_eager if v.enforce_eager is not None else device == "cpu",
         enable_prefix_caching=v.enable_prefix_caching,
         max_model_len=v.max_model_len,
     )
@@ -263,16 +264,30 @@ def start_engine(cfg: PipelineConfig, seed: int) -> Any:
     return llm
 
 
+@dataclass
+class _Request:
+    """One row in the engine: the Completion it fills and its sampling settings."""
+
+    row: Completion
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+
+
 class VLLMPolicy:
     """A GeneratingPolicy on one in-process vLLM engine, with in-place weight loads (see the module
-    docstring)."""
+    docstring). Besides `generate` (a batch in, completions out) it serves rows one at a time for
+    continuous generation (producers/continuous.py): `submit` a row, `step` the engine (the rows that
+    finished), `resume` rows a weight load paused."""
 
     def __init__(self, llm: Any, tokenizer: HFTokenizer) -> None:
         self.llm = llm
         self.tokenizer: Tokenizer = tokenizer
         self._ids = itertools.count()
-        self._live: dict[str, int] = {}  # request id -> row, while generate runs
-        self._paused: list[int] = []  # rows aborted by a weight load, to resubmit
+        self._live: dict[str, _Request] = {}  # request id -> row, while in the engine
+        self._paused: list[_Request] = []  # rows aborted by a weight load, to resubmit
+        self.busy_s = 0.0  #: seconds spent in engine steps (generation and continuous serving alike)
+        self.row_s = 0.0  #: rows in the engine x seconds, summed over steps (busy_s x mean rows in flight)
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig, seed: int) -> VLLMPolicy:
@@ -298,10 +313,7 @@ class VLLMPolicy:
     def load_param_version(self, r: redis.Redis, pv: ParamVersion) -> None:
         """Load a published version into the running engine in place (sha256 checked, tensor by tensor); rows
         in flight are paused first and resumed by `generate` on the new weights."""
-        if self._live:
-            self.llm.llm_engine.abort_request(list(self._live))
-            self._paused.extend(self._live.values())
-            self._live.clear()
+        self._pause()
         tensors = iter_weight_tensors(r, pv)  # WeightsError here leaves the engine as it was
         try:
             (failed,) = self.llm.collective_rpc(_reload_in_worker, args=(tensors,))
@@ -353,47 +365,76 @@ class VLLMPolicy:
         if not rows or max_new_tokens == 0:
             return rows
         temp = 0.0 if greedy else temperature
-        self._live.clear()
         self._paused = []
-        for i in range(len(rows)):
-            self._submit(rows, i, max_new_tokens, temp, top_p)
+        for row in rows:
+            self.submit(row, max_new_tokens, temp, top_p)
         steps = 0
         try:
             while self._live:
-                self._collect(rows, self.llm.llm_engine.step())
+                self.step()
                 steps += 1
-                if (
-                    sync_every_tokens > 0
-                    and on_chunk is not None
-                    and self._live
-                    and steps % sync_every_tokens == 0
-                ):
-                    swapped = on_chunk()
-                    for i in self._paused:  # paused by a load (resumed even if that load then failed)
-                        if swapped:
-                            rows[i].swap_points.append(len(rows[i].response_ids))
-                        self._submit(rows, i, max_new_tokens, temp, top_p)
-                    self._paused = []
+                due = sync_every_tokens > 0 and steps % sync_every_tokens == 0
+                if due and on_chunk is not None and self._live:
+                    self.resume(on_chunk())  # paused by a load (resumed even if that load then failed)
         finally:
-            if self._live:  # an exception mid-loop: leave the engine empty for the next call
-                self.llm.llm_engine.abort_request(list(self._live))
-                self._live.clear()
+            self.abort()  # an exception mid-loop: leave the engine empty for the next call
         return rows
 
-    def _submit(
-        self, rows: list[Completion], i: int, max_new_tokens: int, temperature: float, top_p: float
-    ) -> None:
-        """Add row i to the engine: its prompt + what it generated so far, for the tokens it has left."""
+    # ---- rows one at a time (continuous generation) -----------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        """Rows in the engine now (paused ones not counted)."""
+        return len(self._live)
+
+    def submit(self, row: Completion, max_new_tokens: int, temperature: float, top_p: float = 1.0) -> None:
+        """Add a row to the engine: its prompt + what it generated so far, for the tokens it has left
+        (temperature 0: greedy); its tokens and log-probs are appended to `row` as the engine steps."""
+        self._submit(_Request(row, max_new_tokens, temperature, top_p))
+
+    def step(self) -> list[Completion]:
+        """One engine step; returns the rows that finished in it (eos or their token budget)."""
+        rows, t0 = len(self._live), time.perf_counter()
+        done = self._collect(self.llm.llm_engine.step())
+        dt = time.perf_counter() - t0
+        self.busy_s += dt
+        self.row_s += rows * dt
+        return done
+
+    def resume(self, swapped: bool) -> None:
+        """Resubmit the rows a weight load paused; with `swapped` (the load went in) each records where the
+        new weights took over (`swap_points`)."""
+        paused, self._paused = self._paused, []
+        for req in paused:
+            if swapped:
+                req.row.swap_points.append(len(req.row.response_ids))
+            self._submit(req)
+
+    def abort(self) -> None:
+        """Drop every row in the engine or paused (their completions keep what they generated)."""
+        if self._live:
+            self.llm.llm_engine.abort_request(list(self._live))
+            self._live.clear()
+        self._paused = []
+
+    def _pause(self) -> None:
+        """Abort the rows in the engine and keep them for `resume` (before a weight load)."""
+        if self._live:
+            self.llm.llm_engine.abort_request(list(self._live))
+            self._paused.extend(self._live.values())
+            self._live.clear()
+
+    def _submit(self, req: _Request) -> None:
+        """Add a request to the engine for the tokens its row has left."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        row = rows[i]
+        row = req.row
         params = SamplingParams(
             n=1,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_new_tokens - len(row.response_ids),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_tokens=req.max_new_tokens - len(row.response_ids),
             logprobs=0,  # the sampled token's own log-prob
             stop_token_ids=[self.tokenizer.eos_id],
             detokenize=False,
@@ -403,16 +444,18 @@ class VLLMPolicy:
         self.llm.llm_engine.add_request(
             rid, TokensPrompt(prompt_token_ids=row.prompt_ids + row.response_ids), params
         )
-        self._live[rid] = i
+        self._live[rid] = req
 
-    def _collect(self, rows: list[Completion], outputs: list[Any]) -> None:
-        """Append each output's new tokens and log-probs to its row; finished rows leave the engine."""
+    def _collect(self, outputs: list[Any]) -> list[Completion]:
+        """Append each output's new tokens and log-probs to its row; finished rows leave the engine and are
+        returned."""
+        done = []
         for out in outputs:
-            i = self._live.get(out.request_id)
-            if i is None:
+            req = self._live.get(out.request_id)
+            if req is None:
                 continue  # aborted by a weight load in this step
             comp = out.outputs[0]
-            row = rows[i]
+            row = req.row
             row.response_ids.extend(comp.token_ids)
             row.log_probs.extend(
                 lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids, strict=True)
@@ -420,3 +463,5 @@ class VLLMPolicy:
             if out.finished:
                 del self._live[out.request_id]
                 row.finished = comp.finish_reason == "stop"
+                done.append(row)
+        return done

@@ -102,6 +102,17 @@ def producer_stats(r: redis.Redis, keys: Keys) -> Iterator[ProducerStats]:
             yield ev
 
 
+def swap_checks(r: redis.Redis, keys: Keys) -> dict[tuple[str, int], float]:
+    """(producer, version) -> the swap check's mean |log-prob diff| per probe token
+    (rollstream/fingerprint.py) for every version a producer's stats report checked."""
+    out: dict[tuple[str, int], float] = {}
+    version, diff = "producer/swap_check/version", "producer/swap_check/logprob_diff"
+    for ev in producer_stats(r, keys):
+        if version in ev.metrics and diff in ev.metrics:
+            out[(ev.producer, int(ev.metrics[version]))] = float(ev.metrics[diff])
+    return out
+
+
 def throughput(r: redis.Redis, keys: Keys) -> Throughput:
     """Rates from the trainer's metrics events and the producers' stats (needs >= 2 finished steps)."""
     ends: dict[int, StepMetrics] = {}

@@ -1,0 +1,249 @@
+"""Continuous generation (`rollout.vllm.continuous`, the vLLM engine, single-turn): one engine per producer
+stays busy.
+
+The per-dispatch loop (producers/worker.py) generates `prompts_per_dispatch` x n rows as one batch: the engine
+runs ever fewer rows through the batch's long tail, then idles while the producer scores, publishes and waits
+for its lease. Here the producer keeps the engine at `prompts_per_dispatch` x n rows: after every engine step
+it admits new leased prompts (a group of n rows each) into the room finished rows left, and publishes each
+group as soon as its n rows are done and scored, as verl's rollouter, PipelineRL, AReaL and prime-rl do.
+
+What stays as in the per-dispatch loop:
+- **Exactly once.** Prompts are taken from the shard in order and numbered by `seq`; a group is published
+  only after every group before it (in one MULTI with the published count and the cursor just past its
+  prompt), so the published count and the cursor always name a prefix of the leased prompts and a restart
+  dispatches the rest again under the same ids. A group that finishes early waits (scored) for the groups
+  before it; the engine does not.
+- **Leases first, then weights.** Admission reads the lease, then loads newer weights if any, so a prompt
+  leased under version v is never generated with older weights; a group is stamped with the version loaded
+  when it was admitted.
+- **Swaps.** With `rollout.partial_rollout` every `sync_every_tokens` engine steps newer weights are loaded:
+  the rows in flight pause, swap and resume (`Completion.swap_points`), and each row's first and last
+  generating versions are recorded per row. Without it admission stops once a newer version is out, the
+  engine drains, and the version loads with nothing in flight.
+- Any error (a lost connection included) drops what is in flight; the producer's own handling then resyncs
+  from Redis (the prompts are dispatched again), as for a dispatch.
+
+Measured with `VLLMPolicy.busy_s` / `row_s` (engine busy time, rows in flight x time): see BENCHMARKS.md,
+"Continuous generation".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rollstream.model import Completion
+from rollstream.model.chat import encode_prompt
+from rollstream.pacing import ask_lease, lease_of
+from rollstream.rollout import Trajectory
+from rollstream.tasks import Prompt
+
+if TYPE_CHECKING:
+    from producers.engines.vllm import VLLMPolicy
+    from producers.worker import Producer
+
+log = logging.getLogger(__name__)
+
+#: Seconds to sleep when the engine is empty and no lease is left (as the per-dispatch loop's POLL_S).
+IDLE_POLL_S = 0.005
+#: Burst mode: how long an empty engine waits for a lease before the loop stops.
+BURST_WAIT_S = 0.25
+#: Most groups admitted and not yet published, in dispatches' worth (`prompts_per_dispatch`): finished groups
+#: wait for a long one before them to be published in order; the engine keeps admitting up to this bound.
+MAX_WAITING_DISPATCHES = 4
+
+
+@dataclass
+class Group:
+    """One leased prompt in the engine: its n rows, the version admitted under, the cursor around it."""
+
+    seq: int
+    sample_id: str
+    epoch: int
+    prompt: Prompt
+    version: int
+    before: tuple[int, int]  # the shard's cursor at this prompt
+    after: tuple[int, int]  # and just past it (saved with its publish)
+    rows: list[Completion]
+    #: per row, the version loaded at each of its swap points (aligned with `rows[i].swap_points`)
+    versions: list[list[int]] = field(default_factory=list)
+    done: int = 0
+
+    @property
+    def ready(self) -> bool:
+        """Every row finished (eos or its token budget)."""
+        return self.done == len(self.rows)
+
+    def trajectories(self) -> list[Trajectory]:
+        """The rows as Trajectories, each stamped with the versions that made its first and last token."""
+        out = []
+        for row, versions in zip(self.rows, self.versions, strict=True):
+            t = Trajectory(prompt_ids=row.prompt_ids, num_turns=1, finished=row.finished)
+            t.extend(row.response_ids, row.log_probs, generated=True)
+            if row.response_ids:
+                t.version_start = self._version_at(row, versions, 0)
+                t.version_end = self._version_at(row, versions, len(row.response_ids) - 1)
+            out.append(t)
+        return out
+
+    def _version_at(self, row: Completion, versions: list[int], token: int) -> int:
+        """The version that generated response token `token`: the last swap at or before it, else the
+        admission version."""
+        seen = sum(1 for s in row.swap_points if s <= token)
+        return versions[seen - 1] if seen else self.version
+
+
+class ContinuousLoop:
+    """The continuous generation loop of one producer on its vLLM engine (module docstring)."""
+
+    def __init__(self, producer: Producer, engine: VLLMPolicy) -> None:
+        self.p = producer
+        self.engine = engine
+        cfg = producer.ctx.cfg
+        self.n = cfg.rollout.n
+        self.capacity = cfg.rollout.prompts_per_dispatch  # groups in the engine at once
+        self.settings = producer.settings
+        self.pending: deque[Group] = deque()  # admitted, in seq order, until published
+        self.steps = 0
+        self.asked = -1  # the lease total last asked for
+        self.busy_since_publish = 0.0  # engine seconds since the last publish (that publish's gen_s)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def run(self, max_prompts: int | None, burst: bool) -> int:
+        """Admit, step and publish until stop, `max_prompts` prompts published, or (burst) no lease within
+        BURST_WAIT_S of an empty engine; returns the prompts published. On any error what is in flight is
+        dropped (its prompts are dispatched again after the producer resyncs) and the error propagates."""
+        published = 0
+        idle_since: float | None = None
+        try:
+            while not self.p.ctx.stop.is_set():
+                admitted_all = max_prompts is not None and published + len(self.pending) >= max_prompts
+                self._sync_weights()
+                if not admitted_all:
+                    self._admit(None if max_prompts is None else max_prompts - published - len(self.pending))
+                if not self.pending:
+                    if max_prompts is not None and published >= max_prompts:
+                        break
+                    now = time.monotonic()
+                    idle_since = idle_since or now
+                    if burst and now - idle_since > BURST_WAIT_S:
+                        break
+                    self._idle()
+                    continue
+                idle_since = None
+                self._step()
+                published += self._publish_ready()
+        finally:
+            self._drop()
+        return published
+
+    def _sync_weights(self) -> None:
+        """Load newer weights when due: with partial rollout every `sync_every_tokens` steps (rows in flight
+        pause, swap and resume), without it only when the engine is empty."""
+        if self.settings.partial_rollout:
+            if self.steps % max(1, self.settings.sync_every_tokens) == 0:
+                self._refresh()
+        elif not self.pending:
+            self._refresh()
+
+    def _refresh(self) -> None:
+        """Load the newest version if newer; rows a load paused resume, recording the version they swap to."""
+        swapped, version = self.p._refresh()
+        self.engine.resume(swapped)
+        if swapped:
+            for group in self.pending:
+                for row, versions in zip(group.rows, group.versions, strict=True):
+                    if len(row.swap_points) > len(versions):
+                        versions.append(version)
+
+    def _admit(self, room_left: int | None) -> None:
+        """Fill the engine up to `prompts_per_dispatch` x n rows with leased prompts' groups (at most
+        `room_left` of them); ask for the room left when the lease runs out."""
+        ctx = self.p.ctx
+        if not self.settings.partial_rollout and self.pending:
+            if self.p._newest_version() > self.p.weights.version:
+                return  # a newer version waits for the engine to drain
+        # room for whole groups in the engine's rows (a group's finished rows make room at once: one long row
+        # holds one slot, not n), and a bound on groups waiting for an earlier one to be published
+        free = min((self.capacity * self.n - self.engine.in_flight) // self.n,
+                   MAX_WAITING_DISPATCHES * self.capacity - len(self.pending))
+        if room_left is not None:
+            free = min(free, room_left)
+        if free <= 0:
+            return
+        self.p.leased = max(self.p.leased, lease_of(ctx.r, ctx.keys, self.p.name))  # before the weights
+        if self.p.leased <= self.p.next_seq:
+            want = self.p.next_seq + free
+            if want > self.asked:
+                ask_lease(ctx.r, ctx.keys, self.p.name, want)
+                self.asked = want
+            return
+        if not self.pending:
+            self._refresh()  # an empty engine takes the newest version before new prompts
+        for _ in range(min(free, self.p.leased - self.p.next_seq)):
+            before = self.p.source.cursor
+            items, version, ids = self.p._take_prompts(1)
+            if not items:
+                return
+            (epoch, _, prompt), sid = items[0], ids[0]
+            self._start_group(Group(
+                seq=self.p.next_seq - 1, sample_id=sid, epoch=epoch, prompt=prompt, version=version,
+                before=before, after=self.p.source.cursor, rows=[],
+            ))
+
+    def _start_group(self, group: Group) -> None:
+        """Put a group's n rows into the engine."""
+        ids = encode_prompt(self.engine.tokenizer, group.prompt.text)
+        s = self.settings
+        for _ in range(self.n):
+            row = Completion(prompt_ids=list(ids))
+            group.rows.append(row)
+            group.versions.append([])
+            self.engine.submit(row, s.max_new_tokens, s.temperature, s.top_p)
+        self.pending.append(group)
+
+    def _step(self) -> None:
+        """One engine step; count each finished row to its group."""
+        t0 = time.perf_counter()
+        finished = {id(row) for row in self.engine.step()}
+        self.steps += 1
+        self.busy_since_publish += time.perf_counter() - t0
+        if finished:
+            for group in self.pending:
+                group.done += sum(1 for row in group.rows if id(row) in finished)
+
+    def _publish_ready(self) -> int:
+        """Publish, in seq order, every finished group at the head of the queue; returns how many."""
+        count = 0
+        while self.pending and self.pending[0].ready:
+            group = self.pending[0]
+            gen_s, self.busy_since_publish = self.busy_since_publish, 0.0
+            self.p._finish(
+                [group.sample_id], [(group.epoch, 0, group.prompt)], group.version, group.trajectories(),
+                gen_s, self.p._status(False), group.before, after=group.after,
+            )
+            self.pending.popleft()
+            count += 1
+        if count:
+            self.p._maybe_stats()
+        return count
+
+    def _idle(self) -> None:
+        """Nothing in the engine and no lease: sleep a poll, counting idle time."""
+        t0 = time.monotonic()
+        time.sleep(IDLE_POLL_S)
+        self.p._maybe_stats()
+        self.p._add_idle(time.monotonic() - t0)
+
+    def _drop(self) -> None:
+        """Abort every row in the engine and forget the unpublished groups (they stay leased: the producer's
+        resync dispatches them again)."""
+        self.engine.abort()
+        if self.pending:
+            first = self.pending[0]
+            self.p.source.cursor = first.before
+            self.p.next_seq = first.seq
+            self.pending.clear()
