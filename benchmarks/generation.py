@@ -83,6 +83,20 @@ PRESETS: dict[str, dict[str, Any]] = {
             "rollout.vllm.max_model_len=256",
         ],
     ),
+    # SmolLM2-135M-Instruct's shape (Llama, 30 layers of 576, 9 heads, 3 KV heads, a tied 49152-token head)
+    "smollm2-135m": dict(
+        model=dict(
+            arch="llama", hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
+            max_positions=256, vocab_size=49152, tied=True,
+        ),
+        overrides=[
+            "rollout.prompts_per_dispatch=64",
+            "rollout.n=8",
+            "data.max_response_length=32",
+            "data.task=reverse",
+            "rollout.vllm.max_model_len=256",
+        ],
+    ),
     "llama-tail": dict(
         model=dict(
             arch="llama", tokenizer="char", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,

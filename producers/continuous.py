@@ -33,7 +33,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rollstream.model import Completion
 from rollstream.model.chat import encode_prompt
@@ -42,8 +42,11 @@ from rollstream.rollout import Trajectory
 from rollstream.tasks import Prompt
 
 if TYPE_CHECKING:
+    from producers.agent import GenerationSettings
     from producers.engines.vllm import VLLMPolicy
-    from producers.worker import Producer
+    from producers.weight_sync import WeightSync
+    from rollstream.tasks import PromptSource
+    from rollstream.worker import WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +99,33 @@ class Group:
         return versions[seen - 1] if seen else self.version
 
 
+class Host(Protocol):
+    """What the loop uses of its producer (producers/worker.py Producer): its lease and prompt position, its
+    weights, and its score-and-publish path."""
+
+    ctx: WorkerContext
+    name: str
+    settings: GenerationSettings
+    source: PromptSource
+    weights: WeightSync
+    leased: int
+    next_seq: int
+
+    def _refresh(self) -> tuple[bool, int]: ...
+    def _newest_version(self) -> int: ...
+    def _take_prompts(self, amount: int) -> tuple[list[tuple[int, int, Prompt]], int, list[str]]: ...
+    def _status(self, failed: bool) -> dict[str, float | int]: ...
+    def _finish(self, ids: list[str], items: list[tuple[int, int, Prompt]], param_version: int,
+                trajs: list[Trajectory], gen_s: float, status: dict[str, float | int],
+                before: tuple[int, int], after: tuple[int, int] | None = None) -> Any: ...
+    def _maybe_stats(self) -> None: ...
+    def _add_idle(self, seconds: float) -> None: ...
+
+
 class ContinuousLoop:
     """The continuous generation loop of one producer on its vLLM engine (module docstring)."""
 
-    def __init__(self, producer: Producer, engine: VLLMPolicy) -> None:
+    def __init__(self, producer: Host, engine: VLLMPolicy) -> None:
         self.p = producer
         self.engine = engine
         cfg = producer.ctx.cfg

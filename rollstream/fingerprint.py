@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch stays out of processes that only read params
     from rollstream.model.base import BasePolicy
 
-#: Tokens in the probe sequence (its log-probs: one fewer).
+#: Tokens in the probe sequence (its log-probs: one fewer), or the model's context when shorter.
 PROBE_LEN = 32
+#: Fewest probe log-probs a check compares (a context shorter than this cannot be checked meaningfully).
+MIN_COMPARED = 4
 #: Seed of the probe's token ids (fixed: every host draws the same sequence for a vocabulary size).
 PROBE_SEED = 20261204
 #: Default bound on the mean absolute log-prob difference per probe token, by the engine's dtype: float32
@@ -44,9 +46,10 @@ def probe_ids(vocab_size: int, length: int = PROBE_LEN) -> list[int]:
 
 def policy_probe_logprobs(policy: BasePolicy, ids: Sequence[int]) -> list[float]:
     """log p(ids[t+1] | ids[:t+1]) under the policy's module at temperature 1, in float32, eval mode, no
-    grad (the module's train/eval mode is restored)."""
+    grad (the module's train/eval mode is restored); ids beyond the model's context are left out."""
     import torch
 
+    ids = list(ids)[: policy.max_seq_len or None]
     module = policy.module
     was_training = module.training
     module.eval()
@@ -60,10 +63,12 @@ def policy_probe_logprobs(policy: BasePolicy, ids: Sequence[int]) -> list[float]
 
 
 def probe_diff(expected: Sequence[float], got: Sequence[float]) -> tuple[float, float]:
-    """(mean, max) absolute difference of two probe log-prob lists; a length mismatch or a non-finite value
-    is an infinite difference (never a pass)."""
-    if len(expected) != len(got) or not expected:
+    """(mean, max) absolute difference of two probe log-prob lists, over `got`'s length (an engine with a
+    shorter context scores a prefix: log-probs are causal); fewer than MIN_COMPARED values, `got` longer than
+    `expected`, or a non-finite value is an infinite difference (never a pass)."""
+    if len(got) > len(expected) or len(got) < MIN_COMPARED:
         return float("inf"), float("inf")
+    expected = expected[: len(got)]
     diffs = [abs(a - b) for a, b in zip(expected, got, strict=True)]
     if any(d != d for d in diffs):  # NaN
         return float("inf"), float("inf")

@@ -30,7 +30,7 @@ from rollstream.model.hf import make_tiny_hf_model  # noqa: E402
 from rollstream.names import Keys  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from rollstream.ops.run_target import open_run  # noqa: E402
-from rollstream.ops.runcheck import behaviour_logprob_error, throughput, wait_for_steps  # noqa: E402
+from rollstream.ops.runcheck import behaviour_logprob_error, swap_checks, throughput, wait_for_steps  # noqa: E402
 from rollstream.weights import producer_versions  # noqa: E402
 
 STEPS = 3
@@ -112,6 +112,10 @@ def test_hf_model_through_the_whole_pipeline(arch: str, tmp_path: Path) -> None:
         assert rep.steps_consecutive and rep.steps == list(range(1, STEPS + 1)), rep.steps
         assert rep.records_consecutive and rep.records[-1] == STEPS, rep.records
         assert producer_versions(r, keys) == {"rollout_00": STEPS, "rollout_01": STEPS}
+        # every version the trainer published carried its probe, and each producer's swap to it was checked:
+        # the built-in engine computes what the trainer did (0 difference)
+        checks = swap_checks(r, keys)
+        assert {v for _, v in checks} >= set(range(1, STEPS)) and max(checks.values()) == 0.0, checks
 
 
 @pytest.fixture(autouse=True)

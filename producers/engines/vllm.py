@@ -327,10 +327,12 @@ class VLLMPolicy:
 
     def probe_logprobs(self, ids: list[int]) -> list[float]:
         """log p(ids[t+1] | ids[:t+1]) under the engine's weights at temperature 1 (vLLM's prompt
-        log-probs), for the swap check; call only between generations (nothing else in the engine)."""
+        log-probs), for the swap check, over as many ids as the engine's context takes with one token to
+        generate; call only between generations (nothing else in the engine)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        ids = list(ids)[: self.max_seq_len - 1]
         params = SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         rid = f"probe{next(self._ids)}"
         self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), params)

@@ -120,10 +120,11 @@ def build_tokenizer(
 
 def tiny_config(
     arch: Arch, vocab_size: int, hidden_size: int = 32, num_layers: int = 2, max_positions: int = 128,
-    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int | None = None,
+    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int | None = None, tied: bool | None = None,
 ) -> Any:
-    """A transformers config of `arch` (4 query / 2 key-value heads and an MLP of 2 x hidden unless given);
-    pad/bos/eos ids 0/1/2."""
+    """A transformers config of `arch` (4 query / 2 key-value heads and an MLP of 2 x hidden unless given;
+    output head tied to the embedding as Qwen2.5 unless `tied` says otherwise: llama untied, qwen2 tied by
+    default); pad/bos/eos ids 0/1/2."""
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -139,12 +140,12 @@ def tiny_config(
     if arch == "llama":
         from transformers import LlamaConfig
 
-        return LlamaConfig(**common, tie_word_embeddings=False)
+        return LlamaConfig(**common, tie_word_embeddings=bool(tied))
     if arch == "qwen2":
         from transformers import Qwen2Config
 
         # as Qwen2.5-0.5B: tied
-        return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
+        return Qwen2Config(**common, tie_word_embeddings=tied is None or tied, use_sliding_window=False)
     raise ValueError(f"arch={arch!r}: expected 'llama' or 'qwen2'")
 
 
@@ -160,19 +161,25 @@ def make_tiny_hf_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int | None = None,
+    vocab_size: int | None = None,
+    tied: bool | None = None,
 ) -> Path:
     """Save a tiny random `arch` causal LM + its tokenizer to `directory` (created); returns the path.
 
     The defaults (Llama, char tokenizer, no chat template) give CharTokenizer's ids exactly. vLLM's CPU
-    attention needs a head size (hidden_size / num_heads) of 32 or more."""
+    attention needs a head size (hidden_size / num_heads) of 32 or more. `vocab_size` pads the embedding
+    beyond the tokenizer (a real model's head cost); `tied` overrides the arch's tying (see tiny_config)."""
     from transformers import AutoModelForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(tokenizer, chat_template)
     tok.save_pretrained(str(directory))
+    if vocab_size is not None and vocab_size < len(tok):
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tok)} tokens")
     cfg = tiny_config(
-        arch, len(tok), hidden_size, num_layers, max_positions, num_heads, num_kv_heads, intermediate_size
+        arch, vocab_size or len(tok), hidden_size, num_layers, max_positions, num_heads, num_kv_heads,
+        intermediate_size, tied,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -1,0 +1,83 @@
+"""The swap check (rollstream/fingerprint.py, producers/weight_sync.py) with the built-in engine: the probe
+travels with each version, a producer's load is checked against it, and a mismatch is loaded again and then
+refused (the version is never registered). Through a whole run: tests/test_hf_pipeline.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import redis
+import torch
+
+from producers.weight_sync import SwapFailed, WeightSync
+from rollstream.config import load_config
+from rollstream.fingerprint import default_max_diff, policy_probe_logprobs, probe_diff, probe_ids
+from rollstream.from_config import build_policy
+from rollstream.model import BasePolicy
+from rollstream.names import Keys
+from rollstream.weights import latest_param_version, publish_weights
+
+
+def policy(seed: int) -> BasePolicy:
+    """The demo's tiny GPT with weights from `seed`."""
+    return build_policy(load_config("pipeline.yaml", [f"run.seed={seed}"]))
+
+
+def probe(p: BasePolicy) -> tuple[list[int], list[float]]:
+    """The trainer's probe of `p`."""
+    ids = probe_ids(p.tokenizer.vocab_size)
+    return ids, policy_probe_logprobs(p, ids)
+
+
+def test_the_probe_is_fixed_and_its_diff_never_passes_garbage() -> None:
+    assert probe_ids(100) == probe_ids(100) and len(probe_ids(100)) == 32
+    assert all(0 <= i < 7 for i in probe_ids(7))
+    assert probe_diff([-1.0, -2.0, -3.0, -4.0], [-1.0, -2.5, -3.0, -4.5]) == (0.25, 0.5)
+    a = [-1.0, -2.0, -3.0, -4.0, -5.0]
+    assert probe_diff(a, a[:4]) == (0.0, 0.0)  # an engine with a shorter context checks a prefix
+    assert probe_diff(a[:4], a) == (math.inf, math.inf)  # more than was published
+    assert probe_diff(a, a[:3]) == (math.inf, math.inf)  # too short to mean anything
+    assert probe_diff(a, [-1.0, -2.0, -3.0, math.nan]) == (math.inf, math.inf)
+    assert probe_diff([], []) == (math.inf, math.inf)
+    assert default_max_diff("float32") == 1e-3 and default_max_diff("bfloat16") == 5e-2
+    with pytest.raises(ValueError, match="vocab_size"):
+        probe_ids(0)
+
+
+def test_the_probe_depends_on_every_tensor() -> None:
+    p = policy(0)
+    ids, before = probe(p)
+    for name, param in p.module.named_parameters():  # any one tensor moved moves the probe
+        with torch.no_grad():
+            saved = param.detach().clone()
+            param.add_(0.05 * torch.randn_like(param))
+            mean, _ = probe_diff(before, policy_probe_logprobs(p, ids))
+            param.copy_(saved)
+        assert mean > 1e-4, name
+
+
+def test_a_builtin_swap_is_checked_and_a_mismatch_refused(r: redis.Redis, keys: Keys) -> None:
+    engine, v1, v2 = policy(0), policy(1), policy(2)
+    assert engine.module.training  # the check leaves the module's mode as it found it
+    sync = WeightSync(r, keys, engine, "rollout_00", max_diff=default_max_diff("float32"))
+    inline = 1 << 30
+    publish_weights(r, keys, 1, v1.state_dict_bytes(), global_step=1, inline_max_bytes=inline,
+                    probe=probe(v1))
+    assert sync.refresh() and sync.version == 1
+    assert sync.last_check == (1, 0.0, 0.0) and engine.module.training  # the same code on both sides
+    pv = latest_param_version(r, keys)
+    assert pv is not None and pv.probe_ids == probe_ids(engine.tokenizer.vocab_size)
+    # version 2's weights announced with version 1's fingerprint: loaded, checked, loaded again, refused
+    publish_weights(r, keys, 2, v2.state_dict_bytes(), global_step=2, inline_max_bytes=inline,
+                    probe=probe(v1))
+    loads: list[int] = []
+    inner = sync.loader
+    sync.loader = lambda rr, pv: (loads.append(pv.version), inner(rr, pv))[-1]  # type: ignore[func-returns-value]
+    with pytest.raises(SwapFailed, match="param_version 2: .* rollout.swap_check_max_diff=0.001"):
+        sync.refresh()
+    assert loads == [2, 2] and sync.version == 1
+    assert r.get(keys.producer_version("rollout_00")) == b"1"  # version 2 never registered
+    # a version without a probe (published before the check existed) loads unchecked
+    publish_weights(r, keys, 3, v2.state_dict_bytes(), global_step=3, inline_max_bytes=1 << 30)
+    assert sync.refresh() and sync.version == 3 and sync.last_check is not None and sync.last_check[0] == 2
