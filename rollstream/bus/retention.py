@@ -220,7 +220,9 @@ class Janitor:
         """Every stream of the run that exists: the fixed ones, each producer's rollouts and stats streams
         (each archived and trimmed under its own group floor) and each producer's dispatch log."""
         logs = self.r.scan_iter(match=self.keys.producer_pattern("dispatch_log"), count=1000)
-        found = [text(k) for k in logs]
+        # an older run's producer:<name>:dispatch_log, where a producer may write: streams only (a string
+        # there must not stop retention with WRONGTYPE)
+        found = [text(k) for k in logs if text(self.r.type(k)) == "stream"]
         fixed = self.keys.all_streams(run_producers(self.r, self.keys))
         return [s for s in [*fixed, *sorted(found)] if self.r.exists(s)]
 
