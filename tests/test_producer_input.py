@@ -217,3 +217,17 @@ def test_a_sample_in_another_producers_name_is_blamed_on_its_writer(roles: Roles
     assert rep.misnamed == {P0: 1} and len(rep.dead) == 1 and next(iter(rep.dead)).startswith(f"{P0} entry ")
     assert rep.problems() == [f"{P0} published 1 entries under another producer's sample ids (dead-lettered)"]
 
+
+
+def test_a_string_at_a_producers_old_dispatch_log_key_does_not_stop_retention(
+    roles: Roles, tmp_path: Path
+) -> None:
+    """`producer:<name>:dispatch_log` (an older run's dispatch log) is a key the producer may write; retention
+    archives it only when it is a stream, so a string there is no WRONGTYPE for the trainer's janitor."""
+    from rollstream.bus import Archive, Janitor
+
+    keys, prod = roles.keys, roles.producers[P0]
+    prod.set(keys.producer_prefix(P0) + "dispatch_log", "not a stream")
+    janitor = Janitor(roles.trainer, keys, Archive(tmp_path / "archive"), budget_bytes=1, every_s=0)
+    assert keys.producer_prefix(P0) + "dispatch_log" not in janitor.streams()
+    assert janitor.maybe_run() is not None  # one pass over every stream, under a budget of one byte
