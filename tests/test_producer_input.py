@@ -231,3 +231,18 @@ def test_a_string_at_a_producers_old_dispatch_log_key_does_not_stop_retention(
     janitor = Janitor(roles.trainer, keys, Archive(tmp_path / "archive"), budget_bytes=1, every_s=0)
     assert keys.producer_prefix(P0) + "dispatch_log" not in janitor.streams()
     assert janitor.maybe_run() is not None  # one pass over every stream, under a budget of one byte
+
+
+def test_status_shows_a_producers_idle_ratio_only_from_its_own_stats(roles: Roles) -> None:
+    """Stats on `stats:rollout_00` in rollout_01's name are rollout_00's lie: `status` no longer shows them
+    as rollout_01's idle ratio (the aggregator already dead-letters them)."""
+    from schemas import ProducerStats
+
+    def stats(name: str, idle: float) -> ProducerStats:
+        return ProducerStats(producer=name, param_version=0, samples=1, tokens=1, gen_tokens_per_s=1.0,
+                             idle_ratio=idle)
+
+    Publisher(roles.producers[P1]).publish(roles.keys.stats_of(P1), stats(P1, 0.25))
+    Publisher(roles.producers[P0]).publish(roles.keys.stats_of(P0), stats(P1, 0.75))  # the lie
+    st = collect_status(roles.admin, roles.keys, stall_after_s=60)
+    assert st.producer_idle == {P1: 0.25}

@@ -150,21 +150,18 @@ def latest_idle(
     """(producer -> idle ratio from the latest ProducerStats on its stats stream, trainer idle ratio from the
     latest record)."""
     producers: dict[str, float] = {}
-    rows: Any = [
-        row for stream in keys.stats_streams(names) for row in r.xrevrange(stream, count=RECENT_ENTRIES) or []
-    ]
-    for _, f in rows:
-        if f.get(b"type") != b"producer":
-            continue
-        name = text(f.get(b"producer", b"?"))
-        if name in producers:
-            continue
-        try:
-            ev = decode(f)
-        except DecodeError:
-            continue
-        if isinstance(ev, ProducerStats):
-            producers[name] = ev.idle_ratio
+    for name, stream in zip(names, keys.stats_streams(names), strict=True):
+        rows: Any = r.xrevrange(stream, count=RECENT_ENTRIES) or []
+        for _, f in rows:  # newest first: the first of the stream's own producer's stats that decodes
+            if f.get(b"type") != b"producer" or f.get(b"producer") != name.encode():
+                continue  # stats in another producer's name: its writer's lie (the aggregator refuses them)
+            try:
+                ev = decode(f)
+            except DecodeError:
+                continue
+            if isinstance(ev, ProducerStats):
+                producers[name] = ev.idle_ratio
+                break
     trainer = None
     last: Any = r.xrevrange(keys.records, count=1)
     if last:
