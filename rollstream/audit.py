@@ -105,10 +105,16 @@ class AuditReport:
             out.append(f"step_end global steps are not 1..N once each: {self.steps}")
         if not self.records_consecutive:
             out.append(f"records are not steps [0,] 1..M: {self.records}")
-        for name, n in sorted(self.misnamed.items()):
-            out.append(f"{name} published {n} entries under another producer's sample ids (dead-lettered)")
-        out += [f"ignored producer input: {line}" for line in self.bad_inputs]
         return out
+
+    def notes(self) -> list[str]:
+        """What a producer did that the run handled (dead-lettered, or ignored), naming that producer: not a
+        problem of the log, but the operator should know."""
+        out = [
+            f"{name} published {n} entries under another producer's sample ids (dead-lettered)"
+            for name, n in sorted(self.misnamed.items())
+        ]
+        return out + [f"ignored producer input: {line}" for line in self.bad_inputs]
 
     def summary(self) -> str:
         """One line of counts."""
@@ -423,6 +429,7 @@ def format_report(rep: AuditReport) -> str:
         for name, c in sorted(rep.producer_versions.items())
     ]
     out.append("producers: " + ("; ".join(producers) or "-"))
+    out += [f"note: {line}" for line in rep.notes()]
     problems = rep.problems()
     out.append("problems: none" if not problems else "problems:")
     out += [f"  {p}" for p in problems]
