@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from rollstream.bus import Publisher, iter_stream
+from rollstream.bus import Publisher, iter_stream, run_producers
 from rollstream.bus.ids import IdError, count_or_none, parse_count, text
 from rollstream.files import atomic_write
 from rollstream.names import Keys
@@ -290,8 +290,6 @@ def producer_version_report(r: redis.Redis, keys: Keys) -> tuple[dict[str, int],
     """(producer -> the version it reports using, producer -> why its `version` key was ignored). The run's
     producers (the `producers` set; a run never set up: every `producer:<name>:version` key, names without
     `:`); each value is the producer's input, parsed by the one canonical count parser."""
-    from rollstream.bus import run_producers
-
     rc: Any = r
     names = run_producers(r, keys)
     if not names:
