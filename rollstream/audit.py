@@ -36,11 +36,11 @@ from typing import Any
 
 import redis
 
-from rollstream.bus.ids import parse_id, text
+from rollstream.bus.ids import after, count_or_none, parse_id, shown, text
 from rollstream.bus.publish import run_producers
 from rollstream.bus.streams import PAGE, iter_stream
 from rollstream.names import TRAINER_GROUP, Keys
-from rollstream.pacing import leased_sample_id, leases, published_count
+from rollstream.pacing import leased_sample_id, read_count
 from schemas import EVICTED, SKIPPED, TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
 
 
@@ -69,6 +69,10 @@ class AuditReport:
     destroyed_ids: set[str] = field(default_factory=set)
     # producer -> param_version -> samples it published dispatched under that version (rollouts headers)
     producer_versions: dict[str, Counter[int]] = field(default_factory=dict)
+    # producer -> entries it published under another producer's sample id (dead-lettered; counted as its own)
+    misnamed: dict[str, int] = field(default_factory=dict)
+    # what a producer wrote to its own keys that is not a canonical value (ignored), one line each
+    bad_inputs: list[str] = field(default_factory=list)
 
     @property
     def records_consecutive(self) -> bool:
@@ -103,6 +107,15 @@ class AuditReport:
             out.append(f"records are not steps [0,] 1..M: {self.records}")
         return out
 
+    def notes(self) -> list[str]:
+        """What a producer did that the run handled (dead-lettered, or ignored), naming that producer: not a
+        problem of the log, but the operator should know."""
+        out = [
+            f"{name} published {n} entries under another producer's sample ids (dead-lettered)"
+            for name, n in sorted(self.misnamed.items())
+        ]
+        return out + [f"ignored producer input: {line}" for line in self.bad_inputs]
+
     def summary(self) -> str:
         """One line of counts."""
         return (
@@ -114,8 +127,98 @@ class AuditReport:
         )
 
 
+#: Most pending entries of one rollouts stream the cut reads in its MULTI (the trainer's pending list is about
+#: max_outstanding; beyond this the rest is paged after the cut, which can only make more entries open).
+CUT_PENDING = 100_000
+
+
+@dataclass
+class Cut:
+    """What the audit reads first, in one MULTI, so that everything read after it is judged against one
+    instant: each stream's `entries-added` and last id, the trainer group's last delivered id and pending
+    entries on each rollouts stream, the leases and each producer's published count."""
+
+    added: dict[str, int] = field(default_factory=dict)  # stream -> entries-added (absent: no stream)
+    last: dict[str, tuple[int, int]] = field(default_factory=dict)  # stream -> last-generated-id
+    delivered: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # rollouts -> trainer group's
+    pending: dict[str, set[str]] = field(default_factory=dict)  # rollouts stream -> pending entry ids
+    leases: dict[str, int] = field(default_factory=dict)
+    published: dict[str, int] = field(default_factory=dict)  # producer -> published count (canonical only)
+    bad_inputs: list[str] = field(default_factory=list)  # producer-written values that are not counts
+
+    def within(self, stream: str, entry_id: str) -> bool:
+        """True when the entry existed at the cut (its id is at most the stream's last id then)."""
+        last = self.last.get(stream)
+        return last is not None and parse_id(entry_id) <= last
+
+    def unacked(self, stream: str, entry_id: str) -> bool:
+        """True when the trainer group had not acked this entry at the cut (pending or never delivered)."""
+        if stream not in self.delivered:
+            return True
+        delivered = self.delivered[stream]
+        if delivered is None or entry_id in self.pending.get(stream, set()):
+            return True
+        return parse_id(entry_id) > delivered
+
+
+def read_cut(r: redis.Redis, keys: Keys, producers: list[str], streams: list[str]) -> Cut:
+    """The audit's consistent cut (`Cut`), one MULTI; a stream, group or key that does not exist reads as
+    absent, and a producer's `published` that is not a canonical count as 0 (reported in `bad_inputs`)."""
+    rollouts = keys.rollouts_streams(producers)
+    pipe = r.pipeline(transaction=True)
+    for stream in streams:
+        pipe.xinfo_stream(stream)
+    for stream in rollouts:
+        pipe.xinfo_groups(stream)
+        pipe.xpending_range(stream, TRAINER_GROUP, "-", "+", CUT_PENDING)
+    pipe.hgetall(keys.lease)
+    for p in producers:
+        pipe.get(keys.producer_published(p))
+    res: list[Any] = pipe.execute(raise_on_error=False)
+    cut = Cut()
+    for stream, info in zip(streams, res, strict=False):
+        if isinstance(info, dict):
+            cut.added[stream] = int(info["entries-added"])
+            cut.last[stream] = parse_id(info["last-generated-id"])
+    res = res[len(streams):]
+    for k, stream in enumerate(rollouts):
+        groups, pending = res[2 * k], res[2 * k + 1]
+        if isinstance(groups, Exception):
+            continue  # no stream
+        group = next((g for g in groups if text(g["name"]) == TRAINER_GROUP), None)
+        cut.delivered[stream] = None if group is None else parse_id(group["last-delivered-id"])
+        ids = set() if isinstance(pending, Exception) else {text(p["message_id"]) for p in pending}
+        if group is not None and int(group.get("pending") or 0) > len(ids):
+            ids |= _pending_after(r, stream, max(ids, key=parse_id, default=None))
+        cut.pending[stream] = ids
+    res = res[2 * len(rollouts):]
+    raw_leases = res[0] if isinstance(res[0], dict) else {}
+    cut.leases = {text(k): count_or_none(v) or 0 for k, v in raw_leases.items()}
+    for p, raw in zip(producers, res[1:], strict=True):
+        n, why = read_count(None if isinstance(raw, Exception) else raw, keys.producer_published(p))
+        cut.published[p] = n
+        if why is not None:
+            cut.bad_inputs.append(f"{p}: {why}")
+    return cut
+
+
+def _pending_after(r: redis.Redis, stream: str, start: str | None) -> set[str]:
+    """The trainer group's pending entries of `stream` after `start` (a pending list longer than
+    CUT_PENDING, read in pages after the cut)."""
+    rc: Any = r
+    out: set[str] = set()
+    lo = "-" if start is None else after(start)
+    while lo is not None:
+        rows = rc.xpending_range(stream, TRAINER_GROUP, lo, "+", PAGE)
+        out |= {text(p["message_id"]) for p in rows}
+        if len(rows) < PAGE:
+            break
+        lo = after(text(rows[-1]["message_id"]))
+    return out
+
+
 def unacked_entry_ids(r: redis.Redis, stream: str) -> set[str]:
-    """Entries of a rollouts stream its trainer group has not acked: its pending list plus those never
+    """Entries of a rollouts stream its trainer group has not acked now: its pending list plus those never
     delivered."""
     rc: Any = r
     if not rc.exists(stream):
@@ -123,65 +226,21 @@ def unacked_entry_ids(r: redis.Redis, stream: str) -> set[str]:
     groups = {text(g["name"]): g for g in rc.xinfo_groups(stream)}
     if TRAINER_GROUP not in groups:
         return {i for i, _ in iter_stream(r, stream)}
-    last = parse_id(groups[TRAINER_GROUP]["last-delivered-id"])
-    pending: set[str] = set()
-    start = "-"
-    while True:
-        rows = rc.xpending_range(stream, TRAINER_GROUP, start, "+", PAGE)
-        pending |= {text(p["message_id"]) for p in rows}
-        if len(rows) < PAGE:
-            break
-        start = "(" + text(rows[-1]["message_id"])
-    undelivered = {i for i, _ in iter_stream(r, stream, f"({last[0]}-{last[1]}")}
+    last = text(groups[TRAINER_GROUP]["last-delivered-id"])
+    pending = _pending_after(r, stream, None)
+    start = after(last)  # None at the largest id: nothing can be undelivered
+    undelivered = set() if start is None else {i for i, _ in iter_stream(r, stream, start)}
     return pending | undelivered
 
 
-def entries_added(r: redis.Redis, stream: str) -> int | None:
-    """How many entries were ever XADDed to `stream` (XINFO STREAM `entries-added`: no trim lowers it);
-    None when the stream does not exist in Redis."""
-    rc: Any = r
-    try:
-        info = rc.xinfo_stream(stream)
-    except redis.ResponseError:
-        return None
-    return int(info["entries-added"])
-
-
-def destroyed_entries(r: redis.Redis, streams: list[str], held: dict[str, int]) -> dict[str, int]:
-    """stream -> entries XADDed beyond those the log holds (`held`: distinct ids in archive and Redis)."""
-    out = {}
-    for stream in streams:
-        added = entries_added(r, stream)
-        if added is not None and added > held.get(stream, 0):
-            out[stream] = added - held.get(stream, 0)
-    return out
-
-
 def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
-    """Read every producer's rollouts and stats, fates, dead, the trainer group's pending lists, metrics and
-    records; classify."""
+    """Classify the log as of one consistent cut: first (one MULTI) each stream's entries-added and last id,
+    the trainer group's state, the leases and published counts (`read_cut`); then fates and dead letters;
+    then the streams, each entry judged only if it existed at the cut. So what arrives while the audit reads
+    (a live run) is neither missing nor destroyed."""
     rep = AuditReport()
     producers = run_producers(r, keys)
     rollouts = keys.rollouts_streams(producers)
-    held = Counter[str]()  # entries each stream holds (Redis + archive), against what was ever added
-    entry_sample = _read_rollouts(r, rollouts, rep, held)
-    ends = _read_ends(r, keys, set(rollouts), rep, held, entry_sample)
-    rep.duplicated = {sid for sid, n in ends.items() if n > 1}
-    rep.unknown = set(ends) - rep.published
-    open_ids = {
-        entry_sample[(stream, i)]
-        for stream in rollouts
-        for i in unacked_entry_ids(r, stream)
-        if (stream, i) in entry_sample
-    }
-    for sid in rep.published - set(ends):
-        (rep.pending if sid in open_ids else rep.lost).add(sid)
-    rep.destroyed_ids = published_ids(r, keys) - rep.published - set(ends)
-    _read_trainer_events(r, keys, rep, held)
-    rep.records = [parse_id(i)[0] for i, _ in iter_stream(r, keys.records)]
-    held[keys.records] = len(rep.records)
-    for stream in (*keys.stats_streams(producers), keys.dead_aggregator):
-        held[stream] = sum(1 for _ in iter_stream(r, stream))
     checked = [
         *rollouts,
         keys.fates,
@@ -191,83 +250,139 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
         keys.records,
         *keys.stats_streams(producers),
     ]
-    rep.destroyed = destroyed_entries(r, checked, dict(held))
+    cut = read_cut(r, keys, producers, checked)
+    rep.bad_inputs = list(cut.bad_inputs)
+    held = Counter[str]()  # entries each stream held at the cut (Redis + archive), against entries-added
+    ends, letters = _read_ends(r, keys, set(rollouts), rep, held, cut)
+    entry_sample, later = _read_rollouts(r, keys, rollouts, producers, rep, held, cut)
+    _count_dead(rep, ends, letters, entry_sample, keys, producers)
+    rep.duplicated = {sid for sid, n in ends.items() if n > 1}
+    rep.unknown = set(ends) - rep.published - later
+    open_ids = {sid for (stream, i), sid in entry_sample.items() if cut.unacked(stream, i)}
+    for sid in rep.published - set(ends):
+        (rep.pending if sid in open_ids else rep.lost).add(sid)
+    rep.destroyed_ids = published_ids(cut) - rep.published - set(ends)
+    _read_trainer_events(r, keys, rep, held, cut)
+    rep.records = []
+    for i, _ in iter_stream(r, keys.records):
+        if cut.within(keys.records, i):
+            rep.records.append(parse_id(i)[0])
+    held[keys.records] = len(rep.records)
+    for stream in (*keys.stats_streams(producers), keys.dead_aggregator):
+        held[stream] = sum(1 for i, _ in iter_stream(r, stream) if cut.within(stream, i))
+    rep.destroyed = {s: n - held[s] for s, n in cut.added.items() if n > held[s]}
     return rep
 
 
-def published_ids(r: redis.Redis, keys: Keys) -> set[str]:
-    """Every sample id a producer has published as it says (its published count), within its lease."""
+def published_ids(cut: Cut) -> set[str]:
+    """Every sample id a producer had published at the cut as it says (its published count), within its
+    lease (which only the trainer writes)."""
     out: set[str] = set()
-    for producer, leased in leases(r, keys).items():
-        n = min(leased, published_count(r, keys, producer))
+    for producer, leased in cut.leases.items():
+        n = min(leased, cut.published.get(producer, 0))
         out.update(leased_sample_id(producer, seq) for seq in range(n))
     return out
 
 
+def audit_key(sid: str, stream_producer: str, entry_id: str, producers: list[str]) -> str:
+    """The id the audit counts an entry of `stream_producer`'s rollouts under: its sample_id, unless that
+    names another of the run's producers (an impersonation, dead-lettered by the trainer): then the entry
+    itself, under the producer that wrote it, so another producer's sample is never blamed."""
+    if not stream_producer or sid.startswith(f"{stream_producer}-"):
+        return sid
+    if any(sid.startswith(f"{p}-") for p in producers if p != stream_producer):
+        return f"{stream_producer} entry {entry_id} (sample_id {shown(sid)})"
+    return sid
+
+
 def _read_rollouts(
-    r: redis.Redis, streams: list[str], rep: AuditReport, held: Counter[str]
-) -> dict[tuple[str, str], str]:
-    """Fill the published sample ids, duplicate entries and versions per producer from every rollouts
-    stream; returns (stream, entry id) -> sample id."""
+    r: redis.Redis, keys: Keys, streams: list[str], producers: list[str], rep: AuditReport,
+    held: Counter[str], cut: Cut,
+) -> tuple[dict[tuple[str, str], str], set[str]]:
+    """Fill the published sample ids (as of the cut), duplicate entries, entries in another producer's name
+    and versions per producer from every rollouts stream; returns ((stream, entry id) -> audit id, the
+    audit ids of entries added after the cut)."""
     entry_sample: dict[tuple[str, str], str] = {}
+    later: set[str] = set()
     per_id = Counter[str]()
     for stream in streams:
+        owner = keys.stream_producer(stream)
         for entry_id, f in iter_stream(r, stream):
+            claimed = text(f.get(b"sample_id", b"entry:" + entry_id.encode()))
+            sid = audit_key(claimed, owner, entry_id, producers)
+            if not cut.within(stream, entry_id):
+                later.add(sid)
+                continue
             held[stream] += 1
-            sid = text(f.get(b"sample_id", b"entry:" + entry_id.encode()))
             entry_sample[(stream, entry_id)] = sid
             per_id[sid] += 1
-            if per_id[sid] == 1 and (version := f.get(b"param_version", b"")).isdigit():
-                rep.producer_versions.setdefault(text(f.get(b"producer", b"?")), Counter())[int(version)] += 1
+            if sid.startswith(f"{owner} entry "):
+                rep.misnamed[owner] = rep.misnamed.get(owner, 0) + 1
+            # a header is the producer's input: the version is counted only when it is a canonical count
+            if per_id[sid] == 1 and (version := count_or_none(f.get(b"param_version"))) is not None:
+                name = owner or text(f.get(b"producer", b"?"))
+                rep.producer_versions.setdefault(name, Counter())[version] += 1
     rep.published = set(per_id)
     rep.duplicate_entries = sum(n - 1 for n in per_id.values())
-    return entry_sample
+    return entry_sample, later
 
 
 def _read_ends(
-    r: redis.Redis,
-    keys: Keys,
-    rollouts: set[str],
-    rep: AuditReport,
-    held: Counter[str],
-    entry_sample: dict[tuple[str, str], str],
-) -> Counter[str]:
-    """Fill the fates (trained, skipped, dropped, evicted) and the dead-lettered rollouts; returns how many
-    ends each sample id has."""
+    r: redis.Redis, keys: Keys, rollouts: set[str], rep: AuditReport, held: Counter[str], cut: Cut
+) -> tuple[Counter[str], list[DeadLetter]]:
+    """Fill the fates (trained, skipped, dropped, evicted); returns how many fates each sample id has and
+    the dead-lettered rollouts (counted once the rollouts are read: `_count_dead`)."""
     ends = Counter[str]()
-    for _, f in iter_stream(r, keys.fates):
-        held[keys.fates] += 1
-        fate = decode_fate(f)
+    for entry_id, f in iter_stream(r, keys.fates):
+        held[keys.fates] += cut.within(keys.fates, entry_id)
+        try:
+            fate = decode_fate(f)
+        except DecodeError:
+            continue
         sid = fate.sample_id
         if fate.fate == EVICTED:
             rep.evicted[sid] = fate.reason
         else:
             {TRAINED: rep.trained, SKIPPED: rep.skipped}.get(fate.fate, rep.dropped).add(sid)
         ends[sid] += 1
-    dead_sources: set[tuple[str, str]] = set()
-    for _, f in iter_stream(r, keys.dead):
-        held[keys.dead] += 1
+    letters: list[DeadLetter] = []
+    for entry_id, f in iter_stream(r, keys.dead):
+        held[keys.dead] += cut.within(keys.dead, entry_id)
         try:
             ev = decode(f)
         except DecodeError:
             continue
-        if not isinstance(ev, DeadLetter) or ev.source not in rollouts:
+        if isinstance(ev, DeadLetter) and ev.source in rollouts:
+            letters.append(ev)
+    return ends, letters
+
+
+def _count_dead(
+    rep: AuditReport, ends: Counter[str], letters: list[DeadLetter], entry_sample: dict[tuple[str, str], str],
+    keys: Keys, producers: list[str],
+) -> None:
+    """Each dead-lettered rollouts entry ends its sample once (a letter repeated for one entry counts once),
+    under the audit id of the entry (`audit_key`), or of its dead copy's sample_id when the entry is gone."""
+    seen: set[tuple[str, str]] = set()
+    for ev in letters:
+        if (ev.source, ev.source_id) in seen:
             continue
-        if (ev.source, ev.source_id) in dead_sources:
-            continue
-        dead_sources.add((ev.source, ev.source_id))
-        sid = entry_sample.get((ev.source, ev.source_id)) or text(
-            ev.fields.get("sample_id", f"entry:{ev.source_id}".encode())
+        seen.add((ev.source, ev.source_id))
+        sid = entry_sample.get((ev.source, ev.source_id)) or audit_key(
+            text(ev.fields.get("sample_id", f"entry:{ev.source_id}".encode())),
+            keys.stream_producer(ev.source), ev.source_id, producers,
         )
         rep.dead.add(sid)
         ends[sid] += 1
-    return ends
 
 
-def _read_trainer_events(r: redis.Redis, keys: Keys, rep: AuditReport, held: Counter[str]) -> None:
-    """Fill the completed steps and the local updates emitted more than once, from `metrics`."""
+def _read_trainer_events(r: redis.Redis, keys: Keys, rep: AuditReport, held: Counter[str], cut: Cut) -> None:
+    """Fill the completed steps and the local updates emitted more than once, from `metrics` (as of the
+    cut)."""
     updates = Counter[tuple[int, ...]]()
-    for _, f in iter_stream(r, keys.metrics):
+    for entry_id, f in iter_stream(r, keys.metrics):
+        if not cut.within(keys.metrics, entry_id):
+            break  # in id order: the rest came after the cut
         held[keys.metrics] += 1
         try:
             ev = decode(f)
@@ -314,6 +429,7 @@ def format_report(rep: AuditReport) -> str:
         for name, c in sorted(rep.producer_versions.items())
     ]
     out.append("producers: " + ("; ".join(producers) or "-"))
+    out += [f"note: {line}" for line in rep.notes()]
     problems = rep.problems()
     out.append("problems: none" if not problems else "problems:")
     out += [f"  {p}" for p in problems]

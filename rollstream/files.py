@@ -10,6 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+#: File mode bits a run's files never carry (group and other): the umask of the run's programs and of every
+#: redis-server a command starts for a run.
+PRIVATE_UMASK = 0o077
+
 
 def private_dir(path: Path) -> Path:
     """Create `path` and every missing parent 0700 (whatever the umask), and make `path` itself 0700;

@@ -50,7 +50,7 @@ from typing import Any, cast
 import redis
 
 from rollstream.bus.connection import CONNECTION_ERRORS
-from rollstream.bus.ids import parse_id, text
+from rollstream.bus.ids import count_or_none, parse_id, shown, split_sample_id, text
 from rollstream.bus.streams import iter_stream
 from rollstream.names import (
     BUDGET_CAP_FIELD,
@@ -96,8 +96,9 @@ if current ~= tonumber(ARGV[1]) then return {{-1, current}} end
 """
 
 # KEYS: the six above, then each asking producer's want key; ARGV: version, then the producers' names (in
-# the order of their want keys). Leases each producer up to its want (a number it wrote; anything else
-# counts as 0) from what is left of the budget, in the given order. Returns {leased, version}.
+# the order of their want keys). Leases each producer up to its want (a canonical decimal it wrote, as
+# rollstream/bus/ids.py parses counts; anything else counts as 0) from what is left of the budget, in the
+# given order. Returns {leased, version}.
 _LEASE = (
     _CURRENT
     + f"""
@@ -105,7 +106,9 @@ local left = tonumber(redis.call('GET', KEYS[1]) or '0')
 local total = 0
 for i = 2, #ARGV do
   if left <= 0 then break end
-  local want = tonumber(redis.call('GET', KEYS[5 + i]) or '0') or 0
+  local raw = redis.call('GET', KEYS[5 + i]) or '0'
+  local want = 0  -- a producer's own key: only a canonical decimal of at most 18 digits counts
+  if #raw <= 18 and (raw == '0' or string.match(raw, '^[1-9][0-9]*$')) then want = tonumber(raw) end
   local have = tonumber(redis.call('HGET', KEYS[6], ARGV[i]) or '0')
   local add = math.floor(math.min(want - have, left))
   if add > 0 then
@@ -172,14 +175,6 @@ redis.call('XADD', KEYS[5], '*', {
 return {{n, add}}
 """
 )
-
-
-def split_sample_id(sample_id: str) -> tuple[str, int] | None:
-    """(producer, seq) of a leased sample id `<producer>-<seq>`; None for any other id."""
-    producer, _, seq = sample_id.rpartition("-")
-    if not producer or not seq.isdigit() or len(seq) > 18:  # isdigit: no sign, no spaces
-        return None
-    return producer, int(seq)
 
 
 def leased_sample_id(producer: str, seq: int) -> str:
@@ -318,8 +313,25 @@ def lease_of(r: redis.Redis, keys: Keys, producer: str) -> int:
 
 
 def published_count(r: redis.Redis, keys: Keys, producer: str) -> int:
-    """Prompts `producer` has published so far (its next seq)."""
-    return int(cast(Any, r.get(keys.producer_published(producer))) or 0)
+    """Prompts `producer` has published so far (its next seq), as it says: 0 when its key holds anything
+    but a canonical count (`published_report` says which)."""
+    return published_report(r, keys, producer)[0]
+
+
+def published_report(r: redis.Redis, keys: Keys, producer: str) -> tuple[int, str | None]:
+    """(`published_count`, None), or (0, why) when the producer's own `published` key holds something that
+    is not a canonical count (the value is its input: reported, never trusted)."""
+    return read_count(cast(Any, r.get(keys.producer_published(producer))), keys.producer_published(producer))
+
+
+def read_count(raw: Any, field: str) -> tuple[int, str | None]:
+    """(value, None) of a count read from Redis (None: 0), or (0, why) when it is not a canonical count."""
+    if raw is None:
+        return 0, None
+    n = count_or_none(raw)
+    if n is None:
+        return 0, f"{field}={shown(raw)} is not a canonical count: ignored"
+    return n, None
 
 
 def ask_lease(r: redis.Redis | Any, keys: Keys, producer: str, total: int) -> None:
@@ -435,6 +447,10 @@ def rollout_counts(r: redis.Redis, keys: Keys, producers: Sequence[str]) -> Roll
     return RolloutCounts(
         dispatched=int(dispatched or 0),
         consumed=int(consumed or 0),
-        in_flight=sum(max(0, int(per[i] or 0) - int(per[i + 1] or 0)) for i in range(0, len(per), 2)),
+        # a producer's own `published` is input: anything but a canonical count reads as 0, and more than
+        # its lease as its lease (in flight is never negative)
+        in_flight=sum(
+            max(0, int(per[i] or 0) - (count_or_none(per[i + 1] or b"0") or 0)) for i in range(0, len(per), 2)
+        ),
         dropped_stale=int(dropped or 0),
     )

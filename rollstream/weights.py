@@ -14,13 +14,14 @@ import io
 import logging
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import redis
 
-from rollstream.bus import Publisher, iter_stream
+from rollstream.bus import Publisher, iter_stream, run_producers
+from rollstream.bus.ids import IdError, count_or_none, parse_count, text
 from rollstream.files import atomic_write
 from rollstream.names import Keys
 from rollstream.weights_redis import CHUNKS_SCHEME, ChunksError, chunks_uri, read_chunks, write_chunks
@@ -274,32 +275,65 @@ def register_producer_version(r: redis.Redis, keys: Keys, producer: str, version
     r.set(keys.producer_version(producer), version)
 
 
+#: A producer's claimed version pins its blob (gc_weights) only while it is within this many versions of the
+#: newest: a stuck or lying producer (`version=0`) keeps at most this many blobs, never every one.
+PIN_VERSIONS = 8
+
+
 def producer_versions(r: redis.Redis, keys: Keys) -> dict[str, int]:
-    """Producer name -> the param_version it last reported using."""
+    """Producer name -> the param_version it last reported using (values that are not a canonical count are
+    left out: `producer_version_report` names them)."""
+    return producer_version_report(r, keys)[0]
+
+
+def producer_version_report(r: redis.Redis, keys: Keys) -> tuple[dict[str, int], dict[str, str]]:
+    """(producer -> the version it reports using, producer -> why its `version` key was ignored). The run's
+    producers (the `producers` set; a run never set up: every `producer:<name>:version` key, names without
+    `:`); each value is the producer's input, parsed by the one canonical count parser."""
     rc: Any = r
-    names = sorted(k.decode() for k in rc.scan_iter(match=keys.producer_pattern("version"), count=1000))
-    values = rc.mget(names) if names else []
-    return {keys.producer_of(n): int(v) for n, v in zip(names, values, strict=True) if v is not None}
+    names = run_producers(r, keys)
+    if not names:
+        found = (keys.producer_of(text(k)) for k in rc.scan_iter(match=keys.producer_pattern("version")))
+        names = sorted({n for n in found if ":" not in n})
+    values = rc.mget([keys.producer_version(n) for n in names]) if names else []
+    good: dict[str, int] = {}
+    bad: dict[str, str] = {}
+    for name, raw in zip(names, values, strict=True):
+        if raw is None:
+            continue
+        try:
+            good[name] = parse_count(raw, keys.producer_version(name))
+        except IdError as e:
+            bad[name] = f"{e}: ignored"
+    return good, bad
+
+
+def pinned_versions(claimed: Iterable[int], latest: int, window: int = PIN_VERSIONS) -> list[int]:
+    """The claimed versions that pin a blob: ones the trainer published (<= latest) within `window` of it."""
+    return sorted({v for v in claimed if latest - window <= v <= latest})
 
 
 def gc_weights(
     r: redis.Redis, keys: Keys, latest: int, *, keep_last: int = 2, file_dir: Path | None = None
 ) -> list[int]:
-    """Delete blobs (inline, chunks, and files in file_dir) older than every producer's version and the last
-    `keep_last`; returns the versions removed."""
-    in_use = producer_versions(r, keys).values()
-    floor = min([latest - keep_last + 1, *in_use])
+    """Delete blobs (inline, chunks, and files in file_dir) older than the last `keep_last` and every
+    version a producer uses (`pinned_versions`: a version it claims pins only if published, and for at most
+    PIN_VERSIONS versions); returns the versions removed. A `version` key that is not a count is ignored."""
+    good, bad = producer_version_report(r, keys)
+    for name, why in bad.items():
+        log.warning("weights GC: producer %s: %s", name, why)
+    floor = min([latest - keep_last + 1, *pinned_versions(good.values(), latest)])
     removed = []
     prefix = keys.weights(0).rsplit(":", 1)[0] + ":"
     for key in r.scan_iter(match=prefix + "*", count=1000):
-        v = int(key[len(prefix):].split(b":", 1)[0])  # weights:<v> or a chunk weights:<v>:<i>
-        if v < floor:
+        v = count_or_none(key[len(prefix):].split(b":", 1)[0])  # weights:<v> or a chunk weights:<v>:<i>
+        if v is not None and v < floor:
             r.delete(key)
             removed.append(v)
     if file_dir is not None and file_dir.is_dir():
         for path in file_dir.glob("weights-*.safetensors"):
-            v = int(path.stem.split("-")[1])
-            if v < floor:
+            v = count_or_none(path.stem.split("-")[1].lstrip("0") or "0")  # weights-<v:08d> (zero-padded)
+            if v is not None and v < floor:
                 path.unlink(missing_ok=True)
                 removed.append(v)
     return sorted(set(removed))

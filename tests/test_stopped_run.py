@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+import redis
 
+from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.log_server import LogServerError, StoppedLogServer, _reader_manifest
 from tests.test_cli_launch import TINY, WORKERS_MISSING, rollstream
+from tests.test_ops_supervise import private_violations
 
 
 def _digests(run_dir: Path) -> dict[str, str]:
@@ -110,6 +114,8 @@ def test_readme_inspection_commands_work_after_stop_and_change_nothing(tmp_path:
         timeout_s=120,
     )
     assert served.returncode == 0 and int(served.stdout.strip()) == 8, served.stdout + served.stderr
+    for made in ("done-replay", "done-dbg"):  # issue 41: what the replays and serve created is private too
+        assert private_violations(tmp_path / made) == []
 
     try:  # the stopped run resumes under its own name
         resumed = rollstream("run", *args, "--wait-records", "6", "--wait-timeout", "200", timeout_s=260)
@@ -119,6 +125,20 @@ def test_readme_inspection_commands_work_after_stop_and_change_nothing(tmp_path:
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     audit = rollstream("audit", "--run-dir", str(run_dir), timeout_s=120)
     assert audit.returncode == 0, audit.stdout + audit.stderr
+
+
+def test_an_embedded_redis_writes_private_files_whatever_the_umask(tmp_path: Path) -> None:
+    """Issue 41: a replay's run folder had its AOF files and redis.log at 0644 and appendonlydir at 0755
+    (only the 0700 parent kept them private). Every file of a redis-server a command starts is 0600, every
+    folder 0700, under a permissive umask too."""
+    old = os.umask(0o022)
+    try:
+        with EmbeddedRedis(tmp_path / "replayed") as srv:
+            redis.Redis.from_url(srv.url).set("k", "v")
+    finally:
+        os.umask(old)
+    assert any((tmp_path / "replayed").rglob("*.aof")) and (tmp_path / "replayed" / "redis.log").is_file()
+    assert private_violations(tmp_path / "replayed") == []
 
 
 def test_serve_refuses_a_run_whose_redis_answers(tmp_path: Path, redis_url: str) -> None:

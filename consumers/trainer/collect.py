@@ -55,9 +55,10 @@ from consumers.trainer.ledger import StepLedger
 from consumers.trainer.rank_agreement import RoundClaim, RoundResult, resolve_round
 from consumers.trainer.staleness import mean_response_length, staleness
 from rollstream.bus import EntryRef, GroupReader, Message, entry_limits, iter_stream, retry_on_connection
+from rollstream.bus.ids import IdError, parse_sample_id, split_sample_id
 from rollstream.config import PipelineConfig
 from rollstream.names import DEAD_LETTERED_FIELD, REPLAY_COPY_FIELD, TRAINER_GROUP, Keys, producer_names
-from rollstream.pacing import consume, leases, split_sample_id
+from rollstream.pacing import consume, leases
 from rollstream.tasks import REWARD_RANGE
 from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, DeadLetter, Fate, RolloutSample, decode
 
@@ -93,8 +94,7 @@ def _own_sample_id(keys: Keys, letter: DeadLetter) -> str | None:
     if not producer or not letter.source.startswith(keys.rollouts_of("")) or raw is None:
         return None
     sid = raw.decode(errors="replace")
-    parsed = split_sample_id(sid)
-    return sid if parsed is not None and parsed[0] == producer else None
+    return sid if split_sample_id(sid, producer) is not None else None
 
 
 def failed(ev: RolloutSample) -> bool:
@@ -190,26 +190,14 @@ class Collector:
             return False
         dupes: list[EntryRef] = []
         for m in msgs:
-            ev = m.event
             to_dead = partial(self.reader.dead_letter, m.id, m.fields, stream=m.stream)
-            if not isinstance(ev, RolloutSample):
-                self._own_dead += 1
-                to_dead(f"not a rollout: {ev.type}", counted=False)  # no prompt
-            elif (why := identity_reason(ev, self.keys.stream_producer(m.stream))) is not None:
-                to_dead(f"impersonation: {why}")  # counted as consumed below
-            elif ev.sample_id in self.seen or ev.sample_id in self.claimed:
-                dupes.append(m.ref)  # the original is committed or still pending: safe to ack this copy
-            elif (why := self.lease_reason(ev)) is not None:
-                to_dead(f"outside lease: {why}")  # counts nothing
-            elif (why := version_reason(ev, self.newest_published)) is not None:
-                to_dead(f"invalid: {why}")  # counted as consumed below
-            elif (why := unusable_reason(ev, self.vocab_size, self.max_seq_len)) is not None:
-                to_dead(f"unusable: {why}")  # counted as consumed below
-            elif (why := value_reason(ev, REWARD_RANGE)) is not None:
-                to_dead(f"out of domain: {why}")  # counted as consumed below
-            else:
-                self.seen.add(ev.sample_id)
-                self.buffer.append(m)
+            try:
+                self._admit(m, to_dead, dupes)
+            except (redis.RedisError, OSError):
+                raise  # the connection's, not the entry's: retried by the caller's policy
+            except Exception as e:  # noqa: BLE001 - a poison entry is dead-lettered once, never a crash loop
+                log.exception("dead-lettering a rollout whose checks raised")
+                to_dead(f"unreadable: checking it raised {type(e).__name__}: {str(e)[:200]}")
         if dupes:
             log.warning("acking %d redelivered/duplicate samples without training", len(dupes))
             retry_on_connection(lambda: self.reader.ack(dupes), "acking duplicates")
@@ -219,16 +207,38 @@ class Collector:
         self.heartbeat()
         return True
 
+    def _admit(self, m: Message, to_dead: Callable[..., Any], dupes: list[EntryRef]) -> None:
+        """Buffer one delivered entry, or dead-letter it (with the reason), or queue it in `dupes` to ack."""
+        ev = m.event
+        if not isinstance(ev, RolloutSample):
+            self._own_dead += 1
+            to_dead(f"not a rollout: {ev.type}", counted=False)  # no prompt
+        elif (why := identity_reason(ev, self.keys.stream_producer(m.stream))) is not None:
+            to_dead(f"impersonation: {why}")  # counted as consumed below
+        elif ev.sample_id in self.seen or ev.sample_id in self.claimed:
+            dupes.append(m.ref)  # the original is committed or still pending: safe to ack this copy
+        elif (why := self.lease_reason(ev)) is not None:
+            to_dead(f"outside lease: {why}")  # counts nothing
+        elif (why := version_reason(ev, self.newest_published)) is not None:
+            to_dead(f"invalid: {why}")  # counted as consumed below
+        elif (why := unusable_reason(ev, self.vocab_size, self.max_seq_len)) is not None:
+            to_dead(f"unusable: {why}")  # counted as consumed below
+        elif (why := value_reason(ev, REWARD_RANGE)) is not None:
+            to_dead(f"out of domain: {why}")  # counted as consumed below
+        else:
+            self.seen.add(ev.sample_id)
+            self.buffer.append(m)
+
     def lease_reason(self, ev: RolloutSample) -> str | None:
         """Why a sample is outside its producer's lease (its id is not `<producer>-<seq>` with seq below the
         prompts leased to that producer), or None (always on a replay copy). The leases are read again when
         a seq is past them."""
         if not self.check_leases:
             return None
-        parsed = split_sample_id(ev.sample_id)
-        if parsed is None or parsed[0] != ev.producer:
-            return f"sample_id={ev.sample_id!r} is not '<producer>-<seq>' for producer={ev.producer!r}"
-        producer, seq = parsed
+        try:  # the one canonical parser (rollstream/bus/ids.py): ASCII seq, no leading zero, bounded
+            producer, seq = parse_sample_id(ev.sample_id, ev.producer)
+        except IdError as e:
+            return str(e)
         if seq >= self.leases.get(producer, 0):
             self.leases = retry_on_connection(lambda: leases(self.r, self.keys), "reading leases")
         if seq >= (leased := self.leases.get(producer, 0)):

@@ -34,7 +34,7 @@ import redis
 
 from rollstream.bus.archive import Archive, ArchiveError
 from rollstream.bus.connection import CONNECTION_ERRORS
-from rollstream.bus.ids import parse_id, text
+from rollstream.bus.ids import after, parse_id, text
 from rollstream.bus.publish import run_producers
 from rollstream.bus.streams import PAGE
 from rollstream.names import ARCHIVE_DIR_FIELD, Keys
@@ -105,13 +105,13 @@ def move_to_archive(
     rc: Any = r
     out = Moved(stream)
     with archive.writer(stream) as w:
-        start = "(" + w.index.last if w.index.last else "-"
+        start: str | None = after(w.index.last) if w.index.last else "-"
         end = "(" + below if below is not None else "+"
         size = max(1, int(rc.memory_usage(stream) or 0))
         per_entry = size / max(1, int(rc.xlen(stream) or 1))
         page = max(1, min(PAGE, int(CHUNK_BYTES / per_entry)))
         left = max_count
-        while left is None or left > 0:
+        while start is not None and (left is None or left > 0):
             count = page if left is None else min(page, left)
             rows = rc.xrange(stream, min=start, max=end, count=count)
             if not rows:
@@ -119,7 +119,7 @@ def move_to_archive(
             batch = [(text(i), f) for i, f in rows]
             out.archived += w.write(batch)
             out.archived_bytes += sum(len(k) + len(v) for _, f in rows for k, v in f.items())
-            start = "(" + batch[-1][0]
+            start = after(batch[-1][0])  # None past the largest id: nothing follows
             if left is not None:
                 left -= len(rows)
             if len(rows) < count:
@@ -132,7 +132,9 @@ def move_to_archive(
     if out.archived and after_commit is not None:
         after_commit(stream)
     ms, seq = parse_id(last)
-    out.trimmed = int(rc.xtrim(stream, minid=f"{ms}-{seq + 1}", approximate=False))
+    # just past the newest archived id (at the largest id, that id itself: it stays, a duplicate readers skip)
+    minid = f"{ms}-{seq + 1}" if seq < 2**64 - 1 else f"{ms + 1}-0" if ms < 2**64 - 1 else last
+    out.trimmed = int(rc.xtrim(stream, minid=minid, approximate=False))
     return out
 
 
@@ -218,7 +220,9 @@ class Janitor:
         """Every stream of the run that exists: the fixed ones, each producer's rollouts and stats streams
         (each archived and trimmed under its own group floor) and each producer's dispatch log."""
         logs = self.r.scan_iter(match=self.keys.producer_pattern("dispatch_log"), count=1000)
-        found = [text(k) for k in logs]
+        # an older run's producer:<name>:dispatch_log, where a producer may write: streams only (a string
+        # there must not stop retention with WRONGTYPE)
+        found = [text(k) for k in logs if text(self.r.type(k)) == "stream"]
         fixed = self.keys.all_streams(run_producers(self.r, self.keys))
         return [s for s in [*fixed, *sorted(found)] if self.r.exists(s)]
 

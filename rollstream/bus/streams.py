@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from rollstream.bus.ids import after as after_id
 from rollstream.bus.ids import parse_id, text
 
 if TYPE_CHECKING:
@@ -89,8 +90,10 @@ def _pages(
             return
         if reverse:
             hi = "(" + rows[-1][0]
+        elif (nxt := after_id(rows[-1][0])) is None:
+            return  # the page ended at the largest id: nothing can follow it
         else:
-            lo = "(" + rows[-1][0]
+            lo = nxt
 
 
 def _redis(r: redis.Redis, key: str, start: str, end: str, page: int) -> Iterator[tuple[str, Any]]:
@@ -116,7 +119,10 @@ def _forward(
         floor = max(
             (i for i in (last, index.last, _after(start)) if i is not None), key=parse_id, default=None
         )
-        for rows in _pages(r, key, start if floor is None else "(" + floor, end, page):
+        lo = start if floor is None else after_id(floor)
+        if lo is None:
+            return  # the archive ends at the largest id: nothing can follow it
+        for rows in _pages(r, key, lo, end, page):
             if arc.signature(key) != sig:
                 break  # archived (maybe trimmed) meanwhile: read the archive again from `last`
             for entry_id, fields in rows:

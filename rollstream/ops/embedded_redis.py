@@ -6,6 +6,7 @@ with SIGKILL loses nothing it acknowledged); `EmbeddedRedis` (tests, scripts) ke
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from rollstream.files import private_dir
+from rollstream.files import PRIVATE_UMASK, private_dir
 
 #: Longest unix socket path the kernel accepts (sun_path is 108 bytes with the NUL).
 MAX_UNIX_SOCKET_PATH = 100
@@ -83,8 +84,12 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 30.0) -> redis.Redis:
         """Start redis-server, wait until it answers, return a client."""
-        log = (self.run_dir / "redis.log").open("ab")
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        # private like the run folder (a replay's run, a test's): the log 0600, and redis-server's AOF files
+        # and appendonlydir under umask 077 (0600 / 0700), whatever the caller's umask
+        path = self.run_dir / "redis.log"
+        log = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+        path.chmod(0o600)
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, umask=PRIVATE_UMASK)
         log.close()
         try:
             return wait_for_redis(self.url, timeout_s)

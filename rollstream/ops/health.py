@@ -29,6 +29,7 @@ from typing import Any
 import redis
 
 from rollstream.bus import parse_id, text
+from rollstream.bus.ids import count_or_none
 from rollstream.names import (
     COMMITTED_STEP_FIELD,
     GLOBAL_STEP_FIELD,
@@ -68,7 +69,7 @@ class WorkerHealth:
 
 def _finished(trainer: dict[str, str], total_steps: int | None) -> bool:
     step = trainer.get(COMMITTED_STEP_FIELD) or trainer.get(GLOBAL_STEP_FIELD) or ""
-    return total_steps is not None and step.isdigit() and int(step) >= total_steps
+    return total_steps is not None and (n := count_or_none(step)) is not None and n >= total_steps
 
 
 def worker_health(
@@ -77,7 +78,7 @@ def worker_health(
     """Heartbeat health of the trainer, or of each rank of a data-parallel trainer (module docstring)."""
     now = time.time() if now is None else now
     world = trainer.get(WORLD_SIZE_FIELD, "1")
-    ranks = int(world) if world.isdigit() else 1
+    ranks = min(count_or_none(world) or 1, 4096)  # the trainer's own field, still read as input
     fields = (
         [("trainer", HEARTBEAT_FIELD)]
         if ranks <= 1

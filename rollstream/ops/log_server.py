@@ -30,6 +30,7 @@ import redis
 
 from rollstream.bus import CONNECTION_ERRORS
 from rollstream.config import config_to_yaml
+from rollstream.files import PRIVATE_UMASK
 from rollstream.ops.embedded_redis import EmbeddedRedis, redis_server_binary, wait_for_redis
 from rollstream.ops.plan import private_dir, write_private
 from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, RunTarget
@@ -107,7 +108,9 @@ class StoppedLogServer:
                 "--auto-aof-rewrite-percentage", "0", "--dir", str(self.tmp), "--save", "",
                 "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
                 "--aclfile", str(acl), "--logfile", str(self.tmp / "redis.log")]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, umask=0o077)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, umask=PRIVATE_UMASK
+        )
         self.url = f"unix://{sock}?db=0"
         try:
             wait_for_redis(f"unix://{READER_USER}:{self.password}@{sock}?db=0", timeout_s)

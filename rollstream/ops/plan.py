@@ -39,7 +39,7 @@ from pathlib import Path
 
 from rollstream.bus.connection import PASSWORD_FILE_ENV, USERNAME_ENV
 from rollstream.config import PipelineConfig, config_to_yaml
-from rollstream.files import private_dir
+from rollstream.files import PRIVATE_UMASK, private_dir
 from rollstream.names import Keys
 from rollstream.names import producer_names as _producer_names
 from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded
@@ -56,8 +56,6 @@ PASSWORD_FILE = "redis.password"
 ACL_FILE = "users.acl"
 #: Folder in the run dir that is its programs' TMPDIR (removed by a clean `rollstream stop`).
 RUN_TMP_DIR = "tmp"
-#: File mode bits a run's files never carry (group and other): the umask of the run's programs.
-PRIVATE_UMASK = 0o077
 #: supervisord program name -> ACL user it connects as (each producer connects as a user of its own name).
 PROGRAM_ROLES = {"aggregator": "aggregator", "trainer": "trainer"}
 #: Module a producer program runs (`python -m …`), and the one of latency-model producers (benchmarks).

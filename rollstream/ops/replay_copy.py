@@ -17,6 +17,7 @@ from __future__ import annotations
 import redis
 
 from rollstream.bus import group_refs, iter_stream, parse_id, run_producers, setup_run
+from rollstream.bus.ids import split_sample_id
 from rollstream.names import REPLAY_COPY_FIELD, REPLAYED_VERSIONS_FIELD, Keys
 from schemas import decode_fate
 
@@ -85,8 +86,11 @@ def copy_rollouts(
 
 
 def producer_of_sample(sample_id: str, producers: list[str]) -> str:
-    """The producer whose `<producer>-` prefix a sample id has (the longest such name); ReplayCopyError
-    when none has."""
+    """The producer a sample id names: `<producer>-<seq>` by the one canonical parser (rollstream/bus/ids.py),
+    else (an older run's ids) the longest of the run's producer names it starts with followed by `-`;
+    ReplayCopyError when none."""
+    if (parsed := split_sample_id(sample_id)) is not None and parsed[0] in producers:
+        return parsed[0]
     owners = [p for p in producers if sample_id.startswith(f"{p}-")]
     if not owners:
         raise ReplayCopyError(f"sample {sample_id!r} is of none of the run's producers {producers}")

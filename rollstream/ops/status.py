@@ -19,6 +19,7 @@ from typing import Any
 import redis
 
 from rollstream.bus import Archive, ArchiveError, run_archive, run_producers, text
+from rollstream.bus.ids import count_or_none
 from rollstream.names import GLOBAL_STEP_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import (
     LAG_COUNT_CAP,
@@ -32,8 +33,8 @@ from rollstream.ops.health import (
     trainer_stopping,
     worker_health,
 )
-from rollstream.pacing import current_budget, leases, published_count, rollout_counts
-from rollstream.weights import latest_param_version, producer_versions
+from rollstream.pacing import current_budget, leases, published_report, rollout_counts
+from rollstream.weights import latest_param_version, producer_version_report
 from schemas import DecodeError, ProducerStats, SyncStepRecord, decode, decode_fate
 
 #: Most recent entries read for the staleness histogram and the latest stats.
@@ -73,6 +74,8 @@ class RunStatus:
     workers: list[WorkerHealth] = field(default_factory=list)
     trainer_consumers: list[dict[str, Any]] = field(default_factory=list)  # the trainer group's consumers
     leases: dict[str, tuple[int, int]] = field(default_factory=dict)  # producer -> (leased, published)
+    # what a producer wrote to its own keys that is not a canonical value (ignored), one line each
+    bad_inputs: list[str] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
@@ -135,9 +138,9 @@ def staleness_histogram(
     rows = [row for stream in streams for row in r.xrevrange(stream, count=RECENT_ENTRIES) or []]
     next_step = (trainer_step or 0) + 1
     for _, f in rows:
-        v = f.get(b"param_version")
+        v = count_or_none(f.get(b"param_version"))  # a producer's header: anything not a count is skipped
         if v is not None:
-            counts[next_step - int(text(v))] += 1
+            counts[next_step - v] += 1
     return dict(sorted(counts.items())), f"rollouts (last {len(rows)}, vs next step {next_step})"
 
 
@@ -147,21 +150,18 @@ def latest_idle(
     """(producer -> idle ratio from the latest ProducerStats on its stats stream, trainer idle ratio from the
     latest record)."""
     producers: dict[str, float] = {}
-    rows: Any = [
-        row for stream in keys.stats_streams(names) for row in r.xrevrange(stream, count=RECENT_ENTRIES) or []
-    ]
-    for _, f in rows:
-        if f.get(b"type") != b"producer":
-            continue
-        name = text(f.get(b"producer", b"?"))
-        if name in producers:
-            continue
-        try:
-            ev = decode(f)
-        except DecodeError:
-            continue
-        if isinstance(ev, ProducerStats):
-            producers[name] = ev.idle_ratio
+    for name, stream in zip(names, keys.stats_streams(names), strict=True):
+        rows: Any = r.xrevrange(stream, count=RECENT_ENTRIES) or []
+        for _, f in rows:  # newest first: the first of the stream's own producer's stats that decodes
+            if f.get(b"type") != b"producer" or f.get(b"producer") != name.encode():
+                continue  # stats in another producer's name: its writer's lie (the aggregator refuses them)
+            try:
+                ev = decode(f)
+            except DecodeError:
+                continue
+            if isinstance(ev, ProducerStats):
+                producers[name] = ev.idle_ratio
+                break
     trainer = None
     last: Any = r.xrevrange(keys.records, count=1)
     if last:
@@ -193,9 +193,7 @@ def collect_status(
     streams = [_stream_info(r, k, s, archive) for k, s in zip(all_streams, shorts, strict=True)]
     trainer_raw: Any = r.hgetall(keys.trainer)
     trainer = {text(k): text(v) for k, v in trainer_raw.items()}
-    step = (
-        int(trainer[GLOBAL_STEP_FIELD]) if trainer.get(GLOBAL_STEP_FIELD, "").lstrip("-").isdigit() else None
-    )
+    step = count_or_none(trainer.get(GLOBAL_STEP_FIELD, ""))  # -1 (none yet) or garbage: None
     pv = latest_param_version(r, keys) if r.exists(keys.params) else None
     hist, source = staleness_histogram(r, keys, step, names)
     now = time.time()
@@ -210,13 +208,21 @@ def collect_status(
         outstanding = counts.dispatched - counts.consumed
         workers.append(pacing_health(outstanding, current_budget(r, keys)[1], max_outstanding))
     pidle, tidle = latest_idle(r, keys, names)
+    versions, bad_versions = producer_version_report(r, keys)
+    held: dict[str, tuple[int, int]] = {}
+    bad = [f"{p}: {why}" for p, why in sorted(bad_versions.items())]
+    for p, n in sorted(leases(r, keys).items()):
+        done, why = published_report(r, keys, p)
+        held[p] = (n, min(done, n))  # more published than leased reads as the lease
+        if why is not None:
+            bad.append(f"{p}: {why}")
     return RunStatus(
         run=keys.run,
         streams=streams,
         dead=sum(s.length for s in streams if s.name in ("dead", "dead:aggregator")),
         param_version=pv.version if pv else None,
         trainer=trainer,
-        producer_versions=producer_versions(r, keys),
+        producer_versions=versions,
         staleness=hist,
         staleness_source=source,
         samples_per_s=sps,
@@ -226,7 +232,8 @@ def collect_status(
         processes=processes,
         workers=workers,
         trainer_consumers=trainer_consumers(r, keys, names),
-        leases={p: (n, published_count(r, keys, p)) for p, n in sorted(leases(r, keys).items())},
+        leases=held,
+        bad_inputs=bad,
     )
 
 
@@ -298,6 +305,7 @@ def format_status(st: RunStatus, redis_url: str) -> str:
     out.append(f"producer versions: {pv}")
     held = ", ".join(f"{p} {n} ({n - done} not published)" for p, (n, done) in st.leases.items()) or "-"
     out.append(f"leased prompts: {held}")
+    out += [f"ignored producer input: {line}" for line in st.bad_inputs]
     out.append(
         f"trained (committed steps, last {RATE_WINDOW_S:.0f}s+ of wall clock): {st.samples_per_s:.2f} "
         f"samples/s, {st.steps_per_min:.2f} global steps/min"
