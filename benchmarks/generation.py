@@ -37,24 +37,32 @@ import torch
 from producers.worker import Producer, set_torch_threads
 from rollstream.bus import connect, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
+from rollstream.fingerprint import policy_probe
 from rollstream.from_config import build_policy
 from rollstream.model.hf_tiny import make_tiny_hf_model
 from rollstream.names import Keys, producer_names
 from rollstream.pacing import lease_outright
-from rollstream.weights import latest_param_version, load_weights, publish_weights
+from rollstream.weights import latest_param_version, load_weights, publish_module_weights, publish_weights
 from rollstream.worker import WorkerContext
 
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
+#: Weights above this size go to a file in the benchmark's temp dir (one Redis value holds at most 512 MB).
+INLINE_MAX_BYTES = 64 << 20
+
+
 def unthrottled_producer(
-    cfg: PipelineConfig, r: redis.Redis, keys: Keys, build: type[Producer] = Producer
+    cfg: PipelineConfig, r: redis.Redis, keys: Keys, build: type[Producer] = Producer,
+    weights_dir: Path | None = None,
 ) -> Producer:
-    """Set a run up with version 0 = the config's initial weights and an unlimited lease, and return its
-    `rollout_00` producer made by `build` (for benchmarks and calibration: no trainer needed)."""
+    """Set a run up with version 0 = the config's initial weights (with the swap check's probe; above
+    INLINE_MAX_BYTES as a file in `weights_dir`) and an unlimited lease, and return its `rollout_00` producer
+    made by `build` (for benchmarks and calibration: no trainer needed)."""
     setup_run(r, keys, producer_names(cfg.rollout.num_producers))
     policy = build_policy(cfg)
-    publish_weights(r, keys, 0, policy.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
+    publish_module_weights(r, keys, 0, policy.module, global_step=0, inline_max_bytes=INLINE_MAX_BYTES,
+                           file_dir=weights_dir, probe=policy_probe(policy))
     lease_outright(r, keys, "rollout_00", 1 << 30)
     ctx = WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=r)
     if cfg.rollout.engine == "vllm":  # the producer starts its own engine on the checkpoint
@@ -62,6 +70,15 @@ def unthrottled_producer(
         return build(ctx)
     return build(ctx, policy=policy)
 
+
+#: The engine comparison's dispatch: 64 prompts x 8 samples x 32 tokens (512 rows).
+DISPATCH_512x32 = [
+    "rollout.prompts_per_dispatch=64",
+    "rollout.n=8",
+    "data.max_response_length=32",
+    "data.task=reverse",
+    "rollout.vllm.max_model_len=256",
+]
 
 #: Model shapes `--preset` builds (random weights, BPE tokenizer) and the dispatch they are measured with.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -75,13 +92,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             intermediate_size=3072,
             max_positions=256,
         ),
-        overrides=[
-            "rollout.prompts_per_dispatch=64",
-            "rollout.n=8",
-            "data.max_response_length=32",
-            "data.task=reverse",
-            "rollout.vllm.max_model_len=256",
-        ],
+        overrides=DISPATCH_512x32,
     ),
     # SmolLM2-135M-Instruct's shape (Llama, 30 layers of 576, 9 heads, 3 KV heads, a tied 49152-token head)
     "smollm2-135m": dict(
@@ -89,13 +100,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             arch="llama", hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
             max_positions=256, vocab_size=49152, tied=True,
         ),
-        overrides=[
-            "rollout.prompts_per_dispatch=64",
-            "rollout.n=8",
-            "data.max_response_length=32",
-            "data.task=reverse",
-            "rollout.vllm.max_model_len=256",
-        ],
+        overrides=DISPATCH_512x32,
     ),
     "llama-tail": dict(
         model=dict(
@@ -114,12 +119,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _swap_s(producer: Producer, r: redis.Redis, keys: Keys) -> float:
-    """Publish the producer's current weights again as a newer version and time loading it into its engine."""
+def _swap_s(producer: Producer, r: redis.Redis, keys: Keys, weights_dir: Path) -> float:
+    """Publish the producer's current weights again as a newer version and time loading it into its engine
+    (the swap check included)."""
     pv = latest_param_version(r, keys)
     assert pv is not None
     blob = load_weights(r, pv)
-    publish_weights(r, keys, pv.version + 1, blob, global_step=pv.version + 1, inline_max_bytes=1 << 30)
+    publish_weights(r, keys, pv.version + 1, blob, global_step=pv.version + 1,
+                    inline_max_bytes=INLINE_MAX_BYTES, file_dir=weights_dir,
+                    probe=(list(pv.probe_ids), list(pv.probe_logprobs)))
     if not producer.weights.refresh():
         raise RuntimeError("the producer did not load the newer version")
     return producer.weights.last_load_s
@@ -132,8 +140,10 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run})})
     keys = Keys(run)
     r = connect(redis_url)
+    tmp = tempfile.TemporaryDirectory(prefix="rollstream-bench-weights-")
+    weights_dir = Path(tmp.name)
     try:
-        producer = unthrottled_producer(cfg, r, keys)
+        producer = unthrottled_producer(cfg, r, keys, weights_dir=weights_dir)
         producer.run(max_dispatches=warmup)
         c0 = dict(vars(producer.counters))
         engine = producer.policy
@@ -146,7 +156,7 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
         c1 = vars(producer.counters)
         tokens, gen_s = c1["tokens"] - c0["tokens"], c1["gen_s"] - c0["gen_s"]
         samples = c1["published"] - c0["published"]
-        swap_s = _swap_s(producer, r, keys)
+        swap_s = _swap_s(producer, r, keys, weights_dir)
         return {
             "gen_tokens_per_s": tokens / gen_s,
             "wall_tokens_per_s": tokens / wall_s,
@@ -168,6 +178,7 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
         }
     finally:
         delete_run(r, keys)
+        tmp.cleanup()
 
 
 def compare_engines(

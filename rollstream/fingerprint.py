@@ -62,6 +62,13 @@ def policy_probe_logprobs(policy: BasePolicy, ids: Sequence[int]) -> list[float]
     return [float(v) for v in lp[0].float().cpu()]
 
 
+def policy_probe(policy: BasePolicy) -> tuple[list[int], list[float]]:
+    """The probe a publisher sends with a version of `policy`: the fixed ids (PROBE_LEN, or the model's
+    context when shorter) and the policy's log-probs of them."""
+    ids = probe_ids(policy.tokenizer.vocab_size, min(PROBE_LEN, policy.max_seq_len or PROBE_LEN))
+    return ids, policy_probe_logprobs(policy, ids)
+
+
 def probe_diff(expected: Sequence[float], got: Sequence[float]) -> tuple[float, float]:
     """(mean, max) absolute difference of two probe log-prob lists, over `got`'s length (an engine with a
     shorter context scores a prefix: log-probs are causal); fewer than MIN_COMPARED values, `got` longer than

@@ -12,7 +12,13 @@ import torch
 
 from producers.weight_sync import SwapFailed, WeightSync
 from rollstream.config import load_config
-from rollstream.fingerprint import default_max_diff, policy_probe_logprobs, probe_diff, probe_ids
+from rollstream.fingerprint import (
+    default_max_diff,
+    policy_probe,
+    policy_probe_logprobs,
+    probe_diff,
+    probe_ids,
+)
 from rollstream.from_config import build_policy
 from rollstream.model import BasePolicy
 from rollstream.names import Keys
@@ -26,8 +32,7 @@ def policy(seed: int) -> BasePolicy:
 
 def probe(p: BasePolicy) -> tuple[list[int], list[float]]:
     """The trainer's probe of `p`."""
-    ids = probe_ids(p.tokenizer.vocab_size)
-    return ids, policy_probe_logprobs(p, ids)
+    return policy_probe(p)
 
 
 def test_the_probe_is_fixed_and_its_diff_never_passes_garbage() -> None:
@@ -67,7 +72,7 @@ def test_a_builtin_swap_is_checked_and_a_mismatch_refused(r: redis.Redis, keys: 
     assert sync.refresh() and sync.version == 1
     assert sync.last_check == (1, 0.0, 0.0) and engine.module.training  # the same code on both sides
     pv = latest_param_version(r, keys)
-    assert pv is not None and pv.probe_ids == probe_ids(engine.tokenizer.vocab_size)
+    assert pv is not None and pv.probe_ids == policy_probe(engine)[0]
     # version 2's weights announced with version 1's fingerprint: loaded, checked, loaded again, refused
     publish_weights(r, keys, 2, v2.state_dict_bytes(), global_step=2, inline_max_bytes=inline,
                     probe=probe(v1))

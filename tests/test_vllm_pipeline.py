@@ -107,7 +107,10 @@ def test_vllm_producers_through_the_whole_pipeline(arch: str, tmp_path: Path) ->
     run_dir = tmp_path / f"vllm-{arch}"
     killed = 0
     try:
-        started = rollstream("run", *args, timeout_s=400)  # returns once both engines have loaded version 0
+        # returns once both engines have loaded version 0; the kill case returns at once, so that the kill
+        # lands while the producers generate, not after a tiny run already finished
+        ready = ["--ready-timeout", "0"] if case["kill"] else []
+        started = rollstream("run", *args, *ready, timeout_s=400)
         assert started.returncode == 0, started.stdout + started.stderr
         if case["kill"]:
             killed = _kill_while_generating(run_dir, "rollout_00")

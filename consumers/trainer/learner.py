@@ -36,7 +36,7 @@ import torch
 
 from consumers.trainer.distributed import DataParallel, RankInfo
 from rollstream.config import ActorConfig, PipelineConfig
-from rollstream.fingerprint import PROBE_LEN, policy_probe_logprobs, probe_ids
+from rollstream.fingerprint import policy_probe
 from rollstream.from_config import build_policy
 from rollstream.model import BasePolicy
 from rollstream.model.base import resolve_device
@@ -221,9 +221,7 @@ class Learner:
     def probe(self) -> Probe:
         """The swap check's probe of the current weights (rollstream/fingerprint.py): the fixed probe ids and
         the policy's log-probs of them; every rank calls it (a forward, a collective under fsdp)."""
-        length = min(PROBE_LEN, self.policy.max_seq_len or PROBE_LEN)  # within the model's context
-        ids = probe_ids(self.policy.tokenizer.vocab_size, length)
-        return ids, policy_probe_logprobs(self.policy, ids)
+        return policy_probe(self.policy)
 
     def whole_weights(self) -> dict[str, torch.Tensor]:
         """The policy's weights, tied tensors once: the module's own tensors (no copy) unless sharded; under
