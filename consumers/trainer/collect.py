@@ -250,7 +250,11 @@ class Collector:
         reads all of `dead`, catching what a previous process left uncounted) as consumed, each once,
         topping the budget up by the room they freed."""
         ids: list[str] = []
-        for entry_id, fields in iter_stream(self.r, self.keys.dead, start=self._dead_start()):
+        start = self._dead_start()
+        entries = retry_on_connection(  # a Redis restart mid-read: read again from the same start
+            lambda: list(iter_stream(self.r, self.keys.dead, start=start)), "reading dead letters"
+        )
+        for entry_id, fields in entries:
             self._dead_cursor = entry_id
             try:
                 letter = decode(fields)

@@ -167,13 +167,16 @@ def make_tiny_hf_model(
     """Save a tiny random `arch` causal LM + its tokenizer to `directory` (created); returns the path.
 
     The defaults (Llama, char tokenizer, no chat template) give CharTokenizer's ids exactly. vLLM's CPU
-    attention needs a head size (hidden_size / num_heads) of 32 or more. `vocab_size` pads the embedding
-    beyond the tokenizer (a real model's head cost); `tied` overrides the arch's tying (see tiny_config)."""
+    attention needs a head size (hidden_size / num_heads) of 32 or more. `vocab_size` grows the vocabulary
+    with filler tokens to a real model's size (its output head's cost); `tied` overrides the arch's tying (see
+    tiny_config)."""
     from transformers import AutoModelForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(tokenizer, chat_template)
+    if vocab_size is not None and vocab_size > len(tok):  # a real model's vocabulary size: filler tokens
+        tok.add_tokens([f"<v{i}>" for i in range(vocab_size - len(tok))])
     tok.save_pretrained(str(directory))
     if vocab_size is not None and vocab_size < len(tok):
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tok)} tokens")
