@@ -53,8 +53,8 @@ def test_reward_is_the_datasets_verifier_on_the_extracted_answer() -> None:
     tagged = task(extract="answer_tag")
     assert tagged.reward(p, f"think 3 <answer>{p.answer}</answer> 5").exact
     assert not tagged.reward(p, p.answer).exact  # no tag, no answer
-    with pytest.raises(ValueError, match="is not one of task"):
-        t.reward(Prompt(uid="reverse-1", text="x", answer="1"), "1")
+    rebuilt = Prompt(uid="rollout_00-3", text=p.text, answer=p.answer)  # the trainer's recent prompts
+    assert t.reward(rebuilt, f"= {p.answer}").exact and not t.reward(rebuilt, "0").exact
 
 
 @pytest.mark.parametrize(("how", "text", "answer"), [

@@ -4,7 +4,7 @@ reasoning-gym (the `rg` extra) generates each item of a dataset from `Random(see
 the item at an index drawn from the caller's rng, so prompts are as reproducible as the built-in tasks'. The
 reward is the dataset's own verifier (`score_answer`) applied to the answer extracted from the response
 (`data.answer_extract`). Each prompt's uid carries its index, so the verifier gets the full item back even
-where only the uid, text and answer travelled. The held-out split is kept apart by `holdout_key`: the
+where the uid travelled. The held-out split is kept apart by `holdout_key`: the
 problem itself (the item's `expression` when the dataset gives one, else its question), so a training
 prompt never repeats a validation problem, not even worded differently.
 """
@@ -126,12 +126,16 @@ class ReasoningGymTask:
         item: dict[str, Any] = self.dataset[index]
         return item
 
-    def _index(self, prompt: Prompt) -> int:
-        """The item index a prompt of this task carries in its uid (`rg:<dataset>:<index>`)."""
+    def item_of(self, prompt: Prompt) -> dict[str, Any]:
+        """The dataset item a prompt was made from: rebuilt from the index its uid carries
+        (`rg:<dataset>:<index>`); a prompt known only by text and answer (the trainer's newest trained
+        prompts, rebuilt from samples) gets an item of its question and answer, all a verifier that compares
+        answers needs."""
         prefix = f"{self.name}:"
-        if not prompt.uid.startswith(prefix):
-            raise ValueError(f"prompt uid {prompt.uid!r} is not one of task {self.name!r} ({prefix}<index>)")
-        return int(prompt.uid[len(prefix):])
+        tail = prompt.uid[len(prefix):] if prompt.uid.startswith(prefix) else ""
+        if tail.isdigit():
+            return self.entry(int(tail))
+        return {"question": prompt.text, "answer": prompt.answer, "metadata": {}}
 
     def make_prompt(self, rng: random.Random) -> Prompt:
         """The item at an index drawn from `rng`: its question (+ a new line and `instruction`) and answer."""
@@ -146,7 +150,7 @@ class ReasoningGymTask:
     def reward(self, prompt: Prompt, response_text: str) -> RewardResult:
         """The dataset's verifier on the extracted answer, clipped to [0, 1]; exact when it scores 1."""
         answer = extract_answer(response_text, self.extract)
-        item = self.entry(self._index(prompt))
+        item = self.item_of(prompt)
         try:
             score = float(self.dataset.score_answer(answer, item))
         except Exception:  # noqa: BLE001 - a verifier that trips over a model's answer scores it 0
