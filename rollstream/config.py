@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -47,8 +48,25 @@ class RunConfig(_Section):
 class DataConfig(_Section):
     """Prompts and batch sizes."""
 
-    task: Literal["reverse", "arith"] = Field(
-        "reverse", description="Built-in task: reverse digits or arithmetic with a calculator tool"
+    task: str = Field(
+        "reverse",
+        description="Task: reverse (digits), arith (arithmetic with a calculator tool), or rg:<dataset> (a "
+                    "reasoning-gym dataset, e.g. rg:basic_arithmetic; needs model.backend=hf and the rg "
+                    "extra)",
+    )
+    task_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="rg:<dataset> only: the dataset's settings (its reasoning-gym config fields), e.g. "
+                    "{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2}",
+    )
+    instruction: str = Field(
+        "", description="rg:<dataset> only: text put after each question on a new line (e.g. 'Answer with "
+                        "the number only.')"
+    )
+    answer_extract: Literal["last_number", "answer_tag", "last_line", "whole"] = Field(
+        "last_number",
+        description="rg:<dataset> only: what of a response the verifier scores: its last number, its last "
+                    "<answer>…</answer>, its last non-empty line, or all of it",
     )
     train_batch_size: int = Field(16, ge=1, description="Samples (prompts) per global step")
     min_digits: int = Field(3, ge=1, description="Reverse task: shortest digit string")
@@ -78,6 +96,21 @@ class DataConfig(_Section):
     def _digits(self) -> DataConfig:
         if self.min_digits > self.max_digits:
             raise ValueError(f"min_digits={self.min_digits} must be <= max_digits={self.max_digits}")
+        return self
+
+    @model_validator(mode="after")
+    def _task(self) -> DataConfig:
+        if self.task.startswith("rg:"):
+            if importlib.util.find_spec("reasoning_gym") is not None:  # else refused where the task is built
+                from rollstream.tasks.reasoning_gym import check_spec
+
+                check_spec(self.task.removeprefix("rg:"), self.task_args)
+        elif self.task not in ("reverse", "arith"):
+            raise ValueError(f"data.task={self.task!r} must be reverse, arith or rg:<reasoning-gym dataset>")
+        elif self.task_args:
+            raise ValueError(
+                f"data.task_args={self.task_args!r} is for rg:<dataset> tasks, not data.task={self.task!r}"
+            )
         return self
 
 
@@ -682,6 +715,11 @@ class PipelineConfig(_Section):
                 "top-p-renormalised distribution, not log_softmax(logits / temperature) the trainer "
                 "recomputes; use top_p=1"
             )
+        if self.data.task.startswith("rg:") and self.model.backend != "hf":
+            raise ValueError(
+                f"data.task={self.data.task} needs model.backend=hf (the tiny GPT's character vocabulary "
+                "cannot spell reasoning-gym questions)"
+            )
         if self.actor.gradient_checkpointing and self.model.backend != "hf":
             raise ValueError(
                 "actor.gradient_checkpointing=true needs model.backend=hf "
@@ -706,6 +744,8 @@ def _format_error(err: ValidationError, data: dict[str, Any]) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             lines.append(f"{loc}: unknown key (value {e['input']!r})")
+        elif loc and isinstance(e["input"], dict):  # a section's own check: its message names the fields
+            lines.append(msg if msg.startswith(f"{loc}.") else f"{loc}: {msg}")
         elif loc:
             lines.append(f"{loc}={e['input']!r}: {msg}")
         else:

@@ -11,7 +11,8 @@ from rollstream.tasks import PromptSource, Task, make_task
 
 
 def build_task(cfg: PipelineConfig) -> Task:
-    """The task named by data.task with its size settings."""
+    """The task named by data.task with its settings (reverse: digits; rg:<dataset>: task_args, instruction,
+    answer_extract)."""
     if cfg.data.task == "reverse":
         return make_task(
             "reverse",
@@ -19,6 +20,9 @@ def build_task(cfg: PipelineConfig) -> Task:
             max_digits=cfg.data.max_digits,
             fixed_width=cfg.data.fixed_width,
         )
+    if cfg.data.task.startswith("rg:"):
+        return make_task(cfg.data.task, settings=cfg.data.task_args, instruction=cfg.data.instruction,
+                         extract=cfg.data.answer_extract)
     return make_task(cfg.data.task)
 
 

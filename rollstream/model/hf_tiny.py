@@ -13,6 +13,7 @@ assistant, tool and system turns, each closed by eos), as instruct checkpoints s
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any, Literal
@@ -189,3 +190,79 @@ def make_tiny_hf_model(
         model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(str(directory))
     return directory
+
+
+def _llama_cpp_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's reordering of a q/k projection's rows for its rotary layout (transformers undoes it on
+    load): per head, the two rotary halves interleaved."""
+    rows = weight.shape[0]
+    split = weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:])
+    return split.swapaxes(1, 2).reshape(weight.shape)
+
+
+def make_tiny_gguf(path: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> Any:
+    """Write a tiny random Llama with tied embeddings and the BPE tokenizer with its chat template as a GGUF
+    file at `path` (float32 tensors, llama.cpp's names and layout), the way llama.cpp's converter writes one;
+    returns the transformers model it holds (for comparing logits)."""
+    import gguf
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tok = build_tokenizer("bpe", chat_template=True)
+    common = tiny_config("llama", len(tok), hidden_size, num_layers).to_dict()
+    cfg: Any = LlamaConfig(**{**common, "tie_word_embeddings": True})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+    heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(cfg.hidden_size // heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(len(tok))
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    assert [i for _, i in vocab] == list(range(len(vocab))), "the tiny tokenizer's ids must be dense"
+    specials = set(tok.all_special_tokens)
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])  # 3: control, 1: normal
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm"}
+    for key, tensor in model.state_dict().items():
+        t = tensor.detach().to(torch.float32)
+        if key == "lm_head.weight":
+            continue  # tied: llama.cpp writes no output tensor
+        if key == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif key == "model.norm.weight":
+            name = "output_norm.weight"
+        else:
+            _, _, layer, rest = key.split(".", 3)
+            module = rest.removesuffix(".weight")
+            if module == "self_attn.q_proj":
+                t = _llama_cpp_permute(t, heads)
+            elif module == "self_attn.k_proj":
+                t = _llama_cpp_permute(t, kv_heads)
+            name = f"blk.{layer}.{names[module]}.weight"
+        w.add_tensor(name, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model

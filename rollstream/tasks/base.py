@@ -41,6 +41,13 @@ class Prompt:
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
+def holdout_key(prompt: Prompt) -> str:
+    """What keeps a training prompt off the held-out split: `meta["holdout_key"]` when the task sets one (the
+    problem itself, however it is worded), else the prompt's text."""
+    key = prompt.meta.get("holdout_key")
+    return key if isinstance(key, str) else prompt.text
+
+
 #: The range every task's reward (and token score) lies in; the trainer dead-letters a sample outside it.
 REWARD_RANGE: tuple[float, float] = (0.0, 1.0)
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollstream.tasks.base import Prompt, Task, check_vocab, content_uid
+from rollstream.tasks.base import Prompt, Task, check_vocab, content_uid, holdout_key
 
 Cursor = tuple[int, int]
 
@@ -36,9 +36,9 @@ class PromptSource:
         _check_unique(self._train, "training")
         _check_unique(self._val, "validation")
         val_uids = {p.uid for p in self._val}
-        val_texts = {p.text for p in self._val}
+        val_texts = {holdout_key(p) for p in self._val}
         for p in self._train:
-            if p.uid in val_uids or p.text in val_texts:
+            if p.uid in val_uids or holdout_key(p) in val_texts:
                 raise ValueError(f"training prompt {p.uid} ({p.text!r}) also appears in the validation set")
         self.seed = seed
         self.shuffle = shuffle
@@ -70,7 +70,7 @@ class PromptSource:
         if epoch_size < 1 or val_size < 0:
             raise ValueError(f"need epoch_size >= 1 and val_size >= 0, got {epoch_size}, {val_size}")
         val = _generate(task, random.Random(f"rollstream-val:{seed}"), val_size, set(), "validation")
-        taken = {p.text for p in val}
+        taken = {holdout_key(p) for p in val}
         train = _generate(task, random.Random(f"rollstream-train:{seed}"), epoch_size, taken, "training")
         return cls(train, val, seed=seed, shuffle=shuffle, num_epochs=num_epochs)
 
@@ -90,9 +90,8 @@ class PromptSource:
         if epoch_size < 1 or val_size < 0:
             raise ValueError(f"need epoch_size >= 1 and val_size >= 0, got {epoch_size}, {val_size}")
         val = _generate(task, random.Random(f"rollstream-val:{seed}"), val_size, set(), "validation")
-        probe = _generate(
-            task, random.Random(f"rollstream-fresh-probe:{seed}"), 1, {p.text for p in val}, "training"
-        )
+        taken = {holdout_key(p) for p in val}
+        probe = _generate(task, random.Random(f"rollstream-fresh-probe:{seed}"), 1, taken, "training")
         src = cls(probe, val, seed=seed, shuffle=False, num_epochs=num_epochs)
         src._fresh, src._size = task, epoch_size
         return src
@@ -155,7 +154,7 @@ class PromptSource:
         rng = random.Random(f"rollstream-fresh:{self.seed}:{epoch}:{pos}")
         for _ in range(1000):
             p = self._fresh.make_prompt(rng)
-            if p.text not in self._val_texts:
+            if holdout_key(p) not in self._val_texts:
                 return p
         raise ValueError(f"task {self._fresh.name!r} keeps drawing validation prompts; lower val_size")
 
@@ -242,8 +241,8 @@ def _check_unique(prompts: Sequence[Prompt], what: str) -> None:
 
 
 def _generate(task: Task, rng: random.Random, n: int, exclude: set[str], what: str) -> list[Prompt]:
-    """Draw ``n`` prompts with distinct texts not in ``exclude``; ValueError if the task cannot supply
-    them."""
+    """Draw ``n`` prompts with distinct holdout keys (texts, unless the task sets one) not in ``exclude``;
+    ValueError if the task cannot supply them."""
     out: list[Prompt] = []
     seen = set(exclude)
     max_draws = max(1000, 50 * n)
@@ -257,9 +256,9 @@ def _generate(task: Task, rng: random.Random, n: int, exclude: set[str], what: s
             )
         draws += 1
         p = task.make_prompt(rng)
-        if p.text in seen:
+        if holdout_key(p) in seen:
             continue
-        seen.add(p.text)
+        seen.add(holdout_key(p))
         out.append(p)
     return out
 
