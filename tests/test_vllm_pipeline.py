@@ -98,6 +98,19 @@ def _kill_while_generating(run_dir: Path, name: str, timeout_s: float = 120) -> 
     return pid
 
 
+def _wait_back_up(run_dir: Path, name: str, timeout_s: float = 180) -> None:
+    """Wait until the restarted `name` has started its engine and loaded a version (a stop that lands
+    earlier, inside the new process's first milliseconds, ends it by SIGTERM before its handlers exist)."""
+    log = run_dir / "logs" / f"{name}.log"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        starts = log.read_text().split("waiting for param version 0")
+        if len(starts) >= 3 and "loaded param_version" in starts[-1]:
+            return
+        assert time.monotonic() < deadline, _logs(run_dir)
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("arch", sorted(CASES))
 def test_vllm_producers_through_the_whole_pipeline(arch: str, tmp_path: Path) -> None:
     case = CASES[arch]
@@ -122,6 +135,8 @@ def test_vllm_producers_through_the_whole_pipeline(arch: str, tmp_path: Path) ->
         r = target.connect()
         error, tokens = behaviour_logprob_error(r, target.keys, target.cfg, version=0)
         r.close()
+        if killed:  # the tiny run may be over by the time of the kill: stop once the producer is back
+            _wait_back_up(run_dir, "rollout_00")
     finally:
         stopped = rollstream("stop", *args, timeout_s=120)
     assert stopped.returncode == 0 or killed, stopped.stdout + stopped.stderr
