@@ -113,9 +113,10 @@ def test_hf_model_through_the_whole_pipeline(arch: str, tmp_path: Path) -> None:
         assert rep.records_consecutive and rep.records[-1] == STEPS, rep.records
         assert producer_versions(r, keys) == {"rollout_00": STEPS, "rollout_01": STEPS}
         # every version the trainer published carried its probe, and each producer's swap to it was checked:
-        # the built-in engine computes what the trainer did (0 difference)
+        # the built-in engine computes what the trainer does (0, or ~1e-8 where the two processes' thread
+        # counts sum in another order)
         checks = swap_checks(r, keys)
-        assert {v for _, v in checks} >= set(range(1, STEPS)) and max(checks.values()) == 0.0, checks
+        assert {v for _, v in checks} >= set(range(1, STEPS)) and max(checks.values()) < 1e-6, checks
 
 
 @pytest.fixture(autouse=True)

@@ -38,7 +38,7 @@ from rollstream.ops.runcheck import (  # noqa: E402
 )
 from rollstream.weights import producer_versions  # noqa: E402
 
-STEPS = 4
+STEPS = 6
 SMALL = [
     "rollout.engine=vllm", "rollout.vllm.max_model_len=128", "data.train_batch_size=4",
     "actor.ppo_mini_batch_size=2", "trainer.parameter_sync_step=2", "rollout.n=4", "rollout.num_producers=2",
@@ -156,9 +156,10 @@ def test_vllm_producers_through_the_whole_pipeline(arch: str, tmp_path: Path) ->
     if arch == "llama":  # on-policy: only the engine's numerics differ (measured ~1e-7 in float32)
         assert worst < 1e-4, worst
     # every swap was checked: the records carry each producer's newest check, within the float32 bound, at
-    # version 3 or later by the last record
+    # version 3 or later by the last record (a record holds the stats emitted before its step ended: with a
+    # batch of staleness the producers' newest check there can be two versions behind)
     checked = [rec for rec in trained if "producer/swap_check/logprob_diff" in rec]
-    assert checked and max(rec["producer/swap_check/version"] for rec in checked) >= STEPS - 1, checked
+    assert checked and max(rec["producer/swap_check/version"] for rec in checked) >= 3, checked
     assert all(rec["producer/swap_check/logprob_diff"] < 1e-3 for rec in checked), checked
 
     with EmbeddedRedis(run_dir) as srv:  # the run's log, read back from its AOF
