@@ -125,7 +125,7 @@ def _generate_turn(
     return out, start, swaps
 
 
-def _version_of_last_token(traj: Completion, kept: int, start: int, swaps: list[int]) -> int:
+def version_of_last_token(traj: Completion, kept: int, start: int, swaps: list[int]) -> int:
     """Version that generated token kept-1: a row alive at swap k saw swaps 0..k, so count its swap points."""
     seen = sum(1 for s in traj.swap_points if s < kept)
     return swaps[seen - 1] if seen else start
@@ -189,7 +189,7 @@ def run_agent_loop(
             if kept:
                 if t.version_start < 0:
                     t.version_start = start
-                t.version_end = _version_of_last_token(g, kept, start, swaps)
+                t.version_end = version_of_last_token(g, kept, start, swaps)
             t.extend(g.response_ids[:kept], g.log_probs[:kept], generated=True)
             t.num_turns += 1
             t.processing_time_s += turn_s

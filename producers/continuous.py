@@ -35,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from producers.agent import version_of_last_token
 from rollstream.model import Completion
 from rollstream.model.chat import encode_prompt
 from rollstream.pacing import ask_lease, lease_of
@@ -87,16 +88,10 @@ class Group:
             t = Trajectory(prompt_ids=row.prompt_ids, num_turns=1, finished=row.finished)
             t.extend(row.response_ids, row.log_probs, generated=True)
             if row.response_ids:
-                t.version_start = self._version_at(row, versions, 0)
-                t.version_end = self._version_at(row, versions, len(row.response_ids) - 1)
+                t.version_start = version_of_last_token(row, 1, self.version, versions)
+                t.version_end = version_of_last_token(row, len(row.response_ids), self.version, versions)
             out.append(t)
         return out
-
-    def _version_at(self, row: Completion, versions: list[int], token: int) -> int:
-        """The version that generated response token `token`: the last swap at or before it, else the
-        admission version."""
-        seen = sum(1 for s in row.swap_points if s <= token)
-        return versions[seen - 1] if seen else self.version
 
 
 class Host(Protocol):
@@ -135,6 +130,7 @@ class ContinuousLoop:
         self.pending: deque[Group] = deque()  # admitted, in seq order, until published
         self.steps = 0
         self.asked = -1  # the lease total last asked for
+        self.newer_waiting = False  # without partial rollout: a newer version waits for the engine to drain
         self.busy_since_publish = 0.0  # engine seconds since the last publish (that publish's gen_s)
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -168,12 +164,17 @@ class ContinuousLoop:
 
     def _sync_weights(self) -> None:
         """Load newer weights when due: with partial rollout every `sync_every_tokens` steps (rows in flight
-        pause, swap and resume), without it only when the engine is empty."""
+        pause, swap and resume), without it only when the engine is empty (and, at the same cadence, note
+        whether a newer version is out, which stops admission until the engine drains)."""
+        due = self.steps % max(1, self.settings.sync_every_tokens) == 0
         if self.settings.partial_rollout:
-            if self.steps % max(1, self.settings.sync_every_tokens) == 0:
+            if due:
                 self._refresh()
         elif not self.pending:
             self._refresh()
+            self.newer_waiting = False
+        elif due:
+            self.newer_waiting = self.p._newest_version() > self.p.weights.version
 
     def _refresh(self) -> None:
         """Load the newest version if newer; rows a load paused resume, recording the version they swap to."""
@@ -189,9 +190,8 @@ class ContinuousLoop:
         """Fill the engine up to `prompts_per_dispatch` x n rows with leased prompts' groups (at most
         `room_left` of them); ask for the room left when the lease runs out."""
         ctx = self.p.ctx
-        if not self.settings.partial_rollout and self.pending:
-            if self.p._newest_version() > self.p.weights.version:
-                return  # a newer version waits for the engine to drain
+        if self.newer_waiting and self.pending:
+            return  # a newer version waits for the engine to drain
         # room for whole groups in the engine's rows (a group's finished rows make room at once: one long row
         # holds one slot, not n), and a bound on groups waiting for an earlier one to be published
         free = min((self.capacity * self.n - self.engine.in_flight) // self.n,
@@ -200,7 +200,8 @@ class ContinuousLoop:
             free = min(free, room_left)
         if free <= 0:
             return
-        self.p.leased = max(self.p.leased, lease_of(ctx.r, ctx.keys, self.p.name))  # before the weights
+        if self.p.leased <= self.p.next_seq:  # read the lease (before the weights) only once it is used up
+            self.p.leased = max(self.p.leased, lease_of(ctx.r, ctx.keys, self.p.name))
         if self.p.leased <= self.p.next_seq:
             want = self.p.next_seq + free
             if want > self.asked:

@@ -51,6 +51,7 @@ from producers.watchdog import GenerationHung, GenerationWatchdog, exit_hung
 from producers.weight_sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
 from rollstream.config import PipelineConfig
+from rollstream.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
 from rollstream.from_config import build_policy, build_prompt_source, build_task
 from rollstream.model import BasePolicy
 from rollstream.names import producer_names
@@ -545,9 +546,9 @@ def swap_check_metrics(check: tuple[int, float, float] | None) -> dict[str, floa
         return {}
     version, mean, worst = check
     return {
-        "producer/swap_check/version": float(version),
-        "producer/swap_check/logprob_diff": mean,
-        "producer/swap_check/logprob_diff_max": worst,
+        SWAP_CHECK_VERSION: float(version),
+        SWAP_CHECK_DIFF: mean,
+        SWAP_CHECK_DIFF_MAX: worst,
     }
 
 

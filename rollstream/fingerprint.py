@@ -32,6 +32,13 @@ PROBE_SEED = 20261204
 DEFAULT_MAX_DIFF = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 2e-2}
 
 
+#: The swap check's metrics in a producer's stats and in the records (consumers/aggregator/fold.py): the
+#: version checked, and the mean and max |log-prob difference| per probe token.
+SWAP_CHECK_VERSION = "producer/swap_check/version"
+SWAP_CHECK_DIFF = "producer/swap_check/logprob_diff"
+SWAP_CHECK_DIFF_MAX = "producer/swap_check/logprob_diff_max"
+
+
 class SwapCheckError(RuntimeError):
     """A loaded version's probe log-probs differ from the trainer's by more than the bound."""
 

@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 
 from consumers.aggregator.metrics import MetricsAggregator, add_derived_metrics, aggregation_rule
 from rollstream.bus import parse_id
+from rollstream.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
 from schemas import EventBase, ProducerStats, StepMetrics, SyncStepRecord, ValidateMetrics
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,7 @@ Entry = tuple[str, Any]  # (entry id, event)
 STATS_PREFIX = "stats:"
 #: The swap check's metrics a producer's stats carry (producers/worker.py swap_check_metrics): per producer in
 #: the record as `producer/<name>/swap_check/…`; across producers the worst diff and the oldest version.
-SWAP_CHECK_DIFF, SWAP_CHECK_VERSION = "producer/swap_check/logprob_diff", "producer/swap_check/version"
-SWAP_CHECK_METRICS = (SWAP_CHECK_VERSION, SWAP_CHECK_DIFF, "producer/swap_check/logprob_diff_max")
+SWAP_CHECK_METRICS = (SWAP_CHECK_VERSION, SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX)
 
 
 def stats_ref(producer: str, entry_id: str) -> str:

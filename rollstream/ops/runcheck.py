@@ -15,6 +15,7 @@ import redis
 
 from rollstream.bus import iter_stream, parse_id, run_producers
 from rollstream.config import PipelineConfig
+from rollstream.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_VERSION
 from rollstream.names import Keys
 from rollstream.ops.plan import SuperviseError
 from rollstream.ops.process import failed_programs
@@ -106,10 +107,9 @@ def swap_checks(r: redis.Redis, keys: Keys) -> dict[tuple[str, int], float]:
     """(producer, version) -> the swap check's mean |log-prob diff| per probe token
     (rollstream/fingerprint.py) for every version a producer's stats report checked."""
     out: dict[tuple[str, int], float] = {}
-    version, diff = "producer/swap_check/version", "producer/swap_check/logprob_diff"
     for ev in producer_stats(r, keys):
-        if version in ev.metrics and diff in ev.metrics:
-            out[(ev.producer, int(ev.metrics[version]))] = float(ev.metrics[diff])
+        if SWAP_CHECK_VERSION in ev.metrics and SWAP_CHECK_DIFF in ev.metrics:
+            out[(ev.producer, int(ev.metrics[SWAP_CHECK_VERSION]))] = float(ev.metrics[SWAP_CHECK_DIFF])
     return out
 
 
