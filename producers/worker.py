@@ -532,11 +532,14 @@ class Producer:
 
 def swap_check_bound(cfg: PipelineConfig, dtype: str) -> float:
     """The swap check's bound for an engine computing in `dtype`: rollout.swap_check_max_diff, else the
-    dtype's default (rollstream/fingerprint.py)."""
+    default of `dtype` or model.autocast, the looser (rollstream/fingerprint.py)."""
     from rollstream.fingerprint import default_max_diff
 
     configured = cfg.rollout.swap_check_max_diff
-    return configured if configured is not None else default_max_diff(dtype)
+    if configured is not None:
+        return configured
+    # under model.autocast both sides compute in the lower precision: the looser of the two bounds
+    return max(default_max_diff(d) for d in (dtype, cfg.model.autocast or dtype))
 
 
 def swap_check_metrics(check: tuple[int, float, float] | None) -> dict[str, float]:

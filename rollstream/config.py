@@ -141,6 +141,11 @@ class ModelConfig(_Section):
     hf_path: str | None = Field(
         None, description="Local directory of the HF model and tokenizer (backend=hf)"
     )
+    pretrained: str | None = Field(
+        None,
+        description="backend=hf: a model `rollstream model list` knows (e.g. smollm2-135m-instruct); hf_path "
+                    "defaults to its cache folder, and `rollstream run` builds it there when missing",
+    )
     d_model: int = Field(64, ge=8, description="Tiny GPT: embedding width")
     n_layer: int = Field(2, ge=1, description="Tiny GPT: transformer blocks")
     n_head: int = Field(4, ge=1, description="Tiny GPT: attention heads")
@@ -158,19 +163,39 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight dtype on producers and trainer: auto = bfloat16 on CUDA, float32 on CPU"
     )
+    autocast: Literal["bfloat16", "float16"] | None = Field(
+        None,
+        description="Compute dtype of every forward pass (torch.autocast) over model.dtype weights, on "
+                    "producers and trainer: bfloat16 over float32 keeps float32 master weights and optimizer "
+                    "at bfloat16 matmul speed (CPUs with AVX512-BF16 or AMX, GPUs); null: model.dtype",
+    )
     chat_template: bool = Field(
         True,
         description="backend=hf: render prompts and tool results with the tokenizer's chat template when it "
                     "has one",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _pretrained_folder(cls, data: Any) -> Any:
+        """hf_path defaults to model.pretrained's cache folder (an unknown name is refused, naming the known)."""
+        if isinstance(data, dict) and data.get("pretrained") is not None:
+            from rollstream.pretrained import model_dir  # torch-free
+
+            folder = str(model_dir(str(data["pretrained"])))
+            if not data.get("hf_path"):
+                data = {**data, "hf_path": folder}
+        return data
+
     @model_validator(mode="after")
     def _shape(self) -> ModelConfig:
         problem = gpt_shape_error(self.d_model, self.n_head, self.position)
         if problem:
             raise ValueError(problem)
+        if self.pretrained is not None and self.backend != "hf":
+            raise ValueError(f"pretrained={self.pretrained!r} needs backend=hf, got {self.backend!r}")
         if self.backend == "hf" and not self.hf_path:
-            raise ValueError("backend=hf needs hf_path")
+            raise ValueError("backend=hf needs hf_path (or pretrained)")
         return self
 
 

@@ -41,10 +41,18 @@ def build_prompt_source(cfg: PipelineConfig, task: Task | None = None) -> Prompt
 
 def build_policy(cfg: PipelineConfig, device: str | None = None) -> BasePolicy:
     """The policy with initial weights from run.seed (identical on every process for the same seed), its
-    weights in model.dtype."""
+    weights in model.dtype, its forward passes under model.autocast."""
     m = cfg.model
     dev = resolve_device(device or cfg.run.device)
     dtype = resolve_dtype(m.dtype, dev)
+    policy = _load(cfg, dev, dtype)
+    policy.autocast_dtype = resolve_dtype(m.autocast, dev) if m.autocast else None
+    return policy
+
+
+def _load(cfg: PipelineConfig, dev: torch.device, dtype: torch.dtype) -> BasePolicy:
+    """The policy of model.backend on `dev` with weights in `dtype` (tiny: seeded from run.seed)."""
+    m = cfg.model
     if m.backend == "hf":
         return load_policy("hf", path=m.hf_path, device=str(dev), dtype=dtype, chat_template=m.chat_template)
     gcfg = GPTConfig(

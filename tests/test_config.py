@@ -36,13 +36,18 @@ def test_shipped_configs_load_and_differ_from_the_demo_only_in_their_levers() ->
     )
 
 
-def test_smollm2_config_loads_given_the_built_model_folder() -> None:
+def test_smollm2_config_reads_the_pretrained_model_from_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     path = ROOT / "configs" / "smollm2-basic-arithmetic.yaml"
-    with pytest.raises(ConfigError, match="backend=hf needs hf_path"):  # the folder `model build` prints
-        load_config(path)
-    cfg = load_config(path, ["model.hf_path=/models/smollm2-135m-instruct"])
+    monkeypatch.setenv("ROLLSTREAM_MODEL_CACHE", "/models")
+    cfg = load_config(path)  # model.pretrained names the folder `rollstream model build` writes
+    assert cfg.model.hf_path == "/models/smollm2-135m-instruct" and cfg.model.autocast == "bfloat16"
     assert cfg.data.task == "rg:basic_arithmetic" and cfg.rollout.engine == "builtin"
-    assert cfg.data.task_args == {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+    assert cfg.data.task_args["operators"] == ["+", "-", "*"]  # reasoning-gym's '/' items are wrong, see config
+    assert load_config(path, ["model.hf_path=/elsewhere"]).model.hf_path == "/elsewhere"  # an explicit folder wins
+    with pytest.raises(ConfigError, match="unknown model 'smollm3'.*smollm2-135m-instruct"):
+        load_config(path, ["model.pretrained=smollm3"])
+    with pytest.raises(ConfigError, match="pretrained='smollm2-135m-instruct' needs backend=hf"):
+        load_config(None, ["model.pretrained=smollm2-135m-instruct"])
 
 
 def test_overrides_are_typed() -> None:

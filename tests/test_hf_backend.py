@@ -189,10 +189,20 @@ def test_dtype_and_checkpointing_knobs_and_their_errors(tmp_path: Path) -> None:
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
     ids, mask, R = build_batch([[1, 5, 6, 7], [1, 8]], [[9, 10, 2], [11]], 0)
     assert bf16.log_probs(ids, mask, R).dtype == torch.float32  # scored in float32 whatever the weights
+    # model.autocast: float32 master weights, forward passes in bfloat16 (log-probs still float32)
+    fp32, ac = build_policy(load_config(None, hf)), build_policy(load_config(None, [*hf, "model.autocast=bfloat16"]))
+    with torch.no_grad():
+        lp_fp32, lp_ac = fp32.log_probs(ids, mask, R), ac.log_probs(ids, mask, R)
+    assert lp_ac.dtype == torch.float32 and 0 < float((lp_ac - lp_fp32).abs().max()) < 5e-2
+    ac.forward_logprobs_entropy(ids, mask, R)[0].sum().backward()
+    assert {p.dtype for p in ac.parameters()} == {p.grad.dtype for p in ac.parameters()} == {torch.float32}
+    greedy = [c.response_ids for c in ac.generate([[1, 5, 6], [1, 8]], n=1, max_new_tokens=4, greedy=True)]
+    assert all(len(r) >= 1 for r in greedy)  # generation runs under autocast too
     tiny_bf16 = build_policy(load_config(None, ["run.device=cpu", "model.dtype=bfloat16"]))
     assert {p.dtype for p in tiny_bf16.parameters()} == {torch.bfloat16}
     for bad, field in [
         ("model.dtype=fp8", "model.dtype"),
+        ("model.autocast=float32", "model.autocast"),
         ("actor.micro_batch_size=-1", "actor.micro_batch_size"),
         ("actor.logprob_chunk_size=-5", "actor.logprob_chunk_size"),
     ]:

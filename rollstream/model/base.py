@@ -8,6 +8,7 @@ ids computed from the attention mask, so a left-padded batch gives the same numb
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -156,6 +157,17 @@ class BasePolicy(ABC):
     #: Tokens per output-head chunk in forward_logprobs_entropy (0 = the whole batch's logits at once);
     #: used where the backend gives hidden states (`_response_hidden`).
     logprob_chunk_size: int = 0
+    #: Compute dtype of every forward pass (torch.autocast over the weights' own dtype); None computes in the
+    #: weights' dtype. bfloat16 over float32 weights keeps float32 master weights at bfloat16 matmul speed.
+    autocast_dtype: torch.dtype | None = None
+
+    def compute(self) -> contextlib.AbstractContextManager[Any]:
+        """The context forward passes run in: torch.autocast to `autocast_dtype` on the policy's device, or
+        nothing when it is None."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
     # ---- backend hooks ---------------------------------------------------------------------------
     @abstractmethod
     def _prefill(self, ids: Tensor, mask: Tensor, capacity: int) -> tuple[Tensor, Any]:
@@ -223,7 +235,7 @@ class BasePolicy(ABC):
         was_training = self.module.training
         self.module.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.compute():
                 logits, cache = self._prefill(seq, seq_mask, seq.shape[1] + max_new_tokens)
                 for step in range(max_new_tokens):
                     tok, logp = sample_tokens(logits, temperature, top_p, generator, greedy)  # [b], [b]
@@ -272,16 +284,17 @@ class BasePolicy(ABC):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
-        if self.logprob_chunk_size > 0:
-            head = self._response_hidden(ids, mask, response_len)
-            if head is not None:
-                hidden, weight, bias = head
-                labels = ids[:, -response_len:]
-                return chunked_logprobs_entropy(
-                    hidden, weight, bias, labels, temperature, self.logprob_chunk_size
-                )
-        logits = self._response_logits(ids, mask, response_len)  # [B,R,V]
-        return logprobs_entropy(logits, ids[:, -response_len:], temperature)  # [B,R], [B,R]
+        with self.compute():
+            if self.logprob_chunk_size > 0:
+                head = self._response_hidden(ids, mask, response_len)
+                if head is not None:
+                    hidden, weight, bias = head
+                    labels = ids[:, -response_len:]
+                    return chunked_logprobs_entropy(
+                        hidden, weight, bias, labels, temperature, self.logprob_chunk_size
+                    )
+            logits = self._response_logits(ids, mask, response_len)  # [B,R,V]
+        return logprobs_entropy(logits, ids[:, -response_len:], temperature)  # [B,R], [B,R] in float32
 
     def log_probs(
         self, input_ids: Tensor, attention_mask: Tensor, response_len: int, temperature: float = 1.0
