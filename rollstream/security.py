@@ -8,7 +8,8 @@ Redis 7 selectors bind each command to the keys it may touch, so no user can wri
 producer may: XADD to its own `rollouts:<name>` and `stats:<name>` (no other producer's: the stream names its
 writer, and a trim or an explicit id there hurts only its own entries); read `params`, `weights:*`, `setup`;
 read the trainer hash, the `archive` hash, the `lease` hash, `consumed`, `dispatched` and every producer's
-published count; and write its own `producer:<name>:*` keys (among them `want`, the lease it asks for). It
+published count; and write its own four keys `producer:<name>:cursor`, `…:published`, `…:want` (the lease it
+asks for) and `…:version`, no other name under `producer:<name>:`. It
 runs no script and cannot move the pacing: only the trainer writes budgets, leases and the counters
 (rollstream/pacing.py). It cannot read rollouts, write another producer's streams, write the trainer hash,
 `metrics`, `dispatch_log`, `records`, `fates`, `dead`, weights or params, another producer's keys, or another
@@ -48,7 +49,17 @@ def producer_rules(keys: Keys, producer: str) -> list[str]:
     """ACL SETUSER rules of one producer's user: each command bound to the only keys it may touch."""
     k = keys
     weights = k.weights(0).rsplit(":", 1)[0] + ":*"
-    own = k.producer_prefix(producer) + "*"
+    # its own keys, named one by one (no free-form `producer:<name>:*` namespace): cursor, published count,
+    # want (the lease it asks for), version
+    own = " ".join(
+        f"~{key}"
+        for key in (
+            k.producer_cursor(producer),
+            k.producer_published(producer),
+            k.producer_want(producer),
+            k.producer_version(producer),
+        )
+    )
     return [
         *_BASE,
         "+multi",
@@ -59,8 +70,8 @@ def producer_rules(keys: Keys, producer: str) -> list[str]:
         f"(+get %R~{weights} %R~{k.consumed} %R~{k.dispatched} %R~{k.producer_pattern('published')})",
         f"(+exists %R~{k.setup})",
         f"(+hget %R~{k.trainer} %R~{k.archive} %R~{k.lease})",
-        # its own keys: cursor, published count, want (the lease it asks for), version; no script at all
-        f"(+get +set +incrby +decrby +xadd ~{own})",
+        # no script at all, and no XADD outside its two streams
+        f"(+get +set +incrby +decrby {own})",
     ]
 
 

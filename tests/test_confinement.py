@@ -489,3 +489,26 @@ def test_the_audit_names_the_samples_a_trim_destroyed_before_any_read(roles: Rol
     rep = audit_run(roles.admin, keys)
     assert rep.destroyed_ids == {"rollout_00-0", "rollout_00-1", "rollout_00-2"}
     assert any("3 published samples are not on the log" in p for p in rep.problems())
+
+
+# -- issue 41: what a producer may still write -------------------------------------------------------------
+
+
+def test_a_producer_writes_only_the_four_keys_the_design_names(roles: Roles) -> None:
+    """Issue 41, item 4: `XADD producer:rollout_00:flood` and `SET` of any other name under its prefix were
+    allowed (a free-form namespace: +1.7 GB not reclaimed); now its user names cursor, published, want and
+    version one by one, and XADD reaches only its two streams."""
+    keys, prod = roles.keys, roles.producers[P0]
+    own = keys.producer_prefix(P0)
+    refused = {
+        "XADD producer:<name>:flood": lambda: prod.xadd(own + "flood", {"x": "y"}),
+        "SET producer:<name>:blob": lambda: prod.set(own + "blob", "x"),
+        "SET producer:<name>:dispatch_log": lambda: prod.set(own + "dispatch_log", "x"),
+        "APPEND producer:<name>:want": lambda: prod.append(keys.producer_want(P0), "x"),
+        "XADD producer:<name>:want": lambda: prod.xadd(keys.producer_want(P0), {"x": "y"}),
+    }
+    assert [name for name, call in refused.items() if _permitted(call)] == []
+    for key in (keys.producer_cursor(P0), keys.producer_want(P0), keys.producer_version(P0)):
+        assert prod.set(key, "1")
+    published = keys.producer_published(P0)
+    assert prod.incrby(published, 2) == 2 and prod.decrby(published, 1) == 1
