@@ -285,6 +285,13 @@ class RolloutConfig(_Section):
     staleness_threshold: float = Field(
         0.0, ge=0, description="Pacing: at most train_batch_size*(1+staleness_threshold) prompts outstanding"
     )
+    lease_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Pacing: a producer none of whose leased prompts the trainer finished for this long, "
+                    "while others' were, loses its unfinished lease (taken back, leased to others; a late "
+                    "publish of one is dead-lettered as `lease expired`)",
+    )
     partial_rollout: bool = Field(
         True, description="Swap weights mid-trajectory (start<end) instead of finishing under old weights"
     )

@@ -512,3 +512,56 @@ def test_a_producer_writes_only_the_four_keys_the_design_names(roles: Roles) -> 
         assert prod.set(key, "1")
     published = keys.producer_published(P0)
     assert prod.incrby(published, 2) == 2 and prod.decrby(published, 1) == 1
+
+
+def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish_never_trains(
+    roles: Roles,
+) -> None:
+    """Issue 41, item 3: rollout_00 writes want=10^9 and publishes nothing, holding the whole budget
+    (training stopped: 0 steps in 90 s). Its lease expires: the prompts go to rollout_01, whose samples fill
+    the batch, and rollout_00's late publish of a taken-back seq is dead-lettered ("lease expired") and
+    counts nothing."""
+    from consumers.trainer.collect import Collector, rollouts_reader
+    from rollstream.pacing import LeaseExpiry
+
+    keys, trainer = roles.keys, roles.trainer
+    hoarder, other = roles.producers[P0], roles.producers["rollout_01"]
+    grant_budget(trainer, keys, 0, 8)
+    ask_lease(hoarder, keys, P0, 10**9)
+    clock = [0.0]
+    expiry = LeaseExpiry(600.0, 8, probation=1, every_s=0, clock=lambda: clock[0])
+    leaser = Leaser(trainer, keys, PRODUCERS, threading.Event(), expiry=expiry)
+    assert leaser.run_once() == 8 and lease_of(trainer, keys, P0) == 8  # it holds everything
+    ask_lease(other, keys, "rollout_01", 8)
+    assert leaser.run_once() == 0
+    clock[0] = 601.0
+    leaser.run_once()  # expired: 8 taken back, 1 to it on probation, 7 to rollout_01
+    assert expiry.expired == {P0: 8}
+    assert lease_of(trainer, keys, P0) == 9 and lease_of(trainer, keys, "rollout_01") == 7
+    cfg = load_config(None, [f"run.name={keys.run}", "bus.block_ms=10", "data.train_batch_size=8",
+                             "actor.ppo_mini_batch_size=8", "trainer.parameter_sync_step=1"])
+
+    def publish(client: redis.Redis, name: str, seq: int) -> None:
+        sample = fake_rollout_sample(f"{name}-{seq}", n=2, prompt_len=3, response_len=4, producer=name)
+        Publisher(client).publish(keys.rollouts_of(name), sample)
+
+    for seq in range(7):
+        publish(other, "rollout_01", seq)
+    publish(hoarder, P0, 3)  # late: taken back
+    publish(hoarder, P0, 8)  # its probation lease: fine
+    dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    reader = rollouts_reader(cfg, trainer, keys, "trainer", threading.Event())
+    collector = Collector(cfg, trainer, keys, reader, dp, threading.Event(), False, 1000, 64,  # type: ignore[arg-type]
+                          lambda: None)
+    while len(collector.buffer) < 8:
+        assert collector.fill()
+    collector.fill()
+    [(_, fields)] = roles.admin.xrange(keys.dead)
+    assert isinstance(dl := decode(fields), DeadLetter) and dl.reason.startswith("lease expired: ")
+    assert "rollout_00-3" in dl.reason
+    assert sorted(m.event.sample_id for m in collector.buffer) == sorted(
+        [*(f"rollout_01-{s}" for s in range(7)), "rollout_00-8"]
+    )
+    assert int(roles.admin.get(keys.consumed) or 0) == 8  # type: ignore[arg-type]  # the 8 taken back, once
+    rep = audit_run(roles.admin, keys)
+    assert rep.problems() == [], rep.problems()

@@ -58,7 +58,7 @@ from rollstream.bus import EntryRef, GroupReader, Message, entry_limits, iter_st
 from rollstream.bus.ids import IdError, parse_sample_id, split_sample_id
 from rollstream.config import PipelineConfig
 from rollstream.names import DEAD_LETTERED_FIELD, REPLAY_COPY_FIELD, TRAINER_GROUP, Keys, producer_names
-from rollstream.pacing import consume, leases
+from rollstream.pacing import consume, is_revoked, leases
 from rollstream.tasks import REWARD_RANGE
 from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, DeadLetter, Fate, RolloutSample, decode
 
@@ -219,6 +219,8 @@ class Collector:
             dupes.append(m.ref)  # the original is committed or still pending: safe to ack this copy
         elif (why := self.lease_reason(ev)) is not None:
             to_dead(f"outside lease: {why}")  # counts nothing
+        elif (why := self.expired_reason(ev)) is not None:
+            to_dead(f"lease expired: {why}")  # already counted when it was taken back: counts nothing
         elif (why := version_reason(ev, self.newest_published)) is not None:
             to_dead(f"invalid: {why}")  # counted as consumed below
         elif (why := unusable_reason(ev, self.vocab_size, self.max_seq_len)) is not None:
@@ -243,6 +245,19 @@ class Collector:
             self.leases = retry_on_connection(lambda: leases(self.r, self.keys), "reading leases")
         if seq >= (leased := self.leases.get(producer, 0)):
             return f"sample_id={ev.sample_id!r}: seq {seq} >= {leased} prompts leased to {producer!r}"
+        return None
+
+    def expired_reason(self, ev: RolloutSample) -> str | None:
+        """Why a sample's prompt is no longer its producer's (the trainer took it back when its lease expired:
+        rollstream/pacing.py), or None (always on a replay copy). Call after `lease_reason` passed."""
+        if not self.check_leases:
+            return None
+        producer, seq = parse_sample_id(ev.sample_id, ev.producer)
+        if retry_on_connection(lambda: is_revoked(self.r, self.keys, producer, seq), "reading revoked"):
+            return (
+                f"sample_id={ev.sample_id!r}: seq {seq} was taken back from {producer!r} "
+                f"(no prompt of it finished for rollout.lease_timeout_s={self.cfg.rollout.lease_timeout_s})"
+            )
         return None
 
     def _count_dead(self, dead: int) -> None:
