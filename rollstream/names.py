@@ -168,6 +168,12 @@ class Keys:
         rollstream/pacing.py); a sample of that seq is then dead-lettered ("lease expired")."""
         return self._k(f"revoked:{producer}")
 
+    @property
+    def fenced(self) -> str:
+        """Hash: producer name -> why the trainer fenced it (its ACL user switched off over a memory flood;
+        rollstream/security.py FloodFence). Only the trainer writes it."""
+        return self._k("fenced")
+
     # A producer's own state lives under producer:<name>:…: its ACL user may write only the four keys below.
 
     def producer_prefix(self, producer: str) -> str:

@@ -519,12 +519,13 @@ class Leaser:
 
     def __init__(
         self, r: redis.Redis, keys: Keys, producers: Sequence[str], stop: threading.Event,
-        period_s: float = LEASE_PERIOD_S, *, expiry: LeaseExpiry | None = None,
+        period_s: float = LEASE_PERIOD_S, *, expiry: LeaseExpiry | None = None, fence: Any = None,
     ) -> None:
         """Lease to `producers` (the run's producer names) on `r` until `stop` is set; with `expiry`, take
-        back the leases of producers that finish nothing (see LeaseExpiry)."""
+        back the leases of producers that finish nothing (see LeaseExpiry); with `fence` (a
+        rollstream.security.FloodFence), fence producers that flood Redis and lease them nothing more."""
         self.r, self.keys, self.producers, self.stop, self.period_s = r, keys, list(producers), stop, period_s
-        self.expiry = expiry
+        self.expiry, self.fence = expiry, fence
         self.leased = 0  # prompts leased by this loop
         self.thread: threading.Thread | None = None
         self._turn = 0
@@ -534,11 +535,15 @@ class Leaser:
         """One pass (with an expiry check when one is due); returns the prompts leased."""
         if not self.producers:
             return 0
+        if self.fence is not None:
+            self.fence.maybe_check(self.r, self.keys, self.producers)
         if self.expiry is not None:
             self.expiry.maybe_check(self.r, self.keys, self.producers)
         k = self._turn % len(self.producers)
         self._turn += 1
         order = self.producers[k:] + self.producers[:k]
+        if self.fence is not None and self.fence.fenced:
+            order = [p for p in order if p not in self.fence.fenced]
         caps = self.expiry.caps if self.expiry is not None else None
         n, self._version = lease_once(self.r, self.keys, order, self._version, caps)
         self.leased += n

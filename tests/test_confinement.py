@@ -565,3 +565,55 @@ def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish
     assert int(roles.admin.get(keys.consumed) or 0) == 8  # type: ignore[arg-type]  # the 8 taken back, once
     rep = audit_run(roles.admin, keys)
     assert rep.problems() == [], rep.problems()
+
+
+def test_a_producer_flooding_redis_is_fenced_and_the_run_goes_on(roles: Roles) -> None:
+    """Issue 41, item 4: 64 MiB SETs on its own keys and 1 MiB stats entries grew Redis by 1.5 GB, unbounded
+    and unreported. The trainer's FloodFence measures each producer (its four keys, its two streams) and past
+    the bound switches its ACL user off, kills its connections, takes its lease back, says why in `fenced`
+    (status) and leases only to the others."""
+    from rollstream.ops.status import collect_status, format_status
+    from rollstream.security import FloodFence
+
+    keys, trainer = roles.keys, roles.trainer
+    flooder, other = roles.producers[P0], roles.producers["rollout_01"]
+    grant_budget(trainer, keys, 0, 8)
+    ask_lease(flooder, keys, P0, 4)
+    ask_lease(other, keys, "rollout_01", 2)
+    fence = FloodFence(1 << 20, 8, every_s=0)
+    leaser = Leaser(trainer, keys, PRODUCERS, threading.Event(), fence=fence)
+    assert leaser.run_once() == 6 and fence.fenced == {}
+    for i in range(4):  # 1.2 MiB of "stats" on its own stream: over a 1 MiB bound
+        flooder.xadd(keys.stats_of(P0), {"type": "producer", "blob": "x" * (300 << 10), "i": i})
+    ask_lease(other, keys, "rollout_01", 8)
+    leaser.run_once()
+    assert set(fence.fenced) == {P0} and "over bus.producer_max_bytes=1048576" in fence.fenced[P0]
+    with pytest.raises((redis.ConnectionError, redis.AuthenticationError)):
+        flooder.ping()  # its connection was killed, and its user is off: no reconnect
+    assert lease_of(trainer, keys, "rollout_01") == 8 and lease_of(trainer, keys, P0) == 4
+    assert int(roles.admin.get(keys.consumed) or 0) == 4  # type: ignore[arg-type]  # its lease taken back
+    ask_lease(roles.admin, keys, P0, 100)  # (as if it still asked)
+    grant_budget(trainer, keys, 1, 16)
+    leaser.run_once()
+    assert lease_of(trainer, keys, P0) == 4  # nothing more leased to it
+    st = collect_status(roles.admin, keys)
+    assert st.fenced == fence.fenced
+    assert f"FENCED producer {P0}: " in format_status(st, roles.url)
+    # a restarted trainer keeps it fenced (an ACL file reload would have switched the user back on)
+    roles.admin.execute_command("ACL", "SETUSER", P0, "on")
+    again = FloodFence(1 << 20, 16, every_s=0)
+    again.maybe_check(trainer, keys, PRODUCERS)
+    assert set(again.fenced) == {P0}
+    [user] = [u for u in roles.admin.execute_command("ACL", "LIST") if u.split()[1] == P0.encode()]
+    assert b" off " in user
+
+
+def test_a_producers_oversized_key_is_fenced(roles: Roles) -> None:
+    """A 64 MiB SET on its own `want` (the keys hold counts: tens of bytes) is fenced at once."""
+    from rollstream.security import PRODUCER_KEYS_MAX_BYTES, FloodFence
+
+    keys, flooder = roles.keys, roles.producers[P0]
+    flooder.set(keys.producer_want(P0), "9" * (PRODUCER_KEYS_MAX_BYTES + 1))
+    fence = FloodFence(1 << 30, 8, every_s=0)
+    assert [p for p, _ in fence.maybe_check(roles.trainer, keys, PRODUCERS)] == [P0]
+    assert "its keys hold 4097 bytes" in fence.fenced[P0]

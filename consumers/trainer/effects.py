@@ -43,6 +43,7 @@ from rollstream.names import (
     rank_heartbeat_field,
 )
 from rollstream.pacing import LeaseExpiry, Leaser, current_budget, grant_budget
+from rollstream.security import FloodFence
 from rollstream.weights import (
     Probe,
     gc_weights,
@@ -105,7 +106,10 @@ class TrainerEffects:
                 self.cfg.max_outstanding,
                 self.cfg.rollout.prompts_per_dispatch,
             )
-            self.leaser = Leaser(self.r, self.keys, names, threading.Event(), expiry=expiry).start()
+            fence = FloodFence(self.cfg.bus.producer_bound(), self.cfg.max_outstanding)
+            self.leaser = Leaser(
+                self.r, self.keys, names, threading.Event(), expiry=expiry, fence=fence
+            ).start()
 
     def stop_leaser(self) -> None:
         """Stop the lease loop (a no-op when none runs)."""
