@@ -18,7 +18,9 @@ reads `metrics` and every `stats:*` stream as its group (created by setup_run: i
 appends to `records` and its own `dead:aggregator` (dead-lettering is WATCH + MULTI: it may run no script),
 keeps `sink_cursor`, reads the trainer hash and the `archive` hash; it cannot delete anything. The trainer
 owns the run's keys; only it (and admin) can write `archive`, the folder every reader of the log is pointed
-to.
+to. With `trainer_fences` (the default) the trainer may also ACL SETUSER and CLIENT KILL, to fence a producer
+that floods Redis (FloodFence below); no ACL binds those to one user, so that credential can change any
+user's rights.
 Left open (no ACL can close it: ACLs do not see arguments): a writer of a stream may trim it with XADD's own
 MAXLEN/MINID (the audit counts what is destroyed, rollstream/audit.py) and XADD with an explicit id far ahead;
 since every producer writes only its own streams, that destroys or blocks only its own output. The

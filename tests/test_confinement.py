@@ -1,5 +1,12 @@
 """Issue 24's findings, each under the role's real ACL user (the users `rollstream run` creates, on a private
-redis-server): what a credential may no longer do, and what the audit now sees (README, Guarantees)."""
+redis-server): what a credential may no longer do, and what the audit now sees (README, Guarantees).
+
+Issue 41's table, row by row (all under the real users): non-canonical seq forms and `²`, `version=abc`,
+`version=0`, `published=x`, the last possible id and the impersonated id are in tests/test_producer_input.py
+(which imports this module's fixture); `want=10^9` while publishing nothing, the floods (a free-form key, an
+oversized key, a flooded stream) are below; what README still lists as possible (the aggregator's trim of
+`records` and `dead:aggregator`, a lease held up to lease_timeout_s, memory up to the bound) are strict
+xfails at the end."""
 
 from __future__ import annotations
 
@@ -617,3 +624,51 @@ def test_a_producers_oversized_key_is_fenced(roles: Roles) -> None:
     fence = FloodFence(1 << 30, 8, every_s=0)
     assert [p for p, _ in fence.maybe_check(roles.trainer, keys, PRODUCERS)] == [P0]
     assert "its keys hold 4097 bytes" in fence.fenced[P0]
+
+
+# -- issue 41's table: what README (Guarantees) still lists as possible, as strict xfails -----------------
+
+
+@pytest.mark.xfail(strict=True, reason="README Guarantees: the aggregator may trim records (XADD MAXLEN)")
+def test_the_aggregator_cannot_trim_records(roles: Roles) -> None:
+    """Issue 41's last row: `XADD records MAXLEN 0` took records 269 -> 0 and nothing rebuilt them (item 5,
+    not built: the audit reports it, see test_a_writer_trimming_its_own_output_shows_in_the_audit)."""
+    keys, agg = roles.keys, roles.aggregator
+    agg.xadd(keys.records, {"x": "y"}, id="1-1")
+    assert not _permitted(lambda: agg.xadd(keys.records, {"x": "y"}, maxlen=0, approximate=False))
+
+
+@pytest.mark.xfail(strict=True, reason="README Guarantees: the aggregator may still trim its dead letters")
+def test_the_aggregator_cannot_trim_its_dead_letters(roles: Roles) -> None:
+    """Issue 41's last row: `XADD dead:aggregator MAXLEN 0` took 1,128 dead letters to 0."""
+    keys, agg = roles.keys, roles.aggregator
+    agg.xadd(keys.dead_aggregator, {"x": "y"})
+    assert not _permitted(lambda: agg.xadd(keys.dead_aggregator, {"x": "y"}, maxlen=0, approximate=False))
+
+
+@pytest.mark.xfail(strict=True, reason="README Guarantees: a lease is held up to lease_timeout_s")
+def test_a_producer_cannot_hold_a_lease_without_publishing(roles: Roles) -> None:
+    """A lease held without publishing is taken back only after rollout.lease_timeout_s (not at once)."""
+    from rollstream.pacing import LeaseExpiry
+
+    keys, trainer = roles.keys, roles.trainer
+    grant_budget(trainer, keys, 0, 8)
+    ask_lease(roles.producers[P0], keys, P0, 10**9)
+    clock = [0.0]
+    expiry = LeaseExpiry(600.0, 8, probation=1, every_s=0, clock=lambda: clock[0])
+    leaser = Leaser(trainer, keys, PRODUCERS, threading.Event(), expiry=expiry)
+    leaser.run_once()
+    clock[0] = 599.0
+    leaser.run_once()
+    assert expiry.expired.get(P0, 0) == 8
+
+
+@pytest.mark.xfail(strict=True, reason="README Guarantees: a producer writes up to its bound")
+def test_a_producer_cannot_use_memory_below_its_bound(roles: Roles) -> None:
+    """Between checks and below bus.producer_max_bytes a producer's own stream grows: bounded, not zero."""
+    from rollstream.security import FloodFence
+
+    keys, prod = roles.keys, roles.producers[P0]
+    prod.xadd(keys.stats_of(P0), {"blob": "x" * (100 << 10)})
+    fence = FloodFence(1 << 20, 8, every_s=0)
+    assert fence.maybe_check(roles.trainer, keys, PRODUCERS) != []
