@@ -638,7 +638,7 @@ class BusConfig(_Section):
         ge=0,
         description="maxmemory of the embedded Redis (policy noeviction: a write past it is refused, nothing "
         "evicted); 0 = from the budget: 3 x redis_max_bytes + 4 x weights_inline_max_bytes + 256 MiB (with "
-        "weights_transport=redis none: set it, the weight chunks come on top)",
+        "weights_transport=redis or retention off none: set it, the chunks or the whole log come on top)",
     )
     producer_max_bytes: int = Field(
         0,
@@ -646,21 +646,25 @@ class BusConfig(_Section):
         description="Per-producer memory bound: past it (MEMORY USAGE of its two streams, sampled, or over "
         "PRODUCER_KEYS_MAX_BYTES in its four keys) the trainer fences the producer (ACL user off, "
         "connections killed); 0 = 1.25 x redis_max_bytes + max_entry_bytes (retention keeps all streams "
-        "near redis_max_bytes, so one honest producer's never passes it)",
+        "near redis_max_bytes, so one honest producer's never passes it; with retention off only its keys "
+        "are bounded)",
     )
 
     def maxmemory(self) -> int | None:
         """maxmemory for the embedded Redis in bytes, or None for none (see redis_maxmemory_bytes)."""
         if self.redis_maxmemory_bytes:
             return self.redis_maxmemory_bytes
-        if self.weights_transport == "redis":
-            return None
+        if self.weights_transport == "redis" or not self.retention:
+            return None  # chunks on top, or the whole log kept in Redis: not boundable from the budget
         return 3 * self.redis_max_bytes + 4 * self.weights_inline_max_bytes + (256 << 20)
 
-    def producer_bound(self) -> int:
-        """The per-producer memory bound in bytes (see producer_max_bytes)."""
+    def producer_bound(self) -> int | None:
+        """The per-producer bound on its streams in bytes (see producer_max_bytes); None (its keys are still
+        bounded) with retention off and no explicit bound: the whole log then stays in Redis."""
         if self.producer_max_bytes:
             return self.producer_max_bytes
+        if not self.retention:
+            return None
         return self.redis_max_bytes + self.redis_max_bytes // 4 + self.max_entry_bytes
 
     @model_validator(mode="after")

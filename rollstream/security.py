@@ -180,10 +180,11 @@ class FloodFence:
     fence is re-applied after a Redis restart (the ACL file would switch the user back on)."""
 
     def __init__(
-        self, bound_bytes: int, max_outstanding: int, *, every_s: float = 5.0, clock: Any = None
+        self, bound_bytes: int | None, max_outstanding: int, *, every_s: float = 5.0, clock: Any = None
     ) -> None:
-        """Fence past `bound_bytes` (> 0) of streams; leases go back into a budget of `max_outstanding`."""
-        if bound_bytes <= 0:
+        """Fence past `bound_bytes` (> 0; None: its keys only) of streams; leases go back into a budget of
+        `max_outstanding`."""
+        if bound_bytes is not None and bound_bytes <= 0:
             raise ValueError(f"bus.producer_max_bytes={bound_bytes!r} must be > 0 bytes")
         self.bound, self.max_outstanding, self.every_s = bound_bytes, max_outstanding, every_s
         self.clock = clock or time.monotonic
@@ -221,7 +222,7 @@ class FloodFence:
         for p, (key_bytes, stream_bytes) in self.measure(r, keys, watched).items():
             if key_bytes > PRODUCER_KEYS_MAX_BYTES:
                 why = f"its keys hold {key_bytes} bytes, over {PRODUCER_KEYS_MAX_BYTES=}"
-            elif stream_bytes > self.bound:
+            elif self.bound is not None and stream_bytes > self.bound:
                 why = f"its streams use {stream_bytes} bytes, over bus.producer_max_bytes={self.bound}"
             else:
                 continue

@@ -41,7 +41,7 @@ from rollstream.fakes import fake_metrics_log, fake_rollout_sample, leased_fakes
 from rollstream.from_config import build_policy
 from rollstream.names import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import WorkerHealth
-from rollstream.ops.status import collect_status
+from rollstream.ops.status import collect_status, format_status
 from rollstream.pacing import (
     Leaser,
     ask_lease,
@@ -570,6 +570,10 @@ def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish
         [*(f"rollout_01-{s}" for s in range(7)), "rollout_00-8"]
     )
     assert int(roles.admin.get(keys.consumed) or 0) == 8  # type: ignore[arg-type]  # the 8 taken back, once
+    st = collect_status(roles.admin, keys)
+    assert st.expired == {P0: 8}
+    shown = format_status(st, "x")
+    assert "leases expired (prompts taken back, rollout.lease_timeout_s): rollout_00 8" in shown
     rep = audit_run(roles.admin, keys)
     assert rep.problems() == [], rep.problems()
 
@@ -579,7 +583,6 @@ def test_a_producer_flooding_redis_is_fenced_and_the_run_goes_on(roles: Roles) -
     and unreported. The trainer's FloodFence measures each producer (its four keys, its two streams) and past
     the bound switches its ACL user off, kills its connections, takes its lease back, says why in `fenced`
     (status) and leases only to the others."""
-    from rollstream.ops.status import collect_status, format_status
     from rollstream.security import FloodFence
 
     keys, trainer = roles.keys, roles.trainer

@@ -148,6 +148,8 @@ def test_the_memory_bounds_are_checked_and_named() -> None:
     cfg = load_config(None, ["bus.weights_transport=redis"])
     assert cfg.bus.maxmemory() is None  # the weight chunks come on top: the operator sizes it
     assert load_config(None, ["bus.producer_max_bytes=5"]).bus.producer_bound() == 5
+    kept = load_config(None, ["bus.retention=false"]).bus  # the whole log stays in Redis: no auto bound
+    assert kept.maxmemory() is None and kept.producer_bound() is None
 
 
 def test_a_run_dir_that_does_not_exist_is_created_private_with_its_parents(tmp_path: Path) -> None:
