@@ -4,11 +4,12 @@ usable samples -> this rank's share of a mini-batch (stale ones dropped and reco
 A `Collector` is the trainer's reading half: it owns the rollouts buffer, the sample ids already seen
 (committed, buffered, or, with several ranks, claimed by any rank: consumers/trainer/rank_agreement.py) and
 the producers' leases as last read. A sample whose id is not `<producer>-<seq>` inside its producer's
-lease is dead-lettered (rollstream/pacing.py). After each pass that dead-lettered rollouts (and at its
-first pass, which catches what a previous process left) it reads the new entries of `dead` and has pacing
-count their prompts as consumed, each once, which gives their room back to the current version's budget
-(a top-up), so producers replace them before the next version (else sync mode, whose window is one global
-batch, would wait forever for them). A world of one polls until it
+lease is dead-lettered (rollstream/pacing.py), and so is one whose seq the trainer took back when its
+producer's lease expired ("lease expired": the `revoked:<name>` bitmap). After each pass that
+dead-lettered rollouts (and at its first pass, which catches what a previous process left) it reads the
+new entries of `dead` and has pacing count their prompts as consumed, each once, which gives their room
+back to the current version's budget (a top-up), so producers replace them before the next version (else
+sync mode, whose window is one global batch, would wait forever for them). A world of one polls until it
 has its share; data-parallel ranks collect in rounds they agree on (one poll each, then an all-gather of what
 each took), so they start and abandon every local update together, never train one sample id twice, and none
 reads more entries than it still needs (the others would wait for what it hoards).
