@@ -310,6 +310,13 @@ class RolloutConfig(_Section):
     staleness_threshold: float = Field(
         0.0, ge=0, description="Pacing: at most train_batch_size*(1+staleness_threshold) prompts outstanding"
     )
+    lease_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Pacing: a producer none of whose leased prompts the trainer finished for this long, "
+                    "while others' were, loses its unfinished lease (taken back, leased to others; a late "
+                    "publish of one is dead-lettered as `lease expired`)",
+    )
     partial_rollout: bool = Field(
         True, description="Swap weights mid-trajectory (start<end) instead of finishing under old weights"
     )
@@ -650,6 +657,49 @@ class BusConfig(_Section):
         ge=1024,
         description="Largest stream entry (all fields together) accepted on decode; larger ones go to dead",
     )
+
+    redis_maxmemory_bytes: int = Field(
+        0,
+        ge=0,
+        description="maxmemory of the embedded Redis (policy noeviction: a write past it is refused, nothing "
+        "evicted); 0 = from the budget: 3 x redis_max_bytes + 4 x weights_inline_max_bytes + 256 MiB (with "
+        "weights_transport=redis or retention off none: set it, the chunks or the whole log come on top)",
+    )
+    producer_max_bytes: int = Field(
+        0,
+        ge=0,
+        description="Per-producer memory bound: past it (MEMORY USAGE of its two streams, sampled, or over "
+        "PRODUCER_KEYS_MAX_BYTES in its four keys) the trainer fences the producer (ACL user off, "
+        "connections killed); 0 = 1.25 x redis_max_bytes + max_entry_bytes (retention keeps all streams "
+        "near redis_max_bytes, so one honest producer's never passes it; with retention off only its keys "
+        "are bounded)",
+    )
+
+    def maxmemory(self) -> int | None:
+        """maxmemory for the embedded Redis in bytes, or None for none (see redis_maxmemory_bytes)."""
+        if self.redis_maxmemory_bytes:
+            return self.redis_maxmemory_bytes
+        if self.weights_transport == "redis" or not self.retention:
+            return None  # chunks on top, or the whole log kept in Redis: not boundable from the budget
+        return 3 * self.redis_max_bytes + 4 * self.weights_inline_max_bytes + (256 << 20)
+
+    def producer_bound(self) -> int | None:
+        """The per-producer bound on its streams in bytes (see producer_max_bytes); None (its keys are still
+        bounded) with retention off and no explicit bound: the whole log then stays in Redis."""
+        if self.producer_max_bytes:
+            return self.producer_max_bytes
+        if not self.retention:
+            return None
+        return self.redis_max_bytes + self.redis_max_bytes // 4 + self.max_entry_bytes
+
+    @model_validator(mode="after")
+    def _memory_bounds(self) -> BusConfig:
+        if self.redis_maxmemory_bytes and self.redis_maxmemory_bytes < 2 * self.redis_max_bytes:
+            raise ValueError(
+                f"redis_maxmemory_bytes={self.redis_maxmemory_bytes} must be 0 (from the budget) or at least "
+                f"2 x redis_max_bytes={self.redis_max_bytes}: the streams' budget needs headroom"
+            )
+        return self
 
     @model_validator(mode="after")
     def _archive_local(self) -> BusConfig:

@@ -163,7 +163,18 @@ class Keys:
         """Bitmap: bit `seq` set once the trainer counted `producer`'s prompt `seq` as consumed."""
         return self._k(f"consumed:{producer}")
 
-    # A producer's own state lives under producer:<name>:…, the only keys its ACL user may write.
+    def revoked_bits(self, producer: str) -> str:
+        """Bitmap: bit `seq` set when the trainer took `producer`'s prompt `seq` back (its lease expired,
+        rollstream/pacing.py); a sample of that seq is then dead-lettered ("lease expired")."""
+        return self._k(f"revoked:{producer}")
+
+    @property
+    def fenced(self) -> str:
+        """Hash: producer name -> why the trainer fenced it (its ACL user switched off over a memory flood;
+        rollstream/security.py FloodFence). Only the trainer writes it."""
+        return self._k("fenced")
+
+    # A producer's own state lives under producer:<name>:…: its ACL user may write only the four keys below.
 
     def producer_prefix(self, producer: str) -> str:
         """Prefix of every key one producer owns (its ACL user may write only these and the log streams it

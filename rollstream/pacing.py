@@ -21,6 +21,17 @@ A producer that crashed (or lost Redis) mid-dispatch keeps its lease: its publis
 (`producer:<name>:published`, moved with the publish) says where its next seq starts, so the restarted
 producer dispatches the same prompts again under the same ids.
 
+Leases expire (`rollout.lease_timeout_s`): a producer with leased prompts the trainer has not finished, none
+of whose prompts it finished for that long while none of its entries waited with the trainer (unread or read
+and not yet acked: then a slow trainer, not the producer, is late), e.g. a hoarder writing any `want` and
+publishing nothing, or a dead producer, loses every unfinished seq of its lease: the trainer's `_EXPIRE`
+script sets their bits in `consumed:<name>` (counted as consumed, once, like a dead letter) and in
+`revoked:<name>`, logs an `expire` entry and tops the current version's budget up by their room, so the others
+are leased it. The producer's lease total is never lowered (the bitmaps stay exact); a sample of a revoked
+seq published late is dead-lettered by the trainer ("lease expired") and counts nothing, so every seq still
+ends once. Until one of its prompts is finished again the producer is leased at most `prompts_per_dispatch`
+unfinished prompts (`probation`), so a hoarder holds at most one dispatch per timeout.
+
 Early consumption gives room back at once: samples evicted (filter_groups, rollout failures), dropped as
 stale or dead-lettered count as consumed when the trainer meets them, and the current version's budget gets
 their room back (a top-up: budget += n, never past max_outstanding - outstanding nor the grant's cap), else
@@ -42,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -56,9 +68,11 @@ from rollstream.names import (
     BUDGET_CAP_FIELD,
     BUDGET_VERSION_FIELD,
     DROPPED_STALE_FIELD,
+    TRAINER_GROUP,
     Keys,
 )
 from schemas.text_entries import (
+    EXPIRE,
     GRANT,
     LEASE,
     TOPUP,
@@ -95,20 +109,25 @@ local current = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_VERSION_FIELD}') o
 if current ~= tonumber(ARGV[1]) then return {{-1, current}} end
 """
 
-# KEYS: the six above, then each asking producer's want key; ARGV: version, then the producers' names (in
-# the order of their want keys). Leases each producer up to its want (a canonical decimal it wrote, as
-# rollstream/bus/ids.py parses counts; anything else counts as 0) from what is left of the budget, in the
-# given order. Returns {leased, version}.
+# KEYS: the six above, then each asking producer's want key; ARGV: version, the number of producers P, their
+# names (in the order of their want keys), then P caps (the most lease total each may reach; -1: none).
+# Leases each producer up to its want (a canonical decimal it wrote, as rollstream/bus/ids.py parses counts;
+# anything else counts as 0; never past its cap) from what is left of the budget, in the given order.
+# Returns {leased, version}.
 _LEASE = (
     _CURRENT
     + f"""
 local left = tonumber(redis.call('GET', KEYS[1]) or '0')
 local total = 0
-for i = 2, #ARGV do
+local np = tonumber(ARGV[2])
+for j = 1, np do
   if left <= 0 then break end
-  local raw = redis.call('GET', KEYS[5 + i]) or '0'
+  local i = j + 2
+  local raw = redis.call('GET', KEYS[6 + j]) or '0'
   local want = 0  -- a producer's own key: only a canonical decimal of at most 18 digits counts
   if #raw <= 18 and (raw == '0' or string.match(raw, '^[1-9][0-9]*$')) then want = tonumber(raw) end
+  local cap = tonumber(ARGV[2 + np + j])
+  if cap >= 0 and want > cap then want = cap end
   local have = tonumber(redis.call('HGET', KEYS[6], ARGV[i]) or '0')
   local add = math.floor(math.min(want - have, left))
   if add > 0 then
@@ -161,6 +180,46 @@ local n = count_ids(3)
 if n == 0 or current < 0 then return {{n, 0}} end
 local max_outstanding = tonumber(ARGV[2])
 local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
+local left = tonumber(redis.call('GET', KEYS[1]) or '0')
+local add = math.min(n, max_outstanding - outstanding - left)
+local cap = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_CAP_FIELD}') or '-1')
+if cap >= 0 then add = math.min(add, cap - left) end
+if add <= 0 then return {{n, 0}} end
+redis.call('INCRBY', KEYS[1], add)
+redis.call('XADD', KEYS[5], '*', {
+    dispatch_lua_fields(
+        TOPUP, version="current", amount="add", outstanding="outstanding", max_outstanding="max_outstanding"
+    )
+})
+return {{n, add}}
+"""
+)
+
+
+# Take a producer's unfinished lease back. KEYS: the six base keys, `consumed:<p>`, `revoked:<p>`; ARGV:
+# version, max_outstanding, producer. Every seq below its lease whose consumed bit is clear (from the first
+# clear one) gets its consumed and revoked bits set and counts as consumed; the current version's budget gets
+# their room back as a top-up would. Returns {taken back, budget added} ({-1, current} when a grant moved the
+# version).
+_EXPIRE = (
+    _CURRENT
+    + f"""
+local lease = tonumber(redis.call('HGET', KEYS[6], ARGV[3]) or '0')
+local first = redis.call('BITPOS', KEYS[7], 0)
+local n = 0
+for seq = first, lease - 1 do
+  if redis.call('SETBIT', KEYS[7], seq, 1) == 0 then
+    redis.call('SETBIT', KEYS[8], seq, 1)
+    n = n + 1
+  end
+end
+if n == 0 then return {{0, 0}} end
+redis.call('INCRBY', KEYS[3], n)
+local max_outstanding = tonumber(ARGV[2])
+local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
+redis.call('XADD', KEYS[5], '*', {
+    dispatch_lua_fields(EXPIRE, version="current", amount="n", outstanding="outstanding", producer="ARGV[3]")
+})
 local left = tonumber(redis.call('GET', KEYS[1]) or '0')
 local add = math.min(n, max_outstanding - outstanding - left)
 local cap = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_CAP_FIELD}') or '-1')
@@ -230,19 +289,25 @@ def lease_pass(r: redis.Redis, keys: Keys, producers: Sequence[str]) -> int:
 
 
 def lease_once(
-    r: redis.Redis, keys: Keys, producers: Sequence[str], version: int | None = None
+    r: redis.Redis,
+    keys: Keys,
+    producers: Sequence[str],
+    version: int | None = None,
+    caps: dict[str, int] | None = None,
 ) -> tuple[int, int]:
     """`lease_pass`, also returning the budget's current version (-1 before the first grant), which the
     Leaser keeps for its next pass: one EVALSHA per pass while no grant moves it. `version`: the caller's
-    last reading (read here when None or -1; a stale one costs one more call)."""
+    last reading (read here when None or -1; a stale one costs one more call). `caps`: producer -> the most
+    lease total it may reach (its want is clamped to it; the Leaser's probation after an expiry)."""
     if version is None or version < 0:
         version = current_budget(r, keys)[0]
+    limits = [(caps or {}).get(p, -1) for p in producers]
     while True:
         if version < 0 or not producers:
             return 0, version
         res: Any = _script(r, _LEASE)(
             keys=[*_base_keys(keys, version), *(keys.producer_want(p) for p in producers)],
-            args=[version, *producers],
+            args=[version, len(producers), *producers, *limits],
             client=r,
         )
         if int(res[0]) >= 0:
@@ -295,6 +360,54 @@ def consume(r: redis.Redis, keys: Keys, sample_ids: Iterable[str], max_outstandi
             return int(res[0]), int(res[1])
 
 
+def expire_lease(r: redis.Redis, keys: Keys, producer: str, max_outstanding: int) -> tuple[int, int]:
+    """Trainer side: take back every unfinished seq of `producer`'s lease (counted as consumed once, marked
+    revoked, logged as `expire`) and give the current version's budget their room; returns (taken back,
+    budget added)."""
+    while True:
+        version = current_budget(r, keys)[0]
+        res: Any = _script(r, _EXPIRE)(
+            keys=[*_base_keys(keys, version), keys.consumed_bits(producer), keys.revoked_bits(producer)],
+            args=[version, max_outstanding, producer],
+            client=r,
+        )
+        if int(res[0]) >= 0:
+            return int(res[0]), int(res[1])
+
+
+def is_revoked(r: redis.Redis, keys: Keys, producer: str, seq: int) -> bool:
+    """True when the trainer took `producer`'s prompt `seq` back (its lease expired)."""
+    return bool(r.getbit(keys.revoked_bits(producer), seq))
+
+
+def finished_counts(
+    r: redis.Redis, keys: Keys, producers: Sequence[str]
+) -> tuple[dict[str, int], dict[str, int], set[str]]:
+    """One MULTI snapshot: (producer -> prompts leased to it, producer -> of those, prompts the trainer
+    finished with (its `consumed:<name>` bit count), the producers whose `rollouts:<name>` hold entries the
+    trainer group has not read or not acked yet: their work is with the trainer)."""
+    pipe = r.pipeline(transaction=True)
+    pipe.hgetall(keys.lease)
+    for p in producers:
+        pipe.bitcount(keys.consumed_bits(p))
+        pipe.xinfo_stream(keys.rollouts_of(p))
+        pipe.xinfo_groups(keys.rollouts_of(p))
+    raw, *per = pipe.execute(raise_on_error=False)
+    lease = {text(k): int(v) for k, v in raw.items()}
+    done, busy = {}, set()
+    for i, p in enumerate(producers):
+        count, info, groups = per[3 * i : 3 * i + 3]
+        done[p] = int(count)
+        if isinstance(info, Exception) or isinstance(groups, Exception):
+            continue  # no stream yet: nothing published
+        last = text(info.get("last-generated-id", b"0-0"))
+        for g in groups:
+            if text(g.get("name", b"")) == TRAINER_GROUP:
+                if int(g.get("pending", 0)) > 0 or text(g.get("last-delivered-id", b"0-0")) != last:
+                    busy.add(p)
+    return {p: lease.get(p, 0) for p in producers}, done, busy
+
+
 def is_consumed(r: redis.Redis, keys: Keys, sample_id: str) -> bool:
     """True when the prompt of a leased sample id was counted as consumed."""
     parsed = split_sample_id(sample_id)
@@ -344,29 +457,95 @@ def mark_published(pipe: Any, keys: Keys, producer: str, count: int = 1) -> None
     pipe.incrby(keys.producer_published(producer), count)
 
 
+class LeaseExpiry:
+    """The Leaser's expiry clock (module docstring): per producer, when the trainer last finished one of its
+    prompts or last held unread or unacked entries of its stream; past `timeout_s` with leased prompts still
+    unfinished and none of its entries with the trainer, its unfinished lease is taken back (`expire_lease`)
+    and it goes on probation: leased at most `probation` unfinished prompts until one of its prompts is
+    finished again."""
+
+    def __init__(
+        self, timeout_s: float, max_outstanding: int, probation: int, *, every_s: float = 1.0,
+        clock: Any = None,
+    ) -> None:
+        """Expire after `timeout_s` seconds (> 0), checked every `every_s`; `probation` >= 1 prompts."""
+        if not timeout_s > 0:
+            raise ValueError(f"rollout.lease_timeout_s={timeout_s!r} must be > 0")
+        if probation < 1:
+            raise ValueError(f"probation={probation!r} must be >= 1 prompt")
+        self.timeout_s, self.max_outstanding, self.probation = timeout_s, max_outstanding, probation
+        self.every_s = min(every_s, timeout_s / 4)
+        self.clock = clock or time.monotonic
+        self.caps: dict[str, int] = {}  # producer -> the most lease total it may reach (probation)
+        self.expired: dict[str, int] = {}  # producer -> prompts taken back from it over this process
+        self._seen: dict[str, tuple[int, float]] = {}  # producer -> (prompts finished, since when)
+        self._next = 0.0
+
+    def maybe_check(self, r: redis.Redis, keys: Keys, producers: Sequence[str]) -> list[tuple[str, int]]:
+        """Check when due; returns (producer, prompts taken back) for each lease expired now."""
+        now = self.clock()
+        if now < self._next:
+            return []
+        self._next = now + self.every_s
+        lease, done, busy = finished_counts(r, keys, producers)
+        out = []
+        for p in producers:
+            seen = self._seen.get(p)
+            if seen is None or seen[0] != done[p] or p in busy:
+                self._seen[p] = (done[p], now)
+                if seen is not None and seen[0] != done[p]:
+                    self.caps.pop(p, None)  # one of its prompts finished: off probation
+                continue
+            since = seen[1]
+            if lease[p] <= done[p] or now - since < self.timeout_s:
+                continue  # nothing unfinished, or not long enough
+            taken, added = expire_lease(r, keys, p, self.max_outstanding)
+            self.caps[p] = lease[p] + self.probation
+            self._seen[p] = (done[p] + taken, now)
+            if taken:
+                self.expired[p] = self.expired.get(p, 0) + taken
+                out.append((p, taken))
+                log.warning(
+                    "lease of %s expired: no prompt of it finished nor any entry of it unread for %.0f s; %d "
+                    "unfinished prompts taken back (budget topped up by %d); at most %d more leased to it "
+                    "until one of its prompts is finished", p, now - since, taken, added, self.probation,
+                )
+        return out
+
+
 class Leaser:
     """The trainer's lease loop: a daemon thread running `lease_pass` every LEASE_PERIOD_S, the producers
     taken in turn (a different one first each pass), until `stop`. Connection errors are waited out."""
 
     def __init__(
         self, r: redis.Redis, keys: Keys, producers: Sequence[str], stop: threading.Event,
-        period_s: float = LEASE_PERIOD_S,
+        period_s: float = LEASE_PERIOD_S, *, expiry: LeaseExpiry | None = None, fence: Any = None,
     ) -> None:
-        """Lease to `producers` (the run's producer names) on `r` until `stop` is set."""
+        """Lease to `producers` (the run's producer names) on `r` until `stop` is set; with `expiry`, take
+        back the leases of producers that finish nothing (see LeaseExpiry); with `fence` (a
+        rollstream.security.FloodFence), fence producers that flood Redis and lease them nothing more."""
         self.r, self.keys, self.producers, self.stop, self.period_s = r, keys, list(producers), stop, period_s
+        self.expiry, self.fence = expiry, fence
         self.leased = 0  # prompts leased by this loop
         self.thread: threading.Thread | None = None
         self._turn = 0
         self._version = -1  # the budget's version at the last pass (-1: read it on the next)
 
     def run_once(self) -> int:
-        """One pass; returns the prompts leased."""
+        """One pass (with an expiry check when one is due); returns the prompts leased."""
         if not self.producers:
             return 0
+        if self.fence is not None:
+            self.fence.maybe_check(self.r, self.keys, self.producers)
+        if self.expiry is not None:
+            self.expiry.maybe_check(self.r, self.keys, self.producers)
         k = self._turn % len(self.producers)
         self._turn += 1
         order = self.producers[k:] + self.producers[:k]
-        n, self._version = lease_once(self.r, self.keys, order, self._version)
+        if self.fence is not None and self.fence.fenced:
+            order = [p for p in order if p not in self.fence.fenced]
+        caps = self.expiry.caps if self.expiry is not None else None
+        n, self._version = lease_once(self.r, self.keys, order, self._version, caps)
         self.leased += n
         return n
 

@@ -8,7 +8,8 @@ Redis 7 selectors bind each command to the keys it may touch, so no user can wri
 producer may: XADD to its own `rollouts:<name>` and `stats:<name>` (no other producer's: the stream names its
 writer, and a trim or an explicit id there hurts only its own entries); read `params`, `weights:*`, `setup`;
 read the trainer hash, the `archive` hash, the `lease` hash, `consumed`, `dispatched` and every producer's
-published count; and write its own `producer:<name>:*` keys (among them `want`, the lease it asks for). It
+published count; and write its own four keys `producer:<name>:cursor`, `…:published`, `…:want` (the lease it
+asks for) and `…:version`, no other name under `producer:<name>:`. It
 runs no script and cannot move the pacing: only the trainer writes budgets, leases and the counters
 (rollstream/pacing.py). It cannot read rollouts, write another producer's streams, write the trainer hash,
 `metrics`, `dispatch_log`, `records`, `fates`, `dead`, weights or params, another producer's keys, or another
@@ -17,7 +18,9 @@ reads `metrics` and every `stats:*` stream as its group (created by setup_run: i
 appends to `records` and its own `dead:aggregator` (dead-lettering is WATCH + MULTI: it may run no script),
 keeps `sink_cursor`, reads the trainer hash and the `archive` hash; it cannot delete anything. The trainer
 owns the run's keys; only it (and admin) can write `archive`, the folder every reader of the log is pointed
-to.
+to. With `trainer_fences` (the default) the trainer may also ACL SETUSER and CLIENT KILL, to fence a producer
+that floods Redis (FloodFence below); no ACL binds those to one user, so that credential can change any
+user's rights.
 Left open (no ACL can close it: ACLs do not see arguments): a writer of a stream may trim it with XADD's own
 MAXLEN/MINID (the audit counts what is destroyed, rollstream/audit.py) and XADD with an explicit id far ahead;
 since every producer writes only its own streams, that destroys or blocks only its own output. The
@@ -26,8 +29,10 @@ trainer's `watch_busy_scripts` kills a script that blocks Redis (only the traine
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,8 @@ import redis
 
 from rollstream.files import private_dir
 from rollstream.names import STATS, Keys
+
+log = logging.getLogger(__name__)
 
 #: Users other than the producers (one user per producer, named after it).
 ROLES = ("trainer", "aggregator", "admin")
@@ -48,7 +55,9 @@ def producer_rules(keys: Keys, producer: str) -> list[str]:
     """ACL SETUSER rules of one producer's user: each command bound to the only keys it may touch."""
     k = keys
     weights = k.weights(0).rsplit(":", 1)[0] + ":*"
-    own = k.producer_prefix(producer) + "*"
+    # its own keys, named one by one (no free-form `producer:<name>:*` namespace): cursor, published count,
+    # want (the lease it asks for), version
+    own = " ".join(f"~{key}" for key in _own_keys(k, producer))
     return [
         *_BASE,
         "+multi",
@@ -59,14 +68,18 @@ def producer_rules(keys: Keys, producer: str) -> list[str]:
         f"(+get %R~{weights} %R~{k.consumed} %R~{k.dispatched} %R~{k.producer_pattern('published')})",
         f"(+exists %R~{k.setup})",
         f"(+hget %R~{k.trainer} %R~{k.archive} %R~{k.lease})",
-        # its own keys: cursor, published count, want (the lease it asks for), version; no script at all
-        f"(+get +set +incrby +decrby +xadd ~{own})",
+        # no script at all, and no XADD outside its two streams
+        f"(+get +set +incrby +decrby {own})",
     ]
 
 
-def acl_rules(keys: Keys, producers: Sequence[str] = ()) -> dict[str, list[str]]:
+def acl_rules(
+    keys: Keys, producers: Sequence[str] = (), *, trainer_fences: bool = True
+) -> dict[str, list[str]]:
     """ACL SETUSER rules (without `on`/password) for each user of a run: trainer, aggregator, admin and
-    one per producer name."""
+    one per producer name. `trainer_fences`: the trainer may ACL SETUSER and CLIENT KILL, to fence a producer
+    that floods Redis (FloodFence); ACLs cannot bind those to a user, so leave it off on a Redis the run
+    shares with others."""
     k = keys
     group = [
         "+xreadgroup",
@@ -93,6 +106,7 @@ def acl_rules(keys: Keys, producers: Sequence[str] = ()) -> dict[str, list[str]]
         "-flushdb",
         "-@dangerous",
         "+info",
+        *(["+acl|setuser", "+client|kill"] if trainer_fences else []),
         f"~{k.prefix}*",
     ]
     aggregator = [
@@ -140,15 +154,116 @@ def apply_acl(
     *,
     producers: Sequence[str] = (),
     disable_default: bool = True,
+    trainer_fences: bool = True,
 ) -> None:
     """Create/replace the users (trainer, aggregator, admin, one per producer) and switch the default user
-    off."""
-    rules = acl_rules(keys, producers)
+    off; `trainer_fences` as for acl_rules."""
+    rules = acl_rules(keys, producers, trainer_fences=trainer_fences)
     for role, rule in rules.items():
         cmd: list[Any] = ["ACL", "SETUSER", role, "reset", "on", f">{passwords[role]}", *rule]
         r.execute_command(*cmd)
     if disable_default:
         r.execute_command("ACL", "SETUSER", "default", "off")
+
+
+#: Bytes a producer's four keys (cursor, published, want, version) may hold together: counts and a short
+#: cursor take tens; past it the producer is fenced.
+PRODUCER_KEYS_MAX_BYTES = 4096
+
+
+class FloodFence:
+    """The trainer's watch on each producer's memory (issue 41): every `every_s` it measures the producer's
+    four keys (STRLEN) and its two streams (MEMORY USAGE, sampled); past PRODUCER_KEYS_MAX_BYTES or
+    `bound_bytes` it fences the producer: its ACL user switched off, its connections killed (CLIENT KILL
+    USER), the reason written to the `fenced` hash (status shows it) and logged, its unfinished lease taken
+    back (rollstream/pacing.py expire_lease) and no more leased to it. The run goes on with the others. A
+    fence is re-applied after a Redis restart (the ACL file would switch the user back on)."""
+
+    def __init__(
+        self, bound_bytes: int | None, max_outstanding: int, *, every_s: float = 5.0, clock: Any = None
+    ) -> None:
+        """Fence past `bound_bytes` (> 0; None: its keys only) of streams; leases go back into a budget of
+        `max_outstanding`."""
+        if bound_bytes is not None and bound_bytes <= 0:
+            raise ValueError(f"bus.producer_max_bytes={bound_bytes!r} must be > 0 bytes")
+        self.bound, self.max_outstanding, self.every_s = bound_bytes, max_outstanding, every_s
+        self.clock = clock or time.monotonic
+        self.fenced: dict[str, str] = {}  # producer -> why (applied by this process)
+        self._next = 0.0
+
+    def measure(self, r: redis.Redis, keys: Keys, producers: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """Producer -> (bytes in its four keys, bytes of its two streams as MEMORY USAGE samples them)."""
+        pipe = r.pipeline(transaction=False)
+        for p in producers:
+            for key in _own_keys(keys, p):
+                pipe.strlen(key)
+            pipe.memory_usage(keys.rollouts_of(p))
+            pipe.memory_usage(keys.stats_of(p))
+        raw = pipe.execute(raise_on_error=False)
+        out, n = {}, len(_own_keys(keys, "x")) + 2
+        for i, p in enumerate(producers):
+            row = [v if isinstance(v, int) else 0 for v in raw[i * n : (i + 1) * n]]
+            out[p] = (sum(row[:-2]), sum(row[-2:]))
+        return out
+
+    def maybe_check(self, r: redis.Redis, keys: Keys, producers: Sequence[str]) -> list[tuple[str, str]]:
+        """Check when due; returns (producer, why) for each producer fenced now."""
+        now = self.clock()
+        if now < self._next:
+            return []
+        self._next = now + self.every_s
+        recorded: Any = r.hgetall(keys.fenced)
+        for name, why in recorded.items():  # fenced before (a restarted trainer or Redis): keep it fenced
+            p = name.decode() if isinstance(name, bytes) else str(name)
+            if p in producers and p not in self.fenced:
+                self._apply(r, keys, p, why.decode() if isinstance(why, bytes) else str(why))
+        out = []
+        watched = [p for p in producers if p not in self.fenced]
+        for p, (key_bytes, stream_bytes) in self.measure(r, keys, watched).items():
+            if key_bytes > PRODUCER_KEYS_MAX_BYTES:
+                why = f"its keys hold {key_bytes} bytes, over {PRODUCER_KEYS_MAX_BYTES=}"
+            elif self.bound is not None and stream_bytes > self.bound:
+                why = f"its streams use {stream_bytes} bytes, over bus.producer_max_bytes={self.bound}"
+            else:
+                continue
+            r.hset(keys.fenced, p, why)
+            self._apply(r, keys, p, why)
+            out.append((p, why))
+        return out
+
+    def _apply(self, r: redis.Redis, keys: Keys, producer: str, why: str) -> None:
+        """Switch the producer's user off, kill its connections, take its lease back; log what happened."""
+        from rollstream.pacing import expire_lease  # pacing sits above security's names
+
+        self.fenced[producer] = why
+        failed = []
+        for cmd in (("ACL", "SETUSER", producer, "off"), ("CLIENT", "KILL", "USER", producer)):
+            try:
+                r.execute_command(*cmd)
+            except redis.ResponseError as e:  # no such user (run.acl off), or no right to fence
+                failed.append(f"{' '.join(cmd[:2])}: {e}")
+        taken, _ = expire_lease(r, keys, producer, self.max_outstanding)
+        log.error(
+            "FENCED producer %s: %s; user switched off, connections killed, %d leased prompts taken back%s",
+            producer, why, taken, f" (could not: {'; '.join(failed)})" if failed else "",
+        )
+
+
+def _own_keys(keys: Keys, producer: str) -> tuple[str, ...]:
+    """The four keys a producer writes besides its streams."""
+    return (
+        keys.producer_cursor(producer),
+        keys.producer_published(producer),
+        keys.producer_want(producer),
+        keys.producer_version(producer),
+    )
+
+
+def fenced(r: redis.Redis, keys: Keys) -> dict[str, str]:
+    """Producer -> why the trainer fenced it (empty when none was)."""
+    raw: Any = r.hgetall(keys.fenced)
+    return {(k.decode() if isinstance(k, bytes) else str(k)): (v.decode() if isinstance(v, bytes) else str(v))
+            for k, v in raw.items()}
 
 
 def mask_url(url: str) -> str:

@@ -9,6 +9,7 @@
     grant:   op version amount outstanding max_outstanding
     topup:   op version amount outstanding max_outstanding  (budget added back after early consumption)
     lease:   op version amount outstanding producer  (prompts leased to that producer)
+    expire:  op version amount outstanding producer  (prompts taken back from it: lease expired)
 Logs of older runs also hold a producer's own takes and releases (`producer:<name>:dispatch_log`):
     take:    op version amount outstanding producer
     release: op amount producer
@@ -107,9 +108,10 @@ def decode_fate(entry: Mapping[Any, Any]) -> Fate:
 GRANT = "grant"
 TOPUP = "topup"
 LEASE = "lease"
+EXPIRE = "expire"  # prompts taken back from a producer that published nothing for rollout.lease_timeout_s
 TAKE = "take"  # older runs: a producer took budget itself
 RELEASE = "release"  # older runs: a restarted producer gave back what it took and never published
-DISPATCH_OPS = (GRANT, TOPUP, LEASE, TAKE, RELEASE)
+DISPATCH_OPS = (GRANT, TOPUP, LEASE, EXPIRE, TAKE, RELEASE)
 
 
 @dataclass(frozen=True)
@@ -117,12 +119,12 @@ class DispatchRecord:
     """One budget grant, top-up or lease (trainer), or an older run's take or release (a producer) on a
     dispatch log."""
 
-    op: str  # GRANT, TOPUP, LEASE (or an older run's TAKE, RELEASE)
+    op: str  # GRANT, TOPUP, LEASE, EXPIRE (or an older run's TAKE, RELEASE)
     version: int | None  # the version the budget is for (None on a release)
-    amount: int  # prompts granted, added, leased, taken or released
+    amount: int  # prompts granted, added, leased, taken back (expire), taken or released
     outstanding: int | None  # dispatched - consumed after the operation (None on a release)
     max_outstanding: int | None  # the bound the grant or top-up was computed for (trainer's entries only)
-    producer: str | None  # who was leased, took or released (None on grants and top-ups)
+    producer: str | None  # who was leased, lost a lease, took or released (None on grants and top-ups)
 
 
 DISPATCH_FIELDS = tuple(f.name for f in fields(DispatchRecord))
@@ -130,6 +132,7 @@ _DISPATCH_REQUIRED = {
     GRANT: ("version", "amount", "outstanding", "max_outstanding"),
     TOPUP: ("version", "amount", "outstanding", "max_outstanding"),
     LEASE: ("version", "amount", "outstanding", "producer"),
+    EXPIRE: ("version", "amount", "outstanding", "producer"),
     TAKE: ("version", "amount", "outstanding", "producer"),
     RELEASE: ("amount", "producer"),
 }

@@ -26,8 +26,8 @@ from schemas import DeadLetter, RolloutSample, decode, encode
 MAX_ENTRY_BYTES = 256 << 10
 
 
-def tiny_cfg(keys: Keys, tmp: Path) -> PipelineConfig:
-    return load_config("pipeline.yaml", [
+def tiny_cfg(keys: Keys, tmp: Path, *extra: str) -> PipelineConfig:
+    return load_config("pipeline.yaml", [*extra,
         f"run.name={keys.run}", f"run.dir={tmp}", "run.device=cpu", "model.d_model=16", "model.n_layer=1",
         "model.n_head=2", "model.max_seq_len=32", "data.train_batch_size=2", "actor.ppo_mini_batch_size=1",
         "trainer.parameter_sync_step=2", "trainer.test_freq=0", "trainer.total_global_steps=1000",
@@ -179,3 +179,58 @@ def test_versions_published_before_a_restart_are_not_from_the_future(
         future: "invalid: param_version=3 is newer than the newest published version 2"
     }
     assert sorted(f[b"sample_id"].decode() for _, f in r.xrange(keys.fates)) == ids[1:]  # type: ignore[union-attr]
+
+
+def test_a_producer_hoarding_its_lease_does_not_stop_training(
+    r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """Issue 41, item 3, on a real trainer: rollout_00 asks for 10^9 prompts and publishes nothing (it held
+    the whole window: 0 steps in 90 s). With rollout.lease_timeout_s=1 its lease expires, rollout_01
+    (publishing whatever it is leased) gets the room, and the trainer completes two global steps."""
+    import time
+
+    from rollstream.pacing import ask_lease, dispatch_entries, lease_of
+    from rollstream.weights import latest_param_version
+    from schemas.text_entries import EXPIRE
+
+    cfg = tiny_cfg(keys, tmp_path, "rollout.lease_timeout_s=1")
+    ask_lease(r, keys, P0, 10**9)
+    t = Trainer(cfg, r, keys, "trainer", threading.Event())
+    t.resume()
+    stop = threading.Event()
+
+    def honest() -> None:
+        """rollout_01: publish every leased seq stamped with the newest version, ask for one more."""
+        seq = 0
+        while not stop.is_set():
+            lease = lease_of(r, keys, "rollout_01")
+            while seq < lease:
+                pv = latest_param_version(r, keys)
+                version = pv.version if pv is not None else 0
+                ev = fake_rollout_sample(f"rollout_01-{seq}", param_version=version, n=2, prompt_len=4,
+                                         response_len=5, producer="rollout_01")
+                r.xadd(keys.rollouts_of("rollout_01"), encode(ev))  # type: ignore[arg-type]
+                seq += 1
+            ask_lease(r, keys, "rollout_01", seq + 1)
+            time.sleep(0.02)
+
+    deadline = time.monotonic() + 10
+    while lease_of(r, keys, P0) < cfg.max_outstanding:  # the hoarder holds the whole window first
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    worker = threading.Thread(target=honest, daemon=True)
+    worker.start()
+    guard = threading.Timer(60, t.stop.set)
+    guard.start()
+    try:
+        assert t.train_step(1) and t.train_step(2)
+    finally:
+        guard.cancel()
+        stop.set()
+        worker.join(5)
+        t.effects.stop_leaser()
+    expired = [e for e in dispatch_entries(r, keys) if e.op == EXPIRE]
+    assert expired and {e.producer for e in expired} == {P0}
+    fates = [f[b"sample_id"].decode() for _, f in r.xrange(keys.fates)]  # type: ignore[union-attr]
+    assert len(fates) == 4 and all(sid.startswith("rollout_01-") for sid in fates)
+    assert audit_run(r, keys).problems() == []

@@ -1,5 +1,12 @@
 """Issue 24's findings, each under the role's real ACL user (the users `rollstream run` creates, on a private
-redis-server): what a credential may no longer do, and what the audit now sees (README, Guarantees)."""
+redis-server): what a credential may no longer do, and what the audit now sees (README, Guarantees).
+
+Issue 41's table, row by row (all under the real users): non-canonical seq forms and `²`, `version=abc`,
+`version=0`, `published=x`, the last possible id and the impersonated id are in tests/test_producer_input.py
+(which imports this module's fixture); `want=10^9` while publishing nothing, the floods (a free-form key, an
+oversized key, a flooded stream) are below; what README still lists as possible (the aggregator's trim of
+`records` and `dead:aggregator`, a lease held up to lease_timeout_s, memory up to the bound) are strict
+xfails at the end."""
 
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ from rollstream.fakes import fake_metrics_log, fake_rollout_sample, leased_fakes
 from rollstream.from_config import build_policy
 from rollstream.names import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import WorkerHealth
-from rollstream.ops.status import collect_status
+from rollstream.ops.status import collect_status, format_status
 from rollstream.pacing import (
     Leaser,
     ask_lease,
@@ -489,3 +496,182 @@ def test_the_audit_names_the_samples_a_trim_destroyed_before_any_read(roles: Rol
     rep = audit_run(roles.admin, keys)
     assert rep.destroyed_ids == {"rollout_00-0", "rollout_00-1", "rollout_00-2"}
     assert any("3 published samples are not on the log" in p for p in rep.problems())
+
+
+# -- issue 41: what a producer may still write -------------------------------------------------------------
+
+
+def test_a_producer_writes_only_the_four_keys_the_design_names(roles: Roles) -> None:
+    """Issue 41, item 4: `XADD producer:rollout_00:flood` and `SET` of any other name under its prefix were
+    allowed (a free-form namespace: +1.7 GB not reclaimed); now its user names cursor, published, want and
+    version one by one, and XADD reaches only its two streams."""
+    keys, prod = roles.keys, roles.producers[P0]
+    own = keys.producer_prefix(P0)
+    refused = {
+        "XADD producer:<name>:flood": lambda: prod.xadd(own + "flood", {"x": "y"}),
+        "SET producer:<name>:blob": lambda: prod.set(own + "blob", "x"),
+        "SET producer:<name>:dispatch_log": lambda: prod.set(own + "dispatch_log", "x"),
+        "APPEND producer:<name>:want": lambda: prod.append(keys.producer_want(P0), "x"),
+        "XADD producer:<name>:want": lambda: prod.xadd(keys.producer_want(P0), {"x": "y"}),
+    }
+    assert [name for name, call in refused.items() if _permitted(call)] == []
+    for key in (keys.producer_cursor(P0), keys.producer_want(P0), keys.producer_version(P0)):
+        assert prod.set(key, "1")
+    published = keys.producer_published(P0)
+    assert prod.incrby(published, 2) == 2 and prod.decrby(published, 1) == 1
+
+
+def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish_never_trains(
+    roles: Roles,
+) -> None:
+    """Issue 41, item 3: rollout_00 writes want=10^9 and publishes nothing, holding the whole budget
+    (training stopped: 0 steps in 90 s). Its lease expires: the prompts go to rollout_01, whose samples fill
+    the batch, and rollout_00's late publish of a taken-back seq is dead-lettered ("lease expired") and
+    counts nothing."""
+    from consumers.trainer.collect import Collector, rollouts_reader
+    from rollstream.pacing import LeaseExpiry
+
+    keys, trainer = roles.keys, roles.trainer
+    hoarder, other = roles.producers[P0], roles.producers["rollout_01"]
+    grant_budget(trainer, keys, 0, 8)
+    ask_lease(hoarder, keys, P0, 10**9)
+    clock = [0.0]
+    expiry = LeaseExpiry(600.0, 8, probation=1, every_s=0, clock=lambda: clock[0])
+    leaser = Leaser(trainer, keys, PRODUCERS, threading.Event(), expiry=expiry)
+    assert leaser.run_once() == 8 and lease_of(trainer, keys, P0) == 8  # it holds everything
+    ask_lease(other, keys, "rollout_01", 8)
+    assert leaser.run_once() == 0
+    clock[0] = 601.0
+    leaser.run_once()  # expired: 8 taken back, 1 to it on probation, 7 to rollout_01
+    assert expiry.expired == {P0: 8}
+    assert lease_of(trainer, keys, P0) == 9 and lease_of(trainer, keys, "rollout_01") == 7
+    cfg = load_config(None, [f"run.name={keys.run}", "bus.block_ms=10", "data.train_batch_size=8",
+                             "actor.ppo_mini_batch_size=8", "trainer.parameter_sync_step=1"])
+
+    def publish(client: redis.Redis, name: str, seq: int) -> None:
+        sample = fake_rollout_sample(f"{name}-{seq}", n=2, prompt_len=3, response_len=4, producer=name)
+        Publisher(client).publish(keys.rollouts_of(name), sample)
+
+    for seq in range(7):
+        publish(other, "rollout_01", seq)
+    publish(hoarder, P0, 3)  # late: taken back
+    publish(hoarder, P0, 8)  # its probation lease: fine
+    dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    reader = rollouts_reader(cfg, trainer, keys, "trainer", threading.Event())
+    collector = Collector(cfg, trainer, keys, reader, dp, threading.Event(), False, 1000, 64,  # type: ignore[arg-type]
+                          lambda: None)
+    while len(collector.buffer) < 8:
+        assert collector.fill()
+    collector.fill()
+    [(_, fields)] = roles.admin.xrange(keys.dead)
+    assert isinstance(dl := decode(fields), DeadLetter) and dl.reason.startswith("lease expired: ")
+    assert "rollout_00-3" in dl.reason
+    assert sorted(m.event.sample_id for m in collector.buffer) == sorted(
+        [*(f"rollout_01-{s}" for s in range(7)), "rollout_00-8"]
+    )
+    assert int(roles.admin.get(keys.consumed) or 0) == 8  # type: ignore[arg-type]  # the 8 taken back, once
+    st = collect_status(roles.admin, keys)
+    assert st.expired == {P0: 8}
+    shown = format_status(st, "x")
+    assert "leases expired (prompts taken back, rollout.lease_timeout_s): rollout_00 8" in shown
+    rep = audit_run(roles.admin, keys)
+    assert rep.problems() == [], rep.problems()
+
+
+def test_a_producer_flooding_redis_is_fenced_and_the_run_goes_on(roles: Roles) -> None:
+    """Issue 41, item 4: 64 MiB SETs on its own keys and 1 MiB stats entries grew Redis by 1.5 GB, unbounded
+    and unreported. The trainer's FloodFence measures each producer (its four keys, its two streams) and past
+    the bound switches its ACL user off, kills its connections, takes its lease back, says why in `fenced`
+    (status) and leases only to the others."""
+    from rollstream.security import FloodFence
+
+    keys, trainer = roles.keys, roles.trainer
+    flooder, other = roles.producers[P0], roles.producers["rollout_01"]
+    grant_budget(trainer, keys, 0, 8)
+    ask_lease(flooder, keys, P0, 4)
+    ask_lease(other, keys, "rollout_01", 2)
+    fence = FloodFence(1 << 20, 8, every_s=0)
+    leaser = Leaser(trainer, keys, PRODUCERS, threading.Event(), fence=fence)
+    assert leaser.run_once() == 6 and fence.fenced == {}
+    for i in range(4):  # 1.2 MiB of "stats" on its own stream: over a 1 MiB bound
+        flooder.xadd(keys.stats_of(P0), {"type": "producer", "blob": "x" * (300 << 10), "i": i})
+    ask_lease(other, keys, "rollout_01", 8)
+    leaser.run_once()
+    assert set(fence.fenced) == {P0} and "over bus.producer_max_bytes=1048576" in fence.fenced[P0]
+    with pytest.raises((redis.ConnectionError, redis.AuthenticationError)):
+        flooder.ping()  # its connection was killed, and its user is off: no reconnect
+    assert lease_of(trainer, keys, "rollout_01") == 8 and lease_of(trainer, keys, P0) == 4
+    assert int(roles.admin.get(keys.consumed) or 0) == 4  # type: ignore[arg-type]  # its lease taken back
+    ask_lease(roles.admin, keys, P0, 100)  # (as if it still asked)
+    grant_budget(trainer, keys, 1, 16)
+    leaser.run_once()
+    assert lease_of(trainer, keys, P0) == 4  # nothing more leased to it
+    st = collect_status(roles.admin, keys)
+    assert st.fenced == fence.fenced
+    assert f"FENCED producer {P0}: " in format_status(st, roles.url)
+    # a restarted trainer keeps it fenced (an ACL file reload would have switched the user back on)
+    roles.admin.execute_command("ACL", "SETUSER", P0, "on")
+    again = FloodFence(1 << 20, 16, every_s=0)
+    again.maybe_check(trainer, keys, PRODUCERS)
+    assert set(again.fenced) == {P0}
+    [user] = [u for u in roles.admin.execute_command("ACL", "LIST") if u.split()[1] == P0.encode()]
+    assert b" off " in user
+
+
+def test_a_producers_oversized_key_is_fenced(roles: Roles) -> None:
+    """A 64 MiB SET on its own `want` (the keys hold counts: tens of bytes) is fenced at once."""
+    from rollstream.security import PRODUCER_KEYS_MAX_BYTES, FloodFence
+
+    keys, flooder = roles.keys, roles.producers[P0]
+    flooder.set(keys.producer_want(P0), "9" * (PRODUCER_KEYS_MAX_BYTES + 1))
+    fence = FloodFence(1 << 30, 8, every_s=0)
+    assert [p for p, _ in fence.maybe_check(roles.trainer, keys, PRODUCERS)] == [P0]
+    assert "its keys hold 4097 bytes" in fence.fenced[P0]
+
+
+# -- issue 41's table: what README (Guarantees) still lists as possible, as strict xfails -----------------
+
+
+@pytest.mark.xfail(strict=True, reason="README Guarantees: the aggregator may trim records (XADD MAXLEN)")
+def test_the_aggregator_cannot_trim_records(roles: Roles) -> None:
+    """Issue 41's last row: `XADD records MAXLEN 0` took records 269 -> 0 and nothing rebuilt them (item 5,
+    not built: the audit reports it, see test_a_writer_trimming_its_own_output_shows_in_the_audit)."""
+    keys, agg = roles.keys, roles.aggregator
+    agg.xadd(keys.records, {"x": "y"}, id="1-1")
+    assert not _permitted(lambda: agg.xadd(keys.records, {"x": "y"}, maxlen=0, approximate=False))
+
+
+@pytest.mark.xfail(strict=True, reason="README Guarantees: the aggregator may still trim its dead letters")
+def test_the_aggregator_cannot_trim_its_dead_letters(roles: Roles) -> None:
+    """Issue 41's last row: `XADD dead:aggregator MAXLEN 0` took 1,128 dead letters to 0."""
+    keys, agg = roles.keys, roles.aggregator
+    agg.xadd(keys.dead_aggregator, {"x": "y"})
+    assert not _permitted(lambda: agg.xadd(keys.dead_aggregator, {"x": "y"}, maxlen=0, approximate=False))
+
+
+@pytest.mark.xfail(strict=True, reason="README Guarantees: a lease is held up to lease_timeout_s")
+def test_a_producer_cannot_hold_a_lease_without_publishing(roles: Roles) -> None:
+    """A lease held without publishing is taken back only after rollout.lease_timeout_s (not at once)."""
+    from rollstream.pacing import LeaseExpiry
+
+    keys, trainer = roles.keys, roles.trainer
+    grant_budget(trainer, keys, 0, 8)
+    ask_lease(roles.producers[P0], keys, P0, 10**9)
+    clock = [0.0]
+    expiry = LeaseExpiry(600.0, 8, probation=1, every_s=0, clock=lambda: clock[0])
+    leaser = Leaser(trainer, keys, PRODUCERS, threading.Event(), expiry=expiry)
+    leaser.run_once()
+    clock[0] = 599.0
+    leaser.run_once()
+    assert expiry.expired.get(P0, 0) == 8
+
+
+@pytest.mark.xfail(strict=True, reason="README Guarantees: a producer writes up to its bound")
+def test_a_producer_cannot_use_memory_below_its_bound(roles: Roles) -> None:
+    """Between checks and below bus.producer_max_bytes a producer's own stream grows: bounded, not zero."""
+    from rollstream.security import FloodFence
+
+    keys, prod = roles.keys, roles.producers[P0]
+    prod.xadd(keys.stats_of(P0), {"blob": "x" * (100 << 10)})
+    fence = FloodFence(1 << 20, 8, every_s=0)
+    assert fence.maybe_check(roles.trainer, keys, PRODUCERS) != []

@@ -130,6 +130,26 @@ def test_conf_for_embedded_redis_starts_redis_first_with_aof(tmp_path: Path) -> 
     assert plan.redis_url == f"unix://{tmp_path.resolve()}/emb/redis.sock?db=0"
     assert f'ROLLSTREAM_REDIS_URL="{plan.redis_url}"' in conf["program:trainer"]["environment"]
     assert int(conf["program:rollout_00"]["priority"]) > int(conf["program:trainer"]["priority"])
+    # issue 41: a maxmemory sized from the budget, refusing writes rather than evicting the log
+    assert f"--maxmemory {cfg.bus.maxmemory()} --maxmemory-policy noeviction" in red["command"]
+    bus = cfg.bus
+    assert bus.maxmemory() == 3 * bus.redis_max_bytes + 4 * bus.weights_inline_max_bytes + (256 << 20)
+
+
+def test_the_memory_bounds_are_checked_and_named() -> None:
+    """bus.redis_maxmemory_bytes below twice the streams' budget is refused, naming both fields."""
+    import pytest
+
+    from rollstream.config import ConfigError
+
+    why = r"redis_maxmemory_bytes=1000000 must be 0 .*redis_max_bytes=1048576"
+    with pytest.raises(ConfigError, match=why):
+        load_config(None, ["bus.redis_max_bytes=1048576", "bus.redis_maxmemory_bytes=1000000"])
+    cfg = load_config(None, ["bus.weights_transport=redis"])
+    assert cfg.bus.maxmemory() is None  # the weight chunks come on top: the operator sizes it
+    assert load_config(None, ["bus.producer_max_bytes=5"]).bus.producer_bound() == 5
+    kept = load_config(None, ["bus.retention=false"]).bus  # the whole log stays in Redis: no auto bound
+    assert kept.maxmemory() is None and kept.producer_bound() is None
 
 
 def test_a_run_dir_that_does_not_exist_is_created_private_with_its_parents(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import rollstream.pacing as pacing
 from rollstream.bus import setup_run
 from rollstream.names import Keys
 from rollstream.pacing import (
+    LeaseExpiry,
     Leaser,
     ask_lease,
     budget_left,
@@ -24,6 +25,7 @@ from rollstream.pacing import (
     dispatch_entries,
     grant_budget,
     is_consumed,
+    is_revoked,
     lease_of,
     lease_once,
     lease_pass,
@@ -31,7 +33,7 @@ from rollstream.pacing import (
     split_sample_id,
 )
 from schemas import DispatchRecord
-from schemas.text_entries import LEASE, TOPUP
+from schemas.text_entries import EXPIRE, LEASE, TOPUP
 
 
 def outstanding(r: redis.Redis, keys: Keys) -> int:
@@ -262,3 +264,64 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
     for _ in range(2):
         second.fill()
     assert int(r.get(keys.consumed)) == 1 and len(second.buffer) == 3  # counted once; 3 good ones buffered
+
+
+class _Clock:
+    """A settable monotonic clock for LeaseExpiry."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_hoarders_lease_expires_and_goes_to_the_others(r: redis.Redis, keys: Keys) -> None:
+    """Issue 41, item 3: rollout_00 asks for 10^9 and finishes nothing while rollout_01's prompts are
+    finished; after lease_timeout_s its unfinished seqs are taken back (consumed once, revoked, logged), the
+    budget gets their room, rollout_01 is leased it, and the hoarder is held to one dispatch on probation."""
+    setup_run(r, keys, PRODUCERS)
+    grant_budget(r, keys, 0, max_outstanding=8)
+    clock = _Clock()
+    expiry = LeaseExpiry(10.0, 8, probation=2, every_s=0, clock=clock)
+    leaser = Leaser(r, keys, PRODUCERS, threading.Event(), expiry=expiry)
+    ask_lease(r, keys, "rollout_00", 10**9)
+    ask_lease(r, keys, "rollout_01", 2)
+    leaser._turn = 0
+    assert leaser.run_once() == 8  # the hoarder first: 8, all the budget (its want capped at what there is)
+    assert lease_of(r, keys, "rollout_00") == 8 and lease_of(r, keys, "rollout_01") == 0
+    r.xadd(keys.rollouts_of("rollout_00"), {"sample_id": "rollout_00-0"})  # published, not read yet
+    clock.now = 100.0
+    leaser.run_once()  # long idle, but an entry of it waits with the trainer: the trainer is late, not it
+    assert not is_revoked(r, keys, "rollout_00", 0) and outstanding(r, keys) == 8
+    r.xreadgroup("trainer", "t", {keys.rollouts_of("rollout_00"): ">"})
+    r.xack(keys.rollouts_of("rollout_00"), "trainer", r.xrange(keys.rollouts_of("rollout_00"))[0][0])
+    consume(r, keys, ["rollout_00-0"], 8)  # one of its prompts finished: its clock starts again
+    clock.now = 105.0
+    leaser.run_once()  # (the room that gave back is leased to the hoarder: lease 9)
+    assert lease_of(r, keys, "rollout_00") == 9
+    ask_lease(r, keys, "rollout_01", 1)
+    r.hincrby(keys.lease, "rollout_01", 1)  # (an outright lease, as lease_outright does, finished at once)
+    r.incrby(keys.dispatched, 1)
+    consume(r, keys, ["rollout_01-0"], 8)  # another producer's prompt finished meanwhile
+    clock.now = 120.0
+    assert expiry.maybe_check(r, keys, PRODUCERS) == [("rollout_00", 8)]
+    assert [is_revoked(r, keys, "rollout_00", s) for s in range(9)] == [False, *[True] * 8]
+    assert all(is_consumed(r, keys, f"rollout_00-{s}") for s in range(9)) and outstanding(r, keys) == 0
+    assert [(e.op, e.producer, e.amount) for e in dispatch_entries(r, keys) if e.op == EXPIRE] == [
+        (EXPIRE, "rollout_00", 8)
+    ]
+    ask_lease(r, keys, "rollout_01", 1 + 6)
+    leaser._turn = 0
+    leaser.run_once()  # the hoarder first again: probation gives it 2, the rest goes to rollout_01
+    assert lease_of(r, keys, "rollout_00") == 11 and lease_of(r, keys, "rollout_01") == 7
+    late = [f"rollout_00-{s}" for s in range(1, 9)]
+    assert consume(r, keys, late, 8) == (0, 0)  # a late one counts nothing twice
+    clock.now = 121.0
+    assert expiry.maybe_check(r, keys, PRODUCERS) == []
+
+
+def test_lease_expiry_refuses_a_bad_timeout() -> None:
+    """A timeout that is not > 0 names the config field and the value."""
+    with pytest.raises(ValueError, match=r"rollout.lease_timeout_s=0 must be > 0"):
+        LeaseExpiry(0, 8, 1)

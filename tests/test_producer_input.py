@@ -224,12 +224,15 @@ def test_a_sample_in_another_producers_name_is_blamed_on_its_writer(roles: Roles
 def test_a_string_at_a_producers_old_dispatch_log_key_does_not_stop_retention(
     roles: Roles, tmp_path: Path
 ) -> None:
-    """`producer:<name>:dispatch_log` (an older run's dispatch log) is a key the producer may write; retention
-    archives it only when it is a stream, so a string there is no WRONGTYPE for the trainer's janitor."""
+    """`producer:<name>:dispatch_log` (an older run's dispatch log) is no longer a key the producer may write
+    (issue 41: its ACL names its four keys one by one); retention archives it only when it is a stream, so a
+    string there (an older run's, or an admin's) is no WRONGTYPE for the trainer's janitor."""
     from rollstream.bus import Archive, Janitor
 
     keys, prod = roles.keys, roles.producers[P0]
-    prod.set(keys.producer_prefix(P0) + "dispatch_log", "not a stream")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        prod.set(keys.producer_prefix(P0) + "dispatch_log", "not a stream")
+    roles.admin.set(keys.producer_prefix(P0) + "dispatch_log", "not a stream")
     janitor = Janitor(roles.trainer, keys, Archive(tmp_path / "archive"), budget_bytes=1, every_s=0)
     assert keys.producer_prefix(P0) + "dispatch_log" not in janitor.streams()
     assert janitor.maybe_run() is not None  # one pass over every stream, under a budget of one byte

@@ -4,11 +4,12 @@ usable samples -> this rank's share of a mini-batch (stale ones dropped and reco
 A `Collector` is the trainer's reading half: it owns the rollouts buffer, the sample ids already seen
 (committed, buffered, or, with several ranks, claimed by any rank: consumers/trainer/rank_agreement.py) and
 the producers' leases as last read. A sample whose id is not `<producer>-<seq>` inside its producer's
-lease is dead-lettered (rollstream/pacing.py). After each pass that dead-lettered rollouts (and at its
-first pass, which catches what a previous process left) it reads the new entries of `dead` and has pacing
-count their prompts as consumed, each once, which gives their room back to the current version's budget
-(a top-up), so producers replace them before the next version (else sync mode, whose window is one global
-batch, would wait forever for them). A world of one polls until it
+lease is dead-lettered (rollstream/pacing.py), and so is one whose seq the trainer took back when its
+producer's lease expired ("lease expired": the `revoked:<name>` bitmap). After each pass that
+dead-lettered rollouts (and at its first pass, which catches what a previous process left) it reads the
+new entries of `dead` and has pacing count their prompts as consumed, each once, which gives their room
+back to the current version's budget (a top-up), so producers replace them before the next version (else
+sync mode, whose window is one global batch, would wait forever for them). A world of one polls until it
 has its share; data-parallel ranks collect in rounds they agree on (one poll each, then an all-gather of what
 each took), so they start and abandon every local update together, never train one sample id twice, and none
 reads more entries than it still needs (the others would wait for what it hoards).
@@ -58,7 +59,7 @@ from rollstream.bus import EntryRef, GroupReader, Message, entry_limits, iter_st
 from rollstream.bus.ids import IdError, parse_sample_id, split_sample_id
 from rollstream.config import PipelineConfig
 from rollstream.names import DEAD_LETTERED_FIELD, REPLAY_COPY_FIELD, TRAINER_GROUP, Keys, producer_names
-from rollstream.pacing import consume, leases
+from rollstream.pacing import consume, is_revoked, leases
 from rollstream.tasks import REWARD_RANGE
 from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, DeadLetter, Fate, RolloutSample, decode
 
@@ -219,6 +220,8 @@ class Collector:
             dupes.append(m.ref)  # the original is committed or still pending: safe to ack this copy
         elif (why := self.lease_reason(ev)) is not None:
             to_dead(f"outside lease: {why}")  # counts nothing
+        elif (why := self.expired_reason(ev)) is not None:
+            to_dead(f"lease expired: {why}")  # already counted when it was taken back: counts nothing
         elif (why := version_reason(ev, self.newest_published)) is not None:
             to_dead(f"invalid: {why}")  # counted as consumed below
         elif (why := unusable_reason(ev, self.vocab_size, self.max_seq_len)) is not None:
@@ -243,6 +246,19 @@ class Collector:
             self.leases = retry_on_connection(lambda: leases(self.r, self.keys), "reading leases")
         if seq >= (leased := self.leases.get(producer, 0)):
             return f"sample_id={ev.sample_id!r}: seq {seq} >= {leased} prompts leased to {producer!r}"
+        return None
+
+    def expired_reason(self, ev: RolloutSample) -> str | None:
+        """Why a sample's prompt is no longer its producer's (the trainer took it back when its lease expired:
+        rollstream/pacing.py), or None (always on a replay copy). Call after `lease_reason` passed."""
+        if not self.check_leases:
+            return None
+        producer, seq = parse_sample_id(ev.sample_id, ev.producer)
+        if retry_on_connection(lambda: is_revoked(self.r, self.keys, producer, seq), "reading revoked"):
+            return (
+                f"sample_id={ev.sample_id!r}: seq {seq} was taken back from {producer!r} "
+                f"(no prompt of it finished for rollout.lease_timeout_s={self.cfg.rollout.lease_timeout_s})"
+            )
         return None
 
     def _count_dead(self, dead: int) -> None:

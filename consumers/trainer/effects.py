@@ -42,7 +42,8 @@ from rollstream.names import (
     producer_names,
     rank_heartbeat_field,
 )
-from rollstream.pacing import Leaser, current_budget, grant_budget
+from rollstream.pacing import LeaseExpiry, Leaser, current_budget, grant_budget
+from rollstream.security import FloodFence
 from rollstream.weights import (
     Probe,
     gc_weights,
@@ -100,7 +101,15 @@ class TrainerEffects:
         until `stop_leaser`."""
         if self.leaser is None:
             names = producer_names(self.cfg.rollout.num_producers)
-            self.leaser = Leaser(self.r, self.keys, names, threading.Event()).start()
+            expiry = LeaseExpiry(
+                self.cfg.rollout.lease_timeout_s,
+                self.cfg.max_outstanding,
+                self.cfg.rollout.prompts_per_dispatch,
+            )
+            fence = FloodFence(self.cfg.bus.producer_bound(), self.cfg.max_outstanding)
+            self.leaser = Leaser(
+                self.r, self.keys, names, threading.Event(), expiry=expiry, fence=fence
+            ).start()
 
     def stop_leaser(self) -> None:
         """Stop the lease loop (a no-op when none runs)."""

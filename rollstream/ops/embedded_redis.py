@@ -36,9 +36,12 @@ def redis_server_binary() -> str:
     return found
 
 
-def plan_embedded(run_dir: Path, appendfsync: str = "everysec") -> tuple[list[str], str]:
+def plan_embedded(
+    run_dir: Path, appendfsync: str = "everysec", maxmemory: int | None = None
+) -> tuple[list[str], str]:
     """(redis-server argv, URL clients use) for a run dir, fsyncing the AOF per `appendfsync` (always,
-    everysec or no); creates <run_dir>/redis for the AOF files."""
+    everysec or no), with `maxmemory` bytes and policy noeviction when given; creates <run_dir>/redis for the
+    AOF files."""
     run_dir = run_dir.resolve()
     data_dir = run_dir / "redis"
     private_dir(data_dir)
@@ -50,6 +53,10 @@ def plan_embedded(run_dir: Path, appendfsync: str = "everysec") -> tuple[list[st
         "--save", "",
         "--protected-mode", "yes",
     ]
+    if maxmemory is not None:
+        if maxmemory <= 0:
+            raise ValueError(f"maxmemory={maxmemory!r} must be > 0 bytes (or None for none)")
+        argv += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "noeviction"]
     sock = run_dir / "redis.sock"
     if len(str(sock)) <= MAX_UNIX_SOCKET_PATH:
         argv += ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"]

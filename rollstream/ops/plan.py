@@ -204,7 +204,7 @@ def plan_run(cfg: PipelineConfig, run_dir: Path | None = None) -> RunPlan:
     role_env: dict[str, dict[str, str]] = {}
     if cfg.run.redis_url is None:
         # a kill -9 of redis loses nothing acknowledged
-        redis_argv, url = plan_embedded(run_dir, appendfsync="always")
+        redis_argv, url = plan_embedded(run_dir, appendfsync="always", maxmemory=cfg.bus.maxmemory())
         if cfg.run.acl:
             acl_file, role_env = write_acl(run_dir, Keys(cfg.run.name), producer_names(cfg))
             redis_argv += ["--aclfile", str(acl_file)]

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -34,6 +34,7 @@ from rollstream.ops.health import (
     worker_health,
 )
 from rollstream.pacing import current_budget, leases, published_report, rollout_counts
+from rollstream.security import fenced as fenced_producers
 from rollstream.weights import latest_param_version, producer_version_report
 from schemas import DecodeError, ProducerStats, SyncStepRecord, decode, decode_fate
 
@@ -76,6 +77,8 @@ class RunStatus:
     leases: dict[str, tuple[int, int]] = field(default_factory=dict)  # producer -> (leased, published)
     # what a producer wrote to its own keys that is not a canonical value (ignored), one line each
     bad_inputs: list[str] = field(default_factory=list)
+    fenced: dict[str, str] = field(default_factory=dict)  # producer -> why the trainer fenced it (a flood)
+    expired: dict[str, int] = field(default_factory=dict)  # producer -> prompts taken back (lease expired)
 
     @property
     def healthy(self) -> bool:
@@ -234,6 +237,8 @@ def collect_status(
         trainer_consumers=trainer_consumers(r, keys, names),
         leases=held,
         bad_inputs=bad,
+        fenced=fenced_producers(r, keys),
+        expired={p: n for p in held if (n := int(cast(Any, r.bitcount(keys.revoked_bits(p))))) > 0},
     )
 
 
@@ -305,7 +310,12 @@ def format_status(st: RunStatus, redis_url: str) -> str:
     out.append(f"producer versions: {pv}")
     held = ", ".join(f"{p} {n} ({n - done} not published)" for p, (n, done) in st.leases.items()) or "-"
     out.append(f"leased prompts: {held}")
+    if st.expired:
+        out.append("leases expired (prompts taken back, rollout.lease_timeout_s): "
+                   + ", ".join(f"{p} {n}" for p, n in sorted(st.expired.items())))
     out += [f"ignored producer input: {line}" for line in st.bad_inputs]
+    out += [f"FENCED producer {p}: {why} (its user is off; the run goes on without it)"
+            for p, why in sorted(st.fenced.items())]
     out.append(
         f"trained (committed steps, last {RATE_WINDOW_S:.0f}s+ of wall clock): {st.samples_per_s:.2f} "
         f"samples/s, {st.steps_per_min:.2f} global steps/min"
