@@ -3,9 +3,9 @@
     rollstream bench learn [pipeline.yaml] [key=value ...] [--seeds 0 1 2] [--target 0.9] [--report 0.9 0.95]
                            [--limit-s 300] [--modes sync async] [--out-dir runs/bench-learn] [--json]
 
-Per seed: one supervised warm start (scripts/warm_start.py's, ends under 10 % exact match), shared by both
-modes, then the config run as a user runs it (`rollstream run`: embedded Redis, producers, trainer,
-aggregator under supervisord) once per mode:
+Per seed: one supervised warm start of the tiny GPT (scripts/warm_start.py's, ends under 10 % exact match;
+none for a pretrained model), shared by both modes, then the config run as a user runs it (`rollstream
+run`: embedded Redis, producers, trainer, aggregator under supervisord) once per mode:
 
   sync   rollout.staleness_threshold=0 trainer.sync_mode=true: the trainer collects the whole global batch
          before training and producers get budget only for the next version, so generation and training
@@ -190,15 +190,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides, args.config = [args.config, *args.overrides], "pipeline.yaml"
     out_dir = Path(args.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    load_config(args.config, args.overrides)  # refuse a bad config before starting anything
+    cfg = load_config(args.config, args.overrides)  # refuse a bad config before starting anything
     runs: list[ModeRun] = []
     for seed in args.seeds:
         base = [*args.overrides, f"run.seed={seed}", f"run.dir={out_dir}"]
-        warm = out_dir / f"warm-s{seed}.safetensors"
-        warm_start_file(args.config, base, warm)
+        init = []
+        if cfg.model.backend == "tiny":  # a pretrained model (backend=hf) starts as it is
+            warm = out_dir / f"warm-s{seed}.safetensors"
+            warm_start_file(args.config, base, warm)
+            init = [f"model.init_from={warm}"]
         seed_runs = []
         for mode in args.modes:
-            ov = [*base, f"run.name=learn-{mode}-s{seed}", f"model.init_from={warm}", *MODES[mode]]
+            ov = [*base, f"run.name=learn-{mode}-s{seed}", *init, *MODES[mode]]
             curve, steps = run_one(
                 args.config, ov, target=args.target, limit_s=args.limit_s, hold_s=args.hold_s
             )

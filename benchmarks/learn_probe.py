@@ -24,10 +24,12 @@ from collections.abc import Sequence
 import torch
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.evaluate import evaluate as evaluate_task
 from consumers.trainer.learner import Learner
 from rollstream.config import PipelineConfig, load_config
 from rollstream.from_config import build_policy, build_prompt_source, build_task
 from rollstream.model import BasePolicy
+from rollstream.model.chat import encode_prompt
 from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import Prompt, Task
 from rollstream.warmstart import WarmMode, warm_start
@@ -118,28 +120,33 @@ def probe(
     lag: int = 0,
     target: float | None = None,
 ) -> None:
-    """Warm start, then GRPO steps until `limit_s` (or the first evaluation at `target` or above), printing
-    evaluations as it goes; `lag` > 0 generates step g's batch with the weights of `lag` updates ago, as a
-    pipeline that trains one batch while the next is generated does (staleness `lag`)."""
+    """Warm start (the tiny GPT only), then GRPO steps until `limit_s` (or the first evaluation at `target` or
+    above), printing evaluations as it goes (any task but reverse: val/acc, from version 0 on); `lag` > 0
+    generates step g's batch with the weights of `lag` updates ago, as a pipeline that trains one batch while
+    the next is generated does (staleness `lag`)."""
     torch.manual_seed(cfg.run.seed)
     t0 = time.time()
-    warm, rep = warm_start(cfg, mode=warm_mode, stop_at_acc=warm_stop_at)
-    print(f"warm start: {rep.steps} steps, val exact {rep.val_acc:.3f}, {rep.seconds:.1f}s", flush=True)
     learner = Learner(cfg)
-    learner.policy.module.load_state_dict(warm.module.state_dict())
+    if cfg.model.backend == "tiny":  # a pretrained model (backend=hf) starts as it is, as in demo.sh
+        warm, rep = warm_start(cfg, mode=warm_mode, stop_at_acc=warm_stop_at)
+        print(f"warm start: {rep.steps} steps, val exact {rep.val_acc:.3f}, {rep.seconds:.1f}s", flush=True)
+        learner.policy.module.load_state_dict(warm.module.state_dict())
     task = build_task(cfg)
     source = build_prompt_source(cfg, task)
     val, tok = source.val_prompts(), learner.policy.tokenizer
     gen = torch.Generator().manual_seed(cfg.run.seed)
     B, n, max_new = cfg.data.train_batch_size, cfg.rollout.n, cfg.data.max_response_length
     lagged = LaggedSampler(cfg, learner.policy, lag)
-    g = 0
+    g, trained = 0, 0
+    if cfg.data.task != "reverse":  # version 0, as the pipeline's record 0
+        acc = evaluate_task(learner.policy, task, val, max_new)["val/acc"]
+        print(f"step 0 {time.time() - t0:.0f}s samples 0 val/acc {acc:.3f}", flush=True)
     while time.time() - t0 < limit_s:
         g += 1
         learner.begin_step(g)
         items = source.take(B)
         trajs = lagged.before_step().generate(
-            [tok.encode(p.text, add_bos=True) for _, _, p in items],
+            [encode_prompt(tok, p.text) for _, _, p in items],
             n,
             max_new,
             temperature=cfg.rollout.temperature,
@@ -175,7 +182,12 @@ def probe(
             )
         batch, _ = assemble_batch_from_rollout_samples(samples)
         m = learner.update(batch)
-        if g % eval_every == 0:
+        trained += len(samples)
+        if g % eval_every == 0 and cfg.data.task != "reverse":
+            acc = evaluate_task(learner.policy, task, val, max_new)["val/acc"]
+            print(f"step {g} {time.time() - t0:.0f}s samples {trained} val/acc {acc:.3f} "
+                  f"reward {m['critic/rewards/mean']:.3f} entropy {m['actor/entropy']:.3f}", flush=True)
+        elif g % eval_every == 0:
             acc, by_len, pos, src = evaluate(learner.policy, task, val, max_new)
             lens = " ".join(f"{k}:{v:.2f}" for k, v in by_len.items())
             print(
