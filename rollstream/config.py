@@ -178,7 +178,8 @@ class ModelConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _pretrained_folder(cls, data: Any) -> Any:
-        """hf_path defaults to model.pretrained's cache folder (an unknown name is refused, naming the known)."""
+        """hf_path defaults to model.pretrained's cache folder (an unknown name is refused, naming those
+        known)."""
         if isinstance(data, dict) and data.get("pretrained") is not None:
             from rollstream.pretrained import model_dir  # torch-free
 

@@ -42,8 +42,9 @@ def test_smollm2_config_reads_the_pretrained_model_from_the_cache(monkeypatch: p
     cfg = load_config(path)  # model.pretrained names the folder `rollstream model build` writes
     assert cfg.model.hf_path == "/models/smollm2-135m-instruct" and cfg.model.autocast == "bfloat16"
     assert cfg.data.task == "rg:basic_arithmetic" and cfg.rollout.engine == "builtin"
-    assert cfg.data.task_args["operators"] == ["+", "-", "*"]  # reasoning-gym's '/' items are wrong, see config
-    assert load_config(path, ["model.hf_path=/elsewhere"]).model.hf_path == "/elsewhere"  # an explicit folder wins
+    assert cfg.data.task_args["operators"] == ["+", "-", "*"]  # '/' items are wrong: see config
+    explicit = load_config(path, ["model.hf_path=/elsewhere"])
+    assert explicit.model.hf_path == "/elsewhere"  # an explicit folder wins
     with pytest.raises(ConfigError, match="unknown model 'smollm3'.*smollm2-135m-instruct"):
         load_config(path, ["model.pretrained=smollm3"])
     with pytest.raises(ConfigError, match="pretrained='smollm2-135m-instruct' needs backend=hf"):

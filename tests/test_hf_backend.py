@@ -190,7 +190,8 @@ def test_dtype_and_checkpointing_knobs_and_their_errors(tmp_path: Path) -> None:
     ids, mask, R = build_batch([[1, 5, 6, 7], [1, 8]], [[9, 10, 2], [11]], 0)
     assert bf16.log_probs(ids, mask, R).dtype == torch.float32  # scored in float32 whatever the weights
     # model.autocast: float32 master weights, forward passes in bfloat16 (log-probs still float32)
-    fp32, ac = build_policy(load_config(None, hf)), build_policy(load_config(None, [*hf, "model.autocast=bfloat16"]))
+    fp32 = build_policy(load_config(None, hf))
+    ac = build_policy(load_config(None, [*hf, "model.autocast=bfloat16"]))
     with torch.no_grad():
         lp_fp32, lp_ac = fp32.log_probs(ids, mask, R), ac.log_probs(ids, mask, R)
     assert lp_ac.dtype == torch.float32 and 0 < float((lp_ac - lp_fp32).abs().max()) < 5e-2
