@@ -169,17 +169,10 @@ end
 # In the step's commit (a MULTI: no retry on a moved version, no top-up). ARGV[1] is unused.
 _COUNT = _COUNT_FN + "return count_ids(2)\n"
 
-# Early consumption. ARGV: version, max_outstanding, then the ids as for count_ids. Counts, then gives the
-# current version's budget back up to n prompts of room, never past max_outstanding - outstanding nor the
-# grant's cap (both less what is left), logged as a top-up. Returns {counted, added}.
-_CONSUME = (
-    _COUNT_FN
-    + _CURRENT
-    + f"""
-local n = count_ids(3)
-if n == 0 or current < 0 then return {{n, 0}} end
-local max_outstanding = tonumber(ARGV[2])
-local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
+# The end of a script that freed `n` seqs of room (locals n, max_outstanding, outstanding set): the current
+# version's budget gets the room back (up to max_outstanding and the budget cap), logged as a top-up; returns
+# {n, budget added}.
+_TOPUP_TAIL = f"""
 local left = tonumber(redis.call('GET', KEYS[1]) or '0')
 local add = math.min(n, max_outstanding - outstanding - left)
 local cap = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_CAP_FIELD}') or '-1')
@@ -193,6 +186,20 @@ redis.call('XADD', KEYS[5], '*', {
 })
 return {{n, add}}
 """
+
+# Early consumption. ARGV: version, max_outstanding, then the ids as for count_ids. Counts, then gives the
+# current version's budget back up to n prompts of room, never past max_outstanding - outstanding nor the
+# grant's cap (both less what is left), logged as a top-up. Returns {counted, added}.
+_CONSUME = (
+    _COUNT_FN
+    + _CURRENT
+    + """
+local n = count_ids(3)
+if n == 0 or current < 0 then return {n, 0} end
+local max_outstanding = tonumber(ARGV[2])
+local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis.call('GET', KEYS[3]) or '0')
+"""
+    + _TOPUP_TAIL
 )
 
 
@@ -220,19 +227,8 @@ local outstanding = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(redis
 redis.call('XADD', KEYS[5], '*', {
     dispatch_lua_fields(EXPIRE, version="current", amount="n", outstanding="outstanding", producer="ARGV[3]")
 })
-local left = tonumber(redis.call('GET', KEYS[1]) or '0')
-local add = math.min(n, max_outstanding - outstanding - left)
-local cap = tonumber(redis.call('HGET', KEYS[4], '{BUDGET_CAP_FIELD}') or '-1')
-if cap >= 0 then add = math.min(add, cap - left) end
-if add <= 0 then return {{n, 0}} end
-redis.call('INCRBY', KEYS[1], add)
-redis.call('XADD', KEYS[5], '*', {
-    dispatch_lua_fields(
-        TOPUP, version="current", amount="add", outstanding="outstanding", max_outstanding="max_outstanding"
-    )
-})
-return {{n, add}}
 """
+    + _TOPUP_TAIL
 )
 
 
