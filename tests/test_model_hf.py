@@ -99,3 +99,57 @@ def test_state_dict_bytes_round_trip(model_dir: Path, tmp_path: Path) -> None:
     tb = b.generate(encoded(a), 2, 10, generator=torch.Generator().manual_seed(5))
     assert [t.response_ids for t in ta] == [t.response_ids for t in tb]
     assert [t.log_probs for t in ta] == [t.log_probs for t in tb]
+
+
+def _grads(policy: HFPolicy) -> dict[str, torch.Tensor]:
+    return {k: p.grad.clone() for k, p in policy.module.named_parameters() if p.grad is not None}
+
+
+def test_rows_sharing_a_prompt_score_as_the_full_forward(model_dir: Path) -> None:
+    """GRPO's n samples of a prompt run the prompt once: log-probs, entropy and every gradient equal the full
+    forward's (which runs each row's prompt again), for both output paths (logits, chunked head)."""
+    policy = load(model_dir)
+    gen = torch.Generator().manual_seed(1)
+    trajs = policy.generate(encoded(policy), n=4, max_new_tokens=12, generator=gen)
+    ids, mask, R = build_batch(
+        [t.prompt_ids for t in trajs], [t.response_ids for t in trajs], policy.tokenizer.pad_id
+    )
+    calls: list[int] = []
+    hook = policy.module.model.embed_tokens.register_forward_hook(lambda m, a, o: calls.append(a[0].numel()))
+    policy.logprob_chunk_size = 5
+    with torch.no_grad():
+        policy.forward_logprobs_entropy(ids, mask, R)  # the chunked head's one-time check against the logits
+    results = []
+    for shared, chunk in [(True, 0), (False, 0), (True, 5)]:
+        policy._checkpointing = not shared  # the full forward, as under gradient checkpointing
+        policy.logprob_chunk_size = chunk
+        policy.module.zero_grad()
+        calls.clear()
+        lp, ent = policy.forward_logprobs_entropy(ids, mask, R)
+        ((lp + 0.1 * ent) * mask[:, -R:]).sum().backward()
+        results.append((lp.detach(), ent.detach(), _grads(policy), sum(calls)))
+    hook.remove()
+    full = results[1]
+    assert full[3] == ids.numel()  # every row's prompt and response went through the model
+    for lp, ent, grads, tokens in (results[0], results[2]):
+        assert tokens == len(PROMPTS) * (ids.shape[1] - R) + len(trajs) * R  # each prompt once + responses
+        m = mask[:, -R:].bool()
+        assert torch.allclose(lp[m], full[0][m], atol=1e-5) and torch.allclose(ent[m], full[1][m], atol=1e-5)
+        assert grads.keys() == full[2].keys()
+        for k, g in grads.items():
+            assert torch.allclose(g, full[2][k], atol=1e-5, rtol=1e-4), k
+
+
+def test_n_samples_share_their_prompt_prefill(model_dir: Path) -> None:
+    """Sampling n rows from one prefill per prompt gives each row what a prompt repeated n times gives."""
+    policy = load(model_dir)
+    prompts = encoded(policy)
+    shared = policy.generate(prompts, n=3, max_new_tokens=16, greedy=True)
+    repeated = policy.generate([p for p in prompts for _ in range(3)], n=1, max_new_tokens=16, greedy=True)
+    assert [t.response_ids for t in shared] == [t.response_ids for t in repeated]
+    pairs = [
+        (a, b)
+        for s, r in zip(shared, repeated, strict=True)
+        for a, b in zip(s.log_probs, r.log_probs, strict=True)
+    ]
+    assert max(abs(a - b) for a, b in pairs) < 1e-5

@@ -87,6 +87,20 @@ def build_batch(
     return torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), R
 
 
+def shared_prompts(ids: Tensor, mask: Tensor, response_len: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """For a trainer batch (left-padded prompts, then R response columns): (each distinct prompt's ids [U,P],
+    mask [U,P], the distinct prompt of every row [B]) when rows share prompts (U <= B/2, as GRPO's n samples
+    of a prompt do), else None."""
+    P = ids.shape[1] - response_len
+    if P < 1 or ids.shape[0] < 2:
+        return None
+    p_mask = mask[:, :P]
+    uniq, inverse = torch.unique(torch.cat([ids[:, :P] * p_mask, p_mask], 1), dim=0, return_inverse=True)
+    if 2 * uniq.shape[0] > ids.shape[0]:
+        return None
+    return uniq[:, :P], uniq[:, P:], inverse
+
+
 def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
     """Zero all but the smallest set of most likely tokens whose mass reaches top_p; renormalise. [B,V]."""
     if top_p >= 1.0:
@@ -216,7 +230,8 @@ class BasePolicy(ABC):
         sync_every_tokens: int = 0,
         on_chunk: Callable[[], bool] | None = None,
     ) -> list[Completion]:
-        """Sample n responses per prompt in one left-padded KV-cached batch; prompt-major order.
+        """Sample n responses per prompt in one left-padded KV-cached batch; prompt-major order. Each prompt
+        is prefilled once and its cache shared by its n rows.
 
         Sampling uses softmax(logits / temperature) with top-p (argmax when `greedy` or
         temperature == 0); stored log-probs are those of softmax(logits / temperature) (see Completion). A row
@@ -229,14 +244,18 @@ class BasePolicy(ABC):
         if not trajs or max_new_tokens == 0:
             return trajs
         eos = self.tokenizer.eos_id
-        ids, mask = left_pad([t.prompt_ids for t in trajs], self.tokenizer.pad_id)
-        seq, seq_mask = ids.to(self.device), mask.to(self.device)  # [b,T] of the rows still alive
+        ids, mask = left_pad(prompts, self.tokenizer.pad_id)  # each prompt once: [U,T]
+        seq, seq_mask = ids.to(self.device), mask.to(self.device)
         alive = list(range(len(trajs)))  # trajectory index of each alive row
         was_training = self.module.training
         self.module.eval()
         try:
             with torch.no_grad(), self.compute():
                 logits, cache = self._prefill(seq, seq_mask, seq.shape[1] + max_new_tokens)
+                if n > 1:  # the n samples of a prompt share its prefill: rows [U] -> [U*n], prompt-major
+                    rows = torch.arange(len(prompts), device=self.device).repeat_interleave(n)
+                    seq, seq_mask, logits = seq[rows], seq_mask[rows], logits[rows]
+                    cache = self._select_cache(cache, rows)
                 for step in range(max_new_tokens):
                     tok, logp = sample_tokens(logits, temperature, top_p, generator, greedy)  # [b], [b]
                     keep: list[int] = []

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rollstream.model.base import BasePolicy, resolve_device
+from rollstream.model.base import BasePolicy, resolve_device, shared_prompts
 from rollstream.model.gpt import positions_from_mask
 from rollstream.model.hf_tiny import make_tiny_hf_model
 
@@ -86,6 +86,7 @@ class HFPolicy(BasePolicy):
         self._has_logits_to_keep = "logits_to_keep" in params
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
         self._head_checked: bool | None = None  # hidden @ head == the model's logits (checked on first use)
+        self._checkpointing = False  # gradient checkpointing on (it disables the KV cache in training)
 
     @classmethod
     def from_pretrained(
@@ -127,12 +128,7 @@ class HFPolicy(BasePolicy):
 
     def _prefill(self, ids: Tensor, mask: Tensor, capacity: int) -> tuple[Tensor, Any]:
         """Full forward of a left-padded batch into a new DynamicCache; logits [B,V] of the next token."""
-        from transformers import DynamicCache
-
-        try:
-            cache = DynamicCache(config=getattr(self.module, "config", None))
-        except TypeError:  # older transformers
-            cache = DynamicCache()
+        cache = self._new_cache()
         out = self._forward(ids, mask, positions_from_mask(mask), cache, 1)
         return out.logits[:, -1], cache
 
@@ -147,9 +143,50 @@ class HFPolicy(BasePolicy):
         return cache
 
     def _response_logits(self, ids: Tensor, mask: Tensor, response_len: int) -> Tensor:
-        """Logits [B,R,V] predicting the last R tokens."""
+        """Logits [B,R,V] predicting the last R tokens (a shared prompt runs once: `_shared_forward`)."""
+        shared = self._shared_forward(ids, mask, response_len, hidden=False)
+        if shared is not None:
+            return shared
         logits = self._forward(ids, mask, positions_from_mask(mask), None, response_len + 1).logits
         return logits[:, -(response_len + 1) : -1]
+
+    def _new_cache(self) -> Any:
+        """An empty DynamicCache for this model."""
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=getattr(self.module, "config", None))
+        except TypeError:  # older transformers
+            return DynamicCache()
+
+    def _shared_forward(self, ids: Tensor, mask: Tensor, response_len: int, hidden: bool) -> Tensor | None:
+        """Logits [B,R,V] (or the body's final hidden states [B,R,H] when `hidden`) predicting the last R
+        tokens, each distinct prompt run once: when rows share prompts (GRPO's n samples: `shared_prompts`),
+        the prompts go into a KV cache, the cache is repeated to their rows, and only the R response tokens of
+        each row run on it. Same numbers and gradient as the full forward (the repeated cache sums its rows'
+        gradients) on fewer tokens: 16 prompts x 8 samples of 45 + 12 tokens run 2,256 instead of 7,296. None
+        when no prompt is shared, or under gradient checkpointing in training (it turns the cache off)."""
+        groups = shared_prompts(ids, mask, response_len)
+        if groups is None or (self._checkpointing and torch.is_grad_enabled()):
+            return None
+        p_ids, p_mask, rows = groups
+        P = ids.shape[1] - response_len
+        model: Any = self.module
+        net = model.base_model if hidden else model
+        cache = self._new_cache()
+        common: dict[str, Any] = {self._cache_arg: cache, "use_cache": True}
+        if not hidden and self._has_logits_to_keep:
+            common["logits_to_keep"] = 1
+        p_pos = positions_from_mask(p_mask)
+        first = net(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, **common)
+        cache.batch_select_indices(rows)
+        common.pop("logits_to_keep", None)
+        rest = net(
+            input_ids=ids[:, P:], attention_mask=mask, position_ids=positions_from_mask(mask)[:, P:], **common
+        )
+        if hidden:
+            return torch.cat([first.last_hidden_state[:, -1:][rows], rest.last_hidden_state[:, :-1]], 1)
+        return torch.cat([first.logits[:, -1:][rows], rest.logits[:, :-1]], 1)
 
     def _response_hidden(
         self, ids: Tensor, mask: Tensor, response_len: int
@@ -161,10 +198,12 @@ class HFPolicy(BasePolicy):
         base = getattr(model, "base_model", None)
         if self._head_checked is False or not isinstance(head, nn.Linear) or base is None or base is model:
             return None
-        out = base(
-            input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False
-        )
-        hidden = out.last_hidden_state[:, -(response_len + 1) : -1]  # [B,R,H]
+        hidden = self._shared_forward(ids, mask, response_len, hidden=True)
+        if hidden is None:
+            out = base(
+                input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False
+            )
+            hidden = out.last_hidden_state[:, -(response_len + 1) : -1]  # [B,R,H]
         if self._head_checked is None:
             with torch.no_grad():
                 want = self._response_logits(ids[:1], mask[:1], response_len).float()
@@ -177,6 +216,7 @@ class HFPolicy(BasePolicy):
     def enable_gradient_checkpointing(self) -> None:
         """Recompute each decoder layer's activations in backward instead of keeping them (training only)."""
         model: Any = self.module
+        self._checkpointing = True
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
