@@ -102,31 +102,43 @@ def run_one(
     return curve, (curve.steps[-1] if curve.steps else 0)
 
 
-def plot_seed(runs: Sequence[ModeRun], target: float, out: Path) -> Path:
-    """val/acc vs seconds and vs samples trained, one line per mode, in one PNG."""
+def plot_val_curves(
+    curves: Sequence[tuple[str, Sequence[tuple[float, int, float]]]],
+    target: float,
+    out: Path,
+    title: str,
+    xlabels: tuple[str, str] = ("wall-clock seconds (from `rollstream run`)", "samples trained"),
+) -> Path:
+    """val/acc against seconds and against samples trained, one line per (label, [(s, samples, acc)]), in one
+    PNG with the target as a dotted line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for run in runs:
-        pts = run.curve.val_points()
-        a.plot([p[0] for p in pts], [p[2] for p in pts], marker=".", label=run.mode)
-        b.plot([p[1] for p in pts], [p[2] for p in pts], marker=".", label=run.mode)
-    for ax, xlabel in ((a, "wall-clock seconds (from `rollstream run`)"), (b, "samples trained")):
+    for label, pts in curves:
+        a.plot([p[0] for p in pts], [p[2] for p in pts], marker=".", label=label)
+        b.plot([p[1] for p in pts], [p[2] for p in pts], marker=".", label=label)
+    for ax, xlabel in zip((a, b), xlabels, strict=True):
         ax.axhline(target, color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out greedy exact match (val/acc)")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"seed {runs[0].seed}: " + " vs ".join(r.mode for r in runs))
+    fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def plot_seed(runs: Sequence[ModeRun], target: float, out: Path) -> Path:
+    """val/acc vs seconds and vs samples trained, one line per mode, in one PNG."""
+    curves = [(run.mode, run.curve.val_points()) for run in runs]
+    return plot_val_curves(curves, target, out, f"seed {runs[0].seed}: " + " vs ".join(r.mode for r in runs))
 
 
 def _fmt(x: float | None, spec: str) -> str:
