@@ -52,7 +52,7 @@ class LatencyProducer(Producer):
         rng = np.random.default_rng(
             producer_seed(cfg.run.seed, producer_index(ctx.name, cfg.rollout.num_producers))
         )
-        version_now = (lambda: self.weights.version) if cfg.rollout.partial_rollout else None
+        version_now = (lambda: self.weights.version) if cfg.async_training.partial_rollout else None
         generate = modelled_generate(LatencyModel.from_config(cfg), policy.tokenizer, rng, version_now)
         self.slots = cfg.rollout.latency_model.concurrency
         self.lock = threading.RLock()  # slots share the source, counters, stats window and weights

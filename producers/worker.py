@@ -132,7 +132,7 @@ class Producer:
         self.source = build_prompt_source(cfg, self.task).shard(self.index, cfg.rollout.num_producers)
         self.policy: BasePolicy | VLLMPolicy
         engine: VLLMPolicy | None = None
-        if cfg.rollout.engine == "vllm" and generate is None:
+        if cfg.rollout.name == "vllm" and generate is None:
             from producers.engines.vllm import VLLMPolicy  # vllm is imported only by producers that run it
 
             if policy is None or isinstance(policy, VLLMPolicy):  # a running engine given (tests) is used

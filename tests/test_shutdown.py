@@ -48,7 +48,8 @@ SLOW_PRODUCER = ["rollout.n=2", "rollout.num_producers=1", "data.max_response_le
 
 def common(keys: Keys, redis_url: str, tmp: Path) -> list[str]:
     return [f"run.name={keys.run}", f"run.redis_url={redis_url}", f"run.dir={tmp}", "run.device=cpu", *MODEL,
-            "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "trainer.parameter_sync_step=2",
+            "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+            "async_training.trigger_parameter_sync_step=2",
             "trainer.test_freq=0", "data.val_size=4", "data.epoch_size=32", "bus.block_ms=200"]
 
 
