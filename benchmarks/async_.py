@@ -64,19 +64,19 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OVERRIDES = [
     "model.d_model=128", "model.n_layer=4", "model.max_seq_len=64", "data.max_response_length=48",
     "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "async_training.trigger_parameter_sync_step=2",
-    "rollout.n=4", "rollout.num_producers=2", "rollout.latency_model.concurrency=8",
-    "rollout.latency_model.length_median=6", "rollout.latency_model.length_sigma=1.0",
+    "rollout.n=4", "rollout.num_producers=2", "bench.latency_model.concurrency=8",
+    "bench.latency_model.length_median=6", "bench.latency_model.length_sigma=1.0",
 ]
 #: --quick: a tiny model and batch (the test runs this).
 QUICK_OVERRIDES = [
     "model.d_model=64", "model.n_layer=2", "model.max_seq_len=48", "data.max_response_length=32",
     "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "async_training.trigger_parameter_sync_step=2",
-    "rollout.n=4", "rollout.num_producers=2", "rollout.latency_model.concurrency=4",
-    "rollout.latency_model.length_median=5", "rollout.latency_model.length_sigma=1.0",
+    "rollout.n=4", "rollout.num_producers=2", "bench.latency_model.concurrency=4",
+    "bench.latency_model.length_median=5", "bench.latency_model.length_sigma=1.0",
 ]
 #: Always set: latency-model producers, no validation, every step timed alike, nothing dropped.
 FIXED_OVERRIDES = [
-    "rollout.latency_model.enable=true", "trainer.test_freq=0", "trainer.num_warmup_batches=0",
+    "bench.latency_model.enable=true", "trainer.test_freq=0", "trainer.num_warmup_batches=0",
     "rollout.stats_every_s=1.0",
 ]
 
@@ -163,8 +163,8 @@ def calibrate(
             f"run.dir={run_dir}",
             f"trainer.total_training_steps={steps + 1}",
             "trainer.max_off_policy_threshold=1000",
-            "rollout.latency_model.tokens_per_s=1e9",
-            "rollout.latency_model.concurrency=1",
+            "bench.latency_model.tokens_per_s=1e9",
+            "bench.latency_model.concurrency=1",
             "rollout.num_producers=1",
             f"rollout.prompts_per_dispatch={tbs}",
         ],
@@ -182,7 +182,7 @@ def calibrate(
     train = [s - w for s, w, _ in per_step.values()][1:]
     train_step_s = sum(train) / len(train)
     lm = LatencyModel.from_config(cfg)
-    slots = cfg.rollout.num_producers * cfg.rollout.latency_model.concurrency
+    slots = cfg.rollout.num_producers * cfg.bench.latency_model.concurrency
     tokens = lm.mean_dispatch_tokens(cfg.rollout.n, seed=cfg.run.seed)  # per prompt
     tokens_per_s = tbs * tokens / (slots * train_step_s)
     return {"train_step_s": train_step_s, "mean_prompt_tokens": tokens, "tokens_per_s": tokens_per_s}
@@ -297,7 +297,7 @@ def _stop(procs: list[subprocess.Popen[bytes]], sig: int = signal.SIGTERM, wait_
 def collect(r: redis.Redis, keys: Keys, cfg: PipelineConfig, mode: str) -> ModeResult:
     """The figures of a finished run, read from its log (params, metrics, fates, rollouts)."""
     N = cfg.trainer.total_training_steps
-    slots = cfg.rollout.num_producers * cfg.rollout.latency_model.concurrency
+    slots = cfg.rollout.num_producers * cfg.bench.latency_model.concurrency
     # wall: params v0 -> vN, Redis entry-id milliseconds
     published: dict[int, int] = {}
     rows: Any = r.xrange(keys.params)
@@ -366,7 +366,7 @@ def collect(r: redis.Redis, keys: Keys, cfg: PipelineConfig, mode: str) -> ModeR
 
 def summarize(cal: dict[str, Any], sync: ModeResult, asyn: ModeResult, cfg: PipelineConfig) -> dict[str, Any]:
     """Both modes, the calibration and the headline ratios as one JSON-able dict."""
-    lm = cfg.rollout.latency_model
+    lm = cfg.bench.latency_model
     return {
         "producers": "latency-model (decode replaced by sleeping the modelled time; real producer loop)",
         "trainer": "real (CPU training of the tiny policy)",
@@ -481,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         else:
             cal = {"train_step_s": None, "mean_prompt_tokens": None, "tokens_per_s": args.tokens_per_s}
-        cfg = _with(cfg, [f"rollout.latency_model.tokens_per_s={cal['tokens_per_s']}"])
+        cfg = _with(cfg, [f"bench.latency_model.tokens_per_s={cal['tokens_per_s']}"])
         sync = run_mode(cfg, "sync", args.redis_url, work, args.timeout, args.namespace)
         asyn = run_mode(cfg, "async", args.redis_url, work, args.timeout, args.namespace)
     rep = summarize(cal, sync, asyn, cfg)

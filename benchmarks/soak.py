@@ -43,7 +43,7 @@ SOAK_CONFIG = [
     "data.reverse.max_digits=3",
     "data.epoch_size=256", "data.val_size=4", "data.max_response_length=6", "trainer.test_freq=0",
     "trainer.total_training_steps=1000000", "trainer.save_freq=10", "run.device=cpu",
-    "rollout.latency_model.enable=true", "rollout.torch_threads=1", "trainer.torch_threads=1",
+    "bench.latency_model.enable=true", "rollout.torch_threads=1", "trainer.torch_threads=1",
     "bus.trim_every_s=5", f"bus.max_stream_bytes={64 << 20}",
 ]
 CAP_BIT = "RETENTION CAP BIT"

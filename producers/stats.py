@@ -101,7 +101,7 @@ def rollout_status(counts: RolloutCounts, cfg: PipelineConfig, param_version: in
     (`get_statistics`; the trainer prefixes them with `fully_async/`): all producers' counts, the queue
     (published and not yet consumed, from the pacing counters: producers may not read the rollouts
     stream) and the static pacing figures."""
-    lm = cfg.rollout.latency_model
+    lm = cfg.bench.latency_model
     per_producer = lm.concurrency if lm.enable else cfg.rollout.prompts_per_dispatch
     return {
         "count/total_generated_samples": counts.published,

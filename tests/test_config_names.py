@@ -83,6 +83,12 @@ RENAMES: list[tuple[str, list[str], str, list[str]]] = [
         [],
     ),
     ("rollout.engine=vllm", ["rollout.name=vllm"], "rollout.name", HF),
+    (
+        "rollout.latency_model.enable=true",
+        ["bench.latency_model.enable=true"],
+        "bench.latency_model",
+        [],
+    ),
     ("data.min_digits=2", ["data.reverse.min_digits=2"], "data.reverse.min_digits", []),
     ("data.max_digits=4", ["data.reverse.max_digits=4"], "data.reverse.max_digits", []),
     ("data.fixed_width=true", ["data.reverse.fixed_width=true"], "data.reverse.fixed_width", []),
@@ -184,6 +190,7 @@ def test_rollstream_config_prints_the_new_names_of_an_old_config(tmp_path: Path)
     assert printed["algorithm"]["filter_groups"] == {"enable": True}
     assert printed["trainer"]["total_training_steps"] == 9 and printed["rollout"]["name"] == "builtin"
     assert printed["data"]["reverse"]["min_digits"] == 2
+    assert "bench" not in printed  # benchmark-only settings are no part of a run's config
     old_names = {"lr", "grad_clip", "adv_estimator", "off_policy_mode", "parameter_sync_step",
                  "total_global_steps", "filter_groups", "engine", "staleness_threshold", "min_digits"}
     for section in ("data", "rollout", "actor", "trainer"):
@@ -192,3 +199,10 @@ def test_rollstream_config_prints_the_new_names_of_an_old_config(tmp_path: Path)
     assert len(notes) == 11 and len(set(notes)) == 11  # one line an old key
     assert "config key actor.grad_clip is deprecated: use actor.optim.clip_grad" in notes
     assert "config key trainer.total_global_steps is deprecated: use trainer.total_training_steps" in notes
+
+
+def test_benchmark_settings_are_printed_only_where_a_benchmark_set_them() -> None:
+    assert "bench:" not in config_to_yaml(load_config(None))
+    modelled = load_config(None, ["bench.latency_model.enable=true"])
+    assert yaml.safe_load(config_to_yaml(modelled))["bench"]["latency_model"]["enable"] is True
+    assert load_config(None, ["bench.latency_model.enable=true"]).rollout == load_config(None).rollout

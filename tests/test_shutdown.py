@@ -42,8 +42,8 @@ MODEL = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq
 # this config): one modelled dispatch = 1 prompt x 2 trajectories of 6 tokens at 2 tokens/s: ~3 s of
 # "generation"
 SLOW_PRODUCER = ["rollout.n=2", "rollout.num_producers=1", "data.max_response_length=6",
-                 "rollout.latency_model.enable=true", "rollout.latency_model.tokens_per_s=2",
-                 "rollout.latency_model.length_median=6", "rollout.latency_model.length_sigma=0"]
+                 "bench.latency_model.enable=true", "bench.latency_model.tokens_per_s=2",
+                 "bench.latency_model.length_median=6", "bench.latency_model.length_sigma=0"]
 
 
 def common(keys: Keys, redis_url: str, tmp: Path) -> list[str]:

@@ -33,7 +33,7 @@ class Alias:
     also: dict[str, Any] = field(default_factory=dict)
 
 
-#: Every renamed key, old -> new (verl's names; task keys under their task).
+#: Every renamed key, old -> new (verl's names; task keys under their task; benchmark keys under bench).
 ALIASES: tuple[Alias, ...] = (
     Alias("actor.lr", "actor.optim.lr"),
     Alias("actor.weight_decay", "actor.optim.weight_decay"),
@@ -57,6 +57,7 @@ ALIASES: tuple[Alias, ...] = (
     Alias("rollout.staleness_threshold", "async_training.staleness_threshold"),
     Alias("rollout.partial_rollout", "async_training.partial_rollout"),
     Alias("rollout.engine", "rollout.name"),
+    Alias("rollout.latency_model", "bench.latency_model"),
     Alias("data.min_digits", "data.reverse.min_digits"),
     Alias("data.max_digits", "data.reverse.max_digits"),
     Alias("data.fixed_width", "data.reverse.fixed_width"),

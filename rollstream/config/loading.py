@@ -88,6 +88,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def config_to_yaml(cfg: PipelineConfig) -> str:
-    """The resolved config as YAML (logged at start, written into the run dir)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML (logged at start, written into the run dir); `bench:` only when set."""
+    data = cfg.model_dump(mode="json", exclude={"bench"} if "bench" not in cfg.model_fields_set else None)
+    return yaml.safe_dump(data, sort_keys=False)
 

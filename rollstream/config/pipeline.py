@@ -11,6 +11,7 @@ from rollstream.config.actor import ActorConfig
 from rollstream.config.algorithm import AlgorithmConfig
 from rollstream.config.async_training import AsyncTrainingConfig
 from rollstream.config.base import Section
+from rollstream.config.bench import BenchConfig
 from rollstream.config.bus import BusConfig
 from rollstream.config.data import DataConfig
 from rollstream.config.deprecated import translate
@@ -37,6 +38,9 @@ class PipelineConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Trainer consumer")
     bus: BusConfig = Field(default_factory=BusConfig, description="Redis Streams transport")
     aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig, description="Metrics aggregator")
+    bench: BenchConfig = Field(
+        default_factory=BenchConfig, description="Benchmarks only (`rollstream bench`), not a run setting"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -17,33 +17,6 @@ class MultiTurnConfig(Section):
 
 
 
-class LatencyModelConfig(Section):
-    """Benchmarks only: a producer that models generation time instead of decoding (see
-    benchmarks/latency.py)."""
-
-    enable: bool = Field(
-        False,
-        description="Replace decoding by sleeping each dispatch's modelled decode time (rest of the producer "
-                    "unchanged)",
-    )
-    tokens_per_s: float = Field(
-        200.0, gt=0, description="Modelled decode speed of one trajectory in tokens per second"
-    )
-    length_median: float = Field(
-        8.0, gt=0, description="Median modelled response length in tokens (lognormal)"
-    )
-    length_sigma: float = Field(
-        1.0, ge=0, description="Log-space std of the modelled response length (the long tail)"
-    )
-    concurrency: int = Field(
-        8,
-        ge=1,
-        description="Slots per producer, each dispatching one prompt at a time (an engine's continuous "
-                    "batching)",
-    )
-
-
-
 class VLLMConfig(Section):
     """The vLLM engine of each producer (`rollout.name=vllm`)."""
 
@@ -152,8 +125,3 @@ class RolloutConfig(Section):
                     "shared cores)",
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Multi-turn tool use")
-    latency_model: LatencyModelConfig = Field(
-        default_factory=LatencyModelConfig,
-        description="Benchmarks: modelled generation time instead of decoding",
-    )
-
