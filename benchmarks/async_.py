@@ -63,20 +63,20 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The workload of the default size (overridable with key=value after the config path).
 DEFAULT_OVERRIDES = [
     "model.d_model=128", "model.n_layer=4", "model.max_seq_len=64", "data.max_response_length=48",
-    "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "trainer.parameter_sync_step=2",
-    "rollout.n=4", "rollout.num_producers=2", "rollout.latency_model.concurrency=8",
-    "rollout.latency_model.length_median=6", "rollout.latency_model.length_sigma=1.0",
+    "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "async_training.trigger_parameter_sync_step=2",
+    "rollout.n=4", "rollout.num_producers=2", "bench.latency_model.concurrency=8",
+    "bench.latency_model.length_median=6", "bench.latency_model.length_sigma=1.0",
 ]
 #: --quick: a tiny model and batch (the test runs this).
 QUICK_OVERRIDES = [
     "model.d_model=64", "model.n_layer=2", "model.max_seq_len=48", "data.max_response_length=32",
-    "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=2",
-    "rollout.n=4", "rollout.num_producers=2", "rollout.latency_model.concurrency=4",
-    "rollout.latency_model.length_median=5", "rollout.latency_model.length_sigma=1.0",
+    "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "async_training.trigger_parameter_sync_step=2",
+    "rollout.n=4", "rollout.num_producers=2", "bench.latency_model.concurrency=4",
+    "bench.latency_model.length_median=5", "bench.latency_model.length_sigma=1.0",
 ]
 #: Always set: latency-model producers, no validation, every step timed alike, nothing dropped.
 FIXED_OVERRIDES = [
-    "rollout.latency_model.enable=true", "trainer.test_freq=0", "trainer.num_warmup_batches=0",
+    "bench.latency_model.enable=true", "trainer.test_freq=0", "trainer.num_warmup_batches=0",
     "rollout.stats_every_s=1.0",
 ]
 
@@ -118,8 +118,8 @@ def bench_config(
     size = QUICK_OVERRIDES if quick else DEFAULT_OVERRIDES
     fixed = [
         *FIXED_OVERRIDES,
-        f"trainer.total_global_steps={steps}",
-        f"rollout.staleness_threshold={staleness}",
+        f"trainer.total_training_steps={steps}",
+        f"async_training.staleness_threshold={staleness}",
         f"trainer.max_off_policy_threshold={int(staleness) + 3}",
     ]
     return load_config(config, [*size, *overrides, *fixed])
@@ -161,10 +161,10 @@ def calibrate(
         [
             f"run.name={keys.run}",
             f"run.dir={run_dir}",
-            f"trainer.total_global_steps={steps + 1}",
+            f"trainer.total_training_steps={steps + 1}",
             "trainer.max_off_policy_threshold=1000",
-            "rollout.latency_model.tokens_per_s=1e9",
-            "rollout.latency_model.concurrency=1",
+            "bench.latency_model.tokens_per_s=1e9",
+            "bench.latency_model.concurrency=1",
             "rollout.num_producers=1",
             f"rollout.prompts_per_dispatch={tbs}",
         ],
@@ -182,7 +182,7 @@ def calibrate(
     train = [s - w for s, w, _ in per_step.values()][1:]
     train_step_s = sum(train) / len(train)
     lm = LatencyModel.from_config(cfg)
-    slots = cfg.rollout.num_producers * cfg.rollout.latency_model.concurrency
+    slots = cfg.rollout.num_producers * cfg.bench.latency_model.concurrency
     tokens = lm.mean_dispatch_tokens(cfg.rollout.n, seed=cfg.run.seed)  # per prompt
     tokens_per_s = tbs * tokens / (slots * train_step_s)
     return {"train_step_s": train_step_s, "mean_prompt_tokens": tokens, "tokens_per_s": tokens_per_s}
@@ -220,7 +220,7 @@ def run_mode(
     """Run producers + trainer as subprocesses in a fresh namespace; collect the figures; delete the keys."""
     keys = Keys(f"{namespace}-{mode}-{uuid.uuid4().hex[:8]}")
     mode_overrides = (
-        ["rollout.staleness_threshold=0", "trainer.sync_mode=true"]
+        ["async_training.staleness_threshold=0", "trainer.sync_mode=true"]
         if mode == "sync"
         else ["trainer.sync_mode=false"]
     )
@@ -296,8 +296,8 @@ def _stop(procs: list[subprocess.Popen[bytes]], sig: int = signal.SIGTERM, wait_
 
 def collect(r: redis.Redis, keys: Keys, cfg: PipelineConfig, mode: str) -> ModeResult:
     """The figures of a finished run, read from its log (params, metrics, fates, rollouts)."""
-    N = cfg.trainer.total_global_steps
-    slots = cfg.rollout.num_producers * cfg.rollout.latency_model.concurrency
+    N = cfg.trainer.total_training_steps
+    slots = cfg.rollout.num_producers * cfg.bench.latency_model.concurrency
     # wall: params v0 -> vN, Redis entry-id milliseconds
     published: dict[int, int] = {}
     rows: Any = r.xrange(keys.params)
@@ -366,12 +366,12 @@ def collect(r: redis.Redis, keys: Keys, cfg: PipelineConfig, mode: str) -> ModeR
 
 def summarize(cal: dict[str, Any], sync: ModeResult, asyn: ModeResult, cfg: PipelineConfig) -> dict[str, Any]:
     """Both modes, the calibration and the headline ratios as one JSON-able dict."""
-    lm = cfg.rollout.latency_model
+    lm = cfg.bench.latency_model
     return {
         "producers": "latency-model (decode replaced by sleeping the modelled time; real producer loop)",
         "trainer": "real (CPU training of the tiny policy)",
         "workload": {
-            "global_steps": cfg.trainer.total_global_steps,
+            "global_steps": cfg.trainer.total_training_steps,
             "train_batch_size": cfg.data.train_batch_size,
             "n": cfg.rollout.n,
             "producers": cfg.rollout.num_producers,
@@ -379,7 +379,7 @@ def summarize(cal: dict[str, Any], sync: ModeResult, asyn: ModeResult, cfg: Pipe
             "length_median": lm.length_median,
             "length_sigma": lm.length_sigma,
             "max_response_length": cfg.data.max_response_length,
-            "async_staleness_threshold": cfg.rollout.staleness_threshold,
+            "async_staleness_threshold": cfg.async_training.staleness_threshold,
             "model": f"d{cfg.model.d_model} L{cfg.model.n_layer}",
             "seed": cfg.run.seed,
         },
@@ -444,7 +444,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the workload")
     p.add_argument("--quick", action="store_true", help="tiny size (tests; ~30 s)")
     p.add_argument("--steps", type=int, default=None, help="global steps per mode (default 20, quick 4)")
-    p.add_argument("--staleness", type=float, default=1.0, help="async mode's rollout.staleness_threshold")
+    p.add_argument(
+        "--staleness", type=float, default=1.0, help="async mode's async_training.staleness_threshold"
+    )
     p.add_argument(
         "--calibration-steps", type=int, default=None, help="timed calibration steps (default 4, quick 2)"
     )
@@ -479,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         else:
             cal = {"train_step_s": None, "mean_prompt_tokens": None, "tokens_per_s": args.tokens_per_s}
-        cfg = _with(cfg, [f"rollout.latency_model.tokens_per_s={cal['tokens_per_s']}"])
+        cfg = _with(cfg, [f"bench.latency_model.tokens_per_s={cal['tokens_per_s']}"])
         sync = run_mode(cfg, "sync", args.redis_url, work, args.timeout, args.namespace)
         asyn = run_mode(cfg, "async", args.redis_url, work, args.timeout, args.namespace)
     rep = summarize(cal, sync, asyn, cfg)

@@ -88,7 +88,7 @@ def _rank(
         dp.barrier()
         hook["s"], dp.collective_s = 0.0, 0.0
         t0 = time.perf_counter()
-        total = cfg.trainer.total_global_steps
+        total = cfg.trainer.total_training_steps
         while trainer.global_step < total and trainer.train_step(trainer.global_step + 1):
             pass
         wall = time.perf_counter() - t0
@@ -130,7 +130,7 @@ def measure(
             f"run.dir={tmp}",
             "run.device=cpu",
             f"trainer.nproc_per_node={ranks}",
-            f"trainer.total_global_steps={warmup + steps}",
+            f"trainer.total_training_steps={warmup + steps}",
             "trainer.test_freq=0",
             "trainer.max_off_policy_threshold=1000000",
             "trainer.num_warmup_batches=0",

@@ -7,7 +7,7 @@ second (generation + scoring + encode + publish). The namespace's keys are delet
 Run: `rollstream bench generation pipeline.yaml [key=value ...] [--dispatches N] [--redis-url URL]`.
 
 Engines side by side (`--engines builtin vllm vllm-dispatch`): the same model, config and prompts through each
-`rollout.engine` in one run, one after the other, each also timed loading a newly published version into
+`rollout.name` in one run, one after the other, each also timed loading a newly published version into
 the running engine (the swap); `vllm` serves continuously (`rollout.vllm.continuous`), `vllm-dispatch` one
 batch per dispatch. For vLLM also: the engine's busy share of the wall clock and its mean occupancy (rows in
 flight over the rows a dispatch holds) while busy. `--preset llama-tail` gives a long-tailed response length
@@ -65,7 +65,7 @@ def unthrottled_producer(
                            file_dir=weights_dir, probe=policy_probe(policy))
     lease_outright(r, keys, "rollout_00", 1 << 30)
     ctx = WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=r)
-    if cfg.rollout.engine == "vllm":  # the producer starts its own engine on the checkpoint
+    if cfg.rollout.name == "vllm":  # the producer starts its own engine on the checkpoint
         del policy
         return build(ctx)
     return build(ctx, policy=policy)
@@ -171,7 +171,7 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
             "rows_per_batch": cfg.rollout.n * cfg.rollout.prompts_per_dispatch,
             "max_new_tokens": cfg.data.max_response_length,
             "swap_s": swap_s,
-            "engine": cfg.rollout.engine,
+            "engine": cfg.rollout.name,
             "device": str(getattr(producer.policy, "device", cfg.run.device)),
             "torch_threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(),
@@ -189,7 +189,7 @@ def compare_engines(
     for name in engines:
         engine, _, mode = name.partition("-")
         vllm = cfg.rollout.vllm.model_copy(update={"continuous": mode != "dispatch"})
-        rollout = cfg.rollout.model_copy(update={"engine": engine, "vllm": vllm})
+        rollout = cfg.rollout.model_copy(update={"name": engine, "vllm": vllm})
         ecfg = cfg.model_copy(update={"rollout": rollout})
         out[name] = bench_generation(ecfg, redis_url, dispatches, warmup)
         gc.collect()
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured dispatches first (engine warm-up)")
     p.add_argument("--engines", nargs="+", choices=("builtin", "vllm", "vllm-dispatch"), default=None,
-                   help="compare these rollout.engine values on the same config in one run (vllm-dispatch: "
+                   help="compare these rollout.name values on the same config in one run (vllm-dispatch: "
                         "vLLM with rollout.vllm.continuous=false)")
     p.add_argument(
         "--preset",
@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     base = load_config(args.config, args.overrides)
-    if any(e.startswith("vllm") for e in args.engines or [base.rollout.engine]):  # the same OpenMP for all
+    if any(e.startswith("vllm") for e in args.engines or [base.rollout.name]):  # the same OpenMP for all
         from producers.engines.vllm import reexec_with_openmp
 
         reexec_with_openmp(base)

@@ -1,6 +1,6 @@
 """Latency-model generation, for benchmarks on machines where producers and trainer would fight for cores.
 
-With `rollout.latency_model.enable`, a producer runs its real loop (budget take, dispatch, param_version
+With `bench.latency_model.enable`, a producer runs its real loop (budget take, dispatch, param_version
 stamping, weight sync, scoring, publish, pacing) with `modelled_generate` injected as its generate function
 (benchmarks/latency_producer.py): it sleeps for the modelled decode time and returns trajectories of the
 modelled lengths:
@@ -48,8 +48,8 @@ class LatencyModel:
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig) -> LatencyModel:
-        """The model of `rollout.latency_model`, truncated at `data.max_response_length`."""
-        lm = cfg.rollout.latency_model
+        """The model of `bench.latency_model`, truncated at `data.max_response_length`."""
+        lm = cfg.bench.latency_model
         return cls(lm.tokens_per_s, lm.length_median, lm.length_sigma, cfg.data.max_response_length)
 
     def draw_lengths(self, rng: np.random.Generator, count: int) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Latency-model producers: the producer with the modelled decode injected (benchmarks/latency.py), its
-loop run in slots. What `rollstream run` starts as producers when `rollout.latency_model.enable`:
+loop run in slots. What `rollstream run` starts as producers when `bench.latency_model.enable`:
 
     python -m benchmarks.latency_producer pipeline.yaml [key=value ...] [--name rollout_NN] [--burst]
     [--max-dispatches N]
@@ -52,9 +52,9 @@ class LatencyProducer(Producer):
         rng = np.random.default_rng(
             producer_seed(cfg.run.seed, producer_index(ctx.name, cfg.rollout.num_producers))
         )
-        version_now = (lambda: self.weights.version) if cfg.rollout.partial_rollout else None
+        version_now = (lambda: self.weights.version) if cfg.async_training.partial_rollout else None
         generate = modelled_generate(LatencyModel.from_config(cfg), policy.tokenizer, rng, version_now)
-        self.slots = cfg.rollout.latency_model.concurrency
+        self.slots = cfg.bench.latency_model.concurrency
         self.lock = threading.RLock()  # slots share the source, counters, stats window and weights
         self.generation = 0  # bumped by each reconnect; a dispatch taken under an older one is not published
         self._slot = threading.local()  # the generation a slot's current dispatch was taken under

@@ -7,9 +7,9 @@ Per seed: one supervised warm start of the tiny GPT (scripts/warm_start.py's, en
 none for a pretrained model), shared by both modes, then the config run as a user runs it (`rollstream
 run`: embedded Redis, producers, trainer, aggregator under supervisord) once per mode:
 
-  sync   rollout.staleness_threshold=0 trainer.sync_mode=true: the trainer collects the whole global batch
-         before training and producers get budget only for the next version, so generation and training
-         strictly alternate (synchronous RL on the same code);
+  sync   async_training.staleness_threshold=0 trainer.sync_mode=true: the trainer collects the whole
+         global batch before training and producers get budget only for the next version, so generation
+         and training strictly alternate (synchronous RL on the same code);
   async  the config as it is (streaming trainer, staleness_threshold from the config).
 
 Each run is watched (`rollstream watch`'s reader) until val/acc >= --target or --limit-s, the clock starting
@@ -37,7 +37,7 @@ from rollstream.ops.run_target import open_run
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
-    "sync": ["rollout.staleness_threshold=0", "trainer.sync_mode=true"],
+    "sync": ["async_training.staleness_threshold=0", "trainer.sync_mode=true"],
     "async": [],
 }
 

@@ -37,11 +37,13 @@ from rollstream.ops.plan import SuperviseError, plan_run
 from rollstream.ops.run_target import open_run
 
 SOAK_CONFIG = [
-    "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=2", "rollout.n=4",
-    "model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "data.max_digits=3",
+    "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "async_training.trigger_parameter_sync_step=2",
+    "rollout.n=4",
+    "model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32",
+    "data.reverse.max_digits=3",
     "data.epoch_size=256", "data.val_size=4", "data.max_response_length=6", "trainer.test_freq=0",
-    "trainer.total_global_steps=1000000", "trainer.save_freq=10", "run.device=cpu",
-    "rollout.latency_model.enable=true", "rollout.torch_threads=1", "trainer.torch_threads=1",
+    "trainer.total_training_steps=1000000", "trainer.save_freq=10", "run.device=cpu",
+    "bench.latency_model.enable=true", "rollout.torch_threads=1", "trainer.torch_threads=1",
     "bus.trim_every_s=5", f"bus.max_stream_bytes={64 << 20}",
 ]
 CAP_BIT = "RETENTION CAP BIT"

@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     )
     known, rest = pre.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     ctx, args = start_worker(role, rest)
-    if ctx.cfg.rollout.engine == "vllm" and build is None:
+    if ctx.cfg.rollout.name == "vllm" and build is None:
         from producers.engines.vllm import reexec_with_openmp
 
         reexec_with_openmp(ctx.cfg)  # returns unless it restarts this process with Intel OpenMP preloaded

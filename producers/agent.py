@@ -87,7 +87,7 @@ class GenerationSettings:
             max_new_tokens=cfg.data.max_response_length,
             temperature=ro.temperature,
             top_p=ro.top_p,
-            partial_rollout=ro.partial_rollout,
+            partial_rollout=cfg.async_training.partial_rollout,
             sync_every_tokens=ro.sync_every_tokens,
             max_turns=ro.multi_turn.max_turns,
         )

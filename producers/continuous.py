@@ -16,8 +16,8 @@ What stays as in the per-dispatch loop:
 - **Leases first, then weights.** Admission reads the lease, then loads newer weights if any, so a prompt
   leased under version v is never generated with older weights; a group is stamped with the version loaded
   when it was admitted.
-- **Swaps.** With `rollout.partial_rollout` every `sync_every_tokens` engine steps newer weights are loaded:
-  the rows in flight pause, swap and resume (`Completion.swap_points`), and each row's first and last
+- **Swaps.** With `async_training.partial_rollout` every `sync_every_tokens` engine steps newer weights are
+  loaded: the rows in flight pause, swap and resume (`Completion.swap_points`), and each row's first and last
   generating versions are recorded per row. Without it admission stops once a newer version is out, the
   engine drains, and the version loads with nothing in flight.
 - Any error (a lost connection included) drops what is in flight; the producer's own handling then resyncs

@@ -101,7 +101,7 @@ def rollout_status(counts: RolloutCounts, cfg: PipelineConfig, param_version: in
     (`get_statistics`; the trainer prefixes them with `fully_async/`): all producers' counts, the queue
     (published and not yet consumed, from the pacing counters: producers may not read the rollouts
     stream) and the static pacing figures."""
-    lm = cfg.rollout.latency_model
+    lm = cfg.bench.latency_model
     per_producer = lm.concurrency if lm.enable else cfg.rollout.prompts_per_dispatch
     return {
         "count/total_generated_samples": counts.published,
@@ -111,7 +111,7 @@ def rollout_status(counts: RolloutCounts, cfg: PipelineConfig, param_version: in
         "monitor/queue/mq_queue_size": counts.queued,
         "static/max_required_samples": cfg.max_outstanding,
         "static/required_samples": cfg.actor.ppo_mini_batch_size,
-        "static/staleness_threshold": cfg.rollout.staleness_threshold,
+        "static/staleness_threshold": cfg.async_training.staleness_threshold,
         "static/max_queue_size": cfg.max_outstanding,
         "static/max_concurrent_samples": cfg.rollout.num_producers * per_producer,
     }

@@ -28,7 +28,7 @@ either landed (the cursor in Redis moved with it) or not (its prompts are dispat
 published twice or skipped.
 
 Generation is a function the producer is given (`GenerateFn`); the default runs the policy through the
-agent loop. The latency-model benchmarks (`rollout.latency_model`, benchmarks/latency_producer.py) inject a
+agent loop. The latency-model benchmarks (`bench.latency_model`, benchmarks/latency_producer.py) inject a
 modelled decode instead and run several copies of the loop side by side; this module has no threads.
 """
 
@@ -120,9 +120,9 @@ class Producer:
         generate: GenerateFn | None = None,
     ) -> None:
         cfg = ctx.cfg
-        if cfg.rollout.latency_model.enable and generate is None:
+        if cfg.bench.latency_model.enable and generate is None:
             raise ValueError(
-                "rollout.latency_model.enable is for benchmarks: run the latency-model producer "
+                "bench.latency_model.enable is for benchmarks: run the latency-model producer "
                 "(`python -m benchmarks.latency_producer`, which `rollstream run` starts for such a config)"
             )
         self.ctx = ctx
@@ -132,7 +132,7 @@ class Producer:
         self.source = build_prompt_source(cfg, self.task).shard(self.index, cfg.rollout.num_producers)
         self.policy: BasePolicy | VLLMPolicy
         engine: VLLMPolicy | None = None
-        if cfg.rollout.engine == "vllm" and generate is None:
+        if cfg.rollout.name == "vllm" and generate is None:
             from producers.engines.vllm import VLLMPolicy  # vllm is imported only by producers that run it
 
             if policy is None or isinstance(policy, VLLMPolicy):  # a running engine given (tests) is used

@@ -16,9 +16,9 @@ def build_task(cfg: PipelineConfig) -> Task:
     if cfg.data.task == "reverse":
         return make_task(
             "reverse",
-            min_digits=cfg.data.min_digits,
-            max_digits=cfg.data.max_digits,
-            fixed_width=cfg.data.fixed_width,
+            min_digits=cfg.data.reverse.min_digits,
+            max_digits=cfg.data.reverse.max_digits,
+            fixed_width=cfg.data.reverse.fixed_width,
         )
     if cfg.data.task.startswith("rg:"):
         return make_task(cfg.data.task, settings=cfg.data.task_args, instruction=cfg.data.instruction,

@@ -52,11 +52,12 @@ from rollstream.ops.runcheck import (
 ROOT = Path(__file__).resolve().parents[1]
 ALLOW_CPU_ENV = "ROLLSTREAM_GPU_CHECK_ALLOW_CPU"
 RUN = [
-    "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "trainer.parameter_sync_step=2", "rollout.n=8",
+    "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "async_training.trigger_parameter_sync_step=2",
+    "rollout.n=8",
     "rollout.num_producers=2", "rollout.prompts_per_dispatch=8", "rollout.stats_every_s=1",
     "data.max_response_length=12", "data.val_size=16", "trainer.test_freq=0", "rollout.torch_threads=0",
     "trainer.torch_threads=0", "bus.weights_inline_max_bytes=0", "actor.micro_batch_size=32",
-    "actor.gradient_checkpointing=true", "rollout.staleness_threshold=1.0",
+    "actor.gradient_checkpointing=true", "async_training.staleness_threshold=1.0",
 ]
 
 
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--timeout-s", type=float, default=300.0, help="give up when the steps take longer")
     p.add_argument(
-        "--engine", choices=("builtin", "vllm"), default="builtin", help="rollout.engine of the producers"
+        "--engine", choices=("builtin", "vllm"), default="builtin", help="rollout.name of the producers"
     )
     p.add_argument("overrides", nargs="*", help="key=value overrides for `rollstream run`")
     args = p.parse_args(argv)
@@ -121,8 +122,8 @@ def check(work: Path, device: str, label: str, args: argparse.Namespace) -> int:
                                tokenizer="bpe", chat_template=True, num_layers=args.layers)
     name = f"gpu-check-{int(time.time())}"
     run_args = ["pipeline.yaml", "model.backend=hf", f"model.hf_path={model}", *RUN,
-                f"trainer.total_global_steps={args.steps}", f"run.device={device}", f"run.dir={work}",
-                f"run.name={name}", f"rollout.engine={args.engine}", *args.overrides]
+                f"trainer.total_training_steps={args.steps}", f"run.device={device}", f"run.dir={work}",
+                f"run.name={name}", f"rollout.name={args.engine}", *args.overrides]
     run_dir = work / name
     t0 = time.perf_counter()
     ok = True

@@ -143,7 +143,7 @@ def test_unread_data_over_the_budget_paces_producers_to_one_step(
     grants at one global step's prompts (instead of max_outstanding - outstanding), checkpoints every step,
     and still finishes."""
     args = small_budget(keys, redis_url, tmp_path, 10, "trainer.save_freq=5", "trainer.keep_checkpoints=20",
-                        "rollout.staleness_threshold=3")  # uncapped, a grant could be 4 steps' prompts
+                        "async_training.staleness_threshold=3")  # uncapped, a grant could be 4 steps' prompts
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "producers are paced to one global step per version" in done.stderr

@@ -61,8 +61,8 @@ def trainer_cfg(keys: Keys, tmp_path: Path, sync_mode: bool) -> PipelineConfig:
             f"run.dir={tmp_path}",
             "data.train_batch_size=4",
             "actor.ppo_mini_batch_size=2",
-            "trainer.parameter_sync_step=2",
-            "trainer.total_global_steps=1",
+            "async_training.trigger_parameter_sync_step=2",
+            "trainer.total_training_steps=1",
             "trainer.test_freq=0",
             "trainer.num_warmup_batches=0",
             "bus.block_ms=100",
@@ -115,11 +115,11 @@ def test_latency_model_producer_slots_run_side_by_side(r: redis.Redis, keys: Key
             "rollout.num_producers=1",
             "rollout.n=3",
             "data.max_response_length=16",
-            "rollout.latency_model.enable=true",
-            "rollout.latency_model.concurrency=4",
-            "rollout.latency_model.tokens_per_s=40",
-            "rollout.latency_model.length_median=10",
-            "rollout.latency_model.length_sigma=0",
+            "bench.latency_model.enable=true",
+            "bench.latency_model.concurrency=4",
+            "bench.latency_model.tokens_per_s=40",
+            "bench.latency_model.length_median=10",
+            "bench.latency_model.length_sigma=0",
         ],
     )
     setup_run(r, keys, PRODUCERS)
@@ -148,7 +148,7 @@ def test_the_production_producer_refuses_a_latency_model_config(
     r: redis.Redis, keys: Keys, redis_url: str
 ) -> None:
     """`python -m producers` never silently decodes for real when the config asks for the latency model."""
-    cfg = load_config(None, [*TINY_MODEL, f"run.name={keys.run}", "rollout.latency_model.enable=true"])
+    cfg = load_config(None, [*TINY_MODEL, f"run.name={keys.run}", "bench.latency_model.enable=true"])
     with pytest.raises(ValueError, match="benchmarks.latency_producer"):
         Producer(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=connect(redis_url)))
 

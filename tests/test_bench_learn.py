@@ -10,9 +10,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_learn_probe_trains_and_reports_per_length_and_position() -> None:
-    tiny = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "data.max_digits=4", "data.val_size=16",
+    tiny = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "data.reverse.max_digits=4",
+            "data.val_size=16",
             "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "run.device=cpu",
-            "actor.adv_estimator=grpo_token", "rollout.temperature=2.0"]
+            "algorithm.adv_estimator=grpo_token", "rollout.temperature=2.0"]
     proc = subprocess.run(
         [
             sys.executable,
@@ -43,7 +44,7 @@ def test_bench_learn_runs_both_modes_as_users_run_them_and_writes_curves(tmp_pat
         "model.d_model=32",
         "model.n_layer=1",
         "model.n_head=2",
-        "data.max_digits=3",
+        "data.reverse.max_digits=3",
         "data.val_size=8",
         "data.train_batch_size=4",
         "actor.ppo_mini_batch_size=4",
@@ -111,7 +112,8 @@ def test_lagged_sampler_holds_the_weights_of_lag_updates_ago() -> None:
 
 
 def test_learn_probe_stops_at_the_target() -> None:
-    tiny = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "data.max_digits=3", "data.val_size=8",
+    tiny = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "data.reverse.max_digits=3",
+            "data.val_size=8",
             "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "run.device=cpu"]
     proc = subprocess.run([sys.executable, "-m", "rollstream.cli", "bench", "learn_probe", "pipeline.yaml",
                            *tiny, "--limit-s", "60", "--eval-every", "2", "--lag", "1", "--target", "0"],

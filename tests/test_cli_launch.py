@@ -27,13 +27,13 @@ WORKERS_MISSING = any(
 TINY = [
     "data.train_batch_size=4",
     "actor.ppo_mini_batch_size=2",
-    "trainer.parameter_sync_step=2",
+    "async_training.trigger_parameter_sync_step=2",
     "rollout.n=4",
     "rollout.num_producers=1",
     "model.d_model=32",
     "model.max_seq_len=24",
     "data.max_response_length=6",
-    "data.max_digits=3",
+    "data.reverse.max_digits=3",
     "data.epoch_size=256",
     "data.val_size=4",
     "trainer.test_freq=0",
@@ -123,7 +123,7 @@ def test_watch_follows_a_run_to_its_target_and_records_show_recent_train_accurac
     from rollstream.ops.run_target import open_run
     from schemas import RolloutSample, decode
 
-    args = ["pipeline.yaml", *TINY, "trainer.test_freq=1", "actor.adv_estimator=grpo_token",
+    args = ["pipeline.yaml", *TINY, "trainer.test_freq=1", "algorithm.adv_estimator=grpo_token",
             f"run.dir={tmp_path}", "run.name=watch"]
     try:
         started = rollstream("run", *args, timeout_s=60)

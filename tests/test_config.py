@@ -15,18 +15,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_shipped_pipeline_yaml_loads() -> None:
     cfg = load_config(ROOT / "pipeline.yaml")
-    assert cfg.data.train_batch_size == cfg.trainer.parameter_sync_step * cfg.actor.ppo_mini_batch_size
+    sync_step = cfg.async_training.trigger_parameter_sync_step
+    assert cfg.data.train_batch_size == sync_step * cfg.actor.ppo_mini_batch_size
 
 
 def test_shipped_configs_load_and_differ_from_the_demo_only_in_their_levers() -> None:
     demo = load_config(ROOT / "pipeline.yaml")
     hard = load_config(ROOT / "configs" / "reverse-variable.yaml")
     assert (
-        hard.data.fixed_width is False
-        and hard.actor.adv_estimator == "grpo_token"
-        and hard.actor.gamma == 0.0
+        hard.data.reverse.fixed_width is False
+        and hard.algorithm.adv_estimator == "grpo_token"
+        and hard.algorithm.gamma == 0.0
     )
-    assert hard.rollout.temperature == 2.0 and hard.actor.entropy_coef == 0.01
+    assert hard.rollout.temperature == 2.0 and hard.actor.entropy_coeff == 0.01
     assert hard.model.position == "learned+rope" and demo.model.position == "learned"  # a lever, the only one
     same_model = hard.model.model_copy(update={"position": "learned"})
     assert (same_model, hard.data.train_batch_size, hard.rollout.n) == (
@@ -41,7 +42,7 @@ def test_smollm2_config_reads_the_pretrained_model_from_the_cache(monkeypatch: p
     monkeypatch.setenv("ROLLSTREAM_MODEL_CACHE", "/models")
     cfg = load_config(path)  # model.pretrained names the folder `rollstream model build` writes
     assert cfg.model.hf_path == "/models/smollm2-135m-instruct" and cfg.model.autocast == "bfloat16"
-    assert cfg.data.task == "rg:basic_arithmetic" and cfg.rollout.engine == "builtin"
+    assert cfg.data.task == "rg:basic_arithmetic" and cfg.rollout.name == "builtin"
     assert cfg.data.task_args["operators"] == ["+", "-", "*"]  # '/' items are wrong: see config
     explicit = load_config(path, ["model.hf_path=/elsewhere"])
     assert explicit.model.hf_path == "/elsewhere"  # an explicit folder wins
@@ -55,16 +56,16 @@ def test_overrides_are_typed() -> None:
     cfg = load_config(
         None,
         [
-            "trainer.parameter_sync_step=4",
+            "async_training.trigger_parameter_sync_step=4",
             "data.train_batch_size=32",
-            "rollout.partial_rollout=false",
+            "async_training.partial_rollout=false",
             "rollout.temperature=0.7",
             "rollout.multi_turn.enable=true",
             "run.redis_url=redis://h:1/2",
         ],
     )
-    assert cfg.trainer.parameter_sync_step == 4
-    assert cfg.rollout.partial_rollout is False
+    assert cfg.async_training.trigger_parameter_sync_step == 4
+    assert cfg.async_training.partial_rollout is False
     assert cfg.rollout.temperature == 0.7
     assert cfg.rollout.multi_turn.enable is True
     assert cfg.run.redis_url == "redis://h:1/2"
@@ -75,7 +76,7 @@ def test_bad_train_batch_size_names_all_three() -> None:
         load_config(None, ["data.train_batch_size=10"])
     msg = str(e.value)
     assert "data.train_batch_size=10" in msg
-    assert "trainer.parameter_sync_step=2" in msg
+    assert "async_training.trigger_parameter_sync_step=2" in msg
     assert "actor.ppo_mini_batch_size=8" in msg
 
 
@@ -83,7 +84,7 @@ def test_bad_train_batch_size_names_all_three() -> None:
     ("override", "needle"),
     [
         ("trainer.max_off_policy_threshold=0", "max_off_policy_threshold=0"),
-        ("rollout.staleness_threshold=-1", "rollout.staleness_threshold=-1"),
+        ("async_training.staleness_threshold=-1", "async_training.staleness_threshold=-1"),
         ("rollout.n=zero", "rollout.n='zero'"),
         ("trainer.no_such_key=1", "trainer.no_such_key: unknown key"),
         ("bus.block_ms=20000", "socket_timeout_s"),

@@ -445,7 +445,7 @@ def test_a_producer_cannot_move_the_pacing_nor_take_more_than_its_lease(roles: R
     assert lease_of(prod, keys, "rollout_00") == 8 and int(roles.admin.get(keys.dispatched)) == 8  # type: ignore[arg-type]
     # 40 entries outside its lease, then its 8: the 40 are dead-lettered and count nothing
     cfg = load_config(None, [f"run.name={keys.run}", "bus.block_ms=10", "data.train_batch_size=8",
-                             "actor.ppo_mini_batch_size=8", "trainer.parameter_sync_step=1"])
+                             "actor.ppo_mini_batch_size=8", "async_training.trigger_parameter_sync_step=1"])
     pub = Publisher(prod)
     for seq in [*range(8, 48), *range(8)]:
         pub.publish(
@@ -546,7 +546,7 @@ def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish
     assert expiry.expired == {P0: 8}
     assert lease_of(trainer, keys, P0) == 9 and lease_of(trainer, keys, "rollout_01") == 7
     cfg = load_config(None, [f"run.name={keys.run}", "bus.block_ms=10", "data.train_batch_size=8",
-                             "actor.ppo_mini_batch_size=8", "trainer.parameter_sync_step=1"])
+                             "actor.ppo_mini_batch_size=8", "async_training.trigger_parameter_sync_step=1"])
 
     def publish(client: redis.Redis, name: str, seq: int) -> None:
         sample = fake_rollout_sample(f"{name}-{seq}", n=2, prompt_len=3, response_len=4, producer=name)

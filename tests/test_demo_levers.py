@@ -37,7 +37,7 @@ def test_learner_reports_the_decayed_entropy_coef() -> None:
     from consumers.trainer.assembly import assemble_batch_from_rollout_samples
     from rollstream.fakes import fake_rollout_sample
 
-    learner = Learner(load_config(None, TINY + ["actor.entropy_coef=0.2", "actor.entropy_decay_steps=10"]))
+    learner = Learner(load_config(None, TINY + ["actor.entropy_coeff=0.2", "actor.entropy_decay_steps=10"]))
     batch, _ = assemble_batch_from_rollout_samples([fake_rollout_sample(f"s{i}", n=4) for i in range(2)])
     learner.begin_step(6)
     assert abs(learner.update(batch)["actor/entropy_coef"] - 0.1) < 1e-9
@@ -77,7 +77,7 @@ def test_trainer_starts_from_init_from_weights(tmp_path: Path) -> None:
     path = tmp_path / "warm.safetensors"
     save_policy(donor, path)
     fresh = Learner(cfg).policy
-    started = Learner(load_config(None, TINY + [f"model.init_from={path}", "actor.kl_coef=0.1"]))
+    started = Learner(load_config(None, TINY + [f"model.init_from={path}", "actor.kl_loss_coef=0.1"]))
     assert started.policy.state_dict_bytes() == donor.state_dict_bytes() != fresh.state_dict_bytes()
     assert started.ref is not None and started.ref.state_dict_bytes() == donor.state_dict_bytes()
     load_init(fresh, path)

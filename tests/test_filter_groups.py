@@ -1,4 +1,4 @@
-"""Dynamic sampling (trainer.filter_groups) and rollout failures end to end: a trainer subprocess against a
+"""Dynamic sampling (algorithm.filter_groups) and rollout failures end to end: a trainer subprocess against a
 fake paced producer whose every third sample has no reward variance and one sample is a rollout failure, on
 real Redis, in sync mode (max_outstanding = one global batch, the case where an eviction without give-back
 would wait forever)."""
@@ -30,8 +30,8 @@ def test_zero_variance_groups_are_evicted_refilled_and_accounted(
     producer.start()
     try:
         args = trainer_args(keys, redis_url, tmp_path, 3)
-        sync = [*args[:-2], "rollout.staleness_threshold=0", "trainer.sync_mode=true",
-                "trainer.filter_groups.enable=true", *args[-2:]]
+        sync = [*args[:-2], "async_training.staleness_threshold=0", "trainer.sync_mode=true",
+                "algorithm.filter_groups.enable=true", *args[-2:]]
         proc = subprocess.run(sync, cwd=ROOT, capture_output=True, text=True, timeout=120)
     finally:
         producer.stop.set()

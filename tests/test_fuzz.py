@@ -58,7 +58,8 @@ def tiny_cfg(keys: Keys, tmp: Path) -> PipelineConfig:
     return load_config("pipeline.yaml", [
         f"run.name={keys.run}", f"run.dir={tmp}", "run.device=cpu", "model.d_model=16", "model.n_layer=1",
         "model.n_head=2", "model.max_seq_len=32", "data.train_batch_size=2", "actor.ppo_mini_batch_size=1",
-        "trainer.parameter_sync_step=2", "trainer.test_freq=0", "trainer.total_global_steps=1000",
+        "async_training.trigger_parameter_sync_step=2", "trainer.test_freq=0",
+        "trainer.total_training_steps=1000",
         "trainer.max_off_policy_threshold=1000", "rollout.n=2", "bus.block_ms=20",
         f"bus.max_entry_bytes={MAX_ENTRY_BYTES}", "aggregator.jsonl=false", "aggregator.tensorboard=false",
     ])

@@ -27,7 +27,7 @@ SMALL = [
     "rollout.prompts_per_dispatch=2",
     "actor.micro_batch_size=3",
     "data.max_response_length=6",
-    "data.max_digits=3",
+    "data.reverse.max_digits=3",
 ]
 
 

@@ -35,16 +35,16 @@ from rollstream.weights import producer_versions  # noqa: E402
 
 STEPS = 3
 SMALL = [
-    "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "trainer.parameter_sync_step=2",
+    "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "async_training.trigger_parameter_sync_step=2",
     "rollout.n=4", "rollout.num_producers=2", "rollout.prompts_per_dispatch=2", "rollout.stats_every_s=1",
-    "data.val_size=4", "trainer.test_freq=2", f"trainer.total_global_steps={STEPS}", "run.device=cpu",
+    "data.val_size=4", "trainer.test_freq=2", f"trainer.total_training_steps={STEPS}", "run.device=cpu",
     "rollout.temperature=0.7", "bus.weights_inline_max_bytes=0", "actor.micro_batch_size=3",
     "actor.gradient_checkpointing=true", "actor.logprob_chunk_size=5", "bus.block_ms=200",
 ]
 CASES = {
     "llama": dict(
         model=dict(arch="llama", tokenizer="char"),
-        overrides=["data.max_response_length=6", "data.max_digits=3"],
+        overrides=["data.max_response_length=6", "data.reverse.max_digits=3"],
     ),
     "qwen2": dict(
         model=dict(arch="qwen2", tokenizer="bpe", chat_template=True),

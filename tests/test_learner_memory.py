@@ -18,8 +18,10 @@ from rollstream.fakes import fake_rollout_sample
 from schemas import DataProto, RolloutSample
 
 BASE = ["run.device=cpu", "model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32",
-        "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=1",
-        "actor.lr=0.01", "actor.entropy_coef=0.01", "actor.kl_coef=0.1", "rollout.temperature=0.9"]
+        "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+        "async_training.trigger_parameter_sync_step=1",
+        "actor.optim.lr=0.01", "actor.entropy_coeff=0.01", "actor.kl_loss_coef=0.1",
+        "rollout.temperature=0.9"]
 
 
 def batches(seed: int) -> list[list[RolloutSample]]:
@@ -106,7 +108,7 @@ def test_micro_slices_cover_the_rows_once() -> None:
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
 @pytest.mark.parametrize("adv", ["grpo", "grpo_token", "reinforce_plus_plus"])
 def test_micro_batches_equal_the_whole_mini_batch(agg: str, adv: str) -> None:
-    cfg = [*BASE, f"actor.loss_agg_mode={agg}", f"actor.adv_estimator={adv}"]
+    cfg = [*BASE, f"actor.loss_agg_mode={agg}", f"algorithm.adv_estimator={adv}"]
     assert_same_updates(cfg, [*cfg, "actor.micro_batch_size=5"])  # 16 rows: 5, 5, 5, 1
     assert_same_updates(cfg, [*cfg, "actor.micro_batch_size=1"])
 
@@ -129,7 +131,7 @@ def test_first_update_takes_the_proximal_log_probs_from_its_own_forward(
     """The step's first update on one micro-batch does not run the frozen proximal copy (the weights are the
     same and nothing is random): its metrics and gradients equal the update that does. Later updates of the
     step, several micro-batches, or dropout use the copy."""
-    cfg = [*BASE, "actor.off_policy_mode=decoupled"]
+    cfg = [*BASE, "algorithm.rollout_correction.bypass_mode=false"]
     a, b = Learner(load_config(None, cfg)), Learner(load_config(None, cfg))
     assert b.prox is not None
     prox_calls: list[int] = []

@@ -174,7 +174,7 @@ def test_status_check_exits_nonzero_for_a_stalled_or_missing_trainer(
         "--check",
         *run_args(keys, redis_url),
         "trainer.heartbeat_stall_s=60",
-        "trainer.total_global_steps=2",
+        "trainer.total_training_steps=2",
     )
     assert code == 0 and ": finished" in out  # the trainer reached its last step
 

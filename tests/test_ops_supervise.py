@@ -79,7 +79,7 @@ def test_conf_for_external_redis_has_workers_and_no_password(tmp_path: Path) -> 
 def test_latency_model_configs_get_latency_model_producers(tmp_path: Path) -> None:
     """Workers are launched by module name: a benchmark config's producers run benchmarks.latency_producer."""
     cfg = load_config("pipeline.yaml", [f"run.dir={tmp_path}", "run.name=lat", "run.redis_url=redis://127.0.0.1:6379/0",
-                                        "rollout.num_producers=2", "rollout.latency_model.enable=true"])
+                                        "rollout.num_producers=2", "bench.latency_model.enable=true"])
     conf = sections(plan_run(cfg).conf_path.read_text())
     for name in ("rollout_00", "rollout_01"):
         assert f"-m benchmarks.latency_producer {tmp_path.resolve()}" in conf[f"program:{name}"]["command"]

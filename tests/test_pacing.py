@@ -213,8 +213,8 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
 
     B = 4
     cfg = load_config("pipeline.yaml", [f"run.name={keys.run}", f"data.train_batch_size={B}",
-                      "actor.ppo_mini_batch_size=4", "trainer.parameter_sync_step=1",
-                      "rollout.staleness_threshold=0", "bus.block_ms=10"])  # fmt: skip
+                      "actor.ppo_mini_batch_size=4", "async_training.trigger_parameter_sync_step=1",
+                      "async_training.staleness_threshold=0", "bus.block_ms=10"])  # fmt: skip
     setup_run(r, keys, PRODUCERS)
     grant_budget(r, keys, 0, cfg.max_outstanding)
     ids = leased(r, keys, "rollout_00", B)

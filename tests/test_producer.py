@@ -55,7 +55,7 @@ SMALL = [
     "data.val_size=4",
     "data.max_response_length=6",
     "data.train_batch_size=4",
-    "trainer.parameter_sync_step=2",
+    "async_training.trigger_parameter_sync_step=2",
     "actor.ppo_mini_batch_size=2",
     "rollout.n=4",
     "rollout.prompts_per_dispatch=2",
@@ -200,7 +200,7 @@ def test_published_samples_are_what_was_generated(r: redis.Redis, keys: Keys, re
 
 @pytest.mark.parametrize("partial", [True, False])
 def test_new_version_mid_generation(r: redis.Redis, keys: Keys, redis_url: str, partial: bool) -> None:
-    cfg = small_cfg(keys, f"rollout.partial_rollout={partial}", "rollout.sync_every_tokens=2",
+    cfg = small_cfg(keys, f"async_training.partial_rollout={partial}", "rollout.sync_every_tokens=2",
                     "data.max_response_length=8")
     start_run(r, keys, build_blob(cfg, 0), grant=cfg.rollout.prompts_per_dispatch)
     producer = Producer(context(cfg, keys, "rollout_00", redis_url))
@@ -266,7 +266,7 @@ def test_new_version_mid_generation(r: redis.Redis, keys: Keys, redis_url: str, 
 
 def test_three_producers_respect_the_budget(r: redis.Redis, keys: Keys, redis_url: str) -> None:
     cfg = small_cfg(keys, "rollout.num_producers=3", "rollout.n=2", "data.max_response_length=4",
-                    "rollout.staleness_threshold=0.5")
+                    "async_training.staleness_threshold=0.5")
     tbs, bound = cfg.data.train_batch_size, cfg.max_outstanding
     assert bound == 6
     blob = build_blob(cfg, 0)
@@ -335,7 +335,7 @@ def test_an_idle_producer_is_leased_the_budget_a_dead_letter_gives_back(
     rollout and tops the budget up (no new version: that comes only after a full batch trains). The
     producer must be leased it and publish a replacement stamped with the same version, within the
     bound."""
-    cfg = small_cfg(keys, "rollout.n=2", "data.max_response_length=4", "rollout.staleness_threshold=0")
+    cfg = small_cfg(keys, "rollout.n=2", "data.max_response_length=4", "async_training.staleness_threshold=0")
     bound = cfg.max_outstanding
     start_run(r, keys, build_blob(cfg, 0), grant=bound)
     producer = Producer(context(cfg, keys, "rollout_00", redis_url))
@@ -468,7 +468,7 @@ SLOW = [
     "rollout.n=64",
     "rollout.prompts_per_dispatch=8",
     "data.max_response_length=24",
-    "rollout.partial_rollout=false",
+    "async_training.partial_rollout=false",
 ]
 # The same model, restarted in-process with a small amount of work.
 RESTART = [*SLOW, "rollout.n=2", "rollout.prompts_per_dispatch=2", "data.max_response_length=4"]
@@ -569,7 +569,7 @@ def test_rollout_status_is_the_global_status_of_all_producers(
         "monitor/queue/mq_queue_size": per - 1,  # published and not consumed
         "static/max_required_samples": cfg.max_outstanding,
         "static/required_samples": cfg.actor.ppo_mini_batch_size,
-        "static/staleness_threshold": cfg.rollout.staleness_threshold,
+        "static/staleness_threshold": cfg.async_training.staleness_threshold,
         "static/max_queue_size": cfg.max_outstanding,
         "static/max_concurrent_samples": 2 * per,
     }

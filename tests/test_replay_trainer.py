@@ -56,7 +56,7 @@ def test_replay_steps_3_to_6_from_the_step_2_checkpoint_equals_the_live_weights(
         out = capsys.readouterr().out
         assert code == 0, out
         command = out.strip().splitlines()[-1].strip()
-        assert "--burst" in command and "trainer.total_global_steps=6" in command
+        assert "--burst" in command and "trainer.total_training_steps=6" in command
 
         t0 = time.monotonic()
         replay = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=240)  # noqa: S602

@@ -33,10 +33,10 @@ ARGS = [
     "model.backend=hf", "data.task=rg:basic_arithmetic", "data.task_args.min_terms=2",
     "data.task_args.max_terms=2", "data.task_args.min_digits=1", "data.task_args.max_digits=2",
     f"data.instruction={INSTRUCTION}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
-    "trainer.parameter_sync_step=2", "rollout.n=4", "rollout.num_producers=1",
+    "async_training.trigger_parameter_sync_step=2", "rollout.n=4", "rollout.num_producers=1",
     "rollout.prompts_per_dispatch=2",
     "rollout.stats_every_s=1", "data.val_size=8", "data.val_recent_size=4", "trainer.test_freq=1",
-    f"trainer.total_global_steps={STEPS}", "run.device=cpu", "rollout.temperature=1.0",
+    f"trainer.total_training_steps={STEPS}", "run.device=cpu", "rollout.temperature=1.0",
     "data.max_response_length=6", "bus.block_ms=200",
 ]
 

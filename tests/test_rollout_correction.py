@@ -142,7 +142,7 @@ def test_all_of_it_under_verls_names_and_no_valid_token() -> None:
 
 TINY = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu",
         "actor.ppo_mini_batch_size=2", "data.train_batch_size=4"]
-RC = "actor.rollout_correction."
+RC = "algorithm.rollout_correction."
 
 
 @pytest.mark.parametrize(
@@ -156,8 +156,7 @@ RC = "actor.rollout_correction."
         ),
         ([RC + "rollout_rs=token_k2,seq_sum_k3", RC + "rollout_rs_threshold=1,2,3"], "has 3 values"),
         ([RC + "rollout_is_threshold=3_2"], "rollout_is_threshold='3_2' needs 0 < lower <= upper"),
-        ([RC + "rollout_is=seq"], "actor.rollout_correction.rollout_is='seq'"),
-        (["actor.behave_imp_cap=3", RC + "rollout_is_threshold=2"], "behave_imp_cap=3 is the old name"),
+        ([RC + "rollout_is=seq"], "algorithm.rollout_correction.rollout_is='seq'"),
     ],
 )
 def test_bad_options_are_refused_naming_the_field(overrides: list[str], message: str) -> None:
@@ -166,9 +165,9 @@ def test_bad_options_are_refused_naming_the_field(overrides: list[str], message:
 
 
 def test_defaults_keep_the_old_truncated_weight_and_its_old_name_still_reads() -> None:
-    rc = load_config(None, TINY).actor.rollout_correction
+    rc = load_config(None, TINY).algorithm.rollout_correction
     assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs) == ("token", 5.0, None)
-    old = load_config(None, TINY + ["actor.behave_imp_cap=3"]).actor.rollout_correction
+    old = load_config(None, TINY + ["actor.behave_imp_cap=3"]).algorithm.rollout_correction
     assert (old.rollout_is, old.rollout_is_threshold) == ("token", 3.0)
 
 
@@ -182,14 +181,15 @@ def _batch() -> object:
 
 @pytest.mark.parametrize("mode", ["decoupled", "bypass"])
 def test_learner_logs_mismatch_metrics_every_update_and_rejection_silences_the_loss(mode: str) -> None:
-    plain = Learner(load_config(None, TINY + [f"actor.off_policy_mode={mode}"]))
+    plain = Learner(load_config(None, TINY + [f"{RC}bypass_mode={mode == 'bypass'}"]))
     plain.begin_step()
     m = plain.update(_batch())
     # fake log-probs differ
     assert m["training/rollout_probs_diff_valid"] == 1.0 and m["rollout_corr/kl"] != 0.0
     assert ("rollout_corr/rollout_is_mean" in m) == (mode == "decoupled")  # bypass applies no IS weight
     # every token rejected (a k2 bound no real mismatch passes): nothing is trained on
-    strict = Learner(load_config(None, TINY + [f"actor.off_policy_mode={mode}", RC + "rollout_rs=token_k2",
+    bypass = f"{RC}bypass_mode={mode == 'bypass'}"
+    strict = Learner(load_config(None, TINY + [bypass, RC + "rollout_rs=token_k2",
                                                RC + "rollout_rs_threshold=1e-12"]))
     before = strict.policy.state_dict_bytes()
     strict.begin_step()

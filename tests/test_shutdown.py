@@ -42,13 +42,14 @@ MODEL = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq
 # this config): one modelled dispatch = 1 prompt x 2 trajectories of 6 tokens at 2 tokens/s: ~3 s of
 # "generation"
 SLOW_PRODUCER = ["rollout.n=2", "rollout.num_producers=1", "data.max_response_length=6",
-                 "rollout.latency_model.enable=true", "rollout.latency_model.tokens_per_s=2",
-                 "rollout.latency_model.length_median=6", "rollout.latency_model.length_sigma=0"]
+                 "bench.latency_model.enable=true", "bench.latency_model.tokens_per_s=2",
+                 "bench.latency_model.length_median=6", "bench.latency_model.length_sigma=0"]
 
 
 def common(keys: Keys, redis_url: str, tmp: Path) -> list[str]:
     return [f"run.name={keys.run}", f"run.redis_url={redis_url}", f"run.dir={tmp}", "run.device=cpu", *MODEL,
-            "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "trainer.parameter_sync_step=2",
+            "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+            "async_training.trigger_parameter_sync_step=2",
             "trainer.test_freq=0", "data.val_size=4", "data.epoch_size=32", "bus.block_ms=200"]
 
 

@@ -142,5 +142,5 @@ def test_grpo_token_norm_by_mean_weighs_rarely_right_positions_like_supervised_l
 def test_norm_adv_by_mean_is_an_actor_option_off_by_default() -> None:
     from rollstream.config import load_config
 
-    assert load_config(None, []).actor.norm_adv_by_mean is False
-    assert load_config(None, ["actor.norm_adv_by_mean=true"]).actor.norm_adv_by_mean is True
+    assert load_config(None, []).algorithm.norm_adv_by_mean is False
+    assert load_config(None, ["algorithm.norm_adv_by_mean=true"]).algorithm.norm_adv_by_mean is True

@@ -53,9 +53,11 @@ def trainer_args(keys: Keys, redis_url: str, run_dir: Path, steps: int) -> list[
         sys.executable, "-m", "consumers.trainer", "pipeline.yaml",
         f"run.name={keys.run}", f"run.redis_url={redis_url}", f"run.dir={run_dir}", "run.device=cpu",
         "model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32",
-        f"data.train_batch_size={TBS}", "actor.ppo_mini_batch_size=2", "trainer.parameter_sync_step=2",
-        "rollout.staleness_threshold=1", "trainer.max_off_policy_threshold=1",
-        f"trainer.total_global_steps={steps}", "trainer.test_freq=2", "data.val_size=4", "data.epoch_size=32",
+        f"data.train_batch_size={TBS}", "actor.ppo_mini_batch_size=2",
+        "async_training.trigger_parameter_sync_step=2",
+        "async_training.staleness_threshold=1", "trainer.max_off_policy_threshold=1",
+        f"trainer.total_training_steps={steps}", "trainer.test_freq=2", "data.val_size=4",
+        "data.epoch_size=32",
         "bus.block_ms=100", "--name", "trainer",
     ]
 
@@ -246,7 +248,7 @@ def test_sync_mode_run_with_dead_lettered_samples_finishes(
     producer.start()
     try:
         args = trainer_args(keys, redis_url, tmp_path, 3)
-        sync = [*args[:-2], "rollout.staleness_threshold=0", "trainer.sync_mode=true", *args[-2:]]
+        sync = [*args[:-2], "async_training.staleness_threshold=0", "trainer.sync_mode=true", *args[-2:]]
         proc = subprocess.run(sync, cwd=ROOT, capture_output=True, text=True, timeout=90)
     finally:
         producer.stop.set()
@@ -335,7 +337,8 @@ def test_bad_train_batch_size_is_refused_with_the_three_values(tmp_path: Path) -
         timeout=60,
     )
     assert proc.returncode == 2
-    for part in ("data.train_batch_size=3", "trainer.parameter_sync_step=1", "actor.ppo_mini_batch_size=32"):
+    for part in ("data.train_batch_size=3", "async_training.trigger_parameter_sync_step=1",
+                 "actor.ppo_mini_batch_size=32"):
         assert part in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -457,7 +460,8 @@ def test_over_threshold_samples_train_under_rollout_correction_when_asked(
     r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path, producer: FakeProducer
 ) -> None:
     """trainer.max_off_policy_strategy=train: samples over the staleness threshold are trained (their IS
-    weights from actor.rollout_correction), none dropped, and every step_end reports a dropped share of 0."""
+    weights from algorithm.rollout_correction), none dropped, and every step_end reports a dropped share of
+    0."""
     args = trainer_args(keys, redis_url, tmp_path, 3)
     proc = subprocess.run(
         [*args[:-2], "trainer.max_off_policy_strategy=train", *args[-2:]],

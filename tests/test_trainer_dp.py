@@ -44,7 +44,7 @@ TINY = [
     "model.max_seq_len=32",
     "run.device=cpu",
     "actor.ppo_mini_batch_size=4",
-    "trainer.parameter_sync_step=2",
+    "async_training.trigger_parameter_sync_step=2",
     "data.train_batch_size=8",
     "rollout.n=4",
 ]
@@ -52,15 +52,17 @@ STEPS, K, MINI = 3, 2, 4
 #: name -> overrides of one exactness case (every loss aggregation, both off-policy modes, KL and entropy
 #: terms, micro-batches)
 CASES = {
-    "token-mean": ["actor.loss_agg_mode=token-mean", "actor.kl_coef=0.1", "actor.entropy_coef=0.01"],
-    "seq-mean-token-mean": ["actor.loss_agg_mode=seq-mean-token-mean", "actor.off_policy_mode=bypass"],
-    "seq-mean-token-sum": ["actor.loss_agg_mode=seq-mean-token-sum", "actor.adv_estimator=grpo_token"],
+    "token-mean": ["actor.loss_agg_mode=token-mean", "actor.kl_loss_coef=0.1", "actor.entropy_coeff=0.01"],
+    "seq-mean-token-mean": [
+        "actor.loss_agg_mode=seq-mean-token-mean", "algorithm.rollout_correction.bypass_mode=true"
+    ],
+    "seq-mean-token-sum": ["actor.loss_agg_mode=seq-mean-token-sum", "algorithm.adv_estimator=grpo_token"],
     "micro-batches": [
         "actor.loss_agg_mode=token-mean",
         "actor.micro_batch_size=3",
     ],  # DDP's no_sync accumulation
     # the batch-wide whitening's statistics are all-reduced: each rank's advantages are the whole batch's
-    "reinforce_plus_plus": ["actor.adv_estimator=reinforce_plus_plus", "actor.gamma=0.5"],
+    "reinforce_plus_plus": ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.gamma=0.5"],
 }
 CONTROL = "token-mean"  # also run with per-rank normalisation: must NOT match
 
@@ -224,10 +226,10 @@ def test_two_trainer_ranks_train_a_sample_read_by_both_once(
         f"run.name={keys.run}",
         f"run.dir={tmp_path}",
         "actor.ppo_mini_batch_size=2",
-        "trainer.parameter_sync_step=1",
+        "async_training.trigger_parameter_sync_step=1",
         "data.train_batch_size=2",
         "rollout.n=2",
-        "trainer.total_global_steps=4",
+        "trainer.total_training_steps=4",
         "trainer.max_off_policy_threshold=1000",
         "trainer.test_freq=0",
         "trainer.save_freq=2",

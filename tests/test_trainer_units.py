@@ -129,7 +129,7 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path: Path
 
 def test_learner_update_reports_metrics_and_changes_weights() -> None:
     cfg = load_config(
-        None, TINY + ["actor.ppo_mini_batch_size=2", "data.train_batch_size=4", "actor.kl_coef=0.1"]
+        None, TINY + ["actor.ppo_mini_batch_size=2", "data.train_batch_size=4", "actor.kl_loss_coef=0.1"]
     )
     learner = Learner(cfg)
     before = learner.policy.state_dict_bytes()

@@ -1,4 +1,4 @@
-"""The vLLM engine (`rollout.engine=vllm`, producers/engines/vllm.py) on a tiny random Qwen2 built here, on
+"""The vLLM engine (`rollout.name=vllm`, producers/engines/vllm.py) on a tiny random Qwen2 built here, on
 CPU: its log-probs are log_softmax(logits / T) at T != 1, weights published by the trainer load into the
 running
 engine (inline and file:// versions; greedy output then equals the built-in sampler's on the same weights),
@@ -46,7 +46,7 @@ PROMPTS = [[1, 5, 6, 7], [1, 9, 8], [1, 12, 13, 14, 15]]
 
 def engine_config(model_dir: Path, *overrides: str) -> PipelineConfig:
     """A pipeline config with the vLLM engine on `model_dir` (CPU, float32)."""
-    return load_config(None, ["model.backend=hf", f"model.hf_path={model_dir}", "rollout.engine=vllm",
+    return load_config(None, ["model.backend=hf", f"model.hf_path={model_dir}", "rollout.name=vllm",
                               "run.device=cpu", "rollout.vllm.max_model_len=128", *overrides])
 
 
@@ -213,9 +213,9 @@ def test_an_engine_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> Non
 def test_config_refuses_what_the_engine_cannot_honour(model_dir: Path) -> None:
     from rollstream.config import ConfigError
 
-    with pytest.raises(ConfigError, match="rollout.engine=vllm needs model.backend=hf"):
-        load_config(None, ["rollout.engine=vllm"])
-    with pytest.raises(ConfigError, match="rollout.top_p=0.9 with rollout.engine=vllm"):
+    with pytest.raises(ConfigError, match="rollout.name=vllm needs model.backend=hf"):
+        load_config(None, ["rollout.name=vllm"])
+    with pytest.raises(ConfigError, match="rollout.top_p=0.9 with rollout.name=vllm"):
         engine_config(model_dir, "rollout.top_p=0.9")
 
 

@@ -1,4 +1,4 @@
-"""`rollstream run … rollout.engine=vllm` end to end on CPU: two producers, each with its own vLLM engine, for
+"""`rollstream run … rollout.name=vllm` end to end on CPU: two producers, each with its own vLLM engine, for
 a tiny random Llama (char tokenizer, reverse task) and a tiny random Qwen2 (BPE with a chat template, the
 arith
 task through the tool agent loop), built in the test (hidden 128, 4 heads: a head size vLLM's CPU attention
@@ -40,10 +40,11 @@ from rollstream.weights import producer_versions  # noqa: E402
 
 STEPS = 6
 SMALL = [
-    "rollout.engine=vllm", "rollout.vllm.max_model_len=128", "data.train_batch_size=4",
-    "actor.ppo_mini_batch_size=2", "trainer.parameter_sync_step=2", "rollout.n=4", "rollout.num_producers=2",
+    "rollout.name=vllm", "rollout.vllm.max_model_len=128", "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=2", "async_training.trigger_parameter_sync_step=2", "rollout.n=4",
+    "rollout.num_producers=2",
     "rollout.prompts_per_dispatch=2", "rollout.stats_every_s=1", "data.val_size=4", "trainer.test_freq=0",
-    f"trainer.total_global_steps={STEPS}", "run.device=cpu", "rollout.temperature=0.7", "bus.block_ms=200",
+    f"trainer.total_training_steps={STEPS}", "run.device=cpu", "rollout.temperature=0.7", "bus.block_ms=200",
     "rollout.sync_every_tokens=2",
 ]
 CASES = {
@@ -53,9 +54,9 @@ CASES = {
         model=dict(arch="llama", tokenizer="char"),
         overrides=[
             "data.max_response_length=6",
-            "data.max_digits=3",
-            "rollout.staleness_threshold=0",
-            "rollout.partial_rollout=false",
+            "data.reverse.max_digits=3",
+            "async_training.staleness_threshold=0",
+            "async_training.partial_rollout=false",
         ],
         kill=False,
     ),

@@ -17,10 +17,10 @@ reads more entries than it still needs (the others would wait for what it hoards
 Each sample taken gets a verdict (`verdict`): trained; evicted as a rollout failure (the producer's generation
 failed and it published the prompts with empty responses, rollout_status `rollout_failure`); dropped as too
 stale (staleness over trainer.max_off_policy_threshold, unless trainer.max_off_policy_strategy=train); or
-evicted by dynamic sampling (trainer.filter_groups.enable: every trajectory of its group has the same reward,
-so GRPO gives it no gradient). An eviction is counted as consumed at once and its room given back to the
-current version's budget (rollstream/pacing.py, `consume`), so producers refill the batch; the collector keeps
-reading until the share has enough samples to train. Stale drops are counted at once the same way.
+evicted by dynamic sampling (algorithm.filter_groups.enable: every trajectory of its group has the same
+reward, so GRPO gives it no gradient). An eviction is counted as consumed at once and its room given back to
+the current version's budget (rollstream/pacing.py, `consume`), so producers refill the batch; the collector
+keeps reading until the share has enough samples to train. Stale drops are counted at once the same way.
 
 Transport (`timing_s/transport` of a local update, `transport_since_last`: the reader's `transport_s` since
 the last one): time moving rollouts out of Redis and decoding them, not time waiting for producers. A poll of
@@ -323,7 +323,7 @@ class Collector:
             return EVICTED
         if st > tc.max_off_policy_threshold and tc.max_off_policy_strategy == "drop":
             return DROPPED
-        if tc.filter_groups.enable and zero_variance_reward(m.event) is not None:  # type: ignore[arg-type]
+        if self.cfg.algorithm.filter_groups.enable and zero_variance_reward(m.event) is not None:  # type: ignore[arg-type]
             return EVICTED
         return None
 

@@ -29,13 +29,13 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from consumers.trainer.distributed import DataParallel, RankInfo
-from rollstream.config import ActorConfig, PipelineConfig
+from rollstream.config import AlgorithmConfig, PipelineConfig
 from rollstream.fingerprint import policy_probe
 from rollstream.from_config import build_policy
 from rollstream.model import BasePolicy
@@ -141,9 +141,12 @@ def _tensors(batch: DataProto, dev: torch.device) -> _Micro:
 
 
 def _token_advantages(
-    micro: list[_Micro], groups: list[int], actor: ActorConfig, reduce: Callable[[list[float]], list[float]]
+    micro: list[_Micro],
+    groups: list[int],
+    algorithm: AlgorithmConfig,
+    reduce: Callable[[list[float]], list[float]],
 ) -> list[torch.Tensor]:
-    """Token-level advantages per micro-batch [b, w] (`actor.adv_estimator` grpo_token or
+    """Token-level advantages per micro-batch [b, w] (`algorithm.adv_estimator` grpo_token or
     reinforce_plus_plus): the rows' per-token rewards and masks are right-aligned into one [B, W] (W: the
     widest micro-batch's responses; only the response side, for this arithmetic), so a group is compared
     position by position, and the result is cut back to each micro-batch. `reduce` sums REINFORCE++'s batch
@@ -158,16 +161,16 @@ def _token_advantages(
         [wide(token_rewards(m.rewards, rm, m.scores)) for m, rm in zip(micro, masks, strict=True)]
     )
     mask = torch.cat([wide(rm) for rm in masks])
-    if actor.adv_estimator == "reinforce_plus_plus":
-        adv = reinforce_pp_advantages(per_token, mask, gamma=actor.gamma, reduce=reduce)
+    if algorithm.adv_estimator == "reinforce_plus_plus":
+        adv = reinforce_pp_advantages(per_token, mask, gamma=algorithm.gamma, reduce=reduce)
     else:
         adv = grpo_token_advantages(
             per_token,
             mask,
             groups,
-            norm_by_std=actor.norm_adv_by_std,
-            gamma=actor.gamma,
-            norm_by_mean=actor.norm_adv_by_mean,
+            norm_by_std=algorithm.norm_adv_by_std_in_grpo,
+            gamma=algorithm.gamma,
+            norm_by_mean=algorithm.norm_adv_by_mean,
         )
     out, start = [], 0
     for m in micro:
@@ -185,6 +188,11 @@ class Learner:
         data-parallel group (None: a world of one on the run's device)."""
         self.cfg = cfg
         self.actor = cfg.actor
+        self.algorithm = cfg.algorithm
+        #: the PPO old policy: the proximal (pinned per global step) or the behaviour log-probs
+        self.off_policy_mode: Literal["decoupled", "bypass"] = (
+            "bypass" if cfg.algorithm.rollout_correction.bypass_mode else "decoupled"
+        )
         self.dp = dp if dp is not None else DataParallel(RankInfo(), resolve_device(cfg.run.device))
         device = str(self.dp.device)
         self.policy: BasePolicy = build_policy(cfg, device=device)
@@ -200,13 +208,13 @@ class Learner:
         # the policy's own train-mode forward gives the proximal log-probs: begin_step pinned its weights, no
         # optimizer step since, and nothing in the forward is random (no dropout)
         self._prox_is_policy = False
-        if self.actor.off_policy_mode == "decoupled":
+        if self.off_policy_mode == "decoupled":
             self.prox = build_policy(cfg, device=device)
             self.prox.logprob_chunk_size = self.actor.logprob_chunk_size
             self.prox.eval()
             self.dp.shard_frozen(self.prox.module)
         self.ref: BasePolicy | None = None
-        if self.actor.kl_coef > 0:
+        if self.actor.kl_loss_coef > 0:
             self.ref = build_policy(cfg, device=device)  # the version-0 weights, from the same seed
             self.ref.module.load_state_dict(self.policy.module.state_dict())
             self.ref.logprob_chunk_size = self.actor.logprob_chunk_size
@@ -215,7 +223,7 @@ class Learner:
         # DDP wrapper (world > 1) or the module sharded in place (fsdp): before the optimizer sees the params
         self.train_module = self.dp.wrap(self.policy.module)
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=self.actor.lr, weight_decay=self.actor.weight_decay
+            self.policy.parameters(), lr=self.actor.optim.lr, weight_decay=self.actor.optim.weight_decay
         )
 
     def probe(self) -> Probe:
@@ -289,10 +297,10 @@ class Learner:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per micro-batch, without grad: the log-probs rollout correction compares with the behaviour's (the
         proximal policy's unless `skip_prox`; in bypass mode with rejection the policy's own before the
-        update; else none) and the reference policy's (when kl_coef > 0). Each [b, w] (the micro-batch's own
-        response width)."""
+        update; else none) and the reference policy's (when kl_loss_coef > 0). Each [b, w] (the micro-batch's
+        own response width)."""
         old = None if skip_prox else self.prox
-        if old is None and self.actor.rollout_correction.rollout_rs is not None:
+        if old is None and self.algorithm.rollout_correction.rollout_rs is not None:
             old = self.policy
             self.policy.eval()  # as the frozen copies run (update() puts it back in train mode)
         old_parts, ref_parts = [], []
@@ -309,8 +317,8 @@ class Learner:
         """Rollout correction of a mini-batch [B, T] with the configured options (IS weights only in decoupled
         mode: in bypass mode the PPO ratio is against the behaviour policy already); batch normalisation
         uses every data-parallel rank's weights."""
-        rc = self.actor.rollout_correction
-        level = rc.rollout_is if self.actor.off_policy_mode == "decoupled" else None
+        rc = self.algorithm.rollout_correction
+        level = rc.rollout_is if self.off_policy_mode == "decoupled" else None
         out = rollout_correction(
             old_logp,
             behave,
@@ -331,12 +339,12 @@ class Learner:
     ) -> tuple[list[torch.Tensor], float]:
         """Per micro-batch advantages (GRPO per sample group [b], or token-level [b, w]) and their mean over
         the response tokens (outcome: over the samples)."""
-        if self.actor.adv_estimator != "grpo":
-            advs = _token_advantages(micro, groups, self.actor, self.dp.all_reduce_sum)
+        if self.algorithm.adv_estimator != "grpo":
+            advs = _token_advantages(micro, groups, self.algorithm, self.dp.all_reduce_sum)
             n_tok = sum(float(m.resp_mask.sum()) for m in micro)
             adv_sum = sum(float((a * m.resp_mask).sum()) for a, m in zip(advs, micro, strict=True))
             return advs, adv_sum / n_tok if n_tok else 0.0
-        adv = group_advantages(rewards, groups, self.actor.norm_adv_by_std).to(self.device)
+        adv = group_advantages(rewards, groups, self.algorithm.norm_adv_by_std_in_grpo).to(self.device)
         return list(adv.split([m.ids.shape[0] for m in micro])), float(adv.mean())
 
     def update(self, batch: DataProto | Sequence[DataProto]) -> dict[str, float]:
@@ -375,7 +383,7 @@ class Learner:
         mode: AggMode = self.actor.loss_agg_mode
         total, tokens = agg_count(loss_mask, mode), float(loss_mask.sum())
         every_total, ranks = self._dp_count(total)
-        ent_coef = entropy_coef_at(self.actor.entropy_coef, self.actor.entropy_decay_steps, self.global_step)
+        ent_coef = entropy_coef_at(self.actor.entropy_coeff, self.actor.entropy_decay_steps, self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
         loss = ent = kl = 0.0
@@ -413,7 +421,7 @@ class Learner:
                     clip_eps=self.actor.clip_ratio,
                     clip_eps_high=self.actor.clip_ratio_high,
                     is_weights=m_w,
-                    mode=self.actor.off_policy_mode,
+                    mode=self.off_policy_mode,
                     loss_agg_mode=mode,
                 )
                 m_ent = agg_loss(entropy, m_resp, mode)
@@ -421,7 +429,7 @@ class Learner:
                     m_loss = m_loss - ent_coef * m_ent
                 if ref_logp is not None:
                     m_kl = agg_loss(low_var_kl(logp, ref_logp), m_resp, mode)
-                    m_loss = m_loss + self.actor.kl_coef * m_kl
+                    m_loss = m_loss + self.actor.kl_loss_coef * m_kl
                     kl += float(m_kl.detach()) * share
                 (m_loss * grad_share).backward()
             t_update += time.perf_counter() - t0
@@ -436,9 +444,9 @@ class Learner:
             metrics["actor/entropy_coef"] = ent_coef
         if self.ref is not None:
             metrics["actor/kl_loss"] = kl
-            metrics["actor/kl_coef"] = self.actor.kl_coef
+            metrics["actor/kl_coef"] = self.actor.kl_loss_coef
         t0 = time.perf_counter()
-        norm = torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), self.actor.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), self.actor.optim.clip_grad)
         # a DTensor under fsdp
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         # every rank must agree, else their weights part: one rank's non-finite loss skips the step on all

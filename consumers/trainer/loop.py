@@ -168,7 +168,7 @@ class Trainer:
                 self.effects.mark_training_step(g)
             self.training_step = g
         self.learner.begin_step(g)
-        K = cfg.trainer.parameter_sync_step
+        K = cfg.async_training.trigger_parameter_sync_step
         collected: list[Collected | None] = []
         self.lengths = LengthBuckets(cfg.data.max_response_length)
         for local in range(1, K + 1):
@@ -198,7 +198,7 @@ class Trainer:
         self.recent.extend(step_report.record_fates(ledger, got.kept, fate, g))
         transport_s = self.collector.transport_since_last()
         metrics.update(asm_metrics)
-        got_metrics, fg_counts = step_report.collected_metrics(got, self.cfg.trainer.filter_groups.enable)
+        got_metrics, fg_counts = step_report.collected_metrics(got, self.cfg.algorithm.filter_groups.enable)
         metrics.update(got_metrics)
         self.lengths.add(got.kept, got.dropped_lengths)
         trajectory_versions = micro[0].meta_info["trajectory_param_versions"]
@@ -226,11 +226,11 @@ class Trainer:
         self.agreed_stop = any(rep["stop"] for rep in reports)
         if cfg.trainer.test_freq > 0 and g % cfg.trainer.test_freq == 0:
             self._evaluate(g)
-        K, max_len = cfg.trainer.parameter_sync_step, cfg.data.max_response_length
+        K, max_len = cfg.async_training.trigger_parameter_sync_step, cfg.data.max_response_length
         merged.step_end = step_report.step_end_event(g, K, W, merged, reports, max_len)
         self.pending.append(merged)
         self.global_step = g
-        due = g % cfg.trainer.save_freq == 0 or g >= cfg.trainer.total_global_steps or self.agreed_stop
+        due = g % cfg.trainer.save_freq == 0 or g >= cfg.trainer.total_training_steps or self.agreed_stop
         due = due or any(rep["over_budget"] for rep in reports)  # ack now: acked entries may leave Redis
         t0 = time.perf_counter()
         # under fsdp reading the whole weights and optimizer state is a collective: every rank takes part
@@ -291,11 +291,11 @@ class Trainer:
         self.effects.run_janitor()
 
     def run(self) -> int:
-        """Resume, then train global steps until total_global_steps, a stop request or (burst) no rollouts
+        """Resume, then train global steps until total_training_steps, a stop request or (burst) no rollouts
         left; returns 0."""
         try:
             self.resume()
-            total = self.cfg.trainer.total_global_steps
+            total = self.cfg.trainer.total_training_steps
             # stop before the next step: a world of one asks its stop flag; ranks use what they agreed at
             # the last step end (a stop arriving since is agreed in the next step's first round)
             while self.global_step < total and not (

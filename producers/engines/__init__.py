@@ -1,4 +1,4 @@
-"""Generation engines a producer can run (`rollout.engine`): `builtin` is the policy module's own KV-cache
+"""Generation engines a producer can run (`rollout.name`): `builtin` is the policy module's own KV-cache
 sampler (rollstream.model.base.BasePolicy.generate); `vllm` is one vLLM engine per producer (engines/vllm.py).
 Both are GeneratingPolicies the agent loops (producers/agent.py) drive."""
 

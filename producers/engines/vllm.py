@@ -1,4 +1,4 @@
-"""vLLM as a producer's generation engine (`rollout.engine=vllm`): one engine per producer process.
+"""vLLM as a producer's generation engine (`rollout.name=vllm`): one engine per producer process.
 
 `VLLMPolicy` is a `GeneratingPolicy` (producers/agent.py), so the single-turn and the tool agent loops run on
 it unchanged: token ids go in (the prompt rendered once by our tokenizer, later turns as the previous ids plus
@@ -26,7 +26,8 @@ the tool result's ids) and token ids come out with their log-probs; text is neve
   (the built-in sampler's re-prefill), and `Completion.swap_points` records where, so every trajectory is
   stamped with the first and last version that generated its tokens. Finishing on the old weights instead
   would stamp truthfully too but keep every long response one version staler; the recompute costs one
-  prefill per row in flight. With `rollout.partial_rollout=false` weights change only between dispatches.
+  prefill per row in flight. With `async_training.partial_rollout=false` weights change only between
+  dispatches.
 """
 
 from __future__ import annotations

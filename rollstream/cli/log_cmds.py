@@ -142,7 +142,7 @@ def cmd_replay_trainer(args: argparse.Namespace) -> int:
                     )
                 except FileNotFoundError as e:
                     raise ReplayCopyError(str(e)) from None
-            extra = [f"trainer.total_global_steps={last}"]
+            extra = [f"trainer.total_training_steps={last}"]
             what = f"the {n} rollouts steps {first}-{last} consumed" + (
                 "" if kept_ids else " (new entry ids)"
             )

@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="validate pipeline.yaml with overrides and print the resolved config")
     c.add_argument("config", help="path to pipeline.yaml")
     c.add_argument(
-        "overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.parameter_sync_step=2"
+        "overrides",
+        nargs="*",
+        help="dotted key=value overrides, e.g. async_training.trigger_parameter_sync_step=2",
     )
     c.set_defaults(func=run_cmds.cmd_config)
 

@@ -114,7 +114,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     r = t.connect()
     limit_s = t.cfg.trainer.heartbeat_stall_s
     while True:
-        st = collect_status(r, t.keys, process_states(t.run_dir), limit_s, t.cfg.trainer.total_global_steps,
+        st = collect_status(r, t.keys, process_states(t.run_dir), limit_s, t.cfg.trainer.total_training_steps,
                             stopped=t.served, max_outstanding=t.cfg.max_outstanding)
         text = format_status(st, mask_url(t.redis_url))
         if args.check or not args.watch:

@@ -130,7 +130,7 @@ def progress_health(
             "stopped",
             age,
             stall_after_s,
-            f"the run is stopped at global step {step}, before trainer.total_global_steps={total_steps}",
+            f"the run is stopped at global step {step}, before trainer.total_training_steps={total_steps}",
         )
     if stopping:
         return WorkerHealth("global steps", "stopping", age, stall_after_s)

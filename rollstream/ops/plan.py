@@ -23,7 +23,7 @@ package. A data-parallel trainer (`trainer.nproc_per_node` or `trainer.nnodes` a
 program too: `python -m consumers.trainer.torchrun … -m consumers.trainer` (torchrun, whose stop exits 0),
 which starts and restarts the ranks (`trainer_argv`); its ranks run in sessions of their own, so
 supervisord's SIGTERM reaches torchrun alone, and torchrun forwards it to each rank once. A config with
-`rollout.latency_model.enable` (benchmarks) gets latency-model producers
+`bench.latency_model.enable` (benchmarks) gets latency-model producers
 (`python -m benchmarks.latency_producer`: the producer with a modelled decode injected).
 """
 
@@ -112,8 +112,8 @@ def producer_names(cfg: PipelineConfig) -> list[str]:
 
 def producer_module(cfg: PipelineConfig) -> str:
     """The module a producer of this config runs: latency-model producers for
-    `rollout.latency_model.enable`."""
-    return LATENCY_PRODUCER_MODULE if cfg.rollout.latency_model.enable else PRODUCER_MODULE
+    `bench.latency_model.enable`."""
+    return LATENCY_PRODUCER_MODULE if cfg.bench.latency_model.enable else PRODUCER_MODULE
 
 
 #: Module of the torchrun launcher of a data-parallel trainer (torchrun whose requested stop exits 0).

@@ -8,7 +8,7 @@ Both read the source's whole log (its archive, then Redis). `--steps A-B` copies
 consumed (trained or dropped, read from `fates`; a fate's producer is its sample_id's `<producer>-` prefix) in
 the order the trainer consumed them, keeping each stream's entry ids when that order is also id order; the
 caller copies the checkpoint of step A-1 beside it and runs the trainer with `--burst` and
-`trainer.total_global_steps=B`, which then retrains steps A..B on the same samples and exits. An id range
+`trainer.total_training_steps=B`, which then retrains steps A..B on the same samples and exits. An id range
 copies every entry in it (the trainer starts from step 1).
 """
 

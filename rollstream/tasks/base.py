@@ -57,7 +57,7 @@ class RewardResult:
     """A scored response: ``score`` in [0, 1], ``exact`` match flag and per-response float ``metrics``.
 
     ``char_scores`` (optional) splits ``score`` over the characters of the response text, for token-level
-    credit (``actor.adv_estimator=grpo_token``); they must sum to ``score``. None: outcome reward only.
+    credit (``algorithm.adv_estimator=grpo_token``); they must sum to ``score``. None: outcome reward only.
     """
 
     score: float

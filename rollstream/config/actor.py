@@ -1,0 +1,61 @@
+"""`actor:` (verl's names): the policy-gradient update and its optimizer (`actor.optim`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rollstream.config.base import Section
+
+
+class OptimConfig(Section):
+    """The actor's AdamW optimizer (verl's actor.optim)."""
+
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    clip_grad: float = Field(1.0, gt=0, description="Max global grad norm")
+
+
+class ActorConfig(Section):
+    """The policy-gradient update."""
+
+    ppo_mini_batch_size: int = Field(8, ge=1, description="Samples per local update (one optimizer step)")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="The AdamW optimizer")
+    clip_ratio: float = Field(
+        0.2, gt=0, description="PPO clip epsilon (low side, and high side unless clip_ratio_high)"
+    )
+    clip_ratio_high: float | None = Field(
+        None, gt=0, description="PPO clip epsilon, high side (DAPO clip-higher)"
+    )
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        "token-mean", description="How token losses are aggregated"
+    )
+    kl_loss_coef: float = Field(
+        0.0, ge=0, description="Weight of the KL loss (low_var_kl) to the frozen reference policy (0 = off)"
+    )
+    entropy_coeff: float = Field(
+        0.0, ge=0, description="Entropy bonus weight (at global step 1 when entropy_decay_steps > 0)"
+    )
+    entropy_decay_steps: int = Field(
+        0,
+        ge=0,
+        description="Decay the entropy bonus linearly to 0 over this many global steps (0 = constant)",
+    )
+    micro_batch_size: int = Field(
+        0,
+        ge=0,
+        description="Trajectories per forward/backward inside a local update, gradients accumulated (0 = all "
+        "at once)",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute decoder-layer activations in backward instead of keeping them "
+        "(model.backend=hf)",
+    )
+    logprob_chunk_size: int = Field(
+        1024,
+        ge=0,
+        description="Tokens per output-head chunk when computing log-probs/entropy (0 = all at once; "
+        "backend=hf)",
+    )

@@ -1,0 +1,88 @@
+"""`data:`: the task, its prompts and the batch size; each task's own settings under it (`data.reverse`,
+`data.task_args` for reasoning-gym datasets)."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rollstream.config.base import Section
+
+
+class ReverseTaskConfig(Section):
+    """The reverse task: reverse a string of random digits."""
+
+    min_digits: int = Field(3, ge=1, description="Shortest digit string")
+    max_digits: int = Field(6, ge=1, description="Longest digit string")
+    fixed_width: bool = Field(
+        False,
+        description="Right-align the digits to max_digits with spaces (every prompt the same length)",
+    )
+
+    @model_validator(mode="after")
+    def _digits(self) -> ReverseTaskConfig:
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"min_digits={self.min_digits} must be <= max_digits={self.max_digits}")
+        return self
+
+
+class DataConfig(Section):
+    """Prompts and batch sizes."""
+
+    task: str = Field(
+        "reverse",
+        description="Task: reverse (digits), arith (arithmetic with a calculator tool), or rg:<dataset> (a "
+                    "reasoning-gym dataset, e.g. rg:basic_arithmetic; needs model.backend=hf and the rg "
+                    "extra)",
+    )
+    task_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="rg:<dataset> only: the dataset's settings (its reasoning-gym config fields), e.g. "
+                    "{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2}",
+    )
+    instruction: str = Field(
+        "", description="rg:<dataset> only: text put after each question on a new line (e.g. 'Answer with "
+                        "the number only.')"
+    )
+    answer_extract: Literal["last_number", "answer_tag", "last_line", "whole"] = Field(
+        "last_number",
+        description="rg:<dataset> only: what of a response the verifier scores: its last number, its last "
+                    "<answer>…</answer>, its last non-empty line, or all of it",
+    )
+    train_batch_size: int = Field(16, ge=1, description="Samples (prompts) per global step")
+    reverse: ReverseTaskConfig = Field(
+        default_factory=ReverseTaskConfig, description="The reverse task's prompts (data.task=reverse)"
+    )
+    prompts_file: str | None = Field(None, description="JSONL prompt file instead of the seeded generator")
+    fresh_prompts: bool = Field(
+        True,
+        description="Seeded generator: draw a new prompt at every position (never a validation one) instead "
+                    "of cycling epoch_size prompts",
+    )
+    epoch_size: int = Field(4096, ge=1, description="Generated prompts per epoch (seeded generator mode)")
+    val_size: int = Field(256, ge=0, description="Held-out prompts used for validation")
+    val_recent_size: int = Field(
+        64,
+        ge=0,
+        description="Newest trained prompts re-decoded at each validation (`val/recent_train_…`; "
+        "memorisation shows as a gap to `val/…`); 0 = none",
+    )
+    max_response_length: int = Field(12, ge=1, description="Max generated tokens per turn")
+
+    @model_validator(mode="after")
+    def _task(self) -> DataConfig:
+        if self.task.startswith("rg:"):
+            if importlib.util.find_spec("reasoning_gym") is not None:  # else refused where the task is built
+                from rollstream.tasks.reasoning_gym import check_spec
+
+                check_spec(self.task.removeprefix("rg:"), self.task_args)
+        elif self.task not in ("reverse", "arith"):
+            raise ValueError(f"data.task={self.task!r} must be reverse, arith or rg:<reasoning-gym dataset>")
+        elif self.task_args:
+            raise ValueError(
+                f"data.task_args={self.task_args!r} is for rg:<dataset> tasks, not data.task={self.task!r}"
+            )
+        return self
+

@@ -1,0 +1,106 @@
+"""The whole run (pipeline.yaml): its sections and the rules that span them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from rollstream.config.actor import ActorConfig
+from rollstream.config.algorithm import AlgorithmConfig
+from rollstream.config.async_training import AsyncTrainingConfig
+from rollstream.config.base import Section
+from rollstream.config.bench import BenchConfig
+from rollstream.config.bus import BusConfig
+from rollstream.config.data import DataConfig
+from rollstream.config.deprecated import translate
+from rollstream.config.model import ModelConfig
+from rollstream.config.rollout import RolloutConfig
+from rollstream.config.run import AggregatorConfig, RunConfig
+from rollstream.config.trainer import TrainerConfig
+
+
+class PipelineConfig(Section):
+    """The whole run (pipeline.yaml)."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity and Redis")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompts and batch sizes")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy network")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Producers")
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, description="Advantages, rollout correction, dynamic sampling"
+    )
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="Policy update and its optimizer")
+    async_training: AsyncTrainingConfig = Field(
+        default_factory=AsyncTrainingConfig, description="Run-ahead, weight publishes, mid-trajectory swaps"
+    )
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Trainer consumer")
+    bus: BusConfig = Field(default_factory=BusConfig, description="Redis Streams transport")
+    aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig, description="Metrics aggregator")
+    bench: BenchConfig = Field(
+        default_factory=BenchConfig, description="Benchmarks only (`rollstream bench`), not a run setting"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_keys(cls, data: Any) -> Any:
+        return translate(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _batch_sizes(self) -> PipelineConfig:
+        tbs, pss, mbs = (
+            self.data.train_batch_size,
+            self.async_training.trigger_parameter_sync_step,
+            self.actor.ppo_mini_batch_size,
+        )
+        if tbs != pss * mbs:
+            raise ValueError(
+                f"data.train_batch_size={tbs} must equal "
+                f"async_training.trigger_parameter_sync_step={pss} "
+                f"* actor.ppo_mini_batch_size={mbs} (= {pss * mbs})"
+            )
+        world, nodes, procs = self.trainer.world_size, self.trainer.nnodes, self.trainer.nproc_per_node
+        if mbs % world:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={mbs} must be divisible by the trainer world size "
+                f"trainer.nnodes={nodes} * trainer.nproc_per_node={procs} (= {world}): each rank trains "
+                "ppo_mini_batch_size / world_size samples per local update"
+            )
+        if nodes > 1 and not self.trainer.rdzv_endpoint:
+            raise ValueError(
+                f"trainer.nnodes={nodes} needs trainer.rdzv_endpoint (host:port every trainer host reaches)"
+            )
+        if self.rollout.name == "vllm" and self.model.backend != "hf":
+            raise ValueError(
+                f"rollout.name=vllm needs model.backend=hf (model.backend={self.model.backend!r}: vLLM "
+                "loads a HF checkpoint)"
+            )
+        if self.rollout.name == "vllm" and self.rollout.top_p < 1.0:
+            raise ValueError(
+                f"rollout.top_p={self.rollout.top_p} with rollout.name=vllm: vLLM's log-probs are then "
+                "those of the "
+                "top-p-renormalised distribution, not log_softmax(logits / temperature) the trainer "
+                "recomputes; use top_p=1"
+            )
+        if self.data.task.startswith("rg:") and self.model.backend != "hf":
+            raise ValueError(
+                f"data.task={self.data.task} needs model.backend=hf (the tiny GPT's character vocabulary "
+                "cannot spell reasoning-gym questions)"
+            )
+        if self.actor.gradient_checkpointing and self.model.backend != "hf":
+            raise ValueError(
+                "actor.gradient_checkpointing=true needs model.backend=hf "
+                f"(model.backend={self.model.backend!r} has none)"
+            )
+        return self
+
+    @property
+    def max_outstanding(self) -> int:
+        """Pacing bound: train_batch_size * (1 + staleness_threshold) prompts dispatched but not consumed."""
+        return int(self.data.train_batch_size * (1 + self.async_training.staleness_threshold))
+
+    def run_dir(self) -> Path:
+        """The run's own folder: <run.dir>/<run.name>."""
+        return Path(self.run.dir) / self.run.name
+
