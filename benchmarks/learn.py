@@ -103,7 +103,7 @@ def run_one(
 
 
 def plot_val_curves(
-    curves: Sequence[tuple[str, Sequence[tuple[float, int, float]]]],
+    curves: Sequence[tuple[str, Sequence[tuple[float, float, float]]]],
     target: float,
     out: Path,
     title: str,

@@ -144,7 +144,8 @@ class Producer:
                 prober=engine.probe_logprobs, max_diff=swap_check_bound(cfg, engine.dtype_name),
             )
         else:
-            builtin = cast(BasePolicy, policy) or build_policy(cfg)  # a VLLMPolicy became `engine` above
+            # a VLLMPolicy became `engine` above
+            builtin = cast(BasePolicy, policy) or build_policy(cfg, dtype=cfg.rollout.dtype)
             self.policy = builtin
             module = getattr(builtin, "module", None)  # test fakes have none
             dtype = str(next(module.parameters()).dtype).removeprefix("torch.") if module else "float32"
@@ -538,8 +539,9 @@ def swap_check_bound(cfg: PipelineConfig, dtype: str) -> float:
     configured = cfg.rollout.swap_check_max_diff
     if configured is not None:
         return configured
-    # under model.autocast both sides compute in the lower precision: the looser of the two bounds
-    return max(default_max_diff(d) for d in (dtype, cfg.model.autocast or dtype))
+    # under model.autocast (the trainer's side) or rollout.dtype (the engine's) a side computes in the lower
+    # precision: the loosest bound
+    return max(default_max_diff(d) for d in (dtype, cfg.model.autocast or dtype, cfg.rollout.dtype or dtype))
 
 
 def swap_check_metrics(check: tuple[int, float, float] | None) -> dict[str, float]:

@@ -39,14 +39,15 @@ def build_prompt_source(cfg: PipelineConfig, task: Task | None = None) -> Prompt
     )
 
 
-def build_policy(cfg: PipelineConfig, device: str | None = None) -> BasePolicy:
+def build_policy(cfg: PipelineConfig, device: str | None = None, dtype: str | None = None) -> BasePolicy:
     """The policy with initial weights from run.seed (identical on every process for the same seed), its
-    weights in model.dtype, its forward passes under model.autocast."""
+    weights in model.dtype, its forward passes under model.autocast; with `dtype` (a producer's
+    rollout.dtype) its weights in that dtype, computing in it."""
     m = cfg.model
     dev = resolve_device(device or cfg.run.device)
-    dtype = resolve_dtype(m.dtype, dev)
-    policy = _load(cfg, dev, dtype)
-    policy.autocast_dtype = resolve_dtype(m.autocast, dev) if m.autocast else None
+    policy = _load(cfg, dev, resolve_dtype(dtype or m.dtype, dev))
+    autocast = None if dtype else m.autocast
+    policy.autocast_dtype = resolve_dtype(autocast, dev) if autocast else None
     return policy
 
 

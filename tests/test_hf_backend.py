@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from producers.agent import GenerationSettings, run_agent_loop  # noqa: E402
+from producers.worker import swap_check_bound  # noqa: E402
 from rollstream.config import ConfigError, load_config  # noqa: E402
 from rollstream.from_config import build_policy  # noqa: E402
 from rollstream.model import CharTokenizer, Completion, build_batch  # noqa: E402
@@ -199,11 +200,22 @@ def test_dtype_and_checkpointing_knobs_and_their_errors(tmp_path: Path) -> None:
     assert {p.dtype for p in ac.parameters()} == {p.grad.dtype for p in ac.parameters()} == {torch.float32}
     greedy = [c.response_ids for c in ac.generate([[1, 5, 6], [1, 8]], n=1, max_new_tokens=4, greedy=True)]
     assert all(len(r) >= 1 for r in greedy)  # generation runs under autocast too
+    # rollout.dtype: the producer's own copy in bfloat16 computes in it (no autocast), takes float32 weights,
+    # and the swap check allows bfloat16's difference
+    rcfg = load_config(None, [*hf, "model.autocast=bfloat16", "rollout.dtype=bfloat16"])
+    engine = build_policy(rcfg, dtype=rcfg.rollout.dtype)
+    assert {p.dtype for p in engine.parameters()} == {torch.bfloat16} and engine.autocast_dtype is None
+    engine.load_state_dict_bytes(fp32.state_dict_bytes())
+    with torch.no_grad():
+        assert 0 < float((engine.log_probs(ids, mask, R) - lp_fp32).abs().max()) < 5e-2
+    assert swap_check_bound(load_config(None, [*hf, "rollout.dtype=bfloat16"]), "float32") == 5e-2
+    assert swap_check_bound(load_config(None, hf), "float32") == 1e-3
     tiny_bf16 = build_policy(load_config(None, ["run.device=cpu", "model.dtype=bfloat16"]))
     assert {p.dtype for p in tiny_bf16.parameters()} == {torch.bfloat16}
     for bad, field in [
         ("model.dtype=fp8", "model.dtype"),
         ("model.autocast=float32", "model.autocast"),
+        ("rollout.dtype=auto", "rollout.dtype"),
         ("actor.micro_batch_size=-1", "actor.micro_batch_size"),
         ("actor.logprob_chunk_size=-5", "actor.logprob_chunk_size"),
     ]:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from consumers.trainer.distributed import DataParallel, RankInfo
+from consumers.trainer.master import MasterWeights
 from rollstream.config import AlgorithmConfig, PipelineConfig
 from rollstream.fingerprint import policy_probe
 from rollstream.from_config import build_policy
@@ -222,8 +223,11 @@ class Learner:
             self.dp.shard_frozen(self.ref.module)
         # DDP wrapper (world > 1) or the module sharded in place (fsdp): before the optimizer sees the params
         self.train_module = self.dp.wrap(self.policy.module)
+        #: float32 copies the optimizer steps when the module is low-precision (actor.optim.master_weights)
+        self.master = MasterWeights(self.policy.module) if self.actor.optim.master_weights else None
+        params = self.master.parameters() if self.master is not None else self.policy.parameters()
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=self.actor.optim.lr, weight_decay=self.actor.optim.weight_decay
+            params, lr=self.actor.optim.lr, weight_decay=self.actor.optim.weight_decay
         )
 
     def probe(self) -> Probe:
@@ -236,7 +240,8 @@ class Learner:
         fsdp gathered whole on the CPU, a collective (every rank calls it; rank 0 gets them, the others
         {})."""
         if not self.dp.sharded:
-            return unique_state(self.policy.module)
+            state = unique_state(self.policy.module)
+            return self.master.state(state) if self.master is not None else state
         state = self.dp.full_state_dict(self.policy.module)
         return unique_tensors(state) if self.dp.is_main else {}
 
@@ -252,6 +257,8 @@ class Learner:
             self.dp.load_full_state(self.policy.module, self.optimizer, weights, optimizer_state)
             return
         load_tensors_into(self.policy.module, weights)
+        if self.master is not None:
+            self.master.load(weights, unique_state(self.policy.module))
         self.optimizer.load_state_dict(optimizer_state)
         self._prox_is_policy = False
 
@@ -312,6 +319,29 @@ class Learner:
                 if self.ref is not None:
                     ref_parts.append(self.ref.log_probs(m.ids, m.mask, w, temp))
         return old_parts, ref_parts
+
+    def _step(self, loss: float) -> tuple[float, bool]:
+        """Clip the accumulated gradients and take the optimizer step (on the float32 copies, then refreshing
+        the module, with master weights), unless the loss or the norm is non-finite on any rank; returns
+        (grad norm, skipped)."""
+        if self.master is not None:
+            self.master.grads_to_master()
+        trained = self.master.parameters() if self.master is not None else list(self.policy.parameters())
+        norm = torch.nn.utils.clip_grad_norm_(trained, self.actor.optim.clip_grad)
+        # a DTensor under fsdp
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # every rank must agree, else their weights part: one rank's non-finite loss skips the step on all
+        bad_loss = self.dp.all_reduce_sum([0.0 if math.isfinite(loss) else 1.0])[0] > 0
+        skipped = bad_loss or not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+            if self.master is not None:
+                self.master.to_module()
+            self._prox_is_policy = False
+        else:
+            log.warning("non-finite loss %s or grad norm %s: optimizer step skipped", loss, grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, skipped
 
     def _correct(self, old_logp: torch.Tensor, behave: torch.Tensor, resp_mask: torch.Tensor) -> Correction:
         """Rollout correction of a mini-batch [B, T] with the configured options (IS weights only in decoupled
@@ -385,6 +415,8 @@ class Learner:
         every_total, ranks = self._dp_count(total)
         ent_coef = entropy_coef_at(self.actor.entropy_coeff, self.actor.entropy_decay_steps, self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.policy.module.zero_grad(set_to_none=True)  # the module's gradients, moved at the step
         metrics: dict[str, float] = {}
         loss = ent = kl = 0.0
         current: list[torch.Tensor] = []  # bypass without rejection: the mismatch metrics' trainer log-probs
@@ -446,18 +478,7 @@ class Learner:
             metrics["actor/kl_loss"] = kl
             metrics["actor/kl_coef"] = self.actor.kl_loss_coef
         t0 = time.perf_counter()
-        norm = torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), self.actor.optim.clip_grad)
-        # a DTensor under fsdp
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        # every rank must agree, else their weights part: one rank's non-finite loss skips the step on all
-        bad_loss = self.dp.all_reduce_sum([0.0 if math.isfinite(loss) else 1.0])[0] > 0
-        skipped = bad_loss or not math.isfinite(grad_norm)
-        if not skipped:
-            self.optimizer.step()
-            self._prox_is_policy = False
-        else:
-            log.warning("non-finite loss %s or grad norm %s: optimizer step skipped", loss, grad_norm)
-            self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, skipped = self._step(loss)
         t_update += time.perf_counter() - t0
 
         # 4. metrics

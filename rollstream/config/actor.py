@@ -15,6 +15,12 @@ class OptimConfig(Section):
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     clip_grad: float = Field(1.0, gt=0, description="Max global grad norm")
+    master_weights: bool = Field(
+        False,
+        description="Mixed precision with model.dtype bfloat16/float16 weights: float32 master copies take "
+                    "the AdamW step and are checkpointed, the module (forward, backward, published weights) "
+                    "is refreshed from them; one trainer process",
+    )
 
 
 class ActorConfig(Section):

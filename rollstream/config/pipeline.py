@@ -88,6 +88,11 @@ class PipelineConfig(Section):
                 f"data.task={self.data.task} needs model.backend=hf (the tiny GPT's character vocabulary "
                 "cannot spell reasoning-gym questions)"
             )
+        if self.actor.optim.master_weights and (self.model.dtype not in ("bfloat16", "float16") or world > 1):
+            raise ValueError(
+                f"actor.optim.master_weights=true needs model.dtype bfloat16 or float16 (got "
+                f"{self.model.dtype!r}) and one trainer process (world size {world})"
+            )
         if self.actor.gradient_checkpointing and self.model.backend != "hf":
             raise ValueError(
                 "actor.gradient_checkpointing=true needs model.backend=hf "

@@ -124,4 +124,10 @@ class RolloutConfig(Section):
         description="Raise each producer process's nice value by this much (CPU hosts: the trainer wins "
                     "shared cores)",
     )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="Weight dtype of the built-in engine's copy of the policy, which then computes in it "
+                    "(no model.autocast); published weights are cast on load. null: model.dtype and "
+                    "model.autocast, as the trainer",
+    )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Multi-turn tool use")
