@@ -71,6 +71,7 @@ from rollstream.names import (
     TRAINER_GROUP,
     Keys,
 )
+from rollstream.revoked import bump_epoch
 from schemas.text_entries import (
     EXPIRE,
     GRANT,
@@ -359,7 +360,15 @@ def consume(r: redis.Redis, keys: Keys, sample_ids: Iterable[str], max_outstandi
 def expire_lease(r: redis.Redis, keys: Keys, producer: str, max_outstanding: int) -> tuple[int, int]:
     """Trainer side: take back every unfinished seq of `producer`'s lease (counted as consumed once, marked
     revoked, logged as `expire`) and give the current version's budget their room; returns (taken back,
-    budget added)."""
+    budget added). Bumps this process's expiry epoch before and after (rollstream/revoked.py)."""
+    bump_epoch()
+    try:
+        return _expire(r, keys, producer, max_outstanding)
+    finally:
+        bump_epoch()
+
+
+def _expire(r: redis.Redis, keys: Keys, producer: str, max_outstanding: int) -> tuple[int, int]:
     while True:
         version = current_budget(r, keys)[0]
         res: Any = _script(r, _EXPIRE)(

@@ -578,6 +578,53 @@ def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish
     assert rep.problems() == [], rep.problems()
 
 
+def _calls(r: redis.Redis, command: str) -> int:
+    """How many times the server ran `command` (INFO commandstats; 0 if never)."""
+    stats: Any = r.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_no_revoked_bit_is_read_until_a_lease_expires_and_a_late_publish_is_still_refused(
+    roles: Roles,
+) -> None:
+    """Review of item 3: the trainer read one revoked bit (GETBIT) per consumed sample although no lease had
+    expired. Now 16 samples cost no GETBIT (one EXISTS per producer at the start); once a lease expires in
+    the trainer's process, the same collector reads bits again and still refuses a late publish."""
+    from consumers.trainer.collect import Collector, rollouts_reader
+    from rollstream.pacing import expire_lease
+
+    keys, trainer, admin = roles.keys, roles.trainer, roles.admin
+    grant_budget(trainer, keys, 0, 32)
+    for name in PRODUCERS:
+        ask_lease(roles.producers[name], keys, name, 8)
+    assert Leaser(trainer, keys, PRODUCERS, threading.Event()).run_once() == 16
+    cfg = load_config(None, [f"run.name={keys.run}", "bus.block_ms=10", "data.train_batch_size=16",
+                             "actor.ppo_mini_batch_size=16", "trainer.parameter_sync_step=1"])
+
+    def publish(name: str, seqs: range) -> None:
+        for seq in seqs:
+            sample = fake_rollout_sample(f"{name}-{seq}", n=2, prompt_len=3, response_len=4, producer=name)
+            Publisher(roles.producers[name]).publish(keys.rollouts_of(name), sample)
+
+    publish("rollout_01", range(8))
+    publish(P0, range(4))
+    dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    reader = rollouts_reader(cfg, trainer, keys, "trainer", threading.Event())
+    collector = Collector(cfg, trainer, keys, reader, dp, threading.Event(), False, 1000, 64,  # type: ignore[arg-type]
+                          lambda: None)
+    admin.config_resetstat()
+    while len(collector.buffer) < 12:
+        assert collector.fill()
+    assert _calls(admin, "getbit") == 0 and _calls(admin, "exists") == len(PRODUCERS)
+    assert expire_lease(trainer, keys, P0, 32)[0] == 8  # its unconsumed seqs taken back, in this process
+    publish(P0, range(4, 6))  # late
+    while admin.xlen(keys.dead) < 2:
+        collector.fill()
+    reasons = [decode_as(f, DeadLetter).reason for _, f in admin.xrange(keys.dead)]
+    assert all(r.startswith("lease expired: ") for r in reasons), reasons
+    assert len(collector.buffer) == 12 and _calls(admin, "getbit") == 2  # only the expired producer's
+
+
 def test_a_producer_flooding_redis_is_fenced_and_the_run_goes_on(roles: Roles) -> None:
     """Issue 41, item 4: 64 MiB SETs on its own keys and 1 MiB stats entries grew Redis by 1.5 GB, unbounded
     and unreported. The trainer's FloodFence measures each producer (its four keys, its two streams) and past
