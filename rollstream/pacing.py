@@ -390,26 +390,37 @@ def finished_counts(
 ) -> tuple[dict[str, int], dict[str, int], set[str]]:
     """One MULTI snapshot: (producer -> prompts leased to it, producer -> of those, prompts the trainer
     finished with (its `consumed:<name>` bit count), the producers whose `rollouts:<name>` hold entries the
-    trainer group has not read or not acked yet: their work is with the trainer)."""
+    trainer group has not read or not acked yet: their work is with the trainer). Unread entries are told
+    by the group's `lag` (XINFO GROUPS); only where Redis cannot tell it (a null lag) is XINFO STREAM asked
+    for the last id, in a second round trip: its reply carries the stream's first and last entries, whole
+    rollouts, every second (BENCHMARKS.md, the trainer's watches)."""
     pipe = r.pipeline(transaction=True)
     pipe.hgetall(keys.lease)
     for p in producers:
         pipe.bitcount(keys.consumed_bits(p))
-        pipe.xinfo_stream(keys.rollouts_of(p))
         pipe.xinfo_groups(keys.rollouts_of(p))
     raw, *per = pipe.execute(raise_on_error=False)
     lease = {text(k): int(v) for k, v in raw.items()}
-    done, busy = {}, set()
+    done, busy, unknown = {}, set(), {}
     for i, p in enumerate(producers):
-        count, info, groups = per[3 * i : 3 * i + 3]
+        count, groups = per[2 * i : 2 * i + 2]
         done[p] = int(count)
-        if isinstance(info, Exception) or isinstance(groups, Exception):
+        if isinstance(groups, Exception):
             continue  # no stream yet: nothing published
-        last = text(info.get("last-generated-id", b"0-0"))
         for g in groups:
-            if text(g.get("name", b"")) == TRAINER_GROUP:
-                if int(g.get("pending", 0)) > 0 or text(g.get("last-delivered-id", b"0-0")) != last:
-                    busy.add(p)
+            if text(g.get("name", b"")) != TRAINER_GROUP:
+                continue
+            if int(g.get("pending", 0)) > 0 or (g.get("lag") or 0) > 0:
+                busy.add(p)
+            elif g.get("lag") is None:
+                unknown[p] = text(g.get("last-delivered-id", b"0-0"))
+    if unknown:
+        pipe = r.pipeline(transaction=False)
+        for p in unknown:
+            pipe.xinfo_stream(keys.rollouts_of(p))
+        for (p, delivered), info in zip(unknown.items(), pipe.execute(raise_on_error=False), strict=True):
+            if not isinstance(info, Exception) and text(info.get("last-generated-id", b"0-0")) != delivered:
+                busy.add(p)
     return {p: lease.get(p, 0) for p in producers}, done, busy
 
 
