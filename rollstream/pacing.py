@@ -536,19 +536,24 @@ class Leaser:
     def __init__(
         self, r: redis.Redis, keys: Keys, producers: Sequence[str], stop: threading.Event,
         period_s: float = LEASE_PERIOD_S, *, expiry: LeaseExpiry | None = None, fence: Any = None,
+        outbox: Any = None,
     ) -> None:
         """Lease to `producers` (the run's producer names) on `r` until `stop` is set; with `expiry`, take
         back the leases of producers that finish nothing (see LeaseExpiry); with `fence` (a
-        rollstream.security.FloodFence), fence producers that flood Redis and lease them nothing more."""
+        rollstream.security.FloodFence), fence producers that flood Redis and lease them nothing more; with
+        `outbox` (a rollstream.bus.outbox.OutboxDrain), move the aggregator's outboxes into its streams."""
         self.r, self.keys, self.producers, self.stop, self.period_s = r, keys, list(producers), stop, period_s
-        self.expiry, self.fence = expiry, fence
+        self.expiry, self.fence, self.outbox = expiry, fence, outbox
         self.leased = 0  # prompts leased by this loop
         self.thread: threading.Thread | None = None
         self._turn = 0
         self._version = -1  # the budget's version at the last pass (-1: read it on the next)
 
     def run_once(self) -> int:
-        """One pass (with an expiry check when one is due); returns the prompts leased."""
+        """One pass (with an expiry check, a fence check and an outbox drain when due); returns the prompts
+        leased."""
+        if self.outbox is not None:
+            self.outbox.maybe_drain(self.r)
         if not self.producers:
             return 0
         if self.fence is not None:
