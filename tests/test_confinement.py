@@ -762,6 +762,39 @@ def test_records_waiting_in_the_outbox_are_folded_once_across_an_aggregator_rest
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
 
 
+def test_a_stopping_trainer_moves_the_record_of_its_last_step_and_does_not_wait_without_an_aggregator(
+    roles: Roles, tmp_path: Path
+) -> None:
+    """Under ACLs only the trainer moves the outbox, and it stops before the aggregator: on its way out it
+    waits (up to 5 s) for the record of its last committed step while an aggregator reads `metrics`, so the
+    run's last record is not left in the outbox; with no aggregator reading it does not wait."""
+    from consumers.trainer.effects import TrainerEffects
+    from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD
+
+    keys, agg = roles.keys, roles.aggregator
+    cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"])
+    dp: Any = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    effects = TrainerEffects(cfg, roles.trainer, keys, tmp_path / "weights", dp)
+    roles.trainer.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: 2, TRAINING_STEP_FIELD: 2})
+    t0 = time.monotonic()
+    effects.settle_outbox()
+    assert time.monotonic() - t0 < 1.0  # no aggregator consumer: nothing to wait for
+    roles.trainer.xadd(keys.metrics, {"type": "x"})  # the trainer's last event, just read by the aggregator
+    assert agg.xreadgroup(AGGREGATOR_GROUP, "aggregator", {keys.metrics: ">"}, count=1)
+
+    def fold_late() -> None:
+        time.sleep(0.5)
+        agg.rpush(keys.records_outbox, pack_item(encode(SyncStepRecord(global_step=2, num_local_updates=1))))
+
+    thread = threading.Thread(target=fold_late)
+    thread.start()
+    t0 = time.monotonic()
+    effects.settle_outbox()
+    thread.join()
+    assert 0.4 < time.monotonic() - t0 < 4.0
+    assert [i for i, _ in roles.admin.xrange(keys.records)] == [b"2-1"]
+
+
 def test_the_aggregator_cannot_trim_its_dead_letters(roles: Roles, tmp_path: Path) -> None:
     """Issue 41's last row: `XADD dead:aggregator MAXLEN 0` took 1,128 dead letters to 0. Its dead letters go
     through its outbox too; none can be removed, and a forged or far-ahead record is refused as a note."""
