@@ -124,6 +124,18 @@ class Keys:
         return self._k("dead")
 
     @property
+    def records_outbox(self) -> str:
+        """List: the aggregator's records, RPUSHed (its user may not XADD `records`, so it cannot trim it);
+        the trainer moves them into `records` (rollstream/bus/outbox.py)."""
+        return self._k("outbox:records")
+
+    @property
+    def dead_aggregator_outbox(self) -> str:
+        """List: the aggregator's dead letters and notes, RPUSHed; the trainer moves them into
+        `dead:aggregator` (rollstream/bus/outbox.py)."""
+        return self._k("outbox:dead:aggregator")
+
+    @property
     def dead_aggregator(self) -> str:
         """Dead-letter stream of the aggregator (metrics and stats entries it cannot fold, and its notes): its
         own, so that its user cannot write, trim or erase the trainer's dead letters."""

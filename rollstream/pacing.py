@@ -71,6 +71,7 @@ from rollstream.names import (
     TRAINER_GROUP,
     Keys,
 )
+from rollstream.revoked import bump_epoch
 from schemas.text_entries import (
     EXPIRE,
     GRANT,
@@ -359,7 +360,15 @@ def consume(r: redis.Redis, keys: Keys, sample_ids: Iterable[str], max_outstandi
 def expire_lease(r: redis.Redis, keys: Keys, producer: str, max_outstanding: int) -> tuple[int, int]:
     """Trainer side: take back every unfinished seq of `producer`'s lease (counted as consumed once, marked
     revoked, logged as `expire`) and give the current version's budget their room; returns (taken back,
-    budget added)."""
+    budget added). Bumps this process's expiry epoch before and after (rollstream/revoked.py)."""
+    bump_epoch()
+    try:
+        return _expire(r, keys, producer, max_outstanding)
+    finally:
+        bump_epoch()
+
+
+def _expire(r: redis.Redis, keys: Keys, producer: str, max_outstanding: int) -> tuple[int, int]:
     while True:
         version = current_budget(r, keys)[0]
         res: Any = _script(r, _EXPIRE)(
@@ -381,26 +390,37 @@ def finished_counts(
 ) -> tuple[dict[str, int], dict[str, int], set[str]]:
     """One MULTI snapshot: (producer -> prompts leased to it, producer -> of those, prompts the trainer
     finished with (its `consumed:<name>` bit count), the producers whose `rollouts:<name>` hold entries the
-    trainer group has not read or not acked yet: their work is with the trainer)."""
+    trainer group has not read or not acked yet: their work is with the trainer). Unread entries are told
+    by the group's `lag` (XINFO GROUPS); only where Redis cannot tell it (a null lag) is XINFO STREAM asked
+    for the last id, in a second round trip: its reply carries the stream's first and last entries, whole
+    rollouts, every second (BENCHMARKS.md, the trainer's watches)."""
     pipe = r.pipeline(transaction=True)
     pipe.hgetall(keys.lease)
     for p in producers:
         pipe.bitcount(keys.consumed_bits(p))
-        pipe.xinfo_stream(keys.rollouts_of(p))
         pipe.xinfo_groups(keys.rollouts_of(p))
     raw, *per = pipe.execute(raise_on_error=False)
     lease = {text(k): int(v) for k, v in raw.items()}
-    done, busy = {}, set()
+    done, busy, unknown = {}, set(), {}
     for i, p in enumerate(producers):
-        count, info, groups = per[3 * i : 3 * i + 3]
+        count, groups = per[2 * i : 2 * i + 2]
         done[p] = int(count)
-        if isinstance(info, Exception) or isinstance(groups, Exception):
+        if isinstance(groups, Exception):
             continue  # no stream yet: nothing published
-        last = text(info.get("last-generated-id", b"0-0"))
         for g in groups:
-            if text(g.get("name", b"")) == TRAINER_GROUP:
-                if int(g.get("pending", 0)) > 0 or text(g.get("last-delivered-id", b"0-0")) != last:
-                    busy.add(p)
+            if text(g.get("name", b"")) != TRAINER_GROUP:
+                continue
+            if int(g.get("pending", 0)) > 0 or (g.get("lag") or 0) > 0:
+                busy.add(p)
+            elif g.get("lag") is None:
+                unknown[p] = text(g.get("last-delivered-id", b"0-0"))
+    if unknown:
+        pipe = r.pipeline(transaction=False)
+        for p in unknown:
+            pipe.xinfo_stream(keys.rollouts_of(p))
+        for (p, delivered), info in zip(unknown.items(), pipe.execute(raise_on_error=False), strict=True):
+            if not isinstance(info, Exception) and text(info.get("last-generated-id", b"0-0")) != delivered:
+                busy.add(p)
     return {p: lease.get(p, 0) for p in producers}, done, busy
 
 
@@ -516,19 +536,24 @@ class Leaser:
     def __init__(
         self, r: redis.Redis, keys: Keys, producers: Sequence[str], stop: threading.Event,
         period_s: float = LEASE_PERIOD_S, *, expiry: LeaseExpiry | None = None, fence: Any = None,
+        outbox: Any = None,
     ) -> None:
         """Lease to `producers` (the run's producer names) on `r` until `stop` is set; with `expiry`, take
         back the leases of producers that finish nothing (see LeaseExpiry); with `fence` (a
-        rollstream.security.FloodFence), fence producers that flood Redis and lease them nothing more."""
+        rollstream.security.FloodFence), fence producers that flood Redis and lease them nothing more; with
+        `outbox` (a rollstream.bus.outbox.OutboxDrain), move the aggregator's outboxes into its streams."""
         self.r, self.keys, self.producers, self.stop, self.period_s = r, keys, list(producers), stop, period_s
-        self.expiry, self.fence = expiry, fence
+        self.expiry, self.fence, self.outbox = expiry, fence, outbox
         self.leased = 0  # prompts leased by this loop
         self.thread: threading.Thread | None = None
         self._turn = 0
         self._version = -1  # the budget's version at the last pass (-1: read it on the next)
 
     def run_once(self) -> int:
-        """One pass (with an expiry check when one is due); returns the prompts leased."""
+        """One pass (with an expiry check, a fence check and an outbox drain when due); returns the prompts
+        leased."""
+        if self.outbox is not None:
+            self.outbox.maybe_drain(self.r)
         if not self.producers:
             return 0
         if self.fence is not None:

@@ -15,15 +15,18 @@ runs no script and cannot move the pacing: only the trainer writes budgets, leas
 `metrics`, `dispatch_log`, `records`, `fates`, `dead`, weights or params, another producer's keys, or another
 run's. The trainer reads every `rollouts:*` stream as its group. The aggregator
 reads `metrics` and every `stats:*` stream as its group (created by setup_run: it may not create groups),
-appends to `records` and its own `dead:aggregator` (dead-lettering is WATCH + MULTI: it may run no script),
-keeps `sink_cursor`, reads the trainer hash and the `archive` hash; it cannot delete anything. The trainer
+RPUSHes its records and dead letters to two outbox lists that the trainer moves into `records` and
+`dead:aggregator` (rollstream/bus/outbox.py; dead-lettering is WATCH + MULTI: it may run no script), reads
+`records`, keeps `sink_cursor`, reads the trainer hash and the `archive` hash; it cannot delete or trim
+anything (no XADD on `records` or `dead:aggregator`, no LTRIM/LPOP/DEL on its outboxes). The trainer
 owns the run's keys; only it (and admin) can write `archive`, the folder every reader of the log is pointed
 to. With `trainer_fences` (the default) the trainer may also ACL SETUSER and CLIENT KILL, to fence a producer
 that floods Redis (FloodFence below); no ACL binds those to one user, so that credential can change any
 user's rights.
 Left open (no ACL can close it: ACLs do not see arguments): a writer of a stream may trim it with XADD's own
 MAXLEN/MINID (the audit counts what is destroyed, rollstream/audit.py) and XADD with an explicit id far ahead;
-since every producer writes only its own streams, that destroys or blocks only its own output. The
+since every producer writes only its own streams, that destroys or blocks only its own output, and the
+aggregator XADDs to no stream. The
 trainer's `watch_busy_scripts` kills a script that blocks Redis (only the trainer and admin may run scripts).
 """
 
@@ -116,8 +119,11 @@ def acl_rules(
         "+discard",
         "+time",
         f"({' '.join(group)} ~{k.metrics} ~{k.stream_pattern(STATS)})",
-        f"(+xadd +xrange +xrevrange +xlen %RW~{k.records})",
-        f"(+xadd %W~{k.dead_aggregator})",
+        # no XADD on records or dead:aggregator (its MAXLEN/MINID would trim them, issue 41 item 5): the
+        # append-only outboxes the trainer moves into them (rollstream/bus/outbox.py)
+        f"(+xrange +xrevrange +xlen %R~{k.records})",
+        f"(+rpush %W~{k.records_outbox} %W~{k.dead_aggregator_outbox})",
+        f"(+lrange %R~{k.records_outbox})",
         # dead-lettering is WATCH + MULTI (XADD dead, XACK): no scripts, so no EVAL to freeze Redis
         "+unwatch",
         f"(+hget +hset +hgetall ~{k.sink_cursor})",

@@ -137,3 +137,16 @@ def test_decode_held_runs_through_the_cli_in_both_modes(capsys: pytest.CaptureFi
     (row,) = json.loads(capsys.readouterr().out)
     assert row["size"] == 16 * 1024 and row["batch"] == 2
     assert row["plain_us"] > 0 and row["tuned_us"] > 0 and row["plain_faults"] >= 0
+
+
+def test_watches_runs_through_the_cli_and_leaves_nothing(
+    r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "watches", "--producers", "2", "--entries", "4", "--calls", "3"]
+    argv += ["--redis-url", redis_url]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 producers, 4 rollouts each of " in out
+    assert "LeaseExpiry finished_counts: " in out and "FloodFence measure: " in out
+    assert "us of Redis time per second" in out
+    assert not list(r.scan_iter(match=Keys("bench-watches-*").pattern()))

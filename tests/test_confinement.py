@@ -4,9 +4,9 @@ redis-server): what a credential may no longer do, and what the audit now sees (
 Issue 41's table, row by row (all under the real users): non-canonical seq forms and `²`, `version=abc`,
 `version=0`, `published=x`, the last possible id and the impersonated id are in tests/test_producer_input.py
 (which imports this module's fixture); `want=10^9` while publishing nothing, the floods (a free-form key, an
-oversized key, a flooded stream) are below; what README still lists as possible (the aggregator's trim of
-`records` and `dead:aggregator`, a lease held up to lease_timeout_s, memory up to the bound) are strict
-xfails at the end."""
+oversized key, a flooded stream) are below; the aggregator's trim of `records` and `dead:aggregator` (item 5:
+refused by design, its outboxes) at the end, where what README still lists as possible (a lease held up to
+lease_timeout_s, memory up to the bound) are strict xfails."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from producers.worker import Producer, PublishError
 from rollstream.audit import audit_run
 from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection, setup_run
 from rollstream.bus.connection import watch_busy_scripts
+from rollstream.bus.outbox import OutboxDrain, pack_item
 from rollstream.config import load_config
 from rollstream.fakes import fake_metrics_log, fake_rollout_sample, leased_fakes, publish_log
 from rollstream.from_config import build_policy
@@ -87,10 +88,18 @@ def roles(private_redis: tuple[str, int], tmp_path: Path) -> Iterator[Roles]:  #
     )
 
 
+def run_aggregator(cfg: Any, roles: Roles) -> None:
+    """The aggregator under its user, in burst mode; then what the live run does next: the trainer moves its
+    outboxes into records and dead:aggregator, and the aggregator's next pass feeds the sinks."""
+    AggregatorWorker(cfg, roles.aggregator, roles.keys).run(burst=True)
+    OutboxDrain(roles.keys).drain(roles.trainer)
+    AggregatorWorker(cfg, roles.aggregator, roles.keys).run(burst=True)
+
+
 def test_a_writer_trimming_its_own_output_shows_in_the_audit(roles: Roles) -> None:
     """Finding 1: XADD's own MAXLEN deletes what ACLs let a writer append to; `entries-added` still counts it.
     Samples the trainer holds pending when they are deleted are dead-lettered (and counted for pacing)."""
-    keys, prod, agg = roles.keys, roles.producers["rollout_00"], roles.aggregator
+    keys, prod = roles.keys, roles.producers["rollout_00"]
     for i in range(3):
         Publisher(prod).publish(keys.rollouts_of(P0), fake_rollout_sample(f"{P0}-{i}", producer=P0))
 
@@ -112,9 +121,11 @@ def test_a_writer_trimming_its_own_output_shows_in_the_audit(roles: Roles) -> No
         trainer_reader().poll(0) == []
     )  # a restarted trainer re-reads its pending entries: all three are gone
     assert roles.admin.hget(keys.trainer, DEAD_LETTERED_FIELD) == b"3" and roles.admin.xlen(keys.dead) == 3
-    agg.xadd(keys.records, {"x": "y"}, id="1-1")
-    agg.xadd(keys.records, {"x": "y"}, maxlen=0, approximate=False)
-    agg.xadd(keys.dead_aggregator, {"x": "y"}, maxlen=0, approximate=False)
+    # the aggregator may no longer XADD to records or its dead letters (below); their one writer, the
+    # trainer, trimming them would show the same way
+    roles.trainer.xadd(keys.records, {"x": "y"}, id="1-1")
+    roles.trainer.xadd(keys.records, {"x": "y"}, maxlen=0, approximate=False)
+    roles.trainer.xadd(keys.dead_aggregator, {"x": "y"}, maxlen=0, approximate=False)
     rep = audit_run(roles.admin, keys)
     assert rep.destroyed == {keys.rollouts_of(P0): 4, keys.records: 2, keys.dead_aggregator: 1}
     assert any(f"4 entries of {keys.rollouts_of(P0)} destroyed" in p for p in rep.problems())
@@ -138,6 +149,8 @@ def test_the_aggregator_runs_no_script_creates_no_group_and_keeps_off_the_traine
     roles.trainer.xadd(keys.metrics, {"type": "nonsense"})
     worker = AggregatorWorker(load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"]), agg, keys)
     worker.run(burst=True)
+    assert roles.admin.xlen(keys.dead_aggregator) == 0  # in its outbox: the trainer moves it
+    assert OutboxDrain(keys).drain(roles.trainer) == 1
     [(_, fields)] = roles.admin.xrange(keys.dead_aggregator)
     assert isinstance(dl := decode(fields), DeadLetter) and dl.source == keys.metrics
     assert roles.admin.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 0
@@ -177,7 +190,7 @@ def test_stats_out_of_their_domain_never_reach_records(roles: Roles, tmp_path: P
         Publisher(prod).publish(keys.stats_of(P0), ev)
     publish_log(roles.admin, keys, fake_metrics_log(2, local_updates=1, producers=2, test_freq=0))
     cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"])
-    AggregatorWorker(cfg, roles.aggregator, keys).run(burst=True)
+    run_aggregator(cfg, roles)
     records = [decode(f) for _, f in roles.admin.xrange(keys.records)]
     assert [rec.global_step for rec in records if isinstance(rec, SyncStepRecord)] == [1, 2]
     for rec in records:
@@ -378,7 +391,7 @@ def test_a_producer_cannot_publish_in_another_producers_name(roles: Roles, tmp_p
         (source, f"impersonation: field sample_id='rollout_01-y' on the stream of producer '{P0}'"),
     ]
     Publisher(p0).publish(keys.stats_of(P0), stats)
-    AggregatorWorker(cfg, roles.aggregator, keys).run(burst=True)
+    run_aggregator(cfg, roles)
     [(_, fields)] = roles.admin.xrange(keys.dead_aggregator)
     assert decode_as(fields, DeadLetter).reason == (
         "impersonation: field producer='rollout_01' on the stream of producer 'rollout_00'"
@@ -578,6 +591,53 @@ def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish
     assert rep.problems() == [], rep.problems()
 
 
+def _calls(r: redis.Redis, command: str) -> int:
+    """How many times the server ran `command` (INFO commandstats; 0 if never)."""
+    stats: Any = r.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_no_revoked_bit_is_read_until_a_lease_expires_and_a_late_publish_is_still_refused(
+    roles: Roles,
+) -> None:
+    """Review of item 3: the trainer read one revoked bit (GETBIT) per consumed sample although no lease had
+    expired. Now 16 samples cost no GETBIT (one EXISTS per producer at the start); once a lease expires in
+    the trainer's process, the same collector reads bits again and still refuses a late publish."""
+    from consumers.trainer.collect import Collector, rollouts_reader
+    from rollstream.pacing import expire_lease
+
+    keys, trainer, admin = roles.keys, roles.trainer, roles.admin
+    grant_budget(trainer, keys, 0, 32)
+    for name in PRODUCERS:
+        ask_lease(roles.producers[name], keys, name, 8)
+    assert Leaser(trainer, keys, PRODUCERS, threading.Event()).run_once() == 16
+    cfg = load_config(None, [f"run.name={keys.run}", "bus.block_ms=10", "data.train_batch_size=16",
+                             "actor.ppo_mini_batch_size=16", "trainer.parameter_sync_step=1"])
+
+    def publish(name: str, seqs: range) -> None:
+        for seq in seqs:
+            sample = fake_rollout_sample(f"{name}-{seq}", n=2, prompt_len=3, response_len=4, producer=name)
+            Publisher(roles.producers[name]).publish(keys.rollouts_of(name), sample)
+
+    publish("rollout_01", range(8))
+    publish(P0, range(4))
+    dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    reader = rollouts_reader(cfg, trainer, keys, "trainer", threading.Event())
+    collector = Collector(cfg, trainer, keys, reader, dp, threading.Event(), False, 1000, 64,  # type: ignore[arg-type]
+                          lambda: None)
+    admin.config_resetstat()
+    while len(collector.buffer) < 12:
+        assert collector.fill()
+    assert _calls(admin, "getbit") == 0 and _calls(admin, "exists") == len(PRODUCERS)
+    assert expire_lease(trainer, keys, P0, 32)[0] == 8  # its unconsumed seqs taken back, in this process
+    publish(P0, range(4, 6))  # late
+    while admin.xlen(keys.dead) < 2:
+        collector.fill()
+    reasons = [decode_as(f, DeadLetter).reason for _, f in admin.xrange(keys.dead)]
+    assert all(r.startswith("lease expired: ") for r in reasons), reasons
+    assert len(collector.buffer) == 12 and _calls(admin, "getbit") == 2  # only the expired producer's
+
+
 def test_a_producer_flooding_redis_is_fenced_and_the_run_goes_on(roles: Roles) -> None:
     """Issue 41, item 4: 64 MiB SETs on its own keys and 1 MiB stats entries grew Redis by 1.5 GB, unbounded
     and unreported. The trainer's FloodFence measures each producer (its four keys, its two streams) and past
@@ -629,24 +689,130 @@ def test_a_producers_oversized_key_is_fenced(roles: Roles) -> None:
     assert "its keys hold 4097 bytes" in fence.fenced[P0]
 
 
-# -- issue 41's table: what README (Guarantees) still lists as possible, as strict xfails -----------------
+# -- issue 41's table: the aggregator's trims (closed), then what README (Guarantees) still lists as possible,
+# as strict xfails ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="README Guarantees: the aggregator may trim records (XADD MAXLEN)")
-def test_the_aggregator_cannot_trim_records(roles: Roles) -> None:
-    """Issue 41's last row: `XADD records MAXLEN 0` took records 269 -> 0 and nothing rebuilt them (item 5,
-    not built: the audit reports it, see test_a_writer_trimming_its_own_output_shows_in_the_audit)."""
+def _destroy_attempts(agg: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """Every way the aggregator's user could remove an entry of records, its dead letters or its outboxes."""
+    out: dict[str, Any] = {}
+    for stream in (keys.records, keys.dead_aggregator):
+        out |= {
+            f"XADD {stream} MAXLEN 0": lambda s=stream: agg.xadd(s, {"x": "y"}, maxlen=0, approximate=False),
+            f"XADD {stream} MINID": lambda s=stream: agg.xadd(s, {"x": "y"}, minid="99999999999999"),
+            f"XADD {stream} far id": lambda s=stream: agg.xadd(s, {"x": "y"}, id=MAX_ID),
+            f"XTRIM {stream}": lambda s=stream: agg.xtrim(s, maxlen=0),
+            f"XDEL {stream}": lambda s=stream: agg.execute_command("XDEL", s, "1-1"),
+            f"XSETID {stream}": lambda s=stream: agg.execute_command("XSETID", s, MAX_ID),
+            f"DEL {stream}": lambda s=stream: agg.delete(s),
+        }
+    for box in (keys.records_outbox, keys.dead_aggregator_outbox):
+        out |= {
+            f"LTRIM {box}": lambda b=box: agg.ltrim(b, 1, 0),
+            f"LPOP {box}": lambda b=box: agg.lpop(b),
+            f"RPOP {box}": lambda b=box: agg.rpop(b),
+            f"LREM {box}": lambda b=box: agg.lrem(b, 0, b"x"),
+            f"LSET {box}": lambda b=box: agg.lset(b, 0, b"x"),
+            f"DEL {box}": lambda b=box: agg.delete(b),
+            f"UNLINK {box}": lambda b=box: agg.unlink(b),
+        }
+    return out
+
+
+def test_the_aggregator_cannot_trim_records(roles: Roles, tmp_path: Path) -> None:
+    """Issue 41's last row: `XADD records MAXLEN 0` took records 269 -> 0 and nothing rebuilt them. Item 5,
+    by design: the aggregator's user appends its records to an outbox list (RPUSH only) and the trainer moves
+    them into `records`; every command that could remove a record or an outbox item is refused, and the
+    records and the audit stay whole."""
     keys, agg = roles.keys, roles.aggregator
-    agg.xadd(keys.records, {"x": "y"}, id="1-1")
-    assert not _permitted(lambda: agg.xadd(keys.records, {"x": "y"}, maxlen=0, approximate=False))
+    publish_log(roles.admin, keys, fake_metrics_log(3, local_updates=1, producers=2, test_freq=0))
+    cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"])
+    run_aggregator(cfg, roles)
+    assert roles.admin.xlen(keys.records) == 3
+    agg.rpush(keys.records_outbox, b"not a record")  # what it may do: append (the trainer refuses junk)
+    agg.rpush(keys.dead_aggregator_outbox, pack_item({}))
+    allowed = [name for name, call in _destroy_attempts(agg, keys).items() if _permitted(call)]
+    assert allowed == []
+    assert OutboxDrain(keys).drain(roles.trainer) == 2
+    assert [i for i, _ in roles.admin.xrange(keys.records)] == [b"1-1", b"2-1", b"3-1"]
+    notes = [decode_as(f, DeadLetter).reason for _, f in roles.admin.xrange(keys.dead_aggregator)]
+    junk = "refused from the aggregator's outbox: an outbox item that is not a list of field pairs"
+    assert notes == [junk, junk]
+    assert audit_run(roles.admin, keys).destroyed == {}
 
 
-@pytest.mark.xfail(strict=True, reason="README Guarantees: the aggregator may still trim its dead letters")
-def test_the_aggregator_cannot_trim_its_dead_letters(roles: Roles) -> None:
-    """Issue 41's last row: `XADD dead:aggregator MAXLEN 0` took 1,128 dead letters to 0."""
+def test_records_waiting_in_the_outbox_are_folded_once_across_an_aggregator_restart(
+    roles: Roles, tmp_path: Path
+) -> None:
+    """Under its user the aggregator's records wait in its outbox until the trainer moves them: a restarted
+    aggregator counts them as done (no second copy), and once moved, records are 1..3 and the sinks catch
+    up on the next pass."""
     keys, agg = roles.keys, roles.aggregator
-    agg.xadd(keys.dead_aggregator, {"x": "y"})
-    assert not _permitted(lambda: agg.xadd(keys.dead_aggregator, {"x": "y"}, maxlen=0, approximate=False))
+    publish_log(roles.admin, keys, fake_metrics_log(3, local_updates=1, producers=2, test_freq=0))
+    cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"])
+    AggregatorWorker(cfg, agg, keys).run(burst=True)
+    assert roles.admin.llen(keys.records_outbox) == 3 and roles.admin.xlen(keys.records) == 0
+    roles.trainer.xgroup_setid(keys.metrics, AGGREGATOR_GROUP, "0")  # its log read again, as after a loss
+    AggregatorWorker(cfg, agg, keys).run(burst=True)
+    assert roles.admin.llen(keys.records_outbox) == 3
+    run_aggregator(cfg, roles)
+    assert [i for i, _ in roles.admin.xrange(keys.records)] == [b"1-1", b"2-1", b"3-1"]
+    assert roles.admin.llen(keys.records_outbox) == 0
+    lines = (tmp_path / keys.run / "records.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+
+
+def test_a_stopping_trainer_moves_the_record_of_its_last_step_and_does_not_wait_without_an_aggregator(
+    roles: Roles, tmp_path: Path
+) -> None:
+    """Under ACLs only the trainer moves the outbox, and it stops before the aggregator: on its way out it
+    waits (up to 5 s) for the record of its last committed step while an aggregator reads `metrics`, so the
+    run's last record is not left in the outbox; with no aggregator reading it does not wait."""
+    from consumers.trainer.effects import TrainerEffects
+    from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD
+
+    keys, agg = roles.keys, roles.aggregator
+    cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"])
+    dp: Any = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    effects = TrainerEffects(cfg, roles.trainer, keys, tmp_path / "weights", dp)
+    roles.trainer.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: 2, TRAINING_STEP_FIELD: 2})
+    t0 = time.monotonic()
+    effects.settle_outbox()
+    assert time.monotonic() - t0 < 1.0  # no aggregator consumer: nothing to wait for
+    roles.trainer.xadd(keys.metrics, {"type": "x"})  # the trainer's last event, just read by the aggregator
+    assert agg.xreadgroup(AGGREGATOR_GROUP, "aggregator", {keys.metrics: ">"}, count=1)
+
+    def fold_late() -> None:
+        time.sleep(0.5)
+        agg.rpush(keys.records_outbox, pack_item(encode(SyncStepRecord(global_step=2, num_local_updates=1))))
+
+    thread = threading.Thread(target=fold_late)
+    thread.start()
+    t0 = time.monotonic()
+    effects.settle_outbox()
+    thread.join()
+    assert 0.4 < time.monotonic() - t0 < 4.0
+    assert [i for i, _ in roles.admin.xrange(keys.records)] == [b"2-1"]
+
+
+def test_the_aggregator_cannot_trim_its_dead_letters(roles: Roles, tmp_path: Path) -> None:
+    """Issue 41's last row: `XADD dead:aggregator MAXLEN 0` took 1,128 dead letters to 0. Its dead letters go
+    through its outbox too; none can be removed, and a forged or far-ahead record is refused as a note."""
+    keys, agg = roles.keys, roles.aggregator
+    roles.trainer.xadd(keys.metrics, {"type": "nonsense"})
+    AggregatorWorker(load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"]), agg, keys).run(
+        burst=True
+    )
+    record = SyncStepRecord(global_step=10**9, num_local_updates=1)
+    agg.rpush(keys.records_outbox, pack_item(encode(record)))  # a record ahead of the trainer: a note
+    assert OutboxDrain(keys).drain(roles.trainer) == 2
+    assert roles.admin.xlen(keys.dead_aggregator) == 2 and roles.admin.xlen(keys.records) == 0
+    allowed = [name for name, call in _destroy_attempts(agg, keys).items() if _permitted(call)]
+    assert allowed == []
+    reasons = [decode_as(f, DeadLetter).reason for _, f in roles.admin.xrange(keys.dead_aggregator)]
+    assert reasons[0].startswith("decode: ")
+    assert "a record of step 1000000000, ahead of the trainer's step 0" in reasons[1]
+    assert audit_run(roles.admin, keys).destroyed == {}
 
 
 @pytest.mark.xfail(strict=True, reason="README Guarantees: a lease is held up to lease_timeout_s")

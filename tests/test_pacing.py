@@ -321,6 +321,27 @@ def test_a_hoarders_lease_expires_and_goes_to_the_others(r: redis.Redis, keys: K
     assert expiry.maybe_check(r, keys, PRODUCERS) == []
 
 
+def test_a_lease_is_not_expired_while_its_entries_wait_unread_even_after_an_xdel(
+    r: redis.Redis, keys: Keys
+) -> None:
+    """The expiry's snapshot tells unread entries by the group's lag; where an XDEL left Redis unable to tell
+    it (a null lag), by the stream's last id: either way a producer whose entry waits with the trainer keeps
+    its lease, and one whose entries were all read and acked does not."""
+    setup_run(r, keys, PRODUCERS)
+    stream = keys.rollouts_of(P0)
+    ids = [r.xadd(stream, {"sample_id": f"{P0}-{s}"}) for s in range(4)]
+    assert pacing.finished_counts(r, keys, PRODUCERS)[2] == {P0}  # unread (lag 4)
+    r.xreadgroup("trainer", "t", {stream: ">"}, count=1)
+    r.xack(stream, "trainer", ids[0])
+    r.xdel(stream, ids[2])  # Redis cannot tell the group's lag any more; ids[1] and ids[3] still wait
+    [group] = [g for g in r.xinfo_groups(stream) if g["name"] in ("trainer", b"trainer")]
+    assert group["lag"] is None
+    assert pacing.finished_counts(r, keys, PRODUCERS)[2] == {P0}
+    r.xreadgroup("trainer", "t", {stream: ">"})
+    r.xack(stream, "trainer", ids[1], ids[3])
+    assert pacing.finished_counts(r, keys, PRODUCERS)[2] == set()  # all read and acked: not busy
+
+
 def test_lease_expiry_refuses_a_bad_timeout() -> None:
     """A timeout that is not > 0 names the config field and the value."""
     with pytest.raises(ValueError, match=r"rollout.lease_timeout_s=0 must be > 0"):

@@ -15,6 +15,7 @@ import redis
 from conftest import P0
 
 from rollstream.bus import GroupReader, Publisher, connect, setup_run
+from rollstream.bus.outbox import OutboxDrain
 from rollstream.fakes import fake_rollout_sample
 from rollstream.names import AGGREGATOR_GROUP, Keys
 from rollstream.pacing import ask_lease, grant_budget, lease_of, lease_pass, mark_published, rollout_counts
@@ -136,6 +137,11 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
         "aggregator XTRIM records": lambda: aggregator.xtrim(keys.records, maxlen=0),
         "aggregator XDEL records": lambda: aggregator.execute_command("XDEL", keys.records, "1-1"),
         "aggregator DEL records": lambda: aggregator.delete(keys.records),
+        "aggregator XADD records": lambda: aggregator.xadd(keys.records, {"x": "1"}, maxlen=0),
+        "aggregator XADD its dead": lambda: aggregator.xadd(keys.dead_aggregator, {"x": "1"}, maxlen=0),
+        "aggregator LTRIM its outbox": lambda: aggregator.ltrim(keys.records_outbox, 1, 0),
+        "aggregator LPOP its dead outbox": lambda: aggregator.lpop(keys.dead_aggregator_outbox),
+        "aggregator DEL its outbox": lambda: aggregator.delete(keys.records_outbox),
         "aggregator write metrics": lambda: aggregator.xadd(keys.metrics, {"x": "1"}),
         "aggregator write trainer hash": lambda: aggregator.hset(keys.trainer, "committed_step", 1),
         "aggregator read rollouts": lambda: aggregator.xrange(keys.rollouts_of(P0)),
@@ -143,13 +149,13 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
         "trainer FLUSHALL": lambda: trainer.flushall(),
         "trainer another run": lambda: trainer.get("rs:{other}:weights:0"),
     }
-    # the aggregator dead-letters what it cannot fold (WATCH + MULTI: XADD its own dead stream, XACK), and may
-    # run no script at all
+    # the aggregator dead-letters what it cannot fold (WATCH + MULTI: RPUSH its dead outbox, XACK; the trainer
+    # moves it into dead:aggregator), and may run no script at all
     metric_id = trainer.xadd(keys.metrics, {"type": "nonsense"})
     agg_reader = GroupReader(aggregator, keys.metrics, AGGREGATOR_GROUP, "aggregator",
-                             dead_stream=keys.dead_aggregator, block_ms=10)
+                             dead_stream=keys.dead_aggregator_outbox, dead_outbox=True, block_ms=10)
     assert [m.id for m in agg_reader.poll(0)] == []  # undecodable: dead-lettered inside the read
-    assert trainer.xlen(keys.dead_aggregator) == 1
+    assert OutboxDrain(keys).drain(trainer) == 1 and trainer.xlen(keys.dead_aggregator) == 1
     assert trainer.xpending(keys.metrics, AGGREGATOR_GROUP)["pending"] == 0
     assert metric_id is not None
     forbidden["aggregator write metrics via a script"] = lambda: aggregator.eval(

@@ -21,8 +21,9 @@ from typing import Any
 import redis
 
 from consumers.aggregator.fold import Completed, Fold, id_key, stats_ref
-from consumers.aggregator.worker import TRAINER_EVENTS, record_id
+from consumers.aggregator.worker import TRAINER_EVENTS
 from rollstream.bus import connect, iter_stream, read_password, run_producers
+from rollstream.bus.outbox import pending_dead, record_id
 from rollstream.names import Keys
 from rollstream.worker import REDIS_URL_ENV
 from schemas import DeadLetter, DecodeError, ProducerStats, decode, encode
@@ -37,9 +38,10 @@ def dead_lettered(r: redis.Redis, keys: Keys, producers: Sequence[str]) -> set[t
     stats."""
     sources = {keys.metrics, *keys.stats_streams(producers)}
     out = set()
-    for _, fields in chain(
-        iter_stream(r, keys.dead_aggregator), iter_stream(r, keys.dead)
-    ):  # (dead: older runs)
+    for fields in chain(  # (dead: older runs; the outbox: what the trainer had not moved yet)
+        (f for _, f in iter_stream(r, keys.dead_aggregator)), pending_dead(r, keys),
+        (f for _, f in iter_stream(r, keys.dead)),
+    ):
         try:
             ev = decode(fields)
         except DecodeError:

@@ -1,13 +1,18 @@
 """The aggregator worker: reads `metrics` (trainer events) and every producer's `stats:<p>` (producer stats)
-as group `aggregator`, folds, writes `records`, feeds the sinks.
+as group `aggregator`, folds, appends its records to `outbox:records`, feeds the sinks.
 
 Each metrics batch is preceded by draining the stats streams up to the batch's newest id, so the fold has
-every stats entry a record may use (see fold.py). Each batch is one MULTI/EXEC: XADD every record it completed
-with explicit id `<global_step>-1` (a record already written is refused by Redis, which makes a re-fold
-idempotent) and XACK the entries no future record needs (the completed steps' events, superseded and late
-copies). Everything else stays pending: the events of incomplete steps and the stats entries a future record
-may use. A restarted aggregator re-reads its own pending entries first, in log order, so it rebuilds the same
-fold state (run one aggregator per run, under a stable name).
+every stats entry a record may use (see fold.py). Each batch is one MULTI/EXEC: RPUSH every record it
+completed to `outbox:records` and XACK the entries no future record needs (the completed steps' events,
+superseded and late copies). Everything else stays pending: the events of incomplete steps and the stats
+entries a future record may use. A restarted aggregator re-reads its own pending entries first, in log order,
+so it rebuilds the same fold state (run one aggregator per run, under a stable name).
+
+Its user may not XADD `records` nor `dead:aggregator` (an XADD may trim, issue 41 item 5): records, dead
+letters and notes go to its outboxes, which the trainer moves into those streams (rollstream/bus/outbox.py:
+a record is written with explicit id `<global_step>-1`, so a re-fold's duplicate is refused by Redis and the
+fold stays idempotent). Without ACLs it moves them itself after each batch; under its user the sinks, which
+read `records`, see a record one trainer drain later (they are flushed every pass).
 
 What the fold cannot place is dead-lettered with its reason, never left pending: an event of the wrong kind
 for its stream, stats in the name of a producer other than the one whose stream they came from (identity from
@@ -42,27 +47,24 @@ from rollstream.bus import (
     parse_id,
     retry_on_connection,
 )
+from rollstream.bus.outbox import OutboxDrain, pack_item, pending_records
 from rollstream.config import PipelineConfig
 from rollstream.names import AGGREGATOR_GROUP, AGGREGATOR_NOTE_SOURCE, Keys, producer_names
 from schemas import ProducerStats, StepMetrics, ValidateMetrics, dead_letter_of, encode
 
 log = logging.getLogger(__name__)
 
-DUPLICATE_ID_ERROR = "equal or smaller than the target stream top item"
 #: Event types the fold takes from `metrics` (the trainer's); anything else there is dead-lettered.
 TRAINER_EVENTS = (StepMetrics, ValidateMetrics)
 #: Longest a stats drain waits for the server clock to pass a metrics batch (then it folds anyway).
 DRAIN_MAX_S = 1.0
 
 
-def record_id(global_step: int) -> str:
-    """The explicit records-stream id of a global step."""
-    return f"{global_step}-1"
-
-
 def recorded_steps(r: redis.Redis, keys: Keys) -> set[int]:
-    """Global steps that already have a record (ids only matter; read in pages)."""
-    return {parse_id(entry_id)[0] for entry_id, _ in iter_stream(r, keys.records)}
+    """Global steps that already have a record, in `records` (ids only matter; read in pages) or still in
+    its outbox."""
+    done = {parse_id(entry_id)[0] for entry_id, _ in iter_stream(r, keys.records)}
+    return done | {rec.global_step for rec in pending_records(r, keys)}
 
 
 class AggregatorWorker:
@@ -91,7 +93,8 @@ class AggregatorWorker:
                 streams,
                 AGGREGATOR_GROUP,
                 name,
-                dead_stream=keys.dead_aggregator,
+                dead_stream=keys.dead_aggregator_outbox,
+                dead_outbox=True,
                 block_ms=cfg.bus.block_ms,
                 count=cfg.bus.read_count,
                 claim_idle_s=cfg.bus.claim_idle_s,
@@ -104,7 +107,8 @@ class AggregatorWorker:
         self.progress = TrainerProgress(r, keys)
         self.fold = Fold(cfg.aggregator.total_gpus, done_steps=recorded_steps(r, keys))
         self.sinks = sinks if sinks is not None else Sinks(r, keys, build_sinks(cfg, r, keys))
-        self.records_written = 0
+        self.records_written = 0  # records appended to the outbox
+        self.drain: OutboxDrain | None = OutboxDrain(keys, every_s=0)  # None once its user may not (ACL)
         self.events = 0
         self._first_seen: dict[int, float] = {}
         self._reported: set[int] = set()
@@ -143,7 +147,19 @@ class AggregatorWorker:
             refs += c.ack_ids
         if completed or refs:
             self._commit(completed, refs)
+        self.move_outbox()
         return completed
+
+    def move_outbox(self) -> None:
+        """Without ACLs, move the outboxes into `records` and `dead:aggregator` now; under the aggregator's
+        user (which may not) stop trying at the first refusal: the trainer moves them."""
+        if self.drain is None:
+            return
+        try:
+            retry_on_connection(lambda: self.drain.drain(self.r) if self.drain else 0, "moving the outbox")
+        except redis.exceptions.NoPermissionError:
+            log.info("records and dead letters go through the outbox: the trainer moves them")
+            self.drain = None
 
     def drain_stats(self, upto: str | None) -> tuple[list[Message], bool]:
         """Read the stats streams until every entry with an id below `upto` is in: until each stream has
@@ -183,10 +199,10 @@ class AggregatorWorker:
             (self.keys.stats_of(producer), i) for producer, i in map(split_ref, refs) if producer is not None
         ]
 
-        def commit() -> list[Any]:  # EXEC may or may not have landed: re-running it is idempotent
+        def commit() -> list[Any]:  # EXEC may or may not have landed: the outbox drain refuses a duplicate
             pipe = self.r.pipeline(transaction=True)
             for c in completed:
-                pipe.xadd(self.keys.records, encode(c.record), id=record_id(c.record.global_step))
+                pipe.rpush(self.keys.records_outbox, pack_item(encode(c.record)))
             if ack_ids:
                 pipe.xack(self.keys.metrics, AGGREGATOR_GROUP, *ack_ids)
             for stream, ids in group_refs(stats_refs).items():
@@ -194,48 +210,23 @@ class AggregatorWorker:
             return list(pipe.execute(raise_on_error=False))
 
         results = retry_on_connection(commit, "committing records and acks")
-        for c, res in zip(completed, results, strict=False):
-            if isinstance(res, redis.ResponseError):
-                self._refused(c, res)
-            elif isinstance(res, Exception):
-                raise res
-            else:
-                self.records_written += 1
-                log.info(
-                    "step %d: record written (%d local updates)",
-                    c.record.global_step,
-                    c.record.num_local_updates,
-                )
-        for res in results[len(completed) :]:
+        for res in results:
             if isinstance(res, Exception):
                 raise res
+        for c in completed:
+            self.records_written += 1
+            log.info("step %d: record written (%d local updates)", c.record.global_step,
+                     c.record.num_local_updates)
         self.reader.forget(ack_ids)  # acked inside the transaction
         self.stats_reader.forget(stats_refs)
 
-    def _refused(self, c: Completed, err: redis.ResponseError) -> None:
-        """XADD refused: the record exists (a re-fold after a restart) or a later step was written first."""
-        g = c.record.global_step
-        if DUPLICATE_ID_ERROR not in str(err):
-            raise err
-        existing = self.r.xrange(self.keys.records, min=record_id(g), max=record_id(g))
-        if existing:
-            if {k.decode(): bytes(v) for k, v in existing[0][1].items()} != {
-                k: bytes(v) for k, v in encode(c.record).items()
-            }:
-                log.warning(
-                    "step %d: re-folded record differs from the one written earlier (kept that one)", g
-                )
-            return
-        reason = f"record of step {g} not written: the records stream already holds a later step"
-        log.error("%s", reason)
-        self._note(record_id(g), reason, encode(c.record))
-
     def _note(self, source_id: str, reason: str, fields: Any = None) -> None:
-        """A DeadLetter note on `dead` (source `aggregator`) about the metrics log; nothing is acked by it."""
+        """A DeadLetter note for `dead:aggregator` (source `aggregator`, through the outbox) about the metrics
+        log; nothing is acked by it."""
         dl = dead_letter_of(
             AGGREGATOR_NOTE_SOURCE, source_id, reason, {k: bytes(v) for k, v in (fields or {}).items()}
         )
-        self.r.xadd(self.keys.dead_aggregator, encode(dl))
+        self.r.rpush(self.keys.dead_aggregator_outbox, pack_item(encode(dl)))
 
     # -- timeouts -------------------------------------------------------------------------------------
 
@@ -264,6 +255,8 @@ class AggregatorWorker:
                 self._note(self.fold.first_id(g), reason)
                 self._reported.add(g)
             handled.append(g)
+        if handled:
+            self.move_outbox()
         return handled
 
     def _dead_letter_ref(self, ref: str, reason: str) -> None:
@@ -290,7 +283,7 @@ class AggregatorWorker:
                 if (msgs or stats) and self.handle(msgs, stats):
                     sinks_due = True
                 try:
-                    if sinks_due:
+                    if sinks_due or self.drain is None:  # (the trainer moves records in meanwhile)
                         self.sinks.flush()
                         sinks_due = False
                     self.check_incomplete(drained=self.reader.drained)

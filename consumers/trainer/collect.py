@@ -5,7 +5,8 @@ A `Collector` is the trainer's reading half: it owns the rollouts buffer, the sa
 (committed, buffered, or, with several ranks, claimed by any rank: consumers/trainer/rank_agreement.py) and
 the producers' leases as last read. A sample whose id is not `<producer>-<seq>` inside its producer's
 lease is dead-lettered (rollstream/pacing.py), and so is one whose seq the trainer took back when its
-producer's lease expired ("lease expired": the `revoked:<name>` bitmap). After each pass that
+producer's lease expired ("lease expired": the `revoked:<name>` bitmap, read only for producers that have
+one: rollstream/revoked.py). After each pass that
 dead-lettered rollouts (and at its first pass, which catches what a previous process left) it reads the
 new entries of `dead` and has pacing count their prompts as consumed, each once, which gives their room
 back to the current version's budget (a top-up), so producers replace them before the next version (else
@@ -59,7 +60,8 @@ from rollstream.bus import EntryRef, GroupReader, Message, entry_limits, iter_st
 from rollstream.bus.ids import IdError, parse_sample_id, split_sample_id
 from rollstream.config import PipelineConfig
 from rollstream.names import DEAD_LETTERED_FIELD, REPLAY_COPY_FIELD, TRAINER_GROUP, Keys, producer_names
-from rollstream.pacing import consume, is_revoked, leases
+from rollstream.pacing import consume, leases
+from rollstream.revoked import RevokedWatch
 from rollstream.tasks import REWARD_RANGE
 from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, DeadLetter, Fate, RolloutSample, decode
 
@@ -167,6 +169,9 @@ class Collector:
         self._dead_checked = False
         self._dead_cursor = "-"  # the last `dead` entry whose prompt pacing counted ("-": none read yet)
         self.leases: dict[str, int] = {}  # producer -> prompts leased to it, as last read
+        # which producers had seqs taken back (rank 0's Leaser expires leases in this process; other ranks
+        # read again each pass): a revoked bit is read only for those (rollstream/revoked.py)
+        self.revoked = RevokedWatch(keys, producer_names(cfg.rollout.num_producers), local=dp.is_main)
         # a replay copy's rollouts were copied by an admin, not published under leases: not checked
         self.check_leases = not retry_on_connection(
             lambda: r.hexists(keys.trainer, REPLAY_COPY_FIELD), "reading the trainer hash"
@@ -190,6 +195,7 @@ class Collector:
                 self.used_up = True
             return False
         dupes: list[EntryRef] = []
+        self.revoked.new_pass()
         for m in msgs:
             to_dead = partial(self.reader.dead_letter, m.id, m.fields, stream=m.stream)
             try:
@@ -254,7 +260,7 @@ class Collector:
         if not self.check_leases:
             return None
         producer, seq = parse_sample_id(ev.sample_id, ev.producer)
-        if retry_on_connection(lambda: is_revoked(self.r, self.keys, producer, seq), "reading revoked"):
+        if retry_on_connection(lambda: self.revoked.is_revoked(self.r, producer, seq), "reading revoked"):
             return (
                 f"sample_id={ev.sample_id!r}: seq {seq} was taken back from {producer!r} "
                 f"(no prompt of it finished for rollout.lease_timeout_s={self.cfg.rollout.lease_timeout_s})"

@@ -30,9 +30,13 @@ from consumers.trainer.ledger import (
     committed_step,
     count_consumed,
 )
-from rollstream.bus import Janitor, Publisher, retry_on_connection, setup_run
+from rollstream.bus import CONNECTION_ERRORS, Janitor, Publisher, retry_on_connection, setup_run
+from rollstream.bus.ids import count_or_none
+from rollstream.bus.outbox import OutboxDrain, record_id
 from rollstream.config import PipelineConfig
 from rollstream.names import (
+    AGGREGATOR_GROUP,
+    COMMITTED_STEP_FIELD,
     HEARTBEAT_FIELD,
     PROGRESS_AT_FIELD,
     REPLAYED_VERSIONS_FIELD,
@@ -55,6 +59,9 @@ from rollstream.weights_io import state_bytes
 from schemas import StepMetrics, ValidateMetrics
 
 log = logging.getLogger("consumers.trainer.loop")  # the trainer's log lines keep the one logger name
+
+#: Longest a stopping trainer waits for the aggregator's record of its last step, to move it into `records`.
+OUTBOX_SETTLE_S = 5.0
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -108,14 +115,45 @@ class TrainerEffects:
             )
             fence = FloodFence(self.cfg.bus.producer_bound(), self.cfg.max_outstanding)
             self.leaser = Leaser(
-                self.r, self.keys, names, threading.Event(), expiry=expiry, fence=fence
+                self.r, self.keys, names, threading.Event(), expiry=expiry, fence=fence,
+                outbox=OutboxDrain(self.keys),
             ).start()
 
     def stop_leaser(self) -> None:
-        """Stop the lease loop (a no-op when none runs)."""
+        """Stop the lease loop and move the aggregator's outbox a last time (a no-op when none runs)."""
         if self.leaser is not None:
             self.leaser.stop.set()
             self.leaser = None
+            self.settle_outbox()
+
+    def settle_outbox(self, wait_s: float = OUTBOX_SETTLE_S) -> None:
+        """Move the aggregator's outboxes into `records` and `dead:aggregator` before the trainer exits,
+        waiting up to `wait_s` for the record of its last committed step while an aggregator is reading
+        (rollstream/bus/outbox.py: nobody else moves them under ACLs). Redis unreachable for that long:
+        given up with a warning (the next trainer moves them), so a trainer never hangs on its way out."""
+        drain, deadline = OutboxDrain(self.keys), time.monotonic() + wait_s
+        try:
+            while True:
+                left = max(deadline - time.monotonic(), 0.1)
+                retry_on_connection(lambda: drain.drain(self.r), "moving the outbox", timeout_s=left)
+                if time.monotonic() >= deadline or not self._record_awaited():
+                    return
+                time.sleep(0.05)
+        except CONNECTION_ERRORS as e:
+            log.warning("aggregator outbox not moved before exit (%s): the next trainer moves it", e)
+
+    def _record_awaited(self) -> bool:
+        """The last committed step has no record yet and an aggregator consumer of `metrics` was active in the
+        last 3 s (XINFO CONSUMERS `idle`: on Redis 7.0, since it was last delivered an entry)."""
+        committed: Any = self.r.hget(self.keys.trainer, COMMITTED_STEP_FIELD)
+        g = count_or_none(committed)
+        if g is None or self.r.xrange(self.keys.records, min=record_id(g), max=record_id(g)):
+            return False
+        try:
+            consumers: Any = self.r.xinfo_consumers(self.keys.metrics, AGGREGATOR_GROUP)
+        except redis.ResponseError:
+            return False  # no metrics stream or group: no aggregator
+        return any(int(c.get("idle", 1 << 40)) < 3000 for c in consumers)
 
     @property
     def over_budget(self) -> bool:

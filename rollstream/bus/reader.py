@@ -30,6 +30,7 @@ import redis
 
 from rollstream.bus.connection import CONNECTION_ERRORS, connection_count, retry_on_connection
 from rollstream.bus.ids import text
+from rollstream.bus.outbox import pack_item
 from rollstream.bus.publish import ensure_group
 from schemas import DEFAULT_LIMITS, DecodeError, Event, Limits, dead_letter_of, decode, encode
 
@@ -113,8 +114,12 @@ class GroupReader:
         limits: Limits | None = None,
         stop: threading.Event | None = None,
         dead_count: tuple[str, str] | None = None,
+        dead_outbox: bool = False,
     ) -> None:
+        """Read `stream`(s) as `consumer` of `group`; dead letters go to `dead_stream` (with `dead_outbox`,
+        a list they are RPUSHed to, rollstream/bus/outbox.py: the aggregator's)."""
         self.r: Any = r  # redis-py's stubs type stream replies loosely; we parse them here
+        self.dead_outbox = dead_outbox
         self.dead_count = dead_count
         self.streams = [stream] if isinstance(stream, str) else list(stream)
         if not self.streams:
@@ -371,8 +376,8 @@ class GroupReader:
 
     def _dead_letter_watched(self, stream: str, body: Mapping[str, Any], entry_id: str) -> None:
         """The dead letter without a script (a reader whose user may not run scripts): under WATCH of the
-        stream, XADD the copy and XACK in one MULTI only if the entry is still pending; a write to the stream
-        in between makes EXEC fail and the check runs again."""
+        stream, XADD the copy (RPUSH to the outbox) and XACK in one MULTI only if the entry is still pending;
+        a write to the stream in between makes EXEC fail and the check runs again."""
         while True:
             with self.r.pipeline(transaction=True) as pipe:
                 try:
@@ -380,7 +385,10 @@ class GroupReader:
                     if not pipe.xpending_range(stream, self.group, min=entry_id, max=entry_id, count=1):
                         return  # acked already (a retry after a lost reply): nothing twice
                     pipe.multi()
-                    pipe.xadd(self.dead_stream, dict(body))
+                    if self.dead_outbox:
+                        pipe.rpush(self.dead_stream, pack_item(body))
+                    else:
+                        pipe.xadd(self.dead_stream, dict(body))
                     pipe.xack(stream, self.group, entry_id)
                     pipe.execute()
                     return
