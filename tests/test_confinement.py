@@ -1,12 +1,12 @@
 """Issue 24's findings, each under the role's real ACL user (the users `rollstream run` creates, on a private
-redis-server): what a credential may no longer do, and what the audit now sees (README, Guarantees).
+redis-server): what a credential may no longer do, and what the audit now sees (docs/GUARANTEES.md).
 
 Issue 41's table, row by row (all under the real users): non-canonical seq forms and `²`, `version=abc`,
 `version=0`, `published=x`, the last possible id and the impersonated id are in tests/test_producer_input.py
 (which imports this module's fixture); `want=10^9` while publishing nothing, the floods (a free-form key, an
 oversized key, a flooded stream) are below; the aggregator's trim of `records` and `dead:aggregator` (item 5:
-refused by design, its outboxes) at the end, where what README still lists as possible (a lease held up to
-lease_timeout_s, memory up to the bound) are strict xfails."""
+refused by design, its outboxes) at the end, where what docs/GUARANTEES.md still lists as possible (a lease
+held up to lease_timeout_s, memory up to the bound) are strict xfails."""
 
 from __future__ import annotations
 
@@ -689,7 +689,7 @@ def test_a_producers_oversized_key_is_fenced(roles: Roles) -> None:
     assert "its keys hold 4097 bytes" in fence.fenced[P0]
 
 
-# -- issue 41's table: the aggregator's trims (closed), then what README (Guarantees) still lists as possible,
+# -- issue 41's table: the aggregator's trims (closed), then what docs/GUARANTEES.md still lists as possible,
 # as strict xfails ------------------------------------------------------------------------------------------
 
 
@@ -815,7 +815,7 @@ def test_the_aggregator_cannot_trim_its_dead_letters(roles: Roles, tmp_path: Pat
     assert audit_run(roles.admin, keys).destroyed == {}
 
 
-@pytest.mark.xfail(strict=True, reason="README Guarantees: a lease is held up to lease_timeout_s")
+@pytest.mark.xfail(strict=True, reason="docs/GUARANTEES.md: a lease is held up to lease_timeout_s")
 def test_a_producer_cannot_hold_a_lease_without_publishing(roles: Roles) -> None:
     """A lease held without publishing is taken back only after rollout.lease_timeout_s (not at once)."""
     from rollstream.pacing import LeaseExpiry
@@ -832,7 +832,7 @@ def test_a_producer_cannot_hold_a_lease_without_publishing(roles: Roles) -> None
     assert expiry.expired.get(P0, 0) == 8
 
 
-@pytest.mark.xfail(strict=True, reason="README Guarantees: a producer writes up to its bound")
+@pytest.mark.xfail(strict=True, reason="docs/GUARANTEES.md: a producer writes up to its bound")
 def test_a_producer_cannot_use_memory_below_its_bound(roles: Roles) -> None:
     """Between checks and below bus.producer_max_bytes a producer's own stream grows: bounded, not zero."""
     from rollstream.security import FloodFence

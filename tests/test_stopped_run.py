@@ -1,4 +1,4 @@
-"""A finished run stays readable: after `rollstream stop`, the README's inspection and replay commands read
+"""A finished run stays readable: after `rollstream stop`, the commands of docs/OPERATIONS.md read
 the run's log from its own files (a private read-only Redis over its AOF, plus the archive), change no byte of
 it, leave nothing behind, and `rollstream run` on the same name still resumes the run."""
 
