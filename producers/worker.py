@@ -539,9 +539,9 @@ def swap_check_bound(cfg: PipelineConfig, dtype: str) -> float:
     configured = cfg.rollout.swap_check_max_diff
     if configured is not None:
         return configured
-    # under model.autocast (the trainer's side) or rollout.dtype (the engine's) a side computes in the lower
-    # precision: the loosest bound
-    return max(default_max_diff(d) for d in (dtype, cfg.model.autocast or dtype, cfg.rollout.dtype or dtype))
+    # under model.autocast the trainer's side computes in the lower precision: the looser of the two bounds
+    # (`dtype` is the engine's own, rollout.dtype's when that is set)
+    return max(default_max_diff(d) for d in (dtype, cfg.model.autocast or dtype))
 
 
 def swap_check_metrics(check: tuple[int, float, float] | None) -> dict[str, float]:

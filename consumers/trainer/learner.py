@@ -258,7 +258,7 @@ class Learner:
             return
         load_tensors_into(self.policy.module, weights)
         if self.master is not None:
-            self.master.load(weights, unique_state(self.policy.module))
+            self.master.load(weights)
         self.optimizer.load_state_dict(optimizer_state)
         self._prox_is_policy = False
 

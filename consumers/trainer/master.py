@@ -12,14 +12,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from rollstream.weights_io import unique_state
+
 
 class MasterWeights:
     """Float32 copies of a module's trainable parameters, which the optimizer owns."""
 
     def __init__(self, module: nn.Module) -> None:
         """Copy every trainable parameter of `module` to float32."""
+        self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.master = [nn.Parameter(p.detach().float().clone()) for p in self.params]
+        # float32 gradient buffers, allocated once: the optimizer's zero_grad drops the copies' .grad each
+        # update, and a fresh 4-byte-per-weight allocation every step would fault its pages in again
+        self._grads = [torch.empty_like(m) for m in self.master]
         # the module's tensors (by storage) -> their copies, detached (what a state dict holds; no copy)
         self._by_ptr = {p.data_ptr(): m.detach() for p, m in zip(self.params, self.master, strict=True)}
 
@@ -29,8 +35,8 @@ class MasterWeights:
 
     def grads_to_master(self) -> None:
         """Move the module's gradients to the copies, in float32 (the module's are cleared)."""
-        for p, m in zip(self.params, self.master, strict=True):
-            m.grad = None if p.grad is None else p.grad.float()
+        for p, m, buf in zip(self.params, self.master, self._grads, strict=True):
+            m.grad = None if p.grad is None else buf.copy_(p.grad)
             p.grad = None
 
     @torch.no_grad()
@@ -45,10 +51,10 @@ class MasterWeights:
         return {k: self._by_ptr.get(t.data_ptr(), t) for k, t in weights.items()}
 
     @torch.no_grad()
-    def load(self, weights: dict[str, Tensor], module_state: dict[str, Tensor]) -> None:
-        """Set the copies from checkpoint `weights` (float32, by name), given the module's state dict
-        `module_state` naming its tensors; the module itself is loaded by the caller."""
-        for name, t in module_state.items():
+    def load(self, weights: dict[str, Tensor]) -> None:
+        """Set the copies from checkpoint `weights` (float32, by name); the module itself is loaded by the
+        caller."""
+        for name, t in unique_state(self.module).items():
             m = self._by_ptr.get(t.data_ptr())
             if m is not None and name in weights:
                 m.copy_(weights[name])
