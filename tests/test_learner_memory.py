@@ -13,7 +13,7 @@ import torch
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples, assemble_micro_batches
 from consumers.trainer.learner import Learner, micro_slices
-from rollstream.config import load_config
+from rollstream.config import ConfigError, load_config
 from rollstream.fakes import fake_rollout_sample
 from schemas import DataProto, RolloutSample
 
@@ -165,3 +165,94 @@ def test_first_update_takes_the_proximal_log_probs_from_its_own_forward(
     b.begin_step(3)
     b.update(assemble_micro_batches(first, 8)[0])  # 16 rows in two micro-batches: the copy, once for each
     assert prox_calls == [1, 1, 1, 1]
+
+
+def uniform_groups_batches(seed: int, all_uniform: bool) -> list[list[RolloutSample]]:
+    """Two mini-batches of 4 groups x 4 ragged responses where groups 0 and 2 (every group of the second
+    mini-batch when all_uniform) got one reward each: their GRPO advantages are exactly 0."""
+    out = []
+    for b in range(2):
+        samples = []
+        for i in range(4):
+            uniform = (all_uniform and b == 1) or i % 2 == 0
+            rewards = [float(i % 3 == 0)] * 4 if uniform else [1.0, 0.0, 0.5, 0.0]
+            samples.append(fake_rollout_sample(f"u{b}{i}", n=4, prompt_len=3 + 2 * i, response_len=6,
+                                               ragged=True, seed=seed + 10 * b + i, vocab=50,
+                                               rewards=rewards))
+        out.append(samples)
+    return out
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_leaving_zero_advantage_rows_out_changes_no_step(agg: str) -> None:
+    """actor.zero_advantage_rows=skip: the rows of groups that all got one reward are not forwarded, and the
+    two updates (the second one off the moved weights) apply the same gradients, loss and weights as the
+    update that trains every row; a mini-batch of groups all alike forwards nothing but still takes AdamW's
+    step."""
+    cfg = [*BASE, "actor.entropy_coeff=0", "actor.kl_loss_coef=0", f"actor.loss_agg_mode={agg}",
+           "actor.micro_batch_size=6", "algorithm.rollout_correction.bypass_mode=true"]
+    for all_uniform in (False, True):
+        a = Learner(load_config(None, cfg))
+        b = Learner(load_config(None, [*cfg, "actor.zero_advantage_rows=skip"]))
+        grads_a, grads_b = capture_grads(a), capture_grads(b)
+        forwarded: list[int] = []
+        forward = b.policy.forward_logprobs_entropy
+
+        def counting(ids: torch.Tensor, *args: Any, _seen: list[int] = forwarded, _f: Any = forward,
+                     **kwargs: Any) -> Any:
+            _seen.append(ids.shape[0])
+            return _f(ids, *args, **kwargs)
+
+        b.policy.forward_logprobs_entropy = counting  # type: ignore[method-assign]
+        a.begin_step(1)
+        b.begin_step(1)
+        for i, samples in enumerate(uniform_groups_batches(seed=5, all_uniform=all_uniform)):
+            before = [p.detach().clone() for p in b.policy.parameters()]
+            ma, mb = a.update(micro_batches(a, samples)), b.update(micro_batches(b, samples))
+            for k in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "response_length/mean"):
+                assert mb[k] == pytest.approx(ma[k], rel=1e-4, abs=1e-7), (all_uniform, i, k)
+            assert mb["actor/trained_row_fraction"] == (0.0 if all_uniform and i == 1 else 0.5)
+            for ga, gb in zip(grads_a[i], grads_b[i], strict=True):
+                assert torch.allclose(gb, ga, rtol=1e-4, atol=1e-7), (all_uniform, i)
+            moved = any(not torch.equal(x, p) for x, p in zip(before, b.policy.parameters(), strict=True))
+            assert moved  # on zero gradients too (all_uniform's second update): AdamW's momentum
+            b.policy.module.load_state_dict(a.policy.module.state_dict())  # Adam turns float noise in a
+            b.optimizer.load_state_dict(a.optimizer.state_dict())  # near-zero gradient into a full step
+        assert sum(forwarded) == (8 if all_uniform else 16)  # 8 of each update's 16 rows (or none)
+        assert any(float(g.abs().max()) > 1e-4 for g in grads_a[0])
+        if all_uniform:  # zero gradients, not missing ones (AdamW skips a parameter without a gradient)
+            assert all(float(g.abs().max()) == 0.0 for g in grads_b[-1])
+
+
+def test_dropping_zero_advantage_rows_trains_the_groups_with_reward_variance_alone() -> None:
+    """actor.zero_advantage_rows=drop: the update equals the plain update of the batch without the groups
+    that all got one reward (DAPO's dynamic sampling, no refill): the same loss and gradients."""
+    cfg = [*BASE, "actor.entropy_coeff=0", "actor.kl_loss_coef=0", "actor.micro_batch_size=6",
+           "algorithm.rollout_correction.bypass_mode=true"]
+    a = Learner(load_config(None, cfg))
+    b = Learner(load_config(None, [*cfg, "actor.zero_advantage_rows=drop"]))
+    grads_a, grads_b = capture_grads(a), capture_grads(b)
+    samples = uniform_groups_batches(seed=7, all_uniform=False)[0]
+    varied = samples[1::2]  # groups 1 and 3: their rewards differ
+    ma, mb = a.update(micro_batches(a, varied)), b.update(micro_batches(b, samples))
+    for k in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert mb[k] == pytest.approx(ma[k], rel=1e-4, abs=1e-7), k
+    for ga, gb in zip(grads_a[0], grads_b[0], strict=True):
+        assert torch.allclose(gb, ga, rtol=1e-4, atol=1e-7)
+    assert any(float(g.abs().max()) > 1e-4 for g in grads_a[0])
+
+
+@pytest.mark.parametrize(
+    ("knob", "named"),
+    [("actor.entropy_coeff=0.01", "actor.entropy_coeff"), ("actor.kl_loss_coef=0.1", "actor.kl_loss_coef"),
+     ("algorithm.adv_estimator=grpo_token", "algorithm.adv_estimator"),
+     ("algorithm.rollout_correction.bypass_mode=false", "bypass_mode"),
+     ("trainer.nproc_per_node=2", "world size 2")],
+)
+def test_zero_advantage_rows_are_trained_when_something_else_sees_them(knob: str, named: str) -> None:
+    """An entropy bonus, a KL term, token-level advantages, a correction over the batch or DDP give a
+    zero-advantage row a part in the step: skip and drop are refused, naming the setting."""
+    ok = ["actor.entropy_coeff=0", "actor.kl_loss_coef=0", "algorithm.rollout_correction.bypass_mode=true"]
+    assert load_config(None, [*ok, "actor.zero_advantage_rows=drop"]).actor.zero_advantage_rows == "drop"
+    with pytest.raises(ConfigError, match=rf"actor.zero_advantage_rows=skip needs .*{named}"):
+        load_config(None, [*ok, "actor.zero_advantage_rows=skip", knob])

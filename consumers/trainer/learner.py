@@ -181,6 +181,36 @@ def _token_advantages(
     return out
 
 
+def _keep_rows(m: _Micro, keep: torch.Tensor) -> _Micro:
+    """The micro-batch's rows where `keep` [b] (bool) is set."""
+    on_dev = keep.to(m.ids.device)
+    return _Micro(
+        ids=m.ids[on_dev], mask=m.mask[on_dev], resp_mask=m.resp_mask[on_dev], behave=m.behave[on_dev],
+        rewards=m.rewards[keep.cpu()], scores=m.scores[keep.cpu()] if m.scores is not None else None,
+    )
+
+
+def drop_zero_advantage(
+    micro: list[_Micro], advs: list[torch.Tensor]
+) -> tuple[list[_Micro], list[torch.Tensor], int]:
+    """The micro-batches without their rows whose outcome advantage [b] is exactly 0 (a group that all got
+    the same reward), micro-batches left empty dropped; returns (micro-batches, advantages, rows kept)."""
+    out_m, out_a, kept = [], [], 0
+    for m, a in zip(micro, advs, strict=True):
+        keep = a != 0
+        n = int(keep.sum())
+        if n == 0:
+            continue
+        kept += n
+        if n == a.shape[0]:
+            out_m.append(m)
+            out_a.append(a)
+        else:
+            out_m.append(_keep_rows(m, keep))
+            out_a.append(a[keep])
+    return out_m, out_a, kept
+
+
 class Learner:
     """The trainable policy, its AdamW optimizer, and the frozen proximal / reference copies."""
 
@@ -343,6 +373,13 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, skipped
 
+    def _zero_missing_grads(self) -> None:
+        """Zero gradients for the parameters no backward reached (every row left out): the whole batch's
+        backward would have given them 0, and AdamW's moments still move on a zero gradient."""
+        for p in self.policy.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     def _correct(self, old_logp: torch.Tensor, behave: torch.Tensor, resp_mask: torch.Tensor) -> Correction:
         """Rollout correction of a mini-batch [B, T] with the configured options (IS weights only in decoupled
         mode: in bypass mode the PPO ratio is against the behaviour policy already); batch normalisation
@@ -377,6 +414,12 @@ class Learner:
         adv = group_advantages(rewards, groups, self.algorithm.norm_adv_by_std_in_grpo).to(self.device)
         return list(adv.split([m.ids.shape[0] for m in micro])), float(adv.mean())
 
+    def _skips_zero_advantage(self) -> bool:
+        """Whether this update leaves zero-advantage rows out of its forward/backward
+        (`actor.zero_advantage_rows` skip or drop; the config checked that nothing else in the loss sees
+        them)."""
+        return self.actor.zero_advantage_rows != "train"
+
     def update(self, batch: DataProto | Sequence[DataProto]) -> dict[str, float]:
         """One optimizer step on a mini-batch, given as the padded micro-batches the assembly built (or one
         padded batch, cut into actor.micro_batch_size rows); returns its actor/critic/length/timing
@@ -395,6 +438,13 @@ class Learner:
 
         # 1. advantages: GRPO per sample group [B] (outcome), or per micro-batch [b, w] (token-level credit)
         advs, adv_mean = self._advantages(micro, list(parts[0].meta_info["group_sizes"]), rewards)
+        ent_coef = entropy_coef_at(self.actor.entropy_coeff, self.actor.entropy_decay_steps, self.global_step)
+        all_rows, all_resp, every_micro = len(rewards), resp_mask, micro  # the loss divides by every row's
+        kept = all_rows
+        if self._skips_zero_advantage():
+            micro, advs, kept = drop_zero_advantage(micro, advs)
+            resp_mask, behave = (pad_cat([getattr(m, k) for m in micro], width) if micro else t[:0]
+                                 for k, t in (("resp_mask", resp_mask), ("behave", behave)))
 
         # 2. the trainer's log-probs before this update (no grad), per micro-batch: proximal (decoupled; in
         #    bypass mode with rejection, the policy itself) and reference (KL); then rollout correction over
@@ -411,9 +461,12 @@ class Learner:
         # 3. per micro-batch: forward, loss scaled by the micro-batch's share of what the aggregation divides
         #    by, backward (gradients accumulate)
         mode: AggMode = self.actor.loss_agg_mode
-        total, tokens = agg_count(loss_mask, mode), float(loss_mask.sum())
+        # rows left out (zero advantage) count in what the loss divides by, as if trained (skip), or not
+        # (drop: the groups with reward variance are the batch); the metrics' means are over the trained rows
+        skipped_count = kept < all_rows and self.actor.zero_advantage_rows == "skip"
+        total = agg_count(all_resp, mode) if skipped_count else agg_count(loss_mask, mode)
+        trained_total, tokens = agg_count(loss_mask, mode), float(loss_mask.sum())
         every_total, ranks = self._dp_count(total)
-        ent_coef = entropy_coef_at(self.actor.entropy_coeff, self.actor.entropy_decay_steps, self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.policy.module.zero_grad(set_to_none=True)  # the module's gradients, moved at the step
@@ -430,7 +483,8 @@ class Learner:
             prox_logp = old_parts[i] if self.prox is not None else None
             ref_logp = ref_parts[i] if ref_parts else None
             count = agg_count(m_resp, mode)
-            share = count / total if total > 0 else 0.0  # of this rank's loss (metrics)
+            share = count / total if total > 0 else 0.0  # of this rank's loss
+            ent_share = count / trained_total if trained_total > 0 else 0.0  # of the trained rows' mean
             grad_share = count * ranks / every_total if every_total > 0 else 0.0  # of every rank's
             tok_share = float(m_resp.sum()) / tokens if tokens > 0 else 0.0
 
@@ -466,12 +520,18 @@ class Learner:
                 (m_loss * grad_share).backward()
             t_update += time.perf_counter() - t0
             loss += float(m_loss.detach()) * share
-            ent += float(m_ent.detach()) * share
+            ent += float(m_ent.detach()) * ent_share
             for k, v in pg_metrics.items():  # pg_loss aggregates like the loss, the rest are token means
                 metrics[k] = metrics.get(k, 0.0) + v * (share if k == "actor/pg_loss" else tok_share)
-        if correction is None:  # the mismatch metrics against the policy's log-probs as it trained on them
-            correction = rollout_correction(pad_cat(current, width), behave, resp_mask)
-        metrics.update(correction.metrics)
+        # the mismatch metrics against the policy's log-probs as it trained on them
+        trained = correction or (
+            rollout_correction(pad_cat(current, width), behave, resp_mask) if current else None
+        )
+        metrics.update(trained.metrics if trained is not None else {})
+        if kept < all_rows:
+            metrics["actor/trained_row_fraction"] = kept / all_rows
+            metrics.setdefault("actor/pg_loss", 0.0)  # nothing trained: every row's loss was 0
+            self._zero_missing_grads()  # as the whole batch's backward leaves them: 0, so AdamW still steps
         if ent_coef > 0:
             metrics["actor/entropy_coef"] = ent_coef
         if self.ref is not None:
@@ -482,7 +542,7 @@ class Learner:
         t_update += time.perf_counter() - t0
 
         # 4. metrics
-        row_tokens = torch.cat([m.mask.sum(-1) for m in micro]).double().cpu()  # [B]
+        row_tokens = torch.cat([m.mask.sum(-1) for m in every_micro]).double().cpu()  # [B]
         metrics.update(
             {
                 "actor/loss": loss,
@@ -502,5 +562,5 @@ class Learner:
         if self.prox is not None or self.ref is not None:
             metrics["timing_s/old_log_prob"] = t_old
         metrics.update(reward_metrics(rewards))
-        metrics.update(length_metrics(resp_mask.cpu(), self.cfg.data.max_response_length))
+        metrics.update(length_metrics(all_resp.cpu(), self.cfg.data.max_response_length))
         return metrics

@@ -54,6 +54,14 @@ class ActorConfig(Section):
         description="Trajectories per forward/backward inside a local update, gradients accumulated (0 = all "
         "at once)",
     )
+    zero_advantage_rows: Literal["train", "skip", "drop"] = Field(
+        "train",
+        description="Rows whose GRPO advantage is exactly 0 (a group that all got one reward): train = "
+        "forwarded like any; skip = not forwarded but counted in what the loss divides by (the same update, "
+        "cheaper); drop = neither (the update of the groups with reward variance alone: DAPO's dynamic "
+        "sampling without a refill). skip/drop need outcome grpo, no entropy bonus or KL, bypass mode "
+        "without rejection and one trainer process",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="Recompute decoder-layer activations in backward instead of keeping them "

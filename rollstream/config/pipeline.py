@@ -93,12 +93,30 @@ class PipelineConfig(Section):
                 f"actor.optim.master_weights=true needs model.dtype bfloat16 or float16 (got "
                 f"{self.model.dtype!r}) and one trainer process (world size {world})"
             )
+        if self.actor.zero_advantage_rows != "train" and (why := self._rows_need_training(world)):
+            raise ValueError(f"actor.zero_advantage_rows={self.actor.zero_advantage_rows} needs {why}")
         if self.actor.gradient_checkpointing and self.model.backend != "hf":
             raise ValueError(
                 "actor.gradient_checkpointing=true needs model.backend=hf "
                 f"(model.backend={self.model.backend!r} has none)"
             )
         return self
+
+    def _rows_need_training(self, world: int) -> str | None:
+        """Why a zero-advantage row can have a gradient in this config (so actor.zero_advantage_rows must be
+        train), or None: what in the loss or the correction sees every row."""
+        rc = self.algorithm.rollout_correction
+        if self.algorithm.adv_estimator != "grpo":
+            return f"algorithm.adv_estimator=grpo (got {self.algorithm.adv_estimator!r}: per-token credit)"
+        if self.actor.entropy_coeff > 0 or self.actor.kl_loss_coef > 0:
+            return (f"actor.entropy_coeff=0 and actor.kl_loss_coef=0 (got {self.actor.entropy_coeff} and "
+                    f"{self.actor.kl_loss_coef}: every row has an entropy or KL gradient)")
+        if not rc.bypass_mode or rc.rollout_rs is not None:
+            return (f"algorithm.rollout_correction.bypass_mode=true without rollout_rs (got bypass_mode="
+                    f"{rc.bypass_mode}, rollout_rs={rc.rollout_rs!r}: the correction sees every row)")
+        if world > 1:
+            return f"one trainer process (world size {world}: every rank must run the same backwards)"
+        return None
 
     @property
     def max_outstanding(self) -> int:
