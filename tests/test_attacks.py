@@ -17,9 +17,9 @@ from consumers.trainer.loop import Trainer
 from rollstream.audit import audit_run
 from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.fakes import fake_rollout_sample
 from rollstream.names import Keys
 from rollstream.pacing import lease_outright
+from rollstream.testing.fakes import fake_rollout_sample
 from rollstream.weights import publish_weights
 from schemas import DeadLetter, RolloutSample, decode, encode
 

@@ -29,8 +29,8 @@ from rollstream.bus import (
     setup_run,
     stream_floor,
 )
-from rollstream.fakes import fake_rollout_sample
 from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.testing.fakes import fake_rollout_sample
 from schemas import DeadLetter, RolloutSample, decode, encode
 
 ROOT = Path(__file__).resolve().parent.parent

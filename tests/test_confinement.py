@@ -38,7 +38,6 @@ from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection,
 from rollstream.bus.connection import watch_busy_scripts
 from rollstream.bus.outbox import OutboxDrain, pack_item
 from rollstream.config import load_config
-from rollstream.fakes import fake_metrics_log, fake_rollout_sample, leased_fakes, publish_log
 from rollstream.from_config import build_policy
 from rollstream.names import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import WorkerHealth
@@ -54,6 +53,7 @@ from rollstream.pacing import (
 )
 from rollstream.security import ROLES, apply_acl, generate_passwords
 from rollstream.tasks import REWARD_RANGE
+from rollstream.testing.fakes import fake_metrics_log, fake_rollout_sample, leased_fakes, publish_log
 from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, decode_as, encode
 from schemas.ragged import TOKEN_SCORES
 

@@ -35,7 +35,7 @@ def test_entropy_bonus_decays_linearly_to_zero_and_stays_constant_without_decay(
 
 def test_learner_reports_the_decayed_entropy_coef() -> None:
     from consumers.trainer.assembly import assemble_batch_from_rollout_samples
-    from rollstream.fakes import fake_rollout_sample
+    from rollstream.testing.fakes import fake_rollout_sample
 
     learner = Learner(load_config(None, TINY + ["actor.entropy_coeff=0.2", "actor.entropy_decay_steps=10"]))
     batch, _ = assemble_batch_from_rollout_samples([fake_rollout_sample(f"s{i}", n=4) for i in range(2)])

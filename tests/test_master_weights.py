@@ -10,7 +10,7 @@ import torch
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.learner import Learner
 from rollstream.config import ConfigError, load_config
-from rollstream.fakes import fake_rollout_sample
+from rollstream.testing.fakes import fake_rollout_sample
 from rollstream.weights_io import unique_state
 
 TINY = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu",

@@ -441,7 +441,8 @@ def test_tool_agent_records_tool_calls(r: redis.Redis, keys: Keys, redis_url: st
 
 def test_hf_weights_round_trip(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from rollstream.model.hf import HFPolicy, make_tiny_hf_model
+    from rollstream.model.hf import HFPolicy
+    from rollstream.testing.hf_tiny import make_tiny_hf_model
 
     trained = HFPolicy.from_pretrained(make_tiny_hf_model(tmp_path / "a", seed=0), device="cpu")
     other = HFPolicy.from_pretrained(make_tiny_hf_model(tmp_path / "b", seed=1), device="cpu")

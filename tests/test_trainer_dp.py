@@ -32,9 +32,9 @@ from consumers.trainer.distributed import (
 from consumers.trainer.learner import Learner
 from consumers.trainer.rank_agreement import RoundClaim, rank_info, resolve_round
 from rollstream.config import load_config
-from rollstream.fakes import fake_rollout_sample, leased_fakes
 from rollstream.rl import agg_loss
 from rollstream.rl.masked import agg_count
+from rollstream.testing.fakes import fake_rollout_sample, leased_fakes
 from rollstream.weights_io import state_bytes
 
 TINY = [

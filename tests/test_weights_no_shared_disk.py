@@ -15,8 +15,8 @@ import redis
 
 pytest.importorskip("transformers")
 
-from rollstream.model.hf import make_tiny_hf_model  # noqa: E402
 from rollstream.names import Keys  # noqa: E402
+from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
 from rollstream.weights import producer_versions  # noqa: E402
 from schemas import ParamVersion, decode  # noqa: E402
 
