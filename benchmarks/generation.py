@@ -42,7 +42,12 @@ from rollstream.from_config import build_policy
 from rollstream.names import Keys, producer_names
 from rollstream.pacing import lease_outright
 from rollstream.testing.hf_tiny import make_tiny_hf_model
-from rollstream.weights import latest_param_version, load_weights, publish_module_weights, publish_weights
+from rollstream.weights.store import (
+    latest_param_version,
+    load_weights,
+    publish_module_weights,
+    publish_weights,
+)
 from rollstream.worker import WorkerContext
 
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")

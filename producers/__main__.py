@@ -27,7 +27,7 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     from producers.engines import EngineError, EngineStartError
     from producers.worker import Producer, lower_priority, set_torch_threads
     from rollstream.bus import RunNotSetUpError
-    from rollstream.weights import WeightsError
+    from rollstream.weights.store import WeightsError
     from rollstream.worker import freeze_startup_heap, start_worker
 
     pre = argparse.ArgumentParser(add_help=False)

@@ -20,7 +20,7 @@ from producers.engines import EngineError
 from rollstream.fingerprint import SwapCheckError, probe_diff
 from rollstream.model import BasePolicy
 from rollstream.names import Keys
-from rollstream.weights import (
+from rollstream.weights.store import (
     WeightsError,
     latest_param_version,
     load_weights_into,

@@ -71,7 +71,7 @@ from rollstream.rollout import (
     prepare_single_generation_data,
 )
 from rollstream.tasks import Prompt, Task
-from rollstream.weights import latest_param_version
+from rollstream.weights.store import latest_param_version
 from rollstream.worker import EXIT_HUNG, WorkerContext
 from schemas import ROLLOUT_FAILURE, DataProto, RolloutSample, decode_cursor, encode, encode_cursor
 

@@ -17,7 +17,7 @@ import torch
 
 from rollstream.config import load_config
 from rollstream.warmstart import warm_start
-from rollstream.weights_io import save_policy
+from rollstream.weights.tensors import save_policy
 
 
 def main(argv: Sequence[str] | None = None) -> int:

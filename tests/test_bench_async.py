@@ -24,7 +24,7 @@ from rollstream.from_config import build_policy
 from rollstream.names import Keys
 from rollstream.pacing import lease_outright
 from rollstream.testing.fakes import leased_fakes
-from rollstream.weights import latest_param_version, publish_weights
+from rollstream.weights.store import latest_param_version, publish_weights
 from rollstream.worker import WorkerContext
 from schemas import RolloutSample, StepMetrics, decode, encode
 

@@ -34,7 +34,7 @@ from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.pacing import lease_outright
 from rollstream.testing import fakes
 from rollstream.testing.fakes import fake_rollout_sample
-from rollstream.weights import latest_param_version, publish_weights
+from rollstream.weights.store import latest_param_version, publish_weights
 from schemas import (
     EVENT_MODELS,
     DeadLetter,

@@ -22,7 +22,7 @@ from rollstream.ops.run_target import mask_url, split_password
 from rollstream.ops.status import collect_status, format_status, worker_health
 from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import RewardResult
-from rollstream.weights import publish_weights, register_producer_version
+from rollstream.weights.store import publish_weights, register_producer_version
 from schemas import (
     TRAINED,
     DeadLetter,

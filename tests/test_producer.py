@@ -34,7 +34,7 @@ from rollstream.pacing import (
     rollout_counts,
 )
 from rollstream.tasks import calculate
-from rollstream.weights import producer_versions, publish_weights
+from rollstream.weights.store import producer_versions, publish_weights
 from rollstream.worker import EXIT_HUNG, EXIT_OK, WorkerContext
 from schemas import DispatchRecord, ProducerStats, RolloutSample, decode
 from schemas.text_entries import GRANT, LEASE, TOPUP

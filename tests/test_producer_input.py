@@ -28,7 +28,7 @@ from rollstream.ops.status import collect_status, format_status
 from rollstream.pacing import grant_budget, lease_outright, mark_published, rollout_counts
 from rollstream.security import ROLES, apply_acl, generate_passwords
 from rollstream.testing.fakes import fake_rollout_sample
-from rollstream.weights import PIN_VERSIONS, gc_weights, pinned_versions, publish_weights
+from rollstream.weights.store import PIN_VERSIONS, gc_weights, pinned_versions, publish_weights
 from schemas import decode, encode
 
 P1 = "rollout_01"

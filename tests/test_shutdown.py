@@ -31,7 +31,7 @@ from rollstream.ops.plan import LATENCY_PRODUCER_MODULE, WORKER_STOPWAIT_S
 from rollstream.pacing import Leaser, dispatch_entries, grant_budget, rollout_counts
 from rollstream.testing import fakes
 from rollstream.testing.fakes import leased_fakes
-from rollstream.weights import publish_weights
+from rollstream.weights.store import publish_weights
 from rollstream.worker import EXIT_FORCED, EXIT_OK, freeze_startup_heap
 from schemas import StepMetrics, decode, encode
 from schemas.text_entries import LEASE

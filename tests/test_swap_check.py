@@ -22,7 +22,7 @@ from rollstream.fingerprint import (
 from rollstream.from_config import build_policy
 from rollstream.model import BasePolicy
 from rollstream.names import Keys
-from rollstream.weights import latest_param_version, publish_weights
+from rollstream.weights.store import latest_param_version, publish_weights
 
 
 def policy(seed: int) -> BasePolicy:

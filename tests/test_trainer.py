@@ -27,7 +27,7 @@ from rollstream.names import COMMITTED_STEP_FIELD, DROPPED_STALE_FIELD, HEARTBEA
 from rollstream.ops.health import progress_health, worker_health
 from rollstream.pacing import ask_lease, dispatch_entries, lease_of, mark_published
 from rollstream.testing.fakes import fake_rollout_sample
-from rollstream.weights import latest_param_version
+from rollstream.weights.store import latest_param_version
 from schemas import (
     TRAINED,
     DataProto,

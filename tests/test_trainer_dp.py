@@ -35,7 +35,7 @@ from rollstream.config import load_config
 from rollstream.rl import agg_loss
 from rollstream.rl.masked import agg_count
 from rollstream.testing.fakes import fake_rollout_sample, leased_fakes
-from rollstream.weights_io import state_bytes
+from rollstream.weights.tensors import state_bytes
 
 TINY = [
     "model.d_model=16",

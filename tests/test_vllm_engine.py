@@ -38,7 +38,7 @@ from rollstream.pacing import lease_outright  # noqa: E402
 from rollstream.rollout import AGENT_TOOL, prepare_single_generation_data  # noqa: E402
 from rollstream.tasks import Prompt  # noqa: E402
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
-from rollstream.weights import publish_module_weights, publish_weights  # noqa: E402
+from rollstream.weights.store import publish_module_weights, publish_weights  # noqa: E402
 from rollstream.worker import WorkerContext  # noqa: E402
 from schemas import decode  # noqa: E402
 

@@ -36,7 +36,7 @@ from rollstream.ops.runcheck import (  # noqa: E402
     wait_for_steps,
 )
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
-from rollstream.weights import producer_versions  # noqa: E402
+from rollstream.weights.store import producer_versions  # noqa: E402
 
 STEPS = 6
 SMALL = [

@@ -42,7 +42,7 @@ from consumers.trainer.distributed import DataParallel
 from consumers.trainer.learner import Learner
 from rollstream.files import atomic_write, private_dir
 from rollstream.model import BasePolicy
-from rollstream.weights_io import load_tensors_into, unique_state
+from rollstream.weights.tensors import load_tensors_into, unique_state
 from schemas import decode_payload, encode_payload
 
 _NAME = re.compile(r"^step-(\d{8})\.safetensors$")

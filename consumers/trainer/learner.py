@@ -60,8 +60,8 @@ from rollstream.rl.rollout_correction import (
     normalize_totals,
     rollout_correction,
 )
-from rollstream.weights import Probe
-from rollstream.weights_io import load_init, load_tensors_into, unique_state, unique_tensors
+from rollstream.weights.store import Probe
+from rollstream.weights.tensors import load_init, load_tensors_into, unique_state, unique_tensors
 from schemas import DataProto
 
 log = logging.getLogger(__name__)

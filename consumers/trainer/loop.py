@@ -68,7 +68,7 @@ from rollstream.model.base import resolve_device
 from rollstream.names import Keys
 from rollstream.rl import finite_metrics
 from rollstream.tasks import Prompt
-from rollstream.weights import Probe
+from rollstream.weights.store import Probe
 from schemas import SKIPPED, TRAINED, RolloutSample, StepMetrics, ValidateMetrics
 
 log = logging.getLogger(__name__)

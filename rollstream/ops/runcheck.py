@@ -20,7 +20,7 @@ from rollstream.names import Keys
 from rollstream.ops.plan import SuperviseError
 from rollstream.ops.process import failed_programs
 from rollstream.ops.run_target import RunTarget
-from rollstream.weights import latest_param_version, producer_versions
+from rollstream.weights.store import latest_param_version, producer_versions
 from schemas import DecodeError, ProducerStats, RolloutSample, StepMetrics, decode
 
 

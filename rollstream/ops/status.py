@@ -35,7 +35,7 @@ from rollstream.ops.health import (
 )
 from rollstream.pacing import current_budget, leases, published_report, rollout_counts
 from rollstream.security import fenced as fenced_producers
-from rollstream.weights import latest_param_version, producer_version_report
+from rollstream.weights.store import latest_param_version, producer_version_report
 from schemas import DecodeError, ProducerStats, SyncStepRecord, decode, decode_fate
 
 #: Most recent entries read for the staleness histogram and the latest stats.
