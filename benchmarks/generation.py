@@ -41,6 +41,7 @@ from rollstream.fingerprint import policy_probe
 from rollstream.from_config import build_policy
 from rollstream.names import Keys, producer_names
 from rollstream.pacing import lease_outright
+from rollstream.runtime.process import WorkerContext
 from rollstream.testing.hf_tiny import make_tiny_hf_model
 from rollstream.weights.store import (
     latest_param_version,
@@ -48,7 +49,6 @@ from rollstream.weights.store import (
     publish_module_weights,
     publish_weights,
 )
-from rollstream.worker import WorkerContext
 
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

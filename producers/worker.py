@@ -70,9 +70,9 @@ from rollstream.rollout import (
     failed_trajectories,
     prepare_single_generation_data,
 )
+from rollstream.runtime.process import EXIT_HUNG, WorkerContext
 from rollstream.tasks import Prompt, Task
 from rollstream.weights.store import latest_param_version
-from rollstream.worker import EXIT_HUNG, WorkerContext
 from schemas import ROLLOUT_FAILURE, DataProto, RolloutSample, decode_cursor, encode, encode_cursor
 
 if TYPE_CHECKING:

@@ -23,9 +23,9 @@ from rollstream.config import PipelineConfig, load_config
 from rollstream.from_config import build_policy
 from rollstream.names import Keys
 from rollstream.pacing import lease_outright
+from rollstream.runtime.process import WorkerContext
 from rollstream.testing.fakes import leased_fakes
 from rollstream.weights.store import latest_param_version, publish_weights
-from rollstream.worker import WorkerContext
 from schemas import RolloutSample, StepMetrics, decode, encode
 
 TINY_MODEL = [

@@ -156,7 +156,7 @@ def test_a_run_dir_that_does_not_exist_is_created_private_with_its_parents(tmp_p
     import os
     import stat
 
-    from rollstream.files import atomic_write, private_dir
+    from rollstream.runtime.files import atomic_write, private_dir
 
     old = os.umask(0o022)  # a user's usual umask would make 0755 folders
     try:

@@ -33,9 +33,9 @@ from rollstream.pacing import (
     queue_count_consumed,
     rollout_counts,
 )
+from rollstream.runtime.process import EXIT_HUNG, EXIT_OK, WorkerContext
 from rollstream.tasks import calculate
 from rollstream.weights.store import producer_versions, publish_weights
-from rollstream.worker import EXIT_HUNG, EXIT_OK, WorkerContext
 from schemas import DispatchRecord, ProducerStats, RolloutSample, decode
 from schemas.text_entries import GRANT, LEASE, TOPUP
 

@@ -36,10 +36,10 @@ from rollstream.model.hf import HFPolicy  # noqa: E402
 from rollstream.names import Keys, producer_names  # noqa: E402
 from rollstream.pacing import lease_outright  # noqa: E402
 from rollstream.rollout import AGENT_TOOL, prepare_single_generation_data  # noqa: E402
+from rollstream.runtime.process import WorkerContext  # noqa: E402
 from rollstream.tasks import Prompt  # noqa: E402
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
 from rollstream.weights.store import publish_module_weights, publish_weights  # noqa: E402
-from rollstream.worker import WorkerContext  # noqa: E402
 from schemas import decode  # noqa: E402
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 8], [1, 12, 13, 14, 15]]

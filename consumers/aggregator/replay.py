@@ -25,7 +25,7 @@ from consumers.aggregator.worker import TRAINER_EVENTS
 from rollstream.bus import connect, iter_stream, read_password, run_producers
 from rollstream.bus.outbox import pending_dead, record_id
 from rollstream.names import Keys
-from rollstream.worker import REDIS_URL_ENV
+from rollstream.runtime.process import REDIS_URL_ENV
 from schemas import DeadLetter, DecodeError, ProducerStats, decode, encode
 
 log = logging.getLogger(__name__)

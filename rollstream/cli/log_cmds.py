@@ -197,7 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from rollstream.bus.connection import PASSWORD_ENV, USERNAME_ENV
     from rollstream.ops.log_server import serve_run
-    from rollstream.worker import REDIS_URL_ENV
+    from rollstream.runtime.process import REDIS_URL_ENV
 
     command = args.command_argv
     with serve_run(target(args), write=args.write) as t:

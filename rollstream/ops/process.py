@@ -32,7 +32,7 @@ from rollstream.ops.plan import (
     supervisor_socket,
 )
 from rollstream.ops.run_target import RunTarget
-from rollstream.procfs import is_running
+from rollstream.runtime.procfs import is_running
 
 # --- talking to a running supervisord ----------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
-from rollstream.files import atomic_file, atomic_write
+from rollstream.runtime.files import atomic_file, atomic_write
 
 
 class HoldsModule(Protocol):
