@@ -52,7 +52,7 @@ import redis
 
 from rollstream.bus import connect, delete_run
 from rollstream.config import PipelineConfig, apply_overrides, config_to_yaml, load_config
-from rollstream.names import Keys, producer_names
+from rollstream.keys import Keys, producer_names
 from rollstream.ops.plan import producer_module
 from rollstream.runtime.procfs import stat_fields
 from schemas import ProducerStats, RolloutSample, StepMetrics, decode

@@ -65,7 +65,7 @@ def _rank(
     from consumers.trainer.distributed import DataParallel, RankInfo, consumer_name
     from consumers.trainer.loop import Trainer
     from rollstream.config import load_config
-    from rollstream.names import Keys
+    from rollstream.keys import Keys
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -117,7 +117,7 @@ def measure(
 
     from rollstream.bus import Publisher, delete_run, setup_run
     from rollstream.config import load_config
-    from rollstream.names import Keys, producer_names
+    from rollstream.keys import Keys, producer_names
     from rollstream.testing.fakes import leased_fakes
 
     producer = producer_names(1)[0]  # one producer's stream carries every sample

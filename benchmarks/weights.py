@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from rollstream.bus import connect, delete_run
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.ops.embedded_redis import free_port, redis_server_binary, wait_for_redis
 from rollstream.weights.store import (
     CHUNK_BYTES,

@@ -53,8 +53,8 @@ from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry
 from rollstream.config import PipelineConfig
 from rollstream.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
 from rollstream.from_config import build_policy, build_prompt_source, build_task
+from rollstream.keys import producer_names
 from rollstream.model import BasePolicy
-from rollstream.names import producer_names
 from rollstream.pacing import (
     ask_lease,
     lease_of,

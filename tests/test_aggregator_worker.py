@@ -24,7 +24,7 @@ from consumers.aggregator.sinks import JsonlSink, Sinks, TensorBoardSink
 from consumers.aggregator.worker import AggregatorWorker
 from rollstream.bus import Publisher, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.names import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, Keys
+from rollstream.keys import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, Keys
 from rollstream.testing.fakes import (
     fake_metrics_log,
     local_update,

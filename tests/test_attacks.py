@@ -17,7 +17,7 @@ from consumers.trainer.loop import Trainer
 from rollstream.audit import audit_run
 from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.pacing import lease_outright
 from rollstream.testing.fakes import fake_rollout_sample
 from rollstream.weights.store import publish_weights

@@ -21,7 +21,7 @@ from rollstream.bus import connect, setup_run
 from rollstream.cli.main import main as cli_main
 from rollstream.config import PipelineConfig, load_config
 from rollstream.from_config import build_policy
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.pacing import lease_outright
 from rollstream.runtime.process import WorkerContext
 from rollstream.testing.fakes import leased_fakes

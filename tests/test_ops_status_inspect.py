@@ -14,8 +14,8 @@ from conftest import P0, PRODUCERS, delete_run
 
 from rollstream.bus import Publisher, setup_run
 from rollstream.cli.main import main
+from rollstream.keys import GLOBAL_STEP_FIELD, PARAM_VERSION_FIELD, Keys
 from rollstream.model import CharTokenizer
-from rollstream.names import GLOBAL_STEP_FIELD, PARAM_VERSION_FIELD, Keys
 from rollstream.ops.inspect import entry_to_json, read_entry
 from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts
 from rollstream.ops.run_target import mask_url, split_password

@@ -13,7 +13,7 @@ import redis
 
 from rollstream.cli.main import main
 from rollstream.config import load_config
-from rollstream.names import Keys, producer_names
+from rollstream.keys import Keys, producer_names
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.plan import PRIVATE_UMASK, plan_run, render_supervisord_conf, trainer_argv
 from rollstream.ops.process import process_states, start_run, start_supervisord, stop_run

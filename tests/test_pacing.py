@@ -14,7 +14,7 @@ from conftest import P0, PRODUCERS
 
 import rollstream.pacing as pacing
 from rollstream.bus import setup_run
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.pacing import (
     LeaseExpiry,
     Leaser,

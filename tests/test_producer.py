@@ -24,8 +24,8 @@ from producers.worker import Producer, producer_seed
 from rollstream.bus import parse_id, run_producers, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.from_config import build_policy, build_prompt_source
+from rollstream.keys import DROPPED_STALE_FIELD, Keys, producer_names
 from rollstream.model import CharTokenizer, Completion, build_batch
-from rollstream.names import DROPPED_STALE_FIELD, Keys, producer_names
 from rollstream.pacing import (
     consume,
     dispatch_entries,

@@ -26,7 +26,7 @@ from rollstream.audit import audit_run
 from rollstream.bus import setup_run
 from rollstream.config import load_config
 from rollstream.from_config import build_policy
-from rollstream.names import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
+from rollstream.keys import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
 from rollstream.ops.plan import LATENCY_PRODUCER_MODULE, WORKER_STOPWAIT_S
 from rollstream.pacing import Leaser, dispatch_entries, grant_budget, rollout_counts
 from rollstream.runtime.process import EXIT_FORCED, EXIT_OK, freeze_startup_heap

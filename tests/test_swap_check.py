@@ -20,8 +20,8 @@ from rollstream.fingerprint import (
     probe_ids,
 )
 from rollstream.from_config import build_policy
+from rollstream.keys import Keys
 from rollstream.model import BasePolicy
-from rollstream.names import Keys
 from rollstream.weights.store import latest_param_version, publish_weights
 
 

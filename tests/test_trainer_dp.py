@@ -191,7 +191,7 @@ def _trainer_rank(rank: int, world: int, init_file: str, redis_url: str, overrid
     import redis as redis_lib
 
     from consumers.trainer.loop import Trainer
-    from rollstream.names import Keys
+    from rollstream.keys import Keys
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -32,8 +32,8 @@ from producers.worker import Producer  # noqa: E402
 from rollstream.bus import setup_run  # noqa: E402
 from rollstream.config import PipelineConfig, load_config  # noqa: E402
 from rollstream.fingerprint import default_max_diff, policy_probe_logprobs, probe_ids  # noqa: E402
+from rollstream.keys import Keys, producer_names  # noqa: E402
 from rollstream.model.hf import HFPolicy  # noqa: E402
-from rollstream.names import Keys, producer_names  # noqa: E402
 from rollstream.pacing import lease_outright  # noqa: E402
 from rollstream.rollout import AGENT_TOOL, prepare_single_generation_data  # noqa: E402
 from rollstream.runtime.process import WorkerContext  # noqa: E402

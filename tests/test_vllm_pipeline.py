@@ -25,7 +25,7 @@ import redis
 pytest.importorskip("vllm")
 
 from rollstream.audit import audit_run  # noqa: E402
-from rollstream.names import Keys  # noqa: E402
+from rollstream.keys import Keys  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from rollstream.ops.process import rpc  # noqa: E402
 from rollstream.ops.run_target import open_run  # noqa: E402

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.weights.store import (
     WeightsError,
     latest_param_version,

@@ -15,7 +15,7 @@ import redis
 
 pytest.importorskip("transformers")
 
-from rollstream.names import Keys  # noqa: E402
+from rollstream.keys import Keys  # noqa: E402
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
 from rollstream.weights.store import producer_versions  # noqa: E402
 from schemas import ParamVersion, decode  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 import redis
 import torch
 
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.weights.chunks import chunk_key, parse_chunks_uri
 from rollstream.weights.store import (
     WeightsError,

@@ -34,7 +34,7 @@ from rollstream.bus import CONNECTION_ERRORS, Janitor, Publisher, retry_on_conne
 from rollstream.bus.ids import count_or_none
 from rollstream.bus.outbox import OutboxDrain, record_id
 from rollstream.config import PipelineConfig
-from rollstream.names import (
+from rollstream.keys import (
     AGGREGATOR_GROUP,
     COMMITTED_STEP_FIELD,
     HEARTBEAT_FIELD,

@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 from rollstream.bus.ids import parse_id
 from rollstream.bus.segments import SegmentError, encode_record, new_segment, read_records
-from rollstream.names import split_key
+from rollstream.keys import split_key
 from rollstream.runtime.files import atomic_write, private_dir
 
 INDEX = "index.json"

@@ -21,7 +21,7 @@ from supervisor.xmlrpc import SupervisorTransport
 
 from rollstream.bus import setup_run, wait_until_ready
 from rollstream.config import PipelineConfig
-from rollstream.names import Keys, producer_names
+from rollstream.keys import Keys, producer_names
 from rollstream.ops.embedded_redis import wait_for_redis
 from rollstream.ops.plan import (
     PRIVATE_UMASK,

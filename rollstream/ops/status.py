@@ -20,7 +20,7 @@ import redis
 
 from rollstream.bus import Archive, ArchiveError, run_archive, run_producers, text
 from rollstream.bus.ids import count_or_none
-from rollstream.names import GLOBAL_STEP_FIELD, TRAINER_GROUP, Keys
+from rollstream.keys import GLOBAL_STEP_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import (
     LAG_COUNT_CAP,
     RATE_WINDOW_S,

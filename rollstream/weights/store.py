@@ -22,7 +22,7 @@ import redis
 
 from rollstream.bus import Publisher, iter_stream, run_producers
 from rollstream.bus.ids import IdError, count_or_none, parse_count, text
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.runtime.files import atomic_write
 from rollstream.weights.chunks import CHUNKS_SCHEME, ChunksError, chunks_uri, read_chunks, write_chunks
 from schemas import DecodeError, ParamVersion, decode
