@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from rollstream.config import load_config
-from rollstream.warmstart import warm_start
+from rollstream.tasks.warmstart import warm_start
 from rollstream.weights.tensors import save_policy
 
 

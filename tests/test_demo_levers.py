@@ -9,7 +9,7 @@ import torch
 
 from consumers.trainer.learner import Learner, entropy_coef_at, group_advantages
 from rollstream.config import load_config
-from rollstream.warmstart import format_targets, greedy_scores, warm_start
+from rollstream.tasks.warmstart import format_targets, greedy_scores, warm_start
 from rollstream.weights.tensors import load_init, save_policy
 
 TINY = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu",
