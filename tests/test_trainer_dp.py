@@ -32,8 +32,7 @@ from consumers.trainer.distributed import (
 from consumers.trainer.learner import Learner
 from consumers.trainer.rank_agreement import RoundClaim, rank_info, resolve_round
 from rollstream.config import load_config
-from rollstream.rl import agg_loss
-from rollstream.rl.masked import agg_count
+from rollstream.rl.masked import agg_count, agg_loss
 from rollstream.testing.fakes import fake_rollout_sample, leased_fakes
 from rollstream.weights.tensors import state_bytes
 

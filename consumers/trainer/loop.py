@@ -66,7 +66,7 @@ from rollstream.bus import EntryRef
 from rollstream.config import PipelineConfig
 from rollstream.keys import Keys
 from rollstream.model.base import resolve_device
-from rollstream.rl import finite_metrics
+from rollstream.rl.metrics import finite_metrics
 from rollstream.tasks import Prompt
 from rollstream.weights.store import Probe
 from schemas import SKIPPED, TRAINED, RolloutSample, StepMetrics, ValidateMetrics
