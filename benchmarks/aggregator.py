@@ -18,8 +18,8 @@ from consumers.aggregator.worker import AggregatorWorker
 from rollstream.bus import connect, delete_run
 from rollstream.bus.reader import BURST_BLOCK_MS
 from rollstream.config import load_config
-from rollstream.fakes import fake_metrics_log, publish_log
-from rollstream.names import Keys
+from rollstream.keys import Keys
+from rollstream.testing.fakes import fake_metrics_log, publish_log
 from schemas import ProducerStats, decode, encode
 
 

@@ -52,9 +52,9 @@ import redis
 
 from rollstream.bus import connect, delete_run
 from rollstream.config import PipelineConfig, apply_overrides, config_to_yaml, load_config
-from rollstream.names import Keys, producer_names
+from rollstream.keys import Keys, producer_names
 from rollstream.ops.plan import producer_module
-from rollstream.procfs import stat_fields
+from rollstream.runtime.procfs import stat_fields
 from schemas import ProducerStats, RolloutSample, StepMetrics, decode
 
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")

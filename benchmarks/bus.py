@@ -45,7 +45,7 @@ from benchmarks.bus_trials import (
     packer_name,
     parse_size,
 )
-from rollstream.worker import freeze_startup_heap, tune_allocator
+from rollstream.runtime.process import freeze_startup_heap, tune_allocator
 
 
 def run_bench(

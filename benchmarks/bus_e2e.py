@@ -102,7 +102,7 @@ def _client(url: str) -> Any:
     from rollstream.bus import connect
 
     try:
-        from rollstream.worker import tune_allocator
+        from rollstream.runtime.process import tune_allocator
     except ImportError:
         pass
     else:

@@ -23,7 +23,7 @@ import redis
 
 from benchmarks.bus_trials import DEFAULT_URL, make_sample, parse_size, trial_inputs, trial_raw
 from benchmarks.codec_cpu import measure
-from rollstream.worker import freeze_startup_heap, tune_allocator
+from rollstream.runtime.process import freeze_startup_heap, tune_allocator
 
 
 def raw_us_per_sample(r: redis.Redis, payload: bytes, n: int, batch: int, k: int, prefix: str) -> float:

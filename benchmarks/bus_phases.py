@@ -30,7 +30,7 @@ from benchmarks.bus_trials import (
     trial_raw,
 )
 from rollstream.bus import GroupReader, Message
-from rollstream.names import TRAINER_GROUP
+from rollstream.keys import TRAINER_GROUP
 from schemas import RolloutSample, encode
 
 PHASES = ("encode", "xadd", "xreadgroup", "decode", "xack")

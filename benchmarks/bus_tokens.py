@@ -29,7 +29,7 @@ from benchmarks.bus_trials import (
     wire_size,
 )
 from rollstream.bus import Publisher
-from rollstream.fakes import fake_rollout_sample
+from rollstream.testing.fakes import fake_rollout_sample
 from schemas import RolloutSample, decode, encode
 
 

@@ -18,8 +18,8 @@ import redis
 from redis.connection import Encoder, HiredisRespSerializer, PythonRespSerializer
 
 from rollstream.bus import GroupReader, Message, Publisher, connect, delete_run, ensure_group
-from rollstream.fakes import fake_rollout_sample, response_len_for_bytes
-from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.keys import TRAINER_GROUP, Keys
+from rollstream.testing.fakes import fake_rollout_sample, response_len_for_bytes
 from schemas import RolloutSample, decode, decode_as, encode
 
 MiB = 1 << 20

@@ -6,9 +6,10 @@
 Per size, one fake sample (benchmarks.bus_trials.make_sample: n = 4, calibrated to the size on the wire) is
 encoded once; a fresh interpreter then decodes `--batches` batches of `--batch` copies of its entry, each
 batch replacing the last, so every decode allocates while the previous batch is held. "tuned" calls
-`rollstream.worker.tune_allocator()` first, as every worker does at start; "plain" keeps glibc's defaults. The
-two modes alternate over --reps fresh interpreters; the table gives medians of the per-batch µs per sample and
-the minor page faults per sample, and plain ÷ tuned. No Redis is involved: this is the decode alone.
+`rollstream.runtime.process.tune_allocator()` first, as every worker does at start; "plain" keeps glibc's
+defaults. The two modes alternate over --reps fresh interpreters; the table gives medians of the per-batch µs
+per sample and the minor page faults per sample, and plain ÷ tuned. No Redis is involved: this is the decode
+alone.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from benchmarks.bus_trials import human_size, parse_size
 
 PROBE = """
 import json, resource, statistics, sys, time
-from rollstream.worker import tune_allocator
+from rollstream.runtime.process import tune_allocator
 if sys.argv[1] == "tuned":
     tune_allocator()
 from benchmarks.bus_trials import make_sample

@@ -5,10 +5,10 @@ of their collectives per global step.
                         [--redis-url URL] [--json]
 
 For each rank count, a throwaway run namespace on the Redis at --redis-url gets (warmup + steps) *
-train_batch_size recorded samples (rollstream.fakes: the config's n, its max_response_length, a 7-token
-prompt like the demo's), then that many trainer ranks (spawned processes, gloo, one torch thread each: the
-real trainer loop, `Trainer.train_step`, in burst mode) train them; no producers run, so the figures are
-the trainer's alone. Timed over the steps after the warmup ones (rank 0's clock):
+train_batch_size recorded samples (rollstream.testing.fakes: the config's n, its max_response_length, a
+7-token prompt like the demo's), then that many trainer ranks (spawned processes, gloo, one torch thread
+each: the real trainer loop, `Trainer.train_step`, in burst mode) train them; no producers run, so the
+figures are the trainer's alone. Timed over the steps after the warmup ones (rank 0's clock):
 
   samples/s        steps * train_batch_size / wall seconds
   step ms          wall / steps
@@ -65,7 +65,7 @@ def _rank(
     from consumers.trainer.distributed import DataParallel, RankInfo, consumer_name
     from consumers.trainer.loop import Trainer
     from rollstream.config import load_config
-    from rollstream.names import Keys
+    from rollstream.keys import Keys
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -117,8 +117,8 @@ def measure(
 
     from rollstream.bus import Publisher, delete_run, setup_run
     from rollstream.config import load_config
-    from rollstream.fakes import leased_fakes
-    from rollstream.names import Keys, producer_names
+    from rollstream.keys import Keys, producer_names
+    from rollstream.testing.fakes import leased_fakes
 
     producer = producer_names(1)[0]  # one producer's stream carries every sample
 

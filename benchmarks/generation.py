@@ -39,11 +39,16 @@ from rollstream.bus import connect, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.fingerprint import policy_probe
 from rollstream.from_config import build_policy
-from rollstream.model.hf_tiny import make_tiny_hf_model
-from rollstream.names import Keys, producer_names
+from rollstream.keys import Keys, producer_names
 from rollstream.pacing import lease_outright
-from rollstream.weights import latest_param_version, load_weights, publish_module_weights, publish_weights
-from rollstream.worker import WorkerContext
+from rollstream.runtime.process import WorkerContext
+from rollstream.testing.hf_tiny import make_tiny_hf_model
+from rollstream.weights.store import (
+    latest_param_version,
+    load_weights,
+    publish_module_weights,
+    publish_weights,
+)
 
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

@@ -17,7 +17,7 @@ the source (benchmark producers only).
 from __future__ import annotations
 
 if __name__ == "__main__":  # a worker process: a SIGTERM during the torch import below must not kill it
-    from rollstream.worker import install_early_signal_handlers
+    from rollstream.runtime.process import install_early_signal_handlers
 
     install_early_signal_handlers()
 
@@ -34,8 +34,8 @@ from producers.worker import POLL_S, Producer, producer_index, producer_seed  # 
 from rollstream.from_config import build_policy  # noqa: E402
 from rollstream.model import BasePolicy  # noqa: E402
 from rollstream.rollout import Trajectory  # noqa: E402
+from rollstream.runtime.process import WorkerContext  # noqa: E402
 from rollstream.tasks import Prompt, Task  # noqa: E402
-from rollstream.worker import WorkerContext  # noqa: E402
 from schemas import RolloutSample  # noqa: E402
 
 log = logging.getLogger(__name__)

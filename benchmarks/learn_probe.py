@@ -32,7 +32,7 @@ from rollstream.model import BasePolicy
 from rollstream.model.chat import encode_prompt
 from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import Prompt, Task
-from rollstream.warmstart import WarmMode, warm_start
+from rollstream.tasks.warmstart import WarmMode, warm_start
 
 
 def position_hits(answer: str, text: str, finished: bool) -> list[bool]:

@@ -31,7 +31,7 @@ from typing import Any
 
 from rollstream.bus import ArchiveError, run_archive, run_producers
 from rollstream.config import load_config
-from rollstream.names import TRAINER_GROUP
+from rollstream.keys import TRAINER_GROUP
 from rollstream.ops import process
 from rollstream.ops.plan import SuperviseError, plan_run
 from rollstream.ops.run_target import open_run

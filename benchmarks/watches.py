@@ -20,10 +20,10 @@ from typing import Any
 import redis
 
 from rollstream.bus import Publisher, connect, delete_run, setup_run
-from rollstream.fakes import fake_rollout_sample
-from rollstream.names import TRAINER_GROUP, Keys, producer_names
+from rollstream.keys import TRAINER_GROUP, Keys, producer_names
 from rollstream.pacing import LeaseExpiry, finished_counts
 from rollstream.security import FloodFence
+from rollstream.testing.fakes import fake_rollout_sample
 from schemas import encode
 
 #: The commands the two watches send (INFO commandstats names).

@@ -40,16 +40,16 @@ import torch
 from torch import nn
 
 from rollstream.bus import connect, delete_run
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.ops.embedded_redis import free_port, redis_server_binary, wait_for_redis
-from rollstream.weights import (
+from rollstream.weights.store import (
     CHUNK_BYTES,
     load_weights,
     load_weights_into,
     publish_module_weights,
     publish_weights,
 )
-from rollstream.weights_io import load_bytes_into, module_bytes, unique_state
+from rollstream.weights.tensors import load_bytes_into, module_bytes, unique_state
 
 INLINE_MAX = 64 << 20  # the bus.weights_inline_max_bytes default
 

@@ -10,7 +10,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from rollstream.worker import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, WorkerContext, install_early_signal_handlers
+from rollstream.runtime.process import (
+    EXIT_CONFIG,
+    EXIT_ERROR,
+    EXIT_OK,
+    WorkerContext,
+    install_early_signal_handlers,
+)
 
 if TYPE_CHECKING:
     from producers.worker import Producer
@@ -27,8 +33,8 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     from producers.engines import EngineError, EngineStartError
     from producers.worker import Producer, lower_priority, set_torch_threads
     from rollstream.bus import RunNotSetUpError
-    from rollstream.weights import WeightsError
-    from rollstream.worker import freeze_startup_heap, start_worker
+    from rollstream.runtime.process import freeze_startup_heap, start_worker
+    from rollstream.weights.store import WeightsError
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument(

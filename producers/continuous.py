@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     from producers.agent import GenerationSettings
     from producers.engines.vllm import VLLMPolicy
     from producers.weight_sync import WeightSync
+    from rollstream.runtime.process import WorkerContext
     from rollstream.tasks import PromptSource
-    from rollstream.worker import WorkerContext
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from types import TracebackType
 
-from rollstream.procfs import descendants
+from rollstream.runtime.procfs import descendants
 
 
 class GenerationHung(RuntimeError):

@@ -18,9 +18,9 @@ import redis
 
 from producers.engines import EngineError
 from rollstream.fingerprint import SwapCheckError, probe_diff
+from rollstream.keys import Keys
 from rollstream.model import BasePolicy
-from rollstream.names import Keys
-from rollstream.weights import (
+from rollstream.weights.store import (
     WeightsError,
     latest_param_version,
     load_weights_into,

@@ -53,8 +53,8 @@ from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry
 from rollstream.config import PipelineConfig
 from rollstream.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
 from rollstream.from_config import build_policy, build_prompt_source, build_task
+from rollstream.keys import producer_names
 from rollstream.model import BasePolicy
-from rollstream.names import producer_names
 from rollstream.pacing import (
     ask_lease,
     lease_of,
@@ -70,9 +70,9 @@ from rollstream.rollout import (
     failed_trajectories,
     prepare_single_generation_data,
 )
+from rollstream.runtime.process import EXIT_HUNG, WorkerContext
 from rollstream.tasks import Prompt, Task
-from rollstream.weights import latest_param_version
-from rollstream.worker import EXIT_HUNG, WorkerContext
+from rollstream.weights.store import latest_param_version
 from schemas import ROLLOUT_FAILURE, DataProto, RolloutSample, decode_cursor, encode, encode_cursor
 
 if TYPE_CHECKING:

@@ -39,7 +39,7 @@ import redis
 from rollstream.bus.ids import after, count_or_none, parse_id, shown, text
 from rollstream.bus.publish import run_producers
 from rollstream.bus.streams import PAGE, iter_stream
-from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.keys import TRAINER_GROUP, Keys
 from rollstream.pacing import leased_sample_id, read_count
 from schemas import EVICTED, SKIPPED, TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
 

@@ -64,7 +64,7 @@ import redis
 from rollstream.bus.connection import CONNECTION_ERRORS
 from rollstream.bus.ids import count_or_none, parse_id, shown, split_sample_id, text
 from rollstream.bus.streams import iter_stream
-from rollstream.names import (
+from rollstream.keys import (
     BUDGET_CAP_FIELD,
     BUDGET_VERSION_FIELD,
     DROPPED_STALE_FIELD,

@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from rollstream.names import Keys
+from rollstream.keys import Keys
 
 _lock = threading.Lock()
 _epoch = 0  # expirations begun or ended in this process

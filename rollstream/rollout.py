@@ -2,7 +2,7 @@
 an agent loop fills, and finished trajectories -> one RolloutSample in the wire conventions the trainer
 reads (`build_rollout_sample`: ragged arrays, nothing padded). Producers publish what this module builds, and
 the test and benchmark
-fakes (rollstream/fakes.py) are built with it too."""
+fakes (rollstream/testing/fakes.py) are built with it too."""
 
 from __future__ import annotations
 

@@ -42,8 +42,8 @@ from typing import Any
 
 import redis
 
-from rollstream.files import private_dir
-from rollstream.names import STATS, Keys
+from rollstream.keys import STATS, Keys
+from rollstream.runtime.files import private_dir
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@
     bash scripts/gpu_check.sh --engine vllm        # producers generate with vLLM (the `vllm` extra on CUDA)
 
 What runs: a Qwen2-architecture model (random init, `--hidden-size`, `--layers`) with a byte-level BPE
-tokenizer and chat template built locally (rollstream.model.hf_tiny; nothing is downloaded) is saved to a
+tokenizer and chat template built locally (rollstream.testing.hf_tiny; nothing is downloaded) is saved to a
 temp dir; `rollstream run pipeline.yaml model.backend=hf model.hf_path=DIR run.device=cuda` starts
 supervisord, an embedded Redis, 2 producers, the trainer and the aggregator (model.dtype=auto: bfloat16 on
 CUDA); weights go through the streamed file:// path (bus.weights_inline_max_bytes=0). After N global steps
@@ -36,9 +36,8 @@ import torch
 
 from producers.worker import swap_check_bound
 from rollstream.audit import audit_run
+from rollstream.keys import Keys
 from rollstream.model.base import resolve_dtype
-from rollstream.model.hf import make_tiny_hf_model
-from rollstream.names import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.run_target import open_run
 from rollstream.ops.runcheck import (
@@ -48,6 +47,7 @@ from rollstream.ops.runcheck import (
     throughput,
     wait_for_steps,
 )
+from rollstream.testing.hf_tiny import make_tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOW_CPU_ENV = "ROLLSTREAM_GPU_CHECK_ALLOW_CPU"

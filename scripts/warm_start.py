@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from rollstream.config import load_config
-from rollstream.warmstart import warm_start
-from rollstream.weights_io import save_policy
+from rollstream.tasks.warmstart import warm_start
+from rollstream.weights.tensors import save_policy
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from rollstream.bus import delete_run
-from rollstream.names import Keys, producer_names
+from rollstream.keys import Keys, producer_names
 from rollstream.pacing import Leaser
 
 REDIS_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from consumers.aggregator.fold import Fold
-from rollstream.fakes import fake_metrics_log, local_update, producer_stats, step_end, validation
+from rollstream.testing.fakes import fake_metrics_log, local_update, producer_stats, step_end, validation
 from schemas import EventBase, StepMetrics, SyncStepRecord, decode_as, encode
 
 approx = pytest.approx

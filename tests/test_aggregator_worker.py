@@ -24,8 +24,15 @@ from consumers.aggregator.sinks import JsonlSink, Sinks, TensorBoardSink
 from consumers.aggregator.worker import AggregatorWorker
 from rollstream.bus import Publisher, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.fakes import fake_metrics_log, local_update, producer_stats, publish_log, step_end, validation
-from rollstream.names import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, Keys
+from rollstream.keys import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, Keys
+from rollstream.testing.fakes import (
+    fake_metrics_log,
+    local_update,
+    producer_stats,
+    publish_log,
+    step_end,
+    validation,
+)
 from schemas import DeadLetter, EventBase, SyncStepRecord, decode_as
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,5 +1,6 @@
-"""Workers keep freed sample buffers for reuse (rollstream.worker.tune_allocator): a trainer that holds one
-batch of decoded samples while it decodes the next must not pay a page fault per 4 KB of every new array."""
+"""Workers keep freed sample buffers for reuse (rollstream.runtime.process.tune_allocator): a trainer that
+holds one batch of decoded samples while it decodes the next must not pay a page fault per 4 KB of every new
+array."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 PROBE = """
 import resource, sys
 import numpy as np
-from rollstream.worker import tune_allocator
+from rollstream.runtime.process import tune_allocator
 tuned = tune_allocator() if sys.argv[1] == "tuned" else {}
 held = []
 def batch():

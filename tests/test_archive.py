@@ -31,7 +31,7 @@ from rollstream.bus import archive as archive_mod
 from rollstream.bus.retention import CAP_BIT, KILL_BEFORE_TRIM_ENV
 from rollstream.bus.segments import MAGIC, SegmentError, encode_record, read_records
 from rollstream.config import ConfigError, load_config
-from rollstream.names import ARCHIVE_DIR_FIELD, TRAINER_GROUP, Keys
+from rollstream.keys import ARCHIVE_DIR_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.inspect import read_entry
 from rollstream.ops.status import collect_status, format_status
 
@@ -336,7 +336,7 @@ def test_sigkill_between_archive_fsync_and_xtrim_loses_nothing(
     script = textwrap.dedent(f"""
         import redis
         from rollstream.bus import Archive, Janitor
-        from rollstream.names import Keys
+        from rollstream.keys import Keys
         r = redis.Redis.from_url({redis_url!r})
         Janitor(r, Keys({keys.run!r}), Archive({str(tmp_path / 'archive')!r}), budget_bytes=1024,
                 every_s=1).run_pass()

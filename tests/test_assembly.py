@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples, assemble_micro_batches
-from rollstream.fakes import fake_rollout_sample
+from rollstream.testing.fakes import fake_rollout_sample
 from schemas import RolloutSample
 
 

@@ -17,10 +17,10 @@ from consumers.trainer.loop import Trainer
 from rollstream.audit import audit_run
 from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.fakes import fake_rollout_sample
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.pacing import lease_outright
-from rollstream.weights import publish_weights
+from rollstream.testing.fakes import fake_rollout_sample
+from rollstream.weights.store import publish_weights
 from schemas import DeadLetter, RolloutSample, decode, encode
 
 MAX_ENTRY_BYTES = 256 << 10
@@ -191,7 +191,7 @@ def test_a_producer_hoarding_its_lease_does_not_stop_training(
     import time
 
     from rollstream.pacing import ask_lease, dispatch_entries, lease_of
-    from rollstream.weights import latest_param_version
+    from rollstream.weights.store import latest_param_version
     from schemas.text_entries import EXPIRE
 
     cfg = tiny_cfg(keys, tmp_path, "rollout.lease_timeout_s=1")

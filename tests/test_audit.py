@@ -10,8 +10,8 @@ from conftest import P0, PRODUCERS
 from rollstream.audit import audit_run
 from rollstream.bus import Publisher, setup_run
 from rollstream.cli.main import main
-from rollstream.fakes import fake_rollout_sample, local_update, step_end
-from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.keys import TRAINER_GROUP, Keys
+from rollstream.testing.fakes import fake_rollout_sample, local_update, step_end
 from schemas import DROPPED, TRAINED, Fate, SyncStepRecord, encode_fate
 
 

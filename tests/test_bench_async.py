@@ -20,12 +20,12 @@ from producers.worker import Producer
 from rollstream.bus import connect, setup_run
 from rollstream.cli.main import main as cli_main
 from rollstream.config import PipelineConfig, load_config
-from rollstream.fakes import leased_fakes
 from rollstream.from_config import build_policy
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.pacing import lease_outright
-from rollstream.weights import latest_param_version, publish_weights
-from rollstream.worker import WorkerContext
+from rollstream.runtime.process import WorkerContext
+from rollstream.testing.fakes import leased_fakes
+from rollstream.weights.store import latest_param_version, publish_weights
 from schemas import RolloutSample, StepMetrics, decode, encode
 
 TINY_MODEL = [

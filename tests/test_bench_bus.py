@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from benchmarks.bus import main, parse_size
-from rollstream.names import Keys
+from rollstream.keys import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--quick", "--sizes", "2K,24K", "--mb-per-trial", "0.1", "--reps", "2"]

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from rollstream.cli.main import main
-from rollstream.names import Keys
+from rollstream.keys import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = [

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from benchmarks.bus_entry_batching import main
-from rollstream.names import Keys
+from rollstream.keys import Keys
 
 
 def test_reports_both_layouts_and_a_bound_below_one(

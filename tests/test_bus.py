@@ -29,8 +29,8 @@ from rollstream.bus import (
     setup_run,
     stream_floor,
 )
-from rollstream.fakes import fake_rollout_sample
-from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.keys import TRAINER_GROUP, Keys
+from rollstream.testing.fakes import fake_rollout_sample
 from schemas import DeadLetter, RolloutSample, decode, encode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -331,7 +331,7 @@ def test_claimed_after_sigkill_and_acked_once(r: redis.Redis, keys: Keys, redis_
         f"""
         import os, sys, time, redis
         from rollstream.bus import GroupReader
-        from rollstream.names import Keys, TRAINER_GROUP
+        from rollstream.keys import Keys, TRAINER_GROUP
         r = redis.Redis.from_url({redis_url!r})
         keys = Keys({keys.run!r})
         rd = GroupReader(r, keys.rollouts_of("rollout_00"), TRAINER_GROUP, "doomed", dead_stream=keys.dead,

@@ -16,7 +16,7 @@ import pytest
 from conftest import P0
 
 from rollstream.audit import audit_run, format_report
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.ops.run_target import open_run
 
 WORKERS_MISSING = any(

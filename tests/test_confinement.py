@@ -38,9 +38,8 @@ from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection,
 from rollstream.bus.connection import watch_busy_scripts
 from rollstream.bus.outbox import OutboxDrain, pack_item
 from rollstream.config import load_config
-from rollstream.fakes import fake_metrics_log, fake_rollout_sample, leased_fakes, publish_log
 from rollstream.from_config import build_policy
-from rollstream.names import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
+from rollstream.keys import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import WorkerHealth
 from rollstream.ops.status import collect_status, format_status
 from rollstream.pacing import (
@@ -54,6 +53,7 @@ from rollstream.pacing import (
 )
 from rollstream.security import ROLES, apply_acl, generate_passwords
 from rollstream.tasks import REWARD_RANGE
+from rollstream.testing.fakes import fake_metrics_log, fake_rollout_sample, leased_fakes, publish_log
 from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, decode_as, encode
 from schemas.ragged import TOKEN_SCORES
 
@@ -769,7 +769,7 @@ def test_a_stopping_trainer_moves_the_record_of_its_last_step_and_does_not_wait_
     waits (up to 5 s) for the record of its last committed step while an aggregator reads `metrics`, so the
     run's last record is not left in the outbox; with no aggregator reading it does not wait."""
     from consumers.trainer.effects import TrainerEffects
-    from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD
+    from rollstream.keys import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD
 
     keys, agg = roles.keys, roles.aggregator
     cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"])

@@ -9,8 +9,8 @@ import torch
 
 from consumers.trainer.learner import Learner, entropy_coef_at, group_advantages
 from rollstream.config import load_config
-from rollstream.warmstart import format_targets, greedy_scores, warm_start
-from rollstream.weights_io import load_init, save_policy
+from rollstream.tasks.warmstart import format_targets, greedy_scores, warm_start
+from rollstream.weights.tensors import load_init, save_policy
 
 TINY = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu",
         "data.val_size=32"]
@@ -35,7 +35,7 @@ def test_entropy_bonus_decays_linearly_to_zero_and_stays_constant_without_decay(
 
 def test_learner_reports_the_decayed_entropy_coef() -> None:
     from consumers.trainer.assembly import assemble_batch_from_rollout_samples
-    from rollstream.fakes import fake_rollout_sample
+    from rollstream.testing.fakes import fake_rollout_sample
 
     learner = Learner(load_config(None, TINY + ["actor.entropy_coeff=0.2", "actor.entropy_decay_steps=10"]))
     batch, _ = assemble_batch_from_rollout_samples([fake_rollout_sample(f"s{i}", n=4) for i in range(2)])

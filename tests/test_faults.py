@@ -41,11 +41,11 @@ from conftest import P0
 from consumers.aggregator.replay import replay_records
 from rollstream.audit import audit_run, format_report
 from rollstream.bus import iter_stream
-from rollstream.fakes import fake_rollout_sample, step_end
-from rollstream.names import COMMITTED_STEP_FIELD, Keys
+from rollstream.keys import COMMITTED_STEP_FIELD, Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.process import rpc
 from rollstream.ops.run_target import SECRETS_DIR, open_run
+from rollstream.testing.fakes import fake_rollout_sample, step_end
 from schemas import DeadLetter, decode, encode
 from tests.test_ops_supervise import private_violations
 

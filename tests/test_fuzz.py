@@ -27,14 +27,14 @@ from consumers.aggregator.sinks import Sinks
 from consumers.aggregator.worker import AggregatorWorker
 from consumers.trainer.loop import Trainer
 from producers.weight_sync import WeightSync
-from rollstream import fakes
 from rollstream.bus import Publisher, setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.fakes import fake_rollout_sample
 from rollstream.from_config import build_policy
-from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
+from rollstream.keys import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.pacing import lease_outright
-from rollstream.weights import latest_param_version, publish_weights
+from rollstream.testing import fakes
+from rollstream.testing.fakes import fake_rollout_sample
+from rollstream.weights.store import latest_param_version, publish_weights
 from schemas import (
     EVENT_MODELS,
     DeadLetter,

@@ -24,10 +24,13 @@ from rollstream.from_config import build_policy  # noqa: E402
 from rollstream.model import CharTokenizer, Completion, build_batch  # noqa: E402
 from rollstream.model.base import resolve_dtype  # noqa: E402
 from rollstream.model.chat import encode_prompt, encode_tool_result, render_tool_turn  # noqa: E402
-from rollstream.model.hf import HFPolicy, HFTokenizer, make_tiny_hf_model  # noqa: E402
-from rollstream.model.hf_tiny import build_tokenizer  # noqa: E402
+from rollstream.model.hf import HFPolicy, HFTokenizer  # noqa: E402
 from rollstream.rollout import concat_generation_data, prepare_single_generation_data  # noqa: E402
 from rollstream.tasks import ArithToolTask, Prompt, calculate  # noqa: E402
+from rollstream.testing.hf_tiny import (
+    build_tokenizer,  # noqa: E402
+    make_tiny_hf_model,  # noqa: E402
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {

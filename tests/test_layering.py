@@ -52,6 +52,29 @@ def test_package_imports_no_higher_package(package: str) -> None:
     assert offenders == []
 
 
+def imported_names(source: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of every absolute import in `source`; `from a import b` gives `a.b`."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+@pytest.mark.parametrize("package", ["schemas", "rollstream", "producers", "consumers"])
+def test_runtime_code_imports_no_fixture(package: str) -> None:
+    """rollstream/testing/ (fakes, tiny HF models) is for tests and benchmarks only."""
+    fixtures = ROOT / "rollstream" / "testing"
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if fixtures not in path.parents
+        for line, name in imported_names(path.read_text(encoding="utf-8"))
+        if (name + ".").startswith("rollstream.testing.")
+    ]
+    assert offenders == []
 
 
 def module_graph() -> dict[str, set[str]]:

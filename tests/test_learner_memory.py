@@ -14,7 +14,7 @@ import torch
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples, assemble_micro_batches
 from consumers.trainer.learner import Learner, micro_slices
 from rollstream.config import ConfigError, load_config
-from rollstream.fakes import fake_rollout_sample
+from rollstream.testing.fakes import fake_rollout_sample
 from schemas import DataProto, RolloutSample
 
 BASE = ["run.device=cpu", "model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32",
@@ -115,7 +115,7 @@ def test_micro_batches_equal_the_whole_mini_batch(agg: str, adv: str) -> None:
 
 def test_hf_micro_batches_checkpointing_and_chunks_equal_the_plain_update(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from rollstream.model.hf import make_tiny_hf_model
+    from rollstream.testing.hf_tiny import make_tiny_hf_model
 
     model = make_tiny_hf_model(tmp_path / "qwen2", arch="qwen2")
     cfg = [*BASE, "model.backend=hf", f"model.hf_path={model}"]

@@ -10,8 +10,8 @@ import torch
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.learner import Learner
 from rollstream.config import ConfigError, load_config
-from rollstream.fakes import fake_rollout_sample
-from rollstream.weights_io import unique_state
+from rollstream.testing.fakes import fake_rollout_sample
+from rollstream.weights.tensors import unique_state
 
 TINY = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu",
         "actor.ppo_mini_batch_size=2", "data.train_batch_size=4", "actor.optim.lr=1e-5",

@@ -32,7 +32,7 @@ from rollstream.model.gguf_convert import (  # noqa: E402
     load_folder,
     verify_folder,
 )
-from rollstream.model.hf_tiny import CHAT_TEMPLATE, build_tokenizer, make_tiny_gguf  # noqa: E402
+from rollstream.testing.hf_tiny import CHAT_TEMPLATE, build_tokenizer, make_tiny_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import torch
 pytest.importorskip("transformers")
 
 from rollstream.model import CharTokenizer, Completion, Tokenizer, build_batch, load_policy  # noqa: E402
-from rollstream.model.hf import HFPolicy, make_tiny_hf_model  # noqa: E402
+from rollstream.model.hf import HFPolicy  # noqa: E402
+from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
 
 PROMPTS = ["1+2=", "12+34=", "7", "(3*4)-5=?"]
 

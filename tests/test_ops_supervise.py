@@ -13,7 +13,7 @@ import redis
 
 from rollstream.cli.main import main
 from rollstream.config import load_config
-from rollstream.names import Keys, producer_names
+from rollstream.keys import Keys, producer_names
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.plan import PRIVATE_UMASK, plan_run, render_supervisord_conf, trainer_argv
 from rollstream.ops.process import process_states, start_run, start_supervisord, stop_run
@@ -156,7 +156,7 @@ def test_a_run_dir_that_does_not_exist_is_created_private_with_its_parents(tmp_p
     import os
     import stat
 
-    from rollstream.files import atomic_write, private_dir
+    from rollstream.runtime.files import atomic_write, private_dir
 
     old = os.umask(0o022)  # a user's usual umask would make 0755 folders
     try:

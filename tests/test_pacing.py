@@ -14,7 +14,7 @@ from conftest import P0, PRODUCERS
 
 import rollstream.pacing as pacing
 from rollstream.bus import setup_run
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.pacing import (
     LeaseExpiry,
     Leaser,
@@ -208,7 +208,7 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
     otherwise wait forever for the 4th). A junk entry that names no leased prompt counts nothing."""
     from consumers.trainer.collect import Collector, rollouts_reader
     from rollstream.config import load_config
-    from rollstream.fakes import fake_rollout_sample
+    from rollstream.testing.fakes import fake_rollout_sample
     from schemas import encode
 
     B = 4

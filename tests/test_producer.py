@@ -24,8 +24,8 @@ from producers.worker import Producer, producer_seed
 from rollstream.bus import parse_id, run_producers, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.from_config import build_policy, build_prompt_source
+from rollstream.keys import DROPPED_STALE_FIELD, Keys, producer_names
 from rollstream.model import CharTokenizer, Completion, build_batch
-from rollstream.names import DROPPED_STALE_FIELD, Keys, producer_names
 from rollstream.pacing import (
     consume,
     dispatch_entries,
@@ -33,9 +33,9 @@ from rollstream.pacing import (
     queue_count_consumed,
     rollout_counts,
 )
+from rollstream.runtime.process import EXIT_HUNG, EXIT_OK, WorkerContext
 from rollstream.tasks import calculate
-from rollstream.weights import producer_versions, publish_weights
-from rollstream.worker import EXIT_HUNG, EXIT_OK, WorkerContext
+from rollstream.weights.store import producer_versions, publish_weights
 from schemas import DispatchRecord, ProducerStats, RolloutSample, decode
 from schemas.text_entries import GRANT, LEASE, TOPUP
 
@@ -441,7 +441,8 @@ def test_tool_agent_records_tool_calls(r: redis.Redis, keys: Keys, redis_url: st
 
 def test_hf_weights_round_trip(r: redis.Redis, keys: Keys, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from rollstream.model.hf import HFPolicy, make_tiny_hf_model
+    from rollstream.model.hf import HFPolicy
+    from rollstream.testing.hf_tiny import make_tiny_hf_model
 
     trained = HFPolicy.from_pretrained(make_tiny_hf_model(tmp_path / "a", seed=0), device="cpu")
     other = HFPolicy.from_pretrained(make_tiny_hf_model(tmp_path / "b", seed=1), device="cpu")

@@ -23,12 +23,12 @@ from consumers.trainer.collect import Collector, rollouts_reader
 from rollstream.audit import audit_run, format_report
 from rollstream.bus import Publisher, connect, setup_run
 from rollstream.config import load_config
-from rollstream.fakes import fake_rollout_sample
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.ops.status import collect_status, format_status
 from rollstream.pacing import grant_budget, lease_outright, mark_published, rollout_counts
 from rollstream.security import ROLES, apply_acl, generate_passwords
-from rollstream.weights import PIN_VERSIONS, gc_weights, pinned_versions, publish_weights
+from rollstream.testing.fakes import fake_rollout_sample
+from rollstream.weights.store import PIN_VERSIONS, gc_weights, pinned_versions, publish_weights
 from schemas import decode, encode
 
 P1 = "rollout_01"

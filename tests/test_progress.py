@@ -8,7 +8,7 @@ import time
 import redis
 
 from benchmarks.learn import ModeRun, format_table
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.ops.progress import Curve, progress_line, read_new_records, watch_run
 from schemas import SyncStepRecord, encode
 

@@ -21,7 +21,7 @@ from conftest import PRODUCERS
 from consumers.aggregator.replay import replay_records
 from rollstream.audit import audit_run
 from rollstream.bus import iter_stream, setup_run
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from schemas import decode
 
 ROOT = Path(__file__).resolve().parent.parent

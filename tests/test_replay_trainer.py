@@ -16,7 +16,7 @@ from test_trainer import FakeProducer, trainer_args
 
 from rollstream.bus import setup_run
 from rollstream.cli.main import main
-from rollstream.names import COMMITTED_STEP_FIELD, Keys
+from rollstream.keys import COMMITTED_STEP_FIELD, Keys
 from schemas import TRAINED, Fate, decode_fate, encode_fate
 
 ROOT = Path(__file__).resolve().parent.parent

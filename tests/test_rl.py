@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from rollstream.model.logprobs import logprobs_entropy
-from rollstream.rl import (
-    agg_loss,
-    grpo_advantages,
-    length_metrics,
-    low_var_kl,
-    masked_mean,
-    masked_sum,
-    ppo_loss,
-    reward_metrics,
-    staleness_metrics,
-)
+from rollstream.rl.advantages import grpo_advantages
+from rollstream.rl.masked import agg_loss, masked_mean, masked_sum
+from rollstream.rl.metrics import length_metrics, reward_metrics, staleness_metrics
+from rollstream.rl.ppo import low_var_kl, ppo_loss
 from rollstream.rl.rollout_correction import is_weights
 
 approx = pytest.approx
@@ -226,3 +221,14 @@ def test_metric_helpers() -> None:
         "training/off_policy/staleness/min": 1.0,
     }
     assert staleness_metrics([]) == {}
+
+
+# --- import hygiene -----------------------------------------------------------------------------
+
+
+def test_the_package_and_the_correction_grammar_import_no_torch() -> None:
+    """`rollstream.rl` imports none of its modules, so the config reads the rollout-correction grammar
+    without torch."""
+    code = ("import sys, rollstream.rl, rollstream.rl.correction_spec, rollstream.config; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

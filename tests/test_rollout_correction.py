@@ -20,7 +20,6 @@ import torch
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.learner import Learner
 from rollstream.config import ConfigError, load_config
-from rollstream.fakes import fake_rollout_sample
 from rollstream.rl.rollout_correction import (
     is_weights,
     normalize_is_weights,
@@ -29,6 +28,7 @@ from rollstream.rl.rollout_correction import (
     rejection_mask,
     rollout_correction,
 )
+from rollstream.testing.fakes import fake_rollout_sample
 
 approx = pytest.approx
 LN2, LN4 = math.log(2), math.log(4)

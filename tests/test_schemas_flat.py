@@ -332,7 +332,7 @@ def test_str_keyed_fields_and_memoryviews_decode() -> None:
 
 def test_rollout_layout_is_checked_at_decode() -> None:
     """Float token ids are refused by the batch itself, at decode."""
-    from rollstream.fakes import fake_rollout_sample
+    from rollstream.testing.fakes import fake_rollout_sample
 
     good = fake_rollout_sample("s", prompt_len=4, response_len=6)
     bad = good.model_copy()

@@ -8,7 +8,7 @@ import redis
 from conftest import PRODUCERS
 
 from rollstream.bus import setup_run
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from rollstream.pacing import ask_lease, consume, dispatch_entries, grant_budget, lease_pass
 from schemas import (
     DROPPED,

@@ -22,17 +22,17 @@ from typing import Any
 import redis
 from conftest import P0, PRODUCERS
 
-from rollstream import fakes
 from rollstream.audit import audit_run
 from rollstream.bus import setup_run
 from rollstream.config import load_config
-from rollstream.fakes import leased_fakes
 from rollstream.from_config import build_policy
-from rollstream.names import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
+from rollstream.keys import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
 from rollstream.ops.plan import LATENCY_PRODUCER_MODULE, WORKER_STOPWAIT_S
 from rollstream.pacing import Leaser, dispatch_entries, grant_budget, rollout_counts
-from rollstream.weights import publish_weights
-from rollstream.worker import EXIT_FORCED, EXIT_OK, freeze_startup_heap
+from rollstream.runtime.process import EXIT_FORCED, EXIT_OK, freeze_startup_heap
+from rollstream.testing import fakes
+from rollstream.testing.fakes import leased_fakes
+from rollstream.weights.store import publish_weights
 from schemas import StepMetrics, decode, encode
 from schemas.text_entries import LEASE
 

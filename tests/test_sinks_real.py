@@ -15,7 +15,7 @@ import redis
 from consumers.aggregator.sinks import Sinks, TensorBoardSink, WandbSink, build_sinks
 from rollstream.bus import Publisher
 from rollstream.config import load_config
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from schemas import SyncStepRecord
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ from conftest import P0, PRODUCERS
 
 from rollstream.bus import Publisher, setup_run
 from rollstream.cli.main import main
-from rollstream.names import TRAINER_GROUP, Keys
+from rollstream.keys import TRAINER_GROUP, Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.health import progress_health, trained_rate
 from rollstream.ops.status import collect_status

@@ -20,9 +20,9 @@ from rollstream.fingerprint import (
     probe_ids,
 )
 from rollstream.from_config import build_policy
+from rollstream.keys import Keys
 from rollstream.model import BasePolicy
-from rollstream.names import Keys
-from rollstream.weights import latest_param_version, publish_weights
+from rollstream.weights.store import latest_param_version, publish_weights
 
 
 def policy(seed: int) -> BasePolicy:

@@ -7,7 +7,12 @@ import torch
 
 from consumers.trainer.learner import token_rewards
 from rollstream.model import CharTokenizer
-from rollstream.rl import grpo_advantages, grpo_token_advantages, reinforce_pp_advantages, returns_to_go
+from rollstream.rl.advantages import (
+    grpo_advantages,
+    grpo_token_advantages,
+    reinforce_pp_advantages,
+    returns_to_go,
+)
 from rollstream.rollout import token_scores
 from rollstream.tasks import Prompt, ReverseTask, RewardResult
 

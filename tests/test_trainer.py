@@ -23,11 +23,11 @@ from conftest import P0, PRODUCERS
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from rollstream.audit import audit_run, unacked_entry_ids
-from rollstream.fakes import fake_rollout_sample
-from rollstream.names import COMMITTED_STEP_FIELD, DROPPED_STALE_FIELD, HEARTBEAT_FIELD, TRAINER_GROUP, Keys
+from rollstream.keys import COMMITTED_STEP_FIELD, DROPPED_STALE_FIELD, HEARTBEAT_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import progress_health, worker_health
 from rollstream.pacing import ask_lease, dispatch_entries, lease_of, mark_published
-from rollstream.weights import latest_param_version
+from rollstream.testing.fakes import fake_rollout_sample
+from rollstream.weights.store import latest_param_version
 from schemas import (
     TRAINED,
     DataProto,
@@ -443,7 +443,7 @@ def test_trainer_waits_for_num_warmup_batches_before_its_first_update(
 
 def test_stale_counts_follow_verl() -> None:
     from consumers.trainer.staleness import count_stale
-    from rollstream.fakes import fake_rollout_sample
+    from rollstream.testing.fakes import fake_rollout_sample
 
     counters = {"stale_samples_processed": 5, "stale_trajectory_processed": 1}
     samples = [fake_rollout_sample("a", param_version=3, n=2), fake_rollout_sample("b", param_version=4, n=2)]

@@ -32,10 +32,9 @@ from consumers.trainer.distributed import (
 from consumers.trainer.learner import Learner
 from consumers.trainer.rank_agreement import RoundClaim, rank_info, resolve_round
 from rollstream.config import load_config
-from rollstream.fakes import fake_rollout_sample, leased_fakes
-from rollstream.rl import agg_loss
-from rollstream.rl.masked import agg_count
-from rollstream.weights_io import state_bytes
+from rollstream.rl.masked import agg_count, agg_loss
+from rollstream.testing.fakes import fake_rollout_sample, leased_fakes
+from rollstream.weights.tensors import state_bytes
 
 TINY = [
     "model.d_model=16",
@@ -191,7 +190,7 @@ def _trainer_rank(rank: int, world: int, init_file: str, redis_url: str, overrid
     import redis as redis_lib
 
     from consumers.trainer.loop import Trainer
-    from rollstream.names import Keys
+    from rollstream.keys import Keys
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -25,8 +25,8 @@ from consumers.trainer.ledger import StepLedger, commit_steps, committed_sample_
 from consumers.trainer.staleness import dropped_metrics, staleness
 from rollstream.bus import setup_run
 from rollstream.config import load_config
-from rollstream.fakes import fake_rollout_sample, leased_fakes
-from rollstream.names import COMMITTED_STEP_FIELD, TRAINER_GROUP, Keys
+from rollstream.keys import COMMITTED_STEP_FIELD, TRAINER_GROUP, Keys
+from rollstream.testing.fakes import fake_rollout_sample, leased_fakes
 from schemas import (
     DROPPED,
     TRAINED,

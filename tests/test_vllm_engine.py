@@ -32,13 +32,14 @@ from producers.worker import Producer  # noqa: E402
 from rollstream.bus import setup_run  # noqa: E402
 from rollstream.config import PipelineConfig, load_config  # noqa: E402
 from rollstream.fingerprint import default_max_diff, policy_probe_logprobs, probe_ids  # noqa: E402
-from rollstream.model.hf import HFPolicy, make_tiny_hf_model  # noqa: E402
-from rollstream.names import Keys, producer_names  # noqa: E402
+from rollstream.keys import Keys, producer_names  # noqa: E402
+from rollstream.model.hf import HFPolicy  # noqa: E402
 from rollstream.pacing import lease_outright  # noqa: E402
 from rollstream.rollout import AGENT_TOOL, prepare_single_generation_data  # noqa: E402
+from rollstream.runtime.process import WorkerContext  # noqa: E402
 from rollstream.tasks import Prompt  # noqa: E402
-from rollstream.weights import publish_module_weights, publish_weights  # noqa: E402
-from rollstream.worker import WorkerContext  # noqa: E402
+from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
+from rollstream.weights.store import publish_module_weights, publish_weights  # noqa: E402
 from schemas import decode  # noqa: E402
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 8], [1, 12, 13, 14, 15]]

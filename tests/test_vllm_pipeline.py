@@ -25,8 +25,7 @@ import redis
 pytest.importorskip("vllm")
 
 from rollstream.audit import audit_run  # noqa: E402
-from rollstream.model.hf import make_tiny_hf_model  # noqa: E402
-from rollstream.names import Keys  # noqa: E402
+from rollstream.keys import Keys  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from rollstream.ops.process import rpc  # noqa: E402
 from rollstream.ops.run_target import open_run  # noqa: E402
@@ -36,7 +35,8 @@ from rollstream.ops.runcheck import (  # noqa: E402
     swap_checks,
     wait_for_steps,
 )
-from rollstream.weights import producer_versions  # noqa: E402
+from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
+from rollstream.weights.store import producer_versions  # noqa: E402
 
 STEPS = 6
 SMALL = [

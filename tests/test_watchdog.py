@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from producers.watchdog import GenerationHung, GenerationWatchdog
-from rollstream.procfs import is_running
+from rollstream.runtime.procfs import is_running
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def test_exit_hung_takes_the_engines_processes_with_it() -> None:
     code = (
         "import subprocess, sys, time\n"
         "from producers.watchdog import exit_hung\n"
-        "from rollstream.procfs import descendants\n"
+        "from rollstream.runtime.procfs import descendants\n"
         "child = subprocess.Popen([sys.executable, '-c', "
         "'import subprocess, time; subprocess.Popen([\"sleep\", \"60\"]); time.sleep(60)'])\n"
         "import os\n"

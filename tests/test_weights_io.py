@@ -14,9 +14,20 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from rollstream.names import Keys
-from rollstream.weights import WeightsError, latest_param_version, load_weights_into, publish_module_weights
-from rollstream.weights_io import file_sha256, load_file_into, module_file_bytes, unique_state, write_module
+from rollstream.keys import Keys
+from rollstream.weights.store import (
+    WeightsError,
+    latest_param_version,
+    load_weights_into,
+    publish_module_weights,
+)
+from rollstream.weights.tensors import (
+    file_sha256,
+    load_file_into,
+    module_file_bytes,
+    unique_state,
+    write_module,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +57,7 @@ class Holder:
 
     def load_state_dict_bytes(self, data: bytes) -> None:
         """Inline path."""
-        from rollstream.weights_io import load_bytes_into
+        from rollstream.weights.tensors import load_bytes_into
 
         load_bytes_into(self.module, data)
 

@@ -15,9 +15,9 @@ import redis
 
 pytest.importorskip("transformers")
 
-from rollstream.model.hf import make_tiny_hf_model  # noqa: E402
-from rollstream.names import Keys  # noqa: E402
-from rollstream.weights import producer_versions  # noqa: E402
+from rollstream.keys import Keys  # noqa: E402
+from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
+from rollstream.weights.store import producer_versions  # noqa: E402
 from schemas import ParamVersion, decode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,8 +12,9 @@ import pytest
 import redis
 import torch
 
-from rollstream.names import Keys
-from rollstream.weights import (
+from rollstream.keys import Keys
+from rollstream.weights.chunks import chunk_key, parse_chunks_uri
+from rollstream.weights.store import (
     WeightsError,
     gc_weights,
     load_weights,
@@ -21,8 +22,7 @@ from rollstream.weights import (
     publish_module_weights,
     register_producer_version,
 )
-from rollstream.weights_io import module_file_bytes
-from rollstream.weights_redis import chunk_key, parse_chunks_uri
+from rollstream.weights.tensors import module_file_bytes
 from schemas import ParamVersion
 from tests.test_weights_io import Holder, Tied, same
 

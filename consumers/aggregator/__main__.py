@@ -5,7 +5,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from rollstream.worker import EXIT_OK, freeze_startup_heap, install_early_signal_handlers, start_worker
+from rollstream.runtime.process import (
+    EXIT_OK,
+    freeze_startup_heap,
+    install_early_signal_handlers,
+    start_worker,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

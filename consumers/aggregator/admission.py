@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 from rollstream.bus import retry_on_connection
-from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
+from rollstream.keys import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from schemas import ProducerStats, StepMetrics, ValidateMetrics
 
 

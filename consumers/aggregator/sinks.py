@@ -19,8 +19,8 @@ import redis
 
 from rollstream.bus import iter_stream
 from rollstream.config import PipelineConfig
-from rollstream.files import private_dir
-from rollstream.names import Keys
+from rollstream.keys import Keys
+from rollstream.runtime.files import private_dir
 from schemas import DecodeError, SyncStepRecord, decode_as
 
 log = logging.getLogger(__name__)

@@ -49,7 +49,7 @@ from rollstream.bus import (
 )
 from rollstream.bus.outbox import OutboxDrain, pack_item, pending_records
 from rollstream.config import PipelineConfig
-from rollstream.names import AGGREGATOR_GROUP, AGGREGATOR_NOTE_SOURCE, Keys, producer_names
+from rollstream.keys import AGGREGATOR_GROUP, AGGREGATOR_NOTE_SOURCE, Keys, producer_names
 from schemas import ProducerStats, StepMetrics, ValidateMetrics, dead_letter_of, encode
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from consumers.trainer.rank_agreement import consumer_name, rank_info
 from rollstream.bus.connection import watch_busy_scripts
-from rollstream.worker import (
+from rollstream.runtime.process import (
     EXIT_CONFIG,
     EXIT_OK,
     freeze_startup_heap,

@@ -40,9 +40,9 @@ from safetensors.torch import load_file, save_file
 
 from consumers.trainer.distributed import DataParallel
 from consumers.trainer.learner import Learner
-from rollstream.files import atomic_write, private_dir
 from rollstream.model import BasePolicy
-from rollstream.weights_io import load_tensors_into, unique_state
+from rollstream.runtime.files import atomic_write, private_dir
+from rollstream.weights.tensors import load_tensors_into, unique_state
 from schemas import decode_payload, encode_payload
 
 _NAME = re.compile(r"^step-(\d{8})\.safetensors$")
@@ -207,7 +207,8 @@ def save_checkpoint(
     meta: dict[str, Any],
     keep_last: int = 2,
 ) -> Path:
-    """Write the checkpoint of `global_step` durably (rollstream.files.atomic_write); prune old ones."""
+    """Write the checkpoint of `global_step` durably (rollstream.runtime.files.atomic_write); prune old
+    ones."""
     return write_checkpoint(
         ckpt_dir, global_step, unique_state(policy.module), optimizer.state_dict(), meta, keep_last
     )

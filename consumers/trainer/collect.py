@@ -59,7 +59,7 @@ from consumers.trainer.staleness import mean_response_length, staleness
 from rollstream.bus import EntryRef, GroupReader, Message, entry_limits, iter_stream, retry_on_connection
 from rollstream.bus.ids import IdError, parse_sample_id, split_sample_id
 from rollstream.config import PipelineConfig
-from rollstream.names import DEAD_LETTERED_FIELD, REPLAY_COPY_FIELD, TRAINER_GROUP, Keys, producer_names
+from rollstream.keys import DEAD_LETTERED_FIELD, REPLAY_COPY_FIELD, TRAINER_GROUP, Keys, producer_names
 from rollstream.pacing import consume, leases
 from rollstream.revoked import RevokedWatch
 from rollstream.tasks import REWARD_RANGE

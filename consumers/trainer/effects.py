@@ -34,7 +34,7 @@ from rollstream.bus import CONNECTION_ERRORS, Janitor, Publisher, retry_on_conne
 from rollstream.bus.ids import count_or_none
 from rollstream.bus.outbox import OutboxDrain, record_id
 from rollstream.config import PipelineConfig
-from rollstream.names import (
+from rollstream.keys import (
     AGGREGATOR_GROUP,
     COMMITTED_STEP_FIELD,
     HEARTBEAT_FIELD,
@@ -48,14 +48,14 @@ from rollstream.names import (
 )
 from rollstream.pacing import LeaseExpiry, Leaser, current_budget, grant_budget
 from rollstream.security import FloodFence
-from rollstream.weights import (
+from rollstream.weights.store import (
     Probe,
     gc_weights,
     latest_param_version,
     publish_module_weights,
     publish_weights,
 )
-from rollstream.weights_io import state_bytes
+from rollstream.weights.tensors import state_bytes
 from schemas import StepMetrics, ValidateMetrics
 
 log = logging.getLogger("consumers.trainer.loop")  # the trainer's log lines keep the one logger name

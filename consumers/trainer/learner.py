@@ -41,18 +41,10 @@ from rollstream.fingerprint import policy_probe
 from rollstream.from_config import build_policy
 from rollstream.model import BasePolicy
 from rollstream.model.base import resolve_device
-from rollstream.rl import (
-    AggMode,
-    agg_loss,
-    grpo_advantages,
-    grpo_token_advantages,
-    length_metrics,
-    low_var_kl,
-    ppo_loss,
-    reinforce_pp_advantages,
-    reward_metrics,
-)
-from rollstream.rl.masked import agg_count
+from rollstream.rl.advantages import grpo_advantages, grpo_token_advantages, reinforce_pp_advantages
+from rollstream.rl.masked import AggMode, agg_count, agg_loss
+from rollstream.rl.metrics import length_metrics, reward_metrics
+from rollstream.rl.ppo import low_var_kl, ppo_loss
 from rollstream.rl.rollout_correction import (
     PREFIX,
     Correction,
@@ -60,8 +52,8 @@ from rollstream.rl.rollout_correction import (
     normalize_totals,
     rollout_correction,
 )
-from rollstream.weights import Probe
-from rollstream.weights_io import load_init, load_tensors_into, unique_state, unique_tensors
+from rollstream.weights.store import Probe
+from rollstream.weights.tensors import load_init, load_tensors_into, unique_state, unique_tensors
 from schemas import DataProto
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from typing import Any
 import redis
 
 from rollstream.bus import EntryRef, group_refs, iter_stream
-from rollstream.names import (
+from rollstream.keys import (
     COMMITTED_STEP_FIELD,
     CONSUMED_STEP_FIELD,
     DROPPED_STALE_FIELD,

@@ -64,11 +64,11 @@ from consumers.trainer.ledger import StepLedger, merge_ledgers
 from consumers.trainer.staleness import STALE_SAMPLES, STALE_TRAJECTORIES, LengthBuckets, count_stale
 from rollstream.bus import EntryRef
 from rollstream.config import PipelineConfig
+from rollstream.keys import Keys
 from rollstream.model.base import resolve_device
-from rollstream.names import Keys
-from rollstream.rl import finite_metrics
+from rollstream.rl.metrics import finite_metrics
 from rollstream.tasks import Prompt
-from rollstream.weights import Probe
+from rollstream.weights.store import Probe
 from schemas import SKIPPED, TRAINED, RolloutSample, StepMetrics, ValidateMetrics
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from rollstream.weights_io import unique_state
+from rollstream.weights.tensors import unique_state
 
 
 class MasterWeights:

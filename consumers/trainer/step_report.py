@@ -17,7 +17,7 @@ from consumers.trainer.staleness import (
     filter_groups_metrics,
 )
 from rollstream.bus import Message
-from rollstream.rl import staleness_metrics
+from rollstream.rl.metrics import staleness_metrics
 from rollstream.tasks import Prompt
 from schemas import DROPPED, SKIPPED, TRAINED, Fate, StepMetrics
 

@@ -51,7 +51,7 @@ from rollstream.config import PipelineConfig
 from rollstream.model import Completion, Tokenizer
 from rollstream.model.base import check_generate_args
 from rollstream.model.hf import HFTokenizer
-from rollstream.weights import iter_weight_tensors
+from rollstream.weights.store import iter_weight_tensors
 from schemas import ParamVersion
 
 log = logging.getLogger(__name__)

@@ -7,11 +7,11 @@ Layout under the archive root (`bus.archive_uri`, default `<run dir>/archive`; f
 
 `<stream>` is the key's name inside its run (`rollouts`, `fates`, `producer~rollout_00~dispatch_log`). Writers
 of a stream take turns (an flock on `<stream>/lock`). A writer appends, fsyncs the segment and its folder,
-then replaces index.json atomically (files.py): the index is the commit. Readers read the index, then each
-segment up to its committed length, so they never see a half-written record, and a writer that crashed before
-its commit left only bytes past the committed length, which the next writer truncates. Ids only grow: a writer
-skips entries at or below the last id committed, and readers skip any id not above the last one they yielded
-(duplicates are skipped by id).
+then replaces index.json atomically (runtime/files.py): the index is the commit. Readers read the index, then
+each segment up to its committed length, so they never see a half-written record, and a writer that crashed
+before its commit left only bytes past the committed length, which the next writer truncates. Ids only grow: a
+writer skips entries at or below the last id committed, and readers skip any id not above the last one they
+yielded (duplicates are skipped by id).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from urllib.parse import quote
 
 from rollstream.bus.ids import parse_id
 from rollstream.bus.segments import SegmentError, encode_record, new_segment, read_records
-from rollstream.files import atomic_write, private_dir
-from rollstream.names import split_key
+from rollstream.keys import split_key
+from rollstream.runtime.files import atomic_write, private_dir
 
 INDEX = "index.json"
 #: Held (flock) by the one writer of a stream at a time.

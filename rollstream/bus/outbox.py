@@ -32,7 +32,7 @@ from typing import Any
 import msgpack
 import redis
 
-from rollstream.names import AGGREGATOR_NOTE_SOURCE, COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
+from rollstream.keys import AGGREGATOR_NOTE_SOURCE, COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from schemas import DecodeError, SyncStepRecord, dead_letter_of, decode, encode
 
 log = logging.getLogger(__name__)

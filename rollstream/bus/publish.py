@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import redis
 
 from rollstream.bus.ids import text
-from rollstream.names import AGGREGATOR_GROUP, TRAINER_GROUP, Keys
+from rollstream.keys import AGGREGATOR_GROUP, TRAINER_GROUP, Keys
 from schemas import Event, encode
 
 

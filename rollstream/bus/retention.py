@@ -37,7 +37,7 @@ from rollstream.bus.connection import CONNECTION_ERRORS
 from rollstream.bus.ids import after, parse_id, text
 from rollstream.bus.publish import run_producers
 from rollstream.bus.streams import PAGE
-from rollstream.names import ARCHIVE_DIR_FIELD, Keys
+from rollstream.keys import ARCHIVE_DIR_FIELD, Keys
 
 if TYPE_CHECKING:
     from rollstream.config import PipelineConfig

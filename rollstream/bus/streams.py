@@ -22,7 +22,7 @@ def run_archive(r: redis.Redis, key: str) -> Archive | None:
     """The archive of the run `key` belongs to, as recorded in the run's `archive` hash by the trainer;
     None when the key is no run's or nothing of the run was ever archived."""
     from rollstream.bus.archive import Archive
-    from rollstream.names import ARCHIVE_DIR_FIELD, split_key
+    from rollstream.keys import ARCHIVE_DIR_FIELD, split_key
 
     split = split_key(key)
     if split is None:

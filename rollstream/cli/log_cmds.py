@@ -98,7 +98,7 @@ def _write_flush(text: str) -> None:
 def cmd_replay_records(args: argparse.Namespace) -> int:
     """`rollstream replay records`: refold a run's metrics log into a new run's records."""
     from rollstream.bus import ArchiveError
-    from rollstream.names import Keys
+    from rollstream.keys import Keys
     from rollstream.ops.log_server import replay_destination
 
     t = log_target(args)
@@ -120,7 +120,7 @@ def cmd_replay_trainer(args: argparse.Namespace) -> int:
     import shlex
 
     from rollstream.bus import ArchiveError
-    from rollstream.names import Keys
+    from rollstream.keys import Keys
     from rollstream.ops.log_server import replay_destination
     from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts, copy_steps, parse_steps
 
@@ -197,7 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from rollstream.bus.connection import PASSWORD_ENV, USERNAME_ENV
     from rollstream.ops.log_server import serve_run
-    from rollstream.worker import REDIS_URL_ENV
+    from rollstream.runtime.process import REDIS_URL_ENV
 
     command = args.command_argv
     with serve_run(target(args), write=args.write) as t:

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rollstream.config.base import Section
-from rollstream.correction_spec import parse_is_threshold, parse_rs_options, parse_rs_thresholds
+from rollstream.rl.correction_spec import parse_is_threshold, parse_rs_options, parse_rs_thresholds
 
 
 class RolloutCorrectionConfig(Section):

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from rollstream.model.logprobs import chunked_logprobs_entropy, logprobs_entropy
 from rollstream.model.tokenizer import Tokenizer
-from rollstream.weights_io import load_bytes_into, module_bytes
+from rollstream.weights.tensors import load_bytes_into, module_bytes
 
 
 @dataclass

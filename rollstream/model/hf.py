@@ -16,9 +16,8 @@ from torch import Tensor, nn
 
 from rollstream.model.base import BasePolicy, resolve_device, shared_prompts
 from rollstream.model.gpt import positions_from_mask
-from rollstream.model.hf_tiny import make_tiny_hf_model
 
-__all__ = ["HFPolicy", "HFTokenizer", "make_tiny_hf_model"]
+__all__ = ["HFPolicy", "HFTokenizer"]
 
 
 class HFTokenizer:

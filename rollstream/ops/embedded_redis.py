@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from rollstream.files import PRIVATE_UMASK, private_dir
+from rollstream.runtime.files import PRIVATE_UMASK, private_dir
 
 #: Longest unix socket path the kernel accepts (sun_path is 108 bytes with the NUL).
 MAX_UNIX_SOCKET_PATH = 100

@@ -30,7 +30,7 @@ import redis
 
 from rollstream.bus import parse_id, text
 from rollstream.bus.ids import count_or_none
-from rollstream.names import (
+from rollstream.keys import (
     COMMITTED_STEP_FIELD,
     GLOBAL_STEP_FIELD,
     HEARTBEAT_FIELD,

@@ -17,8 +17,8 @@ import redis
 from rollstream.bus import iter_stream, text
 from rollstream.bus.streams import PAGE
 from rollstream.config import PipelineConfig
+from rollstream.keys import ROLLOUTS, STATS, Keys
 from rollstream.model import CharTokenizer, Tokenizer
-from rollstream.names import ROLLOUTS, STATS, Keys
 from schemas import DataProto, DeadLetter, DecodeError, RolloutSample, decode
 from schemas.ragged import RaggedBatch
 

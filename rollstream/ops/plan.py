@@ -39,13 +39,13 @@ from pathlib import Path
 
 from rollstream.bus.connection import PASSWORD_FILE_ENV, USERNAME_ENV
 from rollstream.config import PipelineConfig, config_to_yaml
-from rollstream.files import PRIVATE_UMASK, private_dir
-from rollstream.names import Keys
-from rollstream.names import producer_names as _producer_names
+from rollstream.keys import Keys
+from rollstream.keys import producer_names as _producer_names
 from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded
 from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, split_password
+from rollstream.runtime.files import PRIVATE_UMASK, private_dir
+from rollstream.runtime.process import EXIT_CONFIG, REDIS_URL_ENV
 from rollstream.security import ROLES, acl_rules, generate_passwords
-from rollstream.worker import EXIT_CONFIG, REDIS_URL_ENV
 
 #: Seconds supervisord waits after SIGTERM before SIGKILL; longer than any worker's unit of work.
 WORKER_STOPWAIT_S = 60

@@ -9,7 +9,7 @@ from pathlib import Path
 import redis
 
 from rollstream.bus import iter_stream
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from schemas import DecodeError, SyncStepRecord, decode
 
 #: Curves drawn when present, in this order; val/acc falls back to val/reward_mean.

@@ -21,7 +21,7 @@ from supervisor.xmlrpc import SupervisorTransport
 
 from rollstream.bus import setup_run, wait_until_ready
 from rollstream.config import PipelineConfig
-from rollstream.names import Keys, producer_names
+from rollstream.keys import Keys, producer_names
 from rollstream.ops.embedded_redis import wait_for_redis
 from rollstream.ops.plan import (
     PRIVATE_UMASK,
@@ -32,7 +32,7 @@ from rollstream.ops.plan import (
     supervisor_socket,
 )
 from rollstream.ops.run_target import RunTarget
-from rollstream.procfs import is_running
+from rollstream.runtime.procfs import is_running
 
 # --- talking to a running supervisord ----------------------------------------------------------------
 

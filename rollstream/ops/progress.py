@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import redis
 
 from rollstream.bus import iter_stream
-from rollstream.names import Keys
+from rollstream.keys import Keys
 from schemas import DecodeError, SyncStepRecord, decode
 
 VAL_ACC = "val/acc"

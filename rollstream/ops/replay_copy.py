@@ -18,7 +18,7 @@ import redis
 
 from rollstream.bus import group_refs, iter_stream, parse_id, run_producers, setup_run
 from rollstream.bus.ids import split_sample_id
-from rollstream.names import REPLAY_COPY_FIELD, REPLAYED_VERSIONS_FIELD, Keys
+from rollstream.keys import REPLAY_COPY_FIELD, REPLAYED_VERSIONS_FIELD, Keys
 from schemas import decode_fate
 
 BATCH = 500

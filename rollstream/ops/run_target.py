@@ -12,8 +12,8 @@ import redis
 
 from rollstream.bus import connect, read_password
 from rollstream.config import ConfigError, PipelineConfig, load_config
-from rollstream.names import Keys
-from rollstream.worker import REDIS_URL_ENV
+from rollstream.keys import Keys
+from rollstream.runtime.process import REDIS_URL_ENV
 
 #: The resolved config `rollstream run` writes into the run dir (every worker is started with it).
 RESOLVED_CONFIG = "pipeline.resolved.yaml"

@@ -20,7 +20,7 @@ import redis
 
 from rollstream.bus import Archive, ArchiveError, run_archive, run_producers, text
 from rollstream.bus.ids import count_or_none
-from rollstream.names import GLOBAL_STEP_FIELD, TRAINER_GROUP, Keys
+from rollstream.keys import GLOBAL_STEP_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.health import (
     LAG_COUNT_CAP,
     RATE_WINDOW_S,
@@ -35,7 +35,7 @@ from rollstream.ops.health import (
 )
 from rollstream.pacing import current_budget, leases, published_report, rollout_counts
 from rollstream.security import fenced as fenced_producers
-from rollstream.weights import latest_param_version, producer_version_report
+from rollstream.weights.store import latest_param_version, producer_version_report
 from schemas import DecodeError, ProducerStats, SyncStepRecord, decode, decode_fate
 
 #: Most recent entries read for the staleness histogram and the latest stats.

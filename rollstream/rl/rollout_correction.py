@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollstream.correction_spec import IS_LEVELS, parse_is_threshold, parse_rs_options, parse_rs_thresholds
+from rollstream.rl.correction_spec import IS_LEVELS, parse_is_threshold, parse_rs_options, parse_rs_thresholds
 from rollstream.rl.masked import masked_mean, masked_sum
 
 SAFETY_BOUND = 20.0  # log-space clamp: exp(±20) stays finite in fp32

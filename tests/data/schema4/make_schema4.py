@@ -7,9 +7,9 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from rollstream.fakes import FakeTokenizer
 from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import RewardResult
+from rollstream.testing.fakes import FakeTokenizer
 from schemas import encode
 
 out = Path(sys.argv[1])

@@ -2,14 +2,14 @@
 hosts that share no disk with the trainer.
 
 The trainer writes the safetensors file's bytes (header, then each tensor straight from its memory, as
-weights_io.py streams them) into string keys `weights:<v>:<i>` of `bus.weights_chunk_bytes` each,
+tensors.py streams them) into string keys `weights:<v>:<i>` of `bus.weights_chunk_bytes` each,
 hashing on the way, then announces `redis-chunks://<weights:v key>?chunk_bytes=N` on `params`. A producer
 GETs the chunks one at a time into a private temp file on its own disk (its TMPDIR: the run dir's `tmp`
-under supervisord), checking the sha256, and loads that file a tensor at a time (weights_io.py). Extra
+under supervisord), checking the sha256, and loads that file a tensor at a time (tensors.py). Extra
 memory: one chunk on the trainer, about three on a producer (the reply, the client's read buffer, the
 write); measured in BENCHMARKS.md, Weight sync at scale. Redis holds every version not yet garbage-collected:
 the last
-`keep_last` versions and any a producer still uses (`weights.gc_weights`), i.e. about (keep_last + versions
+`keep_last` versions and any a producer still uses (`store.gc_weights`), i.e. about (keep_last + versions
 in use by lagging producers) × the model's size, on top of `bus.redis_max_bytes`; with AOF on, the AOF also
 grows by the model's size per version until Redis rewrites it. The chunk keys fall under the producers'
 existing ACL (`GET` on `weights:*`).

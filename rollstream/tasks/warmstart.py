@@ -11,7 +11,7 @@ per-position partial credit is almost never earned and GRPO groups are mostly al
            the demo's allowed "short supervised warm start that itself ends under 10% exact match".
 
     policy, report = warm_start(cfg, mode="reverse")
-    save_policy(policy, "warm.safetensors")   # rollstream.weights_io; the trainer starts from it with
+    save_policy(policy, "warm.safetensors")   # rollstream.weights.tensors; the trainer starts from it with
                                               # model.init_from=warm.safetensors
 """
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from rollstream.names import Keys
+from rollstream.keys import Keys
 
 if TYPE_CHECKING:
     import redis

@@ -12,8 +12,8 @@ import numpy as np
 import redis
 
 from rollstream.bus import Publisher, parse_id, run_producers, setup_run
+from rollstream.keys import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.model import CharTokenizer
-from rollstream.names import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.pacing import lease_outright, leased_sample_id
 from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import RewardResult

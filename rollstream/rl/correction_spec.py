@@ -1,5 +1,5 @@
 """The option grammar of rollout correction (verl's `rollout_is*`, `rollout_rs*`), torch-free: the config
-validates with it, rollstream/rl/rollout_correction.py applies it."""
+validates with it, rollout_correction.py beside it applies it."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Weight blobs: safetensors bytes under `weights:<version>` (small); above the inline limit a `file://` path
 written atomically, or (`transport="redis"`) chunks `weights:<version>:<i>` in Redis for producers that share
-no disk with the trainer (weights_redis.py); announced by a ParamVersion entry on `params`; loaded with a
+no disk with the trainer (chunks.py); announced by a ParamVersion entry on `params`; loaded with a
 sha256 check; old versions removed once no producer uses them.
 
 A module's weights (`publish_module_weights`, `load_weights_into`) above `bus.weights_inline_max_bytes`
 never exist as one blob in memory: the file or the chunks are written and read a tensor (a chunk) at a
-time (weights_io.py)."""
+time (tensors.py)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import redis
 
 from rollstream.bus import Publisher, iter_stream, run_producers
 from rollstream.bus.ids import IdError, count_or_none, parse_count, text
-from rollstream.files import atomic_write
-from rollstream.names import Keys
-from rollstream.weights_redis import CHUNKS_SCHEME, ChunksError, chunks_uri, read_chunks, write_chunks
+from rollstream.keys import Keys
+from rollstream.runtime.files import atomic_write
+from rollstream.weights.chunks import CHUNKS_SCHEME, ChunksError, chunks_uri, read_chunks, write_chunks
 from schemas import DecodeError, ParamVersion, decode
 
 #: Values of `bus.weights_transport`: where weights above the inline limit go.
@@ -110,7 +110,7 @@ def publish_module_weights(
     """Publish a module's weights: safetensors bytes in Redis when they fit `inline_max_bytes` (or neither
     a file_dir nor the redis transport), else streamed tensor by tensor (no second copy in memory) into a
     file in file_dir, or with `transport="redis"` into chunks of chunk_bytes; then XADD the ParamVersion."""
-    from rollstream.weights_io import module_bytes, module_file_bytes, module_pieces, write_module
+    from rollstream.weights.tensors import module_bytes, module_file_bytes, module_pieces, write_module
 
     chunked = transport == REDIS_TRANSPORT
     if (file_dir is None and not chunked) or module_file_bytes(module) <= inline_max_bytes:
@@ -148,7 +148,7 @@ def _gather_chunks(r: redis.Redis, pv: ParamVersion, folder: Path) -> Path:
 def load_weights_into(r: redis.Redis, pv: ParamVersion, policy: BasePolicy) -> None:
     """Load the weights a ParamVersion names into `policy` after checking their sha256: a file is hashed
     in blocks, then read a tensor at a time into the parameters; an inline blob via load_state_dict_bytes."""
-    from rollstream.weights_io import file_sha256, load_file_into
+    from rollstream.weights.tensors import file_sha256, load_file_into
 
     if pv.uri.startswith(CHUNKS_SCHEME):  # through a private temp file on this host's own disk
         with tempfile.TemporaryDirectory(prefix="rollstream-weights-") as tmp:
@@ -179,7 +179,7 @@ def iter_weight_tensors(r: redis.Redis, pv: ParamVersion) -> Iterator[tuple[str,
     from safetensors import safe_open
     from safetensors.torch import load as st_load
 
-    from rollstream.weights_io import file_sha256
+    from rollstream.weights.tensors import file_sha256
 
     # into a private temp file, opened, then unlinked (the handle reads it)
     if pv.uri.startswith(CHUNKS_SCHEME):

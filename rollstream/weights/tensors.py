@@ -1,6 +1,6 @@
 """Every weights <-> bytes conversion: tied tensors kept once, safetensors bytes in memory, files written and
 read one tensor at a time, and an initial-weights file loaded into a policy. The Redis side (`params`, blobs,
-chunks) is rollstream/weights.py.
+chunks) is store.py.
 
 A tensor shared by several state-dict names (tied weights: an embedding and its output head) is stored once,
 under its first name; loading accepts it under any one of its names (`alias_groups`, `unique_tensors`).
@@ -27,7 +27,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
-from rollstream.files import atomic_file, atomic_write
+from rollstream.runtime.files import atomic_file, atomic_write
 
 
 class HoldsModule(Protocol):
