@@ -1,4 +1,4 @@
-"""`run.redis`: replicas, Sentinels and WAIT acknowledgements; bad values are refused naming field and value."""
+"""`run.redis`: replicas, Sentinels and WAIT acknowledgements; bad values refused naming field and value."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ def test_replicas_wait_for_one_by_default_and_name_the_master_after_the_run() ->
     cfg = load_config(None, ["run.redis.replicas=2", "run.name=r1"])
     assert cfg.run.redis.replicated and cfg.run.redis.acks_needed() == 1
     assert cfg.run.redis.master_of(cfg.run.name) == "rollstream-r1"
-    again = load_config(None, ["run.redis.replicas=2", "run.redis.wait_replicas=2", "run.redis.master_name=m"])
+    again = load_config(
+        None, ["run.redis.replicas=2", "run.redis.wait_replicas=2", "run.redis.master_name=m"]
+    )
     assert again.run.redis.acks_needed() == 2 and again.run.redis.master_of("x") == "m"
     assert "replicas: 2" in config_to_yaml(cfg)
 

@@ -74,7 +74,7 @@ class RedisConfig(Section):
 
     @property
     def replicated(self) -> bool:
-        """True when the run's Redis has replicas behind Sentinel (embedded replicas or external sentinels)."""
+        """True when the run's Redis has replicas behind Sentinel (embedded replicas or external ones)."""
         return bool(self.replicas or self.sentinels)
 
     def acks_needed(self) -> int:

@@ -34,6 +34,7 @@ import os
 import shlex
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,9 +161,12 @@ def _worker_programs(
     return progs
 
 
-def write_acl(run_dir: Path, keys: Keys, producers: list[str]) -> tuple[Path, dict[str, dict[str, str]]]:
+def write_acl(
+    run_dir: Path, keys: Keys, producers: list[str], extra_lines: Sequence[str] = ()
+) -> tuple[Path, dict[str, dict[str, str]]]:
     """Generate (or reuse) the users' passwords (one user per producer) and write redis' ACL file (hashes
-    only, 0600, default user off); returns (ACL file, user -> the env a program of that user gets)."""
+    only, 0600, default user off, then `extra_lines`: a replicated topology's `replication` and `sentinel`
+    users); returns (ACL file, user -> the env a program of that user gets)."""
     secrets_dir = run_dir / SECRETS_DIR
     users = [*ROLES, *producers]
     files = generate_passwords(secrets_dir, users)
@@ -174,6 +178,7 @@ def write_acl(run_dir: Path, keys: Keys, producers: list[str]) -> tuple[Path, di
     for role in users:
         digest = hashlib.sha256(files[role].read_text().strip().encode()).hexdigest()
         lines.append(" ".join(["user", role, "on", f"#{digest}", "resetchannels", *rules[role]]))
+    lines += extra_lines
     acl_file = secrets_dir / ACL_FILE
     fd = os.open(acl_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

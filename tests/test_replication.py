@@ -1,0 +1,210 @@
+"""The embedded replicated Redis (a primary, replicas, 3 Sentinels, each a real redis-server on a free
+port): clients through Sentinel follow a failover after the primary is SIGKILLed and its data removed; WAIT
+gates what counts as acknowledged; a lost primary restarts as a replica instead of wiping its replicas."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from consumers.trainer.ledger import StepLedger, commit_steps
+from rollstream.bus import connect, retry_on_connection, setup_run
+from rollstream.bus.replication import (
+    NotReplicatedError,
+    execute_replicated,
+    parse_sentinel_url,
+    sentinel_url,
+)
+from rollstream.files import private_dir
+from rollstream.names import COMMITTED_STEP_FIELD, Keys
+from rollstream.ops.plan import write_acl
+from rollstream.ops.redis_node import sentinel_master
+from rollstream.ops.redis_topology import (
+    REPLICATION_USER,
+    SENTINEL_USER,
+    EmbeddedTopology,
+    plan_topology,
+    topology_acl_lines,
+)
+from rollstream.security import generate_passwords
+from schemas import StepMetrics
+from tests.conftest import PRODUCERS
+
+
+@dataclass
+class Deployment:
+    """A started topology and the credentials to reach it."""
+
+    emb: EmbeddedTopology
+    admin_password: str
+    sentinel_password: str
+
+    def client(self, wait_replicas: int = 1, wait_timeout_ms: int = 1000) -> redis.Redis:
+        """The admin user's client through Sentinel, as a worker's (WAIT per wait_replicas)."""
+        return connect(
+            self.emb.topo.url, username="admin", password=self.admin_password,
+            sentinel_password=self.sentinel_password, wait_replicas=wait_replicas,
+            wait_timeout_ms=wait_timeout_ms, socket_timeout_s=5.0,
+        )
+
+    def node(self, port: int) -> redis.Redis:
+        """A direct admin client on one data node."""
+        return redis.Redis(port=port, username="admin", password=self.admin_password, socket_timeout=5)
+
+    def sentinel(self, index: int = 0) -> redis.Redis:
+        """A client on one Sentinel."""
+        port = self.emb.topo.sentinels[index].port
+        pw = self.sentinel_password
+        return redis.Redis(port=port, password=pw, socket_timeout=5, decode_responses=True)
+
+
+def start_deployment(tmp_path: Path, replicas: int, keys: Keys) -> Deployment:
+    """Plan and start a topology with the run's ACL users on every node (Sentinel: down after 500 ms)."""
+    run_dir = private_dir(tmp_path / "run")
+    secrets = run_dir / "secrets"
+    files = generate_passwords(secrets, [REPLICATION_USER, SENTINEL_USER, "sentinels"])
+    pw = {u: p.read_text().strip() for u, p in files.items()}
+    acl_file, _ = write_acl(run_dir, keys, list(PRODUCERS), extra_lines=topology_acl_lines(pw))
+    topo = plan_topology(
+        run_dir, replicas, f"rollstream-{keys.run}", secrets, acl_file=acl_file, passwords=pw,
+        appendfsync="always", down_after_ms=500, failover_timeout_ms=2000,
+    )
+    emb = EmbeddedTopology(topo, run_dir)
+    emb.start()
+    dep = Deployment(emb, (secrets / "admin.password").read_text().strip(), pw["sentinels"])
+    wait_known(dep, replicas)
+    return dep
+
+
+def wait_known(dep: Deployment, replicas: int, timeout_s: float = 40.0) -> None:
+    """Until every Sentinel knows every replica (in sync) and the other Sentinels: a failover can happen."""
+    name = dep.emb.topo.master_name
+    deadline = time.monotonic() + timeout_s
+    for i in range(len(dep.emb.topo.sentinels)):
+        s = dep.sentinel(i)
+        while True:
+            known = s.execute_command("SENTINEL", "REPLICAS", name)
+            ok = [r for r in known if "s_down" not in r["flags"] and r["master-link-status"] == "ok"]
+            others = s.execute_command("SENTINEL", "SENTINELS", name)
+            if len(ok) >= replicas and len(others) >= 2:
+                break
+            assert time.monotonic() < deadline, f"sentinel {i} knows {known} / {others}"
+            time.sleep(0.2)
+        s.close()
+
+
+@pytest.fixture
+def run_keys() -> Keys:
+    """Key names of a test run (the deployment is the test's own, removed with tmp_path)."""
+    return Keys("repl")
+
+
+@pytest.fixture
+def two_replicas(tmp_path: Path, run_keys: Keys) -> Iterator[Deployment]:
+    """A primary, 2 replicas and 3 Sentinels; stopped afterwards."""
+    dep = start_deployment(tmp_path, 2, run_keys)
+    yield dep
+    dep.emb.stop()
+
+
+@pytest.fixture
+def one_replica(tmp_path: Path, run_keys: Keys) -> Iterator[Deployment]:
+    """A primary, 1 replica and 3 Sentinels; stopped afterwards."""
+    dep = start_deployment(tmp_path, 1, run_keys)
+    yield dep
+    dep.emb.stop()
+
+
+def test_sentinel_url_round_trips() -> None:
+    url = sentinel_url(["127.0.0.1:26379", "h2:26380"], "m1", db=2)
+    assert parse_sentinel_url(url) == ([("127.0.0.1", 26379), ("h2", 26380)], "m1", 2)
+    for bad in ["redis://h:1/0", "redis+sentinel://h/m", "redis+sentinel://h:1/", "redis+sentinel://h:1/m?db=x"]:
+        with pytest.raises(ValueError, match="redis"):
+            parse_sentinel_url(bad)
+
+
+def _write(r: redis.Redis, stream: str, i: int) -> None:
+    """One acknowledged write: XADD with an explicit id (a repeat is refused: idempotent) under WAIT."""
+    pipe = r.pipeline(transaction=True)
+    pipe.xadd(stream, {"i": i}, id=f"{i}-1")
+    res = execute_replicated(pipe, f"write {i}", raise_on_error=False)
+    if isinstance(res[0], redis.ResponseError) and "equal or smaller" not in str(res[0]):
+        raise res[0]
+
+
+def test_failover_after_the_primary_and_its_data_are_lost(two_replicas: Deployment) -> None:
+    """SIGKILL the primary and remove its data: Sentinel promotes a replica, the same client keeps writing to
+    it, every write acknowledged before the kill is there, and the lost node comes back as a replica."""
+    dep, topo = two_replicas, two_replicas.emb.topo
+    r = dep.client()
+    stream = "rs:{repl}:acked"
+    acked = []
+    for i in range(1, 51):
+        _write(r, stream, i)
+        acked.append(i)
+    old = topo.nodes[0]
+    assert sentinel_master(topo.url, dep.sentinel_password) == old.address
+    t_kill = time.monotonic()
+    dep.emb.kill(old.name)
+    shutil.rmtree(old.data_dir)
+    i = acked[-1] + 1
+    retry_on_connection(lambda: _write(r, stream, i), "write after kill", timeout_s=60)
+    t_first = time.monotonic() - t_kill
+    acked.append(i)
+    for j in range(i + 1, i + 20):
+        retry_on_connection(lambda j=j: _write(r, stream, j), "write", timeout_s=30)  # type: ignore[misc]
+        acked.append(j)
+    new = sentinel_master(topo.url, dep.sentinel_password)
+    assert new is not None and new != old.address
+    ids = [int(e[0].split(b"-")[0]) for e in r.xrange(stream)]
+    assert ids == acked, "an acknowledged write is missing on the new primary"
+    print(f"kill -> first write acknowledged on the new primary: {t_first:.2f} s")
+    assert t_first < 30
+    # the lost node restarts without data: it waits for Sentinel's new primary and replicates it
+    dep.emb.start_process(old)
+    back = dep.node(old.port)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            role = back.execute_command("ROLE")
+            if role[0] == b"slave" and role[3] == b"connected" and back.xlen(stream) == len(acked):
+                break
+        except redis.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, "the lost node did not come back as a replica with the data"
+        time.sleep(0.2)
+    assert f"127.0.0.1:{role[2]}" == new
+    r.close()
+
+
+def test_a_commit_without_a_replica_is_not_acknowledged(one_replica: Deployment, run_keys: Keys) -> None:
+    """With the replica killed, the trainer's commit fails WAIT (NotReplicatedError, a connection error its
+    retry repeats); once the replica is back the repeated commit is acknowledged, once."""
+    dep = one_replica
+    r = dep.client(wait_replicas=1, wait_timeout_ms=200)
+    setup_run(r, run_keys, list(PRODUCERS))
+    replica = dep.emb.topo.nodes[1]
+    dep.emb.kill(replica.name)
+    end = StepMetrics(type="step_end", global_step=1, local_step=1, sample_count=0, num_local_updates=1)
+    ledger = StepLedger(1, step_end=end)
+    with pytest.raises(NotReplicatedError, match="0 of 1 replicas acknowledged"):
+        commit_steps(r, run_keys, [ledger], param_version=1)
+    assert isinstance(NotReplicatedError("x"), redis.ConnectionError)
+    dep.emb.start_process(replica)
+    retry_on_connection(lambda: commit_steps(r, run_keys, [ledger], param_version=1), "commit", timeout_s=30)
+    assert r.hget(run_keys.trainer, COMMITTED_STEP_FIELD) == b"1"
+    ends = [f for _, f in r.xrange(run_keys.metrics) if f[b"type"] == b"step_end"]
+    assert len(ends) == 1
+    # without acknowledgements asked for, the same write goes through with the replica gone
+    dep.emb.kill(replica.name)
+    plain = dep.client(wait_replicas=0)
+    commit_steps(plain, run_keys, [StepLedger(2, step_end=end.model_copy(update={"global_step": 2}))], 2)
+    assert plain.hget(run_keys.trainer, COMMITTED_STEP_FIELD) == b"2"
+    r.close()
+    plain.close()
