@@ -21,20 +21,24 @@ from rollstream.bus.replication import (
     parse_sentinel_url,
     sentinel_url,
 )
+from rollstream.config import load_config
 from rollstream.files import private_dir
 from rollstream.names import COMMITTED_STEP_FIELD, Keys
-from rollstream.ops.plan import write_acl
+from rollstream.ops.plan import plan_run, write_acl
 from rollstream.ops.redis_node import sentinel_master
 from rollstream.ops.redis_topology import (
     REPLICATION_USER,
     SENTINEL_USER,
+    SENTINELS_USER,
     EmbeddedTopology,
     plan_topology,
     topology_acl_lines,
 )
+from rollstream.ops.replication_status import add_sentinel_view, format_replication, read_replication
 from rollstream.security import generate_passwords
 from schemas import StepMetrics
 from tests.conftest import PRODUCERS
+from tests.test_ops_supervise import private_violations, sections
 
 
 @dataclass
@@ -45,10 +49,11 @@ class Deployment:
     admin_password: str
     sentinel_password: str
 
-    def client(self, wait_replicas: int = 1, wait_timeout_ms: int = 1000) -> redis.Redis:
-        """The admin user's client through Sentinel, as a worker's (WAIT per wait_replicas)."""
+    def client(self, wait_replicas: int = 1, wait_timeout_ms: int = 1000, user: str = "admin") -> redis.Redis:
+        """A user's client through Sentinel, as a worker's (WAIT per wait_replicas)."""
+        password = (self.emb.run_dir / "secrets" / f"{user}.password").read_text().strip()
         return connect(
-            self.emb.topo.url, username="admin", password=self.admin_password,
+            self.emb.topo.url, username=user, password=password,
             sentinel_password=self.sentinel_password, wait_replicas=wait_replicas,
             wait_timeout_ms=wait_timeout_ms, socket_timeout_s=5.0,
         )
@@ -68,7 +73,7 @@ def start_deployment(tmp_path: Path, replicas: int, keys: Keys) -> Deployment:
     """Plan and start a topology with the run's ACL users on every node (Sentinel: down after 500 ms)."""
     run_dir = private_dir(tmp_path / "run")
     secrets = run_dir / "secrets"
-    files = generate_passwords(secrets, [REPLICATION_USER, SENTINEL_USER, "sentinels"])
+    files = generate_passwords(secrets, [REPLICATION_USER, SENTINEL_USER, SENTINELS_USER])
     pw = {u: p.read_text().strip() for u, p in files.items()}
     acl_file, _ = write_acl(run_dir, keys, list(PRODUCERS), extra_lines=topology_acl_lines(pw))
     topo = plan_topology(
@@ -77,7 +82,7 @@ def start_deployment(tmp_path: Path, replicas: int, keys: Keys) -> Deployment:
     )
     emb = EmbeddedTopology(topo, run_dir)
     emb.start()
-    dep = Deployment(emb, (secrets / "admin.password").read_text().strip(), pw["sentinels"])
+    dep = Deployment(emb, (secrets / "admin.password").read_text().strip(), pw[SENTINELS_USER])
     wait_known(dep, replicas)
     return dep
 
@@ -184,13 +189,31 @@ def test_failover_after_the_primary_and_its_data_are_lost(two_replicas: Deployme
 
 
 def test_a_commit_without_a_replica_is_not_acknowledged(one_replica: Deployment, run_keys: Keys) -> None:
-    """With the replica killed, the trainer's commit fails WAIT (NotReplicatedError, a connection error its
-    retry repeats); once the replica is back the repeated commit is acknowledged, once."""
+    """With the replica killed, the trainer's commit and a producer's publish fail WAIT (NotReplicatedError,
+    a connection error their retries repeat), each under its own ACL user; once the replica is back the
+    repeated commit is acknowledged, once."""
     dep = one_replica
-    r = dep.client(wait_replicas=1, wait_timeout_ms=200)
+    r = dep.client(wait_replicas=1, wait_timeout_ms=200, user="trainer")
     setup_run(r, run_keys, list(PRODUCERS))
+    producer = dep.client(wait_replicas=1, wait_timeout_ms=200, user=PRODUCERS[0])
+    pipe = producer.pipeline(transaction=True)
+    pipe.xadd(run_keys.rollouts_of(PRODUCERS[0]), {"x": 1})
+    assert len(execute_replicated(pipe, "publish")) == 1  # the replica is up: acknowledged
     replica = dep.emb.topo.nodes[1]
+    # the status lines: the primary, its replica in sync, Sentinel's view agreeing
+    st = read_replication(r)
+    add_sentinel_view(st, dep.emb.topo.url, dep.sentinel_password)
+    assert st.primary == dep.emb.topo.nodes[0].address and st.role == "master"
+    assert [rep.address for rep in st.replicas] == [replica.address] and st.problems(10.0) == []
+    assert st.sentinel_primary == st.primary and st.failovers == 0 and st.sentinels_seen == 3
+    assert "in sync" in "\n".join(format_replication(st, 10.0))
     dep.emb.kill(replica.name)
+    st = read_replication(r)
+    assert st.problems(10.0) == ["no replica in sync (acknowledged within 10s): writes are not acknowledged"]
+    pipe.xadd(run_keys.rollouts_of(PRODUCERS[0]), {"x": 2})
+    with pytest.raises(NotReplicatedError, match="publish: 0 of 1 replicas acknowledged"):
+        execute_replicated(pipe, "publish")
+    producer.close()
     end = StepMetrics(type="step_end", global_step=1, local_step=1, sample_count=0, num_local_updates=1)
     ledger = StepLedger(1, step_end=end)
     with pytest.raises(NotReplicatedError, match="0 of 1 replicas acknowledged"):
@@ -203,8 +226,43 @@ def test_a_commit_without_a_replica_is_not_acknowledged(one_replica: Deployment,
     assert len(ends) == 1
     # without acknowledgements asked for, the same write goes through with the replica gone
     dep.emb.kill(replica.name)
-    plain = dep.client(wait_replicas=0)
+    plain = dep.client(wait_replicas=0, user="trainer")
     commit_steps(plain, run_keys, [StepLedger(2, step_end=end.model_copy(update={"global_step": 2}))], 2)
     assert plain.hget(run_keys.trainer, COMMITTED_STEP_FIELD) == b"2"
     r.close()
     plain.close()
+
+
+def test_conf_for_replicated_redis_starts_nodes_then_sentinels_with_no_password_on_a_command_line(
+    tmp_path: Path,
+) -> None:
+    cfg = load_config("pipeline.yaml", [f"run.dir={tmp_path}", "run.name=rep", "run.redis.replicas=2"])
+    plan = plan_run(cfg)
+    conf = sections(plan.conf_path.read_text())
+    nodes, sentinels = ["redis", "redis_1", "redis_2"], ["sentinel_0", "sentinel_1", "sentinel_2"]
+    assert plan.workers == ["aggregator", "trainer", "rollout_00", "rollout_01"]
+    assert plan.redis_url.startswith("redis+sentinel://127.0.0.1:")
+    assert plan.redis_url.endswith("/rollstream-rep?db=0")
+    for name in nodes:
+        cmd = conf[f"program:{name}"]["command"]
+        assert conf[f"program:{name}"]["priority"] == "1" and conf[f"program:{name}"]["autostart"] == "true"
+        assert "--appendonly yes --appendfsync always" in cmd and "--aclfile" in cmd
+        assert ("--replicaof" in cmd) == (name != "redis")
+    for name in sentinels:
+        prog = conf[f"program:{name}"]
+        assert prog["priority"] == "2" and "--sentinel" in prog["command"]
+    env = conf["program:trainer"]["environment"]
+    assert f'ROLLSTREAM_REDIS_URL="{plan.redis_url}"' in env and "ROLLSTREAM_SENTINEL_PASSWORD_FILE" in env
+    secrets = tmp_path / "rep" / "secrets"
+    acl = (secrets / "users.acl").read_text()
+    assert "user replication on #" in acl and "user sentinel on #" in acl and "+psync" in acl
+    text = plan.conf_path.read_text()
+    for pw in secrets.glob("*.password"):
+        assert pw.read_text().strip() not in text, f"{pw.name}'s password is on a command line"
+    assert "masterauth" in (secrets / "redis-1.conf").read_text()
+    assert (secrets / "redis-1.conf").stat().st_mode & 0o777 == 0o600
+    assert private_violations(tmp_path / "rep") == []
+    # the single server is planned as before: no Sentinel, no node launcher
+    single = plan_run(load_config("pipeline.yaml", [f"run.dir={tmp_path}", "run.name=one"]))
+    assert [p.name for p in single.programs][0] == "redis" and "sentinel" not in single.conf_path.read_text()
+    assert "rollstream.ops.redis_node" not in single.conf_path.read_text()

@@ -46,6 +46,9 @@ class RedisConfig(Section):
     wait_timeout_ms: int = Field(
         1000, ge=1, description="How long a publish or commit waits for its WAIT before it is retried"
     )
+    replica_lag_bound_s: float = Field(
+        10.0, gt=0, description="`status --check` fails when no replica acknowledged within this long"
+    )
 
     @field_validator("sentinels")
     @classmethod

@@ -20,6 +20,7 @@ from typing import Any
 from supervisor.xmlrpc import SupervisorTransport
 
 from rollstream.bus import setup_run, wait_until_ready
+from rollstream.bus.replication import is_sentinel_url
 from rollstream.config import PipelineConfig
 from rollstream.names import Keys, producer_names
 from rollstream.ops.embedded_redis import wait_for_redis
@@ -104,7 +105,9 @@ def start_supervisord(plan: RunPlan, foreground: bool = False) -> subprocess.Pop
 def start_run(plan: RunPlan, cfg: PipelineConfig, redis_timeout_s: float = 60.0) -> None:
     """With supervisord up: wait for Redis, set the run up (streams + groups), start the workers in order."""
     target = RunTarget(cfg=cfg, keys=Keys(cfg.run.name), run_dir=plan.run_dir, redis_url=plan.redis_url)
-    if any(p.name == "redis" for p in plan.programs) and not target.uses_acl():
+    if any(p.name == "redis" for p in plan.programs) and not target.uses_acl() and not is_sentinel_url(
+        plan.redis_url
+    ):
         wait_for_redis(plan.redis_url, redis_timeout_s)  # with ACLs on, wait_until_ready below (as admin)
     r = target.connect()
     try:
@@ -253,7 +256,8 @@ def stop_run(run_dir: Path, timeout_s: float = WORKER_STOPWAIT_S + 30) -> ExitRe
         sorted(n for n in infos if n.startswith("rollout_")),
         ["trainer"],
         ["aggregator"],
-        ["redis"],
+        sorted(n for n in infos if n.startswith("sentinel_")),  # before the nodes: no failover on the way out
+        ["redis", *sorted(n for n in infos if n.startswith("redis_"))],
     ]
     for names in order:
         present = [n for n in names if n in infos]

@@ -38,8 +38,9 @@ SENTINEL_RULES = [
     "allchannels", "+multi", "+slaveof", "+replicaof", "+ping", "+exec", "+subscribe", "+config|rewrite",
     "+role", "+publish", "+info", "+client|setname", "+client|kill", "+script|kill",
 ]
-#: Password of the Sentinels themselves (clients and Sentinels log in with it), in the secrets dir.
-SENTINEL_PASSWORD_FILE = "sentinels.password"
+#: Name of the Sentinels' own password (clients and Sentinels log in with it) and its file in secrets.
+SENTINELS_USER = "sentinels"
+SENTINEL_PASSWORD_FILE = f"{SENTINELS_USER}.password"
 #: How many Sentinels the embedded mode starts.
 SENTINELS = 3
 #: Marker in the run dir: the topology has started once (from then on a node without data is a lost one).
@@ -149,7 +150,7 @@ def plan_topology(
         port = ports[replicas + 1 + j]
         folder = private_dir(run_dir / f"sentinel-{j}")
         conf = folder / "sentinel.conf"
-        pw = passwords["sentinels"]
+        pw = passwords[SENTINELS_USER]
         text = "\n".join([
             f"port {port}", "bind 127.0.0.1", f"dir {folder}", f'requirepass "{pw}"',
             f'sentinel sentinel-pass "{pw}"',
