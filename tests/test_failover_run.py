@@ -12,6 +12,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from consumers.aggregator.replay import replay_records
 from rollstream.audit import audit_run, format_report
 from rollstream.bus import iter_stream, retry_on_connection
@@ -101,3 +103,44 @@ def test_a_run_survives_three_losses_of_the_primary(tmp_path: Path) -> None:
     finally:
         stopped = rollstream("stop", *args, timeout_s=200)
     assert stopped.returncode in (0, 1), stopped.stdout + stopped.stderr
+
+
+@pytest.mark.slow
+def test_a_replicated_run_stops_reads_stopped_and_restarts_after_a_failover(tmp_path: Path) -> None:
+    """After a failover (the primary and its data lost), `rollstream stop` stops every node and Sentinel
+    with exit 0, the stopped run's log audits clean from its files, and `rollstream run` starts the run
+    again on the same folders: it trains on, and the live audit is clean. ~65 s here: slow."""
+    args = ["pipeline.yaml", *TINY, *SENTINEL_FAST, f"run.dir={tmp_path}", "run.name=rr"]
+    run_dir = tmp_path / "rr"
+    try:
+        started = rollstream("run", *args, "--wait-records", "2", "--wait-timeout", "150", timeout_s=200)
+        assert started.returncode == 0, started.stdout + started.stderr
+        target = open_run(None, run_dir=str(run_dir))
+        sentinel_pw = (run_dir / SECRETS_DIR / SENTINEL_PASSWORD_FILE).read_text().strip()
+        primary = sentinel_master(target.redis_url, sentinel_pw)
+        assert primary is not None
+        name, data_dir = _node_of(run_dir, primary)
+        pid = _running_pid(run_dir, name)
+        data_dir.rename(data_dir.with_name("lost"))
+        os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(data_dir.with_name("lost"))
+        _wait_records(target, _records(target) + 2, timeout_s=120)
+    finally:
+        stopped = rollstream("stop", *args, timeout_s=200)
+    programs = ("trainer", "aggregator", "sentinel_0", "sentinel_1", "sentinel_2", "redis", "redis_1",
+                "redis_2")
+    for prog in programs:
+        assert f"{prog:<12} exit 0" in stopped.stdout, stopped.stdout
+    audit = rollstream("audit", "--run-dir", str(run_dir), timeout_s=120)
+    assert audit.returncode == 0 and "problems: none" in audit.stdout, audit.stdout + audit.stderr
+    steps_before = int(audit.stdout.split("global steps ended ")[1].split()[0])
+    try:
+        again = rollstream("run", *args, "--wait-records", "2", "--wait-timeout", "150", timeout_s=200)
+        assert again.returncode == 0, again.stdout + again.stderr
+        target = open_run(None, run_dir=str(run_dir))
+        _wait_records(target, steps_before + 2, timeout_s=120)
+        audit = rollstream("audit", "--run-dir", str(run_dir), timeout_s=120)
+        assert audit.returncode == 0 and "problems: none" in audit.stdout, audit.stdout + audit.stderr
+    finally:
+        stopped = rollstream("stop", *args, timeout_s=200)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
