@@ -200,6 +200,18 @@ def test_a_commit_without_a_replica_is_not_acknowledged(one_replica: Deployment,
     pipe.xadd(run_keys.rollouts_of(PRODUCERS[0]), {"x": 1})
     assert len(execute_replicated(pipe, "publish")) == 1  # the replica is up: acknowledged
     replica = dep.emb.topo.nodes[1]
+    # a barrier: one connection's acknowledged write covers what another wrote before it (the trainer's
+    # confirm_replicated relies on it); read back on the replica itself
+    other = dep.client(wait_replicas=0, user="trainer")
+    burst = other.pipeline(transaction=False)
+    for i in range(300):
+        burst.hset(run_keys.trainer, f"f{i}", i)
+    burst.execute()
+    barrier = r.pipeline(transaction=True)
+    barrier.hset(run_keys.trainer, "heartbeat", 1)
+    execute_replicated(barrier, "barrier")
+    assert dep.node(replica.port).hlen(run_keys.trainer) >= 301
+    other.close()
     # the status lines: the primary, its replica in sync, Sentinel's view agreeing
     st = read_replication(r)
     add_sentinel_view(st, dep.emb.topo.url, dep.sentinel_password)
