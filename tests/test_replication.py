@@ -31,8 +31,10 @@ from rollstream.ops.redis_topology import (
     SENTINEL_USER,
     SENTINELS_USER,
     EmbeddedTopology,
+    failover_ready,
     plan_topology,
     topology_acl_lines,
+    wait_failover_ready,
 )
 from rollstream.ops.replication_status import add_sentinel_view, format_replication, read_replication
 from rollstream.security import generate_passwords
@@ -89,19 +91,8 @@ def start_deployment(tmp_path: Path, replicas: int, keys: Keys) -> Deployment:
 
 def wait_known(dep: Deployment, replicas: int, timeout_s: float = 40.0) -> None:
     """Until every Sentinel knows every replica (in sync) and the other Sentinels: a failover can happen."""
-    name = dep.emb.topo.master_name
-    deadline = time.monotonic() + timeout_s
-    for i in range(len(dep.emb.topo.sentinels)):
-        s = dep.sentinel(i)
-        while True:
-            known = s.execute_command("SENTINEL", "REPLICAS", name)
-            ok = [r for r in known if "s_down" not in r["flags"] and r["master-link-status"] == "ok"]
-            others = s.execute_command("SENTINEL", "SENTINELS", name)
-            if len(ok) >= replicas and len(others) >= 2:
-                break
-            assert time.monotonic() < deadline, f"sentinel {i} knows {known} / {others}"
-            time.sleep(0.2)
-        s.close()
+    wait_failover_ready(dep.emb.topo.url, dep.sentinel_password, replicas, timeout_s)
+    assert failover_ready(dep.emb.topo.url, dep.sentinel_password, replicas) is None
 
 
 @pytest.fixture
@@ -165,12 +156,17 @@ def test_failover_after_the_primary_and_its_data_are_lost(two_replicas: Deployme
     for j in range(i + 1, i + 20):
         retry_on_connection(lambda j=j: _write(r, stream, j), "write", timeout_s=30)  # type: ignore[misc]
         acked.append(j)
-    new = sentinel_master(topo.url, dep.sentinel_password)
-    assert new is not None and new != old.address
+    deadline = time.monotonic() + 30
+    while (new := sentinel_master(topo.url, dep.sentinel_password)) is None:  # agreed on by the Sentinels
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert new != old.address
     ids = [int(e[0].split(b"-")[0]) for e in r.xrange(stream)]
     assert ids == acked, "an acknowledged write is missing on the new primary"
     print(f"kill -> first write acknowledged on the new primary: {t_first:.2f} s")
     assert t_first < 30
+    # Sentinel has not yet seen the replica set as healthy again (the old primary is down): not ready
+    assert failover_ready(topo.url, dep.sentinel_password, 2) is not None
     # the lost node restarts without data: it waits for Sentinel's new primary and replicates it
     dep.emb.start_process(old)
     back = dep.node(old.port)

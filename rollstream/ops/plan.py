@@ -46,6 +46,7 @@ from rollstream.names import Keys
 from rollstream.names import producer_names as _producer_names
 from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded
 from rollstream.ops.redis_topology import (
+    PRIMARY_DATA_FILE,
     REPLICATION_USER,
     SENTINEL_PASSWORD_FILE,
     SENTINEL_USER,
@@ -254,6 +255,7 @@ def plan_run(cfg: PipelineConfig, run_dir: Path | None = None) -> RunPlan:
     env = {"PYTHONUNBUFFERED": "1", "TMPDIR": str(private_dir(run_dir / RUN_TMP_DIR))}
     programs: list[Program] = []
     role_env: dict[str, dict[str, str]] = {}
+    (run_dir / PRIMARY_DATA_FILE).unlink(missing_ok=True)  # `rollstream stop` records it again
     if cfg.run.redis_url is None and cfg.run.redis.replicas:
         url, servers, role_env = _replicated_programs(cfg, run_dir)
         programs += servers

@@ -8,10 +8,10 @@ CONFIG REWRITE (Sentinel's, after a failover) writes the node's new role there. 
 nodes as the `sentinel` ACL user, require a password of their own (`<run_dir>/secrets/sentinel.password`;
 clients pass it, and Sentinels among themselves), and keep their state in `<run_dir>/sentinel-<i>/`.
 
-A data node starts through `python -m rollstream.ops.redis_node` (ops/redis_node.py): a node meant to start as
-the primary whose data is gone (its disk lost) after the topology first started does not come up empty as the
-primary (its replicas would copy the empty set); it waits until the Sentinels name another primary and starts
-as its replica."""
+A data node starts through `python -m rollstream.ops.redis_node` (ops/redis_node.py): after its first start
+it takes the role the Sentinels agree on, not the plan's (a promoted replica restarted stays the primary), and
+a node they name the primary whose data is gone (its disk lost) does not come up empty as the primary (its
+replicas would copy the empty set): it waits for the failover and starts as the new primary's replica."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
-from rollstream.bus.replication import sentinel_url
+from rollstream.bus.replication import parse_sentinel_url, sentinel_url
 from rollstream.files import PRIVATE_UMASK, private_dir
 from rollstream.ops.embedded_redis import free_port, redis_server_binary
 
@@ -43,8 +44,12 @@ SENTINELS_USER = "sentinels"
 SENTINEL_PASSWORD_FILE = f"{SENTINELS_USER}.password"
 #: How many Sentinels the embedded mode starts.
 SENTINELS = 3
-#: Marker in the run dir: the topology has started once (from then on a node without data is a lost one).
-STARTED_MARKER = "redis.started"
+#: Marker in the run dir, one per data node (`redis-<i>.started`): the node has started once; from then on it
+#: follows the Sentinels rather than the plan (ops/redis_node.py).
+STARTED_MARKER = "redis-{index}.started"
+#: File in the run dir naming the data folder of the node that was the primary when the run was stopped
+#: (the stopped run's log is served from its AOF).
+PRIMARY_DATA_FILE = "redis.primary"
 
 
 @dataclass
@@ -80,6 +85,14 @@ def node_data_dir(run_dir: Path, index: int) -> Path:
 def node_name(index: int) -> str:
     """supervisord program name of data node `index` (0 keeps the single server's name `redis`)."""
     return "redis" if index == 0 else f"redis_{index}"
+
+
+def data_dir_of(supervisord_conf: str, address: str) -> Path | None:
+    """The data folder of the node at host:port, read from its program's command in supervisord.conf."""
+    for line in supervisord_conf.splitlines():
+        if line.startswith("command=") and f"--self {address} " in line and "--data-dir " in line:
+            return Path(line.split("--data-dir ", 1)[1].split(" ", 1)[0])
+    return None
 
 
 def has_data(data_dir: Path) -> bool:
@@ -142,7 +155,7 @@ def plan_topology(
             argv += ["--replicaof", "127.0.0.1", str(nodes[0].port)]
         node.argv = [
             sys.executable, "-m", "rollstream.ops.redis_node", "--url", url, "--self", node.address,
-            "--data-dir", str(node.data_dir), "--marker", str(run_dir / STARTED_MARKER),
+            "--data-dir", str(node.data_dir), "--marker", str(run_dir / STARTED_MARKER.format(index=i)),
             "--sentinel-password-file", str(secrets_dir / SENTINEL_PASSWORD_FILE), "--", *argv,
         ]
     sentinels = []
@@ -175,6 +188,38 @@ def topology_acl_lines(passwords: dict[str, str]) -> list[str]:
         digest = hashlib.sha256(passwords[user].encode()).hexdigest()
         lines.append(" ".join(["user", user, "on", f"#{digest}", "resetchannels", *rules]))
     return lines
+
+
+def failover_ready(url: str, password: str | None, replicas: int) -> str | None:
+    """None when every Sentinel of `url` knows `replicas` replicas with a working link and the other
+    Sentinels (a failover can happen); else what is missing, in words."""
+    hosts, master, _ = parse_sentinel_url(url)
+    for host, port in hosts:
+        s = redis.Redis(host, port, password=password, socket_timeout=2, socket_connect_timeout=1,
+                        decode_responses=True)
+        try:
+            known: Any = s.execute_command("SENTINEL", "REPLICAS", master)
+            others: Any = s.execute_command("SENTINEL", "SENTINELS", master)
+        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as e:
+            return f"Sentinel {host}:{port}: {e}"
+        finally:
+            s.close()
+        ok = [r for r in known if "s_down" not in r["flags"] and r["master-link-status"] == "ok"]
+        if len(ok) < replicas or len(others) < len(hosts) - 1:
+            return (f"Sentinel {host}:{port} knows {len(ok)} of {replicas} replicas in sync and "
+                    f"{len(others)} of {len(hosts) - 1} other Sentinels")
+    return None
+
+
+def wait_failover_ready(url: str, password: str | None, replicas: int, timeout_s: float = 60.0) -> None:
+    """Wait until a failover can happen (`failover_ready`): Sentinel learns replicas from the primary's
+    INFO every 10 s, so for up to ~10 s after a start it could not promote one; RuntimeError naming what is
+    missing after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while (missing := failover_ready(url, password, replicas)) is not None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no failover possible after {timeout_s:.0f}s: {missing}")
+        time.sleep(0.2)
 
 
 class EmbeddedTopology:
