@@ -45,6 +45,10 @@ def test_external_sentinels_parse() -> None:
         (["run.redis.down_after_ms=10"], "run.redis.down_after_ms=10"),
         (["run.redis.master_name=a b"], "run.redis.master_name='a b'"),
         (["run.redis.replica=1"], "replica"),
+        (
+            ["run.redis.replicas=1", "run.redis.wait_timeout_ms=20000"],
+            "run.redis.wait_timeout_ms=20000 must be below bus.socket_timeout_s",
+        ),
     ],
 )
 def test_bad_values_are_named(overrides: list[str], needle: str) -> None:
