@@ -50,6 +50,7 @@ from producers.stats import Counters, StatsWindow, rollout_status
 from producers.watchdog import GenerationHung, GenerationWatchdog, exit_hung
 from producers.weight_sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
+from rollstream.bus.replication import execute_and_wait, require_acks
 from rollstream.config import PipelineConfig
 from rollstream.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
 from rollstream.from_config import build_policy, build_prompt_source, build_task
@@ -492,7 +493,7 @@ class Producer:
         mark_published(pipe, keys, self.name, len(samples))
         epoch, index = after if after is not None else self.source.cursor
         pipe.set(keys.producer_cursor(self.name), encode_cursor(epoch, index))
-        res = pipe.execute(raise_on_error=False)
+        res, acked = execute_and_wait(pipe, raise_on_error=False)
         refused = [x for x in res[: len(samples)] if x is None or isinstance(x, Exception)]
         if refused:
             undo = self.ctx.r.pipeline(transaction=True)
@@ -507,6 +508,9 @@ class Producer:
                 f"XADD to {keys.rollouts_of(self.name)} refused ({refused[0]}); cursor and published count "
                 "kept"
             )
+        # too few replicas acknowledged: a ConnectionError, so the loop's reconnect reloads the cursor and
+        # published count from the primary (a failover that lost the write re-dispatches the same seqs)
+        require_acks(self.ctx.r.connection_pool, acked, f"publish of {len(samples)} samples")
         self.counters.published += len(samples)
 
     # ---- statistics -------------------------------------------------------------------------------

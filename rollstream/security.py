@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 #: Users other than the producers (one user per producer, named after it).
 ROLES = ("trainer", "aggregator", "admin")
 
-# Connection-level commands every user needs.
-_BASE = ["+ping", "+hello", "+auth", "+client|setname", "+client|id", "+select", "+info", "+quit"]
+# Connection-level commands every user needs (WAIT: a write counts once replicas acknowledged it; it only
+# blocks the caller).
+_BASE = ["+ping", "+hello", "+auth", "+client|setname", "+client|id", "+select", "+info", "+quit", "+wait"]
 
 
 def producer_rules(keys: Keys, producer: str) -> list[str]:

@@ -48,6 +48,7 @@ from rollstream.bus import (
     retry_on_connection,
 )
 from rollstream.bus.outbox import OutboxDrain, pack_item, pending_records
+from rollstream.bus.replication import execute_and_wait, require_acks
 from rollstream.config import PipelineConfig
 from rollstream.keys import AGGREGATOR_GROUP, AGGREGATOR_NOTE_SOURCE, Keys, producer_names
 from schemas import ProducerStats, StepMetrics, ValidateMetrics, dead_letter_of, encode
@@ -199,7 +200,9 @@ class AggregatorWorker:
             (self.keys.stats_of(producer), i) for producer, i in map(split_ref, refs) if producer is not None
         ]
 
-        def commit() -> list[Any]:  # EXEC may or may not have landed: the outbox drain refuses a duplicate
+        # EXEC may or may not have landed: the outbox drain refuses a duplicate. With replicas, a commit too
+        # few replicas acknowledged (WAIT) is repeated: a failover may have lost it, records and acks together
+        def commit() -> list[Any]:
             pipe = self.r.pipeline(transaction=True)
             for c in completed:
                 pipe.rpush(self.keys.records_outbox, pack_item(encode(c.record)))
@@ -207,7 +210,9 @@ class AggregatorWorker:
                 pipe.xack(self.keys.metrics, AGGREGATOR_GROUP, *ack_ids)
             for stream, ids in group_refs(stats_refs).items():
                 pipe.xack(stream, AGGREGATOR_GROUP, *ids)
-            return list(pipe.execute(raise_on_error=False))
+            results, acked = execute_and_wait(pipe, raise_on_error=False)
+            require_acks(self.r.connection_pool, acked, f"commit of {len(completed)} records")
+            return list(results)
 
         results = retry_on_connection(commit, "committing records and acks")
         for res in results:

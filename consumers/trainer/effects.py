@@ -33,6 +33,7 @@ from consumers.trainer.ledger import (
 from rollstream.bus import CONNECTION_ERRORS, Janitor, Publisher, retry_on_connection, setup_run
 from rollstream.bus.ids import count_or_none
 from rollstream.bus.outbox import OutboxDrain, record_id
+from rollstream.bus.replication import acks_of, execute_replicated
 from rollstream.config import PipelineConfig
 from rollstream.keys import (
     AGGREGATOR_GROUP,
@@ -248,6 +249,7 @@ class TrainerEffects:
         if next(checks, True):
             latest = latest_param_version(self.r, self.keys)
             if latest is not None and latest.version >= version:
+                self.confirm_replicated(f"version {version}")
                 return
         bus = self.cfg.bus
         where: dict[str, Any] = dict(
@@ -259,9 +261,20 @@ class TrainerEffects:
         )
         if whole is not None:  # fsdp: the gathered copy (already a second copy: bytes are one more)
             publish_weights(self.r, self.keys, version, state_bytes(whole), global_step=version, **where)
+        else:  # above the inline limit: streamed to a file or to Redis chunks, never one blob in memory
+            publish_module_weights(self.r, self.keys, version, module, global_step=version, **where)
+        self.confirm_replicated(f"version {version}")
+
+    def confirm_replicated(self, what: str) -> None:
+        """With replicas (WAIT configured): a barrier, this rank's heartbeat written and WAITed for, so the
+        replicas hold everything the primary applied before it (the replication stream is one ordered log:
+        an acknowledged offset covers every earlier write, from any connection). Too few acknowledgements
+        raise NotReplicatedError, and the calling effect is retried (its check sees what a failover lost)."""
+        if acks_of(self.r.connection_pool)[0] <= 0:
             return
-        # above the inline limit: streamed to a file or to Redis chunks, never one blob in memory
-        publish_module_weights(self.r, self.keys, version, module, global_step=version, **where)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self.keys.trainer, mapping=dict.fromkeys(self.heartbeat_fields, time.time()))
+        execute_replicated(pipe, what)
 
     @effect("committing step {global_step}")
     def commit(self, ledgers: list[StepLedger], global_step: int) -> None:
@@ -280,6 +293,7 @@ class TrainerEffects:
             cap = self.cfg.data.train_batch_size if self.over_budget else None  # unread data over the budget
             budget, out = grant_budget(self.r, self.keys, version, self.cfg.max_outstanding, cap)
             log.info("version %d: budget %d (outstanding %d)", version, budget, out)
+        self.confirm_replicated(f"budget of version {version}")  # a budget a failover lost is granted again
         gc_weights(self.r, self.keys, version, file_dir=self.weights_dir)
 
     @effect("retention")

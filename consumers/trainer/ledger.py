@@ -29,6 +29,7 @@ from typing import Any
 import redis
 
 from rollstream.bus import EntryRef, group_refs, iter_stream
+from rollstream.bus.replication import execute_and_wait, require_acks
 from rollstream.keys import (
     COMMITTED_STEP_FIELD,
     CONSUMED_STEP_FIELD,
@@ -154,7 +155,11 @@ def commit_steps(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], param_ve
     for lg in ledgers:
         if lg.step_end is not None and lg.global_step > done:
             pipe.xadd(keys.metrics, encode(lg.step_end))  # type: ignore[arg-type]
-    _raise_commit_errors(pipe.execute(raise_on_error=False), n_fates)
+    results, acked = execute_and_wait(pipe, raise_on_error=False)
+    _raise_commit_errors(results, n_fates)
+    # too few replicas acknowledged: NotReplicatedError (a ConnectionError), the effect's retry replays the
+    # commit (idempotent, above) until a WAIT confirms it
+    require_acks(r.connection_pool, acked, f"commit of step {last}")
 
 
 def _raise_commit_errors(results: list[Any], n_fates: int) -> None:

@@ -1,4 +1,5 @@
-"""Redis connections: URL parsing, passwords from env or file, jittered backoff until Redis answers."""
+"""Redis connections: URL parsing (a `redis+sentinel://` URL reaches the primary through Sentinel), passwords
+from env or file, jittered backoff until Redis answers."""
 
 from __future__ import annotations
 
@@ -16,14 +17,19 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry
 
+from rollstream.bus.replication import is_sentinel_url, sentinel_client, set_acks
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: Errors that mean "Redis is (temporarily) unreachable": retried with backoff, never fatal.
+#: Errors that mean "Redis is (temporarily) unreachable": retried with backoff, never fatal. READONLY is a
+#: primary demoted in a failover (through Sentinel, redis-py reconnects to the new one; it also covers
+#: NotReplicatedError, a ConnectionError: a write WAIT did not confirm).
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
     redis.BusyLoadingError,
+    redis.ReadOnlyError,
     ConnectionResetError,
     BrokenPipeError,
 )
@@ -35,6 +41,8 @@ _WAITED_OUT: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, redis.Respon
 PASSWORD_ENV = "ROLLSTREAM_REDIS_PASSWORD"
 USERNAME_ENV = "ROLLSTREAM_REDIS_USERNAME"
 PASSWORD_FILE_ENV = "ROLLSTREAM_REDIS_PASSWORD_FILE"
+#: File with the Sentinels' own password (a `redis+sentinel://` URL whose Sentinels require one).
+SENTINEL_PASSWORD_FILE_ENV = "ROLLSTREAM_SENTINEL_PASSWORD_FILE"
 
 
 def backoff_delays(base_s: float = 0.05, cap_s: float = 5.0) -> Iterator[float]:
@@ -66,7 +74,7 @@ def retry_on_connection(
         try:
             return fn()
         except _WAITED_OUT as e:
-            if isinstance(e, redis.ResponseError) and not is_busy(e):
+            if isinstance(e, redis.ResponseError) and not (is_busy(e) or isinstance(e, redis.ReadOnlyError)):
                 raise
             delay = next(delays)
             if (stop is not None and stop.is_set()) or (
@@ -182,9 +190,15 @@ def connect(
     username: str | None = None,
     client_name: str | None = None,
     retries: int = 3,
+    wait_replicas: int = 0,
+    wait_timeout_ms: int = 1000,
+    sentinel_password: str | None = None,
 ) -> redis.Redis:
-    """A bytes-returning client for url with socket timeout above any BLOCK. retries > 0: redis-py retries
-    transparently (publishers); retries=0: errors surface so a GroupReader can re-read its own pending."""
+    """A bytes-returning client for url (a `redis+sentinel://` URL: the primary, found through Sentinel) with
+    socket timeout above any BLOCK. retries > 0: redis-py retries transparently (publishers); retries=0:
+    errors surface so a GroupReader can re-read its own pending. wait_replicas > 0: writes sent through
+    `execute_replicated` count only once that many replicas acknowledged them within wait_timeout_ms.
+    sentinel_password: the Sentinels' own (else from the file $ROLLSTREAM_SENTINEL_PASSWORD_FILE names)."""
     kwargs: dict[str, Any] = dict(
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=min(socket_timeout_s, 5.0),
@@ -207,8 +221,19 @@ def connect(
         kwargs["username"] = username
     if client_name:
         kwargs["client_name"] = client_name
-    client = redis.Redis.from_url(url, **kwargs)
+    if is_sentinel_url(url):
+        if sentinel_password is None and os.environ.get(SENTINEL_PASSWORD_FILE_ENV):
+            sentinel_password = Path(os.environ[SENTINEL_PASSWORD_FILE_ENV]).read_text().strip()
+        client = sentinel_client(url, sentinel_password=sentinel_password, **kwargs)
+    else:
+        client = redis.Redis.from_url(url, **kwargs)
     client.connection_pool.rollstream_connects = counter  # type: ignore[attr-defined]
+    if wait_replicas:
+        if wait_timeout_ms >= socket_timeout_s * 1000:
+            raise ValueError(
+                f"wait_timeout_ms={wait_timeout_ms} must be below the socket timeout ({socket_timeout_s} s)"
+            )
+        set_acks(client, wait_replicas, wait_timeout_ms)
     return client
 
 

@@ -7,10 +7,16 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollstream.cli.targets import log_target, target
 from rollstream.config import PipelineConfig, config_to_yaml, load_config
 from rollstream.ops.run_target import mask_url, open_run
+
+if TYPE_CHECKING:
+    import redis
+
+    from rollstream.ops.run_target import RunTarget
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -117,9 +123,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         st = collect_status(r, t.keys, process_states(t.run_dir), limit_s, t.cfg.trainer.total_training_steps,
                             stopped=t.served, max_outstanding=t.cfg.max_outstanding)
         text = format_status(st, mask_url(t.redis_url))
+        repl = _replication_lines(t, r)
+        if repl is not None:
+            text += "\n\n" + "\n".join(repl[0])
         if args.check or not args.watch:
             print(text)
             failed = failed_programs(t.run_dir) if args.check and not t.served else []
+            failed += repl[1] if repl is not None else []
             if args.check and (failed or not st.healthy):
                 print("rollstream status --check: " + "; ".join(failed + st.problems()), file=sys.stderr)
                 return 1
@@ -129,6 +139,23 @@ def cmd_status(args: argparse.Namespace) -> int:
             time.sleep(args.watch)
         except KeyboardInterrupt:
             return 0
+
+
+def _replication_lines(t: RunTarget, r: redis.Redis) -> tuple[list[str], list[str]] | None:
+    """(status lines, problems) of a replicated run's topology; None for a single server."""
+    from rollstream.bus.replication import is_sentinel_url
+    from rollstream.ops.redis_topology import SENTINEL_PASSWORD_FILE
+    from rollstream.ops.replication_status import add_sentinel_view, format_replication, read_replication
+    from rollstream.ops.run_target import SECRETS_DIR
+
+    if t.served or not (t.cfg.run.redis.replicated or is_sentinel_url(t.redis_url)):
+        return None
+    st = read_replication(r)
+    if is_sentinel_url(t.redis_url):
+        pw_file = t.run_dir / SECRETS_DIR / SENTINEL_PASSWORD_FILE
+        add_sentinel_view(st, t.redis_url, pw_file.read_text().strip() if pw_file.is_file() else None)
+    bound = t.cfg.run.redis.replica_lag_bound_s
+    return format_replication(st, bound), st.problems(bound)
 
 
 def cmd_watch(args: argparse.Namespace) -> int:

@@ -13,13 +13,13 @@ from rollstream.config.loading import apply_overrides, config_to_yaml, load_conf
 from rollstream.config.model import ModelConfig, Position, gpt_shape_error
 from rollstream.config.pipeline import PipelineConfig
 from rollstream.config.rollout import MultiTurnConfig, RolloutConfig, VLLMConfig
-from rollstream.config.run import AggregatorConfig, RunConfig
+from rollstream.config.run import AggregatorConfig, RedisConfig, RunConfig
 from rollstream.config.trainer import TrainerConfig
 
 __all__ = [
     "ActorConfig", "AggregatorConfig", "AlgorithmConfig", "AsyncTrainingConfig", "BenchConfig", "BusConfig",
     "ConfigError", "DataConfig", "FilterGroupsConfig", "LatencyModelConfig", "ModelConfig",
     "MultiTurnConfig", "OptimConfig", "PipelineConfig", "Position", "ReverseTaskConfig", "RolloutConfig",
-    "RolloutCorrectionConfig", "RunConfig", "TrainerConfig", "VLLMConfig", "apply_overrides",
+    "RedisConfig", "RolloutCorrectionConfig", "RunConfig", "TrainerConfig", "VLLMConfig", "apply_overrides",
     "config_to_yaml", "gpt_shape_error", "load_config",
 ]

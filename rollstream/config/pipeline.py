@@ -100,6 +100,12 @@ class PipelineConfig(Section):
                 "actor.gradient_checkpointing=true needs model.backend=hf "
                 f"(model.backend={self.model.backend!r} has none)"
             )
+        wait_ms = self.run.redis.wait_timeout_ms
+        if self.run.redis.acks_needed() and wait_ms >= self.bus.socket_timeout_s * 1000:
+            raise ValueError(
+                f"run.redis.wait_timeout_ms={wait_ms} must be below bus.socket_timeout_s="
+                f"{self.bus.socket_timeout_s} (a WAIT past the socket timeout reads as a lost connection)"
+            )
         return self
 
     def _rows_need_training(self, world: int) -> str | None:

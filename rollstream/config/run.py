@@ -2,9 +2,93 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import re
+
+from pydantic import Field, field_validator, model_validator
 
 from rollstream.config.base import Section
+
+#: A Sentinel address: host:port (an IPv6 host in brackets).
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
+
+
+class RedisConfig(Section):
+    """Replication and failover of the run's Redis (`run.redis`): replicas, Sentinel, WAIT."""
+
+    replicas: int = Field(
+        0,
+        ge=0,
+        le=5,
+        description="Embedded redis only: replicas started beside the primary, with 3 Sentinels (0 = one "
+        "server, no Sentinel)",
+    )
+    sentinels: list[str] = Field(
+        default_factory=list,
+        description="host:port of an external deployment's Sentinels; clients find the primary through them",
+    )
+    master_name: str = Field(
+        "", description="Sentinel's name of the primary (empty: rollstream-<run name>)",
+        pattern=r"^[A-Za-z0-9_.-]{0,64}$",
+    )
+    quorum: int = Field(2, ge=1, description="Embedded Sentinels that must agree the primary is down (of 3)")
+    down_after_ms: int = Field(
+        5000, ge=100, description="Embedded Sentinels: a primary silent this long is considered down"
+    )
+    failover_timeout_ms: int = Field(
+        60000, ge=1000, description="Embedded Sentinels: failover-timeout (retry and reconfigure pacing)"
+    )
+    wait_replicas: int | None = Field(
+        None,
+        ge=0,
+        description="Replicas that must acknowledge a publish or a trainer commit (WAIT) before it counts; "
+        "null = 1 with replicas or sentinels, else 0",
+    )
+    wait_timeout_ms: int = Field(
+        1000, ge=1, description="How long a publish or commit waits for its WAIT before it is retried"
+    )
+    replica_lag_bound_s: float = Field(
+        10.0, gt=0, description="`status --check` fails when no replica acknowledged within this long"
+    )
+
+    @field_validator("sentinels")
+    @classmethod
+    def _host_ports(cls, value: list[str]) -> list[str]:
+        for item in value:
+            m = _HOST_PORT.match(item)
+            if m is None or not 0 < int(m.group(2)) < 65536:
+                raise ValueError(f"run.redis.sentinels entry {item!r} must be host:port (port 1-65535)")
+        return value
+
+    @model_validator(mode="after")
+    def _embedded_or_external(self) -> RedisConfig:
+        if self.replicas and self.sentinels:
+            raise ValueError(
+                f"run.redis.replicas={self.replicas} starts embedded Sentinels; run.redis.sentinels="
+                f"{self.sentinels!r} names external ones: set one of them"
+            )
+        if self.quorum > 3:
+            raise ValueError(f"run.redis.quorum={self.quorum} must be at most 3 (the embedded Sentinels)")
+        if self.wait_replicas is not None and self.replicas and self.wait_replicas > self.replicas:
+            raise ValueError(
+                f"run.redis.wait_replicas={self.wait_replicas} exceeds run.redis.replicas={self.replicas}: "
+                "no write could ever be acknowledged"
+            )
+        return self
+
+    @property
+    def replicated(self) -> bool:
+        """True when the run's Redis has replicas behind Sentinel (embedded replicas or external ones)."""
+        return bool(self.replicas or self.sentinels)
+
+    def acks_needed(self) -> int:
+        """Replicas a write must reach (WAIT) before it counts: wait_replicas, else 1 when replicated."""
+        if self.wait_replicas is not None:
+            return self.wait_replicas
+        return 1 if self.replicated else 0
+
+    def master_of(self, run_name: str) -> str:
+        """The Sentinel master name of the run's primary."""
+        return self.master_name or f"rollstream-{run_name}"
 
 
 class RunConfig(Section):
@@ -29,6 +113,23 @@ class RunConfig(Section):
         description="Embedded redis only: one ACL user per role (producer, trainer, aggregator, admin), "
                     "default user off",
     )
+    redis: RedisConfig = Field(
+        default_factory=RedisConfig, description="Replicas, Sentinel failover and WAIT acknowledgements"
+    )
+
+    @model_validator(mode="after")
+    def _sentinels_need_no_url(self) -> RunConfig:
+        if self.redis.sentinels and self.redis_url is not None and not self.redis_url.startswith("redis+"):
+            raise ValueError(
+                f"run.redis.sentinels={self.redis.sentinels!r} and run.redis_url={self.redis_url!r}: with "
+                "sentinels the primary is found through them; leave run.redis_url null"
+            )
+        if self.redis.replicas and self.redis_url is not None:
+            raise ValueError(
+                f"run.redis.replicas={self.redis.replicas} is for the embedded redis: run.redis_url "
+                f"must be null (it is {self.redis_url!r}); for an external one set run.redis.sentinels"
+            )
+        return self
 
 
 

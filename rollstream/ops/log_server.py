@@ -32,6 +32,7 @@ from rollstream.bus import CONNECTION_ERRORS
 from rollstream.config import config_to_yaml
 from rollstream.ops.embedded_redis import EmbeddedRedis, redis_server_binary, wait_for_redis
 from rollstream.ops.plan import private_dir, write_private
+from rollstream.ops.redis_topology import PRIMARY_DATA_FILE
 from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, RunTarget
 from rollstream.runtime.files import PRIVATE_UMASK
 
@@ -47,7 +48,11 @@ class LogServerError(RuntimeError):
 
 
 def aof_dir(run_dir: Path) -> Path:
-    """The run's AOF folder (embedded Redis)."""
+    """The run's AOF folder (embedded Redis): node 0's, or with replicas the one of the node that was the
+    primary when the run was stopped (`rollstream stop` records it)."""
+    recorded = run_dir / PRIMARY_DATA_FILE
+    if recorded.is_file():
+        return Path(recorded.read_text().strip()) / AOF_DIR
     return run_dir / "redis" / AOF_DIR
 
 

@@ -34,14 +34,25 @@ import os
 import shlex
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollstream.bus.connection import PASSWORD_FILE_ENV, USERNAME_ENV
+from rollstream.bus.connection import PASSWORD_FILE_ENV, SENTINEL_PASSWORD_FILE_ENV, USERNAME_ENV
+from rollstream.bus.replication import sentinel_url
 from rollstream.config import PipelineConfig, config_to_yaml
 from rollstream.keys import Keys
 from rollstream.keys import producer_names as _producer_names
 from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded
+from rollstream.ops.redis_topology import (
+    PRIMARY_DATA_FILE,
+    REPLICATION_USER,
+    SENTINEL_PASSWORD_FILE,
+    SENTINEL_USER,
+    SENTINELS_USER,
+    plan_topology,
+    topology_acl_lines,
+)
 from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, split_password
 from rollstream.runtime.files import PRIVATE_UMASK, private_dir
 from rollstream.runtime.process import EXIT_CONFIG, REDIS_URL_ENV
@@ -92,7 +103,12 @@ class RunPlan:
     @property
     def workers(self) -> list[str]:
         """Worker program names in start order (aggregator, trainer, producers)."""
-        return [p.name for p in self.programs if p.name != "redis"]
+        return [p.name for p in self.programs if not is_server_program(p.name)]
+
+
+def is_server_program(name: str) -> bool:
+    """True for a program of the run's own Redis: `redis`, replica `redis_<i>`, Sentinel `sentinel_<j>`."""
+    return name == "redis" or name.startswith(("redis_", "sentinel_"))
 
 
 def supervisor_socket(run_dir: Path) -> Path:
@@ -160,9 +176,12 @@ def _worker_programs(
     return progs
 
 
-def write_acl(run_dir: Path, keys: Keys, producers: list[str]) -> tuple[Path, dict[str, dict[str, str]]]:
+def write_acl(
+    run_dir: Path, keys: Keys, producers: list[str], extra_lines: Sequence[str] = ()
+) -> tuple[Path, dict[str, dict[str, str]]]:
     """Generate (or reuse) the users' passwords (one user per producer) and write redis' ACL file (hashes
-    only, 0600, default user off); returns (ACL file, user -> the env a program of that user gets)."""
+    only, 0600, default user off, then `extra_lines`: a replicated topology's `replication` and `sentinel`
+    users); returns (ACL file, user -> the env a program of that user gets)."""
     secrets_dir = run_dir / SECRETS_DIR
     users = [*ROLES, *producers]
     files = generate_passwords(secrets_dir, users)
@@ -174,12 +193,46 @@ def write_acl(run_dir: Path, keys: Keys, producers: list[str]) -> tuple[Path, di
     for role in users:
         digest = hashlib.sha256(files[role].read_text().strip().encode()).hexdigest()
         lines.append(" ".join(["user", role, "on", f"#{digest}", "resetchannels", *rules[role]]))
+    lines += extra_lines
     acl_file = secrets_dir / ACL_FILE
     fd = os.open(acl_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines) + "\n")
     env = {role: {USERNAME_ENV: role, PASSWORD_FILE_ENV: str(files[role].resolve())} for role in users}
     return acl_file, env
+
+
+def _replicated_programs(
+    cfg: PipelineConfig, run_dir: Path
+) -> tuple[str, list[Program], dict[str, dict[str, str]]]:
+    """The embedded replicated Redis (ops/redis_topology.py): (Sentinel URL, its programs, role env). Data
+    nodes start first (priority 1), Sentinels after them (2) and stop before them; every node fsyncs its AOF
+    on every write and loads the run's ACL file, which also holds the `replication` and `sentinel` users."""
+    secrets_dir = run_dir / SECRETS_DIR
+    files = generate_passwords(secrets_dir, [REPLICATION_USER, SENTINEL_USER, SENTINELS_USER])
+    passwords = {user: path.read_text().strip() for user, path in files.items()}
+    role_env: dict[str, dict[str, str]] = {}
+    acl_file: Path | None = None
+    if cfg.run.acl:
+        acl_file, role_env = write_acl(
+            run_dir, Keys(cfg.run.name), producer_names(cfg), extra_lines=topology_acl_lines(passwords)
+        )
+    else:
+        (secrets_dir / ACL_FILE).unlink(missing_ok=True)
+    rc = cfg.run.redis
+    topo = plan_topology(
+        run_dir, rc.replicas, rc.master_of(cfg.run.name), secrets_dir, acl_file=acl_file, passwords=passwords,
+        appendfsync="always", maxmemory=cfg.bus.maxmemory(), quorum=rc.quorum, down_after_ms=rc.down_after_ms,
+        failover_timeout_ms=rc.failover_timeout_ms,
+    )
+    programs = [
+        Program(n.name, n.argv, priority=1, stopwaitsecs=REDIS_STOPWAIT_S, autostart=True) for n in topo.nodes
+    ]
+    programs += [
+        Program(s.name, s.argv, priority=2, stopwaitsecs=REDIS_STOPWAIT_S, autostart=True)
+        for s in topo.sentinels
+    ]
+    return topo.url, programs, role_env
 
 
 def write_private(path: Path, text: str) -> None:
@@ -202,7 +255,14 @@ def plan_run(cfg: PipelineConfig, run_dir: Path | None = None) -> RunPlan:
     env = {"PYTHONUNBUFFERED": "1", "TMPDIR": str(private_dir(run_dir / RUN_TMP_DIR))}
     programs: list[Program] = []
     role_env: dict[str, dict[str, str]] = {}
-    if cfg.run.redis_url is None:
+    (run_dir / PRIMARY_DATA_FILE).unlink(missing_ok=True)  # `rollstream stop` records it again
+    if cfg.run.redis_url is None and cfg.run.redis.replicas:
+        url, servers, role_env = _replicated_programs(cfg, run_dir)
+        programs += servers
+        env[SENTINEL_PASSWORD_FILE_ENV] = str((run_dir / SECRETS_DIR / SENTINEL_PASSWORD_FILE).resolve())
+    elif cfg.run.redis_url is None and cfg.run.redis.sentinels:
+        url = sentinel_url(cfg.run.redis.sentinels, cfg.run.redis.master_of(cfg.run.name))
+    elif cfg.run.redis_url is None:
         # a kill -9 of redis loses nothing acknowledged
         redis_argv, url = plan_embedded(run_dir, appendfsync="always", maxmemory=cfg.bus.maxmemory())
         if cfg.run.acl:

@@ -20,18 +20,28 @@ from typing import Any
 from supervisor.xmlrpc import SupervisorTransport
 
 from rollstream.bus import setup_run, wait_until_ready
+from rollstream.bus.replication import is_sentinel_url
 from rollstream.config import PipelineConfig
 from rollstream.keys import Keys, producer_names
 from rollstream.ops.embedded_redis import wait_for_redis
 from rollstream.ops.plan import (
+    CONF_NAME,
     PRIVATE_UMASK,
     RUN_TMP_DIR,
     WORKER_STOPWAIT_S,
     RunPlan,
     SuperviseError,
     supervisor_socket,
+    write_private,
 )
-from rollstream.ops.run_target import RunTarget
+from rollstream.ops.redis_node import sentinel_master
+from rollstream.ops.redis_topology import (
+    PRIMARY_DATA_FILE,
+    SENTINEL_PASSWORD_FILE,
+    data_dir_of,
+    wait_failover_ready,
+)
+from rollstream.ops.run_target import REDIS_URL_FILE, SECRETS_DIR, RunTarget
 from rollstream.runtime.procfs import is_running
 
 # --- talking to a running supervisord ----------------------------------------------------------------
@@ -104,7 +114,9 @@ def start_supervisord(plan: RunPlan, foreground: bool = False) -> subprocess.Pop
 def start_run(plan: RunPlan, cfg: PipelineConfig, redis_timeout_s: float = 60.0) -> None:
     """With supervisord up: wait for Redis, set the run up (streams + groups), start the workers in order."""
     target = RunTarget(cfg=cfg, keys=Keys(cfg.run.name), run_dir=plan.run_dir, redis_url=plan.redis_url)
-    if any(p.name == "redis" for p in plan.programs) and not target.uses_acl():
+    if any(p.name == "redis" for p in plan.programs) and not target.uses_acl() and not is_sentinel_url(
+        plan.redis_url
+    ):
         wait_for_redis(plan.redis_url, redis_timeout_s)  # with ACLs on, wait_until_ready below (as admin)
     r = target.connect()
     try:
@@ -112,6 +124,12 @@ def start_run(plan: RunPlan, cfg: PipelineConfig, redis_timeout_s: float = 60.0)
         setup_run(r, target.keys, producer_names(cfg.rollout.num_producers))
     finally:
         r.close()
+    if cfg.run.redis.replicas and is_sentinel_url(plan.redis_url):  # the workers start failover-ready
+        pw = (plan.run_dir / SECRETS_DIR / SENTINEL_PASSWORD_FILE).read_text().strip()
+        try:
+            wait_failover_ready(plan.redis_url, pw, cfg.run.redis.replicas, redis_timeout_s)
+        except RuntimeError as e:
+            raise SuperviseError(f"replicated redis: {e}") from None
     server = rpc(plan.run_dir)
     for name in plan.workers:
         server.supervisor.startProcess(name, False)
@@ -248,12 +266,14 @@ def stop_run(run_dir: Path, timeout_s: float = WORKER_STOPWAIT_S + 30) -> ExitRe
     if not supervisor_up(run_dir):
         raise SuperviseError(f"no supervisord is up for {run_dir}")
     server = rpc(run_dir)
+    record_primary(run_dir)
     infos = {s["name"]: s for s in server.supervisor.getAllProcessInfo()}
     order = [
         sorted(n for n in infos if n.startswith("rollout_")),
         ["trainer"],
         ["aggregator"],
-        ["redis"],
+        sorted(n for n in infos if n.startswith("sentinel_")),  # before the nodes: no failover on the way out
+        ["redis", *sorted(n for n in infos if n.startswith("redis_"))],
     ]
     for names in order:
         present = [n for n in names if n in infos]
@@ -274,6 +294,22 @@ def stop_run(run_dir: Path, timeout_s: float = WORKER_STOPWAIT_S + 30) -> ExitRe
     if report.ok:  # the programs' temp files go with them (a crash keeps them for a look)
         shutil.rmtree(run_dir / RUN_TMP_DIR, ignore_errors=True)
     return report
+
+
+def record_primary(run_dir: Path) -> None:
+    """For a run on the embedded replicated Redis: write which node's data folder is the primary's now
+    (Sentinel says), so the stopped run's log is read from it (ops/log_server.py); nothing for other runs."""
+    url_file, conf = run_dir / REDIS_URL_FILE, run_dir / CONF_NAME
+    if not url_file.is_file() or not conf.is_file():
+        return
+    url = url_file.read_text().strip()
+    if not is_sentinel_url(url):
+        return
+    pw_file = run_dir / SECRETS_DIR / SENTINEL_PASSWORD_FILE
+    primary = sentinel_master(url, pw_file.read_text().strip() if pw_file.is_file() else None)
+    data_dir = None if primary is None else data_dir_of(conf.read_text(), primary)
+    if data_dir is not None:
+        write_private(run_dir / PRIMARY_DATA_FILE, f"{data_dir}\n")
 
 
 def _alive(pid: int) -> bool:

@@ -13,6 +13,7 @@ import redis
 from rollstream.bus import connect, read_password
 from rollstream.config import ConfigError, PipelineConfig, load_config
 from rollstream.keys import Keys
+from rollstream.ops.redis_topology import SENTINEL_PASSWORD_FILE
 from rollstream.runtime.process import REDIS_URL_ENV
 
 #: The resolved config `rollstream run` writes into the run dir (every worker is started with it).
@@ -87,6 +88,7 @@ class RunTarget:
             password, username = self.admin_password_file.read_text().strip(), ADMIN_USER
         else:
             password, username = read_password(self.cfg.run.password_file), None
+        sentinels_pw = self.run_dir / SECRETS_DIR / SENTINEL_PASSWORD_FILE
         return connect(
             self.redis_url,
             socket_timeout_s=self.cfg.bus.socket_timeout_s,
@@ -94,6 +96,7 @@ class RunTarget:
             username=username,
             client_name=f"{self.cfg.run.name}:cli",
             retries=retries,
+            sentinel_password=sentinels_pw.read_text().strip() if sentinels_pw.is_file() else None,
         )
 
 

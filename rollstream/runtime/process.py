@@ -204,6 +204,8 @@ def start_worker(
         password=read_password(cfg.run.password_file),
         client_name=f"{cfg.run.name}:{name}",
         retries=client_retries,
+        wait_replicas=cfg.run.redis.acks_needed(),
+        wait_timeout_ms=cfg.run.redis.wait_timeout_ms,
     )
     ctx = WorkerContext(cfg=cfg, name=name, keys=Keys(cfg.run.name), r=r)
     ctx.install_signal_handlers()
