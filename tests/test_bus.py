@@ -324,6 +324,34 @@ def test_reconnect_rereads_own_pending(r: redis.Redis, keys: Keys, redis_url: st
     assert len(got) == 2 and all(m.deliveries == 2 for m in got)
 
 
+def test_a_growing_pool_is_not_a_reconnect(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+    """A second connection the pool opens while the first is busy (another thread of the trainer) is not a
+    lost socket: the reader does not re-read its pending list for it (the trainer's false warning at start),
+    while a connection killed under it still is."""
+    from rollstream.bus import connect
+
+    setup_run(r, keys, PRODUCERS)
+    client = connect(redis_url)
+    rd = reader(r, keys, consumer="grower")
+    rd.r = client
+    assert rd.poll() == []
+    pool = client.connection_pool
+    busy = pool.get_connection()  # held, as by a thread blocked in a read
+    try:
+        assert rd.poll() == []  # the pool opens a second connection for this poll
+        assert len(pool._available_connections) + len(pool._in_use_connections) == 2
+        assert rd.stats.reconnects == 0
+    finally:
+        pool.release(busy)
+    for conn in list(pool._available_connections):  # the server drops both sockets
+        conn.send_command("CLIENT", "ID")
+        r.client_kill_filter(_id=conn.read_response())
+    got: list[Message] = []
+    for _ in range(3):
+        got = got or rd.poll()
+    assert rd.stats.reconnects == 1
+
+
 def test_claimed_after_sigkill_and_acked_once(r: redis.Redis, keys: Keys, redis_url: str) -> None:
     publish_samples(r, keys, 12)
     effects = keys.prefix + "effects"

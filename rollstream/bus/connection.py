@@ -238,18 +238,22 @@ def connect(
 
 
 class _ConnectCounter:
-    """redis_connect_func that runs the normal handshake and counts (re)connections of a pool."""
+    """redis_connect_func that runs the normal handshake and counts a pool's re-connections: a connection
+    opened again after its socket was lost (a new connection of a growing pool is not one)."""
 
     def __init__(self) -> None:
         self.count = 0
 
     def __call__(self, conn: redis.connection.AbstractConnection) -> None:
         conn.on_connect()  # type: ignore[no-untyped-call]
-        self.count += 1
+        if getattr(conn, "rollstream_connected_before", False):
+            self.count += 1
+        conn.rollstream_connected_before = True  # type: ignore[attr-defined]
 
 
-def connection_count(r: redis.Redis) -> int:
-    """How many socket connections this client's pool has opened so far (-1 when not made by connect())."""
+def reconnect_count(r: redis.Redis) -> int:
+    """How many times this client's pool opened a connection again after losing its socket (a reply may
+    have been lost with it); -1 when the client was not made by connect()."""
     counter = getattr(r.connection_pool, "rollstream_connects", None)
     return counter.count if counter is not None else -1
 

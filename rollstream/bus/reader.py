@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-from rollstream.bus.connection import CONNECTION_ERRORS, connection_count, retry_on_connection
+from rollstream.bus.connection import CONNECTION_ERRORS, reconnect_count, retry_on_connection
 from rollstream.bus.ids import text
 from rollstream.bus.outbox import pack_item
 from rollstream.bus.publish import ensure_group
@@ -144,7 +144,7 @@ class GroupReader:
         self._inflight: set[EntryRef] = set()
         self._last_touch = time.monotonic()
         self._group_ready = False
-        self._connects = 0
+        self._connects: int | None = None  # the client's re-connections at the last look (None: none yet)
         self.drained = False  # the last poll read new entries (`>`) and found none
 
     @property
@@ -423,13 +423,12 @@ class GroupReader:
     def _check_reconnected(self) -> None:
         """redis-py may reconnect silently inside a command; a new socket means a response may have been
         lost, so our own pending entries are re-read."""
-        n = connection_count(self.r)
-        if n != self._connects:
-            if self._connects > 0:
-                log.warning("%s: redis connection was re-established; re-reading own pending", self.consumer)
-                self.on_reconnect()
-                self._group_ready = True
-            self._connects = n
+        n = reconnect_count(self.r)
+        if self._connects is not None and n != self._connects:
+            log.warning("%s: redis connection was re-established; re-reading own pending", self.consumer)
+            self.on_reconnect()
+            self._group_ready = True
+        self._connects = n
 
     def _poll_retrying(self, block_ms: int) -> list[Message]:
         """`poll` through `retry_on_connection` (our own pending list is re-read after a loss); [] once stop
