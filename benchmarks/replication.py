@@ -20,7 +20,6 @@ from pathlib import Path
 
 from rollstream.bus import connect
 from rollstream.bus.replication import execute_replicated
-from rollstream.testing.fakes import fake_rollout_sample
 from rollstream.keys import Keys
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.redis_topology import (
@@ -31,6 +30,7 @@ from rollstream.ops.redis_topology import (
     plan_topology,
 )
 from rollstream.security import generate_passwords
+from rollstream.testing.fakes import fake_rollout_sample
 from schemas import encode
 
 

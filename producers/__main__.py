@@ -14,6 +14,7 @@ from rollstream.runtime.process import (
     EXIT_CONFIG,
     EXIT_ERROR,
     EXIT_OK,
+    EXIT_REFUSED,
     WorkerContext,
     install_early_signal_handlers,
 )
@@ -30,6 +31,8 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     `build` makes the producer (default: `Producer(ctx)`; the latency-model benchmark passes its own) and
     `role` names the command in usage and logs."""
     install_early_signal_handlers()  # a SIGTERM during the torch import below must not kill us
+    import redis
+
     from producers.engines import EngineError, EngineStartError
     from producers.worker import Producer, lower_priority, set_torch_threads
     from rollstream.bus import RunNotSetUpError
@@ -65,6 +68,10 @@ def main(argv: Sequence[str] | None = None, build: Callable[[WorkerContext], Pro
     except (RunNotSetUpError, WeightsError, EngineError) as e:  # EngineError: a failed swap, a broken engine
         log.error("%s", e)
         return EXIT_ERROR
+    except redis.AuthenticationError as e:  # the trainer's flood fence switched our user off
+        log.error("producer %s: redis refused its login (%s): fenced (`rollstream status` says why); exiting",
+                  ctx.name, e)
+        return EXIT_REFUSED
     log.info("producer %s: %d dispatches, exiting", ctx.name, done)
     return EXIT_OK
 

@@ -352,6 +352,26 @@ def test_a_growing_pool_is_not_a_reconnect(r: redis.Redis, keys: Keys, redis_url
     assert rd.stats.reconnects == 1
 
 
+def test_a_switched_off_user_is_refused_at_once(r: redis.Redis, keys: Keys, redis_url: str) -> None:
+    """A worker whose ACL user is switched off and its connection killed (the trainer's flood fence) gets
+    its refusal at once from the one retry policy, instead of retrying its login forever."""
+    from rollstream.bus import connect, retry_on_connection
+
+    user = keys.prefix.strip(":").replace(":", "-") + "-fenced"
+    r.acl_setuser(user, enabled=True, passwords=["+pw"], commands=["+ping", "+client|id"], keys=[])
+    try:
+        client = connect(redis_url, username=user, password="pw")
+        assert retry_on_connection(client.ping, "ping")
+        r.acl_setuser(user, enabled=False)
+        r.client_kill_filter(user=user)
+        t0 = time.monotonic()
+        with pytest.raises(redis.AuthenticationError):
+            retry_on_connection(client.ping, "ping", timeout_s=30)
+        assert time.monotonic() - t0 < 5
+    finally:
+        r.acl_deluser(user)
+
+
 def test_claimed_after_sigkill_and_acked_once(r: redis.Redis, keys: Keys, redis_url: str) -> None:
     publish_samples(r, keys, 12)
     effects = keys.prefix + "effects"

@@ -59,7 +59,8 @@ def test_conf_for_external_redis_has_workers_and_no_password(tmp_path: Path) -> 
     assert plan.workers == ["aggregator", "trainer", "rollout_00", "rollout_01"]
     trainer = conf["program:trainer"]
     assert trainer["stopwaitsecs"] == "60" and trainer["stopsignal"] == "TERM"
-    assert trainer["autorestart"] == "unexpected" and trainer["exitcodes"] == "0,2"  # 2 (EXIT_CONFIG): fatal
+    assert trainer["autorestart"] == "unexpected"
+    assert trainer["exitcodes"] == "0,2,6"  # EXIT_CONFIG, EXIT_REFUSED: fatal
     assert "-m consumers.trainer" in trainer["command"] and str(plan.resolved_config) in trainer["command"]
     assert (
         "-m producers" in conf["program:rollout_01"]["command"]

@@ -22,7 +22,6 @@ from rollstream.bus.replication import (
     sentinel_url,
 )
 from rollstream.config import load_config
-from rollstream.runtime.files import private_dir
 from rollstream.keys import COMMITTED_STEP_FIELD, Keys
 from rollstream.ops.plan import plan_run, write_acl
 from rollstream.ops.redis_node import sentinel_master
@@ -37,6 +36,7 @@ from rollstream.ops.redis_topology import (
     wait_failover_ready,
 )
 from rollstream.ops.replication_status import add_sentinel_view, format_replication, read_replication
+from rollstream.runtime.files import private_dir
 from rollstream.security import generate_passwords
 from schemas import StepMetrics
 from tests.conftest import PRODUCERS

@@ -67,7 +67,8 @@ def retry_on_connection(
     then the last connection error is raised. A BUSY reply (a script running past Redis's
     busy-reply-threshold, until `watch_busy_scripts` kills it) is waited out the same way. `on_retry` runs
     after each loss (e.g. to re-read a reader's own pending entries). fn must be safe to repeat: its effect
-    may have landed even when the reply was lost."""
+    may have landed even when the reply was lost. A refused login (redis.AuthenticationError: the user
+    switched off, as the flood fence does, or a wrong password) is raised at once: waiting cannot help."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     delays = backoff_delays()
     while True:
@@ -75,6 +76,8 @@ def retry_on_connection(
             return fn()
         except _WAITED_OUT as e:
             if isinstance(e, redis.ResponseError) and not (is_busy(e) or isinstance(e, redis.ReadOnlyError)):
+                raise
+            if isinstance(e, redis.AuthenticationError):
                 raise
             delay = next(delays)
             if (stop is not None and stop.is_set()) or (

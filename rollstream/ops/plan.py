@@ -55,7 +55,7 @@ from rollstream.ops.redis_topology import (
 )
 from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, split_password
 from rollstream.runtime.files import PRIVATE_UMASK, private_dir
-from rollstream.runtime.process import EXIT_CONFIG, REDIS_URL_ENV
+from rollstream.runtime.process import EXIT_CONFIG, EXIT_REFUSED, REDIS_URL_ENV
 from rollstream.security import ROLES, acl_rules, generate_passwords
 
 #: Seconds supervisord waits after SIGTERM before SIGKILL; longer than any worker's unit of work.
@@ -334,9 +334,10 @@ def render_supervisord_conf(run_dir: Path, programs: list[Program], cwd: Path) -
             f"umask={PRIVATE_UMASK:03o}",
             f"autostart={'true' if p.autostart else 'false'}",
             "autorestart=unexpected",
-            # 2 (EXIT_CONFIG: a bad config, an engine that cannot start) is fatal: restarting cannot help,
-            # so the program stays EXITED with its status, which `run`, `watch` and `status --check` report
-            f"exitcodes=0,{EXIT_CONFIG}",
+            # 2 (EXIT_CONFIG: a bad config, an engine that cannot start) and 6 (EXIT_REFUSED: Redis refused
+            # the login, e.g. a fenced producer) are fatal: restarting cannot help, so the program stays
+            # EXITED with its status, which `run`, `watch` and `status --check` report
+            f"exitcodes=0,{EXIT_CONFIG},{EXIT_REFUSED}",
             "startsecs=1",
             "startretries=3",
             "stopsignal=TERM",

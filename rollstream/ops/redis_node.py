@@ -21,8 +21,8 @@ from pathlib import Path
 import redis
 
 from rollstream.bus.replication import parse_sentinel_url
-from rollstream.runtime.files import private_dir
 from rollstream.ops.redis_topology import has_data
+from rollstream.runtime.files import private_dir
 
 log = logging.getLogger("redis_node")
 

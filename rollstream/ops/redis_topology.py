@@ -27,8 +27,8 @@ from typing import Any
 import redis
 
 from rollstream.bus.replication import parse_sentinel_url, sentinel_url
-from rollstream.runtime.files import PRIVATE_UMASK, private_dir
 from rollstream.ops.embedded_redis import free_port, redis_server_binary
+from rollstream.runtime.files import PRIVATE_UMASK, private_dir
 
 #: ACL users the data nodes have beside the run's roles: replicas log in as `replication`, Sentinels as
 #: `sentinel` (the commands Redis documents for each).

@@ -37,6 +37,7 @@ EXIT_CONFIG = 2
 EXIT_FORCED = 3  # second SIGTERM: left at once
 EXIT_REDIS = 4  # Redis never became reachable
 EXIT_HUNG = 5  # a producer's generation passed rollout.generate_timeout_s (its prompts published as failures)
+EXIT_REFUSED = 6  # Redis refused the login: the ACL user is off (fenced by the trainer) or a bad password
 
 #: Environment variable holding the Redis URL when `run.redis_url` is null (set by `rollstream run`).
 REDIS_URL_ENV = "ROLLSTREAM_REDIS_URL"
@@ -211,6 +212,10 @@ def start_worker(
     ctx.install_signal_handlers()
     try:
         wait_until_ready(r, timeout_s=120, stop=ctx.stop)
+    except redis.AuthenticationError as e:
+        log.error("redis refused %s's login (%s): its user is switched off (fenced: `rollstream status` says "
+                  "why) or its password is wrong; not retrying", name, e)
+        raise SystemExit(EXIT_REFUSED) from None
     except redis.ConnectionError as e:
         log.error("%s", e)
         raise SystemExit(EXIT_REDIS) from None
