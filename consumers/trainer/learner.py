@@ -406,11 +406,23 @@ class Learner:
         adv = group_advantages(rewards, groups, self.algorithm.norm_adv_by_std_in_grpo).to(self.device)
         return list(adv.split([m.ids.shape[0] for m in micro])), float(adv.mean())
 
-    def _skips_zero_advantage(self) -> bool:
-        """Whether this update leaves zero-advantage rows out of its forward/backward
-        (`actor.zero_advantage_rows` skip or drop; the config checked that nothing else in the loss sees
-        them)."""
-        return self.actor.zero_advantage_rows != "train"
+    def _trained_rows(
+        self, micro: list[_Micro], advs: list[torch.Tensor], resp_mask: torch.Tensor, behave: torch.Tensor
+    ) -> tuple[list[_Micro], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The rows this update forwards, with their advantages and mini-batch masks [kept, width]: all of
+        them, or (actor.zero_advantage_rows skip / drop; the config checked that nothing else in the step
+        sees them) those whose outcome advantage is not exactly 0; masks are padded again only when rows
+        left."""
+        if self.actor.zero_advantage_rows == "train":
+            return micro, advs, resp_mask, behave
+        micro, advs, kept = drop_zero_advantage(micro, advs)
+        if kept == len(resp_mask):
+            return micro, advs, resp_mask, behave
+        width = resp_mask.shape[1]
+        if not micro:
+            return micro, advs, resp_mask[:0], behave[:0]
+        resp = pad_cat([m.resp_mask for m in micro], width)
+        return micro, advs, resp, pad_cat([m.behave for m in micro], width)
 
     def update(self, batch: DataProto | Sequence[DataProto]) -> dict[str, float]:
         """One optimizer step on a mini-batch, given as the padded micro-batches the assembly built (or one
@@ -430,13 +442,9 @@ class Learner:
 
         # 1. advantages: GRPO per sample group [B] (outcome), or per micro-batch [b, w] (token-level credit)
         advs, adv_mean = self._advantages(micro, list(parts[0].meta_info["group_sizes"]), rewards)
-        ent_coef = entropy_coef_at(self.actor.entropy_coeff, self.actor.entropy_decay_steps, self.global_step)
-        all_rows, all_resp, every_micro = len(rewards), resp_mask, micro  # the loss divides by every row's
-        kept = all_rows
-        if self._skips_zero_advantage():
-            micro, advs, kept = drop_zero_advantage(micro, advs)
-            resp_mask, behave = (pad_cat([getattr(m, k) for m in micro], width) if micro else t[:0]
-                                 for k, t in (("resp_mask", resp_mask), ("behave", behave)))
+        all_rows, all_resp, every_micro = len(rewards), resp_mask, micro
+        micro, advs, resp_mask, behave = self._trained_rows(micro, advs, resp_mask, behave)
+        kept = len(resp_mask)
 
         # 2. the trainer's log-probs before this update (no grad), per micro-batch: proximal (decoupled; in
         #    bypass mode with rejection, the policy itself) and reference (KL); then rollout correction over
@@ -453,12 +461,13 @@ class Learner:
         # 3. per micro-batch: forward, loss scaled by the micro-batch's share of what the aggregation divides
         #    by, backward (gradients accumulate)
         mode: AggMode = self.actor.loss_agg_mode
-        # rows left out (zero advantage) count in what the loss divides by, as if trained (skip), or not
-        # (drop: the groups with reward variance are the batch); the metrics' means are over the trained rows
-        skipped_count = kept < all_rows and self.actor.zero_advantage_rows == "skip"
-        total = agg_count(all_resp, mode) if skipped_count else agg_count(loss_mask, mode)
+        # rows left out count in what the loss divides by, as if trained (skip: loss_mask is resp_mask there,
+        # no correction), or not (drop: the groups with reward variance are the batch); the metrics' means
+        # are over the trained rows
+        total = agg_count(all_resp if self.actor.zero_advantage_rows == "skip" else loss_mask, mode)
         trained_total, tokens = agg_count(loss_mask, mode), float(loss_mask.sum())
         every_total, ranks = self._dp_count(total)
+        ent_coef = entropy_coef_at(self.actor.entropy_coeff, self.actor.entropy_decay_steps, self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.policy.module.zero_grad(set_to_none=True)  # the module's gradients, moved at the step
