@@ -43,7 +43,8 @@ def test_reward_is_the_datasets_verifier_on_the_extracted_answer() -> None:
     p = next(q for q in (t.make_prompt(random.Random(i)) for i in range(200)) if int(q.answer) > 9)
     lhs = p.text.removeprefix("Calculate ").rstrip(".")
     right = t.reward(p, f"{lhs} = {p.answer}")
-    assert right.exact and right.score == 1.0 and right.metrics == {"acc": 1.0, "score": 1.0, "answered": 1.0}
+    assert right.exact and right.score == 1.0 and right.metrics == {"acc": 1.0, "score": 1.0, "answered": 1.0,
+                                                                    "wrong_sign": 0.0}
     wrong = t.reward(p, f"{lhs} = {int(p.answer) + 1}")
     assert not wrong.exact and wrong.score == 0.0
     nothing = t.reward(p, "I cannot say.")
@@ -55,6 +56,31 @@ def test_reward_is_the_datasets_verifier_on_the_extracted_answer() -> None:
     assert not tagged.reward(p, p.answer).exact  # no tag, no answer
     rebuilt = Prompt(uid="rollout_00-3", text=p.text, answer=p.answer)  # the trainer's recent prompts
     assert t.reward(rebuilt, f"= {p.answer}").exact and not t.reward(rebuilt, "0").exact
+
+
+def test_sign_credit_scores_the_right_number_with_the_wrong_sign_but_never_as_exact() -> None:
+    rng = random.Random(3)
+    items = [task().make_prompt(rng) for _ in range(400)]
+    neg = next(p for p in items if int(p.answer) < 0)
+    pos = next(p for p in items if int(p.answer) > 0)
+    plain, shaped = task(), task(sign_credit=0.5)
+    magnitude = str(-int(neg.answer))
+    assert plain.reward(neg, f"= {magnitude}").score == 0.0  # the verifier alone: no credit
+    half = shaped.reward(neg, f"= {magnitude}")
+    assert half.score == 0.5 and not half.exact and half.metrics["wrong_sign"] == 1.0
+    assert half.metrics["acc"] == 0.0  # what validation counts is unchanged
+    assert shaped.reward(neg, f"= {neg.answer}").score == 1.0  # the right answer keeps full credit
+    assert shaped.reward(neg, f"= {int(magnitude) + 1}").score == 0.0  # another number earns nothing
+    # the verifier's own substring credit ("-12" holds "12": 2/3) is kept where it is higher
+    assert shaped.reward(pos, f"= -{pos.answer}").score == max(0.5, len(pos.answer) / (len(pos.answer) + 1))
+    with pytest.raises(ValueError, match="data.sign_credit=1.0 must be in"):
+        task(sign_credit=1.0)
+    base = ["model.backend=hf", "model.hf_path=/nowhere", "data.task=rg:basic_arithmetic"]
+    assert build_task(load_config("pipeline.yaml", [*base, "data.sign_credit=0.25"])).sign_credit == 0.25
+    with pytest.raises(ConfigError, match="data.sign_credit=0.5 is for rg:<dataset> tasks"):
+        load_config("pipeline.yaml", ["data.task=arith", "data.sign_credit=0.5"])
+    with pytest.raises(ConfigError, match="sign_credit"):
+        load_config("pipeline.yaml", [*base, "data.sign_credit=-0.1"])
 
 
 @pytest.mark.parametrize(("how", "text", "answer"), [

@@ -51,6 +51,14 @@ class DataConfig(Section):
         description="rg:<dataset> only: what of a response the verifier scores: its last number, its last "
                     "<answer>…</answer>, its last non-empty line, or all of it",
     )
+    sign_credit: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="rg:<dataset> only: training score for a numeric answer that is the right number with "
+                    "the wrong sign (reward shaping; val/acc still counts exact answers only); 0 = the "
+                    "verifier's score alone",
+    )
     train_batch_size: int = Field(16, ge=1, description="Samples (prompts) per global step")
     reverse: ReverseTaskConfig = Field(
         default_factory=ReverseTaskConfig, description="The reverse task's prompts (data.task=reverse)"
@@ -83,6 +91,11 @@ class DataConfig(Section):
         elif self.task_args:
             raise ValueError(
                 f"data.task_args={self.task_args!r} is for rg:<dataset> tasks, not data.task={self.task!r}"
+            )
+        elif self.sign_credit:
+            raise ValueError(
+                f"data.sign_credit={self.sign_credit!r} is for rg:<dataset> tasks, "
+                f"not data.task={self.task!r}"
             )
         return self
 

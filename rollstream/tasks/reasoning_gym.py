@@ -57,6 +57,15 @@ def extract_answer(response_text: str, how: str) -> str | None:
     raise ValueError(f"data.answer_extract={how!r} must be one of {EXTRACTORS}")
 
 
+def _wrong_sign(answer: str | None, oracle: str) -> bool:
+    """True when `answer` and `oracle` are numbers of the same non-zero magnitude and opposite signs."""
+    try:
+        a, o = float(answer or ""), float(oracle)
+    except ValueError:
+        return False
+    return a == -o != 0.0
+
+
 def _registry() -> dict[str, tuple[Any, Any]]:
     """reasoning-gym's dataset registry (name -> (dataset class, config class)); ValueError when the package
     is missing."""
@@ -110,10 +119,15 @@ class ReasoningGymTask:
         settings: Mapping[str, Any] | None = None,
         instruction: str = "",
         extract: str = "last_number",
+        sign_credit: float = 0.0,
     ) -> None:
-        """Build the dataset (ValueError naming the field and value for a bad name or setting)."""
+        """Build the dataset (ValueError naming the field and value for a bad name or setting); `sign_credit`
+        scores a numeric answer right but for its sign (training shaping, never exact)."""
         if extract not in EXTRACTORS:
             raise ValueError(f"data.answer_extract={extract!r} must be one of {EXTRACTORS}")
+        if not 0.0 <= sign_credit < 1.0:
+            raise ValueError(f"data.sign_credit={sign_credit!r} must be in [0, 1)")
+        self.sign_credit = sign_credit
         config = check_spec(dataset, dict(settings or {}))
         self.name = f"{PREFIX}{dataset}"
         self.dataset_name = dataset
@@ -157,7 +171,11 @@ class ReasoningGymTask:
             score = 0.0
         score = min(max(score, 0.0), 1.0) if score == score else 0.0
         exact = score >= 1.0
-        metrics = {"acc": float(exact), "score": score, "answered": float(answer is not None)}
+        wrong_sign = not exact and _wrong_sign(answer, str(item.get("answer", "")))
+        if wrong_sign:
+            score = max(score, self.sign_credit)
+        metrics = {"acc": float(exact), "score": score, "answered": float(answer is not None),
+                   "wrong_sign": float(wrong_sign)}
         return RewardResult(score=score, exact=exact, metrics=metrics)
 
     def tool(self, call_text: str) -> str | None:
