@@ -27,8 +27,7 @@ import numpy as np
 
 from rollstream.config import PipelineConfig
 from rollstream.model import Tokenizer
-from rollstream.rollout import Trajectory, prompt_rows
-from schemas import DataProto
+from rollstream.rollout import GenerationRequest, Trajectory
 
 if TYPE_CHECKING:
     from producers.worker import GenerateFn
@@ -81,10 +80,10 @@ class Plan:
 
 
 def plan_dispatch(
-    model: LatencyModel, batch: DataProto, tokenizer: Tokenizer, rng: np.random.Generator
+    model: LatencyModel, request: GenerationRequest, tokenizer: Tokenizer, rng: np.random.Generator
 ) -> Plan:
-    """Draw lengths and tokens for every row of a generation batch (its `prompt_rows`)."""
-    rows = prompt_rows(batch)
+    """Draw lengths and tokens for every row of a generation request (its prompt ids per row)."""
+    rows = [list(row) for row in request.rows]
     lengths = model.draw_lengths(rng, len(rows))
     responses, finished = [], []
     for length in lengths:
@@ -125,9 +124,9 @@ def modelled_generate(
     `rng`, one slot at a time); `version_now` as for run_plan."""
     lock = threading.Lock()  # slots share the rng
 
-    def generate(batch: DataProto, param_version: int) -> list[Trajectory]:
+    def generate(request: GenerationRequest, param_version: int) -> list[Trajectory]:
         with lock:
-            plan = plan_dispatch(model, batch, tokenizer, rng)
+            plan = plan_dispatch(model, request, tokenizer, rng)
         return run_plan(plan, param_version, version_now)
 
     return generate

@@ -1,4 +1,4 @@
-"""Agent loops: generation batches -> finished Trajectories.
+"""Agent loops: generation requests (prompt ids per row) -> finished Trajectories.
 
 `partial_single_turn_agent`: one `policy.generate` call for all rows (prompts x n).
 `async_partial_tool_agent` (arith + calculator): generate a turn, cut it after its first complete
@@ -24,9 +24,8 @@ import torch
 from rollstream.config import PipelineConfig
 from rollstream.model import Completion, Tokenizer
 from rollstream.model.chat import encode_tool_result
-from rollstream.rollout import AGENT_SINGLE_TURN, AGENT_TOOL, Trajectory, prompt_rows
+from rollstream.rollout import AGENT_TOOL, GenerationRequest, Trajectory
 from rollstream.tasks import Task
-from schemas import DataProto
 
 
 class GeneratingPolicy(Protocol):
@@ -145,27 +144,19 @@ def tool_cut(task: Task, tokenizer: Tokenizer, ids: Sequence[int]) -> int | None
 def run_agent_loop(
     policy: GeneratingPolicy,
     task: Task,
-    batch: DataProto,
+    request: GenerationRequest,
     settings: GenerationSettings,
     weights: VersionSource,
     generator: torch.Generator | None = None,
 ) -> list[Trajectory]:
-    """Generate every row of `batch` (prepared prompts: `prompt_rows`) with the loop its
-    per-row `agent_name` (non_tensors; one agent per call) names; returns one Trajectory per row,
-    in row order."""
-    names = batch.non_tensors.get("agent_name")
-    agents = {str(a) for a in names} if names is not None else {AGENT_SINGLE_TURN}
-    if len(agents) != 1:
-        raise ValueError(f"one agent loop per call, got agent_name {sorted(agents)}")
-    agent = agents.pop()
-    if agent not in (AGENT_SINGLE_TURN, AGENT_TOOL):
-        raise ValueError(f"unknown agent_name {agent!r} (expected {AGENT_SINGLE_TURN} or {AGENT_TOOL})")
-    rows = prompt_rows(batch)
+    """Generate every row of `request` (its prompt ids) with the agent loop it names; returns one
+    Trajectory per row, in row order."""
+    agent = request.agent
     max_turns = settings.max_turns if agent == AGENT_TOOL else 1
     tok = policy.tokenizer
     limit = policy.max_seq_len
 
-    trajs = [Trajectory(prompt_ids=r) for r in rows]
+    trajs = [Trajectory(prompt_ids=list(r)) for r in request.rows]
     active = list(range(len(trajs)))
     for turn in range(max_turns):
         if not active:

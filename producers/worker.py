@@ -65,16 +65,16 @@ from rollstream.pacing import (
     rollout_counts,
 )
 from rollstream.rollout import (
+    GenerationRequest,
     Trajectory,
     build_rollout_sample,
-    concat_generation_data,
     failed_trajectories,
-    prepare_single_generation_data,
+    generation_request,
 )
 from rollstream.runtime.process import EXIT_HUNG, WorkerContext
 from rollstream.tasks import Prompt, Task
 from rollstream.weights.store import latest_param_version
-from schemas import ROLLOUT_FAILURE, DataProto, RolloutSample, decode_cursor, encode, encode_cursor
+from schemas import ROLLOUT_FAILURE, RolloutSample, decode_cursor, encode, encode_cursor
 
 if TYPE_CHECKING:
     from producers.continuous import ContinuousLoop
@@ -85,9 +85,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.005  # sleep between checks while idle (a lease or a version): the wait for a lease is latency
 BURST_WAIT_S = 0.25  # burst mode: how long to wait for a lease asked for before stopping
 
-#: Generation of one dispatch: (the batch, prompts x n rows prompt-major; the param version stamped at
+#: Generation of one dispatch: (the request, prompts x n rows prompt-major; the param version stamped at
 #: dispatch) -> one trajectory per row, in row order.
-GenerateFn = Callable[[DataProto, int], list[Trajectory]]
+GenerateFn = Callable[[GenerationRequest, int], list[Trajectory]]
 
 
 class PublishError(RuntimeError):
@@ -176,9 +176,9 @@ class Producer:
         #: called by the generation watchdog after publishing a hung dispatch (tests replace the exit)
         self.on_hung: Callable[[], None] = partial(exit_hung, EXIT_HUNG)
 
-    def agent_loop(self, batch: DataProto, param_version: int) -> list[Trajectory]:
+    def agent_loop(self, request: GenerationRequest, param_version: int) -> list[Trajectory]:
         """The default generation: the policy through the agent loop (weights may change mid-generation)."""
-        return run_agent_loop(self.policy, self.task, batch, self.settings, self.weights, self.generator)
+        return run_agent_loop(self.policy, self.task, request, self.settings, self.weights, self.generator)
 
     # ---- start-up ---------------------------------------------------------------------------------
     def start(self) -> bool:
@@ -348,18 +348,15 @@ class Producer:
         items, param_version, ids = self._take_prompts(amount)
         if not items:
             return []
-        groups = [
-            prepare_single_generation_data(
-                p, cfg.rollout.n, self.multi_turn, self.policy.tokenizer, sample_id=sid
-            )
-            for sid, (_, _, p) in zip(ids, items, strict=True)
-        ]
-        batch = concat_generation_data(groups, self.policy.tokenizer.pad_id)  # prompts*n rows, prompt-major
+        # prompts*n rows, prompt-major; each group's sample id and prompt stay in ids/items for _finish
+        request = generation_request(
+            [p for _, _, p in items], cfg.rollout.n, self.multi_turn, self.policy.tokenizer
+        )
         t0 = time.perf_counter()
-        failures = partial(self._publish_failures, ids, items, param_version, batch, t0, before)
+        failures = partial(self._publish_failures, ids, items, param_version, request, t0, before)
         try:
             with GenerationWatchdog(cfg.rollout.generate_timeout_s, partial(self._hung, failures)):
-                trajs = self.generate(batch, param_version)
+                trajs = self.generate(request, param_version)
         except (GenerationHung, EngineError):  # a failed swap or a broken engine: exit, keep the lease
             raise
         except CONNECTION_ERRORS:
@@ -384,14 +381,14 @@ class Producer:
         ids: list[str],
         items: list[tuple[int, int, Prompt]],
         param_version: int,
-        batch: DataProto,
+        request: GenerationRequest,
         t0: float,
         before: tuple[int, int],
     ) -> list[RolloutSample]:
         """Publish a dispatch whose generation (begun at `t0`) failed: each prompt with empty responses and
         rollout_status `rollout_failure` = 1; returns the samples."""
         elapsed = time.perf_counter() - t0
-        trajs = failed_trajectories(batch, param_version, elapsed)
+        trajs = failed_trajectories(request, param_version, elapsed)
         return self._finish(ids, items, param_version, trajs, elapsed, self._status(True), before)
 
     def _hung(self, publish_failures: Callable[[], list[RolloutSample]]) -> None:

@@ -1,8 +1,7 @@
-"""Rollouts: a prompt -> the generation batch (verl's prepare_single_generation_data), the `Trajectory`
-an agent loop fills, and finished trajectories -> one RolloutSample in the wire conventions the trainer
-reads (`build_rollout_sample`: ragged arrays, nothing padded). Producers publish what this module builds, and
-the test and benchmark
-fakes (rollstream/testing/fakes.py) are built with it too."""
+"""Rollouts: prompts -> the `GenerationRequest` a dispatch generates (token lists, one per row), the
+`Trajectory` an agent loop fills, and finished trajectories -> one RolloutSample in the wire conventions the
+trainer reads (`build_rollout_sample`: ragged arrays, nothing padded). Producers publish what this module
+builds, and the test and benchmark fakes (rollstream/testing/fakes.py) are built with it too."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import numpy as np
 from rollstream.model import Tokenizer
 from rollstream.model.chat import encode_prompt
 from rollstream.tasks import Prompt, RewardResult
-from schemas import DataProto, RolloutSample
+from schemas import RolloutSample
 from schemas.batch import object_array
 from schemas.ragged import RaggedBatch, ids_dtype
 
@@ -58,62 +57,50 @@ class Trajectory:
         return sum(self.response_mask)
 
 
-def prepare_single_generation_data(
-    prompt: Prompt, n: int, multi_turn: bool, tokenizer: Tokenizer, *, sample_id: str | None = None
-) -> DataProto:
-    """One prompt as a generation batch: its row (`encode_prompt`: the chat template's rendering when the
-    tokenizer uses one, else bos + prompt ids) repeated n times interleaved, one
-    group `uid` (= sample_id, else the prompt uid) for all rows, and per row in non_tensors the
-    `agent_name` chosen by multi-turn and the prompt's ids unpadded as `raw_prompt_ids` (as verl's
-    non_tensor_batch, what its vLLM rollout reads)."""
-    prompt_ids = encode_prompt(tokenizer, prompt.text)
-    ids = np.asarray([prompt_ids], dtype=np.int64)  # [1,P]
-    row = DataProto(
-        tensors={"input_ids": ids, "attention_mask": np.ones_like(ids)},
-        non_tensors={
-            "raw_prompt_ids": object_array([prompt_ids]),
-            "uid": object_array([sample_id or prompt.uid]),
-            "raw_prompt": object_array([prompt.text]),
-            "prompt_uid": object_array([prompt.uid]),
-            "agent_name": object_array([AGENT_TOOL if multi_turn else AGENT_SINGLE_TURN]),
-        },
-    )
-    return row.repeat(n, interleave=True)
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a dispatch hands its generation: each row's prompt ids, unpadded (prompts x n rows,
+    prompt-major: a prompt's n rows are contiguous), and the agent loop (`agent`, one per request) that
+    generates them. Token lists straight through, nothing padded: the agent loops, the engines
+    (`generate(prompts: list[list[int]], ...)`) and the latency model read nothing else; the group's sample
+    id, the prompt text and its answer stay with the producer, which packs each group's trajectories with
+    them (`build_rollout_sample`)."""
+
+    rows: list[list[int]]
+    agent: str = AGENT_SINGLE_TURN
+
+    def __post_init__(self) -> None:
+        if self.agent not in (AGENT_SINGLE_TURN, AGENT_TOOL):
+            raise ValueError(f"unknown agent {self.agent!r} (expected {AGENT_SINGLE_TURN} or {AGENT_TOOL})")
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
-def prompt_rows(batch: DataProto) -> list[list[int]]:
-    """Each row's prompt ids, unpadded: `raw_prompt_ids` when the batch carries them (as prepared here),
-    else the attended `input_ids` of each row."""
-    raw = batch.non_tensors.get("raw_prompt_ids")
-    if raw is not None:
-        return [list(row) for row in raw]
-    ids, mask = batch.tensors["input_ids"], batch.tensors["attention_mask"]
-    return [[int(t) for t, m in zip(r, mr, strict=True) if m] for r, mr in zip(ids, mask, strict=True)]
+def generation_request(
+    prompts: Sequence[Prompt], n: int, multi_turn: bool, tokenizer: Tokenizer
+) -> GenerationRequest:
+    """Prompts as one generation request (verl's prepare_single_generation_data, without the padded
+    tensors nothing read): each prompt's ids (`encode_prompt`: the chat template's rendering when the
+    tokenizer uses one, else bos + prompt ids) as n rows, prompt-major; agent `async_partial_tool_agent`
+    when multi-turn is on, else `partial_single_turn_agent`."""
+    rows: list[list[int]] = []
+    for prompt in prompts:
+        ids = encode_prompt(tokenizer, prompt.text)
+        rows.extend(list(ids) for _ in range(n))  # a list per row: a trajectory owns its prompt ids
+    return GenerationRequest(rows, AGENT_TOOL if multi_turn else AGENT_SINGLE_TURN)
 
 
-def failed_trajectories(batch: DataProto, param_version: int, seconds: float) -> list[Trajectory]:
-    """One empty trajectory per row of a generation batch whose generation failed: the row's prompt, no
+def failed_trajectories(request: GenerationRequest, param_version: int, seconds: float) -> list[Trajectory]:
+    """One empty trajectory per row of a generation request whose generation failed: the row's prompt, no
     response, unfinished (the producer still publishes the group, marked as a rollout failure)."""
     return [
         Trajectory(
-            prompt_ids=row, version_start=param_version, version_end=param_version, processing_time_s=seconds
+            prompt_ids=list(row), version_start=param_version, version_end=param_version,
+            processing_time_s=seconds,
         )
-        for row in prompt_rows(batch)
+        for row in request.rows
     ]
-
-
-def concat_generation_data(batches: Sequence[DataProto], pad_id: int) -> DataProto:
-    """Concatenate prepared prompt batches, left-padding `input_ids`/`attention_mask` to one width."""
-    width = max(b.tensors["input_ids"].shape[1] for b in batches)
-    padded = []
-    for b in batches:
-        extra = width - b.tensors["input_ids"].shape[1]
-        tensors = {
-            "input_ids": np.pad(b.tensors["input_ids"], ((0, 0), (extra, 0)), constant_values=pad_id),
-            "attention_mask": np.pad(b.tensors["attention_mask"], ((0, 0), (extra, 0)), constant_values=0),
-        }
-        padded.append(DataProto(tensors, b.non_tensors, b.meta_info))
-    return DataProto.concat(padded)
 
 
 def token_scores(

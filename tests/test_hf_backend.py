@@ -25,7 +25,7 @@ from rollstream.model import CharTokenizer, Completion, build_batch  # noqa: E40
 from rollstream.model.base import resolve_dtype  # noqa: E402
 from rollstream.model.chat import encode_prompt, encode_tool_result, render_tool_turn  # noqa: E402
 from rollstream.model.hf import HFPolicy, HFTokenizer  # noqa: E402
-from rollstream.rollout import concat_generation_data, prepare_single_generation_data  # noqa: E402
+from rollstream.rollout import generation_request  # noqa: E402
 from rollstream.tasks import ArithToolTask, Prompt, calculate  # noqa: E402
 from rollstream.testing.hf_tiny import (
     build_tokenizer,  # noqa: E402
@@ -245,8 +245,8 @@ def test_prompts_are_rendered_with_the_chat_template_when_there_is_one() -> None
     assert not no_template.use_chat_template
     assert encode_prompt(no_template, "12+3=?") == CharTokenizer().encode("12+3=?", add_bos=True)
     assert encode_tool_result(no_template, "[=15]") == CharTokenizer().encode("[=15]")
-    batch = prepare_single_generation_data(Prompt(uid="u", text="12+3=?", answer="15"), 2, True, chat)
-    assert batch.tensors["input_ids"].tolist() == [ids, ids]  # what producers generate from
+    request = generation_request([Prompt(uid="u", text="12+3=?", answer="15")], 2, True, chat)
+    assert request.rows == [ids, ids]  # what producers generate from
 
 
 def test_tool_results_go_in_the_templates_tool_turn() -> None:
@@ -286,10 +286,10 @@ def test_multi_turn_tool_agent_with_a_chat_template() -> None:
     tok = HFTokenizer(build_tokenizer("bpe", chat_template=True))
     task = ArithToolTask()
     prompt = Prompt(uid="p", text="12*3+4=?", answer=str(calculate("12*3+4")))
-    batch = concat_generation_data([prepare_single_generation_data(prompt, 2, True, tok)], tok.pad_id)
+    request = generation_request([prompt], 2, True, tok)
     policy = ScriptedChatPolicy(tok)
     settings = GenerationSettings(max_new_tokens=32, max_turns=3)
-    trajs = run_agent_loop(policy, task, batch, settings, FixedVersion(0))  # type: ignore[arg-type]
+    trajs = run_agent_loop(policy, task, request, settings, FixedVersion(0))  # type: ignore[arg-type]
     call, turn, answer = (
         tok.encode("[calc:12*3+4]"),
         encode_tool_result(tok, "[=40]"),

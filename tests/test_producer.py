@@ -599,11 +599,11 @@ def test_a_generation_failure_publishes_its_prompts_as_rollout_failures(
     start_run(r, keys, policy.state_dict_bytes(), grant=cfg.max_outstanding)
     calls = []
 
-    def flaky(batch: Any, param_version: int) -> Any:
+    def flaky(request: Any, param_version: int) -> Any:
         calls.append(param_version)
         if len(calls) == 1:
             raise TimeoutError("engine did not answer within 30 s")
-        return producer.agent_loop(batch, param_version)
+        return producer.agent_loop(request, param_version)
 
     producer = Producer(context(cfg, keys, "rollout_00", redis_url), generate=flaky)
     assert producer.run(max_dispatches=2) == 2
@@ -626,9 +626,9 @@ def test_a_generation_that_never_returns_is_published_as_failures_once(
     start_run(r, keys, build_blob(cfg, 0), grant=cfg.max_outstanding)
     release, ended = threading.Event(), threading.Event()
 
-    def hang(batch: Any, param_version: int) -> Any:
+    def hang(request: Any, param_version: int) -> Any:
         release.wait(30)
-        return producer.agent_loop(batch, param_version)
+        return producer.agent_loop(request, param_version)
 
     producer = Producer(context(cfg, keys, "rollout_00", redis_url), generate=hang)
     producer.on_hung = ended.set  # instead of os._exit(EXIT_HUNG)

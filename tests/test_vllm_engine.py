@@ -35,7 +35,7 @@ from rollstream.fingerprint import default_max_diff, policy_probe_logprobs, prob
 from rollstream.keys import Keys, producer_names  # noqa: E402
 from rollstream.model.hf import HFPolicy  # noqa: E402
 from rollstream.pacing import lease_outright  # noqa: E402
-from rollstream.rollout import AGENT_TOOL, prepare_single_generation_data  # noqa: E402
+from rollstream.rollout import AGENT_TOOL, generation_request  # noqa: E402
 from rollstream.runtime.process import WorkerContext  # noqa: E402
 from rollstream.tasks import Prompt  # noqa: E402
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
@@ -185,12 +185,10 @@ def test_tool_agent_runs_token_in_token_out(
     sync = WeightSync(r, keys, None, "rollout_00", loader=engine.load_param_version)
     publish_weights(r, keys, 0, reference.state_dict_bytes(), global_step=0, inline_max_bytes=1 << 30)
     assert sync.refresh()
-    batch = prepare_single_generation_data(
-        Prompt(uid="p", text="12+30=?", answer="42"), 2, True, engine.tokenizer
-    )
+    request = generation_request([Prompt(uid="p", text="12+30=?", answer="42")], 2, True, engine.tokenizer)
     settings = GenerationSettings(max_new_tokens=6, temperature=1.0, max_turns=3, partial_rollout=False)
-    trajs = run_agent_loop(engine, _CallAfterThreeChars(), batch, settings, sync)  # type: ignore[arg-type]
-    assert batch.non_tensors["agent_name"][0] == AGENT_TOOL
+    trajs = run_agent_loop(engine, _CallAfterThreeChars(), request, settings, sync)  # type: ignore[arg-type]
+    assert request.agent == AGENT_TOOL
     for t in trajs:
         assert t.num_turns >= 2 and 0 in t.response_mask  # tool tokens went in between turns, masked
         # the trainer's recompute over exactly these ids gives the engine's log-probs at every generated
