@@ -359,6 +359,7 @@ def test_a_producer_cannot_publish_in_another_producers_name(roles: Roles, tmp_p
     may write only its own streams; on them, a sample or stats in another's name (the `producer` field, or a
     sample_id not `<producer>-…`) is dead-lettered with the reason, never trained or folded."""
     from consumers.trainer.collect import Collector, rollouts_reader
+    from consumers.trainer.effects import TrainerEffects
 
     keys, p0, p1 = roles.keys, roles.producers[P0], roles.producers["rollout_01"]
     forged = encode(
@@ -381,7 +382,8 @@ def test_a_producer_cannot_publish_in_another_producers_name(roles: Roles, tmp_p
     stop = threading.Event()
     dp: Any = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
     reader = rollouts_reader(cfg, roles.trainer, keys, "trainer", stop)
-    collector = Collector(cfg, roles.trainer, keys, reader, dp, stop, True, 1000, 64, lambda: None)
+    effects = TrainerEffects(cfg, roles.trainer, keys, tmp_path / "weights", dp)
+    collector = Collector(cfg, effects, reader, dp, stop, True, 1000, 64)
     while collector.fill() and not reader.drained:
         pass
     assert [m.event.sample_id for m in collector.buffer] == [f"{P0}-0"]  # type: ignore[union-attr]
@@ -470,21 +472,12 @@ def test_a_producer_cannot_move_the_pacing_nor_take_more_than_its_lease(roles: R
     from types import SimpleNamespace
 
     from consumers.trainer.collect import Collector, rollouts_reader
+    from consumers.trainer.effects import TrainerEffects
 
     dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
     reader = rollouts_reader(cfg, trainer, keys, "trainer", threading.Event())
-    collector = Collector(
-        cfg,
-        trainer,
-        keys,
-        reader,
-        dp,
-        threading.Event(),
-        False,
-        1000,
-        64,  # type: ignore[arg-type]
-        lambda: None,
-    )
+    effects = TrainerEffects(cfg, trainer, keys, cfg.run_dir() / "weights", dp)  # type: ignore[arg-type]
+    collector = Collector(cfg, effects, reader, dp, threading.Event(), False, 1000, 64)  # type: ignore[arg-type]
     while len(collector.buffer) < 8:
         assert collector.fill()
     assert roles.admin.xlen(keys.dead) == 40
@@ -542,6 +535,7 @@ def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish
     the batch, and rollout_00's late publish of a taken-back seq is dead-lettered ("lease expired") and
     counts nothing."""
     from consumers.trainer.collect import Collector, rollouts_reader
+    from consumers.trainer.effects import TrainerEffects
     from rollstream.pacing import LeaseExpiry
 
     keys, trainer = roles.keys, roles.trainer
@@ -571,8 +565,8 @@ def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish
     publish(hoarder, P0, 8)  # its probation lease: fine
     dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
     reader = rollouts_reader(cfg, trainer, keys, "trainer", threading.Event())
-    collector = Collector(cfg, trainer, keys, reader, dp, threading.Event(), False, 1000, 64,  # type: ignore[arg-type]
-                          lambda: None)
+    effects = TrainerEffects(cfg, trainer, keys, cfg.run_dir() / "weights", dp)  # type: ignore[arg-type]
+    collector = Collector(cfg, effects, reader, dp, threading.Event(), False, 1000, 64)  # type: ignore[arg-type]
     while len(collector.buffer) < 8:
         assert collector.fill()
     collector.fill()
@@ -604,6 +598,7 @@ def test_no_revoked_bit_is_read_until_a_lease_expires_and_a_late_publish_is_stil
     expired. Now 16 samples cost no GETBIT (one EXISTS per producer at the start); once a lease expires in
     the trainer's process, the same collector reads bits again and still refuses a late publish."""
     from consumers.trainer.collect import Collector, rollouts_reader
+    from consumers.trainer.effects import TrainerEffects
     from rollstream.pacing import expire_lease
 
     keys, trainer, admin = roles.keys, roles.trainer, roles.admin
@@ -623,8 +618,8 @@ def test_no_revoked_bit_is_read_until_a_lease_expires_and_a_late_publish_is_stil
     publish(P0, range(4))
     dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
     reader = rollouts_reader(cfg, trainer, keys, "trainer", threading.Event())
-    collector = Collector(cfg, trainer, keys, reader, dp, threading.Event(), False, 1000, 64,  # type: ignore[arg-type]
-                          lambda: None)
+    effects = TrainerEffects(cfg, trainer, keys, cfg.run_dir() / "weights", dp)  # type: ignore[arg-type]
+    collector = Collector(cfg, effects, reader, dp, threading.Event(), False, 1000, 64)  # type: ignore[arg-type]
     admin.config_resetstat()
     while len(collector.buffer) < 12:
         assert collector.fill()

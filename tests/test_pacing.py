@@ -207,6 +207,7 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
     it leaves it to the next process, whose first pass reads `dead` and tops the budget up (sync mode would
     otherwise wait forever for the 4th). A junk entry that names no leased prompt counts nothing."""
     from consumers.trainer.collect import Collector, rollouts_reader
+    from consumers.trainer.effects import TrainerEffects
     from rollstream.config import load_config
     from rollstream.testing.fakes import fake_rollout_sample
     from schemas import encode
@@ -233,18 +234,8 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
 
     def collector() -> Collector:
         reader = rollouts_reader(cfg, r, keys, "trainer", threading.Event())
-        return Collector(
-            cfg,
-            r,
-            keys,
-            reader,
-            dp,
-            threading.Event(),
-            False,
-            1000,
-            64,  # type: ignore[arg-type]
-            lambda: None,
-        )
+        effects = TrainerEffects(cfg, r, keys, cfg.run_dir() / "weights", dp)  # type: ignore[arg-type]
+        return Collector(cfg, effects, reader, dp, threading.Event(), False, 1000, 64)  # type: ignore[arg-type]
 
     first = collector()
     first.reader.poll(0)  # the corrupt entries are dead-lettered inside the read...

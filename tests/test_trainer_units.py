@@ -297,6 +297,42 @@ def test_an_effect_is_retried_whole_under_its_name(caplog: pytest.LogCaptureFixt
     assert "granting version 3 failed, redis unavailable" in caplog.text
 
 
+def test_a_best_effort_effect_gives_up_at_its_deadline_and_a_refused_login_is_never_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`effect(until=...)`: retried until the deadline, then given up with a warning (None back); a plain
+    effect raises a refused login at once (the process exits with EXIT_REFUSED)."""
+    import logging
+    import time
+
+    from consumers.trainer.effects import TrainerEffects, effect
+
+    class Gone(TrainerEffects):
+        def __init__(self) -> None:  # no Redis: the policy is what is tested
+            self.calls = 0
+
+        @effect("settling", until="deadline")
+        def settle(self, deadline: float) -> None:
+            self.calls += 1
+            raise redis.ConnectionError("gone")
+
+        @effect("granting")
+        def refused(self) -> None:
+            self.calls += 1
+            raise redis.AuthenticationError("user is off")
+
+    gone = Gone()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="consumers.trainer.loop"):
+        assert gone.settle(time.monotonic() + 0.3) is None
+    assert time.monotonic() - t0 < 2.0 and gone.calls >= 1
+    assert "settling: given up, redis unreachable until its deadline" in caplog.text
+    gone.calls = 0
+    with pytest.raises(redis.AuthenticationError):
+        gone.refused()
+    assert gone.calls == 1
+
+
 @pytest.mark.parametrize("size", [3, 0])
 def test_validation_re_decodes_only_the_newest_val_recent_size_trained_prompts(
     size: int, r: redis.Redis, keys: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
