@@ -62,15 +62,14 @@ from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.evaluate import validate
 from consumers.trainer.learner import UPDATE_SKIPPED, Learner
 from consumers.trainer.ledger import StepLedger, merge_ledgers
-from consumers.trainer.staleness import STALE_SAMPLES, STALE_TRAJECTORIES, LengthBuckets, count_stale
+from consumers.trainer.staleness import STALE_SAMPLES, STALE_TRAJECTORIES, LengthBuckets
 from rollstream.bus import EntryRef
 from rollstream.config import PipelineConfig
 from rollstream.keys import Keys
 from rollstream.model.base import resolve_device
-from rollstream.rl.metrics import finite_metrics
 from rollstream.tasks import Prompt
 from rollstream.weights.store import Probe
-from schemas import SKIPPED, TRAINED, RolloutSample, StepMetrics, ValidateMetrics
+from schemas import SKIPPED, TRAINED, RolloutSample, ValidateMetrics
 
 log = logging.getLogger(__name__)
 
@@ -189,25 +188,21 @@ class Trainer:
 
     def _local_update(self, g: int, local: int, ledger: StepLedger, got: Collected, t_gen: float) -> None:
         """(2) One local update of step g on the collected samples: assemble, update, record their fates in
-        the step's ledger, emit a `local_update` event."""
+        the step's ledger, emit a `local_update` event (its metrics: step_report.local_update_event)."""
         t0 = time.perf_counter()
         samples: list[RolloutSample] = [m.event for m, _ in got.kept]  # type: ignore[misc]
-        micro, asm_metrics = assemble_micro_batches(samples, self.cfg.actor.micro_batch_size)
+        micro, batch_metrics = assemble_micro_batches(samples, self.cfg.actor.micro_batch_size)
         t_asm = time.perf_counter() - t0
-        metrics = self.learner.update(micro)
-        fate = SKIPPED if metrics.get(UPDATE_SKIPPED) else TRAINED  # a skipped step trained nothing
+        learned = self.learner.update(micro)
+        fate = SKIPPED if learned.get(UPDATE_SKIPPED) else TRAINED  # a skipped step trained nothing
         self.recent.extend(step_report.record_fates(ledger, got.kept, fate, g))
-        transport_s = self.collector.transport_since_last()
-        metrics.update(asm_metrics)
-        got_metrics, fg_counts = step_report.collected_metrics(got, self.cfg.algorithm.filter_groups.enable)
-        metrics.update(got_metrics)
         self.lengths.add(got.kept, got.dropped_lengths)
-        trajectory_versions = micro[0].meta_info["trajectory_param_versions"]
-        metrics.update(count_stale(self.counters, g - 1, samples, trajectory_versions))
-        metrics.update({"training/global_step": float(g), "timing_s/gen": t_gen, "timing_s/assemble": t_asm})
-        metrics.update({"timing_s/transport": transport_s, "fully_async/total_wait_time": t_gen})
-        update = StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(got.kept),
-                             rank=self.dp.rank, metrics=finite_metrics(metrics), counts=fg_counts)
+        timings = step_report.UpdateTimings(t_gen, t_asm, self.collector.transport_since_last())
+        versions = micro[0].meta_info["trajectory_param_versions"]
+        fg = self.cfg.algorithm.filter_groups.enable
+        update = step_report.local_update_event(
+            g, local, self.dp.rank, got, learned, batch_metrics, versions, self.counters, timings, fg
+        )
         self.effects.emit_local_update(update)
         self.effects.heartbeat()
 
