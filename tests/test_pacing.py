@@ -13,6 +13,7 @@ import redis
 from conftest import P0, PRODUCERS
 
 import rollstream.pacing as pacing
+from consumers.trainer.rank_agreement import RankRoles
 from rollstream.bus import setup_run
 from rollstream.keys import Keys
 from rollstream.pacing import (
@@ -230,7 +231,7 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
             fields["payload"] = b"\xc1 corrupt"
         pipe.xadd(keys.rollouts_of(P0), fields)  # type: ignore[arg-type]
     pipe.execute()
-    dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    dp = SimpleNamespace(rank=0, world_size=1, roles=RankRoles())
 
     def collector() -> Collector:
         reader = rollouts_reader(cfg, r, keys, "trainer", threading.Event())

@@ -383,3 +383,20 @@ def test_a_local_updates_metrics_are_put_together_in_one_place() -> None:
     assert m[f"fully_async/count/{STALE_TRAJECTORIES}"] == 7.0
     assert (m["timing_s/gen"], m["timing_s/assemble"], m["timing_s/transport"]) == (1.5, 0.25, 0.125)
     assert m["fully_async/total_wait_time"] == 1.5
+
+
+@pytest.mark.parametrize(
+    ("rank", "world", "strategy", "main", "agreed", "whole_model"),
+    [(0, 1, "ddp", True, False, True), (1, 2, "ddp", False, True, False), (0, 2, "ddp", True, True, True),
+     (1, 2, "fsdp", False, True, True), (0, 1, "fsdp", True, False, True)],
+)
+def test_a_ranks_roles_are_read_off_its_place_and_the_strategy(
+    rank: int, world: int, strategy: str, main: bool, agreed: bool, whole_model: bool
+) -> None:
+    """RankRoles: rank 0 alone is `main`; several ranks agree; under fsdp every rank takes part in what needs
+    the whole model (validation, the optimizer state), under ddp rank 0 alone."""
+    from consumers.trainer.rank_agreement import RankInfo, RankRoles
+
+    roles = RankRoles.of(RankInfo(rank, world), strategy)
+    assert (roles.main, roles.agreed, roles.whole_model) == (main, agreed, whole_model)
+    assert roles.sharded == (strategy == "fsdp")

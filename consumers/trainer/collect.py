@@ -163,7 +163,7 @@ class Collector:
         self.leases: dict[str, int] = {}  # producer -> prompts leased to it, as last read
         # which producers had seqs taken back (rank 0's Leaser expires leases in this process; other ranks
         # read again each pass): a revoked bit is read only for those (rollstream/revoked.py)
-        self.revoked = RevokedWatch(self.keys, producer_names(cfg.rollout.num_producers), local=dp.is_main)
+        self.revoked = RevokedWatch(self.keys, producer_names(cfg.rollout.num_producers), local=dp.roles.main)
         # a replay copy's rollouts were copied by an admin, not published under leases: not checked
         self.check_leases = not effects.is_replay_copy()
         self._transport_mark = 0.0  # the reader's transport_s at the last transport_since_last
@@ -284,7 +284,7 @@ class Collector:
         """The buffer lacks `need` samples: run one more pass of the loop; True when the caller must give up
         (stop requested, or in burst mode no rollout is left). With several ranks a pass reads at most
         `need` entries, so no rank hoards what the others wait for (pacing caps what is outstanding)."""
-        if self.dp.active:
+        if self.dp.roles.agreed:
             self.reader.count = max(1, min(self.cfg.bus.read_count, need))
         return self.stop.is_set() or not self.fill()
 
@@ -296,7 +296,7 @@ class Collector:
             ended = self.stop.is_set() or self.used_up
             if len(self.buffer) < want and not ended:
                 ended = self.starve(want - len(self.buffer))
-            if not self.dp.active:
+            if not self.dp.roles.agreed:
                 if ended or len(self.buffer) >= want:
                     break
                 continue
@@ -348,7 +348,7 @@ class Collector:
                 ended = self.starve(short)
                 taken += self.take(g, short)
             ready = len(got.kept) + sum(self.verdict(m, st) is None for m, st in taken) >= want
-            if self.dp.active:
+            if self.dp.roles.agreed:
                 claim = RoundClaim(
                     ended or self.stop.is_set(),
                     len(got.kept),

@@ -124,11 +124,11 @@ class TrainerEffects:
         """Rank 0 alone runs the janitor (when `bus.retention` is on)."""
         self.cfg, self.r, self.keys, self.weights_dir = cfg, r, keys, weights_dir
         self.publisher = Publisher(r, nomkstream=True)
-        self.janitor = Janitor.from_config(cfg, r, keys) if cfg.bus.retention and dp.is_main else None
+        self.janitor = Janitor.from_config(cfg, r, keys) if cfg.bus.retention and dp.roles.main else None
         # this rank's heartbeat fields: rank 0 `heartbeat`; with several ranks also `heartbeat:r<rank>`
-        self.heartbeat_fields = [HEARTBEAT_FIELD] if dp.is_main else []
+        self.heartbeat_fields = [HEARTBEAT_FIELD] if dp.roles.main else []
         self.leaser: Leaser | None = None  # rank 0's lease loop, once resumed
-        if dp.active:
+        if dp.roles.agreed:
             self.heartbeat_fields.append(rank_heartbeat_field(dp.rank))
 
     def start_leaser(self) -> None:

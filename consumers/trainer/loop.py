@@ -121,9 +121,10 @@ class Trainer:
             self.global_step = int(meta["global_step"])
             log.info("resumed from checkpoint of global step %d", self.global_step)
         g0 = self.global_step
-        whole = self.learner.whole_weights() if self.dp.sharded else None  # fsdp: a collective
+        roles = self.dp.roles
+        whole = self.learner.whole_weights() if roles.sharded else None  # fsdp: a collective
         probe = self.learner.probe()  # every rank: a forward (a collective under fsdp)
-        if self.dp.is_main:
+        if roles.main:
             ledgers = [StepLedger.from_plain(d) for d in meta["steps"]] if meta is not None else []
             module = self.learner.policy.module
             self.effects.resume_main(g0, ledgers, module, whole, self.dp.world_size, probe)
@@ -164,7 +165,7 @@ class Trainer:
         ledger = StepLedger(g)
         self.collector.step_dead = 0
         if g > self.training_step:  # before any event of step g: the aggregator places nothing beyond it
-            if self.dp.is_main:  # the other ranks emit nothing of step g before rank 0's first collective
+            if self.dp.roles.main:  # the other ranks emit nothing of step g before rank 0's first collective
                 self.effects.mark_training_step(g)
             self.training_step = g
         self.learner.begin_step(g)
@@ -178,7 +179,7 @@ class Trainer:
             if cfg.trainer.sync_mode and local == 1:  # synchronous RL: the whole global batch first
                 collected = [self._collect(g, ledger) for _ in range(K)]
             got = collected[local - 1] if cfg.trainer.sync_mode else self._collect(g, ledger)
-            if got is None or (self.stop.is_set() and not self.dp.active):  # ranks stop only when they agree
+            if got is None or (self.stop.is_set() and not self.dp.roles.agreed):  # ranks stop when they agree
                 why = "no rollouts left (burst)" if self.collector.used_up else "stop requested"
                 log.warning("%s during global step %d: abandoning it (samples stay pending)", why, g)
                 return False
@@ -230,11 +231,11 @@ class Trainer:
         due = due or any(rep["over_budget"] for rep in reports)  # ack now: acked entries may leave Redis
         t0 = time.perf_counter()
         # under fsdp reading the whole weights and optimizer state is a collective: every rank takes part
-        whole = self.learner.whole_weights() if self.dp.sharded else None
+        roles = self.dp.roles
+        whole = self.learner.whole_weights() if roles.sharded else None
         probe = self.learner.probe()  # the swap check's fingerprint of version g (every rank: fsdp)
-        reads_state = due and (self.dp.is_main or self.dp.sharded)
-        optimizer_state = self.learner.optimizer_state() if reads_state else {}
-        if self.dp.is_main:
+        optimizer_state = self.learner.optimizer_state() if due and roles.whole_model else {}
+        if roles.main:
             timings = self._checkpoint(g, reports, whole, optimizer_state, t_step, t0) if due else {}
             self._publish_commit_grant(g, merged, whole, due, timings, t_step, probe)
         if due:
@@ -248,10 +249,10 @@ class Trainer:
     def _evaluate(self, version: int) -> None:
         """(3) Validate version `version` (evaluate.validate) and emit a `validation` event. Rank 0 alone;
         under fsdp every rank decodes in step (the weights are sharded)."""
-        if not (self.dp.is_main or self.dp.sharded):
+        if not self.dp.roles.whole_model:
             return
         metrics = validate(self.cfg, self.learner.policy, self.dp, list(self.recent))
-        if metrics and self.dp.is_main:
+        if metrics and self.dp.roles.main:
             ev = ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
             self.effects.emit_validation(ev)
             log.info("validation of version %d: %s", version, metrics)
@@ -295,7 +296,7 @@ class Trainer:
             # stop before the next step: a world of one asks its stop flag; ranks use what they agreed at
             # the last step end (a stop arriving since is agreed in the next step's first round)
             while self.global_step < total and not (
-                self.agreed_stop if self.dp.active else self.stop.is_set()
+                self.agreed_stop if self.dp.roles.agreed else self.stop.is_set()
             ):
                 if not self.train_step(self.global_step + 1):
                     break
