@@ -160,32 +160,53 @@ class Trainer:
     def train_step(self, g: int) -> bool:
         """Run global step g: (1) begin, (2) K local updates, then (3-5) finish the step; False when
         stopped mid-step (the partial step is abandoned, nothing acked)."""
-        cfg = self.cfg
         t_step = time.perf_counter()
-        ledger = StepLedger(g)
-        self.collector.step_dead = 0
-        if g > self.training_step:  # before any event of step g: the aggregator places nothing beyond it
-            if self.dp.roles.main:  # the other ranks emit nothing of step g before rank 0's first collective
-                self.effects.mark_training_step(g)
-            self.training_step = g
-        self.learner.begin_step(g)
-        K = cfg.async_training.trigger_parameter_sync_step
-        collected: list[Collected | None] = []
-        self.lengths = LengthBuckets(cfg.data.max_response_length)
-        for local in range(1, K + 1):
+        ledger = self._begin_step(g)
+        synced: list[Collected | None] = []  # sync mode: the step's K shares, collected at the first update
+        for local in range(1, self.cfg.async_training.trigger_parameter_sync_step + 1):
             t0 = time.perf_counter()
-            if g == 1 and local == 1 and cfg.trainer.num_warmup_batches > 0:
-                self.collector.wait_warmup()
-            if cfg.trainer.sync_mode and local == 1:  # synchronous RL: the whole global batch first
-                collected = [self._collect(g, ledger) for _ in range(K)]
-            got = collected[local - 1] if cfg.trainer.sync_mode else self._collect(g, ledger)
-            if got is None or (self.stop.is_set() and not self.dp.roles.agreed):  # ranks stop when they agree
-                why = "no rollouts left (burst)" if self.collector.used_up else "stop requested"
-                log.warning("%s during global step %d: abandoning it (samples stay pending)", why, g)
+            got = self._samples(g, local, ledger, synced)
+            if got is None:
                 return False
             self._local_update(g, local, ledger, got, t_gen=time.perf_counter() - t0)
         self._finish_step(g, ledger, t_step)
         return True
+
+    def _begin_step(self, g: int) -> StepLedger:
+        """(1) Begin step g: record it as begun (rank 0, once, before any event of step g: the aggregator
+        places nothing beyond it), pin the current weights as the proximal policy, reset the step's
+        counts; returns its empty ledger."""
+        self.collector.step_dead = 0
+        self.lengths = LengthBuckets(self.cfg.data.max_response_length)
+        if g > self.training_step:
+            if self.dp.roles.main:  # the other ranks emit nothing of step g before rank 0's first collective
+                self.effects.mark_training_step(g)
+            self.training_step = g
+        self.learner.begin_step(g)
+        return StepLedger(g)
+
+    def _samples(
+        self, g: int, local: int, ledger: StepLedger, synced: list[Collected | None]
+    ) -> Collected | None:
+        """(2) The samples of local update `local` of step g: after the run's warmup (before its first
+        update); in sync mode the whole global batch is collected at the first update (into `synced`). None
+        when the step is to be abandoned: no rollouts left (burst) or a stop (several ranks: only an agreed
+        one)."""
+        cfg = self.cfg
+        if g == 1 and local == 1 and cfg.trainer.num_warmup_batches > 0:
+            self.collector.wait_warmup()
+        if not cfg.trainer.sync_mode:
+            got = self._collect(g, ledger)
+        else:  # synchronous RL: the whole global batch first
+            if local == 1:
+                K = cfg.async_training.trigger_parameter_sync_step
+                synced[:] = [self._collect(g, ledger) for _ in range(K)]
+            got = synced[local - 1]
+        if got is None or (self.stop.is_set() and not self.dp.roles.agreed):  # ranks stop when they agree
+            why = "no rollouts left (burst)" if self.collector.used_up else "stop requested"
+            log.warning("%s during global step %d: abandoning it (samples stay pending)", why, g)
+            return None
+        return got
 
     def _local_update(self, g: int, local: int, ledger: StepLedger, got: Collected, t_gen: float) -> None:
         """(2) One local update of step g on the collected samples: assemble, update, record their fates in
