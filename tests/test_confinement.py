@@ -32,6 +32,7 @@ from consumers.aggregator.worker import AggregatorWorker
 from consumers.trainer.guard import value_reason
 from consumers.trainer.learner import UPDATE_SKIPPED
 from consumers.trainer.ledger import StepLedger
+from consumers.trainer.rank_agreement import RankRoles
 from producers.worker import Producer, PublishError
 from rollstream.audit import audit_run
 from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection, setup_run
@@ -359,6 +360,7 @@ def test_a_producer_cannot_publish_in_another_producers_name(roles: Roles, tmp_p
     may write only its own streams; on them, a sample or stats in another's name (the `producer` field, or a
     sample_id not `<producer>-…`) is dead-lettered with the reason, never trained or folded."""
     from consumers.trainer.collect import Collector, rollouts_reader
+    from consumers.trainer.effects import TrainerEffects
 
     keys, p0, p1 = roles.keys, roles.producers[P0], roles.producers["rollout_01"]
     forged = encode(
@@ -379,9 +381,10 @@ def test_a_producer_cannot_publish_in_another_producers_name(roles: Roles, tmp_p
         )
     cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"])
     stop = threading.Event()
-    dp: Any = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    dp: Any = SimpleNamespace(rank=0, world_size=1, roles=RankRoles())
     reader = rollouts_reader(cfg, roles.trainer, keys, "trainer", stop)
-    collector = Collector(cfg, roles.trainer, keys, reader, dp, stop, True, 1000, 64, lambda: None)
+    effects = TrainerEffects(cfg, roles.trainer, keys, tmp_path / "weights", dp)
+    collector = Collector(cfg, effects, reader, dp, stop, True, 1000, 64)
     while collector.fill() and not reader.drained:
         pass
     assert [m.event.sample_id for m in collector.buffer] == [f"{P0}-0"]  # type: ignore[union-attr]
@@ -470,21 +473,12 @@ def test_a_producer_cannot_move_the_pacing_nor_take_more_than_its_lease(roles: R
     from types import SimpleNamespace
 
     from consumers.trainer.collect import Collector, rollouts_reader
+    from consumers.trainer.effects import TrainerEffects
 
-    dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    dp = SimpleNamespace(rank=0, world_size=1, roles=RankRoles())
     reader = rollouts_reader(cfg, trainer, keys, "trainer", threading.Event())
-    collector = Collector(
-        cfg,
-        trainer,
-        keys,
-        reader,
-        dp,
-        threading.Event(),
-        False,
-        1000,
-        64,  # type: ignore[arg-type]
-        lambda: None,
-    )
+    effects = TrainerEffects(cfg, trainer, keys, cfg.run_dir() / "weights", dp)  # type: ignore[arg-type]
+    collector = Collector(cfg, effects, reader, dp, threading.Event(), False, 1000, 64)  # type: ignore[arg-type]
     while len(collector.buffer) < 8:
         assert collector.fill()
     assert roles.admin.xlen(keys.dead) == 40
@@ -542,6 +536,7 @@ def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish
     the batch, and rollout_00's late publish of a taken-back seq is dead-lettered ("lease expired") and
     counts nothing."""
     from consumers.trainer.collect import Collector, rollouts_reader
+    from consumers.trainer.effects import TrainerEffects
     from rollstream.pacing import LeaseExpiry
 
     keys, trainer = roles.keys, roles.trainer
@@ -569,10 +564,10 @@ def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish
         publish(other, "rollout_01", seq)
     publish(hoarder, P0, 3)  # late: taken back
     publish(hoarder, P0, 8)  # its probation lease: fine
-    dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    dp = SimpleNamespace(rank=0, world_size=1, roles=RankRoles())
     reader = rollouts_reader(cfg, trainer, keys, "trainer", threading.Event())
-    collector = Collector(cfg, trainer, keys, reader, dp, threading.Event(), False, 1000, 64,  # type: ignore[arg-type]
-                          lambda: None)
+    effects = TrainerEffects(cfg, trainer, keys, cfg.run_dir() / "weights", dp)  # type: ignore[arg-type]
+    collector = Collector(cfg, effects, reader, dp, threading.Event(), False, 1000, 64)  # type: ignore[arg-type]
     while len(collector.buffer) < 8:
         assert collector.fill()
     collector.fill()
@@ -604,6 +599,7 @@ def test_no_revoked_bit_is_read_until_a_lease_expires_and_a_late_publish_is_stil
     expired. Now 16 samples cost no GETBIT (one EXISTS per producer at the start); once a lease expires in
     the trainer's process, the same collector reads bits again and still refuses a late publish."""
     from consumers.trainer.collect import Collector, rollouts_reader
+    from consumers.trainer.effects import TrainerEffects
     from rollstream.pacing import expire_lease
 
     keys, trainer, admin = roles.keys, roles.trainer, roles.admin
@@ -621,10 +617,10 @@ def test_no_revoked_bit_is_read_until_a_lease_expires_and_a_late_publish_is_stil
 
     publish("rollout_01", range(8))
     publish(P0, range(4))
-    dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    dp = SimpleNamespace(rank=0, world_size=1, roles=RankRoles())
     reader = rollouts_reader(cfg, trainer, keys, "trainer", threading.Event())
-    collector = Collector(cfg, trainer, keys, reader, dp, threading.Event(), False, 1000, 64,  # type: ignore[arg-type]
-                          lambda: None)
+    effects = TrainerEffects(cfg, trainer, keys, cfg.run_dir() / "weights", dp)  # type: ignore[arg-type]
+    collector = Collector(cfg, effects, reader, dp, threading.Event(), False, 1000, 64)  # type: ignore[arg-type]
     admin.config_resetstat()
     while len(collector.buffer) < 12:
         assert collector.fill()
@@ -773,7 +769,7 @@ def test_a_stopping_trainer_moves_the_record_of_its_last_step_and_does_not_wait_
 
     keys, agg = roles.keys, roles.aggregator
     cfg = load_config(None, [f"run.name={keys.run}", f"run.dir={tmp_path}"])
-    dp: Any = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    dp: Any = SimpleNamespace(rank=0, world_size=1, roles=RankRoles())
     effects = TrainerEffects(cfg, roles.trainer, keys, tmp_path / "weights", dp)
     roles.trainer.hset(keys.trainer, mapping={COMMITTED_STEP_FIELD: 2, TRAINING_STEP_FIELD: 2})
     t0 = time.monotonic()

@@ -13,6 +13,7 @@ import redis
 from conftest import P0, PRODUCERS
 
 import rollstream.pacing as pacing
+from consumers.trainer.rank_agreement import RankRoles
 from rollstream.bus import setup_run
 from rollstream.keys import Keys
 from rollstream.pacing import (
@@ -207,6 +208,7 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
     it leaves it to the next process, whose first pass reads `dead` and tops the budget up (sync mode would
     otherwise wait forever for the 4th). A junk entry that names no leased prompt counts nothing."""
     from consumers.trainer.collect import Collector, rollouts_reader
+    from consumers.trainer.effects import TrainerEffects
     from rollstream.config import load_config
     from rollstream.testing.fakes import fake_rollout_sample
     from schemas import encode
@@ -229,22 +231,12 @@ def test_a_dead_letter_is_counted_once_across_a_retry_and_a_trainer_crash(r: red
             fields["payload"] = b"\xc1 corrupt"
         pipe.xadd(keys.rollouts_of(P0), fields)  # type: ignore[arg-type]
     pipe.execute()
-    dp = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    dp = SimpleNamespace(rank=0, world_size=1, roles=RankRoles())
 
     def collector() -> Collector:
         reader = rollouts_reader(cfg, r, keys, "trainer", threading.Event())
-        return Collector(
-            cfg,
-            r,
-            keys,
-            reader,
-            dp,
-            threading.Event(),
-            False,
-            1000,
-            64,  # type: ignore[arg-type]
-            lambda: None,
-        )
+        effects = TrainerEffects(cfg, r, keys, cfg.run_dir() / "weights", dp)  # type: ignore[arg-type]
+        return Collector(cfg, effects, reader, dp, threading.Event(), False, 1000, 64)  # type: ignore[arg-type]
 
     first = collector()
     first.reader.poll(0)  # the corrupt entries are dead-lettered inside the read...

@@ -20,6 +20,8 @@ from test_confinement import MAX_ID, Roles
 from test_security import PRODUCERS, private_redis  # noqa: F401  (a fixture)
 
 from consumers.trainer.collect import Collector, rollouts_reader
+from consumers.trainer.effects import TrainerEffects
+from consumers.trainer.rank_agreement import RankRoles
 from rollstream.audit import audit_run, format_report
 from rollstream.bus import Publisher, connect, setup_run
 from rollstream.config import load_config
@@ -54,10 +56,11 @@ def run_roles(private_redis: tuple[str, int], tmp_path: Path) -> Iterator[Roles]
 def collector(roles: Roles, tmp_path: Path) -> Collector:
     """The trainer's collector of the run, reading as the trainer's user (a fresh one is a restart)."""
     cfg = load_config(None, [f"run.name={roles.keys.run}", f"run.dir={tmp_path}", "bus.block_ms=10"])
-    dp: Any = SimpleNamespace(rank=0, world_size=1, active=False, is_main=True)
+    dp: Any = SimpleNamespace(rank=0, world_size=1, roles=RankRoles())
     stop = threading.Event()
     reader = rollouts_reader(cfg, roles.trainer, roles.keys, "trainer", stop)
-    return Collector(cfg, roles.trainer, roles.keys, reader, dp, stop, True, 1000, 64, lambda: None)
+    effects = TrainerEffects(cfg, roles.trainer, roles.keys, tmp_path / "weights", dp)
+    return Collector(cfg, effects, reader, dp, stop, True, 1000, 64)
 
 
 def drain(c: Collector) -> list[str]:

@@ -297,6 +297,42 @@ def test_an_effect_is_retried_whole_under_its_name(caplog: pytest.LogCaptureFixt
     assert "granting version 3 failed, redis unavailable" in caplog.text
 
 
+def test_a_best_effort_effect_gives_up_at_its_deadline_and_a_refused_login_is_never_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`effect(until=...)`: retried until the deadline, then given up with a warning (None back); a plain
+    effect raises a refused login at once (the process exits with EXIT_REFUSED)."""
+    import logging
+    import time
+
+    from consumers.trainer.effects import TrainerEffects, effect
+
+    class Gone(TrainerEffects):
+        def __init__(self) -> None:  # no Redis: the policy is what is tested
+            self.calls = 0
+
+        @effect("settling", until="deadline")
+        def settle(self, deadline: float) -> None:
+            self.calls += 1
+            raise redis.ConnectionError("gone")
+
+        @effect("granting")
+        def refused(self) -> None:
+            self.calls += 1
+            raise redis.AuthenticationError("user is off")
+
+    gone = Gone()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="consumers.trainer.loop"):
+        assert gone.settle(time.monotonic() + 0.3) is None
+    assert time.monotonic() - t0 < 2.0 and gone.calls >= 1
+    assert "settling: given up, redis unreachable until its deadline" in caplog.text
+    gone.calls = 0
+    with pytest.raises(redis.AuthenticationError):
+        gone.refused()
+    assert gone.calls == 1
+
+
 @pytest.mark.parametrize("size", [3, 0])
 def test_validation_re_decodes_only_the_newest_val_recent_size_trained_prompts(
     size: int, r: redis.Redis, keys: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -324,3 +360,43 @@ def test_validation_re_decodes_only_the_newest_val_recent_size_trained_prompts(
     assert len(decoded[0]) == 4  # the held-out prompts
     assert decoded[1] == [f"p{i}" for i in range(10 - size, 10)]  # the newest `size` trained prompts
     assert ("val/recent_train_acc" in metrics) == (size > 0) and "val/acc" in metrics
+
+
+def test_a_local_updates_metrics_are_put_together_in_one_place() -> None:
+    """step_report.local_update_event: the learner's metrics, then the batch's (a later part wins a shared
+    name), the collection's, the run's stale counters (advanced) and the timings; non-finite values are left
+    out and counted."""
+    from consumers.trainer.collect import Collected
+    from consumers.trainer.staleness import DROPPED_SAMPLES, STALE_SAMPLES, STALE_TRAJECTORIES
+    from consumers.trainer.step_report import UpdateTimings, local_update_event
+
+    counters = {STALE_SAMPLES: 2, STALE_TRAJECTORIES: 5}
+    learned = {"actor/loss": 0.5, "shared": 1.0, "actor/grad_norm": float("nan")}
+    ev = local_update_event(3, 2, 1, Collected(dropped=[4, 6]), learned, {"shared": 2.0}, [0, 2, 1],
+                            counters, UpdateTimings(gen=1.5, assemble=0.25, transport=0.125), False)
+    m = ev.metrics
+    assert (ev.type, ev.global_step, ev.local_step, ev.rank, ev.sample_count) == ("local_update", 3, 2, 1, 0)
+    assert m["actor/loss"] == 0.5 and m["shared"] == 2.0 and "actor/grad_norm" not in m
+    assert m["actor/nonfinite_metrics"] == 1.0
+    assert m[DROPPED_SAMPLES] == 2.0 and m["training/global_step"] == 3.0
+    assert counters == {STALE_SAMPLES: 2, STALE_TRAJECTORIES: 7}  # two trajectories older than version 2
+    assert m[f"fully_async/count/{STALE_TRAJECTORIES}"] == 7.0
+    assert (m["timing_s/gen"], m["timing_s/assemble"], m["timing_s/transport"]) == (1.5, 0.25, 0.125)
+    assert m["fully_async/total_wait_time"] == 1.5
+
+
+@pytest.mark.parametrize(
+    ("rank", "world", "strategy", "main", "agreed", "whole_model"),
+    [(0, 1, "ddp", True, False, True), (1, 2, "ddp", False, True, False), (0, 2, "ddp", True, True, True),
+     (1, 2, "fsdp", False, True, True), (0, 1, "fsdp", True, False, True)],
+)
+def test_a_ranks_roles_are_read_off_its_place_and_the_strategy(
+    rank: int, world: int, strategy: str, main: bool, agreed: bool, whole_model: bool
+) -> None:
+    """RankRoles: rank 0 alone is `main`; several ranks agree; under fsdp every rank takes part in what needs
+    the whole model (validation, the optimizer state), under ddp rank 0 alone."""
+    from consumers.trainer.rank_agreement import RankInfo, RankRoles
+
+    roles = RankRoles.of(RankInfo(rank, world), strategy)
+    assert (roles.main, roles.agreed, roles.whole_model) == (main, agreed, whole_model)
+    assert roles.sharded == (strategy == "fsdp")

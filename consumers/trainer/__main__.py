@@ -42,9 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DistributedError as e:
         print(f"{ctx.name}: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    if dp.active:
+    if dp.roles.agreed:
         watch_parent(ctx.stop)  # torchrun gone (killed): stop instead of lingering
-    if dp.is_main:
+    if dp.roles.main:
         watch_busy_scripts(ctx.r, ctx.stop)  # a never-ending script (any role's EVAL) must not stall the run
     try:
         trainer = Trainer(ctx.cfg, ctx.r, ctx.keys, ctx.name, ctx.stop, burst=args.burst, dp=dp)

@@ -292,7 +292,7 @@ def restore_newest(
     """Restore the newest checkpoint into `learner` (and this rank's RNG) and this rank's `counters`; its
     metadata, None when there is none. Rank 0 reads the file and broadcasts its bytes (other hosts need no
     shared folder)."""
-    found = list_checkpoints(ckpt_dir) if dp.is_main else []
+    found = list_checkpoints(ckpt_dir) if dp.roles.main else []
     data = dp.broadcast_bytes(found[-1][1].read_bytes() if found else None)
     if not data:
         return None
@@ -308,4 +308,4 @@ def rank_counters(meta: dict[str, Any], dp: DataParallel) -> dict[str, Any]:
     ranks = meta.get("ranks") or []
     if len(ranks) == dp.world_size:
         return dict(ranks[dp.rank].get("counters", {}))
-    return dict(meta.get("counters", {})) if dp.is_main else {}
+    return dict(meta.get("counters", {})) if dp.roles.main else {}

@@ -52,15 +52,15 @@ import numpy as np
 import redis
 
 from consumers.trainer.distributed import DataParallel
+from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.guard import identity_reason, unusable_reason, value_reason, version_reason
 from consumers.trainer.ledger import StepLedger
 from consumers.trainer.rank_agreement import RoundClaim, RoundResult, resolve_round
 from consumers.trainer.staleness import mean_response_length, staleness
-from rollstream.bus import EntryRef, GroupReader, Message, entry_limits, iter_stream, retry_on_connection
+from rollstream.bus import EntryRef, GroupReader, Message, entry_limits
 from rollstream.bus.ids import IdError, parse_sample_id, split_sample_id
 from rollstream.config import PipelineConfig
-from rollstream.keys import DEAD_LETTERED_FIELD, REPLAY_COPY_FIELD, TRAINER_GROUP, Keys, producer_names
-from rollstream.pacing import consume, leases
+from rollstream.keys import DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys, producer_names
 from rollstream.revoked import RevokedWatch
 from rollstream.tasks import REWARD_RANGE
 from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, DeadLetter, Fate, RolloutSample, decode
@@ -131,28 +131,20 @@ class Collector:
     def __init__(
         self,
         cfg: PipelineConfig,
-        r: redis.Redis,
-        keys: Keys,
+        effects: TrainerEffects,
         reader: GroupReader,
         dp: DataParallel,
         stop: threading.Event,
         burst: bool,
         vocab_size: int,
         max_seq_len: int | None,
-        heartbeat: Callable[[], None],
     ) -> None:
         """Read through `reader`'s consumer loop; samples must fit the policy's vocabulary and positions;
-        `heartbeat` writes this rank's heartbeat (TrainerEffects.heartbeat) after each pass."""
-        self.cfg, self.r, self.keys, self.reader, self.dp, self.stop, self.burst = (
-            cfg,
-            r,
-            keys,
-            reader,
-            dp,
-            stop,
-            burst,
-        )
-        self.vocab_size, self.max_seq_len, self.heartbeat = vocab_size, max_seq_len, heartbeat
+        every other Redis call is an effect of `effects` (retried there), and each pass ends with this
+        rank's heartbeat."""
+        self.cfg, self.effects, self.keys, self.reader = cfg, effects, effects.keys, reader
+        self.dp, self.stop, self.burst = dp, stop, burst
+        self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.share = cfg.actor.ppo_mini_batch_size // dp.world_size  # this rank's samples per local update
         self._batches: Iterator[list[Message]] = reader.batches(burst=burst)  # the shared consumer loop
         self.buffer: deque[Message] = deque()  # decoded, deduplicated, not yet used
@@ -171,11 +163,9 @@ class Collector:
         self.leases: dict[str, int] = {}  # producer -> prompts leased to it, as last read
         # which producers had seqs taken back (rank 0's Leaser expires leases in this process; other ranks
         # read again each pass): a revoked bit is read only for those (rollstream/revoked.py)
-        self.revoked = RevokedWatch(keys, producer_names(cfg.rollout.num_producers), local=dp.is_main)
+        self.revoked = RevokedWatch(self.keys, producer_names(cfg.rollout.num_producers), local=dp.roles.main)
         # a replay copy's rollouts were copied by an admin, not published under leases: not checked
-        self.check_leases = not retry_on_connection(
-            lambda: r.hexists(keys.trainer, REPLAY_COPY_FIELD), "reading the trainer hash"
-        )
+        self.check_leases = not effects.is_replay_copy()
         self._transport_mark = 0.0  # the reader's transport_s at the last transport_since_last
 
     def transport_since_last(self) -> float:
@@ -201,17 +191,17 @@ class Collector:
             try:
                 self._admit(m, to_dead, dupes)
             except (redis.RedisError, OSError):
-                raise  # the connection's, not the entry's: retried by the caller's policy
+                raise  # the connection's, not the entry's: retried by the reader's or the effect's policy
             except Exception as e:  # noqa: BLE001 - a poison entry is dead-lettered once, never a crash loop
                 log.exception("dead-lettering a rollout whose checks raised")
                 to_dead(f"unreadable: checking it raised {type(e).__name__}: {str(e)[:200]}")
         if dupes:
             log.warning("acking %d redelivered/duplicate samples without training", len(dupes))
-            retry_on_connection(lambda: self.reader.ack(dupes), "acking duplicates")
+            self.effects.ack_duplicates(self.reader, dupes)
         dead = self.reader.stats.dead - self._own_dead
         if dead > self._dead_seen or not self._dead_checked:
             self._count_dead(dead)
-        self.heartbeat()
+        self.effects.heartbeat()
         return True
 
     def _admit(self, m: Message, to_dead: Callable[..., Any], dupes: list[EntryRef]) -> None:
@@ -249,7 +239,7 @@ class Collector:
         except IdError as e:
             return str(e)
         if seq >= self.leases.get(producer, 0):
-            self.leases = retry_on_connection(lambda: leases(self.r, self.keys), "reading leases")
+            self.leases = self.effects.read_leases()
         if seq >= (leased := self.leases.get(producer, 0)):
             return f"sample_id={ev.sample_id!r}: seq {seq} >= {leased} prompts leased to {producer!r}"
         return None
@@ -260,7 +250,7 @@ class Collector:
         if not self.check_leases:
             return None
         producer, seq = parse_sample_id(ev.sample_id, ev.producer)
-        if retry_on_connection(lambda: self.revoked.is_revoked(self.r, producer, seq), "reading revoked"):
+        if self.effects.is_revoked(self.revoked, producer, seq):
             return (
                 f"sample_id={ev.sample_id!r}: seq {seq} was taken back from {producer!r} "
                 f"(no prompt of it finished for rollout.lease_timeout_s={self.cfg.rollout.lease_timeout_s})"
@@ -272,11 +262,7 @@ class Collector:
         reads all of `dead`, catching what a previous process left uncounted) as consumed, each once,
         topping the budget up by the room they freed."""
         ids: list[str] = []
-        start = self._dead_start()
-        entries = retry_on_connection(  # a Redis restart mid-read: read again from the same start
-            lambda: list(iter_stream(self.r, self.keys.dead, start=start)), "reading dead letters"
-        )
-        for entry_id, fields in entries:
+        for entry_id, fields in self.effects.read_dead_letters(self._dead_start()):
             self._dead_cursor = entry_id
             try:
                 letter = decode(fields)
@@ -284,9 +270,7 @@ class Collector:
                 continue
             if isinstance(letter, DeadLetter) and (sid := _own_sample_id(self.keys, letter)) is not None:
                 ids.append(sid)
-        counted, added = retry_on_connection(
-            lambda: consume(self.r, self.keys, ids, self.cfg.max_outstanding), "counting dead"
-        )
+        counted, added = self.effects.consume(ids, "dead")
         if counted:
             log.info("%d dead-lettered rollouts counted as consumed: budget topped up by %d", counted, added)
         self.step_dead += dead - self._dead_seen
@@ -300,7 +284,7 @@ class Collector:
         """The buffer lacks `need` samples: run one more pass of the loop; True when the caller must give up
         (stop requested, or in burst mode no rollout is left). With several ranks a pass reads at most
         `need` entries, so no rank hoards what the others wait for (pacing caps what is outstanding)."""
-        if self.dp.active:
+        if self.dp.roles.agreed:
             self.reader.count = max(1, min(self.cfg.bus.read_count, need))
         return self.stop.is_set() or not self.fill()
 
@@ -312,7 +296,7 @@ class Collector:
             ended = self.stop.is_set() or self.used_up
             if len(self.buffer) < want and not ended:
                 ended = self.starve(want - len(self.buffer))
-            if not self.dp.active:
+            if not self.dp.roles.agreed:
                 if ended or len(self.buffer) >= want:
                     break
                 continue
@@ -364,7 +348,7 @@ class Collector:
                 ended = self.starve(short)
                 taken += self.take(g, short)
             ready = len(got.kept) + sum(self.verdict(m, st) is None for m, st in taken) >= want
-            if self.dp.active:
+            if self.dp.roles.agreed:
                 claim = RoundClaim(
                     ended or self.stop.is_set(),
                     len(got.kept),
@@ -374,7 +358,7 @@ class Collector:
                 dupes = [taken[i][0].ref for i in res.duplicates]
                 if dupes:
                     log.warning("acking %d samples another rank took first, without training", len(dupes))
-                    retry_on_connection(partial(self.reader.ack, dupes), "acking duplicates")
+                    self.effects.ack_duplicates(self.reader, dupes)
                     taken = [x for i, x in enumerate(taken) if i not in set(res.duplicates)]
                 ready, ended = res.all_ready, res.any_ended
             self._sort(g, ledger, taken, got)
@@ -406,9 +390,7 @@ class Collector:
             else:
                 got.evicted.append(zero_variance_reward(ev))  # type: ignore[arg-type]
         if early:
-            n, added = retry_on_connection(
-                lambda: consume(self.r, self.keys, early, self.cfg.max_outstanding), "counting evicted"
-            )
+            n, added = self.effects.consume(early, "evicted")
             log.info(
                 "%d samples dropped or evicted (stale, rollout failures, zero-variance groups): %d counted, "
                 "budget topped up by %d", len(early), n, added,

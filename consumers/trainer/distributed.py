@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from consumers.trainer.rank_agreement import RankInfo, consumer_name, rank_info
+from consumers.trainer.rank_agreement import RankInfo, RankRoles, consumer_name, rank_info
 from schemas import decode_payload, encode_payload
 
 __all__ = [
@@ -134,6 +134,7 @@ class DataParallel:
         if not fsdp_on_cpu:
             check_strategy(strategy, device)
         self.info, self.device, self.strategy = info, device, strategy
+        self.roles = RankRoles.of(info, strategy)  # rank 0 alone, or every rank together
         self.collective_s = 0.0  # seconds spent in this object's collectives (not DDP's gradient all-reduce)
         self._ddp: list[nn.Module] = []  # the DDP wrappers made by wrap(), released by close()
 
@@ -190,21 +191,6 @@ class DataParallel:
         """Number of ranks."""
         return self.info.world_size
 
-    @property
-    def is_main(self) -> bool:
-        """True on rank 0."""
-        return self.info.is_main
-
-    @property
-    def active(self) -> bool:
-        """True when there is more than one rank (collectives really communicate)."""
-        return self.info.world_size > 1
-
-    @property
-    def sharded(self) -> bool:
-        """True when weights are sharded (fsdp): reading them whole is a collective."""
-        return self.strategy == "fsdp"
-
     # -- models --------------------------------------------------------------------------------------
 
     def wrap(self, module: nn.Module) -> nn.Module:
@@ -213,7 +199,7 @@ class DataParallel:
         if self.strategy == "fsdp":
             _shard(module)
             return module
-        if not self.active:
+        if not self.roles.agreed:
             return module
         from torch.nn.parallel import DistributedDataParallel
 
@@ -252,7 +238,7 @@ class DataParallel:
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The module's whole weights on CPU: a collective under fsdp (every rank must call it; rank 0
         gets the tensors, the others {}), the plain state dict otherwise."""
-        if not self.sharded:
+        if not self.roles.sharded:
             return module.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -263,7 +249,7 @@ class DataParallel:
     def full_optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's whole state_dict, index-keyed as torch.optim.Optimizer.state_dict gives it: a
         collective under fsdp (rank 0 gets it, the others {}), the optimizer's own otherwise."""
-        if not self.sharded:
+        if not self.roles.sharded:
             return optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -313,7 +299,7 @@ class DataParallel:
 
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         """Element-wise sum of `values` over the ranks (float64)."""
-        if not self.active:
+        if not self.roles.agreed:
             return [float(v) for v in values]
         t0 = time.perf_counter()
         t = self._comm(torch.tensor([float(v) for v in values], dtype=torch.float64))
@@ -324,7 +310,7 @@ class DataParallel:
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's bytes, in rank order."""
-        if not self.active:
+        if not self.roles.agreed:
             return [data]
         t0 = time.perf_counter()
         size = self._comm(torch.tensor([len(data)], dtype=torch.int64))
@@ -343,7 +329,7 @@ class DataParallel:
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         """Rank `src`'s bytes on every rank (`data` is read on `src` only)."""
-        if not self.active:
+        if not self.roles.agreed:
             return data or b""
         t0 = time.perf_counter()
         mine = (data or b"") if self.rank == src else b""
@@ -362,26 +348,26 @@ class DataParallel:
     def all_gather_plain(self, value: Any) -> list[Any]:
         """Every rank's msgpack-able value (dicts, lists, str, numbers, bytes), in rank order (a world of one:
         its own value)."""
-        if not self.active:
+        if not self.roles.agreed:
             return [value]
         return [decode_payload(b) for b in self.all_gather_bytes(encode_payload(value))]
 
     def broadcast_plain(self, value: Any, src: int = 0) -> Any:
         """Rank `src`'s msgpack-able value on every rank (a world of one: its own value)."""
-        if not self.active:
+        if not self.roles.agreed:
             return value
         return decode_payload(self.broadcast_bytes(encode_payload(value) if self.rank == src else None, src))
 
     def barrier(self) -> None:
         """Wait until every rank gets here (a no-op in a world of one)."""
-        if self.active:
+        if self.roles.agreed:
             self.all_reduce_sum([0.0])  # a tiny collective: gloo and nccl alike, no device_ids needed
 
     def close(self) -> None:
         """Leave the process group (when this process joined one), once every rank is done: a rank that
         left while rank 0 still committed made gloo abort the process."""
         if dist.is_initialized():
-            if self.active:
+            if self.roles.agreed:
                 self.barrier()
             # A DDP reducer still alive when the group goes (or at interpreter exit) aborted about 1 process
             # in

@@ -1,11 +1,15 @@
 """Every Redis effect of the trainer, named, idempotent, and retried by one policy.
 
-Each public method is one effect, run under `effect`: `retry_on_connection` with the effect's name, so a
-Redis restart pauses the trainer in place instead of killing it. Each is safe to repeat (its reply may
-be lost after it landed): the commit, the consumed count and the grant are guarded by the trainer hash,
-a weight publish re-checks `params` before a retry, and a repeated event is resolved by the aggregator's
-fold. No collective runs inside an effect: a repeat on one rank would pair it with the wrong collective
-elsewhere.
+Each public method is one effect, run under `effect`: `retry_on_connection` with the effect's name, so a Redis
+restart pauses the trainer in place instead of killing it. This is the trainer's only retry site: the
+collector's reads and writes (leases, revoked bits, dead letters, acks of duplicates, consumed counts) are
+effects here too; only the rollouts reader (its polls and dead letters; rollstream/bus/reader.py, which
+re-reads its pending list after a reconnect) and rank 0's lease loop (rollstream/pacing.py) retry their own.
+Each is safe to repeat (its reply may be lost after it landed): the commit, the consumed count and the grant
+are guarded by the trainer hash, a weight publish re-checks `params` before a retry, an ack or a consumed
+count of an id already counted changes nothing, and a repeated event is resolved by the aggregator's fold. No
+collective runs inside an effect: a repeat on one rank would pair it with the wrong collective elsewhere. A
+refused login (redis.AuthenticationError) is not retried: the process exits with EXIT_REFUSED.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import redis
 from torch import nn
@@ -30,7 +34,16 @@ from consumers.trainer.ledger import (
     committed_step,
     count_consumed,
 )
-from rollstream.bus import CONNECTION_ERRORS, Janitor, Publisher, retry_on_connection, setup_run
+from rollstream.bus import (
+    CONNECTION_ERRORS,
+    EntryRef,
+    GroupReader,
+    Janitor,
+    Publisher,
+    iter_stream,
+    retry_on_connection,
+    setup_run,
+)
 from rollstream.bus.ids import count_or_none
 from rollstream.bus.outbox import OutboxDrain, record_id
 from rollstream.bus.replication import acks_of, execute_replicated
@@ -40,6 +53,7 @@ from rollstream.keys import (
     COMMITTED_STEP_FIELD,
     HEARTBEAT_FIELD,
     PROGRESS_AT_FIELD,
+    REPLAY_COPY_FIELD,
     REPLAYED_VERSIONS_FIELD,
     TRAINING_STEP_FIELD,
     WORLD_SIZE_FIELD,
@@ -47,7 +61,8 @@ from rollstream.keys import (
     producer_names,
     rank_heartbeat_field,
 )
-from rollstream.pacing import LeaseExpiry, Leaser, current_budget, grant_budget
+from rollstream.pacing import LeaseExpiry, Leaser, consume, current_budget, grant_budget, leases
+from rollstream.revoked import RevokedWatch
 from rollstream.security import FloodFence
 from rollstream.weights.store import (
     Probe,
@@ -69,9 +84,13 @@ T = TypeVar("T")
 E = TypeVar("E", bound="TrainerEffects")
 
 
-def effect(what: str) -> Callable[[Callable[Concatenate[E, P], T]], Callable[Concatenate[E, P], T]]:
+def effect(
+    what: str, *, until: str | None = None
+) -> Callable[[Callable[Concatenate[E, P], T]], Callable[Concatenate[E, P], T]]:
     """The one retry policy: run the method under `retry_on_connection`, named `what` (formatted with the
-    method's arguments, e.g. "granting version {version}") in its retry warnings."""
+    method's arguments, e.g. "granting version {version}") in its retry warnings. With `until`, the name of
+    an argument holding a time.monotonic() deadline, the effect is best-effort: retried until the deadline
+    (at least 0.1 s), then given up with a warning, returning None."""
 
     def wrap(fn: Callable[Concatenate[E, P], T]) -> Callable[Concatenate[E, P], T]:
         signature = inspect.signature(fn)
@@ -80,7 +99,15 @@ def effect(what: str) -> Callable[[Callable[Concatenate[E, P], T]], Callable[Con
         def run(self: E, *args: P.args, **kwargs: P.kwargs) -> T:
             bound = signature.bind(self, *args, **kwargs)
             bound.apply_defaults()
-            return retry_on_connection(lambda: fn(self, *args, **kwargs), what.format(**bound.arguments))
+            name = what.format(**bound.arguments)
+            left = None if until is None else max(bound.arguments[until] - time.monotonic(), 0.1)
+            try:
+                return retry_on_connection(lambda: fn(self, *args, **kwargs), name, timeout_s=left)
+            except CONNECTION_ERRORS as e:
+                if until is None:
+                    raise  # a refused login (AuthenticationError): never retried, the process exits
+                log.warning("%s: given up, redis unreachable until its deadline (%s)", name, e)
+                return cast(T, None)
 
         return run
 
@@ -97,11 +124,11 @@ class TrainerEffects:
         """Rank 0 alone runs the janitor (when `bus.retention` is on)."""
         self.cfg, self.r, self.keys, self.weights_dir = cfg, r, keys, weights_dir
         self.publisher = Publisher(r, nomkstream=True)
-        self.janitor = Janitor.from_config(cfg, r, keys) if cfg.bus.retention and dp.is_main else None
+        self.janitor = Janitor.from_config(cfg, r, keys) if cfg.bus.retention and dp.roles.main else None
         # this rank's heartbeat fields: rank 0 `heartbeat`; with several ranks also `heartbeat:r<rank>`
-        self.heartbeat_fields = [HEARTBEAT_FIELD] if dp.is_main else []
+        self.heartbeat_fields = [HEARTBEAT_FIELD] if dp.roles.main else []
         self.leaser: Leaser | None = None  # rank 0's lease loop, once resumed
-        if dp.active:
+        if dp.roles.agreed:
             self.heartbeat_fields.append(rank_heartbeat_field(dp.rank))
 
     def start_leaser(self) -> None:
@@ -132,16 +159,18 @@ class TrainerEffects:
         waiting up to `wait_s` for the record of its last committed step while an aggregator is reading
         (rollstream/bus/outbox.py: nobody else moves them under ACLs). Redis unreachable for that long:
         given up with a warning (the next trainer moves them), so a trainer never hangs on its way out."""
-        drain, deadline = OutboxDrain(self.keys), time.monotonic() + wait_s
-        try:
-            while True:
-                left = max(deadline - time.monotonic(), 0.1)
-                retry_on_connection(lambda: drain.drain(self.r), "moving the outbox", timeout_s=left)
-                if time.monotonic() >= deadline or not self._record_awaited():
-                    return
-                time.sleep(0.05)
-        except CONNECTION_ERRORS as e:
-            log.warning("aggregator outbox not moved before exit (%s): the next trainer moves it", e)
+        self._settle(time.monotonic() + wait_s)
+
+    @effect("moving the aggregator's outbox before exit (else the next trainer moves it)", until="deadline")
+    def _settle(self, deadline: float) -> None:
+        """One attempt of settle_outbox: move the outboxes until the awaited record is in or the deadline
+        passed (a repeat moves only what is still there)."""
+        drain = OutboxDrain(self.keys)
+        while True:
+            drain.drain(self.r)
+            if time.monotonic() >= deadline or not self._record_awaited():
+                return
+            time.sleep(0.05)
 
     def _record_awaited(self) -> bool:
         """The last committed step has no record yet and an aggregator consumer of `metrics` was active in the
@@ -194,6 +223,39 @@ class TrainerEffects:
         newest = max(global_step, latest.version if latest is not None else 0, replayed)
         training_step = int(self.r.hget(self.keys.trainer, TRAINING_STEP_FIELD) or 0)  # type: ignore[arg-type]
         return newest, training_step, committed_sample_ids(self.r, self.keys)
+
+    # -- reading rollouts (consumers/trainer/collect.py) ---------------------------------------------
+
+    @effect("reading the trainer hash")
+    def is_replay_copy(self) -> bool:
+        """The run is a replay copy (its rollouts were copied by an admin, not published under leases)."""
+        return bool(self.r.hexists(self.keys.trainer, REPLAY_COPY_FIELD))
+
+    @effect("reading leases")
+    def read_leases(self) -> dict[str, int]:
+        """Producer -> prompts leased to it (rollstream/pacing.py)."""
+        return leases(self.r, self.keys)
+
+    @effect("reading revoked")
+    def is_revoked(self, watch: RevokedWatch, producer: str, seq: int) -> bool:
+        """The trainer took `producer`'s prompt `seq` back (rollstream/revoked.py)."""
+        return watch.is_revoked(self.r, producer, seq)
+
+    @effect("reading dead letters")
+    def read_dead_letters(self, start: str) -> list[tuple[str, Any]]:
+        """The entries of `dead` from `start` on (a repeat reads again from the same start)."""
+        return list(iter_stream(self.r, self.keys.dead, start=start))
+
+    @effect("counting {what}")
+    def consume(self, sample_ids: list[str], what: str) -> tuple[int, int]:
+        """Count the samples' prompts as consumed, each once, topping the current version's budget up by
+        the room they freed (rollstream/pacing.py `consume`); (newly counted, added to the budget)."""
+        return consume(self.r, self.keys, sample_ids, self.cfg.max_outstanding)
+
+    @effect("acking duplicates")
+    def ack_duplicates(self, reader: GroupReader, refs: list[EntryRef]) -> None:
+        """XACK entries of `reader` not to be trained (their sample id is committed or another rank's)."""
+        reader.ack(refs)
 
     # -- one global step ---------------------------------------------------------------------------
 

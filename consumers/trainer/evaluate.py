@@ -23,7 +23,7 @@ def validate(
     task = build_task(cfg)
     prompts = build_prompt_source(cfg, task).val_prompts()
     limit = cfg.data.max_response_length
-    if dp.sharded:
+    if dp.roles.sharded:
         rows = dp.broadcast_plain([[p.uid, p.text, p.answer] for p in recent_prompts])
         recent_prompts = [Prompt(uid=u, text=t, answer=a) for u, t, a in rows]
     metrics = evaluate(policy, task, prompts, limit)

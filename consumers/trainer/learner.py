@@ -261,11 +261,11 @@ class Learner:
         """The policy's weights, tied tensors once: the module's own tensors (no copy) unless sharded; under
         fsdp gathered whole on the CPU, a collective (every rank calls it; rank 0 gets them, the others
         {})."""
-        if not self.dp.sharded:
+        if not self.dp.roles.sharded:
             state = unique_state(self.policy.module)
             return self.master.state(state) if self.master is not None else state
         state = self.dp.full_state_dict(self.policy.module)
-        return unique_tensors(state) if self.dp.is_main else {}
+        return unique_tensors(state) if self.dp.roles.main else {}
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state_dict, index-keyed; under fsdp whole (a collective; rank 0's alone)."""
@@ -275,7 +275,7 @@ class Learner:
         self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
     ) -> None:
         """Restore weights and optimizer state read from a checkpoint (every rank, the same values)."""
-        if self.dp.sharded:
+        if self.dp.roles.sharded:
             self.dp.load_full_state(self.policy.module, self.optimizer, weights, optimizer_state)
             return
         load_tensors_into(self.policy.module, weights)

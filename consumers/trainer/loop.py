@@ -22,12 +22,13 @@ staleness_threshold = 0 generation and training strictly alternate.
 
 Reading (consumers/trainer/collect.py): warmup, the transport timing and the burst rule.
 
-Reconnects: every Redis effect outside the reader (which retries its own) is a named method of
-TrainerEffects (consumers/trainer/effects.py), run under `retry_on_connection`, so a Redis restart pauses
-the trainer in place instead of killing it. Each is safe to repeat: the commit, the consumed count and the
-grant are guarded by the trainer hash, a weight publish re-checks `params` first, and a repeated event is
-resolved by the fold. No collective runs inside a retried call (a repeat on one rank would pair it with
-the wrong collective elsewhere).
+Reconnects: every Redis effect outside the reader (which retries its own polls and dead letters) and the lease
+loop (rollstream/pacing.py, its own thread), the collector's reads and acks included, is a named method of
+TrainerEffects (consumers/trainer/effects.py), run under its one retry policy (`effect`), so a Redis restart
+pauses the trainer in place instead of killing it. Each is safe to repeat: the commit, the consumed count and
+the grant are guarded by the trainer hash, a weight publish re-checks `params` first, and a repeated event is
+resolved by the fold. No collective runs inside a retried call (a repeat on one rank would pair it with the
+wrong collective elsewhere).
 
 Data parallel (`trainer.nproc_per_node` / `nnodes` > 1, under torchrun; consumers/trainer/distributed.py):
 every rank runs this loop on its own reader (consumer `trainer-r<rank>` of the `trainer` group) and
@@ -61,15 +62,14 @@ from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.evaluate import validate
 from consumers.trainer.learner import UPDATE_SKIPPED, Learner
 from consumers.trainer.ledger import StepLedger, merge_ledgers
-from consumers.trainer.staleness import STALE_SAMPLES, STALE_TRAJECTORIES, LengthBuckets, count_stale
+from consumers.trainer.staleness import STALE_SAMPLES, STALE_TRAJECTORIES, LengthBuckets
 from rollstream.bus import EntryRef
 from rollstream.config import PipelineConfig
 from rollstream.keys import Keys
 from rollstream.model.base import resolve_device
-from rollstream.rl.metrics import finite_metrics
 from rollstream.tasks import Prompt
 from rollstream.weights.store import Probe
-from schemas import SKIPPED, TRAINED, RolloutSample, StepMetrics, ValidateMetrics
+from schemas import SKIPPED, TRAINED, RolloutSample, ValidateMetrics
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class Trainer:
         self.effects = TrainerEffects(cfg, r, keys, cfg.run_dir() / "weights", self.dp)
         vocab_size, max_seq_len = self.learner.policy.tokenizer.vocab_size, self.learner.policy.max_seq_len
         self.collector = Collector(
-            cfg, r, keys, self.reader, self.dp, stop, burst, vocab_size, max_seq_len, self.effects.heartbeat
+            cfg, self.effects, self.reader, self.dp, stop, burst, vocab_size, max_seq_len
         )
         self.ckpt_dir = cfg.run_dir() / "checkpoints"
         self.pending: list[StepLedger] = []  # finished steps not yet covered by a checkpoint
@@ -121,9 +121,10 @@ class Trainer:
             self.global_step = int(meta["global_step"])
             log.info("resumed from checkpoint of global step %d", self.global_step)
         g0 = self.global_step
-        whole = self.learner.whole_weights() if self.dp.sharded else None  # fsdp: a collective
+        roles = self.dp.roles
+        whole = self.learner.whole_weights() if roles.sharded else None  # fsdp: a collective
         probe = self.learner.probe()  # every rank: a forward (a collective under fsdp)
-        if self.dp.is_main:
+        if roles.main:
             ledgers = [StepLedger.from_plain(d) for d in meta["steps"]] if meta is not None else []
             module = self.learner.policy.module
             self.effects.resume_main(g0, ledgers, module, whole, self.dp.world_size, probe)
@@ -159,54 +160,71 @@ class Trainer:
     def train_step(self, g: int) -> bool:
         """Run global step g: (1) begin, (2) K local updates, then (3-5) finish the step; False when
         stopped mid-step (the partial step is abandoned, nothing acked)."""
-        cfg = self.cfg
         t_step = time.perf_counter()
-        ledger = StepLedger(g)
-        self.collector.step_dead = 0
-        if g > self.training_step:  # before any event of step g: the aggregator places nothing beyond it
-            if self.dp.is_main:  # the other ranks emit nothing of step g before rank 0's first collective
-                self.effects.mark_training_step(g)
-            self.training_step = g
-        self.learner.begin_step(g)
-        K = cfg.async_training.trigger_parameter_sync_step
-        collected: list[Collected | None] = []
-        self.lengths = LengthBuckets(cfg.data.max_response_length)
-        for local in range(1, K + 1):
+        ledger = self._begin_step(g)
+        synced: list[Collected | None] = []  # sync mode: the step's K shares, collected at the first update
+        for local in range(1, self.cfg.async_training.trigger_parameter_sync_step + 1):
             t0 = time.perf_counter()
-            if g == 1 and local == 1 and cfg.trainer.num_warmup_batches > 0:
-                self.collector.wait_warmup()
-            if cfg.trainer.sync_mode and local == 1:  # synchronous RL: the whole global batch first
-                collected = [self._collect(g, ledger) for _ in range(K)]
-            got = collected[local - 1] if cfg.trainer.sync_mode else self._collect(g, ledger)
-            if got is None or (self.stop.is_set() and not self.dp.active):  # ranks stop only when they agree
-                why = "no rollouts left (burst)" if self.collector.used_up else "stop requested"
-                log.warning("%s during global step %d: abandoning it (samples stay pending)", why, g)
+            got = self._samples(g, local, ledger, synced)
+            if got is None:
                 return False
             self._local_update(g, local, ledger, got, t_gen=time.perf_counter() - t0)
         self._finish_step(g, ledger, t_step)
         return True
 
+    def _begin_step(self, g: int) -> StepLedger:
+        """(1) Begin step g: record it as begun (rank 0, once, before any event of step g: the aggregator
+        places nothing beyond it), pin the current weights as the proximal policy, reset the step's
+        counts; returns its empty ledger."""
+        self.collector.step_dead = 0
+        self.lengths = LengthBuckets(self.cfg.data.max_response_length)
+        if g > self.training_step:
+            if self.dp.roles.main:  # the other ranks emit nothing of step g before rank 0's first collective
+                self.effects.mark_training_step(g)
+            self.training_step = g
+        self.learner.begin_step(g)
+        return StepLedger(g)
+
+    def _samples(
+        self, g: int, local: int, ledger: StepLedger, synced: list[Collected | None]
+    ) -> Collected | None:
+        """(2) The samples of local update `local` of step g: after the run's warmup (before its first
+        update); in sync mode the whole global batch is collected at the first update (into `synced`). None
+        when the step is to be abandoned: no rollouts left (burst) or a stop (several ranks: only an agreed
+        one)."""
+        cfg = self.cfg
+        if g == 1 and local == 1 and cfg.trainer.num_warmup_batches > 0:
+            self.collector.wait_warmup()
+        if not cfg.trainer.sync_mode:
+            got = self._collect(g, ledger)
+        else:  # synchronous RL: the whole global batch first
+            if local == 1:
+                K = cfg.async_training.trigger_parameter_sync_step
+                synced[:] = [self._collect(g, ledger) for _ in range(K)]
+            got = synced[local - 1]
+        if got is None or (self.stop.is_set() and not self.dp.roles.agreed):  # ranks stop when they agree
+            why = "no rollouts left (burst)" if self.collector.used_up else "stop requested"
+            log.warning("%s during global step %d: abandoning it (samples stay pending)", why, g)
+            return None
+        return got
+
     def _local_update(self, g: int, local: int, ledger: StepLedger, got: Collected, t_gen: float) -> None:
         """(2) One local update of step g on the collected samples: assemble, update, record their fates in
-        the step's ledger, emit a `local_update` event."""
+        the step's ledger, emit a `local_update` event (its metrics: step_report.local_update_event)."""
         t0 = time.perf_counter()
         samples: list[RolloutSample] = [m.event for m, _ in got.kept]  # type: ignore[misc]
-        micro, asm_metrics = assemble_micro_batches(samples, self.cfg.actor.micro_batch_size)
+        micro, batch_metrics = assemble_micro_batches(samples, self.cfg.actor.micro_batch_size)
         t_asm = time.perf_counter() - t0
-        metrics = self.learner.update(micro)
-        fate = SKIPPED if metrics.get(UPDATE_SKIPPED) else TRAINED  # a skipped step trained nothing
+        learned = self.learner.update(micro)
+        fate = SKIPPED if learned.get(UPDATE_SKIPPED) else TRAINED  # a skipped step trained nothing
         self.recent.extend(step_report.record_fates(ledger, got.kept, fate, g))
-        transport_s = self.collector.transport_since_last()
-        metrics.update(asm_metrics)
-        got_metrics, fg_counts = step_report.collected_metrics(got, self.cfg.algorithm.filter_groups.enable)
-        metrics.update(got_metrics)
         self.lengths.add(got.kept, got.dropped_lengths)
-        trajectory_versions = micro[0].meta_info["trajectory_param_versions"]
-        metrics.update(count_stale(self.counters, g - 1, samples, trajectory_versions))
-        metrics.update({"training/global_step": float(g), "timing_s/gen": t_gen, "timing_s/assemble": t_asm})
-        metrics.update({"timing_s/transport": transport_s, "fully_async/total_wait_time": t_gen})
-        update = StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(got.kept),
-                             rank=self.dp.rank, metrics=finite_metrics(metrics), counts=fg_counts)
+        timings = step_report.UpdateTimings(t_gen, t_asm, self.collector.transport_since_last())
+        versions = micro[0].meta_info["trajectory_param_versions"]
+        fg = self.cfg.algorithm.filter_groups.enable
+        update = step_report.local_update_event(
+            g, local, self.dp.rank, got, learned, batch_metrics, versions, self.counters, timings, fg
+        )
         self.effects.emit_local_update(update)
         self.effects.heartbeat()
 
@@ -234,11 +252,11 @@ class Trainer:
         due = due or any(rep["over_budget"] for rep in reports)  # ack now: acked entries may leave Redis
         t0 = time.perf_counter()
         # under fsdp reading the whole weights and optimizer state is a collective: every rank takes part
-        whole = self.learner.whole_weights() if self.dp.sharded else None
+        roles = self.dp.roles
+        whole = self.learner.whole_weights() if roles.sharded else None
         probe = self.learner.probe()  # the swap check's fingerprint of version g (every rank: fsdp)
-        reads_state = due and (self.dp.is_main or self.dp.sharded)
-        optimizer_state = self.learner.optimizer_state() if reads_state else {}
-        if self.dp.is_main:
+        optimizer_state = self.learner.optimizer_state() if due and roles.whole_model else {}
+        if roles.main:
             timings = self._checkpoint(g, reports, whole, optimizer_state, t_step, t0) if due else {}
             self._publish_commit_grant(g, merged, whole, due, timings, t_step, probe)
         if due:
@@ -252,10 +270,10 @@ class Trainer:
     def _evaluate(self, version: int) -> None:
         """(3) Validate version `version` (evaluate.validate) and emit a `validation` event. Rank 0 alone;
         under fsdp every rank decodes in step (the weights are sharded)."""
-        if not (self.dp.is_main or self.dp.sharded):
+        if not self.dp.roles.whole_model:
             return
         metrics = validate(self.cfg, self.learner.policy, self.dp, list(self.recent))
-        if metrics and self.dp.is_main:
+        if metrics and self.dp.roles.main:
             ev = ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
             self.effects.emit_validation(ev)
             log.info("validation of version %d: %s", version, metrics)
@@ -299,7 +317,7 @@ class Trainer:
             # stop before the next step: a world of one asks its stop flag; ranks use what they agreed at
             # the last step end (a stop arriving since is agreed in the next step's first round)
             while self.global_step < total and not (
-                self.agreed_stop if self.dp.active else self.stop.is_set()
+                self.agreed_stop if self.dp.roles.agreed else self.stop.is_set()
             ):
                 if not self.train_step(self.global_step + 1):
                     break

@@ -1,7 +1,8 @@
 """What data-parallel trainer ranks are and agree on (pure, no torch: the exchange is DataParallel's).
 
 A rank's place comes from torchrun's environment (`rank_info`), its rollouts consumer name from that
-(`consumer_name`: stable across restarts, so a restarted rank re-reads its own pending entries).
+(`consumer_name`: stable across restarts, so a restarted rank re-reads its own pending entries), and what it
+does from its place and the strategy (`RankRoles`: rank 0 alone, or every rank together).
 
 Collecting a local update's samples goes in rounds. In each round every rank takes what its buffer holds
 (up to its share, `ppo_mini_batch_size / world_size` kept samples; stale ones it meets are taken too, to
@@ -32,10 +33,39 @@ class RankInfo:
     world_size: int = 1
     local_rank: int = 0
 
+
+@dataclass(frozen=True)
+class RankRoles:
+    """What a trainer rank does, decided once from its place and the strategy, so no caller combines flags.
+    Rank 0 alone: `main`. Every rank together: `agreed` (several ranks: collectives communicate, collection
+    rounds and the stop are agreed) and `sharded` (fsdp: reading the weights or optimizer state whole is a
+    collective). `whole_model`: the ranks that take part in what needs the whole model."""
+
+    rank: int = 0
+    world_size: int = 1
+    sharded: bool = False
+
+    @classmethod
+    def of(cls, info: RankInfo, strategy: str) -> RankRoles:
+        """The roles of the rank at `info` under `trainer.strategy` (`ddp` or `fsdp`)."""
+        return cls(info.rank, info.world_size, strategy == "fsdp")
+
     @property
-    def is_main(self) -> bool:
-        """True on rank 0, the rank that publishes weights, checkpoints and commits."""
+    def main(self) -> bool:
+        """Rank 0: the run's Redis writes (resume, training_step, weights, commit, grant, retention, leases,
+        validation events) and the checkpoint's files."""
         return self.rank == 0
+
+    @property
+    def agreed(self) -> bool:
+        """More than one rank: collectives really communicate, and collection rounds and stops are agreed."""
+        return self.world_size > 1
+
+    @property
+    def whole_model(self) -> bool:
+        """Rank 0, and under fsdp every rank (gathering the whole weights or the optimizer state, and decoding
+        for validation, are collectives there): the ranks that validate and read the optimizer state."""
+        return self.main or self.sharded
 
 
 def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:

@@ -1,9 +1,12 @@
-"""What a global step records and reports: each local update's fates and metrics; at the end, every rank's
-report and what rank 0 builds from them (the `step_end` event and the checkpoint metadata). A world of one
-gathers its own report: the collective's identity case."""
+"""What a global step records and reports: each local update's fates and its `local_update` event (the one
+place its metrics are put together: `local_update_event`); at the end, every rank's report and what rank 0
+builds from them (the `step_end` event and the checkpoint metadata). A world of one gathers its own report:
+the collective's identity case."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from consumers.trainer.checkpoint import rng_plain
@@ -13,13 +16,24 @@ from consumers.trainer.ledger import StepLedger
 from consumers.trainer.staleness import (
     ROLLOUT_FAILURE_EVICTED,
     LengthBuckets,
+    count_stale,
     dropped_metrics,
     filter_groups_metrics,
 )
 from rollstream.bus import Message
-from rollstream.rl.metrics import staleness_metrics
+from rollstream.rl.metrics import finite_metrics, staleness_metrics
 from rollstream.tasks import Prompt
-from schemas import DROPPED, SKIPPED, TRAINED, Fate, StepMetrics
+from schemas import DROPPED, SKIPPED, TRAINED, Fate, RolloutSample, StepMetrics
+
+
+@dataclass(frozen=True)
+class UpdateTimings:
+    """A local update's seconds: waiting for and taking its samples (`gen`), padding them (`assemble`), and
+    moving them out of Redis (`transport`, the reader's since the last update: collect.py)."""
+
+    gen: float
+    assemble: float
+    transport: float
 
 
 def record_fates(ledger: StepLedger, kept: list[tuple[Message, int]], fate: str, g: int) -> list[Prompt]:
@@ -50,10 +64,40 @@ def collected_metrics(
     return metrics, fg_counts
 
 
+def local_update_event(
+    g: int,
+    local: int,
+    rank: int,
+    got: Collected,
+    learned: dict[str, float],
+    batch_metrics: dict[str, float],
+    trajectory_versions: Sequence[int],
+    counters: dict[str, int],
+    timings: UpdateTimings,
+    filter_groups: bool,
+) -> StepMetrics:
+    """Local update `local` of step g on this rank: its `local_update` event, every metric of it put together
+    here, in this order (a later part wins a name they share): the learner's (`actor/`, `critic/`, lengths,
+    `timing_s/update_actor`: Learner.update), the batch's (`fully_async/` processing times, tool calls,
+    partial rollouts: assembly.py), the collection's (`collected_metrics`), the run's stale counters
+    (advanced here by the kept samples and their `trajectory_versions`: staleness.count_stale), then the step
+    and the timings. Non-finite values are left out and counted (rl/metrics.py finite_metrics)."""
+    samples: list[RolloutSample] = [m.event for m, _ in got.kept]  # type: ignore[misc]
+    metrics = {**learned, **batch_metrics}
+    got_metrics, fg_counts = collected_metrics(got, filter_groups)
+    metrics.update(got_metrics)
+    metrics.update(count_stale(counters, g - 1, samples, trajectory_versions))
+    metrics.update({"training/global_step": float(g), "timing_s/gen": timings.gen,
+                    "timing_s/assemble": timings.assemble, "timing_s/transport": timings.transport,
+                    "fully_async/total_wait_time": timings.gen})  # fmt: skip
+    return StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(got.kept),
+                       rank=rank, metrics=finite_metrics(metrics), counts=fg_counts)  # fmt: skip
+
+
 def gather_reports(dp: DataParallel, ledger: StepLedger, mine: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's end-of-step report (`mine` with its ledger and, with several ranks, its RNG state for
     the checkpoint's `ranks`), in rank order."""
-    rng = rng_plain() if dp.active else None  # a world of one: write_checkpoint saves this process's RNG
+    rng = rng_plain() if dp.roles.agreed else None  # a world of one: write_checkpoint saves its own RNG
     reports = dp.all_gather_plain({**mine, "ledger": ledger.to_plain(), "rng": rng})
     for rep in reports:
         rep["ledger"] = StepLedger.from_plain(rep["ledger"])
