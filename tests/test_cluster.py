@@ -1,7 +1,8 @@
 """Issue 42 item 4, many runs on one Redis Cluster: a real 3-primary Cluster (3 redis-servers with
 `cluster-enabled yes`, slots assigned and nodes met by hand), a client pinned to a run's slot follows the slot
 when it moves and refuses another slot's keys, two runs land on different primaries (CLUSTER KEYSLOT, CLUSTER
-NODES), ACL users go on every node, and a tiny run trains against the Cluster unchanged."""
+NODES), ACL users go on every node, a client follows its run through a Cluster failover, and a tiny run trains
+against the Cluster unchanged."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,12 +20,13 @@ import pytest
 import redis
 
 from rollstream.audit import audit_run, format_report
-from rollstream.bus import connect
+from rollstream.bus import connect, retry_on_connection
 from rollstream.bus.cluster import (
     CrossSlotRefused,
     cluster_nodes,
     cluster_url,
     parse_cluster_url,
+    pinned_slot,
     require_one_slot,
     run_slot,
 )
@@ -86,13 +89,15 @@ def _wait(cond: object, timeout_s: float, what: str) -> None:
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@contextmanager
+def _running_cluster(root: Path, nodes: int = 3, node_timeout_ms: int = 5000) -> Iterator[Cluster]:
+    """`nodes` redis-servers with cluster-enabled, the first 3 the primaries (slots and MEET as
+    `redis-cli --cluster create` does), the rest met but not replicas yet; stopped on the way out. Skips
+    without redis-server or cluster support."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server not on PATH: no Redis Cluster to test against")
-    root = tmp_path_factory.mktemp("cluster")
-    ports = [_cluster_port() for _ in range(3)]
+    ports = [_cluster_port() for _ in range(nodes)]
     procs = []
     try:
         for i, port in enumerate(ports):
@@ -100,7 +105,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             d.mkdir()
             argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", "5000", "--save", "", "--appendonly", "no"]
+                    "--cluster-node-timeout", str(node_timeout_ms), "--save", "", "--appendonly", "no"]
             log = open(d / "redis.log", "wb")  # noqa: SIM115 (held by the child)
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
             log.close()
@@ -118,10 +123,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 p.wait()
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with _running_cluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
+
+
 def _form(c: Cluster) -> None:
     """Assign the slot ranges and MEET the nodes (what `redis-cli --cluster create` does); skip when the
     server has no cluster support."""
-    for i in range(3):
+    for i in range(len(c.ports)):
         r = c.node(i)
         _wait(lambda r=r: _pings(r), 20, f"node {i} to answer")
         try:
@@ -136,9 +147,9 @@ def _form(c: Cluster) -> None:
         c.node(0).execute_command("CLUSTER", "MEET", "127.0.0.1", port)
 
     def ready() -> bool:
-        for i in range(3):
+        for i in range(len(c.ports)):
             info = c.node(i).execute_command("CLUSTER", "INFO").decode()
-            if "cluster_state:ok" not in info or "cluster_known_nodes:3" not in info:
+            if "cluster_state:ok" not in info or f"cluster_known_nodes:{len(c.ports)}" not in info:
                 return False
         return True
 
@@ -233,6 +244,30 @@ def test_the_client_follows_its_slot_when_it_moves(cluster: Cluster) -> None:
         assert reconnect_count(r) == 1  # the same connection, opened again (on the new owner)
         assert redis.Redis(port=cluster.ports[target]).get(Keys(run).setup) == b"1"
     finally:
+        r.close()
+
+
+def test_the_client_follows_its_run_through_a_cluster_failover(tmp_path: Path) -> None:
+    """The primary serving the run's slot is SIGKILLed; the Cluster promotes its replica (node timeout 1 s)
+    and the same client, retrying on connection errors, reads the acknowledged write from the new primary."""
+    with _running_cluster(tmp_path, nodes=4, node_timeout_ms=1000) as c:
+        run = "failover"
+        old_port = c.owner_port(run)
+        old = c.ports.index(old_port)
+        old_id = c.node(old).execute_command("CLUSTER", "MYID").decode()
+        c.node(3).execute_command("CLUSTER", "REPLICATE", old_id)
+        _wait(lambda: c.node(3).info("replication").get("master_link_status") == "up", 30, "the replica")
+        r = connect(c.url, run=run, socket_timeout_s=5)
+        r.set(Keys(run).setup, "1")
+        assert r.wait(1, 2000) == 1  # the replica has it
+        c.procs[old].kill()
+        c.procs[old].wait()
+        got = retry_on_connection(lambda: r.get(Keys(run).setup), "get", timeout_s=60)
+        assert got == b"1"
+        pinned = pinned_slot(r)
+        assert pinned == (run_slot(run), f"127.0.0.1:{c.ports[3]}")
+        r.set(Keys(run).setup, "2")  # and writes there
+        assert redis.Redis(port=c.ports[3]).get(Keys(run).setup) == b"2"
         r.close()
 
 
