@@ -27,6 +27,7 @@ from rollstream.bus.cluster import (
     cluster_url,
     parse_cluster_url,
     pinned_slot,
+    refuse_plain_cluster_node,
     require_one_slot,
     run_slot,
 )
@@ -215,6 +216,13 @@ def test_two_runs_land_on_different_primaries(cluster: Cluster) -> None:
         assert owner.hget(keys.trainer, "global_step") == b"1" and owner.xlen(keys.records) == 1
         r.delete(keys.trainer, keys.records)
         r.close()
+
+
+def test_a_plain_url_of_a_cluster_node_is_refused(cluster: Cluster) -> None:
+    url = f"redis://127.0.0.1:{cluster.ports[0]}/0"
+    with pytest.raises(ValueError, match="is a node of a Redis Cluster: name the Cluster as redis\\+cluster://"):
+        refuse_plain_cluster_node(redis.Redis(port=cluster.ports[0]), url)
+    refuse_plain_cluster_node(connect(cluster.url, run="x"), cluster.url)
 
 
 def test_another_slots_key_is_refused_not_retried(cluster: Cluster) -> None:

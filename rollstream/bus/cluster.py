@@ -219,6 +219,23 @@ def cluster_client(url: str, run: str | None, **kwargs: Any) -> redis.Redis:
     return redis.Redis.from_pool(pool)
 
 
+def refuse_plain_cluster_node(r: redis.Redis, url: str) -> None:
+    """ValueError naming run.redis_url when `url` is a plain redis:// URL of a Cluster node (INFO cluster
+    says cluster_enabled): its clients would get MOVED for a run whose slot another node serves."""
+    if is_cluster_url(url):
+        return
+    try:
+        info = r.info("cluster")
+    except redis.ResponseError:  # a server without the section, or a user without INFO: nothing to say
+        return
+    if info.get("cluster_enabled"):
+        raise ValueError(
+            f"run.redis_url={url!r} is a node of a Redis Cluster: name the Cluster as "
+            f"{CLUSTER_SCHEME}://host:port[,host:port…] so every client reaches the node serving the run's "
+            "slot"
+        )
+
+
 def pinned_slot(r: redis.Redis) -> tuple[int, str] | None:
     """(slot, host:port of the primary last seen serving it) of a client from cluster_client; None for any
     other client."""
