@@ -103,7 +103,7 @@ def _running_cluster(root: Path, nodes: int = 3, node_timeout_ms: int = 5000) ->
     try:
         for i, port in enumerate(ports):
             d = root / f"node-{i}"
-            d.mkdir()
+            d.mkdir(parents=True)
             argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", str(node_timeout_ms), "--save", "", "--appendonly", "no"]
@@ -343,3 +343,50 @@ def _train(cluster: Cluster, tmp_path: Path, runs: list[str]) -> None:
         stopped = {run: rollstream("stop", *argv[run], timeout_s=200) for run in runs}
     for done in stopped.values():
         assert done.returncode in (0, 1), done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_a_run_trains_through_a_cluster_failover(tmp_path: Path) -> None:
+    """A tiny run on a Cluster whose run's primary has 2 replicas (writes WAIT for one: wait_replicas 1);
+    the primary is SIGKILLed, the Cluster promotes a replica (node timeout 2 s) and points the other at it,
+    and the run trains on without a worker restart; the audit of the live log is clean (~35 s here). With one
+    replica the run waits after the failover, as documented: the new primary has none to acknowledge."""
+    from tests.test_failover_run import _global_step
+    from tests.test_faults import TINY, _pid, _wait_records, rollstream
+
+    run = "cfo"
+    with _running_cluster(tmp_path / "nodes", nodes=5, node_timeout_ms=2000) as c:
+        old = c.ports.index(c.owner_port(run))
+        old_id = c.node(old).execute_command("CLUSTER", "MYID").decode()
+        for i in (3, 4):
+            c.node(i).execute_command("CLUSTER", "REPLICATE", old_id)
+            _wait(lambda i=i: c.node(i).info("replication").get("master_link_status") == "up", 30,
+                  "a replica in sync")
+        args = ["pipeline.yaml", *TINY, f"run.dir={tmp_path}", f"run.name={run}", f"run.redis_url={c.url}",
+                "run.redis.wait_replicas=1"]
+        run_dir = tmp_path / run
+        try:
+            started = rollstream("run", *args, "--wait-records", "2", "--wait-timeout", "200", timeout_s=260)
+            assert started.returncode == 0, started.stdout + started.stderr
+            target = open_run(None, run_dir=str(run_dir))
+            workers = {n: _pid(run_dir, n) for n in ("rollout_00", "rollout_01", "trainer", "aggregator")}
+            step = _global_step(target)
+            c.procs[old].kill()
+            c.procs[old].wait()
+            t_kill = time.monotonic()
+            while _global_step(target) <= step + 2:
+                assert time.monotonic() - t_kill < 120, "no new global step within 120 s of the kill"
+                time.sleep(0.2)
+            after = time.monotonic() - t_kill
+            assert c.owner_port(run) in (c.ports[3], c.ports[4])
+            _wait_records(target, step + 3, timeout_s=120)
+            now = {n: _pid(run_dir, n) for n in workers}
+            assert now == workers, "a worker was restarted, not reconnected"
+            r = target.connect()
+            rep = audit_run(r, target.keys)
+            r.close()
+            print(f"\nkill -> 3 more global steps: {after:.1f} s\n{format_report(rep)}")
+            assert rep.problems() == [], format_report(rep)
+        finally:
+            stopped = rollstream("stop", *args, timeout_s=200)
+        assert stopped.returncode in (0, 1), stopped.stdout + stopped.stderr
