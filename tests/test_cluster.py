@@ -306,7 +306,7 @@ def test_a_tiny_run_trains_on_the_cluster(cluster: Cluster, tmp_path: Path) -> N
 @pytest.mark.slow
 def test_two_tiny_runs_train_side_by_side_on_the_cluster(cluster: Cluster, tmp_path: Path) -> None:
     """Two `rollstream run`s with the same run.redis_url, run names on different primaries, at once: each
-    trains on its own node, and both audits are clean (~100 s on a loaded 2-core box: slow)."""
+    trains on its own node, and both audits are clean (53-100 s on a loaded 2-core box: slow)."""
     first = "tiny2"
     other = next(f"tiny{i}" for i in range(50) if cluster.owner_port(f"tiny{i}") != cluster.owner_port(first))
     _train(cluster, tmp_path, [first, other])
