@@ -1,4 +1,5 @@
-"""Redis ACL users per role, for runs whose Redis `rollstream run` owns.
+"""Redis ACL users per role, for runs whose Redis `rollstream run` owns (and, with apply_acl_on_cluster, for
+runs on a shared Redis Cluster: ACL users are per node there, so they are set on every node).
 
 Users: one per producer, named after it (`rollout_00` …), `trainer`, `aggregator`, `admin`. The default
 user is switched off. Passwords are generated into a 0600 file per user in the run directory and reach
@@ -51,8 +52,12 @@ log = logging.getLogger(__name__)
 ROLES = ("trainer", "aggregator", "admin")
 
 # Connection-level commands every user needs (WAIT: a write counts once replicas acknowledged it; it only
-# blocks the caller).
-_BASE = ["+ping", "+hello", "+auth", "+client|setname", "+client|id", "+select", "+info", "+quit", "+wait"]
+# blocks the caller; CLUSTER SLOTS: on a Redis Cluster a client asks which node serves its run's slot,
+# rollstream/bus/cluster.py; elsewhere Redis answers it with an error).
+_BASE = [
+    "+ping", "+hello", "+auth", "+client|setname", "+client|id", "+select", "+info", "+quit", "+wait",
+    "+cluster|slots",
+]
 
 
 def producer_rules(keys: Keys, producer: str) -> list[str]:
@@ -171,6 +176,33 @@ def apply_acl(
         r.execute_command(*cmd)
     if disable_default:
         r.execute_command("ACL", "SETUSER", "default", "off")
+
+
+def apply_acl_on_cluster(
+    url: str,
+    keys: Keys,
+    passwords: dict[str, str],
+    *,
+    producers: Sequence[str] = (),
+    trainer_fences: bool = False,
+    username: str | None = None,
+    password: str | None = None,
+) -> list[str]:
+    """apply_acl on every node of the Redis Cluster named by a `redis+cluster://` URL, primaries and
+    replicas: ACL users are per node in a Cluster (ACL SETUSER is not propagated, and a failover promotes a
+    replica with its own users). The default user is left as it is (the Cluster is shared; its operator
+    decides), and `trainer_fences` is off by default for the same reason (acl_rules). Logs in with
+    `username`/`password` (an operator's user allowed ACL SETUSER); returns the nodes' addresses. Run it again
+    after adding a node."""
+    from rollstream.bus.cluster import for_each_node
+
+    return for_each_node(
+        url,
+        lambda r: apply_acl(r, keys, passwords, producers=producers, disable_default=False,
+                            trainer_fences=trainer_fences),
+        username=username,
+        password=password,
+    )
 
 
 #: Bytes a producer's four keys (cursor, published, want, version) may hold together: counts and a short

@@ -23,6 +23,7 @@ import redis
 from consumers.aggregator.fold import Completed, Fold, id_key, stats_ref
 from consumers.aggregator.worker import TRAINER_EVENTS
 from rollstream.bus import connect, iter_stream, read_password, run_producers
+from rollstream.bus.cluster import require_one_slot
 from rollstream.bus.outbox import pending_dead, record_id
 from rollstream.keys import Keys
 from rollstream.runtime.process import REDIS_URL_ENV
@@ -135,7 +136,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv[1:] if argv[:1] == ["--"] else argv)  # a pass-through may keep "--"
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     url = args.redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
-    r = connect(url, password=read_password())
+    try:
+        require_one_slot(url, [args.src, args.dst], "rollstream replay")
+    except ValueError as e:
+        print(f"rollstream replay: {e}", file=sys.stderr)
+        return 2
+    r = connect(url, password=read_password(), run=args.src)
     try:
         n = replay_records(r, Keys(args.src), Keys(args.dst), total_gpus=args.total_gpus)
     except ValueError as e:

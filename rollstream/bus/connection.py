@@ -1,5 +1,6 @@
-"""Redis connections: URL parsing (a `redis+sentinel://` URL reaches the primary through Sentinel), passwords
-from env or file, jittered backoff until Redis answers."""
+"""Redis connections: URL parsing (a `redis+sentinel://` URL reaches the primary through Sentinel, a
+`redis+cluster://` URL the Cluster node serving the run's slot), passwords from env or file, jittered backoff
+until Redis answers."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry
 
+from rollstream.bus.cluster import cluster_client, is_cluster_url
 from rollstream.bus.replication import is_sentinel_url, sentinel_client, set_acks
 
 log = logging.getLogger(__name__)
@@ -196,12 +198,15 @@ def connect(
     wait_replicas: int = 0,
     wait_timeout_ms: int = 1000,
     sentinel_password: str | None = None,
+    run: str | None = None,
 ) -> redis.Redis:
     """A bytes-returning client for url (a `redis+sentinel://` URL: the primary, found through Sentinel) with
     socket timeout above any BLOCK. retries > 0: redis-py retries transparently (publishers); retries=0:
     errors surface so a GroupReader can re-read its own pending. wait_replicas > 0: writes sent through
     `execute_replicated` count only once that many replicas acknowledged them within wait_timeout_ms.
-    sentinel_password: the Sentinels' own (else from the file $ROLLSTREAM_SENTINEL_PASSWORD_FILE names)."""
+    sentinel_password: the Sentinels' own (else from the file $ROLLSTREAM_SENTINEL_PASSWORD_FILE names).
+    run: the run whose keys the client reaches; required for a `redis+cluster://` URL, whose client is pinned
+    to the node serving that run's slot (rollstream/bus/cluster.py), ignored otherwise."""
     kwargs: dict[str, Any] = dict(
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=min(socket_timeout_s, 5.0),
@@ -228,6 +233,8 @@ def connect(
         if sentinel_password is None and os.environ.get(SENTINEL_PASSWORD_FILE_ENV):
             sentinel_password = Path(os.environ[SENTINEL_PASSWORD_FILE_ENV]).read_text().strip()
         client = sentinel_client(url, sentinel_password=sentinel_password, **kwargs)
+    elif is_cluster_url(url):
+        client = cluster_client(url, run, **kwargs)
     else:
         client = redis.Redis.from_url(url, **kwargs)
     client.connection_pool.rollstream_connects = counter  # type: ignore[attr-defined]

@@ -98,6 +98,7 @@ def _write_flush(text: str) -> None:
 def cmd_replay_records(args: argparse.Namespace) -> int:
     """`rollstream replay records`: refold a run's metrics log into a new run's records."""
     from rollstream.bus import ArchiveError
+    from rollstream.bus.cluster import require_one_slot
     from rollstream.keys import Keys
     from rollstream.ops.log_server import replay_destination
 
@@ -105,6 +106,7 @@ def cmd_replay_records(args: argparse.Namespace) -> int:
     out = args.stack.enter_context(replay_destination(t, args.dst))
     replay_records = _worker_function("consumers.aggregator.replay", "replay_records")
     try:
+        require_one_slot(t.redis_url, [args.src, args.dst], "rollstream replay records")
         n = replay_records(
             t.connect(), Keys(args.src), Keys(args.dst), total_gpus=t.cfg.aggregator.total_gpus, out=out
         )
@@ -120,11 +122,17 @@ def cmd_replay_trainer(args: argparse.Namespace) -> int:
     import shlex
 
     from rollstream.bus import ArchiveError
+    from rollstream.bus.cluster import require_one_slot
     from rollstream.keys import Keys
     from rollstream.ops.log_server import replay_destination
     from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts, copy_steps, parse_steps
 
     t = log_target(args)
+    try:
+        require_one_slot(t.redis_url, [args.src, args.dst], "rollstream replay trainer")
+    except ValueError as e:
+        print(f"rollstream replay trainer: {e}", file=sys.stderr)
+        return 2
     r = t.connect()
     src, dst = Keys(args.src), Keys(args.dst)
     out = args.stack.enter_context(replay_destination(t, dst.run))

@@ -113,6 +113,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """`rollstream status`: the run's state once, refreshed (--watch), or as a health check (--check)."""
+    from rollstream.bus.cluster import pinned_slot
     from rollstream.ops.process import failed_programs, process_states
     from rollstream.ops.status import collect_status, format_status
 
@@ -123,6 +124,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         st = collect_status(r, t.keys, process_states(t.run_dir), limit_s, t.cfg.trainer.total_training_steps,
                             stopped=t.served, max_outstanding=t.cfg.max_outstanding)
         text = format_status(st, mask_url(t.redis_url))
+        pinned = pinned_slot(r)
+        if pinned is not None:
+            text += f"\nredis cluster: the run's slot {pinned[0]} is served by the primary {pinned[1]}"
         repl = _replication_lines(t, r)
         if repl is not None:
             text += "\n\n" + "\n".join(repl[0])

@@ -98,7 +98,9 @@ class RunConfig(Section):
         "demo", description="Run name; every Redis key is rs:{<name>}:…", pattern=r"^[A-Za-z0-9_.-]{1,64}$"
     )
     redis_url: str | None = Field(
-        None, description="Redis URL (redis://, rediss://, unix://); null = start an embedded redis-server"
+        None,
+        description="Redis URL (redis://, rediss://, unix://, or redis+cluster://host:port,host:port for a "
+        "Redis Cluster: the run lives on the node serving its slot); null = start an embedded redis-server",
     )
     password_file: str | None = Field(
         None, description="File holding the Redis password (instead of the URL)"
@@ -117,8 +119,25 @@ class RunConfig(Section):
         default_factory=RedisConfig, description="Replicas, Sentinel failover and WAIT acknowledgements"
     )
 
+    @field_validator("redis_url")
+    @classmethod
+    def _cluster_url(cls, value: str | None) -> str | None:
+        from rollstream.bus.cluster import is_cluster_url, parse_cluster_url
+
+        if value is not None and is_cluster_url(value):
+            try:
+                parse_cluster_url(value)
+            except ValueError as e:
+                raise ValueError(f"run.redis_url: {e}") from None
+        return value
+
     @model_validator(mode="after")
     def _sentinels_need_no_url(self) -> RunConfig:
+        if self.redis.sentinels and self.redis_url is not None and self.redis_url.startswith("redis+cluster"):
+            raise ValueError(
+                f"run.redis.sentinels={self.redis.sentinels!r} and run.redis_url={self.redis_url!r}: a Redis "
+                "Cluster fails over by itself (no Sentinel); set one of them"
+            )
         if self.redis.sentinels and self.redis_url is not None and not self.redis_url.startswith("redis+"):
             raise ValueError(
                 f"run.redis.sentinels={self.redis.sentinels!r} and run.redis_url={self.redis_url!r}: with "

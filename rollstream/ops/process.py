@@ -20,6 +20,7 @@ from typing import Any
 from supervisor.xmlrpc import SupervisorTransport
 
 from rollstream.bus import setup_run, wait_until_ready
+from rollstream.bus.cluster import refuse_plain_cluster_node
 from rollstream.bus.replication import is_sentinel_url
 from rollstream.config import PipelineConfig
 from rollstream.keys import Keys, producer_names
@@ -121,6 +122,10 @@ def start_run(plan: RunPlan, cfg: PipelineConfig, redis_timeout_s: float = 60.0)
     r = target.connect()
     try:
         wait_until_ready(r, timeout_s=redis_timeout_s)
+        try:
+            refuse_plain_cluster_node(r, plan.redis_url)
+        except ValueError as e:
+            raise SuperviseError(str(e)) from None
         setup_run(r, target.keys, producer_names(cfg.rollout.num_producers))
     finally:
         r.close()

@@ -97,6 +97,7 @@ class RunTarget:
             client_name=f"{self.cfg.run.name}:cli",
             retries=retries,
             sentinel_password=sentinels_pw.read_text().strip() if sentinels_pw.is_file() else None,
+            run=self.keys.run,
         )
 
 

@@ -207,6 +207,7 @@ def start_worker(
         retries=client_retries,
         wait_replicas=cfg.run.redis.acks_needed(),
         wait_timeout_ms=cfg.run.redis.wait_timeout_ms,
+        run=cfg.run.name,
     )
     ctx = WorkerContext(cfg=cfg, name=name, keys=Keys(cfg.run.name), r=r)
     ctx.install_signal_handlers()
