@@ -12,7 +12,7 @@ from rollstream.tasks import PromptSource, Task, make_task
 
 def build_task(cfg: PipelineConfig) -> Task:
     """The task named by data.task with its settings (reverse: digits; rg:<dataset>: task_args, instruction,
-    answer_extract, sign_credit)."""
+    answer_extract, sign and magnitude credit)."""
     if cfg.data.task == "reverse":
         return make_task(
             "reverse",
@@ -22,7 +22,8 @@ def build_task(cfg: PipelineConfig) -> Task:
         )
     if cfg.data.task.startswith("rg:"):
         return make_task(cfg.data.task, settings=cfg.data.task_args, instruction=cfg.data.instruction,
-                         extract=cfg.data.answer_extract, sign_credit=cfg.data.sign_credit)
+                         extract=cfg.data.answer_extract, sign_credit=cfg.data.sign_credit,
+                         magnitude_credit=cfg.data.magnitude_credit)
     return make_task(cfg.data.task)
 
 

@@ -58,27 +58,37 @@ def test_reward_is_the_datasets_verifier_on_the_extracted_answer() -> None:
     assert t.reward(rebuilt, f"= {p.answer}").exact and not t.reward(rebuilt, "0").exact
 
 
-def test_sign_credit_scores_the_right_number_with_the_wrong_sign_but_never_as_exact() -> None:
+def test_sign_and_magnitude_credit_score_the_parts_of_a_wrong_number_but_never_as_exact() -> None:
     rng = random.Random(3)
     items = [task().make_prompt(rng) for _ in range(400)]
-    neg = next(p for p in items if int(p.answer) < 0)
-    pos = next(p for p in items if int(p.answer) > 0)
-    plain, shaped = task(), task(sign_credit=0.5)
+    neg = next(p for p in items if int(p.answer) < -1)
+    pos = next(p for p in items if int(p.answer) > 1)
+    plain, shaped = task(), task(sign_credit=0.25, magnitude_credit=0.5)
     magnitude = str(-int(neg.answer))
     assert plain.reward(neg, f"= {magnitude}").score == 0.0  # the verifier alone: no credit
-    half = shaped.reward(neg, f"= {magnitude}")
+    half = shaped.reward(neg, f"= {magnitude}")  # the right magnitude, the wrong sign
     assert half.score == 0.5 and not half.exact and half.metrics["wrong_sign"] == 1.0
     assert half.metrics["acc"] == 0.0  # what validation counts is unchanged
+    signed = shaped.reward(neg, f"= {int(neg.answer) - 1}")  # the right sign, the wrong magnitude
+    assert signed.score == 0.25 and not signed.exact and signed.metrics["wrong_sign"] == 0.0
     assert shaped.reward(neg, f"= {neg.answer}").score == 1.0  # the right answer keeps full credit
-    assert shaped.reward(neg, f"= {int(magnitude) + 1}").score == 0.0  # another number earns nothing
+    assert shaped.reward(neg, f"= {int(magnitude) + 1}").score == 0.0  # both parts wrong: nothing
+    assert shaped.reward(neg, "no number").score == 0.0
+    assert shaped.reward(pos, f"= {int(pos.answer) + 1}").score == 0.25
     # the verifier's own substring credit ("-12" holds "12": 2/3) is kept where it is higher
     assert shaped.reward(pos, f"= -{pos.answer}").score == max(0.5, len(pos.answer) / (len(pos.answer) + 1))
     with pytest.raises(ValueError, match="data.sign_credit=1.0 must be in"):
         task(sign_credit=1.0)
+    with pytest.raises(ValueError, match="data.sign_credit=0.5 \\+ data.magnitude_credit=0.5 must be < 1"):
+        task(sign_credit=0.5, magnitude_credit=0.5)
     base = ["model.backend=hf", "model.hf_path=/nowhere", "data.task=rg:basic_arithmetic"]
-    assert build_task(load_config("pipeline.yaml", [*base, "data.sign_credit=0.25"])).sign_credit == 0.25
-    with pytest.raises(ConfigError, match="data.sign_credit=0.5 is for rg:<dataset> tasks"):
-        load_config("pipeline.yaml", ["data.task=arith", "data.sign_credit=0.5"])
+    credit = ["data.sign_credit=0.25", "data.magnitude_credit=0.5"]
+    built = build_task(load_config("pipeline.yaml", [*base, *credit]))
+    assert (built.sign_credit, built.magnitude_credit) == (0.25, 0.5)
+    with pytest.raises(ConfigError, match="data.magnitude_credit=0.5 is for rg:<dataset> tasks"):
+        load_config("pipeline.yaml", ["data.task=arith", "data.magnitude_credit=0.5"])
+    with pytest.raises(ConfigError, match="must be < 1"):
+        load_config("pipeline.yaml", [*base, "data.sign_credit=0.6", "data.magnitude_credit=0.4"])
     with pytest.raises(ConfigError, match="sign_credit"):
         load_config("pipeline.yaml", [*base, "data.sign_credit=-0.1"])
 

@@ -55,9 +55,15 @@ class DataConfig(Section):
         0.0,
         ge=0.0,
         lt=1.0,
-        description="rg:<dataset> only: training score for a numeric answer that is the right number with "
-                    "the wrong sign (reward shaping; val/acc still counts exact answers only); 0 = the "
-                    "verifier's score alone",
+        description="rg:<dataset> only: training score for a wrong numeric answer whose sign is right "
+                    "(reward shaping, added to magnitude_credit; val/acc counts exact answers); 0 = none",
+    )
+    magnitude_credit: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="rg:<dataset> only: training score for a wrong numeric answer whose magnitude is right "
+                    "(the right number with the wrong sign; reward shaping, val/acc unchanged); 0 = none",
     )
     train_batch_size: int = Field(16, ge=1, description="Samples (prompts) per global step")
     reverse: ReverseTaskConfig = Field(
@@ -92,10 +98,14 @@ class DataConfig(Section):
             raise ValueError(
                 f"data.task_args={self.task_args!r} is for rg:<dataset> tasks, not data.task={self.task!r}"
             )
-        elif self.sign_credit:
+        elif self.sign_credit or self.magnitude_credit:
+            name, value = ("sign_credit", self.sign_credit) if self.sign_credit else (
+                "magnitude_credit", self.magnitude_credit)
+            raise ValueError(f"data.{name}={value!r} is for rg:<dataset> tasks, not data.task={self.task!r}")
+        if self.sign_credit + self.magnitude_credit >= 1.0:
             raise ValueError(
-                f"data.sign_credit={self.sign_credit!r} is for rg:<dataset> tasks, "
-                f"not data.task={self.task!r}"
+                f"data.sign_credit={self.sign_credit!r} + data.magnitude_credit={self.magnitude_credit!r} "
+                "must be < 1 (a wrong answer must score below a right one)"
             )
         return self
 

@@ -57,13 +57,14 @@ def extract_answer(response_text: str, how: str) -> str | None:
     raise ValueError(f"data.answer_extract={how!r} must be one of {EXTRACTORS}")
 
 
-def _wrong_sign(answer: str | None, oracle: str) -> bool:
-    """True when `answer` and `oracle` are numbers of the same non-zero magnitude and opposite signs."""
+def _parts_right(answer: str | None, oracle: str) -> tuple[bool, bool]:
+    """(sign right, magnitude right) of a numeric `answer` against a numeric `oracle`; (False, False) when
+    either is not a number. Zero has its own sign (neither positive nor negative)."""
     try:
         a, o = float(answer or ""), float(oracle)
     except ValueError:
-        return False
-    return a == -o != 0.0
+        return False, False
+    return (a > 0) - (a < 0) == (o > 0) - (o < 0), abs(a) == abs(o)
 
 
 def _registry() -> dict[str, tuple[Any, Any]]:
@@ -120,14 +121,21 @@ class ReasoningGymTask:
         instruction: str = "",
         extract: str = "last_number",
         sign_credit: float = 0.0,
+        magnitude_credit: float = 0.0,
     ) -> None:
-        """Build the dataset (ValueError naming the field and value for a bad name or setting); `sign_credit`
-        scores a numeric answer right but for its sign (training shaping, never exact)."""
+        """Build the dataset (ValueError naming the field and value for a bad name or setting). A wrong
+        numeric answer scores `sign_credit` when its sign is right plus `magnitude_credit` when its magnitude
+        is right (training shaping, never exact), or the verifier's own score when that is higher."""
         if extract not in EXTRACTORS:
             raise ValueError(f"data.answer_extract={extract!r} must be one of {EXTRACTORS}")
-        if not 0.0 <= sign_credit < 1.0:
-            raise ValueError(f"data.sign_credit={sign_credit!r} must be in [0, 1)")
+        for name, value in (("sign_credit", sign_credit), ("magnitude_credit", magnitude_credit)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"data.{name}={value!r} must be in [0, 1)")
+        if sign_credit + magnitude_credit >= 1.0:
+            raise ValueError(f"data.sign_credit={sign_credit!r} + data.magnitude_credit={magnitude_credit!r} "
+                             "must be < 1")
         self.sign_credit = sign_credit
+        self.magnitude_credit = magnitude_credit
         config = check_spec(dataset, dict(settings or {}))
         self.name = f"{PREFIX}{dataset}"
         self.dataset_name = dataset
@@ -171,9 +179,10 @@ class ReasoningGymTask:
             score = 0.0
         score = min(max(score, 0.0), 1.0) if score == score else 0.0
         exact = score >= 1.0
-        wrong_sign = not exact and _wrong_sign(answer, str(item.get("answer", "")))
-        if wrong_sign:
-            score = max(score, self.sign_credit)
+        sign, magnitude = _parts_right(answer, str(item.get("answer", "")))
+        wrong_sign = magnitude and not sign
+        if not exact:
+            score = max(score, self.sign_credit * sign + self.magnitude_credit * magnitude)
         metrics = {"acc": float(exact), "score": score, "answered": float(answer is not None),
                    "wrong_sign": float(wrong_sign)}
         return RewardResult(score=score, exact=exact, metrics=metrics)
