@@ -75,8 +75,10 @@ def test_sign_and_magnitude_credit_score_the_parts_of_a_wrong_number_but_never_a
     assert shaped.reward(neg, f"= {int(magnitude) + 1}").score == 0.0  # both parts wrong: nothing
     assert shaped.reward(neg, "no number").score == 0.0
     assert shaped.reward(pos, f"= {int(pos.answer) + 1}").score == 0.25
-    # the verifier's own substring credit ("-12" holds "12": 2/3) is kept where it is higher
-    assert shaped.reward(pos, f"= -{pos.answer}").score == max(0.5, len(pos.answer) / (len(pos.answer) + 1))
+    # the verifier's substring credit ("-12" holds "12": 2/3) would pay the wrong sign more than a right one
+    # earns; the numeric credit replaces it: the right magnitude alone
+    assert plain.reward(pos, f"= -{pos.answer}").score == len(pos.answer) / (len(pos.answer) + 1)
+    assert shaped.reward(pos, f"= -{pos.answer}").score == 0.5
     with pytest.raises(ValueError, match="data.sign_credit=1.0 must be in"):
         task(sign_credit=1.0)
     with pytest.raises(ValueError, match="data.sign_credit=0.5 \\+ data.magnitude_credit=0.5 must be < 1"):

@@ -57,14 +57,14 @@ def extract_answer(response_text: str, how: str) -> str | None:
     raise ValueError(f"data.answer_extract={how!r} must be one of {EXTRACTORS}")
 
 
-def _parts_right(answer: str | None, oracle: str) -> tuple[bool, bool]:
-    """(sign right, magnitude right) of a numeric `answer` against a numeric `oracle`; (False, False) when
+def _parts_right(answer: str | None, oracle: str) -> tuple[bool, bool, bool]:
+    """(sign right, magnitude right, both numbers) of `answer` against `oracle`; (False, False, False) when
     either is not a number. Zero has its own sign (neither positive nor negative)."""
     try:
         a, o = float(answer or ""), float(oracle)
     except ValueError:
-        return False, False
-    return (a > 0) - (a < 0) == (o > 0) - (o < 0), abs(a) == abs(o)
+        return False, False, False
+    return (a > 0) - (a < 0) == (o > 0) - (o < 0), abs(a) == abs(o), True
 
 
 def _registry() -> dict[str, tuple[Any, Any]]:
@@ -125,7 +125,7 @@ class ReasoningGymTask:
     ) -> None:
         """Build the dataset (ValueError naming the field and value for a bad name or setting). A wrong
         numeric answer scores `sign_credit` when its sign is right plus `magnitude_credit` when its magnitude
-        is right (training shaping, never exact), or the verifier's own score when that is higher."""
+        is right (training shaping, never exact) instead of the verifier's substring credit."""
         if extract not in EXTRACTORS:
             raise ValueError(f"data.answer_extract={extract!r} must be one of {EXTRACTORS}")
         for name, value in (("sign_credit", sign_credit), ("magnitude_credit", magnitude_credit)):
@@ -179,10 +179,11 @@ class ReasoningGymTask:
             score = 0.0
         score = min(max(score, 0.0), 1.0) if score == score else 0.0
         exact = score >= 1.0
-        sign, magnitude = _parts_right(answer, str(item.get("answer", "")))
+        sign, magnitude, numeric = _parts_right(answer, str(item.get("answer", "")))
         wrong_sign = magnitude and not sign
-        if not exact:
-            score = max(score, self.sign_credit * sign + self.magnitude_credit * magnitude)
+        if not exact and numeric and (self.sign_credit or self.magnitude_credit):
+            # the numeric credit replaces the verifier's substring credit, which scores "-35" 2/3 for 35
+            score = self.sign_credit * sign + self.magnitude_credit * magnitude
         metrics = {"acc": float(exact), "score": score, "answered": float(answer is not None),
                    "wrong_sign": float(wrong_sign)}
         return RewardResult(score=score, exact=exact, metrics=metrics)
