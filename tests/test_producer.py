@@ -577,9 +577,12 @@ def test_rollout_status_is_the_global_status_of_all_producers(
 
 
 def test_lower_priority_raises_the_nice_value_of_the_process() -> None:
+    import os
     import subprocess
     import sys
 
+    if os.nice(0) > 16:  # the kernel caps nice at 19: from here the test could not see a raise of 3
+        pytest.skip(f"the tests run at nice {os.nice(0)}: a raise of 3 would pass 19")
     code = (
         "import os; from producers.worker import lower_priority; a = os.nice(0); lower_priority(3); "
         "print(os.nice(0) - a)"
