@@ -16,8 +16,10 @@ import sys
 import time
 
 import torch
+from arith_kinds import kind_of  # scripts/ is on sys.path when run as a script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollstream.tasks import Prompt
 from rollstream.tasks.reasoning_gym import ReasoningGymTask
 
 MODEL = "~/.cache/rollstream/models/smollm2-135m-instruct"
@@ -26,14 +28,10 @@ SETTINGS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "o
 K = 16
 
 
-def kind(task: ReasoningGymTask, p: object) -> str:
-    """add, sub_pos, sub_neg (a negative result) or mulAxB (operand digits)."""
-    a, op, b = task.item_of(p)["metadata"]["expression"].split()  # type: ignore[arg-type]
-    if op == "*":
-        return f"mul{max(len(a), len(b))}x{min(len(a), len(b))}"
-    if op == "-":
-        return "sub_neg" if int(p.answer) < 0 else "sub_pos"  # type: ignore[attr-defined]
-    return "add"
+def kind(task: ReasoningGymTask, p: Prompt) -> str:
+    """The problem's kind (arith_kinds.kind_of: add, sub_pos, sub_neg, mulAxB)."""
+    a, op, b = task.item_of(p)["metadata"]["expression"].split()
+    return kind_of(a, op, b)[0]
 
 
 def main() -> None:

@@ -102,10 +102,8 @@ class DataConfig(Section):
             name, value = ("sign_credit", self.sign_credit) if self.sign_credit else (
                 "magnitude_credit", self.magnitude_credit)
             raise ValueError(f"data.{name}={value!r} is for rg:<dataset> tasks, not data.task={self.task!r}")
-        if self.sign_credit + self.magnitude_credit >= 1.0:
-            raise ValueError(
-                f"data.sign_credit={self.sign_credit!r} + data.magnitude_credit={self.magnitude_credit!r} "
-                "must be < 1 (a wrong answer must score below a right one)"
-            )
+        from rollstream.tasks.reasoning_gym import check_credit  # no reasoning-gym import: plain arithmetic
+
+        check_credit(self.sign_credit, self.magnitude_credit)
         return self
 

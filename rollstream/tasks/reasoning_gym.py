@@ -57,6 +57,17 @@ def extract_answer(response_text: str, how: str) -> str | None:
     raise ValueError(f"data.answer_extract={how!r} must be one of {EXTRACTORS}")
 
 
+def check_credit(sign_credit: float, magnitude_credit: float) -> None:
+    """ValueError naming the field and value unless both credits are in [0, 1) and their sum is below 1 (a
+    wrong answer must score below a right one)."""
+    for name, value in (("sign_credit", sign_credit), ("magnitude_credit", magnitude_credit)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"data.{name}={value!r} must be in [0, 1)")
+    if sign_credit + magnitude_credit >= 1.0:
+        raise ValueError(f"data.sign_credit={sign_credit!r} + data.magnitude_credit={magnitude_credit!r} "
+                         "must be < 1 (a wrong answer must score below a right one)")
+
+
 def _parts_right(answer: str | None, oracle: str) -> tuple[bool, bool, bool]:
     """(sign right, magnitude right, both numbers) of `answer` against `oracle`; (False, False, False) when
     either is not a number. Zero has its own sign (neither positive nor negative)."""
@@ -128,12 +139,7 @@ class ReasoningGymTask:
         is right (training shaping, never exact) instead of the verifier's substring credit."""
         if extract not in EXTRACTORS:
             raise ValueError(f"data.answer_extract={extract!r} must be one of {EXTRACTORS}")
-        for name, value in (("sign_credit", sign_credit), ("magnitude_credit", magnitude_credit)):
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"data.{name}={value!r} must be in [0, 1)")
-        if sign_credit + magnitude_credit >= 1.0:
-            raise ValueError(f"data.sign_credit={sign_credit!r} + data.magnitude_credit={magnitude_credit!r} "
-                             "must be < 1")
+        check_credit(sign_credit, magnitude_credit)
         self.sign_credit = sign_credit
         self.magnitude_credit = magnitude_credit
         config = check_spec(dataset, dict(settings or {}))
