@@ -66,7 +66,7 @@ class GenerationRequest:
     id, the prompt text and its answer stay with the producer, which packs each group's trajectories with
     them (`build_rollout_sample`)."""
 
-    rows: list[list[int]]
+    rows: list[list[int]]  # read only: a prompt's n rows are one list (each Trajectory copies its own)
     agent: str = AGENT_SINGLE_TURN
 
     def __post_init__(self) -> None:
@@ -87,7 +87,7 @@ def generation_request(
     rows: list[list[int]] = []
     for prompt in prompts:
         ids = encode_prompt(tokenizer, prompt.text)
-        rows.extend(list(ids) for _ in range(n))  # a list per row: a trajectory owns its prompt ids
+        rows.extend([ids] * n)  # one list per prompt, read only: each Trajectory copies its own
     return GenerationRequest(rows, AGENT_TOOL if multi_turn else AGENT_SINGLE_TURN)
 
 

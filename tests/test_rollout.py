@@ -27,7 +27,8 @@ def test_generation_request(multi_turn: bool, agent: str) -> None:
     assert len(req) == 3
     row = [TOK.bos_id, *TOK.encode("123>")]
     assert req.rows == [row] * 3
-    assert len({id(r) for r in req.rows}) == 3  # a list per row: no trajectory shares its prompt's list
+    trajs = failed_trajectories(req, 0, 0.0)  # the request shares one list per prompt; each trajectory
+    assert len({id(t.prompt_ids) for t in trajs} | {id(r) for r in req.rows}) == 4  # owns its own copy
 
 
 def test_generation_request_rows_are_prompt_major_and_unpadded() -> None:
