@@ -49,6 +49,7 @@ class GeneratingPolicy(Protocol):
         greedy: bool = False,
         sync_every_tokens: int = 0,
         on_chunk: Callable[[], bool] | None = None,
+        top_k: int = -1,
     ) -> list[Completion]:
         """Sample n responses per prompt (prompt-major)."""
         ...
@@ -74,6 +75,7 @@ class GenerationSettings:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1
     partial_rollout: bool = True
     sync_every_tokens: int = 4
     max_turns: int = 3
@@ -86,6 +88,7 @@ class GenerationSettings:
             max_new_tokens=cfg.data.max_response_length,
             temperature=ro.temperature,
             top_p=ro.top_p,
+            top_k=ro.top_k,
             partial_rollout=cfg.async_training.partial_rollout,
             sync_every_tokens=ro.sync_every_tokens,
             max_turns=ro.multi_turn.max_turns,
@@ -117,6 +120,7 @@ def _generate_turn(
         max_new_tokens=max_new_tokens,
         temperature=settings.temperature,
         top_p=settings.top_p,
+        top_k=settings.top_k,
         generator=generator,
         sync_every_tokens=settings.sync_every_tokens if settings.partial_rollout else 0,
         on_chunk=on_chunk if settings.partial_rollout else None,

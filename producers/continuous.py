@@ -229,7 +229,7 @@ class ContinuousLoop:
             row = Completion(prompt_ids=list(ids))
             group.rows.append(row)
             group.versions.append([])
-            self.engine.submit(row, s.max_new_tokens, s.temperature, s.top_p)
+            self.engine.submit(row, s.max_new_tokens, s.temperature, s.top_p, s.top_k)
         self.pending.append(group)
 
     def _step(self) -> None:

@@ -96,6 +96,8 @@ def test_bad_train_batch_size_names_all_three() -> None:
         ),
         ("trainer.nnodes=2", "trainer.nnodes=2 needs trainer.rdzv_endpoint"),
         ("trainer.strategy=zero3", "trainer.strategy='zero3'"),
+        ("rollout.top_k=0", "rollout.top_k=0"),
+        ("rollout.top_k=-2", "rollout.top_k"),
     ],
 )
 def test_bad_values_are_named(override: str, needle: str) -> None:

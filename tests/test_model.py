@@ -163,6 +163,24 @@ def test_greedy_is_deterministic_and_tiny_top_p_is_greedy() -> None:
     assert max_logprob_error(policy, a) < 1e-4
 
 
+def test_top_k_samples_only_the_k_most_likely_and_keeps_the_whole_distributions_logprobs() -> None:
+    policy = make_policy()
+    one = policy.generate(encoded(), 2, 12, top_k=1, generator=torch.Generator().manual_seed(5))
+    greedy = policy.generate(encoded(), 2, 12, greedy=True)
+    assert [t.response_ids for t in one] == [t.response_ids for t in greedy]
+    gen = torch.Generator().manual_seed(1)
+    trajs = policy.generate(encoded(), 8, 12, temperature=1.3, top_k=3, generator=gen)
+    assert max_logprob_error(policy, trajs, temperature=1.3) < 1e-4  # log-probs of the untruncated policy
+    for t in trajs:  # every sampled token was among the 3 most likely at its position
+        ids = torch.tensor([t.prompt_ids + t.response_ids])
+        with torch.no_grad():
+            logits = policy.module(ids)[0, len(t.prompt_ids) - 1 : -1]
+        top3 = logits.topk(3, dim=-1).indices
+        assert all(tok in row for tok, row in zip(t.response_ids, top3.tolist(), strict=True))
+    with pytest.raises(ValueError, match="top_k=0"):
+        policy.generate(encoded(), 1, 4, top_k=0)
+
+
 def test_on_chunk_without_swap_changes_nothing() -> None:
     policy = make_policy()
     calls: list[int] = []

@@ -216,6 +216,8 @@ def test_config_refuses_what_the_engine_cannot_honour(model_dir: Path) -> None:
         load_config(None, ["rollout.name=vllm"])
     with pytest.raises(ConfigError, match="rollout.top_p=0.9 with rollout.name=vllm"):
         engine_config(model_dir, "rollout.top_p=0.9")
+    with pytest.raises(ConfigError, match="rollout.top_k=50 with rollout.name=vllm"):
+        engine_config(model_dir, "rollout.top_k=50")
 
 
 # ---- every swap right, every swap checked (issue 39) -------------------------------------------------------

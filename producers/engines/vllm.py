@@ -273,6 +273,7 @@ class _Request:
     max_new_tokens: int
     temperature: float
     top_p: float
+    top_k: int = -1
 
 
 class VLLMPolicy:
@@ -358,19 +359,20 @@ class VLLMPolicy:
         greedy: bool = False,
         sync_every_tokens: int = 0,
         on_chunk: Callable[[], bool] | None = None,
+        top_k: int = -1,
     ) -> list[Completion]:
         """Sample n responses per prompt (prompt-major), all rows in the engine at once; log-probs of
         softmax(logits / temperature); greedy (or temperature 0) takes the argmax. Every `sync_every_tokens`
         engine steps `on_chunk()` may load newer weights (True): rows in flight then resume under them.
         `generator` is unused (the engine samples with its own seeded generator)."""
-        check_generate_args(prompts, n, max_new_tokens, temperature, top_p, self.max_seq_len)
+        check_generate_args(prompts, n, max_new_tokens, temperature, top_p, self.max_seq_len, top_k)
         rows = [Completion(prompt_ids=list(p)) for p in prompts for _ in range(n)]
         if not rows or max_new_tokens == 0:
             return rows
         temp = 0.0 if greedy else temperature
         self._paused = []
         for row in rows:
-            self.submit(row, max_new_tokens, temp, top_p)
+            self.submit(row, max_new_tokens, temp, top_p, top_k)
         steps = 0
         try:
             while self._live:
@@ -389,10 +391,12 @@ class VLLMPolicy:
         """Rows in the engine now (paused ones not counted)."""
         return len(self._live)
 
-    def submit(self, row: Completion, max_new_tokens: int, temperature: float, top_p: float = 1.0) -> None:
+    def submit(
+        self, row: Completion, max_new_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = -1
+    ) -> None:
         """Add a row to the engine: its prompt + what it generated so far, for the tokens it has left
         (temperature 0: greedy); its tokens and log-probs are appended to `row` as the engine steps."""
-        self._submit(_Request(row, max_new_tokens, temperature, top_p))
+        self._submit(_Request(row, max_new_tokens, temperature, top_p, top_k))
 
     def step(self) -> list[Completion]:
         """One engine step; returns the rows that finished in it (eos or their token budget)."""
@@ -437,6 +441,7 @@ class VLLMPolicy:
             n=1,
             temperature=req.temperature,
             top_p=req.top_p,
+            top_k=req.top_k,
             max_tokens=req.max_new_tokens - len(row.response_ids),
             logprobs=0,  # the sampled token's own log-prob
             stop_token_ids=[self.tokenizer.eos_id],

@@ -76,6 +76,14 @@ class PipelineConfig(Section):
                 f"rollout.name=vllm needs model.backend=hf (model.backend={self.model.backend!r}: vLLM "
                 "loads a HF checkpoint)"
             )
+        if self.rollout.top_k == 0:
+            raise ValueError("rollout.top_k=0: -1 samples from every token, k >= 1 from the k most likely")
+        if self.rollout.name == "vllm" and self.rollout.top_k != -1:
+            raise ValueError(
+                f"rollout.top_k={self.rollout.top_k} with rollout.name=vllm: vLLM's log-probs are then those "
+                "of the top-k-renormalised distribution, not log_softmax(logits / temperature) the trainer "
+                "recomputes; use top_k=-1"
+            )
         if self.rollout.name == "vllm" and self.rollout.top_p < 1.0:
             raise ValueError(
                 f"rollout.top_p={self.rollout.top_p} with rollout.name=vllm: vLLM's log-probs are then "

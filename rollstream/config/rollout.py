@@ -93,6 +93,12 @@ class RolloutConfig(Section):
                     "temperature",
     )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass")
+    top_k: int = Field(
+        -1,
+        ge=-1,
+        description="Sample among the k most likely tokens (-1: all, verl's default; 0 is refused); "
+                    "behaviour log-probs stay those of the whole tempered distribution",
+    )
     lease_timeout_s: float = Field(
         600.0,
         gt=0,

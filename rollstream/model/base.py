@@ -112,26 +112,37 @@ def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
     return out / out.sum(-1, keepdim=True)
 
 
+def top_k_filter(probs: Tensor, top_k: int) -> Tensor:
+    """Zero all but the k most likely tokens (ties at the k-th kept); renormalise; top_k <= 0 keeps all.
+    [B,V]."""
+    if top_k <= 0 or top_k >= probs.shape[-1]:
+        return probs
+    kth = probs.topk(top_k, dim=-1).values[:, -1:]
+    out = probs.masked_fill(probs < kth, 0.0)
+    return out / out.sum(-1, keepdim=True)
+
+
 def sample_tokens(
     logits: Tensor,
     temperature: float,
     top_p: float,
     generator: torch.Generator | None,
     greedy: bool,
+    top_k: int = -1,
 ) -> tuple[Tensor, Tensor]:
     """logits [B,V] -> (tokens [B] long, log-prob [B] of each token under softmax(logits / temperature)).
 
     The log-prob is that of the distribution the token was sampled from (as verl's rollout computes it,
-    and as the trainer recomputes it with the same temperature); top-p < 1 truncates sampling further
-    without renormalising the stored log-prob. Greedy (or temperature 0) picks the argmax and reports its
-    temperature-1 log-prob."""
+    and as the trainer recomputes it with the same temperature); top-k >= 1 and top-p < 1 truncate sampling
+    further (top-k first, as vLLM and transformers do) without renormalising the stored log-prob. Greedy
+    (or temperature 0) picks the argmax and reports its temperature-1 log-prob."""
     logits = logits.float()
     scaled = logits if greedy or temperature == 0.0 else logits / temperature
     logp = F.log_softmax(scaled, dim=-1)
     if greedy or temperature == 0.0:
         tok = logits.argmax(-1)
     else:
-        probs = top_p_filter(logp.exp(), top_p)
+        probs = top_p_filter(top_k_filter(logp.exp(), top_k), top_p)
         if generator is not None and generator.device.type != probs.device.type:
             tok = torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1)
             tok = tok.to(logits.device)
@@ -147,14 +158,16 @@ def check_generate_args(
     temperature: float,
     top_p: float,
     limit: int | None,
+    top_k: int = -1,
 ) -> None:
     """ValueError naming the argument unless a generate call's arguments are valid for a model of `limit`
-    positions (None: unbounded): n >= 1, max_new_tokens and temperature >= 0, 0 < top_p <= 1, non-empty
-    prompts, and the longest prompt + max_new_tokens within the limit (shared by every engine)."""
+    positions (None: unbounded): n >= 1, max_new_tokens and temperature >= 0, 0 < top_p <= 1, top_k -1 or
+    >= 1, non-empty prompts, and the longest prompt + max_new_tokens within the limit (shared by every
+    engine)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    if max_new_tokens < 0 or temperature < 0 or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"bad sampling args: {max_new_tokens=} {temperature=} {top_p=}")
+    if max_new_tokens < 0 or temperature < 0 or not 0.0 < top_p <= 1.0 or top_k == 0 or top_k < -1:
+        raise ValueError(f"bad sampling args: {max_new_tokens=} {temperature=} {top_p=} {top_k=}")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     longest = max((len(p) for p in prompts), default=0)
@@ -229,17 +242,18 @@ class BasePolicy(ABC):
         greedy: bool = False,
         sync_every_tokens: int = 0,
         on_chunk: Callable[[], bool] | None = None,
+        top_k: int = -1,
     ) -> list[Completion]:
         """Sample n responses per prompt in one left-padded KV-cached batch; prompt-major order. Each prompt
         is prefilled once and its cache shared by its n rows.
 
-        Sampling uses softmax(logits / temperature) with top-p (argmax when `greedy` or
-        temperature == 0); stored log-probs are those of softmax(logits / temperature) (see Completion). A row
-        stops after eos. Every `sync_every_tokens` decoded tokens (while rows remain), `on_chunk()`
-        is called; True means new weights were loaded, and the cache of the unfinished rows is
-        re-prefilled under them. `generator` None uses torch's global RNG.
+        Sampling uses softmax(logits / temperature) with top-k (-1: all tokens) and top-p (argmax when
+        `greedy` or temperature == 0); stored log-probs are those of softmax(logits / temperature) (see
+        Completion). A row stops after eos. Every `sync_every_tokens` decoded tokens (while rows remain),
+        `on_chunk()` is called; True means new weights were loaded, and the cache of the unfinished rows
+        is re-prefilled under them. `generator` None uses torch's global RNG.
         """
-        check_generate_args(prompts, n, max_new_tokens, temperature, top_p, self.max_seq_len)
+        check_generate_args(prompts, n, max_new_tokens, temperature, top_p, self.max_seq_len, top_k)
         trajs = [Completion(prompt_ids=list(p)) for p in prompts for _ in range(n)]
         if not trajs or max_new_tokens == 0:
             return trajs
@@ -257,7 +271,7 @@ class BasePolicy(ABC):
                     seq, seq_mask, logits = seq[rows], seq_mask[rows], logits[rows]
                     cache = self._select_cache(cache, rows)
                 for step in range(max_new_tokens):
-                    tok, logp = sample_tokens(logits, temperature, top_p, generator, greedy)  # [b], [b]
+                    tok, logp = sample_tokens(logits, temperature, top_p, generator, greedy, top_k)  # [b]
                     keep: list[int] = []
                     for j, (t, lp) in enumerate(zip(tok.tolist(), logp.tolist(), strict=True)):
                         traj = trajs[alive[j]]
