@@ -52,7 +52,6 @@ from producers.weight_sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
 from rollstream.bus.replication import execute_and_wait, require_acks
 from rollstream.config import PipelineConfig
-from rollstream.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
 from rollstream.from_config import build_policy, build_prompt_source, build_task
 from rollstream.keys import producer_names
 from rollstream.model import BasePolicy
@@ -73,6 +72,7 @@ from rollstream.rollout import (
 )
 from rollstream.runtime.process import EXIT_HUNG, WorkerContext
 from rollstream.tasks import Prompt, Task
+from rollstream.weights.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
 from rollstream.weights.store import latest_param_version
 from schemas import ROLLOUT_FAILURE, RolloutSample, decode_cursor, encode, encode_cursor
 
@@ -534,8 +534,8 @@ class Producer:
 
 def swap_check_bound(cfg: PipelineConfig, dtype: str) -> float:
     """The swap check's bound for an engine computing in `dtype`: rollout.swap_check_max_diff, else the
-    default of `dtype` or model.autocast, the looser (rollstream/fingerprint.py)."""
-    from rollstream.fingerprint import default_max_diff
+    default of `dtype` or model.autocast, the looser (rollstream/weights/fingerprint.py)."""
+    from rollstream.weights.fingerprint import default_max_diff
 
     configured = cfg.rollout.swap_check_max_diff
     if configured is not None:

@@ -25,8 +25,8 @@ to. With `trainer_fences` (the default) the trainer may also ACL SETUSER and CLI
 that floods Redis (FloodFence below); no ACL binds those to one user, so that credential can change any
 user's rights.
 Left open (no ACL can close it: ACLs do not see arguments): a writer of a stream may trim it with XADD's own
-MAXLEN/MINID (the audit counts what is destroyed, rollstream/audit.py) and XADD with an explicit id far ahead;
-since every producer writes only its own streams, that destroys or blocks only its own output, and the
+MAXLEN/MINID (the audit counts what is destroyed, rollstream/ops/audit.py) and XADD with an explicit id far
+ahead; since every producer writes only its own streams, that destroys or blocks only its own output, and the
 aggregator XADDs to no stream. The
 trainer's `watch_busy_scripts` kills a script that blocks Redis (only the trainer and admin may run scripts).
 """

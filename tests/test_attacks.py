@@ -14,10 +14,10 @@ import redis
 from conftest import P0, PRODUCERS
 
 from consumers.trainer.loop import Trainer
-from rollstream.audit import audit_run
 from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.keys import Keys
+from rollstream.ops.audit import audit_run
 from rollstream.pacing import lease_outright
 from rollstream.testing.fakes import fake_rollout_sample
 from rollstream.weights.store import publish_weights

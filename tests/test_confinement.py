@@ -34,13 +34,13 @@ from consumers.trainer.learner import UPDATE_SKIPPED
 from consumers.trainer.ledger import StepLedger
 from consumers.trainer.rank_agreement import RankRoles
 from producers.worker import Producer, PublishError
-from rollstream.audit import audit_run
 from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection, setup_run
 from rollstream.bus.connection import watch_busy_scripts
 from rollstream.bus.outbox import OutboxDrain, pack_item
 from rollstream.config import load_config
 from rollstream.from_config import build_policy
 from rollstream.keys import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
+from rollstream.ops.audit import audit_run
 from rollstream.ops.health import WorkerHealth
 from rollstream.ops.status import collect_status, format_status
 from rollstream.pacing import (

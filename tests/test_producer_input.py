@@ -22,10 +22,10 @@ from test_security import PRODUCERS, private_redis  # noqa: F401  (a fixture)
 from consumers.trainer.collect import Collector, rollouts_reader
 from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.rank_agreement import RankRoles
-from rollstream.audit import audit_run, format_report
 from rollstream.bus import Publisher, connect, setup_run
 from rollstream.config import load_config
 from rollstream.keys import Keys
+from rollstream.ops.audit import audit_run, format_report
 from rollstream.ops.status import collect_status, format_status
 from rollstream.pacing import grant_budget, lease_outright, mark_published, rollout_counts
 from rollstream.security import ROLES, apply_acl, generate_passwords

@@ -22,8 +22,8 @@ import redis
 from conftest import P0, PRODUCERS
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
-from rollstream.audit import audit_run, unacked_entry_ids
 from rollstream.keys import COMMITTED_STEP_FIELD, DROPPED_STALE_FIELD, HEARTBEAT_FIELD, TRAINER_GROUP, Keys
+from rollstream.ops.audit import audit_run, unacked_entry_ids
 from rollstream.ops.health import progress_health, worker_health
 from rollstream.pacing import ask_lease, dispatch_entries, lease_of, mark_published
 from rollstream.testing.fakes import fake_rollout_sample

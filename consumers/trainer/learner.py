@@ -37,7 +37,6 @@ import torch
 from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.master import MasterWeights
 from rollstream.config import AlgorithmConfig, PipelineConfig
-from rollstream.fingerprint import policy_probe
 from rollstream.from_config import build_policy
 from rollstream.model import BasePolicy
 from rollstream.model.base import resolve_device
@@ -52,6 +51,7 @@ from rollstream.rl.rollout_correction import (
     normalize_totals,
     rollout_correction,
 )
+from rollstream.weights.fingerprint import policy_probe
 from rollstream.weights.store import Probe
 from rollstream.weights.tensors import load_init, load_tensors_into, unique_state, unique_tensors
 from schemas import DataProto
@@ -253,8 +253,8 @@ class Learner:
         )
 
     def probe(self) -> Probe:
-        """The swap check's probe of the current weights (rollstream/fingerprint.py): the fixed probe ids and
-        the policy's log-probs of them; every rank calls it (a forward, a collective under fsdp)."""
+        """The swap check's probe of the current weights (rollstream/weights/fingerprint.py): the fixed probe
+        ids and the policy's log-probs of them; every rank calls it (a forward, a collective under fsdp)."""
         return policy_probe(self.policy)
 
     def whole_weights(self) -> dict[str, torch.Tensor]:
