@@ -46,6 +46,13 @@ import torch
 
 from producers.agent import GenerationSettings, run_agent_loop
 from producers.engines import EngineError
+from producers.rollout import (
+    GenerationRequest,
+    Trajectory,
+    build_rollout_sample,
+    failed_trajectories,
+    generation_request,
+)
 from producers.stats import Counters, StatsWindow, rollout_status
 from producers.watchdog import GenerationHung, GenerationWatchdog, exit_hung
 from producers.weight_sync import WeightSync
@@ -62,13 +69,6 @@ from rollstream.pacing import (
     mark_published,
     published_count,
     rollout_counts,
-)
-from rollstream.rollout import (
-    GenerationRequest,
-    Trajectory,
-    build_rollout_sample,
-    failed_trajectories,
-    generation_request,
 )
 from rollstream.runtime.process import EXIT_HUNG, WorkerContext
 from rollstream.tasks import Prompt, Task

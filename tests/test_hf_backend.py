@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from producers.agent import GenerationSettings, run_agent_loop  # noqa: E402
+from producers.rollout import generation_request  # noqa: E402
 from producers.worker import swap_check_bound  # noqa: E402
 from rollstream.config import ConfigError, load_config  # noqa: E402
 from rollstream.from_config import build_policy  # noqa: E402
@@ -25,7 +26,6 @@ from rollstream.model import CharTokenizer, Completion, build_batch  # noqa: E40
 from rollstream.model.base import resolve_dtype  # noqa: E402
 from rollstream.model.chat import encode_prompt, encode_tool_result, render_tool_turn  # noqa: E402
 from rollstream.model.hf import HFPolicy, HFTokenizer  # noqa: E402
-from rollstream.rollout import generation_request  # noqa: E402
 from rollstream.tasks import ArithToolTask, Prompt, calculate  # noqa: E402
 from rollstream.testing.hf_tiny import (
     build_tokenizer,  # noqa: E402
