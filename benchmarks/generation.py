@@ -37,8 +37,8 @@ import torch
 from producers.worker import Producer, set_torch_threads
 from rollstream.bus import connect, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.from_config import build_policy
 from rollstream.keys import Keys, producer_names
+from rollstream.model import build_policy
 from rollstream.pacing import lease_outright
 from rollstream.runtime.process import WorkerContext
 from rollstream.testing.hf_tiny import make_tiny_hf_model

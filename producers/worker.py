@@ -59,9 +59,8 @@ from producers.weight_sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
 from rollstream.bus.replication import execute_and_wait, require_acks
 from rollstream.config import PipelineConfig
-from rollstream.from_config import build_policy, build_prompt_source, build_task
 from rollstream.keys import producer_names
-from rollstream.model import BasePolicy
+from rollstream.model import BasePolicy, build_policy
 from rollstream.pacing import (
     ask_lease,
     lease_of,
@@ -71,7 +70,7 @@ from rollstream.pacing import (
     rollout_counts,
 )
 from rollstream.runtime.process import EXIT_HUNG, WorkerContext
-from rollstream.tasks import Prompt, Task
+from rollstream.tasks import Prompt, Task, build_prompt_source, build_task
 from rollstream.weights.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
 from rollstream.weights.store import latest_param_version
 from schemas import ROLLOUT_FAILURE, RolloutSample, decode_cursor, encode, encode_cursor

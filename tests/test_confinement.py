@@ -38,8 +38,8 @@ from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection,
 from rollstream.bus.connection import watch_busy_scripts
 from rollstream.bus.outbox import OutboxDrain, pack_item
 from rollstream.config import load_config
-from rollstream.from_config import build_policy
 from rollstream.keys import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
+from rollstream.model import build_policy
 from rollstream.ops.audit import audit_run
 from rollstream.ops.health import WorkerHealth
 from rollstream.ops.status import collect_status, format_status

@@ -12,9 +12,8 @@ import torch
 
 from producers.weight_sync import SwapFailed, WeightSync
 from rollstream.config import load_config
-from rollstream.from_config import build_policy
 from rollstream.keys import Keys
-from rollstream.model import BasePolicy
+from rollstream.model import BasePolicy, build_policy
 from rollstream.weights.fingerprint import (
     default_max_diff,
     policy_probe,

@@ -37,8 +37,7 @@ import torch
 from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.master import MasterWeights
 from rollstream.config import AlgorithmConfig, PipelineConfig
-from rollstream.from_config import build_policy
-from rollstream.model import BasePolicy
+from rollstream.model import BasePolicy, build_policy
 from rollstream.model.base import resolve_device
 from rollstream.rl.advantages import grpo_advantages, grpo_token_advantages, reinforce_pp_advantages
 from rollstream.rl.masked import AggMode, agg_count, agg_loss

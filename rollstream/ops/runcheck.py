@@ -146,7 +146,7 @@ def behaviour_logprob_error(
     weights), at rollout.temperature with the trainer's logprob chunking; returns (error, tokens compared)."""
     import torch
 
-    from rollstream.from_config import build_policy
+    from rollstream.model import build_policy
 
     policy = build_policy(cfg)
     policy.logprob_chunk_size = cfg.actor.logprob_chunk_size
