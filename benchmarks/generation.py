@@ -39,7 +39,7 @@ from rollstream.bus import connect, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.keys import Keys, producer_names
 from rollstream.model import build_policy
-from rollstream.pacing import lease_outright
+from rollstream.pacing.budget import lease_outright
 from rollstream.runtime.process import WorkerContext
 from rollstream.testing.hf_tiny import make_tiny_hf_model
 from rollstream.weights.fingerprint import policy_probe

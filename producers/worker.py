@@ -10,7 +10,7 @@ id `<name>-<seq>`), and its published count (`producer:<name>:published`) moves 
 restarted producer dispatches what a crashed predecessor leased and never published again, under the same
 ids. Then it waits for param version 0.
 
-Loop (until stop): read its lease (rollstream/pacing.py: the trainer leases prompts to producers; a
+Loop (until stop): read its lease (rollstream/pacing/: the trainer leases prompts to producers; a
 producer runs no script); with prompts left on it, load the newest weights (after reading the lease: a
 prompt leased under version v is never generated with older weights), dispatch up to
 `prompts_per_dispatch` of them, stamp `param_version` = the loaded version, generate all prompts x n in one
@@ -61,7 +61,7 @@ from rollstream.bus.replication import execute_and_wait, require_acks
 from rollstream.config import PipelineConfig
 from rollstream.keys import producer_names
 from rollstream.model import BasePolicy, build_policy
-from rollstream.pacing import (
+from rollstream.pacing.budget import (
     ask_lease,
     lease_of,
     leased_sample_id,

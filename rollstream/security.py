@@ -12,7 +12,7 @@ read the trainer hash, the `archive` hash, the `lease` hash, `consumed`, `dispat
 published count; and write its own four keys `producer:<name>:cursor`, `…:published`, `…:want` (the lease it
 asks for) and `…:version`, no other name under `producer:<name>:`. It
 runs no script and cannot move the pacing: only the trainer writes budgets, leases and the counters
-(rollstream/pacing.py). It cannot read rollouts, write another producer's streams, write the trainer hash,
+(rollstream/pacing/). It cannot read rollouts, write another producer's streams, write the trainer hash,
 `metrics`, `dispatch_log`, `records`, `fates`, `dead`, weights or params, another producer's keys, or another
 run's. The trainer reads every `rollouts:*` stream as its group. The aggregator
 reads `metrics` and every `stats:*` stream as its group (created by setup_run: it may not create groups),
@@ -215,7 +215,7 @@ class FloodFence:
     four keys (STRLEN) and its two streams (MEMORY USAGE, sampled); past PRODUCER_KEYS_MAX_BYTES or
     `bound_bytes` it fences the producer: its ACL user switched off, its connections killed (CLIENT KILL
     USER), the reason written to the `fenced` hash (status shows it) and logged, its unfinished lease taken
-    back (rollstream/pacing.py expire_lease) and no more leased to it. The run goes on with the others. A
+    back (rollstream/pacing/ expire_lease) and no more leased to it. The run goes on with the others. A
     fence is re-applied after a Redis restart (the ACL file would switch the user back on)."""
 
     def __init__(
@@ -272,7 +272,7 @@ class FloodFence:
 
     def _apply(self, r: redis.Redis, keys: Keys, producer: str, why: str) -> None:
         """Switch the producer's user off, kill its connections, take its lease back; log what happened."""
-        from rollstream.pacing import expire_lease  # pacing sits above security's names
+        from rollstream.pacing.budget import expire_lease  # pacing sits above security's names
 
         self.fenced[producer] = why
         failed = []

@@ -22,7 +22,7 @@ from rollstream.cli.main import main as cli_main
 from rollstream.config import PipelineConfig, load_config
 from rollstream.keys import Keys
 from rollstream.model import build_policy
-from rollstream.pacing import lease_outright
+from rollstream.pacing.budget import lease_outright
 from rollstream.runtime.process import WorkerContext
 from rollstream.testing.fakes import leased_fakes
 from rollstream.weights.store import latest_param_version, publish_weights

@@ -43,7 +43,7 @@ from rollstream.model import build_policy
 from rollstream.ops.audit import audit_run
 from rollstream.ops.health import WorkerHealth
 from rollstream.ops.status import collect_status, format_status
-from rollstream.pacing import (
+from rollstream.pacing.budget import (
     Leaser,
     ask_lease,
     grant_budget,
@@ -537,7 +537,7 @@ def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish
     counts nothing."""
     from consumers.trainer.collect import Collector, rollouts_reader
     from consumers.trainer.effects import TrainerEffects
-    from rollstream.pacing import LeaseExpiry
+    from rollstream.pacing.budget import LeaseExpiry
 
     keys, trainer = roles.keys, roles.trainer
     hoarder, other = roles.producers[P0], roles.producers["rollout_01"]
@@ -600,7 +600,7 @@ def test_no_revoked_bit_is_read_until_a_lease_expires_and_a_late_publish_is_stil
     the trainer's process, the same collector reads bits again and still refuses a late publish."""
     from consumers.trainer.collect import Collector, rollouts_reader
     from consumers.trainer.effects import TrainerEffects
-    from rollstream.pacing import expire_lease
+    from rollstream.pacing.budget import expire_lease
 
     keys, trainer, admin = roles.keys, roles.trainer, roles.admin
     grant_budget(trainer, keys, 0, 32)
@@ -814,7 +814,7 @@ def test_the_aggregator_cannot_trim_its_dead_letters(roles: Roles, tmp_path: Pat
 @pytest.mark.xfail(strict=True, reason="docs/GUARANTEES.md: a lease is held up to lease_timeout_s")
 def test_a_producer_cannot_hold_a_lease_without_publishing(roles: Roles) -> None:
     """A lease held without publishing is taken back only after rollout.lease_timeout_s (not at once)."""
-    from rollstream.pacing import LeaseExpiry
+    from rollstream.pacing.budget import LeaseExpiry
 
     keys, trainer = roles.keys, roles.trainer
     grant_budget(trainer, keys, 0, 8)

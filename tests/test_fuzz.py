@@ -31,7 +31,7 @@ from rollstream.bus import Publisher, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.keys import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.model import build_policy
-from rollstream.pacing import lease_outright
+from rollstream.pacing.budget import lease_outright
 from rollstream.testing import fakes
 from rollstream.testing.fakes import fake_rollout_sample
 from rollstream.weights.store import latest_param_version, publish_weights

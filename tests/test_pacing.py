@@ -12,11 +12,11 @@ import pytest
 import redis
 from conftest import P0, PRODUCERS
 
-import rollstream.pacing as pacing
+import rollstream.pacing.budget as pacing
 from consumers.trainer.rank_agreement import RankRoles
 from rollstream.bus import setup_run
 from rollstream.keys import Keys
-from rollstream.pacing import (
+from rollstream.pacing.budget import (
     LeaseExpiry,
     Leaser,
     ask_lease,

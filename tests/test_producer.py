@@ -25,7 +25,7 @@ from rollstream.bus import parse_id, run_producers, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.keys import DROPPED_STALE_FIELD, Keys, producer_names
 from rollstream.model import CharTokenizer, Completion, build_batch, build_policy
-from rollstream.pacing import (
+from rollstream.pacing.budget import (
     consume,
     dispatch_entries,
     grant_budget,

@@ -34,7 +34,7 @@ from rollstream.bus import setup_run  # noqa: E402
 from rollstream.config import PipelineConfig, load_config  # noqa: E402
 from rollstream.keys import Keys, producer_names  # noqa: E402
 from rollstream.model.hf import HFPolicy  # noqa: E402
-from rollstream.pacing import lease_outright  # noqa: E402
+from rollstream.pacing.budget import lease_outright  # noqa: E402
 from rollstream.runtime.process import WorkerContext  # noqa: E402
 from rollstream.tasks import Prompt  # noqa: E402
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402

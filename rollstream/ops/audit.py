@@ -18,7 +18,7 @@ options; Redis ACLs cannot restrict arguments), and what it deleted leaves no en
 stream's `entries-added` (XINFO STREAM) counts every XADD ever accepted and no trim can lower it; every
 entry is either still in Redis or was moved to the archive by retention, so `entries-added` greater than
 the entries the log holds means that many entries were destroyed (`destroyed`, a problem). Which samples
-they were is known too: a producer's prompts are numbered (sample id `<producer>-<seq>`, rollstream/pacing.py)
+they were is known too: a producer's prompts are numbered (sample id `<producer>-<seq>`, rollstream/pacing/)
 and its published count moves with each publish, so every id below both its count and its lease (which
 only the trainer writes) must be on the log; one that is neither there nor ended is `destroyed_ids`.
 
@@ -40,7 +40,7 @@ from rollstream.bus.ids import after, count_or_none, parse_id, shown, text
 from rollstream.bus.publish import run_producers
 from rollstream.bus.streams import PAGE, iter_stream
 from rollstream.keys import TRAINER_GROUP, Keys
-from rollstream.pacing import leased_sample_id, read_count
+from rollstream.pacing.budget import leased_sample_id, read_count
 from schemas import EVICTED, SKIPPED, TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
 
 

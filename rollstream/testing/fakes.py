@@ -15,7 +15,7 @@ from producers.rollout import Trajectory, build_rollout_sample
 from rollstream.bus import Publisher, parse_id, run_producers, setup_run
 from rollstream.keys import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.model import CharTokenizer
-from rollstream.pacing import lease_outright, leased_sample_id
+from rollstream.pacing.budget import lease_outright, leased_sample_id
 from rollstream.tasks import RewardResult
 from schemas import EventBase, ProducerStats, RolloutSample, StepMetrics, ValidateMetrics
 

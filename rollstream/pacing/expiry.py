@@ -1,7 +1,7 @@
 """Which producers' prompts the trainer took back, known without a Redis round trip per sample.
 
 A sample whose seq the trainer took back (its producer's lease expired, or it was fenced: `revoked:<name>`,
-rollstream/pacing.py `expire_lease`) is dead-lettered "lease expired". Asking Redis for that bit on every
+pacing/budget.py `expire_lease`) is dead-lettered "lease expired". Asking Redis for that bit on every
 consumed sample costs one GETBIT per sample although a lease rarely expires. A `RevokedWatch` knows which
 producers have a `revoked:<name>` bitmap at all (one pipelined EXISTS per producer) and asks for a bit only
 for those. It reads them again when an expiry may have happened since: `expire_lease` bumps this process's

@@ -71,7 +71,7 @@ from rollstream.keys import (
     TRAINER_GROUP,
     Keys,
 )
-from rollstream.revoked import bump_epoch
+from rollstream.pacing.expiry import bump_epoch
 from schemas.text_entries import (
     EXPIRE,
     GRANT,
@@ -360,7 +360,7 @@ def consume(r: redis.Redis, keys: Keys, sample_ids: Iterable[str], max_outstandi
 def expire_lease(r: redis.Redis, keys: Keys, producer: str, max_outstanding: int) -> tuple[int, int]:
     """Trainer side: take back every unfinished seq of `producer`'s lease (counted as consumed once, marked
     revoked, logged as `expire`) and give the current version's budget their room; returns (taken back,
-    budget added). Bumps this process's expiry epoch before and after (rollstream/revoked.py)."""
+    budget added). Bumps this process's expiry epoch before and after (rollstream/pacing/expiry.py)."""
     bump_epoch()
     try:
         return _expire(r, keys, producer, max_outstanding)

@@ -1,0 +1,1 @@
+"""Producer pacing: budget, leases and consumed bitmaps (budget), and leases taken back (expiry)."""
