@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from producers.rollout import Trajectory
 from rollstream.config import PipelineConfig
-from rollstream.pacing.budget import RolloutCounts
+from rollstream.pacing.counters import RolloutCounts
 from rollstream.tasks import RewardResult
 from schemas import ProducerStats
 

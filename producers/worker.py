@@ -61,14 +61,8 @@ from rollstream.bus.replication import execute_and_wait, require_acks
 from rollstream.config import PipelineConfig
 from rollstream.keys import producer_names
 from rollstream.model import BasePolicy, build_policy
-from rollstream.pacing.budget import (
-    ask_lease,
-    lease_of,
-    leased_sample_id,
-    mark_published,
-    published_count,
-    rollout_counts,
-)
+from rollstream.pacing.budget import ask_lease, leased_sample_id, mark_published
+from rollstream.pacing.counters import lease_of, published_count, rollout_counts
 from rollstream.runtime.process import EXIT_HUNG, WorkerContext
 from rollstream.tasks import Prompt, Task, build_prompt_source, build_task
 from rollstream.weights.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION

@@ -183,7 +183,7 @@ class Keys:
     @property
     def fenced(self) -> str:
         """Hash: producer name -> why the trainer fenced it (its ACL user switched off over a memory flood;
-        rollstream/security.py FloodFence). Only the trainer writes it."""
+        rollstream/pacing/fence.py FloodFence). Only the trainer writes it."""
         return self._k("fenced")
 
     # A producer's own state lives under producer:<name>:…: its ACL user may write only the four keys below.
@@ -211,6 +211,13 @@ class Keys:
         """String: the param_version this producer generates with (for weight garbage collection and
         status)."""
         return self.producer_prefix(producer) + "version"
+
+    def producer_keys(self, producer: str) -> tuple[str, str, str, str]:
+        """The four keys a producer writes besides its streams: cursor, published, want, version."""
+        return (
+            self.producer_cursor(producer), self.producer_published(producer), self.producer_want(producer),
+            self.producer_version(producer),
+        )
 
     def producer_of(self, key: str) -> str:
         """The producer name a per-producer key belongs to."""

@@ -31,7 +31,7 @@ from rollstream.bus.retention import KILL_BEFORE_TRIM_ENV
 from rollstream.keys import COMMITTED_STEP_FIELD, Keys
 from rollstream.ops.audit import audit_run
 from rollstream.ops.replay_copy import consumed_entry_ids, copy_steps
-from rollstream.pacing.budget import dispatch_entries
+from rollstream.pacing.counters import dispatch_entries
 from schemas.text_entries import GRANT, LEASE, TOPUP
 
 ROOT = Path(__file__).resolve().parent.parent

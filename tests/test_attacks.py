@@ -190,7 +190,8 @@ def test_a_producer_hoarding_its_lease_does_not_stop_training(
     (publishing whatever it is leased) gets the room, and the trainer completes two global steps."""
     import time
 
-    from rollstream.pacing.budget import ask_lease, dispatch_entries, lease_of
+    from rollstream.pacing.budget import ask_lease
+    from rollstream.pacing.counters import dispatch_entries, lease_of
     from rollstream.weights.store import latest_param_version
     from schemas.text_entries import EXPIRE
 

@@ -18,14 +18,8 @@ from consumers.trainer.staleness import LengthBuckets, filter_groups_metrics
 from rollstream.bus import setup_run
 from rollstream.keys import Keys
 from rollstream.ops.audit import audit_run, format_report
-from rollstream.pacing.budget import (
-    ask_lease,
-    consume,
-    current_budget,
-    dispatch_entries,
-    grant_budget,
-    lease_pass,
-)
+from rollstream.pacing.budget import ask_lease, consume, current_budget, grant_budget, lease_pass
+from rollstream.pacing.counters import dispatch_entries
 from schemas import EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, TRAINED, Fate, StepMetrics, decode, decode_fate
 from schemas.text_entries import TOPUP
 

@@ -25,13 +25,8 @@ from rollstream.bus import parse_id, run_producers, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.keys import DROPPED_STALE_FIELD, Keys, producer_names
 from rollstream.model import CharTokenizer, Completion, build_batch, build_policy
-from rollstream.pacing.budget import (
-    consume,
-    dispatch_entries,
-    grant_budget,
-    queue_count_consumed,
-    rollout_counts,
-)
+from rollstream.pacing.budget import consume, grant_budget, queue_count_consumed
+from rollstream.pacing.counters import dispatch_entries, rollout_counts
 from rollstream.runtime.process import EXIT_HUNG, EXIT_OK, WorkerContext
 from rollstream.tasks import build_prompt_source, calculate
 from rollstream.weights.store import producer_versions, publish_weights

@@ -61,9 +61,11 @@ from rollstream.keys import (
     producer_names,
     rank_heartbeat_field,
 )
-from rollstream.pacing.budget import LeaseExpiry, Leaser, consume, current_budget, grant_budget, leases
-from rollstream.pacing.expiry import RevokedWatch
-from rollstream.security import FloodFence
+from rollstream.pacing.budget import consume, current_budget, grant_budget
+from rollstream.pacing.counters import leases
+from rollstream.pacing.expiry import LeaseExpiry, RevokedWatch
+from rollstream.pacing.fence import FloodFence
+from rollstream.pacing.leaser import Leaser
 from rollstream.weights.store import (
     Probe,
     gc_weights,
@@ -132,8 +134,8 @@ class TrainerEffects:
             self.heartbeat_fields.append(rank_heartbeat_field(dp.rank))
 
     def start_leaser(self) -> None:
-        """Rank 0: start leasing the current budget to the producers that ask (rollstream/pacing/ Leaser),
-        until `stop_leaser`."""
+        """Rank 0: start leasing the current budget to the producers that ask (rollstream/pacing/leaser.py
+        Leaser), until `stop_leaser`."""
         if self.leaser is None:
             names = producer_names(self.cfg.rollout.num_producers)
             expiry = LeaseExpiry(
@@ -238,7 +240,7 @@ class TrainerEffects:
 
     @effect("reading revoked")
     def is_revoked(self, watch: RevokedWatch, producer: str, seq: int) -> bool:
-        """The trainer took `producer`'s prompt `seq` back (pacing/expiry.py)."""
+        """The trainer took `producer`'s prompt `seq` back (rollstream/pacing/expiry.py)."""
         return watch.is_revoked(self.r, producer, seq)
 
     @effect("reading dead letters")
@@ -249,7 +251,7 @@ class TrainerEffects:
     @effect("counting {what}")
     def consume(self, sample_ids: list[str], what: str) -> tuple[int, int]:
         """Count the samples' prompts as consumed, each once, topping the current version's budget up by
-        the room they freed (rollstream/pacing/ `consume`); (newly counted, added to the budget)."""
+        the room they freed (rollstream/pacing/budget.py `consume`); (newly counted, added to the budget)."""
         return consume(self.r, self.keys, sample_ids, self.cfg.max_outstanding)
 
     @effect("acking duplicates")

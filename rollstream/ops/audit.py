@@ -40,7 +40,8 @@ from rollstream.bus.ids import after, count_or_none, parse_id, shown, text
 from rollstream.bus.publish import run_producers
 from rollstream.bus.streams import PAGE, iter_stream
 from rollstream.keys import TRAINER_GROUP, Keys
-from rollstream.pacing.budget import leased_sample_id, read_count
+from rollstream.pacing.budget import leased_sample_id
+from rollstream.pacing.counters import read_count
 from schemas import EVICTED, SKIPPED, TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
 
 
