@@ -40,13 +40,13 @@ from rollstream.bus.outbox import OutboxDrain, pack_item
 from rollstream.config import load_config
 from rollstream.keys import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
 from rollstream.model import build_policy
+from rollstream.ops.acl import ROLES, apply_acl, generate_passwords
 from rollstream.ops.audit import audit_run
 from rollstream.ops.health import WorkerHealth
 from rollstream.ops.status import collect_status, format_status
 from rollstream.pacing.budget import ask_lease, grant_budget, lease_outright, mark_published
 from rollstream.pacing.counters import lease_of, rollout_counts
 from rollstream.pacing.leaser import Leaser
-from rollstream.security import ROLES, apply_acl, generate_passwords
 from rollstream.tasks import REWARD_RANGE
 from rollstream.testing.fakes import fake_metrics_log, fake_rollout_sample, leased_fakes, publish_log
 from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, decode_as, encode

@@ -25,11 +25,11 @@ from consumers.trainer.rank_agreement import RankRoles
 from rollstream.bus import Publisher, connect, setup_run
 from rollstream.config import load_config
 from rollstream.keys import Keys
+from rollstream.ops.acl import ROLES, apply_acl, generate_passwords
 from rollstream.ops.audit import audit_run, format_report
 from rollstream.ops.status import collect_status, format_status
 from rollstream.pacing.budget import grant_budget, lease_outright, mark_published
 from rollstream.pacing.counters import rollout_counts
-from rollstream.security import ROLES, apply_acl, generate_passwords
 from rollstream.testing.fakes import fake_rollout_sample
 from rollstream.weights.store import PIN_VERSIONS, gc_weights, pinned_versions, publish_weights
 from schemas import decode, encode

@@ -19,10 +19,10 @@ reads `metrics` and every `stats:*` stream as its group (created by setup_run: i
 RPUSHes its records and dead letters to two outbox lists that the trainer moves into `records` and
 `dead:aggregator` (rollstream/bus/outbox.py; dead-lettering is WATCH + MULTI: it may run no script), reads
 `records`, keeps `sink_cursor`, reads the trainer hash and the `archive` hash; it cannot delete or trim
-anything (no XADD on `records` or `dead:aggregator`, no LTRIM/LPOP/DEL on its outboxes). The trainer
-owns the run's keys; only it (and admin) can write `archive`, the folder every reader of the log is pointed
-to. With `trainer_fences` (the default) the trainer may also ACL SETUSER and CLIENT KILL, to fence a producer
-that floods Redis (FloodFence below); no ACL binds those to one user, so that credential can change any
+anything (no XADD on `records` or `dead:aggregator`, no LTRIM/LPOP/DEL on its outboxes). The trainer owns the
+run's keys; only it (and admin) can write `archive`, the folder every reader of the log is pointed to. With
+`trainer_fences` (the default) the trainer may also ACL SETUSER and CLIENT KILL, to fence a producer that
+floods Redis (rollstream/pacing/fence.py); no ACL binds those to one user, so that credential can change any
 user's rights.
 Left open (no ACL can close it: ACLs do not see arguments): a writer of a stream may trim it with XADD's own
 MAXLEN/MINID (the audit counts what is destroyed, rollstream/ops/audit.py) and XADD with an explicit id far
