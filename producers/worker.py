@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: one Producer whose loop steps share its state; its parts live beside it.
 """The rollout producer: lease -> dispatch prompts -> generate -> score -> publish.
 
 Started as `python -m producers pipeline.yaml [key=value ...] [--name rollout_00] [--burst]

@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: one local update (its tensors, loss and optimizer step) read top to bottom.
 """The policy-gradient update of one local step (decoupled PPO / bypass, GRPO advantages).
 
   begin_step(g)  at the first local update of global step g: freeze a copy of the weights (version g-1)

@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: every call into vLLM's API (start-up, reload, generate) in one place.
 """vLLM as a producer's generation engine (`rollout.name=vllm`): one engine per producer process.
 
 `VLLMPolicy` is a `GeneratingPolicy` (producers/agent.py), so the single-turn and the tool agent loops run on
