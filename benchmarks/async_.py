@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: one benchmark's two runs, their measurements and its report together.
 """Async vs sync benchmark: the same RL workload trained synchronously and with rollstream's overlap.
 
     rollstream bench async [pipeline.yaml] [key=value ...] [--quick] [--steps N] [--json]

@@ -77,7 +77,7 @@ def build_sample(mean_len: int, seed: int) -> Any:
             {"uid": uid},
         )
     else:
-        from rollstream.rollout import Trajectory, ragged_batch
+        from producers.rollout import Trajectory, ragged_batch
 
         trajs = [
             Trajectory(prompt, r, [1] * len(r), lps) for r, lps in zip(responses, log_probs, strict=True)

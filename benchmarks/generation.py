@@ -37,12 +37,12 @@ import torch
 from producers.worker import Producer, set_torch_threads
 from rollstream.bus import connect, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.fingerprint import policy_probe
-from rollstream.from_config import build_policy
 from rollstream.keys import Keys, producer_names
-from rollstream.pacing import lease_outright
+from rollstream.model import build_policy
+from rollstream.pacing.budget import lease_outright
 from rollstream.runtime.process import WorkerContext
 from rollstream.testing.hf_tiny import make_tiny_hf_model
+from rollstream.weights.fingerprint import policy_probe
 from rollstream.weights.store import (
     latest_param_version,
     load_weights,

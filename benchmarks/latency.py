@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from producers.rollout import GenerationRequest, Trajectory
 from rollstream.config import PipelineConfig
 from rollstream.model import Tokenizer
-from rollstream.rollout import GenerationRequest, Trajectory
 
 if TYPE_CHECKING:
     from producers.worker import GenerateFn

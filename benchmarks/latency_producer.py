@@ -30,10 +30,12 @@ from collections.abc import Sequence  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.latency import LatencyModel, modelled_generate  # noqa: E402
+from producers.rollout import Trajectory  # noqa: E402
 from producers.worker import POLL_S, Producer, producer_index, producer_seed  # noqa: E402
-from rollstream.from_config import build_policy  # noqa: E402
-from rollstream.model import BasePolicy  # noqa: E402
-from rollstream.rollout import Trajectory  # noqa: E402
+from rollstream.model import (
+    BasePolicy,  # noqa: E402
+    build_policy,  # noqa: E402
+)
 from rollstream.runtime.process import WorkerContext  # noqa: E402
 from rollstream.tasks import Prompt, Task  # noqa: E402
 from schemas import RolloutSample  # noqa: E402

@@ -26,12 +26,11 @@ import torch
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.evaluate import evaluate as evaluate_task
 from consumers.trainer.learner import Learner
+from producers.rollout import Trajectory, build_rollout_sample
 from rollstream.config import PipelineConfig, load_config
-from rollstream.from_config import build_policy, build_prompt_source, build_task
-from rollstream.model import BasePolicy
+from rollstream.model import BasePolicy, build_policy
 from rollstream.model.chat import encode_prompt
-from rollstream.rollout import Trajectory, build_rollout_sample
-from rollstream.tasks import Prompt, Task
+from rollstream.tasks import Prompt, Task, build_prompt_source, build_task
 from rollstream.tasks.warmstart import WarmMode, warm_start
 
 

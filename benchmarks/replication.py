@@ -21,6 +21,7 @@ from pathlib import Path
 from rollstream.bus import connect
 from rollstream.bus.replication import execute_replicated
 from rollstream.keys import Keys
+from rollstream.ops.acl import generate_passwords
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.redis_topology import (
     REPLICATION_USER,
@@ -29,7 +30,6 @@ from rollstream.ops.redis_topology import (
     EmbeddedTopology,
     plan_topology,
 )
-from rollstream.security import generate_passwords
 from rollstream.testing.fakes import fake_rollout_sample
 from schemas import encode
 

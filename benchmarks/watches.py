@@ -21,8 +21,8 @@ import redis
 
 from rollstream.bus import Publisher, connect, delete_run, setup_run
 from rollstream.keys import TRAINER_GROUP, Keys, producer_names
-from rollstream.pacing import LeaseExpiry, finished_counts
-from rollstream.security import FloodFence
+from rollstream.pacing.expiry import LeaseExpiry, finished_counts
+from rollstream.pacing.fence import FloodFence
 from rollstream.testing.fakes import fake_rollout_sample
 from schemas import encode
 

@@ -21,10 +21,10 @@ from typing import Protocol
 
 import torch
 
+from producers.rollout import AGENT_TOOL, GenerationRequest, Trajectory
 from rollstream.config import PipelineConfig
 from rollstream.model import Completion, Tokenizer
 from rollstream.model.chat import encode_tool_result
-from rollstream.rollout import AGENT_TOOL, GenerationRequest, Trajectory
 from rollstream.tasks import Task
 
 

@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from producers.agent import version_of_last_token
+from producers.rollout import Trajectory
 from rollstream.model import Completion
 from rollstream.model.chat import encode_prompt
-from rollstream.pacing import ask_lease, lease_of
-from rollstream.rollout import Trajectory
+from rollstream.pacing.budget import ask_lease
+from rollstream.pacing.counters import lease_of
 from rollstream.tasks import Prompt
 
 if TYPE_CHECKING:

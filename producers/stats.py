@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from producers.rollout import Trajectory
 from rollstream.config import PipelineConfig
-from rollstream.pacing import RolloutCounts
-from rollstream.rollout import Trajectory
+from rollstream.pacing.counters import RolloutCounts
 from rollstream.tasks import RewardResult
 from schemas import ProducerStats
 

@@ -1,10 +1,10 @@
 """The producer's weights: which param version is loaded, and loading newer ones from `params`.
 
-Every load is checked (the swap check, rollstream/fingerprint.py): when the ParamVersion carries the trainer's
-probe, the engine's own log-probs of the probe are computed right after the load and compared. Over the bound
-the load is redone once from the version's blob; a second failure raises SwapCheckError and the producer exits
-for its supervisor to start a fresh engine. The version is registered (and stamped on samples) only after the
-check passed, so a producer never stamps a version its engine does not hold."""
+Every load is checked (the swap check, rollstream/weights/fingerprint.py): when the ParamVersion carries the
+trainer's probe, the engine's own log-probs of the probe are computed right after the load and compared. Over
+the bound the load is redone once from the version's blob; a second failure raises SwapCheckError and the
+producer exits for its supervisor to start a fresh engine. The version is registered (and stamped on samples)
+only after the check passed, so a producer never stamps a version its engine does not hold."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from functools import partial
 import redis
 
 from producers.engines import EngineError
-from rollstream.fingerprint import SwapCheckError, probe_diff
 from rollstream.keys import Keys
 from rollstream.model import BasePolicy
+from rollstream.weights.fingerprint import SwapCheckError, probe_diff
 from rollstream.weights.store import (
     WeightsError,
     latest_param_version,
@@ -63,7 +63,7 @@ class WeightSync:
         if loader is None and policy is None:
             raise ValueError("WeightSync needs a policy or a loader")
         if prober is None and loader is None and hasattr(policy, "module"):  # the built-in engine's module
-            from rollstream.fingerprint import policy_probe_logprobs
+            from rollstream.weights.fingerprint import policy_probe_logprobs
 
             assert policy is not None
             prober = partial(policy_probe_logprobs, policy)

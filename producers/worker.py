@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: one Producer whose loop steps share its state; its parts live beside it.
 """The rollout producer: lease -> dispatch prompts -> generate -> score -> publish.
 
 Started as `python -m producers pipeline.yaml [key=value ...] [--name rollout_00] [--burst]
@@ -10,7 +11,7 @@ id `<name>-<seq>`), and its published count (`producer:<name>:published`) moves 
 restarted producer dispatches what a crashed predecessor leased and never published again, under the same
 ids. Then it waits for param version 0.
 
-Loop (until stop): read its lease (rollstream/pacing.py: the trainer leases prompts to producers; a
+Loop (until stop): read its lease (rollstream/pacing/: the trainer leases prompts to producers; a
 producer runs no script); with prompts left on it, load the newest weights (after reading the lease: a
 prompt leased under version v is never generated with older weights), dispatch up to
 `prompts_per_dispatch` of them, stamp `param_version` = the loaded version, generate all prompts x n in one
@@ -46,33 +47,26 @@ import torch
 
 from producers.agent import GenerationSettings, run_agent_loop
 from producers.engines import EngineError
-from producers.stats import Counters, StatsWindow, rollout_status
-from producers.watchdog import GenerationHung, GenerationWatchdog, exit_hung
-from producers.weight_sync import WeightSync
-from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
-from rollstream.bus.replication import execute_and_wait, require_acks
-from rollstream.config import PipelineConfig
-from rollstream.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
-from rollstream.from_config import build_policy, build_prompt_source, build_task
-from rollstream.keys import producer_names
-from rollstream.model import BasePolicy
-from rollstream.pacing import (
-    ask_lease,
-    lease_of,
-    leased_sample_id,
-    mark_published,
-    published_count,
-    rollout_counts,
-)
-from rollstream.rollout import (
+from producers.rollout import (
     GenerationRequest,
     Trajectory,
     build_rollout_sample,
     failed_trajectories,
     generation_request,
 )
+from producers.stats import Counters, StatsWindow, rollout_status
+from producers.watchdog import GenerationHung, GenerationWatchdog, exit_hung
+from producers.weight_sync import WeightSync
+from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
+from rollstream.bus.replication import execute_and_wait, require_acks
+from rollstream.config import PipelineConfig
+from rollstream.keys import producer_names
+from rollstream.model import BasePolicy, build_policy
+from rollstream.pacing.budget import ask_lease, leased_sample_id, mark_published
+from rollstream.pacing.counters import lease_of, published_count, rollout_counts
 from rollstream.runtime.process import EXIT_HUNG, WorkerContext
-from rollstream.tasks import Prompt, Task
+from rollstream.tasks import Prompt, Task, build_prompt_source, build_task
+from rollstream.weights.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
 from rollstream.weights.store import latest_param_version
 from schemas import ROLLOUT_FAILURE, RolloutSample, decode_cursor, encode, encode_cursor
 
@@ -534,8 +528,8 @@ class Producer:
 
 def swap_check_bound(cfg: PipelineConfig, dtype: str) -> float:
     """The swap check's bound for an engine computing in `dtype`: rollout.swap_check_max_diff, else the
-    default of `dtype` or model.autocast, the looser (rollstream/fingerprint.py)."""
-    from rollstream.fingerprint import default_max_diff
+    default of `dtype` or model.autocast, the looser (rollstream/weights/fingerprint.py)."""
+    from rollstream.weights.fingerprint import default_max_diff
 
     configured = cfg.rollout.swap_check_max_diff
     if configured is not None:

@@ -17,7 +17,7 @@ AGGREGATOR_GROUP = "aggregator"
 
 # Fields of the `trainer` hash. The trainer writes them (its step commit, heartbeat and budget grants);
 # committed_step and training_step bound what the aggregator accepts (consumers/aggregator/admission.py),
-# budget_version is read by pacing (rollstream/pacing.py: grants, leases, top-ups).
+# budget_version is read by pacing (rollstream/pacing/: grants, leases, top-ups).
 GLOBAL_STEP_FIELD = "global_step"  # last committed global step
 PARAM_VERSION_FIELD = "param_version"  # the version published with that commit
 COMMITTED_STEP_FIELD = "committed_step"  # last global step whose commit (with its step_end) executed
@@ -30,7 +30,7 @@ BUDGET_CAP_FIELD = "budget_cap"  # that grant's memory back-pressure cap on the 
 DROPPED_STALE_FIELD = "dropped_stale"  # samples dropped as stale over the whole run (written in the commit)
 REPLAYED_VERSIONS_FIELD = "replayed_versions"  # replay copies: the source had published versions up to this
 # set on a replay copy (`rollstream replay trainer`): its rollouts were copied by an admin, not published
-# under the pacing's leases, so the trainer does not check sample ids against leases (rollstream/pacing.py)
+# under the pacing's leases, so the trainer does not check sample ids against leases (rollstream/pacing/)
 REPLAY_COPY_FIELD = "replay_copy"
 WORLD_SIZE_FIELD = "world_size"  # data-parallel trainer ranks (written by rank 0 at start)
 #: Prefix of a data-parallel rank's own heartbeat field, `heartbeat:r<rank>` (rank 0 also writes `heartbeat`).
@@ -168,7 +168,7 @@ class Keys:
     @property
     def lease(self) -> str:
         """Hash: producer name -> prompts leased to it so far (only the trainer writes it;
-        rollstream/pacing.py)."""
+        rollstream/pacing/)."""
         return self._k("lease")
 
     def consumed_bits(self, producer: str) -> str:
@@ -177,13 +177,13 @@ class Keys:
 
     def revoked_bits(self, producer: str) -> str:
         """Bitmap: bit `seq` set when the trainer took `producer`'s prompt `seq` back (its lease expired,
-        rollstream/pacing.py); a sample of that seq is then dead-lettered ("lease expired")."""
+        rollstream/pacing/); a sample of that seq is then dead-lettered ("lease expired")."""
         return self._k(f"revoked:{producer}")
 
     @property
     def fenced(self) -> str:
         """Hash: producer name -> why the trainer fenced it (its ACL user switched off over a memory flood;
-        rollstream/security.py FloodFence). Only the trainer writes it."""
+        rollstream/pacing/fence.py FloodFence). Only the trainer writes it."""
         return self._k("fenced")
 
     # A producer's own state lives under producer:<name>:…: its ACL user may write only the four keys below.
@@ -211,6 +211,13 @@ class Keys:
         """String: the param_version this producer generates with (for weight garbage collection and
         status)."""
         return self.producer_prefix(producer) + "version"
+
+    def producer_keys(self, producer: str) -> tuple[str, str, str, str]:
+        """The four keys a producer writes besides its streams: cursor, published, want, version."""
+        return (
+            self.producer_cursor(producer), self.producer_published(producer), self.producer_want(producer),
+            self.producer_version(producer),
+        )
 
     def producer_of(self, key: str) -> str:
         """The producer name a per-producer key belongs to."""

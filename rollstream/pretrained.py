@@ -1,6 +1,7 @@
 """The pretrained models `rollstream model build` knows (a GGUF file inside a wheel on the package index) and
 the cache folder each is built into; torch-free, so the config can name one (`model.pretrained`) and resolve
-its folder in any process. Building is rollstream/model/catalog.py."""
+its folder in any process (hence here, not in model/, whose package imports torch). Building is
+rollstream/model/catalog.py."""
 
 from __future__ import annotations
 

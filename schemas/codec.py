@@ -1,19 +1,20 @@
+# Over 400 lines on purpose: the one bytes boundary; the packer and the unpacker mirror each other ext by ext.
 """The one codec: events <-> Redis stream entry fields, and plain values <-> msgpack bytes.
 
 Entry layout (XADD field order): human-readable header fields (`type`, `schema`, then per-event ones),
 `payload` (msgpack map of the model's fields), then raw array fields `a0`, `a1`, ... (one array each).
 An array is described by a flat fixed-size header (`schemas.arrays.pack_head`: dtype code, ndim, dims)
-followed by its bytes inline (< INLINE_MAX_BYTES) or by the index of the field carrying them. In a
-DataProto's tensors map and in a schema-3 ragged batch (EXT_RAGGED_BATCH_3) the header is the value itself
-(a bin); a ragged batch sends its 1-d arrays as [dtype code, data], their sizes given by its lengths (msgpack
-int lists): a RolloutSample's full_batch as a list of its parts right in the payload (schema 5, no ext to
-unpack twice), a ragged batch anywhere else (and schema 4's full_batch) as an EXT_RAGGED_BATCH holding that
-list; anywhere else the header is the body of an EXT_FLAT_ARRAY ExtType.
-Object arrays are [shape, values] lists in a DataProto's non_tensors map (a ragged batch's 1-d ones: their
-values). Schema-2 batches (EXT_COMPACT_BATCH) are only read.
-Dtypes without a code use the msgpack-bodied EXT_ARRAY; that and EXT_OBJECT_ARRAY stay decodable
-everywhere, so entries written by older encoders still decode. Decoding views the entry's bytes (no
-copy), unpacks with explicit size limits, upgrades old schema versions, and validates with pydantic.
+followed by its bytes inline (< INLINE_MAX_BYTES) or by the index of the field carrying them. In a DataProto's
+tensors map the header is the value itself (a bin); a ragged batch sends its 1-d arrays as [dtype code, data],
+their sizes given by its lengths (msgpack int lists): a RolloutSample's full_batch as a list of its parts
+right in the payload (schema 5, no ext to unpack twice), a ragged batch anywhere else (and schema 4's
+full_batch) as an EXT_RAGGED_BATCH holding that list; anywhere else the header is the body of an
+EXT_FLAT_ARRAY ExtType. Object arrays are [shape, values] lists in a DataProto's non_tensors map (a ragged
+batch's 1-d ones: their values). Dtypes without a code use the msgpack-bodied EXT_ARRAY; that and
+EXT_OBJECT_ARRAY stay decodable everywhere. Decoding views the entry's bytes (no copy), unpacks with explicit
+size limits, and validates with pydantic; what only older encoders wrote (the ext types of schemas 2 and 3,
+and every old payload's upgrade) is read by schemas/legacy.py, which this module asks only for a code or a
+schema version it does not write.
 An entry is refused as a whole when it is over `Limits.max_entry_bytes`, holds a field the encoder would
 not write (unknown names, array fields the payload never references), or has a readable header field
 that disagrees with the payload (the header is what `redis-cli` and the audit read, so it must not lie).
@@ -46,8 +47,8 @@ from schemas.arrays import (
 from schemas.batch import DataProto
 from schemas.errors import DecodeError, as_decode_error
 from schemas.events import EVENT_MODELS, DeadLetter, Event, EventBase, RolloutSample
-from schemas.ragged import RaggedBatch, from_compact
-from schemas.upgrades import upgrade
+from schemas.legacy import LEGACY_EXTS, upgrade
+from schemas.ragged import RaggedBatch
 
 # Ext type codes inside the payload.
 EXT_ARRAY = 1  # packed [dtype str, shape, bin (inline) | int (index of field a<i>)]
@@ -58,13 +59,7 @@ EXT_OBJECT_ARRAY = 2  # packed [shape, flat list of msgpack values] -> numpy obj
 EXT_DATAPROTO = 3
 EXT_BYTES = 4  # packed int: index of the raw field a<i> holding a bytes value
 EXT_FLAT_ARRAY = 5  # flat header (schemas.arrays.pack_head) + inline bytes, or + uint32 index of field a<i>
-# packed [layout, tensors, non_tensors, meta_info]: a RolloutSample's batch in schema 2 (the compact layout;
-# read only, into the ragged form by schemas.ragged.from_compact).
-EXT_COMPACT_BATCH = 6
-# packed [prompt_lens, prompt_ids, response_lens, response_ids, tokens, rows, non_tensors, meta_info]: a
-# RaggedBatch in schema 3 (read only). Arrays are flat array headers (bins); tokens and rows map names to
-# them, non_tensors as in EXT_DATAPROTO.
-EXT_RAGGED_BATCH_3 = 7
+# (codes 6 and 7: schemas 2 and 3's rollout batches, read only by schemas/legacy.py)
 # packed [prompt_lens, response_lens, prompt_ids, response_ids, tokens, rows, non_tensors, meta_info]: a
 # RaggedBatch (schema 4's full_batch; from schema 5 on that list is the full_batch value itself, unpacked with
 # the payload, and the ext only carries a RaggedBatch found anywhere else). Lengths are msgpack int lists; the
@@ -323,7 +318,7 @@ class _Unpacker:
         finally:
             self.depth -= 1
 
-    def _field(self, ref: Any) -> Any:
+    def field(self, ref: Any) -> Any:
         """The raw bytes of out-of-band field a<ref> (bytes or a byte memoryview), or inline bytes as
         given."""
         if type(ref) is not int:
@@ -356,7 +351,7 @@ class _Unpacker:
             )
         return data
 
-    def _list(self, data: bytes, size: int, what: str) -> list[Any]:
+    def unpack_list(self, data: bytes, size: int, what: str) -> list[Any]:
         """Unpack an ext body that must be a list of `size` items."""
         value = self.unpack(data)
         if type(value) is not list or len(value) != size:
@@ -382,34 +377,31 @@ class _Unpacker:
     def _ext(self, code: int, data: bytes) -> Any:
         """Resolve one ExtType."""
         if code == EXT_RAGGED_BATCH:
-            return self._ragged(*self._list(data, 8, "ragged batch"))
+            return self._ragged(*self.unpack_list(data, 8, "ragged batch"))
         if code == EXT_FLAT_ARRAY:
             # Inline array data is bin data, so max_bin_len bounds it as it bounds a msgpack bin.
-            return array_from_flat(data, self._field, self.limits.max_bin_len)
+            return array_from_flat(data, self.field, self.limits.max_bin_len)
         if code == EXT_ARRAY:
-            dtype, shape, ref = self._list(data, 3, "array")
-            return array_from_wire(dtype, shape, self._field(ref))
+            dtype, shape, ref = self.unpack_list(data, 3, "array")
+            return array_from_wire(dtype, shape, self.field(ref))
         if code == EXT_OBJECT_ARRAY:
             return self._object_array(self.unpack(data))
         if code == EXT_DATAPROTO:
-            return self._dataproto(*self._list(data, 3, "DataProto"))
-        if code == EXT_RAGGED_BATCH_3:
-            return self._ragged_3(*self._list(data, 8, "ragged batch"))
-        if code == EXT_COMPACT_BATCH:
-            layout, tensors, non_tensors, meta_info = self._list(data, 4, "compact batch")
-            parts = self._parts(tensors, non_tensors, meta_info, "compact batch")
-            return from_compact(layout, *parts)
+            return self._dataproto(*self.unpack_list(data, 3, "DataProto"))
         if code == EXT_BYTES:
-            raw = self._field(self.unpack(data))
+            raw = self.field(self.unpack(data))
             return raw if isinstance(raw, bytes) else bytes(raw)
-        raise DecodeError(f"unknown msgpack ext type {code}")
+        legacy = LEGACY_EXTS.get(code)  # an ext only older encoders wrote (schemas/legacy.py)
+        if legacy is None:
+            raise DecodeError(f"unknown msgpack ext type {code}")
+        return legacy(self, data)
 
-    def _parts(self, tensors: Any, non_tensors: Any, meta_info: Any, what: str) -> tuple[dict[str, Any], ...]:
+    def parts(self, tensors: Any, non_tensors: Any, meta_info: Any, what: str) -> tuple[dict[str, Any], ...]:
         """(tensors, non_tensors, meta_info) maps with their arrays decoded (tensors: flat array headers, or
         older writers' array ExtTypes; non_tensors: an object array's [shape, values])."""
         if not (type(tensors) is dict and type(non_tensors) is dict and type(meta_info) is dict):
             raise DecodeError(f"malformed {what} ext: parts must be maps")
-        field, max_inline = self._field, self.limits.max_bin_len
+        field, max_inline = self.field, self.limits.max_bin_len
         for key, value in tensors.items():
             if type(value) is bytes:
                 tensors[key] = array_from_flat(value, field, max_inline)
@@ -420,16 +412,7 @@ class _Unpacker:
 
     def _dataproto(self, tensors: Any, non_tensors: Any, meta_info: Any) -> DataProto:
         """A DataProto from its unpacked parts."""
-        return DataProto.adopt(*self._parts(tensors, non_tensors, meta_info, "DataProto"))
-
-    def _flat(self, value: Any, name: str) -> np.ndarray:
-        """One array of a ragged batch from its flat header bin (or an older array ExtType, already
-        decoded)."""
-        if type(value) is bytes:
-            value = array_from_flat(value, self._field, self.limits.max_bin_len)
-        if not isinstance(value, np.ndarray):
-            raise DecodeError(f"ragged batch: {name} is {type(value).__name__}, not an array")
-        return value
+        return DataProto.adopt(*self.parts(tensors, non_tensors, meta_info, "DataProto"))
 
     def _vector(self, spec: Any, count: int, name: str, kinds: str, key: str | None = None) -> np.ndarray:
         """A 1-d array of a ragged batch (schema 4 or 5) from its [dtype code, data], `count` values (the
@@ -440,7 +423,7 @@ class _Unpacker:
             known = _VECTOR_DTYPES[kinds].get(code) if type(code) is int else None
             if known is not None:
                 if type(data) is not bytes:
-                    data = self._field(data)
+                    data = self.field(data)
                 if len(data) == count * known[1]:
                     return np.frombuffer(data, known[0])
         return self._bad_vector(spec, count, name if key is None else f"{name}[{key!r}]", kinds)
@@ -457,7 +440,7 @@ class _Unpacker:
                 f"array, got dtype code {code!r:.20}{f' ({dtype.str})' if dtype else ''}"
             )
         if type(data) is not bytes:
-            data = self._field(data)
+            data = self.field(data)
         if len(data) != count * dtype.itemsize:
             raise DecodeError(
                 f"ragged batch: {name} has {len(data) / dtype.itemsize:g} values ({len(data)} bytes "
@@ -498,7 +481,7 @@ class _Unpacker:
         """A per-row array of a ragged batch given as a flat array header (or an already decoded array ext):
         first dimension n, and a numeric dtype in rows; else DecodeError naming it and what it got."""
         rows = group == "rows"
-        arr = array_from_flat(value, self._field, self.limits.max_bin_len) if type(value) is bytes else value
+        arr = array_from_flat(value, self.field, self.limits.max_bin_len) if type(value) is bytes else value
         if type(arr) is not np.ndarray or arr.shape[:1] != (n,) or (rows and arr.dtype.hasobject):
             what = (
                 f"{arr.dtype.str}{list(arr.shape)[:4]}"
@@ -559,34 +542,6 @@ class _Unpacker:
         batch.prompt_lens = np.array(prompt_lens, np.int32)
         batch.response_lens = np.array(response_lens, np.int32)
         return batch
-
-    def _ragged_3(
-        self,
-        plen: Any,
-        prompt: Any,
-        rlen: Any,
-        resp: Any,
-        tokens: Any,
-        rows: Any,
-        non_tensors: Any,
-        meta_info: Any,
-    ) -> RaggedBatch:
-        """A RaggedBatch from its schema-3 parts; its sizes are checked against its lengths."""
-        if not (type(tokens) is dict and type(rows) is dict):
-            raise DecodeError("malformed ragged batch ext: tokens and rows must be maps")
-        flat = self._flat
-        tokens = {key: flat(value, f"tokens[{key!r}]") for key, value in tokens.items()}
-        rows, non_tensors, meta_info = self._parts(rows, non_tensors, meta_info, "ragged batch")
-        return RaggedBatch(
-            flat(prompt, "prompt_ids"),
-            flat(plen, "prompt_lens"),
-            flat(resp, "response_ids"),
-            flat(rlen, "response_lens"),
-            tokens,
-            rows,
-            non_tensors,
-            meta_info,
-        )
 
 
 INT32_MAX = (1 << 31) - 1

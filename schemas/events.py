@@ -169,8 +169,8 @@ class ParamVersion(EventBase):
     sha256: str
     bytes: int = Field(ge=0)
     global_step: int
-    # the swap check (rollstream/fingerprint.py): a fixed probe sequence and the trainer's log-probs of it
-    # under this version (empty: not checked, e.g. a version published before the check existed)
+    # the swap check (rollstream/weights/fingerprint.py): a fixed probe sequence and the trainer's log-probs
+    # of it under this version (empty: not checked, e.g. a version published before the check existed)
     probe_ids: list[int] = Field(default_factory=list, max_length=4096)
     probe_logprobs: list[float] = Field(default_factory=list, max_length=4096)
 

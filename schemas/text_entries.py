@@ -5,7 +5,7 @@
     global_step  [reason (evicted: filter_groups = every trajectory of the group scored the same;
     rollout_failure = the producer's generation failed)]
 `dispatch_log` (the trainer's grants, leases and top-ups), written by the trainer's pacing Lua scripts
-(rollstream/pacing.py), fields in this order:
+(rollstream/pacing/), fields in this order:
     grant:   op version amount outstanding max_outstanding
     topup:   op version amount outstanding max_outstanding  (budget added back after early consumption)
     lease:   op version amount outstanding producer  (prompts leased to that producer)

@@ -35,9 +35,9 @@ import redis
 import torch
 
 from producers.worker import swap_check_bound
-from rollstream.audit import audit_run
 from rollstream.keys import Keys
 from rollstream.model.base import resolve_dtype
+from rollstream.ops.audit import audit_run
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.run_target import open_run
 from rollstream.ops.runcheck import (

@@ -12,7 +12,7 @@ import redis
 
 from rollstream.bus import delete_run
 from rollstream.keys import Keys, producer_names
-from rollstream.pacing import Leaser
+from rollstream.pacing.leaser import Leaser
 
 REDIS_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

@@ -26,12 +26,12 @@ from conftest import P0, PRODUCERS
 from test_trainer import TBS, FakeProducer, trainer_args
 
 from consumers.aggregator.replay import replay_records
-from rollstream.audit import audit_run
 from rollstream.bus import delete_run, iter_stream, parse_id, run_archive
 from rollstream.bus.retention import KILL_BEFORE_TRIM_ENV
 from rollstream.keys import COMMITTED_STEP_FIELD, Keys
+from rollstream.ops.audit import audit_run
 from rollstream.ops.replay_copy import consumed_entry_ids, copy_steps
-from rollstream.pacing import dispatch_entries
+from rollstream.pacing.counters import dispatch_entries
 from schemas.text_entries import GRANT, LEASE, TOPUP
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,11 +14,11 @@ import redis
 from conftest import P0, PRODUCERS
 
 from consumers.trainer.loop import Trainer
-from rollstream.audit import audit_run
 from rollstream.bus import setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.keys import Keys
-from rollstream.pacing import lease_outright
+from rollstream.ops.audit import audit_run
+from rollstream.pacing.budget import lease_outright
 from rollstream.testing.fakes import fake_rollout_sample
 from rollstream.weights.store import publish_weights
 from schemas import DeadLetter, RolloutSample, decode, encode
@@ -190,7 +190,8 @@ def test_a_producer_hoarding_its_lease_does_not_stop_training(
     (publishing whatever it is leased) gets the room, and the trainer completes two global steps."""
     import time
 
-    from rollstream.pacing import ask_lease, dispatch_entries, lease_of
+    from rollstream.pacing.budget import ask_lease
+    from rollstream.pacing.counters import dispatch_entries, lease_of
     from rollstream.weights.store import latest_param_version
     from schemas.text_entries import EXPIRE
 

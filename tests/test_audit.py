@@ -7,10 +7,10 @@ import pytest
 import redis
 from conftest import P0, PRODUCERS
 
-from rollstream.audit import audit_run
 from rollstream.bus import Publisher, setup_run
 from rollstream.cli.main import main
 from rollstream.keys import TRAINER_GROUP, Keys
+from rollstream.ops.audit import audit_run
 from rollstream.testing.fakes import fake_rollout_sample, local_update, step_end
 from schemas import DROPPED, TRAINED, Fate, SyncStepRecord, encode_fate
 

@@ -20,9 +20,9 @@ from producers.worker import Producer
 from rollstream.bus import connect, setup_run
 from rollstream.cli.main import main as cli_main
 from rollstream.config import PipelineConfig, load_config
-from rollstream.from_config import build_policy
 from rollstream.keys import Keys
-from rollstream.pacing import lease_outright
+from rollstream.model import build_policy
+from rollstream.pacing.budget import lease_outright
 from rollstream.runtime.process import WorkerContext
 from rollstream.testing.fakes import leased_fakes
 from rollstream.weights.store import latest_param_version, publish_weights

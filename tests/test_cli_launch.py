@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import P0
 
-from rollstream.audit import audit_run, format_report
 from rollstream.keys import Keys
+from rollstream.ops.audit import audit_run, format_report
 from rollstream.ops.run_target import open_run
 
 WORKERS_MISSING = any(

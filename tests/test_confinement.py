@@ -34,25 +34,19 @@ from consumers.trainer.learner import UPDATE_SKIPPED
 from consumers.trainer.ledger import StepLedger
 from consumers.trainer.rank_agreement import RankRoles
 from producers.worker import Producer, PublishError
-from rollstream.audit import audit_run
 from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection, setup_run
 from rollstream.bus.connection import watch_busy_scripts
 from rollstream.bus.outbox import OutboxDrain, pack_item
 from rollstream.config import load_config
-from rollstream.from_config import build_policy
 from rollstream.keys import AGGREGATOR_GROUP, DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys
+from rollstream.model import build_policy
+from rollstream.ops.acl import ROLES, apply_acl, generate_passwords
+from rollstream.ops.audit import audit_run
 from rollstream.ops.health import WorkerHealth
 from rollstream.ops.status import collect_status, format_status
-from rollstream.pacing import (
-    Leaser,
-    ask_lease,
-    grant_budget,
-    lease_of,
-    lease_outright,
-    mark_published,
-    rollout_counts,
-)
-from rollstream.security import ROLES, apply_acl, generate_passwords
+from rollstream.pacing.budget import ask_lease, grant_budget, lease_outright, mark_published
+from rollstream.pacing.counters import lease_of, rollout_counts
+from rollstream.pacing.leaser import Leaser
 from rollstream.tasks import REWARD_RANGE
 from rollstream.testing.fakes import fake_metrics_log, fake_rollout_sample, leased_fakes, publish_log
 from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, decode_as, encode
@@ -537,7 +531,7 @@ def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish
     counts nothing."""
     from consumers.trainer.collect import Collector, rollouts_reader
     from consumers.trainer.effects import TrainerEffects
-    from rollstream.pacing import LeaseExpiry
+    from rollstream.pacing.expiry import LeaseExpiry
 
     keys, trainer = roles.keys, roles.trainer
     hoarder, other = roles.producers[P0], roles.producers["rollout_01"]
@@ -600,7 +594,7 @@ def test_no_revoked_bit_is_read_until_a_lease_expires_and_a_late_publish_is_stil
     the trainer's process, the same collector reads bits again and still refuses a late publish."""
     from consumers.trainer.collect import Collector, rollouts_reader
     from consumers.trainer.effects import TrainerEffects
-    from rollstream.pacing import expire_lease
+    from rollstream.pacing.expiry import expire_lease
 
     keys, trainer, admin = roles.keys, roles.trainer, roles.admin
     grant_budget(trainer, keys, 0, 32)
@@ -639,7 +633,7 @@ def test_a_producer_flooding_redis_is_fenced_and_the_run_goes_on(roles: Roles) -
     and unreported. The trainer's FloodFence measures each producer (its four keys, its two streams) and past
     the bound switches its ACL user off, kills its connections, takes its lease back, says why in `fenced`
     (status) and leases only to the others."""
-    from rollstream.security import FloodFence
+    from rollstream.pacing.fence import FloodFence
 
     keys, trainer = roles.keys, roles.trainer
     flooder, other = roles.producers[P0], roles.producers["rollout_01"]
@@ -676,7 +670,7 @@ def test_a_producer_flooding_redis_is_fenced_and_the_run_goes_on(roles: Roles) -
 
 def test_a_producers_oversized_key_is_fenced(roles: Roles) -> None:
     """A 64 MiB SET on its own `want` (the keys hold counts: tens of bytes) is fenced at once."""
-    from rollstream.security import PRODUCER_KEYS_MAX_BYTES, FloodFence
+    from rollstream.pacing.fence import PRODUCER_KEYS_MAX_BYTES, FloodFence
 
     keys, flooder = roles.keys, roles.producers[P0]
     flooder.set(keys.producer_want(P0), "9" * (PRODUCER_KEYS_MAX_BYTES + 1))
@@ -814,7 +808,7 @@ def test_the_aggregator_cannot_trim_its_dead_letters(roles: Roles, tmp_path: Pat
 @pytest.mark.xfail(strict=True, reason="docs/GUARANTEES.md: a lease is held up to lease_timeout_s")
 def test_a_producer_cannot_hold_a_lease_without_publishing(roles: Roles) -> None:
     """A lease held without publishing is taken back only after rollout.lease_timeout_s (not at once)."""
-    from rollstream.pacing import LeaseExpiry
+    from rollstream.pacing.expiry import LeaseExpiry
 
     keys, trainer = roles.keys, roles.trainer
     grant_budget(trainer, keys, 0, 8)
@@ -831,7 +825,7 @@ def test_a_producer_cannot_hold_a_lease_without_publishing(roles: Roles) -> None
 @pytest.mark.xfail(strict=True, reason="docs/GUARANTEES.md: a producer writes up to its bound")
 def test_a_producer_cannot_use_memory_below_its_bound(roles: Roles) -> None:
     """Between checks and below bus.producer_max_bytes a producer's own stream grows: bounded, not zero."""
-    from rollstream.security import FloodFence
+    from rollstream.pacing.fence import FloodFence
 
     keys, prod = roles.keys, roles.producers[P0]
     prod.xadd(keys.stats_of(P0), {"blob": "x" * (100 << 10)})

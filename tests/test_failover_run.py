@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from consumers.aggregator.replay import replay_records
-from rollstream.audit import audit_run, format_report
 from rollstream.bus import iter_stream, retry_on_connection
 from rollstream.keys import GLOBAL_STEP_FIELD, Keys
+from rollstream.ops.audit import audit_run, format_report
 from rollstream.ops.redis_node import sentinel_master
 from rollstream.ops.redis_topology import SENTINEL_PASSWORD_FILE
 from rollstream.ops.run_target import SECRETS_DIR, RunTarget, open_run

@@ -39,9 +39,9 @@ import redis
 from conftest import P0
 
 from consumers.aggregator.replay import replay_records
-from rollstream.audit import audit_run, format_report
 from rollstream.bus import iter_stream
 from rollstream.keys import COMMITTED_STEP_FIELD, Keys
+from rollstream.ops.audit import audit_run, format_report
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.process import rpc
 from rollstream.ops.run_target import SECRETS_DIR, open_run

@@ -15,10 +15,11 @@ from test_trainer import ROOT, TBS, FakeProducer, trainer_args
 from consumers.aggregator.fold import Fold
 from consumers.trainer.ledger import StepLedger, commit_steps, count_consumed
 from consumers.trainer.staleness import LengthBuckets, filter_groups_metrics
-from rollstream.audit import audit_run, format_report
 from rollstream.bus import setup_run
 from rollstream.keys import Keys
-from rollstream.pacing import ask_lease, consume, current_budget, dispatch_entries, grant_budget, lease_pass
+from rollstream.ops.audit import audit_run, format_report
+from rollstream.pacing.budget import ask_lease, consume, current_budget, grant_budget, lease_pass
+from rollstream.pacing.counters import dispatch_entries
 from schemas import EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, TRAINED, Fate, StepMetrics, decode, decode_fate
 from schemas.text_entries import TOPUP
 

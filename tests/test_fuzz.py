@@ -29,9 +29,9 @@ from consumers.trainer.loop import Trainer
 from producers.weight_sync import WeightSync
 from rollstream.bus import Publisher, setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.from_config import build_policy
 from rollstream.keys import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
-from rollstream.pacing import lease_outright
+from rollstream.model import build_policy
+from rollstream.pacing.budget import lease_outright
 from rollstream.testing import fakes
 from rollstream.testing.fakes import fake_rollout_sample
 from rollstream.weights.store import latest_param_version, publish_weights

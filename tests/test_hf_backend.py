@@ -18,14 +18,18 @@ import torch
 pytest.importorskip("transformers")
 
 from producers.agent import GenerationSettings, run_agent_loop  # noqa: E402
+from producers.rollout import generation_request  # noqa: E402
 from producers.worker import swap_check_bound  # noqa: E402
 from rollstream.config import ConfigError, load_config  # noqa: E402
-from rollstream.from_config import build_policy  # noqa: E402
-from rollstream.model import CharTokenizer, Completion, build_batch  # noqa: E402
+from rollstream.model import (  # noqa: E402
+    CharTokenizer,
+    Completion,
+    build_batch,
+    build_policy,  # noqa: E402
+)
 from rollstream.model.base import resolve_dtype  # noqa: E402
 from rollstream.model.chat import encode_prompt, encode_tool_result, render_tool_turn  # noqa: E402
 from rollstream.model.hf import HFPolicy, HFTokenizer  # noqa: E402
-from rollstream.rollout import generation_request  # noqa: E402
 from rollstream.tasks import ArithToolTask, Prompt, calculate  # noqa: E402
 from rollstream.testing.hf_tiny import (
     build_tokenizer,  # noqa: E402
@@ -308,7 +312,7 @@ def test_multi_turn_tool_agent_with_a_chat_template() -> None:
 
 
 def test_prompt_files_are_held_to_the_char_vocabulary_only_with_the_tiny_model(tmp_path: Path) -> None:
-    from rollstream.from_config import build_prompt_source
+    from rollstream.tasks import build_prompt_source
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(

@@ -25,8 +25,8 @@ import redis
 
 pytest.importorskip("transformers")
 
-from rollstream.audit import audit_run  # noqa: E402
 from rollstream.keys import Keys  # noqa: E402
+from rollstream.ops.audit import audit_run  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from rollstream.ops.run_target import open_run  # noqa: E402
 from rollstream.ops.runcheck import behaviour_logprob_error, swap_checks, throughput, wait_for_steps  # noqa: E402

@@ -12,6 +12,7 @@ import pytest
 import redis
 from conftest import P0, PRODUCERS, delete_run
 
+from producers.rollout import Trajectory, build_rollout_sample
 from rollstream.bus import Publisher, setup_run
 from rollstream.cli.main import main
 from rollstream.keys import GLOBAL_STEP_FIELD, PARAM_VERSION_FIELD, Keys
@@ -20,7 +21,6 @@ from rollstream.ops.inspect import entry_to_json, read_entry
 from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts
 from rollstream.ops.run_target import mask_url, split_password
 from rollstream.ops.status import collect_status, format_status, worker_health
-from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import RewardResult
 from rollstream.weights.store import publish_weights, register_producer_version
 from schemas import (

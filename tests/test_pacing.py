@@ -12,27 +12,25 @@ import pytest
 import redis
 from conftest import P0, PRODUCERS
 
-import rollstream.pacing as pacing
+import rollstream.pacing.budget as budget
+import rollstream.pacing.expiry as expiry
 from consumers.trainer.rank_agreement import RankRoles
 from rollstream.bus import setup_run
+from rollstream.bus.ids import split_sample_id
 from rollstream.keys import Keys
-from rollstream.pacing import (
-    LeaseExpiry,
-    Leaser,
+from rollstream.pacing.budget import (
     ask_lease,
     budget_left,
     consume,
     current_budget,
-    dispatch_entries,
     grant_budget,
-    is_consumed,
-    is_revoked,
-    lease_of,
     lease_once,
     lease_pass,
     queue_count_consumed,
-    split_sample_id,
 )
+from rollstream.pacing.counters import dispatch_entries, is_consumed, lease_of
+from rollstream.pacing.expiry import LeaseExpiry, is_revoked
+from rollstream.pacing.leaser import Leaser
 from schemas import DispatchRecord
 from schemas.text_entries import EXPIRE, LEASE, TOPUP
 
@@ -145,7 +143,7 @@ def test_a_top_up_keeps_the_bound_and_the_memory_cap(r: redis.Redis, keys: Keys)
 
 def test_consume_before_any_grant_only_counts(r: redis.Redis, keys: Keys) -> None:
     setup_run(r, keys, PRODUCERS)
-    pacing.lease_outright(r, keys, "rollout_00", 2)
+    budget.lease_outright(r, keys, "rollout_00", 2)
     assert consume(r, keys, ["rollout_00-0", "rollout_00-1"], 4) == (2, 0)
     assert int(r.get(keys.consumed)) == 2 and dispatch_entries(r, keys) == []  # type: ignore[arg-type]
 
@@ -157,7 +155,7 @@ def test_a_grant_between_the_read_and_the_top_up_is_retried_on_the_new_version(
     grant_budget(r, keys, 0, max_outstanding=2)
     ids = leased(r, keys, "rollout_00", 2)
     reads: list[tuple[int, int]] = []
-    real = pacing.current_budget
+    real = budget.current_budget
 
     def stale_first(rr: Any, kk: Keys) -> tuple[int, int]:
         reads.append(real(rr, kk))
@@ -165,7 +163,7 @@ def test_a_grant_between_the_read_and_the_top_up_is_retried_on_the_new_version(
             grant_budget(r, keys, 1, max_outstanding=2)  # lands after the read: version 0's budget is gone
         return reads[-1]
 
-    monkeypatch.setattr(pacing, "current_budget", stale_first)
+    monkeypatch.setattr(budget, "current_budget", stale_first)
     assert consume(r, keys, ids[:1], 2) == (1, 1)
     assert [v for v, _ in reads] == [0, 1]
     assert budget_left(r, keys, 1) == 1 and not r.exists(keys.budget(0))
@@ -322,16 +320,16 @@ def test_a_lease_is_not_expired_while_its_entries_wait_unread_even_after_an_xdel
     setup_run(r, keys, PRODUCERS)
     stream = keys.rollouts_of(P0)
     ids = [r.xadd(stream, {"sample_id": f"{P0}-{s}"}) for s in range(4)]
-    assert pacing.finished_counts(r, keys, PRODUCERS)[2] == {P0}  # unread (lag 4)
+    assert expiry.finished_counts(r, keys, PRODUCERS)[2] == {P0}  # unread (lag 4)
     r.xreadgroup("trainer", "t", {stream: ">"}, count=1)
     r.xack(stream, "trainer", ids[0])
     r.xdel(stream, ids[2])  # Redis cannot tell the group's lag any more; ids[1] and ids[3] still wait
     [group] = [g for g in r.xinfo_groups(stream) if g["name"] in ("trainer", b"trainer")]
     assert group["lag"] is None
-    assert pacing.finished_counts(r, keys, PRODUCERS)[2] == {P0}
+    assert expiry.finished_counts(r, keys, PRODUCERS)[2] == {P0}
     r.xreadgroup("trainer", "t", {stream: ">"})
     r.xack(stream, "trainer", ids[1], ids[3])
-    assert pacing.finished_counts(r, keys, PRODUCERS)[2] == set()  # all read and acked: not busy
+    assert expiry.finished_counts(r, keys, PRODUCERS)[2] == set()  # all read and acked: not busy
 
 
 def test_lease_expiry_refuses_a_bad_timeout() -> None:

@@ -23,18 +23,12 @@ from producers.weight_sync import WeightSync
 from producers.worker import Producer, producer_seed
 from rollstream.bus import parse_id, run_producers, setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.from_config import build_policy, build_prompt_source
 from rollstream.keys import DROPPED_STALE_FIELD, Keys, producer_names
-from rollstream.model import CharTokenizer, Completion, build_batch
-from rollstream.pacing import (
-    consume,
-    dispatch_entries,
-    grant_budget,
-    queue_count_consumed,
-    rollout_counts,
-)
+from rollstream.model import CharTokenizer, Completion, build_batch, build_policy
+from rollstream.pacing.budget import consume, grant_budget, queue_count_consumed
+from rollstream.pacing.counters import dispatch_entries, rollout_counts
 from rollstream.runtime.process import EXIT_HUNG, EXIT_OK, WorkerContext
-from rollstream.tasks import calculate
+from rollstream.tasks import build_prompt_source, calculate
 from rollstream.weights.store import producer_versions, publish_weights
 from schemas import DispatchRecord, ProducerStats, RolloutSample, decode
 from schemas.text_entries import GRANT, LEASE, TOPUP

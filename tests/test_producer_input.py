@@ -22,13 +22,14 @@ from test_security import PRODUCERS, private_redis  # noqa: F401  (a fixture)
 from consumers.trainer.collect import Collector, rollouts_reader
 from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.rank_agreement import RankRoles
-from rollstream.audit import audit_run, format_report
 from rollstream.bus import Publisher, connect, setup_run
 from rollstream.config import load_config
 from rollstream.keys import Keys
+from rollstream.ops.acl import ROLES, apply_acl, generate_passwords
+from rollstream.ops.audit import audit_run, format_report
 from rollstream.ops.status import collect_status, format_status
-from rollstream.pacing import grant_budget, lease_outright, mark_published, rollout_counts
-from rollstream.security import ROLES, apply_acl, generate_passwords
+from rollstream.pacing.budget import grant_budget, lease_outright, mark_published
+from rollstream.pacing.counters import rollout_counts
 from rollstream.testing.fakes import fake_rollout_sample
 from rollstream.weights.store import PIN_VERSIONS, gc_weights, pinned_versions, publish_weights
 from schemas import decode, encode
@@ -165,7 +166,7 @@ def test_garbage_in_a_producers_own_keys_is_reported_and_ignored(roles: Roles, t
     assert audit_run(roles.admin, keys).problems() == []
     grant_budget(roles.trainer, keys, 0, 8)  # a want of garbage counts as 0
     prod.set(keys.producer_want(P0), "１０")
-    from rollstream.pacing import lease_pass
+    from rollstream.pacing.budget import lease_pass
 
     assert lease_pass(roles.trainer, keys, [P0]) == 0
 

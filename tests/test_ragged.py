@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from consumers.trainer.assembly import assemble_micro_batches
 from consumers.trainer.guard import unusable_reason
+from producers.rollout import Trajectory, ragged_batch
 from rollstream.bus.archive import Archive
-from rollstream.rollout import Trajectory, ragged_batch
 from schemas import RolloutSample, decode, decode_as, encode
 from schemas.ragged import RaggedBatch, id_range_ok, ids_dtype
 

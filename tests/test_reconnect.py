@@ -19,9 +19,9 @@ import redis
 from conftest import PRODUCERS
 
 from consumers.aggregator.replay import replay_records
-from rollstream.audit import audit_run
 from rollstream.bus import iter_stream, setup_run
 from rollstream.keys import Keys
+from rollstream.ops.audit import audit_run
 from schemas import decode
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,6 +23,7 @@ from rollstream.bus.replication import (
 )
 from rollstream.config import load_config
 from rollstream.keys import COMMITTED_STEP_FIELD, Keys
+from rollstream.ops.acl import generate_passwords
 from rollstream.ops.plan import plan_run, write_acl
 from rollstream.ops.redis_node import sentinel_master
 from rollstream.ops.redis_topology import (
@@ -37,7 +38,6 @@ from rollstream.ops.redis_topology import (
 )
 from rollstream.ops.replication_status import add_sentinel_view, format_replication, read_replication
 from rollstream.runtime.files import private_dir
-from rollstream.security import generate_passwords
 from schemas import StepMetrics
 from tests.conftest import PRODUCERS
 from tests.test_ops_supervise import private_violations, sections

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from producers.agent import tool_cut
-from producers.worker import producer_index
-from rollstream.model import CharTokenizer
-from rollstream.rollout import (
+from producers.rollout import (
     AGENT_SINGLE_TURN,
     AGENT_TOOL,
     GenerationRequest,
     failed_trajectories,
     generation_request,
 )
+from producers.worker import producer_index
+from rollstream.model import CharTokenizer
 from rollstream.tasks import Prompt, make_task
 
 TOK = CharTokenizer()

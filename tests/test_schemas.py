@@ -30,10 +30,11 @@ from schemas import (
     decode_payload,
     encode,
     encode_payload,
-    upgrades,
+    legacy,
 )
 from schemas.batch import object_array
-from schemas.ragged import RaggedBatch, from_padded
+from schemas.legacy import from_padded
+from schemas.ragged import RaggedBatch
 
 # --- helpers ------------------------------------------------------------------------------------
 
@@ -482,8 +483,8 @@ def param_version_v0_upgrade(monkeypatch: pytest.MonkeyPatch) -> None:
         data["bytes"] = data.pop("size")
         return data
 
-    monkeypatch.setitem(upgrades._UPGRADES, ("param_version", 0), v0_to_v1)
-    monkeypatch.setitem(upgrades._OLDEST, "param_version", 0)
+    monkeypatch.setitem(legacy._UPGRADES, ("param_version", 0), v0_to_v1)
+    monkeypatch.setitem(legacy._OLDEST, "param_version", 0)
 
 
 def test_upgrade_hook_applied(param_version_v0_upgrade: None) -> None:

@@ -9,7 +9,8 @@ from conftest import PRODUCERS
 
 from rollstream.bus import setup_run
 from rollstream.keys import Keys
-from rollstream.pacing import ask_lease, consume, dispatch_entries, grant_budget, lease_pass
+from rollstream.pacing.budget import ask_lease, consume, grant_budget, lease_pass
+from rollstream.pacing.counters import dispatch_entries
 from schemas import (
     DROPPED,
     DecodeError,

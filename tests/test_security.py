@@ -17,8 +17,9 @@ from conftest import P0
 from rollstream.bus import GroupReader, Publisher, connect, setup_run
 from rollstream.bus.outbox import OutboxDrain
 from rollstream.keys import AGGREGATOR_GROUP, Keys
-from rollstream.pacing import ask_lease, grant_budget, lease_of, lease_pass, mark_published, rollout_counts
-from rollstream.security import ROLES, apply_acl, generate_passwords, mask_url
+from rollstream.ops.acl import ROLES, apply_acl, generate_passwords, mask_url
+from rollstream.pacing.budget import ask_lease, grant_budget, lease_pass, mark_published
+from rollstream.pacing.counters import lease_of, rollout_counts
 from rollstream.testing.fakes import fake_rollout_sample
 from rollstream.weights.store import latest_param_version, publish_weights, register_producer_version
 from schemas import ProducerStats

@@ -1,6 +1,6 @@
-"""The swap check (rollstream/fingerprint.py, producers/weight_sync.py) with the built-in engine: the probe
-travels with each version, a producer's load is checked against it, and a mismatch is loaded again and then
-refused (the version is never registered). Through a whole run: tests/test_hf_pipeline.py."""
+"""The swap check (rollstream/weights/fingerprint.py, producers/weight_sync.py) with the built-in engine: the
+probe travels with each version, a producer's load is checked against it, and a mismatch is loaded again and
+then refused (the version is never registered). Through a whole run: tests/test_hf_pipeline.py."""
 
 from __future__ import annotations
 
@@ -12,16 +12,15 @@ import torch
 
 from producers.weight_sync import SwapFailed, WeightSync
 from rollstream.config import load_config
-from rollstream.fingerprint import (
+from rollstream.keys import Keys
+from rollstream.model import BasePolicy, build_policy
+from rollstream.weights.fingerprint import (
     default_max_diff,
     policy_probe,
     policy_probe_logprobs,
     probe_diff,
     probe_ids,
 )
-from rollstream.from_config import build_policy
-from rollstream.keys import Keys
-from rollstream.model import BasePolicy
 from rollstream.weights.store import latest_param_version, publish_weights
 
 

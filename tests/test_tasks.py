@@ -493,7 +493,7 @@ def test_fresh_source_shards_and_cursor_see_the_same_prompt_per_position() -> No
 
 def test_config_builds_a_fresh_source_by_default() -> None:
     from rollstream.config import load_config
-    from rollstream.from_config import build_prompt_source
+    from rollstream.tasks import build_prompt_source
 
     cfg = load_config(None, ["data.val_size=8"])
     assert cfg.data.fresh_prompts and build_prompt_source(cfg).fresh

@@ -10,8 +10,15 @@ import pytest
 pytest.importorskip("reasoning_gym")
 
 from rollstream.config import ConfigError, load_config  # noqa: E402
-from rollstream.from_config import build_prompt_source, build_task  # noqa: E402
-from rollstream.tasks import Prompt, PromptSource, ReasoningGymTask, holdout_key, make_task  # noqa: E402
+from rollstream.tasks import (  # noqa: E402  # noqa: E402
+    Prompt,
+    PromptSource,
+    ReasoningGymTask,
+    build_prompt_source,
+    build_task,
+    holdout_key,
+    make_task,
+)
 from rollstream.tasks.reasoning_gym import extract_answer  # noqa: E402
 
 TWO_TERMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}

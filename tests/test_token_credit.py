@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from consumers.trainer.learner import token_rewards
+from producers.rollout import token_scores
 from rollstream.model import CharTokenizer
 from rollstream.rl.advantages import (
     grpo_advantages,
@@ -13,7 +14,6 @@ from rollstream.rl.advantages import (
     reinforce_pp_advantages,
     returns_to_go,
 )
-from rollstream.rollout import token_scores
 from rollstream.tasks import Prompt, ReverseTask, RewardResult
 
 TOK = CharTokenizer()

@@ -22,10 +22,12 @@ import redis
 from conftest import P0, PRODUCERS
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
-from rollstream.audit import audit_run, unacked_entry_ids
 from rollstream.keys import COMMITTED_STEP_FIELD, DROPPED_STALE_FIELD, HEARTBEAT_FIELD, TRAINER_GROUP, Keys
+from rollstream.ops.audit import audit_run
 from rollstream.ops.health import progress_health, worker_health
-from rollstream.pacing import ask_lease, dispatch_entries, lease_of, mark_published
+from rollstream.ops.log_cut import unacked_entry_ids
+from rollstream.pacing.budget import ask_lease, mark_published
+from rollstream.pacing.counters import dispatch_entries, lease_of
 from rollstream.testing.fakes import fake_rollout_sample
 from rollstream.weights.store import latest_param_version
 from schemas import (

@@ -217,8 +217,8 @@ def test_two_trainer_ranks_train_a_sample_read_by_both_once(
     """Every id published twice in a row (a producer's retried XADD) reaches both ranks in one round (each
     reads one entry per round); the lower rank trains it, the other acks its copy without a fate."""
     from consumers.trainer.checkpoint import list_checkpoints
-    from rollstream.audit import audit_run
     from rollstream.bus import iter_stream, setup_run
+    from rollstream.ops.audit import audit_run
     from schemas import StepMetrics, decode, decode_payload, encode
 
     overrides = TINY[:5] + [

@@ -24,9 +24,9 @@ import pytest
 import redis
 from conftest import P0
 
-from rollstream.audit import audit_run, format_report
 from rollstream.bus import iter_stream
 from rollstream.keys import TRAINER_GROUP, Keys
+from rollstream.ops.audit import audit_run, format_report
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.process import rpc
 from rollstream.ops.run_target import open_run

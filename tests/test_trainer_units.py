@@ -186,7 +186,7 @@ def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
     import threading
 
     from consumers.trainer.loop import Trainer
-    from rollstream.pacing import current_budget
+    from rollstream.pacing.budget import current_budget
     from schemas import ParamVersion
 
     cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "trainer.test_freq=0",

@@ -27,18 +27,18 @@ from conftest import REDIS_URL  # noqa: E402
 from producers.agent import GenerationSettings, run_agent_loop  # noqa: E402
 from producers.engines import EngineStartError  # noqa: E402
 from producers.engines.vllm import VLLMPolicy, start_engine, tied_layers  # noqa: E402
+from producers.rollout import AGENT_TOOL, generation_request  # noqa: E402
 from producers.weight_sync import SwapFailed, WeightSync  # noqa: E402
 from producers.worker import Producer  # noqa: E402
 from rollstream.bus import setup_run  # noqa: E402
 from rollstream.config import PipelineConfig, load_config  # noqa: E402
-from rollstream.fingerprint import default_max_diff, policy_probe_logprobs, probe_ids  # noqa: E402
 from rollstream.keys import Keys, producer_names  # noqa: E402
 from rollstream.model.hf import HFPolicy  # noqa: E402
-from rollstream.pacing import lease_outright  # noqa: E402
-from rollstream.rollout import AGENT_TOOL, generation_request  # noqa: E402
+from rollstream.pacing.budget import lease_outright  # noqa: E402
 from rollstream.runtime.process import WorkerContext  # noqa: E402
 from rollstream.tasks import Prompt  # noqa: E402
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
+from rollstream.weights.fingerprint import default_max_diff, policy_probe_logprobs, probe_ids  # noqa: E402
 from rollstream.weights.store import publish_module_weights, publish_weights  # noqa: E402
 from schemas import decode  # noqa: E402
 

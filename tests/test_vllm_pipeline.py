@@ -24,8 +24,8 @@ import redis
 
 pytest.importorskip("vllm")
 
-from rollstream.audit import audit_run  # noqa: E402
 from rollstream.keys import Keys  # noqa: E402
+from rollstream.ops.audit import audit_run  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from rollstream.ops.process import rpc  # noqa: E402
 from rollstream.ops.run_target import open_run  # noqa: E402

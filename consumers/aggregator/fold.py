@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 
 from consumers.aggregator.metrics import MetricsAggregator, add_derived_metrics, aggregation_rule
 from rollstream.bus import parse_id
-from rollstream.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
+from rollstream.weights.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
 from schemas import EventBase, ProducerStats, StepMetrics, SyncStepRecord, ValidateMetrics
 
 log = logging.getLogger(__name__)

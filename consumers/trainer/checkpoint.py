@@ -15,7 +15,7 @@ every rank's fates. On resume rank 0 reads the file and broadcasts its bytes (`r
 bytes), so other hosts need no shared folder; each rank restores its own RNG when the world size is the
 same (the file's rng/* tensors are rank 0's).
 
-The metadata layout is versioned like the wire schema (schemas/upgrades.py): a file written by an older
+The metadata layout is versioned like the wire schema (schemas/legacy.py): a file written by an older
 version is upgraded one version at a time on load, so a trainer resumes from any older checkpoint.
   1  (no meta_version key) a fate is {sample_id, entry_id, fate, staleness, param_version}
   2  a fate is a schemas.text_entries.Fate, as on the `fates` stream (entry_id renamed source_id,

@@ -4,9 +4,9 @@ usable samples -> this rank's share of a mini-batch (stale ones dropped and reco
 A `Collector` is the trainer's reading half: it owns the rollouts buffer, the sample ids already seen
 (committed, buffered, or, with several ranks, claimed by any rank: consumers/trainer/rank_agreement.py) and
 the producers' leases as last read. A sample whose id is not `<producer>-<seq>` inside its producer's
-lease is dead-lettered (rollstream/pacing.py), and so is one whose seq the trainer took back when its
+lease is dead-lettered (rollstream/pacing/), and so is one whose seq the trainer took back when its
 producer's lease expired ("lease expired": the `revoked:<name>` bitmap, read only for producers that have
-one: rollstream/revoked.py). After each pass that
+one: rollstream/pacing/expiry.py). After each pass that
 dead-lettered rollouts (and at its first pass, which catches what a previous process left) it reads the
 new entries of `dead` and has pacing count their prompts as consumed, each once, which gives their room
 back to the current version's budget (a top-up), so producers replace them before the next version (else
@@ -20,8 +20,9 @@ failed and it published the prompts with empty responses, rollout_status `rollou
 stale (staleness over trainer.max_off_policy_threshold, unless trainer.max_off_policy_strategy=train); or
 evicted by dynamic sampling (algorithm.filter_groups.enable: every trajectory of its group has the same
 reward, so GRPO gives it no gradient). An eviction is counted as consumed at once and its room given back to
-the current version's budget (rollstream/pacing.py, `consume`), so producers refill the batch; the collector
-keeps reading until the share has enough samples to train. Stale drops are counted at once the same way.
+the current version's budget (rollstream/pacing/budget.py `consume`), so producers refill the batch; the
+collector keeps reading until the share has enough samples to train. Stale drops are counted at once the same
+way.
 
 Transport (`timing_s/transport` of a local update, `transport_since_last`: the reader's `transport_s` since
 the last one): time moving rollouts out of Redis and decoding them, not time waiting for producers. A poll of
@@ -61,7 +62,7 @@ from rollstream.bus import EntryRef, GroupReader, Message, entry_limits
 from rollstream.bus.ids import IdError, parse_sample_id, split_sample_id
 from rollstream.config import PipelineConfig
 from rollstream.keys import DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys, producer_names
-from rollstream.revoked import RevokedWatch
+from rollstream.pacing.expiry import RevokedWatch
 from rollstream.tasks import REWARD_RANGE
 from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, DeadLetter, Fate, RolloutSample, decode
 
@@ -162,7 +163,7 @@ class Collector:
         self._dead_cursor = "-"  # the last `dead` entry whose prompt pacing counted ("-": none read yet)
         self.leases: dict[str, int] = {}  # producer -> prompts leased to it, as last read
         # which producers had seqs taken back (rank 0's Leaser expires leases in this process; other ranks
-        # read again each pass): a revoked bit is read only for those (rollstream/revoked.py)
+        # read again each pass): a revoked bit is read only for those (rollstream/pacing/expiry.py)
         self.revoked = RevokedWatch(self.keys, producer_names(cfg.rollout.num_producers), local=dp.roles.main)
         # a replay copy's rollouts were copied by an admin, not published under leases: not checked
         self.check_leases = not effects.is_replay_copy()
@@ -246,7 +247,7 @@ class Collector:
 
     def expired_reason(self, ev: RolloutSample) -> str | None:
         """Why a sample's prompt is no longer its producer's (the trainer took it back when its lease expired:
-        rollstream/pacing.py), or None (always on a replay copy). Call after `lease_reason` passed."""
+        rollstream/pacing/), or None (always on a replay copy). Call after `lease_reason` passed."""
         if not self.check_leases:
             return None
         producer, seq = parse_sample_id(ev.sample_id, ev.producer)

@@ -4,7 +4,7 @@ Each public method is one effect, run under `effect`: `retry_on_connection` with
 restart pauses the trainer in place instead of killing it. This is the trainer's only retry site: the
 collector's reads and writes (leases, revoked bits, dead letters, acks of duplicates, consumed counts) are
 effects here too; only the rollouts reader (its polls and dead letters; rollstream/bus/reader.py, which
-re-reads its pending list after a reconnect) and rank 0's lease loop (rollstream/pacing.py) retry their own.
+re-reads its pending list after a reconnect) and rank 0's lease loop (rollstream/pacing/) retry their own.
 Each is safe to repeat (its reply may be lost after it landed): the commit, the consumed count and the grant
 are guarded by the trainer hash, a weight publish re-checks `params` before a retry, an ack or a consumed
 count of an id already counted changes nothing, and a repeated event is resolved by the aggregator's fold. No
@@ -61,9 +61,11 @@ from rollstream.keys import (
     producer_names,
     rank_heartbeat_field,
 )
-from rollstream.pacing import LeaseExpiry, Leaser, consume, current_budget, grant_budget, leases
-from rollstream.revoked import RevokedWatch
-from rollstream.security import FloodFence
+from rollstream.pacing.budget import consume, current_budget, grant_budget
+from rollstream.pacing.counters import leases
+from rollstream.pacing.expiry import LeaseExpiry, RevokedWatch
+from rollstream.pacing.fence import FloodFence
+from rollstream.pacing.leaser import Leaser
 from rollstream.weights.store import (
     Probe,
     gc_weights,
@@ -132,8 +134,8 @@ class TrainerEffects:
             self.heartbeat_fields.append(rank_heartbeat_field(dp.rank))
 
     def start_leaser(self) -> None:
-        """Rank 0: start leasing the current budget to the producers that ask (rollstream/pacing.py Leaser),
-        until `stop_leaser`."""
+        """Rank 0: start leasing the current budget to the producers that ask (rollstream/pacing/leaser.py
+        Leaser), until `stop_leaser`."""
         if self.leaser is None:
             names = producer_names(self.cfg.rollout.num_producers)
             expiry = LeaseExpiry(
@@ -233,12 +235,12 @@ class TrainerEffects:
 
     @effect("reading leases")
     def read_leases(self) -> dict[str, int]:
-        """Producer -> prompts leased to it (rollstream/pacing.py)."""
+        """Producer -> prompts leased to it (rollstream/pacing/)."""
         return leases(self.r, self.keys)
 
     @effect("reading revoked")
     def is_revoked(self, watch: RevokedWatch, producer: str, seq: int) -> bool:
-        """The trainer took `producer`'s prompt `seq` back (rollstream/revoked.py)."""
+        """The trainer took `producer`'s prompt `seq` back (rollstream/pacing/expiry.py)."""
         return watch.is_revoked(self.r, producer, seq)
 
     @effect("reading dead letters")
@@ -249,7 +251,7 @@ class TrainerEffects:
     @effect("counting {what}")
     def consume(self, sample_ids: list[str], what: str) -> tuple[int, int]:
         """Count the samples' prompts as consumed, each once, topping the current version's budget up by
-        the room they freed (rollstream/pacing.py `consume`); (newly counted, added to the budget)."""
+        the room they freed (rollstream/pacing/budget.py `consume`); (newly counted, added to the budget)."""
         return consume(self.r, self.keys, sample_ids, self.cfg.max_outstanding)
 
     @effect("acking duplicates")

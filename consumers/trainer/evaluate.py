@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from consumers.trainer.distributed import DataParallel
 from rollstream.config import PipelineConfig
-from rollstream.from_config import build_prompt_source, build_task
 from rollstream.model import BasePolicy
 from rollstream.model.chat import encode_prompt
-from rollstream.tasks import Prompt, Task
+from rollstream.tasks import Prompt, Task, build_prompt_source, build_task
 
 
 def validate(

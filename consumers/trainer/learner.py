@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: one local update (its tensors, loss and optimizer step) read top to bottom.
 """The policy-gradient update of one local step (decoupled PPO / bypass, GRPO advantages).
 
   begin_step(g)  at the first local update of global step g: freeze a copy of the weights (version g-1)
@@ -37,9 +38,7 @@ import torch
 from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.master import MasterWeights
 from rollstream.config import AlgorithmConfig, PipelineConfig
-from rollstream.fingerprint import policy_probe
-from rollstream.from_config import build_policy
-from rollstream.model import BasePolicy
+from rollstream.model import BasePolicy, build_policy
 from rollstream.model.base import resolve_device
 from rollstream.rl.advantages import grpo_advantages, grpo_token_advantages, reinforce_pp_advantages
 from rollstream.rl.masked import AggMode, agg_count, agg_loss
@@ -52,6 +51,7 @@ from rollstream.rl.rollout_correction import (
     normalize_totals,
     rollout_correction,
 )
+from rollstream.weights.fingerprint import policy_probe
 from rollstream.weights.store import Probe
 from rollstream.weights.tensors import load_init, load_tensors_into, unique_state, unique_tensors
 from schemas import DataProto
@@ -253,8 +253,8 @@ class Learner:
         )
 
     def probe(self) -> Probe:
-        """The swap check's probe of the current weights (rollstream/fingerprint.py): the fixed probe ids and
-        the policy's log-probs of them; every rank calls it (a forward, a collective under fsdp)."""
+        """The swap check's probe of the current weights (rollstream/weights/fingerprint.py): the fixed probe
+        ids and the policy's log-probs of them; every rank calls it (a forward, a collective under fsdp)."""
         return policy_probe(self.policy)
 
     def whole_weights(self) -> dict[str, torch.Tensor]:

@@ -41,7 +41,7 @@ from rollstream.keys import (
     TRAINER_GROUP,
     Keys,
 )
-from rollstream.pacing import queue_count_consumed
+from rollstream.pacing.budget import queue_count_consumed
 from schemas import DROPPED, Fate, StepMetrics, decode_fate, encode, encode_fate
 
 log = logging.getLogger(__name__)

@@ -23,12 +23,12 @@ staleness_threshold = 0 generation and training strictly alternate.
 Reading (consumers/trainer/collect.py): warmup, the transport timing and the burst rule.
 
 Reconnects: every Redis effect outside the reader (which retries its own polls and dead letters) and the lease
-loop (rollstream/pacing.py, its own thread), the collector's reads and acks included, is a named method of
-TrainerEffects (consumers/trainer/effects.py), run under its one retry policy (`effect`), so a Redis restart
-pauses the trainer in place instead of killing it. Each is safe to repeat: the commit, the consumed count and
-the grant are guarded by the trainer hash, a weight publish re-checks `params` first, and a repeated event is
-resolved by the fold. No collective runs inside a retried call (a repeat on one rank would pair it with the
-wrong collective elsewhere).
+loop (rollstream/pacing/leaser.py, its own thread), the collector's reads and acks included, is a named method
+of TrainerEffects (consumers/trainer/effects.py), run under its one retry policy (`effect`), so a Redis
+restart pauses the trainer in place instead of killing it. Each is safe to repeat: the commit, the consumed
+count and the grant are guarded by the trainer hash, a weight publish re-checks `params` first, and a repeated
+event is resolved by the fold. No collective runs inside a retried call (a repeat on one rank would pair it
+with the wrong collective elsewhere).
 
 Data parallel (`trainer.nproc_per_node` / `nnodes` > 1, under torchrun; consumers/trainer/distributed.py):
 every rank runs this loop on its own reader (consumer `trainer-r<rank>` of the `trainer` group) and

@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: every call into vLLM's API (start-up, reload, generate) in one place.
 """vLLM as a producer's generation engine (`rollout.name=vllm`): one engine per producer process.
 
 `VLLMPolicy` is a `GeneratingPolicy` (producers/agent.py), so the single-turn and the tool agent loops run on
@@ -18,7 +19,7 @@ the tool result's ids) and token ids come out with their log-probs; text is neve
   redoes only for layers that received a tensor, so the head sampled with its first weights for ever
   (`ParallelLMHead: Failed to load weights` at each swap). After each reload every tied layer is processed
   again (`_reload_in_worker`); any other layer vLLM reports it did not load is a failed swap (EngineError),
-  never a warning. `probe_logprobs` gives the swap check (rollstream/fingerprint.py) its figures.
+  never a warning. `probe_logprobs` gives the swap check (rollstream/weights/fingerprint.py) its figures.
 - **A new version mid-generation (partial rollout): pause, swap, resume.** The loop steps the engine itself;
   every `sync_every_tokens` steps it asks for newer weights. When they load, the unfinished requests are
   aborted, the weights swapped, and each request resubmitted with its prompt + the tokens generated so far as

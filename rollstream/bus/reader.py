@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: GroupReader is one state machine (poll, claim, dead-letter, ack, burst).
 """THE consumer loop every worker runs: `GroupReader.batches`, one consumer of one group on one or more
 streams (the trainer reads every producer's `rollouts:<p>` with one reader), with acks committed by the
 caller. Each entry is known by its stream and id (`EntryRef`; `Message.ref`): ids of two streams may be equal.

@@ -25,8 +25,8 @@ def _worker_function(module: str, name: str) -> Any:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     """`rollstream audit`: check the log's guarantees; 1 when one is violated or an entry cannot be read."""
-    from rollstream.audit import audit_run, format_report
     from rollstream.bus import ArchiveError
+    from rollstream.ops.audit import audit_run, format_report
     from schemas import DecodeError
 
     t = log_target(args)

@@ -26,7 +26,7 @@ from rollstream.weights.tensors import load_bytes_into, module_bytes
 @dataclass
 class Completion:
     """One sampled response to one prompt: what one `generate` call returns per row (an agent loop strings
-    the completions of its turns together into a rollstream.rollout.Trajectory).
+    the completions of its turns together into a producers.rollout.Trajectory).
 
     `log_probs[i]` is the behaviour log-prob of `response_ids[i]`: log_softmax(logits / temperature)
     of the weights that sampled it (no top-p renormalisation); this is what `BasePolicy.log_probs` with the

@@ -12,7 +12,7 @@
 - Rates: trained samples per second from the committed steps (`step_end` events: their `created_at` and
   `sample_count`) over the wall clock up to now, so a stall shows as a falling rate and then 0; never from
   entry ids.
-- Pacing: the counters behind the leases (rollstream/pacing.py) move only through the trainer's pacing
+- Pacing: the counters behind the leases (rollstream/pacing/) move only through the trainer's pacing
   scripts, which keep outstanding (leased - consumed) within [0, max_outstanding] and a version's budget
   within max_outstanding. No producer may write them (ACL); the `pacing` line is `broken` when they are
   outside those bounds by more than max_outstanding's slack (a bug, or an admin's hand).

@@ -43,6 +43,7 @@ from rollstream.bus.replication import sentinel_url
 from rollstream.config import PipelineConfig, config_to_yaml
 from rollstream.keys import Keys
 from rollstream.keys import producer_names as _producer_names
+from rollstream.ops.acl import ROLES, acl_rules, generate_passwords
 from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded
 from rollstream.ops.redis_topology import (
     PRIMARY_DATA_FILE,
@@ -56,7 +57,6 @@ from rollstream.ops.redis_topology import (
 from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, split_password
 from rollstream.runtime.files import PRIVATE_UMASK, private_dir
 from rollstream.runtime.process import EXIT_CONFIG, EXIT_REFUSED, REDIS_URL_ENV
-from rollstream.security import ROLES, acl_rules, generate_passwords
 
 #: Seconds supervisord waits after SIGTERM before SIGKILL; longer than any worker's unit of work.
 WORKER_STOPWAIT_S = 60

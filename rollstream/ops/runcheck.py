@@ -15,11 +15,11 @@ import redis
 
 from rollstream.bus import iter_stream, parse_id, run_producers
 from rollstream.config import PipelineConfig
-from rollstream.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_VERSION
 from rollstream.keys import Keys
 from rollstream.ops.plan import SuperviseError
 from rollstream.ops.process import failed_programs
 from rollstream.ops.run_target import RunTarget
+from rollstream.weights.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_VERSION
 from rollstream.weights.store import latest_param_version, producer_versions
 from schemas import DecodeError, ProducerStats, RolloutSample, StepMetrics, decode
 
@@ -105,7 +105,7 @@ def producer_stats(r: redis.Redis, keys: Keys) -> Iterator[ProducerStats]:
 
 def swap_checks(r: redis.Redis, keys: Keys) -> dict[tuple[str, int], float]:
     """(producer, version) -> the swap check's mean |log-prob diff| per probe token
-    (rollstream/fingerprint.py) for every version a producer's stats report checked."""
+    (rollstream/weights/fingerprint.py) for every version a producer's stats report checked."""
     out: dict[tuple[str, int], float] = {}
     for ev in producer_stats(r, keys):
         if SWAP_CHECK_VERSION in ev.metrics and SWAP_CHECK_DIFF in ev.metrics:
@@ -146,7 +146,7 @@ def behaviour_logprob_error(
     weights), at rollout.temperature with the trainer's logprob chunking; returns (error, tokens compared)."""
     import torch
 
-    from rollstream.from_config import build_policy
+    from rollstream.model import build_policy
 
     policy = build_policy(cfg)
     policy.logprob_chunk_size = cfg.actor.logprob_chunk_size

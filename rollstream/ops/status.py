@@ -33,8 +33,9 @@ from rollstream.ops.health import (
     trainer_stopping,
     worker_health,
 )
-from rollstream.pacing import current_budget, leases, published_report, rollout_counts
-from rollstream.security import fenced as fenced_producers
+from rollstream.pacing.budget import current_budget
+from rollstream.pacing.counters import leases, published_report, rollout_counts
+from rollstream.pacing.fence import fenced as fenced_producers
 from rollstream.weights.store import latest_param_version, producer_version_report
 from schemas import DecodeError, ProducerStats, SyncStepRecord, decode, decode_fate
 

@@ -26,10 +26,9 @@ from typing import Literal
 import torch
 
 from rollstream.config import PipelineConfig
-from rollstream.from_config import build_policy, build_prompt_source, build_task
-from rollstream.model import BasePolicy, build_batch
+from rollstream.model import BasePolicy, build_batch, build_policy
 from rollstream.model.chat import encode_prompt
-from rollstream.tasks import Prompt, Task
+from rollstream.tasks import Prompt, Task, build_prompt_source, build_task
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Synthetic events for tests, benchmarks and load tests (no model): RolloutSamples of a chosen size, built
-with the producers' own builder (rollstream.rollout.build_rollout_sample) so they cannot drift from what
+with the producers' own builder (producers.rollout.build_rollout_sample) so they cannot drift from what
 producers publish, and a metrics log shaped like the trainer's and producers'."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import redis
 
+from producers.rollout import Trajectory, build_rollout_sample
 from rollstream.bus import Publisher, parse_id, run_producers, setup_run
 from rollstream.keys import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.model import CharTokenizer
-from rollstream.pacing import lease_outright, leased_sample_id
-from rollstream.rollout import Trajectory, build_rollout_sample
+from rollstream.pacing.budget import lease_outright, leased_sample_id
 from rollstream.tasks import RewardResult
 from schemas import EventBase, ProducerStats, RolloutSample, StepMetrics, ValidateMetrics
 

@@ -31,7 +31,7 @@ from schemas import DecodeError, ParamVersion, decode
 FILE_TRANSPORT, REDIS_TRANSPORT = "file", "redis"
 #: Default chunk size of the redis transport (bus.weights_chunk_bytes).
 CHUNK_BYTES = 16 << 20
-#: A swap-check probe (rollstream/fingerprint.py): its token ids and the publisher's log-probs of them.
+#: A swap-check probe (weights/fingerprint.py): its token ids and the publisher's log-probs of them.
 Probe = tuple[list[int], list[float]]
 
 if TYPE_CHECKING:  # torch stays out of processes that only read params (`rollstream status`)

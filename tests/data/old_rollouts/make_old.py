@@ -6,8 +6,8 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
+from producers.rollout import Trajectory, build_rollout_sample
 from rollstream.bus.archive import Archive
-from rollstream.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import RewardResult
 from rollstream.testing.fakes import FakeTokenizer
 from schemas import encode

@@ -7,7 +7,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from rollstream.rollout import Trajectory, build_rollout_sample
+from producers.rollout import Trajectory, build_rollout_sample
 from rollstream.tasks import RewardResult
 from rollstream.testing.fakes import FakeTokenizer
 from schemas import encode
