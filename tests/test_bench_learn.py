@@ -24,9 +24,11 @@ def test_learn_probe_trains_and_reports_per_length_and_position() -> None:
             "pipeline.yaml",
             *tiny,
             "--limit-s",
-            "12",
+            "60",
             "--eval-every",
             "2",
+            "--target",  # val/acc >= 0: it stops after its first evaluation (step 2) instead of at the limit
+            "0",
         ],
         capture_output=True,
         text=True,

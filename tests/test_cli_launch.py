@@ -130,7 +130,7 @@ def test_watch_follows_a_run_to_its_target_and_records_show_recent_train_accurac
         assert started.returncode == 0, started.stderr
         # target 0: reached by the first record carrying val/acc (step 0 validation or later)
         watched = rollstream(
-            "watch", *args, "--until-val-acc", "0", "--limit-s", "150", "--hold-s", "8", timeout_s=200
+            "watch", *args, "--until-val-acc", "0", "--limit-s", "150", "--hold-s", "1", timeout_s=200
         )
         assert watched.returncode == 0, watched.stdout + watched.stderr
         assert "val/acc >= 0.0 after" in watched.stdout
@@ -138,9 +138,12 @@ def test_watch_follows_a_run_to_its_target_and_records_show_recent_train_accurac
         assert short.returncode == 2 and "not reached in 1s" in short.stdout
         t = open_run("pipeline.yaml", args[1:])
         r = t.connect()
-        records, _ = read_new_records(r, t.keys, "-")
-        trained = [rec for rec in records if rec.global_step >= 1 and "val/acc" in rec.metrics]
-        assert trained and all("val/recent_train_acc" in rec.metrics for rec in trained)
+        deadline = time.monotonic() + 150  # until a trained step's record (the hold no longer waits for one)
+        while not (trained := [rec for rec in read_new_records(r, t.keys, "-")[0]
+                               if rec.global_step >= 1 and "val/acc" in rec.metrics]):
+            assert time.monotonic() < deadline, "no record of a trained step with val/acc"
+            time.sleep(0.3)
+        assert all("val/recent_train_acc" in rec.metrics for rec in trained)
         sample = decode(r.xrevrange(t.keys.rollouts_of(P0), count=1)[0][1])
         assert isinstance(sample, RolloutSample)
         b = sample.full_batch

@@ -17,6 +17,7 @@ from conftest import P0
 from rollstream.bus import GroupReader, Publisher, connect, setup_run
 from rollstream.bus.outbox import OutboxDrain
 from rollstream.keys import AGGREGATOR_GROUP, Keys
+from rollstream.ops.embedded_redis import no_retry
 from rollstream.ops.acl import ROLES, apply_acl, generate_passwords, mask_url
 from rollstream.pacing.budget import ask_lease, grant_budget, lease_pass, mark_published
 from rollstream.pacing.counters import lease_of, rollout_counts
@@ -48,7 +49,7 @@ def private_redis(tmp_path: Path) -> Iterator[tuple[str, int]]:
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(100):
         try:
-            redis.Redis.from_url(url).ping()
+            redis.Redis.from_url(url, retry=no_retry()).ping()
             break
         except redis.ConnectionError:
             time.sleep(0.05)
@@ -71,7 +72,7 @@ def test_acl_roles_confine_producer(private_redis: tuple[str, int], tmp_path: Pa
     apply_acl(admin0, keys, pw, producers=PRODUCERS)
 
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis.from_url(url).ping()  # default user is off
+        redis.Redis.from_url(url, retry=no_retry()).ping()  # default user is off
 
     trainer = connect(url, username="trainer", password=pw["trainer"])
     grant_budget(trainer, keys, 0, 8)
@@ -247,7 +248,7 @@ def test_tls_rediss(tmp_path: Path) -> None:
         Publisher(r).publish(keys.rollouts_of(P0), fake_rollout_sample("over-tls"))
         assert r.xlen(keys.rollouts_of(P0)) == 1
         with pytest.raises(redis.ConnectionError):  # plain TCP to the TLS port fails
-            redis.Redis(host="127.0.0.1", port=port, socket_timeout=2).ping()
+            redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, retry=no_retry()).ping()
     finally:
         p.terminate()
         p.wait(5)

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from rollstream.runtime.files import PRIVATE_UMASK, private_dir
 
@@ -66,14 +68,23 @@ def plan_embedded(
     return argv, f"redis://127.0.0.1:{port}/0"
 
 
+def no_retry() -> Retry:
+    """The retry policy of a client whose caller polls by itself: none. redis-py (6 and later) retries a
+    refused connection, or an AUTH error, 3 times with a backoff of 1 s and more by default, so one PING of a
+    server still starting took 2-5 s, where the caller meant to poll every 50 ms."""
+    return Retry(NoBackoff(), 0)
+
+
 def wait_for_redis(url: str, timeout_s: float = 30.0) -> redis.Redis:
-    """Ping url until it answers (RuntimeError after timeout_s); returns the client."""
+    """Ping url until it answers (RuntimeError after timeout_s); returns a client (redis-py's default
+    retries: the pings themselves have none, see no_retry)."""
     deadline = time.monotonic() + timeout_s
-    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=1)
+    probe = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=1, retry=no_retry())
     while True:
         try:
-            client.ping()
-            return client
+            probe.ping()
+            probe.close()
+            return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=1)
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, FileNotFoundError) as e:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"redis at {url} did not answer within {timeout_s:.0f}s: {e}") from e

@@ -27,7 +27,7 @@ from typing import Any
 import redis
 
 from rollstream.bus.replication import parse_sentinel_url, sentinel_url
-from rollstream.ops.embedded_redis import free_port, redis_server_binary
+from rollstream.ops.embedded_redis import free_port, no_retry, redis_server_binary
 from rollstream.runtime.files import PRIVATE_UMASK, private_dir
 
 #: ACL users the data nodes have beside the run's roles: replicas log in as `replication`, Sentinels as
@@ -247,7 +247,7 @@ class EmbeddedTopology:
             self.start_process(node)
         deadline = time.monotonic() + timeout_s
         for node in [*self.topo.nodes, *self.topo.sentinels]:
-            client = redis.Redis(port=node.port, socket_timeout=2, socket_connect_timeout=1)
+            client = redis.Redis(port=node.port, socket_timeout=2, socket_connect_timeout=1, retry=no_retry())
             while True:
                 try:
                     client.ping()
