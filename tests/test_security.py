@@ -17,8 +17,8 @@ from conftest import P0
 from rollstream.bus import GroupReader, Publisher, connect, setup_run
 from rollstream.bus.outbox import OutboxDrain
 from rollstream.keys import AGGREGATOR_GROUP, Keys
-from rollstream.ops.embedded_redis import no_retry
 from rollstream.ops.acl import ROLES, apply_acl, generate_passwords, mask_url
+from rollstream.ops.embedded_redis import no_retry
 from rollstream.pacing.budget import ask_lease, grant_budget, lease_pass, mark_published
 from rollstream.pacing.counters import lease_of, rollout_counts
 from rollstream.testing.fakes import fake_rollout_sample
