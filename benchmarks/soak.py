@@ -32,7 +32,7 @@ from typing import Any
 from rollstream.bus import ArchiveError, run_archive, run_producers
 from rollstream.config import load_config
 from rollstream.keys import TRAINER_GROUP
-from rollstream.ops import process
+from rollstream.ops import supervise
 from rollstream.ops.plan import SuperviseError, plan_run
 from rollstream.ops.run_target import open_run
 
@@ -92,7 +92,7 @@ def archive_bytes(r: Any, target: Any) -> int:
 def take_sample(r: Any, target: Any, run_dir: Path, t_s: float) -> Sample:
     """Measure redis memory, the archive's size, trainer RSS, the rollouts backlog and the trainer's step."""
     info = r.info("memory")
-    pid = int(process.rpc(run_dir).supervisor.getProcessInfo("trainer")["pid"])
+    pid = int(supervise.rpc(run_dir).supervisor.getProcessInfo("trainer")["pid"])
     rollouts = target.keys.rollouts_streams(run_producers(r, target.keys))
     trainer_groups = [
         g for stream in rollouts for g in r.xinfo_groups(stream) if g["name"].decode() == TRAINER_GROUP
@@ -201,13 +201,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     plan = plan_run(cfg)
     print(f"soak: {args.producers} producers for {args.duration_s:.0f}s; run dir {plan.run_dir}", flush=True)
-    process.start_supervisord(plan)
+    supervise.start_supervisord(plan)
     samples: list[Sample] = []
     lengths: dict[str, tuple[int, int]] = {}
     try:
-        process.start_run(plan, cfg)
+        supervise.start_run(plan, cfg)
         target = open_run(None, run_dir=str(plan.run_dir))
-        process.wait_for_records(target, 1, timeout_s=300)
+        supervise.wait_for_records(target, 1, timeout_s=300)
         r = target.connect()
         t0 = time.monotonic()
         while True:
@@ -227,12 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 }
                 break
             time.sleep(min(args.sample_every_s, max(0.0, args.duration_s - t)))
-            failed = process.failed_programs(plan.run_dir)
+            failed = supervise.failed_programs(plan.run_dir)
             if failed:
                 raise SuperviseError("; ".join(failed))
         r.close()
     finally:
-        report = process.stop_run(plan.run_dir)
+        report = supervise.stop_run(plan.run_dir)
     trainer_log = (plan.run_dir / "logs" / "trainer.log").read_text(errors="replace")
     cap_bits = trainer_log.count(CAP_BIT)
     passes = pass_times(trainer_log)

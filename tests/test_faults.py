@@ -43,8 +43,8 @@ from rollstream.bus import iter_stream
 from rollstream.keys import COMMITTED_STEP_FIELD, Keys
 from rollstream.ops.audit import audit_run, format_report
 from rollstream.ops.embedded_redis import EmbeddedRedis
-from rollstream.ops.process import rpc
 from rollstream.ops.run_target import SECRETS_DIR, open_run
+from rollstream.ops.supervise import rpc
 from rollstream.testing.fakes import fake_rollout_sample, step_end
 from schemas import DeadLetter, decode, encode
 from tests.test_ops_supervise import private_violations

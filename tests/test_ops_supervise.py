@@ -16,7 +16,7 @@ from rollstream.config import load_config
 from rollstream.keys import Keys, producer_names
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.plan import PRIVATE_UMASK, plan_run, render_supervisord_conf, trainer_argv
-from rollstream.ops.process import process_states, start_run, start_supervisord, stop_run
+from rollstream.ops.supervise import process_states, start_run, start_supervisord, stop_run
 
 # Stand-in worker: logs its name, then on SIGTERM exits with the code given as argv[1].
 STANDIN = (

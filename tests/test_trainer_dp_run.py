@@ -28,8 +28,8 @@ from rollstream.bus import iter_stream
 from rollstream.keys import TRAINER_GROUP, Keys
 from rollstream.ops.audit import audit_run, format_report
 from rollstream.ops.embedded_redis import EmbeddedRedis
-from rollstream.ops.process import rpc
 from rollstream.ops.run_target import open_run
+from rollstream.ops.supervise import rpc
 from schemas import StepMetrics, SyncStepRecord, decode
 
 SEED = int(os.environ.get("ROLLSTREAM_FAULT_SEED", "7"))

@@ -27,7 +27,6 @@ pytest.importorskip("vllm")
 from rollstream.keys import Keys  # noqa: E402
 from rollstream.ops.audit import audit_run  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
-from rollstream.ops.process import rpc  # noqa: E402
 from rollstream.ops.run_target import open_run  # noqa: E402
 from rollstream.ops.runcheck import (  # noqa: E402
     behaviour_logprob_error,
@@ -35,6 +34,7 @@ from rollstream.ops.runcheck import (  # noqa: E402
     swap_checks,
     wait_for_steps,
 )
+from rollstream.ops.supervise import rpc  # noqa: E402
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
 from rollstream.weights.store import producer_versions  # noqa: E402
 

@@ -48,7 +48,7 @@ def _ensure_pretrained(cfg: PipelineConfig) -> str | None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`rollstream run`: start the run under supervisord, optionally wait for it or stay in the foreground."""
-    from rollstream.ops import process
+    from rollstream.ops import supervise
     from rollstream.ops.plan import SuperviseError, plan_run
 
     cfg = load_config(args.config, args.overrides)
@@ -58,17 +58,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1
     plan = plan_run(cfg)
     print(f"run {cfg.run.name}: {plan.run_dir} (redis {mask_url(plan.redis_url)})")
-    proc = process.start_supervisord(plan, foreground=args.foreground)
+    proc = supervise.start_supervisord(plan, foreground=args.foreground)
     try:
-        process.start_run(plan, cfg)
+        supervise.start_run(plan, cfg)
         print(f"started {', '.join(plan.workers)}; logs in {plan.run_dir / 'logs'}")
         if args.ready_timeout > 0:
-            late = process.wait_for_producers(open_run(str(plan.resolved_config)), args.ready_timeout)
+            late = supervise.wait_for_producers(open_run(str(plan.resolved_config)), args.ready_timeout)
             if late:
                 print(f"not ready after {args.ready_timeout:g}s (still starting): {', '.join(late)}")
         if args.wait_records:
             t = open_run(str(plan.resolved_config))
-            process.wait_for_records(
+            supervise.wait_for_records(
                 t,
                 args.wait_records,
                 args.wait_timeout,
@@ -98,7 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     """`rollstream stop`: stop the run's workers and Redis in turn; 1 if any exited non-zero."""
     from rollstream.ops.plan import SuperviseError
-    from rollstream.ops.process import stop_run
+    from rollstream.ops.supervise import stop_run
 
     run_dir = Path(args.run_dir) if args.run_dir else target(args).run_dir
     try:
@@ -114,8 +114,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """`rollstream status`: the run's state once, refreshed (--watch), or as a health check (--check)."""
     from rollstream.bus.cluster import pinned_slot
-    from rollstream.ops.process import failed_programs, process_states
     from rollstream.ops.status import collect_status, format_status
+    from rollstream.ops.supervise import failed_programs, process_states
 
     t = log_target(args)
     r = t.connect()
@@ -165,8 +165,8 @@ def _replication_lines(t: RunTarget, r: redis.Redis) -> tuple[list[str], list[st
 def cmd_watch(args: argparse.Namespace) -> int:
     """`rollstream watch`: a progress line until val/acc reaches the target (0) or the time limit (2)."""
     from rollstream.ops.plan import SuperviseError
-    from rollstream.ops.process import failed_programs
     from rollstream.ops.progress import watch_run
+    from rollstream.ops.supervise import failed_programs
 
     t = target(args)
 

@@ -1,6 +1,6 @@
 """The launch plan of a run under supervisord: the run dir (private), the resolved config, the ACL users
 and their passwords, and supervisord.conf with one program per process. Starting and stopping the
-programs is ops/process.py.
+programs is ops/supervise.py.
 
 With an embedded redis and `run.acl` (the default), each program connects as its own ACL user
 (producer, trainer, aggregator; the CLI as admin; the default user is off): passwords are generated into

@@ -17,8 +17,8 @@ from rollstream.bus import iter_stream, parse_id, run_producers
 from rollstream.config import PipelineConfig
 from rollstream.keys import Keys
 from rollstream.ops.plan import SuperviseError
-from rollstream.ops.process import failed_programs
 from rollstream.ops.run_target import RunTarget
+from rollstream.ops.supervise import failed_programs
 from rollstream.weights.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_VERSION
 from rollstream.weights.store import latest_param_version, producer_versions
 from schemas import DecodeError, ProducerStats, RolloutSample, StepMetrics, decode
