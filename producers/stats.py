@@ -11,6 +11,12 @@ from rollstream.pacing.counters import RolloutCounts
 from rollstream.tasks import RewardResult
 from schemas import ProducerStats
 
+#: A task's per-answer reward metrics (RewardResult.metrics) reach the stats as `producer/reward/<name>`, the
+#: mean over the window's trajectories ...
+REWARD_METRIC_PREFIX = "producer/reward/"
+#: ... except those the window already reports: `acc` (producer/acc) and `score` (producer/reward_mean).
+COVERED_REWARD_METRICS = frozenset({"acc", "score"})
+
 
 @dataclass
 class Counters:
@@ -43,6 +49,7 @@ class StatsWindow:
     reward_sum: float = 0.0
     exact_sum: float = 0.0
     length_sum: int = 0
+    reward_metric_sums: dict[str, float] = field(default_factory=dict)  # the task's own per-answer metrics
     versions: set[int] = field(default_factory=set)
     swaps: int = 0
     swap_s: float = 0.0
@@ -61,6 +68,9 @@ class StatsWindow:
             self.length_sum += len(t.response_ids)
             self.reward_sum += rw.score
             self.exact_sum += float(rw.exact)
+            for name, value in rw.metrics.items():
+                if name not in COVERED_REWARD_METRICS:
+                    self.reward_metric_sums[name] = self.reward_metric_sums.get(name, 0.0) + float(value)
             self.partial += int(t.version_start < t.version_end)
             self.tool_calls += len(t.tool_call_s)
             self.versions.update(v for v in (t.version_start, t.version_end) if v >= 0)
@@ -84,6 +94,8 @@ class StatsWindow:
             metrics["producer/reward_mean"] = self.reward_sum / n
             metrics["producer/acc"] = self.exact_sum / n
             metrics["producer/response_length_mean"] = self.length_sum / n
+            for name, total in self.reward_metric_sums.items():
+                metrics[f"{REWARD_METRIC_PREFIX}{name}"] = total / n
         return ProducerStats(
             producer=producer,
             param_version=param_version,

@@ -72,6 +72,22 @@ def test_step_record_merges_updates_sync_metrics_validation_and_producers() -> N
     assert fold.pending() == {}
 
 
+def test_what_producers_answers_scored_reaches_the_record_per_producer_and_weighted_across() -> None:
+    a, b = producer_stats("a", 10, 50.0, 0.2, 0), producer_stats("b", 6, 30.0, 0.4, 0)
+    a.metrics.update({"producer/samples": 3.0, "producer/acc": 0.5, "producer/reward_mean": 0.6,
+                      "producer/reward/wrong_sign": 0.1, "producer/window_s": 9.0})
+    b.metrics.update({"producer/samples": 1.0, "producer/acc": 0.1, "producer/reward_mean": 0.2})
+    log = [("1-0", a), ("2-0", b), ("3-0", lu(1, 1, 4, **{"actor/loss": 1.0})), ("4-0", end(1, 1))]
+    [rec] = run(Fold(), log)
+    m = rec.metrics
+    assert m["producer/a/acc"] == 0.5 and m["producer/b/acc"] == 0.1
+    assert m["producer/a/reward/wrong_sign"] == 0.1
+    assert m["producer/acc"] == approx((3 * 0.5 + 1 * 0.1) / 4)  # weighted by the windows' samples
+    assert m["producer/reward_mean"] == approx((3 * 0.6 + 1 * 0.2) / 4)
+    assert m["producer/reward/wrong_sign"] == approx(0.1)  # only producer a reports it
+    assert "producer/a/window_s" not in m  # the other window figures stay in the stats stream
+
+
 def test_a_step_of_two_trainer_ranks_waits_for_both_and_folds_them() -> None:
     """step_end says world_size 2: the record waits for local updates 1..K of rank 0 and rank 1; averages
     weigh every rank's samples, sums add over ranks, times are the ranks' mean (they ran side by side)."""

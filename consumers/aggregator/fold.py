@@ -64,6 +64,29 @@ STATS_PREFIX = "stats:"
 #: The swap check's metrics a producer's stats carry (producers/worker.py swap_check_metrics): per producer in
 #: the record as `producer/<name>/swap_check/…`; across producers the worst diff and the oldest version.
 SWAP_CHECK_METRICS = (SWAP_CHECK_VERSION, SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX)
+#: What a producer's sampled answers scored in its newest stats window (producers/stats.py): per producer in
+#: the record as `producer/<name>/acc`, `…/reward_mean`, `…/reward/<task metric>`; across producers their
+#: mean weighted by the window's samples, under the stats' own names (`producer/acc`: training accuracy at the
+#: sampling temperature, beside the shaped reward the trainer reports).
+ANSWER_METRICS = ("producer/acc", "producer/reward_mean")
+ANSWER_METRIC_PREFIX = "producer/reward/"
+
+
+def answer_metric_names(ev: ProducerStats) -> list[str]:
+    """The names of the answer metrics (ANSWER_METRICS, ANSWER_METRIC_PREFIX…) a stats event carries."""
+    return [k for k in ev.metrics if k in ANSWER_METRICS or k.startswith(ANSWER_METRIC_PREFIX)]
+
+
+def answer_metrics_across(latest: list[ProducerStats]) -> dict[str, float]:
+    """Each answer metric's mean over the producers that report it, weighted by their window's samples."""
+    sums: dict[str, list[float]] = {}
+    for ev in latest:
+        weight = float(ev.metrics.get("producer/samples", 1.0))
+        for name in answer_metric_names(ev):
+            total = sums.setdefault(name, [0.0, 0.0])
+            total[0] += weight * float(ev.metrics[name])
+            total[1] += weight
+    return {name: s / w for name, (s, w) in sums.items() if w > 0}
 
 
 def stats_ref(producer: str, entry_id: str) -> str:
@@ -346,6 +369,9 @@ class Fold:
             for name in SWAP_CHECK_METRICS:
                 if name in ev.metrics:
                     out[prefix + name.removeprefix("producer/")] = float(ev.metrics[name])
+            for name in answer_metric_names(ev):
+                out[prefix + name.removeprefix("producer/")] = float(ev.metrics[name])
+        out.update(answer_metrics_across(latest))
         checked = [ev.metrics for ev in latest if SWAP_CHECK_DIFF in ev.metrics]
         if checked:  # the worst producer's newest check, and the oldest version checked
             out[SWAP_CHECK_DIFF] = max(float(m[SWAP_CHECK_DIFF]) for m in checked)
