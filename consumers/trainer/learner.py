@@ -96,9 +96,12 @@ def micro_slices(rows: int, micro_batch_size: int) -> list[slice]:
 
 def _placed(parts: list[torch.Tensor], slices: list[slice], like: torch.Tensor) -> torch.Tensor | None:
     """Per micro-batch results [b, w] (its own response width) at its rows of a mini-batch tensor shaped like
-    `like` [B, W], 0 in the columns its trim left off; None when there are none."""
+    `like` [B, W], 0 in the columns its trim left off (one untrimmed micro-batch: its result as it is); None
+    when there are none."""
     if not parts:
         return None
+    if len(parts) == 1 and parts[0].shape == like.shape:
+        return parts[0]
     out = torch.zeros_like(like)
     for part, rows in zip(parts, slices, strict=True):
         out[rows, : part.shape[1]] = part
