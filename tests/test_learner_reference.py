@@ -113,7 +113,7 @@ def test_update_equals_the_plain_full_batch_step(estimator: str, rows: str) -> N
         assert metrics["actor/grad_norm"] == pytest.approx(norm, rel=1e-5), seed
         for (name, got), want in zip(learner.policy.module.named_parameters(), policy.parameters(),
                                      strict=True):
-            diff = float((got - want).abs().max())
+            diff = float((got.detach() - want.detach()).abs().max())
             assert diff <= 1e-6, f"{name} after batch {seed}: {diff:.3g}"
     assert sum(forwarded) == (16 if rows == "skip" else 32)  # skip: 8 of each update's 16 rows
 
