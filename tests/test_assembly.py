@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from consumers.trainer.assembly import assemble_batch_from_rollout_samples, assemble_micro_batches
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from rollstream.testing.fakes import fake_rollout_sample
 from schemas import RolloutSample
 
@@ -88,35 +88,6 @@ def test_different_widths_are_padded_left_for_prompts_right_for_responses() -> N
     # the long sample's rows: nothing to pad
     np.testing.assert_array_equal(t["input_ids"][2], [*lb.prompt_ids, *lb.response_ids[:5]])
     assert batch.meta_info["global_token_num"] == [5, 5, 9, 9]
-
-
-def test_micro_batches_are_padded_to_their_own_widths() -> None:
-    """A micro-batch cut through a sample is padded to its own rows' widest prompt and response; together the
-    micro-batches hold exactly the rows of the one-batch assembly."""
-    samples = [_sample("s", 2, 3), _sample("long", 4, 5), _sample("x", 3, 1)]
-    whole, _ = assemble_batch_from_rollout_samples(samples)
-    parts, _ = assemble_micro_batches(samples, 3)
-    assert [len(p) for p in parts] == [3, 3]
-    assert parts[0].tensors["input_ids"].shape == (3, 4 + 5) and parts[1].tensors["input_ids"].shape == (
-        3,
-        4 + 5,
-    )
-    small, _ = assemble_micro_batches(samples[:1] + samples[2:], 2)
-    assert [p.tensors["input_ids"].shape for p in small] == [(2, 2 + 3), (2, 3 + 1)]
-    rows = 0
-    for part in parts:
-        for key, arr in part.tensors.items():
-            ref = whole.tensors[key][rows : rows + len(part)]
-            if arr.ndim == 2 and key in ("input_ids", "attention_mask"):  # [prompt | response]
-                P = part.tensors["prompts"].shape[1]
-                ref = np.concatenate([ref[:, 4 - P : 4], ref[:, 4 : 4 + arr.shape[1] - P]], axis=1)
-            elif arr.ndim == 2 and key == "prompts":
-                ref = ref[:, ref.shape[1] - arr.shape[1] :]
-            elif arr.ndim == 2:
-                ref = ref[:, : arr.shape[1]]
-            np.testing.assert_array_equal(arr, ref, err_msg=key)
-        assert part.meta_info is parts[0].meta_info
-        rows += len(part)
 
 
 def test_samples_with_different_keys_are_refused() -> None:

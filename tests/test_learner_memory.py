@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from consumers.trainer.assembly import assemble_batch_from_rollout_samples, assemble_micro_batches
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.learner import Learner, micro_slices
 from rollstream.config import ConfigError, load_config
 from rollstream.testing.fakes import fake_rollout_sample
@@ -34,10 +34,9 @@ def batches(seed: int) -> list[list[RolloutSample]]:
     ]
 
 
-def micro_batches(learner: Learner, samples: list[RolloutSample]) -> list[DataProto]:
-    """The samples as the trainer hands them to this learner: padded once per micro-batch, each to its own
-    widths."""
-    return assemble_micro_batches(samples, learner.actor.micro_batch_size)[0]
+def mini_batch(samples: list[RolloutSample]) -> DataProto:
+    """The samples as the trainer hands them to the learner: one padded mini-batch."""
+    return assemble_batch_from_rollout_samples(samples)[0]
 
 
 def capture_grads(learner: Learner) -> list[list[torch.Tensor]]:
@@ -75,7 +74,7 @@ def assert_same_updates(plain: list[str], knobs: list[str]) -> None:
     a.begin_step(1)
     b.begin_step(1)
     for i, samples in enumerate(batches(seed=1)):
-        ma, mb = a.update(micro_batches(a, samples)), b.update(micro_batches(b, samples))
+        ma, mb = a.update(mini_batch(samples)), b.update(mini_batch(samples))
         for k in COMPARED:
             assert mb[k] == pytest.approx(ma[k], rel=1e-4, abs=1e-6), (i, k)
         assert len(grads_a) == len(grads_b) == i + 1
@@ -85,18 +84,6 @@ def assert_same_updates(plain: list[str], knobs: list[str]) -> None:
         b.optimizer.load_state_dict(a.optimizer.state_dict())
     assert ma["actor/ppo_kl"] != 0.0  # the second update really was off the proximal weights
     assert any(float(g.abs().max()) > 1e-4 for g in grads_a[-1])
-
-
-def test_one_padded_batch_is_cut_into_micro_batches_without_trimming() -> None:
-    """A learner given one padded batch (verl's assemble output) cuts it into actor.micro_batch_size rows,
-    padded as the batch is: the same update as micro-batches padded to their own widths."""
-    cfg = [*BASE, "actor.micro_batch_size=5"]
-    a, b = Learner(load_config(None, cfg)), Learner(load_config(None, cfg))
-    samples = batches(seed=3)[0]
-    ma = a.update(micro_batches(a, samples))
-    mb = b.update(assemble_batch_from_rollout_samples(samples)[0])
-    for k in COMPARED:
-        assert mb[k] == pytest.approx(ma[k], rel=1e-4, abs=1e-6), k
 
 
 def test_micro_slices_cover_the_rows_once() -> None:
@@ -147,23 +134,24 @@ def test_first_update_takes_the_proximal_log_probs_from_its_own_forward(
     first, second = batches(seed=5)
     a.begin_step(1)
     b.begin_step(1)
-    ma, mb = a.update(micro_batches(a, first)), b.update(micro_batches(b, first))
+    ma, mb = a.update(mini_batch(first)), b.update(mini_batch(first))
     assert prox_calls == []  # the first update: its own forward
     for k in COMPARED:
         assert mb[k] == pytest.approx(ma[k], rel=1e-5, abs=1e-7), k
     for ga, gb in zip(grads_a[0], grads_b[0], strict=True):
         assert torch.allclose(gb, ga, rtol=1e-5, atol=1e-8)
-    b.update(micro_batches(b, second))
+    b.update(mini_batch(second))
     assert prox_calls == [1]  # the second update of the step: the weights moved, the copy is the proximal
     drop = b.policy.module.get_submodule("drop")
     assert isinstance(drop, torch.nn.Dropout)
     drop.p = 0.1  # dropout makes train and eval forwards differ: the copy again
     b.begin_step(2)
-    b.update(micro_batches(b, first))
+    b.update(mini_batch(first))
     assert prox_calls == [1, 1]
     drop.p = 0.0
     b.begin_step(3)
-    b.update(assemble_micro_batches(first, 8)[0])  # 16 rows in two micro-batches: the copy, once for each
+    b.actor.micro_batch_size = 8
+    b.update(mini_batch(first))  # 16 rows in two micro-batches: the copy, once for each
     assert prox_calls == [1, 1, 1, 1]
 
 
@@ -208,7 +196,7 @@ def test_leaving_zero_advantage_rows_out_changes_no_step(agg: str) -> None:
         b.begin_step(1)
         for i, samples in enumerate(uniform_groups_batches(seed=5, all_uniform=all_uniform)):
             before = [p.detach().clone() for p in b.policy.parameters()]
-            ma, mb = a.update(micro_batches(a, samples)), b.update(micro_batches(b, samples))
+            ma, mb = a.update(mini_batch(samples)), b.update(mini_batch(samples))
             for k in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "response_length/mean"):
                 assert mb[k] == pytest.approx(ma[k], rel=1e-4, abs=1e-7), (all_uniform, i, k)
             assert mb["actor/trained_row_fraction"] == (0.0 if all_uniform and i == 1 else 0.5)
@@ -234,7 +222,7 @@ def test_dropping_zero_advantage_rows_trains_the_groups_with_reward_variance_alo
     grads_a, grads_b = capture_grads(a), capture_grads(b)
     samples = uniform_groups_batches(seed=7, all_uniform=False)[0]
     varied = samples[1::2]  # groups 1 and 3: their rewards differ
-    ma, mb = a.update(micro_batches(a, varied)), b.update(micro_batches(b, samples))
+    ma, mb = a.update(mini_batch(varied)), b.update(mini_batch(samples))
     for k in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert mb[k] == pytest.approx(ma[k], rel=1e-4, abs=1e-7), k
     for ga, gb in zip(grads_a[0], grads_b[0], strict=True):

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumers.trainer.assembly import assemble_micro_batches
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.guard import unusable_reason
 from producers.rollout import Trajectory, ragged_batch
 from rollstream.bus.archive import Archive
@@ -198,13 +198,12 @@ def _batches(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_batches(), st.integers(0, 5))
+@given(_batches())
 def test_encode_decode_assemble_equals_a_direct_padded_build(
-    case: tuple[int, list[tuple[list[Trajectory], list[np.ndarray] | None, list[float]]]], micro: int
+    case: tuple[int, list[tuple[list[Trajectory], list[np.ndarray] | None, list[float]]]],
 ) -> None:
     """Random ragged batches through the producer's builder, the wire (redis-style bytes) and the trainer's
-    assembly give exactly (dtype, shape, values) the tensors of the obvious padded build, whole or cut into
-    micro-batches (each then padded to its own widths)."""
+    assembly give exactly (dtype, shape, values) the tensors of the obvious padded build."""
     vocab, groups = case
     samples = []
     for k, (trajs, scores, rewards) in enumerate(groups):
@@ -216,26 +215,13 @@ def test_encode_decode_assemble_equals_a_direct_padded_build(
         assert got.num_tokens == sum(sum(t.response_mask) for t in trajs)
         samples.append(got)
     want = _direct(groups)
-    parts, _ = assemble_micro_batches(samples, micro)
-    rows = 0
-    for part in parts:
-        b = len(part)
-        P, R = part.tensors["prompts"].shape[1], part.tensors["responses"].shape[1]
-        Pw = want["prompts"].shape[1]
-        for key, arr in part.tensors.items():
-            ref = want[key][rows : rows + b]
-            if key in ("input_ids", "attention_mask"):
-                ref = np.concatenate([ref[:, Pw - P : Pw], ref[:, Pw : Pw + R]], axis=1)
-            elif key == "prompts":
-                ref = ref[:, Pw - P :]
-            elif ref.ndim == 2:
-                ref = ref[:, :R]
-            assert arr.dtype == ref.dtype and arr.shape == ref.shape, key
-            np.testing.assert_array_equal(arr, ref, err_msg=key)
-        assert P == max(len(t.prompt_ids) for t in _flat_rows(groups)[rows : rows + b])  # its own widths
-        assert R == max(len(t.response_ids) for t in _flat_rows(groups)[rows : rows + b])
-        rows += b
-    assert rows == len(_flat_rows(groups)) and set(parts[0].tensors) == set(want)
+    batch, _ = assemble_batch_from_rollout_samples(samples)
+    assert set(batch.tensors) == set(want)
+    for key, arr in batch.tensors.items():
+        ref = want[key]
+        assert arr.dtype == ref.dtype and arr.shape == ref.shape, key
+        np.testing.assert_array_equal(arr, ref, err_msg=key)
+    assert len(batch) == len(_flat_rows(groups))
 
 
 def _flat_rows(groups: list[tuple[list[Trajectory], Any, Any]]) -> list[Trajectory]:

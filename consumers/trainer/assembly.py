@@ -1,10 +1,10 @@
-"""Batch assembly: RolloutSamples -> padded training batches plus the fully-async metrics (verl's
+"""Batch assembly: RolloutSamples -> one padded mini-batch plus the fully-async metrics (verl's
 `assemble_batch_from_rollout_samples`). The one place a sample's tokens are padded.
 
 Samples arrive ragged (schemas/ragged.py). Their rows are taken in sample order, so the n trajectories of
-one sample stay contiguous (GRPO groups), and each micro-batch of rows is padded once, to its own widest
-prompt and response: prompts and the prompt half of input_ids / attention_mask on the left, responses and
-every per-token array on the right, with 0. The learner trains on these as they are.
+one sample stay contiguous (GRPO groups), and the mini-batch is padded once, to its widest prompt and
+response: prompts and the prompt half of input_ids / attention_mask on the left, responses and every
+per-token array on the right, with 0. The learner's micro-batches are row views of it.
 """
 
 from __future__ import annotations
@@ -34,29 +34,27 @@ def _keys(batches: Sequence[RaggedBatch], part: str, ids: Sequence[str]) -> list
     return first
 
 
-def _pad_rows(batches: Sequence[RaggedBatch], spans: Sequence[tuple[int, int, int]],
-              keys: tuple[list[str], list[str], list[str]]) -> DataProto:
-    """Rows [lo, hi) of batches[k] for each (k, lo, hi) in spans, padded to their own widest prompt P and
-    response R: input_ids / attention_mask [b, P+R] (int64), prompts [b, P], responses [b, R], response_mask
-    [b, R] (int64), every per-token array [b, R] in its dtype, per-row arrays and non_tensors concatenated;
-    keys: the (tokens, rows, non_tensors) keys every batch has."""
-    used = [batches[k] for k, _, _ in spans]
+def _pad_rows(batches: Sequence[RaggedBatch], keys: tuple[list[str], list[str], list[str]]) -> DataProto:
+    """Every row of the batches, in order, padded to the widest prompt P and response R: input_ids /
+    attention_mask [B, P+R] (int64), prompts [B, P], responses [B, R], response_mask [B, R] (int64), every
+    per-token array [B, R] in its dtype, per-row arrays and non_tensors concatenated; keys: the (tokens,
+    rows, non_tensors) keys every batch has."""
     tok_keys, row_keys, nt_keys = keys
-    plens = [b.row_prompt_lens()[lo:hi] for b, (_, lo, hi) in zip(used, spans, strict=True)]
-    rlens = [b.response_lens[lo:hi].tolist() for b, (_, lo, hi) in zip(used, spans, strict=True)]
+    plens = [b.row_prompt_lens() for b in batches]
+    rlens = [b.response_lens.tolist() for b in batches]
     P = max((max(x) for x in plens if x), default=0)
     R = max((max(x) for x in rlens if x), default=0)
-    rows = sum(hi - lo for _, lo, hi in spans)
+    rows = sum(len(b) for b in batches)
     ids_out = np.zeros((rows, P + R), np.int64)  # (zeroed pages: only the tokens are written)
     mask = np.zeros((rows, P + R), np.int64)
     per_token = {k: np.zeros((rows, R), batches[0].tokens[k].dtype) for k in tok_keys}
     resp_mask = np.zeros((rows, R), np.int64)
     j = 0
-    for b, (_, lo, _), plen, rlen in zip(used, spans, plens, rlens, strict=True):
+    for b, plen, rlen in zip(batches, plens, rlens, strict=True):
         po, ro = b.prompt_offsets(), b.response_offsets()
         rm = b.tokens.get(RESPONSE_MASK)
         tokens = [(arr, b.tokens[k]) for k, arr in per_token.items()]
-        for i, (p, r) in enumerate(zip(plen, rlen, strict=True), start=lo):  # one copy per row and array
+        for i, (p, r) in enumerate(zip(plen, rlen, strict=True)):  # one copy per row and array
             ids_out[j, P - p : P] = b.prompt_ids[po[i] : po[i] + p]
             resp = slice(ro[i], ro[i] + r)
             ids_out[j, P : P + r] = b.response_ids[resp]
@@ -68,29 +66,9 @@ def _pad_rows(batches: Sequence[RaggedBatch], spans: Sequence[tuple[int, int, in
     tensors = {"prompts": ids_out[:, :P], "responses": ids_out[:, P:], "input_ids": ids_out,
                "attention_mask": mask, RESPONSE_MASK: resp_mask, **per_token}
     for k in row_keys:
-        tensors[k] = np.concatenate([b.rows[k][lo:hi] for b, (_, lo, hi) in zip(used, spans, strict=True)])
-    non_tensors = {
-        k: np.concatenate([b.non_tensors[k][lo:hi] for b, (_, lo, hi) in zip(used, spans, strict=True)])
-        for k in nt_keys
-    }
+        tensors[k] = np.concatenate([b.rows[k] for b in batches])
+    non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in nt_keys}
     return DataProto(tensors, non_tensors)
-
-
-def micro_spans(sizes: Sequence[int], micro_batch_size: int) -> list[list[tuple[int, int, int]]]:
-    """Per micro-batch of `micro_batch_size` rows (0: one micro-batch of every row), the (sample, first
-    row, end row) runs it takes from samples of `sizes` rows, in order."""
-    total = sum(sizes)
-    size = micro_batch_size if micro_batch_size > 0 else max(total, 1)
-    out: list[list[tuple[int, int, int]]] = []
-    for start in range(0, total, size):
-        end, spans, base = min(start + size, total), [], 0
-        for k, n in enumerate(sizes):
-            lo, hi = max(start - base, 0), min(end - base, n)
-            if lo < hi:
-                spans.append((k, lo, hi))
-            base += n
-        out.append(spans)
-    return out
 
 
 def percentile_stats(values: Sequence[float], prefix: str) -> dict[str, float]:
@@ -166,29 +144,9 @@ def _metrics(samples: Sequence[RolloutSample]) -> dict[str, float]:
     return metrics
 
 
-def assemble_micro_batches(
-    samples: list[RolloutSample], micro_batch_size: int = 0
-) -> tuple[list[DataProto], dict[str, float]]:
-    """The samples' rows as padded micro-batches of `micro_batch_size` rows (0: one batch of every row),
-    each padded once to its own widths -> (micro-batches, metrics). Every micro-batch carries the whole
-    batch's meta_info (one dict; see assemble_batch_from_rollout_samples). An empty list raises ValueError."""
-    if not samples:
-        raise ValueError("assemble_batch_from_rollout_samples needs at least one sample")
-    batches = [s.full_batch for s in samples]
-    ids = [s.sample_id for s in samples]
-    meta = _meta_info(samples)
-    tok_keys, row_keys, nt_keys = (_keys(batches, part, ids) for part in ("tokens", "rows", "non_tensors"))
-    out = []
-    for spans in micro_spans([len(b) for b in batches], micro_batch_size):
-        part = _pad_rows(batches, spans, (tok_keys, row_keys, nt_keys))
-        part.meta_info = meta
-        out.append(part)
-    return out, _metrics(samples)
-
-
 def assemble_batch_from_rollout_samples(samples: list[RolloutSample]) -> tuple[DataProto, dict[str, float]]:
-    """The samples' rows as one padded batch [sum n rows] (every row padded to the batch's widest prompt and
-    response) -> (batch, metrics).
+    """The samples' rows as one padded mini-batch [sum n rows] (every row padded to the batch's widest prompt
+    and response; the trainer's micro-batches are row views of it) -> (batch, metrics).
 
     meta_info (verl's names): `sample_ids`, `group_sizes`, `rollout_param_versions` (per sample),
     `trajectory_param_versions` (per row: the version of its last token), `param_version_diversity`
@@ -197,5 +155,11 @@ def assemble_batch_from_rollout_samples(samples: list[RolloutSample]) -> tuple[D
     rollout_status under `fully_async/`. Rows are padded with 0 (the wire convention). An empty list raises
     ValueError.
     """
-    parts, metrics = assemble_micro_batches(samples, 0)
-    return parts[0], metrics
+    if not samples:
+        raise ValueError("assemble_batch_from_rollout_samples needs at least one sample")
+    batches = [s.full_batch for s in samples]
+    ids = [s.sample_id for s in samples]
+    keys = (_keys(batches, "tokens", ids), _keys(batches, "rows", ids), _keys(batches, "non_tensors", ids))
+    batch = _pad_rows(batches, keys)
+    batch.meta_info = _meta_info(samples)
+    return batch, _metrics(samples)

@@ -3,11 +3,13 @@
 
   begin_step(g)  at the first local update of global step g: freeze a copy of the weights (version g-1)
                  as the proximal policy; it is pinned for the step's K local updates (decoupled mode)
-  update(batch)  one mini-batch, as the padded micro-batches the assembly built -> advantages -> prox/ref
-                 log-probs (no grad, per micro-batch) -> rollout correction over the mini-batch (IS weights,
-                 rejection, mismatch metrics: rollstream/rl/rollout_correction.py) -> per micro-batch:
-                 forward -> loss x its share -> backward (gradients accumulate) -> clip -> AdamW step;
-                 returns the update's metrics
+  update(batch)  one mini-batch, the one padded batch the assembly built -> advantages over it ([B], or
+                 [B, W] token-level) -> the trained rows (zero-advantage ones left out: index-selected) ->
+                 micro-batches: row views of actor.micro_batch_size rows, each without its all-padding
+                 columns -> prox/ref log-probs (no grad, per micro-batch, back at their rows of [B, W]) ->
+                 rollout correction over the mini-batch (IS weights, rejection, mismatch metrics:
+                 rollstream/rl/rollout_correction.py) -> per micro-batch: forward -> loss x its share ->
+                 backward (gradients accumulate) -> clip -> AdamW step; returns the update's metrics
 
 Memory knobs: `actor.micro_batch_size` (the accumulated update equals the whole-mini-batch one: each
 micro-batch's loss is scaled by its share of what the loss aggregation divides by), `actor.
@@ -28,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -92,9 +94,18 @@ def micro_slices(rows: int, micro_batch_size: int) -> list[slice]:
     return [slice(s, min(s + size, rows)) for s in range(0, rows, size)]
 
 
-def pad_cat(parts: list[torch.Tensor], width: int) -> torch.Tensor:
-    """Micro-batch tensors [b_i, w_i] right-padded with 0 to `width` and stacked: [sum b_i, width]."""
-    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+def _placed(parts: list[torch.Tensor], slices: list[slice], like: torch.Tensor) -> torch.Tensor | None:
+    """Per micro-batch results [b, w] (its own response width) at its rows of a mini-batch tensor shaped like
+    `like` [B, W], 0 in the columns its trim left off (one untrimmed micro-batch: its result as it is); None
+    when there are none."""
+    if not parts:
+        return None
+    if len(parts) == 1 and parts[0].shape == like.shape:
+        return parts[0]
+    out = torch.zeros_like(like)
+    for part, rows in zip(parts, slices, strict=True):
+        out[rows, : part.shape[1]] = part
+    return out
 
 
 def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
@@ -106,101 +117,76 @@ def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
 
 
 @dataclass
-class _Micro:
-    """One padded micro-batch's tensors on the device (the learner's only view of its rows)."""
+class _Padded:
+    """A padded batch's tensors on the device: the mini-batch the assembly built, or rows of it (a
+    micro-batch: views), with each row's prompt and response length (on the CPU) to trim by."""
 
     ids: torch.Tensor  # [b, P+w] long
     mask: torch.Tensor  # [b, P+w] long
     resp_mask: torch.Tensor  # [b, w] float
     behave: torch.Tensor  # [b, w] float
-    rewards: torch.Tensor  # [b] float, on the CPU
-    scores: torch.Tensor | None  # [b, w] float token_level_scores, on the CPU
+    prompt_lens: torch.Tensor  # [b] long, on the CPU
+    response_lens: torch.Tensor  # [b] long, on the CPU
+
+    def rows(self, sel: slice | torch.Tensor) -> _Padded:
+        """These rows: a slice gives views (no copy), a bool mask [b] the rows copied out."""
+        cpu = sel.cpu() if isinstance(sel, torch.Tensor) else sel
+        dev = sel.to(self.ids.device) if isinstance(sel, torch.Tensor) else sel
+        return _Padded(self.ids[dev], self.mask[dev], self.resp_mask[dev], self.behave[dev],
+                       self.prompt_lens[cpu], self.response_lens[cpu])
+
+    def trimmed(self) -> _Padded:
+        """Without the columns that are padding in every row (the leading prompt and the trailing response
+        ones): views, the rows' own widest prompt and response (at least one response column)."""
+        W = self.resp_mask.shape[1]
+        P = self.ids.shape[1] - W
+        p, r = int(self.prompt_lens.max()), min(max(int(self.response_lens.max()), 1), W)
+        cols = slice(P - p, P + r)
+        return _Padded(self.ids[:, cols], self.mask[:, cols], self.resp_mask[:, :r], self.behave[:, :r],
+                       self.prompt_lens, self.response_lens)
 
 
-def _tensors(batch: DataProto, dev: torch.device) -> _Micro:
-    """A padded micro-batch's arrays as tensors, the token ones on dev."""
+def _tensors(batch: DataProto, dev: torch.device) -> tuple[_Padded, torch.Tensor, torch.Tensor | None]:
+    """A padded batch's arrays as tensors, the token ones on dev -> (the batch, rewards [B] and
+    token_level_scores [B, W] or None, on the CPU)."""
     t = batch.tensors
-    scores = t.get("token_level_scores")
 
     def tensor(key: str) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(t[key]))
 
-    return _Micro(
-        ids=tensor("input_ids").long().to(dev), mask=tensor("attention_mask").long().to(dev),
+    mask = tensor("attention_mask").long()
+    P = mask.shape[1] - t["response_mask"].shape[1]
+    padded = _Padded(
+        ids=tensor("input_ids").long().to(dev), mask=mask.to(dev),
         resp_mask=tensor("response_mask").float().to(dev), behave=tensor("rollout_log_probs").float().to(dev),
-        rewards=tensor("rewards").float(),
-        scores=torch.from_numpy(np.ascontiguousarray(scores)).float() if scores is not None else None,
+        prompt_lens=mask[:, :P].sum(-1), response_lens=mask[:, P:].sum(-1),
     )
+    scores = tensor("token_level_scores").float() if "token_level_scores" in t else None
+    return padded, tensor("rewards").float(), scores
 
 
 def _token_advantages(
-    micro: list[_Micro],
+    rewards: torch.Tensor,
+    resp_mask: torch.Tensor,
+    scores: torch.Tensor | None,
     groups: list[int],
     algorithm: AlgorithmConfig,
     reduce: Callable[[list[float]], list[float]],
-) -> list[torch.Tensor]:
-    """Token-level advantages per micro-batch [b, w] (`algorithm.adv_estimator` grpo_token or
-    reinforce_plus_plus): the rows' per-token rewards and masks are right-aligned into one [B, W] (W: the
-    widest micro-batch's responses; only the response side, for this arithmetic), so a group is compared
-    position by position, and the result is cut back to each micro-batch. `reduce` sums REINFORCE++'s batch
-    statistics over ranks."""
-    W = max(m.resp_mask.shape[1] for m in micro)
-
-    def wide(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(x, (0, W - x.shape[1]))
-
-    masks = [m.resp_mask.cpu() for m in micro]
-    per_token = torch.cat(
-        [wide(token_rewards(m.rewards, rm, m.scores)) for m, rm in zip(micro, masks, strict=True)]
-    )
-    mask = torch.cat([wide(rm) for rm in masks])
+) -> torch.Tensor:
+    """Token-level advantages [B, W] of the mini-batch (`algorithm.adv_estimator` grpo_token or
+    reinforce_plus_plus): its responses share one column layout, so a group is compared position by
+    position as padded. `reduce` sums REINFORCE++'s batch statistics over ranks."""
+    per_token = token_rewards(rewards, resp_mask, scores)
     if algorithm.adv_estimator == "reinforce_plus_plus":
-        adv = reinforce_pp_advantages(per_token, mask, gamma=algorithm.gamma, reduce=reduce)
-    else:
-        adv = grpo_token_advantages(
-            per_token,
-            mask,
-            groups,
-            norm_by_std=algorithm.norm_adv_by_std_in_grpo,
-            gamma=algorithm.gamma,
-            norm_by_mean=algorithm.norm_adv_by_mean,
-        )
-    out, start = [], 0
-    for m in micro:
-        b, w = m.resp_mask.shape
-        out.append(adv[start : start + b, :w].to(m.resp_mask.device))
-        start += b
-    return out
-
-
-def _keep_rows(m: _Micro, keep: torch.Tensor) -> _Micro:
-    """The micro-batch's rows where `keep` [b] (bool) is set."""
-    on_dev = keep.to(m.ids.device)
-    return _Micro(
-        ids=m.ids[on_dev], mask=m.mask[on_dev], resp_mask=m.resp_mask[on_dev], behave=m.behave[on_dev],
-        rewards=m.rewards[keep.cpu()], scores=m.scores[keep.cpu()] if m.scores is not None else None,
+        return reinforce_pp_advantages(per_token, resp_mask, gamma=algorithm.gamma, reduce=reduce)
+    return grpo_token_advantages(
+        per_token,
+        resp_mask,
+        groups,
+        norm_by_std=algorithm.norm_adv_by_std_in_grpo,
+        gamma=algorithm.gamma,
+        norm_by_mean=algorithm.norm_adv_by_mean,
     )
-
-
-def drop_zero_advantage(
-    micro: list[_Micro], advs: list[torch.Tensor]
-) -> tuple[list[_Micro], list[torch.Tensor], int]:
-    """The micro-batches without their rows whose outcome advantage [b] is exactly 0 (a group that all got
-    the same reward), micro-batches left empty dropped; returns (micro-batches, advantages, rows kept)."""
-    out_m, out_a, kept = [], [], 0
-    for m, a in zip(micro, advs, strict=True):
-        keep = a != 0
-        n = int(keep.sum())
-        if n == 0:
-            continue
-        kept += n
-        if n == a.shape[0]:
-            out_m.append(m)
-            out_a.append(a)
-        else:
-            out_m.append(_keep_rows(m, keep))
-            out_a.append(a[keep])
-    return out_m, out_a, kept
 
 
 class Learner:
@@ -296,7 +282,7 @@ class Learner:
             self.prox.module.load_state_dict(self.policy.module.state_dict())
             self._prox_is_policy = self.policy.train_is_eval()  # once a step, not every update
 
-    def _reuses_forward(self, micro: list[_Micro]) -> bool:
+    def _reuses_forward(self, micro: list[_Padded]) -> bool:
         """Whether this update takes the proximal log-probs from its own forward instead of the frozen copy's:
         the step's first update without dropout (`_prox_is_policy`) on one micro-batch (the correction needs
         the whole mini-batch's log-probs before any loss). The numbers are the copy's; one forward is saved
@@ -304,25 +290,28 @@ class Learner:
         return self._prox_is_policy and len(micro) == 1
 
     def _before_update(
-        self, micro: list[_Micro], width: int, temp: float
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None, float]:
+        self, micro: list[_Padded], slices: list[slice], like: torch.Tensor, temp: float
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, float]:
         """The log-probs taken before the update's losses: the frozen ones (`_frozen_logprobs`) and, when the
         update reuses its forward, that forward (train mode, with grad; its detached log-probs are the
-        proximal ones). Returns (proximal or old parts, reference parts, the forward's (log-probs, entropy)
-        or None, seconds spent on the frozen copies); leaves the policy in train mode."""
+        proximal ones). Returns (proximal or old log-probs, reference log-probs: each shaped like `like`
+        [B, W] or None, the forward's (log-probs, entropy) or None, seconds spent on the frozen copies);
+        leaves the policy in train mode."""
         reuse = self._reuses_forward(micro)
         t0 = time.perf_counter()
         old_parts, ref_parts = self._frozen_logprobs(micro, temp, skip_prox=reuse)
         t_old = time.perf_counter() - t0
         self.policy.train()
+        ref = _placed(ref_parts, slices, like)
         if not reuse:
-            return old_parts, ref_parts, None, t_old
+            return _placed(old_parts, slices, like), ref, None, t_old
+        m = micro[0]
         with self.dp.forward_through(self.policy, self.train_module):
-            ahead = self.policy.forward_logprobs_entropy(micro[0].ids, micro[0].mask, width, temp)
-        return [ahead[0].detach()], ref_parts, ahead, t_old
+            ahead = self.policy.forward_logprobs_entropy(m.ids, m.mask, m.resp_mask.shape[1], temp)
+        return _placed([ahead[0].detach()], slices, like), ref, ahead, t_old
 
     def _frozen_logprobs(
-        self, micro: list[_Micro], temp: float, skip_prox: bool = False
+        self, micro: list[_Padded], temp: float, skip_prox: bool = False
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per micro-batch, without grad: the log-probs rollout correction compares with the behaviour's (the
         proximal policy's unless `skip_prox`; in bypass mode with rejection the policy's own before the
@@ -394,69 +383,56 @@ class Learner:
         return Correction(weights, out.mask, {**out.metrics, PREFIX + "rollout_is_batch_norm_factor": factor})
 
     def _advantages(
-        self, micro: list[_Micro], groups: list[int], rewards: torch.Tensor
-    ) -> tuple[list[torch.Tensor], float]:
-        """Per micro-batch advantages (GRPO per sample group [b], or token-level [b, w]) and their mean over
-        the response tokens (outcome: over the samples)."""
+        self, mini: _Padded, groups: list[int], rewards: torch.Tensor, scores: torch.Tensor | None
+    ) -> tuple[torch.Tensor, float]:
+        """The mini-batch's advantages on the device, GRPO per sample group [B] or token-level [B, W], and
+        their mean over the response tokens (outcome: over the samples)."""
         if self.algorithm.adv_estimator != "grpo":
-            advs = _token_advantages(micro, groups, self.algorithm, self.dp.all_reduce_sum)
-            n_tok = sum(float(m.resp_mask.sum()) for m in micro)
-            adv_sum = sum(float((a * m.resp_mask).sum()) for a, m in zip(advs, micro, strict=True))
-            return advs, adv_sum / n_tok if n_tok else 0.0
+            mask = mini.resp_mask.cpu()
+            adv = _token_advantages(rewards, mask, scores, groups, self.algorithm, self.dp.all_reduce_sum)
+            n_tok = float(mask.sum())
+            return adv.to(self.device), (float((adv * mask).sum()) / n_tok if n_tok else 0.0)
         adv = group_advantages(rewards, groups, self.algorithm.norm_adv_by_std_in_grpo).to(self.device)
-        return list(adv.split([m.ids.shape[0] for m in micro])), float(adv.mean())
+        return adv, float(adv.mean())
 
-    def _trained_rows(
-        self, micro: list[_Micro], advs: list[torch.Tensor], resp_mask: torch.Tensor, behave: torch.Tensor
-    ) -> tuple[list[_Micro], list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """The rows this update forwards, with their advantages and mini-batch masks [kept, width]: all of
-        them, or (actor.zero_advantage_rows skip / drop; the config checked that nothing else in the step
-        sees them) those whose outcome advantage is not exactly 0; masks are padded again only when rows
-        left."""
+    def _trained_rows(self, mini: _Padded, adv: torch.Tensor) -> tuple[_Padded, torch.Tensor]:
+        """The rows this update forwards and their advantages: all of them, or (actor.zero_advantage_rows skip
+        / drop, outcome advantages; the config checked that nothing else in the step sees them) those whose
+        advantage is not exactly 0, copied out of the mini-batch."""
         if self.actor.zero_advantage_rows == "train":
-            return micro, advs, resp_mask, behave
-        micro, advs, kept = drop_zero_advantage(micro, advs)
-        if kept == len(resp_mask):
-            return micro, advs, resp_mask, behave
-        width = resp_mask.shape[1]
-        if not micro:
-            return micro, advs, resp_mask[:0], behave[:0]
-        resp = pad_cat([m.resp_mask for m in micro], width)
-        return micro, advs, resp, pad_cat([m.behave for m in micro], width)
+            return mini, adv
+        keep = adv != 0
+        if bool(keep.all()):
+            return mini, adv
+        return mini.rows(keep), adv[keep]
 
-    def update(self, batch: DataProto | Sequence[DataProto]) -> dict[str, float]:
-        """One optimizer step on a mini-batch, given as the padded micro-batches the assembly built (or one
-        padded batch, cut into actor.micro_batch_size rows); returns its actor/critic/length/timing
-        metrics."""
-        if isinstance(batch, DataProto):
-            parts = [batch[rows] for rows in micro_slices(len(batch), self.actor.micro_batch_size)]
-        else:
-            parts = list(batch)
-        dev = self.device
-        micro = [_tensors(part, dev) for part in parts]
-        rewards = torch.cat([m.rewards for m in micro])  # [B]
-        resp_parts = [m.resp_mask for m in micro]  # [b, w] per micro-batch
-        width = max(m.shape[1] for m in resp_parts)  # the mini-batch's widest responses
-        resp_mask = pad_cat(resp_parts, width)  # [B, width]
-        behave = pad_cat([m.behave for m in micro], width)  # [B, width]
+    def update(self, batch: DataProto) -> dict[str, float]:
+        """One optimizer step on a mini-batch, the one padded batch the assembly built, trained in
+        micro-batches that are views of actor.micro_batch_size of its rows; returns its actor/critic/length/
+        timing metrics."""
+        mini, rewards, scores = _tensors(batch, self.device)  # [B, P+W] ids, [B, W] masks; W: widest response
+        all_rows, all_resp = len(rewards), mini.resp_mask
 
-        # 1. advantages: GRPO per sample group [B] (outcome), or per micro-batch [b, w] (token-level credit)
-        advs, adv_mean = self._advantages(micro, list(parts[0].meta_info["group_sizes"]), rewards)
-        all_rows, all_resp, every_micro = len(rewards), resp_mask, micro
-        micro, advs, resp_mask, behave = self._trained_rows(micro, advs, resp_mask, behave)
+        # 1. advantages over the mini-batch: GRPO per sample group [B] (outcome), or per token [B, W]; then
+        #    the rows trained, and their micro-batches: row views, each without its all-padding columns
+        adv, adv_mean = self._advantages(mini, list(batch.meta_info["group_sizes"]), rewards, scores)
+        trained, adv = self._trained_rows(mini, adv)
+        resp_mask, behave = trained.resp_mask, trained.behave  # [kept, W]
         kept = len(resp_mask)
+        slices = micro_slices(kept, self.actor.micro_batch_size)
+        micro = [trained.rows(rows).trimmed() for rows in slices]
 
         # 2. the trainer's log-probs before this update (no grad), per micro-batch: proximal (decoupled; in
         #    bypass mode with rejection, the policy itself) and reference (KL); then rollout correction over
-        #    the mini-batch: IS weights [B, width] or None, the response mask after rejection, verl's metrics
+        #    the mini-batch: IS weights [kept, W] or None, the response mask after rejection, verl's metrics
         temp = self.cfg.rollout.temperature  # log-probs of the distribution producers sampled from
         #    (the step's first update on one micro-batch: the proximal log-probs are its own forward's)
         t0 = time.perf_counter()
-        old_parts, ref_parts, ahead, t_old = self._before_update(micro, width, temp)
+        old, ref, ahead, t_old = self._before_update(micro, slices, resp_mask, temp)
         t_update = time.perf_counter() - t0 - t_old
-        correction = self._correct(pad_cat(old_parts, width), behave, resp_mask) if old_parts else None
-        loss_mask = correction.mask.to(resp_mask.dtype) if correction is not None else resp_mask  # [B, width]
-        is_w = correction.weights if correction is not None else None  # [B, width] or None
+        correction = self._correct(old, behave, resp_mask) if old is not None else None
+        loss_mask = correction.mask.to(resp_mask.dtype) if correction is not None else resp_mask  # [kept, W]
+        is_w = correction.weights if correction is not None else None  # [kept, W] or None
 
         # 3. per micro-batch: forward, loss scaled by the micro-batch's share of what the aggregation divides
         #    by, backward (gradients accumulate)
@@ -474,15 +450,13 @@ class Learner:
         metrics: dict[str, float] = {}
         loss = ent = kl = 0.0
         current: list[torch.Tensor] = []  # bypass without rejection: the mismatch metrics' trainer log-probs
-        start = 0
-        for i, (m, m_adv) in enumerate(zip(micro, advs, strict=True)):
-            b, w = m.resp_mask.shape
-            rows = slice(start, start + b)
-            start += b
-            m_resp, m_behave = loss_mask[rows, :w], m.behave  # [b, w] each
+        for i, (m, rows) in enumerate(zip(micro, slices, strict=True)):
+            w = m.resp_mask.shape[1]  # the micro-batch's own widest response: [b, w] views of the [kept, W]
+            m_resp, m_behave = loss_mask[rows, :w], m.behave
+            m_adv = adv[rows] if adv.ndim == 1 else adv[rows, :w]
             m_w = is_w[rows, :w] if is_w is not None else None
-            prox_logp = old_parts[i] if self.prox is not None else None
-            ref_logp = ref_parts[i] if ref_parts else None
+            prox_logp = old[rows, :w] if self.prox is not None and old is not None else None
+            ref_logp = ref[rows, :w] if ref is not None else None
             count = agg_count(m_resp, mode)
             share = count / total if total > 0 else 0.0  # of this rank's loss
             ent_share = count / trained_total if trained_total > 0 else 0.0  # of the trained rows' mean
@@ -525,10 +499,9 @@ class Learner:
             for k, v in pg_metrics.items():  # pg_loss aggregates like the loss, the rest are token means
                 metrics[k] = metrics.get(k, 0.0) + v * (share if k == "actor/pg_loss" else tok_share)
         # the mismatch metrics against the policy's log-probs as it trained on them
-        trained = correction or (
-            rollout_correction(pad_cat(current, width), behave, resp_mask) if current else None
-        )
-        metrics.update(trained.metrics if trained is not None else {})
+        now = _placed(current, slices, resp_mask)
+        trained_corr = correction or (rollout_correction(now, behave, resp_mask) if now is not None else None)
+        metrics.update(trained_corr.metrics if trained_corr is not None else {})
         if kept < all_rows:
             metrics["actor/trained_row_fraction"] = kept / all_rows
             metrics.setdefault("actor/pg_loss", 0.0)  # nothing trained: every row's loss was 0
@@ -543,7 +516,7 @@ class Learner:
         t_update += time.perf_counter() - t0
 
         # 4. metrics
-        row_tokens = torch.cat([m.mask.sum(-1) for m in every_micro]).double().cpu()  # [B]
+        row_tokens = mini.mask.sum(-1).double().cpu()  # [B]
         metrics.update(
             {
                 "actor/loss": loss,

@@ -54,7 +54,7 @@ from typing import Any
 import redis
 
 from consumers.trainer import step_report
-from consumers.trainer.assembly import assemble_micro_batches
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.checkpoint import restore_newest, write_checkpoint
 from consumers.trainer.collect import Collected, Collector, rollouts_reader
 from consumers.trainer.distributed import DataParallel, RankInfo
@@ -213,14 +213,14 @@ class Trainer:
         the step's ledger, emit a `local_update` event (its metrics: step_report.local_update_event)."""
         t0 = time.perf_counter()
         samples: list[RolloutSample] = [m.event for m, _ in got.kept]  # type: ignore[misc]
-        micro, batch_metrics = assemble_micro_batches(samples, self.cfg.actor.micro_batch_size)
+        batch, batch_metrics = assemble_batch_from_rollout_samples(samples)
         t_asm = time.perf_counter() - t0
-        learned = self.learner.update(micro)
+        learned = self.learner.update(batch)
         fate = SKIPPED if learned.get(UPDATE_SKIPPED) else TRAINED  # a skipped step trained nothing
         self.recent.extend(step_report.record_fates(ledger, got.kept, fate, g))
         self.lengths.add(got.kept, got.dropped_lengths)
         timings = step_report.UpdateTimings(t_gen, t_asm, self.collector.transport_since_last())
-        versions = micro[0].meta_info["trajectory_param_versions"]
+        versions = batch.meta_info["trajectory_param_versions"]
         fg = self.cfg.algorithm.filter_groups.enable
         update = step_report.local_update_event(
             g, local, self.dp.rank, got, learned, batch_metrics, versions, self.counters, timings, fg

@@ -1,0 +1,143 @@
+"""The learner's update is the plain one. Its micro-batches are row views of the one padded mini-batch, each
+without its all-padding columns, its token-level advantages are taken on the mini-batch as padded, and rows
+without advantage are left out; none of that may change the step. Here it is compared with a full-batch
+step written out plainly: one forward over the whole padded batch, the clipped PPO loss (bypass mode,
+token-mean), backward, gradient clipping, AdamW."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.learner import Learner, token_rewards
+from rollstream.config import load_config
+from rollstream.model import BasePolicy
+from rollstream.rl.advantages import grpo_token_advantages, reinforce_pp_advantages
+from rollstream.testing.fakes import fake_rollout_sample
+from schemas import DataProto, RolloutSample
+
+BASE = ["run.device=cpu", "model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32",
+        "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+        "async_training.trigger_parameter_sync_step=1",
+        "actor.optim.lr=0.001", "actor.optim.weight_decay=0.01", "actor.entropy_coeff=0",
+        "actor.kl_loss_coef=0", "actor.loss_agg_mode=token-mean", "actor.micro_batch_size=5",
+        "algorithm.rollout_correction.bypass_mode=true", "rollout.temperature=0.9"]
+
+
+def mini_batch(seed: int) -> list[RolloutSample]:
+    """4 groups x 4 rows, prompts of 3, 5, 7 and 9 tokens, responses of random lengths up to 3, 6, 9 and 12
+    tokens (the micro-batches of 5 rows have different widths); groups 0 and 2 all got one reward, so their
+    GRPO advantages are exactly 0."""
+    return [
+        fake_rollout_sample(f"g{seed}{i}", n=4, prompt_len=3 + 2 * i, response_len=3 + 3 * i, ragged=True,
+                            seed=seed + i, vocab=50,
+                            rewards=[float(i % 3 == 0)] * 4 if i % 2 == 0 else [1.0, 0.0, 0.5, 0.0])
+        for i in range(4)
+    ]
+
+
+def plain_advantages(batch: DataProto, estimator: str, gamma: float) -> torch.Tensor:
+    """The batch's advantages from its padded tensors: GRPO's (r - group mean) / (group std + 1e-6) per row
+    [B], or the token-level estimator on the whole padded [B, W]."""
+    rewards = torch.from_numpy(batch.tensors["rewards"]).float()
+    if estimator == "grpo":
+        groups = rewards.reshape(-1, 4)
+        return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).reshape(-1)
+    mask = torch.from_numpy(batch.tensors["response_mask"]).float()
+    per_token = token_rewards(rewards, mask, None)
+    if estimator == "reinforce_plus_plus":
+        return reinforce_pp_advantages(per_token, mask, gamma=gamma)
+    return grpo_token_advantages(per_token, mask, [4] * 4, gamma=gamma)
+
+
+def plain_step(policy: BasePolicy, optimizer: torch.optim.Optimizer, batch: DataProto, adv: torch.Tensor,
+               clip: float, clip_grad: float, temperature: float) -> tuple[float, float]:
+    """One full-batch step: a forward over every row of the padded batch, the bypass-mode clipped PPO loss
+    averaged over the response tokens, backward, the gradient norm clipped, AdamW; returns (the loss, the
+    gradient norm before clipping)."""
+    t = batch.tensors
+    ids, mask = torch.from_numpy(t["input_ids"]), torch.from_numpy(t["attention_mask"])
+    resp = torch.from_numpy(t["response_mask"]).float()
+    behave = torch.from_numpy(t["rollout_log_probs"]).float()
+    policy.train()
+    logp, _ = policy.forward_logprobs_entropy(ids, mask, resp.shape[1], temperature)
+    ratio = torch.exp((logp - behave).clamp(-20.0, 20.0))
+    a = adv[:, None] if adv.dim() == 1 else adv
+    per_token = torch.maximum(-a * ratio, -a * ratio.clamp(1.0 - clip, 1.0 + clip))
+    loss = (per_token * resp).sum() / resp.sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(list(policy.parameters()), clip_grad)
+    optimizer.step()
+    return float(loss.detach()), float(norm)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "rows"),
+    [("grpo", "skip"), ("grpo", "train"), ("grpo_token", "train"), ("reinforce_plus_plus", "train")],
+)
+def test_update_equals_the_plain_full_batch_step(estimator: str, rows: str) -> None:
+    """Two updates (the second from the moved weights and Adam state) in micro-batches of 5 of 16 rows give
+    the parameters of the plain full-batch steps to 1e-6 (float32; lr 1e-3, so that is a thousandth of
+    Adam's step, which float noise in a near-zero gradient can flip), the same loss and gradient norm; with
+    skip, the rows of groups 0 and 2 are not forwarded."""
+    cfg = load_config(
+        None, [*BASE, f"algorithm.adv_estimator={estimator}", f"actor.zero_advantage_rows={rows}"]
+    )
+    learner = Learner(cfg)
+    policy = copy.deepcopy(learner.policy)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.actor.optim.lr,
+                                  weight_decay=cfg.actor.optim.weight_decay)
+    forwarded: list[int] = []
+    forward = learner.policy.forward_logprobs_entropy
+
+    def counting(ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        forwarded.append(ids.shape[0])
+        return forward(ids, *args, **kwargs)
+
+    learner.policy.forward_logprobs_entropy = counting  # type: ignore[method-assign]
+    learner.begin_step(1)
+    for seed in (1, 11):
+        batch, _ = assemble_batch_from_rollout_samples(mini_batch(seed))
+        lens = batch.tensors["response_mask"].sum(-1)
+        assert lens.min() < lens.max() // 2  # responses of varied lengths
+        metrics = learner.update(batch)
+        adv = plain_advantages(batch, estimator, cfg.algorithm.gamma)
+        loss, norm = plain_step(policy, optimizer, batch, adv, cfg.actor.clip_ratio,
+                                cfg.actor.optim.clip_grad, cfg.rollout.temperature)
+        assert metrics["actor/loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7), seed
+        assert metrics["actor/grad_norm"] == pytest.approx(norm, rel=1e-5), seed
+        for (name, got), want in zip(learner.policy.module.named_parameters(), policy.parameters(),
+                                     strict=True):
+            diff = float((got.detach() - want.detach()).abs().max())
+            assert diff <= 1e-6, f"{name} after batch {seed}: {diff:.3g}"
+    assert sum(forwarded) == (16 if rows == "skip" else 32)  # skip: 8 of each update's 16 rows
+
+
+def test_micro_batches_are_row_views_of_the_mini_batch_at_their_own_widths() -> None:
+    """The forward of each micro-batch reads the assembled mini-batch's own memory (no copy), its rows cut
+    to their widest prompt and response."""
+    learner = Learner(load_config(None, BASE))
+    batch, _ = assemble_batch_from_rollout_samples(mini_batch(3))
+    seen: list[tuple[int, tuple[int, ...], int]] = []
+    forward = learner.policy.forward_logprobs_entropy
+
+    def recording(ids: torch.Tensor, mask: torch.Tensor, width: int, *args: Any, **kwargs: Any) -> Any:
+        seen.append((ids.untyped_storage().data_ptr(), tuple(ids.shape), width))
+        return forward(ids, mask, width, *args, **kwargs)
+
+    learner.policy.forward_logprobs_entropy = recording  # type: ignore[method-assign]
+    learner.update(batch)
+    mask = batch.tensors["attention_mask"]
+    P = batch.tensors["prompts"].shape[1]
+    want = []
+    for lo in range(0, 16, 5):
+        rows = mask[lo : lo + 5]
+        p, r = int(rows[:, :P].sum(-1).max()), int(rows[:, P:].sum(-1).max())
+        want.append((batch.tensors["input_ids"].ctypes.data, (len(rows), p + r), r))
+    assert seen == want
+    assert len({w for _, _, w in seen}) > 1  # the micro-batches' widths differ
