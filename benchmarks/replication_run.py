@@ -34,17 +34,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rollstream.testing.runs import TINY
+
 ROOT = Path(__file__).resolve().parents[1]
 
-#: The tests' tiny GPT run (tests/test_faults.py TINY): 2 producers, 4-sample global steps on the CPU.
-TINY = [
-    "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "async_training.trigger_parameter_sync_step=2",
-    "rollout.n=2", "rollout.num_producers=2", "rollout.prompts_per_dispatch=2", "rollout.stats_every_s=1",
-    "model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=24",
-    "data.max_response_length=5", "data.reverse.max_digits=3", "data.epoch_size=256", "data.val_size=4",
-    "trainer.test_freq=0", "trainer.save_freq=2", "trainer.total_training_steps=100000", "run.device=cpu",
-    "bus.block_ms=200", "bus.claim_idle_s=5", f"bus.max_entry_bytes={256 << 10}",
-]
+#: The tests' tiny GPT run (rollstream.testing.runs), long enough never to finish inside a window.
+RUN = [*TINY, "trainer.total_training_steps=100000"]
 
 #: The three configurations: name -> overrides.
 CONFIGS: dict[str, list[str]] = {
@@ -221,7 +216,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the configurations interleaved, round by round, and print each run and the summary."""
     args = parse_args(argv)
-    base = [args.config, *TINY, *args.overrides]
+    base = [args.config, *RUN, *args.overrides]
     runs: list[RunFigures] = []
     for rnd in range(1, args.rounds + 1):
         for config in args.configs:
