@@ -46,18 +46,11 @@ from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.run_target import SECRETS_DIR, open_run
 from rollstream.ops.supervise import rpc
 from rollstream.testing.fakes import fake_rollout_sample, step_end
+from rollstream.testing.runs import TINY
 from schemas import DeadLetter, decode, encode
 from tests.test_ops_supervise import private_violations
 
 SEED = int(os.environ.get("ROLLSTREAM_FAULT_SEED", "7"))  # which process dies when, and in what order
-TINY = [
-    "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "async_training.trigger_parameter_sync_step=2",
-    "rollout.n=2", "rollout.num_producers=2", "rollout.prompts_per_dispatch=2", "rollout.stats_every_s=1",
-    "model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=24",
-    "data.max_response_length=5", "data.reverse.max_digits=3", "data.epoch_size=256", "data.val_size=4",
-    "trainer.test_freq=0", "trainer.save_freq=2", "trainer.total_training_steps=1000", "run.device=cpu",
-    "bus.block_ms=200", "bus.claim_idle_s=5", f"bus.max_entry_bytes={256 << 10}",
-]
 WORKERS = ("rollout_00", "rollout_01", "trainer", "aggregator")
 MORE_RECORDS = 3
 

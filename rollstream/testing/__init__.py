@@ -1,2 +1,2 @@
-"""Fixtures for tests and benchmarks, not imported by runtime code: synthetic events (`fakes`) and tiny
-random Hugging Face models with locally built tokenizers (`hf_tiny`)."""
+"""Fixtures for tests and benchmarks, not imported by runtime code: synthetic events (`fakes`), tiny random
+Hugging Face models with locally built tokenizers (`hf_tiny`), the overrides of a tiny whole run (`runs`)."""
