@@ -162,6 +162,7 @@ class Producer:
         self.metrics = Publisher(ctx.r, nomkstream=True)
         self.counters = Counters()
         self.window = StatsWindow()
+        self.generating = 0  # dispatches inside generate now (a benchmark's slots run several)
         self.next_seq = 0  # the seq of the next prompt to dispatch (published + in flight)
         self.leased = 0  # prompts leased to this producer, as last read
         self.last_stats = time.monotonic()
@@ -350,7 +351,11 @@ class Producer:
         failures = partial(self._publish_failures, ids, items, param_version, request, t0, before)
         try:
             with GenerationWatchdog(cfg.rollout.generate_timeout_s, partial(self._hung, failures)):
-                trajs = self.generate(request, param_version)
+                self.generating += 1
+                try:
+                    trajs = self.generate(request, param_version)
+                finally:
+                    self.generating -= 1
         except (GenerationHung, EngineError):  # a failed swap or a broken engine: exit, keep the lease
             raise
         except CONNECTION_ERRORS:
@@ -506,10 +511,13 @@ class Producer:
 
     # ---- statistics -------------------------------------------------------------------------------
     def _on_switch(self, old: int, new: int) -> None:
-        """Weights changed (between dispatches or mid-generation): report the window of the version left; the
-        new window starts with the swap's duration."""
+        """Weights changed (between dispatches or mid-generation): report the window of the version left,
+        unless it holds only the wait for this version (no sample published, no generation in flight: it
+        would be the newest stats a step's record reads, showing 0 samples; the wait goes into the next
+        window instead); the window then goes on with the swap's duration."""
         self.counters.versions_loaded = self.weights.loads
-        self._emit_stats(old)
+        if self.window.samples or self.generating:
+            self._emit_stats(old)
         self.window.add_swap(self.weights.last_load_s)
 
     def _maybe_stats(self) -> None:

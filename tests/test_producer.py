@@ -192,6 +192,27 @@ def test_published_samples_are_what_was_generated(r: redis.Redis, keys: Keys, re
     assert stats and stats[-1].samples == len(got) and stats[-1].tokens == sum(s.num_tokens for s in got)
 
 
+def test_a_switch_reports_no_window_that_only_waited_for_the_new_version(
+    r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
+    """A step's record reads each producer's newest stats window: a window holding only the wait for the
+    version just loaded (published nothing, generated nothing) would show 0 samples and 0 tokens/s there."""
+    cfg = small_cfg(keys)
+    start_run(r, keys, build_blob(cfg, 0), grant=cfg.max_outstanding)
+    producer = Producer(context(cfg, keys, "rollout_00", redis_url))
+    assert producer.run(max_dispatches=1) == 1
+    emitted = len(producer_stats(r, keys))
+    producer._on_switch(0, 1)  # nothing published or generating since the last window: the wait carries on
+    assert len(producer_stats(r, keys)) == emitted
+    producer.generating = 1  # mid-generation: the window of the version left is reported
+    producer._on_switch(1, 2)
+    assert [ev.param_version for ev in producer_stats(r, keys)[emitted:]] == [1]
+    producer.generating = 0
+    producer.window.samples = 2  # published since the last window: reported
+    producer._on_switch(2, 3)
+    assert [(ev.param_version, ev.samples) for ev in producer_stats(r, keys)[emitted + 1:]] == [(2, 2)]
+
+
 @pytest.mark.parametrize("partial", [True, False])
 def test_new_version_mid_generation(r: redis.Redis, keys: Keys, redis_url: str, partial: bool) -> None:
     cfg = small_cfg(keys, f"async_training.partial_rollout={partial}", "rollout.sync_every_tokens=2",
