@@ -366,10 +366,7 @@ class Fold:
             out[prefix + "gen_tokens_per_s"] = float(ev.gen_tokens_per_s)
             out[prefix + "idle_ratio"] = float(ev.idle_ratio)
             out[prefix + "param_version"] = float(ev.param_version)
-            for name in SWAP_CHECK_METRICS:
-                if name in ev.metrics:
-                    out[prefix + name.removeprefix("producer/")] = float(ev.metrics[name])
-            for name in answer_metric_names(ev):
+            for name in [*(n for n in SWAP_CHECK_METRICS if n in ev.metrics), *answer_metric_names(ev)]:
                 out[prefix + name.removeprefix("producer/")] = float(ev.metrics[name])
         out.update(answer_metrics_across(latest))
         checked = [ev.metrics for ev in latest if SWAP_CHECK_DIFF in ev.metrics]

@@ -31,7 +31,9 @@ silent gap.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import redis
 
@@ -42,6 +44,8 @@ from rollstream.keys import Keys
 from rollstream.ops.log_cut import Cut, read_cut
 from rollstream.pacing.budget import leased_sample_id
 from schemas import EVICTED, SKIPPED, TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -227,28 +231,29 @@ def _read_ends(
     """Fill the fates (trained, skipped, dropped, evicted); returns how many fates each sample id has and
     the dead-lettered rollouts (counted once the rollouts are read: `_count_dead`)."""
     ends = Counter[str]()
-    for entry_id, f in iter_stream(r, keys.fates):
-        held[keys.fates] += cut.within(keys.fates, entry_id)
-        try:
-            fate = decode_fate(f)
-        except DecodeError:
-            continue
+    for fate in _decoded(r, keys.fates, decode_fate, held, cut):
         sid = fate.sample_id
         if fate.fate == EVICTED:
             rep.evicted[sid] = fate.reason
         else:
             {TRAINED: rep.trained, SKIPPED: rep.skipped}.get(fate.fate, rep.dropped).add(sid)
         ends[sid] += 1
-    letters: list[DeadLetter] = []
-    for entry_id, f in iter_stream(r, keys.dead):
-        held[keys.dead] += cut.within(keys.dead, entry_id)
+    letters = [ev for ev in _decoded(r, keys.dead, decode, held, cut)
+               if isinstance(ev, DeadLetter) and ev.source in rollouts]
+    return ends, letters
+
+
+def _decoded(
+    r: redis.Redis, stream: str, decoder: Callable[[Any], T], held: Counter[str], cut: Cut
+) -> Iterator[T]:
+    """The entries of `stream` decoded by `decoder`, in log order, counting in `held` those within the
+    audit's cut; an entry that does not decode is skipped (the trainer dead-lettered it)."""
+    for entry_id, fields in iter_stream(r, stream):
+        held[stream] += cut.within(stream, entry_id)
         try:
-            ev = decode(f)
+            yield decoder(fields)
         except DecodeError:
             continue
-        if isinstance(ev, DeadLetter) and ev.source in rollouts:
-            letters.append(ev)
-    return ends, letters
 
 
 def _count_dead(
