@@ -9,12 +9,11 @@ from producers.rollout import Trajectory
 from rollstream.config import PipelineConfig
 from rollstream.pacing.counters import RolloutCounts
 from rollstream.tasks import RewardResult
-from schemas import ProducerStats
+from schemas import ANSWER_METRIC_PREFIX, ProducerStats
 
-#: A task's per-answer reward metrics (RewardResult.metrics) reach the stats as `producer/reward/<name>`, the
-#: mean over the window's trajectories ...
-REWARD_METRIC_PREFIX = "producer/reward/"
-#: ... except those the window already reports: `acc` (producer/acc) and `score` (producer/reward_mean).
+#: A task's per-answer reward metrics (RewardResult.metrics) reach the stats under ANSWER_METRIC_PREFIX, the
+#: mean over the window's trajectories, except those the window already reports: `acc` (producer/acc) and
+#: `score` (producer/reward_mean).
 COVERED_REWARD_METRICS = frozenset({"acc", "score"})
 
 
@@ -95,7 +94,7 @@ class StatsWindow:
             metrics["producer/acc"] = self.exact_sum / n
             metrics["producer/response_length_mean"] = self.length_sum / n
             for name, total in self.reward_metric_sums.items():
-                metrics[f"{REWARD_METRIC_PREFIX}{name}"] = total / n
+                metrics[f"{ANSWER_METRIC_PREFIX}{name}"] = total / n
         return ProducerStats(
             producer=producer,
             param_version=param_version,

@@ -18,6 +18,8 @@ from schemas.codec import (
 )
 from schemas.errors import DecodeError
 from schemas.events import (
+    ANSWER_METRIC_PREFIX,
+    ANSWER_METRICS,
     DEAD_COPY_MAX_BYTES,
     DEAD_FIELD_KEEP_BYTES,
     EVENT_MODELS,
@@ -69,6 +71,8 @@ __all__ = [
     "Limits",
     "ParamVersion",
     "ROLLOUT_FAILURE",
+    "ANSWER_METRIC_PREFIX",
+    "ANSWER_METRICS",
     "ProducerStats",
     "RaggedBatch",
     "RolloutSample",

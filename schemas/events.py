@@ -238,6 +238,13 @@ class ProducerStats(EventBase):
     metrics: dict[str, float] = Field(default_factory=dict)
 
 
+#: What a producer's sampled answers scored in a stats window (producers/stats.py writes them, the aggregator
+#: copies them into the step records): the share exactly right and the mean reward, and each metric the task
+#: scores an answer with under ANSWER_METRIC_PREFIX.
+ANSWER_METRICS = ("producer/acc", "producer/reward_mean")
+ANSWER_METRIC_PREFIX = "producer/reward/"
+
+
 #: A dead copy holds the original entry whole up to this many bytes (names and values together) ...
 DEAD_COPY_MAX_BYTES = 1 << 20
 #: ... and of a larger entry only the fields up to this size each (its readable header), while they fit

@@ -52,7 +52,15 @@ from typing import Any, TypeVar
 from consumers.aggregator.metrics import MetricsAggregator, add_derived_metrics, aggregation_rule
 from rollstream.bus import parse_id
 from rollstream.weights.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
-from schemas import EventBase, ProducerStats, StepMetrics, SyncStepRecord, ValidateMetrics
+from schemas import (
+    ANSWER_METRIC_PREFIX,
+    ANSWER_METRICS,
+    EventBase,
+    ProducerStats,
+    StepMetrics,
+    SyncStepRecord,
+    ValidateMetrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +72,13 @@ STATS_PREFIX = "stats:"
 #: The swap check's metrics a producer's stats carry (producers/worker.py swap_check_metrics): per producer in
 #: the record as `producer/<name>/swap_check/…`; across producers the worst diff and the oldest version.
 SWAP_CHECK_METRICS = (SWAP_CHECK_VERSION, SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX)
-#: What a producer's sampled answers scored in its newest stats window (producers/stats.py): per producer in
-#: the record as `producer/<name>/acc`, `…/reward_mean`, `…/reward/<task metric>`; across producers their
-#: mean weighted by the window's samples, under the stats' own names (`producer/acc`: training accuracy at the
-#: sampling temperature, beside the shaped reward the trainer reports).
-ANSWER_METRICS = ("producer/acc", "producer/reward_mean")
-ANSWER_METRIC_PREFIX = "producer/reward/"
 
 
 def answer_metric_names(ev: ProducerStats) -> list[str]:
-    """The names of the answer metrics (ANSWER_METRICS, ANSWER_METRIC_PREFIX…) a stats event carries."""
+    """The names of the answer metrics (schemas' ANSWER_METRICS, ANSWER_METRIC_PREFIX…) a stats event
+    carries: per producer in the record as `producer/<name>/acc`, `…/reward/<task metric>`; across producers
+    (answer_metrics_across) under the stats' own names (`producer/acc`: training accuracy at the sampling
+    temperature, beside the shaped reward the trainer reports)."""
     return [k for k in ev.metrics if k in ANSWER_METRICS or k.startswith(ANSWER_METRIC_PREFIX)]
 
 
