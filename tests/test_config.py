@@ -41,7 +41,7 @@ def test_smollm2_config_reads_the_pretrained_model_from_the_cache(monkeypatch: p
     path = ROOT / "configs" / "smollm2-basic-arithmetic.yaml"
     monkeypatch.setenv("ROLLSTREAM_MODEL_CACHE", "/models")
     cfg = load_config(path)  # model.pretrained names the folder `rollstream model build` writes
-    assert cfg.model.hf_path == "/models/smollm2-135m-instruct" and cfg.model.dtype == "bfloat16"
+    assert cfg.model.hf_path == "/models/smollm2-135m-instruct" and cfg.model.dtype == "fast"
     assert cfg.actor.optim.master_weights
     assert cfg.data.task == "rg:basic_arithmetic" and cfg.rollout.name == "builtin"
     assert cfg.data.task_args["operators"] == ["+", "-", "*"]  # '/' items are wrong: see config

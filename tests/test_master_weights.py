@@ -67,3 +67,22 @@ def test_master_weights_survive_a_checkpoint_round_trip() -> None:
 def test_master_weights_need_a_low_precision_module_and_one_process(extra: list[str]) -> None:
     with pytest.raises(ConfigError, match=r"actor\.optim\.master_weights"):
         load_config(None, [*TINY, "actor.optim.master_weights=true", *extra])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dtype_fast_is_bfloat16_only_where_the_cpu_multiplies_it_natively(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """model.dtype=fast: bfloat16 weights with float32 copies on an AVX512-BF16/AMX CPU; on an AVX2 CPU (where
+    torch emulates bfloat16 matmuls ~9x slower) float32 weights, and master_weights then keeps no copies."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    fast = [a for a in TINY if not a.startswith("model.dtype")] + ["model.dtype=fast"]
+    learner = Learner(load_config(None, [*fast, "actor.optim.master_weights=true"]))
+    want = torch.bfloat16 if native else torch.float32
+    assert {p.dtype for p in learner.policy.parameters()} == {want}
+    assert (learner.master is not None) == native
+    before = {k: v.clone() for k, v in learner.whole_weights().items()}
+    assert {v.dtype for v in before.values()} == {torch.float32}
+    learner.update(_batch())
+    assert _moved(before, learner.whole_weights()) > 0.8  # lr 1e-5 lands either way

@@ -232,7 +232,8 @@ class Learner:
         # DDP wrapper (world > 1) or the module sharded in place (fsdp): before the optimizer sees the params
         self.train_module = self.dp.wrap(self.policy.module)
         #: float32 copies the optimizer steps when the module is low-precision (actor.optim.master_weights)
-        self.master = MasterWeights(self.policy.module) if self.actor.optim.master_weights else None
+        low = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.policy.module.parameters())
+        self.master = MasterWeights(self.policy.module) if self.actor.optim.master_weights and low else None
         params = self.master.parameters() if self.master is not None else self.policy.parameters()
         self.optimizer = torch.optim.AdamW(
             params, lr=self.actor.optim.lr, weight_decay=self.actor.optim.weight_decay

@@ -50,7 +50,7 @@ import torch
 from producers.engines import EngineError, EngineStartError
 from rollstream.config import PipelineConfig
 from rollstream.model import Completion, Tokenizer
-from rollstream.model.base import check_generate_args
+from rollstream.model.base import check_generate_args, resolve_dtype
 from rollstream.model.hf import HFTokenizer
 from rollstream.weights.store import iter_weight_tensors
 from schemas import ParamVersion
@@ -239,6 +239,8 @@ def start_engine(cfg: PipelineConfig, seed: int) -> Any:
     dtype: str = cfg.model.dtype
     if dtype == "auto" and device == "cpu":
         dtype = "float32"  # as the trainer on CPU (model.dtype auto)
+    elif dtype == "fast":  # as the trainer resolves it (float32 on CPUs without native bfloat16)
+        dtype = str(resolve_dtype(dtype, torch.device(device))).removeprefix("torch.")
     v = cfg.rollout.vllm
     kwargs: dict[str, Any] = dict(
         model=path,

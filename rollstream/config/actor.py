@@ -19,7 +19,8 @@ class OptimConfig(Section):
         False,
         description="Mixed precision with model.dtype bfloat16/float16 weights: float32 master copies take "
                     "the AdamW step and are checkpointed, the module (forward, backward, published weights) "
-                    "is refreshed from them; one trainer process",
+                    "is refreshed from them; one trainer process. With model.dtype fast it applies where the "
+                    "weights came out bfloat16 (float32 weights need no copies)",
     )
 
 

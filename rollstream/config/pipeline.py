@@ -20,6 +20,9 @@ from rollstream.config.rollout import RolloutConfig
 from rollstream.config.run import AggregatorConfig, RunConfig
 from rollstream.config.trainer import TrainerConfig
 
+#: model.dtype values whose weights can be low precision (what actor.optim.master_weights is for)
+LOW_PRECISION = ("bfloat16", "float16", "fast")
+
 
 class PipelineConfig(Section):
     """The whole run (pipeline.yaml)."""
@@ -96,9 +99,9 @@ class PipelineConfig(Section):
                 f"data.task={self.data.task} needs model.backend=hf (the tiny GPT's character vocabulary "
                 "cannot spell reasoning-gym questions)"
             )
-        if self.actor.optim.master_weights and (self.model.dtype not in ("bfloat16", "float16") or world > 1):
+        if self.actor.optim.master_weights and (self.model.dtype not in LOW_PRECISION or world > 1):
             raise ValueError(
-                f"actor.optim.master_weights=true needs model.dtype bfloat16 or float16 (got "
+                f"actor.optim.master_weights=true needs model.dtype bfloat16, float16 or fast (got "
                 f"{self.model.dtype!r}) and one trainer process (world size {world})"
             )
         if self.actor.zero_advantage_rows != "train" and (why := self._rows_need_training(world)):
