@@ -4,16 +4,17 @@ before a reconnect, the newest-version check idle slots share, slot-averaged sec
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
 from producers.slots import Slots
 
 
-def in_thread(fn: object) -> object:
+def in_thread(fn: Callable[[], object]) -> object:
     """`fn()` run in a thread of its own (a slot), its result returned."""
     out: list[object] = []
-    t = threading.Thread(target=lambda: out.append(fn()))  # type: ignore[operator]
+    t = threading.Thread(target=lambda: out.append(fn()))
     t.start()
     t.join(10)
     return out[0]
@@ -25,7 +26,12 @@ def test_a_dispatch_taken_before_a_reconnect_is_stale_in_its_slot_only() -> None
     slots.reconnected()  # ... another slot reconnects
     assert slots.stale(1)
     assert not in_thread(lambda: slots.stale(1))  # a slot that took nothing (the watchdog's thread)
-    assert not in_thread(lambda: (slots.taken(), slots.stale(1))[1])  # taken after the reconnect
+
+    def take_then_finish() -> bool:
+        slots.taken()
+        return slots.stale(1)
+
+    assert not in_thread(take_then_finish)  # taken after the reconnect
     slots.taken()
     assert not slots.stale(1)
 
