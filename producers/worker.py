@@ -29,8 +29,10 @@ either landed (the cursor in Redis moved with it) or not (its prompts are dispat
 published twice or skipped.
 
 Generation is a function the producer is given (`GenerateFn`); the default runs the policy through the
-agent loop. The latency-model benchmarks (`bench.latency_model`, benchmarks/latency_producer.py) inject a
-modelled decode instead and run several copies of the loop side by side; this module has no threads.
+agent loop. With `slots` > 1 (for a generate function that can run concurrently: the latency-model
+benchmarks, `bench.latency_model`, benchmarks/latency_producer.py, inject a modelled decode) copies of the
+loop run side by side, one prompt a dispatch each (producers/slots.py); the producer's lock guards what they
+share. With one slot the loop runs in the caller's thread, taking that lock uncontended.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -54,13 +57,14 @@ from producers.rollout import (
     failed_trajectories,
     generation_request,
 )
+from producers.slots import Slots
 from producers.stats import Counters, StatsWindow, rollout_status
 from producers.watchdog import GenerationHung, GenerationWatchdog, exit_hung
 from producers.weight_sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
 from rollstream.bus.replication import execute_and_wait, require_acks
 from rollstream.config import PipelineConfig
-from rollstream.keys import producer_names
+from rollstream.keys import Keys, producer_names
 from rollstream.model import BasePolicy, build_policy
 from rollstream.pacing.budget import ask_lease, leased_sample_id, mark_published
 from rollstream.pacing.counters import lease_of, published_count, rollout_counts
@@ -105,7 +109,8 @@ def producer_seed(seed: int, index: int) -> int:
 
 class Producer:
     """One rollout producer on a WorkerContext; `run()` loops until stop (or a bounded amount of work).
-    `generate` replaces the policy's generation (benchmarks inject a modelled decode)."""
+    `generate` replaces the policy's generation (benchmarks inject a modelled decode); `slots` > 1 runs that
+    many copies of the loop side by side, one prompt a dispatch each (producers/slots.py)."""
 
     def __init__(
         self,
@@ -113,6 +118,7 @@ class Producer:
         policy: BasePolicy | VLLMPolicy | None = None,
         task: Task | None = None,
         generate: GenerateFn | None = None,
+        slots: int = 1,
     ) -> None:
         cfg = ctx.cfg
         if cfg.bench.latency_model.enable and generate is None:
@@ -120,6 +126,15 @@ class Producer:
                 "bench.latency_model.enable is for benchmarks: run the latency-model producer "
                 "(`python -m benchmarks.latency_producer`, which `rollstream run` starts for such a config)"
             )
+        if slots > 1 and generate is None:
+            raise ValueError(
+                f"{slots} slots need a generate function that can run concurrently: the agent loop (and the "
+                "continuous loop) share one policy and one torch generator"
+            )
+        self.slots = Slots(slots, POLL_S)
+        #: guards the state the slots (and the generation watchdog's thread) share: the prompt source, lease,
+        #: counters, stats window and weights
+        self.lock = threading.RLock()
         self.ctx = ctx
         self.name = ctx.name
         self.index = producer_index(ctx.name, cfg.rollout.num_producers)
@@ -162,7 +177,7 @@ class Producer:
         self.metrics = Publisher(ctx.r, nomkstream=True)
         self.counters = Counters()
         self.window = StatsWindow()
-        self.generating = 0  # dispatches inside generate now (a benchmark's slots run several)
+        self.generating = 0  # dispatches inside generate now (slots run several)
         self.next_seq = 0  # the seq of the next prompt to dispatch (published + in flight)
         self.leased = 0  # prompts leased to this producer, as last read
         self.last_stats = time.monotonic()
@@ -220,8 +235,10 @@ class Producer:
         """After a connection loss: wait for Redis, then resync as a restarted producer would (the dispatch
         in flight is abandoned: its prompts are dispatched again)."""
         log.warning("redis connection lost (%s); reconnecting in place", error)
-        released = retry_on_connection(self._resync, "reconnect")
-        self.reconnects += 1
+        with self.lock:  # once for all slots: every dispatch in flight belongs to the old generation
+            released = retry_on_connection(self._resync, "reconnect")
+            self.reconnects += 1
+            self.slots.reconnected()
         log.warning("reconnected; %d leased prompts not published, dispatching them again", released)
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -241,8 +258,12 @@ class Producer:
 
     def _serve(self, limit: int | None, burst: bool) -> None:
         """The dispatch loop, `prompts_per_dispatch` prompts a dispatch, or the continuous loop (which counts
-        every `prompts_per_dispatch` prompts it publishes as a dispatch)."""
+        every `prompts_per_dispatch` prompts it publishes as a dispatch); with slots, `slots` dispatch loops
+        side by side, one prompt a dispatch."""
         per = self.ctx.cfg.rollout.prompts_per_dispatch
+        if self.slots.count > 1:
+            self.slots.run(partial(self._loop, 1, limit, burst), self.name)
+            return
         if self.continuous is None:
             self._loop(per, limit, burst)
             return
@@ -272,14 +293,16 @@ class Producer:
 
     def _reserve(self, limit: int | None) -> bool:
         """Count a dispatch about to happen; False when `limit` dispatches are done."""
-        if limit is not None and self._done >= limit:
-            return False
-        self._done += 1
-        return True
+        with self.lock:  # other slots see the reservation
+            if limit is not None and self._done >= limit:
+                return False
+            self._done += 1
+            return True
 
     def _unreserve(self) -> None:
         """Give back a reserved dispatch that published nothing."""
-        self._done -= 1
+        with self.lock:
+            self._done -= 1
 
     def _turn(self, want: int, burst: bool, published: list[bool]) -> bool:
         """With prompts left on the lease: load the newest weights and dispatch (appending to `published`
@@ -295,7 +318,7 @@ class Producer:
             self._maybe_stats()
             return True
         _, mine = self._refresh()  # idle or not, follow the versions (a switch reports its stats window)
-        ask_lease(r, keys, self.name, seq + self._lease_want(want))
+        ask_lease(r, keys, self.name, seq + want * self.slots.count)  # one dispatch for each slot
         deadline = time.monotonic() + BURST_WAIT_S if burst else None
         self._idle_until(
             lambda: lease_of(r, keys, self.name) > seq
@@ -304,19 +327,15 @@ class Producer:
         )
         return not burst or lease_of(r, keys, self.name) > seq or self._newest_version() > mine
 
-    def _lease_want(self, want: int) -> int:
-        """How many prompts to ask for when the lease is used up: one dispatch."""
-        return want
-
     def _refresh(self) -> tuple[bool, int]:
         """Load the newest weights when a newer version is out: (loaded one, the version in use)."""
-        loaded = self.weights.refresh()
-        return loaded, self.weights.version
+        with self.lock:
+            loaded = self.weights.refresh()
+            return loaded, self.weights.version
 
     def _newest_version(self) -> int:
-        """The newest published version (one XREVRANGE)."""
-        pv = latest_param_version(self.ctx.r, self.ctx.keys)
-        return -1 if pv is None else pv.version
+        """The newest published version (one XREVRANGE; idle slots share one per POLL_S)."""
+        return self.slots.newest(partial(newest_version, self.ctx.r, self.ctx.keys))
 
     def _idle_until(self, ready: Callable[..., bool], once: bool = False) -> None:
         """Sleep in short steps until `ready()` or stop (or after one step when `once`), counting idle
@@ -330,17 +349,20 @@ class Producer:
         self._add_idle(time.monotonic() - t0)
 
     def _add_idle(self, seconds: float) -> None:
-        """Count idle seconds (waiting for a lease or a version)."""
-        self.counters.idle_s += seconds
-        self.window.idle_s += seconds
+        """Count idle seconds (waiting for a lease or a version; slot-averaged)."""
+        seconds = self.slots.share(seconds)
+        with self.lock:
+            self.counters.idle_s += seconds
+            self.window.idle_s += seconds
 
     # ---- one dispatch -----------------------------------------------------------------------------
     def dispatch(self, amount: int) -> list[RolloutSample]:
         """Generate up to `amount` prompts x n (as many as the lease has left), score and publish them;
         returns the samples ([] when none was left, or they were discarded instead of published)."""
         cfg = self.ctx.cfg
-        before = self.source.cursor
-        items, param_version, ids = self._take_prompts(amount)
+        with self.lock:  # `before`: the cursor ahead of the prompts taken (slots take in turn)
+            before = self.source.cursor
+            items, param_version, ids = self._take_prompts(amount)
         if not items:
             return []
         # prompts*n rows, prompt-major; each group's sample id and prompt stay in ids/items for _finish
@@ -351,11 +373,13 @@ class Producer:
         failures = partial(self._publish_failures, ids, items, param_version, request, t0, before)
         try:
             with GenerationWatchdog(cfg.rollout.generate_timeout_s, partial(self._hung, failures)):
-                self.generating += 1
+                with self.lock:
+                    self.generating += 1
                 try:
                     trajs = self.generate(request, param_version)
                 finally:
-                    self.generating -= 1
+                    with self.lock:
+                        self.generating -= 1
         except (GenerationHung, EngineError):  # a failed swap or a broken engine: exit, keep the lease
             raise
         except CONNECTION_ERRORS:
@@ -408,14 +432,16 @@ class Producer:
     def _take_prompts(self, amount: int) -> tuple[list[tuple[int, int, Prompt]], int, list[str]]:
         """Take up to `amount` prompts from the source, no more than the lease has left: ((epoch, index,
         prompt) each, the version stamped on them, their sample ids `<name>-<seq>`)."""
-        amount = min(amount, self.leased - self.next_seq)
-        if amount <= 0:
-            return [], self.weights.version, []
-        items = self.source.take(amount)
-        ids = [leased_sample_id(self.name, self.next_seq + k) for k in range(len(items))]
-        self.next_seq += len(items)
-        self.counters.dispatched += len(items)
-        return items, self.weights.version, ids  # stamped at dispatch
+        with self.lock:
+            amount = min(amount, self.leased - self.next_seq)
+            if amount <= 0:
+                return [], self.weights.version, []
+            self.slots.taken()
+            items = self.source.take(amount)
+            ids = [leased_sample_id(self.name, self.next_seq + k) for k in range(len(items))]
+            self.next_seq += len(items)
+            self.counters.dispatched += len(items)
+            return items, self.weights.version, ids  # stamped at dispatch
 
     def _finish(
         self,
@@ -430,16 +456,21 @@ class Producer:
     ) -> list[RolloutSample]:
         """Count the generation time, score and pack each prompt's trajectories, publish (`before`: the cursor
         ahead of these prompts, restored when the publish fails; `after`: the cursor saved with them, default
-        the shard's current one); returns the samples."""
+        the shard's current one; slot-averaged `gen_s`); returns the samples ([] for a slot's dispatch taken
+        before a reconnect, discarded: its prompts are dispatched again)."""
         n = self.ctx.cfg.rollout.n
-        self.counters.gen_s += gen_s
-        self.window.gen_s += gen_s
-        samples = []
-        for k, (sid, (epoch, _, prompt)) in enumerate(zip(ids, items, strict=True)):
-            group = trajs[k * n : (k + 1) * n]
-            samples.append(self._sample(sid, epoch, param_version, prompt, group, status))
-        self._publish(samples, before, after)
-        return samples
+        with self.lock:
+            if self.slots.stale(len(items)):
+                return []
+            gen_s = self.slots.share(gen_s)
+            self.counters.gen_s += gen_s
+            self.window.gen_s += gen_s
+            samples = []
+            for k, (sid, (epoch, _, prompt)) in enumerate(zip(ids, items, strict=True)):
+                group = trajs[k * n : (k + 1) * n]
+                samples.append(self._sample(sid, epoch, param_version, prompt, group, status))
+            self._publish(samples, before, after)
+            return samples
 
     def _sample(
         self,
@@ -515,23 +546,32 @@ class Producer:
         unless it holds only the wait for this version (no sample published, no generation in flight: it
         would be the newest stats a step's record reads, showing 0 samples; the wait goes into the next
         window instead); the window then goes on with the swap's duration."""
-        self.counters.versions_loaded = self.weights.loads
-        if self.window.samples or self.generating:
-            self._emit_stats(old)
-        self.window.add_swap(self.weights.last_load_s)
+        with self.lock:
+            self.counters.versions_loaded = self.weights.loads
+            if self.window.samples or self.generating:
+                self._emit_stats(old)
+            self.window.add_swap(self.weights.last_load_s)
 
     def _maybe_stats(self) -> None:
         """Emit a ProducerStats event when `rollout.stats_every_s` has passed."""
-        if time.monotonic() - self.last_stats >= self.ctx.cfg.rollout.stats_every_s:
-            self._emit_stats(self.weights.version)
+        with self.lock:
+            if time.monotonic() - self.last_stats >= self.ctx.cfg.rollout.stats_every_s:
+                self._emit_stats(self.weights.version)
 
     def _emit_stats(self, param_version: int) -> None:
         """Publish the current window as a ProducerStats on `stats` and start a new window."""
-        ev = self.window.event(self.name, param_version)
-        ev.metrics.update(swap_check_metrics(self.weights.last_check))
-        self.metrics.publish(self.ctx.keys.stats_of(self.name), ev)
-        self.window = StatsWindow()
-        self.last_stats = time.monotonic()
+        with self.lock:
+            ev = self.window.event(self.name, param_version)
+            ev.metrics.update(swap_check_metrics(self.weights.last_check))
+            self.metrics.publish(self.ctx.keys.stats_of(self.name), ev)
+            self.window = StatsWindow()
+            self.last_stats = time.monotonic()
+
+
+def newest_version(r: Any, keys: Keys) -> int:
+    """The newest published param version (one XREVRANGE), -1 before any."""
+    pv = latest_param_version(r, keys)
+    return -1 if pv is None else pv.version
 
 
 def swap_check_bound(cfg: PipelineConfig, dtype: str) -> float:

@@ -192,6 +192,37 @@ def test_published_samples_are_what_was_generated(r: redis.Redis, keys: Keys, re
     assert stats and stats[-1].samples == len(got) and stats[-1].tokens == sum(s.num_tokens for s in got)
 
 
+def test_slots_dispatch_side_by_side_and_publish_each_prompt_once(
+    r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
+    """`slots=2`: two copies of the loop generate at once, one prompt a dispatch each, and every leased
+    prompt is published exactly once under its own id."""
+    cfg = small_cfg(keys)
+    start_run(r, keys, build_blob(cfg, 0), grant=cfg.max_outstanding)
+    both = threading.Barrier(2, timeout=30)  # passed only while two generations are in flight at once
+    serial = threading.Lock()  # the agent loop itself shares one policy and generator
+    threads: list[str] = []
+
+    def generate(request: Any, param_version: int) -> Any:
+        with serial:
+            threads.append(threading.current_thread().name)
+            first_two = len(threads) <= 2
+        if first_two:
+            both.wait()
+        with serial:
+            return producer.agent_loop(request, param_version)
+
+    producer = Producer(context(cfg, keys, "rollout_00", redis_url), generate=generate, slots=2)
+    assert producer.run(max_dispatches=6) == 6
+    got = samples(r, keys)
+    assert sorted(s.sample_id for s in got) == [f"rollout_00-{i}" for i in range(6)]  # each once
+    assert all(s.n == cfg.rollout.n and "rollout_failure" not in s.rollout_status for s in got)
+    assert len(set(threads)) == 2 and threading.current_thread().name not in threads
+    assert producer.counters.dispatched == producer.counters.published == 6
+    with pytest.raises(ValueError, match="slots need a generate function"):  # the agent loop is not shared
+        Producer(context(cfg, keys, "rollout_01", redis_url), slots=2)
+
+
 def test_a_switch_reports_no_window_that_only_waited_for_the_new_version(
     r: redis.Redis, keys: Keys, redis_url: str
 ) -> None:
