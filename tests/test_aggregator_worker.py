@@ -24,7 +24,7 @@ from consumers.aggregator.sinks import JsonlSink, Sinks, TensorBoardSink
 from consumers.aggregator.worker import AggregatorWorker
 from rollstream.bus import Publisher, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
-from rollstream.keys import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, Keys
+from rollstream.keys import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.testing.fakes import (
     fake_metrics_log,
     local_update,
@@ -174,6 +174,76 @@ def test_incomplete_step_is_reported_once(
     dead = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead_aggregator)][1:]
     assert [d.source_id for d in dead] == ids and all("so it never will" in d.reason for d in dead)
     assert pending_ids(r, keys) == [] and worker.fold.pending() == {}
+
+
+def test_step_end_waits_for_its_checkpoint_without_alarms(
+    r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With save_freq 5 a step's step_end comes only with the commit of the checkpoint covering it, minutes
+    after its local updates: no ERROR, no dead letter, every record once the commit is in. A step_end the
+    commit lacks is still dead-lettered (timed from the commit), and a step the trainer left behind
+    uncommitted while it went on is still reported."""
+    cfg = make_cfg(keys, tmp_path, redis_url, "trainer.save_freq=5", "aggregator.incomplete_timeout_s=120")
+    clock = [1000.0]
+    worker = AggregatorWorker(cfg, r, keys, sinks=Sinks(r, keys, []))  # one worker, run again and again
+    worker.clock = lambda: clock[0]
+    rc: Any = r
+    updates: dict[int, list[str]] = {}  # step -> the ids of its local updates
+
+    def train(g: int, committed: int, commit: tuple[int, ...] = ()) -> None:
+        """The trainer's step g: its local updates as it trains, then (a commit) the given step_ends; the
+        trainer hash as the trainer writes it (training_step g, committed_step)."""
+        events = [lu(g, 1, 1, x=float(g)), lu(g, 2, 1, x=float(g)), *(step_end(h, 2) for h in commit)]
+        updates[g] = publish(r, keys, events)[:2]
+        r.hset(keys.trainer, mapping={TRAINING_STEP_FIELD: g, COMMITTED_STEP_FIELD: committed})
+        worker.run(burst=True)
+
+    def notes() -> list[DeadLetter]:
+        return [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead_aggregator)]
+
+    with caplog.at_level(logging.ERROR, logger="consumers.aggregator.worker"):
+        for g in range(1, 5):
+            train(g, committed=0)
+            clock[0] += 300  # a slow step: far past the timeout before the next one begins
+            assert worker.check_incomplete() == []
+        assert sorted(worker.fold.pending()) == [1, 2, 3, 4] and decoded(r, keys) == {}
+        train(5, committed=5, commit=(1, 2, 3, 4, 5))
+        assert sorted(decoded(r, keys)) == [1, 2, 3, 4, 5]
+        assert notes() == [] and caplog.records == [] and pending_ids(r, keys) == []
+
+        # The commit of step 10 lacks step 8's step_end: dead-lettered 120 s after that commit was read.
+        for g in range(6, 10):
+            train(g, committed=5)
+            clock[0] += 300
+            assert worker.check_incomplete() == []
+        train(10, committed=10, commit=(6, 7, 9, 10))
+        assert sorted(decoded(r, keys)) == [1, 2, 3, 4, 5, 6, 7, 9, 10]
+        clock[0] += 119
+        assert worker.check_incomplete() == [] and notes() == []
+        clock[0] += 1
+        assert worker.check_incomplete() == [8]
+        dead = notes()
+        assert [d.source_id for d in dead] == updates[8]
+        assert all(d.reason.startswith("step 8 incomplete 120s after its step_end was due (the trainer "
+                                       "committed step 10): missing step_end") for d in dead)
+        assert all(d.reason.endswith("so it never will") for d in dead) and worker.fold.pending() == {}
+
+        # Step 11 never committed while the trainer went on to step 16: reported once, kept pending.
+        train(11, committed=10)
+        clock[0] += 300
+        assert worker.check_incomplete() == []
+        train(16, committed=10)
+        clock[0] += 120
+        assert worker.check_incomplete() == [11]
+        clock[0] += 300
+        assert worker.check_incomplete() == []
+    reports = notes()[len(dead):]
+    assert len(reports) == 1 and reports[0].source == "aggregator"
+    assert "step 11 incomplete 120s after its step_end was due (the trainer began step 16, past checkpoint " \
+        "step 15)" in reports[0].reason
+    assert sorted(worker.fold.pending()) == [11, 16] and pending_ids(r, keys) == updates[11] + updates[16]
+    AggregatorWorker(cfg, r, keys).run(burst=True)  # a restarted aggregator: the sinks have every record
+    assert jsonl_steps(cfg) == [1, 2, 3, 4, 5, 6, 7, 9, 10]
 
 
 def test_what_cannot_be_placed_is_dead_lettered_not_folded(

@@ -18,10 +18,18 @@ What the fold cannot place is dead-lettered with its reason, never left pending:
 for its stream, stats in the name of a producer other than the one whose stream they came from (identity from
 the key: only that producer's user may write it), a value outside its domain (a non-finite metric; stats of a
 producer the run does not have, or out of range), a trainer event ahead of the trainer's progress
-(admission.py), and the events of a step still incomplete after `aggregator.incomplete_timeout_s` that can no
-longer complete (the trainer committed past it). An incomplete step still in progress is only reported (an
-ERROR line and a note on `dead` with source `aggregator`). Replay skips what the live aggregator
-dead-lettered.
+(admission.py), and the events of a step still incomplete `aggregator.incomplete_timeout_s` after its step_end
+was due that can no longer complete (the trainer committed past it). An incomplete step that may still
+complete is only reported (an ERROR line and a note on `dead` with source `aggregator`). Replay skips what the
+live aggregator dead-lettered.
+
+When a step_end is due: the trainer emits a step's local updates as it trains, but its step_end only in the
+commit of the checkpoint that covers it, at step ceil(g / trainer.save_freq) * save_freq (earlier on a stop,
+the last step or an over-budget ack). So the clock of step g starts when the trainer hash, as last read
+(TrainerProgress, re-read by admission whenever an event claims more, and here while idle), says the trainer
+committed step g or began a step past that checkpoint step, not at g's first event: with save_freq 5 and
+minute-long steps, steps 1..4 legitimately wait minutes for their step_end. A trainer that stops emitting
+anything starts no clock; `rollstream status` reports it (a stale heartbeat, no global step completed).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -87,6 +96,8 @@ class AggregatorWorker:
         self.keys = keys
         self.stop = stop or threading.Event()
         self.timeout_s = cfg.aggregator.incomplete_timeout_s
+        self.save_freq = cfg.trainer.save_freq  # a step's step_end comes with the checkpoint covering it
+        self.clock: Callable[[], float] = time.monotonic  # of the incomplete-step timeout (tests fake it)
         self.producers = frozenset(producer_names(cfg.rollout.num_producers))  # whose stats are folded
         self.reader, self.stats_reader = (
             GroupReader(
@@ -111,7 +122,7 @@ class AggregatorWorker:
         self.records_written = 0  # records appended to the outbox
         self.drain: OutboxDrain | None = OutboxDrain(keys, every_s=0)  # None once its user may not (ACL)
         self.events = 0
-        self._first_seen: dict[int, float] = {}
+        self._due_since: dict[int, tuple[float, str]] = {}  # step -> (when its step_end became due, why)
         self._reported: set[int] = set()
 
     # -- one batch ------------------------------------------------------------------------------------
@@ -235,18 +246,34 @@ class AggregatorWorker:
 
     # -- timeouts -------------------------------------------------------------------------------------
 
+    def due_reason(self, g: int) -> str | None:
+        """Why step g's step_end should be on the log by now, as the trainer hash last read says (None while
+        it may legitimately be still to come): the trainer committed g, or it began a step past the checkpoint
+        step whose commit carries g's step_end (ceil(g / save_freq) * save_freq)."""
+        p = self.progress
+        if p.committed >= g:
+            return f"the trainer committed step {p.committed}"
+        checkpoint = -(-g // self.save_freq) * self.save_freq
+        if p.training > checkpoint:
+            return f"the trainer began step {p.training}, past checkpoint step {checkpoint}"
+        return None
+
     def check_incomplete(self, now: float | None = None, drained: bool = True) -> list[int]:
-        """Every step incomplete for longer than the timeout: dead-letter its events when it can no longer
-        complete (the trainer committed past it; only when `drained`, i.e. the last poll found nothing
-        new, so its step_end is not merely unread), else report it once. Returns the steps handled."""
-        now = time.monotonic() if now is None else now
+        """Every step still incomplete longer than the timeout after its step_end was due (due_reason; the
+        clock starts at the first check that finds it due): dead-letter its events when it can no longer
+        complete (the trainer committed past it; only when `drained`, i.e. the last poll found nothing new,
+        so its step_end is not merely unread), else report it once. Returns the steps handled."""
+        now = self.clock() if now is None else now
         pending = self.fold.pending()
-        self._first_seen = {g: self._first_seen.get(g, now) for g in pending}
+        if drained and any(g not in self._due_since for g in pending):
+            self.progress.refresh()  # idle: no event refreshes it (e.g. a commit whose step_ends are lost)
+        self._due_since = {g: due for g in pending if (due := self._due(g, now)) is not None}
         handled = []
-        for g, missing in pending.items():
-            if now - self._first_seen[g] < self.timeout_s:
+        for g, (since, why) in self._due_since.items():
+            if now - since < self.timeout_s:
                 continue
-            reason = f"step {g} incomplete after {self.timeout_s:g}s: {missing}"
+            reason = f"step {g} incomplete {self.timeout_s:g}s after its step_end was due ({why}): "
+            reason += pending[g]
             if drained and not self.progress.can_complete(g):
                 reason += f"; the trainer committed step {self.progress.committed}, so it never will"
                 for ref in self.fold.refs(g):  # dead-letter first: a connection loss leaves the step held
@@ -263,6 +290,13 @@ class AggregatorWorker:
         if handled:
             self.move_outbox()
         return handled
+
+    def _due(self, g: int, now: float) -> tuple[float, str] | None:
+        """(since when, why) step g's step_end has been due, kept from an earlier check; None while not."""
+        if g in self._due_since:
+            return self._due_since[g]
+        why = self.due_reason(g)
+        return None if why is None else (now, why)
 
     def _dead_letter_ref(self, ref: str, reason: str) -> None:
         """Dead-letter a held entry (metrics or stats) by its fold ref, copying its fields."""

@@ -156,7 +156,10 @@ class AggregatorConfig(Section):
     """The metrics aggregator consumer."""
 
     incomplete_timeout_s: float = Field(
-        120.0, gt=0, description="Report a global step still incomplete after this"
+        120.0,
+        gt=0,
+        description="Report a global step still incomplete this long after its step_end was due: the trainer "
+        "committed it, or began a step past the checkpoint (trainer.save_freq) whose commit carries it",
     )
     total_gpus: int = Field(1, ge=1, description="GPUs behind perf/throughput")
     jsonl: bool = Field(True, description="Write records to <run dir>/records.jsonl")
