@@ -154,3 +154,56 @@ def test_n_samples_share_their_prompt_prefill(model_dir: Path) -> None:
         for a, b in zip(s.log_probs, r.log_probs, strict=True)
     ]
     assert max(abs(a - b) for a, b in pairs) < 1e-5
+
+
+def test_a_prefix_every_prompt_shares_is_computed_once(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts that start alike (a chat template's system turn) prefill that prefix once: the responses are
+    those of whole-prompt prefills, the stored log-probs are a fresh forward's, and a swap mid-generation
+    (which re-prefills prefix, padding hole and suffix) still scores right."""
+    import rollstream.model.base as base
+
+    policy = load(model_dir)
+    prompts = [policy.tokenizer.encode("(calc) answer: " + p, add_bos=True) for p in PROMPTS]
+    assert base.common_prefix_len(prompts) == len("(calc) answer: ") + 1
+    runs = {}
+    for share in (True, False):
+        monkeypatch.setattr(base, "SHARED_PREFIX_MIN", 4 if share else 10**9)
+        greedy = policy.generate(prompts, n=2, max_new_tokens=16, greedy=True)
+        sampled = policy.generate(prompts, n=3, max_new_tokens=16, generator=torch.Generator().manual_seed(0))
+        runs[share] = (greedy, sampled)
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert [t.response_ids for t in a] == [t.response_ids for t in b]
+        pairs = [
+            (x, y) for s, r in zip(a, b, strict=True) for x, y in zip(s.log_probs, r.log_probs, strict=True)
+        ]
+        assert max(abs(x - y) for x, y in pairs) < 1e-5
+    assert max_logprob_error(policy, runs[True][1]) < 1e-4
+
+    monkeypatch.setattr(base, "SHARED_PREFIX_MIN", 4)
+    other = load(model_dir)
+    other.module.load_state_dict({k: v + 0.01 for k, v in other.module.state_dict().items()})
+    new_bytes, swapped = other.state_dict_bytes(), []
+
+    def on_chunk() -> bool:
+        swapped.append(1)
+        if len(swapped) == 1:
+            policy.load_state_dict_bytes(new_bytes)
+            return True
+        return False
+
+    trajs = policy.generate(prompts, 3, 16, generator=torch.Generator().manual_seed(1), sync_every_tokens=5,
+                            on_chunk=on_chunk)
+    assert any(t.swap_points == [5] for t in trajs)
+    assert max_logprob_error(policy, trajs, start=5) < 1e-4
+
+
+def test_common_prefix_len_leaves_each_row_a_token() -> None:
+    from rollstream.model.base import common_prefix_len
+
+    assert common_prefix_len([[1, 2, 3], [1, 2, 4]]) == 2
+    assert common_prefix_len([[1, 2, 3], [1, 2, 3]]) == 2  # identical rows: the last token is each row's own
+    assert common_prefix_len([[1, 2], [5, 2]]) == 0
+    assert common_prefix_len([[7], [7, 8]]) == 0
+    assert common_prefix_len([]) == 0

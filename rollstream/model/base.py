@@ -73,6 +73,23 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return names[dtype]
 
 
+#: Fewest leading tokens all prompts of a generate call must share before they are computed once
+#: (`BasePolicy._prefill_prompts`); shorter common prefixes are not worth the extra forward call.
+SHARED_PREFIX_MIN = 4
+
+
+def common_prefix_len(rows: Sequence[Sequence[int]]) -> int:
+    """Length of the longest prefix every row starts with, leaving every row at least one token of its own."""
+    if not rows:
+        return 0
+    n = min(len(r) for r in rows) - 1
+    first = rows[0]
+    for i in range(max(n, 0)):
+        if any(r[i] != first[i] for r in rows):
+            return i
+    return max(n, 0)
+
+
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     """Left-pad token rows to one length: (ids [B,L] long, attention_mask [B,L] long)."""
     width = max((len(r) for r in rows), default=0)
@@ -222,6 +239,12 @@ class BasePolicy(ABC):
     def _select_cache(self, cache: Any, rows: Tensor) -> Any:
         """Cache restricted to batch rows `rows`."""
 
+    def _prefill_after(self, prefix: Tensor, ids: Tensor, mask: Tensor) -> tuple[Tensor, Any] | None:
+        """ids, mask [B,T] (left-padded) after one prefix [P] every row shares: the prefix computed once and
+        its cache repeated to the B rows -> (logits [B,V] of the next token, cache of prefix + ids); None
+        when the backend cannot (generate then prefills whole prompts)."""
+        return None
+
     @abstractmethod
     def _response_logits(self, ids: Tensor, mask: Tensor, response_len: int) -> Tensor:
         """Full forward of ids/mask [B,T] -> logits [B,R,V] predicting ids[:, -R:]."""
@@ -272,14 +295,12 @@ class BasePolicy(ABC):
         if not trajs or max_new_tokens == 0:
             return trajs
         eos = self.tokenizer.eos_id
-        ids, mask = left_pad(prompts, self.tokenizer.pad_id)  # each prompt once: [U,T]
-        seq, seq_mask = ids.to(self.device), mask.to(self.device)
         alive = list(range(len(trajs)))  # trajectory index of each alive row
         was_training = self.module.training
         self.module.eval()
         try:
             with torch.no_grad(), self.compute():
-                logits, cache = self._prefill(seq, seq_mask, seq.shape[1] + max_new_tokens)
+                seq, seq_mask, logits, cache = self._prefill_prompts(prompts, max_new_tokens)
                 if n > 1:  # the n samples of a prompt share its prefill: rows [U] -> [U*n], prompt-major
                     rows = torch.arange(len(prompts), device=self.device).repeat_interleave(n)
                     seq, seq_mask, logits = seq[rows], seq_mask[rows], logits[rows]
@@ -317,6 +338,28 @@ class BasePolicy(ABC):
         finally:
             self.module.train(was_training)
         return trajs
+
+    def _prefill_prompts(
+        self, prompts: list[list[int]], max_new_tokens: int
+    ) -> tuple[Tensor, Tensor, Tensor, Any]:
+        """Each prompt once, left-padded -> (ids [U,T], mask [U,T], next-token logits [U,V], cache). The
+        tokens every prompt starts with (a chat template's system turn: ~27 of SmolLM2's ~45) are computed
+        once when the backend can (`_prefill_after`) and at least SHARED_PREFIX_MIN long; the mask then has
+        the suffixes' left padding between prefix and suffix, which attention and positions skip."""
+        shared = common_prefix_len(prompts) if len(prompts) > 1 else 0
+        if shared >= SHARED_PREFIX_MIN:
+            prefix = torch.tensor(prompts[0][:shared], dtype=torch.long, device=self.device)
+            suffixes = [p[shared:] for p in prompts]
+            ids, mask = (t.to(self.device) for t in left_pad(suffixes, self.tokenizer.pad_id))
+            out = self._prefill_after(prefix, ids, mask)
+            if out is not None:
+                rows = len(prompts)
+                seq = torch.cat([prefix.expand(rows, shared), ids], 1)
+                seq_mask = torch.cat([torch.ones_like(seq[:, :shared]), mask], 1)
+                return seq, seq_mask, out[0], out[1]
+        ids, mask = (t.to(self.device) for t in left_pad(prompts, self.tokenizer.pad_id))
+        logits, cache = self._prefill(ids, mask, ids.shape[1] + max_new_tokens)
+        return ids, mask, logits, cache
 
     # ---- scoring ---------------------------------------------------------------------------------
     def forward_logprobs_entropy(

@@ -131,6 +131,17 @@ class HFPolicy(BasePolicy):
         out = self._forward(ids, mask, positions_from_mask(mask), cache, 1)
         return out.logits[:, -1], cache
 
+    def _prefill_after(self, prefix: Tensor, ids: Tensor, mask: Tensor) -> tuple[Tensor, Any] | None:
+        """The prefix once (batch 1), its DynamicCache repeated to the rows, then ids/mask after it."""
+        cache = self._new_cache()
+        P = prefix.shape[0]
+        positions = torch.arange(P, device=prefix.device)[None]
+        self._forward(prefix[None], torch.ones_like(prefix)[None], positions, cache, 1)
+        cache.batch_select_indices(torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device))
+        full = torch.cat([mask.new_ones((ids.shape[0], P)), mask], 1)
+        out = self._forward(ids, full, positions_from_mask(full)[:, P:], cache, 1)
+        return out.logits[:, -1], cache
+
     def _decode(self, tokens: Tensor, mask: Tensor, cache: Any) -> Tensor:
         """One token per row after the cache; logits [B,V]."""
         pos = (mask.sum(-1, keepdim=True) - 1).clamp_min(0)  # [B,1]
