@@ -106,12 +106,20 @@ def _grads(policy: HFPolicy) -> dict[str, torch.Tensor]:
     return {k: p.grad.clone() for k, p in policy.module.named_parameters() if p.grad is not None}
 
 
-def test_rows_sharing_a_prompt_score_as_the_full_forward(model_dir: Path) -> None:
-    """GRPO's n samples of a prompt run the prompt once: log-probs, entropy and every gradient equal the full
-    forward's (which runs each row's prompt again), for both output paths (logits, chunked head)."""
+@pytest.mark.parametrize("prefix", ["", "(calc) answer: "])
+def test_rows_sharing_a_prompt_score_as_the_full_forward(model_dir: Path, prefix: str) -> None:
+    """GRPO's n samples of a prompt run the prompt once, and a prefix all prompts share (a system turn) runs
+    once: log-probs, entropy and every gradient equal the full forward's (which runs each row's prompt
+    again), for both output paths (logits, chunked head)."""
+    from rollstream.model.base import SHARED_PREFIX_MIN, common_prefix_len
+
     policy = load(model_dir)
     gen = torch.Generator().manual_seed(1)
-    trajs = policy.generate(encoded(policy), n=4, max_new_tokens=12, generator=gen)
+    prompts = [policy.tokenizer.encode(prefix + p, add_bos=True) for p in PROMPTS]
+    C = common_prefix_len(prompts)
+    C = C if C >= SHARED_PREFIX_MIN else 0
+    assert C == (len(prefix) + 1 if prefix else 0)
+    trajs = policy.generate(prompts, n=4, max_new_tokens=12, generator=gen)
     ids, mask, R = build_batch(
         [t.prompt_ids for t in trajs], [t.response_ids for t in trajs], policy.tokenizer.pad_id
     )
@@ -133,7 +141,8 @@ def test_rows_sharing_a_prompt_score_as_the_full_forward(model_dir: Path) -> Non
     full = results[1]
     assert full[3] == ids.numel()  # every row's prompt and response went through the model
     for lp, ent, grads, tokens in (results[0], results[2]):
-        assert tokens == len(PROMPTS) * (ids.shape[1] - R) + len(trajs) * R  # each prompt once + responses
+        # the shared prefix once, each prompt's own tokens once, then the responses
+        assert tokens == C + len(PROMPTS) * (ids.shape[1] - R - C) + len(trajs) * R
         m = mask[:, -R:].bool()
         assert torch.allclose(lp[m], full[0][m], atol=1e-5) and torch.allclose(ent[m], full[1][m], atol=1e-5)
         assert grads.keys() == full[2].keys()

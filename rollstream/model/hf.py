@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rollstream.model.base import BasePolicy, resolve_device, shared_prompts
+from rollstream.model.base import (
+    SHARED_PREFIX_MIN,
+    BasePolicy,
+    common_prefix_len,
+    left_pad,
+    resolve_device,
+    shared_prompts,
+)
 from rollstream.model.gpt import positions_from_mask
 
 __all__ = ["HFPolicy", "HFTokenizer"]
@@ -187,16 +194,37 @@ class HFPolicy(BasePolicy):
         common: dict[str, Any] = {self._cache_arg: cache, "use_cache": True}
         if not hidden and self._has_logits_to_keep:
             common["logits_to_keep"] = 1
-        p_pos = positions_from_mask(p_mask)
+        p_ids, p_mask = self._common_prefix_into(net, common, p_ids, p_mask)
+        L = p_mask.shape[1]  # the cache's columns: a common prefix (when run apart) and the prompts' own
+        p_pos = positions_from_mask(p_mask)[:, L - p_ids.shape[1] :]
         first = net(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, **common)
         cache.batch_select_indices(rows)
         common.pop("logits_to_keep", None)
-        rest = net(
-            input_ids=ids[:, P:], attention_mask=mask, position_ids=positions_from_mask(mask)[:, P:], **common
-        )
+        full = torch.cat([p_mask[rows], mask[:, P:]], 1)
+        r_pos = positions_from_mask(full)[:, L:]
+        rest = net(input_ids=ids[:, P:], attention_mask=full, position_ids=r_pos, **common)
         if hidden:
             return torch.cat([first.last_hidden_state[:, -1:][rows], rest.last_hidden_state[:, :-1]], 1)
         return torch.cat([first.logits[:, -1:][rows], rest.logits[:, :-1]], 1)
+
+    def _common_prefix_into(
+        self, net: Any, common: dict[str, Any], p_ids: Tensor, p_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The distinct prompts [U,P] (left-padded) of a shared forward: when they all start with the same
+        SHARED_PREFIX_MIN+ tokens (a chat template's system turn), run that prefix once into the cache (its
+        rows repeated to the U prompts; their gradients sum) and return the prompts' own tokens [U,S] with
+        the cache's mask [U,C+S] (the padding hole between prefix and suffix is masked); else as given."""
+        tokens = [row[m.bool()].tolist() for row, m in zip(p_ids, p_mask, strict=True)]
+        C = common_prefix_len(tokens) if len(tokens) > 1 else 0
+        if C < SHARED_PREFIX_MIN:
+            return p_ids, p_mask
+        prefix = p_ids.new_tensor(tokens[0][:C])[None]
+        positions = torch.arange(C, device=p_ids.device)[None]
+        net(input_ids=prefix, attention_mask=torch.ones_like(prefix), position_ids=positions, **common)
+        to_prompts = torch.zeros(len(tokens), dtype=torch.long, device=p_ids.device)
+        common[self._cache_arg].batch_select_indices(to_prompts)
+        s_ids, s_mask = (t.to(p_ids.device) for t in left_pad([t[C:] for t in tokens], self.tokenizer.pad_id))
+        return s_ids, torch.cat([s_mask.new_ones((len(tokens), C)), s_mask], 1)
 
     def _response_hidden(
         self, ids: Tensor, mask: Tensor, response_len: int
