@@ -382,6 +382,18 @@ def test_a_retrained_step_spans_up_to_its_winning_local_updates() -> None:
     assert "stats:a:7-0" not in second.source_ids
 
 
+def test_stats_fed_after_their_span_was_taken_are_late_and_acked() -> None:
+    """Against the feed order (stats up to a metrics entry come before it), a window inside a span a record
+    already took is set aside as late, never counted in the next record."""
+    fold = Fold()
+    [first] = run(fold, [("stats:a:1-0", producer_stats("a", 1, 10.0, 0.0, 0)), ("2-0", lu(1, 1, 4, x=1.0)),
+                         ("3-0", end(1, 1))])
+    assert run(fold, [("stats:a:1-5", producer_stats("a", 7, 10.0, 0.0, 0))]) == []
+    assert fold.stats.late == 1 and fold.take_ackable() == ["stats:a:1-5"]
+    [second] = run(fold, [("4-0", lu(2, 1, 4, x=1.0)), ("5-0", end(2, 1))])
+    assert first.metrics["producer/a/samples"] == 1 and "producer/a/samples" not in second.metrics
+
+
 def live_order(log: list[tuple[str, EventBase]], batch: int) -> list[tuple[str, EventBase]]:
     """The order the live worker feeds a log in: metrics entries in batches of `batch`, each preceded by
     every stats entry with an id up to the batch's newest (the stats drain)."""
