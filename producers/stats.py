@@ -9,7 +9,7 @@ from producers.rollout import Trajectory
 from rollstream.config import PipelineConfig
 from rollstream.pacing.counters import RolloutCounts
 from rollstream.tasks import RewardResult
-from schemas import ANSWER_METRIC_PREFIX, ProducerStats
+from schemas import ANSWER_METRIC_PREFIX, WINDOW_GEN_S, WINDOW_IDLE_S, WINDOW_S, ProducerStats
 
 #: A task's per-answer reward metrics (RewardResult.metrics) reach the stats under ANSWER_METRIC_PREFIX, the
 #: mean over the window's trajectories, except those the window already reports: `acc` (producer/acc) and
@@ -75,14 +75,16 @@ class StatsWindow:
             self.versions.update(v for v in (t.version_start, t.version_end) if v >= 0)
 
     def event(self, producer: str, param_version: int) -> ProducerStats:
-        """The window as a ProducerStats event tagged with `param_version`."""
+        """The window as a ProducerStats event tagged with `param_version`. Its metrics carry the window's
+        seconds (WINDOW_S, WINDOW_GEN_S, WINDOW_IDLE_S): the aggregator merges the windows of a step's span
+        with them (consumers/aggregator/fold.py merge_windows)."""
         elapsed = max(time.monotonic() - self.started, 1e-9)
         n = max(self.trajectories, 1)
         metrics: dict[str, float] = {
             "producer/samples": float(self.samples),
-            "producer/window_s": elapsed,
-            "producer/gen_s": self.gen_s,
-            "producer/idle_s": self.idle_s,
+            WINDOW_S: elapsed,
+            WINDOW_GEN_S: self.gen_s,
+            WINDOW_IDLE_S: self.idle_s,
             "producer/partial_ratio": self.partial / n,
             "producer/tool_calls": float(self.tool_calls),
             "producer/weight_swaps": float(self.swaps),

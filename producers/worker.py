@@ -543,9 +543,9 @@ class Producer:
     # ---- statistics -------------------------------------------------------------------------------
     def _on_switch(self, old: int, new: int) -> None:
         """Weights changed (between dispatches or mid-generation): report the window of the version left,
-        unless it holds only the wait for this version (no sample published, no generation in flight: it
-        would be the newest stats a step's record reads, showing 0 samples; the wait goes into the next
-        window instead); the window then goes on with the swap's duration."""
+        unless it holds only the wait for this version (no sample published, no generation in flight: no
+        work of the version left; the wait goes into the next window instead, which the aggregator merges
+        with the others of its step's span); the window then goes on with the swap's duration."""
         with self.lock:
             self.counters.versions_loaded = self.weights.loads
             if self.window.samples or self.generating:

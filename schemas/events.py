@@ -243,6 +243,12 @@ class ProducerStats(EventBase):
 #: scores an answer with under ANSWER_METRIC_PREFIX.
 ANSWER_METRICS = ("producer/acc", "producer/reward_mean")
 ANSWER_METRIC_PREFIX = "producer/reward/"
+#: How long a stats window lasted, how much of it the producer spent generating and how much waiting (seconds;
+#: producers/stats.py writes them in the window's metrics): the aggregator merges the windows of a step's span
+#: with them (gen_tokens_per_s = tokens / generation seconds, idle_ratio = idle / window seconds).
+WINDOW_S = "producer/window_s"
+WINDOW_GEN_S = "producer/gen_s"
+WINDOW_IDLE_S = "producer/idle_s"
 
 
 #: A dead copy holds the original entry whole up to this many bytes (names and values together) ...

@@ -122,7 +122,9 @@ def test_hand_written_log_through_redis(r: redis.Redis, keys: Keys, tmp_path: Pa
     m1, m2, m3 = recs[1].metrics, recs[2].metrics, recs[3].metrics
     assert m1["actor/loss"] == approx(1.75) and m1["timing_s/update"] == approx(0.75)
     assert m1["timing_s/step"] == 2.0 and m1["val/acc"] == 0.5
-    assert m1["producer/total_samples"] == 16 and m1["producer/idle_ratio"] == approx(0.3)
+    # step 1's span ends at its last local update: rollout_01's window after it is step 2's
+    assert m1["producer/total_samples"] == 10 and m1["producer/idle_ratio"] == approx(0.2)
+    assert "producer/rollout_01/samples" not in m1
     assert m2["actor/loss"] == approx(2.0)  # (8*1 + 8*3) / 16 from the retrained updates
     assert m2["producer/rollout_00/samples"] == 20 and m2["producer/total_samples"] == 26
     assert m3["actor/loss"] == approx((2 * 4.0 + 6 * 8.0) / 8)
@@ -130,8 +132,9 @@ def test_hand_written_log_through_redis(r: redis.Redis, keys: Keys, tmp_path: Pa
     assert recs[2].source_ids == [
         f"stats:rollout_01:{ids[4]}", f"stats:rollout_00:{ids[8]}", *(ids[i] for i in (9, 11, 12))
     ]
-    # Only what a restart needs stays pending: step 4's update and the latest stats of each producer.
-    assert sorted(pending_ids(r, keys)) == sorted([ids[4], ids[8], ids[16]])
+    # Only what a restart needs stays pending: step 4's update (every stats window was acked with the record
+    # whose span took it).
+    assert sorted(pending_ids(r, keys)) == [ids[16]]
     assert jsonl_steps(cfg) == [0, 1, 2, 3]
 
 
@@ -370,7 +373,7 @@ def test_sigkill_mid_fold_then_restart_gives_the_uninterrupted_records(
     assert replay_records(r, keys, dst_keys) == 6  # the uninterrupted fold of the same log
     assert records(r, dst_keys) == records(r, keys)
     assert jsonl_steps(cfg) == [1, 2, 3, 4, 5, 6]
-    assert pending_ids(r, keys) and len(pending_ids(r, keys)) == 2  # the latest stats of each producer
+    assert pending_ids(r, keys) == []  # each stats window was acked with the record of its step's span
 
 
 def test_sigterm_finishes_and_exits_zero(r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str) -> None:
@@ -400,7 +403,7 @@ def test_stats_drain_after_a_reconnect_reads_past_entries_it_already_holds(
 ) -> None:
     """After a reconnect the stats reader re-reads its own pending list, whose first pages may hold only
     entries the fold already has; such an empty page is not a drained stream (seen in the fault test:
-    a record folded without the stats entries just below its step_end, unlike the replay)."""
+    a record folded without the stats entries of its span, unlike the replay)."""
     cfg = make_cfg(keys, tmp_path, redis_url, "bus.read_count=2")
     publish(
         r, keys, [producer_stats(p, 1, 10.0, 0.5, 0) for p in "abc"] + [lu(1, 1, 2, x=1.0), step_end(1, 1)]
@@ -408,7 +411,7 @@ def test_stats_drain_after_a_reconnect_reads_past_entries_it_already_holds(
     worker = AggregatorWorker(cfg, r, keys, sinks=Sinks(r, keys, []))
     worker.run(burst=True)
     worker.stats_reader.on_reconnect()  # as after a Redis restart
-    publish(r, keys, [lu(2, 1, 2, x=1.0), producer_stats("rollout_00", 7, 70.0, 0.0, 1), step_end(2, 1)])
+    publish(r, keys, [producer_stats("rollout_00", 7, 70.0, 0.0, 1), lu(2, 1, 2, x=1.0), step_end(2, 1)])
     worker.stop.clear()
     worker.run(burst=True)
     assert decoded(r, keys)[2].metrics["producer/rollout_00/samples"] == 7

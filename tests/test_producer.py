@@ -226,8 +226,9 @@ def test_slots_dispatch_side_by_side_and_publish_each_prompt_once(
 def test_a_switch_reports_no_window_that_only_waited_for_the_new_version(
     r: redis.Redis, keys: Keys, redis_url: str
 ) -> None:
-    """A step's record reads each producer's newest stats window: a window holding only the wait for the
-    version just loaded (published nothing, generated nothing) would show 0 samples and 0 tokens/s there."""
+    """A window holding only the wait for the version just loaded (published nothing, generated nothing) is
+    not reported as a window of the version left: the wait goes into the next window (a step's record merges
+    every window of its span, consumers/aggregator/fold.py)."""
     cfg = small_cfg(keys)
     start_run(r, keys, build_blob(cfg, 0), grant=cfg.max_outstanding)
     producer = Producer(context(cfg, keys, "rollout_00", redis_url))

@@ -15,23 +15,43 @@ same-named keys (verl merges its sync metrics over the aggregated ones):
   2. the step_end's metrics (sync-step metrics override the aggregated ones)
   3. the derived keys (`perf/throughput`, `fully_async/trainer/idle_ratio`, …) recomputed on the merge
   4. the metrics of the ValidateMetrics for version g, when it arrived before completion (names as emitted)
-  5. per producer, its latest ProducerStats whose entry id is below the id of the event that completes
-     the record (the step_end; for step 0 the validation): `producer/<name>/{samples,tokens,
-     gen_tokens_per_s,idle_ratio,param_version}`, `producer/total_samples`, `producer/gen_tokens_per_s`
-     (sums) and `producer/idle_ratio` (mean); the swap check's newest figures per producer
-     (`producer/<name>/swap_check/{version,logprob_diff,logprob_diff_max}`), the worst of them as
-     `producer/swap_check/logprob_diff` and the oldest version checked as `producer/swap_check/version`
+  5. per producer, what it did during the step: every ProducerStats window of that producer whose entry id
+     lies in the step's span, merged (`merge_windows`). The span of step g is (the end of the span of the
+     previous training record, U(g)], where U(g) is the id of the last of step g's winning local updates
+     (the highest id among the copies that count: a retrained step's re-emitted ones), or its step_end's
+     when it has none; the first training record's span begins at the start of the log. Local updates are
+     emitted live, as each mini-batch update ends, while the step_end comes only with the checkpoint commit
+     (every trainer.save_freq steps), so the span is the step's own time even when steps 1..5 complete
+     together at step 5's commit. In practice the span is (U(g-1), U(g)]: a record takes the windows it
+     uses, and they are acked with it, so a window counts in one record only, and a step completing after a
+     later one (its step_end lost, say) gets only windows the later record left. Merged per producer:
+     samples and tokens add, `gen_tokens_per_s` = tokens / generation seconds, `idle_ratio` = idle /
+     window seconds (the windows' WINDOW_GEN_S, WINDOW_IDLE_S, WINDOW_S metrics; `merge_windows` says how a
+     window of an older log without them counts), the answer metrics (`acc`, `reward_mean`,
+     `reward/<metric>`) weighted by samples, `param_version` and the swap check's figures the newest in the
+     span. In the record: `producer/<name>/{samples,tokens,gen_tokens_per_s,idle_ratio,param_version}`,
+     `producer/total_samples`, `producer/gen_tokens_per_s` (sums over producers), `producer/idle_ratio`
+     (mean), the answer metrics per producer and across (weighted by samples); the swap check's figures per
+     producer (`producer/<name>/swap_check/{version,logprob_diff,logprob_diff_max}`), the worst of them as
+     `producer/swap_check/logprob_diff` and the oldest version checked as `producer/swap_check/version`. A
+     producer with no window in the span has no keys in the record. Record 0 (validation of version 0,
+     before training) instead shows each producer's latest window with an id below the validation's, and
+     takes none: they count in step 1's span too
   6. `training/global_step` = g
 
 Dict-valued metrics (the local updates' `counts`, e.g. `_dapo_filtered_reward_counts`) are merged by the
 same MetricsAggregator and go in the record's `counts`, not its `metrics`.
 
 Trainer events come from `metrics`, producer stats from `stats` (a stream producers may write and the
-trainer never does); both streams' ids are server-clock ids, so "below the step_end's id" is the same
-rule live and in replay. Stats entries are fed as refs `stats:<producer>:<id>` (see `stats_ref`; each
+trainer never does); both streams' ids are server-clock ids, so "in the span (…, U(g)]" is the same rule
+live and in replay. Stats entries are fed as refs `stats:<producer>:<id>` (see `stats_ref`; each
 producer writes its own `stats:<producer>` stream), so a record's `source_ids` says which stream each id came
-from. The caller feeds every stats entry with an id below a metrics entry before that metrics entry (the
-worker drains every producer's stats stream up to each metrics batch).
+from. The caller feeds every stats entry with an id up to a metrics entry's (equal included) before that
+metrics entry (the worker drains every producer's stats stream up to each metrics batch's newest id; replay
+merges the streams by id, stats first on a tie): U(g) is at most the id of the event completing step g, so a
+span's windows are all in when its record completes. A stats entry with an id inside a span already taken
+arrives against that contract: it is counted late and acked. Memory: the fold holds the windows not yet
+taken, those after the newest span end (with save_freq 5, about five steps' windows per producer).
 
 Record 0 is the validation of version 0, taken before any training: a ValidateMetrics for version 0
 completes at once as the record of step 0; training records are steps 1, 2, ….
@@ -55,6 +75,9 @@ from rollstream.weights.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX,
 from schemas import (
     ANSWER_METRIC_PREFIX,
     ANSWER_METRICS,
+    WINDOW_GEN_S,
+    WINDOW_IDLE_S,
+    WINDOW_S,
     EventBase,
     ProducerStats,
     StepMetrics,
@@ -83,7 +106,7 @@ def answer_metric_names(ev: ProducerStats) -> list[str]:
 
 
 def answer_metrics_across(latest: list[ProducerStats]) -> dict[str, float]:
-    """Each answer metric's mean over the producers that report it, weighted by their window's samples."""
+    """Each answer metric's mean over the producers that report it, weighted by their span's samples."""
     sums: dict[str, list[float]] = {}
     for ev in latest:
         weight = float(ev.metrics.get("producer/samples", 1.0))
@@ -92,6 +115,75 @@ def answer_metrics_across(latest: list[ProducerStats]) -> dict[str, float]:
             total[0] += weight * float(ev.metrics[name])
             total[1] += weight
     return {name: s / w for name, (s, w) in sums.items() if w > 0}
+
+
+def window_gen_s(ev: ProducerStats) -> float:
+    """A window's generation seconds: its WINDOW_GEN_S, else (a window of an older log) tokens /
+    gen_tokens_per_s, which is what the producer divided (0 when the rate is 0)."""
+    if WINDOW_GEN_S in ev.metrics:
+        return float(ev.metrics[WINDOW_GEN_S])
+    return ev.tokens / ev.gen_tokens_per_s if ev.gen_tokens_per_s > 0 else 0.0
+
+
+def merged_idle_ratio(windows: list[ProducerStats]) -> float:
+    """Idle seconds / window seconds over the windows (capped at 1); a window without WINDOW_IDLE_S has
+    idle_ratio × its seconds. When some window lacks WINDOW_S (an older log) the plain mean of the
+    windows' idle_ratio."""
+    if not all(WINDOW_S in w.metrics for w in windows):
+        return math.fsum(w.idle_ratio for w in windows) / len(windows)
+    total = math.fsum(float(w.metrics[WINDOW_S]) for w in windows)
+    idle = math.fsum(float(w.metrics.get(WINDOW_IDLE_S, w.idle_ratio * w.metrics[WINDOW_S])) for w in windows)
+    return min(1.0, idle / total) if total > 0 else math.fsum(w.idle_ratio for w in windows) / len(windows)
+
+
+def merged_answer_metrics(windows: list[ProducerStats]) -> dict[str, float]:
+    """Each answer metric's mean over the windows that report it, weighted by their samples (a plain mean
+    when none of them has a sample)."""
+    sums: dict[str, list[float]] = {}
+    for w in windows:
+        for name in answer_metric_names(w):
+            total = sums.setdefault(name, [0.0, 0.0, 0.0, 0.0])  # weighted sum, weights, plain sum, count
+            value = float(w.metrics[name])
+            total[0] += w.samples * value
+            total[1] += w.samples
+            total[2] += value
+            total[3] += 1
+    return {name: ws / w if w > 0 else s / n for name, (ws, w, s, n) in sums.items()}
+
+
+def merge_windows(windows: list[ProducerStats]) -> ProducerStats:
+    """One producer's stats windows (in log order) as one window: samples and tokens add, gen_tokens_per_s
+    is tokens / generation seconds (`window_gen_s`), idle_ratio idle / window seconds (`merged_idle_ratio`),
+    the answer metrics are weighted by samples, param_version and the swap check's figures are the newest
+    window's (the newest that carries a check). A single window is returned as it is."""
+    if len(windows) == 1:
+        return windows[0]
+    newest = windows[-1]
+    samples = sum(w.samples for w in windows)
+    tokens = sum(w.tokens for w in windows)
+    gen_s = math.fsum(window_gen_s(w) for w in windows)
+    metrics: dict[str, float] = {
+        "producer/samples": float(samples),
+        WINDOW_GEN_S: gen_s,
+        **merged_answer_metrics(windows),
+    }
+    if all(WINDOW_S in w.metrics for w in windows):
+        metrics[WINDOW_S] = math.fsum(float(w.metrics[WINDOW_S]) for w in windows)
+    checked = [w for w in windows if any(name in w.metrics for name in SWAP_CHECK_METRICS)]
+    if checked:
+        check = checked[-1].metrics
+        metrics.update({name: check[name] for name in SWAP_CHECK_METRICS if name in check})
+    return ProducerStats(
+        producer=newest.producer,
+        param_version=newest.param_version,
+        samples=samples,
+        tokens=tokens,
+        gen_tokens_per_s=tokens / gen_s if gen_s > 0 else 0.0,
+        idle_ratio=merged_idle_ratio(windows),
+        versions_in_use=sorted({v for w in windows for v in w.versions_in_use}),
+        metrics=metrics,
+        created_at=newest.created_at,
+    )
 
 
 def stats_ref(producer: str, entry_id: str) -> str:
@@ -170,9 +262,9 @@ class Completed:
 class FoldStats:
     """Counters of what the fold set aside (for logs and tests)."""
 
-    superseded: int = 0  # older copies of a (step, slot) or a producer's stats
+    superseded: int = 0  # older copies of a (step, slot)
     duplicates: int = 0  # an entry id fed twice
-    late: int = 0  # events of a step that already has a record
+    late: int = 0  # events of a step that already has a record, stats inside a span already taken
     foreign: int = 0  # event types that do not belong on the metrics stream
 
 
@@ -185,10 +277,9 @@ class Fold:
         self.stats = FoldStats()
         self._steps: dict[int, _Step] = {}
         self._done: set[int] = set(done_steps)
-        # per producer, its stats entries still needed (sorted by id): the latest below the newest
-        # metrics entry fed, and every newer one (a step_end not yet fed may need them)
+        # per producer, its stats windows no record has taken yet (sorted by id): all after `_taken`
         self._producers: dict[str, list[tuple[str, ProducerStats]]] = {}
-        self._horizon = (0, 0)  # id_key of the newest metrics entry fed
+        self._taken = (0, 0)  # id_key of the end of the newest span a training record took
         self._ackable: list[str] = []
 
     # -- input ----------------------------------------------------------------------------------------
@@ -196,8 +287,6 @@ class Fold:
     def feed(self, entry_id: str, event: Any) -> list[Completed]:
         """Fold one event; returns the records it completed ([] or one)."""
         if isinstance(event, StepMetrics | ValidateMetrics):
-            self._horizon = max(self._horizon, id_key(entry_id))
-            self._prune_producers()
             if isinstance(event, StepMetrics):
                 return self._step_event(entry_id, event)
             return self._validation(entry_id, event)
@@ -253,25 +342,15 @@ class Fold:
         return self._maybe_complete(v)
 
     def _producer(self, entry_id: str, ev: ProducerStats) -> None:
+        if id_key(entry_id) <= self._taken:  # inside a span a record already took (against the feed order)
+            self._late(entry_id, f"stats of {ev.producer} inside a recorded step's span")
+            return
         history = self._producers.setdefault(ev.producer, [])
         if any(ref == entry_id for ref, _ in history):
             self.stats.duplicates += 1
             return
         history.append((entry_id, ev))
         history.sort(key=lambda item: id_key(item[0]))
-        self._prune_producers()
-
-    def _prune_producers(self) -> None:
-        """Stats entries older than a producer's latest one below the horizon (the newest metrics entry
-        fed, or an incomplete step's step_end when older) are no longer needed."""
-        horizon = min([self._horizon, *(id_key(s.end[0]) for s in self._steps.values() if s.end is not None)])
-        for history in self._producers.values():
-            below = [i for i, (ref, _) in enumerate(history) if id_key(ref) < horizon]
-            if len(below) > 1:
-                cut = below[-1]
-                self.stats.superseded += cut
-                self._ackable += [ref for ref, _ in history[:cut]]
-                del history[:cut]
 
     def refs(self, g: int) -> list[str]:
         """The refs an incomplete step holds, in log order."""
@@ -318,9 +397,11 @@ class Fold:
         if step.validation is not None:
             metrics.update(step.validation[1].metrics)
             sources.append(step.validation[0])
-        latest = self.latest_stats(before=closing_id)
-        metrics.update(self.producer_metrics(latest))
-        sources += [i for i, _ in latest]
+        windows = self._span_stats(step, updates, closing_id)
+        metrics.update(self.producer_metrics([merge_windows([ev for _, ev in run]) for run in windows]))
+        used = [ref for run in windows for ref, _ in run]
+        taken = used if step.end is not None else []  # record 0 takes none
+        sources += used
         metrics["training/global_step"] = float(g)
         if bad := sorted(k for k, v in metrics.items() if not math.isfinite(v)):  # derived: e.g. a 0 s step
             log.warning("step %d: non-finite %s left out of the record", g, bad)
@@ -349,22 +430,49 @@ class Fold:
         )
         del self._steps[g]
         self._done.add(g)
-        return Completed(record, sorted(step.ids(), key=id_key))
+        return Completed(record, sorted([*step.ids(), *taken], key=id_key))
 
-    def latest_stats(self, before: str) -> list[tuple[str, ProducerStats]]:
-        """Per producer (by name), its latest stats entry with an id below `before`."""
+    def _span_stats(
+        self, step: _Step, updates: list[tuple[str, StepMetrics]], closing_id: str
+    ) -> list[list[tuple[str, ProducerStats]]]:
+        """Per producer, the stats windows of a completing step's record: record 0 (no step_end) reads each
+        producer's latest before the validation; a training step takes those of its span, up to its last
+        winning local update (its step_end when it has none)."""
+        if step.end is None:
+            return self.latest_stats(before=closing_id)
+        return self.take_stats(upto=max([i for i, _ in updates] or [closing_id], key=id_key))
+
+    def latest_stats(self, before: str) -> list[list[tuple[str, ProducerStats]]]:
+        """Per producer (by name), [its latest held stats entry with an id below `before`] (record 0's rule;
+        nothing is taken)."""
         out = []
         for _, history in sorted(self._producers.items()):
             below = [item for item in history if id_key(item[0]) < id_key(before)]
             if below:
-                out.append(below[-1])
+                out.append([below[-1]])
         return out
 
-    def producer_metrics(self, entries: list[tuple[str, ProducerStats]]) -> dict[str, float]:
-        """Metrics of the given stats entries (one per producer), with totals across producers."""
+    def take_stats(self, upto: str) -> list[list[tuple[str, ProducerStats]]]:
+        """Per producer (by name), its held stats entries with an id up to `upto` (the span's end), in log
+        order; they leave the fold (the record that takes them acks them) and the span's end becomes the
+        start of the next one."""
+        end = id_key(upto)
+        self._taken = max(self._taken, end)
+        out = []
+        for name, history in sorted(self._producers.items()):
+            cut = next((i for i, (ref, _) in enumerate(history) if id_key(ref) > end), len(history))
+            if cut:
+                out.append(history[:cut])
+                del history[:cut]
+            if not history:
+                del self._producers[name]
+        return out
+
+    def producer_metrics(self, windows: list[ProducerStats]) -> dict[str, float]:
+        """Metrics of the given stats windows (one per producer: `merge_windows` of its span), with totals
+        across producers."""
         out: dict[str, float] = {}
-        latest = [ev for _, ev in entries]
-        for ev in latest:
+        for ev in windows:
             prefix = f"producer/{ev.producer}/"
             out[prefix + "samples"] = float(ev.samples)
             out[prefix + "tokens"] = float(ev.tokens)
@@ -373,15 +481,15 @@ class Fold:
             out[prefix + "param_version"] = float(ev.param_version)
             for name in [*(n for n in SWAP_CHECK_METRICS if n in ev.metrics), *answer_metric_names(ev)]:
                 out[prefix + name.removeprefix("producer/")] = float(ev.metrics[name])
-        out.update(answer_metrics_across(latest))
-        checked = [ev.metrics for ev in latest if SWAP_CHECK_DIFF in ev.metrics]
+        out.update(answer_metrics_across(windows))
+        checked = [ev.metrics for ev in windows if SWAP_CHECK_DIFF in ev.metrics]
         if checked:  # the worst producer's newest check, and the oldest version checked
             out[SWAP_CHECK_DIFF] = max(float(m[SWAP_CHECK_DIFF]) for m in checked)
             out[SWAP_CHECK_VERSION] = min(float(m.get(SWAP_CHECK_VERSION, -1.0)) for m in checked)
-        if latest:
-            out["producer/total_samples"] = float(sum(ev.samples for ev in latest))
-            out["producer/gen_tokens_per_s"] = math.fsum(ev.gen_tokens_per_s for ev in latest)
-            out["producer/idle_ratio"] = math.fsum(ev.idle_ratio for ev in latest) / len(latest)
+        if windows:
+            out["producer/total_samples"] = float(sum(ev.samples for ev in windows))
+            out["producer/gen_tokens_per_s"] = math.fsum(ev.gen_tokens_per_s for ev in windows)
+            out["producer/idle_ratio"] = math.fsum(ev.idle_ratio for ev in windows) / len(windows)
         return out
 
     # -- output ---------------------------------------------------------------------------------------
