@@ -75,12 +75,13 @@ def progress_line(curve: Curve, elapsed_s: float) -> str:
     step = curve.steps[-1] if curve.steps else 0
     acc, best, reward = curve.latest(VAL_ACC), curve.best(VAL_ACC), curve.latest(REWARD)
     trained = curve.samples[-1] if curve.samples else 0.0
+    rate = trained / max(elapsed_s, 1e-9)  # a real model's run trains well under 1 group a second
     stale = curve.latest(STALENESS)
     parts = [
         f"step {step}",
         f"val/acc {acc:.3f} (best {best:.3f})" if acc is not None and best is not None else "val/acc -",
         f"reward {reward:.3f}" if reward is not None else "reward -",
-        f"{trained / max(elapsed_s, 1e-9):.0f} samples/s",
+        f"{rate:.0f} samples/s" if rate >= 10 else f"{rate:.2f} samples/s",
         f"staleness {stale:.2f}" if stale is not None else "staleness -",
     ]
     return " | ".join(parts)
