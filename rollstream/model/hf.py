@@ -142,9 +142,10 @@ class HFPolicy(BasePolicy):
         """The prefix once (batch 1), its DynamicCache repeated to the rows, then ids/mask after it."""
         cache = self._new_cache()
         P = prefix.shape[0]
-        positions = torch.arange(P, device=prefix.device)[None]
-        self._forward(prefix[None], torch.ones_like(prefix)[None], positions, cache, 1)
-        cache.batch_select_indices(torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device))
+        common: dict[str, Any] = {self._cache_arg: cache, "use_cache": True}
+        if self._has_logits_to_keep:
+            common["logits_to_keep"] = 1
+        self._prefix_into(self.module, common, prefix, ids.shape[0])
         full = torch.cat([mask.new_ones((ids.shape[0], P)), mask], 1)
         out = self._forward(ids, full, positions_from_mask(full)[:, P:], cache, 1)
         return out.logits[:, -1], cache
@@ -207,6 +208,15 @@ class HFPolicy(BasePolicy):
             return torch.cat([first.last_hidden_state[:, -1:][rows], rest.last_hidden_state[:, :-1]], 1)
         return torch.cat([first.logits[:, -1:][rows], rest.logits[:, :-1]], 1)
 
+    def _prefix_into(self, net: Any, common: dict[str, Any], prefix: Tensor, rows: int) -> None:
+        """Run `prefix` [C] once (batch 1) into the cache in `common` and repeat it to `rows` rows (in
+        training their gradients sum back into the one prefix run)."""
+        positions = torch.arange(prefix.shape[0], device=prefix.device)[None]
+        mask = torch.ones_like(prefix)[None]
+        net(input_ids=prefix[None], attention_mask=mask, position_ids=positions, **common)
+        to_rows = torch.zeros(rows, dtype=torch.long, device=prefix.device)
+        common[self._cache_arg].batch_select_indices(to_rows)
+
     def _common_prefix_into(
         self, net: Any, common: dict[str, Any], p_ids: Tensor, p_mask: Tensor
     ) -> tuple[Tensor, Tensor]:
@@ -218,11 +228,7 @@ class HFPolicy(BasePolicy):
         C = common_prefix_len(tokens) if len(tokens) > 1 else 0
         if C < SHARED_PREFIX_MIN:
             return p_ids, p_mask
-        prefix = p_ids.new_tensor(tokens[0][:C])[None]
-        positions = torch.arange(C, device=p_ids.device)[None]
-        net(input_ids=prefix, attention_mask=torch.ones_like(prefix), position_ids=positions, **common)
-        to_prompts = torch.zeros(len(tokens), dtype=torch.long, device=p_ids.device)
-        common[self._cache_arg].batch_select_indices(to_prompts)
+        self._prefix_into(net, common, p_ids.new_tensor(tokens[0][:C]), len(tokens))
         s_ids, s_mask = (t.to(p_ids.device) for t in left_pad([t[C:] for t in tokens], self.tokenizer.pad_id))
         return s_ids, torch.cat([s_mask.new_ones((len(tokens), C)), s_mask], 1)
 
