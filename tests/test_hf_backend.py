@@ -255,6 +255,23 @@ def test_prompts_are_rendered_with_the_chat_template_when_there_is_one() -> None
     assert request.rows == [ids, ids]  # what producers generate from
 
 
+def test_a_system_prompt_is_the_system_turn_of_every_prompt() -> None:
+    system = "You are a calculator."
+    chat = HFTokenizer(build_tokenizer("bpe", chat_template=True), system_prompt=system)
+    ids = encode_prompt(chat, "Calculate 2 + 3.")
+    assert chat.decode(ids, skip_special=False).replace(" ", "") == (
+        "<bos><|system|>Youareacalculator.<eos><|user|>Calculate2+3.<eos><|assistant|>"
+    )
+    default = encode_prompt(HFTokenizer(build_tokenizer("bpe", chat_template=True)), "Calculate 2 + 3.")
+    assert ids[-len(default) + 1:] == default[1:]  # the same user turn, after the system one
+    with pytest.raises(ValueError, match="model.system_prompt='You are a calculator.'.*chat template"):
+        HFTokenizer(build_tokenizer("bpe"), system_prompt=system)  # no template to render it with
+    with pytest.raises(ValueError, match="model.system_prompt=.*chat template"):
+        HFTokenizer(build_tokenizer("bpe", chat_template=True), chat_template=False, system_prompt=system)
+    with pytest.raises(ConfigError, match="system_prompt=.You are a calculator.. needs backend=hf"):
+        load_config(None, [f"model.system_prompt={system}"])  # the tiny model has no chat template
+
+
 def test_tool_results_go_in_the_templates_tool_turn() -> None:
     chat = HFTokenizer(build_tokenizer("bpe", chat_template=True))
     ids = encode_tool_result(chat, "[=15]")

@@ -302,7 +302,7 @@ class VLLMPolicy:
 
         llm = start_engine(cfg, seed)
         tok = AutoTokenizer.from_pretrained(str(cfg.model.hf_path), local_files_only=True)
-        return cls(llm, HFTokenizer(tok, cfg.model.chat_template))
+        return cls(llm, HFTokenizer(tok, cfg.model.chat_template, cfg.model.system_prompt))
 
     @property
     def dtype_name(self) -> str:

@@ -71,6 +71,11 @@ class ModelConfig(Section):
         description="backend=hf: render prompts and tool results with the tokenizer's chat template when it "
                     "has one",
     )
+    system_prompt: str | None = Field(
+        None,
+        description="backend=hf with chat_template: the system turn every prompt is rendered after (null = "
+                    "the template's default, SmolLM2's 'You are a helpful AI assistant named SmolLM…')",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -94,5 +99,8 @@ class ModelConfig(Section):
             raise ValueError(f"pretrained={self.pretrained!r} needs backend=hf, got {self.backend!r}")
         if self.backend == "hf" and not self.hf_path:
             raise ValueError("backend=hf needs hf_path (or pretrained)")
+        if self.system_prompt is not None and (self.backend != "hf" or not self.chat_template):
+            raise ValueError(f"system_prompt={self.system_prompt!r} needs backend=hf and chat_template: true "
+                             f"(got backend={self.backend!r}, chat_template={self.chat_template!r})")
         return self
 

@@ -59,7 +59,8 @@ def _load(cfg: PipelineConfig, dev: torch.device, dtype: torch.dtype) -> BasePol
     """The policy of model.backend on `dev` with weights in `dtype` (tiny: seeded from run.seed)."""
     m = cfg.model
     if m.backend == "hf":
-        return load_policy("hf", path=m.hf_path, device=str(dev), dtype=dtype, chat_template=m.chat_template)
+        return load_policy("hf", path=m.hf_path, device=str(dev), dtype=dtype, chat_template=m.chat_template,
+                           system_prompt=m.system_prompt)
     gcfg = GPTConfig(
         vocab_size=CharTokenizer().vocab_size,
         d_model=m.d_model,

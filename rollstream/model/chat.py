@@ -1,7 +1,8 @@
 """Chat-format prompts and tool turns: how a task's text becomes token ids for a given tokenizer.
 
 With a tokenizer that has a chat template (an HF instruct checkpoint, `model.chat_template=true`), a
-prompt is rendered as one user message with the generation prompt (verl's `raw_prompt` messages through
+prompt is rendered as one user message (after `model.system_prompt` as the system turn, when set) with
+the generation prompt (verl's `raw_prompt` messages through
 `apply_chat_template(..., add_generation_prompt=True)`, then tokenized without added specials), and a
 tool result is inserted the way the template renders a `tool` message after the assistant's turn. Any
 other tokenizer (the char tokenizer, or chat templates turned off) gets bos + text and the bare result.
@@ -24,10 +25,21 @@ def chat_template_of(tokenizer: Tokenizer) -> Any | None:
     return None
 
 
-def render_prompt(hf_tokenizer: Any, text: str) -> str:
-    """The chat template's text for one user message `text`, ending with the assistant generation prompt."""
+def render_prompt(hf_tokenizer: Any, text: str, system: str | None = None) -> str:
+    """The chat template's text for one user message `text` (after a `system` turn when given, else the
+    template's default one, if any), ending with the assistant generation prompt."""
     messages = [{"role": "user", "content": text}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
     return str(hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+
+
+def check_system_prompt(hf_tokenizer: Any, system: str) -> None:
+    """ValueError naming model.system_prompt when the tokenizer's chat template does not render it."""
+    if system not in render_prompt(hf_tokenizer, "q", system):
+        raise ValueError(
+            f"model.system_prompt={system!r}: the tokenizer's chat template does not render a system message"
+        )
 
 
 def render_tool_turn(hf_tokenizer: Any, result: str) -> str:
@@ -53,7 +65,8 @@ def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
     hf = chat_template_of(tokenizer)
     if hf is None:
         return tokenizer.encode(text, add_bos=True)
-    return [int(i) for i in hf(render_prompt(hf, text), add_special_tokens=False)["input_ids"]]
+    text = render_prompt(hf, text, getattr(tokenizer, "system_prompt", None))
+    return [int(i) for i in hf(text, add_special_tokens=False)["input_ids"]]
 
 
 def encode_tool_result(tokenizer: Tokenizer, result: str) -> list[int]:

@@ -22,6 +22,7 @@ from rollstream.model.base import (
     resolve_device,
     shared_prompts,
 )
+from rollstream.model.chat import check_system_prompt
 from rollstream.model.gpt import positions_from_mask
 
 __all__ = ["HFPolicy", "HFTokenizer"]
@@ -31,13 +32,22 @@ class HFTokenizer:
     """Adapts a transformers tokenizer to the `Tokenizer` protocol (pad falls back to eos).
 
     `use_chat_template` (when asked for and the tokenizer has a template): prompts and tool results are
-    rendered with the chat template (see rollstream.model.chat)."""
+    rendered with the chat template (see rollstream.model.chat), a prompt after `system_prompt` as its system
+    turn when one is given (else the template's default)."""
 
-    def __init__(self, hf_tokenizer: Any, chat_template: bool = True) -> None:
+    def __init__(
+        self, hf_tokenizer: Any, chat_template: bool = True, system_prompt: str | None = None
+    ) -> None:
         self.hf = hf_tokenizer
         if self.hf.eos_token_id is None:
             raise ValueError("HF tokenizer has no eos token")
         self.use_chat_template = bool(chat_template and getattr(self.hf, "chat_template", None))
+        if system_prompt is not None:
+            if not self.use_chat_template:
+                raise ValueError(f"model.system_prompt={system_prompt!r} needs a tokenizer with a chat "
+                                 "template and model.chat_template: true")
+            check_system_prompt(self.hf, system_prompt)
+        self.system_prompt = system_prompt
 
     @property
     def pad_id(self) -> int:
@@ -82,9 +92,12 @@ class HFPolicy(BasePolicy):
         tokenizer: Any,
         device: str | torch.device = "auto",
         chat_template: bool = True,
+        system_prompt: str | None = None,
     ) -> None:
         self.tokenizer = (
-            tokenizer if isinstance(tokenizer, HFTokenizer) else HFTokenizer(tokenizer, chat_template)
+            tokenizer
+            if isinstance(tokenizer, HFTokenizer)
+            else HFTokenizer(tokenizer, chat_template, system_prompt)
         )
         self.device = resolve_device(device)
         self.module = model.to(self.device)
@@ -102,9 +115,11 @@ class HFPolicy(BasePolicy):
         dtype: torch.dtype = torch.float32,
         attn_implementation: str | None = None,
         chat_template: bool = True,
+        system_prompt: str | None = None,
     ) -> HFPolicy:
         """Load model (weights in `dtype`) and tokenizer from a local directory (never downloads);
-        `chat_template` renders prompts with the tokenizer's chat template when it has one."""
+        `chat_template` renders prompts with the tokenizer's chat template when it has one, after
+        `system_prompt` as the system turn when given."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
@@ -112,7 +127,7 @@ class HFPolicy(BasePolicy):
             kwargs["attn_implementation"] = attn_implementation
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        return cls(model, tok, device, chat_template)
+        return cls(model, tok, device, chat_template, system_prompt)
 
     @property
     def max_seq_len(self) -> int | None:

@@ -72,7 +72,8 @@ def tokenizer_for(cfg: PipelineConfig) -> Tokenizer | None:
 
         from rollstream.model.hf import HFTokenizer
 
-        return HFTokenizer(AutoTokenizer.from_pretrained(cfg.model.hf_path))
+        return HFTokenizer(AutoTokenizer.from_pretrained(cfg.model.hf_path), cfg.model.chat_template,
+                           cfg.model.system_prompt)
     except Exception:  # noqa: BLE001 - inspect still works without text
         return None
 
