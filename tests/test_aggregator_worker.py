@@ -177,6 +177,8 @@ def test_incomplete_step_is_reported_once(
     dead = [decode_as(f, DeadLetter) for _, f in rc.xrange(keys.dead_aggregator)][1:]
     assert [d.source_id for d in dead] == ids and all("so it never will" in d.reason for d in dead)
     assert pending_ids(r, keys) == [] and worker.fold.pending() == {}
+    worker.check_incomplete(now=time.monotonic() + 180)
+    assert worker._reported == set()  # a discarded step is forgotten: a days-long run does not pile them up
 
 
 def test_step_end_waits_for_its_checkpoint_without_alarms(

@@ -268,6 +268,7 @@ class AggregatorWorker:
         if drained and any(g not in self._due_since for g in pending):
             self.progress.refresh()  # idle: no event refreshes it (e.g. a commit whose step_ends are lost)
         self._due_since = {g: due for g in pending if (due := self._due(g, now)) is not None}
+        self._reported.intersection_update(pending)  # a step completed or discarded since is forgotten
         handled = []
         for g, (since, why) in self._due_since.items():
             if now - since < self.timeout_s:
