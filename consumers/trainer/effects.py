@@ -28,11 +28,13 @@ from torch import nn
 
 from consumers.trainer.distributed import DataParallel
 from consumers.trainer.ledger import (
+    CommitHistory,
     StepLedger,
     commit_steps,
     committed_sample_ids,
     committed_step,
     count_consumed,
+    reconcile_and_commit,
 )
 from rollstream.bus import (
     CONNECTION_ERRORS,
@@ -130,6 +132,7 @@ class TrainerEffects:
         # this rank's heartbeat fields: rank 0 `heartbeat`; with several ranks also `heartbeat:r<rank>`
         self.heartbeat_fields = [HEARTBEAT_FIELD] if dp.roles.main else []
         self.leaser: Leaser | None = None  # rank 0's lease loop, once resumed
+        self.history = CommitHistory()  # rank 0: its recent commits, redone if a failover loses them
         if dp.roles.agreed:
             self.heartbeat_fields.append(rank_heartbeat_field(dp.rank))
 
@@ -203,14 +206,24 @@ class TrainerEffects:
         whole: dict[str, Any] | None,
         world_size: int,
         probe: Probe | None = None,
+        history: CommitHistory | None = None,
     ) -> None:
         """Rank 0's part of the resume: set up the run, publish the checkpoint's version (with its swap-check
-        `probe`) if `params` lacks it, redo its commit if it never ran, grant its budget."""
+        `probe`) if `params` lacks it, redo its commit if it never ran and every earlier commit of `history`
+        (the checkpoint's) that Redis lacks (reconcile_and_commit), grant its budget. A replay copy redoes
+        only the checkpoint's own commit (its earlier steps were never in this run)."""
         setup_run(self.r, self.keys, producer_names(self.cfg.rollout.num_producers))
         self.publish_weights(global_step, module, whole, only_if_missing=True, probe=probe)
-        if ledgers and committed_step(self.r, self.keys) < global_step:
-            log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
-            commit_steps(self.r, self.keys, ledgers, global_step)
+        if self.r.hexists(self.keys.trainer, REPLAY_COPY_FIELD):
+            self.history = CommitHistory()
+            if ledgers and committed_step(self.r, self.keys) < global_step:
+                log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
+                commit_steps(self.r, self.keys, ledgers, global_step)
+            self.history.add(ledgers)
+        else:
+            self.history = CommitHistory(history.commits if history is not None else [])
+            self.history.add(ledgers)  # checkpointed: committed below if it never was (a crash before it)
+            reconcile_and_commit(self.r, self.keys, self.history)
         self.grant(global_step)
         self.r.hset(self.keys.trainer, PROGRESS_AT_FIELD, time.time())  # the clock of `status`'s stall check
         if world_size > 1:
@@ -342,8 +355,18 @@ class TrainerEffects:
 
     @effect("committing step {global_step}")
     def commit(self, ledgers: list[StepLedger], global_step: int) -> None:
-        """Commit the steps' ledgers up to `global_step` in one MULTI (ledger.commit_steps)."""
-        commit_steps(self.r, self.keys, ledgers, global_step)
+        """Commit the steps' ledgers up to `global_step` in one MULTI, with any earlier commit Redis lacks
+        (ledger.reconcile_and_commit: a failover may have lost it)."""
+        reconcile_and_commit(self.r, self.keys, self.history, ledgers)
+
+    @effect("checking the commits")
+    def reconcile(self) -> list[int]:
+        """Rank 0: commit again every kept commit Redis lacks (its committed_step behind the last step this
+        trainer committed: a failover to a replica that had not received them); the steps redone. One HGET
+        when nothing is lacking."""
+        if committed_step(self.r, self.keys) >= self.history.last_step:
+            return []
+        return reconcile_and_commit(self.r, self.keys, self.history)
 
     @effect("counting step {global_step}")
     def count_consumed(self, ledger: StepLedger, global_step: int) -> None:

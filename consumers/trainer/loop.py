@@ -61,7 +61,7 @@ from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.evaluate import validate
 from consumers.trainer.learner import UPDATE_SKIPPED, Learner
-from consumers.trainer.ledger import StepLedger, merge_ledgers
+from consumers.trainer.ledger import CommitHistory, StepLedger, merge_ledgers
 from consumers.trainer.staleness import STALE_SAMPLES, STALE_TRAJECTORIES, LengthBuckets
 from rollstream.bus import EntryRef
 from rollstream.config import PipelineConfig
@@ -126,8 +126,9 @@ class Trainer:
         probe = self.learner.probe()  # every rank: a forward (a collective under fsdp)
         if roles.main:
             ledgers = [StepLedger.from_plain(d) for d in meta["steps"]] if meta is not None else []
+            history = CommitHistory.from_plain(meta.get("committed", []) if meta is not None else [])
             module = self.learner.policy.module
-            self.effects.resume_main(g0, ledgers, module, whole, self.dp.world_size, probe)
+            self.effects.resume_main(g0, ledgers, module, whole, self.dp.world_size, probe, history)
             self.effects.start_leaser()  # producers get their leases from here on
         self.dp.barrier()  # the redone commit is in `fates` before any rank reads it
         self.newest_published, self.training_step, self.collector.seen = self.effects.read_progress(g0)
@@ -178,6 +179,8 @@ class Trainer:
         counts; returns its empty ledger."""
         self.collector.step_dead = 0
         self.lengths = LengthBuckets(self.cfg.data.max_response_length)
+        if self.dp.roles.main:  # a failover since the last step may have lost commits: redone first
+            self.effects.reconcile()
         if g > self.training_step:
             if self.dp.roles.main:  # the other ranks emit nothing of step g before rank 0's first collective
                 self.effects.mark_training_step(g)
@@ -285,6 +288,7 @@ class Trainer:
         assert step_end is not None
         step_end.metrics["timing_s/step"] = time.perf_counter() - t_step
         meta = step_report.checkpoint_meta(g, self.pending, reports, self.pending_ids)
+        meta["committed"] = self.effects.history.to_plain()  # to redo them on resume if Redis lost them
         weights = whole if whole is not None else self.learner.whole_weights()  # the module's own tensors
         keep = self.cfg.trainer.keep_checkpoints
         write_checkpoint(self.ckpt_dir, g, weights, optimizer_state, meta, keep_last=keep)
