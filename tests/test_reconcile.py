@@ -23,7 +23,7 @@ from consumers.trainer import ledger as ledger_mod
 from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.ledger import CommitHistory, StepLedger, reconcile_and_commit
 from consumers.trainer.rank_agreement import RankRoles
-from rollstream.bus import delete_run, setup_run
+from rollstream.bus import GroupReader, delete_run, setup_run
 from rollstream.bus.replication import set_acks
 from rollstream.config import load_config
 from rollstream.keys import COMMITTED_STEP_FIELD, TRAINER_GROUP, Keys
@@ -187,6 +187,28 @@ def test_a_history_older_than_redis_reaches_is_reported_not_invented(
         assert reconcile_and_commit(r, keys, history) == [3, 4]
     assert "commits of steps 1-2 are lost" in caplog.text and "committing steps [3, 4] again" in caplog.text
     assert _state(r, keys)["fates"] == ["3-1", "3-2", "4-1", "4-2"] and _state(r, keys)["step_ends"] == [3, 4]
+
+
+def test_entries_held_and_delivered_again_as_new_after_a_failover_are_passed_over(
+    r: redis.Redis, keys: Keys
+) -> None:
+    """The trainer holds two entries (read, not yet committed); the failover's new primary never saw that
+    read, so the group delivers them again as new: the reader passes them over (it holds them; acking them as
+    duplicates would ack them before their fates are committed), and its ack of them later lands."""
+    setup_run(r, keys, PRODUCERS)
+    for s in leased_fakes(r, keys, 2, n=1):
+        r.xadd(keys.rollouts_of(P0), encode(s))  # type: ignore[arg-type]
+    replica = _snapshot(r, keys)
+    reader = GroupReader(
+        r, [keys.rollouts_of(P0)], TRAINER_GROUP, "trainer", dead_stream=keys.dead, block_ms=0
+    )
+    held = [m for _ in range(3) for m in reader.poll(0)]
+    assert len(held) == 2
+    _fail_over_to(r, keys, replica)
+    assert [m for _ in range(3) for m in reader.poll(0)] == []
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 2  # delivered to us again
+    assert reader.ack(m.ref for m in held) == 2
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 0
 
 
 def test_commit_history_keeps_recent_commits_and_round_trips() -> None:

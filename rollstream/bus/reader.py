@@ -219,7 +219,13 @@ class GroupReader:
         self.drained = not got and self._found_empty >= set(self.streams)
         out: list[Message] = []
         for stream, entries in got.items():
-            out += self._accept(stream, entries, deliveries=None)
+            # an entry this process holds, delivered again as new: the group's last-delivered-id went back (a
+            # failover to a replica that had not received the read): it is ours already, acked with its effect
+            fresh = [(i, f) for i, f in entries if (stream, text(i)) not in self._inflight]
+            if len(fresh) < len(entries):
+                log.warning("%s: %d entries of %s already held were delivered again as new (a failover?); "
+                            "passed over", self.consumer, len(entries) - len(fresh), stream)
+            out += self._accept(stream, fresh, deliveries=None)
         return out
 
     def _read_pending(self) -> list[Message] | None:
