@@ -338,6 +338,10 @@ class GroupReader:
         self._reread_own_pending()
         self.drained = False
 
+    def release_all(self) -> None:
+        """Forget every entry held (they stay pending and are re-read from our PEL, in log order)."""
+        self.release(list(self._inflight))
+
     def _reread_own_pending(self) -> None:
         self._read_own_pending = True
         self._pending_cursors = dict.fromkeys(self.streams, "0")
