@@ -136,6 +136,7 @@ def test_a_commit_lost_in_a_failover_is_committed_again(
     effects.commit(ledgers[4:6], 6)
     _assert_restored(r, keys, ledgers)
     assert [lg.global_step for lg in effects.history.ledgers_after(0)] == [1, 2, 3, 4, 5, 6]
+    assert effects.committed_for_checkpoint() == []  # a single Redis (AOF) loses no acknowledged commit
 
 
 def test_the_next_commit_restores_a_lost_one_even_when_the_failover_comes_after_its_read(
@@ -223,9 +224,11 @@ def test_commit_history_keeps_recent_commits_and_round_trips() -> None:
     h.add([StepLedger(11)], at=10_000.0)  # long after: only the last MIN_RETAINED_COMMITS stay
     assert [c.at for c in h.commits] == [200.0, 10_000.0]
     big = CommitHistory()
-    for c in range(4):
-        big.add([StepLedger(100 * c + i) for i in range(1, 101)], at=float(c))
-    assert len(big.commits) == 2  # 400 steps kept would pass MAX_RETAINED_STEPS (256)
+    for g in range(1, 101):  # a fast run: a commit a step, 40 ms apart
+        big.add([StepLedger(g)], at=g * 0.04)
+    assert [lg.global_step for lg in big.ledgers_after(0)] == list(range(37, 101))  # MAX_RETAINED_STEPS: 64
+    big.add([StepLedger(g) for g in range(101, 201)], at=5.0)
+    assert [len(c.ledgers) for c in big.commits] == [1, 100]  # MIN_RETAINED_COMMITS, however big
     back = CommitHistory.from_plain(h.to_plain())
     assert [(c.at, [lg.to_plain() for lg in c.ledgers]) for c in back.commits] == [
         (c.at, [lg.to_plain() for lg in c.ledgers]) for c in h.commits
@@ -247,7 +250,8 @@ def test_a_restarted_trainer_restores_from_its_checkpoint_what_a_failover_lost(
                                     "actor.ppo_mini_batch_size=1", "data.train_batch_size=2",
                                     "async_training.trigger_parameter_sync_step=2", "trainer.save_freq=2",
                                     "trainer.total_training_steps=4", "trainer.max_off_policy_threshold=10",
-                                    "bus.block_ms=10"])
+                                    "bus.block_ms=10", "run.redis.sentinels=['127.0.0.1:26379']"])
+    # (replicas behind Sentinel in the config: the checkpoint keeps the earlier commits; the client is `r`)
     setup_run(r, keys, PRODUCERS)
     for s in leased_fakes(r, keys, 8, n=2, prompt_len=4, response_len=4):
         s.param_version = 0
@@ -363,6 +367,7 @@ def test_a_commit_acknowledged_by_one_replica_survives_promoting_the_other(
     ledgers = _steps(r, keys, 4)
     effects = _effects(r, keys, tmp_path)
     effects.commit(ledgers[0:2], 2)
+    assert [c["at"] for c in effects.committed_for_checkpoint()] == [effects.history.commits[0].at]  # WAIT
     deadline = time.monotonic() + 10  # until replica 2 holds the commit of step 2 too
     while int(rep2.r.hget(keys.trainer, COMMITTED_STEP_FIELD) or 0) != 2:  # type: ignore[arg-type]
         assert time.monotonic() < deadline

@@ -46,6 +46,7 @@ from rollstream.bus import (
     retry_on_connection,
     setup_run,
 )
+from rollstream.bus.connection import can_fail_over
 from rollstream.bus.ids import count_or_none
 from rollstream.bus.outbox import OutboxDrain, record_id
 from rollstream.bus.replication import acks_of, execute_replicated
@@ -133,6 +134,8 @@ class TrainerEffects:
         self.heartbeat_fields = [HEARTBEAT_FIELD] if dp.roles.main else []
         self.leaser: Leaser | None = None  # rank 0's lease loop, once resumed
         self.history = CommitHistory()  # rank 0: its recent commits, redone if a failover loses them
+        # ...and kept in its checkpoints where a failover can lose them (a fast run checkpoints every step)
+        self.history_in_checkpoint = cfg.run.redis.replicated or can_fail_over(r)
         if dp.roles.agreed:
             self.heartbeat_fields.append(rank_heartbeat_field(dp.rank))
 
@@ -189,6 +192,12 @@ class TrainerEffects:
         except redis.ResponseError:
             return False  # no metrics stream or group: no aggregator
         return any(int(c.get("idle", 1 << 40)) < 3000 for c in consumers)
+
+    def committed_for_checkpoint(self) -> list[dict[str, Any]]:
+        """The kept commits for the checkpoint's `committed` (CommitHistory.to_plain), so a restarted trainer
+        commits again what a failover lost; none where Redis cannot fail over (no replicas, Sentinel nor
+        Cluster: a single Redis keeps every acknowledged write)."""
+        return self.history.to_plain() if self.history_in_checkpoint else []
 
     @property
     def over_budget(self) -> bool:

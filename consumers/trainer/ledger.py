@@ -205,13 +205,14 @@ def _raise_commit_errors(results: list[Any], n_fates: int) -> None:
 #: 50 s with the default down_after_ms 5000), and the one with the highest offset it saw (INFO every second
 #: during a failover), so in practice it lags by under a second. 120 s covers the rule with a margin.
 RETAIN_COMMITS_S = 120.0
-#: Fewest commits kept, whatever their age: the last commit, and the one before it (a slow run's commits are
-#: minutes apart; the last is the one a failover most likely lost).
+#: Most steps kept (unless MIN_RETAINED_COMMITS hold more): the history goes into every checkpoint, which a
+#: fast run writes every step (trainer.save_freq 1, ~40 ms steps on the tiny CPU model): 64 steps are ~2.5 s
+#: of such a run, well past a replica's usual lag, and ~1 ms a checkpoint to encode (each commit's plain form
+#: is made once and cached); a run with steps of seconds keeps minutes of them.
+MAX_RETAINED_STEPS = 64
+#: Fewest commits kept, whatever their age and size: the last commit, and the one before it (a slow run's
+#: commits are minutes apart; the last is the one a failover most likely lost).
 MIN_RETAINED_COMMITS = 2
-#: Most steps kept (unless MIN_RETAINED_COMMITS hold more): a fast run (a tiny model, ~40 ms steps) commits
-#: many times in RETAIN_COMMITS_S, and the history goes into every checkpoint (a step's ledger: a fate and an
-#: ack per sample, ~150 bytes each, and its step_end, a few KB).
-MAX_RETAINED_STEPS = 256
 
 
 @dataclass
@@ -220,6 +221,13 @@ class Commit:
 
     at: float
     ledgers: list[StepLedger]
+    plain: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)  # cached to_plain
+
+    def to_plain(self) -> dict[str, Any]:
+        """The commit as a msgpack-able dict {at, steps} (its ledgers' plain form, made once)."""
+        if self.plain is None:
+            self.plain = [lg.to_plain() for lg in self.ledgers]
+        return {"at": self.at, "steps": self.plain}
 
 
 class CommitHistory:
@@ -260,12 +268,15 @@ class CommitHistory:
 
     def to_plain(self) -> list[dict[str, Any]]:
         """A msgpack-able list (a checkpoint's `committed`; its layout is versioned in checkpoint.py)."""
-        return [{"at": c.at, "steps": [lg.to_plain() for lg in c.ledgers]} for c in self.commits]
+        return [c.to_plain() for c in self.commits]
 
     @classmethod
     def from_plain(cls, commits: list[dict[str, Any]]) -> CommitHistory:
         """Inverse of to_plain."""
-        return cls([Commit(float(c["at"]), [StepLedger.from_plain(d) for d in c["steps"]]) for c in commits])
+        return cls([
+            Commit(float(c["at"]), [StepLedger.from_plain(d) for d in c["steps"]], list(c["steps"]))
+            for c in commits
+        ])
 
 
 def reconcile_and_commit(

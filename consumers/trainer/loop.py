@@ -288,7 +288,7 @@ class Trainer:
         assert step_end is not None
         step_end.metrics["timing_s/step"] = time.perf_counter() - t_step
         meta = step_report.checkpoint_meta(g, self.pending, reports, self.pending_ids)
-        meta["committed"] = self.effects.history.to_plain()  # to redo them on resume if Redis lost them
+        meta["committed"] = self.effects.committed_for_checkpoint()  # redone on resume if a failover lost it
         weights = whole if whole is not None else self.learner.whole_weights()  # the module's own tensors
         keep = self.cfg.trainer.keep_checkpoints
         write_checkpoint(self.ckpt_dir, g, weights, optimizer_state, meta, keep_last=keep)
