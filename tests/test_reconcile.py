@@ -23,13 +23,13 @@ from consumers.trainer import ledger as ledger_mod
 from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.ledger import CommitHistory, StepLedger, reconcile_and_commit
 from consumers.trainer.rank_agreement import RankRoles
-from rollstream.bus import GroupReader, delete_run, setup_run
+from rollstream.bus import GroupReader, Publisher, delete_run, setup_run
 from rollstream.bus.replication import set_acks
 from rollstream.config import load_config
 from rollstream.keys import COMMITTED_STEP_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.audit import audit_run
 from rollstream.ops.embedded_redis import free_port
-from rollstream.testing.fakes import leased_fakes
+from rollstream.testing.fakes import leased_fakes, local_update
 from schemas import TRAINED, Fate, StepMetrics, encode
 
 TINY = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu"]
@@ -55,6 +55,13 @@ def _steps(r: redis.Redis, keys: Keys, n_steps: int, per_step: int = 2) -> list[
     return out
 
 
+def _emit_updates(r: redis.Redis, keys: Keys, ledgers: list[StepLedger]) -> None:
+    """Each step's local update, emitted live (as the trainer does while it trains) and kept in its ledger."""
+    for lg in ledgers:
+        update = local_update(lg.global_step, 1, len(lg.fates), {"actor/loss": float(lg.global_step)})
+        lg.updates.append((Publisher(r).publish(keys.metrics, update), update))
+
+
 def _snapshot(r: redis.Redis, keys: Keys) -> dict[bytes, bytes]:
     """Every key of the run, DUMPed: what a replica that stopped receiving here would hold."""
     return {k: r.dump(k) for k in r.scan_iter(match=keys.pattern())}  # type: ignore[misc]
@@ -75,10 +82,11 @@ def _ack_as_duplicates(r: redis.Redis, keys: Keys, ledgers: list[StepLedger]) ->
 
 def _state(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     """What a commit writes: fates (ids), step_end steps in log order, committed_step, consumed, pending."""
-    ends = [int(f[b"global_step"]) for _, f in r.xrange(keys.metrics) if f[b"type"] == b"step_end"]
+    events = [(f[b"type"], int(f[b"global_step"])) for _, f in r.xrange(keys.metrics)]
     return {
         "fates": [i.decode() for i, _ in r.xrange(keys.fates)],
-        "step_ends": ends,
+        "step_ends": [g for kind, g in events if kind == b"step_end"],
+        "updates": sorted(g for kind, g in events if kind == b"local_update"),
         "committed_step": int(r.hget(keys.trainer, COMMITTED_STEP_FIELD) or 0),  # type: ignore[arg-type]
         "consumed": int(r.get(keys.consumed) or 0),  # type: ignore[arg-type]
         "pending": r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"],
@@ -99,6 +107,7 @@ def _assert_restored(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], pend
     assert _state(r, keys) == {
         "fates": [f"{lg.global_step}-{i}" for lg in ledgers for i in range(1, len(lg.fates) + 1)],
         "step_ends": list(range(1, n + 1)),
+        "updates": sorted(lg.global_step for lg in ledgers for _ in lg.updates),
         "committed_step": n,
         "consumed": sum(len(lg.fates) for lg in ledgers),
         "pending": pending,
@@ -118,21 +127,26 @@ def test_a_commit_lost_in_a_failover_is_committed_again(
     ledgers = _steps(r, keys, 6)
     effects = _effects(r, keys, tmp_path)
     assert effects.reconcile() == []  # nothing committed yet: nothing to do
+    _emit_updates(r, keys, ledgers[0:3])
     effects.commit(ledgers[0:2], 2)
     replica = _snapshot(r, keys)  # the replica Sentinel will promote stops receiving here
+    _emit_updates(r, keys, ledgers[3:4])
     effects.commit(ledgers[2:4], 4)  # WAIT-acknowledged by the other replica only
     assert _state(r, keys)["committed_step"] == 4
     _fail_over_to(r, keys, replica)
     _ack_as_duplicates(r, keys, ledgers[2:4])
-    assert _state(r, keys)["committed_step"] == 2 and _state(r, keys)["step_ends"] == [1, 2]
+    lost = _state(r, keys)
+    assert lost["committed_step"] == 2 and lost["step_ends"] == [1, 2] and lost["updates"] == [1, 2, 3]
     assert len(audit_run(r, keys).lost) == 4  # what TOPOLOGY.md's table saw: acked samples without a fate
 
     with caplog.at_level(logging.WARNING, logger="consumers.trainer.ledger"):
         assert effects.reconcile() == [3, 4]
     assert "committing steps [3, 4] again" in caplog.text
-    _assert_restored(r, keys, ledgers[:4], pending=4)
+    assert "emitting again 1 local updates the failover lost (steps [4])" in caplog.text
+    _assert_restored(r, keys, ledgers[:4], pending=4)  # step 3's update once: it was not lost
     before = _state(r, keys)
     assert effects.reconcile() == [] and _state(r, keys) == before  # a second reconciliation: nothing
+    _emit_updates(r, keys, ledgers[4:6])
     effects.commit(ledgers[4:6], 6)
     _assert_restored(r, keys, ledgers)
     assert [lg.global_step for lg in effects.history.ledgers_after(0)] == [1, 2, 3, 4, 5, 6]
@@ -243,6 +257,8 @@ def test_a_restarted_trainer_restores_from_its_checkpoint_what_a_failover_lost(
     before the commit of step 2, and the trainer dies. Restarted, it resumes from the step-4 checkpoint, whose
     `committed` holds the ledgers of steps 1-2: all four steps are committed again, each step_end once, the
     audit is clean, nothing is trained again; a second restart changes nothing."""
+    from consumers.aggregator.sinks import Sinks
+    from consumers.aggregator.worker import AggregatorWorker
     from consumers.trainer.checkpoint import checkpoint_path, read_checkpoint
     from consumers.trainer.loop import Trainer
 
@@ -285,10 +301,13 @@ def test_a_restarted_trainer_restores_from_its_checkpoint_what_a_failover_lost(
         assert t.global_step == 4  # total_training_steps reached: nothing trained again
         state = _state(r, keys)
         assert state["committed_step"] == 4 and state["step_ends"] == [1, 2, 3, 4], state
+        assert state["updates"] == [1, 1, 2, 2, 3, 3, 4, 4]  # steps 3-4's, lost, emitted again once
         assert sorted(decode_ids(r, keys)) == trained and len(state["fates"]) == 8
         rep = audit_run(r, keys)
         assert rep.problems() == [] and not rep.lost and not rep.duplicated and not rep.pending
         assert ("committing steps [1, 2, 3, 4] again" in caplog.text) == (_ == 0)
+    AggregatorWorker(cfg, r, keys, sinks=Sinks(r, keys, [])).run(burst=True)  # every step can complete
+    assert audit_run(r, keys).records == [1, 2, 3, 4]
 
 
 def decode_ids(r: redis.Redis, keys: Keys) -> list[str]:

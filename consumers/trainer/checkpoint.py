@@ -24,7 +24,8 @@ version is upgraded one version at a time on load, so a trainer resumes from any
   3  a step's ack_ids are [stream, entry id] pairs (one rollouts stream per producer); the bare ids of
      version 2 were entries of the shared `rollouts` stream, which this version no longer reads: dropped
   4  `committed`: rank 0's recent commits before this checkpoint's own (ledger.CommitHistory.to_plain: each
-     {at, steps}), committed again on resume if Redis lacks them (a failover lost them); older: none kept
+     {at, steps}), committed again on resume if Redis lacks them (a failover lost them); older: none kept.
+     A step's `updates`: its local_update events ([metrics entry id, event]); older: none (read as [])
 """
 
 from __future__ import annotations

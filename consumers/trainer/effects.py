@@ -299,9 +299,9 @@ class TrainerEffects:
         self.r.hset(self.keys.trainer, TRAINING_STEP_FIELD, global_step)
 
     @effect("publishing local_update")
-    def emit_local_update(self, update: StepMetrics) -> None:
-        """Emit a `local_update` event."""
-        self.publisher.publish(self.keys.metrics, update)
+    def emit_local_update(self, update: StepMetrics) -> str:
+        """Emit a `local_update` event; its entry id."""
+        return self.publisher.publish(self.keys.metrics, update)
 
     @effect("publishing validation")
     def emit_validation(self, event: ValidateMetrics) -> None:

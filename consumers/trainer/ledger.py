@@ -25,7 +25,8 @@ committed_step is an older commit's, the lost steps' samples are pending again (
 collector that remembers their ids). So before every commit, at each step's start and on resume, the trainer
 hash is read (under WATCH, on the connection that then commits) and the kept ledgers of every step past its
 committed_step are committed again in the same MULTI, before any later step's: fates by explicit id, acks,
-consumed counts once, step_end only past committed_step, so the log ends as if nothing was lost.
+consumed counts once, step_end only past committed_step, and the steps' local_update events that are not on
+`metrics` any more (a ledger keeps each one's entry id), so the log ends as if nothing was lost.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class StepLedger:
     fates: list[Fate] = field(default_factory=list)
     ack_ids: list[EntryRef] = field(default_factory=list)  # (rollouts:<p> stream, entry id) each
     step_end: StepMetrics | None = None
+    # (`metrics` entry id, event) of each local_update of the step, every rank's, as emitted live; emitted
+    # again only by a reconciliation that finds it missing (a failover lost it with the step's commit)
+    updates: list[tuple[str, StepMetrics]] = field(default_factory=list)
 
     @property
     def sample_ids(self) -> list[str]:
@@ -83,6 +87,7 @@ class StepLedger:
             "fates": [asdict(f) for f in self.fates],
             "ack_ids": [list(ref) for ref in self.ack_ids],
             "step_end": self.step_end.model_dump() if self.step_end is not None else None,
+            "updates": [[entry_id, u.model_dump()] for entry_id, u in self.updates],
         }
 
     @classmethod
@@ -94,6 +99,7 @@ class StepLedger:
             fates=[Fate(**f) for f in d["fates"]],
             ack_ids=[_entry_ref(ref) for ref in d["ack_ids"]],
             step_end=StepMetrics.model_validate(end) if end is not None else None,
+            updates=[(str(i), StepMetrics.model_validate(u)) for i, u in d.get("updates", [])],
         )  # an older checkpoint's `settled` flag is ignored: consumption is counted per prompt now
 
 
@@ -150,9 +156,11 @@ def _execute_commit(
     param_version: int,
     done: int,
     counted: int,
+    updates: list[StepMetrics] | None = None,
 ) -> None:
     """Queue the commit of `ledgers` on `pipe` (in transaction mode), execute it and WAIT: `done` and
-    `counted` are the trainer hash's committed_step and consumed_step as read before it."""
+    `counted` are the trainer hash's committed_step and consumed_step as read before it; `updates`: local
+    updates to emit again before the step_ends (a reconciliation's)."""
     last = max(lg.global_step for lg in ledgers)
     n_fates = 0
     for lg in ledgers:
@@ -176,6 +184,8 @@ def _execute_commit(
             PROGRESS_AT_FIELD: time.time(),
         },
     )
+    for update in updates or []:
+        pipe.xadd(keys.metrics, encode(update))  # type: ignore[arg-type]
     for lg in ledgers:
         if lg.step_end is not None and lg.global_step > done:
             pipe.xadd(keys.metrics, encode(lg.step_end))  # type: ignore[arg-type]
@@ -299,14 +309,33 @@ def reconcile_and_commit(
                 redo = history.ledgers_after(done) if done < history.last_step else []
                 if redo or ledgers:
                     _report_lost(history, done, redo)
+                    lost = _missing_updates(r, keys, redo)
                     pipe.multi()
                     todo = redo + ledgers
-                    _execute_commit(r, pipe, keys, todo, max(lg.global_step for lg in todo), done, counted)
+                    last = max(lg.global_step for lg in todo)
+                    _execute_commit(r, pipe, keys, todo, last, done, counted, lost)
             break
         except redis.WatchError:
             log.info("trainer hash changed (or the connection was lost) before the commit: reading it again")
     history.add(ledgers)
     return [lg.global_step for lg in redo]
+
+
+def _missing_updates(r: redis.Redis, keys: Keys, ledgers: list[StepLedger]) -> list[StepMetrics]:
+    """The local updates of `ledgers` whose entry is not on `metrics` (lost with their step's commit), to
+    emit again: without them the aggregator could never complete those steps. One pipelined XRANGE each."""
+    wanted = [(entry_id, u) for lg in ledgers for entry_id, u in lg.updates]
+    if not wanted:
+        return []
+    pipe = r.pipeline(transaction=False)
+    for entry_id, _ in wanted:
+        pipe.xrange(keys.metrics, min=entry_id, max=entry_id)
+    found = pipe.execute()
+    lost = [u for (_, u), rows in zip(wanted, found, strict=True) if not rows]
+    if lost:
+        log.warning("emitting again %d local updates the failover lost (steps %s)", len(lost),
+                    sorted({u.global_step for u in lost}))
+    return lost
 
 
 def _report_lost(history: CommitHistory, done: int, redo: list[StepLedger]) -> None:
@@ -339,10 +368,11 @@ def committed_sample_ids(r: redis.Redis, keys: Keys, page: int = 1000) -> set[st
 
 
 def merge_ledgers(global_step: int, ledgers: list[StepLedger]) -> StepLedger:
-    """One step's ledger from every data-parallel rank's own (in rank order): all their fates and acks,
-    which rank 0 checkpoints and commits for every rank in its one MULTI."""
+    """One step's ledger from every data-parallel rank's own (in rank order): all their fates, acks and local
+    updates, which rank 0 checkpoints and commits for every rank in its one MULTI."""
     out = StepLedger(global_step)
     for lg in ledgers:
         out.fates += lg.fates
         out.ack_ids += lg.ack_ids
+        out.updates += lg.updates
     return out

@@ -228,7 +228,7 @@ class Trainer:
         update = step_report.local_update_event(
             g, local, self.dp.rank, got, learned, batch_metrics, versions, self.counters, timings, fg
         )
-        self.effects.emit_local_update(update)
+        ledger.updates.append((self.effects.emit_local_update(update), update))  # emitted again if a failover
         self.effects.heartbeat()
 
     def _finish_step(self, g: int, ledger: StepLedger, t_step: float) -> None:
