@@ -6,7 +6,10 @@ every stats entry a record may use (see fold.py). Each batch is one MULTI/EXEC: 
 completed to `outbox:records` and XACK the entries no future record needs (the completed steps' events,
 superseded and late copies). Everything else stays pending: the events of incomplete steps and the stats
 entries a future record may use. A restarted aggregator re-reads its own pending entries first, in log order,
-so it rebuilds the same fold state (run one aggregator per run, under a stable name).
+so it rebuilds the same fold state (run one aggregator per run, under a stable name). After a reconnect it
+does the same in place (`rebuild`): a failover to a replica that had not received the last writes may have
+lost records and acks the fold counted, and the step_ends the trainer's reconciliation emits again must
+complete those steps, not be set aside as late.
 
 Its user may not XADD `records` nor `dead:aggregator` (an XADD may trim, issue 41 item 5): records, dead
 letters and notes go to its outboxes, which the trainer moves into those streams (rollstream/bus/outbox.py:

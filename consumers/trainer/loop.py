@@ -12,9 +12,16 @@ Global step g (1-based; trains version g-1):
   5. grant version g its dispatch budget; remove weight blobs no producer uses
 
 Restart: the newest checkpoint is loaded; its version is published if `params` lacks it; its commit is
-redone if the trainer hash says it never ran; the budget is granted if not yet. Entries re-delivered from
-our pending list whose sample_id is already in `fates` are acked without training; the rest are trained.
-A stop request mid-step abandons the partial step without acking (its samples are retrained on restart).
+redone if the trainer hash says it never ran, and so is every earlier commit it keeps (`committed`) that
+Redis lacks; the budget is granted if not yet. Entries re-delivered from our pending list whose sample_id is
+already in `fates` are acked without training; the rest are trained. A stop request mid-step abandons the
+partial step without acking (its samples are retrained on restart).
+
+Failover (replicas; consumers/trainer/ledger.py, reconcile_and_commit): rank 0 keeps the ledgers of its
+recent commits; at each step's start and before each commit it compares the trainer hash's committed_step
+with the last step it committed, and commits again what a failover to a replica that had not received it
+lost (fates, acks, consumed counts, step_end, the local updates no longer on `metrics`), before any later
+step's commit.
 
 Sync mode (`trainer.sync_mode`, the synchronous-RL baseline of `rollstream bench async`): the first local
 update of a step waits until the step's whole train_batch_size is collected, so with
@@ -174,9 +181,10 @@ class Trainer:
         return True
 
     def _begin_step(self, g: int) -> StepLedger:
-        """(1) Begin step g: record it as begun (rank 0, once, before any event of step g: the aggregator
-        places nothing beyond it), pin the current weights as the proximal policy, reset the step's
-        counts; returns its empty ledger."""
+        """(1) Begin step g: rank 0 first commits again any commit a failover lost (TrainerEffects.reconcile),
+        then records step g as begun (once, before any event of step g: the aggregator places nothing beyond
+        it); pin the current weights as the proximal policy, reset the step's counts; returns its empty
+        ledger."""
         self.collector.step_dead = 0
         self.lengths = LengthBuckets(self.cfg.data.max_response_length)
         if self.dp.roles.main:  # a failover since the last step may have lost commits: redone first

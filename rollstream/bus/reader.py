@@ -10,7 +10,9 @@ decoded; one that fails to decode, or has been delivered max_deliveries times, g
 and is acked in the same MULTI. Acks happen after the caller's effect, in batches: through `ack`, or inside
 its own MULTI with the effect and then `forget` (the trainer acks only once a checkpoint covers a step; the
 aggregator acks in the transaction that writes records). Entries held unacked are kept fresh with XCLAIM
-JUSTID (which resets idle time without counting a delivery) so no one else claims them.
+JUSTID (which resets idle time without counting a delivery) so no one else claims them. An entry held that a
+read of new entries delivers again (the group's last-delivered-id went back: a failover to a replica that had
+not received the earlier read) is passed over: it is already ours, and acked with its effect.
 
 Burst mode (tests, replays, benchmarks): the loop ends after the poll that finds the stream drained, i.e.
 a read of new entries (`>`) that returned none while not re-reading our own pending list. A connection
