@@ -175,7 +175,9 @@ class AggregatorWorker:
         self.reader.release_all()
         self.stats_reader.release_all()
         done = retry_on_connection(lambda: recorded_steps(self.r, self.keys), "reading records")
+        stats = self.fold.stats  # the process's counts go on
         self.fold = Fold(self.cfg.aggregator.total_gpus, done_steps=done)
+        self.fold.stats = stats
         self.progress = TrainerProgress(self.r, self.keys)
         self._due_since.clear()
         self._reported.clear()
