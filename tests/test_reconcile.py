@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis
+import torch
 from conftest import P0, PRODUCERS
 
 from consumers.trainer import ledger as ledger_mod
@@ -253,23 +254,27 @@ def test_commit_history_keeps_recent_commits_and_round_trips() -> None:
 def test_a_restarted_trainer_restores_from_its_checkpoint_what_a_failover_lost(
     r: redis.Redis, keys: Keys, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A tiny trainer trains 4 steps (commits at 2 and 4); the failover's new primary holds what Redis had
-    before the commit of step 2, and the trainer dies. Restarted, it resumes from the step-4 checkpoint, whose
-    `committed` holds the ledgers of steps 1-2: all four steps are committed again, each step_end once, the
-    audit is clean, nothing is trained again; a second restart changes nothing."""
+    """A tiny trainer trains 6 steps (commits at 2, 4 and 6); the failover's new primary holds what Redis had
+    before the commit of step 2, and the trainer dies, for long (its checkpoint's commits are old). Restarted,
+    it resumes from the step-6 checkpoint, whose `committed` holds the ledgers of steps 1-4: all six steps are
+    committed again, each step_end and local update once, the audit is clean, nothing is trained again, every
+    step gets its record; a second restart changes nothing."""
+    from safetensors.torch import load_file, save_file
+
     from consumers.aggregator.sinks import Sinks
     from consumers.aggregator.worker import AggregatorWorker
     from consumers.trainer.checkpoint import checkpoint_path, read_checkpoint
     from consumers.trainer.loop import Trainer
+    from schemas import decode_payload, encode_payload
 
     cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "trainer.test_freq=0",
                                     "actor.ppo_mini_batch_size=1", "data.train_batch_size=2",
                                     "async_training.trigger_parameter_sync_step=2", "trainer.save_freq=2",
-                                    "trainer.total_training_steps=4", "trainer.max_off_policy_threshold=10",
+                                    "trainer.total_training_steps=6", "trainer.max_off_policy_threshold=10",
                                     "bus.block_ms=10", "run.redis.sentinels=['127.0.0.1:26379']"])
     # (replicas behind Sentinel in the config: the checkpoint keeps the earlier commits; the client is `r`)
     setup_run(r, keys, PRODUCERS)
-    for s in leased_fakes(r, keys, 8, n=2, prompt_len=4, response_len=4):
+    for s in leased_fakes(r, keys, 12, n=2, prompt_len=4, response_len=4):
         s.param_version = 0
         r.xadd(keys.rollouts_of(P0), encode(s))  # type: ignore[arg-type]
     trainer = Trainer(cfg, r, keys, "trainer", threading.Event(), burst=True)
@@ -282,14 +287,20 @@ def test_a_restarted_trainer_restores_from_its_checkpoint_what_a_failover_lost(
         commit(ledgers, global_step)
 
     trainer.effects.commit = snapshot_then_commit  # type: ignore[method-assign]
-    assert trainer.run() == 0 and trainer.global_step == 4
+    assert trainer.run() == 0 and trainer.global_step == 6
     done = _state(r, keys)
-    assert done["committed_step"] == 4 and done["step_ends"] == [1, 2, 3, 4] and done["pending"] == 0
+    assert done["committed_step"] == 6 and done["step_ends"] == [1, 2, 3, 4, 5, 6] and done["pending"] == 0
     trained = sorted(decode_ids(r, keys))
-    assert len(trained) == 8
-    _, _, meta = read_checkpoint(checkpoint_path(trainer.ckpt_dir, 4).read_bytes())
-    assert [[s["global_step"] for s in c["steps"]] for c in meta["committed"]] == [[1, 2]]
-    assert [s["global_step"] for s in meta["steps"]] == [3, 4]
+    assert len(trained) == 12
+    path = checkpoint_path(trainer.ckpt_dir, 6)
+    _, _, meta = read_checkpoint(path.read_bytes())
+    assert [[s["global_step"] for s in c["steps"]] for c in meta["committed"]] == [[1, 2], [3, 4]]
+    assert [s["global_step"] for s in meta["steps"]] == [5, 6]
+    tensors = load_file(str(path))  # the trainer stays down for long: its kept commits are old
+    raw = decode_payload(tensors["meta/payload"].numpy().tobytes())
+    raw["committed"] = [{**c, "at": 0.0} for c in raw["committed"]]
+    tensors["meta/payload"] = torch.frombuffer(bytearray(encode_payload(raw)), dtype=torch.uint8)
+    save_file(tensors, str(path))
 
     _fail_over_to(r, keys, replica)  # and the trainer is gone
     assert _state(r, keys)["committed_step"] == 0
@@ -298,16 +309,16 @@ def test_a_restarted_trainer_restores_from_its_checkpoint_what_a_failover_lost(
         t = Trainer(cfg, r, keys, "trainer", threading.Event(), burst=True)
         with caplog.at_level(logging.WARNING, logger="consumers.trainer.ledger"):
             assert t.run() == 0
-        assert t.global_step == 4  # total_training_steps reached: nothing trained again
+        assert t.global_step == 6  # total_training_steps reached: nothing trained again
         state = _state(r, keys)
-        assert state["committed_step"] == 4 and state["step_ends"] == [1, 2, 3, 4], state
-        assert state["updates"] == [1, 1, 2, 2, 3, 3, 4, 4]  # steps 3-4's, lost, emitted again once
-        assert sorted(decode_ids(r, keys)) == trained and len(state["fates"]) == 8
+        assert state["committed_step"] == 6 and state["step_ends"] == [1, 2, 3, 4, 5, 6], state
+        assert state["updates"] == [g for g in range(1, 7) for _ in range(2)]  # 3-6's, lost, emitted again
+        assert sorted(decode_ids(r, keys)) == trained and len(state["fates"]) == 12
         rep = audit_run(r, keys)
         assert rep.problems() == [] and not rep.lost and not rep.duplicated and not rep.pending
-        assert ("committing steps [1, 2, 3, 4] again" in caplog.text) == (_ == 0)
+        assert ("committing steps [1, 2, 3, 4, 5, 6] again" in caplog.text) == (_ == 0)
     AggregatorWorker(cfg, r, keys, sinks=Sinks(r, keys, [])).run(burst=True)  # every step can complete
-    assert audit_run(r, keys).records == [1, 2, 3, 4]
+    assert audit_run(r, keys).records == [1, 2, 3, 4, 5, 6]
 
 
 def decode_ids(r: redis.Redis, keys: Keys) -> list[str]:

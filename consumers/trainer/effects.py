@@ -28,6 +28,7 @@ from torch import nn
 
 from consumers.trainer.distributed import DataParallel
 from consumers.trainer.ledger import (
+    Commit,
     CommitHistory,
     StepLedger,
     commit_steps,
@@ -230,8 +231,10 @@ class TrainerEffects:
                 commit_steps(self.r, self.keys, ledgers, global_step)
             self.history.add(ledgers)
         else:
-            self.history = CommitHistory(history.commits if history is not None else [])
-            self.history.add(ledgers)  # checkpointed: committed below if it never was (a crash before it)
+            # the checkpoint's commits, none pruned by age (the trainer may have been down for long), then its
+            # own steps: committed below if they never were (a crash before the commit)
+            kept = history.commits if history is not None else []
+            self.history = CommitHistory([*kept, Commit(time.time(), ledgers)] if ledgers else kept)
             reconcile_and_commit(self.r, self.keys, self.history)
         self.grant(global_step)
         self.r.hset(self.keys.trainer, PROGRESS_AT_FIELD, time.time())  # the clock of `status`'s stall check
