@@ -215,10 +215,11 @@ def _raise_commit_errors(results: list[Any], n_fates: int) -> None:
 #: 50 s with the default down_after_ms 5000), and the one with the highest offset it saw (INFO every second
 #: during a failover), so in practice it lags by under a second. 120 s covers the rule with a margin.
 RETAIN_COMMITS_S = 120.0
-#: Most steps kept (unless MIN_RETAINED_COMMITS hold more): the history goes into every checkpoint, which a
-#: fast run writes every step (trainer.save_freq 1, ~40 ms steps on the tiny CPU model): 64 steps are ~2.5 s
-#: of such a run, well past a replica's usual lag, and ~1 ms a checkpoint to encode (each commit's plain form
-#: is made once and cached); a run with steps of seconds keeps minutes of them.
+#: Most steps kept (unless MIN_RETAINED_COMMITS hold more): where Redis can fail over the history goes into
+#: every checkpoint, which a fast run writes every step (trainer.save_freq 1, ~40 ms steps on the tiny CPU
+#: model): 64 steps are ~2.5 s of such a run, past a replica's usual lag, and cost ~2 ms and ~0.6 MB a
+#: checkpoint at 32 samples a step (each commit's plain form is made once and cached, then only encoded);
+#: a run with steps of seconds keeps minutes of them.
 MAX_RETAINED_STEPS = 64
 #: Fewest commits kept, whatever their age and size: the last commit, and the one before it (a slow run's
 #: commits are minutes apart; the last is the one a failover most likely lost).
