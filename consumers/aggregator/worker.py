@@ -339,8 +339,7 @@ class AggregatorWorker:
             for msgs in self.reader.batches(burst=burst):
                 if self.reader.stats.reconnects != self._reconnects:  # a failover may have lost folded steps
                     self._reconnects = self.reader.stats.reconnects
-                    self.reader.release(m.ref for m in msgs)
-                    self.rebuild()
+                    self.rebuild()  # this batch too is re-read from the pending list, in log order
                     continue
                 stats, complete = self.drain_stats(msgs[-1].id if msgs else None)
                 if not complete:  # stopped mid-drain: these stay pending for the next aggregator

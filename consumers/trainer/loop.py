@@ -236,7 +236,8 @@ class Trainer:
         update = step_report.local_update_event(
             g, local, self.dp.rank, got, learned, batch_metrics, versions, self.counters, timings, fg
         )
-        ledger.updates.append((self.effects.emit_local_update(update), update))  # emitted again if a failover
+        entry_id = self.effects.emit_local_update(update)
+        ledger.updates.append((entry_id, update))  # emitted again if a failover loses it with the commit
         self.effects.heartbeat()
 
     def _finish_step(self, g: int, ledger: StepLedger, t_step: float) -> None:

@@ -148,8 +148,8 @@ def _wait(conn: AbstractConnection, replicas: int, timeout_ms: int) -> int:
 def held_transaction(r: redis.Redis) -> Iterator[Pipeline]:
     """A transaction pipeline on one connection held until the block ends: a WATCH, the reads after it, the
     EXEC and execute_and_wait's WAIT all go over it. A failover between the reads and the EXEC breaks that
-    connection (or demotes its server), so the EXEC is refused (WatchError, a ConnectionError) rather than
-    applied to another primary's data, which the reads never saw."""
+    connection (or demotes its server), so the EXEC is refused (WatchError, or a ConnectionError) rather
+    than applied to another primary's data, which the reads never saw."""
     pool = r.connection_pool
     conn = pool.get_connection()
     pipe = r.pipeline(transaction=True)
