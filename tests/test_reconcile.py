@@ -30,6 +30,7 @@ from rollstream.config import load_config
 from rollstream.keys import COMMITTED_STEP_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.audit import audit_run
 from rollstream.ops.embedded_redis import free_port
+from rollstream.pacing.budget import current_budget
 from rollstream.testing.fakes import leased_fakes, local_update
 from schemas import TRAINED, Fate, StepMetrics, encode
 
@@ -120,33 +121,39 @@ def _assert_restored(r: redis.Redis, keys: Keys, ledgers: list[StepLedger], pend
 def test_a_commit_lost_in_a_failover_is_committed_again(
     r: redis.Redis, keys: Keys, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Steps 1-2 and 3-4 committed; the failover's new primary has only the first commit, and the collector
-    acked steps 3-4's samples as duplicates: the audit finds them acked without a fate. The reconciliation at
-    the next step's start commits 3-4 again (warning naming them); a second one changes nothing; the next
-    commit goes on from there."""
+    """Steps 1-2 and 3-4 committed (each commit followed by its version's grant); the failover's new primary
+    has only the first commit and grant, and the collector acked steps 3-4's samples as duplicates: the audit
+    finds them acked without a fate. The reconciliation at the next step's start commits 3-4 again (a warning
+    naming them), with step 4's local update, lost too, and grants version 4 again; a second one changes
+    nothing; the next commit goes on from there."""
     setup_run(r, keys, PRODUCERS)
     ledgers = _steps(r, keys, 6)
     effects = _effects(r, keys, tmp_path)
-    assert effects.reconcile() == []  # nothing committed yet: nothing to do
+    effects.grant(0)  # as the trainer's resume does
+    assert effects.reconcile(0) == []  # nothing committed yet: nothing to do
     _emit_updates(r, keys, ledgers[0:3])
     effects.commit(ledgers[0:2], 2)
+    effects.grant(2)
     replica = _snapshot(r, keys)  # the replica Sentinel will promote stops receiving here
     _emit_updates(r, keys, ledgers[3:4])
     effects.commit(ledgers[2:4], 4)  # WAIT-acknowledged by the other replica only
+    effects.grant(4)
     assert _state(r, keys)["committed_step"] == 4
     _fail_over_to(r, keys, replica)
     _ack_as_duplicates(r, keys, ledgers[2:4])
     lost = _state(r, keys)
     assert lost["committed_step"] == 2 and lost["step_ends"] == [1, 2] and lost["updates"] == [1, 2, 3]
+    assert current_budget(r, keys)[0] == 2
     assert len(audit_run(r, keys).lost) == 4  # what TOPOLOGY.md's table saw: acked samples without a fate
 
-    with caplog.at_level(logging.WARNING, logger="consumers.trainer.ledger"):
-        assert effects.reconcile() == [3, 4]
+    with caplog.at_level(logging.WARNING, logger="consumers"):
+        assert effects.reconcile(4) == [3, 4]
     assert "committing steps [3, 4] again" in caplog.text
     assert "emitting again 1 local updates the failover lost (steps [4])" in caplog.text
+    assert "the budget of version 4 is not on Redis" in caplog.text and current_budget(r, keys)[0] == 4
     _assert_restored(r, keys, ledgers[:4], pending=4)  # step 3's update once: it was not lost
     before = _state(r, keys)
-    assert effects.reconcile() == [] and _state(r, keys) == before  # a second reconciliation: nothing
+    assert effects.reconcile(4) == [] and _state(r, keys) == before  # a second reconciliation: nothing
     _emit_updates(r, keys, ledgers[4:6])
     effects.commit(ledgers[4:6], 6)
     _assert_restored(r, keys, ledgers)
@@ -396,6 +403,7 @@ def test_a_commit_acknowledged_by_one_replica_survives_promoting_the_other(
     setup_run(r, keys, PRODUCERS)
     ledgers = _steps(r, keys, 4)
     effects = _effects(r, keys, tmp_path)
+    effects.grant(0)  # as the trainer's resume does
     effects.commit(ledgers[0:2], 2)
     assert [c["at"] for c in effects.committed_for_checkpoint()] == [effects.history.commits[0].at]  # WAIT
     deadline = time.monotonic() + 10  # until replica 2 holds the commit of step 2 too
@@ -414,7 +422,7 @@ def test_a_commit_acknowledged_by_one_replica_survives_promoting_the_other(
     _ack_as_duplicates(new, keys, ledgers[2:4])
     assert len(audit_run(new, keys).lost) == 4
     effects.r = new  # the trainer's client follows the failover
-    assert effects.reconcile() == [3, 4]
+    assert effects.reconcile(0) == [3, 4]
     _assert_restored(new, keys, ledgers)
     deadline = time.monotonic() + 10
     for node in (rep1, primary):  # the replicas of the new primary hold it too

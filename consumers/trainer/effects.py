@@ -54,6 +54,7 @@ from rollstream.bus.replication import acks_of, execute_replicated
 from rollstream.config import PipelineConfig
 from rollstream.keys import (
     AGGREGATOR_GROUP,
+    BUDGET_VERSION_FIELD,
     COMMITTED_STEP_FIELD,
     HEARTBEAT_FIELD,
     PROGRESS_AT_FIELD,
@@ -372,13 +373,22 @@ class TrainerEffects:
         reconcile_and_commit(self.r, self.keys, self.history, ledgers)
 
     @effect("checking the commits")
-    def reconcile(self) -> list[int]:
-        """Rank 0: commit again every kept commit Redis lacks (its committed_step behind the last step this
-        trainer committed: a failover to a replica that had not received them); the steps redone. One HGET
-        when nothing is lacking."""
-        if committed_step(self.r, self.keys) >= self.history.last_step:
-            return []
-        return reconcile_and_commit(self.r, self.keys, self.history)
+    def reconcile(self, granted: int) -> list[int]:
+        """Rank 0, at a step's start: commit again every kept commit Redis lacks (its committed_step behind
+        the last step this trainer committed: a failover to a replica that had not received them), and grant
+        version `granted` (the last one granted) again when Redis's budget is an older version's (the grant
+        lost with them: the producers would wait for a budget, the trainer for their samples); the steps
+        redone. One HMGET when nothing is lacking."""
+        raw: Any = self.r.hmget(self.keys.trainer, COMMITTED_STEP_FIELD, BUDGET_VERSION_FIELD)
+        done, budget = (count_or_none(v) for v in raw)
+        redone = []
+        if (done or 0) < self.history.last_step:
+            redone = reconcile_and_commit(self.r, self.keys, self.history)
+        if (budget if budget is not None else -1) < granted:
+            log.warning("the budget of version %d is not on Redis (it has version %s's): a failover lost the "
+                        "grant, granting it again", granted, budget)
+            self.grant(granted)
+        return redone
 
     @effect("counting step {global_step}")
     def count_consumed(self, ledger: StepLedger, global_step: int) -> None:

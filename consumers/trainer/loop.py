@@ -21,7 +21,7 @@ Failover (replicas; consumers/trainer/ledger.py, reconcile_and_commit): rank 0 k
 recent commits; at each step's start and before each commit it compares the trainer hash's committed_step
 with the last step it committed, and commits again what a failover to a replica that had not received it
 lost (fates, acks, consumed counts, step_end, the local updates no longer on `metrics`), before any later
-step's commit.
+step's commit; at a step's start it also grants the last version's budget again if the failover lost it.
 
 Sync mode (`trainer.sync_mode`, the synchronous-RL baseline of `rollstream bench async`): the first local
 update of a step waits until the step's whole train_batch_size is collected, so with
@@ -181,14 +181,14 @@ class Trainer:
         return True
 
     def _begin_step(self, g: int) -> StepLedger:
-        """(1) Begin step g: rank 0 first commits again any commit a failover lost (TrainerEffects.reconcile),
-        then records step g as begun (once, before any event of step g: the aggregator places nothing beyond
-        it); pin the current weights as the proximal policy, reset the step's counts; returns its empty
-        ledger."""
+        """(1) Begin step g: rank 0 first commits again any commit a failover lost, and grants again a lost
+        budget (TrainerEffects.reconcile), then records step g as begun (once, before any event of step g:
+        the aggregator places nothing beyond it); pin the current weights as the proximal policy, reset the
+        step's counts; returns its empty ledger."""
         self.collector.step_dead = 0
         self.lengths = LengthBuckets(self.cfg.data.max_response_length)
-        if self.dp.roles.main:  # a failover since the last step may have lost commits: redone first
-            self.effects.reconcile()
+        if self.dp.roles.main:  # a failover since the last step may have lost commits and a grant: redone
+            self.effects.reconcile(self.global_step)
         if g > self.training_step:
             if self.dp.roles.main:  # the other ranks emit nothing of step g before rank 0's first collective
                 self.effects.mark_training_step(g)
