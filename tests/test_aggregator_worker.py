@@ -417,3 +417,34 @@ def test_stats_drain_after_a_reconnect_reads_past_entries_it_already_holds(
     worker.stop.clear()
     worker.run(burst=True)
     assert decoded(r, keys)[2].metrics["producer/rollout_00/samples"] == 7
+
+
+def test_a_record_lost_in_a_failover_is_folded_again_when_the_trainer_emits_its_step_end_again(
+    r: redis.Redis, keys: Keys, tmp_path: Path, redis_url: str
+) -> None:
+    """The failover's new primary has step 2's local update but not its step_end nor its record (the promoted
+    replica had not received them); the trainer's reconciliation emits the step_end again. The aggregator,
+    reconnected, rebuilds its fold from Redis, as a restart would, and writes record 2 (a fold still holding
+    step 2 as recorded would set the step_end aside as late, and record 2 would never come)."""
+    cfg = make_cfg(keys, tmp_path, redis_url)
+    publish(r, keys, [lu(1, 1, 2, x=1.0), step_end(1, 1), lu(2, 1, 2, x=3.0)], trainer_at=1)
+    r.hset(keys.trainer, TRAINING_STEP_FIELD, 2)  # step 2 begun, committed up to 1
+    worker = AggregatorWorker(cfg, r, keys, sinks=Sinks(r, keys, []))
+    worker.run(burst=True)
+    assert sorted(decoded(r, keys)) == [1]
+    replica = {k: r.dump(k) for k in r.scan_iter(match=keys.pattern())}  # stops receiving here
+    publish(r, keys, [step_end(2, 1)], trainer_at=2)
+    worker.stop.clear()
+    worker.run(burst=True)
+    assert sorted(decoded(r, keys)) == [1, 2]
+    delete_run(r, keys)  # the failover
+    for k, v in replica.items():
+        r.restore(k, 0, v)  # type: ignore[arg-type]
+    assert sorted(decoded(r, keys)) == [1]
+    publish(r, keys, [step_end(2, 1)], trainer_at=2)  # the trainer commits step 2 again
+    worker.reader.on_reconnect()  # the failover broke the aggregator's connection
+    worker.stop.clear()
+    worker.run(burst=True)
+    recs = decoded(r, keys)
+    assert sorted(recs) == [1, 2] and recs[2].metrics["x"] == 3.0
+    assert pending_ids(r, keys) == []

@@ -224,13 +224,13 @@ def test_a_checkpoint_with_old_format_metadata_loads_upgraded(
 ) -> None:
     """Metadata written before it had a version (fates with `entry_id`, no `global_step`) is upgraded on
     load, and committing its steps writes the same fates entries as current metadata would; its bare ack ids
-    (of the shared `rollouts` stream this version no longer reads) are dropped."""
+    (of the shared `rollouts` stream this version no longer reads) are dropped; it kept no earlier commits."""
     cfg = load_config(None, TINY + ["actor.ppo_mini_batch_size=2", "data.train_batch_size=4"])
     learner = Learner(cfg)
     path = save_checkpoint(tmp_path, 4, learner.policy, learner.optimizer, {"param_version": 4, "steps": []})
     tensors = load_file(str(path))
     meta = decode_payload(tensors["meta/payload"].numpy().tobytes())
-    assert meta.pop("meta_version") == META_VERSION == 3
+    assert meta.pop("meta_version") == META_VERSION == 4
     meta["steps"] = [
         {  # what the trainer wrote before metadata versions (layout 1)
             "global_step": 4,
@@ -247,6 +247,7 @@ def test_a_checkpoint_with_old_format_metadata_loads_upgraded(
 
     got = load_checkpoint(checkpoint_path(tmp_path, 4), Learner(cfg).policy, Learner(cfg).optimizer)
     assert "meta_version" not in got and got["param_version"] == 4
+    assert got["committed"] == []  # layout 4: no earlier commits were kept
     (ledger,) = [StepLedger.from_plain(d) for d in got["steps"]]
     assert ledger.fates == [Fate("s0", "5-0", TRAINED, 1, 3, 4), Fate("s1", "6-0", DROPPED, 3, 1, 4)]
     assert ledger.dropped == 1 and ledger.ack_ids == []

@@ -6,7 +6,10 @@ every stats entry a record may use (see fold.py). Each batch is one MULTI/EXEC: 
 completed to `outbox:records` and XACK the entries no future record needs (the completed steps' events,
 superseded and late copies). Everything else stays pending: the events of incomplete steps and the stats
 entries a future record may use. A restarted aggregator re-reads its own pending entries first, in log order,
-so it rebuilds the same fold state (run one aggregator per run, under a stable name).
+so it rebuilds the same fold state (run one aggregator per run, under a stable name). After a reconnect it
+does the same in place (`rebuild`): a failover to a replica that had not received the last writes may have
+lost records and acks the fold counted, and the step_ends the trainer's reconciliation emits again must
+complete those steps, not be set aside as late.
 
 Its user may not XADD `records` nor `dead:aggregator` (an XADD may trim, issue 41 item 5): records, dead
 letters and notes go to its outboxes, which the trainer moves into those streams (rollstream/bus/outbox.py:
@@ -124,6 +127,7 @@ class AggregatorWorker:
         self.events = 0
         self._due_since: dict[int, tuple[float, str]] = {}  # step -> (when its step_end became due, why)
         self._reported: set[int] = set()
+        self._reconnects = 0  # the metrics reader's reconnects when the fold was last (re)built
 
     # -- one batch ------------------------------------------------------------------------------------
 
@@ -161,6 +165,24 @@ class AggregatorWorker:
             self._commit(completed, refs)
         self.move_outbox()
         return completed
+
+    def rebuild(self) -> None:
+        """Start the fold again from what Redis holds, as a restarted aggregator does: the steps in `records`,
+        then every entry of its pending lists, re-read in log order (both readers let go of what they hold).
+        Run after a reconnect: a failover to a replica that had not received the last writes loses records
+        and acks this fold counted, and the trainer's reconciliation emits those steps' step_ends again,
+        which a fold still holding the steps as recorded would set aside as late (a record lost for good)."""
+        self.reader.release_all()
+        self.stats_reader.release_all()
+        done = retry_on_connection(lambda: recorded_steps(self.r, self.keys), "reading records")
+        stats = self.fold.stats  # the process's counts go on
+        self.fold = Fold(self.cfg.aggregator.total_gpus, done_steps=done)
+        self.fold.stats = stats
+        self.progress = TrainerProgress(self.r, self.keys)
+        self._due_since.clear()
+        self._reported.clear()
+        log.warning("reconnected: fold rebuilt from Redis (%d steps recorded), pending entries re-read",
+                    len(done))
 
     def move_outbox(self) -> None:
         """Without ACLs, move the outboxes into `records` and `dead:aggregator` now; under the aggregator's
@@ -316,6 +338,10 @@ class AggregatorWorker:
         sinks_due = True
         try:
             for msgs in self.reader.batches(burst=burst):
+                if self.reader.stats.reconnects != self._reconnects:  # a failover may have lost folded steps
+                    self._reconnects = self.reader.stats.reconnects
+                    self.rebuild()  # this batch too is re-read from the pending list, in log order
+                    continue
                 stats, complete = self.drain_stats(msgs[-1].id if msgs else None)
                 if not complete:  # stopped mid-drain: these stay pending for the next aggregator
                     self.reader.release(m.id for m in msgs)

@@ -6,7 +6,8 @@
   rng/torch, rng/cuda/<d>, rng/numpy, rng/python   RNG states
   meta/payload         uint8: msgpack (schemas.encode_payload) of the metadata: meta_version,
                        global_step, optimizer param_groups, RNG scalars, and the trainer loop's
-                       param_version, steps (StepLedger.to_plain of the steps it covers) and counters
+                       param_version, steps (StepLedger.to_plain of the steps it covers), committed
+                       (the ledgers of recent earlier commits, ledger.CommitHistory) and counters
 No pickle anywhere: torch.save/torch.load are not used. The newest `keep_last` files are kept.
 
 Data parallel: rank 0 writes the one file (weights and optimizer once: replicated under DDP, gathered
@@ -22,6 +23,9 @@ version is upgraded one version at a time on load, so a trainer resumes from any
      global_step added)
   3  a step's ack_ids are [stream, entry id] pairs (one rollouts stream per producer); the bare ids of
      version 2 were entries of the shared `rollouts` stream, which this version no longer reads: dropped
+  4  `committed`: rank 0's recent commits before this checkpoint's own (ledger.CommitHistory.to_plain: each
+     {at, steps}), committed again on resume if Redis lacks them (a failover lost them); older: none kept.
+     A step's `updates`: its local_update events ([metrics entry id, event]); older: none (read as [])
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from schemas import decode_payload, encode_payload
 _NAME = re.compile(r"^step-(\d{8})\.safetensors$")
 _META = "meta/payload"
 #: Layout version of the metadata this code writes (see the module docstring).
-META_VERSION = 3
+META_VERSION = 4
 _VERSION_KEY = "meta_version"
 
 
@@ -178,8 +182,18 @@ def _meta_2_to_3(meta: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
+def _meta_3_to_4(meta: dict[str, Any]) -> dict[str, Any]:
+    """No earlier commits were kept: `committed` is empty (only the checkpoint's own steps can be redone)."""
+    meta.setdefault("committed", [])
+    return meta
+
+
 #: version -> function turning metadata of that version into the next one.
-_META_UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _meta_1_to_2, 2: _meta_2_to_3}
+_META_UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    1: _meta_1_to_2,
+    2: _meta_2_to_3,
+    3: _meta_3_to_4,
+}
 
 
 def upgrade_meta(meta: dict[str, Any]) -> dict[str, Any]:

@@ -28,11 +28,14 @@ from torch import nn
 
 from consumers.trainer.distributed import DataParallel
 from consumers.trainer.ledger import (
+    Commit,
+    CommitHistory,
     StepLedger,
     commit_steps,
     committed_sample_ids,
     committed_step,
     count_consumed,
+    reconcile_and_commit,
 )
 from rollstream.bus import (
     CONNECTION_ERRORS,
@@ -44,12 +47,14 @@ from rollstream.bus import (
     retry_on_connection,
     setup_run,
 )
+from rollstream.bus.connection import can_fail_over
 from rollstream.bus.ids import count_or_none
 from rollstream.bus.outbox import OutboxDrain, record_id
 from rollstream.bus.replication import acks_of, execute_replicated
 from rollstream.config import PipelineConfig
 from rollstream.keys import (
     AGGREGATOR_GROUP,
+    BUDGET_VERSION_FIELD,
     COMMITTED_STEP_FIELD,
     HEARTBEAT_FIELD,
     PROGRESS_AT_FIELD,
@@ -130,6 +135,9 @@ class TrainerEffects:
         # this rank's heartbeat fields: rank 0 `heartbeat`; with several ranks also `heartbeat:r<rank>`
         self.heartbeat_fields = [HEARTBEAT_FIELD] if dp.roles.main else []
         self.leaser: Leaser | None = None  # rank 0's lease loop, once resumed
+        self.history = CommitHistory()  # rank 0: its recent commits, redone if a failover loses them
+        # ...and kept in its checkpoints where a failover can lose them (a fast run checkpoints every step)
+        self.history_in_checkpoint = cfg.run.redis.replicated or can_fail_over(r)
         if dp.roles.agreed:
             self.heartbeat_fields.append(rank_heartbeat_field(dp.rank))
 
@@ -187,6 +195,12 @@ class TrainerEffects:
             return False  # no metrics stream or group: no aggregator
         return any(int(c.get("idle", 1 << 40)) < 3000 for c in consumers)
 
+    def committed_for_checkpoint(self) -> list[dict[str, Any]]:
+        """The kept commits for the checkpoint's `committed` (CommitHistory.to_plain), so a restarted trainer
+        commits again what a failover lost; none where Redis cannot fail over (no replicas, Sentinel nor
+        Cluster: a single Redis keeps every acknowledged write)."""
+        return self.history.to_plain() if self.history_in_checkpoint else []
+
     @property
     def over_budget(self) -> bool:
         """The janitor's last run found unread data over the retention budget (False without a janitor)."""
@@ -203,14 +217,26 @@ class TrainerEffects:
         whole: dict[str, Any] | None,
         world_size: int,
         probe: Probe | None = None,
+        history: CommitHistory | None = None,
     ) -> None:
         """Rank 0's part of the resume: set up the run, publish the checkpoint's version (with its swap-check
-        `probe`) if `params` lacks it, redo its commit if it never ran, grant its budget."""
+        `probe`) if `params` lacks it, redo its commit if it never ran and every earlier commit of `history`
+        (the checkpoint's) that Redis lacks (reconcile_and_commit), grant its budget. A replay copy redoes
+        only the checkpoint's own commit (its earlier steps were never in this run)."""
         setup_run(self.r, self.keys, producer_names(self.cfg.rollout.num_producers))
         self.publish_weights(global_step, module, whole, only_if_missing=True, probe=probe)
-        if ledgers and committed_step(self.r, self.keys) < global_step:
-            log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
-            commit_steps(self.r, self.keys, ledgers, global_step)
+        if self.r.hexists(self.keys.trainer, REPLAY_COPY_FIELD):
+            self.history = CommitHistory()
+            if ledgers and committed_step(self.r, self.keys) < global_step:
+                log.warning("redoing the commit of steps %s", [lg.global_step for lg in ledgers])
+                commit_steps(self.r, self.keys, ledgers, global_step)
+            self.history.add(ledgers)
+        else:
+            # the checkpoint's commits, none pruned by age (the trainer may have been down for long), then its
+            # own steps: committed below if they never were (a crash before the commit)
+            kept = history.commits if history is not None else []
+            self.history = CommitHistory([*kept, Commit(time.time(), ledgers)] if ledgers else kept)
+            reconcile_and_commit(self.r, self.keys, self.history)
         self.grant(global_step)
         self.r.hset(self.keys.trainer, PROGRESS_AT_FIELD, time.time())  # the clock of `status`'s stall check
         if world_size > 1:
@@ -277,9 +303,9 @@ class TrainerEffects:
         self.r.hset(self.keys.trainer, TRAINING_STEP_FIELD, global_step)
 
     @effect("publishing local_update")
-    def emit_local_update(self, update: StepMetrics) -> None:
-        """Emit a `local_update` event."""
-        self.publisher.publish(self.keys.metrics, update)
+    def emit_local_update(self, update: StepMetrics) -> str:
+        """Emit a `local_update` event; its entry id."""
+        return self.publisher.publish(self.keys.metrics, update)
 
     @effect("publishing validation")
     def emit_validation(self, event: ValidateMetrics) -> None:
@@ -342,8 +368,27 @@ class TrainerEffects:
 
     @effect("committing step {global_step}")
     def commit(self, ledgers: list[StepLedger], global_step: int) -> None:
-        """Commit the steps' ledgers up to `global_step` in one MULTI (ledger.commit_steps)."""
-        commit_steps(self.r, self.keys, ledgers, global_step)
+        """Commit the steps' ledgers up to `global_step` in one MULTI, with any earlier commit Redis lacks
+        (ledger.reconcile_and_commit: a failover may have lost it)."""
+        reconcile_and_commit(self.r, self.keys, self.history, ledgers)
+
+    @effect("checking the commits")
+    def reconcile(self, granted: int) -> list[int]:
+        """Rank 0, at a step's start: commit again every kept commit Redis lacks (its committed_step behind
+        the last step this trainer committed: a failover to a replica that had not received them), and grant
+        version `granted` (the last one granted) again when Redis's budget is an older version's (the grant
+        lost with them: the producers would wait for a budget, the trainer for their samples); the steps
+        redone. One HMGET when nothing is lacking."""
+        raw: Any = self.r.hmget(self.keys.trainer, COMMITTED_STEP_FIELD, BUDGET_VERSION_FIELD)
+        done, budget = (count_or_none(v) for v in raw)
+        redone = []
+        if (done or 0) < self.history.last_step:
+            redone = reconcile_and_commit(self.r, self.keys, self.history)
+        if (budget if budget is not None else -1) < granted:
+            log.warning("the budget of version %d is not on Redis (it has version %s's): a failover lost the "
+                        "grant, granting it again", granted, budget)
+            self.grant(granted)
+        return redone
 
     @effect("counting step {global_step}")
     def count_consumed(self, ledger: StepLedger, global_step: int) -> None:

@@ -12,9 +12,16 @@ Global step g (1-based; trains version g-1):
   5. grant version g its dispatch budget; remove weight blobs no producer uses
 
 Restart: the newest checkpoint is loaded; its version is published if `params` lacks it; its commit is
-redone if the trainer hash says it never ran; the budget is granted if not yet. Entries re-delivered from
-our pending list whose sample_id is already in `fates` are acked without training; the rest are trained.
-A stop request mid-step abandons the partial step without acking (its samples are retrained on restart).
+redone if the trainer hash says it never ran, and so is every earlier commit it keeps (`committed`) that
+Redis lacks; the budget is granted if not yet. Entries re-delivered from our pending list whose sample_id is
+already in `fates` are acked without training; the rest are trained. A stop request mid-step abandons the
+partial step without acking (its samples are retrained on restart).
+
+Failover (replicas; consumers/trainer/ledger.py, reconcile_and_commit): rank 0 keeps the ledgers of its
+recent commits; at each step's start and before each commit it compares the trainer hash's committed_step
+with the last step it committed, and commits again what a failover to a replica that had not received it
+lost (fates, acks, consumed counts, step_end, the local updates no longer on `metrics`), before any later
+step's commit; at a step's start it also grants the last version's budget again if the failover lost it.
 
 Sync mode (`trainer.sync_mode`, the synchronous-RL baseline of `rollstream bench async`): the first local
 update of a step waits until the step's whole train_batch_size is collected, so with
@@ -61,7 +68,7 @@ from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.evaluate import validate
 from consumers.trainer.learner import UPDATE_SKIPPED, Learner
-from consumers.trainer.ledger import StepLedger, merge_ledgers
+from consumers.trainer.ledger import CommitHistory, StepLedger, merge_ledgers
 from consumers.trainer.staleness import STALE_SAMPLES, STALE_TRAJECTORIES, LengthBuckets
 from rollstream.bus import EntryRef
 from rollstream.config import PipelineConfig
@@ -126,8 +133,9 @@ class Trainer:
         probe = self.learner.probe()  # every rank: a forward (a collective under fsdp)
         if roles.main:
             ledgers = [StepLedger.from_plain(d) for d in meta["steps"]] if meta is not None else []
+            history = CommitHistory.from_plain(meta.get("committed", []) if meta is not None else [])
             module = self.learner.policy.module
-            self.effects.resume_main(g0, ledgers, module, whole, self.dp.world_size, probe)
+            self.effects.resume_main(g0, ledgers, module, whole, self.dp.world_size, probe, history)
             self.effects.start_leaser()  # producers get their leases from here on
         self.dp.barrier()  # the redone commit is in `fates` before any rank reads it
         self.newest_published, self.training_step, self.collector.seen = self.effects.read_progress(g0)
@@ -173,11 +181,14 @@ class Trainer:
         return True
 
     def _begin_step(self, g: int) -> StepLedger:
-        """(1) Begin step g: record it as begun (rank 0, once, before any event of step g: the aggregator
-        places nothing beyond it), pin the current weights as the proximal policy, reset the step's
-        counts; returns its empty ledger."""
+        """(1) Begin step g: rank 0 first commits again any commit a failover lost, and grants again a lost
+        budget (TrainerEffects.reconcile), then records step g as begun (once, before any event of step g:
+        the aggregator places nothing beyond it); pin the current weights as the proximal policy, reset the
+        step's counts; returns its empty ledger."""
         self.collector.step_dead = 0
         self.lengths = LengthBuckets(self.cfg.data.max_response_length)
+        if self.dp.roles.main:  # a failover since the last step may have lost commits and a grant: redone
+            self.effects.reconcile(self.global_step)
         if g > self.training_step:
             if self.dp.roles.main:  # the other ranks emit nothing of step g before rank 0's first collective
                 self.effects.mark_training_step(g)
@@ -225,7 +236,8 @@ class Trainer:
         update = step_report.local_update_event(
             g, local, self.dp.rank, got, learned, batch_metrics, versions, self.counters, timings, fg
         )
-        self.effects.emit_local_update(update)
+        entry_id = self.effects.emit_local_update(update)
+        ledger.updates.append((entry_id, update))  # emitted again if a failover loses it with the commit
         self.effects.heartbeat()
 
     def _finish_step(self, g: int, ledger: StepLedger, t_step: float) -> None:
@@ -285,6 +297,7 @@ class Trainer:
         assert step_end is not None
         step_end.metrics["timing_s/step"] = time.perf_counter() - t_step
         meta = step_report.checkpoint_meta(g, self.pending, reports, self.pending_ids)
+        meta["committed"] = self.effects.committed_for_checkpoint()  # redone on resume if a failover lost it
         weights = whole if whole is not None else self.learner.whole_weights()  # the module's own tensors
         keep = self.cfg.trainer.keep_checkpoints
         write_checkpoint(self.ckpt_dir, g, weights, optimizer_state, meta, keep_last=keep)

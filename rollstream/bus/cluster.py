@@ -236,6 +236,11 @@ def refuse_plain_cluster_node(r: redis.Redis, url: str) -> None:
         )
 
 
+def is_cluster_client(r: redis.Redis) -> bool:
+    """True for a client from cluster_client (pinned to a run's slot); asks no node."""
+    return isinstance(r.connection_pool.connection_kwargs.get("slot_proxy"), _SlotProxy)
+
+
 def pinned_slot(r: redis.Redis) -> tuple[int, str] | None:
     """(slot, host:port of the primary last seen serving it) of a client from cluster_client; None for any
     other client."""

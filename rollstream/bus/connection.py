@@ -18,8 +18,8 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry
 
-from rollstream.bus.cluster import cluster_client, is_cluster_url
-from rollstream.bus.replication import is_sentinel_url, sentinel_client, set_acks
+from rollstream.bus.cluster import cluster_client, is_cluster_client, is_cluster_url
+from rollstream.bus.replication import acks_of, is_sentinel_url, sentinel_client, set_acks
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -259,6 +259,16 @@ class _ConnectCounter:
         if getattr(conn, "rollstream_connected_before", False):
             self.count += 1
         conn.rollstream_connected_before = True  # type: ignore[attr-defined]
+
+
+def can_fail_over(r: redis.Redis) -> bool:
+    """True when r's server can be replaced by a failover that loses writes it acknowledged: r waits for
+    replicas (WAIT), finds its primary through Sentinel or is pinned to a Redis Cluster slot (a single Redis,
+    its AOF fsynced on every write, keeps every acknowledged write through a restart)."""
+    from redis.sentinel import SentinelConnectionPool
+
+    pool = r.connection_pool
+    return acks_of(pool)[0] > 0 or isinstance(pool, SentinelConnectionPool) or is_cluster_client(r)
 
 
 def reconnect_count(r: redis.Redis) -> int:

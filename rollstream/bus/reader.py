@@ -10,7 +10,9 @@ decoded; one that fails to decode, or has been delivered max_deliveries times, g
 and is acked in the same MULTI. Acks happen after the caller's effect, in batches: through `ack`, or inside
 its own MULTI with the effect and then `forget` (the trainer acks only once a checkpoint covers a step; the
 aggregator acks in the transaction that writes records). Entries held unacked are kept fresh with XCLAIM
-JUSTID (which resets idle time without counting a delivery) so no one else claims them.
+JUSTID (which resets idle time without counting a delivery) so no one else claims them. An entry held that a
+read of new entries delivers again (the group's last-delivered-id went back: a failover to a replica that had
+not received the earlier read) is passed over: it is already ours, and acked with its effect.
 
 Burst mode (tests, replays, benchmarks): the loop ends after the poll that finds the stream drained, i.e.
 a read of new entries (`>`) that returned none while not re-reading our own pending list. A connection
@@ -219,7 +221,13 @@ class GroupReader:
         self.drained = not got and self._found_empty >= set(self.streams)
         out: list[Message] = []
         for stream, entries in got.items():
-            out += self._accept(stream, entries, deliveries=None)
+            # an entry this process holds, delivered again as new: the group's last-delivered-id went back (a
+            # failover to a replica that had not received the read): it is ours already, acked with its effect
+            fresh = [(i, f) for i, f in entries if (stream, text(i)) not in self._inflight]
+            if len(fresh) < len(entries):
+                log.warning("%s: %d entries of %s already held were delivered again as new (a failover?); "
+                            "passed over", self.consumer, len(entries) - len(fresh), stream)
+            out += self._accept(stream, fresh, deliveries=None)
         return out
 
     def _read_pending(self) -> list[Message] | None:
@@ -331,6 +339,10 @@ class GroupReader:
         self._inflight.difference_update(self._ref(x) for x in refs)
         self._reread_own_pending()
         self.drained = False
+
+    def release_all(self) -> None:
+        """Forget every entry held (they stay pending and are re-read from our PEL, in log order)."""
+        self.release(list(self._inflight))
 
     def _reread_own_pending(self) -> None:
         self._read_own_pending = True

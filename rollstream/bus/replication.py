@@ -14,7 +14,8 @@ replicated write of the run is idempotent by sample id or entry id)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -114,17 +115,20 @@ class _HeldPool:
 def execute_and_wait(pipe: Pipeline, *, raise_on_error: bool = True) -> tuple[list[Any], int | None]:
     """Execute the pipeline (its MULTI/EXEC), then, when its client waits for acknowledgements
     (`set_acks`), WAIT on the same connection: (the replies, replicas that acknowledged, or None when it
-    does not wait). `require_acks` turns too few into NotReplicatedError."""
+    does not wait). `require_acks` turns too few into NotReplicatedError. A pipeline of `held_transaction`
+    executes and waits on its held connection."""
     pool = pipe.connection_pool
     replicas, timeout_ms = acks_of(pool)
     if replicas <= 0:
         return pipe.execute(raise_on_error=raise_on_error), None
+    if isinstance(pool, _HeldPool):  # the caller holds the connection (and drops it on an error)
+        results = pipe.execute(raise_on_error=raise_on_error)
+        return results, _wait(pool.conn, replicas, timeout_ms)
     conn = pool.get_connection()
     pipe.connection_pool = _HeldPool(pool, conn)  # type: ignore[assignment]
     try:
         results = pipe.execute(raise_on_error=raise_on_error)
-        conn.send_command("WAIT", replicas, timeout_ms)  # type: ignore[no-untyped-call]
-        acked = int(conn.read_response())
+        acked = _wait(conn, replicas, timeout_ms)
     except BaseException:
         conn.disconnect()  # type: ignore[no-untyped-call]
         raise
@@ -132,6 +136,33 @@ def execute_and_wait(pipe: Pipeline, *, raise_on_error: bool = True) -> tuple[li
         pipe.connection_pool = pool
         pool.release(conn)
     return results, acked
+
+
+def _wait(conn: AbstractConnection, replicas: int, timeout_ms: int) -> int:
+    """WAIT on `conn`: how many replicas acknowledged every write it made."""
+    conn.send_command("WAIT", replicas, timeout_ms)  # type: ignore[no-untyped-call]
+    return int(conn.read_response())
+
+
+@contextmanager
+def held_transaction(r: redis.Redis) -> Iterator[Pipeline]:
+    """A transaction pipeline on one connection held until the block ends: a WATCH, the reads after it, the
+    EXEC and execute_and_wait's WAIT all go over it. A failover between the reads and the EXEC breaks that
+    connection (or demotes its server), so the EXEC is refused (WatchError, or a ConnectionError) rather
+    than applied to another primary's data, which the reads never saw."""
+    pool = r.connection_pool
+    conn = pool.get_connection()
+    pipe = r.pipeline(transaction=True)
+    pipe.connection_pool = _HeldPool(pool, conn)  # type: ignore[assignment]
+    try:
+        yield pipe
+    except BaseException:
+        conn.disconnect()  # type: ignore[no-untyped-call]
+        raise
+    finally:
+        pipe.reset()  # UNWATCH when still watching on a live connection; its release is the held pool's no-op
+        pipe.connection_pool = pool
+        pool.release(conn)
 
 
 def require_acks(pool: ConnectionPool, acked: int | None, what: str) -> None:
