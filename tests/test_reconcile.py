@@ -1,8 +1,8 @@
 """A commit a failover lost is committed again (issue 42 item 2): with `wait_replicas` below the number of
 replicas, a commit WAIT-acknowledged by one replica is lost when another is promoted. The new primary then has
 an older commit's committed_step, the lost steps' samples pending again (acked as duplicates by a collector
-that remembers their ids, without a fate); the trainer's reconciliation (ledger.reconcile_and_commit) commits
-the kept ledgers again, live, on resume from a checkpoint, and against real replicas."""
+that remembers their ids, without a fate); the trainer's reconciliation (reconcile.reconcile_and_commit)
+commits the kept ledgers again, live, on resume from a checkpoint, and against real replicas."""
 
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ import redis
 import torch
 from conftest import P0, PRODUCERS
 
-from consumers.trainer import ledger as ledger_mod
+from consumers.trainer import reconcile as reconcile_mod
 from consumers.trainer.effects import TrainerEffects
-from consumers.trainer.ledger import CommitHistory, StepLedger, reconcile_and_commit
+from consumers.trainer.ledger import StepLedger
 from consumers.trainer.rank_agreement import RankRoles
+from consumers.trainer.reconcile import CommitHistory, reconcile_and_commit
 from rollstream.bus import GroupReader, Publisher, delete_run, setup_run
 from rollstream.bus.replication import set_acks
 from rollstream.config import load_config
@@ -173,7 +174,7 @@ def test_the_next_commit_restores_a_lost_one_even_when_the_failover_comes_after_
     effects.commit(ledgers[0:2], 2)
     replica = _snapshot(r, keys)
     effects.commit(ledgers[2:4], 4)
-    report = ledger_mod._report_lost
+    report = reconcile_mod._report_lost
     calls = []
 
     def failover_after_the_read(history: CommitHistory, done: int, redo: list[StepLedger]) -> None:
@@ -185,7 +186,7 @@ def test_the_next_commit_restores_a_lost_one_even_when_the_failover_comes_after_
             other.close()
         report(history, done, redo)
 
-    monkeypatch.setattr(ledger_mod, "_report_lost", failover_after_the_read)
+    monkeypatch.setattr(reconcile_mod, "_report_lost", failover_after_the_read)
     effects.commit(ledgers[4:6], 6)
     assert calls == [(4, []), (2, [3, 4])]
     _assert_restored(r, keys, ledgers)

@@ -7,7 +7,7 @@
   meta/payload         uint8: msgpack (schemas.encode_payload) of the metadata: meta_version,
                        global_step, optimizer param_groups, RNG scalars, and the trainer loop's
                        param_version, steps (StepLedger.to_plain of the steps it covers), committed
-                       (the ledgers of recent earlier commits, ledger.CommitHistory) and counters
+                       (the ledgers of recent earlier commits, reconcile.CommitHistory) and counters
 No pickle anywhere: torch.save/torch.load are not used. The newest `keep_last` files are kept.
 
 Data parallel: rank 0 writes the one file (weights and optimizer once: replicated under DDP, gathered
@@ -23,7 +23,7 @@ version is upgraded one version at a time on load, so a trainer resumes from any
      global_step added)
   3  a step's ack_ids are [stream, entry id] pairs (one rollouts stream per producer); the bare ids of
      version 2 were entries of the shared `rollouts` stream, which this version no longer reads: dropped
-  4  `committed`: rank 0's recent commits before this checkpoint's own (ledger.CommitHistory.to_plain: each
+  4  `committed`: rank 0's recent commits before this checkpoint's own (reconcile.CommitHistory.to_plain: each
      {at, steps}), committed again on resume if Redis lacks them (a failover lost them); older: none kept.
      A step's `updates`: its local_update events ([metrics entry id, event]); older: none (read as [])
 """

@@ -28,15 +28,13 @@ from torch import nn
 
 from consumers.trainer.distributed import DataParallel
 from consumers.trainer.ledger import (
-    Commit,
-    CommitHistory,
     StepLedger,
     commit_steps,
     committed_sample_ids,
     committed_step,
     count_consumed,
-    reconcile_and_commit,
 )
+from consumers.trainer.reconcile import Commit, CommitHistory, reconcile_and_commit
 from rollstream.bus import (
     CONNECTION_ERRORS,
     EntryRef,
@@ -369,7 +367,7 @@ class TrainerEffects:
     @effect("committing step {global_step}")
     def commit(self, ledgers: list[StepLedger], global_step: int) -> None:
         """Commit the steps' ledgers up to `global_step` in one MULTI, with any earlier commit Redis lacks
-        (ledger.reconcile_and_commit: a failover may have lost it)."""
+        (reconcile.reconcile_and_commit: a failover may have lost it)."""
         reconcile_and_commit(self.r, self.keys, self.history, ledgers)
 
     @effect("checking the commits")

@@ -17,7 +17,7 @@ Redis lacks; the budget is granted if not yet. Entries re-delivered from our pen
 already in `fates` are acked without training; the rest are trained. A stop request mid-step abandons the
 partial step without acking (its samples are retrained on restart).
 
-Failover (replicas; consumers/trainer/ledger.py, reconcile_and_commit): rank 0 keeps the ledgers of its
+Failover (replicas; consumers/trainer/reconcile.py): rank 0 keeps the ledgers of its
 recent commits; at each step's start and before each commit it compares the trainer hash's committed_step
 with the last step it committed, and commits again what a failover to a replica that had not received it
 lost (fates, acks, consumed counts, step_end, the local updates no longer on `metrics`), before any later
@@ -68,7 +68,8 @@ from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.evaluate import validate
 from consumers.trainer.learner import UPDATE_SKIPPED, Learner
-from consumers.trainer.ledger import CommitHistory, StepLedger, merge_ledgers
+from consumers.trainer.ledger import StepLedger, merge_ledgers
+from consumers.trainer.reconcile import CommitHistory
 from consumers.trainer.staleness import STALE_SAMPLES, STALE_TRAJECTORIES, LengthBuckets
 from rollstream.bus import EntryRef
 from rollstream.config import PipelineConfig
