@@ -334,9 +334,9 @@ def test_a_best_effort_effect_gives_up_at_its_deadline_and_a_refused_login_is_ne
     assert gone.calls == 1
 
 
-@pytest.mark.parametrize("size", [3, 0])
+@pytest.mark.parametrize(("size", "batch"), [(3, "64"), (0, "null"), (3, "2")])
 def test_validation_re_decodes_only_the_newest_val_recent_size_trained_prompts(
-    size: int, r: redis.Redis, keys: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    size: int, batch: str, r: redis.Redis, keys: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import threading
 
@@ -345,15 +345,17 @@ def test_validation_re_decodes_only_the_newest_val_recent_size_trained_prompts(
     from rollstream.tasks import Prompt
 
     decoded: list[list[str]] = []
+    batches: list[int] = []
     real = evaluate_module.evaluate
 
-    def spy(policy: object, task: object, prompts: list[Prompt], limit: int) -> dict[str, float]:
+    def spy(policy: object, task: object, prompts: list[Prompt], limit: int, batch_size: int) -> dict:
         decoded.append([p.uid for p in prompts])
-        return real(policy, task, prompts, limit)  # type: ignore[arg-type]
+        batches.append(batch_size)
+        return real(policy, task, prompts, limit, batch_size)  # type: ignore[arg-type]
 
     monkeypatch.setattr(evaluate_module, "evaluate", spy)
     cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "data.val_size=4",
-                                    f"data.val_recent_size={size}"])
+                                    f"data.val_recent_size={size}", f"data.val_batch_size={batch}"])
     setup_run(r, keys, PRODUCERS)
     trainer = Trainer(cfg, r, keys, "trainer", threading.Event())
     trainer.recent.extend(Prompt(uid=f"p{i}", text=f"{i}12>", answer=f"21{i}") for i in range(10))
@@ -361,6 +363,8 @@ def test_validation_re_decodes_only_the_newest_val_recent_size_trained_prompts(
     assert len(decoded[0]) == 4  # the held-out prompts
     assert decoded[1] == [f"p{i}" for i in range(10 - size, 10)]  # the newest `size` trained prompts
     assert ("val/recent_train_acc" in metrics) == (size > 0) and "val/acc" in metrics
+    # data.val_batch_size: prompts per greedy batch, null = each set in one batch
+    assert batches == ([4, max(size, 1)] if batch == "null" else [int(batch)] * 2)
 
 
 def test_a_local_updates_metrics_are_put_together_in_one_place() -> None:

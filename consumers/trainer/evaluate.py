@@ -25,8 +25,9 @@ def validate(
     if dp.roles.sharded:
         rows = dp.broadcast_plain([[p.uid, p.text, p.answer] for p in recent_prompts])
         recent_prompts = [Prompt(uid=u, text=t, answer=a) for u, t, a in rows]
-    metrics = evaluate(policy, task, prompts, limit)
-    recent = evaluate(policy, task, recent_prompts, limit)
+    batch = cfg.data.val_batch_size  # None: each set in one batch
+    metrics = evaluate(policy, task, prompts, limit, batch or max(len(prompts), 1))
+    recent = evaluate(policy, task, recent_prompts, limit, batch or max(len(recent_prompts), 1))
     metrics.update({k.replace("val/", "val/recent_train_"): v for k, v in recent.items()})
     return metrics
 

@@ -83,6 +83,12 @@ class DataConfig(Section):
         description="Newest trained prompts re-decoded at each validation (`val/recent_train_…`; "
         "memorisation shows as a gap to `val/…`); 0 = none",
     )
+    val_batch_size: int | None = Field(
+        64,
+        ge=1,
+        description="Held-out prompts greedy-decoded per batch at validation (null = all in one batch: on "
+        "one CPU core 200 SmolLM2 prompts take 9 s at once, 13 s in 64s; the KV cache grows with it)",
+    )
     max_response_length: int = Field(12, ge=1, description="Max generated tokens per turn")
 
     @model_validator(mode="after")
