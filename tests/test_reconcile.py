@@ -207,7 +207,7 @@ def test_a_history_older_than_redis_reaches_is_reported_not_invented(
     ledgers = _steps(r, keys, 4)
     history = CommitHistory()
     history.add(ledgers[2:4], at=0.0)  # only the commit of steps 3-4 is kept
-    with caplog.at_level(logging.WARNING, logger="consumers.trainer.ledger"):
+    with caplog.at_level(logging.WARNING, logger="consumers.trainer.reconcile"):
         assert reconcile_and_commit(r, keys, history) == [3, 4]
     assert "commits of steps 1-2 are lost" in caplog.text and "committing steps [3, 4] again" in caplog.text
     assert _state(r, keys)["fates"] == ["3-1", "3-2", "4-1", "4-2"] and _state(r, keys)["step_ends"] == [3, 4]
@@ -315,7 +315,7 @@ def test_a_restarted_trainer_restores_from_its_checkpoint_what_a_failover_lost(
     for _ in range(2):  # the second restart finds everything done and changes nothing
         caplog.clear()
         t = Trainer(cfg, r, keys, "trainer", threading.Event(), burst=True)
-        with caplog.at_level(logging.WARNING, logger="consumers.trainer.ledger"):
+        with caplog.at_level(logging.WARNING, logger="consumers.trainer.reconcile"):
             assert t.run() == 0
         assert t.global_step == 6  # total_training_steps reached: nothing trained again
         state = _state(r, keys)

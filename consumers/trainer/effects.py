@@ -134,8 +134,10 @@ class TrainerEffects:
         self.heartbeat_fields = [HEARTBEAT_FIELD] if dp.roles.main else []
         self.leaser: Leaser | None = None  # rank 0's lease loop, once resumed
         self.history = CommitHistory()  # rank 0: its recent commits, redone if a failover loses them
-        # ...and kept in its checkpoints where a failover can lose them (a fast run checkpoints every step)
-        self.history_in_checkpoint = cfg.run.redis.replicated or can_fail_over(r)
+        # Redis can lose acknowledged writes in a failover (replicas, Sentinel, a Cluster): only then does the
+        # trainer check for lost commits at each step, keep its local updates' entry ids and checkpoint the
+        # history (a single Redis with AOF keeps every acknowledged write)
+        self.can_fail_over = cfg.run.redis.replicated or can_fail_over(r)
         if dp.roles.agreed:
             self.heartbeat_fields.append(rank_heartbeat_field(dp.rank))
 
@@ -197,7 +199,7 @@ class TrainerEffects:
         """The kept commits for the checkpoint's `committed` (CommitHistory.to_plain), so a restarted trainer
         commits again what a failover lost; none where Redis cannot fail over (no replicas, Sentinel nor
         Cluster: a single Redis keeps every acknowledged write)."""
-        return self.history.to_plain() if self.history_in_checkpoint else []
+        return self.history.to_plain() if self.can_fail_over else []
 
     @property
     def over_budget(self) -> bool:

@@ -182,13 +182,13 @@ class Trainer:
         return True
 
     def _begin_step(self, g: int) -> StepLedger:
-        """(1) Begin step g: rank 0 first commits again any commit a failover lost, and grants again a lost
-        budget (TrainerEffects.reconcile), then records step g as begun (once, before any event of step g:
-        the aggregator places nothing beyond it); pin the current weights as the proximal policy, reset the
-        step's counts; returns its empty ledger."""
+        """(1) Begin step g: where Redis can fail over, rank 0 first commits again any commit a failover
+        lost and grants again a lost budget (TrainerEffects.reconcile); then it records step g as begun
+        (once, before any event of step g: the aggregator places nothing beyond it); pin the current weights
+        as the proximal policy, reset the step's counts; returns its empty ledger."""
         self.collector.step_dead = 0
         self.lengths = LengthBuckets(self.cfg.data.max_response_length)
-        if self.dp.roles.main:  # a failover since the last step may have lost commits and a grant: redone
+        if self.dp.roles.main and self.effects.can_fail_over:  # a failover may have lost commits and a grant
             self.effects.reconcile(self.global_step)
         if g > self.training_step:
             if self.dp.roles.main:  # the other ranks emit nothing of step g before rank 0's first collective
@@ -238,7 +238,8 @@ class Trainer:
             g, local, self.dp.rank, got, learned, batch_metrics, versions, self.counters, timings, fg
         )
         entry_id = self.effects.emit_local_update(update)
-        ledger.updates.append((entry_id, update))  # emitted again if a failover loses it with the commit
+        if self.effects.can_fail_over:  # emitted again if a failover loses it with the step's commit
+            ledger.updates.append((entry_id, update))
         self.effects.heartbeat()
 
     def _finish_step(self, g: int, ledger: StepLedger, t_step: float) -> None:

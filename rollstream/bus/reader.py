@@ -223,7 +223,7 @@ class GroupReader:
         for stream, entries in got.items():
             # an entry this process holds, delivered again as new: the group's last-delivered-id went back (a
             # failover to a replica that had not received the read): it is ours already, acked with its effect
-            fresh = [(i, f) for i, f in entries if (stream, text(i)) not in self._inflight]
+            fresh = self._unheld(stream, entries)
             if len(fresh) < len(entries):
                 log.warning("%s: %d entries of %s already held were delivered again as new (a failover?); "
                             "passed over", self.consumer, len(entries) - len(fresh), stream)
@@ -237,7 +237,7 @@ class GroupReader:
         replies = {text(stream): raw for stream, raw in resp or []}
         for stream in list(self._pending_cursors):
             raw = replies.get(stream) or []
-            entries = [(i, f) for i, f in raw if (stream, text(i)) not in self._inflight]
+            entries = self._unheld(stream, raw)
             if raw:  # entries already in flight in this process are passed over
                 self._pending_cursors[stream] = text(raw[-1][0])
             else:
@@ -265,7 +265,7 @@ class GroupReader:
             self._claim_cursor[stream] = cursor
             if cursor == "0-0":
                 self._claim_queue.pop(0)
-            entries = [(i, f) for i, f in entries if (stream, text(i)) not in self._inflight]
+            entries = self._unheld(stream, entries)
             if entries:
                 self.stats.claimed += len(entries)
                 log.warning("%s: claimed %d idle entries from %s", self.consumer, len(entries), stream)
@@ -273,6 +273,12 @@ class GroupReader:
         self._claim_queue = list(self.streams)
         self._next_claim = time.monotonic() + max(self.claim_idle_ms / 4000, 0.05)
         return []
+
+    def _unheld(self, stream: str, entries: list[Any]) -> list[Any]:
+        """The entries of `stream` this process does not already hold (in flight: read, not yet acked)."""
+        if not self._inflight:
+            return entries
+        return [(i, f) for i, f in entries if (stream, text(i)) not in self._inflight]
 
     def _delivery_counts(self, stream: str, entries: list[Any]) -> dict[str, int]:
         if not entries:

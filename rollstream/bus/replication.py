@@ -121,27 +121,31 @@ def execute_and_wait(pipe: Pipeline, *, raise_on_error: bool = True) -> tuple[li
     replicas, timeout_ms = acks_of(pool)
     if replicas <= 0:
         return pipe.execute(raise_on_error=raise_on_error), None
-    if isinstance(pool, _HeldPool):  # the caller holds the connection (and drops it on an error)
-        results = pipe.execute(raise_on_error=raise_on_error)
-        return results, _wait(pool.conn, replicas, timeout_ms)
+    if not isinstance(pool, _HeldPool):  # EXEC and WAIT must share one connection: hold one for both
+        with _holding(pipe):
+            return execute_and_wait(pipe, raise_on_error=raise_on_error)
+    results = pipe.execute(raise_on_error=raise_on_error)
+    pool.conn.send_command("WAIT", replicas, timeout_ms)
+    return results, int(pool.conn.read_response())
+
+
+@contextmanager
+def _holding(pipe: Pipeline) -> Iterator[None]:
+    """Run `pipe` on one connection of its pool until the block ends (dropped on an error: its state is
+    unknown), then reset the pipeline (UNWATCH when still watching on a live connection), give the
+    connection back and restore the pipeline's pool."""
+    pool = pipe.connection_pool
     conn = pool.get_connection()
     pipe.connection_pool = _HeldPool(pool, conn)  # type: ignore[assignment]
     try:
-        results = pipe.execute(raise_on_error=raise_on_error)
-        acked = _wait(conn, replicas, timeout_ms)
+        yield
     except BaseException:
         conn.disconnect()  # type: ignore[no-untyped-call]
         raise
     finally:
+        pipe.reset()  # its release goes to the held pool (a no-op); after an EXEC already done, nothing to do
         pipe.connection_pool = pool
         pool.release(conn)
-    return results, acked
-
-
-def _wait(conn: AbstractConnection, replicas: int, timeout_ms: int) -> int:
-    """WAIT on `conn`: how many replicas acknowledged every write it made."""
-    conn.send_command("WAIT", replicas, timeout_ms)  # type: ignore[no-untyped-call]
-    return int(conn.read_response())
 
 
 @contextmanager
@@ -150,19 +154,9 @@ def held_transaction(r: redis.Redis) -> Iterator[Pipeline]:
     EXEC and execute_and_wait's WAIT all go over it. A failover between the reads and the EXEC breaks that
     connection (or demotes its server), so the EXEC is refused (WatchError, or a ConnectionError) rather
     than applied to another primary's data, which the reads never saw."""
-    pool = r.connection_pool
-    conn = pool.get_connection()
     pipe = r.pipeline(transaction=True)
-    pipe.connection_pool = _HeldPool(pool, conn)  # type: ignore[assignment]
-    try:
+    with _holding(pipe):
         yield pipe
-    except BaseException:
-        conn.disconnect()  # type: ignore[no-untyped-call]
-        raise
-    finally:
-        pipe.reset()  # UNWATCH when still watching on a live connection; its release is the held pool's no-op
-        pipe.connection_pool = pool
-        pool.release(conn)
 
 
 def require_acks(pool: ConnectionPool, acked: int | None, what: str) -> None:
