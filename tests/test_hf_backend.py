@@ -272,6 +272,26 @@ def test_a_system_prompt_is_the_system_turn_of_every_prompt() -> None:
         load_config(None, [f"model.system_prompt={system}"])  # the tiny model has no chat template
 
 
+def test_model_attn_implementation_reaches_every_policy_and_keeps_the_log_probs(model_dir: Path) -> None:
+    """model.attn_implementation=eager loads transformers' eager attention (trainer and producers alike), and
+    behaviour log-probs from its KV-cached sampling equal its trainer's recompute on a batch padded on both
+    sides, as sdpa's do; the tiny backend refuses the field, naming it."""
+    hf = ["model.backend=hf", f"model.hf_path={model_dir}"]
+    policy = build_policy(load_config(None, [*hf, "model.attn_implementation=eager"]), device="cpu")
+    assert policy.module.config._attn_implementation == "eager"
+    default = build_policy(load_config(None, hf), device="cpu")
+    assert default.module.config._attn_implementation == "sdpa"
+    trajs, ids, mask, R = sampled(policy, 0.7)  # type: ignore[arg-type]
+    with torch.no_grad():
+        eager = policy.log_probs(ids, mask, R, temperature=0.7)
+        sdpa = default.log_probs(ids, mask, R, temperature=0.7)
+    err = max(abs(eager[i, j].item() - lp) for i, t in enumerate(trajs) for j, lp in enumerate(t.log_probs))
+    assert err < 1e-5
+    assert torch.allclose(eager * mask[:, -R:], sdpa * mask[:, -R:], atol=1e-4)  # the same model either way
+    with pytest.raises(ConfigError, match="attn_implementation='eager' needs backend=hf"):
+        load_config(None, ["model.attn_implementation=eager"])
+
+
 def test_tool_results_go_in_the_templates_tool_turn() -> None:
     chat = HFTokenizer(build_tokenizer("bpe", chat_template=True))
     ids = encode_tool_result(chat, "[=15]")

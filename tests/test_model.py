@@ -181,6 +181,24 @@ def test_top_k_samples_only_the_k_most_likely_and_keeps_the_whole_distributions_
         policy.generate(encoded(), 1, 4, top_k=0)
 
 
+def test_sample_rows_draws_each_token_at_its_probability_and_never_a_zero_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The inverse-CDF sampler: unnormalised rows are drawn in proportion (200k draws within 0.5 points),
+    zero-probability tokens (a top-k/top-p cut, the vocabulary's tail) never, and a uniform at the top of
+    [0, 1) still lands on the last token with mass, not on the zeros after it."""
+    from rollstream.model.base import sample_rows
+
+    probs = torch.tensor([[0.2, 0.0, 1.2, 0.6, 0.0, 0.0]]).repeat(200_000, 1)  # sums to 2
+    freq = torch.bincount(sample_rows(probs, torch.Generator().manual_seed(0)), minlength=6) / 200_000
+    assert torch.allclose(freq, torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0, 0.0]), atol=0.005)
+    assert freq[1] == freq[4] == freq[5] == 0
+    top = torch.tensor([1.0 - 2.0**-24])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: top.expand(3, 1).clone())
+    rows = torch.tensor([[0.3, 0.7, 0.0, 0.0], [1e-8, 3.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    assert sample_rows(rows, None).tolist() == [1, 1, 3]
+
+
 def test_on_chunk_without_swap_changes_nothing() -> None:
     policy = make_policy()
     calls: list[int] = []

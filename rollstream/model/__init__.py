@@ -60,7 +60,7 @@ def _load(cfg: PipelineConfig, dev: torch.device, dtype: torch.dtype) -> BasePol
     m = cfg.model
     if m.backend == "hf":
         return load_policy("hf", path=m.hf_path, device=str(dev), dtype=dtype, chat_template=m.chat_template,
-                           system_prompt=m.system_prompt)
+                           system_prompt=m.system_prompt, attn_implementation=m.attn_implementation)
     gcfg = GPTConfig(
         vocab_size=CharTokenizer().vocab_size,
         d_model=m.d_model,

@@ -173,13 +173,22 @@ def sample_tokens(
     if greedy or temperature == 0.0:
         tok = logits.argmax(-1)
     else:
-        probs = top_p_filter(top_k_filter(logp.exp(), top_k), top_p)
-        if generator is not None and generator.device.type != probs.device.type:
-            tok = torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1)
-            tok = tok.to(logits.device)
-        else:
-            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tok = sample_rows(top_p_filter(top_k_filter(logp.exp(), top_k), top_p), generator)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def sample_rows(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row of probs [B,V] (rows need not sum to 1), by inverse CDF: one uniform per row,
+    searched in the row's cumulative sum. A zero-probability token is never picked. On CPU this is ~30x
+    cheaper than torch.multinomial, which draws an exponential per vocabulary entry (at 128 rows x 49k
+    tokens that was a third of a producer's generation). The cumulative sum is float32, accumulated in
+    float64 on CPU: a token's mass is off by at most ~1e-7."""
+    dev = generator.device if generator is not None else probs.device
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=dev).to(probs.device)
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # below the last mass
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 
 def check_generate_args(
