@@ -182,13 +182,12 @@ def sample_rows(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     searched in the row's cumulative sum. A zero-probability token is never picked. On CPU this is ~30x
     cheaper than torch.multinomial, which draws an exponential per vocabulary entry (at 128 rows x 49k
     tokens that was a third of a producer's generation). The cumulative sum is float32, accumulated in
-    float64 on CPU: a token's mass is off by at most ~1e-7."""
+    float64 on CPU: a token's mass is off by at most ~1e-7. u <= 1 - 2^-24 keeps u x total below total in
+    float32 (round to nearest), so the search never passes the last token with mass."""
     dev = generator.device if generator is not None else probs.device
     u = torch.rand((probs.shape[0], 1), generator=generator, device=dev).to(probs.device)
     cdf = probs.cumsum(-1)
-    total = cdf[:, -1:]
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # below the last mass
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
 
 
 def check_generate_args(
