@@ -185,7 +185,7 @@ def test_rollstream_config_prints_the_new_names_of_an_old_config(tmp_path: Path)
         "staleness_threshold": 1.0, "trigger_parameter_sync_step": 2, "partial_rollout": False
     }
     assert printed["actor"]["optim"] == {
-        "lr": 0.001, "weight_decay": 0.0, "clip_grad": 0.5, "master_weights": False
+        "lr": 0.001, "weight_decay": 0.0, "clip_grad": 0.5, "master_weights": False, "fused": None
     }
     assert printed["algorithm"]["adv_estimator"] == "grpo_token"
     assert printed["algorithm"]["rollout_correction"]["bypass_mode"] is True

@@ -141,3 +141,30 @@ def test_micro_batches_are_row_views_of_the_mini_batch_at_their_own_widths() -> 
         want.append((batch.tensors["input_ids"].ctypes.data, (len(rows), p + r), r))
     assert seen == want
     assert len({w for _, _, w in seen}) > 1  # the micro-batches' widths differ
+
+
+def test_fused_adamw_by_default_and_an_unfused_optimizer_state_resumes_in_it() -> None:
+    """The learner's AdamW is the fused kernel unless actor.optim.fused=false (the update above, compared
+    with torch's plain for-loop AdamW, is the fused one's); an optimizer state saved by an unfused learner
+    (a checkpoint of an earlier run) loads into a fused one, and its next step moves the weights as the
+    unfused learner's own next step does."""
+    assert Learner(load_config(None, BASE)).optimizer.defaults["fused"] is True
+    unfused_cfg = load_config(None, [*BASE, "actor.optim.fused=false"])
+    unfused = Learner(unfused_cfg)
+    assert not unfused.optimizer.defaults["fused"]
+    unfused.begin_step(1)
+    unfused.update(assemble_batch_from_rollout_samples(mini_batch(1))[0])
+    fused = Learner(load_config(None, BASE))
+    weights = {k: v.clone() for k, v in unfused.whole_weights().items()}
+    fused.load_checkpoint_state(weights, copy.deepcopy(unfused.optimizer.state_dict()))
+    for learner in (unfused, fused):
+        learner.begin_step(2)
+        learner.update(assemble_batch_from_rollout_samples(mini_batch(11))[0])
+    for (name, got), want in zip(fused.policy.module.named_parameters(), unfused.policy.parameters(),
+                                 strict=True):
+        diff = float((got.detach() - want.detach()).abs().max())
+        assert diff <= 1e-6, f"{name}: {diff:.3g}"
+    start = Learner(load_config(None, BASE)).policy.parameters()
+    pairs = zip(fused.policy.parameters(), start, strict=True)
+    moved = max(float((a - b).detach().abs().max()) for a, b in pairs)
+    assert moved > 1e-4  # two steps of lr 1e-3 moved the weights (the comparison above is not vacuous)

@@ -235,8 +235,10 @@ class Learner:
         low = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.policy.module.parameters())
         self.master = MasterWeights(self.policy.module) if self.actor.optim.master_weights and low else None
         params = self.master.parameters() if self.master is not None else self.policy.parameters()
+        fused = self.actor.optim.fused
         self.optimizer = torch.optim.AdamW(
-            params, lr=self.actor.optim.lr, weight_decay=self.actor.optim.weight_decay
+            params, lr=self.actor.optim.lr, weight_decay=self.actor.optim.weight_decay,
+            fused=not self.dp.roles.sharded if fused is None else fused,
         )
 
     def probe(self) -> Probe:

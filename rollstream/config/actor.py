@@ -22,6 +22,11 @@ class OptimConfig(Section):
                     "is refreshed from them; one trainer process. With model.dtype fast it applies where the "
                     "weights came out bfloat16 (float32 weights need no copies)",
     )
+    fused: bool | None = Field(
+        None,
+        description="AdamW's fused kernel, one pass over every parameter (SmolLM2's 134.5M float32 on one "
+                    "CPU core: 0.64 -> 0.15 s a step); null = on unless the trainer shards (fsdp)",
+    )
 
 
 class ActorConfig(Section):
