@@ -292,6 +292,31 @@ def test_model_attn_implementation_reaches_every_policy_and_keeps_the_log_probs(
         load_config(None, ["model.attn_implementation=eager"])
 
 
+def test_eager_gqa_attention_is_eagers_without_copying_key_value_heads(model_dir: Path) -> None:
+    """model.attn_implementation=eager_gqa (4 query heads on 2 key/value heads here) loads rollstream's kernel
+    in every policy; its sampling's behaviour log-probs equal its trainer's recompute, and its log-probs and
+    gradients (float32) equal transformers' eager kernel's on a batch padded on both sides."""
+    hf = ["model.backend=hf", f"model.hf_path={model_dir}"]
+    gqa = build_policy(load_config(None, [*hf, "model.attn_implementation=eager_gqa"]), device="cpu")
+    assert gqa.module.config._attn_implementation == "eager_gqa"
+    assert gqa.module.config.num_attention_heads == 2 * gqa.module.config.num_key_value_heads
+    eager = build_policy(load_config(None, [*hf, "model.attn_implementation=eager"]), device="cpu")
+    trajs, ids, mask, R = sampled(gqa, 0.7)  # type: ignore[arg-type]
+    with torch.no_grad():
+        got = gqa.log_probs(ids, mask, R, temperature=0.7)
+    err = max(abs(got[i, j].item() - lp) for i, t in enumerate(trajs) for j, lp in enumerate(t.log_probs))
+    assert err < 1e-5
+    grads = []
+    for policy in (gqa, eager):
+        logp, _ = policy.forward_logprobs_entropy(ids, mask, R, temperature=0.7)
+        (logp * mask[:, -R:]).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in policy.module.named_parameters() if p.grad is not None})
+        assert torch.allclose(logp.detach() * mask[:, -R:], got * mask[:, -R:], atol=1e-5)
+    assert grads[0].keys() == grads[1].keys() and any("k_proj" in n for n in grads[0])
+    for name, g in grads[0].items():
+        assert torch.allclose(g, grads[1][name], rtol=1e-4, atol=1e-6), name
+
+
 def test_tool_results_go_in_the_templates_tool_turn() -> None:
     chat = HFTokenizer(build_tokenizer("bpe", chat_template=True))
     ids = encode_tool_result(chat, "[=15]")

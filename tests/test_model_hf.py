@@ -216,3 +216,36 @@ def test_common_prefix_len_leaves_each_row_a_token() -> None:
     assert common_prefix_len([[1, 2], [5, 2]]) == 0
     assert common_prefix_len([[7], [7, 8]]) == 0
     assert common_prefix_len([]) == 0
+
+
+def test_finished_rows_leave_the_batch_together_and_each_row_is_its_own(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows that finish stay in the batch (decoded, ignored) until an eighth of it has finished, so the KV
+    cache is compacted fewer times than rows finish at distinct steps; every row still gets, greedy, the
+    tokens and log-probs it gets decoded alone, and its stored log-probs are the trainer's. (The random
+    model never says eos: the token its greedy rows first reach at the most distinct steps stands in.)"""
+    policy = load(model_dir)
+    prompts = [policy.tokenizer.encode(p, add_bos=True) for p in [*PROMPTS, "9*9=", "((1))", "42", "x", "0"]]
+    free = [t.response_ids for t in policy.generate(prompts, n=1, max_new_tokens=40, greedy=True)]
+    firsts = {tok: {ids.index(tok) for ids in free if tok in ids} for ids in free for tok in ids}
+    eos = max(firsts, key=lambda tok: len(firsts[tok]))
+    monkeypatch.setattr(type(policy.tokenizer), "eos_id", property(lambda self: eos))
+    compactions = []
+    select = policy._select_cache
+
+    def counting(cache: object, rows: torch.Tensor) -> object:
+        compactions.append(len(rows))
+        return select(cache, rows)
+
+    monkeypatch.setattr(policy, "_select_cache", counting)
+    batch = policy.generate(prompts, n=1, max_new_tokens=40, greedy=True)
+    monkeypatch.setattr(policy, "_select_cache", select)
+    finish_steps = {len(t.response_ids) for t in batch if t.finished}
+    assert len(finish_steps) >= 3, [len(t.response_ids) for t in batch]  # rows finish at distinct steps
+    assert len(compactions) < len(finish_steps)
+    for prompt, row in zip(prompts, batch, strict=True):
+        alone = policy.generate([prompt], n=1, max_new_tokens=40, greedy=True)[0]
+        assert row.response_ids == alone.response_ids
+        assert max(abs(a - b) for a, b in zip(row.log_probs, alone.log_probs, strict=True)) < 1e-5
+    assert max_logprob_error(policy, batch) < 1e-4

@@ -77,12 +77,12 @@ class ModelConfig(Section):
                     "the template's default, SmolLM2's 'You are a helpful AI assistant named SmolLM…')",
     )
 
-    attn_implementation: Literal["sdpa", "eager"] | None = Field(
+    attn_implementation: Literal["sdpa", "eager", "eager_gqa"] | None = Field(
         None,
-        description="backend=hf: transformers' attention kernel on trainer, built-in producers and "
-                    "validation (null = transformers' default, sdpa). On CPU eager's backward is ~30 % "
-                    "cheaper for short rows (sdpa's bfloat16 flash backward: a quarter of an update); "
-                    "vLLM ignores it",
+        description="backend=hf: the attention kernel on trainer, built-in producers and validation (null = "
+                    "transformers' default, sdpa). On CPU eager's backward is ~30 % cheaper for short rows "
+                    "(sdpa's bfloat16 flash backward: a quarter of an update); eager_gqa is eager without "
+                    "copying grouped-query key/value heads (rollstream.model.attention); vLLM ignores it",
     )
 
     @model_validator(mode="before")

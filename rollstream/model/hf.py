@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rollstream.model import attention
 from rollstream.model.base import (
     SHARED_PREFIX_MIN,
     BasePolicy,
@@ -124,6 +125,8 @@ class HFPolicy(BasePolicy):
 
         kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
         if attn_implementation is not None:
+            if attn_implementation == attention.EAGER_GQA:
+                attention.register()
             kwargs["attn_implementation"] = attn_implementation
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
