@@ -60,7 +60,8 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+    # fused, as the learner's AdamW (actor.optim.fused)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay, fused=True)
 
     def generate(prompts: list[Prompt], greedy: bool, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         texts = [tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,

@@ -339,16 +339,16 @@ class BasePolicy(ABC):
                     seq = torch.cat([seq, tok[:, None]], 1)
                     seq_mask = torch.cat([seq_mask, torch.ones_like(tok)[:, None]], 1)
                     left = max_new_tokens - step - 1
-                    chunk_end = bool(on_chunk) and sync_every_tokens > 0
-                    chunk_end = chunk_end and (step + 1) % sync_every_tokens == 0
+                    chunk_end = (
+                        on_chunk is not None and sync_every_tokens > 0 and (step + 1) % sync_every_tokens == 0
+                    )
                     dead = len(alive) - len(keep)
                     if dead and (dead >= COMPACT_DEAD_FRACTION * len(alive) or chunk_end):
                         rows = torch.tensor(keep, device=self.device)  # drop finished rows (batch and cache)
                         seq, seq_mask, tok = seq[rows], seq_mask[rows], tok[rows]
                         cache = self._select_cache(cache, rows)
                         alive = [alive[j] for j in keep]
-                    if chunk_end:
-                        assert on_chunk is not None
+                    if chunk_end and on_chunk is not None:  # (mypy: chunk_end implies it)
                         if on_chunk():
                             for j in alive:
                                 trajs[j].swap_points.append(step + 1)
