@@ -219,6 +219,106 @@ def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
         assert current_budget(r, keys)[0] == 1
 
 
+def _one_leased_step(r: redis.Redis, keys: Keys) -> StepLedger:
+    """Step 1's ledger over two leased fake samples the trainer group has read (nothing committed yet)."""
+    samples = leased_fakes(r, keys, 2, n=2)
+    ids = [r.xadd(keys.rollouts_of(P0), encode(s)).decode() for s in samples]  # type: ignore[union-attr,arg-type]
+    r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts_of(P0): ">"})
+    return StepLedger(
+        1,
+        [Fate(s.sample_id, i, TRAINED, 1, 0, 1) for s, i in zip(samples, ids, strict=True)],
+        [(keys.rollouts_of(P0), i) for i in ids],
+    )
+
+
+def test_the_checkpoint_is_written_while_the_version_validates_and_commits_only_once_durable(
+    r: redis.Redis, keys: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    import consumers.trainer.loop as loop_module
+    from consumers.trainer.loop import Trainer
+
+    cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "trainer.test_freq=1",
+                                    "trainer.save_freq=1", "data.val_size=4"])
+    setup_run(r, keys, PRODUCERS)
+    ledger = _one_leased_step(r, keys)
+    seen_while_validating: list[bool] = []
+    began_during_validation: list[bool] = []
+    validating = threading.Event()
+    real_validate, real_writer = loop_module.validate, loop_module.checkpoint_writer
+
+    def writer_after_validation_starts(*args: object, **kwargs: object) -> object:
+        """The real writer, made to start writing only once validation has begun (up to 20 s)."""
+        write = real_writer(*args, **kwargs)  # type: ignore[arg-type]
+
+        def gated() -> Path:
+            began_during_validation.append(validating.wait(20))
+            return write()
+        return gated
+
+    def slow_validate(*args: object) -> dict[str, float]:
+        """Validation that waits (up to 20 s) for step 1's checkpoint and then draws from every RNG."""
+        validating.set()
+        deadline = time.monotonic() + 20
+        while not checkpoint_path(t.ckpt_dir, 1).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen_while_validating.append(checkpoint_path(t.ckpt_dir, 1).exists())
+        torch.rand(3), np.random.rand(), random.random()
+        return real_validate(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop_module, "validate", slow_validate)
+    monkeypatch.setattr(loop_module, "checkpoint_writer", writer_after_validation_starts)
+    t = Trainer(cfg, r, keys, "trainer", threading.Event())
+    t.resume()  # version 0 validates too (no checkpoint is due)
+    seen_while_validating.clear()
+    validating.clear()
+    torch_rng, py_rng = torch.get_rng_state(), random.getstate()
+    t._finish_step(1, ledger, time.perf_counter())
+    t.effects.stop_leaser()
+    # the write ran beside validation, the commit waited for it, and validation drew no RNG state away
+    assert began_during_validation == [True] and seen_while_validating == [True]
+    assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) == b"1"
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 0
+    assert torch.equal(torch.get_rng_state(), torch_rng) and random.getstate() == py_rng
+    saved = load_file(str(checkpoint_path(t.ckpt_dir, 1)))
+    assert torch.equal(saved["rng/torch"], torch_rng)
+    step_end = [decode(f) for _, f in r.xrange(keys.metrics) if f[b"type"] == b"step_end"]
+    assert [ev.global_step for ev in step_end] == [1]  # type: ignore[union-attr]
+    m = step_end[0].metrics  # type: ignore[union-attr]
+    assert m["timing_s/checkpoint"] > 0 and m["timing_s/checkpoint_wait"] >= 0
+
+
+def test_a_checkpoint_that_fails_to_write_commits_nothing(
+    r: redis.Redis, keys: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    import consumers.trainer.loop as loop_module
+    from consumers.trainer.loop import Trainer
+
+    cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "trainer.test_freq=1",
+                                    "trainer.save_freq=1", "data.val_size=4"])
+    setup_run(r, keys, PRODUCERS)
+    ledger = _one_leased_step(r, keys)
+
+    def failing_writer(*args: object, **kwargs: object) -> object:
+        def write() -> Path:
+            raise OSError(28, "No space left on device")
+        return write
+
+    monkeypatch.setattr(loop_module, "checkpoint_writer", failing_writer)
+    t = Trainer(cfg, r, keys, "trainer", threading.Event())
+    t.resume()
+    with pytest.raises(OSError, match="No space left"):
+        t._finish_step(1, ledger, time.perf_counter())
+    t.effects.stop_leaser()
+    assert r.hget(keys.trainer, COMMITTED_STEP_FIELD) in (None, b"0")  # nothing acked, nothing in fates
+    assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 2 and r.xlen(keys.fates) == 0
+
+
 def test_a_checkpoint_with_old_format_metadata_loads_upgraded(
     r: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:

@@ -239,6 +239,20 @@ def write_checkpoint(
     """`save_checkpoint` from the weights (a state dict, tied tensors once) and an optimizer state_dict
     (index-keyed, as torch.optim.Optimizer.state_dict gives it): what a data-parallel rank 0 writes for
     every rank."""
+    return checkpoint_writer(ckpt_dir, global_step, weights, optimizer_state, meta, keep_last)()
+
+
+def checkpoint_writer(
+    ckpt_dir: Path,
+    global_step: int,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    meta: dict[str, Any],
+    keep_last: int = 2,
+) -> Callable[[], Path]:
+    """`write_checkpoint` in two halves: this call captures the meta (encoded now), the RNG states and the
+    tensor references; the function it returns writes the file durably and prunes old ones, and may run on
+    another thread while the caller goes on, provided nothing changes the tensors until it returns."""
     private_dir(ckpt_dir)
     tensors = {f"model/{k}": v for k, v in weights.items()}  # no copy of the weights
     opt_tensors, groups = _optim_tensors(optimizer_state)
@@ -249,12 +263,16 @@ def write_checkpoint(
                               "rng": rng_scalars, **meta})
     tensors[_META] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     path = checkpoint_path(ckpt_dir, global_step)
-    atomic_write(
-        path, lambda tmp: save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
-    )
-    for _, old in list_checkpoints(ckpt_dir)[:-keep_last]:
-        old.unlink(missing_ok=True)
-    return path
+
+    def write() -> Path:
+        atomic_write(
+            path, lambda tmp: save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
+        )
+        for _, old in list_checkpoints(ckpt_dir)[:-keep_last]:
+            old.unlink(missing_ok=True)
+        return path
+
+    return write
 
 
 def load_checkpoint(path: Path, policy: BasePolicy, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -4,11 +4,13 @@ Global step g (1-based; trains version g-1):
   1. begin_step: pin the current weights as the proximal policy
   2. K times: collect ppo_mini_batch_size fresh samples (stale ones are dropped and recorded), assemble,
      update, emit a `local_update` event
-  3. evaluate (every test_freq versions) with the end-of-step weights = version g
-  4. if a checkpoint is due (every save_freq steps, the last step, or on stop): write it (weights,
-     optimizer, RNG, ledgers of the steps it covers), then publish version g, then commit in one MULTI
-     (fates, XACK, consumed, trainer hash, step_end); otherwise publish version g and count the step's
-     samples as consumed (pacing needs it before the grant)
+  3. if a checkpoint is due (every save_freq steps, the last step, or on stop): start writing it on a
+     thread (weights, optimizer, RNG, ledgers of the steps it covers); evaluate (every test_freq versions,
+     the RNG left as it was) with the end-of-step weights = version g; publish version g. Neither reads
+     more than the weights, so the write overlaps them
+  4. if a checkpoint is due: wait until it is durable, then commit in one MULTI (fates, XACK, consumed,
+     trainer hash, step_end); otherwise count the step's samples as consumed (pacing needs it before the
+     grant)
   5. grant version g its dispatch budget; remove weight blobs no producer uses
 
 Restart: the newest checkpoint is loaded; its version is published if `params` lacks it; its commit is
@@ -56,13 +58,15 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import redis
 
 from consumers.trainer import step_report
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
-from consumers.trainer.checkpoint import restore_newest, write_checkpoint
+from consumers.trainer.checkpoint import checkpoint_writer, restore_newest, restore_rng_plain, rng_plain
 from consumers.trainer.collect import Collected, Collector, rollouts_reader
 from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.effects import TrainerEffects
@@ -256,23 +260,24 @@ class Trainer:
         self._own_acks += ledger.ack_ids
         self.newest_published = max(self.newest_published, g)
         self.agreed_stop = any(rep["stop"] for rep in reports)
-        if cfg.trainer.test_freq > 0 and g % cfg.trainer.test_freq == 0:
-            self._evaluate(g)
         K, max_len = cfg.async_training.trigger_parameter_sync_step, cfg.data.max_response_length
         merged.step_end = step_report.step_end_event(g, K, W, merged, reports, max_len)
         self.pending.append(merged)
         self.global_step = g
         due = g % cfg.trainer.save_freq == 0 or g >= cfg.trainer.total_training_steps or self.agreed_stop
         due = due or any(rep["over_budget"] for rep in reports)  # ack now: acked entries may leave Redis
-        t0 = time.perf_counter()
         # under fsdp reading the whole weights and optimizer state is a collective: every rank takes part
         roles = self.dp.roles
         whole = self.learner.whole_weights() if roles.sharded else None
         probe = self.learner.probe()  # the swap check's fingerprint of version g (every rank: fsdp)
         optimizer_state = self.learner.optimizer_state() if due and roles.whole_model else {}
+        writing = None
+        if due and roles.main:  # written while version g validates and publishes (neither changes a tensor)
+            writing = _Background(self._checkpoint_writer(g, reports, whole, optimizer_state, t_step))
+        if cfg.trainer.test_freq > 0 and g % cfg.trainer.test_freq == 0:
+            self._evaluate(g)
         if roles.main:
-            timings = self._checkpoint(g, reports, whole, optimizer_state, t_step, t0) if due else {}
-            self._publish_commit_grant(g, merged, whole, due, timings, t_step, probe)
+            self._publish_commit_grant(g, merged, whole, writing, t_step, probe)
         if due:
             self.reader.forget(self._own_acks)  # acked inside rank 0's commit
             self._own_acks, self.pending = [], []
@@ -282,19 +287,22 @@ class Trainer:
                  g, time.perf_counter() - t_step, trained, dropped, evicted, skipped, W)
 
     def _evaluate(self, version: int) -> None:
-        """(3) Validate version `version` (evaluate.validate) and emit a `validation` event. Rank 0 alone;
-        under fsdp every rank decodes in step (the weights are sharded)."""
+        """(3) Validate version `version` (evaluate.validate) and emit a `validation` event, the RNG states
+        unchanged. Rank 0 alone; under fsdp every rank decodes in step (the weights are sharded)."""
         if not self.dp.roles.whole_model:
             return
+        rng = rng_plain()  # validation leaves the RNG as it found it: the checkpoint took it before
         metrics = validate(self.cfg, self.learner.policy, self.dp, list(self.recent))
+        restore_rng_plain(rng)
         if metrics and self.dp.roles.main:
             ev = ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
             self.effects.emit_validation(ev)
             log.info("validation of version %d: %s", version, metrics)
 
-    def _checkpoint(self, g: int, reports: list[dict[str, Any]], whole: dict[str, Any] | None,
-                    optimizer_state: dict[str, Any], t_step: float, t0: float) -> dict[str, float]:
-        """(4, rank 0) Write the checkpoint of version g; returns its `timing_s/…` metrics."""
+    def _checkpoint_writer(self, g: int, reports: list[dict[str, Any]], whole: dict[str, Any] | None,
+                           optimizer_state: dict[str, Any], t_step: float) -> Callable[[], Path]:
+        """(4, rank 0) The writer of version g's checkpoint (checkpoint.checkpoint_writer: meta, RNG states
+        and tensor references captured now, the file written when it is called)."""
         step_end = self.pending[-1].step_end
         assert step_end is not None
         step_end.metrics["timing_s/step"] = time.perf_counter() - t_step
@@ -302,21 +310,26 @@ class Trainer:
         meta["committed"] = self.effects.committed_for_checkpoint()  # redone on resume if a failover lost it
         weights = whole if whole is not None else self.learner.whole_weights()  # the module's own tensors
         keep = self.cfg.trainer.keep_checkpoints
-        write_checkpoint(self.ckpt_dir, g, weights, optimizer_state, meta, keep_last=keep)
-        return {"timing_s/checkpoint": time.perf_counter() - t0}
+        return checkpoint_writer(self.ckpt_dir, g, weights, optimizer_state, meta, keep_last=keep)
 
-    def _publish_commit_grant(self, g: int, merged: StepLedger, whole: dict[str, Any] | None, due: bool,
-                              timings: dict[str, float], t_step: float, probe: Probe) -> None:
-        """(4, 5; rank 0) Publish version g, then commit (checkpoint written) or count the step's samples as
-        consumed; grant version g its budget; retention."""
+    def _publish_commit_grant(self, g: int, merged: StepLedger, whole: dict[str, Any] | None,
+                              writing: _Background | None, t_step: float, probe: Probe) -> None:
+        """(4, 5; rank 0) Publish version g, then commit once its checkpoint (`writing`, when due) is
+        durable, or count the step's samples as consumed; grant version g its budget; retention."""
         t0 = time.perf_counter()
         self.effects.publish_weights(g, self.learner.policy.module, whole, probe=probe)
         t_pub = time.perf_counter() - t0
+        timings = {"timing_s/publish": t_pub}
+        if writing is not None:
+            t0 = time.perf_counter()
+            writing.wait()  # raises what the write raised: nothing is committed without its checkpoint
+            timings.update({"timing_s/checkpoint": writing.seconds,
+                            "timing_s/checkpoint_wait": time.perf_counter() - t0})
         step_s = time.perf_counter() - t_step
         assert merged.step_end is not None
-        timings.update({"timing_s/publish": t_pub, "timing_s/step": step_s, "perf/time_per_step": step_s})
+        timings.update({"timing_s/step": step_s, "perf/time_per_step": step_s})
         merged.step_end.metrics.update(timings)
-        if due:
+        if writing is not None:
             self.effects.commit(self.pending, g)
         else:
             self.effects.count_consumed(merged, g)
@@ -340,3 +353,29 @@ class Trainer:
             self.effects.stop_leaser()
         log.info("trainer stopping at global step %d", self.global_step)
         return 0
+
+
+class _Background:
+    """A function run on its own thread from construction on; `wait` joins it and raises what it raised;
+    `seconds` is how long it ran."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        """Start `fn` now."""
+        self.seconds = 0.0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except BaseException as e:  # handed to the waiting thread
+            self._error = e
+        self.seconds = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Block until the function returned; raise its exception, if any."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
