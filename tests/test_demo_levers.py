@@ -26,6 +26,14 @@ def test_dr_grpo_advantages_keep_reward_scale_and_std_norm_rescales() -> None:
     assert float(plain[7]) < float(plain[0]) / 4
 
 
+def test_the_learner_divides_outcome_advantages_by_the_group_mean_when_asked() -> None:
+    rewards = torch.tensor([1.0] + [0.0] * 7)
+    for flag, right in (("false", 2.4749), ("true", 7.0)):
+        learner = Learner(load_config(None, TINY + [f"algorithm.norm_adv_by_mean={flag}"]))
+        adv, _ = learner._advantages(None, [8], rewards, None)  # type: ignore[arg-type]  # outcome: rows unused
+        assert abs(float(adv[0]) - right) < 1e-3, (flag, adv)
+
+
 def test_entropy_bonus_decays_linearly_to_zero_and_stays_constant_without_decay() -> None:
     assert entropy_coef_at(0.1, 0, 5000) == 0.1
     assert entropy_coef_at(0.1, 100, 1) == 0.1

@@ -48,6 +48,18 @@ def test_grpo_advantages_without_std_norm_and_singleton_groups() -> None:
     assert grpo_advantages(torch.tensor([0.5, 2.0]), n=1).tolist() == approx([0.5, 2.0], abs=1e-5)
 
 
+def test_grpo_advantages_by_the_mean_weigh_a_rare_right_answer_as_a_log_likelihood() -> None:
+    one_right = torch.tensor([1.0] + [0.0] * 7)
+    # one right in 8: 7 for it, -1 for each wrong one (the std would give 2.47 and -0.35)
+    assert grpo_advantages(one_right, n=8, norm_by_mean=True).tolist() == approx([7.0] + [-1.0] * 7, abs=1e-4)
+    # one wrong in 8: -1 for it, 1/7 for each right one; an all-zero group stays 0
+    adv = grpo_advantages(torch.stack([1 - one_right, torch.zeros(8)]), n=8, norm_by_mean=True)
+    assert adv.tolist() == approx([-1.0] + [1 / 7] * 7 + [0.0] * 8, abs=1e-4)
+    # a credit every answer earns shifts nothing: 0.25 for all, 1 for the right one, is 7 / -1 again
+    adv = grpo_advantages(0.25 + 0.75 * one_right, n=8, norm_by_mean=True)
+    assert adv.tolist() == approx([7.0] + [-1.0] * 7, abs=1e-4)
+
+
 def test_grpo_advantages_rejects_ragged_groups() -> None:
     with pytest.raises(ValueError, match="groups of n=3"):
         grpo_advantages(torch.zeros(4), n=3)

@@ -64,14 +64,17 @@ log = logging.getLogger(__name__)
 UPDATE_SKIPPED = "actor/update_skipped"
 
 
-def group_advantages(rewards: torch.Tensor, group_sizes: list[int], norm_by_std: bool = True) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_sizes: list[int], norm_by_std: bool = True, norm_by_mean: bool = False
+) -> torch.Tensor:
     """GRPO advantages [B] for contiguous groups of the given sizes (std-normalised unless
-    norm_by_std=False)."""
+    norm_by_std=False; divided by the group's mean reward above its lowest instead when norm_by_mean)."""
     if len(set(group_sizes)) == 1:
-        return grpo_advantages(rewards, n=group_sizes[0], norm_by_std=norm_by_std)
+        return grpo_advantages(rewards, n=group_sizes[0], norm_by_std=norm_by_std, norm_by_mean=norm_by_mean)
     parts, start = [], 0
     for n in group_sizes:
-        parts.append(grpo_advantages(rewards[start : start + n], n=n, norm_by_std=norm_by_std))
+        parts.append(grpo_advantages(rewards[start : start + n], n=n, norm_by_std=norm_by_std,
+                                     norm_by_mean=norm_by_mean))
         start += n
     return torch.cat(parts)
 
@@ -395,7 +398,9 @@ class Learner:
             adv = _token_advantages(rewards, mask, scores, groups, self.algorithm, self.dp.all_reduce_sum)
             n_tok = float(mask.sum())
             return adv.to(self.device), (float((adv * mask).sum()) / n_tok if n_tok else 0.0)
-        adv = group_advantages(rewards, groups, self.algorithm.norm_adv_by_std_in_grpo).to(self.device)
+        alg = self.algorithm
+        adv = group_advantages(rewards, groups, alg.norm_adv_by_std_in_grpo, alg.norm_adv_by_mean)
+        adv = adv.to(self.device)
         return adv, float(adv.mean())
 
     def _trained_rows(self, mini: _Padded, adv: torch.Tensor) -> tuple[_Padded, torch.Tensor]:

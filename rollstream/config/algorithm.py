@@ -90,8 +90,9 @@ class AlgorithmConfig(Section):
     )
     norm_adv_by_mean: bool = Field(
         False,
-        description="grpo_token: divide group-centred returns by the group's mean |return|, not the std (the "
-        "gradient of log P(right) per position; rarely-right positions weigh as much as solved ones)",
+        description="Divide group-centred rewards by the group's mean reward above its lowest (grpo) or "
+        "mean |return| per position (grpo_token), not the std: the gradient of log P(right), so "
+        "rarely-right problems weigh as much as solved ones",
     )
     rollout_correction: RolloutCorrectionConfig = Field(
         default_factory=RolloutCorrectionConfig,

@@ -15,11 +15,17 @@ def grpo_advantages(
     eps: float = 1e-6,
     norm_by_std: bool = True,
     unbiased: bool = True,
+    norm_by_mean: bool = False,
 ) -> torch.Tensor:
     """Group-normalised advantages [B*n] from rewards [B*n] (group-contiguous) or [B, n].
 
     A = (r - mean_group) / (std_group + eps), or r - mean_group when `norm_by_std` is False.
     `unbiased=True` (the default) is verl's choice: `torch.std`'s Bessel-corrected std.
+    `norm_by_mean` (instead of the std): divide by the group's mean reward above its lowest one, so with 0/1
+    rewards the expected gradient is that of log P(right) rather than P(right):
+    one right answer in 8 gets 7 (the std gives it 2.5), one wrong answer in 8 gets -1 (the std: -2.5), and
+    a problem the group rarely solves weighs as much as a solved one. Measured from the group's lowest
+    reward, a partial credit that every answer earns shifts nothing (as with the std).
     An all-equal group gets 0. A group of one (n=1) keeps its raw reward, as verl does
     (mean 0, std 1 for singleton groups): plain REINFORCE without a baseline.
     """
@@ -32,7 +38,9 @@ def grpo_advantages(
         return (scores / (1.0 + eps) if norm_by_std else scores).reshape(-1)  # [B]
     mean = scores.mean(dim=-1, keepdim=True)  # [B, 1]
     centred = scores - mean  # [B, n]
-    if norm_by_std:
+    if norm_by_mean:
+        centred = centred / (mean - scores.amin(dim=-1, keepdim=True) + eps)  # [B, n]
+    elif norm_by_std:
         std = scores.std(dim=-1, keepdim=True, unbiased=unbiased)  # [B, 1]
         centred = centred / (std + eps)
     return centred.reshape(-1)  # [B*n]
