@@ -115,6 +115,31 @@ def test_a_corrupt_file_is_refused_before_the_model_changes(
         load_weights_into(r, pv, Holder(dst))  # type: ignore[arg-type]
 
 
+def test_a_write_cut_short_leaves_no_file_and_no_hashing_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import rollstream.weights.tensors as tensors_module
+
+    real = tensors_module.module_pieces
+
+    def failing_pieces(module: nn.Module) -> object:
+        for i, piece in enumerate(real(module)):
+            if i == 2:
+                raise OSError(28, "No space left on device")
+            yield piece
+
+    monkeypatch.setattr(tensors_module, "module_pieces", failing_pieces)
+    with pytest.raises(OSError, match="No space left"):
+        write_module(Tied(0), tmp_path / "w.safetensors")
+    assert list(tmp_path.iterdir()) == []
+    assert not [t for t in threading.enumerate() if t.name == "weights-sha256"]
+    monkeypatch.setattr(tensors_module, "module_pieces", real)
+    digest, size = write_module(Tied(0), tmp_path / "w.safetensors")  # hashed beside the writes
+    assert digest == file_sha256(tmp_path / "w.safetensors") and size == module_file_bytes(Tied(0))
+
+
 def test_mismatched_files_are_refused_and_dtypes_are_converted(tmp_path: Path) -> None:
     src = Tied(0)
     write_module(src, tmp_path / "w.safetensors")
