@@ -21,7 +21,7 @@ from conftest import P0, PRODUCERS
 from safetensors.torch import load as st_load
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
-from consumers.trainer.checkpoint import read_checkpoint, write_checkpoint
+from consumers.trainer.checkpoint import checkpoint_writer, read_checkpoint
 from consumers.trainer.distributed import (
     DataParallel,
     DistributedError,
@@ -103,7 +103,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
         blob = _train(learner, rank, world)
         weights, optim = learner.whole_weights(), learner.optimizer_state()
         ckpt_dir = Path(out_dir, "ckpt")
-        path = write_checkpoint(ckpt_dir, 3, weights, optim, {"steps": []}) if rank == 0 else None
+        path = checkpoint_writer(ckpt_dir, 3, weights, optim, {"steps": []})() if rank == 0 else None
         # as a resuming rank reads it
         data = fsdp.broadcast_bytes(path.read_bytes() if path is not None else None)
         resumed = Learner(load_config(None, TINY + CASES[CONTROL]), fsdp)

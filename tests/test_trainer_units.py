@@ -24,7 +24,7 @@ from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import StepLedger, commit_steps, committed_sample_ids
 from consumers.trainer.staleness import dropped_metrics, staleness
 from rollstream.bus import setup_run
-from rollstream.config import load_config
+from rollstream.config import PipelineConfig, load_config
 from rollstream.keys import COMMITTED_STEP_FIELD, TRAINER_GROUP, Keys
 from rollstream.testing.fakes import fake_rollout_sample, leased_fakes
 from schemas import (
@@ -219,12 +219,16 @@ def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
         assert current_budget(r, keys)[0] == 1
 
 
-def _one_leased_step(r: redis.Redis, keys: Keys) -> StepLedger:
-    """Step 1's ledger over two leased fake samples the trainer group has read (nothing committed yet)."""
+def _one_leased_step(r: redis.Redis, keys: Keys, run_dir: Path) -> tuple[PipelineConfig, StepLedger]:
+    """A run validating and checkpointing every step, and step 1's ledger over two leased fake samples the
+    trainer group has read (nothing committed yet)."""
+    cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={run_dir}", "trainer.test_freq=1",
+                                    "trainer.save_freq=1", "data.val_size=4"])
+    setup_run(r, keys, PRODUCERS)
     samples = leased_fakes(r, keys, 2, n=2)
     ids = [r.xadd(keys.rollouts_of(P0), encode(s)).decode() for s in samples]  # type: ignore[union-attr,arg-type]
     r.xreadgroup(TRAINER_GROUP, "trainer", {keys.rollouts_of(P0): ">"})
-    return StepLedger(
+    return cfg, StepLedger(
         1,
         [Fate(s.sample_id, i, TRAINED, 1, 0, 1) for s, i in zip(samples, ids, strict=True)],
         [(keys.rollouts_of(P0), i) for i in ids],
@@ -240,10 +244,7 @@ def test_the_checkpoint_is_written_while_the_version_validates_and_commits_only_
     import consumers.trainer.loop as loop_module
     from consumers.trainer.loop import Trainer
 
-    cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "trainer.test_freq=1",
-                                    "trainer.save_freq=1", "data.val_size=4"])
-    setup_run(r, keys, PRODUCERS)
-    ledger = _one_leased_step(r, keys)
+    cfg, ledger = _one_leased_step(r, keys, tmp_path)
     seen_while_validating: list[bool] = []
     began_during_validation: list[bool] = []
     validating = threading.Event()
@@ -299,10 +300,7 @@ def test_a_checkpoint_that_fails_to_write_commits_nothing(
     import consumers.trainer.loop as loop_module
     from consumers.trainer.loop import Trainer
 
-    cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "trainer.test_freq=1",
-                                    "trainer.save_freq=1", "data.val_size=4"])
-    setup_run(r, keys, PRODUCERS)
-    ledger = _one_leased_step(r, keys)
+    cfg, ledger = _one_leased_step(r, keys, tmp_path)
 
     def failing_writer(*args: object, **kwargs: object) -> object:
         def write() -> Path:

@@ -223,23 +223,9 @@ def save_checkpoint(
 ) -> Path:
     """Write the checkpoint of `global_step` durably (rollstream.runtime.files.atomic_write); prune old
     ones."""
-    return write_checkpoint(
+    return checkpoint_writer(
         ckpt_dir, global_step, unique_state(policy.module), optimizer.state_dict(), meta, keep_last
-    )
-
-
-def write_checkpoint(
-    ckpt_dir: Path,
-    global_step: int,
-    weights: dict[str, torch.Tensor],
-    optimizer_state: dict[str, Any],
-    meta: dict[str, Any],
-    keep_last: int = 2,
-) -> Path:
-    """`save_checkpoint` from the weights (a state dict, tied tensors once) and an optimizer state_dict
-    (index-keyed, as torch.optim.Optimizer.state_dict gives it): what a data-parallel rank 0 writes for
-    every rank."""
-    return checkpoint_writer(ckpt_dir, global_step, weights, optimizer_state, meta, keep_last)()
+    )()
 
 
 def checkpoint_writer(
@@ -250,9 +236,12 @@ def checkpoint_writer(
     meta: dict[str, Any],
     keep_last: int = 2,
 ) -> Callable[[], Path]:
-    """`write_checkpoint` in two halves: this call captures the meta (encoded now), the RNG states and the
-    tensor references; the function it returns writes the file durably and prunes old ones, and may run on
-    another thread while the caller goes on, provided nothing changes the tensors until it returns."""
+    """The checkpoint of `global_step` from the weights (a state dict, tied tensors once) and an optimizer
+    state_dict (index-keyed, as torch.optim.Optimizer.state_dict gives it), what a data-parallel rank 0 writes
+    for every rank, in two halves: this call captures the meta (encoded now), the RNG states and the tensor
+    references; the function it returns writes the file durably (atomic_write), prunes old ones and returns
+    its path. It may run on another thread while the caller goes on, provided nothing changes the tensors
+    until it returns."""
     private_dir(ckpt_dir)
     tensors = {f"model/{k}": v for k, v in weights.items()}  # no copy of the weights
     opt_tensors, groups = _optim_tensors(optimizer_state)
