@@ -59,6 +59,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,8 @@ class Trainer:
         self.agreed_stop = False  # data parallel: some rank asked to stop at the last step end
         self.pending_ids: list[list[str]] = [[] for _ in range(self.dp.world_size)]  # per rank, since ckpt
         self._own_acks: list[EntryRef] = []  # this rank's ack refs in `pending` (forgotten once committed)
+        # writes a due checkpoint while its version validates and publishes (rank 0; its thread starts lazily)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
 
     # -- start / resume ----------------------------------------------------------------------------
 
@@ -273,7 +276,8 @@ class Trainer:
         optimizer_state = self.learner.optimizer_state() if due and roles.whole_model else {}
         writing = None
         if due and roles.main:  # written while version g validates and publishes (neither changes a tensor)
-            writing = _Background(self._checkpoint_writer(g, reports, whole, optimizer_state, t_step))
+            write = self._checkpoint_writer(g, reports, whole, optimizer_state, t_step)
+            writing = self._writer.submit(_timed, write)
         if cfg.trainer.test_freq > 0 and g % cfg.trainer.test_freq == 0:
             self._evaluate(g)
         if roles.main:
@@ -313,7 +317,7 @@ class Trainer:
         return checkpoint_writer(self.ckpt_dir, g, weights, optimizer_state, meta, keep_last=keep)
 
     def _publish_commit_grant(self, g: int, merged: StepLedger, whole: dict[str, Any] | None,
-                              writing: _Background | None, t_step: float, probe: Probe) -> None:
+                              writing: Future[float] | None, t_step: float, probe: Probe) -> None:
         """(4, 5; rank 0) Publish version g, then commit once its checkpoint (`writing`, when due) is
         durable, or count the step's samples as consumed; grant version g its budget; retention."""
         t0 = time.perf_counter()
@@ -322,8 +326,8 @@ class Trainer:
         timings = {"timing_s/publish": t_pub}
         if writing is not None:
             t0 = time.perf_counter()
-            writing.wait()  # raises what the write raised: nothing is committed without its checkpoint
-            timings.update({"timing_s/checkpoint": writing.seconds,
+            write_s = writing.result()  # raises what the write raised: no commit without its checkpoint
+            timings.update({"timing_s/checkpoint": write_s,
                             "timing_s/checkpoint_wait": time.perf_counter() - t0})
         step_s = time.perf_counter() - t_step
         assert merged.step_end is not None
@@ -351,31 +355,13 @@ class Trainer:
                     break
         finally:
             self.effects.stop_leaser()
+            self._writer.shutdown()  # waits for a write an exception left running; ends the idle thread
         log.info("trainer stopping at global step %d", self.global_step)
         return 0
 
 
-class _Background:
-    """A function run on its own thread from construction on; `wait` joins it and raises what it raised;
-    `seconds` is how long it ran."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        """Start `fn` now."""
-        self.seconds = 0.0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="checkpoint-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        t0 = time.perf_counter()
-        try:
-            fn()
-        except BaseException as e:  # handed to the waiting thread
-            self._error = e
-        self.seconds = time.perf_counter() - t0
-
-    def wait(self) -> None:
-        """Block until the function returned; raise its exception, if any."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+def _timed(fn: Callable[[], Any]) -> float:
+    """Run fn; the seconds it took."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
