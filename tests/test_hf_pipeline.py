@@ -46,6 +46,11 @@ CASES = {
         model=dict(arch="llama", tokenizer="char"),
         overrides=["data.max_response_length=6", "data.reverse.max_digits=3"],
     ),
+    "llama-lora": dict(  # the trainer trains rank-4 factors; producers load them onto their own base
+        model=dict(arch="llama", tokenizer="char"),
+        overrides=["data.max_response_length=6", "data.reverse.max_digits=3", "model.lora_rank=4",
+                   "model.lora_alpha=8", "actor.optim.lr=1e-2"],
+    ),
     "qwen2": dict(
         model=dict(arch="qwen2", tokenizer="bpe", chat_template=True),
         overrides=[
@@ -117,6 +122,13 @@ def test_hf_model_through_the_whole_pipeline(arch: str, tmp_path: Path) -> None:
         # counts sum in another order)
         checks = swap_checks(r, keys)
         assert {v for _, v in checks} >= set(range(1, STEPS)) and max(checks.values()) < 1e-6, checks
+    if "lora" in arch:  # a version is the factors alone, trained: producers hold the base themselves
+        from safetensors.torch import load_file
+
+        last = load_file(str(run_dir / "weights" / weights[-1]))
+        assert last and all(k.endswith((".lora.A", ".lora.B")) for k in last), sorted(last)[:4]
+        assert {"model.layers.0.self_attn.q_proj.lora.B", "model.layers.1.mlp.down_proj.lora.A"} <= set(last)
+        assert any(bool(t.abs().sum() > 0) for k, t in last.items() if k.endswith(".lora.B"))  # B left 0
 
 
 @pytest.fixture(autouse=True)

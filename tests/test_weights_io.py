@@ -22,11 +22,11 @@ from rollstream.weights.store import (
     publish_module_weights,
 )
 from rollstream.weights.tensors import (
+    file_bytes,
     file_sha256,
     load_file_into,
-    module_file_bytes,
     unique_state,
-    write_module,
+    write_tensors,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ def test_above_the_inline_limit_weights_go_through_a_streamed_file(
         pv.uri.startswith("file://") and path.parent == tmp_path.resolve() and not r.exists(keys.weights(3))
     )
     assert latest_param_version(r, keys) == pv
-    assert pv.bytes == path.stat().st_size == module_file_bytes(src) and pv.sha256 == file_sha256(path)
+    assert pv.bytes == path.stat().st_size == file_bytes(unique_state(src)) and pv.sha256 == file_sha256(path)
     with safe_open(str(path), framework="pt") as f:  # a standard safetensors file: tied weight once
         assert sorted(f.keys()) == sorted(unique_state(src)) and "head.weight" not in f.keys()
         assert torch.equal(f.get_tensor("block.weight"), src.block.weight.detach())
@@ -122,27 +122,28 @@ def test_a_write_cut_short_leaves_no_file_and_no_hashing_thread(
 
     import rollstream.weights.tensors as tensors_module
 
-    real = tensors_module.module_pieces
+    real = tensors_module.tensor_pieces
 
-    def failing_pieces(module: nn.Module) -> object:
-        for i, piece in enumerate(real(module)):
+    def failing_pieces(tensors: dict[str, torch.Tensor]) -> object:
+        for i, piece in enumerate(real(tensors)):
             if i == 2:
                 raise OSError(28, "No space left on device")
             yield piece
 
-    monkeypatch.setattr(tensors_module, "module_pieces", failing_pieces)
+    monkeypatch.setattr(tensors_module, "tensor_pieces", failing_pieces)
     with pytest.raises(OSError, match="No space left"):
-        write_module(Tied(0), tmp_path / "w.safetensors")
+        write_tensors(unique_state(Tied(0)), tmp_path / "w.safetensors")
     assert list(tmp_path.iterdir()) == []
     assert not [t for t in threading.enumerate() if t.name == "weights-sha256"]
-    monkeypatch.setattr(tensors_module, "module_pieces", real)
-    digest, size = write_module(Tied(0), tmp_path / "w.safetensors")  # hashed beside the writes
-    assert digest == file_sha256(tmp_path / "w.safetensors") and size == module_file_bytes(Tied(0))
+    monkeypatch.setattr(tensors_module, "tensor_pieces", real)
+    # hashed beside the writes
+    digest, size = write_tensors(unique_state(Tied(0)), tmp_path / "w.safetensors")
+    assert digest == file_sha256(tmp_path / "w.safetensors") and size == file_bytes(unique_state(Tied(0)))
 
 
 def test_mismatched_files_are_refused_and_dtypes_are_converted(tmp_path: Path) -> None:
     src = Tied(0)
-    write_module(src, tmp_path / "w.safetensors")
+    write_tensors(unique_state(src), tmp_path / "w.safetensors")
     other = nn.Linear(8, 50)
     with pytest.raises(ValueError, match="unknown tensors"):
         load_file_into(other, tmp_path / "w.safetensors")
@@ -152,7 +153,7 @@ def test_mismatched_files_are_refused_and_dtypes_are_converted(tmp_path: Path) -
         load_file_into(bigger, tmp_path / "w.safetensors")
     assert torch.equal(bigger.emb.weight, Tied(1).emb.weight)  # nothing written before the refusal
     fewer = nn.Sequential(nn.Linear(8, 8))
-    write_module(fewer, tmp_path / "few.safetensors")
+    write_tensors(unique_state(fewer), tmp_path / "few.safetensors")
     with pytest.raises(ValueError, match="lack tensors"):
         load_file_into(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), tmp_path / "few.safetensors")
     half = Tied(2).to(torch.bfloat16)  # a producer in bf16 reading a trainer's float32 weights

@@ -22,7 +22,7 @@ from rollstream.weights.store import (
     publish_module_weights,
     register_producer_version,
 )
-from rollstream.weights.tensors import module_file_bytes
+from rollstream.weights.tensors import file_bytes, unique_state
 from schemas import ParamVersion
 from tests.test_weights_io import Holder, Tied, same
 
@@ -42,7 +42,7 @@ def test_chunks_carry_the_weights_to_a_producer_without_the_trainers_disk(
     pv = publish(r, keys, 3, trainer)
     base, chunk_bytes = parse_chunks_uri(pv.uri)
     assert pv.uri.startswith("redis-chunks://") and base == keys.weights(3) and chunk_bytes == CHUNK
-    assert pv.bytes == module_file_bytes(trainer)
+    assert pv.bytes == file_bytes(unique_state(trainer))
     count = math.ceil(pv.bytes / CHUNK)
     assert count > 2 and r.exists(chunk_key(base, count - 1)) and not r.exists(chunk_key(base, count))
     assert not same(trainer, producer)

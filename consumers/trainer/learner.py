@@ -42,6 +42,7 @@ from consumers.trainer.master import MasterWeights
 from rollstream.config import AlgorithmConfig, PipelineConfig
 from rollstream.model import BasePolicy, build_policy
 from rollstream.model.base import resolve_device
+from rollstream.model.lora import lora_parameter_count
 from rollstream.rl.advantages import grpo_advantages, grpo_token_advantages, reinforce_pp_advantages
 from rollstream.rl.masked import AggMode, agg_count, agg_loss
 from rollstream.rl.metrics import length_metrics, reward_metrics
@@ -211,6 +212,9 @@ class Learner:
         if cfg.model.init_from:
             load_init(self.policy, cfg.model.init_from)  # version 0 = the warm start, not the seeded init
             log.info("initial weights from %s", cfg.model.init_from)
+        if cfg.model.lora_rank:
+            log.info("LoRA rank %d: %d trainable numbers", cfg.model.lora_rank,
+                     lora_parameter_count(self.policy.module))
         self.device = self.policy.device
         self.policy.logprob_chunk_size = self.actor.logprob_chunk_size
         if self.actor.gradient_checkpointing:
@@ -237,10 +241,15 @@ class Learner:
         #: float32 copies the optimizer steps when the module is low-precision (actor.optim.master_weights)
         low = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.policy.module.parameters())
         self.master = MasterWeights(self.policy.module) if self.actor.optim.master_weights and low else None
-        params = self.master.parameters() if self.master is not None else self.policy.parameters()
+        #: what the optimizer steps and gradient clipping sees: the float32 copies, or the trainable
+        #: parameters (with LoRA the factors alone)
+        self.trained = (
+            self.master.parameters() if self.master is not None
+            else [p for p in self.policy.parameters() if p.requires_grad]
+        )
         fused = self.actor.optim.fused
         self.optimizer = torch.optim.AdamW(
-            params, lr=self.actor.optim.lr, weight_decay=self.actor.optim.weight_decay,
+            self.trained, lr=self.actor.optim.lr, weight_decay=self.actor.optim.weight_decay,
             fused=not self.dp.roles.sharded if fused is None else fused,
         )
 
@@ -343,8 +352,7 @@ class Learner:
         (grad norm, skipped)."""
         if self.master is not None:
             self.master.grads_to_master()
-        trained = self.master.parameters() if self.master is not None else list(self.policy.parameters())
-        norm = torch.nn.utils.clip_grad_norm_(trained, self.actor.optim.clip_grad)
+        norm = torch.nn.utils.clip_grad_norm_(self.trained, self.actor.optim.clip_grad)
         # a DTensor under fsdp
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         # every rank must agree, else their weights part: one rank's non-finite loss skips the step on all

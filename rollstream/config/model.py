@@ -85,6 +85,22 @@ class ModelConfig(Section):
                     "copying grouped-query key/value heads (rollstream.model.attention); vLLM ignores it",
     )
 
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        description="LoRA rank of the trainer's policy (verl's actor_rollout_ref.model.lora_rank): 0 trains "
+                    "every weight; > 0 freezes them and trains rank-r factors on target_modules, producers "
+                    "getting the merged weights (rollstream.model.lora)",
+    )
+    lora_alpha: float = Field(
+        16.0, gt=0, description="LoRA scale numerator: the update B A is multiplied by lora_alpha / lora_rank"
+    )
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="Linear layers LoRA adapts: all-linear (every one but the output head) or their last "
+                    "name components, e.g. [q_proj, v_proj]",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _pretrained_folder(cls, data: Any) -> Any:
@@ -110,6 +126,9 @@ class ModelConfig(Section):
         if self.system_prompt is not None and (self.backend != "hf" or not self.chat_template):
             raise ValueError(f"system_prompt={self.system_prompt!r} needs backend=hf and chat_template: true "
                              f"(got backend={self.backend!r}, chat_template={self.chat_template!r})")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            raise ValueError(f"target_modules={self.target_modules!r}: expected all-linear or a list of "
+                             "layer names (e.g. [q_proj, v_proj])")
         if self.attn_implementation is not None and self.backend != "hf":
             raise ValueError(f"attn_implementation={self.attn_implementation!r} needs backend=hf, "
                              f"got {self.backend!r}")

@@ -119,6 +119,26 @@ class PipelineConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _lora(self) -> PipelineConfig:
+        rank = self.model.lora_rank
+        if rank and self.trainer.strategy == "fsdp":
+            raise ValueError(
+                f"model.lora_rank={rank} with trainer.strategy=fsdp: LoRA is built for one process or ddp "
+                "(fsdp would shard frozen and trainable weights together); use strategy ddp"
+            )
+        if rank and self.rollout.name == "vllm":
+            raise ValueError(
+                f"model.lora_rank={rank} with rollout.name=vllm: a version publishes the LoRA factors alone, "
+                "which only the built-in engine loads; use rollout.name=builtin"
+            )
+        if rank and self.model.init_from:
+            raise ValueError(
+                f"model.lora_rank={rank} with model.init_from={self.model.init_from!r}: producers build the "
+                "base weights themselves from the model; fold the warm start into model.hf_path instead"
+            )
+        return self
+
     def _rows_need_training(self, world: int) -> str | None:
         """Why a zero-advantage row can have a gradient in this config (so actor.zero_advantage_rows must be
         train), or None: what in the loss or the correction sees every row."""

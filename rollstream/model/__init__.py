@@ -46,10 +46,16 @@ def load_policy(backend: str, **kwargs: Any) -> BasePolicy:
 def build_policy(cfg: PipelineConfig, device: str | None = None, dtype: str | None = None) -> BasePolicy:
     """The policy with initial weights from run.seed (identical on every process for the same seed), its
     weights in model.dtype, its forward passes under model.autocast; with `dtype` (a producer's
-    rollout.dtype) its weights in that dtype, computing in it."""
+    rollout.dtype) its weights in that dtype, computing in it. With model.lora_rank > 0 its weights are
+    frozen and it carries LoRA factors (rollstream.model.lora): the trainer's to train, a producer's to
+    load."""
     m = cfg.model
     dev = resolve_device(device or cfg.run.device)
     policy = _load(cfg, dev, resolve_dtype(dtype or m.dtype, dev))
+    if m.lora_rank:  # every process holds the same structure: producers load the trainer's factors
+        from rollstream.model.lora import apply_lora
+
+        apply_lora(policy.module, m.lora_rank, m.lora_alpha, m.target_modules)
     autocast = None if dtype else m.autocast
     policy.autocast_dtype = resolve_dtype(autocast, dev) if autocast else None
     return policy

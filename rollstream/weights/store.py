@@ -110,21 +110,28 @@ def publish_module_weights(
     """Publish a module's weights: safetensors bytes in Redis when they fit `inline_max_bytes` (or neither
     a file_dir nor the redis transport), else streamed tensor by tensor (no second copy in memory) into a
     file in file_dir, or with `transport="redis"` into chunks of chunk_bytes; then XADD the ParamVersion."""
-    from rollstream.weights.tensors import module_bytes, module_file_bytes, module_pieces, write_module
+    from rollstream.weights.tensors import (
+        file_bytes,
+        published_state,
+        state_bytes,
+        tensor_pieces,
+        write_tensors,
+    )
 
+    tensors = published_state(module)  # the module's own tensors (with LoRA: merged copies)
     chunked = transport == REDIS_TRANSPORT
-    if (file_dir is None and not chunked) or module_file_bytes(module) <= inline_max_bytes:
+    if (file_dir is None and not chunked) or file_bytes(tensors) <= inline_max_bytes:
         return publish_weights(
-            r, keys, version, module_bytes(module), global_step=global_step,
+            r, keys, version, state_bytes(tensors), global_step=global_step,
             inline_max_bytes=inline_max_bytes, file_dir=file_dir, probe=probe,
         )
     if chunked:
-        digest, size = write_chunks(r, keys.weights(version), module_pieces(module), chunk_bytes)
+        digest, size = write_chunks(r, keys.weights(version), tensor_pieces(tensors), chunk_bytes)
         uri = chunks_uri(keys.weights(version), chunk_bytes)
     else:
         assert file_dir is not None
         path = _weights_path(file_dir, version)
-        digest, size = write_module(module, path)
+        digest, size = write_tensors(tensors, path)
         uri = f"file://{path}"
     pv = ParamVersion(
         version=version, uri=uri, sha256=digest, bytes=size, global_step=global_step, **_probe_fields(probe)

@@ -8,9 +8,10 @@ under its first name; loading accepts it under any one of its names (`alias_grou
 In memory (`state_bytes`, `module_bytes`, `load_bytes_into`): the whole safetensors blob, fine for the
 inline (Redis) path. For a 1 GB+ model the blob and a second deserialised copy would not fit, so the trainer
 writes the module's tensors straight from their memory into the file (hashing them on the way,
-`write_module`, `module_pieces`), and a producer hashes the file in blocks, then reads each tensor straight
-into the memory of the parameter it belongs to (`load_file_into`). Peak extra memory is one tensor (a dtype
-or device change) or nothing. The files are standard safetensors (`safetensors.safe_open` reads them).
+`write_tensors` of `published_state`), and a producer hashes the file in blocks, then reads each tensor
+straight into the memory of the parameter it belongs to (`load_file_into`). Peak extra memory is one tensor
+(a dtype or device change) or nothing. The files are standard safetensors (`safetensors.safe_open` reads
+them). With LoRA (rollstream.model.lora) what is published is the merged weights, under the plain names.
 """
 
 from __future__ import annotations
@@ -78,18 +79,37 @@ def state_bytes(state: Mapping[str, Tensor]) -> bytes:
     return st_save({k: v.detach().contiguous() for k, v in state.items()})
 
 
+def published_state(module: nn.Module) -> dict[str, Tensor]:
+    """The weights a version publishes: the module's state dict with tied tensors once; with LoRA
+    (rollstream.model.lora) its factors alone, the frozen base being what every process built itself. No
+    copies."""
+    from rollstream.model.lora import is_factor
+
+    state = unique_state(module)
+    factors = {name: t for name, t in state.items() if is_factor(name)}
+    return factors or state
+
+
 def module_bytes(module: nn.Module) -> bytes:
-    """safetensors bytes of the module's weights (tied tensors once, under the first name)."""
-    return state_bytes(unique_state(module))
+    """safetensors bytes of the module's published weights (`published_state`: tied tensors once, LoRA
+    merged)."""
+    return state_bytes(published_state(module))
 
 
 def check_state_names(module: nn.Module, names: set[str]) -> None:
     """ValueError unless `names` are state-dict names of the module covering all of it (a tied tensor
-    under any one of its names)."""
+    under any one of its names), or, for a LoRA version (`published_state`), all of its LoRA factors."""
+    from rollstream.model.lora import is_factor
+
     state = module.state_dict()
     unexpected = sorted(names - set(state))
     if unexpected:
         raise ValueError(f"weights have unknown tensors: {unexpected[:5]}")
+    if names and all(is_factor(n) for n in names):
+        missing = sorted(n for n in state if is_factor(n) and n not in names)
+        if missing:
+            raise ValueError(f"LoRA weights lack factors: {missing[:5]}")
+        return
     covered = set(names)
     for group in alias_groups(state):
         if covered.intersection(group):
@@ -126,10 +146,9 @@ def _header(tensors: dict[str, Tensor]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def module_file_bytes(module: nn.Module) -> int:
-    """Size in bytes of the safetensors file `write_module` makes of this module."""
-    tensors = unique_state(module)
-    return len(_header(tensors)) + sum(t.numel() * t.element_size() for t in tensors.values())
+def file_bytes(tensors: Mapping[str, Tensor]) -> int:
+    """Size in bytes of the safetensors file `write_tensors` makes of these tensors."""
+    return len(_header(dict(tensors))) + sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _raw(t: Tensor) -> Any:
@@ -137,21 +156,20 @@ def _raw(t: Tensor) -> Any:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def module_pieces(module: nn.Module) -> Iterator[Any]:
-    """The bytes of the module's safetensors file in order: the header, then one buffer per tensor (its own
+def tensor_pieces(tensors: Mapping[str, Tensor]) -> Iterator[Any]:
+    """The bytes of the tensors' safetensors file in order: the header, then one buffer per tensor (its own
     memory when it is a contiguous CPU tensor; a GPU tensor is copied to the CPU alone)."""
-    tensors = unique_state(module)
-    yield _header(tensors)
+    yield _header(dict(tensors))
     for t in tensors.values():
         if t.numel():
-            yield _raw(t.cpu())
+            yield _raw(t.detach().cpu())
 
 
-def write_module(module: nn.Module, path: Path) -> tuple[str, int]:
-    """Write the module's weights to `path` atomically (temp file, fsync, rename), one tensor at a time;
-    returns (sha256 hex of the file, bytes). A second thread hashes each piece while this one writes and
-    fsyncs it (hashlib and file writes release the GIL): SmolLM2's 269 MB take the longer of the two, not
-    their sum."""
+def write_tensors(tensors: Mapping[str, Tensor], path: Path) -> tuple[str, int]:
+    """Write the tensors (e.g. `published_state(module)`) to `path` atomically (temp file, fsync, rename),
+    one tensor at a time; returns (sha256 hex of the file, bytes). A second thread hashes each piece while
+    this one writes and fsyncs it (hashlib and file writes release the GIL): SmolLM2's 269 MB take the longer
+    of the two, not their sum."""
     digest = hashlib.sha256()
     pieces: queue.Queue[Any] = queue.Queue(maxsize=8)  # a few tensors ahead at most (a GPU's are copies)
 
@@ -164,7 +182,7 @@ def write_module(module: nn.Module, path: Path) -> tuple[str, int]:
     size = 0
     try:
         with atomic_file(path) as f:
-            for piece in module_pieces(module):
+            for piece in tensor_pieces(tensors):
                 pieces.put(piece)
                 f.write(piece)
                 size += memoryview(piece).nbytes

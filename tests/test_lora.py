@@ -1,0 +1,128 @@
+"""model.lora_rank: the trainer trains low-rank factors on frozen weights, and what it publishes is the plain
+model with the factors merged (a producer that knows nothing of LoRA computes what the trainer does)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.learner import Learner
+from rollstream.config import ConfigError, load_config
+from rollstream.model import build_policy
+from rollstream.model.lora import apply_lora, has_lora
+from rollstream.testing.fakes import fake_rollout_sample
+from rollstream.weights.tensors import (
+    load_bytes_into,
+    module_bytes,
+    published_state,
+    state_bytes,
+    unique_state,
+)
+
+TINY = ["model.d_model=16", "model.n_layer=2", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu",
+        "actor.ppo_mini_batch_size=2", "data.train_batch_size=4", "actor.optim.lr=1e-2"]
+LORA = [*TINY, "model.lora_rank=2", "model.lora_alpha=4"]
+
+
+def _batch(seed: int = 0) -> object:
+    samples = [
+        fake_rollout_sample(f"s{i}", n=4, prompt_len=5, response_len=6, seed=seed + i) for i in range(2)
+    ]
+    return assemble_batch_from_rollout_samples(samples)[0]
+
+
+def _logits(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = module(ids)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def test_lora_starts_as_the_plain_model_and_a_version_is_its_factors_alone() -> None:
+    cfg = load_config(None, TINY)
+    plain = build_policy(cfg).module
+    adapted = copy.deepcopy(plain)
+    layers = apply_lora(adapted, 2, 4.0, "all-linear")
+    assert layers == 8 and has_lora(adapted) and not has_lora(plain)  # 4 a block (the output head is not one)
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith((".lora.A", ".lora.B")) for n in trainable)
+    ids = torch.randint(0, 20, (3, 9))
+    assert torch.equal(_logits(adapted, ids), _logits(plain, ids))  # B = 0: the function is unchanged
+    for name, p in adapted.named_parameters():  # a trained adapter
+        if name.endswith(".lora.B"):
+            with torch.no_grad():
+                p.normal_(0, 0.5)
+    assert not torch.allclose(_logits(adapted, ids), _logits(plain, ids), atol=1e-3)
+    assert set(published_state(adapted)) == trainable  # the factors; the base is every process's own
+    producer = build_policy(load_config(None, LORA)).module  # its own A, its own copy of the base
+    assert not torch.equal(_logits(producer, ids), _logits(adapted, ids))
+    load_bytes_into(producer, module_bytes(adapted))  # what a producer loads from a published version
+    assert torch.equal(_logits(producer, ids), _logits(adapted, ids))  # exactly what the trainer computes
+    with pytest.raises(ValueError, match="unknown tensors"):
+        load_bytes_into(copy.deepcopy(plain), module_bytes(adapted))  # a producer without LoRA
+    fewer = {k: v for k, v in published_state(adapted).items() if not k.startswith("blocks.1.")}
+    with pytest.raises(ValueError, match="lack factors"):
+        load_bytes_into(producer, state_bytes(fewer))
+    assert published_state(plain).keys() == unique_state(plain).keys()
+
+
+def test_target_modules_pick_layers_by_name_and_a_miss_names_the_value() -> None:
+    module = build_policy(load_config(None, TINY)).module
+    assert apply_lora(copy.deepcopy(module), 1, 1.0, ["proj"]) == 2
+    with pytest.raises(ValueError, match="q_proj"):
+        apply_lora(copy.deepcopy(module), 1, 1.0, ["q_proj"])
+    with pytest.raises(ConfigError, match="target_modules='attention'"):
+        load_config(None, [*LORA, "model.target_modules=attention"])
+    with pytest.raises(ConfigError, match="lora_rank=2 with trainer.strategy=fsdp"):
+        load_config(None, [*LORA, "trainer.strategy=fsdp"])
+    with pytest.raises(ConfigError, match="lora_rank=2 with rollout.name=vllm"):
+        load_config(None, [*LORA, "rollout.name=vllm", "model.backend=hf", "model.hf_path=/nowhere"])
+    with pytest.raises(ConfigError, match="lora_rank=2 with model.init_from='w.safetensors'"):
+        load_config(None, [*LORA, "model.init_from=w.safetensors"])
+
+
+def test_the_trainer_moves_only_the_adapter_and_resumes_it_from_a_checkpoint() -> None:
+    cfg = load_config(None, LORA)
+    a = Learner(cfg)
+    params = [p for group in a.optimizer.param_groups for p in group["params"]]
+    assert sum(p.numel() for p in params) == sum(
+        p.numel() for n, p in a.policy.module.named_parameters() if ".lora." in n
+    )
+    before = {k: v.clone() for k, v in a.whole_weights().items()}
+    published_before = {k: v.clone() for k, v in published_state(a.policy.module).items()}
+    a.update(_batch())
+    after = a.whole_weights()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all(k.endswith(".lora.B") for k in moved)  # A's gradient is 0 while B = 0
+    published = published_state(a.policy.module)
+    assert set(published) == set(published_before) and moved <= set(published)  # factors, as trained
+
+    b = Learner(cfg)  # resumed from a checkpoint's contents: base weights, factors and optimizer state
+    b.load_checkpoint_state({k: v.clone() for k, v in after.items()}, copy.deepcopy(a.optimizer_state()))
+    ma, mb = a.update(_batch(1)), b.update(_batch(1))
+    assert ma["actor/pg_loss"] == mb["actor/pg_loss"]
+    for name, t in b.whole_weights().items():
+        assert torch.equal(t, a.whole_weights()[name]), name
+
+
+def test_a_frozen_output_head_gets_its_input_contiguous(tmp_path: Path) -> None:
+    # torch expands a frozen weight to the batch for a non-contiguous input that requires grad (a [B, R, H]
+    # slice of the hidden states): SmolLM2's head went from 0.14 s to 3.4 s a forward before this
+    from rollstream.testing.hf_tiny import make_tiny_hf_model
+
+    model_dir = make_tiny_hf_model(tmp_path / "model", seed=0, arch="llama", tokenizer="char")
+    cfg = load_config(None, ["model.backend=hf", f"model.hf_path={model_dir}", "run.device=cpu"])
+    policy = build_policy(cfg)
+    apply_lora(policy.module, 2, 4.0, "all-linear")
+    seen: list[bool] = []
+    head = policy.module.get_output_embeddings()
+    head.register_forward_hook(lambda _m, args, _out: seen.append(args[0].is_contiguous()))
+    ids = torch.randint(3, 20, (4, 12))
+    lp, _ = policy.forward_logprobs_entropy(ids, torch.ones_like(ids), 5)
+    lp.sum().backward()
+    assert seen == [True]
+    assert all(p.grad is None for n, p in policy.module.named_parameters() if ".lora." not in n)
