@@ -88,9 +88,9 @@ class ModelConfig(Section):
     lora_rank: int = Field(
         0,
         ge=0,
-        description="LoRA rank of the trainer's policy (verl's actor_rollout_ref.model.lora_rank): 0 trains "
-                    "every weight; > 0 freezes them and trains rank-r factors on target_modules, producers "
-                    "getting the merged weights (rollstream.model.lora)",
+        description="LoRA rank (verl's actor_rollout_ref.model.lora_rank): 0 trains every weight; > 0 "
+                    "freezes them and trains rank-r factors on target_modules, which a version publishes "
+                    "alone and producers load onto the same base (rollstream.model.lora)",
     )
     lora_alpha: float = Field(
         16.0, gt=0, description="LoRA scale numerator: the update B A is multiplied by lora_alpha / lora_rank"
