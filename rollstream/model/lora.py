@@ -73,7 +73,7 @@ class FrozenLinear(nn.Linear):
 
 class LoRALinear(nn.Linear):
     """An adapted Linear: x W^T + b + (x A^T * scale) B^T, its factors in its `lora` child. A subclass rather
-    than a forward hook: a hook's dispatch on 210 layers cost the sampler a few percent per token."""
+    than a forward hook: on SmolLM2's 210 layers the hooks cost the sampler ~8 % more per token."""
 
     lora: LoRAFactors
 
@@ -111,7 +111,7 @@ def has_lora(module: nn.Module) -> bool:
 
 
 def is_factor(name: str) -> bool:
-    """Whether a state-dict name is a LoRA factor's (left out of what is published)."""
+    """Whether a state-dict name is a LoRA factor's (what a LoRA version publishes, alone)."""
     return name.endswith((".lora.A", ".lora.B")) or name in ("lora.A", "lora.B")
 
 
