@@ -42,7 +42,6 @@ from consumers.trainer.master import MasterWeights
 from rollstream.config import AlgorithmConfig, PipelineConfig
 from rollstream.model import BasePolicy, build_policy
 from rollstream.model.base import resolve_device
-from rollstream.model.lora import lora_parameter_count
 from rollstream.rl.advantages import grpo_advantages, grpo_token_advantages, reinforce_pp_advantages
 from rollstream.rl.masked import AggMode, agg_count, agg_loss
 from rollstream.rl.metrics import length_metrics, reward_metrics
@@ -212,9 +211,6 @@ class Learner:
         if cfg.model.init_from:
             load_init(self.policy, cfg.model.init_from)  # version 0 = the warm start, not the seeded init
             log.info("initial weights from %s", cfg.model.init_from)
-        if cfg.model.lora_rank:
-            log.info("LoRA rank %d: %d trainable numbers", cfg.model.lora_rank,
-                     lora_parameter_count(self.policy.module))
         self.device = self.policy.device
         self.policy.logprob_chunk_size = self.actor.logprob_chunk_size
         if self.actor.gradient_checkpointing:
@@ -247,6 +243,9 @@ class Learner:
             self.master.parameters() if self.master is not None
             else [p for p in self.policy.parameters() if p.requires_grad]
         )
+        if cfg.model.lora_rank:
+            trained = sum(p.numel() for p in self.trained)
+            log.info("LoRA rank %d: %d trained numbers", cfg.model.lora_rank, trained)
         fused = self.actor.optim.fused
         self.optimizer = torch.optim.AdamW(
             self.trained, lr=self.actor.optim.lr, weight_decay=self.actor.optim.weight_decay,

@@ -122,17 +122,19 @@ class PipelineConfig(Section):
     @model_validator(mode="after")
     def _lora(self) -> PipelineConfig:
         rank = self.model.lora_rank
-        if rank and self.trainer.strategy == "fsdp":
+        if not rank:
+            return self
+        if self.trainer.strategy == "fsdp":
             raise ValueError(
                 f"model.lora_rank={rank} with trainer.strategy=fsdp: LoRA is built for one process or ddp "
                 "(fsdp would shard frozen and trainable weights together); use strategy ddp"
             )
-        if rank and self.rollout.name == "vllm":
+        if self.rollout.name == "vllm":
             raise ValueError(
                 f"model.lora_rank={rank} with rollout.name=vllm: a version publishes the LoRA factors alone, "
                 "which only the built-in engine loads; use rollout.name=builtin"
             )
-        if rank and self.model.init_from:
+        if self.model.init_from:
             raise ValueError(
                 f"model.lora_rank={rank} with model.init_from={self.model.init_from!r}: producers build the "
                 "base weights themselves from the model; fold the warm start into model.hf_path instead"

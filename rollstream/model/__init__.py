@@ -9,6 +9,7 @@ import torch
 
 from rollstream.model.base import BasePolicy, Completion, build_batch, left_pad, resolve_device, resolve_dtype
 from rollstream.model.gpt import GPT, GPTConfig, KVCache
+from rollstream.model.lora import apply_lora
 from rollstream.model.tiny import TinyPolicy
 from rollstream.model.tokenizer import CharTokenizer, Tokenizer
 
@@ -53,8 +54,6 @@ def build_policy(cfg: PipelineConfig, device: str | None = None, dtype: str | No
     dev = resolve_device(device or cfg.run.device)
     policy = _load(cfg, dev, resolve_dtype(dtype or m.dtype, dev))
     if m.lora_rank:  # every process holds the same structure: producers load the trainer's factors
-        from rollstream.model.lora import apply_lora
-
         apply_lora(policy.module, m.lora_rank, m.lora_alpha, m.target_modules)
     autocast = None if dtype else m.autocast
     policy.autocast_dtype = resolve_dtype(autocast, dev) if autocast else None

@@ -105,16 +105,6 @@ def apply_lora(module: nn.Module, rank: int, alpha: float, target_modules: str |
     return len(layers)
 
 
-def has_lora(module: nn.Module) -> bool:
-    """Whether `apply_lora` added factors to any layer of `module`."""
-    return any(isinstance(m, LoRALinear) for m in module.modules())
-
-
 def is_factor(name: str) -> bool:
     """Whether a state-dict name is a LoRA factor's (what a LoRA version publishes, alone)."""
     return name.endswith((".lora.A", ".lora.B")) or name in ("lora.A", "lora.B")
-
-
-def lora_parameter_count(module: nn.Module) -> int:
-    """Numbers in the module's LoRA factors (what the optimizer steps)."""
-    return sum(p.numel() for n, p in module.named_parameters() if is_factor(n))

@@ -118,7 +118,7 @@ def publish_module_weights(
         write_tensors,
     )
 
-    tensors = published_state(module)  # the module's own tensors (with LoRA: merged copies)
+    tensors = published_state(module)  # the module's own tensors, no copies (with LoRA: its factors)
     chunked = transport == REDIS_TRANSPORT
     if (file_dir is None and not chunked) or file_bytes(tensors) <= inline_max_bytes:
         return publish_weights(

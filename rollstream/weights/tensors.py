@@ -11,7 +11,7 @@ writes the module's tensors straight from their memory into the file (hashing th
 `write_tensors` of `published_state`), and a producer hashes the file in blocks, then reads each tensor
 straight into the memory of the parameter it belongs to (`load_file_into`). Peak extra memory is one tensor
 (a dtype or device change) or nothing. The files are standard safetensors (`safetensors.safe_open` reads
-them). With LoRA (rollstream.model.lora) what is published is the merged weights, under the plain names.
+them). With LoRA (rollstream.model.lora) a version is the factors alone (`published_state`).
 """
 
 from __future__ import annotations
@@ -91,30 +91,23 @@ def published_state(module: nn.Module) -> dict[str, Tensor]:
 
 
 def module_bytes(module: nn.Module) -> bytes:
-    """safetensors bytes of the module's published weights (`published_state`: tied tensors once, LoRA
-    merged)."""
+    """safetensors bytes of the module's published weights (`published_state`: tied tensors once; with LoRA
+    the factors alone)."""
     return state_bytes(published_state(module))
 
 
 def check_state_names(module: nn.Module, names: set[str]) -> None:
-    """ValueError unless `names` are state-dict names of the module covering all of it (a tied tensor
-    under any one of its names), or, for a LoRA version (`published_state`), all of its LoRA factors."""
-    from rollstream.model.lora import is_factor
-
+    """ValueError unless `names` are state-dict names of the module covering at least what it publishes
+    (`published_state`: all of it, a tied tensor under any one of its names; with LoRA, its factors)."""
     state = module.state_dict()
     unexpected = sorted(names - set(state))
     if unexpected:
         raise ValueError(f"weights have unknown tensors: {unexpected[:5]}")
-    if names and all(is_factor(n) for n in names):
-        missing = sorted(n for n in state if is_factor(n) and n not in names)
-        if missing:
-            raise ValueError(f"LoRA weights lack factors: {missing[:5]}")
-        return
     covered = set(names)
     for group in alias_groups(state):
         if covered.intersection(group):
             covered.update(group)
-    missing = sorted(set(state) - covered)
+    missing = sorted(set(published_state(module)) - covered)
     if missing:
         raise ValueError(f"weights lack tensors: {missing[:5]}")
 
@@ -131,7 +124,7 @@ def load_bytes_into(module: nn.Module, data: bytes) -> None:
     load_tensors_into(module, st_load(data))
 
 
-def _header(tensors: dict[str, Tensor]) -> bytes:
+def _header(tensors: Mapping[str, Tensor]) -> bytes:
     """The 8-byte length + JSON header (space-padded to 8 bytes) of a file holding `tensors` in order."""
     meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -148,7 +141,7 @@ def _header(tensors: dict[str, Tensor]) -> bytes:
 
 def file_bytes(tensors: Mapping[str, Tensor]) -> int:
     """Size in bytes of the safetensors file `write_tensors` makes of these tensors."""
-    return len(_header(dict(tensors))) + sum(t.numel() * t.element_size() for t in tensors.values())
+    return len(_header(tensors)) + sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _raw(t: Tensor) -> Any:
@@ -159,7 +152,7 @@ def _raw(t: Tensor) -> Any:
 def tensor_pieces(tensors: Mapping[str, Tensor]) -> Iterator[Any]:
     """The bytes of the tensors' safetensors file in order: the header, then one buffer per tensor (its own
     memory when it is a contiguous CPU tensor; a GPU tensor is copied to the CPU alone)."""
-    yield _header(dict(tensors))
+    yield _header(tensors)
     for t in tensors.values():
         if t.numel():
             yield _raw(t.detach().cpu())
