@@ -1,5 +1,6 @@
-"""model.lora_rank: the trainer trains low-rank factors on frozen weights, and what it publishes is the plain
-model with the factors merged (a producer that knows nothing of LoRA computes what the trainer does)."""
+"""model.lora_rank: the trainer trains low-rank factors on frozen weights and publishes the factors alone;
+every process computes with the merged weight round(W + B A * scale), so a producer samples with plain
+products and computes exactly what the trainer does."""
 
 from __future__ import annotations
 
@@ -96,11 +97,14 @@ def test_the_trainer_moves_only_the_adapter_and_resumes_it_from_a_checkpoint() -
         p.numel() for n, p in a.policy.module.named_parameters() if ".lora." in n
     )
     before = {k: v.clone() for k, v in a.whole_weights().items()}
+    ids = torch.randint(0, 20, (2, 9))
+    logits_before = _logits(a.policy.module, ids)
     published_before = {k: v.clone() for k, v in published_state(a.policy.module).items()}
     a.update(_batch())
     after = a.whole_weights()
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved and all(k.endswith(".lora.B") for k in moved)  # A's gradient is 0 while B = 0
+    assert not torch.equal(_logits(a.policy.module, ids), logits_before)  # W' followed the step
     published = published_state(a.policy.module)
     assert set(published) == set(published_before) and moved <= set(published)  # factors, as trained
 
@@ -131,3 +135,76 @@ def test_a_frozen_output_head_is_not_expanded_to_the_batch(tmp_path: Path) -> No
     expanded = [e.input_shapes for e in prof.events() if [4, hidden, vocab] in e.input_shapes]
     assert not expanded, expanded[:2]
     assert all(p.grad is None for n, p in policy.module.named_parameters() if ".lora." not in n)
+
+
+def _lora_pair(dtype: torch.dtype) -> tuple[LoRALinear, nn.Linear]:
+    torch.manual_seed(0)
+    plain = nn.Linear(24, 40).to(dtype).requires_grad_(False)
+    layer = copy.deepcopy(plain)
+    holder = nn.Sequential(layer)
+    apply_lora(holder, 4, 8.0, "all-linear")
+    with torch.no_grad():
+        layer.lora.B.normal_(0, 0.3)
+    assert isinstance(layer, LoRALinear)
+    return layer, plain
+
+
+def test_the_factors_get_lora_gradients_through_the_merged_weight() -> None:
+    layer, plain = _lora_pair(torch.float32)
+    f = layer.lora
+    x = torch.randn(3, 5, 24, requires_grad=True)
+    out = layer(x)
+    merged = plain.weight + f.B @ f.A * f.scale
+    assert torch.equal(out, nn.functional.linear(x, layer.merged_weight(), plain.bias))  # W' alone
+    ref_a, ref_b = f.A.detach().clone().requires_grad_(), f.B.detach().clone().requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    ref = nn.functional.linear(x_ref, plain.weight, plain.bias) + (x_ref @ ref_a.T * f.scale) @ ref_b.T
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.merged_weight(), merged.detach(), rtol=1e-6, atol=1e-6)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    assert f.A.grad is not None and f.B.grad is not None and ref_a.grad is not None and ref_b.grad is not None
+    torch.testing.assert_close(f.A.grad, ref_a.grad, rtol=1e-4, atol=1e-5)  # LoRA's own gradients
+    torch.testing.assert_close(f.B.grad, ref_b.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)  # the input's: once, through W'
+    assert layer.weight.grad is None
+
+
+def test_a_producer_samples_with_plain_products_and_sees_every_step_in_bfloat16() -> None:
+    # bfloat16 rounds a small step's B A away from most weights: both sides compute with the same rounded W',
+    # and a producer's forward is one product per layer (no factor products per token)
+    from torch.profiler import ProfilerActivity, profile
+
+    layer, _ = _lora_pair(torch.bfloat16)
+    producer, _ = _lora_pair(torch.bfloat16)
+    x = torch.randn(6, 24, dtype=torch.bfloat16)
+    for step in range(3):
+        with torch.no_grad():
+            layer.lora.B.add_(1e-3 * (step + 1))  # an optimizer step's size
+        producer.load_state_dict(layer.state_dict())
+        with torch.no_grad():
+            first = producer(x)  # merges the new factors once
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                y = producer(x)
+        products = [e.name for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::matmul")]
+        assert products == ["aten::addmm"], products  # then a forward is the plain product, no factors
+        assert torch.equal(y, first) and torch.equal(y, layer(x).detach())
+
+
+def test_a_producer_loading_versions_from_files_in_turn_computes_each(tmp_path: Path) -> None:
+    # the file reader writes straight into the parameters' memory: the merged weight must still follow
+    from rollstream.weights.tensors import load_file_into
+
+    cfg = load_config(None, LORA)
+    trainer, producer = build_policy(cfg).module, build_policy(cfg).module
+    ids = torch.randint(0, 20, (2, 9))
+    for version in range(3):
+        with torch.no_grad():
+            for name, p in trainer.named_parameters():
+                if name.endswith(".lora.B"):
+                    p.normal_(0, 0.1 * (version + 1))
+        path = tmp_path / f"v{version}.safetensors"
+        path.write_bytes(module_bytes(trainer))
+        load_file_into(producer, path)
+        assert torch.equal(_logits(producer, ids), _logits(trainer, ids)), version

@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from torch.autograd.graph import increment_version
 
 from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.master import MasterWeights
@@ -361,6 +362,8 @@ class Learner:
             self.optimizer.step()
             if self.master is not None:
                 self.master.to_module()
+            else:  # fused AdamW writes without bumping the versions (LoRA's merged weight keys on them)
+                increment_version(self.trained)
             self._prox_is_policy = False
         else:
             log.warning("non-finite loss %s or grad norm %s: optimizer step skipped", loss, grad_norm)

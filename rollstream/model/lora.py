@@ -1,17 +1,23 @@
 """LoRA (model.lora_rank > 0, verl's actor_rollout_ref.model.lora_rank): every targeted `nn.Linear` keeps its
 weight, frozen, and gains two trainable factors, so that
 
-    y = x W^T + (x A^T B^T) * lora_alpha / lora_rank      A [rank, in], B [out, rank], B = 0 at the start.
+    y = x W'^T + b,  W' = round(W + B A * lora_alpha / lora_rank),  A [rank, in], B [out, rank] (0 at first),
 
-Only A and B get gradients and optimizer state: the backward computes no weight gradient for the base
-matrices (about a third of a linear layer's forward + backward) and AdamW steps a few million numbers instead
-of the whole model. The factors live on the Linear itself (`<name>.lora.A`, `<name>.lora.B`, the Linear's
-class swapped for `LoRALinear`), so every base tensor keeps its state-dict name. Every process of a run
-builds the same structure on the same base (`build_policy`); a version publishes the factors alone
+where round() is the weights' own dtype (bfloat16 on CPUs that multiply it natively). Every process computes
+with the merged weight W', built once per change of the factors (`LoRALinear.merged_weight`), so sampling
+costs what the plain model costs: a producer samples with plain matrix products. In training the factors get
+LoRA's gradients (dA, dB from rank-r products; no gradient for the base matrices, about a third of a linear
+layer's forward + backward) through a low-rank term that adds exactly zero to the output; the input gradient
+goes through W' alone. Only A and B get optimizer state (float32 masters with actor.optim.master_weights), so
+their sum B A accumulates exactly and W' follows it, as a full fine-tune's bfloat16 weights follow their
+masters.
+
+The factors live on the Linear itself (`<name>.lora.A`, `<name>.lora.B`, the Linear's class swapped for
+`LoRALinear`), so every base tensor keeps its state-dict name. Every process of a run builds the same
+structure on the same base (`build_policy`); a version publishes the factors alone
 (`rollstream.weights.tensors.published_state`: SmolLM2 at rank 16, 10 MB instead of 269), and a producer
-computes exactly what the trainer does. Merging B A into W instead would round it away: in bfloat16 a step's
-change is below half a unit in the last place of most weights, so the merged model would lag the trained
-one (the swap check read 0.066 per token after one step at lr 2e-4). A checkpoint holds base and factors.
+merges them the same way as the trainer, so both compute with the same W' (the swap check reads 0). A
+checkpoint holds base and factors.
 """
 
 from __future__ import annotations
@@ -72,16 +78,41 @@ class FrozenLinear(nn.Linear):
 
 
 class LoRALinear(nn.Linear):
-    """An adapted Linear: x W^T + b + (x A^T * scale) B^T, its factors in its `lora` child. A subclass rather
-    than a forward hook: on SmolLM2's 210 layers the hooks cost the sampler ~8 % more per token."""
+    """An adapted Linear: x W'^T + b with W' = round(W + B A * scale), its factors in its `lora` child (a
+    subclass, not a forward hook: on SmolLM2's 210 layers hooks cost ~8 % more per token)."""
 
     lora: LoRAFactors
+    #: (storage, version) of W, A and B when `_merged` was built, and W' itself (not in the state dict)
+    _merged_key: tuple[int, ...] | None = None
+    _merged: Tensor | None = None
+
+    def merged_weight(self) -> Tensor:
+        """W' = W + B A * scale in float32, rounded to W's dtype; rebuilt when W, A or B changed (storage or
+        version: a load, copy_, an optimizer step), so sampling and the micro-batches of one update build
+        it once. Whatever writes into a parameter's memory behind autograd (a file read straight into it,
+        torch's fused AdamW) bumps its version (`torch.autograd.graph.increment_version`)."""
+        f = self.lora
+        key = tuple(
+            v for t in (self.weight, f.A, f.B) for v in (t.data_ptr(), t._version)
+        )
+        if self._merged is None or key != self._merged_key:
+            with torch.no_grad():
+                delta = (f.B.float() @ f.A.float()).mul_(f.scale)
+                self._merged = delta.add_(self.weight.float()).to(self.weight.dtype)
+            self._merged_key = key
+        return self._merged
 
     def forward(self, x: Tensor) -> Tensor:
-        """The frozen product plus the low-rank update (scaled on the rank-wide intermediate)."""
+        """x W'^T + b. When the factors train, plus (t - t) for the low-rank term t = (x A^T * scale) B^T of
+        the detached input: exactly zero in value, it gives A and B LoRA's gradients, while the input's
+        gradient flows through W' alone (which already holds B A)."""
         x = x.contiguous()
+        out = F.linear(x, self.merged_weight(), self.bias)
         f = self.lora
-        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, f.A) * f.scale, f.B)
+        if torch.is_grad_enabled() and (f.A.requires_grad or f.B.requires_grad):
+            low = F.linear(F.linear(x.detach(), f.A) * f.scale, f.B)
+            out = out + (low - low.detach())
+        return out
 
 
 def apply_lora(module: nn.Module, rank: int, alpha: float, target_modules: str | Sequence[str]) -> int:

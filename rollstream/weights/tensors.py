@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
+from torch.autograd.graph import increment_version
 
 from rollstream.runtime.files import atomic_file, atomic_write
 
@@ -255,7 +256,9 @@ def load_file_into(module: nn.Module, path: Path) -> None:
                     if not n:
                         raise ValueError(f"tensor {name}: file ends early")
                     got += n
-                if not direct:
+                if direct:  # written behind autograd: bump the version that caches of it key on
+                    increment_version(target)
+                else:
                     target.copy_(buf)
 
 
