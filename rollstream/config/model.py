@@ -57,8 +57,9 @@ class ModelConfig(Section):
     dtype: Literal["auto", "fast", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Weight dtype on producers and trainer: auto = bfloat16 on CUDA, float32 on CPU; fast "
-                    "= bfloat16 where the device multiplies it in hardware (CUDA, CPUs with AVX512-BF16 or "
-                    "AMX), float32 elsewhere (on AVX2 CPUs bfloat16 matmuls are emulated, ~9x slower)",
+                    "= bfloat16 on CUDA and, on a CPU, whichever of bfloat16 and float32 it multiplies "
+                    "faster (measured once per machine, kept in ~/.cache/rollstream/fast-dtype.json; "
+                    "float32 without AVX512-BF16 or AMX, where bfloat16 is emulated ~9x slower)",
     )
     autocast: Literal["bfloat16", "float16"] | None = Field(
         None,

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rollstream.model.fast_dtype import fast_cpu_dtype
 from rollstream.model.logprobs import chunked_logprobs_entropy, logprobs_entropy
 from rollstream.model.tokenizer import Tokenizer
 from rollstream.weights.tensors import load_bytes_into, module_bytes
@@ -49,24 +50,16 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return torch.device(device)
 
 
-def native_bfloat16(device: torch.device) -> bool:
-    """Whether `device` multiplies bfloat16 in hardware: a CUDA GPU that supports it, or a CPU with
-    AVX512-BF16 or AMX. Elsewhere (AVX2 CPUs) torch emulates bfloat16 matmuls ~9x slower than float32."""
-    if device.type == "cuda":
-        return bool(torch.cuda.is_bf16_supported())
-    if device.type != "cpu":
-        return False
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
-
-
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """Parameter dtype from its config name: "auto" is bfloat16 on CUDA and float32 elsewhere; "fast" is
-    bfloat16 where the device multiplies it in hardware (`native_bfloat16`) and float32 elsewhere."""
+    bfloat16 on a CUDA GPU that supports it and, on a CPU, the dtype it multiplies faster (measured once per
+    machine: rollstream.model.fast_dtype)."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype == "fast":
-        return torch.bfloat16 if native_bfloat16(device) else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        return fast_cpu_dtype() if device.type == "cpu" else torch.float32
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in names:
         raise ValueError(f"dtype={dtype!r}: expected auto, fast, {', '.join(names)}")
