@@ -71,8 +71,10 @@ def main() -> None:
             "do_sample": True, "temperature": 1.0, "top_k": a.top_k or None, "top_p": 1.0}
         model.eval()
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model.generate(**batch, max_new_tokens=MAX_NEW, num_return_sequences=n,
-                                 pad_token_id=tok.pad_token_id, **sampling)
+            out = model.generate(  # type: ignore[misc]  # transformers types generate on a mixin
+                **batch, max_new_tokens=MAX_NEW, num_return_sequences=n, pad_token_id=tok.pad_token_id,
+                **sampling)
+        assert isinstance(out, torch.Tensor)  # no return_dict_in_generate: the token ids
         return batch["attention_mask"].repeat_interleave(n, 0), out
 
     val = source.val_prompts()
