@@ -132,7 +132,8 @@ class PipelineConfig(Section):
         if self.rollout.name == "vllm":
             raise ValueError(
                 f"model.lora_rank={rank} with rollout.name=vllm: a version publishes the LoRA factors alone, "
-                "which only the built-in engine loads; use rollout.name=builtin"
+                "which only the built-in engine loads; use rollout.name=builtin, or model.lora_rank=0 (full "
+                "fine-tuning) with vllm"
             )
         if self.model.init_from:
             raise ValueError(
