@@ -95,3 +95,14 @@ def test_a_damaged_cache_file_is_measured_again_and_no_bfloat16_units_means_floa
 def test_the_real_measurement_times_both_dtypes() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         assert 0 < fast_dtype.product_seconds(dtype) < 5
+
+
+def test_an_unwritable_cache_measures_in_this_process_and_says_so(
+    timings: Timings, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the cache folder cannot be made under a file
+    timings.seconds[torch.bfloat16] = 0.04
+    assert resolve_dtype("fast", torch.device("cpu")) == torch.float32 and len(timings.calls) == 2
+    assert "cannot keep the choice" in caplog.text and "set model.dtype explicitly" in caplog.text

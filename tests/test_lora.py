@@ -208,3 +208,21 @@ def test_a_producer_loading_versions_from_files_in_turn_computes_each(tmp_path: 
         path.write_bytes(module_bytes(trainer))
         load_file_into(producer, path)
         assert torch.equal(_logits(producer, ids), _logits(trainer, ids)), version
+
+
+def test_the_merged_weight_is_float32_exact_under_autocast_shared_at_b_zero_and_dropped_on_a_move() -> None:
+    layer, plain = _lora_pair(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = layer.merged_weight().clone()
+    layer._merged = None
+    assert torch.equal(under_autocast, layer.merged_weight())  # merged in float32 either way
+    layer.double()
+    assert layer._merged is None and layer.merged_weight().dtype == torch.float64  # a cast rebuilds it
+    fresh, _ = _lora_pair(torch.float32)
+    with torch.no_grad():
+        fresh.lora.B.zero_()
+    assert fresh.merged_weight().data_ptr() == fresh.weight.data_ptr()  # B = 0: W itself, no copy
+    model = nn.ModuleDict({"proj": nn.Linear(4, 4), "lm_head": nn.Linear(4, 9)})
+    with pytest.raises(ValueError, match="output head 'lm_head'"):
+        apply_lora(model, 2, 4.0, ["lm_head", "proj"])
+    assert apply_lora(model, 2, 4.0, "all-linear") == 1  # all-linear leaves the head out

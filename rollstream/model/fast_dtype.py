@@ -79,6 +79,12 @@ def product_seconds(dtype: torch.dtype) -> float:
         torch.set_num_threads(threads)
 
 
+def measure() -> tuple[str, float, float]:
+    """(the faster dtype's name, bfloat16's seconds, float32's seconds) of the product, timed here."""
+    bf16, f32 = product_seconds(torch.bfloat16), product_seconds(torch.float32)
+    return ("bfloat16" if bf16 < f32 else "float32"), bf16, f32
+
+
 def _read(path: Path) -> dict[str, dict[str, object]]:
     """The cache file's entries by machine key; {} when missing or unreadable (it is then measured again)."""
     try:
@@ -96,8 +102,7 @@ def _measure_and_store(path: Path, key: str) -> torch.dtype:
         entry = _read(path).get(key)
         if isinstance(entry, dict) and entry.get("dtype") in ("bfloat16", "float32"):
             return getattr(torch, str(entry["dtype"]))
-        bf16, f32 = product_seconds(torch.bfloat16), product_seconds(torch.float32)
-        choice = "bfloat16" if bf16 < f32 else "float32"
+        choice, bf16, f32 = measure()
         data = _read(path)
         data[key] = {"dtype": choice, "bfloat16_s": bf16, "float32_s": f32, "measured": time.time()}
         atomic_write(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
@@ -109,7 +114,15 @@ def _measure_and_store(path: Path, key: str) -> torch.dtype:
 @lru_cache(maxsize=1)
 def fast_cpu_dtype() -> torch.dtype:
     """float32 without bfloat16 instructions; else the dtype this machine's cache file names, measured and
-    stored there by the first process that asks."""
+    stored there by the first process that asks (measured in this process alone, with a warning, when the
+    file cannot be written: processes of one run may then disagree)."""
     if not cpu_has_bfloat16_units():
         return torch.float32
-    return _measure_and_store(choice_file(), machine_key())
+    path = choice_file()
+    try:
+        return _measure_and_store(path, machine_key())
+    except OSError as e:
+        choice = getattr(torch, measure()[0])
+        log.warning("model.dtype=fast: cannot keep the choice in %s (%s); measured %s for this process alone "
+                    "(set model.dtype explicitly so every process agrees)", path, e, choice)
+        return choice

@@ -96,11 +96,20 @@ class LoRALinear(nn.Linear):
             v for t in (self.weight, f.A, f.B) for v in (t.data_ptr(), t._version)
         )
         if self._merged is None or key != self._merged_key:
-            with torch.no_grad():
-                delta = (f.B.float() @ f.A.float()).mul_(f.scale)
-                self._merged = delta.add_(self.weight.float()).to(self.weight.dtype)
+            # in float32 under any autocast of the caller; with B = 0 (version 0, a reference copy) W itself
+            with torch.no_grad(), torch.autocast(self.weight.device.type, enabled=False):
+                if f.B.any():
+                    delta = (f.B.float() @ f.A.float()).mul_(f.scale)
+                    self._merged = delta.add_(self.weight.float()).to(self.weight.dtype)
+                else:
+                    self._merged = self.weight.detach()
             self._merged_key = key
         return self._merged
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
+        """A move or cast (`.to`, `.cuda`, `.half`) drops W': new tensors may reuse freed addresses."""
+        self._merged = None
+        return super()._apply(fn, recurse)
 
     def forward(self, x: Tensor) -> Tensor:
         """x W'^T + b. When the factors train, plus (t - t) for the low-rank term t = (x A^T * scale) B^T of
@@ -125,6 +134,11 @@ def apply_lora(module: nn.Module, rank: int, alpha: float, target_modules: str |
     layers = _targets(module, target_modules)
     if not layers:
         raise ValueError(f"target_modules={target_modules!r} matches no Linear layer of the model")
+    heads = [name for name, _ in layers if name.rsplit(".", 1)[-1] in OUTPUT_HEADS]
+    if heads:  # tied to the embedding, and the chunked log-prob path reads the head's weight directly
+        raise ValueError(
+            f"target_modules={target_modules!r} selects the output head {heads[0]!r}, which LoRA cannot adapt"
+        )
     module.requires_grad_(False)
     adapted = {id(layer) for _, layer in layers}
     for m in module.modules():

@@ -248,6 +248,8 @@ def load_file_into(module: nn.Module, path: Path) -> None:
                 target = sd[name]
                 direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
                 buf = target if direct else torch.empty(shape, dtype=dtype)
+                if direct:  # written behind autograd (even if the read fails part-way): bump the version
+                    increment_version(target)  # that caches of it key on
                 f.seek(start)
                 view = memoryview(_raw(buf)) if buf.numel() else memoryview(b"")
                 got = 0
@@ -256,9 +258,7 @@ def load_file_into(module: nn.Module, path: Path) -> None:
                     if not n:
                         raise ValueError(f"tensor {name}: file ends early")
                     got += n
-                if direct:  # written behind autograd: bump the version that caches of it key on
-                    increment_version(target)
-                else:
+                if not direct:
                     target.copy_(buf)
 
 
