@@ -39,12 +39,17 @@ MODELS: dict[str, WheelModel] = {
 }
 
 
+def cache_root() -> Path:
+    """$XDG_CACHE_HOME/rollstream (~/.cache/rollstream): what is built or measured once per machine."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "rollstream"
+
+
 def default_cache_dir() -> Path:
     """$ROLLSTREAM_MODEL_CACHE, else $XDG_CACHE_HOME/rollstream/models (~/.cache/rollstream/models)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "rollstream" / "models"
+    return cache_root() / "models"
 
 
 def model_spec(name: str) -> WheelModel:

@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
+from rollstream.bus.ids import text as as_text
 from rollstream.ops.inspect import stream_key
 from rollstream.ops.log_server import serve_stopped_log
 from rollstream.ops.plan import producer_names
@@ -39,11 +40,6 @@ def kind_of(a: str, op: str, b: str) -> tuple[str, int]:
     return "add", truth
 
 
-def _id(entry_id: object) -> str:
-    """A stream entry id as text (redis-py gives bytes)."""
-    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-
-
 def samples(run_dir: str) -> Iterator[RolloutSample]:
     """Every rollout sample of every producer of the run, in stream order."""
     with serve_stopped_log(open_run(None, [], run_dir)) as t:
@@ -51,9 +47,9 @@ def samples(run_dir: str) -> Iterator[RolloutSample]:
         for producer in producer_names(t.cfg):
             last = "-"
             key = stream_key(t.keys, f"rollouts:{producer}")
-            while entries := [e for e in r.xrange(key, min=last, count=200) or [] if _id(e[0]) != last]:
+            while entries := [e for e in r.xrange(key, min=last, count=200) or [] if as_text(e[0]) != last]:
                 for entry_id, fields in entries:
-                    last = _id(entry_id)
+                    last = as_text(entry_id)
                     event = decode(cast(Mapping[bytes, Any], fields or {}))
                     if isinstance(event, RolloutSample):
                         yield event

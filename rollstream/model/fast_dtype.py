@@ -15,7 +15,6 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-import os
 import platform
 import time
 from functools import lru_cache
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from rollstream.pretrained import cache_root
 from rollstream.runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -37,8 +37,7 @@ REPEATS = 5
 
 def choice_file() -> Path:
     """$XDG_CACHE_HOME/rollstream/fast-dtype.json (~/.cache/rollstream/fast-dtype.json)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "rollstream" / CHOICE_FILE
+    return cache_root() / CHOICE_FILE
 
 
 def cpu_has_bfloat16_units() -> bool:
@@ -99,11 +98,11 @@ def _measure_and_store(path: Path, key: str) -> torch.dtype:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        entry = _read(path).get(key)
+        data = _read(path)
+        entry = data.get(key)
         if isinstance(entry, dict) and entry.get("dtype") in ("bfloat16", "float32"):
             return getattr(torch, str(entry["dtype"]))
         choice, bf16, f32 = measure()
-        data = _read(path)
         data[key] = {"dtype": choice, "bfloat16_s": bf16, "float32_s": f32, "measured": time.time()}
         atomic_write(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
         log.info("model.dtype=fast on this CPU: %s (a %dx%dx%d product: bfloat16 %.1f ms, float32 %.1f ms; "

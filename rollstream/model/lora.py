@@ -3,14 +3,14 @@ weight, frozen, and gains two trainable factors, so that
 
     y = x W'^T + b,  W' = round(W + B A * lora_alpha / lora_rank),  A [rank, in], B [out, rank] (0 at first),
 
-where round() is the weights' own dtype (bfloat16 on CPUs that multiply it natively). Every process computes
-with the merged weight W', built once per change of the factors (`LoRALinear.merged_weight`), so sampling
-costs what the plain model costs: a producer samples with plain matrix products. In training the factors get
-LoRA's gradients (dA, dB from rank-r products; no gradient for the base matrices, about a third of a linear
-layer's forward + backward) through a low-rank term that adds exactly zero to the output; the input gradient
-goes through W' alone. Only A and B get optimizer state (float32 masters with actor.optim.master_weights), so
-their sum B A accumulates exactly and W' follows it, as a full fine-tune's bfloat16 weights follow their
-masters.
+where round() is to the weights' own dtype (bfloat16 where the CPU multiplies it faster: model.dtype=fast).
+Every process computes with the merged weight W', built once per change of the factors
+(`LoRALinear.merged_weight`), so sampling costs what the plain model costs: a producer samples with plain
+matrix products. In training the factors get LoRA's gradients (dA, dB from rank-r products; no gradient for
+the base matrices, about a third of a linear layer's forward + backward) through a low-rank term that adds
+exactly zero to the output; the input gradient goes through W' alone. Only A and B get optimizer state
+(float32 masters with actor.optim.master_weights), so their sum B A accumulates exactly and W' follows it, as
+a full fine-tune's bfloat16 weights follow their masters.
 
 The factors live on the Linear itself (`<name>.lora.A`, `<name>.lora.B`, the Linear's class swapped for
 `LoRALinear`), so every base tensor keeps its state-dict name. Every process of a run builds the same
@@ -37,16 +37,19 @@ OUTPUT_HEADS = ("lm_head", "head")
 
 def _targets(module: nn.Module, target_modules: str | Sequence[str]) -> list[tuple[str, nn.Linear]]:
     """(name, Linear) of the layers `target_modules` selects: "all-linear", or the last name components to
-    match (e.g. ["q_proj", "v_proj"])."""
+    match (e.g. ["q_proj", "v_proj"]). Never the output head: tied to the embedding, and the chunked log-prob
+    path reads its weight directly, so naming it is a ValueError."""
     chosen = []
     for name, m in module.named_modules():
         if not isinstance(m, nn.Linear):
             continue
         last = name.rsplit(".", 1)[-1]
-        if target_modules == ALL_LINEAR:
-            if last not in OUTPUT_HEADS:
-                chosen.append((name, m))
-        elif last in target_modules:
+        named = target_modules != ALL_LINEAR and last in target_modules
+        if last in OUTPUT_HEADS and named:
+            raise ValueError(
+                f"target_modules={target_modules!r} selects the output head {name!r}, which LoRA cannot adapt"
+            )
+        if last not in OUTPUT_HEADS and (named or target_modules == ALL_LINEAR):
             chosen.append((name, m))
     return chosen
 
@@ -134,11 +137,6 @@ def apply_lora(module: nn.Module, rank: int, alpha: float, target_modules: str |
     layers = _targets(module, target_modules)
     if not layers:
         raise ValueError(f"target_modules={target_modules!r} matches no Linear layer of the model")
-    heads = [name for name, _ in layers if name.rsplit(".", 1)[-1] in OUTPUT_HEADS]
-    if heads:  # tied to the embedding, and the chunked log-prob path reads the head's weight directly
-        raise ValueError(
-            f"target_modules={target_modules!r} selects the output head {heads[0]!r}, which LoRA cannot adapt"
-        )
     module.requires_grad_(False)
     adapted = {id(layer) for _, layer in layers}
     for m in module.modules():

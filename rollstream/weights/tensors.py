@@ -84,11 +84,16 @@ def published_state(module: nn.Module) -> dict[str, Tensor]:
     """The weights a version publishes: the module's state dict with tied tensors once; with LoRA
     (rollstream.model.lora) its factors alone, the frozen base being what every process built itself. No
     copies."""
+    return _published(module.state_dict())
+
+
+def _published(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """`published_state` of a module's state dict."""
     from rollstream.model.lora import is_factor
 
-    state = unique_state(module)
-    factors = {name: t for name, t in state.items() if is_factor(name)}
-    return factors or state
+    unique = unique_tensors(state)
+    factors = {name: t for name, t in unique.items() if is_factor(name)}
+    return factors or unique
 
 
 def module_bytes(module: nn.Module) -> bytes:
@@ -97,10 +102,11 @@ def module_bytes(module: nn.Module) -> bytes:
     return state_bytes(published_state(module))
 
 
-def check_state_names(module: nn.Module, names: set[str]) -> None:
+def check_state_names(module: nn.Module, names: set[str], state: Mapping[str, Tensor] | None = None) -> None:
     """ValueError unless `names` are state-dict names of the module covering at least what it publishes
-    (`published_state`: all of it, a tied tensor under any one of its names; with LoRA, its factors)."""
-    state = module.state_dict()
+    (`published_state`: all of it, a tied tensor under any one of its names; with LoRA, its factors);
+    `state` is the module's state dict when the caller has it."""
+    state = module.state_dict() if state is None else state
     unexpected = sorted(names - set(state))
     if unexpected:
         raise ValueError(f"weights have unknown tensors: {unexpected[:5]}")
@@ -108,7 +114,7 @@ def check_state_names(module: nn.Module, names: set[str]) -> None:
     for group in alias_groups(state):
         if covered.intersection(group):
             covered.update(group)
-    missing = sorted(set(published_state(module)) - covered)
+    missing = sorted(set(_published(state)) - covered)
     if missing:
         raise ValueError(f"weights lack tensors: {missing[:5]}")
 
@@ -237,7 +243,7 @@ def load_file_into(module: nn.Module, path: Path) -> None:
     with open(path, "rb", buffering=0) as f:
         meta, data_start = read_header(f, file_bytes)
         entries = list(_entries(meta, data_start, file_bytes))
-        check_state_names(module, {e[0] for e in entries})
+        check_state_names(module, {e[0] for e in entries}, sd)
         for name, _, shape, _, _ in entries:
             if list(sd[name].shape) != shape:
                 raise ValueError(
