@@ -30,8 +30,8 @@ from test_security import PRODUCERS, _permitted, private_redis  # noqa: F401  (a
 
 from consumers.aggregator.worker import AggregatorWorker
 from consumers.trainer.guard import value_reason
-from consumers.trainer.learner import UPDATE_SKIPPED
 from consumers.trainer.ledger import StepLedger
+from consumers.trainer.minibatch import UPDATE_SKIPPED
 from consumers.trainer.rank_agreement import RankRoles
 from producers.worker import Producer, PublishError
 from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection, setup_run

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
-from consumers.trainer.learner import Learner, micro_slices
+from consumers.trainer.learner import Learner
+from consumers.trainer.minibatch import micro_slices
 from rollstream.config import ConfigError, load_config
 from rollstream.testing.fakes import fake_rollout_sample
 from schemas import DataProto, RolloutSample

@@ -17,6 +17,7 @@ from consumers.trainer.learner import Learner, token_rewards
 from rollstream.config import load_config
 from rollstream.model import BasePolicy
 from rollstream.rl.advantages import grpo_token_advantages, reinforce_pp_advantages
+from rollstream.rl.rollout_correction import rollout_correction
 from rollstream.testing.fakes import fake_rollout_sample
 from schemas import DataProto, RolloutSample
 
@@ -168,3 +169,78 @@ def test_fused_adamw_by_default_and_an_unfused_optimizer_state_resumes_in_it() -
     pairs = zip(fused.policy.parameters(), start, strict=True)
     moved = max(float((a - b).detach().abs().max()) for a, b in pairs)
     assert moved > 1e-4  # two steps of lr 1e-3 moved the weights (the comparison above is not vacuous)
+
+
+@pytest.mark.parametrize("rows", ["skip", "train"])
+def test_ppo_epochs_take_that_many_plain_steps_on_the_one_batch(rows: str) -> None:
+    """actor.ppo_epochs=3: one update is three optimizer steps on its mini-batch, each the plain full-batch
+    step from the weights the one before left (the ratio against the sampling log-probs, clipped; the
+    advantages the batch's), to 1e-6; its loss and gradient norm are the three steps' means, and every
+    epoch forwards the trained rows again."""
+    cfg = load_config(None, [*BASE, "actor.ppo_epochs=3", f"actor.zero_advantage_rows={rows}"])
+    learner = Learner(cfg)
+    policy = copy.deepcopy(learner.policy)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.actor.optim.lr,
+                                  weight_decay=cfg.actor.optim.weight_decay)
+    forwarded: list[int] = []
+    forward = learner.policy.forward_logprobs_entropy
+
+    def counting(ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        forwarded.append(ids.shape[0])
+        return forward(ids, *args, **kwargs)
+
+    learner.policy.forward_logprobs_entropy = counting  # type: ignore[method-assign]
+    learner.begin_step(1)
+    batch, _ = assemble_batch_from_rollout_samples(mini_batch(5))
+    metrics = learner.update(batch)
+    adv = plain_advantages(batch, "grpo", cfg.algorithm.gamma)
+    steps = [plain_step(policy, optimizer, batch, adv, cfg.actor.clip_ratio, cfg.actor.optim.clip_grad,
+                        cfg.rollout.temperature) for _ in range(3)]
+    assert steps[0][0] != pytest.approx(steps[2][0], abs=1e-6)  # the later steps start from moved weights
+    assert metrics["actor/loss"] == pytest.approx(sum(s[0] for s in steps) / 3, rel=1e-5, abs=1e-7)
+    assert metrics["actor/grad_norm"] == pytest.approx(sum(s[1] for s in steps) / 3, rel=1e-5)
+    assert metrics["actor/update_skipped"] == 0.0
+    for (name, got), want in zip(learner.policy.module.named_parameters(), policy.parameters(), strict=True):
+        diff = float((got.detach() - want.detach()).abs().max())
+        assert diff <= 1e-6, f"{name} after 3 epochs: {diff:.3g}"
+    assert sum(forwarded) == 3 * (8 if rows == "skip" else 16)
+
+
+def test_an_update_of_several_epochs_keeps_the_rejection_of_the_weights_before_it() -> None:
+    """Bypass mode with rejection: the mask is taken once, from the policy's log-probs before the update, so
+    the second epoch trains the tokens the first did, although the weights the first epoch left would reject
+    others (a second update call would)."""
+    rs = ["algorithm.rollout_correction.rollout_rs=token_k1",
+          "algorithm.rollout_correction.rollout_rs_threshold=0.5_2"]
+    cfg = load_config(None, [*BASE, "actor.ppo_epochs=2", "actor.optim.lr=0.05", *rs])
+    learner = Learner(cfg)
+    learner.begin_step(1)
+    batch, _ = assemble_batch_from_rollout_samples(mini_batch(5))
+    t = batch.tensors
+    ids, mask = torch.from_numpy(t["input_ids"]), torch.from_numpy(t["attention_mask"])
+    resp = torch.from_numpy(t["response_mask"]).float()
+
+    def own_logp() -> torch.Tensor:
+        with torch.no_grad():
+            return learner.policy.log_probs(ids, mask, resp.shape[1], cfg.rollout.temperature)
+
+    # sampling log-probs: the policy's own, each token off by up to e^±1 (some rejected, most kept)
+    noise = torch.rand(resp.shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    t["rollout_log_probs"] = ((own_logp() + noise) * resp).numpy()
+    behave = torch.from_numpy(t["rollout_log_probs"])
+    trained: list[torch.Tensor] = []  # the loss mask each epoch trained
+    would: list[torch.Tensor] = []  # the mask the weights at each epoch's start would reject to
+    epoch = learner._epoch
+
+    def recording(p: Any, ahead: Any) -> dict[str, float]:
+        trained.append(p.loss_mask.clone())
+        would.append(rollout_correction(own_logp(), behave, resp, rollout_rs="token_k1",
+                                        rollout_rs_threshold="0.5_2").mask.float())
+        return epoch(p, ahead)
+
+    learner._epoch = recording  # type: ignore[method-assign]
+    learner.update(batch)
+    assert len(trained) == 2
+    assert 0 < float(trained[0].sum()) < float(resp.sum())  # some tokens rejected, some trained
+    assert torch.equal(trained[0], would[0]) and not torch.equal(would[1], would[0])
+    assert torch.equal(trained[1], trained[0])

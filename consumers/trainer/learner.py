@@ -8,8 +8,9 @@
                  micro-batches: row views of actor.micro_batch_size rows, each without its all-padding
                  columns -> prox/ref log-probs (no grad, per micro-batch, back at their rows of [B, W]) ->
                  rollout correction over the mini-batch (IS weights, rejection, mismatch metrics:
-                 rollstream/rl/rollout_correction.py) -> per micro-batch: forward -> loss x its share ->
-                 backward (gradients accumulate) -> clip -> AdamW step; returns the update's metrics
+                 rollstream/rl/rollout_correction.py) -> actor.ppo_epochs times (once by default): per
+                 micro-batch forward -> loss x its share -> backward (gradients accumulate) -> clip -> AdamW
+                 step; returns the update's metrics (the epochs' merged: merge_epochs)
 
 Memory knobs: `actor.micro_batch_size` (the accumulated update equals the whole-mini-batch one: each
 micro-batch's loss is scaled by its share of what the loss aggregation divides by), `actor.
@@ -31,15 +32,22 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch.autograd.graph import increment_version
 
 from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.master import MasterWeights
+from consumers.trainer.minibatch import (
+    UPDATE_SKIPPED,
+    Padded,
+    Prepared,
+    merge_epochs,
+    micro_slices,
+    padded_tensors,
+    placed,
+)
 from rollstream.config import AlgorithmConfig, PipelineConfig
 from rollstream.model import BasePolicy, build_policy
 from rollstream.model.base import resolve_device
@@ -60,10 +68,6 @@ from rollstream.weights.tensors import load_init, load_tensors_into, unique_stat
 from schemas import DataProto
 
 log = logging.getLogger(__name__)
-
-#: Metric of a local update: 1 when its optimizer step was skipped (non-finite loss or gradient), else 0.
-UPDATE_SKIPPED = "actor/update_skipped"
-
 
 def group_advantages(
     rewards: torch.Tensor, group_sizes: list[int], norm_by_std: bool = True, norm_by_mean: bool = False
@@ -92,81 +96,12 @@ def token_rewards(
     return first_last.to(rewards.dtype) * rewards[:, None]
 
 
-def micro_slices(rows: int, micro_batch_size: int) -> list[slice]:
-    """Row ranges of the micro-batches of a `rows`-row mini-batch (one range when micro_batch_size is 0)."""
-    size = micro_batch_size if micro_batch_size > 0 else max(rows, 1)
-    return [slice(s, min(s + size, rows)) for s in range(0, rows, size)]
-
-
-def _placed(parts: list[torch.Tensor], slices: list[slice], like: torch.Tensor) -> torch.Tensor | None:
-    """Per micro-batch results [b, w] (its own response width) at its rows of a mini-batch tensor shaped like
-    `like` [B, W], 0 in the columns its trim left off (one untrimmed micro-batch: its result as it is); None
-    when there are none."""
-    if not parts:
-        return None
-    if len(parts) == 1 and parts[0].shape == like.shape:
-        return parts[0]
-    out = torch.zeros_like(like)
-    for part, rows in zip(parts, slices, strict=True):
-        out[rows, : part.shape[1]] = part
-    return out
-
-
 def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
     """Entropy bonus weight at `global_step` (1-based): `coef`, decayed linearly to 0 over `decay_steps` when
     > 0."""
     if decay_steps <= 0:
         return coef
     return coef * max(0.0, 1.0 - (global_step - 1) / decay_steps)
-
-
-@dataclass
-class _Padded:
-    """A padded batch's tensors on the device: the mini-batch the assembly built, or rows of it (a
-    micro-batch: views), with each row's prompt and response length (on the CPU) to trim by."""
-
-    ids: torch.Tensor  # [b, P+w] long
-    mask: torch.Tensor  # [b, P+w] long
-    resp_mask: torch.Tensor  # [b, w] float
-    behave: torch.Tensor  # [b, w] float
-    prompt_lens: torch.Tensor  # [b] long, on the CPU
-    response_lens: torch.Tensor  # [b] long, on the CPU
-
-    def rows(self, sel: slice | torch.Tensor) -> _Padded:
-        """These rows: a slice gives views (no copy), a bool mask [b] the rows copied out."""
-        cpu = sel.cpu() if isinstance(sel, torch.Tensor) else sel
-        dev = sel.to(self.ids.device) if isinstance(sel, torch.Tensor) else sel
-        return _Padded(self.ids[dev], self.mask[dev], self.resp_mask[dev], self.behave[dev],
-                       self.prompt_lens[cpu], self.response_lens[cpu])
-
-    def trimmed(self) -> _Padded:
-        """Without the columns that are padding in every row (the leading prompt and the trailing response
-        ones): views, the rows' own widest prompt and response (at least one response column)."""
-        W = self.resp_mask.shape[1]
-        P = self.ids.shape[1] - W
-        p, r = int(self.prompt_lens.max()), min(max(int(self.response_lens.max()), 1), W)
-        cols = slice(P - p, P + r)
-        return _Padded(self.ids[:, cols], self.mask[:, cols], self.resp_mask[:, :r], self.behave[:, :r],
-                       self.prompt_lens, self.response_lens)
-
-
-def _tensors(batch: DataProto, dev: torch.device) -> tuple[_Padded, torch.Tensor, torch.Tensor | None]:
-    """A padded batch's arrays as tensors, the token ones on dev -> (the batch, rewards [B] and
-    token_level_scores [B, W] or None, on the CPU)."""
-    t = batch.tensors
-
-    def tensor(key: str) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(t[key]))
-
-    mask = tensor("attention_mask").long()
-    P = mask.shape[1] - t["response_mask"].shape[1]
-    padded = _Padded(
-        ids=tensor("input_ids").long().to(dev), mask=mask.to(dev),
-        resp_mask=tensor("response_mask").float().to(dev), behave=tensor("rollout_log_probs").float().to(dev),
-        prompt_lens=mask[:, :P].sum(-1), response_lens=mask[:, P:].sum(-1),
-    )
-    scores = tensor("token_level_scores").float() if "token_level_scores" in t else None
-    return padded, tensor("rewards").float(), scores
 
 
 def _token_advantages(
@@ -297,7 +232,7 @@ class Learner:
             self.prox.module.load_state_dict(self.policy.module.state_dict())
             self._prox_is_policy = self.policy.train_is_eval()  # once a step, not every update
 
-    def _reuses_forward(self, micro: list[_Padded]) -> bool:
+    def _reuses_forward(self, micro: list[Padded]) -> bool:
         """Whether this update takes the proximal log-probs from its own forward instead of the frozen copy's:
         the step's first update without dropout (`_prox_is_policy`) on one micro-batch (the correction needs
         the whole mini-batch's log-probs before any loss). The numbers are the copy's; one forward is saved
@@ -305,7 +240,7 @@ class Learner:
         return self._prox_is_policy and len(micro) == 1
 
     def _before_update(
-        self, micro: list[_Padded], slices: list[slice], like: torch.Tensor, temp: float
+        self, micro: list[Padded], slices: list[slice], like: torch.Tensor, temp: float
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, float]:
         """The log-probs taken before the update's losses: the frozen ones (`_frozen_logprobs`) and, when the
         update reuses its forward, that forward (train mode, with grad; its detached log-probs are the
@@ -317,16 +252,16 @@ class Learner:
         old_parts, ref_parts = self._frozen_logprobs(micro, temp, skip_prox=reuse)
         t_old = time.perf_counter() - t0
         self.policy.train()
-        ref = _placed(ref_parts, slices, like)
+        ref = placed(ref_parts, slices, like)
         if not reuse:
-            return _placed(old_parts, slices, like), ref, None, t_old
+            return placed(old_parts, slices, like), ref, None, t_old
         m = micro[0]
         with self.dp.forward_through(self.policy, self.train_module):
             ahead = self.policy.forward_logprobs_entropy(m.ids, m.mask, m.resp_mask.shape[1], temp)
-        return _placed([ahead[0].detach()], slices, like), ref, ahead, t_old
+        return placed([ahead[0].detach()], slices, like), ref, ahead, t_old
 
     def _frozen_logprobs(
-        self, micro: list[_Padded], temp: float, skip_prox: bool = False
+        self, micro: list[Padded], temp: float, skip_prox: bool = False
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per micro-batch, without grad: the log-probs rollout correction compares with the behaviour's (the
         proximal policy's unless `skip_prox`; in bypass mode with rejection the policy's own before the
@@ -399,7 +334,7 @@ class Learner:
         return Correction(weights, out.mask, {**out.metrics, PREFIX + "rollout_is_batch_norm_factor": factor})
 
     def _advantages(
-        self, mini: _Padded, groups: list[int], rewards: torch.Tensor, scores: torch.Tensor | None
+        self, mini: Padded, groups: list[int], rewards: torch.Tensor, scores: torch.Tensor | None
     ) -> tuple[torch.Tensor, float]:
         """The mini-batch's advantages on the device, GRPO per sample group [B] or token-level [B, W], and
         their mean over the response tokens (outcome: over the samples)."""
@@ -413,7 +348,7 @@ class Learner:
         adv = adv.to(self.device)
         return adv, float(adv.mean())
 
-    def _trained_rows(self, mini: _Padded, adv: torch.Tensor) -> tuple[_Padded, torch.Tensor]:
+    def _trained_rows(self, mini: Padded, adv: torch.Tensor) -> tuple[Padded, torch.Tensor]:
         """The rows this update forwards and their advantages: all of them, or (actor.zero_advantage_rows skip
         / drop, outcome advantages; the config checked that nothing else in the step sees them) those whose
         advantage is not exactly 0, copied out of the mini-batch."""
@@ -424,72 +359,41 @@ class Learner:
             return mini, adv
         return mini.rows(keep), adv[keep]
 
-    def update(self, batch: DataProto) -> dict[str, float]:
-        """One optimizer step on a mini-batch, the one padded batch the assembly built, trained in
-        micro-batches that are views of actor.micro_batch_size of its rows; returns its actor/critic/length/
-        timing metrics."""
-        mini, rewards, scores = _tensors(batch, self.device)  # [B, P+W] ids, [B, W] masks; W: widest response
-        all_rows, all_resp = len(rewards), mini.resp_mask
-
-        # 1. advantages over the mini-batch: GRPO per sample group [B] (outcome), or per token [B, W]; then
-        #    the rows trained, and their micro-batches: row views, each without its all-padding columns
-        adv, adv_mean = self._advantages(mini, list(batch.meta_info["group_sizes"]), rewards, scores)
-        trained, adv = self._trained_rows(mini, adv)
-        resp_mask, behave = trained.resp_mask, trained.behave  # [kept, W]
-        kept = len(resp_mask)
-        slices = micro_slices(kept, self.actor.micro_batch_size)
-        micro = [trained.rows(rows).trimmed() for rows in slices]
-
-        # 2. the trainer's log-probs before this update (no grad), per micro-batch: proximal (decoupled; in
-        #    bypass mode with rejection, the policy itself) and reference (KL); then rollout correction over
-        #    the mini-batch: IS weights [kept, W] or None, the response mask after rejection, verl's metrics
-        temp = self.cfg.rollout.temperature  # log-probs of the distribution producers sampled from
-        #    (the step's first update on one micro-batch: the proximal log-probs are its own forward's)
-        t0 = time.perf_counter()
-        old, ref, ahead, t_old = self._before_update(micro, slices, resp_mask, temp)
-        t_update = time.perf_counter() - t0 - t_old
-        correction = self._correct(old, behave, resp_mask) if old is not None else None
-        loss_mask = correction.mask.to(resp_mask.dtype) if correction is not None else resp_mask  # [kept, W]
-        is_w = correction.weights if correction is not None else None  # [kept, W] or None
-
-        # 3. per micro-batch: forward, loss scaled by the micro-batch's share of what the aggregation divides
-        #    by, backward (gradients accumulate)
+    def _epoch(self, p: Prepared, ahead: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, float]:
+        """One epoch of a local update: per micro-batch, forward (or the forward `ahead`, run before the
+        update: the first epoch only), loss scaled by the micro-batch's share of what the aggregation divides
+        by, backward (gradients accumulate); then clip and step. Returns the epoch's loss, policy-gradient,
+        mismatch, grad-norm, skipped and timing metrics."""
         mode: AggMode = self.actor.loss_agg_mode
-        # rows left out count in what the loss divides by, as if trained (skip: loss_mask is resp_mask there,
-        # no correction), or not (drop: the groups with reward variance are the batch); the metrics' means
-        # are over the trained rows
-        total = agg_count(all_resp if self.actor.zero_advantage_rows == "skip" else loss_mask, mode)
-        trained_total, tokens = agg_count(loss_mask, mode), float(loss_mask.sum())
-        every_total, ranks = self._dp_count(total)
         ent_coef = entropy_coef_at(self.actor.entropy_coeff, self.actor.entropy_decay_steps, self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.policy.module.zero_grad(set_to_none=True)  # the module's gradients, moved at the step
         metrics: dict[str, float] = {}
-        loss = ent = kl = 0.0
+        loss = ent = kl = t_update = 0.0
         current: list[torch.Tensor] = []  # bypass without rejection: the mismatch metrics' trainer log-probs
-        for i, (m, rows) in enumerate(zip(micro, slices, strict=True)):
+        for i, (m, rows) in enumerate(zip(p.micro, p.slices, strict=True)):
             w = m.resp_mask.shape[1]  # the micro-batch's own widest response: [b, w] views of the [kept, W]
-            m_resp, m_behave = loss_mask[rows, :w], m.behave
-            m_adv = adv[rows] if adv.ndim == 1 else adv[rows, :w]
-            m_w = is_w[rows, :w] if is_w is not None else None
-            prox_logp = old[rows, :w] if self.prox is not None and old is not None else None
-            ref_logp = ref[rows, :w] if ref is not None else None
+            m_resp, m_behave = p.loss_mask[rows, :w], m.behave
+            m_adv = p.adv[rows] if p.adv.ndim == 1 else p.adv[rows, :w]
+            m_w = p.is_w[rows, :w] if p.is_w is not None else None
+            prox_logp = p.old[rows, :w] if self.prox is not None and p.old is not None else None
+            ref_logp = p.ref[rows, :w] if p.ref is not None else None
             count = agg_count(m_resp, mode)
-            share = count / total if total > 0 else 0.0  # of this rank's loss
-            ent_share = count / trained_total if trained_total > 0 else 0.0  # of the trained rows' mean
-            grad_share = count * ranks / every_total if every_total > 0 else 0.0  # of every rank's
-            tok_share = float(m_resp.sum()) / tokens if tokens > 0 else 0.0
+            share = count / p.total if p.total > 0 else 0.0  # of this rank's loss
+            ent_share = count / p.trained_total if p.trained_total > 0 else 0.0  # of the trained rows' mean
+            grad_share = count * p.ranks / p.every_total if p.every_total > 0 else 0.0  # of every rank's
+            tok_share = float(m_resp.sum()) / p.tokens if p.tokens > 0 else 0.0
 
             t0 = time.perf_counter()
             # DDP's gradient hooks live on its wrapper; gradients are all-reduced at the last micro-batch only
             with (
                 self.dp.forward_through(self.policy, self.train_module),
-                self.dp.accumulating(self.train_module, last=i + 1 == len(micro)),
+                self.dp.accumulating(self.train_module, last=i + 1 == len(p.micro)),
             ):
                 # [b, w] each: the forward run ahead (one micro-batch) or this micro-batch's own
-                logp, entropy = ahead or self.policy.forward_logprobs_entropy(m.ids, m.mask, w, temp)
-                if correction is None:
+                logp, entropy = ahead or self.policy.forward_logprobs_entropy(m.ids, m.mask, w, p.temp)
+                if p.correction is None:
                     current.append(logp.detach())
                 m_loss, pg_metrics = ppo_loss(
                     logp,
@@ -517,11 +421,12 @@ class Learner:
             for k, v in pg_metrics.items():  # pg_loss aggregates like the loss, the rest are token means
                 metrics[k] = metrics.get(k, 0.0) + v * (share if k == "actor/pg_loss" else tok_share)
         # the mismatch metrics against the policy's log-probs as it trained on them
-        now = _placed(current, slices, resp_mask)
-        trained_corr = correction or (rollout_correction(now, behave, resp_mask) if now is not None else None)
+        now = placed(current, p.slices, p.resp_mask)
+        trained_corr = p.correction or (
+            rollout_correction(now, p.behave, p.resp_mask) if now is not None else None
+        )
         metrics.update(trained_corr.metrics if trained_corr is not None else {})
-        if kept < all_rows:
-            metrics["actor/trained_row_fraction"] = kept / all_rows
+        if p.left_out:
             metrics.setdefault("actor/pg_loss", 0.0)  # nothing trained: every row's loss was 0
             self._zero_missing_grads()  # as the whole batch's backward leaves them: 0, so AdamW still steps
         if ent_coef > 0:
@@ -532,15 +437,69 @@ class Learner:
         t0 = time.perf_counter()
         grad_norm, skipped = self._step(loss)
         t_update += time.perf_counter() - t0
-
-        # 4. metrics
-        row_tokens = mini.mask.sum(-1).double().cpu()  # [B]
         metrics.update(
             {
                 "actor/loss": loss,
                 "actor/entropy": ent,
                 "actor/grad_norm": grad_norm,
                 UPDATE_SKIPPED: float(skipped),
+                "timing_s/update_actor": t_update,
+            }
+        )
+        return metrics
+
+    def update(self, batch: DataProto) -> dict[str, float]:
+        """One local update on a mini-batch, the one padded batch the assembly built: actor.ppo_epochs
+        optimizer steps (one by default), trained in micro-batches that are views of actor.micro_batch_size
+        of its rows; returns its actor/critic/length/timing metrics (merge_epochs)."""
+        mini, rewards, scores = padded_tensors(batch, self.device)  # [B, P+W] ids, [B, W] masks (W: widest)
+        all_rows, all_resp = len(rewards), mini.resp_mask
+
+        # 1. advantages over the mini-batch: GRPO per sample group [B] (outcome), or per token [B, W]; then
+        #    the rows trained, and their micro-batches: row views, each without its all-padding columns
+        adv, adv_mean = self._advantages(mini, list(batch.meta_info["group_sizes"]), rewards, scores)
+        trained, adv = self._trained_rows(mini, adv)
+        resp_mask, behave = trained.resp_mask, trained.behave  # [kept, W]
+        kept = len(resp_mask)
+        slices = micro_slices(kept, self.actor.micro_batch_size)
+        micro = [trained.rows(rows).trimmed() for rows in slices]
+
+        # 2. the trainer's log-probs before this update (no grad), per micro-batch: proximal (decoupled; in
+        #    bypass mode with rejection, the policy itself) and reference (KL); then rollout correction over
+        #    the mini-batch: IS weights [kept, W] or None, the response mask after rejection, verl's metrics.
+        #    Taken once: every epoch's ratio, rejection and KL are against these
+        temp = self.cfg.rollout.temperature  # log-probs of the distribution producers sampled from
+        #    (the step's first update on one micro-batch: the proximal log-probs are its own forward's)
+        t0 = time.perf_counter()
+        old, ref, ahead, t_old = self._before_update(micro, slices, resp_mask, temp)
+        t_before = time.perf_counter() - t0 - t_old
+        correction = self._correct(old, behave, resp_mask) if old is not None else None
+        loss_mask = correction.mask.to(resp_mask.dtype) if correction is not None else resp_mask  # [kept, W]
+        mode: AggMode = self.actor.loss_agg_mode
+        # rows left out count in what the loss divides by, as if trained (skip: loss_mask is resp_mask there,
+        # no correction), or not (drop: the groups with reward variance are the batch); the metrics' means
+        # are over the trained rows
+        total = agg_count(all_resp if self.actor.zero_advantage_rows == "skip" else loss_mask, mode)
+        every_total, ranks = self._dp_count(total)
+        prepared = Prepared(
+            micro=micro, slices=slices, adv=adv, resp_mask=resp_mask, behave=behave, old=old, ref=ref,
+            correction=correction, loss_mask=loss_mask,
+            is_w=correction.weights if correction is not None else None,  # [kept, W] or None
+            total=total, trained_total=agg_count(loss_mask, mode), tokens=float(loss_mask.sum()),
+            every_total=every_total, ranks=ranks, left_out=kept < all_rows, temp=temp,
+        )
+
+        # 3. per epoch: per micro-batch forward, loss x its share, backward; then the optimizer step
+        epochs = [self._epoch(prepared, ahead if e == 0 else None) for e in range(self.actor.ppo_epochs)]
+        metrics = merge_epochs(epochs)
+        metrics["timing_s/update_actor"] += t_before
+        if kept < all_rows:
+            metrics["actor/trained_row_fraction"] = kept / all_rows
+
+        # 4. metrics
+        row_tokens = mini.mask.sum(-1).double().cpu()  # [B]
+        metrics.update(
+            {
                 "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
                 "critic/rewards/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
                 "critic/advantages/mean": adv_mean,
@@ -548,7 +507,6 @@ class Learner:
                 "global_seqlen/min": float(row_tokens.min()),
                 "global_seqlen/max": float(row_tokens.max()),
                 "global_seqlen/minmax_diff": float(row_tokens.max() - row_tokens.min()),
-                "timing_s/update_actor": t_update,
             }
         )
         if self.prox is not None or self.ref is not None:

@@ -72,8 +72,9 @@ from consumers.trainer.collect import Collected, Collector, rollouts_reader
 from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.evaluate import validate
-from consumers.trainer.learner import UPDATE_SKIPPED, Learner
+from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import StepLedger, merge_ledgers
+from consumers.trainer.minibatch import UPDATE_SKIPPED
 from consumers.trainer.reconcile import CommitHistory
 from consumers.trainer.staleness import STALE_SAMPLES, STALE_TRAJECTORIES, LengthBuckets
 from rollstream.bus import EntryRef

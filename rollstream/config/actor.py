@@ -32,7 +32,16 @@ class OptimConfig(Section):
 class ActorConfig(Section):
     """The policy-gradient update."""
 
-    ppo_mini_batch_size: int = Field(8, ge=1, description="Samples per local update (one optimizer step)")
+    ppo_mini_batch_size: int = Field(
+        8, ge=1, description="Samples per local update (one optimizer step per epoch, actor.ppo_epochs)"
+    )
+    ppo_epochs: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per local update on its one mini-batch (verl's ppo_epochs): every "
+        "epoch's PPO ratio is against the log-probs taken before the first, clipped, so later epochs stay "
+        "within the trust region",
+    )
     optim: OptimConfig = Field(default_factory=OptimConfig, description="The AdamW optimizer")
     clip_ratio: float = Field(
         0.2, gt=0, description="PPO clip epsilon (low side, and high side unless clip_ratio_high)"
