@@ -1,11 +1,15 @@
-"""SmolLM2-135M-Instruct's starting point on rg:basic_arithmetic, per kind of problem: greedy accuracy and
-pass@16 at temperature 1 (what GRPO can reinforce: a kind no sample of 16 gets right gives no signal).
+"""SmolLM2-135M-Instruct on rg:basic_arithmetic, per kind of problem: greedy accuracy and pass@16 at
+temperature 1 (what GRPO can reinforce: a kind no sample of 16 gets right gives no signal).
 
     .venv/bin/python scripts/arith_pass_at_k.py ["Answer with the number only."] [N]
+    .venv/bin/python scripts/arith_pass_at_k.py --run RUN_DIR [--step STEP]
 
-N problems (default 120) of the SmolLM2 config's task (2 terms of 1-2 digits, + - *), drawn with seed 123,
-the chat template as in the pipeline, 24 new tokens, bfloat16, in process (no Redis). Needs the model in the
-cache (`rollstream model build smollm2-135m-instruct`). ~4 minutes on 2 cores.
+The first form: version 0 on N problems (default 120) of the SmolLM2 config's task (2 terms of 1-2 digits,
++ - *), drawn with seed 123, the chat template as in the pipeline, 24 new tokens, bfloat16, in process (no
+Redis); ~4 minutes on 2 cores. The second: a run's trained weights (the checkpoint of global step STEP in
+RUN_DIR/checkpoints, default the newest; STEP 0 = version 0) on the run's own held-out prompts, through the
+pipeline's policy (its config: dtype, LoRA, chat template), adding mean@16 (the share of right samples); ~1-2
+minutes for 200 prompts. Both need the model in the cache (`rollstream model build smollm2-135m-instruct`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import collections
 import random
 import sys
 import time
+from pathlib import Path
 
 import torch
 from arith_kinds import kind_of  # scripts/ is on sys.path when run as a script
@@ -34,9 +39,67 @@ def kind(task: ReasoningGymTask, p: Prompt) -> str:
     return kind_of(a, op, b)[0]
 
 
+def of_run(run: Path, step: int | None) -> None:
+    """Print greedy accuracy, pass@K and mean@K over a run's held-out prompts, overall and per kind, of its
+    checkpoint at global step `step` (None: the newest; 0: version 0)."""
+    from safetensors.torch import load_file
+
+    from consumers.trainer.checkpoint import list_checkpoints, read_checkpoint
+    from rollstream.config import load_config
+    from rollstream.model import build_policy
+    from rollstream.model.chat import encode_prompt
+    from rollstream.tasks import build_prompt_source, build_task
+    from rollstream.weights.tensors import load_tensors_into
+
+    cfg = load_config(str(run / "pipeline.resolved.yaml"), ["run.device=cpu"])
+    torch.manual_seed(cfg.run.seed)
+    policy = build_policy(cfg)
+    if step != 0:
+        saved = dict(list_checkpoints(run / "checkpoints"))
+        if not saved:
+            raise SystemExit(f"{run}/checkpoints holds no checkpoint")
+        step = max(saved) if step is None else step
+        if step not in saved:
+            raise SystemExit(f"--step {step}: {run}/checkpoints holds steps {sorted(saved)}")
+        load_tensors_into(policy.module, read_checkpoint(load_file(str(saved[step])))[0])
+    policy.eval()
+    torch.set_num_threads(2)
+    task = build_task(cfg)
+    if not isinstance(task, ReasoningGymTask):
+        raise SystemExit(f"{run}: data.task={cfg.data.task!r} is not a reasoning-gym task")
+    prompts = build_prompt_source(cfg, task).val_prompts()
+    tok, limit = policy.tokenizer, cfg.data.max_response_length
+    generator = torch.Generator().manual_seed(1)
+    stats: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])
+    t0 = time.time()
+    for i in range(0, len(prompts), 25):
+        chunk = prompts[i:i + 25]
+        ids = [encode_prompt(tok, p.text) for p in chunk]
+        greedy = policy.generate(ids, n=1, max_new_tokens=limit, greedy=True)
+        sampled = policy.generate(ids, n=K, max_new_tokens=limit, temperature=1.0, generator=generator)
+        for j, p in enumerate(chunk):
+            s = stats[kind(task, p)]
+            right = sum(task.reward(p, tok.decode(x.response_ids)).exact for x in sampled[j * K:(j + 1) * K])
+            s[0] += 1
+            s[1] += task.reward(p, tok.decode(greedy[j].response_ids)).exact
+            s[2] += right > 0
+            s[3] += right
+    n, greedy_right, passed, right = (sum(v[i] for v in stats.values()) for i in range(4))
+    print(f"{run} step {step}: {time.time() - t0:.0f}s, {n} held-out prompts: greedy {greedy_right / n:.3f} "
+          f"pass@{K} {passed / n:.3f} mean@{K} {right / n / K:.3f}")
+    for k, (m, g, hit, r) in sorted(stats.items()):
+        print(f"{k} {m} greedy {g / m:.2f} pass@{K} {hit / m:.2f} mean@{K} {r / m / K:.2f}")
+
+
 def main() -> None:
-    """Print greedy accuracy and pass@K overall and per kind."""
+    """Print greedy accuracy and pass@K overall and per kind (`--run`: of a run's checkpoint)."""
     import os
+
+    if len(sys.argv) > 1 and sys.argv[1] == "--run":
+        if len(sys.argv) not in (3, 5) or (len(sys.argv) == 5 and sys.argv[3] != "--step"):
+            raise SystemExit(__doc__)
+        of_run(Path(sys.argv[2]), int(sys.argv[4]) if len(sys.argv) == 5 else None)
+        return
 
     path = os.path.expanduser(MODEL)
     tok = AutoTokenizer.from_pretrained(path)

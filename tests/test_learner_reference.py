@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+import consumers.trainer.learner as learner_module
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.learner import Learner, token_rewards
+from consumers.trainer.minibatch import UPDATE_SKIPPED, merge_epochs
 from rollstream.config import load_config
 from rollstream.model import BasePolicy
 from rollstream.rl.advantages import grpo_token_advantages, reinforce_pp_advantages
@@ -206,13 +208,15 @@ def test_ppo_epochs_take_that_many_plain_steps_on_the_one_batch(rows: str) -> No
     assert sum(forwarded) == 3 * (8 if rows == "skip" else 16)
 
 
-def test_an_update_of_several_epochs_keeps_the_rejection_of_the_weights_before_it() -> None:
+def test_an_update_of_several_epochs_keeps_the_rejection_of_the_weights_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Bypass mode with rejection: the mask is taken once, from the policy's log-probs before the update, so
-    the second epoch trains the tokens the first did, although the weights the first epoch left would reject
-    others (a second update call would)."""
-    rs = ["algorithm.rollout_correction.rollout_rs=token_k1",
-          "algorithm.rollout_correction.rollout_rs_threshold=0.5_2"]
-    cfg = load_config(None, [*BASE, "actor.ppo_epochs=2", "actor.optim.lr=0.05", *rs])
+    the second epoch's losses mask the tokens the first's did, although the weights the first epoch left
+    would reject others (a second update call would)."""
+    cfg = load_config(None, [*BASE, "actor.ppo_epochs=2", "actor.optim.lr=0.05",
+                             "algorithm.rollout_correction.rollout_rs=token_k1",
+                             "algorithm.rollout_correction.rollout_rs_threshold=0.5_2"])
     learner = Learner(cfg)
     learner.begin_step(1)
     batch, _ = assemble_batch_from_rollout_samples(mini_batch(5))
@@ -220,27 +224,74 @@ def test_an_update_of_several_epochs_keeps_the_rejection_of_the_weights_before_i
     ids, mask = torch.from_numpy(t["input_ids"]), torch.from_numpy(t["attention_mask"])
     resp = torch.from_numpy(t["response_mask"]).float()
 
-    def own_logp() -> torch.Tensor:
+    def rejection() -> torch.Tensor:
+        """The mask the policy's weights now would reject to."""
         with torch.no_grad():
-            return learner.policy.log_probs(ids, mask, resp.shape[1], cfg.rollout.temperature)
+            now = learner.policy.log_probs(ids, mask, resp.shape[1], cfg.rollout.temperature)
+        return rollout_correction(now, behave, resp, rollout_rs="token_k1", rollout_rs_threshold="0.5_2").mask
 
     # sampling log-probs: the policy's own, each token off by up to e^±1 (some rejected, most kept)
+    with torch.no_grad():
+        own = learner.policy.log_probs(ids, mask, resp.shape[1], cfg.rollout.temperature)
     noise = torch.rand(resp.shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    t["rollout_log_probs"] = ((own_logp() + noise) * resp).numpy()
+    t["rollout_log_probs"] = ((own + noise) * resp).numpy()
     behave = torch.from_numpy(t["rollout_log_probs"])
-    trained: list[torch.Tensor] = []  # the loss mask each epoch trained
-    would: list[torch.Tensor] = []  # the mask the weights at each epoch's start would reject to
+    before = rejection()
+    masks: list[torch.Tensor] = []  # the mask argument of every micro-batch's loss, epoch after epoch
+    loss = learner_module.ppo_loss
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        masks.append(args[4].detach().clone())
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(learner_module, "ppo_loss", recording)
+    learner.update(batch)
+    after = rejection()  # what a second update call would train on
+    assert 0 < float(before.sum()) < float(resp.sum())  # some tokens rejected, some trained
+    assert not torch.equal(after, before)
+    half = len(masks) // 2
+    assert half == 4  # 16 rows in micro-batches of 5, twice
+    for first, second in zip(masks[:half], masks[half:], strict=True):
+        assert torch.equal(first, second)
+    rows = [m.shape[0] for m in masks[:half]]
+    starts = [sum(rows[:k]) for k in range(half)]
+    for m, start in zip(masks[:half], starts, strict=True):
+        assert torch.equal(m, before[start:start + m.shape[0], :m.shape[1]].to(m.dtype))
+
+
+def test_epochs_in_decoupled_mode_clip_against_the_pinned_proximal_policy() -> None:
+    """Decoupled mode, one micro-batch: the first epoch reuses its forward as the proximal log-probs; the
+    second forwards again and its ratio to the proximal policy moves off 1 (ppo_kl off 0 in its metrics)."""
+    cfg = load_config(None, [*BASE, "actor.ppo_epochs=2", "actor.micro_batch_size=0", "actor.optim.lr=0.01",
+                             "algorithm.rollout_correction.bypass_mode=false"])
+    learner = Learner(cfg)
+    learner.begin_step(1)
+    batch, _ = assemble_batch_from_rollout_samples(mini_batch(5))
+    seen: list[dict[str, float]] = []
     epoch = learner._epoch
 
-    def recording(p: Any, ahead: Any) -> dict[str, float]:
-        trained.append(p.loss_mask.clone())
-        would.append(rollout_correction(own_logp(), behave, resp, rollout_rs="token_k1",
-                                        rollout_rs_threshold="0.5_2").mask.float())
-        return epoch(p, ahead)
+    def recording(*args: Any) -> dict[str, float]:
+        seen.append(epoch(*args))
+        return seen[-1]
 
     learner._epoch = recording  # type: ignore[method-assign]
-    learner.update(batch)
-    assert len(trained) == 2
-    assert 0 < float(trained[0].sum()) < float(resp.sum())  # some tokens rejected, some trained
-    assert torch.equal(trained[0], would[0]) and not torch.equal(would[1], would[0])
-    assert torch.equal(trained[1], trained[0])
+    metrics = learner.update(batch)
+    assert len(seen) == 2
+    assert seen[0]["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # the pinned weights' own forward
+    assert abs(seen[1]["actor/ppo_kl"]) > 1e-5
+    assert metrics["actor/ppo_kl"] == pytest.approx((seen[0]["actor/ppo_kl"] + seen[1]["actor/ppo_kl"]) / 2)
+    assert metrics["actor/epochs_skipped"] == 0.0
+
+
+def test_merge_epochs() -> None:
+    """Timings add up; a metric of the first epoch alone (the mismatch ones) is its value; the others are the
+    mean over the epochs that stepped; the update counts as skipped only when every epoch was."""
+    first = {"timing_s/update_actor": 1.0, "actor/loss": 2.0, "training/rollout_probs_diff_mean": 0.3,
+             UPDATE_SKIPPED: 0.0}
+    nan = {"timing_s/update_actor": 0.5, "actor/loss": float("nan"), UPDATE_SKIPPED: 1.0}
+    third = {"timing_s/update_actor": 1.5, "actor/loss": 4.0, UPDATE_SKIPPED: 0.0}
+    merged = merge_epochs([first, nan, third])
+    assert merged == {"timing_s/update_actor": 3.0, "actor/loss": 3.0, UPDATE_SKIPPED: 0.0,
+                      "training/rollout_probs_diff_mean": 0.3, "actor/epochs_skipped": 1.0}
+    assert merge_epochs([nan, nan])[UPDATE_SKIPPED] == 1.0
+    assert merge_epochs([first]) == first

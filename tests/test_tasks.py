@@ -16,6 +16,7 @@ from rollstream.tasks import (
     ReverseTask,
     RewardResult,
     Task,
+    build_prompt_source,
     calculate,
     final_answer,
     find_tool_call,
@@ -502,3 +503,34 @@ def test_config_builds_a_fresh_source_by_default() -> None:
     )
     assert not fixed.fresh and len(train_prompts(fixed)) == 20
     assert load_config(None, []).data.val_size >= 256
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_a_pinned_val_seed_scores_every_training_seed_on_one_held_out_set(fresh: bool) -> None:
+    """data.val_seed: runs of different run.seed hold out the same prompts and train on different draws, none
+    of them held out; unpinned, the held-out set is run.seed's own (as before)."""
+    from rollstream.config import load_config
+
+    base = ["data.task=arith", "data.val_size=50", "data.epoch_size=64", f"data.fresh_prompts={fresh}"]
+    pinned = [load_config(None, [*base, f"run.seed={s}", "data.val_seed=9"]) for s in (0, 1)]
+    sources = [build_prompt_source(cfg) for cfg in pinned]
+    held = [[p.text for p in s.val_prompts()] for s in sources]
+    assert held[0] == held[1] and len(set(held[0])) == 50
+    drawn = [[p.text for _, _, p in s.take(200)] for s in sources]
+    assert drawn[0] != drawn[1]
+    assert not set(held[0]) & (set(drawn[0]) | set(drawn[1]))
+    own = [[p.text for p in build_prompt_source(load_config(None, [*base, f"run.seed={s}"])).val_prompts()]
+           for s in (0, 1)]
+    assert own[0] != own[1]
+    pinned_to_own = build_prompt_source(load_config(None, [*base, "run.seed=1", "data.val_seed=1"]))
+    assert [p.text for p in pinned_to_own.val_prompts()] == own[1]
+
+
+def test_val_seed_with_a_prompts_file_is_refused(tmp_path: Path) -> None:
+    """A prompts file holds its own held-out split: naming a val_seed beside it is an error naming both."""
+    from rollstream.config import ConfigError, load_config
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "12>", "answer": "21"}) + "\n")
+    with pytest.raises(ConfigError, match=r"data.val_seed=3 is for generated prompts: data.prompts_file="):
+        load_config(None, [f"data.prompts_file={path}", "data.val_seed=3"])

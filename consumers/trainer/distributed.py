@@ -227,8 +227,8 @@ class DataParallel:
             policy.module = inner
 
     def accumulating(self, wrapped: nn.Module, last: bool) -> AbstractContextManager[Any]:
-        """Around the forward and backward of one micro-batch: DDP's no_sync unless it is the update's last
-        (gradients accumulate locally and are all-reduced once); nothing otherwise."""
+        """Around the forward and backward of one micro-batch: DDP's no_sync unless it is the last before an
+        optimizer step (gradients accumulate locally and are all-reduced once a step); nothing otherwise."""
         from torch.nn.parallel import DistributedDataParallel
 
         if last or not isinstance(wrapped, DistributedDataParallel):

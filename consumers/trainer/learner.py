@@ -22,8 +22,8 @@ samples, so a GRPO group never straddles ranks and its statistics are the group'
 aggregation divides by is summed over every rank (one small all-reduce per update), and each micro-batch's
 loss is scaled by its count x world_size / that sum, so after DDP averages the gradients the step equals
 one process training the whole mini-batch (verl's global-token normalisation); gradients are all-reduced
-once per update, at the last micro-batch. Metrics (`actor/loss`, `actor/pg_loss`, …) stay the rank's own
-means; the aggregator weights them by each rank's sample_count.
+once per epoch (one optimizer step), at its last micro-batch. Metrics (`actor/loss`, `actor/pg_loss`, …)
+stay the rank's own means; the aggregator weights them by each rank's sample_count.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from rollstream.weights.tensors import load_init, load_tensors_into, unique_stat
 from schemas import DataProto
 
 log = logging.getLogger(__name__)
+
 
 def group_advantages(
     rewards: torch.Tensor, group_sizes: list[int], norm_by_std: bool = True, norm_by_mean: bool = False
@@ -359,11 +360,14 @@ class Learner:
             return mini, adv
         return mini.rows(keep), adv[keep]
 
-    def _epoch(self, p: Prepared, ahead: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, float]:
+    def _epoch(
+        self, p: Prepared, first: bool, ahead: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> dict[str, float]:
         """One epoch of a local update: per micro-batch, forward (or the forward `ahead`, run before the
         update: the first epoch only), loss scaled by the micro-batch's share of what the aggregation divides
         by, backward (gradients accumulate); then clip and step. Returns the epoch's loss, policy-gradient,
-        mismatch, grad-norm, skipped and timing metrics."""
+        grad-norm, skipped and timing metrics, and in the `first` epoch the mismatch metrics (the sampler
+        against the policy before this update)."""
         mode: AggMode = self.actor.loss_agg_mode
         ent_coef = entropy_coef_at(self.actor.entropy_coeff, self.actor.entropy_decay_steps, self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
@@ -393,7 +397,7 @@ class Learner:
             ):
                 # [b, w] each: the forward run ahead (one micro-batch) or this micro-batch's own
                 logp, entropy = ahead or self.policy.forward_logprobs_entropy(m.ids, m.mask, w, p.temp)
-                if p.correction is None:
+                if first and p.correction is None:
                     current.append(logp.detach())
                 m_loss, pg_metrics = ppo_loss(
                     logp,
@@ -420,12 +424,13 @@ class Learner:
             ent += float(m_ent.detach()) * ent_share
             for k, v in pg_metrics.items():  # pg_loss aggregates like the loss, the rest are token means
                 metrics[k] = metrics.get(k, 0.0) + v * (share if k == "actor/pg_loss" else tok_share)
-        # the mismatch metrics against the policy's log-probs as it trained on them
-        now = placed(current, p.slices, p.resp_mask)
-        trained_corr = p.correction or (
-            rollout_correction(now, p.behave, p.resp_mask) if now is not None else None
-        )
-        metrics.update(trained_corr.metrics if trained_corr is not None else {})
+        # the mismatch metrics against the policy's log-probs as it trained on them first
+        if first:
+            now = placed(current, p.slices, p.resp_mask)
+            trained_corr = p.correction or (
+                rollout_correction(now, p.behave, p.resp_mask) if now is not None else None
+            )
+            metrics.update(trained_corr.metrics if trained_corr is not None else {})
         if p.left_out:
             metrics.setdefault("actor/pg_loss", 0.0)  # nothing trained: every row's loss was 0
             self._zero_missing_grads()  # as the whole batch's backward leaves them: 0, so AdamW still steps
@@ -490,7 +495,8 @@ class Learner:
         )
 
         # 3. per epoch: per micro-batch forward, loss x its share, backward; then the optimizer step
-        epochs = [self._epoch(prepared, ahead if e == 0 else None) for e in range(self.actor.ppo_epochs)]
+        epochs = [self._epoch(prepared, True, ahead)]
+        epochs += [self._epoch(prepared, False, None) for _ in range(self.actor.ppo_epochs - 1)]
         metrics = merge_epochs(epochs)
         metrics["timing_s/update_actor"] += t_before
         if kept < all_rows:

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollstream.rl.rollout_correction import PREFIX, Correction
+from rollstream.rl.rollout_correction import Correction
 from schemas import DataProto
 
 #: Metric of a local update: 1 when its optimizer step was skipped (non-finite loss or gradient), else 0.
 UPDATE_SKIPPED = "actor/update_skipped"
+#: Metric of a local update of several epochs (actor.ppo_epochs > 1): how many of their steps were skipped.
+EPOCHS_SKIPPED = "actor/epochs_skipped"
 
 
 def micro_slices(rows: int, micro_batch_size: int) -> list[slice]:
@@ -53,7 +55,7 @@ class Padded:
         cpu = sel.cpu() if isinstance(sel, torch.Tensor) else sel
         dev = sel.to(self.ids.device) if isinstance(sel, torch.Tensor) else sel
         return Padded(self.ids[dev], self.mask[dev], self.resp_mask[dev], self.behave[dev],
-                       self.prompt_lens[cpu], self.response_lens[cpu])
+                      self.prompt_lens[cpu], self.response_lens[cpu])
 
     def trimmed(self) -> Padded:
         """Without the columns that are padding in every row (the leading prompt and the trailing response
@@ -63,7 +65,7 @@ class Padded:
         p, r = int(self.prompt_lens.max()), min(max(int(self.response_lens.max()), 1), W)
         cols = slice(P - p, P + r)
         return Padded(self.ids[:, cols], self.mask[:, cols], self.resp_mask[:, :r], self.behave[:, :r],
-                       self.prompt_lens, self.response_lens)
+                      self.prompt_lens, self.response_lens)
 
 
 def padded_tensors(batch: DataProto, dev: torch.device) -> tuple[Padded, torch.Tensor, torch.Tensor | None]:
@@ -111,22 +113,21 @@ class Prepared:
 
 
 def merge_epochs(epochs: list[dict[str, float]]) -> dict[str, float]:
-    """One local update's metrics from its epochs' (actor.ppo_epochs): timings summed, skipped only when every
-    epoch's optimizer step was, the rollout-correction metrics the first epoch's (the sampler against the
-    policy before this update), every other metric the mean over the epochs."""
+    """One local update's metrics from its epochs' (actor.ppo_epochs): timings summed; skipped only when every
+    epoch's optimizer step was, with `actor/epochs_skipped` counting those that were (several epochs); every
+    other metric the mean over the epochs that stepped (over all when none did), or the one epoch's that has
+    it (the mismatch metrics: the first's)."""
     if len(epochs) == 1:
         return dict(epochs[0])
+    stepped = [e for e in epochs if not e.get(UPDATE_SKIPPED)] or epochs
     out: dict[str, float] = {}
-    for key in epochs[0]:
-        values = [e[key] for e in epochs if key in e]
+    for key in dict.fromkeys(k for e in epochs for k in e):
         if key.startswith("timing_s/"):
-            out[key] = sum(values)
+            out[key] = sum(e.get(key, 0.0) for e in epochs)
         elif key == UPDATE_SKIPPED:
-            out[key] = float(all(v > 0 for v in values))
-        elif key.startswith(PREFIX):
-            out[key] = values[0]
+            out[key] = float(all(e[key] > 0 for e in epochs))
         else:
-            out[key] = sum(values) / len(values)
+            values = [e[key] for e in stepped if key in e] or [e[key] for e in epochs if key in e]
+            out[key] = values[0] if len(values) == 1 else sum(values) / len(values)
+    out[EPOCHS_SKIPPED] = float(sum(1 for e in epochs if e.get(UPDATE_SKIPPED)))
     return out
-
-

@@ -39,8 +39,8 @@ class ActorConfig(Section):
         1,
         ge=1,
         description="Optimizer steps per local update on its one mini-batch (verl's ppo_epochs): every "
-        "epoch's PPO ratio is against the log-probs taken before the first, clipped, so later epochs stay "
-        "within the trust region",
+        "epoch's clipped PPO ratio is against the same log-probs, fixed for the update (the behaviour's in "
+        "bypass mode, the proximal copy's in decoupled mode), so later epochs stay within the trust region",
     )
     optim: OptimConfig = Field(default_factory=OptimConfig, description="The AdamW optimizer")
     clip_ratio: float = Field(

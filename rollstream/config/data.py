@@ -77,6 +77,11 @@ class DataConfig(Section):
     )
     epoch_size: int = Field(4096, ge=1, description="Generated prompts per epoch (seeded generator mode)")
     val_size: int = Field(256, ge=0, description="Held-out prompts used for validation")
+    val_seed: int | None = Field(
+        None,
+        description="Seed of the held-out prompts a task generates (null = run.seed); pinned, every run.seed "
+        "is scored on one held-out set and trains on draws disjoint from it",
+    )
     val_recent_size: int = Field(
         64,
         ge=0,
@@ -93,6 +98,11 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _task(self) -> DataConfig:
+        if self.val_seed is not None and self.prompts_file:
+            raise ValueError(
+                f"data.val_seed={self.val_seed} is for generated prompts: data.prompts_file="
+                f"{self.prompts_file!r} holds its own held-out split (its last data.val_size lines)"
+            )
         if self.task.startswith("rg:"):
             if importlib.util.find_spec("reasoning_gym") is not None:  # else refused where the task is built
                 from rollstream.tasks.reasoning_gym import check_spec

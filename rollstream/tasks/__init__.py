@@ -68,9 +68,9 @@ def build_prompt_source(cfg: PipelineConfig, task: Task | None = None) -> Prompt
         return PromptSource.from_jsonl(cfg.data.prompts_file, seed=cfg.run.seed, val_size=cfg.data.val_size,
                                        vocab_check=cfg.model.backend == "tiny")
     make = PromptSource.fresh_from_task if cfg.data.fresh_prompts else PromptSource.from_task
-    return make(
-        task or build_task(cfg), seed=cfg.run.seed, epoch_size=cfg.data.epoch_size, val_size=cfg.data.val_size
-    )
+    data = cfg.data
+    return make(task or build_task(cfg), seed=cfg.run.seed, epoch_size=data.epoch_size,
+                val_size=data.val_size, val_seed=data.val_seed)
 
 
 __all__ = [

@@ -64,12 +64,13 @@ class PromptSource:
         val_size: int = 0,
         shuffle: bool = True,
         num_epochs: int | None = None,
+        val_seed: int | None = None,
     ) -> PromptSource:
         """Generate ``epoch_size`` distinct training and ``val_size`` disjoint validation prompts from
-        ``seed``."""
+        ``seed`` (the validation ones from ``val_seed`` when given)."""
         if epoch_size < 1 or val_size < 0:
             raise ValueError(f"need epoch_size >= 1 and val_size >= 0, got {epoch_size}, {val_size}")
-        val = _generate(task, random.Random(f"rollstream-val:{seed}"), val_size, set(), "validation")
+        val = _validation(task, seed if val_seed is None else val_seed, val_size)
         taken = {holdout_key(p) for p in val}
         train = _generate(task, random.Random(f"rollstream-train:{seed}"), epoch_size, taken, "training")
         return cls(train, val, seed=seed, shuffle=shuffle, num_epochs=num_epochs)
@@ -83,13 +84,14 @@ class PromptSource:
         epoch_size: int = 1024,
         val_size: int = 0,
         num_epochs: int | None = None,
+        val_seed: int | None = None,
     ) -> PromptSource:
         """Draw a fresh training prompt at every (epoch, index) position, seeded by (seed, epoch, index) so
         every shard and every restart sees the same one; validation prompts (``val_size``, as in
         ``from_task``) are never drawn for training. ``epoch_size`` only sets how positions count epochs."""
         if epoch_size < 1 or val_size < 0:
             raise ValueError(f"need epoch_size >= 1 and val_size >= 0, got {epoch_size}, {val_size}")
-        val = _generate(task, random.Random(f"rollstream-val:{seed}"), val_size, set(), "validation")
+        val = _validation(task, seed if val_seed is None else val_seed, val_size)
         taken = {holdout_key(p) for p in val}
         probe = _generate(task, random.Random(f"rollstream-fresh-probe:{seed}"), 1, taken, "training")
         src = cls(probe, val, seed=seed, shuffle=False, num_epochs=num_epochs)
@@ -238,6 +240,11 @@ def _check_unique(prompts: Sequence[Prompt], what: str) -> None:
         if p.uid in seen:
             raise ValueError(f"duplicate uid {p.uid!r} in {what} prompts")
         seen.add(p.uid)
+
+
+def _validation(task: Task, seed: int, n: int) -> list[Prompt]:
+    """The ``n`` held-out prompts the task draws from ``seed`` (distinct holdout keys)."""
+    return _generate(task, random.Random(f"rollstream-val:{seed}"), n, set(), "validation")
 
 
 def _generate(task: Task, rng: random.Random, n: int, exclude: set[str], what: str) -> list[Prompt]:
