@@ -2,14 +2,15 @@
 temperature 1 (what GRPO can reinforce: a kind no sample of 16 gets right gives no signal).
 
     .venv/bin/python scripts/arith_pass_at_k.py ["Answer with the number only."] [N]
-    .venv/bin/python scripts/arith_pass_at_k.py --run RUN_DIR [--step STEP]
+    .venv/bin/python scripts/arith_pass_at_k.py --run RUN_DIR [--step STEP] [--val-seed SEED]
 
 The first form: version 0 on N problems (default 120) of the SmolLM2 config's task (2 terms of 1-2 digits,
 + - *), drawn with seed 123, the chat template as in the pipeline, 24 new tokens, bfloat16, in process (no
 Redis); ~4 minutes on 2 cores. The second: a run's trained weights (the checkpoint of global step STEP in
-RUN_DIR/checkpoints, default the newest; STEP 0 = version 0) on the run's own held-out prompts, through the
-pipeline's policy (its config: dtype, LoRA, chat template), adding mean@16 (the share of right samples); ~1-2
-minutes for 200 prompts. Both need the model in the cache (`rollstream model build smollm2-135m-instruct`).
+RUN_DIR/checkpoints, default the newest; STEP 0 = version 0) on the run's own held-out prompts (or those of
+data.val_seed SEED: the run did not keep its training draws off them), through the pipeline's policy (its
+config: dtype, LoRA, chat template), adding mean@16 (the share of right samples); ~1-2 minutes for 200
+prompts. Both need the model in the cache (`rollstream model build smollm2-135m-instruct`).
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def kind(task: ReasoningGymTask, p: Prompt) -> str:
     return kind_of(a, op, b)[0]
 
 
-def of_run(run: Path, step: int | None) -> None:
-    """Print greedy accuracy, pass@K and mean@K over a run's held-out prompts, overall and per kind, of its
-    checkpoint at global step `step` (None: the newest; 0: version 0)."""
+def of_run(run: Path, step: int | None, val_seed: int | None) -> None:
+    """Print greedy accuracy, pass@K and mean@K over a run's held-out prompts (or data.val_seed `val_seed`'s),
+    overall and per kind, of its checkpoint at global step `step` (None: the newest; 0: version 0)."""
     from safetensors.torch import load_file
 
     from consumers.trainer.checkpoint import list_checkpoints, read_checkpoint
@@ -51,7 +52,8 @@ def of_run(run: Path, step: int | None) -> None:
     from rollstream.tasks import build_prompt_source, build_task
     from rollstream.weights.tensors import load_tensors_into
 
-    cfg = load_config(str(run / "pipeline.resolved.yaml"), ["run.device=cpu"])
+    held_out = [] if val_seed is None else [f"data.val_seed={val_seed}"]
+    cfg = load_config(str(run / "pipeline.resolved.yaml"), ["run.device=cpu", *held_out])
     torch.manual_seed(cfg.run.seed)
     policy = build_policy(cfg)
     if step != 0:
@@ -85,8 +87,8 @@ def of_run(run: Path, step: int | None) -> None:
             s[2] += right > 0
             s[3] += right
     n, greedy_right, passed, right = (sum(v[i] for v in stats.values()) for i in range(4))
-    print(f"{run} step {step}: {time.time() - t0:.0f}s, {n} held-out prompts: greedy {greedy_right / n:.3f} "
-          f"pass@{K} {passed / n:.3f} mean@{K} {right / n / K:.3f}")
+    print(f"{run} step {step}, data.val_seed {cfg.data.val_seed}: {time.time() - t0:.0f}s, {n} held-out "
+          f"prompts: greedy {greedy_right / n:.3f} pass@{K} {passed / n:.3f} mean@{K} {right / n / K:.3f}")
     for k, (m, g, hit, r) in sorted(stats.items()):
         print(f"{k} {m} greedy {g / m:.2f} pass@{K} {hit / m:.2f} mean@{K} {r / m / K:.2f}")
 
@@ -96,9 +98,11 @@ def main() -> None:
     import os
 
     if len(sys.argv) > 1 and sys.argv[1] == "--run":
-        if len(sys.argv) not in (3, 5) or (len(sys.argv) == 5 and sys.argv[3] != "--step"):
+        opts = dict(zip(sys.argv[3::2], sys.argv[4::2], strict=False))
+        if len(sys.argv) < 3 or len(sys.argv) % 2 == 0 or not set(opts) <= {"--step", "--val-seed"}:
             raise SystemExit(__doc__)
-        of_run(Path(sys.argv[2]), int(sys.argv[4]) if len(sys.argv) == 5 else None)
+        step, seed = opts.get("--step"), opts.get("--val-seed")
+        of_run(Path(sys.argv[2]), None if step is None else int(step), None if seed is None else int(seed))
         return
 
     path = os.path.expanduser(MODEL)

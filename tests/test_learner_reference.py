@@ -16,7 +16,7 @@ import consumers.trainer.learner as learner_module
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.learner import Learner, token_rewards
 from consumers.trainer.minibatch import UPDATE_SKIPPED, merge_epochs
-from rollstream.config import load_config
+from rollstream.config import PipelineConfig, load_config
 from rollstream.model import BasePolicy
 from rollstream.rl.advantages import grpo_token_advantages, reinforce_pp_advantages
 from rollstream.rl.rollout_correction import rollout_correction
@@ -79,18 +79,11 @@ def plain_step(policy: BasePolicy, optimizer: torch.optim.Optimizer, batch: Data
     return float(loss.detach()), float(norm)
 
 
-@pytest.mark.parametrize(
-    ("estimator", "rows"),
-    [("grpo", "skip"), ("grpo", "train"), ("grpo_token", "train"), ("reinforce_plus_plus", "train")],
-)
-def test_update_equals_the_plain_full_batch_step(estimator: str, rows: str) -> None:
-    """Two updates (the second from the moved weights and Adam state) in micro-batches of 5 of 16 rows give
-    the parameters of the plain full-batch steps to 1e-6 (float32; lr 1e-3, so that is a thousandth of
-    Adam's step, which float noise in a near-zero gradient can flip), the same loss and gradient norm; with
-    skip, the rows of groups 0 and 2 are not forwarded."""
-    cfg = load_config(
-        None, [*BASE, f"algorithm.adv_estimator={estimator}", f"actor.zero_advantage_rows={rows}"]
-    )
+def learner_and_plain_copy(
+    cfg: PipelineConfig,
+) -> tuple[Learner, BasePolicy, torch.optim.Optimizer, list[int]]:
+    """A learner at global step 1 whose forwards record their row counts (the list returned), and a copy of
+    its policy with a plain AdamW of the same settings, to take the plain steps on."""
     learner = Learner(cfg)
     policy = copy.deepcopy(learner.policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.actor.optim.lr,
@@ -104,6 +97,22 @@ def test_update_equals_the_plain_full_batch_step(estimator: str, rows: str) -> N
 
     learner.policy.forward_logprobs_entropy = counting  # type: ignore[method-assign]
     learner.begin_step(1)
+    return learner, policy, optimizer, forwarded
+
+
+@pytest.mark.parametrize(
+    ("estimator", "rows"),
+    [("grpo", "skip"), ("grpo", "train"), ("grpo_token", "train"), ("reinforce_plus_plus", "train")],
+)
+def test_update_equals_the_plain_full_batch_step(estimator: str, rows: str) -> None:
+    """Two updates (the second from the moved weights and Adam state) in micro-batches of 5 of 16 rows give
+    the parameters of the plain full-batch steps to 1e-6 (float32; lr 1e-3, so that is a thousandth of
+    Adam's step, which float noise in a near-zero gradient can flip), the same loss and gradient norm; with
+    skip, the rows of groups 0 and 2 are not forwarded."""
+    cfg = load_config(
+        None, [*BASE, f"algorithm.adv_estimator={estimator}", f"actor.zero_advantage_rows={rows}"]
+    )
+    learner, policy, optimizer, forwarded = learner_and_plain_copy(cfg)
     for seed in (1, 11):
         batch, _ = assemble_batch_from_rollout_samples(mini_batch(seed))
         lens = batch.tensors["response_mask"].sum(-1)
@@ -180,19 +189,7 @@ def test_ppo_epochs_take_that_many_plain_steps_on_the_one_batch(rows: str) -> No
     advantages the batch's), to 1e-6; its loss and gradient norm are the three steps' means, and every
     epoch forwards the trained rows again."""
     cfg = load_config(None, [*BASE, "actor.ppo_epochs=3", f"actor.zero_advantage_rows={rows}"])
-    learner = Learner(cfg)
-    policy = copy.deepcopy(learner.policy)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.actor.optim.lr,
-                                  weight_decay=cfg.actor.optim.weight_decay)
-    forwarded: list[int] = []
-    forward = learner.policy.forward_logprobs_entropy
-
-    def counting(ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        forwarded.append(ids.shape[0])
-        return forward(ids, *args, **kwargs)
-
-    learner.policy.forward_logprobs_entropy = counting  # type: ignore[method-assign]
-    learner.begin_step(1)
+    learner, policy, optimizer, forwarded = learner_and_plain_copy(cfg)
     batch, _ = assemble_batch_from_rollout_samples(mini_batch(5))
     metrics = learner.update(batch)
     adv = plain_advantages(batch, "grpo", cfg.algorithm.gamma)
