@@ -19,6 +19,7 @@ import collections
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,6 +39,33 @@ def kind(task: ReasoningGymTask, p: Prompt) -> str:
     """The problem's kind (arith_kinds.kind_of: add, sub_pos, sub_neg, mulAxB)."""
     a, op, b = task.item_of(p)["metadata"]["expression"].split()
     return kind_of(a, op, b)[0]
+
+
+def tally(task: ReasoningGymTask, prompts: list[Prompt], generate: Callable[[list[Prompt], bool], list[str]],
+          chunk: int) -> dict[str, list[int]]:
+    """Per kind: [problems, greedy right, any of K samples right, samples right], `chunk` prompts at a time;
+    `generate(prompts, greedy)` returns one response per prompt (greedy) or K (prompt-major)."""
+    stats: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])
+    for i in range(0, len(prompts), chunk):
+        part = prompts[i:i + chunk]
+        greedy, sampled = generate(part, True), generate(part, False)
+        for j, p in enumerate(part):
+            s = stats[kind(task, p)]
+            right = sum(task.reward(p, x).exact for x in sampled[j * K:(j + 1) * K])
+            s[0] += 1
+            s[1] += task.reward(p, greedy[j]).exact
+            s[2] += right > 0
+            s[3] += right
+    return stats
+
+
+def report(label: str, stats: dict[str, list[int]], seconds: float) -> None:
+    """Print greedy accuracy, pass@K and mean@K overall and per kind."""
+    n, greedy_right, passed, right = (sum(v[i] for v in stats.values()) for i in range(4))
+    print(f"{label}: {seconds:.0f}s, {n} prompts: greedy {greedy_right / n:.3f} pass@{K} {passed / n:.3f} "
+          f"mean@{K} {right / n / K:.3f}")
+    for k, (m, g, hit, r) in sorted(stats.items()):
+        print(f"{k} {m} greedy {g / m:.2f} pass@{K} {hit / m:.2f} mean@{K} {r / m / K:.2f}")
 
 
 def of_run(run: Path, step: int | None, val_seed: int | None) -> None:
@@ -72,25 +100,16 @@ def of_run(run: Path, step: int | None, val_seed: int | None) -> None:
     prompts = build_prompt_source(cfg, task).val_prompts()
     tok, limit = policy.tokenizer, cfg.data.max_response_length
     generator = torch.Generator().manual_seed(1)
-    stats: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])
+
+    def generate(part: list[Prompt], greedy: bool) -> list[str]:
+        ids = [encode_prompt(tok, p.text) for p in part]
+        out = policy.generate(ids, n=1 if greedy else K, max_new_tokens=limit, greedy=greedy,
+                              generator=generator)
+        return [tok.decode(c.response_ids) for c in out]
+
     t0 = time.time()
-    for i in range(0, len(prompts), 25):
-        chunk = prompts[i:i + 25]
-        ids = [encode_prompt(tok, p.text) for p in chunk]
-        greedy = policy.generate(ids, n=1, max_new_tokens=limit, greedy=True)
-        sampled = policy.generate(ids, n=K, max_new_tokens=limit, temperature=1.0, generator=generator)
-        for j, p in enumerate(chunk):
-            s = stats[kind(task, p)]
-            right = sum(task.reward(p, tok.decode(x.response_ids)).exact for x in sampled[j * K:(j + 1) * K])
-            s[0] += 1
-            s[1] += task.reward(p, tok.decode(greedy[j].response_ids)).exact
-            s[2] += right > 0
-            s[3] += right
-    n, greedy_right, passed, right = (sum(v[i] for v in stats.values()) for i in range(4))
-    print(f"{run} step {step}, data.val_seed {cfg.data.val_seed}: {time.time() - t0:.0f}s, {n} held-out "
-          f"prompts: greedy {greedy_right / n:.3f} pass@{K} {passed / n:.3f} mean@{K} {right / n / K:.3f}")
-    for k, (m, g, hit, r) in sorted(stats.items()):
-        print(f"{k} {m} greedy {g / m:.2f} pass@{K} {hit / m:.2f} mean@{K} {r / m / K:.2f}")
+    stats = tally(task, prompts, generate, 25)
+    report(f"{run} step {step}, data.val_seed {cfg.data.val_seed}, held-out", stats, time.time() - t0)
 
 
 def main() -> None:
@@ -116,31 +135,18 @@ def main() -> None:
     rng = random.Random(123)
     prompts = [task.make_prompt(rng) for _ in range(n)]
 
-    def generate(texts: list[str], greedy: bool, per: int) -> list[str]:
-        rendered = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                            tokenize=False) for t in texts]
+    def generate(part: list[Prompt], greedy: bool) -> list[str]:
+        per = 1 if greedy else K
+        rendered = [tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                            tokenize=False) for p in part]
         batch = tok(rendered, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**batch, max_new_tokens=24, do_sample=not greedy, temperature=1.0, top_p=1.0,
                                  num_return_sequences=per, pad_token_id=tok.pad_token_id)
         return tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
 
-    stats: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
     t0 = time.time()
-    for i in range(0, n, 8):
-        chunk = prompts[i:i + 8]
-        greedy = generate([p.text for p in chunk], True, 1)
-        sampled = generate([p.text for p in chunk], False, K)
-        for j, p in enumerate(chunk):
-            s = stats[kind(task, p)]
-            s[0] += 1
-            s[1] += task.reward(p, greedy[j]).exact
-            s[2] += any(task.reward(p, x).exact for x in sampled[j * K:(j + 1) * K])
-    total = [sum(v[i] for v in stats.values()) for i in range(3)]
-    print(f"{instruction} {time.time() - t0:.0f}s greedy {total[1] / total[0]:.3f} "
-          f"pass@{K} {total[2] / total[0]:.3f}")
-    for k, v in sorted(stats.items()):
-        print(f"{k} {v[0]} greedy {v[1] / v[0]:.2f} pass@{K} {v[2] / v[0]:.2f}")
+    report(instruction, tally(task, prompts, generate, 8), time.time() - t0)
 
 
 if __name__ == "__main__":

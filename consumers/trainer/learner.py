@@ -489,7 +489,6 @@ class Learner:
         prepared = Prepared(
             micro=micro, slices=slices, adv=adv, resp_mask=resp_mask, behave=behave, old=old, ref=ref,
             correction=correction, loss_mask=loss_mask,
-            is_w=correction.weights if correction is not None else None,  # [kept, W] or None
             total=total, trained_total=agg_count(loss_mask, mode), tokens=float(loss_mask.sum()),
             every_total=every_total, ranks=ranks, left_out=kept < all_rows, temp=temp,
         )

@@ -102,7 +102,6 @@ class Prepared:
     ref: torch.Tensor | None  # [kept, W] reference log-probs (KL)
     correction: Correction | None  # rollout correction over the mini-batch
     loss_mask: torch.Tensor  # [kept, W] the response mask after rejection
-    is_w: torch.Tensor | None  # [kept, W] IS weights (decoupled mode)
     total: float  # what this rank's loss aggregation divides by
     trained_total: float  # the same over the trained rows (the metrics' means)
     tokens: float  # loss-mask tokens of the trained rows
@@ -110,6 +109,11 @@ class Prepared:
     ranks: int  # the ranks whose gradients DDP averages
     left_out: bool  # zero-advantage rows were left out of the forward
     temp: float  # the sampling temperature the log-probs are taken at
+
+    @property
+    def is_w(self) -> torch.Tensor | None:
+        """[kept, W] IS weights (decoupled mode), the correction's."""
+        return self.correction.weights if self.correction is not None else None
 
 
 def merge_epochs(epochs: list[dict[str, float]]) -> dict[str, float]:

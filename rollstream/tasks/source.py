@@ -70,7 +70,7 @@ class PromptSource:
         ``seed`` (the validation ones from ``val_seed`` when given)."""
         if epoch_size < 1 or val_size < 0:
             raise ValueError(f"need epoch_size >= 1 and val_size >= 0, got {epoch_size}, {val_size}")
-        val = _validation(task, seed if val_seed is None else val_seed, val_size)
+        val = _validation(task, seed, val_seed, val_size)
         taken = {holdout_key(p) for p in val}
         train = _generate(task, random.Random(f"rollstream-train:{seed}"), epoch_size, taken, "training")
         return cls(train, val, seed=seed, shuffle=shuffle, num_epochs=num_epochs)
@@ -91,7 +91,7 @@ class PromptSource:
         ``from_task``) are never drawn for training. ``epoch_size`` only sets how positions count epochs."""
         if epoch_size < 1 or val_size < 0:
             raise ValueError(f"need epoch_size >= 1 and val_size >= 0, got {epoch_size}, {val_size}")
-        val = _validation(task, seed if val_seed is None else val_seed, val_size)
+        val = _validation(task, seed, val_seed, val_size)
         taken = {holdout_key(p) for p in val}
         probe = _generate(task, random.Random(f"rollstream-fresh-probe:{seed}"), 1, taken, "training")
         src = cls(probe, val, seed=seed, shuffle=False, num_epochs=num_epochs)
@@ -242,9 +242,11 @@ def _check_unique(prompts: Sequence[Prompt], what: str) -> None:
         seen.add(p.uid)
 
 
-def _validation(task: Task, seed: int, n: int) -> list[Prompt]:
-    """The ``n`` held-out prompts the task draws from ``seed`` (distinct holdout keys)."""
-    return _generate(task, random.Random(f"rollstream-val:{seed}"), n, set(), "validation")
+def _validation(task: Task, seed: int, val_seed: int | None, n: int) -> list[Prompt]:
+    """The ``n`` held-out prompts the task draws from ``val_seed``, else the run's ``seed`` (distinct holdout
+    keys)."""
+    drawn_from = seed if val_seed is None else val_seed
+    return _generate(task, random.Random(f"rollstream-val:{drawn_from}"), n, set(), "validation")
 
 
 def _generate(task: Task, rng: random.Random, n: int, exclude: set[str], what: str) -> list[Prompt]:
