@@ -11,7 +11,7 @@ alternate so that machine drift hits both alike; the table reports medians and t
   `connect()` builds it: rollstream's RESP command packer, redis-py's hiredis reply parser) in the same
   process, which tuned its allocator and froze its start-up heap first as workers do; `--packer
   python|hiredis` puts both on one of redis-py's own command packers instead (raw is no faster with either:
-  BENCHMARKS.md, Bus).
+  docs/history/BENCHMARKS-codec.md, issue 17).
 - pickle: the raw cycle carrying `pickle.dumps(sample)` as its one field and `pickle.loads` after the read:
   the issue's decode baseline moved end to end, with none of our checks (a second baseline: "pickle/raw").
 

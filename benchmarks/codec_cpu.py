@@ -5,8 +5,8 @@ of `benchmarks.bus_trials.make_sample`; and both decodes as a trainer meets them
 buffers (--held-mb of distinct entries read back from Redis, distinct pickle blobs), decoded a read batch
 (`default_batch`) at a time with the previous batch's results still held, so neither reuses a hot buffer or
 the allocation it just freed. Built on the public API only, so one copy of this file can time
-another tree's codec: `PYTHONPATH=<tree> python benchmarks/codec_cpu.py --sizes 16K,256K,4M` (BENCHMARKS.md,
-issue 23's third pass, alternates two trees that way). Prints one JSON object."""
+another tree's codec: `PYTHONPATH=<tree> python benchmarks/codec_cpu.py --sizes 16K,256K,4M`
+(docs/history/BENCHMARKS-codec.md, issue 23, alternates two trees that way). Prints one JSON object."""
 
 from __future__ import annotations
 

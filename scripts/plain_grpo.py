@@ -1,6 +1,6 @@
 """An independent in-process GRPO loop on the SmolLM2 config's task: none of the pipeline's sampler, learner
 or Redis, only transformers and torch. The baseline the pipeline's per-step learning is compared against
-(BENCHMARKS.md, issue 40 sixth pass).
+(docs/history/BENCHMARKS-real-model.md, "against an independent in-process loop").
 
     .venv/bin/python scripts/plain_grpo.py [--steps 10] [--source-prompts] [--reward exact|score|credit]
 

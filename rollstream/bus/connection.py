@@ -216,7 +216,7 @@ def connect(
         decode_responses=False,
         # hiredis' packer copies every memoryview to bytes and packs at ~280 MB/s here; ours (like redis-py's
         # pure-Python one) hands large values and memoryviews to the socket unchanged.
-        # Measured: 4 MB samples at 0.49 -> 0.86 of the raw baseline (BENCHMARKS.md, Bus).
+        # Measured: 4 MB samples at 0.49 -> 0.86 of the raw baseline (docs/history/BENCHMARKS-codec.md).
         command_packer=RespPacker(),
     )
     counter = _ConnectCounter()

@@ -4,10 +4,10 @@ per machine and kept in a cache file, so every process of a run on the machine a
 A CPU flag is not enough. Without AVX512-BF16 or AMX torch emulates bfloat16 products (~9x slower than
 float32), so float32 is chosen without measuring. With them it depends on the CPU: bfloat16 ran a SmolLM2
 forward + backward 2-4x faster than float32 on a Xeon with AMX and 1.5x faster on an AMD Zen 4, but 1.5x
-slower on a Xeon exposing AVX512-BF16 without AMX, whose float32 products are fast (BENCHMARKS, issue 40,
-thirteenth pass). So there `fast` times one thread's product of a SmolLM2-sized layer in both dtypes (~0.3 s)
-and picks bfloat16 only when it is faster. The first process to need the answer measures it under a file
-lock; the others wait for it and read the file.
+slower on a Xeon exposing AVX512-BF16 without AMX, whose float32 products are fast (BENCHMARKS.md, Real model,
+on a Xeon without AMX). So there `fast` times one thread's product of a SmolLM2-sized layer in both dtypes
+(~0.3 s) and picks bfloat16 only when it is faster. The first process to need the answer measures it under a
+file lock; the others wait for it and read the file.
 """
 
 from __future__ import annotations

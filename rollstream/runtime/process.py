@@ -122,7 +122,7 @@ def freeze_startup_heap() -> None:
     """Collect once, then move every object alive now (modules, config, model, clients) out of the cyclic
     garbage collector's reach (`gc.freeze`); called by worker mains once built, before their loop. Without
     it every full collection re-scans the start-up heap (with torch, ~0.2-0.6 s per full collection in the
-    traced trainers of BENCHMARKS.md, Bus: compact wire format), a pause that lands wherever the allocation
+    traced trainers of docs/history/BENCHMARKS-codec.md, issue 17), a pause that lands wherever the allocation
     that triggers
     it happens, decoding included."""
     import gc
@@ -146,7 +146,7 @@ def tune_allocator() -> dict[str, int]:
     buffers are freed) with a fresh mmap and returns freed heap space above 128 KB: while a trainer holds one
     batch of decoded samples and decodes the next, each new array costs a page fault per 4 KB page (decode of
     a 4 MB
-    sample 2.0 ms instead of 1.1 ms, BENCHMARKS.md, Bus: compact wire format). Called by worker mains at
+    sample 2.0 ms instead of 1.1 ms, docs/history/BENCHMARKS-codec.md, issue 17). Called by worker mains at
     start; glibc's own
     settings win: a MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ environment variable or the matching
     GLIBC_TUNABLES entry. The trim threshold is set only after the mmap one was accepted."""
