@@ -7,4 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/mypy
-.venv/bin/python -m pytest -q "$@"
+# Three pytest workers (pytest-xdist) on two cores: the end-to-end tests spend most of their time waiting on
+# worker start-up and Redis, so a third worker fills the gaps (every test has its own namespace, run folder and
+# free ports). ROLLSTREAM_TEST_WORKERS=0 runs the tests in one process.
+.venv/bin/python -m pytest -q -n "${ROLLSTREAM_TEST_WORKERS:-3}" "$@"
