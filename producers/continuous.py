@@ -36,9 +36,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from producers.agent import version_of_last_token
-from producers.rollout import Trajectory
+from producers.rollout import Trajectory, prepare_single_generation_data
 from rollstream.model import Completion
-from rollstream.model.chat import encode_prompt
 from rollstream.pacing.budget import ask_lease
 from rollstream.pacing.counters import lease_of
 from rollstream.tasks import Prompt
@@ -224,9 +223,9 @@ class ContinuousLoop:
 
     def _start_group(self, group: Group) -> None:
         """Put a group's n rows into the engine."""
-        ids = encode_prompt(self.engine.tokenizer, group.prompt.text)
+        request = prepare_single_generation_data(group.prompt, self.n, False, self.engine.tokenizer)
         s = self.settings
-        for _ in range(self.n):
+        for ids in request.rows:
             row = Completion(prompt_ids=list(ids))
             group.rows.append(row)
             group.versions.append([])

@@ -1,7 +1,8 @@
-"""Rollouts: prompts -> the `GenerationRequest` a dispatch generates (token lists, one per row), the
-`Trajectory` an agent loop fills, and finished trajectories -> one RolloutSample in the wire conventions the
-trainer reads (`build_rollout_sample`: ragged arrays, nothing padded). Producers publish what this module
-builds, and the test and benchmark fakes (rollstream/testing/fakes.py) are built with it too."""
+"""Rollouts: prompts -> the `GenerationRequest` a dispatch generates (token lists, one per row; a prompt's
+n rows are its `prepare_single_generation_data`), the `Trajectory` an agent loop fills, and finished
+trajectories -> one RolloutSample in the wire conventions the trainer reads (`build_rollout_sample`: ragged
+arrays, nothing padded). Producers publish what this module builds, and the test and benchmark fakes
+(rollstream/testing/fakes.py) are built with it too."""
 
 from __future__ import annotations
 
@@ -77,17 +78,28 @@ class GenerationRequest:
         return len(self.rows)
 
 
+def prepare_single_generation_data(
+    prompt: Prompt, n: int, multi_turn: bool, tokenizer: Tokenizer
+) -> GenerationRequest:
+    """One prompt's generation request, its row repeated `n` times (verl's seed name for it; the trainer's
+    counterpart is `assemble_batch_from_rollout_samples` in consumers/trainer/assembly.py): the prompt's ids
+    (`encode_prompt`: the chat template's rendering when the tokenizer uses one, else bos + prompt ids) as
+    n rows sharing one read-only list, without the padded tensors nothing reads; agent
+    `async_partial_tool_agent` when multi-turn is on, else `partial_single_turn_agent`."""
+    if n < 1:
+        raise ValueError(f"rollout.n must be >= 1, got {n}")
+    ids = encode_prompt(tokenizer, prompt.text)
+    return GenerationRequest([ids] * n, AGENT_TOOL if multi_turn else AGENT_SINGLE_TURN)
+
+
 def generation_request(
     prompts: Sequence[Prompt], n: int, multi_turn: bool, tokenizer: Tokenizer
 ) -> GenerationRequest:
-    """Prompts as one generation request (verl's prepare_single_generation_data, without the padded
-    tensors nothing read): each prompt's ids (`encode_prompt`: the chat template's rendering when the
-    tokenizer uses one, else bos + prompt ids) as n rows, prompt-major; agent `async_partial_tool_agent`
-    when multi-turn is on, else `partial_single_turn_agent`."""
+    """Several prompts as one dispatch's request: each prompt's `prepare_single_generation_data`, in order
+    (prompts x n rows, prompt-major)."""
     rows: list[list[int]] = []
     for prompt in prompts:
-        ids = encode_prompt(tokenizer, prompt.text)
-        rows.extend([ids] * n)  # one list per prompt, read only: each Trajectory copies its own
+        rows.extend(prepare_single_generation_data(prompt, n, multi_turn, tokenizer).rows)
     return GenerationRequest(rows, AGENT_TOOL if multi_turn else AGENT_SINGLE_TURN)
 
 

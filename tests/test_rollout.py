@@ -11,6 +11,7 @@ from producers.rollout import (
     GenerationRequest,
     failed_trajectories,
     generation_request,
+    prepare_single_generation_data,
 )
 from producers.worker import producer_index
 from rollstream.model import CharTokenizer
@@ -58,3 +59,17 @@ def test_tool_cut_after_first_complete_call() -> None:
     assert tool_cut(task, TOK, TOK.encode("ab[calc:1+2]9[calc:3]")) == len("ab[calc:1+2]")
     assert tool_cut(task, TOK, TOK.encode("[calc:1+2")) is None
     assert tool_cut(task, TOK, TOK.encode("12") + [TOK.eos_id] + TOK.encode("[calc:1]")) is None
+
+
+def test_prepare_single_generation_data_repeats_one_prompt_n_times() -> None:
+    """verl's seed name: one prompt's request, its row n times; a dispatch's request is these in order."""
+    prompt = Prompt(uid="p-1", text="123>", answer="321")
+    single = prepare_single_generation_data(prompt, 4, False, TOK)
+    assert single.rows == [[TOK.bos_id, *TOK.encode("123>")]] * 4
+    assert single.agent == AGENT_SINGLE_TURN
+    assert prepare_single_generation_data(prompt, 2, True, TOK).agent == AGENT_TOOL
+    other = Prompt(uid="p-2", text="45>", answer="54")
+    both = generation_request([prompt, other], 4, False, TOK)
+    assert both.rows == single.rows + prepare_single_generation_data(other, 4, False, TOK).rows
+    with pytest.raises(ValueError, match="rollout.n must be >= 1, got 0"):
+        prepare_single_generation_data(prompt, 0, False, TOK)
