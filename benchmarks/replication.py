@@ -19,18 +19,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rollstream.bus import connect
-from rollstream.bus.replication import execute_replicated
 from rollstream.keys import Keys
 from rollstream.ops.acl import generate_passwords
 from rollstream.ops.embedded_redis import EmbeddedRedis
-from rollstream.ops.redis_topology import (
+from rollstream.testing.fakes import fake_rollout_sample
+from rollstream.topology.replicated import (
     REPLICATION_USER,
     SENTINEL_USER,
     SENTINELS_USER,
     EmbeddedTopology,
     plan_topology,
 )
-from rollstream.testing.fakes import fake_rollout_sample
+from rollstream.topology.replication import execute_replicated
 from schemas import encode
 
 

@@ -62,7 +62,6 @@ from producers.stats import Counters, StatsWindow, rollout_status
 from producers.watchdog import GenerationHung, GenerationWatchdog, exit_hung
 from producers.weight_sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
-from rollstream.bus.replication import execute_and_wait, require_acks
 from rollstream.config import PipelineConfig
 from rollstream.keys import Keys, producer_names
 from rollstream.model import BasePolicy, build_policy
@@ -70,6 +69,7 @@ from rollstream.pacing.budget import ask_lease, leased_sample_id, mark_published
 from rollstream.pacing.counters import lease_of, published_count, rollout_counts
 from rollstream.runtime.process import EXIT_HUNG, WorkerContext
 from rollstream.tasks import Prompt, Task, build_prompt_source, build_task
+from rollstream.topology.replication import execute_and_wait, require_acks
 from rollstream.weights.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
 from rollstream.weights.store import latest_param_version
 from schemas import ROLLOUT_FAILURE, RolloutSample, decode_cursor, encode, encode_cursor

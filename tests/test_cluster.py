@@ -20,7 +20,13 @@ import pytest
 import redis
 
 from rollstream.bus import connect, retry_on_connection
-from rollstream.bus.cluster import (
+from rollstream.bus.connection import reconnect_count
+from rollstream.config import ConfigError, load_config
+from rollstream.keys import Keys
+from rollstream.ops.acl import ROLES, apply_acl_on_cluster
+from rollstream.ops.audit import audit_run, format_report
+from rollstream.ops.run_target import open_run
+from rollstream.topology.cluster import (
     CrossSlotRefused,
     cluster_nodes,
     cluster_url,
@@ -30,12 +36,6 @@ from rollstream.bus.cluster import (
     require_one_slot,
     run_slot,
 )
-from rollstream.bus.connection import reconnect_count
-from rollstream.config import ConfigError, load_config
-from rollstream.keys import Keys
-from rollstream.ops.acl import ROLES, apply_acl_on_cluster
-from rollstream.ops.audit import audit_run, format_report
-from rollstream.ops.run_target import open_run
 
 #: Slot ranges of the 3 primaries, as `redis-cli --cluster create` splits them.
 RANGES = [(0, 5460), (5461, 10922), (10923, 16383)]

@@ -19,9 +19,9 @@ from consumers.aggregator.replay import replay_records
 from rollstream.bus import iter_stream, retry_on_connection
 from rollstream.keys import GLOBAL_STEP_FIELD, Keys
 from rollstream.ops.audit import audit_run, format_report
-from rollstream.ops.redis_node import sentinel_master
-from rollstream.ops.redis_topology import SENTINEL_PASSWORD_FILE
 from rollstream.ops.run_target import SECRETS_DIR, RunTarget, open_run
+from rollstream.topology.node import sentinel_master
+from rollstream.topology.replicated import SENTINEL_PASSWORD_FILE
 from tests.test_faults import TINY, _pid, _records, _running_pid, _wait_records, rollstream
 from tests.test_ops_supervise import sections
 

@@ -26,13 +26,13 @@ from consumers.trainer.ledger import StepLedger
 from consumers.trainer.rank_agreement import RankRoles
 from consumers.trainer.reconcile import CommitHistory, reconcile_and_commit
 from rollstream.bus import GroupReader, Publisher, delete_run, setup_run
-from rollstream.bus.replication import set_acks
 from rollstream.config import load_config
 from rollstream.keys import COMMITTED_STEP_FIELD, TRAINER_GROUP, Keys
 from rollstream.ops.audit import audit_run
 from rollstream.ops.embedded_redis import free_port
 from rollstream.pacing.budget import current_budget
 from rollstream.testing.fakes import leased_fakes, local_update
+from rollstream.topology.replication import set_acks
 from schemas import TRAINED, Fate, StepMetrics, encode
 
 TINY = ["model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32", "run.device=cpu"]

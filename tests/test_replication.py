@@ -15,18 +15,13 @@ import redis
 
 from consumers.trainer.ledger import StepLedger, commit_steps
 from rollstream.bus import connect, retry_on_connection, setup_run
-from rollstream.bus.replication import (
-    NotReplicatedError,
-    execute_replicated,
-    parse_sentinel_url,
-    sentinel_url,
-)
 from rollstream.config import load_config
 from rollstream.keys import COMMITTED_STEP_FIELD, Keys
 from rollstream.ops.acl import generate_passwords
 from rollstream.ops.plan import plan_run, write_acl
-from rollstream.ops.redis_node import sentinel_master
-from rollstream.ops.redis_topology import (
+from rollstream.runtime.files import private_dir
+from rollstream.topology.node import sentinel_master
+from rollstream.topology.replicated import (
     REPLICATION_USER,
     SENTINEL_USER,
     SENTINELS_USER,
@@ -36,8 +31,13 @@ from rollstream.ops.redis_topology import (
     topology_acl_lines,
     wait_failover_ready,
 )
-from rollstream.ops.replication_status import add_sentinel_view, format_replication, read_replication
-from rollstream.runtime.files import private_dir
+from rollstream.topology.replication import (
+    NotReplicatedError,
+    execute_replicated,
+    parse_sentinel_url,
+    sentinel_url,
+)
+from rollstream.topology.status import add_sentinel_view, format_replication, read_replication
 from schemas import StepMetrics
 from tests.conftest import PRODUCERS
 from tests.test_ops_supervise import private_violations, sections
@@ -273,4 +273,4 @@ def test_conf_for_replicated_redis_starts_nodes_then_sentinels_with_no_password_
     # the single server is planned as before: no Sentinel, no node launcher
     single = plan_run(load_config("pipeline.yaml", [f"run.dir={tmp_path}", "run.name=one"]))
     assert [p.name for p in single.programs][0] == "redis" and "sentinel" not in single.conf_path.read_text()
-    assert "rollstream.ops.redis_node" not in single.conf_path.read_text()
+    assert "rollstream.topology.node" not in single.conf_path.read_text()

@@ -23,10 +23,10 @@ import redis
 from consumers.aggregator.fold import Completed, Fold, id_key, stats_ref
 from consumers.aggregator.worker import TRAINER_EVENTS
 from rollstream.bus import connect, iter_stream, read_password, run_producers
-from rollstream.bus.cluster import require_one_slot
 from rollstream.bus.outbox import pending_dead, record_id
 from rollstream.keys import Keys
 from rollstream.runtime.process import REDIS_URL_ENV
+from rollstream.topology.cluster import require_one_slot
 from schemas import DeadLetter, DecodeError, ProducerStats, decode, encode
 
 log = logging.getLogger(__name__)

@@ -60,9 +60,9 @@ from rollstream.bus import (
     retry_on_connection,
 )
 from rollstream.bus.outbox import OutboxDrain, pack_item, pending_records
-from rollstream.bus.replication import execute_and_wait, require_acks
 from rollstream.config import PipelineConfig
 from rollstream.keys import AGGREGATOR_GROUP, AGGREGATOR_NOTE_SOURCE, Keys, producer_names
+from rollstream.topology.replication import execute_and_wait, require_acks
 from schemas import ProducerStats, StepMetrics, ValidateMetrics, dead_letter_of, encode
 
 log = logging.getLogger(__name__)

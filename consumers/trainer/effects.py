@@ -48,7 +48,6 @@ from rollstream.bus import (
 from rollstream.bus.connection import can_fail_over
 from rollstream.bus.ids import count_or_none
 from rollstream.bus.outbox import OutboxDrain, record_id
-from rollstream.bus.replication import acks_of, execute_replicated
 from rollstream.config import PipelineConfig
 from rollstream.keys import (
     AGGREGATOR_GROUP,
@@ -69,6 +68,7 @@ from rollstream.pacing.counters import leases
 from rollstream.pacing.expiry import LeaseExpiry, RevokedWatch
 from rollstream.pacing.fence import FloodFence
 from rollstream.pacing.leaser import Leaser
+from rollstream.topology.replication import acks_of, execute_replicated
 from rollstream.weights.store import (
     Probe,
     gc_weights,

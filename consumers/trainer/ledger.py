@@ -32,7 +32,6 @@ import redis
 from redis.client import Pipeline
 
 from rollstream.bus import EntryRef, group_refs, iter_stream
-from rollstream.bus.replication import execute_and_wait, require_acks
 from rollstream.keys import (
     COMMITTED_STEP_FIELD,
     CONSUMED_STEP_FIELD,
@@ -45,6 +44,7 @@ from rollstream.keys import (
     Keys,
 )
 from rollstream.pacing.budget import queue_count_consumed
+from rollstream.topology.replication import execute_and_wait, require_acks
 from schemas import DROPPED, Fate, StepMetrics, decode_fate, encode, encode_fate
 
 log = logging.getLogger(__name__)

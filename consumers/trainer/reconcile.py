@@ -21,8 +21,8 @@ from typing import Any
 import redis
 
 from consumers.trainer.ledger import StepLedger, execute_commit, trainer_field
-from rollstream.bus.replication import held_transaction
 from rollstream.keys import COMMITTED_STEP_FIELD, CONSUMED_STEP_FIELD, Keys
+from rollstream.topology.replication import held_transaction
 from schemas import StepMetrics
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry
 
-from rollstream.bus.cluster import cluster_client, is_cluster_client, is_cluster_url
-from rollstream.bus.replication import acks_of, is_sentinel_url, sentinel_client, set_acks
+from rollstream.topology.cluster import cluster_client, is_cluster_client, is_cluster_url
+from rollstream.topology.replication import acks_of, is_sentinel_url, sentinel_client, set_acks
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -206,7 +206,7 @@ def connect(
     `execute_replicated` count only once that many replicas acknowledged them within wait_timeout_ms.
     sentinel_password: the Sentinels' own (else from the file $ROLLSTREAM_SENTINEL_PASSWORD_FILE names).
     run: the run whose keys the client reaches; required for a `redis+cluster://` URL, whose client is pinned
-    to the node serving that run's slot (rollstream/bus/cluster.py), ignored otherwise."""
+    to the node serving that run's slot (rollstream/topology/cluster.py), ignored otherwise."""
     kwargs: dict[str, Any] = dict(
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=min(socket_timeout_s, 5.0),

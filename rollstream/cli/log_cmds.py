@@ -98,9 +98,9 @@ def _write_flush(text: str) -> None:
 def cmd_replay_records(args: argparse.Namespace) -> int:
     """`rollstream replay records`: refold a run's metrics log into a new run's records."""
     from rollstream.bus import ArchiveError
-    from rollstream.bus.cluster import require_one_slot
     from rollstream.keys import Keys
     from rollstream.ops.log_server import replay_destination
+    from rollstream.topology.cluster import require_one_slot
 
     t = log_target(args)
     out = args.stack.enter_context(replay_destination(t, args.dst))
@@ -122,10 +122,10 @@ def cmd_replay_trainer(args: argparse.Namespace) -> int:
     import shlex
 
     from rollstream.bus import ArchiveError
-    from rollstream.bus.cluster import require_one_slot
     from rollstream.keys import Keys
     from rollstream.ops.log_server import replay_destination
     from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts, copy_steps, parse_steps
+    from rollstream.topology.cluster import require_one_slot
 
     t = log_target(args)
     try:

@@ -113,9 +113,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """`rollstream status`: the run's state once, refreshed (--watch), or as a health check (--check)."""
-    from rollstream.bus.cluster import pinned_slot
     from rollstream.ops.status import collect_status, format_status
     from rollstream.ops.supervise import failed_programs, process_states
+    from rollstream.topology.cluster import pinned_slot
 
     t = log_target(args)
     r = t.connect()
@@ -147,10 +147,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _replication_lines(t: RunTarget, r: redis.Redis) -> tuple[list[str], list[str]] | None:
     """(status lines, problems) of a replicated run's topology; None for a single server."""
-    from rollstream.bus.replication import is_sentinel_url
-    from rollstream.ops.redis_topology import SENTINEL_PASSWORD_FILE
-    from rollstream.ops.replication_status import add_sentinel_view, format_replication, read_replication
     from rollstream.ops.run_target import SECRETS_DIR
+    from rollstream.topology.replicated import SENTINEL_PASSWORD_FILE
+    from rollstream.topology.replication import is_sentinel_url
+    from rollstream.topology.status import add_sentinel_view, format_replication, read_replication
 
     if t.served or not (t.cfg.run.redis.replicated or is_sentinel_url(t.redis_url)):
         return None

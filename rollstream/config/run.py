@@ -122,7 +122,7 @@ class RunConfig(Section):
     @field_validator("redis_url")
     @classmethod
     def _cluster_url(cls, value: str | None) -> str | None:
-        from rollstream.bus.cluster import is_cluster_url, parse_cluster_url
+        from rollstream.topology.cluster import is_cluster_url, parse_cluster_url
 
         if value is not None and is_cluster_url(value):
             try:

@@ -52,7 +52,7 @@ ROLES = ("trainer", "aggregator", "admin")
 
 # Connection-level commands every user needs (WAIT: a write counts once replicas acknowledged it; it only
 # blocks the caller; CLUSTER SLOTS: on a Redis Cluster a client asks which node serves its run's slot,
-# rollstream/bus/cluster.py; elsewhere Redis answers it with an error).
+# rollstream/topology/cluster.py; elsewhere Redis answers it with an error).
 _BASE = [
     "+ping", "+hello", "+auth", "+client|setname", "+client|id", "+select", "+info", "+quit", "+wait",
     "+cluster|slots",
@@ -193,7 +193,7 @@ def apply_acl_on_cluster(
     decides), and `trainer_fences` is off by default for the same reason (acl_rules). Logs in with
     `username`/`password` (an operator's user allowed ACL SETUSER); returns the nodes' addresses. Run it again
     after adding a node."""
-    from rollstream.bus.cluster import for_each_node
+    from rollstream.topology.cluster import for_each_node
 
     return for_each_node(
         url,

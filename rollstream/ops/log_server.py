@@ -32,9 +32,9 @@ from rollstream.bus import CONNECTION_ERRORS
 from rollstream.config import config_to_yaml
 from rollstream.ops.embedded_redis import EmbeddedRedis, redis_server_binary, wait_for_redis
 from rollstream.ops.plan import private_dir, write_private
-from rollstream.ops.redis_topology import PRIMARY_DATA_FILE
 from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, RunTarget
 from rollstream.runtime.files import PRIVATE_UMASK
+from rollstream.topology.replicated import PRIMARY_DATA_FILE
 
 #: AOF folder and manifest names of redis 7's multi-part AOF (redis' defaults, which the run uses).
 AOF_DIR = "appendonlydir"

@@ -39,13 +39,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollstream.bus.connection import PASSWORD_FILE_ENV, SENTINEL_PASSWORD_FILE_ENV, USERNAME_ENV
-from rollstream.bus.replication import sentinel_url
 from rollstream.config import PipelineConfig, config_to_yaml
 from rollstream.keys import Keys
 from rollstream.keys import producer_names as _producer_names
 from rollstream.ops.acl import ROLES, acl_rules, generate_passwords
 from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded
-from rollstream.ops.redis_topology import (
+from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, split_password
+from rollstream.runtime.files import PRIVATE_UMASK, private_dir
+from rollstream.runtime.process import EXIT_CONFIG, EXIT_REFUSED, REDIS_URL_ENV
+from rollstream.topology.replicated import (
     PRIMARY_DATA_FILE,
     REPLICATION_USER,
     SENTINEL_PASSWORD_FILE,
@@ -54,9 +56,7 @@ from rollstream.ops.redis_topology import (
     plan_topology,
     topology_acl_lines,
 )
-from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, split_password
-from rollstream.runtime.files import PRIVATE_UMASK, private_dir
-from rollstream.runtime.process import EXIT_CONFIG, EXIT_REFUSED, REDIS_URL_ENV
+from rollstream.topology.replication import sentinel_url
 
 #: Seconds supervisord waits after SIGTERM before SIGKILL; longer than any worker's unit of work.
 WORKER_STOPWAIT_S = 60
@@ -205,7 +205,7 @@ def write_acl(
 def _replicated_programs(
     cfg: PipelineConfig, run_dir: Path
 ) -> tuple[str, list[Program], dict[str, dict[str, str]]]:
-    """The embedded replicated Redis (ops/redis_topology.py): (Sentinel URL, its programs, role env). Data
+    """The embedded replicated Redis (topology/replicated.py): (Sentinel URL, its programs, role env). Data
     nodes start first (priority 1), Sentinels after them (2) and stop before them; every node fsyncs its AOF
     on every write and loads the run's ACL file, which also holds the `replication` and `sentinel` users."""
     secrets_dir = run_dir / SECRETS_DIR

@@ -13,8 +13,8 @@ import redis
 from rollstream.bus import connect, read_password
 from rollstream.config import ConfigError, PipelineConfig, load_config
 from rollstream.keys import Keys
-from rollstream.ops.redis_topology import SENTINEL_PASSWORD_FILE
 from rollstream.runtime.process import REDIS_URL_ENV
+from rollstream.topology.replicated import SENTINEL_PASSWORD_FILE
 
 #: The resolved config `rollstream run` writes into the run dir (every worker is started with it).
 RESOLVED_CONFIG = "pipeline.resolved.yaml"

@@ -20,8 +20,6 @@ from typing import Any
 from supervisor.xmlrpc import SupervisorTransport
 
 from rollstream.bus import setup_run, wait_until_ready
-from rollstream.bus.cluster import refuse_plain_cluster_node
-from rollstream.bus.replication import is_sentinel_url
 from rollstream.config import PipelineConfig
 from rollstream.keys import Keys, producer_names
 from rollstream.ops.embedded_redis import wait_for_redis
@@ -35,15 +33,17 @@ from rollstream.ops.plan import (
     supervisor_socket,
     write_private,
 )
-from rollstream.ops.redis_node import sentinel_master
-from rollstream.ops.redis_topology import (
+from rollstream.ops.run_target import REDIS_URL_FILE, SECRETS_DIR, RunTarget
+from rollstream.runtime.procfs import is_running
+from rollstream.topology.cluster import refuse_plain_cluster_node
+from rollstream.topology.node import sentinel_master
+from rollstream.topology.replicated import (
     PRIMARY_DATA_FILE,
     SENTINEL_PASSWORD_FILE,
     data_dir_of,
     wait_failover_ready,
 )
-from rollstream.ops.run_target import REDIS_URL_FILE, SECRETS_DIR, RunTarget
-from rollstream.runtime.procfs import is_running
+from rollstream.topology.replication import is_sentinel_url
 
 # --- talking to a running supervisord ----------------------------------------------------------------
 

@@ -1,7 +1,7 @@
-"""Start one data node of the embedded replicated Redis (ops/redis_topology.py) in the role the Sentinels
+"""Start one data node of the embedded replicated Redis (topology/replicated.py) in the role the Sentinels
 give it, without letting a lost node wipe its replicas.
 
-`python -m rollstream.ops.redis_node --url SENTINEL_URL --self HOST:PORT --data-dir DIR --marker FILE
+`python -m rollstream.topology.node --url SENTINEL_URL --self HOST:PORT --data-dir DIR --marker FILE
 --sentinel-password-file FILE -- redis-server ARGS…` execs redis-server ARGS (their --replicaof is the plan:
 node 0 the primary) on the node's first start (FILE does not exist yet); on every later start (a restart
 after a crash or kill, a new `rollstream run`) it follows the Sentinels instead: a replica of the primary
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import redis
 
-from rollstream.bus.replication import parse_sentinel_url
-from rollstream.ops.redis_topology import has_data
 from rollstream.runtime.files import private_dir
+from rollstream.topology.replicated import has_data
+from rollstream.topology.replication import parse_sentinel_url
 
 log = logging.getLogger("redis_node")
 
@@ -91,7 +91,7 @@ def start_argv(
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the arguments, decide the node's argv, exec redis-server."""
-    parser = argparse.ArgumentParser(prog="python -m rollstream.ops.redis_node", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m rollstream.topology.node", description=__doc__)
     parser.add_argument("--url", required=True, help="redis+sentinel:// URL of the topology")
     parser.add_argument("--self", dest="self_addr", required=True, help="this node's host:port")
     parser.add_argument("--data-dir", required=True, help="this node's data folder (its AOF)")

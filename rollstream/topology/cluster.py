@@ -133,7 +133,7 @@ def require_one_slot(url: str, runs: Sequence[str], what: str) -> None:
             f"{what}: runs {', '.join(f'{r!r} (slot {s})' for r, s in slots.items())} are in different slots "
             f"of the Redis Cluster run.redis_url={url!r}; a command across runs needs them in one slot: "
             "replay on a single (non-cluster) Redis, or pick a destination name in the source's slot "
-            "(`python -c 'from rollstream.bus.cluster import run_slot; print(run_slot(NAME))'`)"
+            "(`python -c 'from rollstream.topology.cluster import run_slot; print(run_slot(NAME))'`)"
         )
 
 

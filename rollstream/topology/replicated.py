@@ -8,7 +8,7 @@ CONFIG REWRITE (Sentinel's, after a failover) writes the node's new role there. 
 nodes as the `sentinel` ACL user, require a password of their own (`<run_dir>/secrets/sentinel.password`;
 clients pass it, and Sentinels among themselves), and keep their state in `<run_dir>/sentinel-<i>/`.
 
-A data node starts through `python -m rollstream.ops.redis_node` (ops/redis_node.py): after its first start
+A data node starts through `python -m rollstream.topology.node` (topology/node.py): after its first start
 it takes the role the Sentinels agree on, not the plan's (a promoted replica restarted stays the primary), and
 a node they name the primary whose data is gone (its disk lost) does not come up empty as the primary (its
 replicas would copy the empty set): it waits for the failover and starts as the new primary's replica."""
@@ -26,9 +26,9 @@ from typing import Any
 
 import redis
 
-from rollstream.bus.replication import parse_sentinel_url, sentinel_url
 from rollstream.ops.embedded_redis import free_port, no_retry, redis_server_binary
 from rollstream.runtime.files import PRIVATE_UMASK, private_dir
+from rollstream.topology.replication import parse_sentinel_url, sentinel_url
 
 #: ACL users the data nodes have beside the run's roles: replicas log in as `replication`, Sentinels as
 #: `sentinel` (the commands Redis documents for each).
@@ -45,7 +45,7 @@ SENTINEL_PASSWORD_FILE = f"{SENTINELS_USER}.password"
 #: How many Sentinels the embedded mode starts.
 SENTINELS = 3
 #: Marker in the run dir, one per data node (`redis-<i>.started`): the node has started once; from then on it
-#: follows the Sentinels rather than the plan (ops/redis_node.py).
+#: follows the Sentinels rather than the plan (topology/node.py).
 STARTED_MARKER = "redis-{index}.started"
 #: File in the run dir naming the data folder of the node that was the primary when the run was stopped
 #: (the stopped run's log is served from its AOF).
@@ -123,7 +123,7 @@ def plan_topology(
     failover_timeout_ms: int = 60000,
 ) -> Topology:
     """Plan node 0 (the primary), `replicas` replicas and 3 Sentinels for run_dir: folders, private config
-    files, argv of each (data nodes wrapped in ops/redis_node.py). `passwords` holds the Sentinels' own
+    files, argv of each (data nodes wrapped in topology/node.py). `passwords` holds the Sentinels' own
     password (key "sentinels") and, with an `acl_file` (which must hold topology_acl_lines), the
     `replication` and `sentinel` users' (keys REPLICATION_USER, SENTINEL_USER)."""
     if replicas < 1:
@@ -154,7 +154,7 @@ def plan_topology(
         if i:
             argv += ["--replicaof", "127.0.0.1", str(nodes[0].port)]
         node.argv = [
-            sys.executable, "-m", "rollstream.ops.redis_node", "--url", url, "--self", node.address,
+            sys.executable, "-m", "rollstream.topology.node", "--url", url, "--self", node.address,
             "--data-dir", str(node.data_dir), "--marker", str(run_dir / STARTED_MARKER.format(index=i)),
             "--sentinel-password-file", str(secrets_dir / SENTINEL_PASSWORD_FILE), "--", *argv,
         ]

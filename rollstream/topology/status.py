@@ -12,8 +12,8 @@ from typing import Any
 
 import redis
 
-from rollstream.bus import text
-from rollstream.bus.replication import parse_sentinel_url
+from rollstream.bus.ids import text
+from rollstream.topology.replication import parse_sentinel_url
 
 
 @dataclass
