@@ -33,6 +33,13 @@ from pathlib import Path
 
 import redis
 import torch
+from runcheck import (  # scripts/ is on sys.path when run as a script
+    behaviour_logprob_error,
+    producer_stats,
+    swap_checks,
+    throughput,
+    wait_for_steps,
+)
 
 from producers.worker import swap_check_bound
 from rollstream.keys import Keys
@@ -40,13 +47,6 @@ from rollstream.model.base import resolve_dtype
 from rollstream.ops.audit import audit_run
 from rollstream.ops.embedded_redis import EmbeddedRedis
 from rollstream.ops.run_target import open_run
-from rollstream.ops.runcheck import (
-    behaviour_logprob_error,
-    producer_stats,
-    swap_checks,
-    throughput,
-    wait_for_steps,
-)
 from rollstream.testing.hf_tiny import make_tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]

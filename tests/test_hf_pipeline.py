@@ -29,9 +29,9 @@ from rollstream.keys import Keys  # noqa: E402
 from rollstream.ops.audit import audit_run  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from rollstream.ops.run_target import open_run  # noqa: E402
-from rollstream.ops.runcheck import behaviour_logprob_error, swap_checks, throughput, wait_for_steps  # noqa: E402
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
 from rollstream.weights.store import producer_versions  # noqa: E402
+from scripts.runcheck import behaviour_logprob_error, swap_checks, throughput, wait_for_steps  # noqa: E402
 
 STEPS = 3
 SMALL = [

@@ -21,11 +21,11 @@ pytest.importorskip("reasoning_gym")
 
 from rollstream.bus import iter_stream, run_producers  # noqa: E402
 from rollstream.ops.run_target import open_run  # noqa: E402
-from rollstream.ops.runcheck import wait_for_steps  # noqa: E402
 from rollstream.tasks import build_prompt_source, build_task  # noqa: E402
 from rollstream.tasks.reasoning_gym import extract_answer  # noqa: E402
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
 from schemas import RolloutSample, decode  # noqa: E402
+from scripts.runcheck import wait_for_steps  # noqa: E402
 
 STEPS = 2
 INSTRUCTION = "Answer with the number only."

@@ -28,15 +28,15 @@ from rollstream.keys import Keys  # noqa: E402
 from rollstream.ops.audit import audit_run  # noqa: E402
 from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from rollstream.ops.run_target import open_run  # noqa: E402
-from rollstream.ops.runcheck import (  # noqa: E402
+from rollstream.ops.supervise import rpc  # noqa: E402
+from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
+from rollstream.weights.store import producer_versions  # noqa: E402
+from scripts.runcheck import (  # noqa: E402
     behaviour_logprob_error,
     producer_stats,
     swap_checks,
     wait_for_steps,
 )
-from rollstream.ops.supervise import rpc  # noqa: E402
-from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
-from rollstream.weights.store import producer_versions  # noqa: E402
 
 STEPS = 6
 SMALL = [
