@@ -6,10 +6,8 @@ arrays, nothing padded). Producers publish what this module builds, and the test
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -18,7 +16,7 @@ from rollstream.model.chat import encode_prompt
 from rollstream.tasks import Prompt, RewardResult
 from schemas import RolloutSample
 from schemas.batch import object_array
-from schemas.ragged import RaggedBatch, ids_dtype
+from schemas.ragged import RaggedBatch
 
 #: Agent loop names (verl's): multi-turn tool agent, and plain single-turn generation.
 AGENT_TOOL = "async_partial_tool_agent"
@@ -139,46 +137,16 @@ def token_scores(
     return out
 
 
-def _flat(rows: Sequence[Sequence[Any]], dtype: Any, total: int) -> np.ndarray:
-    """The rows' values concatenated into one 1-d array of dtype (total values)."""
-    return np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=total)
-
-
 def ragged_batch(
     trajectories: Sequence[Trajectory], vocab_size: int, token_scores_rows: Sequence[np.ndarray] | None = None
 ) -> RaggedBatch:
-    """The trajectories' tokens as ragged arrays: the prompt once when every row has the same one (a GRPO
-    group), else each row's; responses, behaviour log-probs (float32, 0.0 where a tool wrote the token) and
-    the loss mask (only when a tool wrote a token) concatenated; ids in the narrowest dtype holding the
-    vocabulary (ValueError naming the row when an id is outside it)."""
-    dt = ids_dtype(vocab_size)
-    first = trajectories[0].prompt_ids
-    shared = all(t.prompt_ids == first for t in trajectories[1:])
-    prompts = [first] if shared else [t.prompt_ids for t in trajectories]
-    responses = [t.response_ids for t in trajectories]
-    plen = np.fromiter((len(p) for p in prompts), np.int32, len(prompts))
-    rlen = np.fromiter((len(r) for r in responses), np.int32, len(responses))
-    n_resp = int(rlen.sum())
-    for name, rows in (("prompt_ids", prompts), ("response_ids", responses)):
-        for i, row in enumerate(rows):
-            if row and (min(row) < 0 or max(row) >= vocab_size):
-                raise ValueError(f"trajectory {i}: {name} hold ids in [{min(row)}, {max(row)}], outside the "
-                                 f"vocabulary [0, {vocab_size})")
-    tokens: dict[str, np.ndarray] = {}
-    masks = [t.response_mask for t in trajectories]
-    mask = _flat(masks, np.uint8, n_resp)
-    generated = all(all(m) for m in masks)
-    log_probs = _flat([t.log_probs for t in trajectories], np.float32, n_resp)
-    if not generated:
-        tokens["response_mask"] = mask
-        log_probs *= mask  # behaviour log-probs only where the model generated the token
-    tokens["rollout_log_probs"] = log_probs
-    if token_scores_rows is not None:
-        tokens["token_level_scores"] = (np.concatenate(token_scores_rows).astype(np.float32, copy=False)
-                                        if n_resp else np.zeros(0, np.float32))
-    return RaggedBatch(
-        prompt_ids=_flat(prompts, dt, int(plen.sum())), prompt_lens=plen,
-        response_ids=_flat(responses, dt, n_resp), response_lens=rlen, tokens=tokens,
+    """The trajectories' tokens as ragged arrays (`RaggedBatch.from_rows`: the prompt once when every row
+    has the same one, behaviour log-probs 0.0 where a tool wrote the token, the loss mask only when one did,
+    ids in the narrowest dtype holding the vocabulary; ValueError naming the row when an id is outside it)."""
+    return RaggedBatch.from_rows(
+        [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
+        [t.response_mask for t in trajectories], [t.log_probs for t in trajectories], vocab_size,
+        token_scores_rows,
     )
 
 

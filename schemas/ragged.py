@@ -18,6 +18,8 @@ array; failures are ValueError naming the field. No msgpack, no torch.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -67,6 +69,11 @@ def describe(arr: Any) -> str:
     if isinstance(arr, np.ndarray):
         return f"{arr.dtype.str}{list(arr.shape)[:4]}"
     return type(arr).__name__
+
+
+def _flat(rows: Sequence[Sequence[Any]], dtype: Any, total: int) -> np.ndarray:
+    """The rows' values concatenated into one 1-d array of dtype (total values)."""
+    return np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=total)
 
 
 def _offsets(lens: np.ndarray) -> list[int]:
@@ -136,6 +143,48 @@ class RaggedBatch:
         )
         self.tokens, self.rows, self.non_tensors, self.meta_info = tokens, rows, non_tensors, meta_info
         return self
+
+    @classmethod
+    def from_rows(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        masks: Sequence[Sequence[int]],
+        log_probs: Sequence[Sequence[float]],
+        vocab_size: int,
+        token_scores: Sequence[np.ndarray] | None = None,
+    ) -> RaggedBatch:
+        """One group's rows (each row's prompt ids, response ids, 0/1 generated mask and behaviour log-probs)
+        packed as the wire sends them: the prompt once when every row has the same one (a GRPO group), else
+        each row's; responses, log-probs (float32, 0.0 where a tool wrote the token) and the loss mask (only
+        when a tool wrote a token) concatenated; `token_level_scores` when given; ids in the narrowest dtype
+        holding the vocabulary (ValueError naming the row when an id is outside it)."""
+        dt = ids_dtype(vocab_size)
+        first = prompts[0]
+        shared = all(p == first for p in prompts[1:])
+        kept = [first] if shared else list(prompts)
+        plen = np.fromiter((len(p) for p in kept), np.int32, len(kept))
+        rlen = np.fromiter((len(r) for r in responses), np.int32, len(responses))
+        n_resp = int(rlen.sum())
+        for name, rows in (("prompt_ids", kept), ("response_ids", responses)):
+            for i, row in enumerate(rows):
+                if row and (min(row) < 0 or max(row) >= vocab_size):
+                    raise ValueError(f"trajectory {i}: {name} hold ids in [{min(row)}, {max(row)}], outside "
+                                     f"the vocabulary [0, {vocab_size})")
+        tokens: dict[str, np.ndarray] = {}
+        mask = _flat(masks, np.uint8, n_resp)
+        flat_log_probs = _flat(log_probs, np.float32, n_resp)
+        if not all(all(m) for m in masks):
+            tokens[RESPONSE_MASK] = mask
+            flat_log_probs *= mask  # behaviour log-probs only where the model generated the token
+        tokens[LOG_PROBS] = flat_log_probs
+        if token_scores is not None:
+            tokens[TOKEN_SCORES] = (np.concatenate(token_scores).astype(np.float32, copy=False)
+                                    if n_resp else np.zeros(0, np.float32))
+        return cls(
+            prompt_ids=_flat(kept, dt, int(plen.sum())), prompt_lens=plen,
+            response_ids=_flat(responses, dt, n_resp), response_lens=rlen, tokens=tokens,
+        )
 
     def __len__(self) -> int:
         """Number of trajectories (rows)."""

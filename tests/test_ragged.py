@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.guard import unusable_reason
-from producers.rollout import Trajectory, ragged_batch
+from producers.rollout import Trajectory, build_rollout_sample, ragged_batch
 from rollstream.bus.archive import Archive
+from rollstream.tasks import RewardResult
+from rollstream.testing.fakes import FakeTokenizer, fake_rollout_sample
 from schemas import RolloutSample, decode, decode_as, encode
 from schemas.ragged import RaggedBatch, id_range_ok, ids_dtype
 
@@ -265,3 +267,25 @@ def test_hostile_schema_2_layouts_are_refused(name: str, changes: dict[str, Any]
 
     with pytest.raises(DecodeError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         decode(_tampered_layout(name, **changes))
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_fake_sample_is_what_the_producers_builder_makes_of_its_rows(ragged: bool) -> None:
+    """rollstream/testing/fakes.py packs its samples without producers/: the same rows through
+    build_rollout_sample encode to the same bytes, so the fakes cannot drift from what producers publish."""
+    scores = [0.25, 0.5, 1.0]
+    fake = fake_rollout_sample("s-1", param_version=3, n=3, response_len=5, seed=7, rewards=scores,
+                               ragged=ragged, vocab=300)
+    trajectories = [
+        Trajectory(prompt_ids=row["prompt"], response_ids=row["response"], response_mask=row["response_mask"],
+                   log_probs=row["rollout_log_probs"], finished=True, num_turns=1, version_start=3,
+                   version_end=3, processing_time_s=0.01)
+        for row in _rows(fake.full_batch)
+    ]
+    built = build_rollout_sample(
+        sample_id="s-1", epoch=0, param_version=3, producer="fake", trajectories=trajectories,
+        rewards=[RewardResult(score=s, exact=False) for s in scores],
+        raw_prompt="", tokenizer=FakeTokenizer(300), rollout_status={"dispatched": 1},
+    )
+    built.created_at = fake.created_at
+    assert encode(built) == encode(fake)

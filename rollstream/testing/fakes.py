@@ -1,6 +1,7 @@
-"""Synthetic events for tests, benchmarks and load tests (no model): RolloutSamples of a chosen size, built
-with the producers' own builder (producers.rollout.build_rollout_sample) so they cannot drift from what
-producers publish, and a metrics log shaped like the trainer's and producers'."""
+"""Synthetic events for tests, benchmarks and load tests (no model): RolloutSamples of a chosen size,
+packed as a producer packs a group (`RaggedBatch.from_rows`, the packing producers/rollout.py uses;
+tests/test_ragged.py checks that a fake encodes to the same bytes as the producers' builder makes of its
+rows), and a metrics log shaped like the trainer's and producers'."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from typing import Any
 import numpy as np
 import redis
 
-from producers.rollout import Trajectory, build_rollout_sample
 from rollstream.bus import Publisher, parse_id, run_producers, setup_run
 from rollstream.keys import COMMITTED_STEP_FIELD, TRAINING_STEP_FIELD, Keys
 from rollstream.model import CharTokenizer
 from rollstream.pacing.budget import lease_outright, leased_sample_id
-from rollstream.tasks import RewardResult
 from schemas import EventBase, ProducerStats, RolloutSample, StepMetrics, ValidateMetrics
+from schemas.batch import object_array
+from schemas.ragged import RaggedBatch
 
 
 class FakeTokenizer(CharTokenizer):
@@ -56,10 +57,10 @@ def fake_rollout_sample(
     ragged: bool = False,
     vocab: int = 30,
 ) -> RolloutSample:
-    """A valid RolloutSample with random tokens and finite log-probs, as build_rollout_sample packs a
-    producer's group; size grows with n * response_len. The group's rows share one prompt; ragged=True
-    gives each response a random length in [1, response_len]; token ids are in [3, vocab); rewards are in
-    [0, 1]."""
+    """A valid RolloutSample with random tokens and finite log-probs, as producers.rollout's
+    build_rollout_sample packs a producer's group (every token generated, every row finished in one turn,
+    empty texts); size grows with n * response_len. The group's rows share one prompt; ragged=True gives each
+    response a random length in [1, response_len]; token ids are in [3, vocab); rewards are in [0, 1]."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(3, vocab, size=prompt_len, dtype=np.int64).tolist()
     responses = rng.integers(3, vocab, size=(n, response_len), dtype=np.int64)
@@ -68,30 +69,33 @@ def fake_rollout_sample(
     )
     logp = -rng.random((n, response_len), dtype=np.float32)
     scores = rewards if rewards is not None else rng.random(n).tolist()
-    trajectories = [
-        Trajectory(
-            prompt_ids=prompt,
-            response_ids=responses[i, :length].tolist(),
-            response_mask=[1] * length,
-            log_probs=logp[i, :length].tolist(),
-            finished=True,
-            num_turns=1,
-            version_start=param_version,
-            version_end=param_version,
-            processing_time_s=0.01,
-        )
-        for i, length in enumerate(int(x) for x in lengths)
-    ]
-    return build_rollout_sample(
+    rows = [responses[i, :length].tolist() for i, length in enumerate(int(x) for x in lengths)]
+    batch = RaggedBatch.from_rows(
+        [prompt] * n, rows, [[1] * len(row) for row in rows],
+        [logp[i, : len(row)].tolist() for i, row in enumerate(rows)], vocab,
+    )
+    batch.rows["rewards"] = np.asarray(scores, dtype=np.float32)
+    batch.non_tensors.update({
+        "uid": object_array([sample_id] * n), "raw_prompt": object_array([""] * n),
+        "response_text": object_array([""] * n),
+    })
+    batch.check()
+    return RolloutSample(
         sample_id=sample_id,
         epoch=epoch,
         param_version=param_version,
-        producer=producer,
-        trajectories=trajectories,
-        rewards=[RewardResult(score=float(s), exact=False) for s in scores],
-        raw_prompt="",
-        tokenizer=FakeTokenizer(vocab),
+        full_batch=batch,
+        agent_loop_output_list=[
+            {"num_turns": 1, "response_length": len(row), "reward": float(score), "exact": False,
+             "finished": True}
+            for row, score in zip(rows, scores, strict=True)
+        ],
+        processing_times=[0.01] * n,
+        tool_calls=[],
+        param_version_start=[param_version] * n,
+        param_version_end=[param_version] * n,
         rollout_status={"dispatched": 1},
+        producer=producer,
     )
 
 
