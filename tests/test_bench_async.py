@@ -154,13 +154,13 @@ def test_the_production_producer_refuses_a_latency_model_config(
 
 
 def test_bench_async_quick_reports_every_figure(
-    r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+    r: redis.Redis, redis_url: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
     # this test's own runs: a bench running beside it is not counted
     ns = f"bench-async-t{uuid.uuid4().hex[:8]}"
     assert cli_main(["bench", "async", "--quick", "--json", "--steps", "3", "--redis-url", redis_url,
                      "--namespace", ns]) == 0
-    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rep = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
     assert "latency-model" in rep["producers"] and rep["trainer"].startswith("real")
     cal = rep["calibration"]
     assert cal["train_step_s"] > 0 and cal["tokens_per_s"] > 0

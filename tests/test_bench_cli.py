@@ -25,19 +25,19 @@ TINY_MODEL = [
 
 
 def modules_with_main() -> set[str]:
-    """benchmarks/*.py defining a top-level main, read from the source."""
+    """benchmarks/*.py defining a top-level main, read from the source (not __main__, which runs them)."""
     return {
         p.stem for p in (ROOT / "benchmarks").glob("*.py")
-        if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in ast.parse(p.read_text()).body)
+        if not p.name.startswith("_") and any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in ast.parse(p.read_text()).body)
     }
 
 
 @pytest.mark.parametrize("argv", [["bench", "--list"], ["bench"]])
 def test_list_shows_every_benchmark_with_its_description(
-    argv: list[str], capsys: pytest.CaptureFixture[str]
+    argv: list[str], capfd: pytest.CaptureFixture[str]
 ) -> None:
     assert main(argv) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = capfd.readouterr().out.splitlines()
     names = [ln.split()[0] for ln in lines]
     assert set(names) == {m.rstrip("_") for m in modules_with_main()}
     assert {"bus", "async", "learn", "learn_probe", "soak", "generation", "aggregator", "dp"} <= set(names)
@@ -48,14 +48,14 @@ def test_list_shows_every_benchmark_with_its_description(
     assert described["generation"].startswith("Generation benchmark:")
 
 
-def test_unknown_benchmark_exits_1_naming_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_benchmark_exits_1_naming_the_known_ones(capfd: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "nosuch"]) == 1
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert "no benchmark 'nosuch'" in err and "generation" in err and "aggregator" in err
 
 
 def test_generation_runs_through_the_cli(
-    r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+    r: redis.Redis, redis_url: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
     before = set(r.scan_iter(match="rs:{bench-gen-*"))
     argv = [
@@ -70,13 +70,13 @@ def test_generation_runs_through_the_cli(
         redis_url,
     ]
     assert main(argv) == 0
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    res = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
     assert res["dispatches"] == 1 and res["samples"] > 0 and res["tokens"] > 0 and res["gen_tokens_per_s"] > 0
     assert set(r.scan_iter(match="rs:{bench-gen-*")) == before  # the throwaway namespace is deleted
 
 
 def test_aggregator_runs_through_the_cli_and_the_worker_folds_records(
-    r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+    r: redis.Redis, redis_url: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
     argv = [
         "bench",
@@ -93,14 +93,14 @@ def test_aggregator_runs_through_the_cli_and_the_worker_folds_records(
         redis_url,
     ]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert "pure fold (decoded events)" in out and "decode + fold" in out
     assert "worker through Redis" in out and "(5 records," in out  # every step folded, nothing dead-lettered
     assert not list(r.scan_iter(match=Keys("bench-agg-*").pattern()))
 
 
 def test_dp_runs_one_and_two_ranks_through_the_cli(
-    r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+    r: redis.Redis, redis_url: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """`rollstream bench dp`: the same recorded samples trained by 1 and 2 gloo ranks (figures not
     asserted)."""
@@ -121,7 +121,7 @@ def test_dp_runs_one_and_two_ranks_through_the_cli(
         redis_url,
     ]
     assert main(argv) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capfd.readouterr().out)
     assert [row["ranks"] for row in rows] == [1, 2] and all(
         row["steps"] == 2 and row["samples_per_s"] > 0 for row in rows
     )
@@ -130,22 +130,22 @@ def test_dp_runs_one_and_two_ranks_through_the_cli(
     assert not list(r.scan_iter(match=Keys("bench-dp-*").pattern()))
 
 
-def test_decode_held_runs_through_the_cli_in_both_modes(capsys: pytest.CaptureFixture[str]) -> None:
+def test_decode_held_runs_through_the_cli_in_both_modes(capfd: pytest.CaptureFixture[str]) -> None:
     """Both allocator modes decode at a tiny size and report µs and faults per sample."""
     assert main(["bench", "decode_held", "--sizes", "16K", "--batch", "2", "--batches", "2", "--reps", "1",
                  "--json"]) == 0  # fmt: skip
-    (row,) = json.loads(capsys.readouterr().out)
+    (row,) = json.loads(capfd.readouterr().out)
     assert row["size"] == 16 * 1024 and row["batch"] == 2
     assert row["plain_us"] > 0 and row["tuned_us"] > 0 and row["plain_faults"] >= 0
 
 
 def test_watches_runs_through_the_cli_and_leaves_nothing(
-    r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+    r: redis.Redis, redis_url: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["bench", "watches", "--producers", "2", "--entries", "4", "--calls", "3"]
     argv += ["--redis-url", redis_url]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert "2 producers, 4 rollouts each of " in out
     assert "LeaseExpiry finished_counts: " in out and "FloodFence measure: " in out
     assert "us of Redis time per second" in out

@@ -1,9 +1,10 @@
 """The layering rule: lower packages never import higher ones. The runtime (rollstream/) and the wire contract
 (schemas/) import no worker package; workers import no benchmark, and producers and consumers never import
-each other. The fixtures (rollstream/testing/) sit above the producers, as benchmarks do: their fake samples
-are built with the producers' own builder (producers/rollout.py), and no runtime code imports them. Checked on
-the source with ast (every import statement, also inside functions and TYPE_CHECKING blocks), so it cannot be
-fooled by a lazy import; the CLI loads workers and benchmarks by module name (importlib) instead."""
+each other. The fixtures (rollstream/testing/) are part of the runtime package: they import no worker either,
+and no runtime code imports them. Checked on the source with ast (every import statement, also inside
+functions and TYPE_CHECKING blocks, and every `importlib.import_module(...)` / `__import__(...)` call: by its
+string, and one whose module is not a string literal counts as an offender), so neither a lazy import nor an
+import by name can hide one; the CLI runs workers and benchmarks as their own processes (`python -m`)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,21 @@ FORBIDDEN = {
     "producers": {"consumers", "benchmarks"},
     "consumers": {"producers", "benchmarks"},
 }
-#: The fixtures' folder (rollstream/testing/) and the packages its modules may not import: they may import
-#: producers (fake samples built with the producers' own builder); runtime code never imports them (below).
-FIXTURES = Path("rollstream", "testing")
-FIXTURES_FORBIDDEN = {"consumers", "benchmarks"}
+#: What an import by name whose module is not a string literal counts as (it could be any package).
+DYNAMIC = "<import by a computed name>"
+#: The functions that import a module by its name.
+IMPORTERS = {"import_module", "__import__"}
+
+
+def _import_by_name(node: ast.Call) -> str | None:
+    """The dotted module an `importlib.import_module(...)` / `import_module(...)` / `__import__(...)` call
+    imports (DYNAMIC when it is not a string literal); None for any other call."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in IMPORTERS:
+        return None
+    arg = node.args[0] if node.args else None
+    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else DYNAMIC
 
 
 def imported_packages(source: str) -> list[tuple[int, str]]:
@@ -35,6 +47,8 @@ def imported_packages(source: str) -> list[tuple[int, str]]:
             out += [(node.lineno, a.name.split(".")[0]) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module.split(".")[0]))
+        elif isinstance(node, ast.Call) and (module := _import_by_name(node)) is not None:
+            out.append((node.lineno, module if module == DYNAMIC else module.split(".")[0]))
     return out
 
 
@@ -42,6 +56,15 @@ def test_the_check_sees_imports_anywhere_in_a_module() -> None:
     src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from producers.worker import Producer\n"
            "def f():\n    import consumers.trainer.loop as loop\n    from benchmarks import bus\n")
     assert [p for _, p in imported_packages(src)] == ["typing", "producers", "consumers", "benchmarks"]
+
+
+def test_the_check_sees_imports_by_name() -> None:
+    src = ("import importlib\nfrom importlib import import_module\n"
+           "def f(name):\n    importlib.import_module('producers.worker').Producer\n"
+           "    import_module('consumers.trainer')\n    __import__('benchmarks.bus')\n"
+           "    importlib.import_module(name)\n    getattr(importlib, 'x')\n")
+    found = sorted(p for _, p in imported_packages(src))
+    assert found == sorted([DYNAMIC, "benchmarks", "consumers", "importlib", "importlib", "producers"])
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -52,7 +75,7 @@ def test_package_imports_no_higher_package(package: str) -> None:
         f"{path.relative_to(ROOT)}:{line} imports {top}"
         for path in paths
         for line, top in imported_packages(path.read_text(encoding="utf-8"))
-        if top in (FIXTURES_FORBIDDEN if FIXTURES in path.relative_to(ROOT).parents else FORBIDDEN[package])
+        if top in FORBIDDEN[package] or top == DYNAMIC
     ]
     assert offenders == []
 
@@ -71,7 +94,7 @@ def imported_names(source: str) -> list[tuple[int, str]]:
 @pytest.mark.parametrize("package", ["schemas", "rollstream", "producers", "consumers"])
 def test_runtime_code_imports_no_fixture(package: str) -> None:
     """rollstream/testing/ (fakes, tiny HF models) is for tests and benchmarks only."""
-    fixtures = ROOT / FIXTURES
+    fixtures = ROOT / "rollstream" / "testing"
     offenders = [
         f"{path.relative_to(ROOT)}:{line} imports {name}"
         for path in sorted((ROOT / package).rglob("*.py"))

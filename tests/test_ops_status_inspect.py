@@ -278,17 +278,17 @@ def test_replay_trainer_copies_a_range_into_a_new_namespace(
         delete_run(r, dst)
 
 
-def test_bench_fails_clearly_when_the_module_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = cli(capsys, "bench", "no_such_bench")
+def test_bench_fails_clearly_when_the_module_is_missing(capfd: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(capfd, "bench", "no_such_bench")
     assert code == 1 and "no benchmark 'no_such_bench'" in err
 
 
 def test_replay_records_refolds_into_a_new_run(
-    capsys: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path
+    capfd: pytest.CaptureFixture[str], r: redis.Redis, keys: Keys, redis_url: str, tmp_path: Path
 ) -> None:
     dst = Keys(keys.run + "-rec")
     try:  # run.dir: not ./runs, where a demo run's ACL secrets would be used against the test Redis
-        code, out, _ = cli(capsys, "replay", "records", "--from", keys.run, "--to", dst.run,
+        code, out, _ = cli(capfd, "replay", "records", "--from", keys.run, "--to", dst.run,
                            str(ROOT / "pipeline.yaml"), f"run.redis_url={redis_url}", f"run.dir={tmp_path}")
         assert code == 0 and f"from run '{keys.run}'" in out
     finally:

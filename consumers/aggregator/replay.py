@@ -1,7 +1,8 @@
 """Rebuild a run's records from its log: `metrics` and every producer's `stats:<p>` merged in id order,
 through the same Fold, into a new run.
 
-`rollstream replay records --from RUN --to NEWRUN [--redis-url URL]` calls `main`. The result equals the
+`rollstream replay records --from RUN --to NEWRUN [CONFIG] [OVERRIDES…]` runs this module's `main` (`python -m
+consumers.aggregator.replay`, so the runtime imports no worker). The result equals the
 live records field for field (records take the step_end's created_at). Entries the live aggregator
 dead-lettered (listed on `dead` with their stream as source) are skipped, as are entries that do not
 decode or are of the wrong kind for their stream, so replay folds exactly what the live fold placed. A
@@ -11,8 +12,8 @@ record Redis refuses (its step is not above the last one written) is logged and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from itertools import chain
@@ -22,16 +23,16 @@ import redis
 
 from consumers.aggregator.fold import Completed, Fold, id_key, stats_ref
 from consumers.aggregator.worker import TRAINER_EVENTS
-from rollstream.bus import connect, iter_stream, read_password, run_producers
+from rollstream.bus import CONNECTION_ERRORS, ArchiveError, iter_stream, run_producers
 from rollstream.bus.outbox import pending_dead, record_id
+from rollstream.cli.targets import log_target
+from rollstream.config import ConfigError
 from rollstream.keys import Keys
-from rollstream.runtime.process import REDIS_URL_ENV
+from rollstream.ops.log_server import LogServerError, replay_destination
 from rollstream.topology.cluster import require_one_slot
 from schemas import DeadLetter, DecodeError, ProducerStats, decode, encode
 
 log = logging.getLogger(__name__)
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def dead_lettered(r: redis.Redis, keys: Keys, producers: Sequence[str]) -> set[tuple[str, str]]:
@@ -119,36 +120,56 @@ def replay_records(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Arguments of `rollstream replay records`."""
+    """Arguments of `rollstream replay records` (the CLI runs this module with them)."""
     p = argparse.ArgumentParser(prog="rollstream replay records", description=__doc__.splitlines()[0])
     p.add_argument("--from", dest="src", required=True, help="run name whose metrics log is replayed")
     p.add_argument("--to", dest="dst", required=True, help="new run name that receives the records")
-    p.add_argument(
-        "--redis-url", default=None, help=f"Redis URL (default ${REDIS_URL_ENV} or {DEFAULT_REDIS_URL})"
-    )
-    p.add_argument("--total-gpus", type=int, default=1, help="GPUs behind perf/throughput (as the live run)")
+    p.add_argument("config", nargs="?", help="path to pipeline.yaml (default ./pipeline.yaml when present)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. run.name=demo")
+    p.add_argument("--run-dir", help="a run dir made by `rollstream run` (uses its pipeline.resolved.yaml)")
+    p.add_argument("--redis-url", default=None, help="Redis URL (the override run.redis_url=URL)")
+    p.add_argument("--total-gpus", type=int, default=None,
+                   help="GPUs behind perf/throughput (default aggregator.total_gpus, as the live run)")
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Replay records; prints how many were written. Exit 2 when the destination already has records."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv[1:] if argv[:1] == ["--"] else argv)  # a pass-through may keep "--"
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    url = args.redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
+def _replay(args: argparse.Namespace) -> int:
+    """Replay the records a parsed command line asks for into the run's Redis (a stopped run: served
+    read-only, the copy into the new run's own embedded Redis); exit 2 on a refused replay."""
+    if args.redis_url:
+        args.overrides = [*args.overrides, f"run.redis_url={args.redis_url}"]
+    t = log_target(args)
+    out = args.stack.enter_context(replay_destination(t, args.dst))
+    total_gpus = t.cfg.aggregator.total_gpus if args.total_gpus is None else args.total_gpus
     try:
-        require_one_slot(url, [args.src, args.dst], "rollstream replay")
-    except ValueError as e:
-        print(f"rollstream replay: {e}", file=sys.stderr)
-        return 2
-    r = connect(url, password=read_password(), run=args.src)
-    try:
-        n = replay_records(r, Keys(args.src), Keys(args.dst), total_gpus=args.total_gpus)
-    except ValueError as e:
-        print(f"rollstream replay: {e}", file=sys.stderr)
+        require_one_slot(t.redis_url, [args.src, args.dst], "rollstream replay records")
+        n = replay_records(t.connect(), Keys(args.src), Keys(args.dst), total_gpus=total_gpus, out=out)
+    except (ValueError, ArchiveError) as e:
+        print(f"rollstream replay records: {e}", file=sys.stderr)
         return 2
     print(f"replayed {n} records from run {args.src!r} into {Keys(args.dst).records}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`rollstream replay records`: refold a run's metrics log into a new run's records; prints how many
+    were written. Exit 2 when the destination already has records or the config is invalid, 3 when Redis
+    cannot be reached (as every rollstream command)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_intermixed_args(argv[1:] if argv[:1] == ["--"] else argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        with contextlib.ExitStack() as args.stack:
+            return _replay(args)
+    except ConfigError as e:
+        print(f"rollstream: {e}", file=sys.stderr)
+        return 2
+    except CONNECTION_ERRORS as e:
+        print(f"rollstream: redis not reachable: {e}", file=sys.stderr)
+        return 3
+    except LogServerError as e:
+        print(f"rollstream: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

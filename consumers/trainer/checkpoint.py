@@ -31,8 +31,6 @@ version is upgraded one version at a time on load, so a trainer resumes from any
 from __future__ import annotations
 
 import random
-import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,27 +44,14 @@ from consumers.trainer.distributed import DataParallel
 from consumers.trainer.learner import Learner
 from rollstream.model import BasePolicy
 from rollstream.runtime.files import atomic_write, private_dir
+from rollstream.weights.checkpoints import checkpoint_path, list_checkpoints
 from rollstream.weights.tensors import load_tensors_into, unique_state
 from schemas import decode_payload, encode_payload
 
-_NAME = re.compile(r"^step-(\d{8})\.safetensors$")
 _META = "meta/payload"
 #: Layout version of the metadata this code writes (see the module docstring).
 META_VERSION = 4
 _VERSION_KEY = "meta_version"
-
-
-def checkpoint_path(ckpt_dir: Path, global_step: int) -> Path:
-    """File of the checkpoint taken after `global_step`."""
-    return ckpt_dir / f"step-{global_step:08d}.safetensors"
-
-
-def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """(global_step, path) of every complete checkpoint, oldest first."""
-    if not ckpt_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _NAME.match(p.name))]
-    return sorted(found)
 
 
 # -- RNG -------------------------------------------------------------------------------------------
@@ -290,21 +275,6 @@ def read_checkpoint(
     else:
         _restore_rng(tensors, rng)
     return model, optimizer_state, meta
-
-
-def copy_checkpoint(src_dir: Path, dst_dir: Path, global_step: int) -> Path:
-    """Copy the checkpoint of `global_step` into another run's checkpoint folder (for a trainer replay);
-    FileNotFoundError names the steps `src_dir` still has."""
-    src = checkpoint_path(src_dir, global_step)
-    if not src.is_file():
-        have = [g for g, _ in list_checkpoints(src_dir)]
-        raise FileNotFoundError(f"no checkpoint of step {global_step} in {src_dir} (have {have}; "
-                                "raise trainer.keep_checkpoints to keep older ones)")
-    private_dir(dst_dir)
-    dst = checkpoint_path(dst_dir, global_step)
-    shutil.copy2(src, dst)  # keeps the file mode
-    return dst
-
 
 
 def restore_newest(

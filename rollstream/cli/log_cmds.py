@@ -1,26 +1,21 @@
 """The commands that read a run's log: `audit`, `inspect`, `tail`, `replay`, `plot`, `serve`.
 
-The runtime imports no worker package: the aggregator's replay and the trainer's checkpoint copy are loaded
-by module name (`importlib`)."""
+The runtime imports no worker package: `replay records` runs the aggregator's replay as its own process
+(`python -m consumers.aggregator.replay`), and `replay trainer` copies a checkpoint by its file name alone
+(rollstream/weights/checkpoints.py)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 from rollstream.cli.targets import config_and_overrides, log_target, target
 from rollstream.ops.run_target import mask_url
-
-
-def _worker_function(module: str, name: str) -> Any:
-    """Function `name` of a worker module, loaded by module name (the runtime imports no worker package)."""
-    return getattr(importlib.import_module(module), name)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -96,25 +91,13 @@ def _write_flush(text: str) -> None:
 
 
 def cmd_replay_records(args: argparse.Namespace) -> int:
-    """`rollstream replay records`: refold a run's metrics log into a new run's records."""
-    from rollstream.bus import ArchiveError
-    from rollstream.keys import Keys
-    from rollstream.ops.log_server import replay_destination
-    from rollstream.topology.cluster import require_one_slot
-
-    t = log_target(args)
-    out = args.stack.enter_context(replay_destination(t, args.dst))
-    replay_records = _worker_function("consumers.aggregator.replay", "replay_records")
-    try:
-        require_one_slot(t.redis_url, [args.src, args.dst], "rollstream replay records")
-        n = replay_records(
-            t.connect(), Keys(args.src), Keys(args.dst), total_gpus=t.cfg.aggregator.total_gpus, out=out
-        )
-    except (ValueError, ArchiveError) as e:
-        print(f"rollstream replay records: {e}", file=sys.stderr)
-        return 2
-    print(f"replayed {n} records from run {args.src!r} into {Keys(args.dst).records}")
-    return 0
+    """`rollstream replay records`: refold a run's metrics log into a new run's records, with the
+    aggregator's own fold: `python -m consumers.aggregator.replay` runs with these arguments (the runtime
+    imports no worker); its exit status is this command's."""
+    argv = ["--from", args.src, "--to", args.dst, *([args.config] if args.config else []), *args.overrides]
+    if args.run_dir:
+        argv += ["--run-dir", args.run_dir]
+    return subprocess.run([sys.executable, "-m", "consumers.aggregator.replay", *argv]).returncode
 
 
 def cmd_replay_trainer(args: argparse.Namespace) -> int:
@@ -126,6 +109,7 @@ def cmd_replay_trainer(args: argparse.Namespace) -> int:
     from rollstream.ops.log_server import replay_destination
     from rollstream.ops.replay_copy import ReplayCopyError, copy_rollouts, copy_steps, parse_steps
     from rollstream.topology.cluster import require_one_slot
+    from rollstream.weights.checkpoints import copy_checkpoint
 
     t = log_target(args)
     try:
@@ -142,7 +126,6 @@ def cmd_replay_trainer(args: argparse.Namespace) -> int:
             first, last = parse_steps(args.steps)
             n, kept_ids = copy_steps(r, src, dst, first, last, out=out)
             if first > 1:
-                copy_checkpoint = _worker_function("consumers.trainer.checkpoint", "copy_checkpoint")
                 run_dir = Path(t.cfg.run.dir)
                 try:
                     copy_checkpoint(
@@ -201,8 +184,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """`rollstream serve`: a stopped run's Redis up from its own files, for CMD or until Ctrl-C."""
-    import subprocess
-
     from rollstream.bus.connection import PASSWORD_ENV, USERNAME_ENV
     from rollstream.ops.log_server import serve_run
     from rollstream.runtime.process import REDIS_URL_ENV

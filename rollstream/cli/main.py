@@ -1,9 +1,10 @@
 """The `rollstream` command: the argument parser and the dispatch (the exit codes every command shares).
 
 The commands are thin and call library code (rollstream.ops): a run's life in run_cmds, reading its log in
-log_cmds, models in model_cmds, benchmarks in bench_cmds. The runtime imports no worker package: workers and
-benchmarks are launched or loaded by module name (`python -m consumers.trainer` under supervisord;
-`importlib` for the aggregator's replay, the trainer's checkpoint copy and `benchmarks.<name>`)."""
+log_cmds, models in model_cmds, benchmarks in bench_cmds. The runtime imports no worker package, not even by
+module name: workers and benchmarks run as their own processes (`python -m consumers.trainer` under
+supervisord; `python -m consumers.aggregator.replay` for `replay records`, `python -m benchmarks` for
+`bench`)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,19 @@
-"""Find and load the benchmarks by module name: the runtime imports no benchmark. Every module of the
-top-level `benchmarks` package that defines a top-level `main(argv)` is one, named after its module without
-a trailing `_` (`benchmarks/async_.py` is `async`); `rollstream bench NAME ARGS…` runs its `main(ARGS)`."""
+"""`python -m benchmarks NAME ARGS…` runs benchmark NAME's `main(ARGS)`; `python -m benchmarks [--list]` lists
+them (`rollstream bench` runs this module, so the runtime imports no benchmark). Every module of this package
+that defines a top-level `main(argv)` is one, named after its module without a trailing `_`
+(`benchmarks/async_.py` is `async`)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import importlib.util
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-#: The package the benchmarks live in (found on sys.path, never imported by the runtime's modules).
+#: The package the benchmarks live in (this one).
 PACKAGE = "benchmarks"
 
 
@@ -69,3 +71,22 @@ def load_benchmark(name: str) -> Callable[[list[str]], int | None]:
         raise BenchmarkError(f"no benchmark {name!r} (there are: {there})")
     main: Callable[[list[str]], int | None] = importlib.import_module(known[name].module).main
     return main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """List the benchmarks (no NAME, or --list), or run benchmark NAME with the remaining arguments; exit 1
+    naming the known ones when there is no NAME."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] == "--list":
+        print(format_list(list_benchmarks()))
+        return 0
+    try:
+        bench_main = load_benchmark(argv[0])
+    except BenchmarkError as e:
+        print(f"rollstream bench: {e}", file=sys.stderr)
+        return 1
+    return int(bench_main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
