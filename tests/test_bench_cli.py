@@ -28,7 +28,8 @@ def modules_with_main() -> set[str]:
     """benchmarks/*.py defining a top-level main, read from the source (not __main__, which runs them)."""
     return {
         p.stem for p in (ROOT / "benchmarks").glob("*.py")
-        if not p.name.startswith("_") and any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in ast.parse(p.read_text()).body)
+        if not p.name.startswith("_")
+        and any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in ast.parse(p.read_text()).body)
     }
 
 
