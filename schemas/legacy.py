@@ -1,5 +1,5 @@
-"""The old wire schemas, read only, in one place: schemas/codec.py writes and reads the current schema and
-asks this module only for what an older encoder wrote.
+"""The old wire schemas, read only, in one place: schemas/codec.py and schemas/payload.py write and read the
+current schema and ask this module only for what an older encoder wrote.
 
 - `upgrade`: an old payload dict upcast one schema version at a time (rollout 2 -> 3: a padded batch becomes
   ragged; other steps only add fields with defaults or change the wire layout).
@@ -29,7 +29,7 @@ from schemas.ragged import ID_KINDS, LOG_PROBS, RESPONSE_MASK, RaggedBatch, chec
 EXT_COMPACT_BATCH = 6
 # packed [prompt_lens, prompt_ids, response_lens, response_ids, tokens, rows, non_tensors, meta_info]: a
 # RaggedBatch in schema 3. Arrays are flat array headers (bins); tokens and rows map names to
-# them, non_tensors as in schemas/codec.py's EXT_DATAPROTO.
+# them, non_tensors as in schemas/payload.py's EXT_DATAPROTO.
 EXT_RAGGED_BATCH_3 = 7
 
 
@@ -43,7 +43,7 @@ class BinLimits(Protocol):
 
 
 class Unpacking(Protocol):
-    """What the legacy ext decoders need of the codec's unpacker (schemas/codec.py `_Unpacker`)."""
+    """What the legacy ext decoders need of the codec's unpacker (schemas/payload.py `Unpacker`)."""
 
     @property
     def limits(self) -> BinLimits:
