@@ -1,4 +1,4 @@
-# Over 400 lines on purpose: GroupReader is one state machine (poll, claim, dead-letter, ack, burst).
+# Over 400 lines on purpose: GroupReader is one state machine (poll, claim, ack, reconnect, burst).
 """THE consumer loop every worker runs: `GroupReader.batches`, one consumer of one group on one or more
 streams (the trainer reads every producer's `rollouts:<p>` with one reader), with acks committed by the
 caller. Each entry is known by its stream and id (`EntryRef`; `Message.ref`): ids of two streams may be equal.
@@ -7,12 +7,13 @@ Order of work in each poll: (1) our own pending entries from id 0 (at start, aft
 handler failure), (2) every so often entries idle longer than claim_idle_s from other consumers (XAUTOCLAIM),
 (3) new entries (`>`: one XREADGROUP naming every stream, at most `count` entries in all). Each entry is
 decoded; one that fails to decode, or has been delivered max_deliveries times, goes to `dead` with a reason
-and is acked in the same MULTI. Acks happen after the caller's effect, in batches: through `ack`, or inside
-its own MULTI with the effect and then `forget` (the trainer acks only once a checkpoint covers a step; the
-aggregator acks in the transaction that writes records). Entries held unacked are kept fresh with XCLAIM
-JUSTID (which resets idle time without counting a delivery) so no one else claims them. An entry held that a
-read of new entries delivers again (the group's last-delivered-id went back: a failover to a replica that had
-not received the earlier read) is passed over: it is already ours, and acked with its effect.
+and is acked in the same step (rollstream/bus/dead_letter.py). Acks happen after the caller's effect, in
+batches: through `ack`, or inside its own MULTI with the effect and then `forget` (the trainer acks only once
+a checkpoint covers a step; the aggregator acks in the transaction that writes records). Entries held
+unacked are kept fresh with XCLAIM JUSTID (which resets idle time without counting a delivery) so no one
+else claims them. An entry held that a read of new entries delivers again (the group's last-delivered-id
+went back: a failover to a replica that had not received the earlier read) is passed over: it is already
+ours, and acked with its effect.
 
 Burst mode (tests, replays, benchmarks): the loop ends after the poll that finds the stream drained, i.e.
 a read of new entries (`>`) that returned none while not re-reading our own pending list. A connection
@@ -26,16 +27,15 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import redis
 
 from rollstream.bus.connection import CONNECTION_ERRORS, reconnect_count, retry_on_connection
+from rollstream.bus.dead_letter import write_dead_letter
 from rollstream.bus.ids import text
-from rollstream.bus.outbox import pack_item
 from rollstream.bus.publish import ensure_group
-from schemas import DEFAULT_LIMITS, DecodeError, Event, Limits, dead_letter_of, decode, encode
+from schemas import DEFAULT_LIMITS, DecodeError, Event, Limits, decode
 
 log = logging.getLogger(__name__)
 
@@ -85,17 +85,6 @@ class ReaderStats:
     reconnects: int = 0
     decode_s: float = 0.0
     transport_s: float = 0.0  # moving entries out of Redis and decoding them, not waiting for writers
-
-
-# KEYS: stream, dead stream, counter hash; ARGV: group, entry id, counter field ('' = do not count), then the
-# dead copy's field names and values. Acks the entry and, only if it was still pending (a retry after a lost
-# reply finds it acked), writes its dead copy and counts it: one dead copy and one count per entry.
-_DEAD_LETTER = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
-if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[3], 1) end
-return 1
-"""
 
 
 class GroupReader:
@@ -364,55 +353,16 @@ class GroupReader:
         stream: str | None = None,
     ) -> None:
         """Copy an entry of `stream` (default: the reader's only one) to `dead` with a reason and ack it,
-        atomically (one script); a connection loss is retried. The copy is written only if the ack found the
-        entry pending, so a retry after a lost reply writes nothing twice; with `dead_count` set, a `counted`
+        atomically (`write_dead_letter`, rollstream/bus/dead_letter.py); with `dead_count` set, a `counted`
         dead letter also increments that (hash, field) in the same step."""
         stream = self.stream if stream is None else stream
-        dl = dead_letter_of(  # the copy is bounded: an oversize entry keeps its header, sizes and digest
-            stream,
-            entry_id,
-            reason[:1000],
-            # field names are whatever the writer sent: a non-UTF-8 name must not stop dead-lettering
-            {text(k, errors="backslashreplace"): bytes(v) for k, v in fields.items()},
-        )
-        body = encode(dl)
-
-        key, field = self.dead_count if self.dead_count is not None and counted else (self.dead_stream, "")
-        flat = [x for name, value in body.items() for x in (name, value)]
-
-        def write() -> None:
-            self.r.eval(_DEAD_LETTER, 3, stream, self.dead_stream, key, self.group, entry_id, field, *flat)
-
-        retry_on_connection(
-            write
-            if self.dead_count is not None
-            else partial(self._dead_letter_watched, stream, body, entry_id),
-            f"dead-lettering {entry_id}",
+        write_dead_letter(
+            self.r, stream, self.group, entry_id, fields, reason, dead_stream=self.dead_stream,
+            dead_count=self.dead_count, counted=counted, dead_outbox=self.dead_outbox,
         )
         self._inflight.discard((stream, entry_id))
         self.stats.dead += 1
         log.error("%s: %s -> dead: %s", stream, entry_id, reason)
-
-    def _dead_letter_watched(self, stream: str, body: Mapping[str, Any], entry_id: str) -> None:
-        """The dead letter without a script (a reader whose user may not run scripts): under WATCH of the
-        stream, XADD the copy (RPUSH to the outbox) and XACK in one MULTI only if the entry is still pending;
-        a write to the stream in between makes EXEC fail and the check runs again."""
-        while True:
-            with self.r.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(stream)
-                    if not pipe.xpending_range(stream, self.group, min=entry_id, max=entry_id, count=1):
-                        return  # acked already (a retry after a lost reply): nothing twice
-                    pipe.multi()
-                    if self.dead_outbox:
-                        pipe.rpush(self.dead_stream, pack_item(body))
-                    else:
-                        pipe.xadd(self.dead_stream, dict(body))
-                    pipe.xack(stream, self.group, entry_id)
-                    pipe.execute()
-                    return
-                except redis.WatchError:
-                    continue
 
     def _touch_inflight(self) -> None:
         """Reset idle time of entries we still hold (XCLAIM JUSTID does not count a delivery)."""
