@@ -77,7 +77,7 @@ class StatsWindow:
     def event(self, producer: str, param_version: int) -> ProducerStats:
         """The window as a ProducerStats event tagged with `param_version`. Its metrics carry the window's
         seconds (WINDOW_S, WINDOW_GEN_S, WINDOW_IDLE_S): the aggregator merges the windows of a step's span
-        with them (consumers/aggregator/fold.py merge_windows)."""
+        with them (consumers/aggregator/windows.py merge_windows)."""
         elapsed = max(time.monotonic() - self.started, 1e-9)
         n = max(self.trajectories, 1)
         metrics: dict[str, float] = {
