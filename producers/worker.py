@@ -1,4 +1,4 @@
-# Over 400 lines on purpose: one Producer whose loop steps share its state; its parts live beside it.
+# Over 400 lines on purpose: one Producer whose loop steps share its state (publishing: producers/publish.py).
 """The rollout producer: lease -> dispatch prompts -> generate -> score -> publish.
 
 Started as `python -m producers pipeline.yaml [key=value ...] [--name rollout_00] [--burst]
@@ -16,7 +16,8 @@ producer runs no script); with prompts left on it, load the newest weights (afte
 prompt leased under version v is never generated with older weights), dispatch up to
 `prompts_per_dispatch` of them, stamp `param_version` = the loaded version, generate all prompts x n in one
 agent-loop call (weights may change mid-generation with partial rollout), score each response, and publish
-one RolloutSample per prompt together with `mark_published` and the cursor in one transaction. With none
+one RolloutSample per prompt together with `mark_published` and the cursor in one transaction
+(producers/publish.py). With none
 left it asks for one more dispatch (`producer:<name>:want`) and waits, idle, for the trainer's lease.
 A ProducerStats event goes to `stats` on each version switch (tagged with the version left) and every
 `rollout.stats_every_s`. The first SIGTERM finishes and
@@ -42,7 +43,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
@@ -50,29 +51,23 @@ import torch
 
 from producers.agent import GenerationSettings, run_agent_loop
 from producers.engines import EngineError
-from producers.rollout import (
-    GenerationRequest,
-    Trajectory,
-    build_rollout_sample,
-    failed_trajectories,
-    generation_request,
-)
+from producers.publish import Publishing
+from producers.rollout import GenerationRequest, Trajectory, generation_request
 from producers.slots import Slots
-from producers.stats import Counters, StatsWindow, rollout_status
+from producers.stats import Counters, StatsWindow
 from producers.watchdog import GenerationHung, GenerationWatchdog, exit_hung
 from producers.weight_sync import WeightSync
 from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
 from rollstream.config import PipelineConfig
-from rollstream.keys import Keys, producer_names
+from rollstream.keys import Keys
 from rollstream.model import BasePolicy, build_policy
-from rollstream.pacing.budget import ask_lease, leased_sample_id, mark_published
-from rollstream.pacing.counters import lease_of, published_count, rollout_counts
+from rollstream.pacing.budget import ask_lease, leased_sample_id
+from rollstream.pacing.counters import lease_of, published_count
 from rollstream.runtime.process import EXIT_HUNG, WorkerContext
 from rollstream.tasks import Prompt, Task, build_prompt_source, build_task
-from rollstream.topology.replication import execute_and_wait, require_acks
 from rollstream.weights.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
 from rollstream.weights.store import latest_param_version
-from schemas import ROLLOUT_FAILURE, RolloutSample, decode_cursor, encode, encode_cursor
+from schemas import RolloutSample, decode_cursor
 
 if TYPE_CHECKING:
     from producers.continuous import ContinuousLoop
@@ -86,11 +81,6 @@ BURST_WAIT_S = 0.25  # burst mode: how long to wait for a lease asked for before
 #: Generation of one dispatch: (the request, prompts x n rows prompt-major; the param version stamped at
 #: dispatch) -> one trajectory per row, in row order.
 GenerateFn = Callable[[GenerationRequest, int], list[Trajectory]]
-
-
-class PublishError(RuntimeError):
-    """Redis refused a publish's XADD; the cursor and in-flight count were put back, the prompts are not
-    lost."""
 
 
 def producer_index(name: str, count: int) -> int:
@@ -107,7 +97,7 @@ def producer_seed(seed: int, index: int) -> int:
     return seed * 1_000_003 + index
 
 
-class Producer:
+class Producer(Publishing):
     """One rollout producer on a WorkerContext; `run()` loops until stop (or a bounded amount of work).
     `generate` replaces the policy's generation (benchmarks inject a modelled decode); `slots` > 1 runs that
     many copies of the loop side by side, one prompt a dispatch each (producers/slots.py)."""
@@ -390,30 +380,6 @@ class Producer:
         gen_s = time.perf_counter() - t0
         return self._finish(ids, items, param_version, trajs, gen_s, self._status(False), before)
 
-    def _status(self, failed: bool) -> dict[str, float | int]:
-        """The global rollout_status a dispatch's samples carry (`rollout_failure` = 1 when it failed: the
-        trainer evicts such a sample with that reason and gives its room back)."""
-        counts = rollout_counts(self.ctx.r, self.ctx.keys, producer_names(self.ctx.cfg.rollout.num_producers))
-        status = rollout_status(counts, self.ctx.cfg, self.weights.version)
-        if failed:
-            status[ROLLOUT_FAILURE] = 1
-        return status
-
-    def _publish_failures(
-        self,
-        ids: list[str],
-        items: list[tuple[int, int, Prompt]],
-        param_version: int,
-        request: GenerationRequest,
-        t0: float,
-        before: tuple[int, int],
-    ) -> list[RolloutSample]:
-        """Publish a dispatch whose generation (begun at `t0`) failed: each prompt with empty responses and
-        rollout_status `rollout_failure` = 1; returns the samples."""
-        elapsed = time.perf_counter() - t0
-        trajs = failed_trajectories(request, param_version, elapsed)
-        return self._finish(ids, items, param_version, trajs, elapsed, self._status(True), before)
-
     def _hung(self, publish_failures: Callable[[], list[RolloutSample]]) -> None:
         """The watchdog's end of a generation past `rollout.generate_timeout_s`: publish its prompts as
         rollout failures, then `on_hung` (exit EXIT_HUNG; the supervisor restarts the producer). A publish
@@ -442,103 +408,6 @@ class Producer:
             self.next_seq += len(items)
             self.counters.dispatched += len(items)
             return items, self.weights.version, ids  # stamped at dispatch
-
-    def _finish(
-        self,
-        ids: list[str],
-        items: list[tuple[int, int, Prompt]],
-        param_version: int,
-        trajs: list[Trajectory],
-        gen_s: float,
-        status: dict[str, float | int],
-        before: tuple[int, int],
-        after: tuple[int, int] | None = None,
-    ) -> list[RolloutSample]:
-        """Count the generation time, score and pack each prompt's trajectories, publish (`before`: the cursor
-        ahead of these prompts, restored when the publish fails; `after`: the cursor saved with them, default
-        the shard's current one; slot-averaged `gen_s`); returns the samples ([] for a slot's dispatch taken
-        before a reconnect, discarded: its prompts are dispatched again)."""
-        n = self.ctx.cfg.rollout.n
-        with self.lock:
-            if self.slots.stale(len(items)):
-                return []
-            gen_s = self.slots.share(gen_s)
-            self.counters.gen_s += gen_s
-            self.window.gen_s += gen_s
-            samples = []
-            for k, (sid, (epoch, _, prompt)) in enumerate(zip(ids, items, strict=True)):
-                group = trajs[k * n : (k + 1) * n]
-                samples.append(self._sample(sid, epoch, param_version, prompt, group, status))
-            self._publish(samples, before, after)
-            return samples
-
-    def _sample(
-        self,
-        sample_id: str,
-        epoch: int,
-        param_version: int,
-        prompt: Prompt,
-        group: list[Any],
-        status: dict[str, float | int],
-    ) -> RolloutSample:
-        """Score one prompt's trajectories and pack them as a RolloutSample carrying the global `status`."""
-        tok = self.policy.tokenizer
-        texts = [tok.decode(t.response_ids) for t in group]
-        rewards = [self.task.reward(prompt, text) for text in texts]
-        self.window.add_sample(group, rewards)
-        self.counters.tokens += sum(t.generated_tokens for t in group)
-        self.counters.partial_swaps += sum(int(t.version_start < t.version_end) for t in group)
-        self.counters.tool_calls += sum(len(t.tool_call_s) for t in group)
-        tool_calls = [sum(t.tool_call_s) for t in group] if self.multi_turn else []  # per row, as verl
-        self.counters.versions_loaded = self.weights.loads
-        return build_rollout_sample(
-            sample_id=sample_id,
-            epoch=epoch,
-            param_version=param_version,
-            producer=self.name,
-            trajectories=group,
-            rewards=rewards,
-            raw_prompt=prompt.text,
-            ground_truth=prompt.answer,
-            tokenizer=tok,
-            rollout_status=status,
-            tool_calls=tool_calls,
-            response_texts=texts,
-        )
-
-    def _publish(
-        self, samples: Sequence[RolloutSample], before: tuple[int, int], after: tuple[int, int] | None = None
-    ) -> None:
-        """XADD the samples, mark them published and advance the cursor, in one MULTI/EXEC. A transaction
-        runs every command even when one fails (an XADD refused: the stream's last id is exhausted, or
-        the stream is gone), so a failed publish is undone at once: the published count goes back down,
-        the cursor back to `before` (the prompts' start) with the next seq, and PublishError is raised."""
-        keys = self.ctx.keys
-        pipe = self.ctx.r.pipeline(transaction=True)
-        for s in samples:
-            pipe.xadd(keys.rollouts_of(self.name), encode(s), nomkstream=True)  # type: ignore[arg-type]
-        mark_published(pipe, keys, self.name, len(samples))
-        epoch, index = after if after is not None else self.source.cursor
-        pipe.set(keys.producer_cursor(self.name), encode_cursor(epoch, index))
-        res, acked = execute_and_wait(pipe, raise_on_error=False)
-        refused = [x for x in res[: len(samples)] if x is None or isinstance(x, Exception)]
-        if refused:
-            undo = self.ctx.r.pipeline(transaction=True)
-            undo.decrby(keys.producer_published(self.name), len(samples))
-            undo.set(keys.producer_cursor(self.name), encode_cursor(*before))
-            undo.execute()
-            self.source.cursor = before
-            self.next_seq -= len(samples)
-            if refused[0] is None:
-                raise RunNotSetUpError.for_stream(keys.rollouts_of(self.name))
-            raise PublishError(
-                f"XADD to {keys.rollouts_of(self.name)} refused ({refused[0]}); cursor and published count "
-                "kept"
-            )
-        # too few replicas acknowledged: a ConnectionError, so the loop's reconnect reloads the cursor and
-        # published count from the primary (a failover that lost the write re-dispatches the same seqs)
-        require_acks(self.ctx.r.connection_pool, acked, f"publish of {len(samples)} samples")
-        self.counters.published += len(samples)
 
     # ---- statistics -------------------------------------------------------------------------------
     def _on_switch(self, old: int, new: int) -> None:

@@ -33,7 +33,8 @@ from consumers.trainer.guard import value_reason
 from consumers.trainer.ledger import StepLedger
 from consumers.trainer.minibatch import UPDATE_SKIPPED
 from consumers.trainer.rank_agreement import RankRoles
-from producers.worker import Producer, PublishError
+from producers.publish import PublishError
+from producers.worker import Producer
 from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection, setup_run
 from rollstream.bus.connection import watch_busy_scripts
 from rollstream.bus.outbox import OutboxDrain, pack_item
