@@ -7,8 +7,10 @@ from pathlib import Path
 
 import torch
 
-from consumers.trainer.learner import Learner, entropy_coef_at, group_advantages
+from consumers.trainer.advantages import group_advantages, minibatch_advantages
+from consumers.trainer.learner import Learner
 from rollstream.config import load_config
+from rollstream.rl.ppo import entropy_coef_at
 from rollstream.tasks.warmstart import format_targets, greedy_scores, warm_start
 from rollstream.weights.tensors import load_init, save_policy
 
@@ -26,11 +28,11 @@ def test_dr_grpo_advantages_keep_reward_scale_and_std_norm_rescales() -> None:
     assert float(plain[7]) < float(plain[0]) / 4
 
 
-def test_the_learner_divides_outcome_advantages_by_the_group_mean_when_asked() -> None:
-    rewards = torch.tensor([1.0] + [0.0] * 7)
+def test_outcome_advantages_are_divided_by_the_group_mean_when_asked() -> None:
+    rewards, mask = torch.tensor([1.0] + [0.0] * 7), torch.ones(8, 3)
     for flag, right in (("false", 2.4749), ("true", 7.0)):
-        learner = Learner(load_config(None, TINY + [f"algorithm.norm_adv_by_mean={flag}"]))
-        adv, _ = learner._advantages(None, [8], rewards, None)  # type: ignore[arg-type]  # outcome: rows unused
+        algorithm = load_config(None, TINY + [f"algorithm.norm_adv_by_mean={flag}"]).algorithm
+        adv, _ = minibatch_advantages(algorithm, mask, [8], rewards, None, lambda x: x)
         assert abs(float(adv[0]) - right) < 1e-3, (flag, adv)
 
 

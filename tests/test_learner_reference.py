@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import consumers.trainer.learner as learner_module
+from consumers.trainer.advantages import token_rewards
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
-from consumers.trainer.learner import Learner, token_rewards
+from consumers.trainer.learner import Learner
 from consumers.trainer.minibatch import UPDATE_SKIPPED, merge_epochs
 from rollstream.config import PipelineConfig, load_config
 from rollstream.model import BasePolicy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from consumers.trainer.learner import token_rewards
+from consumers.trainer.advantages import token_rewards
 from producers.rollout import token_scores
 from rollstream.model import CharTokenizer
 from rollstream.rl.advantages import (

@@ -31,12 +31,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 from torch.autograd.graph import increment_version
 
+from consumers.trainer.advantages import minibatch_advantages
 from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.master import MasterWeights
 from consumers.trainer.minibatch import (
@@ -48,13 +48,12 @@ from consumers.trainer.minibatch import (
     padded_tensors,
     placed,
 )
-from rollstream.config import AlgorithmConfig, PipelineConfig
+from rollstream.config import PipelineConfig
 from rollstream.model import BasePolicy, build_policy
 from rollstream.model.base import resolve_device
-from rollstream.rl.advantages import grpo_advantages, grpo_token_advantages, reinforce_pp_advantages
 from rollstream.rl.masked import AggMode, agg_count, agg_loss
 from rollstream.rl.metrics import length_metrics, reward_metrics
-from rollstream.rl.ppo import low_var_kl, ppo_loss
+from rollstream.rl.ppo import entropy_coef_at, low_var_kl, ppo_loss
 from rollstream.rl.rollout_correction import (
     PREFIX,
     Correction,
@@ -68,65 +67,6 @@ from rollstream.weights.tensors import load_init, load_tensors_into, unique_stat
 from schemas import DataProto
 
 log = logging.getLogger(__name__)
-
-
-def group_advantages(
-    rewards: torch.Tensor, group_sizes: list[int], norm_by_std: bool = True, norm_by_mean: bool = False
-) -> torch.Tensor:
-    """GRPO advantages [B] for contiguous groups of the given sizes (std-normalised unless
-    norm_by_std=False; divided by the group's mean reward above its lowest instead when norm_by_mean)."""
-    if len(set(group_sizes)) == 1:
-        return grpo_advantages(rewards, n=group_sizes[0], norm_by_std=norm_by_std, norm_by_mean=norm_by_mean)
-    parts, start = [], 0
-    for n in group_sizes:
-        parts.append(grpo_advantages(rewards[start : start + n], n=n, norm_by_std=norm_by_std,
-                                     norm_by_mean=norm_by_mean))
-        start += n
-    return torch.cat(parts)
-
-
-def token_rewards(
-    rewards: torch.Tensor, resp_mask: torch.Tensor, scores: torch.Tensor | None
-) -> torch.Tensor:
-    """Per-token rewards [B, R]: the sample's `token_level_scores` when it has them, else each response's
-    reward on its last response token (verl's placement of an outcome score)."""
-    if scores is not None:
-        return scores * resp_mask
-    last = (resp_mask.cumsum(-1) == resp_mask.sum(-1, keepdim=True)) & (resp_mask > 0)  # [B, R]
-    first_last = last & (last.cumsum(-1) == 1)
-    return first_last.to(rewards.dtype) * rewards[:, None]
-
-
-def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
-    """Entropy bonus weight at `global_step` (1-based): `coef`, decayed linearly to 0 over `decay_steps` when
-    > 0."""
-    if decay_steps <= 0:
-        return coef
-    return coef * max(0.0, 1.0 - (global_step - 1) / decay_steps)
-
-
-def _token_advantages(
-    rewards: torch.Tensor,
-    resp_mask: torch.Tensor,
-    scores: torch.Tensor | None,
-    groups: list[int],
-    algorithm: AlgorithmConfig,
-    reduce: Callable[[list[float]], list[float]],
-) -> torch.Tensor:
-    """Token-level advantages [B, W] of the mini-batch (`algorithm.adv_estimator` grpo_token or
-    reinforce_plus_plus): its responses share one column layout, so a group is compared position by
-    position as padded. `reduce` sums REINFORCE++'s batch statistics over ranks."""
-    per_token = token_rewards(rewards, resp_mask, scores)
-    if algorithm.adv_estimator == "reinforce_plus_plus":
-        return reinforce_pp_advantages(per_token, resp_mask, gamma=algorithm.gamma, reduce=reduce)
-    return grpo_token_advantages(
-        per_token,
-        resp_mask,
-        groups,
-        norm_by_std=algorithm.norm_adv_by_std_in_grpo,
-        gamma=algorithm.gamma,
-        norm_by_mean=algorithm.norm_adv_by_mean,
-    )
 
 
 class Learner:
@@ -337,17 +277,11 @@ class Learner:
     def _advantages(
         self, mini: Padded, groups: list[int], rewards: torch.Tensor, scores: torch.Tensor | None
     ) -> tuple[torch.Tensor, float]:
-        """The mini-batch's advantages on the device, GRPO per sample group [B] or token-level [B, W], and
-        their mean over the response tokens (outcome: over the samples)."""
-        if self.algorithm.adv_estimator != "grpo":
-            mask = mini.resp_mask.cpu()
-            adv = _token_advantages(rewards, mask, scores, groups, self.algorithm, self.dp.all_reduce_sum)
-            n_tok = float(mask.sum())
-            return adv.to(self.device), (float((adv * mask).sum()) / n_tok if n_tok else 0.0)
-        alg = self.algorithm
-        adv = group_advantages(rewards, groups, alg.norm_adv_by_std_in_grpo, alg.norm_adv_by_mean)
-        adv = adv.to(self.device)
-        return adv, float(adv.mean())
+        """The mini-batch's advantages on the device (`minibatch_advantages`) and their mean."""
+        adv, mean = minibatch_advantages(
+            self.algorithm, mini.resp_mask, groups, rewards, scores, self.dp.all_reduce_sum
+        )
+        return adv.to(self.device), mean
 
     def _trained_rows(self, mini: Padded, adv: torch.Tensor) -> tuple[Padded, torch.Tensor]:
         """The rows this update forwards and their advantages: all of them, or (actor.zero_advantage_rows skip

@@ -107,3 +107,11 @@ def ppo_loss(
         "actor/ppo_kl": float(masked_mean(-log_ratio.detach(), mask)),
     }
     return loss, metrics
+
+
+def entropy_coef_at(coef: float, decay_steps: int, global_step: int) -> float:
+    """Entropy bonus weight at `global_step` (1-based): `coef`, decayed linearly to 0 over `decay_steps` when
+    > 0."""
+    if decay_steps <= 0:
+        return coef
+    return coef * max(0.0, 1.0 - (global_step - 1) / decay_steps)
