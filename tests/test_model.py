@@ -187,7 +187,7 @@ def test_sample_rows_draws_each_token_at_its_probability_and_never_a_zero_one(
     """The inverse-CDF sampler: unnormalised rows are drawn in proportion (200k draws within 0.5 points),
     zero-probability tokens (a top-k/top-p cut, the vocabulary's tail) never, and a uniform at the top of
     [0, 1) still lands on the last token with mass, not on the zeros after it."""
-    from rollstream.model.base import sample_rows
+    from rollstream.model.sampling import sample_rows
 
     probs = torch.tensor([[0.2, 0.0, 1.2, 0.6, 0.0, 0.0]]).repeat(200_000, 1)  # sums to 2
     freq = torch.bincount(sample_rows(probs, torch.Generator().manual_seed(0)), minlength=6) / 200_000

@@ -50,8 +50,9 @@ import torch
 from producers.engines import EngineError, EngineStartError
 from rollstream.config import PipelineConfig
 from rollstream.model import Completion, Tokenizer
-from rollstream.model.base import check_generate_args, resolve_dtype
+from rollstream.model.base import resolve_dtype
 from rollstream.model.hf import HFTokenizer
+from rollstream.model.sampling import check_generate_args
 from rollstream.weights.store import iter_weight_tensors
 from schemas import ParamVersion
 
