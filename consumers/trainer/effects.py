@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: every Redis effect of the trainer, under its one retry policy, listed together.
 """Every Redis effect of the trainer, named, idempotent, and retried by one policy.
 
 Each public method is one effect, run under `effect`: `retry_on_connection` with the effect's name, so a Redis
