@@ -170,7 +170,7 @@ def test_versions_published_before_a_restart_are_not_from_the_future(
     trainer = Trainer(tiny_cfg(keys, tmp_path), r, keys, "trainer", threading.Event())
     trainer.resume()
     trainer.effects.stop_leaser()
-    assert trainer.global_step == 0 and trainer.newest_published == 2
+    assert trainer.global_step == 0 and trainer.collector.newest_published == 2
     ids = [leased_id(r, keys) for _ in range(3)]
     future = r.xadd(keys.rollouts_of(P0), sample_fields(ids[0], 3)).decode()  # type: ignore[arg-type,union-attr]
     for sid in ids[1:]:

@@ -29,6 +29,7 @@ from test_producer import context, small_cfg, start_run
 from test_security import PRODUCERS, _permitted, private_redis  # noqa: F401  (a fixture)
 
 from consumers.aggregator.worker import AggregatorWorker
+from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.guard import value_reason
 from consumers.trainer.ledger import StepLedger
 from consumers.trainer.minibatch import UPDATE_SKIPPED
@@ -280,9 +281,11 @@ def test_a_skipped_update_marks_its_samples_skipped(r: redis.Redis, keys: Keys, 
             math.nan
         )  # every log-prob, the loss, the gradient: NaN
     ledger = StepLedger(1)
-    got = trainer._collect(1, ledger)
+    got = trainer.collector.collect(1, ledger)
     assert got is not None and len(got.kept) == 2
-    trainer._local_update(1, 1, ledger, got, t_gen=0.0)
+    batch, batch_metrics = assemble_batch_from_rollout_samples([m.event for m, _ in got.kept])  # type: ignore[misc]
+    learned = trainer.learner.update(batch)
+    trainer._record_update(1, 1, ledger, got, batch, batch_metrics, learned, (0.0, 0.0))
     assert [f.fate for f in ledger.fates] == [SKIPPED, SKIPPED]
     [(_, fields)] = r.xrange(keys.metrics)
     update: Any = decode(fields)

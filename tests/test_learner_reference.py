@@ -266,13 +266,14 @@ def test_epochs_in_decoupled_mode_clip_against_the_pinned_proximal_policy() -> N
     learner.begin_step(1)
     batch, _ = assemble_batch_from_rollout_samples(mini_batch(5))
     seen: list[dict[str, float]] = []
-    epoch = learner._epoch
+    accumulate = learner._accumulate
 
-    def recording(*args: Any) -> dict[str, float]:
-        seen.append(epoch(*args))
-        return seen[-1]
+    def recording(*args: Any) -> tuple[dict[str, float], float]:
+        out = accumulate(*args)
+        seen.append(out[0])
+        return out
 
-    learner._epoch = recording  # type: ignore[method-assign]
+    learner._accumulate = recording  # type: ignore[method-assign]
     metrics = learner.update(batch)
     assert len(seen) == 2
     assert seen[0]["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # the pinned weights' own forward

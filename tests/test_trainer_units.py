@@ -67,10 +67,10 @@ def test_staleness_threshold_keeps_k_and_drops_k_plus_one(r: redis.Redis, keys: 
         sample.param_version = version
         r.xadd(keys.rollouts_of(P0), encode(sample))  # type: ignore[arg-type]
     trainer = Trainer(cfg, r, keys, "trainer", threading.Event(), burst=True)  # burst: returns once drained
-    trainer.newest_published = 4
+    trainer.collector.newest_published = 4
     ledger = StepLedger(5)
     # global step 5 through the consumer loop: staleness k kept, k+1 dropped
-    got = trainer._collect(5, ledger)
+    got = trainer.collector.collect(5, ledger)
     assert got is not None
     kept, dropped = got.kept, got.dropped
     assert got.dropped_lengths == [6.0] and got.evicted == []
@@ -210,7 +210,7 @@ def test_resume_redoes_a_commit_cut_short_and_publishes_the_missing_version(
         t = Trainer(cfg, r, keys, "trainer", threading.Event())
         t.resume()
         t.effects.stop_leaser()
-        assert t.global_step == 1 and t.seen == {s0, s1}
+        assert t.global_step == 1 and t.collector.seen == {s0, s1}
         assert [ev.version for ev in (decode(f) for _, f in r.xrange(keys.params))
                 if isinstance(ev, ParamVersion)] == [1]
         assert r.xpending(keys.rollouts_of(P0), TRAINER_GROUP)["pending"] == 0

@@ -294,14 +294,14 @@ class Learner:
             return mini, adv
         return mini.rows(keep), adv[keep]
 
-    def _epoch(
+    def _accumulate(
         self, p: Prepared, first: bool, ahead: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> dict[str, float]:
-        """One epoch of a local update: per micro-batch, forward (or the forward `ahead`, run before the
-        update: the first epoch only), loss scaled by the micro-batch's share of what the aggregation divides
-        by, backward (gradients accumulate); then clip and step. Returns the epoch's loss, policy-gradient,
-        grad-norm, skipped and timing metrics, and in the `first` epoch the mismatch metrics (the sampler
-        against the policy before this update)."""
+    ) -> tuple[dict[str, float], float]:
+        """One epoch's gradients: per micro-batch, forward (or the forward `ahead`, run before the update: the
+        first epoch only), loss scaled by the micro-batch's share of what the aggregation divides by,
+        backward (gradients accumulate). Returns the epoch's loss, policy-gradient and timing metrics (and in
+        the `first` epoch the mismatch metrics: the sampler against the policy before this update), and its
+        loss; `update` then takes the optimizer step (`_step`)."""
         mode: AggMode = self.actor.loss_agg_mode
         ent_coef = entropy_coef_at(self.actor.entropy_coeff, self.actor.entropy_decay_steps, self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
@@ -373,19 +373,8 @@ class Learner:
         if self.ref is not None:
             metrics["actor/kl_loss"] = kl
             metrics["actor/kl_coef"] = self.actor.kl_loss_coef
-        t0 = time.perf_counter()
-        grad_norm, skipped = self._step(loss)
-        t_update += time.perf_counter() - t0
-        metrics.update(
-            {
-                "actor/loss": loss,
-                "actor/entropy": ent,
-                "actor/grad_norm": grad_norm,
-                UPDATE_SKIPPED: float(skipped),
-                "timing_s/update_actor": t_update,
-            }
-        )
-        return metrics
+        metrics.update({"actor/loss": loss, "actor/entropy": ent, "timing_s/update_actor": t_update})
+        return metrics, loss
 
     def update(self, batch: DataProto) -> dict[str, float]:
         """One local update on a mini-batch, the one padded batch the assembly built: actor.ppo_epochs
@@ -427,9 +416,16 @@ class Learner:
             every_total=every_total, ranks=ranks, left_out=kept < all_rows, temp=temp,
         )
 
-        # 3. per epoch: per micro-batch forward, loss x its share, backward; then the optimizer step
-        epochs = [self._epoch(prepared, True, ahead)]
-        epochs += [self._epoch(prepared, False, None) for _ in range(self.actor.ppo_epochs - 1)]
+        # 3. per epoch: per micro-batch forward, loss x its share, backward (gradients accumulate); then
+        #    clip and the optimizer step
+        epochs = []
+        for epoch in range(self.actor.ppo_epochs):
+            metrics, loss = self._accumulate(prepared, epoch == 0, ahead if epoch == 0 else None)
+            t0 = time.perf_counter()
+            grad_norm, skipped = self._step(loss)
+            metrics.update({"actor/grad_norm": grad_norm, UPDATE_SKIPPED: float(skipped)})
+            metrics["timing_s/update_actor"] += time.perf_counter() - t0
+            epochs.append(metrics)
         metrics = merge_epochs(epochs)
         metrics["timing_s/update_actor"] += t_before
         if kept < all_rows:

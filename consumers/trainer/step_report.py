@@ -5,7 +5,8 @@ the collective's identity case."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from consumers.trainer.staleness import (
 from rollstream.bus import Message
 from rollstream.rl.metrics import finite_metrics, staleness_metrics
 from rollstream.tasks import Prompt
+from rollstream.weights.store import Probe
 from schemas import DROPPED, SKIPPED, TRAINED, Fate, RolloutSample, StepMetrics
 
 
@@ -162,3 +164,23 @@ def checkpoint_meta(
             for r, rep in enumerate(reports)
         ]
     return meta
+
+
+@dataclass
+class StepEnd:
+    """What the end of global step g gathered: the merged ledger (with its step_end), every rank's report,
+    whether a checkpoint is due, the whole weights (fsdp; None: the module's own) and version g's probe."""
+
+    g: int
+    merged: StepLedger
+    reports: list[dict[str, Any]]
+    due: bool
+    whole: dict[str, Any] | None
+    probe: Probe
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Run fn (a checkpoint's write); the seconds it took."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
