@@ -57,7 +57,8 @@ from producers.slots import Slots
 from producers.stats import Counters, StatsWindow
 from producers.watchdog import GenerationHung, GenerationWatchdog, exit_hung
 from producers.weight_sync import WeightSync
-from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError, retry_on_connection
+from rollstream.bus import CONNECTION_ERRORS, Publisher, RunNotSetUpError
+from rollstream.bus.connection import retried
 from rollstream.config import PipelineConfig
 from rollstream.keys import Keys
 from rollstream.model import BasePolicy, build_policy
@@ -185,7 +186,7 @@ class Producer(Publishing):
         """Resume the cursor and published count (a crashed predecessor's leased, unpublished prompts are
         dispatched again), load version 0. False when stopped before any version appeared."""
         r, keys = self.ctx.r, self.ctx.keys
-        self.counters.released_on_start = retry_on_connection(self._resync, "start")
+        self.counters.released_on_start = self._resync()
         if self.counters.released_on_start:
             log.warning(
                 "%d leased prompts not published yet (taken by a previous run of %s, or leased ahead): "
@@ -199,7 +200,7 @@ class Producer(Publishing):
             self.index,
             self.ctx.cfg.rollout.num_producers,
         )
-        if not retry_on_connection(lambda: self.weights.wait_initial(self.ctx.stop), "waiting for version 0"):
+        if not self._wait_initial():
             return False
         # set by setup_run once the streams exist (the producer's ACL cannot read rollouts)
         if not r.exists(keys.setup):
@@ -207,6 +208,12 @@ class Producer(Publishing):
         self.counters.versions_loaded = self.weights.loads
         return True
 
+    @retried("waiting for version 0")
+    def _wait_initial(self) -> bool:
+        """Wait for param version 0 and load it; False when stopped first."""
+        return self.weights.wait_initial(self.ctx.stop)
+
+    @retried("reloading the cursor and published count")
     def _resync(self) -> int:
         """Reload the cursor and published count from Redis (at start and after a reconnect); returns the
         leased prompts not published (dispatched again)."""
@@ -226,7 +233,7 @@ class Producer(Publishing):
         in flight is abandoned: its prompts are dispatched again)."""
         log.warning("redis connection lost (%s); reconnecting in place", error)
         with self.lock:  # once for all slots: every dispatch in flight belongs to the old generation
-            released = retry_on_connection(self._resync, "reconnect")
+            released = self._resync()
             self.reconnects += 1
             self.slots.reconnected()
         log.warning("reconnected; %d leased prompts not published, dispatching them again", released)

@@ -377,7 +377,8 @@ def test_an_effect_is_retried_whole_under_its_name(caplog: pytest.LogCaptureFixt
     warning names it with its arguments."""
     import logging
 
-    from consumers.trainer.effects import TrainerEffects, effect
+    from consumers.trainer.effects import TrainerEffects
+    from rollstream.bus.connection import retried as effect
 
     class Flaky(TrainerEffects):
         def __init__(self) -> None:  # no Redis: the effect's body is what is tested
@@ -404,7 +405,8 @@ def test_a_best_effort_effect_gives_up_at_its_deadline_and_a_refused_login_is_ne
     import logging
     import time
 
-    from consumers.trainer.effects import TrainerEffects, effect
+    from consumers.trainer.effects import TrainerEffects
+    from rollstream.bus.connection import retried as effect
 
     class Gone(TrainerEffects):
         def __init__(self) -> None:  # no Redis: the policy is what is tested

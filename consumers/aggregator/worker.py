@@ -57,8 +57,8 @@ from rollstream.bus import (
     group_refs,
     iter_stream,
     parse_id,
-    retry_on_connection,
 )
+from rollstream.bus.connection import retried
 from rollstream.bus.outbox import OutboxDrain, pack_item, pending_records
 from rollstream.config import PipelineConfig
 from rollstream.keys import AGGREGATOR_GROUP, AGGREGATOR_NOTE_SOURCE, Keys, producer_names
@@ -174,7 +174,7 @@ class AggregatorWorker:
         which a fold still holding the steps as recorded would set aside as late (a record lost for good)."""
         self.reader.release_all()
         self.stats_reader.release_all()
-        done = retry_on_connection(lambda: recorded_steps(self.r, self.keys), "reading records")
+        done = self._recorded_steps()
         stats = self.fold.stats  # the process's counts go on
         self.fold = Fold(self.cfg.aggregator.total_gpus, done_steps=done)
         self.fold.stats = stats
@@ -190,7 +190,7 @@ class AggregatorWorker:
         if self.drain is None:
             return
         try:
-            retry_on_connection(lambda: self.drain.drain(self.r) if self.drain else 0, "moving the outbox")
+            self._drain_outbox()
         except redis.exceptions.NoPermissionError:
             log.info("records and dead letters go through the outbox: the trainer moves them")
             self.drain = None
@@ -233,21 +233,7 @@ class AggregatorWorker:
             (self.keys.stats_of(producer), i) for producer, i in map(split_ref, refs) if producer is not None
         ]
 
-        # EXEC may or may not have landed: the outbox drain refuses a duplicate. With replicas, a commit too
-        # few replicas acknowledged (WAIT) is repeated: a failover may have lost it, records and acks together
-        def commit() -> list[Any]:
-            pipe = self.r.pipeline(transaction=True)
-            for c in completed:
-                pipe.rpush(self.keys.records_outbox, pack_item(encode(c.record)))
-            if ack_ids:
-                pipe.xack(self.keys.metrics, AGGREGATOR_GROUP, *ack_ids)
-            for stream, ids in group_refs(stats_refs).items():
-                pipe.xack(stream, AGGREGATOR_GROUP, *ids)
-            results, acked = execute_and_wait(pipe, raise_on_error=False)
-            require_acks(self.r.connection_pool, acked, f"commit of {len(completed)} records")
-            return list(results)
-
-        results = retry_on_connection(commit, "committing records and acks")
+        results = self._commit_transaction(completed, ack_ids, stats_refs)
         for res in results:
             if isinstance(res, Exception):
                 raise res
@@ -326,8 +312,50 @@ class AggregatorWorker:
         producer, entry_id = split_ref(ref)
         reader = self.reader if producer is None else self.stats_reader
         stream = self.keys.metrics if producer is None else self.keys.stats_of(producer)
-        rows = retry_on_connection(lambda: self.r.xrange(stream, min=entry_id, max=entry_id), "reading entry")
+        rows = self._read_entry(stream, entry_id)
         reader.dead_letter(entry_id, rows[0][1] if rows else {}, reason, stream=stream)
+
+    # -- its effects, each under the one retry policy (rollstream/bus/connection.py `retried`) -------------
+
+    @retried("reading records")
+    def _recorded_steps(self) -> set[int]:
+        """The global steps `records` already holds."""
+        return recorded_steps(self.r, self.keys)
+
+    @retried("moving the outbox")
+    def _drain_outbox(self) -> int:
+        """Move the outboxes into `records` and `dead:aggregator` (NoPermissionError under the aggregator's
+        user)."""
+        return self.drain.drain(self.r) if self.drain else 0
+
+    @retried("committing records and acks")
+    def _commit_transaction(
+        self, completed: list[Completed], ack_ids: list[str], stats_refs: list[tuple[str, str]]
+    ) -> list[Any]:
+        """Records into the outbox and their entries' acks in one MULTI (and WAIT). EXEC may or may not have
+        landed: the outbox drain refuses a duplicate. With replicas, a commit too few replicas acknowledged
+        is repeated: a failover may have lost it, records and acks together."""
+        pipe = self.r.pipeline(transaction=True)
+        for c in completed:
+            pipe.rpush(self.keys.records_outbox, pack_item(encode(c.record)))
+        if ack_ids:
+            pipe.xack(self.keys.metrics, AGGREGATOR_GROUP, *ack_ids)
+        for stream, ids in group_refs(stats_refs).items():
+            pipe.xack(stream, AGGREGATOR_GROUP, *ids)
+        results, acked = execute_and_wait(pipe, raise_on_error=False)
+        require_acks(self.r.connection_pool, acked, f"commit of {len(completed)} records")
+        return list(results)
+
+    @retried("reading entry {entry_id}")
+    def _read_entry(self, stream: str, entry_id: str) -> list[Any]:
+        """The entry `entry_id` of `stream` ([] when it is gone)."""
+        rows: list[Any] = self.r.xrange(stream, min=entry_id, max=entry_id)
+        return rows
+
+    @retried("flushing sinks")
+    def _flush_sinks(self) -> None:
+        """Flush the sinks (records.jsonl, TensorBoard, W&B) up to the newest record."""
+        self.sinks.flush()
 
     # -- loop -----------------------------------------------------------------------------------------
 
@@ -356,7 +384,7 @@ class AggregatorWorker:
                 except CONNECTION_ERRORS as e:  # both are retried on the next pass
                     log.warning("redis unavailable for sinks/timeouts (%s); retrying", e)
             if burst and sinks_due and not self.stop.is_set():  # the last pass could not flush
-                retry_on_connection(self.sinks.flush, "flushing sinks")
+                self._flush_sinks()
         finally:
             self.sinks.close()
         log.info(

@@ -1,28 +1,26 @@
-# Over 400 lines on purpose: every Redis effect of the trainer, under its one retry policy, listed together.
 """Every Redis effect of the trainer, named, idempotent, and retried by one policy.
 
-Each public method is one effect, run under `effect`: `retry_on_connection` with the effect's name, so a Redis
-restart pauses the trainer in place instead of killing it. This is the trainer's only retry site: the
-collector's reads and writes (leases, revoked bits, dead letters, acks of duplicates, consumed counts) are
-effects here too; only the rollouts reader (its polls and dead letters; rollstream/bus/reader.py, which
-re-reads its pending list after a reconnect) and rank 0's lease loop (rollstream/pacing/) retry their own.
-Each is safe to repeat (its reply may be lost after it landed): the commit, the consumed count and the grant
-are guarded by the trainer hash, a weight publish re-checks `params` before a retry, an ack or a consumed
-count of an id already counted changes nothing, and a repeated event is resolved by the aggregator's fold. No
-collective runs inside an effect: a repeat on one rank would pair it with the wrong collective elsewhere. A
-refused login (redis.AuthenticationError) is not retried: the process exits with EXIT_REFUSED.
+Each public method is one effect, run under `retried` (rollstream/bus/connection.py: `retry_on_connection`
+with the effect's name), so a Redis restart pauses the trainer in place instead of killing it. This is the
+trainer's only retry site: the collector's reads and writes (leases, revoked bits, dead letters, acks of
+duplicates, consumed counts) are effects here too; only the rollouts reader (its polls and dead letters;
+rollstream/bus/reader.py, which re-reads its pending list after a reconnect) and rank 0's lease loop
+(rollstream/pacing/) retry their own. Each is safe to repeat (its reply may be lost after it landed): the
+commit, the consumed count and the grant are guarded by the trainer hash, a weight publish re-checks
+`params` before a retry, an ack or a consumed count of an id already counted changes nothing, and a
+repeated event is resolved by the aggregator's fold. No collective runs inside an effect: a repeat on one
+rank would pair it with the wrong collective elsewhere. A refused login (redis.AuthenticationError) is not
+retried: the process exits with EXIT_REFUSED.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any
 
 import redis
 from torch import nn
@@ -37,16 +35,14 @@ from consumers.trainer.ledger import (
 )
 from consumers.trainer.reconcile import Commit, CommitHistory, reconcile_and_commit
 from rollstream.bus import (
-    CONNECTION_ERRORS,
     EntryRef,
     GroupReader,
     Janitor,
     Publisher,
     iter_stream,
-    retry_on_connection,
     setup_run,
 )
-from rollstream.bus.connection import can_fail_over
+from rollstream.bus.connection import can_fail_over, retried
 from rollstream.bus.ids import count_or_none
 from rollstream.bus.outbox import OutboxDrain, record_id
 from rollstream.config import PipelineConfig
@@ -84,41 +80,6 @@ log = logging.getLogger("consumers.trainer.loop")  # the trainer's log lines kee
 
 #: Longest a stopping trainer waits for the aggregator's record of its last step, to move it into `records`.
 OUTBOX_SETTLE_S = 5.0
-
-P = ParamSpec("P")
-T = TypeVar("T")
-E = TypeVar("E", bound="TrainerEffects")
-
-
-def effect(
-    what: str, *, until: str | None = None
-) -> Callable[[Callable[Concatenate[E, P], T]], Callable[Concatenate[E, P], T]]:
-    """The one retry policy: run the method under `retry_on_connection`, named `what` (formatted with the
-    method's arguments, e.g. "granting version {version}") in its retry warnings. With `until`, the name of
-    an argument holding a time.monotonic() deadline, the effect is best-effort: retried until the deadline
-    (at least 0.1 s), then given up with a warning, returning None."""
-
-    def wrap(fn: Callable[Concatenate[E, P], T]) -> Callable[Concatenate[E, P], T]:
-        signature = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def run(self: E, *args: P.args, **kwargs: P.kwargs) -> T:
-            bound = signature.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            name = what.format(**bound.arguments)
-            left = None if until is None else max(bound.arguments[until] - time.monotonic(), 0.1)
-            try:
-                return retry_on_connection(lambda: fn(self, *args, **kwargs), name, timeout_s=left)
-            except CONNECTION_ERRORS as e:
-                if until is None:
-                    raise  # a refused login (AuthenticationError): never retried, the process exits
-                log.warning("%s: given up, redis unreachable until its deadline (%s)", name, e)
-                return cast(T, None)
-
-        return run
-
-    return wrap
-
 
 class TrainerEffects:
     """The trainer's writes to (and progress reads from) Redis: the trainer hash, `metrics`, `params`,
@@ -172,7 +133,7 @@ class TrainerEffects:
         given up with a warning (the next trainer moves them), so a trainer never hangs on its way out."""
         self._settle(time.monotonic() + wait_s)
 
-    @effect("moving the aggregator's outbox before exit (else the next trainer moves it)", until="deadline")
+    @retried("moving the aggregator's outbox before exit (else the next trainer moves it)", until="deadline")
     def _settle(self, deadline: float) -> None:
         """One attempt of settle_outbox: move the outboxes until the awaited record is in or the deadline
         passed (a repeat moves only what is still there)."""
@@ -209,7 +170,7 @@ class TrainerEffects:
 
     # -- resume ------------------------------------------------------------------------------------
 
-    @effect("resume")
+    @retried("resume")
     def resume_main(
         self,
         global_step: int,
@@ -243,7 +204,7 @@ class TrainerEffects:
         if world_size > 1:
             self.r.hset(self.keys.trainer, WORLD_SIZE_FIELD, world_size)
 
-    @effect("resume")
+    @retried("resume")
     def read_progress(self, global_step: int) -> tuple[int, int, set[str]]:
         """Every rank's part of the resume: the newest published version (at least `global_step`), the
         trainer's begun step and the sample ids already committed."""
@@ -255,33 +216,33 @@ class TrainerEffects:
 
     # -- reading rollouts (consumers/trainer/collect.py) ---------------------------------------------
 
-    @effect("reading the trainer hash")
+    @retried("reading the trainer hash")
     def is_replay_copy(self) -> bool:
         """The run is a replay copy (its rollouts were copied by an admin, not published under leases)."""
         return bool(self.r.hexists(self.keys.trainer, REPLAY_COPY_FIELD))
 
-    @effect("reading leases")
+    @retried("reading leases")
     def read_leases(self) -> dict[str, int]:
         """Producer -> prompts leased to it (rollstream/pacing/)."""
         return leases(self.r, self.keys)
 
-    @effect("reading revoked")
+    @retried("reading revoked")
     def is_revoked(self, watch: RevokedWatch, producer: str, seq: int) -> bool:
         """The trainer took `producer`'s prompt `seq` back (rollstream/pacing/expiry.py)."""
         return watch.is_revoked(self.r, producer, seq)
 
-    @effect("reading dead letters")
+    @retried("reading dead letters")
     def read_dead_letters(self, start: str) -> list[tuple[str, Any]]:
         """The entries of `dead` from `start` on (a repeat reads again from the same start)."""
         return list(iter_stream(self.r, self.keys.dead, start=start))
 
-    @effect("counting {what}")
+    @retried("counting {what}")
     def consume(self, sample_ids: list[str], what: str) -> tuple[int, int]:
         """Count the samples' prompts as consumed, each once, topping the current version's budget up by
         the room they freed (rollstream/pacing/budget.py `consume`); (newly counted, added to the budget)."""
         return consume(self.r, self.keys, sample_ids, self.cfg.max_outstanding)
 
-    @effect("acking duplicates")
+    @retried("acking duplicates")
     def ack_duplicates(self, reader: GroupReader, refs: list[EntryRef]) -> None:
         """XACK entries of `reader` not to be trained (their sample id is committed or another rank's)."""
         reader.ack(refs)
@@ -292,23 +253,23 @@ class TrainerEffects:
         """Write this rank's heartbeat (the time now; a retry writes the same time)."""
         self._beat(time.time())
 
-    @effect("heartbeat")
+    @retried("heartbeat")
     def _beat(self, now: float) -> None:
         """One attempt of heartbeat."""
         self.r.hset(self.keys.trainer, mapping=dict.fromkeys(self.heartbeat_fields, now))
 
-    @effect("training_step")
+    @retried("training_step")
     def mark_training_step(self, global_step: int) -> None:
         """Record that step `global_step` has begun (before any of its events: the aggregator places
         nothing beyond it)."""
         self.r.hset(self.keys.trainer, TRAINING_STEP_FIELD, global_step)
 
-    @effect("publishing local_update")
+    @retried("publishing local_update")
     def emit_local_update(self, update: StepMetrics) -> str:
         """Emit a `local_update` event; its entry id."""
         return self.publisher.publish(self.keys.metrics, update)
 
-    @effect("publishing validation")
+    @retried("publishing validation")
     def emit_validation(self, event: ValidateMetrics) -> None:
         """Emit a `validation` event."""
         self.publisher.publish(self.keys.metrics, event)
@@ -326,7 +287,7 @@ class TrainerEffects:
         connection loss always checks, as the first attempt may have landed)."""
         self._publish(version, module, whole, iter([only_if_missing]), probe)
 
-    @effect("publishing version {version}")
+    @retried("publishing version {version}")
     def _publish(
         self,
         version: int,
@@ -367,13 +328,13 @@ class TrainerEffects:
         pipe.hset(self.keys.trainer, mapping=dict.fromkeys(self.heartbeat_fields, time.time()))
         execute_replicated(pipe, what)
 
-    @effect("committing step {global_step}")
+    @retried("committing step {global_step}")
     def commit(self, ledgers: list[StepLedger], global_step: int) -> None:
         """Commit the steps' ledgers up to `global_step` in one MULTI, with any earlier commit Redis lacks
         (reconcile.reconcile_and_commit: a failover may have lost it)."""
         reconcile_and_commit(self.r, self.keys, self.history, ledgers)
 
-    @effect("checking the commits")
+    @retried("checking the commits")
     def reconcile(self, granted: int) -> list[int]:
         """Rank 0, at a step's start: commit again every kept commit Redis lacks (its committed_step behind
         the last step this trainer committed: a failover to a replica that had not received them), and grant
@@ -391,12 +352,12 @@ class TrainerEffects:
             self.grant(granted)
         return redone
 
-    @effect("counting step {global_step}")
+    @retried("counting step {global_step}")
     def count_consumed(self, ledger: StepLedger, global_step: int) -> None:
         """Count a step's samples as consumed without committing it (pacing needs it before the grant)."""
         count_consumed(self.r, self.keys, ledger)
 
-    @effect("granting version {version}")
+    @retried("granting version {version}")
     def grant(self, version: int) -> None:
         """Grant `version` its dispatch budget (once), then drop weight blobs nobody uses."""
         if current_budget(self.r, self.keys)[0] != version:
@@ -406,7 +367,7 @@ class TrainerEffects:
         self.confirm_replicated(f"budget of version {version}")  # a budget a failover lost is granted again
         gc_weights(self.r, self.keys, version, file_dir=self.weights_dir)
 
-    @effect("retention")
+    @retried("retention")
     def run_janitor(self) -> None:
         """Retention: the janitor's run, when one is due (rank 0 with `bus.retention` only)."""
         if self.janitor is not None:

@@ -1,9 +1,12 @@
 """Redis connections: URL parsing (a `redis+sentinel://` URL reaches the primary through Sentinel, a
-`redis+cluster://` URL the Cluster node serving the run's slot), passwords from env or file, jittered backoff
-until Redis answers."""
+`redis+cluster://` URL the Cluster node serving the run's slot), passwords from env or file, and the one
+retry policy every worker uses (`retry_on_connection`, and `retried`, the same for a named method): jittered
+backoff until Redis answers."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import random
@@ -11,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -23,6 +26,8 @@ from rollstream.topology.replication import acks_of, is_sentinel_url, sentinel_c
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+S = TypeVar("S")
+P = ParamSpec("P")
 
 #: Errors that mean "Redis is (temporarily) unreachable": retried with backoff, never fatal. READONLY is a
 #: primary demoted in a failover (through Sentinel, redis-py reconnects to the new one; it also covers
@@ -93,6 +98,37 @@ def retry_on_connection(
                 stop.wait(delay)
             else:
                 time.sleep(delay)
+
+
+def retried(
+    what: str, *, until: str | None = None
+) -> Callable[[Callable[Concatenate[S, P], T]], Callable[Concatenate[S, P], T]]:
+    """The one retry policy for a method (an effect of a worker: safe to repeat): run it under
+    `retry_on_connection`, named `what` (formatted with the method's arguments, e.g. "granting version
+    {version}") in its retry warnings. With `until`, the name of an argument holding a time.monotonic()
+    deadline, the effect is best-effort: retried until the deadline (at least 0.1 s), then given up with a
+    warning, returning None. A refused login is raised at once."""
+
+    def wrap(fn: Callable[Concatenate[S, P], T]) -> Callable[Concatenate[S, P], T]:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def run(self: S, *args: P.args, **kwargs: P.kwargs) -> T:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            name = what.format(**bound.arguments)
+            left = None if until is None else max(bound.arguments[until] - time.monotonic(), 0.1)
+            try:
+                return retry_on_connection(lambda: fn(self, *args, **kwargs), name, timeout_s=left)
+            except CONNECTION_ERRORS as e:
+                if until is None:
+                    raise  # a refused login (AuthenticationError): never retried, the process exits
+                log.warning("%s: given up, redis unreachable until its deadline (%s)", name, e)
+                return cast(T, None)
+
+        return cast(Callable[Concatenate[S, P], T], run)
+
+    return wrap
 
 
 def is_busy(error: BaseException) -> bool:
