@@ -85,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BenchmarkError as e:
         print(f"rollstream bench: {e}", file=sys.stderr)
         return 1
+    sys.argv[0] = f"rollstream bench {argv[0]}"  # the program name argparse shows in usage and errors
     return int(bench_main(argv[1:]) or 0)
 
 
