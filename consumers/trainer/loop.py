@@ -51,8 +51,8 @@ class Trainer:
         burst: bool = False,
         dp: DataParallel | None = None,
     ) -> None:
-        """Build the learner and the reader (group `trainer`, consumer = worker name); `burst` exits once
-        the rollouts stream is drained; `dp` is this rank's data-parallel group (None: a world of one)."""
+        """Build the learner, the reader (consumer `name` of group `trainer`; `burst`: exit once drained) and
+        the effects; `dp` is this rank's data-parallel group (None: a world of one)."""
         self.cfg, self.r, self.keys, self.stop, self.burst = cfg, r, keys, stop, burst
         self.dp = dp if dp is not None else DataParallel(RankInfo(), resolve_device(cfg.run.device))
         self.learner = Learner(cfg, self.dp)
@@ -74,10 +74,14 @@ class Trainer:
         # writes a due checkpoint while its version validates and publishes (rank 0; its thread starts lazily)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
 
+    @property
+    def newest_published(self) -> int:
+        """The newest version on `params` as the collector knows it (samples stamped later are invalid)."""
+        return self.collector.newest_published
+
     def resume(self) -> None:
-        """Load the newest checkpoint (rank 0 reads it, every rank loads it), then on rank 0 finish its
-        publish/commit/grant if a crash cut them short (repeated if Redis goes away meanwhile: every part is
-        idempotent); then every rank reads what is already committed."""
+        """Load the newest checkpoint (rank 0 reads it, every rank loads it); rank 0 finishes its publish,
+        commit and grant if a crash cut them short (each idempotent); every rank reads what is committed."""
         meta = restore_newest(self.ckpt_dir, self.dp, self.learner, self.counters)  # and this rank's RNG
         if meta is not None:
             self.global_step = int(meta["global_step"])
@@ -138,7 +142,7 @@ class Trainer:
         if self.dp.roles.main:
             t0 = time.perf_counter()
             self.effects.publish_weights(g, self.learner.policy.module, end.whole, probe=end.probe)  # 6.
-            self._await_checkpoint(end, writing, t_step, publish_s=time.perf_counter() - t0)
+            self._await_checkpoint(end, writing, t_step, pub_s=time.perf_counter() - t0)
             if writing is not None:
                 self.effects.commit(self.pending, g)  # 7. commit
             else:
@@ -154,9 +158,8 @@ class Trainer:
                  g, time.perf_counter() - t_step, trained, dropped, evicted, skipped, self.dp.world_size)
 
     def _begin_step(self, g: int) -> StepLedger:
-        """(1) Begin step g: where Redis can fail over, rank 0 first commits again any commit a failover
-        lost and grants again a lost budget (TrainerEffects.reconcile); then it records step g as begun
-        (once, before any event of step g: the aggregator places nothing beyond it); pin the current weights
+        """(1) Begin step g: rank 0 commits again what a failover lost (TrainerEffects.reconcile) and marks
+        step g begun (before any event of step g: the aggregator places nothing beyond it); pin the weights
         as the proximal policy, reset the step's counts; returns its empty ledger."""
         self.collector.step_dead = 0
         self.lengths = LengthBuckets(self.cfg.data.max_response_length)
@@ -172,10 +175,9 @@ class Trainer:
     def _samples(
         self, g: int, local: int, ledger: StepLedger, synced: list[Collected | None]
     ) -> Collected | None:
-        """(2) This rank's share of the samples of local update `local` of step g (Collector.collect): after
-        the run's warmup (before its first update); in sync mode the whole global batch is collected at the
-        first update (into `synced`). None when the step is to be abandoned: no rollouts left (burst) or a
-        stop (several ranks: only an agreed one)."""
+        """(2) This rank's share of local update `local` of step g (Collector.collect), after the warmup; in
+        sync mode the whole global batch at the first update (into `synced`). None when the step is to be
+        abandoned: no rollouts left (burst) or a stop (several ranks: only an agreed one)."""
         cfg = self.cfg
         if g == 1 and local == 1 and cfg.trainer.num_warmup_batches > 0:
             self.collector.wait_warmup()
@@ -195,9 +197,8 @@ class Trainer:
     def _record_update(self, g: int, local: int, ledger: StepLedger, got: Collected, batch: DataProto,
                        batch_metrics: dict[str, float], learned: dict[str, float],
                        times: tuple[float, float]) -> None:
-        """(2) After local update `local` of step g: record its samples' fates in the step's ledger and emit
-        its `local_update` event (its metrics: step_report.local_update_event; `times`: (collect, assemble)
-        seconds)."""
+        """(2) After local update `local` of step g: its samples' fates into the ledger, its `local_update`
+        event emitted (step_report.local_update_event; `times`: collect and assemble seconds)."""
         fate = SKIPPED if learned.get(UPDATE_SKIPPED) else TRAINED  # a skipped step trained nothing
         self.recent.extend(step_report.record_fates(ledger, got.kept, fate, g))
         self.lengths.add(got.kept, got.dropped_lengths)
@@ -236,8 +237,8 @@ class Trainer:
         return StepEnd(g, merged, reports, due, whole, probe)
 
     def _start_checkpoint(self, end: StepEnd, t_step: float) -> Future[float] | None:
-        """(4) When due, rank 0 writes the checkpoint on a thread (checkpoint_writer: meta, RNG states and
-        tensor references captured now) while version g validates and publishes (neither changes a tensor)."""
+        """(4) When due, rank 0 writes the checkpoint on a thread (meta, RNG and tensor references captured
+        now) while version g validates and publishes (neither changes a tensor)."""
         roles = self.dp.roles
         optimizer_state = self.learner.optimizer_state() if end.due and roles.whole_model else {}
         if not (end.due and roles.main):
@@ -251,12 +252,11 @@ class Trainer:
         write = checkpoint_writer(self.ckpt_dir, end.g, weights, optimizer_state, meta, keep_last=keep)
         return self._writer.submit(step_report.timed, write)
 
-    def _await_checkpoint(
-        self, end: StepEnd, writing: Future[float] | None, t_step: float, publish_s: float
-    ) -> None:
+    def _await_checkpoint(self, end: StepEnd, writing: Future[float] | None, t_step: float, pub_s: float
+                          ) -> None:
         """(rank 0, before 7) Wait until the checkpoint (`writing`, when due) is durable (raising what its
         write raised: no commit without it), and put the step's timings into its step_end."""
-        timings = {"timing_s/publish": publish_s}
+        timings = {"timing_s/publish": pub_s}
         if writing is not None:
             t0 = time.perf_counter()
             write_s = writing.result()
