@@ -42,10 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DistributedError as e:
         print(f"{ctx.name}: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    if dp.roles.agreed:
-        watch_parent(ctx.stop)  # torchrun gone (killed): stop instead of lingering
-    if dp.roles.main:
-        watch_busy_scripts(ctx.r, ctx.stop)  # a never-ending script (any role's EVAL) must not stall the run
+    dp.roles.if_several(watch_parent, ctx.stop)  # torchrun gone (killed): stop instead of lingering
+    dp.roles.only_main(watch_busy_scripts, ctx.r, ctx.stop)  # a never-ending script must not stall the run
     try:
         trainer = Trainer(ctx.cfg, ctx.r, ctx.keys, ctx.name, ctx.stop, burst=args.burst, dp=dp)
         freeze_startup_heap()

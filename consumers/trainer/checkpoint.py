@@ -42,6 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from consumers.trainer.distributed import DataParallel
 from consumers.trainer.learner import Learner
+from consumers.trainer.rank_agreement import RankRoles
 from rollstream.model import BasePolicy
 from rollstream.runtime.files import atomic_write, private_dir
 from rollstream.weights.checkpoints import checkpoint_path, list_checkpoints
@@ -269,9 +270,9 @@ def read_checkpoint(
     model = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     optimizer_state = _optim_state(tensors, list(meta.pop("param_groups")))
     rng = meta.pop("rng")
-    ranks = meta.get("ranks") or []
-    if world_size > 1 and len(ranks) == world_size:
-        restore_rng_plain(ranks[rank]["rng"])
+    own = RankRoles(rank, world_size).own_entry(meta.get("ranks") or [])
+    if own is not None:
+        restore_rng_plain(own["rng"])
     else:
         _restore_rng(tensors, rng)
     return model, optimizer_state, meta
@@ -283,7 +284,7 @@ def restore_newest(
     """Restore the newest checkpoint into `learner` (and this rank's RNG) and this rank's `counters`; its
     metadata, None when there is none. Rank 0 reads the file and broadcasts its bytes (other hosts need no
     shared folder)."""
-    found = list_checkpoints(ckpt_dir) if dp.roles.main else []
+    found = dp.roles.only_main(list_checkpoints, ckpt_dir) or []
     data = dp.broadcast_bytes(found[-1][1].read_bytes() if found else None)
     if not data:
         return None
@@ -296,7 +297,7 @@ def restore_newest(
 def rank_counters(meta: dict[str, Any], dp: DataParallel) -> dict[str, Any]:
     """This rank's counters in a checkpoint's metadata: its own when the checkpoint has one entry per rank
     of this world; otherwise (another world size, or a world of one) the totals go to rank 0."""
-    ranks = meta.get("ranks") or []
-    if len(ranks) == dp.world_size:
-        return dict(ranks[dp.rank].get("counters", {}))
-    return dict(meta.get("counters", {})) if dp.roles.main else {}
+    own = dp.roles.own_entry(meta.get("ranks") or [])
+    if own is not None:
+        return dict(own.get("counters", {}))
+    return dp.roles.only_main(lambda: dict(meta.get("counters", {}))) or {}

@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from consumers.trainer.rank_agreement import RankInfo, RankRoles, consumer_name, rank_info
+from rollstream.weights.tensors import unique_tensors
 from schemas import decode_payload, encode_payload
 
 __all__ = [
@@ -235,16 +236,22 @@ class DataParallel:
             return nullcontext()
         return wrapped.no_sync()
 
-    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """The module's whole weights on CPU: a collective under fsdp (every rank must call it; rank 0
-        gets the tensors, the others {}), the plain state dict otherwise."""
+    def fused_adamw(self, fused: bool | None) -> bool:
+        """AdamW's `fused` (actor.optim.fused): the setting when given, else fused unless sharded (fsdp)."""
+        return not self.roles.sharded if fused is None else fused
+
+    def whole_weights(
+        self, module: nn.Module, own: Callable[[], dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        """The module's weights, tied tensors once: `own()` (the module's own tensors) unless sharded; under
+        fsdp gathered whole on the CPU, a collective (every rank calls it; rank 0 gets them, others {})."""
         if not self.roles.sharded:
-            return module.state_dict()
+            return own()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state: dict[str, Any] = get_model_state_dict(module, options=opts)
-        return state
+        return unique_tensors(state) if self.roles.main else {}
 
     def full_optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's whole state_dict, index-keyed as torch.optim.Optimizer.state_dict gives it: a
@@ -267,9 +274,13 @@ class DataParallel:
         optimizer: torch.optim.Optimizer,
         weights: dict[str, torch.Tensor],
         optim_state: dict[str, Any],
+        own: Callable[[], None],
     ) -> None:
-        """Load whole weights and an index-keyed optimizer state_dict (every rank holds both) into a
-        sharded module and its optimizer (fsdp only; a collective)."""
+        """Load whole weights and an index-keyed optimizer state_dict read from a checkpoint (every rank holds
+        both): by `own()` unless sharded; under fsdp scattered into the module's and optimizer's shards (a
+        collective)."""
+        if not self.roles.sharded:
+            return own()
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,

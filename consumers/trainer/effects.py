@@ -50,7 +50,6 @@ from rollstream.keys import (
     AGGREGATOR_GROUP,
     BUDGET_VERSION_FIELD,
     COMMITTED_STEP_FIELD,
-    HEARTBEAT_FIELD,
     PROGRESS_AT_FIELD,
     REPLAY_COPY_FIELD,
     REPLAYED_VERSIONS_FIELD,
@@ -58,7 +57,6 @@ from rollstream.keys import (
     WORLD_SIZE_FIELD,
     Keys,
     producer_names,
-    rank_heartbeat_field,
 )
 from rollstream.pacing.budget import consume, current_budget, grant_budget
 from rollstream.pacing.counters import leases
@@ -91,17 +89,15 @@ class TrainerEffects:
         """Rank 0 alone runs the janitor (when `bus.retention` is on)."""
         self.cfg, self.r, self.keys, self.weights_dir = cfg, r, keys, weights_dir
         self.publisher = Publisher(r, nomkstream=True)
-        self.janitor = Janitor.from_config(cfg, r, keys) if cfg.bus.retention and dp.roles.main else None
-        # this rank's heartbeat fields: rank 0 `heartbeat`; with several ranks also `heartbeat:r<rank>`
-        self.heartbeat_fields = [HEARTBEAT_FIELD] if dp.roles.main else []
+        self.roles = dp.roles
+        self.janitor = dp.roles.only_main(Janitor.from_config, cfg, r, keys) if cfg.bus.retention else None
+        self.heartbeat_fields = dp.roles.heartbeat_fields()  # rank 0 `heartbeat`; several ranks: `…:r<rank>`
         self.leaser: Leaser | None = None  # rank 0's lease loop, once resumed
         self.history = CommitHistory()  # rank 0: its recent commits, redone if a failover loses them
         # Redis can lose acknowledged writes in a failover (replicas, Sentinel, a Cluster): only then does the
         # trainer check for lost commits at each step, keep its local updates' entry ids and checkpoint the
         # history (a single Redis with AOF keeps every acknowledged write)
         self.can_fail_over = cfg.run.redis.replicated or can_fail_over(r)
-        if dp.roles.agreed:
-            self.heartbeat_fields.append(rank_heartbeat_field(dp.rank))
 
     def start_leaser(self) -> None:
         """Rank 0: start leasing the current budget to the producers that ask (rollstream/pacing/leaser.py
@@ -174,17 +170,18 @@ class TrainerEffects:
     def resume_main(
         self,
         global_step: int,
-        ledgers: list[StepLedger],
+        meta: dict[str, Any] | None,
         module: nn.Module,
         whole: dict[str, Any] | None,
-        world_size: int,
         probe: Probe | None = None,
-        history: CommitHistory | None = None,
     ) -> None:
-        """Rank 0's part of the resume: set up the run, publish the checkpoint's version (with its swap-check
-        `probe`) if `params` lacks it, redo its commit if it never ran and every earlier commit of `history`
-        (the checkpoint's) that Redis lacks (reconcile_and_commit), grant its budget. A replay copy redoes
+        """Rank 0's part of the resume from the checkpoint of `global_step` (`meta`: its metadata, None
+        without one): set up the run, publish its version (with its swap-check `probe`) if `params` lacks it,
+        redo its commit if it never ran and every earlier commit it keeps (`committed`) that Redis lacks
+        (reconcile_and_commit), grant its budget, record the world size (several ranks). A replay copy redoes
         only the checkpoint's own commit (its earlier steps were never in this run)."""
+        ledgers = [StepLedger.from_plain(d) for d in meta["steps"]] if meta is not None else []
+        history = CommitHistory.from_plain(meta.get("committed", []) if meta is not None else [])
         setup_run(self.r, self.keys, producer_names(self.cfg.rollout.num_producers))
         self.publish_weights(global_step, module, whole, only_if_missing=True, probe=probe)
         if self.r.hexists(self.keys.trainer, REPLAY_COPY_FIELD):
@@ -196,13 +193,12 @@ class TrainerEffects:
         else:
             # the checkpoint's commits, none pruned by age (the trainer may have been down for long), then its
             # own steps: committed below if they never were (a crash before the commit)
-            kept = history.commits if history is not None else []
+            kept = history.commits
             self.history = CommitHistory([*kept, Commit(time.time(), ledgers)] if ledgers else kept)
             reconcile_and_commit(self.r, self.keys, self.history)
         self.grant(global_step)
         self.r.hset(self.keys.trainer, PROGRESS_AT_FIELD, time.time())  # the clock of `status`'s stall check
-        if world_size > 1:
-            self.r.hset(self.keys.trainer, WORLD_SIZE_FIELD, world_size)
+        self.roles.if_several(self.r.hset, self.keys.trainer, WORLD_SIZE_FIELD, self.roles.world_size)
 
     @retried("resume")
     def read_progress(self, global_step: int) -> tuple[int, int, set[str]]:
@@ -271,8 +267,9 @@ class TrainerEffects:
 
     @retried("publishing validation")
     def emit_validation(self, event: ValidateMetrics) -> None:
-        """Emit a `validation` event."""
+        """Emit a `validation` event (and log it)."""
         self.publisher.publish(self.keys.metrics, event)
+        log.info("validation of version %d: %s", event.param_version, event.metrics)
 
     def publish_weights(
         self,

@@ -63,7 +63,7 @@ from rollstream.rl.rollout_correction import (
 )
 from rollstream.weights.fingerprint import policy_probe
 from rollstream.weights.store import Probe
-from rollstream.weights.tensors import load_init, load_tensors_into, unique_state, unique_tensors
+from rollstream.weights.tensors import load_init, load_tensors_into, unique_state
 from schemas import DataProto
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class Learner:
         fused = self.actor.optim.fused
         self.optimizer = torch.optim.AdamW(
             self.trained, lr=self.actor.optim.lr, weight_decay=self.actor.optim.weight_decay,
-            fused=not self.dp.roles.sharded if fused is None else fused,
+            fused=self.dp.fused_adamw(fused),
         )
 
     def probe(self) -> Probe:
@@ -137,12 +137,13 @@ class Learner:
     def whole_weights(self) -> dict[str, torch.Tensor]:
         """The policy's weights, tied tensors once: the module's own tensors (no copy) unless sharded; under
         fsdp gathered whole on the CPU, a collective (every rank calls it; rank 0 gets them, the others
-        {})."""
-        if not self.dp.roles.sharded:
-            state = unique_state(self.policy.module)
-            return self.master.state(state) if self.master is not None else state
-        state = self.dp.full_state_dict(self.policy.module)
-        return unique_tensors(state) if self.dp.roles.main else {}
+        {}): DataParallel.whole_weights."""
+        return self.dp.whole_weights(self.policy.module, self._own_weights)
+
+    def _own_weights(self) -> dict[str, torch.Tensor]:
+        """The module's own tensors, tied ones once (the float32 copies' values with master weights)."""
+        state = unique_state(self.policy.module)
+        return self.master.state(state) if self.master is not None else state
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state_dict, index-keyed; under fsdp whole (a collective; rank 0's alone)."""
@@ -151,10 +152,14 @@ class Learner:
     def load_checkpoint_state(
         self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
     ) -> None:
-        """Restore weights and optimizer state read from a checkpoint (every rank, the same values)."""
-        if self.dp.roles.sharded:
-            self.dp.load_full_state(self.policy.module, self.optimizer, weights, optimizer_state)
-            return
+        """Restore weights and optimizer state read from a checkpoint (every rank, the same values; under fsdp
+        into the shards: DataParallel.load_full_state)."""
+        module, optimizer = self.policy.module, self.optimizer
+        self.dp.load_full_state(module, optimizer, weights, optimizer_state,
+                                lambda: self._load_own(weights, optimizer_state))
+
+    def _load_own(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+        """load_checkpoint_state of a module that is not sharded."""
         load_tensors_into(self.policy.module, weights)
         if self.master is not None:
             self.master.load(weights)

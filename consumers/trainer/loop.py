@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import redis
 
@@ -25,7 +26,6 @@ from consumers.trainer.evaluate import validate
 from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import StepLedger, merge_ledgers
 from consumers.trainer.minibatch import UPDATE_SKIPPED
-from consumers.trainer.reconcile import CommitHistory
 from consumers.trainer.staleness import STALE_SAMPLES, STALE_TRAJECTORIES, LengthBuckets
 from consumers.trainer.step_report import StepEnd
 from rollstream.bus import EntryRef
@@ -86,16 +86,11 @@ class Trainer:
         if meta is not None:
             self.global_step = int(meta["global_step"])
             log.info("resumed from checkpoint of global step %d", self.global_step)
-        g0 = self.global_step
-        roles = self.dp.roles
-        whole = self.learner.whole_weights() if roles.sharded else None  # fsdp: a collective
+        g0, roles = self.global_step, self.dp.roles
+        whole = roles.gather_if_sharded(self.learner.whole_weights)  # fsdp: a collective
         probe = self.learner.probe()  # every rank: a forward (a collective under fsdp)
-        if roles.main:
-            ledgers = [StepLedger.from_plain(d) for d in meta["steps"]] if meta is not None else []
-            history = CommitHistory.from_plain(meta.get("committed", []) if meta is not None else [])
-            module = self.learner.policy.module
-            self.effects.resume_main(g0, ledgers, module, whole, self.dp.world_size, probe, history)
-            self.effects.start_leaser()  # producers get their leases from here on
+        roles.only_main(self.effects.resume_main, g0, meta, self.learner.policy.module, whole, probe)
+        roles.only_main(self.effects.start_leaser)  # producers get their leases from here on
         self.dp.barrier()  # the redone commit is in `fates` before any rank reads it
         c = self.collector  # reading: consumers/trainer/collect.py
         c.newest_published, self.training_step, c.seen = self.effects.read_progress(g0)
@@ -109,10 +104,10 @@ class Trainer:
           1. begin       pin the weights as the proximal policy (rank 0: reconcile, mark the step begun)
           2. K times     collect this rank's share -> assemble -> update (Learner.update; its optimizer
                          step: Learner._step) -> record the fates, emit the `local_update`
-          3. end         every rank's report gathered into the step's ledger and step_end  (_finish_step:)
+          3. end         every rank's report gathered into the step's ledger and step_end
           4. checkpoint  when due, written on a thread while 5 and 6 run
           5. validate    every trainer.test_freq versions
-          6. publish     version g's weights (rank 0)
+          6. publish     version g's weights (rank 0, as 7 and 8)
           7. commit      once the checkpoint is durable, one MULTI (TrainerEffects.commit); otherwise the
                          step's samples are counted as consumed
           8. grant       version g's dispatch budget, then retention"""
@@ -134,21 +129,19 @@ class Trainer:
         return True
 
     def _finish_step(self, g: int, ledger: StepLedger, t_step: float) -> None:
-        """Phases 3-8 of step g (see train_step)."""
+        """Phases 3-8 of step g (see train_step); 6-8 on rank 0 alone."""
         end = self._end_step(g, ledger)  # 3. end
         writing = self._start_checkpoint(end, t_step)  # 4. checkpoint
         if self.cfg.trainer.test_freq > 0 and g % self.cfg.trainer.test_freq == 0:
             self._evaluate(g)  # 5. validate
-        if self.dp.roles.main:
-            t0 = time.perf_counter()
-            self.effects.publish_weights(g, self.learner.policy.module, end.whole, probe=end.probe)  # 6.
-            self._await_checkpoint(end, writing, t_step, pub_s=time.perf_counter() - t0)
-            if writing is not None:
-                self.effects.commit(self.pending, g)  # 7. commit
-            else:
-                self.effects.count_consumed(end.merged, g)
-            self.effects.grant(g)  # 8. grant, then retention
-            self.effects.run_janitor()
+        roles = self.dp.roles
+        roles.only_main(self._publish, end, writing, t_step)  # 6. publish, then the checkpoint awaited
+        if writing is not None:
+            roles.only_main(self.effects.commit, self.pending, g)  # 7. commit
+        else:
+            roles.only_main(self.effects.count_consumed, end.merged, g)
+        roles.only_main(self.effects.grant, g)  # 8. grant, then retention
+        roles.only_main(self.effects.run_janitor)
         if end.due:  # every rank forgets the acks rank 0 made in its commit
             self.reader.forget(self._own_acks)
             self._own_acks, self.pending = [], []
@@ -163,11 +156,10 @@ class Trainer:
         as the proximal policy, reset the step's counts; returns its empty ledger."""
         self.collector.step_dead = 0
         self.lengths = LengthBuckets(self.cfg.data.max_response_length)
-        if self.dp.roles.main and self.effects.can_fail_over:  # a failover may have lost commits and a grant
-            self.effects.reconcile(self.global_step)
-        if g > self.training_step:
-            if self.dp.roles.main:  # the other ranks emit nothing of step g before rank 0's first collective
-                self.effects.mark_training_step(g)
+        if self.effects.can_fail_over:  # a failover may have lost commits and a grant
+            self.dp.roles.only_main(self.effects.reconcile, self.global_step)
+        if g > self.training_step:  # the other ranks emit nothing of step g before rank 0's first collective
+            self.dp.roles.only_main(self.effects.mark_training_step, g)
             self.training_step = g
         self.learner.begin_step(g)
         return StepLedger(g)
@@ -188,7 +180,7 @@ class Trainer:
                 K = cfg.async_training.trigger_parameter_sync_step
                 synced[:] = [self.collector.collect(g, ledger) for _ in range(K)]
             got = synced[local - 1]
-        if got is None or (self.stop.is_set() and not self.dp.roles.agreed):  # ranks stop when they agree
+        if got is None or self.dp.roles.stopping(self.stop.is_set(), agreed=False):  # ranks: in a round
             why = "no rollouts left (burst)" if self.collector.used_up else "stop requested"
             log.warning("%s during global step %d: abandoning it (samples stay pending)", why, g)
             return None
@@ -232,30 +224,35 @@ class Trainer:
         self.global_step = g
         due = g % cfg.trainer.save_freq == 0 or g >= cfg.trainer.total_training_steps or self.agreed_stop
         due = due or any(rep["over_budget"] for rep in reports)  # ack now: acked entries may leave Redis
-        whole = self.learner.whole_weights() if self.dp.roles.sharded else None
+        whole = self.dp.roles.gather_if_sharded(self.learner.whole_weights)
         probe = self.learner.probe()  # the swap check's fingerprint of version g (every rank: fsdp)
         return StepEnd(g, merged, reports, due, whole, probe)
 
     def _start_checkpoint(self, end: StepEnd, t_step: float) -> Future[float] | None:
         """(4) When due, rank 0 writes the checkpoint on a thread (meta, RNG and tensor references captured
         now) while version g validates and publishes (neither changes a tensor)."""
-        roles = self.dp.roles
-        optimizer_state = self.learner.optimizer_state() if end.due and roles.whole_model else {}
-        if not (end.due and roles.main):
+        if not end.due:
             return None
+        optim_state = self.dp.roles.with_whole_model(self.learner.optimizer_state) or {}  # fsdp: a collective
+        return self.dp.roles.only_main(self._submit_checkpoint, end, t_step, optim_state)
+
+    def _submit_checkpoint(self, end: StepEnd, t_step: float, optim_state: dict[str, Any]) -> Future[float]:
+        """(4, rank 0) The checkpoint's meta and tensor references, its write submitted to the writer."""
         assert end.merged.step_end is not None
         end.merged.step_end.metrics["timing_s/step"] = time.perf_counter() - t_step
         meta = step_report.checkpoint_meta(end.g, self.pending, end.reports, self.pending_ids)
         meta["committed"] = self.effects.committed_for_checkpoint()  # redone on resume if a failover lost it
         weights = end.whole if end.whole is not None else self.learner.whole_weights()  # the module's own
         keep = self.cfg.trainer.keep_checkpoints
-        write = checkpoint_writer(self.ckpt_dir, end.g, weights, optimizer_state, meta, keep_last=keep)
+        write = checkpoint_writer(self.ckpt_dir, end.g, weights, optim_state, meta, keep_last=keep)
         return self._writer.submit(step_report.timed, write)
 
-    def _await_checkpoint(self, end: StepEnd, writing: Future[float] | None, t_step: float, pub_s: float
-                          ) -> None:
-        """(rank 0, before 7) Wait until the checkpoint (`writing`, when due) is durable (raising what its
-        write raised: no commit without it), and put the step's timings into its step_end."""
+    def _publish(self, end: StepEnd, writing: Future[float] | None, t_step: float) -> None:
+        """(6, rank 0) Publish version g's weights, then wait until its checkpoint (`writing`, when due) is
+        durable (raising what its write raised: no commit without it); its timings into step_end."""
+        t0 = time.perf_counter()
+        self.effects.publish_weights(end.g, self.learner.policy.module, end.whole, probe=end.probe)
+        pub_s = time.perf_counter() - t0
         timings = {"timing_s/publish": pub_s}
         if writing is not None:
             t0 = time.perf_counter()
@@ -270,15 +267,13 @@ class Trainer:
     def _evaluate(self, version: int) -> None:
         """(5) Validate version `version` (evaluate.validate) and emit a `validation` event, the RNG states
         unchanged. Rank 0 alone; under fsdp every rank decodes in step (the weights are sharded)."""
-        if not self.dp.roles.whole_model:
-            return
         rng = rng_plain()  # validation leaves the RNG as it found it: the checkpoint took it before
-        metrics = validate(self.cfg, self.learner.policy, self.dp, list(self.recent))
+        policy, recent = self.learner.policy, list(self.recent)
+        metrics = self.dp.roles.with_whole_model(validate, self.cfg, policy, self.dp, recent)
         restore_rng_plain(rng)
-        if metrics and self.dp.roles.main:
+        if metrics:
             ev = ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
-            self.effects.emit_validation(ev)
-            log.info("validation of version %d: %s", version, metrics)
+            self.dp.roles.only_main(self.effects.emit_validation, ev)
 
     def run(self) -> int:
         """Resume, then train global steps until total_training_steps, a stop request or (burst) no rollouts
@@ -287,9 +282,8 @@ class Trainer:
             self.resume()
             total = self.cfg.trainer.total_training_steps
             # a world of one asks its stop flag; ranks use what they agreed at the last step end
-            while self.global_step < total and not (
-                self.agreed_stop if self.dp.roles.agreed else self.stop.is_set()
-            ):
+            while self.global_step < total and not self.dp.roles.stopping(self.stop.is_set(),
+                                                                          self.agreed_stop):
                 if not self.train_step(self.global_step + 1):
                     break
         finally:

@@ -20,9 +20,13 @@ round.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from rollstream.keys import HEARTBEAT_FIELD, rank_heartbeat_field
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,9 @@ class RankInfo:
 
 @dataclass(frozen=True)
 class RankRoles:
-    """What a trainer rank does, decided once from its place and the strategy, so no caller combines flags.
+    """What a trainer rank does, decided once from its place and the strategy. Its flags are tested here and
+    in distributed.py alone (tests/test_layering.py): the rest of the trainer calls the methods, which say
+    what the step does (`only_main`, `with_whole_model`, `gather_if_sharded`, `if_several`, `stopping`, …).
     Rank 0 alone: `main`. Every rank together: `agreed` (several ranks: collectives communicate, collection
     rounds and the stop are agreed) and `sharded` (fsdp: reading the weights or optimizer state whole is a
     collective). `whole_model`: the ranks that take part in what needs the whole model."""
@@ -66,6 +72,43 @@ class RankRoles:
         """Rank 0, and under fsdp every rank (gathering the whole weights or the optimizer state, and decoding
         for validation, are collectives there): the ranks that validate and read the optimizer state."""
         return self.main or self.sharded
+
+    def only_main(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """fn(*args) on rank 0, the rank of the run's Redis writes (resume, training_step, weights, commit,
+        grant, retention, leases, validation events) and the checkpoint's files; None on the other ranks."""
+        return fn(*args) if self.main else None
+
+    def with_whole_model(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """fn(*args) on the ranks that take part in what needs the whole model (rank 0; every rank under fsdp,
+        where reading the optimizer state whole and decoding for validation are collectives); None on the
+        others."""
+        return fn(*args) if self.whole_model else None
+
+    def gather_if_sharded(self, fn: Callable[[], T]) -> T | None:
+        """fn() under fsdp, where reading the whole weights is a collective every rank calls (rank 0 gets
+        them); None otherwise (rank 0 reads the module's own tensors when it needs them)."""
+        return fn() if self.sharded else None
+
+    def if_several(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """fn(*args) when there are several ranks (collectives communicate); None in a world of one."""
+        return fn(*args) if self.agreed else None
+
+    def stopping(self, own: bool, agreed: bool) -> bool:
+        """Whether this rank stops now: a world of one obeys its `own` stop request at once; several ranks
+        only a stop they `agreed` on (at a collection round or a step's end), so no rank leaves the others
+        waiting in a collective."""
+        return agreed if self.agreed else own
+
+    def own_entry(self, entries: Sequence[T]) -> T | None:
+        """This rank's entry of a per-rank list (a checkpoint's `ranks`) written by a world of this size with
+        several ranks; None otherwise (another world size, or a world of one)."""
+        return entries[self.rank] if self.agreed and len(entries) == self.world_size else None
+
+    def heartbeat_fields(self) -> list[str]:
+        """The trainer-hash fields this rank's heartbeat sets: rank 0 `heartbeat`; with several ranks each
+        rank also its own `heartbeat:r<rank>`."""
+        fields = [HEARTBEAT_FIELD] if self.main else []
+        return fields + [rank_heartbeat_field(self.rank)] if self.agreed else fields
 
 
 def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:

@@ -99,7 +99,7 @@ def local_update_event(
 def gather_reports(dp: DataParallel, ledger: StepLedger, mine: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's end-of-step report (`mine` with its ledger and, with several ranks, its RNG state for
     the checkpoint's `ranks`), in rank order."""
-    rng = rng_plain() if dp.roles.agreed else None  # a world of one: checkpoint_writer saves its own RNG
+    rng = dp.roles.if_several(rng_plain)  # a world of one: checkpoint_writer saves its own RNG
     reports = dp.all_gather_plain({**mine, "ledger": ledger.to_plain(), "rng": rng})
     for rep in reports:
         rep["ledger"] = StepLedger.from_plain(rep["ledger"])
