@@ -32,7 +32,7 @@ from consumers.aggregator.worker import AggregatorWorker
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.guard import value_reason
 from consumers.trainer.ledger import StepLedger
-from consumers.trainer.minibatch import UPDATE_SKIPPED
+from consumers.trainer.metrics import UPDATE_SKIPPED
 from consumers.trainer.rank_agreement import RankRoles
 from producers.publish import PublishError
 from producers.worker import Producer

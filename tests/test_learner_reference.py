@@ -16,7 +16,7 @@ import consumers.trainer.learner as learner_module
 from consumers.trainer.advantages import token_rewards
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.learner import Learner
-from consumers.trainer.minibatch import UPDATE_SKIPPED, merge_epochs
+from consumers.trainer.metrics import UPDATE_SKIPPED, EpochStats, epoch_metrics, merge_epochs
 from rollstream.config import PipelineConfig, load_config
 from rollstream.model import BasePolicy
 from rollstream.rl.advantages import grpo_token_advantages, reinforce_pp_advantages
@@ -268,9 +268,9 @@ def test_epochs_in_decoupled_mode_clip_against_the_pinned_proximal_policy() -> N
     seen: list[dict[str, float]] = []
     accumulate = learner._accumulate
 
-    def recording(*args: Any) -> tuple[dict[str, float], float]:
+    def recording(*args: Any) -> EpochStats:
         out = accumulate(*args)
-        seen.append(out[0])
+        seen.append(epoch_metrics(out, left_out=False, norm_factor=None))  # the epoch's metrics
         return out
 
     learner._accumulate = recording  # type: ignore[method-assign]

@@ -10,7 +10,7 @@
                  rollout correction over the mini-batch (IS weights, rejection, mismatch metrics:
                  rollstream/rl/rollout_correction.py) -> actor.ppo_epochs times (once by default): per
                  micro-batch forward -> loss x its share -> backward (gradients accumulate) -> clip -> AdamW
-                 step; returns the update's metrics (the epochs' merged: merge_epochs)
+                 step; returns its metrics (consumers/trainer/metrics.py: built from what it measured)
 
 Memory knobs: `actor.micro_batch_size` (the accumulated update equals the whole-mini-batch one: each
 micro-batch's loss is scaled by its share of what the loss aggregation divides by), `actor.
@@ -39,23 +39,14 @@ from torch.autograd.graph import increment_version
 from consumers.trainer.advantages import minibatch_advantages
 from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.master import MasterWeights
-from consumers.trainer.minibatch import (
-    UPDATE_SKIPPED,
-    Padded,
-    Prepared,
-    merge_epochs,
-    micro_slices,
-    padded_tensors,
-    placed,
-)
+from consumers.trainer.metrics import EpochStats, UpdateStats, update_metrics
+from consumers.trainer.minibatch import Padded, Prepared, micro_slices, padded_tensors, placed
 from rollstream.config import PipelineConfig
 from rollstream.model import BasePolicy, build_policy
 from rollstream.model.base import resolve_device
 from rollstream.rl.masked import AggMode, agg_count, agg_loss
-from rollstream.rl.metrics import length_metrics, reward_metrics
 from rollstream.rl.ppo import entropy_coef_at, low_var_kl, ppo_loss
 from rollstream.rl.rollout_correction import (
-    PREFIX,
     Correction,
     normalize_is_weights,
     normalize_totals,
@@ -258,10 +249,12 @@ class Learner:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-    def _correct(self, old_logp: torch.Tensor, behave: torch.Tensor, resp_mask: torch.Tensor) -> Correction:
+    def _correct(
+        self, old_logp: torch.Tensor, behave: torch.Tensor, resp_mask: torch.Tensor
+    ) -> tuple[Correction, float | None]:
         """Rollout correction of a mini-batch [B, T] with the configured options (IS weights only in decoupled
         mode: in bypass mode the PPO ratio is against the behaviour policy already); batch normalisation
-        uses every data-parallel rank's weights."""
+        uses every data-parallel rank's weights. Returns it and the normalisation factor (None: none)."""
         rc = self.algorithm.rollout_correction
         level = rc.rollout_is if self.off_policy_mode == "decoupled" else None
         out = rollout_correction(
@@ -274,10 +267,10 @@ class Learner:
             rollout_rs_threshold=rc.rollout_rs_threshold,
         )
         if out.weights is None or level is None or not rc.rollout_is_batch_normalize:
-            return out
+            return out, None
         weight_sum, count = self.dp.all_reduce_sum(list(normalize_totals(out.weights, resp_mask, level)))
         weights, factor = normalize_is_weights(out.weights, resp_mask, level, (weight_sum, count))
-        return Correction(weights, out.mask, {**out.metrics, PREFIX + "rollout_is_batch_norm_factor": factor})
+        return Correction(weights, out.mask, out.metrics), factor
 
     def _advantages(
         self, mini: Padded, groups: list[int], rewards: torch.Tensor, scores: torch.Tensor | None
@@ -301,18 +294,18 @@ class Learner:
 
     def _accumulate(
         self, p: Prepared, first: bool, ahead: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> tuple[dict[str, float], float]:
+    ) -> EpochStats:
         """One epoch's gradients: per micro-batch, forward (or the forward `ahead`, run before the update: the
         first epoch only), loss scaled by the micro-batch's share of what the aggregation divides by,
-        backward (gradients accumulate). Returns the epoch's loss, policy-gradient and timing metrics (and in
-        the `first` epoch the mismatch metrics: the sampler against the policy before this update), and its
-        loss; `update` then takes the optimizer step (`_step`)."""
+        backward (gradients accumulate). Returns what the epoch measured (its loss, ppo_loss's values, and in
+        the `first` epoch the mismatch metrics: the sampler against the policy before this update); `update`
+        then takes the optimizer step (`_step`)."""
         mode: AggMode = self.actor.loss_agg_mode
         ent_coef = entropy_coef_at(self.actor.entropy_coeff, self.actor.entropy_decay_steps, self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.policy.module.zero_grad(set_to_none=True)  # the module's gradients, moved at the step
-        metrics: dict[str, float] = {}
+        micro_pg: list[tuple[dict[str, float], float, float]] = []  # ppo_loss's, share, token share
         loss = ent = kl = t_update = 0.0
         current: list[torch.Tensor] = []  # bypass without rejection: the mismatch metrics' trainer log-probs
         for i, (m, rows) in enumerate(zip(p.micro, p.slices, strict=True)):
@@ -361,30 +354,25 @@ class Learner:
             t_update += time.perf_counter() - t0
             loss += float(m_loss.detach()) * share
             ent += float(m_ent.detach()) * ent_share
-            for k, v in pg_metrics.items():  # pg_loss aggregates like the loss, the rest are token means
-                metrics[k] = metrics.get(k, 0.0) + v * (share if k == "actor/pg_loss" else tok_share)
+            micro_pg.append((pg_metrics, share, tok_share))
         # the mismatch metrics against the policy's log-probs as it trained on them first
+        mismatch = None
         if first:
             now = placed(current, p.slices, p.resp_mask)
             trained_corr = p.correction or (
                 rollout_correction(now, p.behave, p.resp_mask) if now is not None else None
             )
-            metrics.update(trained_corr.metrics if trained_corr is not None else {})
+            mismatch = trained_corr.metrics if trained_corr is not None else {}
         if p.left_out:
-            metrics.setdefault("actor/pg_loss", 0.0)  # nothing trained: every row's loss was 0
             self._zero_missing_grads()  # as the whole batch's backward leaves them: 0, so AdamW still steps
-        if ent_coef > 0:
-            metrics["actor/entropy_coef"] = ent_coef
-        if self.ref is not None:
-            metrics["actor/kl_loss"] = kl
-            metrics["actor/kl_coef"] = self.actor.kl_loss_coef
-        metrics.update({"actor/loss": loss, "actor/entropy": ent, "timing_s/update_actor": t_update})
-        return metrics, loss
+        return EpochStats(micro_pg, loss, ent, ent_coef, kl if self.ref is not None else None,
+                          self.actor.kl_loss_coef, t_update, mismatch)
 
     def update(self, batch: DataProto) -> dict[str, float]:
         """One local update on a mini-batch, the one padded batch the assembly built: actor.ppo_epochs
         optimizer steps (one by default), trained in micro-batches that are views of actor.micro_batch_size
-        of its rows; returns its actor/critic/length/timing metrics (merge_epochs)."""
+        of its rows; returns its actor/critic/length/timing metrics, built from what it measured by
+        consumers/trainer/metrics.py update_metrics."""
         mini, rewards, scores = padded_tensors(batch, self.device)  # [B, P+W] ids, [B, W] masks (W: widest)
         all_rows, all_resp = len(rewards), mini.resp_mask
 
@@ -406,7 +394,7 @@ class Learner:
         t0 = time.perf_counter()
         old, ref, ahead, t_old = self._before_update(micro, slices, resp_mask, temp)
         t_before = time.perf_counter() - t0 - t_old
-        correction = self._correct(old, behave, resp_mask) if old is not None else None
+        correction, norm_factor = self._correct(old, behave, resp_mask) if old is not None else (None, None)
         loss_mask = correction.mask.to(resp_mask.dtype) if correction is not None else resp_mask  # [kept, W]
         mode: AggMode = self.actor.loss_agg_mode
         # rows left out count in what the loss divides by, as if trained (skip: loss_mask is resp_mask there,
@@ -425,32 +413,17 @@ class Learner:
         #    clip and the optimizer step
         epochs = []
         for epoch in range(self.actor.ppo_epochs):
-            metrics, loss = self._accumulate(prepared, epoch == 0, ahead if epoch == 0 else None)
+            stats = self._accumulate(prepared, epoch == 0, ahead if epoch == 0 else None)
             t0 = time.perf_counter()
-            grad_norm, skipped = self._step(loss)
-            metrics.update({"actor/grad_norm": grad_norm, UPDATE_SKIPPED: float(skipped)})
-            metrics["timing_s/update_actor"] += time.perf_counter() - t0
-            epochs.append(metrics)
-        metrics = merge_epochs(epochs)
-        metrics["timing_s/update_actor"] += t_before
-        if kept < all_rows:
-            metrics["actor/trained_row_fraction"] = kept / all_rows
+            stats.grad_norm, stats.skipped = self._step(stats.loss)
+            stats.step_s = time.perf_counter() - t0
+            epochs.append(stats)
 
-        # 4. metrics
-        row_tokens = mini.mask.sum(-1).double().cpu()  # [B]
-        metrics.update(
-            {
-                "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
-                "critic/rewards/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-                "critic/advantages/mean": adv_mean,
-                "perf/total_num_tokens": float(row_tokens.sum()),
-                "global_seqlen/min": float(row_tokens.min()),
-                "global_seqlen/max": float(row_tokens.max()),
-                "global_seqlen/minmax_diff": float(row_tokens.max() - row_tokens.min()),
-            }
-        )
-        if self.prox is not None or self.ref is not None:
-            metrics["timing_s/old_log_prob"] = t_old
-        metrics.update(reward_metrics(rewards))
-        metrics.update(length_metrics(all_resp.cpu(), self.cfg.data.max_response_length))
-        return metrics
+        # 4. metrics: what the update measured, named in one place (consumers/trainer/metrics.py)
+        return update_metrics(UpdateStats(
+            epochs=epochs, rows=all_rows, kept=kept, before_s=t_before,
+            old_logprob_s=t_old if self.prox is not None or self.ref is not None else None,
+            norm_factor=norm_factor, lr=float(self.optimizer.param_groups[0]["lr"]), rewards=rewards,
+            adv_mean=adv_mean, row_tokens=mini.mask.sum(-1).double().cpu(), resp_mask=all_resp.cpu(),
+            max_response_length=self.cfg.data.max_response_length,
+        ))

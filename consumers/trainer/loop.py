@@ -25,7 +25,7 @@ from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.evaluate import validate
 from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import StepLedger, merge_ledgers
-from consumers.trainer.minibatch import UPDATE_SKIPPED
+from consumers.trainer.metrics import UPDATE_SKIPPED, UpdateTimings
 from consumers.trainer.staleness import STALE_SAMPLES, STALE_TRAJECTORIES, LengthBuckets
 from consumers.trainer.step_report import StepEnd
 from rollstream.bus import EntryRef
@@ -194,7 +194,7 @@ class Trainer:
         fate = SKIPPED if learned.get(UPDATE_SKIPPED) else TRAINED  # a skipped step trained nothing
         self.recent.extend(step_report.record_fates(ledger, got.kept, fate, g))
         self.lengths.add(got.kept, got.dropped_lengths)
-        timings = step_report.UpdateTimings(*times, self.collector.transport_since_last())
+        timings = UpdateTimings(*times, self.collector.transport_since_last())
         versions = batch.meta_info["trajectory_param_versions"]
         fg = self.cfg.algorithm.filter_groups.enable
         update = step_report.local_update_event(

@@ -1,6 +1,6 @@
 """A local update's mini-batch as the learner trains it: the padded tensors the assembly built, its rows and
-micro-batches (row views, each without its all-padding columns), what every epoch of the update shares, and
-how the epochs' metrics merge into the update's."""
+micro-batches (row views, each without its all-padding columns) and what every epoch of the update shares
+(its metrics: consumers/trainer/metrics.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,6 @@ import torch
 
 from rollstream.rl.rollout_correction import Correction
 from schemas import DataProto
-
-#: Metric of a local update: 1 when its optimizer step was skipped (non-finite loss or gradient), else 0.
-UPDATE_SKIPPED = "actor/update_skipped"
-#: Metric of a local update of several epochs (actor.ppo_epochs > 1): how many of their steps were skipped.
-EPOCHS_SKIPPED = "actor/epochs_skipped"
 
 
 def micro_slices(rows: int, micro_batch_size: int) -> list[slice]:
@@ -114,24 +109,3 @@ class Prepared:
     def is_w(self) -> torch.Tensor | None:
         """[kept, W] IS weights (decoupled mode), the correction's."""
         return self.correction.weights if self.correction is not None else None
-
-
-def merge_epochs(epochs: list[dict[str, float]]) -> dict[str, float]:
-    """One local update's metrics from its epochs' (actor.ppo_epochs): timings summed; skipped only when every
-    epoch's optimizer step was, with `actor/epochs_skipped` counting those that were (several epochs); every
-    other metric the mean over the epochs that stepped (over all when none did), or the one epoch's that has
-    it (the mismatch metrics: the first's)."""
-    if len(epochs) == 1:
-        return dict(epochs[0])
-    stepped = [e for e in epochs if not e.get(UPDATE_SKIPPED)] or epochs
-    out: dict[str, float] = {}
-    for key in dict.fromkeys(k for e in epochs for k in e):
-        if key.startswith("timing_s/"):
-            out[key] = sum(e.get(key, 0.0) for e in epochs)
-        elif key == UPDATE_SKIPPED:
-            out[key] = float(all(e[key] > 0 for e in epochs))
-        else:
-            values = [e[key] for e in stepped if key in e] or [e[key] for e in epochs if key in e]
-            out[key] = values[0] if len(values) == 1 else sum(values) / len(values)
-    out[EPOCHS_SKIPPED] = float(sum(1 for e in epochs if e.get(UPDATE_SKIPPED)))
-    return out

@@ -1,5 +1,5 @@
-"""What a global step records and reports: each local update's fates and its `local_update` event (the one
-place its metrics are put together: `local_update_event`); at the end, every rank's report and what rank 0
+"""What a global step records and reports: each local update's fates and its `local_update` event (its
+metrics: consumers/trainer/metrics.py); at the end, every rank's report and what rank 0
 builds from them (the `step_end` event and the checkpoint metadata). A world of one gathers its own report:
 the collective's identity case."""
 
@@ -14,28 +14,13 @@ from consumers.trainer.checkpoint import rng_plain
 from consumers.trainer.collect import Collected
 from consumers.trainer.distributed import DataParallel
 from consumers.trainer.ledger import StepLedger
-from consumers.trainer.staleness import (
-    ROLLOUT_FAILURE_EVICTED,
-    LengthBuckets,
-    count_stale,
-    dropped_metrics,
-    filter_groups_metrics,
-)
+from consumers.trainer.metrics import UpdateTimings, local_update_metrics
+from consumers.trainer.staleness import LengthBuckets
 from rollstream.bus import Message
-from rollstream.rl.metrics import finite_metrics, staleness_metrics
+from rollstream.rl.metrics import finite_metrics
 from rollstream.tasks import Prompt
 from rollstream.weights.store import Probe
-from schemas import DROPPED, SKIPPED, TRAINED, Fate, RolloutSample, StepMetrics
-
-
-@dataclass(frozen=True)
-class UpdateTimings:
-    """A local update's seconds: waiting for and taking its samples (`gen`), padding them (`assemble`), and
-    moving them out of Redis (`transport`, the reader's since the last update: collect.py)."""
-
-    gen: float
-    assemble: float
-    transport: float
+from schemas import DROPPED, SKIPPED, TRAINED, Fate, StepMetrics
 
 
 def record_fates(ledger: StepLedger, kept: list[tuple[Message, int]], fate: str, g: int) -> list[Prompt]:
@@ -53,19 +38,6 @@ def record_fates(ledger: StepLedger, kept: list[tuple[Message, int]], fate: str,
     return prompts
 
 
-def collected_metrics(
-    got: Collected, filter_groups: bool
-) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    """(metrics, counts) of a local update's collection: the samples dropped as stale, the filter_groups
-    evictions (when on), the rollout failures evicted and the staleness of the samples kept."""
-    metrics = dropped_metrics(got.dropped)
-    fg_metrics, fg_counts = filter_groups_metrics(got.evicted) if filter_groups else ({}, {})
-    metrics.update(fg_metrics)
-    metrics[ROLLOUT_FAILURE_EVICTED] = float(got.failed)
-    metrics.update(staleness_metrics([st for _, st in got.kept]))
-    return metrics, fg_counts
-
-
 def local_update_event(
     g: int,
     local: int,
@@ -78,20 +50,11 @@ def local_update_event(
     timings: UpdateTimings,
     filter_groups: bool,
 ) -> StepMetrics:
-    """Local update `local` of step g on this rank: its `local_update` event, every metric of it put together
-    here, in this order (a later part wins a name they share): the learner's (`actor/`, `critic/`, lengths,
-    `timing_s/update_actor`: Learner.update), the batch's (`fully_async/` processing times, tool calls,
-    partial rollouts: assembly.py), the collection's (`collected_metrics`), the run's stale counters
-    (advanced here by the kept samples and their `trajectory_versions`: staleness.count_stale), then the step
-    and the timings. Non-finite values are left out and counted (rl/metrics.py finite_metrics)."""
-    samples: list[RolloutSample] = [m.event for m, _ in got.kept]  # type: ignore[misc]
-    metrics = {**learned, **batch_metrics}
-    got_metrics, fg_counts = collected_metrics(got, filter_groups)
-    metrics.update(got_metrics)
-    metrics.update(count_stale(counters, g - 1, samples, trajectory_versions))
-    metrics.update({"training/global_step": float(g), "timing_s/gen": timings.gen,
-                    "timing_s/assemble": timings.assemble, "timing_s/transport": timings.transport,
-                    "fully_async/total_wait_time": timings.gen})  # fmt: skip
+    """Local update `local` of step g on this rank: its `local_update` event, with the metrics
+    metrics.local_update_metrics puts together (the run's stale counters advanced); non-finite values are
+    left out and counted (rl/metrics.py finite_metrics)."""
+    metrics, fg_counts = local_update_metrics(g, got, learned, batch_metrics, trajectory_versions, counters,
+                                              timings, filter_groups)
     return StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(got.kept),
                        rank=rank, metrics=finite_metrics(metrics), counts=fg_counts)  # fmt: skip
 
