@@ -43,7 +43,7 @@ from rollstream.tasks import Prompt  # noqa: E402
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
 from rollstream.weights.fingerprint import default_max_diff, policy_probe_logprobs, probe_ids  # noqa: E402
 from rollstream.weights.store import publish_module_weights, publish_weights  # noqa: E402
-from rollstream.weights.tensors import published_state  # noqa: E402
+from rollstream.weights.tensors import published_state, state_bytes  # noqa: E402
 from schemas import decode  # noqa: E402
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 8], [1, 12, 13, 14, 15]]
@@ -465,8 +465,12 @@ def test_lora_versions_reach_the_engine_as_merged_weights_at_every_version(
         assert checked == version and mean < 1e-5, checks  # float32 bound: 1e-3
     assert max(worst) < 1e-4, worst  # the engine samples with the trainer's merged weights
     assert min(stale[:2]) > 1e-2 and stale[2] < 1e-4, stale  # every factor moved them; B = 0 is the base
-    # a version of full weights is not a LoRA run's: refused before the engine is touched
+    # a version of full weights, or one without some layer's factors, is refused before the engine is touched
     publish_module_weights(r, keys, 4, original.module, global_step=4, inline_max_bytes=0, file_dir=tmp_path)
     with pytest.raises(EngineError, match="not a LoRA factor"):
+        sync.refresh()
+    fewer = {n: t for n, t in published.items() if ".layers.1.mlp." not in n}
+    publish_weights(r, keys, 5, state_bytes(fewer), global_step=5, inline_max_bytes=1 << 30)
+    with pytest.raises(EngineError, match=r"missing \['model.layers.1.mlp.down_proj'"):
         sync.refresh()
     assert sync.version == 3

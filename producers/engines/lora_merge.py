@@ -58,6 +58,8 @@ class LoRAMerger:
             raise ValueError(f"model.lora_rank={rank} must be >= 1 to merge LoRA factors")
         self.base = base
         self.scale = alpha / rank
+        #: the adapted layers, from the first version merged: every later version must hold the same
+        self.layers: set[str] | None = None
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: torch.dtype, rank: int, alpha: float) -> LoRAMerger:
@@ -67,7 +69,8 @@ class LoRAMerger:
     def merged(self, tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         """(name, tensor) of every base tensor with each adapted `<layer>.weight` replaced by W' from the
         factors in `tensors` (a version's). EngineError, before anything is yielded, when the version holds
-        a tensor that is not a factor, a factor without its pair, or a layer the checkpoint lacks."""
+        a tensor that is not a factor, a factor without its pair, a layer the checkpoint lacks, or other
+        layers than the first version's (a layer left out would fall back to its base weight)."""
         factors: dict[str, dict[str, Tensor]] = {}
         for name, t in tensors:
             if not is_factor(name):
@@ -82,6 +85,13 @@ class LoRAMerger:
                 raise EngineError(f"LoRA on vLLM: layer {layer!r} has factor {sorted(pair)} without its pair")
             if f"{layer}.weight" not in self.base:
                 raise EngineError(f"LoRA on vLLM: layer {layer!r} of the version is not in the checkpoint")
+        if self.layers is not None and set(factors) != self.layers:
+            missing, extra = sorted(self.layers - set(factors)), sorted(set(factors) - self.layers)
+            raise EngineError(
+                f"LoRA on vLLM: the version's layers differ from the first version's (missing {missing[:3]}, "
+                f"new {extra[:3]})"
+            )
+        self.layers = set(factors)
         return self._merged(factors)
 
     def _merged(self, factors: dict[str, dict[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
