@@ -422,11 +422,11 @@ def test_continuous_generation_admits_as_rows_finish_and_publishes_in_order(
 LORA = ["model.lora_rank=4", "model.lora_alpha=8"]
 
 
-def lora_trainer(model_dir: Path, seed: int | None) -> HFPolicy:
+def lora_trainer(model_dir: Path, seed: int | None, *overrides: str) -> HFPolicy:
     """The trainer's LoRA policy on the checkpoint (every linear layer but the head) with every factor
     redrawn from `seed` (A and B of every adapted layer; B A * scale moves each weight by ~0.04); with None,
     as built (B = 0: the checkpoint's function)."""
-    policy = build_policy(engine_config(model_dir, *LORA))
+    policy = build_policy(engine_config(model_dir, *LORA, *overrides))
     assert isinstance(policy, HFPolicy)
     gen = torch.Generator().manual_seed(seed or 0)
     with torch.no_grad():
