@@ -83,8 +83,9 @@ def test_target_modules_pick_layers_by_name_and_a_miss_names_the_value() -> None
         load_config(None, [*LORA, "model.target_modules=attention"])
     with pytest.raises(ConfigError, match="lora_rank=2 with trainer.strategy=fsdp"):
         load_config(None, [*LORA, "trainer.strategy=fsdp"])
-    with pytest.raises(ConfigError, match="lora_rank=2 with rollout.name=vllm"):
-        load_config(None, [*LORA, "rollout.name=vllm", "model.backend=hf", "model.hf_path=/nowhere"])
+    # vLLM producers merge the factors into their own base weights (producers/engines/lora_merge.py)
+    vllm = load_config(None, [*LORA, "rollout.name=vllm", "model.backend=hf", "model.hf_path=/x"])
+    assert vllm.model.lora_rank == 2 and vllm.rollout.name == "vllm"
     with pytest.raises(ConfigError, match="lora_rank=2 with model.init_from='w.safetensors'"):
         load_config(None, [*LORA, "model.init_from=w.safetensors"])
 

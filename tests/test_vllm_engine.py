@@ -25,7 +25,8 @@ pytest.importorskip("vllm")
 from conftest import REDIS_URL  # noqa: E402
 
 from producers.agent import GenerationSettings, run_agent_loop  # noqa: E402
-from producers.engines import EngineStartError  # noqa: E402
+from producers.engines import EngineError, EngineStartError  # noqa: E402
+from producers.engines.lora_merge import LoRAMerger  # noqa: E402
 from producers.engines.vllm import VLLMPolicy, start_engine, tied_layers  # noqa: E402
 from producers.rollout import AGENT_TOOL, generation_request  # noqa: E402
 from producers.weight_sync import SwapFailed, WeightSync  # noqa: E402
@@ -33,13 +34,16 @@ from producers.worker import Producer  # noqa: E402
 from rollstream.bus import setup_run  # noqa: E402
 from rollstream.config import PipelineConfig, load_config  # noqa: E402
 from rollstream.keys import Keys, producer_names  # noqa: E402
+from rollstream.model import build_policy  # noqa: E402
 from rollstream.model.hf import HFPolicy  # noqa: E402
+from rollstream.model.lora import LoRALinear, is_factor  # noqa: E402
 from rollstream.pacing.budget import lease_outright  # noqa: E402
 from rollstream.runtime.process import WorkerContext  # noqa: E402
 from rollstream.tasks import Prompt  # noqa: E402
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
 from rollstream.weights.fingerprint import default_max_diff, policy_probe_logprobs, probe_ids  # noqa: E402
 from rollstream.weights.store import publish_module_weights, publish_weights  # noqa: E402
+from rollstream.weights.tensors import published_state, state_bytes  # noqa: E402
 from schemas import decode  # noqa: E402
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 8], [1, 12, 13, 14, 15]]
@@ -411,3 +415,62 @@ def test_continuous_generation_admits_as_rows_finish_and_publishes_in_order(
     publish_module_weights(r, keys, 2, original.module, global_step=2, inline_max_bytes=0, file_dir=tmp_path,
                            probe=probe_of(original))
     assert producer.weights.refresh()
+
+
+# ---- LoRA versions, merged into the engine's weights (issue 61) ------------------------------------------
+
+LORA = ["model.lora_rank=4", "model.lora_alpha=8"]
+
+
+def lora_trainer(model_dir: Path, seed: int | None, *overrides: str) -> HFPolicy:
+    """The trainer's LoRA policy on the checkpoint (every linear layer but the head) with every factor
+    redrawn from `seed` (A and B of every adapted layer; B A * scale moves each weight by ~0.04); with None,
+    as built (B = 0: the checkpoint's function)."""
+    policy = build_policy(engine_config(model_dir, *LORA, *overrides))
+    assert isinstance(policy, HFPolicy)
+    gen = torch.Generator().manual_seed(seed or 0)
+    with torch.no_grad():
+        for name, p in policy.module.named_parameters():
+            if seed is not None and is_factor(name):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return policy
+
+
+def test_lora_versions_reach_the_engine_as_merged_weights_at_every_version(
+    engine: VLLMPolicy, model_dir: Path, r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    dtype = engine.llm.llm_engine.model_config.dtype
+    lora = VLLMPolicy(engine.llm, engine.tokenizer, LoRAMerger.from_checkpoint(model_dir, dtype, 4, 8.0))
+    sync = checked_sync(lora, r, keys)
+    original = HFPolicy.from_pretrained(model_dir, device="cpu")
+    checks, worst, stale = [], [], []
+    for version in (1, 2, 3):  # two versions with every factor changed, then B = 0 (the checkpoint again)
+        trainer = lora_trainer(model_dir, seed=version if version < 3 else None)
+        adapted = [m for m in trainer.module.modules() if isinstance(m, LoRALinear)]
+        published = published_state(trainer.module)
+        assert len(adapted) == 14 and set(published) == {n for n, _ in trainer.module.named_parameters()
+                                                          if is_factor(n)} and len(published) == 28
+        publish_module_weights(r, keys, version, trainer.module, global_step=version, inline_max_bytes=0,
+                               file_dir=tmp_path, probe=probe_of(trainer))
+        assert sync.refresh() and sync.version == version
+        checks.append(sync.last_check)
+        rows = lora.generate(PROMPTS, n=2, max_new_tokens=10, temperature=2.0)
+        got = [torch.tensor(row.log_probs) for row in rows]
+        worst.append(max(float((recompute(trainer, row.prompt_ids, row.response_ids, 2.0) - g).abs().max())
+                         for row, g in zip(rows, got, strict=True)))
+        stale.append(max(float((recompute(original, row.prompt_ids, row.response_ids, 2.0) - g).abs().max())
+                         for row, g in zip(rows, got, strict=True)))
+    print(f"\nLoRA on vLLM: swap checks {checks}, log-prob error {worst}, against the base {stale}")
+    for version, (checked, mean, _) in zip((1, 2, 3), checks, strict=True):
+        assert checked == version and mean < 1e-5, checks  # float32 bound: 1e-3
+    assert max(worst) < 1e-4, worst  # the engine samples with the trainer's merged weights
+    assert min(stale[:2]) > 1e-2 and stale[2] < 1e-4, stale  # every factor moved them; B = 0 is the base
+    # a version of full weights, or one without some layer's factors, is refused before the engine is touched
+    publish_module_weights(r, keys, 4, original.module, global_step=4, inline_max_bytes=0, file_dir=tmp_path)
+    with pytest.raises(EngineError, match="not a LoRA factor"):
+        sync.refresh()
+    fewer = {n: t for n, t in published.items() if ".layers.1.mlp." not in n}
+    publish_weights(r, keys, 5, state_bytes(fewer), global_step=5, inline_max_bytes=1 << 30)
+    with pytest.raises(EngineError, match=r"missing \['model.layers.1.mlp.down_proj'"):
+        sync.refresh()
+    assert sync.version == 3

@@ -1,7 +1,7 @@
 """`rollstream run … rollout.name=vllm` end to end on CPU: two producers, each with its own vLLM engine, for
-a tiny random Llama (char tokenizer, reverse task) and a tiny random Qwen2 (BPE with a chat template, the
-arith
-task through the tool agent loop), built in the test (hidden 128, 4 heads: a head size vLLM's CPU attention
+a tiny random Llama (char tokenizer, reverse task; once more with LoRA, whose versions the producers merge
+into the weights their engines reload) and a tiny random Qwen2 (BPE with a chat template, the arith task
+through the tool agent loop), built in the test (hidden 128, 4 heads: a head size vLLM's CPU attention
 takes). After 3 global steps: the audit is clean, both producers generate with the last version, each swapped
 weights in place (no restart), and the producers' behaviour log-probs agree with the trainer's recompute.
 
@@ -30,7 +30,7 @@ from rollstream.ops.embedded_redis import EmbeddedRedis  # noqa: E402
 from rollstream.ops.run_target import open_run  # noqa: E402
 from rollstream.ops.supervise import rpc  # noqa: E402
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
-from rollstream.weights.store import producer_versions  # noqa: E402
+from rollstream.weights.store import latest_param_version, producer_versions  # noqa: E402
 from scripts.runcheck import (  # noqa: E402
     behaviour_logprob_error,
     producer_stats,
@@ -57,6 +57,20 @@ CASES = {
             "data.reverse.max_digits=3",
             "async_training.staleness_threshold=0",
             "async_training.partial_rollout=false",
+        ],
+        kill=False,
+    ),
+    # the llama run with LoRA: each version is the factors alone, merged by the producers into the weights
+    # their engines reload (producers/engines/lora_merge.py); on-policy too
+    "llama-lora": dict(
+        model=dict(arch="llama", tokenizer="char"),
+        overrides=[
+            "data.max_response_length=6",
+            "data.reverse.max_digits=3",
+            "async_training.staleness_threshold=0",
+            "async_training.partial_rollout=false",
+            "model.lora_rank=4",
+            "model.lora_alpha=8",
         ],
         kill=False,
     ),
@@ -116,6 +130,7 @@ def _wait_back_up(run_dir: Path, name: str, timeout_s: float = 180) -> None:
 def test_vllm_producers_through_the_whole_pipeline(arch: str, tmp_path: Path) -> None:
     case = CASES[arch]
     model_dir = make_tiny_hf_model(tmp_path / "model", seed=0, hidden_size=128, **case["model"])  # type: ignore[arg-type]
+    model_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     args = ["pipeline.yaml", "model.backend=hf", f"model.hf_path={model_dir}", *SMALL, *case["overrides"],
             f"run.dir={tmp_path}", f"run.name=vllm-{arch}"]
     run_dir = tmp_path / f"vllm-{arch}"
@@ -154,7 +169,7 @@ def test_vllm_producers_through_the_whole_pipeline(arch: str, tmp_path: Path) ->
     assert all(rec.get("training/rollout_probs_diff_valid") == 1.0 for rec in trained), trained  # every step
     worst = max(rec["training/rollout_probs_diff_max"] for rec in trained)
     print(f"vllm {arch}: training/rollout_probs_diff_max over the run {worst:.2e}")
-    if arch == "llama":  # on-policy: only the engine's numerics differ (measured ~1e-7 in float32)
+    if arch.startswith("llama"):  # on-policy: only the engine's numerics differ (measured ~1e-7 in float32)
         assert worst < 1e-4, worst
     # every swap was checked: the records carry each producer's newest check, within the float32 bound, at
     # version 3 or later by the last record (a record holds the stats emitted before its step ended: with a
@@ -171,6 +186,9 @@ def test_vllm_producers_through_the_whole_pipeline(arch: str, tmp_path: Path) ->
         assert rep.published == rep.trained | rep.dropped | rep.dead | rep.pending
         assert rep.steps_consecutive and rep.steps == list(range(1, STEPS + 1)), rep.steps
         assert producer_versions(r, keys) == {"rollout_00": STEPS, "rollout_01": STEPS}
+        if arch.endswith("lora"):  # each version was the factors alone (~64 KB against the ~1.4 MB model)
+            pv = latest_param_version(r, keys)
+            assert pv is not None and pv.version == STEPS and pv.bytes * 10 < model_bytes, (pv, model_bytes)
         checks = swap_checks(r, keys)  # every version each producer loaded, checked within the bound
         assert {v for (_, v) in checks} >= set(range(1, STEPS)), checks
         assert max(checks.values()) < 1e-4, checks  # measured ~1e-7 per probe token (float32, CPU)

@@ -48,6 +48,7 @@ import redis
 import torch
 
 from producers.engines import EngineError, EngineStartError
+from producers.engines.lora_merge import LoRAMerger
 from rollstream.config import PipelineConfig
 from rollstream.model import Completion, Tokenizer
 from rollstream.model.base import resolve_dtype
@@ -286,9 +287,11 @@ class VLLMPolicy:
     continuous generation (producers/continuous.py): `submit` a row, `step` the engine (the rows that
     finished), `resume` rows a weight load paused."""
 
-    def __init__(self, llm: Any, tokenizer: HFTokenizer) -> None:
+    def __init__(self, llm: Any, tokenizer: HFTokenizer, merger: LoRAMerger | None = None) -> None:
+        """`merger`: with LoRA (model.lora_rank > 0), what turns a version's factors into merged weights."""
         self.llm = llm
         self.tokenizer: Tokenizer = tokenizer
+        self.merger = merger
         self._ids = itertools.count()
         self._live: dict[str, _Request] = {}  # request id -> row, while in the engine
         self._paused: list[_Request] = []  # rows aborted by a weight load, to resubmit
@@ -303,7 +306,11 @@ class VLLMPolicy:
 
         llm = start_engine(cfg, seed)
         tok = AutoTokenizer.from_pretrained(str(cfg.model.hf_path), local_files_only=True)
-        return cls(llm, HFTokenizer(tok, cfg.model.chat_template, cfg.model.system_prompt))
+        m, merger = cfg.model, None
+        if m.lora_rank:  # a version is LoRA factors: merged into the checkpoint's weights (lora_merge.py)
+            dtype = llm.llm_engine.model_config.dtype
+            merger = LoRAMerger.from_checkpoint(str(m.hf_path), dtype, m.lora_rank, m.lora_alpha)
+        return cls(llm, HFTokenizer(tok, m.chat_template, m.system_prompt), merger)
 
     @property
     def dtype_name(self) -> str:
@@ -321,6 +328,8 @@ class VLLMPolicy:
         in flight are paused first and resumed by `generate` on the new weights."""
         self._pause()
         tensors = iter_weight_tensors(r, pv)  # WeightsError here leaves the engine as it was
+        if self.merger is not None:  # LoRA factors: every base tensor, the adapted ones merged
+            tensors = self.merger.merged(tensors)
         try:
             (failed,) = self.llm.collective_rpc(_reload_in_worker, args=(tensors,))
         except Exception as e:  # a tensor the engine refused half-way: its weights are now a mix, so crash

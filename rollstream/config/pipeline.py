@@ -129,12 +129,6 @@ class PipelineConfig(Section):
                 f"model.lora_rank={rank} with trainer.strategy=fsdp: LoRA is built for one process or ddp "
                 "(fsdp would shard frozen and trainable weights together); use strategy ddp"
             )
-        if self.rollout.name == "vllm":
-            raise ValueError(
-                f"model.lora_rank={rank} with rollout.name=vllm: a version publishes the LoRA factors alone, "
-                "which only the built-in engine loads; use rollout.name=builtin, or model.lora_rank=0 (full "
-                "fine-tuning) with vllm"
-            )
         if self.model.init_from:
             raise ValueError(
                 f"model.lora_rank={rank} with model.init_from={self.model.init_from!r}: producers build the "
