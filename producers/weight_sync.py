@@ -122,29 +122,38 @@ class WeightSync:
         )
 
     def wait_initial(self, stop: threading.Event, timeout_s: float | None = None) -> bool:
-        """Block until a version exists (the trainer publishes 0 at start), then load it unless loaded; False
-        on stop/timeout."""
+        """Block until a version exists (the trainer publishes 0 at start), then load the newest unless
+        loaded (as `refresh`: a blob collected under it is passed over for the newer version); False on
+        stop/timeout."""
         pv = wait_for_param_version(self.r, self.keys, newer_than=-1, timeout_s=timeout_s, stop=stop)
         if pv is None:
             return False
-        if pv.version > self.version:
-            self.load(pv)
+        self._load_newest(pv)
         return True
 
     def refresh(self) -> bool:
-        """Load the newest version when newer than the loaded one (one XREVRANGE); True when it did.
-
-        A blob garbage-collected between the XREVRANGE and the GET (an even newer version exists)
-        is logged and skipped; the next check loads the newest.
-        """
+        """Load the newest version when newer than the loaded one (one XREVRANGE); True when it did."""
         pv = latest_param_version(self.r, self.keys)
-        if pv is None or pv.version <= self.version:
-            return False
-        try:
-            self.load(pv)
-        except WeightsError as e:
-            if self.version < 0:
-                raise
-            log.warning("could not load param_version %d, keeping %d: %s", pv.version, self.version, e)
-            return False
-        return True
+        return pv is not None and self._load_newest(pv)
+
+    def _load_newest(self, pv: ParamVersion) -> bool:
+        """Load `pv` when newer than the loaded version; True when it did. A blob garbage-collected between
+        reading `params` and the load means a newer version exists: that one is loaded instead. A blob
+        that fails with no newer version raises on the first load and is logged and skipped after it (the
+        producer keeps generating with the version it holds; the next check tries again)."""
+        while pv.version > self.version:
+            try:
+                self.load(pv)
+                return True
+            except WeightsError as e:
+                newer = latest_param_version(self.r, self.keys)
+                if newer is not None and newer.version > pv.version:
+                    log.info("param_version %d was collected while loading (%s): loading %d",
+                             pv.version, e, newer.version)
+                    pv = newer
+                    continue
+                if self.version < 0:
+                    raise
+                log.warning("could not load param_version %d, keeping %d: %s", pv.version, self.version, e)
+                return False
+        return False

@@ -9,7 +9,8 @@ its cursor in Redis (`producer_cursor`), advanced in the same MULTI/EXEC as the 
 a restart resumes where the last publish left off. Its prompts are numbered over the run (`seq`, sample
 id `<name>-<seq>`), and its published count (`producer:<name>:published`) moves with the cursor, so a
 restarted producer dispatches what a crashed predecessor leased and never published again, under the same
-ids. Then it waits for param version 0.
+ids. Then it waits for a param version and loads the newest (one collected while it loads is passed over
+for the next).
 
 Loop (until stop): read its lease (rollstream/pacing/: the trainer leases prompts to producers; a
 producer runs no script); with prompts left on it, load the newest weights (after reading the lease: a
@@ -184,7 +185,7 @@ class Producer(Publishing):
     # ---- start-up ---------------------------------------------------------------------------------
     def start(self) -> bool:
         """Resume the cursor and published count (a crashed predecessor's leased, unpublished prompts are
-        dispatched again), load version 0. False when stopped before any version appeared."""
+        dispatched again), load the newest version. False when stopped before any version appeared."""
         r, keys = self.ctx.r, self.ctx.keys
         self.counters.released_on_start = self._resync()
         if self.counters.released_on_start:
@@ -195,7 +196,7 @@ class Producer(Publishing):
                 self.name,
             )
         log.info(
-            "producer %s: shard %d of %d; waiting for param version 0",
+            "producer %s: shard %d of %d; waiting for a param version",
             self.name,
             self.index,
             self.ctx.cfg.rollout.num_producers,
@@ -208,9 +209,10 @@ class Producer(Publishing):
         self.counters.versions_loaded = self.weights.loads
         return True
 
-    @retried("waiting for version 0")
+    @retried("waiting for a param version")
     def _wait_initial(self) -> bool:
-        """Wait for param version 0 and load it; False when stopped first."""
+        """Wait for a param version and load the newest (one collected while it loads is passed over for the
+        next); False when stopped first."""
         return self.weights.wait_initial(self.ctx.stop)
 
     @retried("reloading the cursor and published count")

@@ -5,6 +5,8 @@ then refused (the version is never registered). Through a whole run: tests/test_
 from __future__ import annotations
 
 import math
+import threading
+from pathlib import Path
 
 import pytest
 import redis
@@ -16,12 +18,14 @@ from rollstream.keys import Keys
 from rollstream.model import BasePolicy, build_policy
 from rollstream.weights.fingerprint import (
     default_max_diff,
+    embeddable_vocab,
     policy_probe,
     policy_probe_logprobs,
     probe_diff,
     probe_ids,
 )
-from rollstream.weights.store import latest_param_version, publish_weights
+from rollstream.weights.store import gc_weights, latest_param_version, load_weights_into, publish_weights
+from schemas import ParamVersion
 
 
 def policy(seed: int) -> BasePolicy:
@@ -85,3 +89,44 @@ def test_a_builtin_swap_is_checked_and_a_mismatch_refused(r: redis.Redis, keys: 
     # a version without a probe (published before the check existed) loads unchecked
     publish_weights(r, keys, 3, v2.state_dict_bytes(), global_step=3, inline_max_bytes=1 << 30)
     assert sync.refresh() and sync.version == 3 and sync.last_check is not None and sync.last_check[0] == 2
+
+
+def test_the_probe_draws_only_ids_the_model_can_embed(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from rollstream.model.hf import HFPolicy
+    from rollstream.testing.hf_tiny import make_tiny_hf_model
+
+    # the fixture's Qwen2 tokenizer counts <|endoftext|> too: 58 entries for 57 embedding rows
+    p = HFPolicy.from_pretrained(make_tiny_hf_model(tmp_path / "qwen2", arch="qwen2"), device="cpu")
+    assert p.tokenizer.vocab_size == 58 and p.module.get_input_embeddings().num_embeddings == 57
+    assert embeddable_vocab(p) == 57 and 57 in probe_ids(58)  # the old draw held an id with no row
+    ids, lps = policy_probe(p)
+    assert max(ids) < 57 and len(lps) == len(ids) - 1 and all(math.isfinite(v) for v in lps)
+
+
+def test_a_late_producer_loads_the_newest_version_when_its_first_was_collected(
+    r: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """The trainer published 0, the producer read its pointer, then the trainer published 1-3 and collected
+    0's file before the producer read it: the first load takes version 3 instead of exiting."""
+    trained, engine = policy(1), policy(0)
+    blob = trained.state_dict_bytes()
+    files = tmp_path / "weights"
+    files.mkdir()
+    publish_weights(r, keys, 0, blob, global_step=0, inline_max_bytes=0, file_dir=files, probe=probe(trained))
+    loads: list[int] = []
+
+    def slow_loader(rr: redis.Redis, pv: ParamVersion) -> None:
+        if not loads:  # the trainer moves on while this producer loads its model
+            for v in (1, 2, 3):
+                publish_weights(r, keys, v, blob, global_step=v, inline_max_bytes=0, file_dir=files,
+                                probe=probe(trained))
+            assert 0 in gc_weights(r, keys, 3, keep_last=2, file_dir=files)
+        loads.append(pv.version)
+        load_weights_into(rr, pv, engine)
+
+    sync = WeightSync(r, keys, engine, "rollout_00", loader=slow_loader, max_diff=default_max_diff("float32"))
+    sync.prober = lambda ids: policy_probe_logprobs(engine, ids)
+    assert sync.wait_initial(threading.Event(), timeout_s=5)
+    assert loads == [0, 3] and sync.version == 3 and sync.last_check == (3, 0.0, 0.0)
+    assert r.get(keys.producer_version("rollout_00")) == b"3"

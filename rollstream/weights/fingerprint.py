@@ -7,9 +7,9 @@ compares: the mean absolute difference per token is the check's figure (`produce
 in the records). A figure over the bound (`rollout.swap_check_max_diff`, by default `default_max_diff` of the
 engine's dtype) is a failed swap: the engine does not hold the weights it would stamp.
 
-The probe is pseudo-random tokens over the vocabulary (from a fixed seed, the same on every host): such
-tokens are unlikely under any model, so their log-probs depend on every layer, the embedding and the output
-head alike, and a stale tensor anywhere moves them.
+The probe is pseudo-random tokens over the ids the model can embed (from a fixed seed, the same on every
+host): such tokens are unlikely under any model, so their log-probs depend on every layer, the embedding
+and the output head alike, and a stale tensor anywhere moves them.
 """
 
 from __future__ import annotations
@@ -69,10 +69,21 @@ def policy_probe_logprobs(policy: BasePolicy, ids: Sequence[int]) -> list[float]
     return [float(v) for v in lp[0].float().cpu()]
 
 
+def embeddable_vocab(policy: BasePolicy) -> int:
+    """How many ids the probe may draw from: the tokenizer's length, or the model's input embedding rows
+    when fewer (a Qwen2 tokenizer may count an added token the checkpoint has no row for)."""
+    module = policy.module
+    get = getattr(module, "get_input_embeddings", None)
+    emb = get() if callable(get) else getattr(module, "tok_emb", None)
+    rows = getattr(emb, "num_embeddings", None)
+    n = policy.tokenizer.vocab_size
+    return min(n, int(rows)) if isinstance(rows, int) and rows > 0 else n
+
+
 def policy_probe(policy: BasePolicy) -> tuple[list[int], list[float]]:
     """The probe a publisher sends with a version of `policy`: the fixed ids (PROBE_LEN, or the model's
-    context when shorter) and the policy's log-probs of them."""
-    ids = probe_ids(policy.tokenizer.vocab_size, min(PROBE_LEN, policy.max_seq_len or PROBE_LEN))
+    context when shorter) over the ids the model can embed, and the policy's log-probs of them."""
+    ids = probe_ids(embeddable_vocab(policy), min(PROBE_LEN, policy.max_seq_len or PROBE_LEN))
     return ids, policy_probe_logprobs(policy, ids)
 
 
