@@ -18,11 +18,15 @@ from schemas.codec import (
 )
 from schemas.errors import DecodeError
 from schemas.events import (
+    ALREADY_ENDED,
     ANSWER_METRIC_PREFIX,
     ANSWER_METRICS,
     DEAD_COPY_MAX_BYTES,
     DEAD_FIELD_KEEP_BYTES,
     EVENT_MODELS,
+    LEASE_EXPIRED,
+    OUTSIDE_LEASE,
+    REFUSED_COPY_REASONS,
     WINDOW_GEN_S,
     WINDOW_IDLE_S,
     WINDOW_S,
@@ -36,6 +40,7 @@ from schemas.events import (
     SyncStepRecord,
     ValidateMetrics,
     dead_letter_of,
+    refused_copy,
 )
 from schemas.ragged import RaggedBatch
 from schemas.text_entries import (
@@ -55,6 +60,11 @@ from schemas.text_entries import (
 )
 
 __all__ = [
+    "ALREADY_ENDED",
+    "LEASE_EXPIRED",
+    "OUTSIDE_LEASE",
+    "REFUSED_COPY_REASONS",
+    "refused_copy",
     "DEAD_COPY_MAX_BYTES",
     "DEAD_FIELD_KEEP_BYTES",
     "DEFAULT_LIMITS",

@@ -275,6 +275,22 @@ class DeadLetter(EventBase):
     sha256: str = ""  # of the whole original entry (each name and value length-prefixed, in order)
 
 
+#: Reasons (each a dead letter's reason prefix, before ': ') that refuse a copy of a sample id without
+#: ending the id: its seq was not leased when the copy came ("outside lease"), the trainer had taken it back
+#: ("lease expired": the expiry ended it), or the id had already ended by a dead letter ("already ended").
+#: Any other dead-lettered rollout ends its id; the audit counts a refused copy as the id's end only when the
+#: id has no other (rollstream/ops/audit.py).
+OUTSIDE_LEASE, LEASE_EXPIRED, ALREADY_ENDED = "outside lease", "lease expired", "already ended"
+REFUSED_COPY_REASONS: tuple[str, ...] = (OUTSIDE_LEASE, LEASE_EXPIRED, ALREADY_ENDED)
+
+
+def refused_copy(reason: str) -> str | None:
+    """The refusal a dead letter's reason names (one of REFUSED_COPY_REASONS), or None when the dead letter
+    ends its sample id."""
+    head = reason.split(":", 1)[0]
+    return head if head in REFUSED_COPY_REASONS else None
+
+
 def entry_digest(fields: dict[str, bytes]) -> str:
     """sha256 hex of an entry: each name and value as an 8-byte little-endian length and its bytes, in
     order."""

@@ -159,6 +159,76 @@ def test_forged_rollouts_are_dead_lettered_with_the_field_and_value(
     assert lid["header"] in rep.dead and not rep.lost and not rep.duplicated, rep.problems()
 
 
+def fates_of(r: redis.Redis, keys: Keys) -> list[str]:
+    """The sample id of every fate, in log order."""
+    return [f[b"sample_id"].decode() for _, f in r.xrange(keys.fates)]  # type: ignore[union-attr]
+
+
+def test_a_dead_lettered_id_is_never_trained_later(
+    r: redis.Redis, keys: Keys, trainer: Trainer, tmp_path: Path
+) -> None:
+    """Issue 62 item 3: rollout_00-<n> first came with a 3e38 reward (dead-lettered), then with valid content;
+    the second copy was trained, so the id had a dead letter and a fate. Now every later copy is refused
+    ("already ended"), in the same read, in a later one and after a trainer restart, and the audit tells the
+    refusals apart from an id that ended twice."""
+    bad = [leased_id(r, keys) for _ in range(2)]
+    absurd = {}
+    for sid in bad:
+        ev = fake_rollout_sample(sid, n=2, prompt_len=4, response_len=5, producer=P0)
+        ev.full_batch.rows["rewards"] = np.array([3e38, 0.5], dtype=np.float32)
+        absurd[sid] = {k.encode(): bytes(v) for k, v in encode(ev).items()}
+    goods = [leased_id(r, keys) for _ in range(6)]  # two a global step
+    r.xadd(keys.rollouts_of(P0), absurd[bad[0]])  # type: ignore[arg-type]
+    r.xadd(keys.rollouts_of(P0), sample_fields(bad[0]))  # type: ignore[arg-type]  # same read
+    for sid in goods[:2]:
+        r.xadd(keys.rollouts_of(P0), sample_fields(sid))  # type: ignore[arg-type]
+    r.xadd(keys.rollouts_of(P0), absurd[bad[1]])  # type: ignore[arg-type]
+    assert trainer.train_step(1)
+    r.xadd(keys.rollouts_of(P0), sample_fields(bad[1]))  # type: ignore[arg-type]  # a later read
+    for sid in goods[2:4]:
+        r.xadd(keys.rollouts_of(P0), sample_fields(sid))  # type: ignore[arg-type]
+    assert trainer.train_step(2)
+    trainer.effects.stop_leaser()
+    restarted = Trainer(tiny_cfg(keys, tmp_path), r, keys, "trainer", threading.Event())
+    restarted.resume()
+    try:
+        for sid in (bad[0], bad[1], *goods[4:]):  # after a restart, which reads `dead` before any copy
+            r.xadd(keys.rollouts_of(P0), sample_fields(sid, restarted.newest_published))  # type: ignore[arg-type]
+        assert restarted.train_step(restarted.global_step + 1)
+    finally:
+        restarted.effects.stop_leaser()
+    assert sorted(fates_of(r, keys)) == sorted(goods)
+    reasons = sorted(dead_reasons(r, keys).values())
+    assert [x.split(":")[0] for x in reasons] == ["already ended"] * 4 + ["out of domain"] * 2, reasons
+    assert f"already ended: sample_id='{bad[0]}' has a dead letter (one fate per id)" in reasons
+    assert int(r.get(keys.consumed)) == len(bad) + len(goods)  # type: ignore[arg-type]  # each prompt once
+    rep = audit_run(r, keys)
+    assert rep.problems() == [] and set(bad) <= rep.dead and rep.refused == {"already ended": 4}
+    note = "4 re-published copies refused (already ended) of sample ids that ended once otherwise"
+    assert note in rep.notes()
+
+
+def test_an_id_refused_outside_the_lease_and_trained_inside_it_ended_once(
+    r: redis.Redis, keys: Keys, trainer: Trainer
+) -> None:
+    """Issue 62 item 4: an id first published past its producer's lease (dead-lettered "outside lease", which
+    counts nothing) and later inside it is trained once; the audit used to report it as ended twice."""
+    early = f"{P0}-{lease_outright(r, keys, P0, 0)}"  # the next seq, not leased yet
+    source = r.xadd(keys.rollouts_of(P0), sample_fields(early)).decode()  # type: ignore[arg-type,union-attr]
+    while source not in dead_reasons(r, keys):
+        assert trainer.collector.fill()
+    assert dead_reasons(r, keys)[source].startswith("outside lease:")
+    assert leased_id(r, keys) == early
+    other = leased_id(r, keys)
+    for sid in (early, other):
+        r.xadd(keys.rollouts_of(P0), sample_fields(sid))  # type: ignore[arg-type]
+    assert trainer.train_step(1)
+    assert sorted(fates_of(r, keys)) == sorted([early, other])
+    rep = audit_run(r, keys)
+    assert rep.problems() == [] and early in rep.trained and not rep.duplicated
+    assert rep.refused == {"outside lease": 1}
+
+
 def test_versions_published_before_a_restart_are_not_from_the_future(
     r: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:

@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: one Collector, the admission rules and the verdicts in the order they apply.
 """Collecting a local update's samples: the consumer loop's batches -> a buffer of fresh, deduplicated,
 usable samples -> this rank's share of a mini-batch (stale ones dropped and recorded).
 
@@ -6,11 +7,19 @@ A `Collector` is the trainer's reading half: it owns the rollouts buffer, the sa
 the producers' leases as last read. A sample whose id is not `<producer>-<seq>` inside its producer's
 lease is dead-lettered (rollstream/pacing/), and so is one whose seq the trainer took back when its
 producer's lease expired ("lease expired": the `revoked:<name>` bitmap, read only for producers that have
-one: rollstream/pacing/expiry.py). After each pass that
-dead-lettered rollouts (and at its first pass, which catches what a previous process left) it reads the
-new entries of `dead` and has pacing count their prompts as consumed, each once, which gives their room
-back to the current version's budget (a top-up), so producers replace them before the next version (else
-sync mode, whose window is one global batch, would wait forever for them). A world of one polls until it
+one: rollstream/pacing/expiry.py). Before its first pass (catching what a previous process left) and after
+each pass that dead-lettered rollouts (with several ranks: after every pass, for the other ranks' letters)
+it reads the new entries of `dead` and has pacing count the prompts of the letters that end their id as
+consumed, each once, which gives their room back to the current version's budget (a top-up), so producers
+replace them before the next version (else sync mode, whose window is one global batch, would wait forever
+for them).
+
+One fate per id: an id with a dead letter that ended it (any reason but the refusals of
+schemas.REFUSED_COPY_REASONS) is never trained later. The collector keeps those ids (`ended`: read from
+`dead` before the first pass, added as it dead-letters), and a later copy is dead-lettered "already ended"
+instead of trained; a copy of an id already buffered or committed is acked as a duplicate before any other
+check (so no copy ends an id another copy is about to end). A copy refused as outside the lease ends
+nothing: the same id published later inside the lease is trained. A world of one polls until it
 has its share; data-parallel ranks collect in rounds they agree on (one poll each, then an all-gather of what
 each took), so they start and abandon every local update together, never train one sample id twice, and none
 reads more entries than it still needs (the others would wait for what it hoards).
@@ -65,6 +74,7 @@ from rollstream.keys import DEAD_LETTERED_FIELD, TRAINER_GROUP, Keys, producer_n
 from rollstream.pacing.expiry import RevokedWatch
 from rollstream.tasks import REWARD_RANGE
 from schemas import DROPPED, EVICTED, FILTER_GROUPS, ROLLOUT_FAILURE, DeadLetter, Fate, RolloutSample, decode
+from schemas.events import ALREADY_ENDED, LEASE_EXPIRED, OUTSIDE_LEASE, refused_copy
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +160,7 @@ class Collector:
         self._batches: Iterator[list[Message]] = reader.batches(burst=burst)  # the shared consumer loop
         self.buffer: deque[Message] = deque()  # decoded, deduplicated, not yet used
         self.seen: set[str] = set()  # sample ids committed, in uncommitted ledgers, or buffered
+        self.ended: set[str] = set()  # sample ids a dead letter ended (never trained later)
         # data parallel: sample ids any rank took since the start (rank_agreement.py)
         self.claimed: set[str] = set()
         # newest version on `params`: after a restart from an older checkpoint, versions published past it
@@ -186,6 +197,9 @@ class Collector:
                 self.used_up = True
             return False
         dupes: list[EntryRef] = []
+        dead = self.reader.stats.dead - self._own_dead
+        if not self._dead_checked or dead > self._dead_seen:  # what a previous process or this read (the
+            self._count_dead(dead)  # reader's own letters) dead-lettered, before any copy is admitted
         self.revoked.new_pass()
         for m in msgs:
             to_dead = partial(self.reader.dead_letter, m.id, m.fields, stream=m.stream)
@@ -195,12 +209,13 @@ class Collector:
                 raise  # the connection's, not the entry's: retried by the reader's or the effect's policy
             except Exception as e:  # noqa: BLE001 - a poison entry is dead-lettered once, never a crash loop
                 log.exception("dead-lettering a rollout whose checks raised")
-                to_dead(f"unreadable: checking it raised {type(e).__name__}: {str(e)[:200]}")
+                why = f"{type(e).__name__}: {str(e)[:200]}"
+                self._dead_ending(m, to_dead, f"unreadable: checking it raised {why}")
         if dupes:
             log.warning("acking %d redelivered/duplicate samples without training", len(dupes))
             self.effects.ack_duplicates(self.reader, dupes)
         dead = self.reader.stats.dead - self._own_dead
-        if dead > self._dead_seen or not self._dead_checked:
+        if dead > self._dead_seen or self.dp.roles.agreed:  # another rank's letters end ids here too
             self._count_dead(dead)
         self.effects.heartbeat()
         return True
@@ -208,26 +223,40 @@ class Collector:
     def _admit(self, m: Message, to_dead: Callable[..., Any], dupes: list[EntryRef]) -> None:
         """Buffer one delivered entry, or dead-letter it (with the reason), or queue it in `dupes` to ack."""
         ev = m.event
+        owner = self.keys.stream_producer(m.stream)
+        if isinstance(ev, RolloutSample) and ev.sample_id.startswith(f"{owner}-"):
+            if ev.sample_id in self.seen or ev.sample_id in self.claimed:
+                dupes.append(m.ref)  # the original is committed or still pending: safe to ack this copy
+                return
+            if ev.sample_id in self.ended:  # the letter that ended it counted its prompt: counts nothing
+                to_dead(f"{ALREADY_ENDED}: sample_id={ev.sample_id!r} has a dead letter (one fate per id)")
+                return
+        ending = partial(self._dead_ending, m, to_dead)
         if not isinstance(ev, RolloutSample):
             self._own_dead += 1
             to_dead(f"not a rollout: {ev.type}", counted=False)  # no prompt
-        elif (why := identity_reason(ev, self.keys.stream_producer(m.stream))) is not None:
-            to_dead(f"impersonation: {why}")  # counted as consumed below
-        elif ev.sample_id in self.seen or ev.sample_id in self.claimed:
-            dupes.append(m.ref)  # the original is committed or still pending: safe to ack this copy
+        elif (why := identity_reason(ev, owner)) is not None:
+            ending(f"impersonation: {why}")  # counted as consumed below
         elif (why := self.lease_reason(ev)) is not None:
-            to_dead(f"outside lease: {why}")  # counts nothing
+            to_dead(f"{OUTSIDE_LEASE}: {why}")  # counts nothing, ends nothing
         elif (why := self.expired_reason(ev)) is not None:
-            to_dead(f"lease expired: {why}")  # already counted when it was taken back: counts nothing
+            to_dead(f"{LEASE_EXPIRED}: {why}")  # already counted when it was taken back: counts nothing
         elif (why := version_reason(ev, self.newest_published)) is not None:
-            to_dead(f"invalid: {why}")  # counted as consumed below
+            ending(f"invalid: {why}")  # counted as consumed below
         elif (why := unusable_reason(ev, self.vocab_size, self.max_seq_len)) is not None:
-            to_dead(f"unusable: {why}")  # counted as consumed below
+            ending(f"unusable: {why}")  # counted as consumed below
         elif (why := value_reason(ev, REWARD_RANGE)) is not None:
-            to_dead(f"out of domain: {why}")  # counted as consumed below
+            ending(f"out of domain: {why}")  # counted as consumed below
         else:
             self.seen.add(ev.sample_id)
             self.buffer.append(m)
+
+    def _dead_ending(self, m: Message, to_dead: Callable[..., Any], reason: str) -> None:
+        """Dead-letter a rollout with a reason that ends its sample id: a later copy is refused."""
+        to_dead(reason)
+        sid = getattr(m.event, "sample_id", "")
+        if sid and sid.startswith(f"{self.keys.stream_producer(m.stream)}-"):
+            self.ended.add(sid)
 
     def lease_reason(self, ev: RolloutSample) -> str | None:
         """Why a sample is outside its producer's lease (its id is not `<producer>-<seq>` with seq below the
@@ -261,7 +290,8 @@ class Collector:
     def _count_dead(self, dead: int) -> None:
         """Have pacing count the prompts of the rollouts dead-lettered since the last look (the first look
         reads all of `dead`, catching what a previous process left uncounted) as consumed, each once,
-        topping the budget up by the room they freed."""
+        topping the budget up by the room they freed, and remember the ids those letters ended. Refusals
+        (schemas.REFUSED_COPY_REASONS) count nothing: an outside-lease copy's seq may be leased since."""
         ids: list[str] = []
         for entry_id, fields in self.effects.read_dead_letters(self._dead_start()):
             self._dead_cursor = entry_id
@@ -269,8 +299,13 @@ class Collector:
                 letter = decode(fields)
             except Exception:  # noqa: BLE001 - not ours to judge here: the audit reports a bad dead letter
                 continue
-            if isinstance(letter, DeadLetter) and (sid := _own_sample_id(self.keys, letter)) is not None:
+            if (
+                isinstance(letter, DeadLetter)
+                and refused_copy(letter.reason) is None  # a refused copy ended nothing (counted at expiry)
+                and (sid := _own_sample_id(self.keys, letter)) is not None
+            ):
                 ids.append(sid)
+                self.ended.add(sid)
         counted, added = self.effects.consume(ids, "dead")
         if counted:
             log.info("%d dead-lettered rollouts counted as consumed: budget topped up by %d", counted, added)

@@ -5,6 +5,10 @@ Every sample_id on the rollouts streams (one `rollouts:<p>` per producer, as set
 dead-lettered (an entry on `dead` whose source is that rollouts stream); the only other legitimate state is
 still unacked in the trainer group of its stream (pending, or not yet delivered). A redelivered or duplicate
 XADD of an id that already ended is acked without a second fate, so ids, not entries, are what is counted.
+A dead letter that refuses a copy (schemas.REFUSED_COPY_REASONS: outside the lease, lease expired, already
+ended by a dead letter) ends its id only when nothing else does: an id dead-lettered and then re-published
+and refused ended once, and so did one published outside the lease and later trained inside it; both are
+notes (`refused`), never "ended more than once".
 `step_end` events on `metrics` must be global steps 1..N, once each, and `records` must hold 1..M, after an
 optional record 0 (the validation of version 0, taken before any training when trainer.test_freq > 0).
 
@@ -44,6 +48,7 @@ from rollstream.keys import Keys
 from rollstream.ops.log_cut import Cut, read_cut
 from rollstream.pacing.budget import leased_sample_id
 from schemas import EVICTED, SKIPPED, TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
+from schemas.events import refused_copy
 
 T = TypeVar("T")
 
@@ -77,6 +82,8 @@ class AuditReport:
     misnamed: dict[str, int] = field(default_factory=dict)
     # what a producer wrote to its own keys that is not a canonical value (ignored), one line each
     bad_inputs: list[str] = field(default_factory=list)
+    # refusal (schemas.REFUSED_COPY_REASONS) -> copies refused of ids that ended otherwise (not an end)
+    refused: Counter[str] = field(default_factory=Counter)
 
     @property
     def records_consecutive(self) -> bool:
@@ -117,6 +124,10 @@ class AuditReport:
         out = [
             f"{name} published {n} entries under another producer's sample ids (dead-lettered)"
             for name, n in sorted(self.misnamed.items())
+        ]
+        out += [
+            f"{n} re-published copies refused ({why}) of sample ids that ended once otherwise"
+            for why, n in sorted(self.refused.items())
         ]
         return out + [f"ignored producer input: {line}" for line in self.bad_inputs]
 
@@ -261,8 +272,12 @@ def _count_dead(
     keys: Keys, producers: list[str],
 ) -> None:
     """Each dead-lettered rollouts entry ends its sample once (a letter repeated for one entry counts once),
-    under the audit id of the entry (`audit_key`), or of its dead copy's sample_id when the entry is gone."""
+    under the audit id of the entry (`audit_key`), or of its dead copy's sample_id when the entry is gone. A
+    refused copy (`refused_copy`) ends its id only when no fate and no other dead letter does; else it is
+    counted in `refused` by its reason."""
     seen: set[tuple[str, str]] = set()
+    refusals: dict[str, str] = {}  # audit id -> the first refusal of it
+    extra = Counter[str]()  # refusal -> copies beyond the first of one id
     for ev in letters:
         if (ev.source, ev.source_id) in seen:
             continue
@@ -271,8 +286,21 @@ def _count_dead(
             text(ev.fields.get("sample_id", f"entry:{ev.source_id}".encode())),
             keys.stream_producer(ev.source), ev.source_id, producers,
         )
+        if (why := refused_copy(ev.reason)) is not None:
+            if sid in refusals:
+                extra[why] += 1
+            else:
+                refusals[sid] = why
+            continue
         rep.dead.add(sid)
         ends[sid] += 1
+    for sid, why in refusals.items():
+        if ends[sid]:
+            rep.refused[why] += 1
+        else:  # its one end
+            rep.dead.add(sid)
+            ends[sid] += 1
+    rep.refused.update(extra)
 
 
 def _read_trainer_events(r: redis.Redis, keys: Keys, rep: AuditReport, held: Counter[str], cut: Cut) -> None:
