@@ -182,8 +182,9 @@ class Keys:
 
     @property
     def fenced(self) -> str:
-        """Hash: producer name -> why the trainer fenced it (its ACL user switched off over a memory flood;
-        rollstream/pacing/fence.py FloodFence). Only the trainer writes it."""
+        """Hash: producer name -> why the trainer fenced it (a memory flood; rollstream/pacing/fence.py
+        FloodFence). Only the trainer writes it; the warden (rollstream/ops/warden.py) reads it and switches
+        that producer's ACL user off."""
         return self._k("fenced")
 
     # A producer's own state lives under producer:<name>:…: its ACL user may write only the four keys below.

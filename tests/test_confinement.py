@@ -67,6 +67,7 @@ class Roles:
     trainer: redis.Redis
     aggregator: redis.Redis
     producers: dict[str, redis.Redis]
+    warden: redis.Redis | None = None  # the run's user manager (rollstream/ops/warden.py)
 
 
 @pytest.fixture
@@ -82,6 +83,7 @@ def roles(private_redis: tuple[str, int], tmp_path: Path) -> Iterator[Roles]:  #
         keys,
         *(connect(url, username=u, password=pw[u]) for u in ("admin", "trainer", "aggregator")),
         {p: connect(url, username=p, password=pw[p]) for p in PRODUCERS},
+        connect(url, username="warden", password=pw["warden"]),
     )
 
 
@@ -635,8 +637,9 @@ def test_no_revoked_bit_is_read_until_a_lease_expires_and_a_late_publish_is_stil
 def test_a_producer_flooding_redis_is_fenced_and_the_run_goes_on(roles: Roles) -> None:
     """Issue 41, item 4: 64 MiB SETs on its own keys and 1 MiB stats entries grew Redis by 1.5 GB, unbounded
     and unreported. The trainer's FloodFence measures each producer (its four keys, its two streams) and past
-    the bound switches its ACL user off, kills its connections, takes its lease back, says why in `fenced`
-    (status) and leases only to the others."""
+    the bound takes its lease back, says why in `fenced` (status) and leases only to the others; the warden,
+    reading `fenced`, switches its ACL user off and kills its connections (issue 62: the trainer may not)."""
+    from rollstream.ops.warden import Warden
     from rollstream.pacing.fence import FloodFence
 
     keys, trainer = roles.keys, roles.trainer
@@ -652,6 +655,9 @@ def test_a_producer_flooding_redis_is_fenced_and_the_run_goes_on(roles: Roles) -
     ask_lease(other, keys, "rollout_01", 8)
     leaser.run_once()
     assert set(fence.fenced) == {P0} and "over bus.producer_max_bytes=1048576" in fence.fenced[P0]
+    assert roles.warden is not None
+    warden = Warden(keys, PRODUCERS)
+    assert warden.run_once(roles.warden) == [P0]
     with pytest.raises((redis.ConnectionError, redis.AuthenticationError)):
         flooder.ping()  # its connection was killed, and its user is off: no reconnect
     assert lease_of(trainer, keys, "rollout_01") == 8 and lease_of(trainer, keys, P0) == 4
@@ -663,13 +669,67 @@ def test_a_producer_flooding_redis_is_fenced_and_the_run_goes_on(roles: Roles) -
     st = collect_status(roles.admin, keys)
     assert st.fenced == fence.fenced
     assert f"FENCED producer {P0}: " in format_status(st, roles.url)
-    # a restarted trainer keeps it fenced (an ACL file reload would have switched the user back on)
+    # a restarted trainer keeps it fenced; the warden switches its user off again (an ACL file reload would
+    # have switched it back on), at every pass
     roles.admin.execute_command("ACL", "SETUSER", P0, "on")
     again = FloodFence(1 << 20, 16, every_s=0)
     again.maybe_check(trainer, keys, PRODUCERS)
     assert set(again.fenced) == {P0}
+    assert warden.run_once(roles.warden) == []  # not new to this warden, fenced again all the same
     [user] = [u for u in roles.admin.execute_command("ACL", "LIST") if u.split()[1] == P0.encode()]
     assert b" off " in user
+    # the trainer's credential can ask for producers only: a request naming another user is ignored
+    trainer.hset(keys.fenced, "aggregator", "forged")
+    assert warden.run_once(roles.warden) == [] and roles.aggregator.ping()
+
+
+def test_no_data_role_manages_users_or_kills_clients(roles: Roles) -> None:
+    """Issue 62, item 4: with trainer_fences the trainer user could ACL SETUSER (grant itself every command on
+    every key) and CLIENT KILL. Now no data role can; the warden can, and reads no data."""
+    keys = roles.keys
+    data_roles = {"trainer": roles.trainer, "aggregator": roles.aggregator, **roles.producers}
+    for name, conn in data_roles.items():
+        for cmd in (
+            ("ACL", "SETUSER", name, "on", "+@all", "~*"),
+            ("ACL", "SETUSER", "intruder", "on", ">pw", "+@all", "~*"),
+            ("CLIENT", "KILL", "USER", "aggregator"),
+            ("CLIENT", "KILL", "ID", "1"),
+        ):
+            assert not _permitted(lambda c=conn, a=cmd: c.execute_command(*a)), (name, cmd)
+    assert roles.warden is not None
+    assert _permitted(lambda: roles.warden.execute_command("CLIENT", "KILL", "USER", "nobody-connected"))
+    for read in (
+        lambda w: w.xrange(keys.rollouts_of(P0)),
+        lambda w: w.xrange(keys.params),
+        lambda w: w.get(keys.weights(0)),
+        lambda w: w.hgetall(keys.trainer),
+        lambda w: w.hset(keys.fenced, P0, "x"),
+        lambda w: w.eval("return 1", 0),
+    ):
+        assert not _permitted(lambda f=read: f(roles.warden))
+
+
+def test_the_trainers_scripts_run_under_its_own_acl(roles: Roles) -> None:
+    """Redis 7 checks every command a Lua script runs against the caller's ACL, so the trainer's scripts
+    (the pacing's, its dead letters) grant it nothing its user lacks: no key outside the run's prefix, no
+    FLUSHALL, no ACL or CLIENT KILL from inside a script either."""
+    t, keys = roles.trainer, roles.keys
+    assert t.eval("return redis.call('SET', KEYS[1], 'x')", 1, keys.prefix + "mine") == b"OK"
+    for body, key in (
+        ("return redis.call('SET', KEYS[1], 'x')", "other-run:key"),
+        ("return redis.call('GET', KEYS[1])", "other-run:key"),
+        ("return redis.call('FLUSHALL')", keys.prefix + "mine"),
+        ("return redis.call('KEYS', '*')", keys.prefix + "mine"),
+    ):
+        assert not _permitted(lambda b=body, k=key: t.eval(b, 1, k)), body
+    for body in (  # and these no script may run at all, whoever calls it
+        "return redis.call('ACL', 'SETUSER', 'trainer', '+@all', '~*')",
+        "return redis.call('CLIENT', 'KILL', 'USER', 'aggregator')",
+        "return redis.call('CONFIG', 'SET', 'maxmemory', '0')",
+    ):
+        with pytest.raises(redis.ResponseError, match="not allowed from script"):
+            t.eval(body, 1, keys.prefix + "mine")
+    assert roles.admin.exists("other-run:key") == 0 and roles.admin.exists(keys.prefix + "mine") == 1
 
 
 def test_a_producers_oversized_key_is_fenced(roles: Roles) -> None:

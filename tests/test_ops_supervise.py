@@ -131,6 +131,11 @@ def test_conf_for_embedded_redis_starts_redis_first_with_aof(tmp_path: Path) -> 
     assert plan.redis_url == f"unix://{tmp_path.resolve()}/emb/redis.sock?db=0"
     assert f'ROLLSTREAM_REDIS_URL="{plan.redis_url}"' in conf["program:trainer"]["environment"]
     assert int(conf["program:rollout_00"]["priority"]) > int(conf["program:trainer"]["priority"])
+    # issue 62: the warden, the run's one user manager, starts before the workers and stops after them
+    warden = conf["program:warden"]
+    assert warden["priority"] == "5" and "-m rollstream.ops.warden" in warden["command"]
+    assert 'ROLLSTREAM_REDIS_USERNAME="warden"' in warden["environment"]
+    assert 'ROLLSTREAM_REDIS_USERNAME="trainer"' in conf["program:trainer"]["environment"]
     # issue 41: a maxmemory sized from the budget, refusing writes rather than evicting the log
     assert f"--maxmemory {cfg.bus.maxmemory()} --maxmemory-policy noeviction" in red["command"]
     bus = cfg.bus
@@ -222,7 +227,7 @@ def test_supervisord_lifecycle_with_standin_workers(
         while not all(f.is_file() and "up " in f.read_text() for f in logs) and time.monotonic() < deadline:
             time.sleep(0.05)  # stand-ins install their SIGTERM handler before printing "up"
         states = {s["name"]: s["statename"] for s in process_states(plan.run_dir) or []}
-        assert set(states) == {"redis", "aggregator", "trainer", "rollout_00", "rollout_01"}
+        assert set(states) == {"redis", "warden", "aggregator", "trainer", "rollout_00", "rollout_01"}
         assert main(["status", "--run-dir", str(plan.run_dir)]) == 0
         assert "rollout_01" in capsys.readouterr().out
     finally:

@@ -248,7 +248,7 @@ def test_conf_for_replicated_redis_starts_nodes_then_sentinels_with_no_password_
     plan = plan_run(cfg)
     conf = sections(plan.conf_path.read_text())
     nodes, sentinels = ["redis", "redis_1", "redis_2"], ["sentinel_0", "sentinel_1", "sentinel_2"]
-    assert plan.workers == ["aggregator", "trainer", "rollout_00", "rollout_01"]
+    assert plan.workers == ["warden", "aggregator", "trainer", "rollout_00", "rollout_01"]
     assert plan.redis_url.startswith("redis+sentinel://127.0.0.1:")
     assert plan.redis_url.endswith("/rollstream-rep?db=0")
     for name in nodes:

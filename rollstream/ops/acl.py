@@ -1,8 +1,8 @@
 """Redis ACL users per role, for runs whose Redis `rollstream run` owns (and, with apply_acl_on_cluster, for
 runs on a shared Redis Cluster: ACL users are per node there, so they are set on every node).
 
-Users: one per producer, named after it (`rollout_00` …), `trainer`, `aggregator`, `admin`. The default
-user is switched off. Passwords are generated into a 0600 file per user in the run directory and reach
+Users: one per producer, named after it (`rollout_00` …), `trainer`, `aggregator`, `warden`, `admin`. The
+default user is switched off. Passwords are generated into a 0600 file per user in the run directory and reach
 workers as ROLLSTREAM_REDIS_PASSWORD_FILE; they never appear on a command line, in a log, or in `status`.
 
 Redis 7 selectors bind each command to the keys it may touch, so no user can write what another role writes. A
@@ -20,10 +20,12 @@ RPUSHes its records and dead letters to two outbox lists that the trainer moves 
 `dead:aggregator` (rollstream/bus/outbox.py; dead-lettering is WATCH + MULTI: it may run no script), reads
 `records`, keeps `sink_cursor`, reads the trainer hash and the `archive` hash; it cannot delete or trim
 anything (no XADD on `records` or `dead:aggregator`, no LTRIM/LPOP/DEL on its outboxes). The trainer owns the
-run's keys; only it (and admin) can write `archive`, the folder every reader of the log is pointed to. With
-`trainer_fences` (the default) the trainer may also ACL SETUSER and CLIENT KILL, to fence a producer that
-floods Redis (rollstream/pacing/fence.py); no ACL binds those to one user, so that credential can change any
-user's rights.
+run's keys; only it (and admin) can write `archive`, the folder every reader of the log is pointed to. No
+data role may ACL SETUSER or CLIENT KILL (no ACL binds those to one user, so whoever may run them can give
+itself every right): the `warden` (rollstream/ops/warden.py) may, and it may read `fenced` and nothing else;
+the trainer asks it to fence a producer that floods Redis by writing that hash (rollstream/pacing/fence.py).
+The trainer's Lua scripts grant it nothing: Redis 7 checks every command a script runs against the caller's
+ACL (its keys and commands), as tests/test_confinement.py shows.
 Left open (no ACL can close it: ACLs do not see arguments): a writer of a stream may trim it with XADD's own
 MAXLEN/MINID (the audit counts what is destroyed, rollstream/ops/audit.py) and XADD with an explicit id far
 ahead; since every producer writes only its own streams, that destroys or blocks only its own output, and the
@@ -48,7 +50,7 @@ from rollstream.runtime.files import private_dir
 log = logging.getLogger(__name__)
 
 #: Users other than the producers (one user per producer, named after it).
-ROLES = ("trainer", "aggregator", "admin")
+ROLES = ("trainer", "aggregator", "warden", "admin")
 
 # Connection-level commands every user needs (WAIT: a write counts once replicas acknowledged it; it only
 # blocks the caller; CLUSTER SLOTS: on a Redis Cluster a client asks which node serves its run's slot,
@@ -81,13 +83,15 @@ def producer_rules(keys: Keys, producer: str) -> list[str]:
     ]
 
 
-def acl_rules(
-    keys: Keys, producers: Sequence[str] = (), *, trainer_fences: bool = True
-) -> dict[str, list[str]]:
-    """ACL SETUSER rules (without `on`/password) for each user of a run: trainer, aggregator, admin and
-    one per producer name. `trainer_fences`: the trainer may ACL SETUSER and CLIENT KILL, to fence a producer
-    that floods Redis (FloodFence); ACLs cannot bind those to a user, so leave it off on a Redis the run
-    shares with others."""
+def warden_rules(keys: Keys) -> list[str]:
+    """ACL SETUSER rules of the warden (rollstream/ops/warden.py): switch users off and kill their
+    connections, read the trainer's fence requests; no data."""
+    return [*_BASE, "+acl|setuser", "+client|kill", f"(+hgetall +hget %R~{keys.fenced})"]
+
+
+def acl_rules(keys: Keys, producers: Sequence[str] = ()) -> dict[str, list[str]]:
+    """ACL SETUSER rules (without `on`/password) for each user of a run: trainer, aggregator, warden, admin
+    and one per producer name. Only the warden (and admin) may ACL SETUSER or CLIENT KILL."""
     k = keys
     group = [
         "+xreadgroup",
@@ -114,7 +118,6 @@ def acl_rules(
         "-flushdb",
         "-@dangerous",
         "+info",
-        *(["+acl|setuser", "+client|kill"] if trainer_fences else []),
         f"~{k.prefix}*",
     ]
     aggregator = [
@@ -136,7 +139,7 @@ def acl_rules(
         f"(+hget %R~{k.archive})",
     ]
     admin = ["+@all", "~*", "&*"]
-    rules = {"trainer": trainer, "aggregator": aggregator, "admin": admin}
+    rules = {"trainer": trainer, "aggregator": aggregator, "warden": warden_rules(k), "admin": admin}
     for name in producers:
         if name in rules:
             raise ValueError(f"producer name {name!r} clashes with the {name!r} user")
@@ -165,11 +168,10 @@ def apply_acl(
     *,
     producers: Sequence[str] = (),
     disable_default: bool = True,
-    trainer_fences: bool = True,
 ) -> None:
-    """Create/replace the users (trainer, aggregator, admin, one per producer) and switch the default user
-    off; `trainer_fences` as for acl_rules."""
-    rules = acl_rules(keys, producers, trainer_fences=trainer_fences)
+    """Create/replace the users (trainer, aggregator, warden, admin, one per producer) and switch the default
+    user off."""
+    rules = acl_rules(keys, producers)
     for role, rule in rules.items():
         cmd: list[Any] = ["ACL", "SETUSER", role, "reset", "on", f">{passwords[role]}", *rule]
         r.execute_command(*cmd)
@@ -183,22 +185,20 @@ def apply_acl_on_cluster(
     passwords: dict[str, str],
     *,
     producers: Sequence[str] = (),
-    trainer_fences: bool = False,
     username: str | None = None,
     password: str | None = None,
 ) -> list[str]:
     """apply_acl on every node of the Redis Cluster named by a `redis+cluster://` URL, primaries and
     replicas: ACL users are per node in a Cluster (ACL SETUSER is not propagated, and a failover promotes a
     replica with its own users). The default user is left as it is (the Cluster is shared; its operator
-    decides), and `trainer_fences` is off by default for the same reason (acl_rules). Logs in with
+    decides); no warden runs there, so a flood is reported, not fenced. Logs in with
     `username`/`password` (an operator's user allowed ACL SETUSER); returns the nodes' addresses. Run it again
     after adding a node."""
     from rollstream.topology.cluster import for_each_node
 
     return for_each_node(
         url,
-        lambda r: apply_acl(r, keys, passwords, producers=producers, disable_default=False,
-                            trainer_fences=trainer_fences),
+        lambda r: apply_acl(r, keys, passwords, producers=producers, disable_default=False),
         username=username,
         password=password,
     )

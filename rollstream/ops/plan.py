@@ -16,7 +16,11 @@ created 0600 too (the ACL protects Redis; this protects its files on the host).
 Programs and their priorities (supervisord stops higher numbers first on its own shutdown, so producers
 stop before the trainer, the trainer before the aggregator, and redis last):
 
-    redis 1 (only when run.redis_url is null) · aggregator 10 · trainer 20 · rollout_NN 30
+    redis 1 (only when run.redis_url is null) · warden 5 (only with ACL users) · aggregator 10 · trainer 20 ·
+    rollout_NN 30
+
+The warden (rollstream/ops/warden.py) is the run's one user manager: it fences the producers the trainer
+names in `fenced`, under a user that may read that hash and nothing else of the run's data.
 
 Workers are launched by module name (`python -m consumers.trainer` …): the runtime imports no worker
 package. A data-parallel trainer (`trainer.nproc_per_node` or `trainer.nnodes` above 1, or fsdp) is one
@@ -68,7 +72,9 @@ ACL_FILE = "users.acl"
 #: Folder in the run dir that is its programs' TMPDIR (removed by a clean `rollstream stop`).
 RUN_TMP_DIR = "tmp"
 #: supervisord program name -> ACL user it connects as (each producer connects as a user of its own name).
-PROGRAM_ROLES = {"aggregator": "aggregator", "trainer": "trainer"}
+PROGRAM_ROLES = {"aggregator": "aggregator", "trainer": "trainer", "warden": "warden"}
+#: Module the warden program runs (`python -m …`).
+WARDEN_MODULE = "rollstream.ops.warden"
 #: Module a producer program runs (`python -m …`), and the one of latency-model producers (benchmarks).
 PRODUCER_MODULE = "producers"
 LATENCY_PRODUCER_MODULE = "benchmarks.latency_producer"
@@ -160,6 +166,9 @@ def _worker_programs(
 ) -> list[Program]:
     py, conf = sys.executable, str(resolved)
     progs = [
+        Program("warden", [py, "-m", WARDEN_MODULE, conf], priority=5, env={**env, **role_env["warden"]})
+    ] if "warden" in role_env else []
+    progs += [
         Program(
             "aggregator",
             [py, "-m", "consumers.aggregator", conf],

@@ -1,6 +1,7 @@
 """Producers that flood Redis (rollstream/pacing/__init__.py tells the scheme): the trainer's `FloodFence`
-measures each producer's own keys and streams and fences one past its bound (its ACL user switched off, its
-connections killed, its unfinished lease taken back), and `fenced` reads who was fenced and why."""
+measures each producer's own keys and streams and fences one past its bound (its unfinished lease taken back,
+and the warden asked to switch its ACL user off and kill its connections: rollstream/ops/warden.py; the
+trainer's own user may do neither), and `fenced` reads who was fenced and why."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ PRODUCER_KEYS_MAX_BYTES = 4096
 class FloodFence:
     """The trainer's watch on each producer's memory (issue 41): every `every_s` it measures the producer's
     four keys (STRLEN) and its two streams (MEMORY USAGE, sampled); past PRODUCER_KEYS_MAX_BYTES or
-    `bound_bytes` it fences the producer: its ACL user switched off, its connections killed (CLIENT KILL
-    USER), the reason written to the `fenced` hash (status shows it) and logged, its unfinished lease taken
-    back (expire_lease) and no more leased to it. The run goes on with the others. A
-    fence is re-applied after a Redis restart (the ACL file would switch the user back on)."""
+    `bound_bytes` it fences the producer: the reason written to the `fenced` hash (status shows it, and the
+    warden, reading it, switches the producer's ACL user off and kills its connections) and logged, its
+    unfinished lease taken back (expire_lease) and no more leased to it. The run goes on with the others. A
+    restarted trainer reads the hash and keeps leasing the fenced producers nothing."""
 
     def __init__(
         self, bound_bytes: int | None, max_outstanding: int, *, every_s: float = 5.0, clock: Any = None
@@ -82,18 +83,13 @@ class FloodFence:
         return out
 
     def _apply(self, r: redis.Redis, keys: Keys, producer: str, why: str) -> None:
-        """Switch the producer's user off, kill its connections, take its lease back; log what happened."""
+        """Take the producer's lease back and lease it nothing more (the `fenced` hash, written before, is the
+        warden's request to switch its user off); log what happened."""
         self.fenced[producer] = why
-        failed = []
-        for cmd in (("ACL", "SETUSER", producer, "off"), ("CLIENT", "KILL", "USER", producer)):
-            try:
-                r.execute_command(*cmd)
-            except redis.ResponseError as e:  # no such user (run.acl off), or no right to fence
-                failed.append(f"{' '.join(cmd[:2])}: {e}")
         taken, _ = expire_lease(r, keys, producer, self.max_outstanding)
         log.error(
-            "FENCED producer %s: %s; user switched off, connections killed, %d leased prompts taken back%s",
-            producer, why, taken, f" (could not: {'; '.join(failed)})" if failed else "",
+            "FENCED producer %s: %s; %d leased prompts taken back, the warden asked to switch its user off "
+            "and kill its connections", producer, why, taken,
         )
 
 
