@@ -732,6 +732,61 @@ def test_the_trainers_scripts_run_under_its_own_acl(roles: Roles) -> None:
     assert roles.admin.exists("other-run:key") == 0 and roles.admin.exists(keys.prefix + "mine") == 1
 
 
+def test_a_flood_of_1mib_stats_entries_stays_under_the_producers_bound(roles: Roles) -> None:
+    """Issue 62, item 2: 1,891 XADDs of 1 MiB to a producer's own stats stream took Redis from 127 MiB to
+    4,330 MiB unfenced: MEMORY USAGE at its default sampling read 14 MiB where the stream held 4,240 MiB, the
+    small honest entries at its head hiding the flood. Scaled down (a 4 MiB bound, 12 entries of 1 MiB behind
+    2,000 small ones): the fence measures the whole stream, fences the producer, drops its unread excess to
+    bounded copies on `dead` (so it is back under its bound), keeps what a reader was delivered, says so in
+    `fenced`, and the audit finds nothing destroyed; the other producer keeps its lease and its data."""
+    from rollstream.pacing.fence import FloodFence
+
+    keys, trainer, admin = roles.keys, roles.trainer, roles.admin
+    flooder, other = roles.producers[P0], roles.producers["rollout_01"]
+    bound = 4 << 20
+    grant_budget(trainer, keys, 0, 8)
+    ask_lease(flooder, keys, P0, 2)
+    ask_lease(other, keys, "rollout_01", 2)
+    fence = FloodFence(bound, 8, every_s=0)
+    leaser = Leaser(trainer, keys, PRODUCERS, threading.Event(), fence=fence)
+    assert leaser.run_once() == 4 and fence.fenced == {}
+    for name, conn in ((P0, flooder), ("rollout_01", other)):
+        pipe = conn.pipeline(transaction=False)
+        for i in range(2000):
+            pipe.xadd(keys.stats_of(name), {"type": "producer", "i": i})
+        pipe.execute()
+    # the aggregator was delivered (and acked) the first 100 of the flooder's entries: they are kept
+    read: Any = roles.aggregator.xreadgroup(AGGREGATOR_GROUP, "agg", {keys.stats_of(P0): ">"}, count=100)
+    roles.aggregator.xack(keys.stats_of(P0), AGGREGATOR_GROUP, *(i for i, _ in read[0][1]))
+    for _ in range(12):
+        flooder.xadd(keys.stats_of(P0), {"type": "producer", "blob": b"x" * (1 << 20)})
+    stats = keys.stats_of(P0)
+    sampled, full = admin.memory_usage(stats), admin.memory_usage(stats, samples=0)
+    assert sampled < bound < full, (sampled, full)  # the sampled measure missed it
+    ask_lease(other, keys, "rollout_01", 6)
+    leaser.run_once()
+    assert set(fence.fenced) == {P0}
+    assert f"over bus.producer_max_bytes={bound}" in fence.fenced[P0]
+    assert "1912 unread entries" in fence.fenced[P0] and fenced_hash(admin, keys) == fence.fenced
+    assert admin.memory_usage(stats, samples=0) + admin.memory_usage(keys.rollouts_of(P0), samples=0) < bound
+    assert admin.xlen(stats) == 100 and [i for i, _ in admin.xrange(stats, count=100)] == [
+        i for i, _ in read[0][1]
+    ]
+    assert admin.xlen(keys.dead) == 1912 and admin.memory_usage(keys.dead, samples=0) < 2 << 20
+    copy = decode_as(admin.xrange(keys.dead, count=1)[0][1], DeadLetter)  # newest first: a 1 MiB one
+    assert copy.reason.startswith(f"fenced: {P0} was fenced") and copy.omitted == {"blob": 1 << 20}
+    assert admin.xlen(keys.stats_of("rollout_01")) == 2000  # the honest producer's data, untouched
+    assert lease_of(trainer, keys, "rollout_01") == 6 and lease_of(trainer, keys, P0) == 2
+    assert audit_run(admin, keys).destroyed == {}  # every dropped entry has its copy on `dead`
+
+
+def fenced_hash(r: redis.Redis, keys: Keys) -> dict[str, str]:
+    """The `fenced` hash as status reads it."""
+    from rollstream.pacing.fence import fenced
+
+    return fenced(r, keys)
+
+
 def test_a_producers_oversized_key_is_fenced(roles: Roles) -> None:
     """A 64 MiB SET on its own `want` (the keys hold counts: tens of bytes) is fenced at once."""
     from rollstream.pacing.fence import PRODUCER_KEYS_MAX_BYTES, FloodFence

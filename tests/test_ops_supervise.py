@@ -14,7 +14,7 @@ import redis
 from rollstream.cli.main import main
 from rollstream.config import load_config
 from rollstream.keys import Keys, producer_names
-from rollstream.ops.embedded_redis import EmbeddedRedis
+from rollstream.ops.embedded_redis import EmbeddedRedis, fit_to_host
 from rollstream.ops.plan import PRIVATE_UMASK, plan_run, render_supervisord_conf, trainer_argv
 from rollstream.ops.supervise import process_states, start_run, start_supervisord, stop_run
 
@@ -137,9 +137,13 @@ def test_conf_for_embedded_redis_starts_redis_first_with_aof(tmp_path: Path) -> 
     assert 'ROLLSTREAM_REDIS_USERNAME="warden"' in warden["environment"]
     assert 'ROLLSTREAM_REDIS_USERNAME="trainer"' in conf["program:trainer"]["environment"]
     # issue 41: a maxmemory sized from the budget, refusing writes rather than evicting the log
-    assert f"--maxmemory {cfg.bus.maxmemory()} --maxmemory-policy noeviction" in red["command"]
+    assert f"--maxmemory {fit_to_host(cfg.bus.maxmemory())} --maxmemory-policy noeviction" in red["command"]
     bus = cfg.bus
     assert bus.maxmemory() == 3 * bus.redis_max_bytes + 4 * bus.weights_inline_max_bytes + (256 << 20)
+    # issue 62: and never over half the host's memory, also where the config sets none
+    assert fit_to_host(bus.maxmemory(), host_bytes=64 << 30) == bus.maxmemory()
+    assert fit_to_host(bus.maxmemory(), host_bytes=8 << 30) == 4 << 30
+    assert fit_to_host(None, host_bytes=8 << 30) == 4 << 30
 
 
 def test_the_memory_bounds_are_checked_and_named() -> None:

@@ -86,7 +86,8 @@ class BusConfig(Section):
         ge=0,
         description="maxmemory of the embedded Redis (policy noeviction: a write past it is refused, nothing "
         "evicted); 0 = from the budget: 3 x redis_max_bytes + 4 x weights_inline_max_bytes + 256 MiB (with "
-        "weights_transport=redis or retention off none: set it, the chunks or the whole log come on top)",
+        "weights_transport=redis or retention off none: set it, the chunks or the whole log come on top); "
+        "either way capped at half the host's memory when rollstream run starts the Redis",
     )
     producer_max_bytes: int = Field(
         0,

@@ -21,10 +21,12 @@ Nothing destroyed: a writer can still delete entries of a stream it may append t
 options; Redis ACLs cannot restrict arguments), and what it deleted leaves no entry to classify. Each
 stream's `entries-added` (XINFO STREAM) counts every XADD ever accepted and no trim can lower it; every
 entry is either still in Redis or was moved to the archive by retention, so `entries-added` greater than
-the entries the log holds means that many entries were destroyed (`destroyed`, a problem). Which samples
-they were is known too: a producer's prompts are numbered (sample id `<producer>-<seq>`, rollstream/pacing/)
-and its published count moves with each publish, so every id below both its count and its lease (which
-only the trainer writes) must be on the log; one that is neither there nor ended is `destroyed_ids`.
+the entries the log holds means that many entries were destroyed (`destroyed`, a problem); an entry the
+flood fence dropped (rollstream/pacing/fence.py: its copy on `dead`, reason `fenced: …`) is held there.
+Which samples they were is known too: a producer's prompts are numbered (sample id `<producer>-<seq>`,
+rollstream/pacing/) and its published count moves with each publish, so every id below both its count and
+its lease (which only the trainer writes) must be on the log; one that is neither there nor ended is
+`destroyed_ids`.
 
 Reads the whole log through `iter_stream`: what retention moved to the run's archive, then what Redis
 holds, each entry once; an archive that cannot be read here stops the audit (ArchiveError), never a
@@ -47,6 +49,7 @@ from rollstream.bus.streams import iter_stream
 from rollstream.keys import Keys
 from rollstream.ops.log_cut import Cut, read_cut
 from rollstream.pacing.budget import leased_sample_id
+from rollstream.pacing.fence import FENCE_DROPPED
 from schemas import EVICTED, SKIPPED, TRAINED, DeadLetter, DecodeError, StepMetrics, decode, decode_fate
 from schemas.events import refused_copy
 
@@ -162,7 +165,7 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
     cut = read_cut(r, keys, producers, checked)
     rep.bad_inputs = list(cut.bad_inputs)
     held = Counter[str]()  # entries each stream held at the cut (Redis + archive), against entries-added
-    ends, letters = _read_ends(r, keys, set(rollouts), rep, held, cut)
+    ends, letters, dropped = _read_ends(r, keys, set(rollouts), rep, held, cut)
     entry_sample, later = _read_rollouts(r, keys, rollouts, producers, rep, held, cut)
     _count_dead(rep, ends, letters, entry_sample, keys, producers)
     rep.duplicated = {sid for sid, n in ends.items() if n > 1}
@@ -179,6 +182,7 @@ def audit_run(r: redis.Redis, keys: Keys) -> AuditReport:
     held[keys.records] = len(rep.records)
     for stream in (*keys.stats_streams(producers), keys.dead_aggregator):
         held[stream] = sum(1 for i, _ in iter_stream(r, stream) if cut.within(stream, i))
+    held.update(dropped)  # dropped by the fence: their copies are on `dead`
     rep.destroyed = {s: n - held[s] for s, n in cut.added.items() if n > held[s]}
     return rep
 
@@ -238,9 +242,10 @@ def _read_rollouts(
 
 def _read_ends(
     r: redis.Redis, keys: Keys, rollouts: set[str], rep: AuditReport, held: Counter[str], cut: Cut
-) -> tuple[Counter[str], list[DeadLetter]]:
-    """Fill the fates (trained, skipped, dropped, evicted); returns how many fates each sample id has and
-    the dead-lettered rollouts (counted once the rollouts are read: `_count_dead`)."""
+) -> tuple[Counter[str], list[DeadLetter], Counter[str]]:
+    """Fill the fates (trained, skipped, dropped, evicted); returns how many fates each sample id has, the
+    dead-lettered rollouts (counted once the rollouts are read: `_count_dead`) and, per stream, the entries
+    of the cut the flood fence dropped (their copies on `dead`)."""
     ends = Counter[str]()
     for fate in _decoded(r, keys.fates, decode_fate, held, cut):
         sid = fate.sample_id
@@ -249,9 +254,15 @@ def _read_ends(
         else:
             {TRAINED: rep.trained, SKIPPED: rep.skipped}.get(fate.fate, rep.dropped).add(sid)
         ends[sid] += 1
-    letters = [ev for ev in _decoded(r, keys.dead, decode, held, cut)
-               if isinstance(ev, DeadLetter) and ev.source in rollouts]
-    return ends, letters
+    letters, dropped = [], set()
+    for ev in _decoded(r, keys.dead, decode, held, cut):
+        if not isinstance(ev, DeadLetter):
+            continue
+        if ev.reason.startswith(f"{FENCE_DROPPED}:") and cut.within(ev.source, ev.source_id):
+            dropped.add((ev.source, ev.source_id))
+        if ev.source in rollouts:
+            letters.append(ev)
+    return ends, letters, Counter(source for source, _ in dropped)
 
 
 def _decoded(

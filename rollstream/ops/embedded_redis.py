@@ -6,6 +6,7 @@ with SIGKILL loses nothing it acknowledged); `EmbeddedRedis` (tests, scripts) ke
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -18,6 +19,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from rollstream.runtime.files import PRIVATE_UMASK, private_dir
+
+log = logging.getLogger(__name__)
 
 #: Longest unix socket path the kernel accepts (sun_path is 108 bytes with the NUL).
 MAX_UNIX_SOCKET_PATH = 100
@@ -36,6 +39,33 @@ def redis_server_binary() -> str:
     if found is None:
         raise RuntimeError("redis-server not found on PATH (install redis, or set run.redis_url)")
     return found
+
+
+#: Share of the host's physical memory an embedded Redis may use (its maxmemory never exceeds it).
+HOST_MEMORY_SHARE = 0.5
+
+
+def host_memory_bytes() -> int | None:
+    """The host's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def fit_to_host(maxmemory: int | None, host_bytes: int | None = None) -> int | None:
+    """The embedded Redis' maxmemory: `maxmemory` (the config's, from the retention budget) capped at
+    HOST_MEMORY_SHARE of the host's memory, and that share where the config sets none (retention off, weight
+    chunks in Redis), so a flood ends in refused writes before it takes the host's memory. `host_bytes`:
+    the host's memory (default: read from the OS; None there leaves `maxmemory` as it is)."""
+    host = host_memory_bytes() if host_bytes is None else host_bytes
+    if host is None:
+        return maxmemory
+    share = int(host * HOST_MEMORY_SHARE)
+    if maxmemory is not None and maxmemory > share:
+        log.warning("maxmemory %d bytes is over %.0f%% of this host's %d bytes: %d", maxmemory,
+                    HOST_MEMORY_SHARE * 100, host, share)
+    return share if maxmemory is None else min(maxmemory, share)
 
 
 def plan_embedded(

@@ -47,7 +47,7 @@ from rollstream.config import PipelineConfig, config_to_yaml
 from rollstream.keys import Keys
 from rollstream.keys import producer_names as _producer_names
 from rollstream.ops.acl import ROLES, acl_rules, generate_passwords
-from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, plan_embedded
+from rollstream.ops.embedded_redis import MAX_UNIX_SOCKET_PATH, fit_to_host, plan_embedded
 from rollstream.ops.run_target import REDIS_URL_FILE, RESOLVED_CONFIG, SECRETS_DIR, split_password
 from rollstream.runtime.files import PRIVATE_UMASK, private_dir
 from rollstream.runtime.process import EXIT_CONFIG, EXIT_REFUSED, REDIS_URL_ENV
@@ -231,8 +231,8 @@ def _replicated_programs(
     rc = cfg.run.redis
     topo = plan_topology(
         run_dir, rc.replicas, rc.master_of(cfg.run.name), secrets_dir, acl_file=acl_file, passwords=passwords,
-        appendfsync="always", maxmemory=cfg.bus.maxmemory(), quorum=rc.quorum, down_after_ms=rc.down_after_ms,
-        failover_timeout_ms=rc.failover_timeout_ms,
+        appendfsync="always", maxmemory=fit_to_host(cfg.bus.maxmemory()), quorum=rc.quorum,
+        down_after_ms=rc.down_after_ms, failover_timeout_ms=rc.failover_timeout_ms,
     )
     programs = [
         Program(n.name, n.argv, priority=1, stopwaitsecs=REDIS_STOPWAIT_S, autostart=True) for n in topo.nodes
@@ -273,7 +273,9 @@ def plan_run(cfg: PipelineConfig, run_dir: Path | None = None) -> RunPlan:
         url = sentinel_url(cfg.run.redis.sentinels, cfg.run.redis.master_of(cfg.run.name))
     elif cfg.run.redis_url is None:
         # a kill -9 of redis loses nothing acknowledged
-        redis_argv, url = plan_embedded(run_dir, appendfsync="always", maxmemory=cfg.bus.maxmemory())
+        redis_argv, url = plan_embedded(
+            run_dir, appendfsync="always", maxmemory=fit_to_host(cfg.bus.maxmemory())
+        )
         if cfg.run.acl:
             acl_file, role_env = write_acl(run_dir, Keys(cfg.run.name), producer_names(cfg))
             redis_argv += ["--aclfile", str(acl_file)]
