@@ -5,8 +5,8 @@ Issue 41's table, row by row (all under the real users): non-canonical seq forms
 `version=0`, `published=x`, the last possible id and the impersonated id are in tests/test_producer_input.py
 (which imports this module's fixture); `want=10^9` while publishing nothing, the floods (a free-form key, an
 oversized key, a flooded stream) are below; the aggregator's trim of `records` and `dead:aggregator` (item 5:
-refused by design, its outboxes) at the end, where what docs/GUARANTEES.md still lists as possible (a lease
-held up to lease_timeout_s, memory up to the bound) are strict xfails."""
+refused by design, its outboxes) at the end, where what docs/GUARANTEES.md still lists as possible (memory
+up to the bound) is a strict xfail, and a lease held without progress is taken back after 3 dispatch times."""
 
 from __future__ import annotations
 
@@ -532,8 +532,9 @@ def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish
     roles: Roles,
 ) -> None:
     """Issue 41, item 3: rollout_00 writes want=10^9 and publishes nothing, holding the whole budget
-    (training stopped: 0 steps in 90 s). Its lease expires: the prompts go to rollout_01, whose samples fill
-    the batch, and rollout_00's late publish of a taken-back seq is dead-lettered ("lease expired") and
+    (training stopped: 0 steps in 90 s). Now it is leased its fair share (issue 62: half of 8 before anyone
+    delivered), its lease expires (here at lease_timeout_s: no dispatch time observed yet), the prompts go to
+    rollout_01, and rollout_00's late publish of a taken-back seq is dead-lettered ("lease expired") and
     counts nothing."""
     from consumers.trainer.collect import Collector, rollouts_reader
     from consumers.trainer.effects import TrainerEffects
@@ -546,42 +547,42 @@ def test_a_hoarders_lease_expires_the_others_fill_the_batch_and_its_late_publish
     clock = [0.0]
     expiry = LeaseExpiry(600.0, 8, probation=1, every_s=0, clock=lambda: clock[0])
     leaser = Leaser(trainer, keys, PRODUCERS, threading.Event(), expiry=expiry)
-    assert leaser.run_once() == 8 and lease_of(trainer, keys, P0) == 8  # it holds everything
+    assert leaser.run_once() == 4 and lease_of(trainer, keys, P0) == 4  # its share, not everything
     ask_lease(other, keys, "rollout_01", 8)
-    assert leaser.run_once() == 0
-    clock[0] = 601.0
-    leaser.run_once()  # expired: 8 taken back, 1 to it on probation, 7 to rollout_01
-    assert expiry.expired == {P0: 8}
-    assert lease_of(trainer, keys, P0) == 9 and lease_of(trainer, keys, "rollout_01") == 7
-    cfg = load_config(None, [f"run.name={keys.run}", "bus.block_ms=10", "data.train_batch_size=8",
-                             "actor.ppo_mini_batch_size=8", "async_training.trigger_parameter_sync_step=1"])
+    assert leaser.run_once() == 4
 
     def publish(client: redis.Redis, name: str, seq: int) -> None:
         sample = fake_rollout_sample(f"{name}-{seq}", n=2, prompt_len=3, response_len=4, producer=name)
         Publisher(client).publish(keys.rollouts_of(name), sample)
 
-    for seq in range(7):
+    for seq in range(4):  # rollout_01 delivers (its entries wait with the trainer: progress)
         publish(other, "rollout_01", seq)
+    clock[0] = 601.0
+    leaser.run_once()  # expired: 4 taken back, 1 to it on probation
+    assert expiry.expired == {P0: 4}
+    assert lease_of(trainer, keys, P0) == 5 and lease_of(trainer, keys, "rollout_01") == 4
+    cfg = load_config(None, [f"run.name={keys.run}", "bus.block_ms=10", "data.train_batch_size=8",
+                             "actor.ppo_mini_batch_size=8", "async_training.trigger_parameter_sync_step=1"])
     publish(hoarder, P0, 3)  # late: taken back
-    publish(hoarder, P0, 8)  # its probation lease: fine
+    publish(hoarder, P0, 4)  # its probation lease: fine
     dp = SimpleNamespace(rank=0, world_size=1, roles=RankRoles())
     reader = rollouts_reader(cfg, trainer, keys, "trainer", threading.Event())
     effects = TrainerEffects(cfg, trainer, keys, cfg.run_dir() / "weights", dp)  # type: ignore[arg-type]
     collector = Collector(cfg, effects, reader, dp, threading.Event(), False, 1000, 64)  # type: ignore[arg-type]
-    while len(collector.buffer) < 8:
+    while len(collector.buffer) < 5:
         assert collector.fill()
     collector.fill()
     [(_, fields)] = roles.admin.xrange(keys.dead)
     assert isinstance(dl := decode(fields), DeadLetter) and dl.reason.startswith("lease expired: ")
     assert "rollout_00-3" in dl.reason
     assert sorted(m.event.sample_id for m in collector.buffer) == sorted(
-        [*(f"rollout_01-{s}" for s in range(7)), "rollout_00-8"]
+        [*(f"rollout_01-{s}" for s in range(4)), "rollout_00-4"]
     )
-    assert int(roles.admin.get(keys.consumed) or 0) == 8  # type: ignore[arg-type]  # the 8 taken back, once
+    assert int(roles.admin.get(keys.consumed) or 0) == 4  # type: ignore[arg-type]  # the 4 taken back, once
     st = collect_status(roles.admin, keys)
-    assert st.expired == {P0: 8}
+    assert st.expired == {P0: 4}
     shown = format_status(st, "x")
-    assert "leases expired (prompts taken back, rollout.lease_timeout_s): rollout_00 8" in shown
+    assert "leases expired (prompts taken back, rollout.lease_timeout_s): rollout_00 4" in shown
     rep = audit_run(roles.admin, keys)
     assert rep.problems() == [], rep.problems()
 
@@ -799,7 +800,7 @@ def test_a_producers_oversized_key_is_fenced(roles: Roles) -> None:
 
 
 # -- issue 41's table: the aggregator's trims (closed), then what docs/GUARANTEES.md still lists as possible,
-# as strict xfails ------------------------------------------------------------------------------------------
+# as a strict xfail ------------------------------------------------------------------------------------------
 
 
 def _destroy_attempts(agg: redis.Redis, keys: Keys) -> dict[str, Any]:
@@ -924,9 +925,10 @@ def test_the_aggregator_cannot_trim_its_dead_letters(roles: Roles, tmp_path: Pat
     assert audit_run(roles.admin, keys).destroyed == {}
 
 
-@pytest.mark.xfail(strict=True, reason="docs/GUARANTEES.md: a lease is held up to lease_timeout_s")
-def test_a_producer_cannot_hold_a_lease_without_publishing(roles: Roles) -> None:
-    """A lease held without publishing is taken back only after rollout.lease_timeout_s (not at once)."""
+def test_a_producer_holds_a_lease_without_publishing_for_three_dispatch_times_at_most(roles: Roles) -> None:
+    """Issue 62 (this was a strict xfail: a lease held up to lease_timeout_s): once a producer of the run has
+    shown its dispatch time (here rollout_01: 10 s), a lease held without progress is taken back after 3 of
+    them, not after lease_timeout_s (600 s); its share was half the budget meanwhile."""
     from rollstream.pacing.expiry import LeaseExpiry
 
     keys, trainer = roles.keys, roles.trainer
@@ -936,9 +938,21 @@ def test_a_producer_cannot_hold_a_lease_without_publishing(roles: Roles) -> None
     expiry = LeaseExpiry(600.0, 8, probation=1, every_s=0, clock=lambda: clock[0])
     leaser = Leaser(trainer, keys, PRODUCERS, threading.Event(), expiry=expiry)
     leaser.run_once()
-    clock[0] = 599.0
+    assert lease_of(trainer, keys, P0) == 4
+    other = roles.producers["rollout_01"]
+    for t in (10.0, 20.0):  # rollout_01 delivers one sample every 10 s
+        clock[0] = t
+        seq = int(t // 10) - 1
+        Publisher(other).publish(keys.rollouts_of("rollout_01"),
+                                 fake_rollout_sample(f"rollout_01-{seq}", producer="rollout_01"))
+        leaser.run_once()
+    assert expiry.deadline_s(P0) == 30.0
+    clock[0] = 29.0
     leaser.run_once()
-    assert expiry.expired.get(P0, 0) == 8
+    assert expiry.expired == {}
+    clock[0] = 30.0
+    leaser.run_once()
+    assert expiry.expired == {P0: 4}
 
 
 @pytest.mark.xfail(strict=True, reason="docs/GUARANTEES.md: a producer writes up to its bound")

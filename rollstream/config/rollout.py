@@ -102,9 +102,10 @@ class RolloutConfig(Section):
     lease_timeout_s: float = Field(
         600.0,
         gt=0,
-        description="Pacing: a producer none of whose leased prompts the trainer finished for this long, "
-                    "while others' were, loses its unfinished lease (taken back, leased to others; a late "
-                    "publish of one is dead-lettered as `lease expired`)",
+        description="Pacing: the longest a producer with unfinished leased prompts may go without progress "
+                    "(seqs finished, entries with the trainer) before it loses them (taken back, leased to "
+                    "others; a late publish of one is dead-lettered as `lease expired`); sooner, after 3 of "
+                    "the slowest producer's dispatch times",
     )
     sync_every_tokens: int = Field(4, ge=1, description="Decode tokens between checks for newer weights")
     swap_check_max_diff: float | None = Field(

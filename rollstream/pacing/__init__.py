@@ -21,16 +21,18 @@ A producer that crashed (or lost Redis) mid-dispatch keeps its lease: its publis
 (`producer:<name>:published`, moved with the publish) says where its next seq starts, so the restarted
 producer dispatches the same prompts again under the same ids.
 
-Leases expire (`rollout.lease_timeout_s`): a producer with leased prompts the trainer has not finished, none
-of whose prompts it finished for that long while none of its entries waited with the trainer (unread or read
-and not yet acked: then a slow trainer, not the producer, is late), e.g. a hoarder writing any `want` and
-publishing nothing, or a dead producer, loses every unfinished seq of its lease: the trainer's `_EXPIRE`
-script sets their bits in `consumed:<name>` (counted as consumed, once, like a dead letter) and in
-`revoked:<name>`, logs an `expire` entry and tops the current version's budget up by their room, so the others
-are leased it. The producer's lease total is never lowered (the bitmaps stay exact); a sample of a revoked
-seq published late is dead-lettered by the trainer ("lease expired") and counts nothing, so every seq still
-ends once. Until one of its prompts is finished again the producer is leased at most `prompts_per_dispatch`
-unfinished prompts (`probation`), so a hoarder holds at most one dispatch per timeout.
+Leases are fair shares and expire on no progress (`expiry.LeaseExpiry`): whatever a producer wants, its
+lease reaches at most its finished seqs plus its share of max_outstanding (`fair_shares`: the budget over the
+run's producers until it has delivered something, then a share weighted by what it delivered), and a producer
+with unfinished leased prompts that made no progress (seqs finished, entries the trainer holds, each counted
+once) for 3 dispatch times (the slowest producer's, at most `rollout.lease_timeout_s`), e.g. a hoarder
+writing any `want` and publishing nothing, or a dead producer, loses every unfinished seq of its lease: the
+trainer's `_EXPIRE` script sets their bits in `consumed:<name>` (counted as consumed, once, like a dead
+letter) and in `revoked:<name>`, logs an `expire` entry and tops the current version's budget up by their
+room, so the others are leased it. The producer's lease total is never lowered (the bitmaps stay exact); a
+sample of a revoked seq published late is dead-lettered by the trainer ("lease expired") and counts nothing,
+so every seq still ends once. Until it makes progress again the producer is leased at most
+`prompts_per_dispatch` unfinished prompts (`probation`), so a hoarder holds at most one dispatch per expiry.
 
 Early consumption gives room back at once: samples evicted (filter_groups, rollout failures), dropped as
 stale or dead-lettered count as consumed when the trainer meets them, and the current version's budget gets
@@ -50,7 +52,7 @@ before it grants its budget.
 
 Modules: `budget` (every write of the pacing, as Lua scripts the trainer runs: grants, leases, top-ups, the
 consumed bitmaps; the producer's own `want` and published count), `counters` (what status, producers and the
-audit read), `leaser` (the trainer's lease loop), `expiry` (leases taken back: the expiry clock, the
-`revoked` bitmaps and the one reader of them), `fence` (producers that flood Redis: fenced, their lease taken
-back).
+audit read), `leaser` (the trainer's lease loop), `expiry` (fair shares and leases taken back: the expiry
+clock, the `revoked` bitmaps and the one reader of them), `fence` (producers that flood Redis: fenced,
+their lease taken back, their unread excess dropped).
 """

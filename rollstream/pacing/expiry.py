@@ -21,11 +21,12 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from rollstream.bus.ids import text
+from rollstream.bus.ids import count_or_none, text
 from rollstream.keys import TRAINER_GROUP, Keys
 from rollstream.pacing.budget import take_back
 
@@ -97,34 +98,46 @@ class RevokedWatch:
         self.refreshes += 1
 
 
-def finished_counts(
-    r: redis.Redis, keys: Keys, producers: Sequence[str]
-) -> tuple[dict[str, int], dict[str, int], set[str]]:
-    """One MULTI snapshot: (producer -> prompts leased to it, producer -> of those, prompts the trainer
-    finished with (its `consumed:<name>` bit count), the producers whose `rollouts:<name>` hold entries the
-    trainer group has not read or not acked yet: their work is with the trainer). Unread entries are told
-    by the group's `lag` (XINFO GROUPS); only where Redis cannot tell it (a null lag) is XINFO STREAM asked
-    for the last id, in a second round trip: its reply carries the stream's first and last entries, whole
-    rollouts, every second (BENCHMARKS.md, the trainer's watches)."""
+@dataclass
+class LeaseSnapshot:
+    """The pacing as the expiry clock and the fair shares read it, per producer, in one MULTI."""
+
+    lease: dict[str, int]  # prompts leased to it so far
+    done: dict[str, int]  # of those, seqs the trainer finished with or took back (`consumed:<name>` bits)
+    finished: dict[str, int]  # of those, seqs it finished (consumed bits less `revoked:<name>` bits)
+    held: dict[str, int]  # its entries the trainer group has not acked: pending, or not read yet
+    want: dict[str, int]  # the lease total it asks for (its own key: a non-canonical value reads as 0)
+
+
+def lease_snapshot(r: redis.Redis, keys: Keys, producers: Sequence[str]) -> LeaseSnapshot:
+    """One MULTI snapshot of every producer's lease, finished seqs, held entries and want. Unread entries are
+    told by the trainer group's `lag` (XINFO GROUPS); only where Redis cannot tell it (a null lag) is XINFO
+    STREAM asked for the last id, in a second round trip (its reply carries the stream's first and last
+    entries, whole rollouts: BENCHMARKS.md, the trainer's watches), and the stream then counts as holding one
+    unread entry more."""
     pipe = r.pipeline(transaction=True)
     pipe.hgetall(keys.lease)
     for p in producers:
         pipe.bitcount(keys.consumed_bits(p))
+        pipe.bitcount(keys.revoked_bits(p))
         pipe.xinfo_groups(keys.rollouts_of(p))
+        pipe.get(keys.producer_want(p))
     raw, *per = pipe.execute(raise_on_error=False)
     lease = {text(k): int(v) for k, v in raw.items()}
-    done, busy, unknown = {}, set(), {}
+    snap = LeaseSnapshot({p: lease.get(p, 0) for p in producers}, {}, {}, {}, {})
+    unknown: dict[str, str] = {}
     for i, p in enumerate(producers):
-        count, groups = per[2 * i : 2 * i + 2]
-        done[p] = int(count)
+        done, revoked, groups, want = per[4 * i : 4 * i + 4]
+        snap.done[p], snap.finished[p] = int(done), int(done) - int(revoked)
+        snap.want[p] = count_or_none(want) or 0 if want is not None else 0
+        snap.held[p] = 0
         if isinstance(groups, Exception):
             continue  # no stream yet: nothing published
         for g in groups:
             if text(g.get("name", b"")) != TRAINER_GROUP:
                 continue
-            if int(g.get("pending", 0)) > 0 or (g.get("lag") or 0) > 0:
-                busy.add(p)
-            elif g.get("lag") is None:
+            snap.held[p] = int(g.get("pending", 0)) + int(g.get("lag") or 0)
+            if g.get("lag") is None:
                 unknown[p] = text(g.get("last-delivered-id", b"0-0"))
     if unknown:
         pipe = r.pipeline(transaction=False)
@@ -132,22 +145,75 @@ def finished_counts(
             pipe.xinfo_stream(keys.rollouts_of(p))
         for (p, delivered), info in zip(unknown.items(), pipe.execute(raise_on_error=False), strict=True):
             if not isinstance(info, Exception) and text(info.get("last-generated-id", b"0-0")) != delivered:
-                busy.add(p)
-    return {p: lease.get(p, 0) for p in producers}, done, busy
+                snap.held[p] += 1
+    return snap
+
+
+def finished_counts(
+    r: redis.Redis, keys: Keys, producers: Sequence[str]
+) -> tuple[dict[str, int], dict[str, int], set[str]]:
+    """(producer -> prompts leased to it, producer -> of those, seqs finished with or taken back, the
+    producers whose entries wait with the trainer group, unread or unacked): `lease_snapshot`, in short."""
+    snap = lease_snapshot(r, keys, producers)
+    return snap.lease, snap.done, {p for p in producers if snap.held[p] > 0}
+
+
+#: A producer's lease expires after this many of its dispatch times without progress.
+EXPIRY_DISPATCHES = 3
+#: The shortest expiry (seconds), whatever the dispatch times: a producer's own pauses (a weight swap, a
+#: busy host) are not hoarding.
+MIN_EXPIRY_S = 5.0
+
+
+def fair_shares(
+    snap: LeaseSnapshot, producers: Sequence[str], max_outstanding: int, floor: int,
+    active: Sequence[str] = (),
+) -> dict[str, int]:
+    """Producer -> the most unfinished prompts it may hold. The budget (`max_outstanding`) is shared by the
+    producers that ask (want above their lease, or `active`: made progress lately, so an honest producer
+    whose want is met for the moment keeps its share): one that has delivered nothing yet (seqs finished,
+    entries the trainer holds) is kept the budget over all the run's producers, so the first to ask cannot
+    take everything before the others have asked; the rest is split among those that have delivered, each
+    weighted by 1 + what it delivered, so a producer's share grows with the throughput it has shown and a
+    hoarder that delivers nothing is left about one dispatch. Never below `floor` (one dispatch) nor above the
+    budget."""
+    delivered = {p: snap.finished[p] + snap.held[p] for p in producers}
+    asking = [p for p in producers if snap.want[p] > snap.lease[p] or p in active]
+    start = max_outstanding // max(1, len(producers))
+    kept = sum(start for p in asking if delivered[p] == 0)
+    rest = max(0, max_outstanding - kept)
+    total = sum(1 + delivered[p] for p in asking if delivered[p] > 0)
+    out = {}
+    for p in producers:
+        weight = 1 + delivered[p]
+        if delivered[p] == 0:
+            share = start
+        else:
+            share = rest * weight // (total + (0 if p in asking else weight))
+        out[p] = min(max_outstanding, max(floor, share))
+    return out
 
 
 class LeaseExpiry:
-    """The Leaser's expiry clock (rollstream/pacing/__init__.py): per producer, when the trainer last finished
-    one of its prompts or last held unread or unacked entries of its stream; past `timeout_s` with leased
-    prompts still unfinished and none of its entries with the trainer, its unfinished lease is taken back
-    (`expire_lease`) and it goes on probation: leased at most `probation` unfinished prompts until one of its
-    prompts is finished again."""
+    """The Leaser's expiry clock and fair shares (rollstream/pacing/__init__.py).
+
+    Progress is judged per producer on its seqs: those the trainer finished with (trained, dropped, evicted,
+    dead-lettered; not those taken back) plus its entries the trainer holds (each counts once, when it
+    appears: entries the trainer holds never keep a lease alive; they reset the clock while the trainer
+    waited to fill a batch with the very prompts the producer hoarded). A producer with leased
+    prompts neither finished nor held, that made no progress for EXPIRY_DISPATCHES dispatch times (a
+    producer's dispatch time: the mean time between two of its progress steps; the clock is the slowest
+    producer's, so an honest producer is never judged by a faster one; none observed yet: `timeout_s`), at
+    most `timeout_s` and at least MIN_EXPIRY_S, loses them (`expire_lease`) and goes on probation: leased at
+    most `probation` unfinished prompts until it makes progress again. At every check its lease is also
+    capped at its fair share of the budget (`fair_shares`), so others keep training while one hoards."""
 
     def __init__(
-        self, timeout_s: float, max_outstanding: int, probation: int, *, every_s: float = 1.0,
+        self, timeout_s: float, max_outstanding: int, probation: int, *, every_s: float = 0.25,
         clock: Any = None,
     ) -> None:
-        """Expire after `timeout_s` seconds (> 0), checked every `every_s`; `probation` >= 1 prompts."""
+        """Expire after at most `timeout_s` seconds (> 0), checked every `every_s`; `probation` >= 1 prompts
+        (also the least fair share)."""
         if not timeout_s > 0:
             raise ValueError(f"rollout.lease_timeout_s={timeout_s!r} must be > 0")
         if probation < 1:
@@ -155,38 +221,65 @@ class LeaseExpiry:
         self.timeout_s, self.max_outstanding, self.probation = timeout_s, max_outstanding, probation
         self.every_s = min(every_s, timeout_s / 4)
         self.clock = clock or time.monotonic
-        self.caps: dict[str, int] = {}  # producer -> the most lease total it may reach (probation)
+        self.caps: dict[str, int] = {}  # producer -> the most lease total it may reach (probation, share)
         self.expired: dict[str, int] = {}  # producer -> prompts taken back from it over this process
-        self._seen: dict[str, tuple[int, float]] = {}  # producer -> (prompts finished, since when)
+        self.dispatch_s: dict[str, float] = {}  # producer -> its mean time between two progress steps
+        self._progress: dict[str, tuple[int, float]] = {}  # producer -> (most progress seen, since when)
+        self._steps: dict[str, int] = {}  # producer -> progress steps seen (0: the first look)
+        self._probation: dict[str, int] = {}  # producer -> lease cap while on probation
         self._next = 0.0
 
+    def deadline_s(self, producer: str) -> float:
+        """Seconds without progress after which `producer`'s unfinished lease expires: EXPIRY_DISPATCHES of
+        the slowest dispatch time observed (its own or another's), within [MIN_EXPIRY_S, timeout_s];
+        timeout_s before any is observed (a first progress measures start-up, not a dispatch)."""
+        clock = max(self.dispatch_s.values(), default=None)
+        if clock is None:
+            return self.timeout_s
+        return min(self.timeout_s, max(MIN_EXPIRY_S, EXPIRY_DISPATCHES * clock))
+
     def maybe_check(self, r: redis.Redis, keys: Keys, producers: Sequence[str]) -> list[tuple[str, int]]:
-        """Check when due; returns (producer, prompts taken back) for each lease expired now."""
+        """Check when due: update the fair-share caps and take back the leases due; returns (producer, prompts
+        taken back) for each lease expired now."""
         now = self.clock()
         if now < self._next:
             return []
         self._next = now + self.every_s
-        lease, done, busy = finished_counts(r, keys, producers)
-        out = []
-        for p in producers:
-            seen = self._seen.get(p)
-            if seen is None or seen[0] != done[p] or p in busy:
-                self._seen[p] = (done[p], now)
-                if seen is not None and seen[0] != done[p]:
-                    self.caps.pop(p, None)  # one of its prompts finished: off probation
+        snap = lease_snapshot(r, keys, producers)
+        idle = []
+        for p in producers:  # progress first (every producer's dispatch time), then the expiries
+            progress = snap.finished[p] + snap.held[p]
+            best = self._progress.get(p)
+            if best is not None and progress <= best[0]:
+                idle.append((p, progress, best[1]))
                 continue
-            since = seen[1]
-            if lease[p] <= done[p] or now - since < self.timeout_s:
+            steps = self._steps.get(p, -1) + 1  # the first step after the first look measures its start
+            if best is not None and steps > 1:
+                dt = now - best[1]
+                self.dispatch_s[p] = dt if p not in self.dispatch_s else 0.5 * (self.dispatch_s[p] + dt)
+            if best is not None:
+                self._probation.pop(p, None)  # progress again: off probation
+            self._steps[p] = steps
+            self._progress[p] = (progress, now)
+        out = []
+        for p, progress, since in idle:
+            unfinished = snap.lease[p] - snap.done[p] - snap.held[p]
+            if unfinished <= 0 or now - since < self.deadline_s(p):
                 continue  # nothing unfinished, or not long enough
             taken, added = expire_lease(r, keys, p, self.max_outstanding)
-            self.caps[p] = lease[p] + self.probation
-            self._seen[p] = (done[p] + taken, now)
+            self._probation[p] = snap.lease[p] + self.probation
+            self._progress[p] = (progress, now)
+            snap.done[p] += taken
             if taken:
                 self.expired[p] = self.expired.get(p, 0) + taken
                 out.append((p, taken))
                 log.warning(
-                    "lease of %s expired: no prompt of it finished nor any entry of it unread for %.0f s; %d "
-                    "unfinished prompts taken back (budget topped up by %d); at most %d more leased to it "
-                    "until one of its prompts is finished", p, now - since, taken, added, self.probation,
+                    "lease of %s expired: no progress for %.1f s (%d dispatch times of %.2f s, at most "
+                    "rollout.lease_timeout_s=%g); %d unfinished prompts taken back (budget topped up by %d); "
+                    "at most %d more leased to it until it makes progress", p, now - since, EXPIRY_DISPATCHES,
+                    self.deadline_s(p) / EXPIRY_DISPATCHES, self.timeout_s, taken, added, self.probation,
                 )
+        active = [p for p in producers if now - self._progress[p][1] < self.deadline_s(p)]
+        shares = fair_shares(snap, producers, self.max_outstanding, self.probation, active)
+        self.caps = {p: min(snap.done[p] + shares[p], self._probation.get(p, 1 << 62)) for p in producers}
         return out
