@@ -1,5 +1,6 @@
-"""What the trainer's two watches cost Redis: LeaseExpiry's snapshot (`finished_counts`, every second) and
-FloodFence's measurement (`FloodFence.measure`, every 5 s), with P producers whose streams hold rollouts.
+"""What the trainer's two watches cost Redis: LeaseExpiry's snapshot (`finished_counts`: `lease_snapshot`'s
+leases, consumed and revoked bit counts, trainer group and wants; every 0.25 s) and FloodFence's measurement
+(`FloodFence.measure`: MEMORY USAGE SAMPLES 0, every 1 s), with P producers whose streams hold rollouts.
 
 Run: `rollstream bench watches [--producers P] [--entries E] [--response-len L] [--samples N]
 [--calls C] [--redis-url URL]`. Each producer's `rollouts:<p>` gets E rollouts (N samples of L response
@@ -27,8 +28,8 @@ from rollstream.testing.fakes import fake_rollout_sample
 from schemas import encode
 
 #: The commands the two watches send (INFO commandstats names).
-WATCH_COMMANDS = ("hgetall", "bitcount", "xinfo|stream", "xinfo|groups", "strlen", "memory|usage", "multi",
-                  "exec")
+WATCH_COMMANDS = ("hgetall", "bitcount", "xinfo|stream", "xinfo|groups", "get", "strlen", "memory|usage",
+                  "multi", "exec")
 
 
 def server_usec(r: redis.Redis) -> dict[str, int]:

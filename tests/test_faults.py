@@ -241,7 +241,7 @@ def _check_no_password_leaks(run_dir: Path, outputs: list[str]) -> None:
     """Each role's password file is 0600, and no password appears in a log, the run dir's config files, or
     the CLI's output."""
     files = sorted((run_dir / SECRETS_DIR).glob("*.password"))
-    assert [f.stem for f in files] == ["admin", "aggregator", "rollout_00", "rollout_01", "trainer"]
+    assert [f.stem for f in files] == ["admin", "aggregator", "rollout_00", "rollout_01", "trainer", "warden"]
     texts = [p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log*")]
     texts += [p.read_text(errors="replace") for p in run_dir.glob("*.*") if p.is_file()]
     texts += outputs
