@@ -189,7 +189,7 @@ def fair_shares(
         if delivered[p] == 0:
             share = start
         else:
-            share = rest * weight // (total + (0 if p in asking else weight))
+            share = -(-rest * weight // (total + (0 if p in asking else weight)))  # rounded up: all used
         out[p] = min(max_outstanding, max(floor, share))
     return out
 
