@@ -279,7 +279,17 @@ class LeaseExpiry:
                     "at most %d more leased to it until it makes progress", p, now - since, EXPIRY_DISPATCHES,
                     self.deadline_s(p) / EXPIRY_DISPATCHES, self.timeout_s, taken, added, self.probation,
                 )
-        active = [p for p in producers if now - self._progress[p][1] < self.deadline_s(p)]
+        active = [  # made progress lately (the first look at a producer is not progress)
+            p for p in producers
+            if self._steps.get(p, 0) >= 1 and now - self._progress[p][1] < self.deadline_s(p)
+        ]
         shares = fair_shares(snap, producers, self.max_outstanding, self.probation, active)
-        self.caps = {p: min(snap.done[p] + shares[p], self._probation.get(p, 1 << 62)) for p in producers}
+        # a share of the whole budget caps nothing (the budget does): only producers that share it are capped,
+        # from `done` as of this check (a lag of at most every_s)
+        self.caps = {
+            p: min(snap.done[p] + shares[p] if shares[p] < self.max_outstanding else 1 << 62,
+                   self._probation.get(p, 1 << 62))
+            for p in producers
+        }
+        self.caps = {p: cap for p, cap in self.caps.items() if cap < 1 << 62}
         return out
