@@ -119,7 +119,7 @@ def _wait_back_up(run_dir: Path, name: str, timeout_s: float = 180) -> None:
     log = run_dir / "logs" / f"{name}.log"
     deadline = time.monotonic() + timeout_s
     while True:
-        starts = log.read_text().split("waiting for param version 0")
+        starts = log.read_text().split("waiting for a param version")
         if len(starts) >= 3 and "loaded param_version" in starts[-1]:
             return
         assert time.monotonic() < deadline, _logs(run_dir)
