@@ -15,7 +15,7 @@ With partial rollout off, weights never change inside a call (start == end).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +26,7 @@ from rollstream.config import PipelineConfig
 from rollstream.model import Completion, Tokenizer
 from rollstream.model.chat import encode_tool_result
 from rollstream.tasks import Task
+from rollstream.tasks.episode import tool_cut
 
 
 class GeneratingPolicy(Protocol):
@@ -132,17 +133,6 @@ def version_of_last_token(traj: Completion, kept: int, start: int, swaps: list[i
     """Version that generated token kept-1: a row alive at swap k saw swaps 0..k, so count its swap points."""
     seen = sum(1 for s in traj.swap_points if s < kept)
     return swaps[seen - 1] if seen else start
-
-
-def tool_cut(task: Task, tokenizer: Tokenizer, ids: Sequence[int]) -> int | None:
-    """Length of the shortest prefix of `ids` that ends with a complete tool call (None: no call before
-    eos)."""
-    for k in range(1, len(ids) + 1):
-        if ids[k - 1] == tokenizer.eos_id:
-            return None
-        if task.tool(tokenizer.decode(ids[:k])) is not None:
-            return k
-    return None
 
 
 def run_agent_loop(
