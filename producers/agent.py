@@ -175,6 +175,7 @@ def run_agent_loop(
                 if t.version_start < 0:
                     t.version_start = start
                 t.version_end = version_of_last_token(g, kept, start, swaps)
+                t.turn_versions.append([version_of_last_token(g, 1, start, swaps), t.version_end])
             t.extend(g.response_ids[:kept], g.log_probs[:kept], generated=True)
             t.num_turns += 1
             t.processing_time_s += turn_s

@@ -2,7 +2,7 @@
 model folder for `model.hf_path` and prints the warm start's own held-out figures (greedy, through the tool).
 
     .venv/bin/python scripts/tool_warm_start.py configs/smollm2-calculator.yaml [key=value ...] \
-        --out runs/warm [--traces 16] [--steps 3] [--lr 2e-4] [--rank 16] [--no-eval]
+        --out runs/warm [--traces 16] [--steps 3] [--lr 3e-4] [--rank 16] [--no-eval]
 
 At most 32 traces (training prompts only) and 60 s of training on 2 cores
 (rollstream/tasks/tool_warmstart.py); the report line: traces, steps, loss, seconds, held-out accuracy,
@@ -32,8 +32,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="folder to write the HF model and tokenizer to")
     p.add_argument("--traces", type=int, default=16, help="generated tool-call traces (at most 32)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps, each over all the traces")
-    p.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate of the LoRA factors")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank (folded into the weights at the end)")
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate of the LoRA factors")
+    p.add_argument("--rank", type=int, default=16,
+                   help="LoRA rank, folded into the weights at the end (0: full fine-tuning)")
     p.add_argument("--max-seconds", type=float, default=MAX_SECONDS, help="most seconds of training (<= 60)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out report (faster)")
@@ -45,14 +46,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      rank=args.rank, max_seconds=args.max_seconds, evaluate=not args.no_eval)
     out = save_hf_model(policy, args.out)
     (out / "warm_start.json").write_text(json.dumps({"seed": cfg.run.seed, **asdict(report)}, indent=1))
-    print(
-        f"tool warm start (seed {cfg.run.seed}): {report.traces} traces, {report.steps} steps in "
-        f"{report.train_s:.1f}s ({report.cpu_s:.0f} CPU s), loss {report.loss:.3f}; held-out greedy with the "
-        f"tool: acc "
-        f"{report.val_acc:.3f}, call rate {report.call_rate:.3f}, right expressions {report.right_expr:.3f} "
-        f"of calls, acc with a call {report.acc_with_call:.3f}, without {report.acc_without_call:.3f} "
-        f"({report.val_s:.0f}s) -> {out}"
-    )
+    head = (f"tool warm start (seed {cfg.run.seed}): {report.traces} traces, {report.steps} steps in "
+            f"{report.train_s:.1f}s ({report.cpu_s:.0f} CPU s), loss {report.loss:.3f}")
+    if args.no_eval:
+        print(f"{head} -> {out} (held-out report: the run's validation of version 0)")
+    else:
+        print(f"{head}; held-out greedy with the tool: acc {report.val_acc:.3f}, call rate "
+              f"{report.call_rate:.3f}, right expressions {report.right_expr:.3f} of calls, acc with a call "
+              f"{report.acc_with_call:.3f}, without {report.acc_without_call:.3f} ({report.val_s:.0f}s) "
+              f"-> {out}")
     return 0
 
 

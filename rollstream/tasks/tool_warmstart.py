@@ -134,17 +134,17 @@ def tool_warm_start(
     cfg: PipelineConfig,
     traces: int = 16,
     max_steps: int = 3,
-    lr: float = 2e-4,
+    lr: float = 3e-4,
     rank: int = 16,
     max_seconds: float = MAX_SECONDS,
     micro_batch: int = 8,
     evaluate: bool = True,
 ) -> tuple[BasePolicy, ToolWarmStartReport]:
-    """LoRA (`rank`, alpha 2 x rank, every Linear but the head; float32, AdamW) on `traces` generated tool
-    episodes for at most `max_steps` steps (each over all the traces, in micro-batches) and `max_seconds` of
-    training on 2 cores (2 x max_seconds of the process's CPU time: a busy machine slows the clock, not the
-    work), then the factors folded into the weights; ValueError naming the field for a config without the
-    calculator or a budget past the issue's bound."""
+    """LoRA (`rank`, alpha 2 x rank, every Linear but the head; rank 0: full fine-tuning; float32, AdamW) on
+    `traces` generated tool episodes for at most `max_steps` steps (each over all the traces, in
+    micro-batches) and `max_seconds` of training on 2 cores (2 x max_seconds of the process's CPU time: a
+    busy machine slows the clock, not the work), then the factors folded into the weights; ValueError naming
+    the field for a config without the calculator or a budget past the issue's bound."""
     if cfg.data.tool != "calculator" or cfg.model.backend != "hf":
         raise ValueError(f"the tool warm start needs data.tool=calculator and model.backend=hf (got "
                          f"data.tool={cfg.data.tool!r}, model.backend={cfg.model.backend!r})")
@@ -154,8 +154,10 @@ def tool_warm_start(
         raise ValueError(f"max_seconds={max_seconds} must be in (0, {MAX_SECONDS}]")
     task = build_task(cfg)
     assert isinstance(task, CalculatorTask)
-    model = cfg.model.model_copy(update={"lora_rank": rank, "lora_alpha": 2.0 * rank, "dtype": "float32",
-                                         "autocast": None})
+    if rank < 0:
+        raise ValueError(f"rank={rank} must be >= 0 (0: full fine-tuning)")
+    model = cfg.model.model_copy(update={"lora_rank": rank, "lora_alpha": 2.0 * max(rank, 1),
+                                         "dtype": "float32", "autocast": None})
     policy = build_policy(cfg.model_copy(update={"model": model}))
     prompts = training_prompts(cfg, task, traces)
     p_ids, r_ids, masks = trace_rows(task, policy, prompts)
