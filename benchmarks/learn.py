@@ -108,18 +108,24 @@ def plot_val_curves(
     out: Path,
     title: str,
     xlabels: tuple[str, str] = ("wall-clock seconds (from `rollstream run`)", "samples trained"),
+    start_levels: str | None = None,
 ) -> Path:
     """val/acc against seconds and against samples trained, one line per (label, [(s, samples, acc)]), in one
-    PNG with the target as a dotted line."""
+    PNG with the target as a dotted line; with `start_levels` (its legend text) each curve's first value as a
+    dashed line of its colour (e.g. a warm start's reading before RL)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, pts in curves:
+    for k, (label, pts) in enumerate(curves):
         a.plot([p[0] for p in pts], [p[2] for p in pts], marker=".", label=label)
         b.plot([p[1] for p in pts], [p[2] for p in pts], marker=".", label=label)
+        if start_levels and pts:
+            for ax in (a, b):
+                ax.axhline(pts[0][2], color=f"C{k}", linestyle="--", linewidth=0.8,
+                           label=f"{label}: {start_levels}")
     for ax, xlabel in zip((a, b), xlabels, strict=True):
         ax.axhline(target, color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel(xlabel)

@@ -15,7 +15,7 @@ With partial rollout off, weights never change inside a call (start == end).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +26,7 @@ from rollstream.config import PipelineConfig
 from rollstream.model import Completion, Tokenizer
 from rollstream.model.chat import encode_tool_result
 from rollstream.tasks import Task
+from rollstream.tasks.episode import tool_cut
 
 
 class GeneratingPolicy(Protocol):
@@ -134,17 +135,6 @@ def version_of_last_token(traj: Completion, kept: int, start: int, swaps: list[i
     return swaps[seen - 1] if seen else start
 
 
-def tool_cut(task: Task, tokenizer: Tokenizer, ids: Sequence[int]) -> int | None:
-    """Length of the shortest prefix of `ids` that ends with a complete tool call (None: no call before
-    eos)."""
-    for k in range(1, len(ids) + 1):
-        if ids[k - 1] == tokenizer.eos_id:
-            return None
-        if task.tool(tokenizer.decode(ids[:k])) is not None:
-            return k
-    return None
-
-
 def run_agent_loop(
     policy: GeneratingPolicy,
     task: Task,
@@ -185,6 +175,7 @@ def run_agent_loop(
                 if t.version_start < 0:
                     t.version_start = start
                 t.version_end = version_of_last_token(g, kept, start, swaps)
+                t.turn_versions.append([version_of_last_token(g, 1, start, swaps), t.version_end])
             t.extend(g.response_ids[:kept], g.log_probs[:kept], generated=True)
             t.num_turns += 1
             t.processing_time_s += turn_s

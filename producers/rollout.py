@@ -30,7 +30,8 @@ class Trajectory:
 
     `response_mask[i]` is 1 for a model-generated token and 0 for a tool-result token; `log_probs[i]`
     is the behaviour log-prob of a generated token (0.0 for tool tokens). `version_start`/`version_end`
-    are the param versions that generated the first/last generated token.
+    are the param versions that generated the first/last generated token; `turn_versions` holds, per model
+    turn, the versions of its first and last token (a swap between turns shows where it happened).
     """
 
     prompt_ids: list[int]
@@ -43,6 +44,7 @@ class Trajectory:
     version_end: int = -1
     processing_time_s: float = 0.0
     tool_call_s: list[float] = field(default_factory=list)
+    turn_versions: list[list[int]] = field(default_factory=list)
 
     def extend(self, ids: Sequence[int], log_probs: Sequence[float] | None, generated: bool) -> None:
         """Append tokens: generated ones with their log-probs (mask 1), tool ones with 0.0 (mask 0)."""
@@ -198,6 +200,7 @@ def build_rollout_sample(
             "reward": float(rw.score),
             "exact": bool(rw.exact),
             "finished": bool(t.finished),
+            **({"turn_versions": [list(v) for v in t.turn_versions]} if t.num_turns > 1 else {}),
         }
         for t, rw in zip(trajectories, rewards, strict=True)
     ]

@@ -10,7 +10,8 @@ Redis); ~4 minutes on 2 cores. The second: a run's trained weights (the checkpoi
 RUN_DIR/checkpoints, default the newest; STEP 0 = version 0) on the run's own held-out prompts (or those of
 data.val_seed SEED: the run did not keep its training draws off them), through the pipeline's policy (its
 config: dtype, LoRA, chat template), adding mean@16 (the share of right samples); ~1-2 minutes for 200
-prompts. Both need the model in the cache (`rollstream model build smollm2-135m-instruct`).
+prompts; a calculator run (data.tool: calculator) greedy through the tool loop, per kind with its call rate.
+Both need the model in the cache (`rollstream model build smollm2-135m-instruct`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from arith_kinds import kind_of  # scripts/ is on sys.path when run as a script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollstream.tasks import Prompt
+from rollstream.tasks import CalculatorTask, Prompt
 from rollstream.tasks.reasoning_gym import ReasoningGymTask
 
 MODEL = "~/.cache/rollstream/models/smollm2-135m-instruct"
@@ -95,6 +97,8 @@ def of_run(run: Path, step: int | None, val_seed: int | None) -> None:
     policy.eval()
     torch.set_num_threads(2)
     task = build_task(cfg)
+    if isinstance(task, CalculatorTask):
+        return of_tool_run(run, step, cfg, policy, task)
     if not isinstance(task, ReasoningGymTask):
         raise SystemExit(f"{run}: data.task={cfg.data.task!r} is not a reasoning-gym task")
     prompts = build_prompt_source(cfg, task).val_prompts()
@@ -110,6 +114,35 @@ def of_run(run: Path, step: int | None, val_seed: int | None) -> None:
     t0 = time.time()
     stats = tally(task, prompts, generate, 25)
     report(f"{run} step {step}, data.val_seed {cfg.data.val_seed}, held-out", stats, time.time() - t0)
+
+
+def of_tool_run(run: Path, step: int | None, cfg: Any, policy: Any, task: CalculatorTask) -> None:
+    """A calculator run (data.tool: calculator): greedy episodes through the tool loop over its held-out
+    prompts, as its validation runs them; per kind the accuracy, the share that called and the share of calls
+    holding the problem's expression (sampling through the tool loop is left out)."""
+    from rollstream.model.chat import encode_prompt
+    from rollstream.tasks import build_prompt_source
+    from rollstream.tasks.episode import greedy_episodes
+
+    prompts = build_prompt_source(cfg, task).val_prompts()
+    tok = policy.tokenizer
+    t0 = time.time()
+    episodes = greedy_episodes(policy, task, [encode_prompt(tok, p.text) for p in prompts],
+                               cfg.data.max_response_length, cfg.rollout.multi_turn.max_turns)
+    stats: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0, 0, 0])
+    for p, ep in zip(prompts, episodes, strict=True):
+        m = task.reward(p, tok.decode(ep.response_ids)).metrics
+        s = stats[kind(task.inner, p)]
+        row = (1, m["acc"], m["called"], m["tool_calls"], m["wrong_expr"] + m["tool_errors"])
+        for i, v in enumerate(row):
+            s[i] += v
+    n, right, called, calls, bad = (sum(v[i] for v in stats.values()) for i in range(5))
+    print(f"{run} step {step}, data.val_seed {cfg.data.val_seed}, held-out with the tool: "
+          f"{time.time() - t0:.0f}s, {n:.0f} prompts: greedy {right / n:.3f}, called {called / n:.3f}, "
+          f"right expressions {(calls - bad) / calls if calls else 0:.3f} of calls")
+    for k, (m_, r, c, cs, b) in sorted(stats.items()):
+        print(f"{k} {m_:.0f} greedy {r / m_:.2f} called {c / m_:.2f} right expressions "
+              f"{(cs - b) / cs if cs else 0:.2f}")
 
 
 def main() -> None:

@@ -1,6 +1,9 @@
 """Held-out val/acc of several demo.sh runs against wall-clock and against samples trained, in one PNG.
 
     .venv/bin/python scripts/plot_demo_runs.py OUT.png LABEL=RUN_DIR [LABEL=RUN_DIR ...]
+        [--target 0.6] [--title TEXT] [--start-level TEXT]
+
+`--start-level TEXT` draws each run's version-0 reading as a dashed line labelled TEXT (a warm start's level).
 
 Each RUN_DIR is a copy of a finished `runs/demo/` holding `records.jsonl`, `logs/trainer*.log` and `demo.log`
 (demo.sh's output, with its progress line). Seconds count from demo.sh's start (model build included): the
@@ -22,6 +25,7 @@ import yaml
 
 from benchmarks.learn import plot_val_curves
 
+TITLE = "SmolLM2-135M-Instruct, reasoning-gym basic_arithmetic (+ - *, 2 terms, 1-2 digits)"
 _VALIDATION = re.compile(r"^(\S+ \S+) INFO trainer \S+: validation of version (\d+)", re.M)
 _FIRST_VAL = re.compile(r"val/acc \d\.\d+ \(best[^\n]*?(\d+)/\d+s")
 
@@ -49,6 +53,12 @@ def curve(run_dir: Path) -> list[tuple[float, int, float]]:
 
 def main(argv: list[str]) -> int:
     """Plot the runs named on the command line; prints each curve."""
+    options = {"--target": "0.6", "--title": TITLE, "--start-level": ""}
+    for name in options:
+        if name in argv:
+            at = argv.index(name)
+            options[name] = argv[at + 1]
+            del argv[at : at + 2]
     if len(argv) < 2 or any("=" not in a for a in argv[1:]):
         print(__doc__, file=sys.stderr)
         return 2
@@ -59,8 +69,8 @@ def main(argv: list[str]) -> int:
         print(label, [(round(s), n, v) for s, n, v in points])
         curves.append((label, points))
     xlabels = ("seconds since demo.sh started (model build included)", "samples trained (one prompt's group)")
-    title = "SmolLM2-135M-Instruct, reasoning-gym basic_arithmetic (+ - *, 2 terms, 1-2 digits)"
-    plot_val_curves(curves, 0.6, Path(argv[0]), title, xlabels)
+    plot_val_curves(curves, float(options["--target"]), Path(argv[0]), options["--title"], xlabels,
+                    options["--start-level"] or None)
     return 0
 
 

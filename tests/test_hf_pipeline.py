@@ -1,6 +1,7 @@
 """`rollstream run model.backend=hf model.hf_path=DIR` end to end, for a tiny random Llama (char
 tokenizer, reverse task) and a tiny random Qwen2 (byte-level BPE with a chat template, the arith task in
-multi-turn tool mode), both built and saved in the test (no downloads).
+multi-turn tool mode, and reasoning-gym arithmetic with the calculator tool), built and saved in the test (no
+downloads).
 
 Each run goes through supervisord with an embedded Redis, weights above the inline limit (0 bytes here:
 every version goes through the streamed file:// path), micro-batches, gradient checkpointing and chunked
@@ -58,6 +59,14 @@ CASES = {
             "rollout.multi_turn.enable=true",
             "rollout.multi_turn.max_turns=2",
             "data.max_response_length=8",
+        ],
+    ),
+    "qwen2-calculator": dict(  # reasoning-gym arithmetic with the calculator as the template's tool turn
+        model=dict(arch="qwen2", tokenizer="bpe", chat_template=True, max_positions=256),
+        overrides=[
+            "data.task=rg:basic_arithmetic", "data.tool=calculator", "data.instruction=",
+            "data.task_args.min_terms=2", "data.task_args.max_terms=2", "data.task_args.max_digits=2",
+            "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3", "data.max_response_length=8",
         ],
     ),
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from rollstream.tasks.calculator import tool_ratios
 from rollstream.weights.fingerprint import SWAP_CHECK_DIFF, SWAP_CHECK_DIFF_MAX, SWAP_CHECK_VERSION
 from schemas import ANSWER_METRIC_PREFIX, ANSWER_METRICS, WINDOW_GEN_S, WINDOW_IDLE_S, WINDOW_S, ProducerStats
 
@@ -120,6 +121,7 @@ def producer_metrics(windows: list[ProducerStats]) -> dict[str, float]:
         for name in [*(n for n in SWAP_CHECK_METRICS if n in ev.metrics), *answer_metric_names(ev)]:
             out[prefix + name.removeprefix("producer/")] = float(ev.metrics[name])
     out.update(answer_metrics_across(windows))
+    out.update(tool_ratios(out, ANSWER_METRIC_PREFIX))  # with a tool: accuracy with/without a call, …
     checked = [ev.metrics for ev in windows if SWAP_CHECK_DIFF in ev.metrics]
     if checked:  # the worst producer's newest check, and the oldest version checked
         out[SWAP_CHECK_DIFF] = max(float(m[SWAP_CHECK_DIFF]) for m in checked)

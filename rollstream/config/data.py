@@ -65,6 +65,20 @@ class DataConfig(Section):
         description="rg:<dataset> only: training score for a wrong numeric answer whose magnitude is right "
                     "(the right number with the wrong sign; reward shaping, val/acc unchanged); 0 = none",
     )
+    tool: Literal["none", "calculator"] = Field(
+        "none",
+        description="rg:<dataset> only: a tool the model may call, run by the multi-turn agent "
+                    "(rollout.multi_turn.enable): calculator = `[calc:EXPR]` answered by `[=VALUE]` in the "
+                    "chat template's tool turn, the answer read after the last result "
+                    "(rollstream/tasks/calculator.py)",
+    )
+    tool_call_reward: float = Field(
+        0.1,
+        ge=0.0,
+        lt=1.0,
+        description="data.tool=calculator: training score of a wrong answer that made a well-formed call (a "
+                    "format reward; val/acc counts exact answers); 0 = none",
+    )
     train_batch_size: int = Field(16, ge=1, description="Samples (prompts) per global step")
     reverse: ReverseTaskConfig = Field(
         default_factory=ReverseTaskConfig, description="The reverse task's prompts (data.task=reverse)"
@@ -108,6 +122,10 @@ class DataConfig(Section):
                 from rollstream.tasks.reasoning_gym import check_spec
 
                 check_spec(self.task.removeprefix("rg:"), self.task_args)
+        elif self.tool != "none":
+            raise ValueError(
+                f"data.tool={self.tool!r} is for rg:<dataset> tasks, not data.task={self.task!r}"
+            )
         elif self.task not in ("reverse", "arith"):
             raise ValueError(f"data.task={self.task!r} must be reverse, arith or rg:<reasoning-gym dataset>")
         elif self.task_args:

@@ -120,6 +120,15 @@ class PipelineConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _tool(self) -> PipelineConfig:
+        if self.data.tool != "none" and not self.rollout.multi_turn.enable:
+            raise ValueError(
+                f"data.tool={self.data.tool} needs rollout.multi_turn.enable=true (the multi-turn agent runs "
+                "the tool between the model's turns)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _lora(self) -> PipelineConfig:
         rank = self.model.lora_rank
         if not rank:

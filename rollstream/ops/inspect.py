@@ -20,7 +20,7 @@ from rollstream.config import PipelineConfig
 from rollstream.keys import ROLLOUTS, STATS, Keys
 from rollstream.model import CharTokenizer, Tokenizer
 from schemas import DataProto, DeadLetter, DecodeError, RolloutSample, decode
-from schemas.ragged import RaggedBatch
+from schemas.ragged import RESPONSE_MASK, RaggedBatch
 
 #: Short stream names an operator types (besides each producer's `rollouts:<name>` and `stats:<name>`).
 STREAM_NAMES = (
@@ -141,17 +141,36 @@ def jsonable(value: Any, full: bool = False) -> Any:
     return value
 
 
+def response_turns(ids: list[int], mask: list[int], tok: Tokenizer) -> list[dict[str, Any]]:
+    """A response as its turns: each run of tokens the model wrote (`response_mask` 1: trained) or the tool
+    turn between them (0: not trained), decoded; the last model turn holds the final answer."""
+    turns: list[dict[str, Any]] = []
+    start = 0
+    for k in range(1, len(ids) + 1):
+        if k == len(ids) or mask[k] != mask[start]:
+            trained = bool(mask[start])
+            turns.append({"role": "model" if trained else "tool", "trained": trained,
+                          "text": tok.decode(ids[start:k])})
+            start = k
+    return turns
+
+
 def decode_texts(sample: RolloutSample, tok: Tokenizer) -> list[dict[str, Any]]:
-    """Per trajectory: prompt and response text (pad/bos/eos dropped), reward when present."""
+    """Per trajectory: prompt and response text (pad/bos/eos dropped), reward when present; a multi-turn
+    response (tool tokens in it: `response_mask` 0) also as its `turns` (`response_turns`)."""
     b = sample.full_batch
     rewards = b.rows.get("rewards")
+    mask = b.tokens.get(RESPONSE_MASK)
     po, ro, plen = b.prompt_offsets(), b.response_offsets(), b.row_prompt_lens()
     out = []
     for i in range(len(b)):
+        ids = b.response_ids[ro[i] : ro[i + 1]].tolist()
         row: dict[str, Any] = {
             "prompt": tok.decode(b.prompt_ids[po[i] : po[i] + plen[i]].tolist()),
-            "response": tok.decode(b.response_ids[ro[i] : ro[i + 1]].tolist()),
+            "response": tok.decode(ids),
         }
+        if mask is not None and not mask[ro[i] : ro[i + 1]].all():
+            row["turns"] = response_turns(ids, mask[ro[i] : ro[i + 1]].tolist(), tok)
         if rewards is not None:
             row["reward"] = _number(rewards[i])
         out.append(row)

@@ -17,6 +17,7 @@ from rollstream.tasks.base import (
     holdout_key,
     in_vocab,
 )
+from rollstream.tasks.calculator import CalculatorTask
 from rollstream.tasks.reasoning_gym import PREFIX as RG_PREFIX
 from rollstream.tasks.reasoning_gym import ReasoningGymTask, is_rg_task
 from rollstream.tasks.reverse import ReverseTask
@@ -45,7 +46,7 @@ def make_task(name: str, **kwargs: Any) -> Task:
 
 def build_task(cfg: PipelineConfig) -> Task:
     """The task named by data.task with its settings (reverse: digits; rg:<dataset>: task_args, instruction,
-    answer_extract, sign and magnitude credit)."""
+    answer_extract, sign and magnitude credit, and the calculator tool around it with data.tool)."""
     if cfg.data.task == "reverse":
         return make_task(
             "reverse",
@@ -54,9 +55,13 @@ def build_task(cfg: PipelineConfig) -> Task:
             fixed_width=cfg.data.reverse.fixed_width,
         )
     if cfg.data.task.startswith("rg:"):
-        return make_task(cfg.data.task, settings=cfg.data.task_args, instruction=cfg.data.instruction,
+        task = make_task(cfg.data.task, settings=cfg.data.task_args, instruction=cfg.data.instruction,
                          extract=cfg.data.answer_extract, sign_credit=cfg.data.sign_credit,
                          magnitude_credit=cfg.data.magnitude_credit)
+        if cfg.data.tool == "calculator":
+            assert isinstance(task, ReasoningGymTask)
+            return CalculatorTask(task, cfg.data.tool_call_reward)
+        return task
     return make_task(cfg.data.task)
 
 
@@ -78,6 +83,7 @@ __all__ = [
     "TASKS",
     "VOCAB_CHARS",
     "ArithToolTask",
+    "CalculatorTask",
     "Prompt",
     "PromptSource",
     "ReasoningGymTask",
