@@ -448,10 +448,10 @@ def test_validation_re_decodes_only_the_newest_val_recent_size_trained_prompts(
     batches: list[int] = []
     real = evaluate_module.evaluate
 
-    def spy(policy: object, task: object, prompts: list[Prompt], limit: int, batch_size: int) -> dict:
+    def spy(policy: object, task: object, prompts: list[Prompt], limit: int, batch: int, turns: int) -> dict:
         decoded.append([p.uid for p in prompts])
-        batches.append(batch_size)
-        return real(policy, task, prompts, limit, batch_size)  # type: ignore[arg-type]
+        batches.append(batch)
+        return real(policy, task, prompts, limit, batch, turns)  # type: ignore[arg-type]
 
     monkeypatch.setattr(evaluate_module, "evaluate", spy)
     cfg = load_config(None, TINY + [f"run.name={keys.run}", f"run.dir={tmp_path}", "data.val_size=4",
