@@ -12,7 +12,6 @@ record Redis refuses (its step is not above the last one written) is logged and 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import sys
 from collections.abc import Iterator, Sequence
@@ -23,12 +22,12 @@ import redis
 
 from consumers.aggregator.fold import Completed, Fold, id_key, stats_ref
 from consumers.aggregator.worker import TRAINER_EVENTS
-from rollstream.bus import CONNECTION_ERRORS, ArchiveError, iter_stream, run_producers
+from rollstream.bus import ArchiveError, iter_stream, run_producers
 from rollstream.bus.outbox import pending_dead, record_id
+from rollstream.cli.exits import run_command
 from rollstream.cli.targets import log_target
-from rollstream.config import ConfigError
 from rollstream.keys import Keys
-from rollstream.ops.log_server import LogServerError, replay_destination
+from rollstream.ops.log_server import replay_destination
 from rollstream.topology.cluster import require_one_slot
 from schemas import DeadLetter, DecodeError, ProducerStats, decode, encode
 
@@ -158,18 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_intermixed_args(argv[1:] if argv[:1] == ["--"] else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        with contextlib.ExitStack() as args.stack:
-            return _replay(args)
-    except ConfigError as e:
-        print(f"rollstream: {e}", file=sys.stderr)
-        return 2
-    except CONNECTION_ERRORS as e:
-        print(f"rollstream: redis not reachable: {e}", file=sys.stderr)
-        return 3
-    except LogServerError as e:
-        print(f"rollstream: {e}", file=sys.stderr)
-        return 3
+    return run_command(_replay, args)
 
 
 if __name__ == "__main__":

@@ -9,15 +9,12 @@ supervisord; `python -m consumers.aggregator.replay` for `replay records`, `pyth
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from collections.abc import Sequence
 
-from rollstream.bus import CONNECTION_ERRORS
 from rollstream.cli import bench_cmds, log_cmds, model_cmds, run_cmds
-from rollstream.config import ConfigError
-from rollstream.ops.log_server import LogServerError
+from rollstream.cli.exits import run_command
 
 
 def _run_args(p: argparse.ArgumentParser, run_dir: bool = True) -> None:
@@ -252,20 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.command_argv = command
     _place_extra(parser, args, extra)
     try:
-        with contextlib.ExitStack() as args.stack:
-            return int(args.func(args))
+        return run_command(args.func, args)
     except BrokenPipeError:  # `rollstream inspect … | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except ConfigError as e:
-        print(f"rollstream: {e}", file=sys.stderr)
-        return 2
-    except CONNECTION_ERRORS as e:
-        print(f"rollstream: redis not reachable: {e}", file=sys.stderr)
-        return 3
-    except LogServerError as e:
-        print(f"rollstream: {e}", file=sys.stderr)
-        return 3
 
 
 if __name__ == "__main__":  # python -m rollstream.cli.main, as python -m rollstream.cli
