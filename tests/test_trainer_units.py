@@ -468,17 +468,20 @@ def test_validation_re_decodes_only_the_newest_val_recent_size_trained_prompts(
 
 
 def test_a_local_updates_metrics_are_put_together_in_one_place() -> None:
-    """step_report.local_update_event: the learner's metrics, then the batch's (a later part wins a shared
-    name), the collection's, the run's stale counters (advanced) and the timings; non-finite values are left
-    out and counted."""
+    """metrics.local_update_metrics + step_report.local_update_event: the learner's metrics, then the batch's
+    (a later part wins a shared name), the collection's, the run's stale counters (advanced) and the timings;
+    non-finite values are left out and counted."""
     from consumers.trainer.collect import Collected
+    from consumers.trainer.metrics import UpdateTimings, local_update_metrics
     from consumers.trainer.staleness import DROPPED_SAMPLES, STALE_SAMPLES, STALE_TRAJECTORIES
-    from consumers.trainer.step_report import UpdateTimings, local_update_event
+    from consumers.trainer.step_report import local_update_event
 
     counters = {STALE_SAMPLES: 2, STALE_TRAJECTORIES: 5}
     learned = {"actor/loss": 0.5, "shared": 1.0, "actor/grad_norm": float("nan")}
-    ev = local_update_event(3, 2, 1, Collected(dropped=[4, 6]), learned, {"shared": 2.0}, [0, 2, 1],
-                            counters, UpdateTimings(gen=1.5, assemble=0.25, transport=0.125), False)
+    got = Collected(dropped=[4, 6])
+    metrics, fg = local_update_metrics(3, got, learned, {"shared": 2.0}, [0, 2, 1], counters,
+                                       UpdateTimings(gen=1.5, assemble=0.25, transport=0.125), False)
+    ev = local_update_event(3, 2, 1, len(got.kept), metrics, fg)
     m = ev.metrics
     assert (ev.type, ev.global_step, ev.local_step, ev.rank, ev.sample_count) == ("local_update", 3, 2, 1, 0)
     assert m["actor/loss"] == 0.5 and m["shared"] == 2.0 and "actor/grad_norm" not in m

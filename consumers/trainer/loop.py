@@ -25,7 +25,7 @@ from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.evaluate import validate
 from consumers.trainer.learner import Learner
 from consumers.trainer.ledger import StepLedger, merge_ledgers
-from consumers.trainer.metrics import UPDATE_SKIPPED, UpdateTimings
+from consumers.trainer.metrics import UPDATE_SKIPPED, UpdateTimings, local_update_metrics
 from consumers.trainer.staleness import STALE_SAMPLES, STALE_TRAJECTORIES, LengthBuckets
 from consumers.trainer.step_report import StepEnd
 from rollstream.bus import EntryRef
@@ -197,9 +197,9 @@ class Trainer:
         timings = UpdateTimings(*times, self.collector.transport_since_last())
         versions = batch.meta_info["trajectory_param_versions"]
         fg = self.cfg.algorithm.filter_groups.enable
-        update = step_report.local_update_event(
-            g, local, self.dp.rank, got, learned, batch_metrics, versions, self.counters, timings, fg
-        )
+        metrics, fg_counts = local_update_metrics(g, got, learned, batch_metrics, versions, self.counters,
+                                                  timings, fg)
+        update = step_report.local_update_event(g, local, self.dp.rank, len(got.kept), metrics, fg_counts)
         entry_id = self.effects.emit_local_update(update)
         if self.effects.can_fail_over:  # emitted again if a failover loses it with the step's commit
             ledger.updates.append((entry_id, update))

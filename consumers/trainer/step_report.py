@@ -6,15 +6,13 @@ the collective's identity case."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from consumers.trainer.checkpoint import rng_plain
-from consumers.trainer.collect import Collected
 from consumers.trainer.distributed import DataParallel
 from consumers.trainer.ledger import StepLedger
-from consumers.trainer.metrics import UpdateTimings, local_update_metrics
 from consumers.trainer.staleness import LengthBuckets
 from rollstream.bus import Message
 from rollstream.rl.metrics import finite_metrics
@@ -39,23 +37,13 @@ def record_fates(ledger: StepLedger, kept: list[tuple[Message, int]], fate: str,
 
 
 def local_update_event(
-    g: int,
-    local: int,
-    rank: int,
-    got: Collected,
-    learned: dict[str, float],
-    batch_metrics: dict[str, float],
-    trajectory_versions: Sequence[int],
-    counters: dict[str, int],
-    timings: UpdateTimings,
-    filter_groups: bool,
+    g: int, local: int, rank: int, sample_count: int, metrics: dict[str, float],
+    fg_counts: dict[str, dict[str, float]],
 ) -> StepMetrics:
-    """Local update `local` of step g on this rank: its `local_update` event, with the metrics
-    metrics.local_update_metrics puts together (the run's stale counters advanced); non-finite values are
-    left out and counted (rl/metrics.py finite_metrics)."""
-    metrics, fg_counts = local_update_metrics(g, got, learned, batch_metrics, trajectory_versions, counters,
-                                              timings, filter_groups)
-    return StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=len(got.kept),
+    """Local update `local` of step g on this rank: its `local_update` event with the metrics
+    metrics.local_update_metrics put together; non-finite values are left out and counted (rl/metrics.py
+    finite_metrics)."""
+    return StepMetrics(type="local_update", global_step=g, local_step=local, sample_count=sample_count,
                        rank=rank, metrics=finite_metrics(metrics), counts=fg_counts)  # fmt: skip
 
 
