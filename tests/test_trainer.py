@@ -60,7 +60,9 @@ def trainer_args(keys: Keys, redis_url: str, run_dir: Path, steps: int) -> list[
         "async_training.staleness_threshold=1", "trainer.max_off_policy_threshold=1",
         f"trainer.total_training_steps={steps}", "trainer.test_freq=2", "data.val_size=4",
         "data.epoch_size=32",
-        "bus.block_ms=100", "--name", "trainer",
+        "bus.block_ms=100",
+        "rollout.num_producers=1",  # the FakeProducer is the run's one producer: its lease is the whole budget
+        "--name", "trainer",
     ]
 
 

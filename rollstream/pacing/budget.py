@@ -40,11 +40,12 @@ if current ~= tonumber(ARGV[1]) then return {{-1, current}} end
 """
 
 
-# KEYS: the six above, then each asking producer's want key; ARGV: version, the number of producers P, their
-# names (in the order of their want keys), then P caps (the most lease total each may reach; -1: none).
-# Leases each producer up to its want (a canonical decimal it wrote, as rollstream/bus/ids.py parses counts;
-# anything else counts as 0; never past its cap) from what is left of the budget, in the given order.
-# Returns {leased, version}.
+# KEYS: the six above, then each asking producer's want key, then each one's `consumed:<name>` bitmap; ARGV:
+# version, the number of producers P, their names (in the order of their want keys), then P caps (the most
+# lease total each may reach; -1: none), then P shares (the most unfinished prompts each may hold, counted
+# live against its consumed bits; -1: none). Leases each producer up to its want (a canonical decimal it
+# wrote, as rollstream/bus/ids.py parses counts; anything else counts as 0; never past its cap nor its
+# consumed bits plus its share) from what is left of the budget, in the given order. Returns {leased, version}.
 _LEASE = (
     _CURRENT
     + f"""
@@ -59,6 +60,11 @@ for j = 1, np do
   if #raw <= 18 and (raw == '0' or string.match(raw, '^[1-9][0-9]*$')) then want = tonumber(raw) end
   local cap = tonumber(ARGV[2 + np + j])
   if cap >= 0 and want > cap then want = cap end
+  local share = tonumber(ARGV[2 + 2 * np + j])
+  if share >= 0 then
+    local reach = redis.call('BITCOUNT', KEYS[6 + np + j]) + share
+    if want > reach then want = reach end
+  end
   local have = tonumber(redis.call('HGET', KEYS[6], ARGV[i]) or '0')
   local add = math.floor(math.min(want - have, left))
   if add > 0 then
@@ -239,19 +245,24 @@ def lease_once(
     producers: Sequence[str],
     version: int | None = None,
     caps: dict[str, int] | None = None,
+    shares: dict[str, int] | None = None,
 ) -> tuple[int, int]:
     """`lease_pass`, also returning the budget's current version (-1 before the first grant), which the
     Leaser keeps for its next pass: one EVALSHA per pass while no grant moves it. `version`: the caller's
     last reading (read here when None or -1; a stale one costs one more call). `caps`: producer -> the most
-    lease total it may reach (its want is clamped to it; the Leaser's probation after an expiry)."""
+    lease total it may reach (its want is clamped to it; the Leaser's probation after an expiry). `shares`:
+    producer -> the most unfinished prompts it may hold (its fair share), counted in the script against its
+    `consumed:<name>` bits as they are now, so a share follows the trainer's consumption without lag."""
     if version is None or version < 0:
         version = current_budget(r, keys)[0]
     limits = [(caps or {}).get(p, -1) for p in producers]
+    limits += [(shares or {}).get(p, -1) for p in producers]
     while True:
         if version < 0 or not producers:
             return 0, version
         res: Any = _script(r, _LEASE)(
-            keys=[*_base_keys(keys, version), *(keys.producer_want(p) for p in producers)],
+            keys=[*_base_keys(keys, version), *(keys.producer_want(p) for p in producers),
+                  *(keys.consumed_bits(p) for p in producers)],
             args=[version, len(producers), *producers, *limits],
             client=r,
         )

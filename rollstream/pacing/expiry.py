@@ -221,7 +221,8 @@ class LeaseExpiry:
         self.timeout_s, self.max_outstanding, self.probation = timeout_s, max_outstanding, probation
         self.every_s = min(every_s, timeout_s / 4)
         self.clock = clock or time.monotonic
-        self.caps: dict[str, int] = {}  # producer -> the most lease total it may reach (probation, share)
+        self.caps: dict[str, int] = {}  # producer -> the most lease total it may reach (probation)
+        self.shares: dict[str, int] = {}  # producer -> the most unfinished prompts it may hold (fair share)
         self.expired: dict[str, int] = {}  # producer -> prompts taken back from it over this process
         self.dispatch_s: dict[str, float] = {}  # producer -> its mean time between two progress steps
         self._progress: dict[str, tuple[int, float]] = {}  # producer -> (most progress seen, since when)
@@ -284,12 +285,8 @@ class LeaseExpiry:
             if self._steps.get(p, 0) >= 1 and now - self._progress[p][1] < self.deadline_s(p)
         ]
         shares = fair_shares(snap, producers, self.max_outstanding, self.probation, active)
-        # a share of the whole budget caps nothing (the budget does): only producers that share it are capped,
-        # from `done` as of this check (a lag of at most every_s)
-        self.caps = {
-            p: min(snap.done[p] + shares[p] if shares[p] < self.max_outstanding else 1 << 62,
-                   self._probation.get(p, 1 << 62))
-            for p in producers
-        }
-        self.caps = {p: cap for p, cap in self.caps.items() if cap < 1 << 62}
+        # a share of the whole budget caps nothing (the budget does): only producers that share it are capped;
+        # the lease script counts each share against the producer's consumed bits as they are at the lease
+        self.shares = {p: share for p, share in shares.items() if share < self.max_outstanding}
+        self.caps = dict(self._probation)
         return out

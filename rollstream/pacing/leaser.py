@@ -58,8 +58,8 @@ class Leaser:
         order = self.producers[k:] + self.producers[:k]
         if self.fence is not None and self.fence.fenced:
             order = [p for p in order if p not in self.fence.fenced]
-        caps = self.expiry.caps if self.expiry is not None else None
-        n, self._version = lease_once(self.r, self.keys, order, self._version, caps)
+        caps, shares = (self.expiry.caps, self.expiry.shares) if self.expiry is not None else (None, None)
+        n, self._version = lease_once(self.r, self.keys, order, self._version, caps, shares)
         self.leased += n
         return n
 
