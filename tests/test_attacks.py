@@ -229,6 +229,31 @@ def test_an_id_refused_outside_the_lease_and_trained_inside_it_ended_once(
     assert rep.refused == {"outside lease": 1}
 
 
+def test_an_undecodable_copy_of_a_trained_id_is_refused_not_a_second_end(
+    r: redis.Redis, keys: Keys, trainer: Trainer
+) -> None:
+    """An undecodable copy (garbled payload, valid header) of an id already trained used to be dead-lettered
+    "decode: …", a second end of that id in the audit; it is now refused ("already ended") and the audit is
+    clean, while an undecodable entry of a fresh id still ends it ("decode: …")."""
+    goods = [leased_id(r, keys) for _ in range(2)]
+    for sid in goods:
+        r.xadd(keys.rollouts_of(P0), sample_fields(sid))  # type: ignore[arg-type]
+    assert trainer.train_step(1)
+    fresh = leased_id(r, keys)
+    sources = {}
+    for sid in (goods[0], fresh):
+        garbled = {**sample_fields(sid), b"payload": b"\xc1 not msgpack"}
+        sources[sid] = r.xadd(keys.rollouts_of(P0), garbled).decode()  # type: ignore[arg-type,union-attr]
+    while not set(sources.values()) <= set(dead_reasons(r, keys)):
+        assert trainer.collector.fill()
+    reasons = dead_reasons(r, keys)
+    assert reasons[sources[goods[0]]].startswith(f"already ended: sample_id='{goods[0]}'"), reasons
+    assert reasons[sources[fresh]].startswith("decode:"), reasons
+    rep = audit_run(r, keys)
+    assert rep.problems() == [] and not rep.duplicated and fresh in rep.dead
+    assert rep.refused == {"already ended": 1}
+
+
 def test_versions_published_before_a_restart_are_not_from_the_future(
     r: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:

@@ -158,6 +158,7 @@ class Collector:
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.share = cfg.actor.ppo_mini_batch_size // dp.world_size  # this rank's samples per local update
         self._batches: Iterator[list[Message]] = reader.batches(burst=burst)  # the shared consumer loop
+        reader.ended_id = self.id_taken  # an undecodable copy of a taken id is refused, not a second end
         self.buffer: deque[Message] = deque()  # decoded, deduplicated, not yet used
         self.seen: set[str] = set()  # sample ids committed, in uncommitted ledgers, or buffered
         self.ended: set[str] = set()  # sample ids a dead letter ended (never trained later)
@@ -250,6 +251,11 @@ class Collector:
         else:
             self.seen.add(ev.sample_id)
             self.buffer.append(m)
+
+    def id_taken(self, sample_id: str) -> bool:
+        """True when `sample_id` already ended by a dead letter, or a copy of it is buffered, committed or
+        claimed by a rank: no other copy may end it."""
+        return sample_id in self.seen or sample_id in self.claimed or sample_id in self.ended
 
     def _dead_ending(self, m: Message, to_dead: Callable[..., Any], reason: str) -> None:
         """Dead-letter a rollout with a reason that ends its sample id: a later copy is refused."""

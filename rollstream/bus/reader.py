@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from rollstream.bus.connection import CONNECTION_ERRORS, reconnect_count, retry_
 from rollstream.bus.dead_letter import write_dead_letter
 from rollstream.bus.ids import text
 from rollstream.bus.publish import ensure_group
-from schemas import DEFAULT_LIMITS, DecodeError, Event, Limits, decode
+from schemas import ALREADY_ENDED, DEFAULT_LIMITS, DecodeError, Event, Limits, decode
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,9 @@ class GroupReader:
         self.limits = limits
         self.stop = stop or threading.Event()
         self.stats = ReaderStats()
+        # header sample id -> True when that id already ended or is held (set by the trainer's Collector): an
+        # undecodable copy of such an id is refused ("already ended"), not a second end of it
+        self.ended_id: Callable[[str], bool] | None = None
         self._read_own_pending = True
         self._pending_cursors = dict.fromkeys(self.streams, "0")  # streams whose own PEL is being re-read
         self._next_claim = 0.0
@@ -301,7 +304,7 @@ class GroupReader:
             try:
                 event = decode(fields, self.limits or DEFAULT_LIMITS)
             except DecodeError as e:
-                self.dead_letter(entry_id, fields, f"decode: {e}", stream=stream)
+                self.dead_letter(entry_id, fields, self._undecodable_reason(fields, e), stream=stream)
                 continue
             finally:
                 self.stats.decode_s += time.perf_counter() - t0
@@ -309,6 +312,14 @@ class GroupReader:
             self._inflight.add((stream, entry_id))
         self.stats.delivered += len(out)
         return out
+
+    def _undecodable_reason(self, fields: Mapping[bytes, bytes], e: DecodeError) -> str:
+        """The dead letter's reason for an entry that does not decode: a refusal when its header's sample id
+        already ended or is held (`ended_id`), so a garbled re-publish never ends an id a second time."""
+        sid = text(fields.get(b"sample_id", b""))
+        if sid and self.ended_id is not None and self.ended_id(sid):
+            return f"{ALREADY_ENDED}: sample_id={sid!r} ended or is held; this copy is undecodable ({e})"
+        return f"decode: {e}"
 
     # -- effects -----------------------------------------------------------------------------------
 

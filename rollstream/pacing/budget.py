@@ -45,7 +45,8 @@ if current ~= tonumber(ARGV[1]) then return {{-1, current}} end
 # lease total each may reach; -1: none), then P shares (the most unfinished prompts each may hold, counted
 # live against its consumed bits; -1: none). Leases each producer up to its want (a canonical decimal it
 # wrote, as rollstream/bus/ids.py parses counts; anything else counts as 0; never past its cap nor its
-# consumed bits plus its share) from what is left of the budget, in the given order. Returns {leased, version}.
+# consumed bits plus its share) from what is left of the budget, in the given order.
+# Returns {leased, version}.
 _LEASE = (
     _CURRENT
     + f"""
