@@ -99,6 +99,8 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 Path(out_dir, f"{name}.safetensors").write_bytes(blob)
         # fsdp (CUDA-only in a run; its code runs on gloo here): the same weights, and a checkpoint round trip
         fsdp = DataParallel(RankInfo(rank, world, rank), torch.device("cpu"), "fsdp", fsdp_on_cpu=True)
+        # validation's recent prompts: every fsdp rank decodes rank 0's; under ddp rank 0 decodes its own
+        assert fsdp.broadcast_if_sharded([rank]) == [0] and dp.broadcast_if_sharded([rank]) == [rank]
         learner = Learner(load_config(None, TINY + CASES[CONTROL]), fsdp)
         blob = _train(learner, rank, world)
         weights, optim = learner.whole_weights(), learner.optimizer_state()

@@ -369,6 +369,11 @@ class DataParallel:
             return value
         return decode_payload(self.broadcast_bytes(encode_payload(value) if self.rank == src else None, src))
 
+    def broadcast_if_sharded(self, value: Any) -> Any:
+        """Rank 0's msgpack-able `value` on every rank under fsdp, where every rank runs the same decode in
+        step (the weights are sharded); `value` itself otherwise (rank 0 alone runs it)."""
+        return self.broadcast_plain(value) if self.roles.sharded else value
+
     def barrier(self) -> None:
         """Wait until every rank gets here (a no-op in a world of one)."""
         if self.roles.agreed:

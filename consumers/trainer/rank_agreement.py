@@ -41,8 +41,9 @@ class RankInfo:
 @dataclass(frozen=True)
 class RankRoles:
     """What a trainer rank does, decided once from its place and the strategy. Its flags are tested here and
-    in distributed.py alone (tests/test_layering.py): the rest of the trainer calls the methods, which say
-    what the step does (`only_main`, `with_whole_model`, `gather_if_sharded`, `if_several`, `stopping`, …).
+    in distributed.py alone (tests/test_rank_roles.py): the rest of the trainer calls the methods, which say
+    what the step does (`only_main`, `with_whole_model`, `gather_if_sharded`, `if_several`, `agreed_or`,
+    `stopping`, …).
     Rank 0 alone: `main`. Every rank together: `agreed` (several ranks: collectives communicate, collection
     rounds and the stop are agreed) and `sharded` (fsdp: reading the weights or optimizer state whole is a
     collective). `whole_model`: the ranks that take part in what needs the whole model."""
@@ -92,6 +93,16 @@ class RankRoles:
     def if_several(self, fn: Callable[..., T], *args: Any) -> T | None:
         """fn(*args) when there are several ranks (collectives communicate); None in a world of one."""
         return fn(*args) if self.agreed else None
+
+    def agreed_or(self, own: T, agree: Callable[..., T], *args: Any) -> T:
+        """In a world of one, this rank's `own` answer; with several ranks, the one they agree on:
+        agree(*args), a collective every rank calls (a collection round's outcome)."""
+        return agree(*args) if self.agreed else own
+
+    def expires_leases(self) -> bool:
+        """Whether lease expiries happen in this process: rank 0 runs the run's Leaser (started through
+        `only_main`), so its revoked-bit watch needs no re-read; the other ranks read again each pass."""
+        return self.main
 
     def stopping(self, own: bool, agreed: bool) -> bool:
         """Whether this rank stops now: a world of one obeys its `own` stop request at once; several ranks
