@@ -33,7 +33,7 @@ from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.guard import value_reason
 from consumers.trainer.ledger import StepLedger
 from consumers.trainer.metrics import UPDATE_SKIPPED
-from consumers.trainer.rank_agreement import RankRoles
+from consumers.trainer.roles import RankRoles
 from producers.publish import PublishError
 from producers.worker import Producer
 from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection, setup_run

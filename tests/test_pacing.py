@@ -14,7 +14,7 @@ from conftest import P0, PRODUCERS
 
 import rollstream.pacing.budget as budget
 import rollstream.pacing.expiry as expiry
-from consumers.trainer.rank_agreement import RankRoles
+from consumers.trainer.roles import RankRoles
 from rollstream.bus import setup_run
 from rollstream.bus.ids import split_sample_id
 from rollstream.keys import Keys

@@ -1,5 +1,5 @@
 """Rank roles are methods on one object: what a trainer rank does (rank 0 alone, the ranks that need the whole
-model, several ranks together, fsdp) is decided by RankRoles (consumers/trainer/rank_agreement.py) and
+model, several ranks together, fsdp) is decided by RankRoles (consumers/trainer/roles.py) and
 DataParallel (consumers/trainer/distributed.py); the rest of the trainer calls their methods and tests no role
 flag (`roles.main`, `.agreed`, `.sharded`, `.whole_model`) nor the world size against 1 itself."""
 
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from consumers.trainer.rank_agreement import RankInfo, RankRoles
+from consumers.trainer.roles import RankInfo, RankRoles
 from rollstream.keys import HEARTBEAT_FIELD, rank_heartbeat_field
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / "consumers" / "trainer"
 #: The modules that own the rank roles: the only ones that test the flags.
-ROLES_MODULES = {"distributed.py", "rank_agreement.py"}
+ROLES_MODULES = {"distributed.py", "roles.py"}
 FLAGS = {"main", "agreed", "sharded", "whole_model"}
 
 

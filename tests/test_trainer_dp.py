@@ -30,7 +30,8 @@ from consumers.trainer.distributed import (
     consumer_name,
 )
 from consumers.trainer.learner import Learner
-from consumers.trainer.rank_agreement import RoundClaim, rank_info, resolve_round
+from consumers.trainer.roles import rank_info
+from consumers.trainer.rounds import RoundClaim, resolve_round
 from rollstream.config import load_config
 from rollstream.rl.masked import agg_count, agg_loss
 from rollstream.testing.fakes import fake_rollout_sample, leased_fakes

@@ -3,7 +3,7 @@
 usable samples -> this rank's share of a mini-batch (stale ones dropped and recorded).
 
 A `Collector` is the trainer's reading half: it owns the rollouts buffer, the sample ids already seen
-(committed, buffered, or, with several ranks, claimed by any rank: consumers/trainer/rank_agreement.py) and
+(committed, buffered, or, with several ranks, claimed by any rank: consumers/trainer/rounds.py) and
 the producers' leases as last read. A sample whose id is not `<producer>-<seq>` inside its producer's
 lease is dead-lettered (rollstream/pacing/), and so is one whose seq the trainer took back when its
 producer's lease expired ("lease expired": the `revoked:<name>` bitmap, read only for producers that have
@@ -65,7 +65,7 @@ from consumers.trainer.distributed import DataParallel
 from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.guard import identity_reason, unusable_reason, value_reason, version_reason
 from consumers.trainer.ledger import StepLedger
-from consumers.trainer.rank_agreement import RoundClaim, RoundResult, resolve_round
+from consumers.trainer.rounds import RoundClaim, RoundResult, resolve_round
 from consumers.trainer.staleness import mean_response_length, staleness
 from rollstream.bus import EntryRef, GroupReader, Message, entry_limits
 from rollstream.bus.ids import IdError, parse_sample_id, split_sample_id
@@ -161,7 +161,7 @@ class Collector:
         self.buffer: deque[Message] = deque()  # decoded, deduplicated, not yet used
         self.seen: set[str] = set()  # sample ids committed, in uncommitted ledgers, or buffered
         self.ended: set[str] = set()  # sample ids a dead letter ended (never trained later)
-        # data parallel: sample ids any rank took since the start (rank_agreement.py)
+        # data parallel: sample ids any rank took since the start (rounds.py)
         self.claimed: set[str] = set()
         # newest version on `params`: after a restart from an older checkpoint, versions published past it
         # (by steps the crash abandoned) exist and producers may have stamped samples with them
@@ -373,7 +373,7 @@ class Collector:
 
     def agree(self, claim: RoundClaim, want: int) -> RoundResult:
         """Exchange one collection round's claims with the other ranks and resolve them
-        (rank_agreement.py)."""
+        (rounds.py)."""
         claims = [RoundClaim.from_plain(d) for d in self.dp.all_gather_plain(claim.to_plain())]
         return resolve_round(claims, self.claimed, want, self.dp.rank)
 

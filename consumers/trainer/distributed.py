@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from consumers.trainer.rank_agreement import RankInfo, RankRoles, consumer_name, rank_info
+from consumers.trainer.roles import RankInfo, RankRoles, consumer_name, rank_info
 from rollstream.weights.tensors import unique_tensors
 from schemas import decode_payload, encode_payload
 
