@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from consumers.trainer.leaser import Leaser
 from rollstream.bus import delete_run
 from rollstream.keys import Keys, producer_names
-from rollstream.pacing.leaser import Leaser
 
 REDIS_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

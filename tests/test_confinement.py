@@ -31,9 +31,10 @@ from test_security import PRODUCERS, _permitted, private_redis  # noqa: F401  (a
 from consumers.aggregator.worker import AggregatorWorker
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from consumers.trainer.guard import value_reason
+from consumers.trainer.leaser import Leaser
 from consumers.trainer.ledger import StepLedger
 from consumers.trainer.metrics import UPDATE_SKIPPED
-from consumers.trainer.rank_agreement import RankRoles
+from consumers.trainer.roles import RankRoles
 from producers.publish import PublishError
 from producers.worker import Producer
 from rollstream.bus import GroupReader, Publisher, connect, retry_on_connection, setup_run
@@ -48,7 +49,6 @@ from rollstream.ops.health import WorkerHealth
 from rollstream.ops.status import collect_status, format_status
 from rollstream.pacing.budget import ask_lease, grant_budget, lease_outright, mark_published
 from rollstream.pacing.counters import lease_of, rollout_counts
-from rollstream.pacing.leaser import Leaser
 from rollstream.tasks import REWARD_RANGE
 from rollstream.testing.fakes import fake_metrics_log, fake_rollout_sample, leased_fakes, publish_log
 from schemas import SKIPPED, DeadLetter, ProducerStats, SyncStepRecord, decode, decode_as, encode

@@ -14,7 +14,8 @@ from conftest import P0, PRODUCERS
 
 import rollstream.pacing.budget as budget
 import rollstream.pacing.expiry as expiry
-from consumers.trainer.rank_agreement import RankRoles
+from consumers.trainer.leaser import Leaser
+from consumers.trainer.roles import RankRoles
 from rollstream.bus import setup_run
 from rollstream.bus.ids import split_sample_id
 from rollstream.keys import Keys
@@ -30,7 +31,6 @@ from rollstream.pacing.budget import (
 )
 from rollstream.pacing.counters import dispatch_entries, is_consumed, lease_of
 from rollstream.pacing.expiry import LeaseExpiry, is_revoked
-from rollstream.pacing.leaser import Leaser
 from schemas import DispatchRecord
 from schemas.text_entries import EXPIRE, LEASE, TOPUP
 

@@ -21,7 +21,7 @@ from test_security import PRODUCERS, private_redis  # noqa: F401  (a fixture)
 
 from consumers.trainer.collect import Collector, rollouts_reader
 from consumers.trainer.effects import TrainerEffects
-from consumers.trainer.rank_agreement import RankRoles
+from consumers.trainer.roles import RankRoles
 from rollstream.bus import Publisher, connect, setup_run
 from rollstream.config import load_config
 from rollstream.keys import Keys

@@ -1,5 +1,5 @@
 """Rank roles are methods on one object: what a trainer rank does (rank 0 alone, the ranks that need the whole
-model, several ranks together, fsdp) is decided by RankRoles (consumers/trainer/rank_agreement.py) and
+model, several ranks together, fsdp) is decided by RankRoles (consumers/trainer/roles.py) and
 DataParallel (consumers/trainer/distributed.py); the rest of the trainer calls their methods and tests no role
 flag (`roles.main`, `.agreed`, `.sharded`, `.whole_model`) nor the world size against 1 itself."""
 
@@ -10,16 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from consumers.trainer.rank_agreement import RankInfo, RankRoles
+from consumers.trainer.roles import RankInfo, RankRoles
 from rollstream.keys import HEARTBEAT_FIELD, rank_heartbeat_field
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / "consumers" / "trainer"
 #: The modules that own the rank roles: the only ones that test the flags.
-ROLES_MODULES = {"distributed.py", "rank_agreement.py"}
-#: Modules that still test a role flag because other engineers were changing them when the rest moved to the
-#: methods (pending their merge); the next step turns their branches into RankRoles methods and empties this.
-PENDING_MERGE = {"collect.py", "evaluate.py"}
+ROLES_MODULES = {"distributed.py", "roles.py"}
 FLAGS = {"main", "agreed", "sharded", "whole_model"}
 
 
@@ -48,14 +45,13 @@ def test_the_check_sees_a_role_flag_and_a_world_size_test() -> None:
 
 
 def test_no_role_flag_is_tested_outside_the_roles_modules() -> None:
-    offenders = {
+    offenders = sorted(
         f"{p.name}:{line}"
         for p in TRAINER.rglob("*.py")
         if p.name not in ROLES_MODULES
         for line in role_tests(p.read_text(encoding="utf-8"))
-    }
-    unexpected = sorted(o for o in offenders if o.split(":")[0] not in PENDING_MERGE)
-    assert unexpected == [], "call a RankRoles / DataParallel method instead of testing a role flag"
+    )
+    assert offenders == [], "call a RankRoles / DataParallel method instead of testing a role flag"
 
 
 @pytest.mark.parametrize(
@@ -75,6 +71,8 @@ def test_each_role_method_runs_on_the_ranks_it_names(
     assert (roles.with_whole_model(lambda: "w") == "w") == whole
     assert (roles.if_several(lambda: "s") == "s") == several
     assert (roles.gather_if_sharded(lambda: "g") == "g") == sharded
+    assert roles.expires_leases() == main  # rank 0 runs the Leaser: its revoked watch needs no re-read
+    assert roles.agreed_or("own", lambda x: f"agreed {x}", 3) == ("agreed 3" if several else "own")
     # a world of one obeys its own stop at once; several ranks only the one they agreed on
     assert roles.stopping(own=True, agreed=False) == (not several)
     assert roles.stopping(own=False, agreed=True) == several

@@ -23,8 +23,8 @@ from conftest import P0, PRODUCERS
 from consumers.trainer import reconcile as reconcile_mod
 from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.ledger import StepLedger
-from consumers.trainer.rank_agreement import RankRoles
 from consumers.trainer.reconcile import CommitHistory, reconcile_and_commit
+from consumers.trainer.roles import RankRoles
 from rollstream.bus import GroupReader, Publisher, delete_run, setup_run
 from rollstream.config import load_config
 from rollstream.keys import COMMITTED_STEP_FIELD, TRAINER_GROUP, Keys

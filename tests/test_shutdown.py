@@ -22,6 +22,7 @@ from typing import Any
 import redis
 from conftest import P0, PRODUCERS
 
+from consumers.trainer.leaser import Leaser
 from rollstream.bus import setup_run
 from rollstream.config import load_config
 from rollstream.keys import AGGREGATOR_GROUP, COMMITTED_STEP_FIELD, TRAINER_GROUP, TRAINING_STEP_FIELD, Keys
@@ -30,7 +31,6 @@ from rollstream.ops.audit import audit_run
 from rollstream.ops.plan import LATENCY_PRODUCER_MODULE, WORKER_STOPWAIT_S
 from rollstream.pacing.budget import grant_budget
 from rollstream.pacing.counters import dispatch_entries, rollout_counts
-from rollstream.pacing.leaser import Leaser
 from rollstream.runtime.process import EXIT_FORCED, EXIT_OK, freeze_startup_heap
 from rollstream.testing import fakes
 from rollstream.testing.fakes import leased_fakes

@@ -30,7 +30,8 @@ from consumers.trainer.distributed import (
     consumer_name,
 )
 from consumers.trainer.learner import Learner
-from consumers.trainer.rank_agreement import RoundClaim, rank_info, resolve_round
+from consumers.trainer.roles import rank_info
+from consumers.trainer.rounds import RoundClaim, resolve_round
 from rollstream.config import load_config
 from rollstream.rl.masked import agg_count, agg_loss
 from rollstream.testing.fakes import fake_rollout_sample, leased_fakes
@@ -99,6 +100,8 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 Path(out_dir, f"{name}.safetensors").write_bytes(blob)
         # fsdp (CUDA-only in a run; its code runs on gloo here): the same weights, and a checkpoint round trip
         fsdp = DataParallel(RankInfo(rank, world, rank), torch.device("cpu"), "fsdp", fsdp_on_cpu=True)
+        # validation's recent prompts: every fsdp rank decodes rank 0's; under ddp rank 0 decodes its own
+        assert fsdp.broadcast_if_sharded([rank]) == [0] and dp.broadcast_if_sharded([rank]) == [rank]
         learner = Learner(load_config(None, TINY + CASES[CONTROL]), fsdp)
         blob = _train(learner, rank, world)
         weights, optim = learner.whole_weights(), learner.optimizer_state()

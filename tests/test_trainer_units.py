@@ -503,7 +503,7 @@ def test_a_ranks_roles_are_read_off_its_place_and_the_strategy(
 ) -> None:
     """RankRoles: rank 0 alone is `main`; several ranks agree; under fsdp every rank takes part in what needs
     the whole model (validation, the optimizer state), under ddp rank 0 alone."""
-    from consumers.trainer.rank_agreement import RankInfo, RankRoles
+    from consumers.trainer.roles import RankInfo, RankRoles
 
     roles = RankRoles.of(RankInfo(rank, world), strategy)
     assert (roles.main, roles.agreed, roles.whole_model) == (main, agreed, whole_model)

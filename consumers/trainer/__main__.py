@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from consumers.trainer.rank_agreement import consumer_name, rank_info
+from consumers.trainer.roles import consumer_name, rank_info
 from rollstream.bus.connection import watch_busy_scripts
 from rollstream.runtime.process import (
     EXIT_CONFIG,

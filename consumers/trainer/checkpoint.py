@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from consumers.trainer.distributed import DataParallel
 from consumers.trainer.learner import Learner
-from consumers.trainer.rank_agreement import RankRoles
+from consumers.trainer.roles import RankRoles
 from rollstream.model import BasePolicy
 from rollstream.runtime.files import atomic_write, private_dir
 from rollstream.weights.checkpoints import checkpoint_path, list_checkpoints

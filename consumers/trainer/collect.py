@@ -3,7 +3,7 @@
 usable samples -> this rank's share of a mini-batch (stale ones dropped and recorded).
 
 A `Collector` is the trainer's reading half: it owns the rollouts buffer, the sample ids already seen
-(committed, buffered, or, with several ranks, claimed by any rank: consumers/trainer/rank_agreement.py) and
+(committed, buffered, or, with several ranks, claimed by any rank: consumers/trainer/rounds.py) and
 the producers' leases as last read. A sample whose id is not `<producer>-<seq>` inside its producer's
 lease is dead-lettered (rollstream/pacing/), and so is one whose seq the trainer took back when its
 producer's lease expired ("lease expired": the `revoked:<name>` bitmap, read only for producers that have
@@ -65,7 +65,7 @@ from consumers.trainer.distributed import DataParallel
 from consumers.trainer.effects import TrainerEffects
 from consumers.trainer.guard import identity_reason, unusable_reason, value_reason, version_reason
 from consumers.trainer.ledger import StepLedger
-from consumers.trainer.rank_agreement import RoundClaim, RoundResult, resolve_round
+from consumers.trainer.rounds import RoundClaim, RoundResult, resolve_round
 from consumers.trainer.staleness import mean_response_length, staleness
 from rollstream.bus import EntryRef, GroupReader, Message, entry_limits
 from rollstream.bus.ids import IdError, parse_sample_id, split_sample_id
@@ -162,7 +162,7 @@ class Collector:
         self.buffer: deque[Message] = deque()  # decoded, deduplicated, not yet used
         self.seen: set[str] = set()  # sample ids committed, in uncommitted ledgers, or buffered
         self.ended: set[str] = set()  # sample ids a dead letter ended (never trained later)
-        # data parallel: sample ids any rank took since the start (rank_agreement.py)
+        # data parallel: sample ids any rank took since the start (rounds.py)
         self.claimed: set[str] = set()
         # newest version on `params`: after a restart from an older checkpoint, versions published past it
         # (by steps the crash abandoned) exist and producers may have stamped samples with them
@@ -176,7 +176,8 @@ class Collector:
         self.leases: dict[str, int] = {}  # producer -> prompts leased to it, as last read
         # which producers had seqs taken back (rank 0's Leaser expires leases in this process; other ranks
         # read again each pass): a revoked bit is read only for those (rollstream/pacing/expiry.py)
-        self.revoked = RevokedWatch(self.keys, producer_names(cfg.rollout.num_producers), local=dp.roles.main)
+        self.revoked = RevokedWatch(self.keys, producer_names(cfg.rollout.num_producers),
+                                    local=dp.roles.expires_leases())
         # a replay copy's rollouts were copied by an admin, not published under leases: not checked
         self.check_leases = not effects.is_replay_copy()
         self._transport_mark = 0.0  # the reader's transport_s at the last transport_since_last
@@ -216,8 +217,10 @@ class Collector:
             log.warning("acking %d redelivered/duplicate samples without training", len(dupes))
             self.effects.ack_duplicates(self.reader, dupes)
         dead = self.reader.stats.dead - self._own_dead
-        if dead > self._dead_seen or self.dp.roles.agreed:  # another rank's letters end ids here too
+        if dead > self._dead_seen:
             self._count_dead(dead)
+        else:  # several ranks: another rank's letters end ids here too
+            self.dp.roles.if_several(self._count_dead, dead)
         self.effects.heartbeat()
         return True
 
@@ -326,9 +329,12 @@ class Collector:
         """The buffer lacks `need` samples: run one more pass of the loop; True when the caller must give up
         (stop requested, or in burst mode no rollout is left). With several ranks a pass reads at most
         `need` entries, so no rank hoards what the others wait for (pacing caps what is outstanding)."""
-        if self.dp.roles.agreed:
-            self.reader.count = max(1, min(self.cfg.bus.read_count, need))
+        self.dp.roles.if_several(self._read_at_most, need)
         return self.stop.is_set() or not self.fill()
+
+    def _read_at_most(self, n: int) -> None:
+        """Cap the consumer loop's next reads at `n` entries (and at bus.read_count)."""
+        self.reader.count = max(1, min(self.cfg.bus.read_count, n))
 
     def wait_warmup(self) -> None:
         """Before the run's first update: wait until num_warmup_batches mini-batches have arrived (this
@@ -338,14 +344,15 @@ class Collector:
             ended = self.stop.is_set() or self.used_up
             if len(self.buffer) < want and not ended:
                 ended = self.starve(want - len(self.buffer))
-            if not self.dp.roles.agreed:
-                if ended or len(self.buffer) >= want:
-                    break
-                continue
-            res = self.agree(RoundClaim(ended or self.stop.is_set(), len(self.buffer)), want)
-            if res.all_ready or res.any_ended:
+            if self.dp.roles.agreed_or(ended or len(self.buffer) >= want, self._warmup_round, ended, want):
                 break
         log.info("warmup: %d samples buffered before the first update", len(self.buffer))
+
+    def _warmup_round(self, ended: bool, want: int) -> bool:
+        """One agreed warmup round: True when every rank has `want` samples buffered or some rank must
+        stop."""
+        res = self.agree(RoundClaim(ended or self.stop.is_set(), len(self.buffer)), want)
+        return res.all_ready or res.any_ended
 
     def verdict(self, m: Message, st: int) -> str | None:
         """None: train it; EVICTED: a rollout failure or (filter_groups) no reward variance; DROPPED:
@@ -372,7 +379,7 @@ class Collector:
 
     def agree(self, claim: RoundClaim, want: int) -> RoundResult:
         """Exchange one collection round's claims with the other ranks and resolve them
-        (rank_agreement.py)."""
+        (rounds.py)."""
         claims = [RoundClaim.from_plain(d) for d in self.dp.all_gather_plain(claim.to_plain())]
         return resolve_round(claims, self.claimed, want, self.dp.rank)
 
@@ -390,24 +397,32 @@ class Collector:
                 ended = self.starve(short)
                 taken += self.take(g, short)
             ready = len(got.kept) + sum(self.verdict(m, st) is None for m, st in taken) >= want
-            if self.dp.roles.agreed:
-                claim = RoundClaim(
-                    ended or self.stop.is_set(),
-                    len(got.kept),
-                    [(m.event.sample_id, self.verdict(m, st) is None) for m, st in taken],  # type: ignore[union-attr]
-                )
-                res = self.agree(claim, want)
-                dupes = [taken[i][0].ref for i in res.duplicates]
-                if dupes:
-                    log.warning("acking %d samples another rank took first, without training", len(dupes))
-                    self.effects.ack_duplicates(self.reader, dupes)
-                    taken = [x for i, x in enumerate(taken) if i not in set(res.duplicates)]
-                ready, ended = res.all_ready, res.any_ended
+            ready, ended, taken = self.dp.roles.agreed_or(
+                (ready, ended, taken), self._collect_round, taken, ended, len(got.kept), want
+            )
             self._sort(g, ledger, taken, got)
             if ended:
                 return None
             if ready:
                 return got
+
+    def _collect_round(
+        self, taken: list[tuple[Message, int]], ended: bool, kept_before: int, want: int
+    ) -> tuple[bool, bool, list[tuple[Message, int]]]:
+        """One agreed collection round over the samples this rank took (`taken`): (every rank has its share,
+        some rank must stop, `taken` less the samples another rank claimed first, which are acked here)."""
+        claim = RoundClaim(
+            ended or self.stop.is_set(),
+            kept_before,
+            [(m.event.sample_id, self.verdict(m, st) is None) for m, st in taken],  # type: ignore[union-attr]
+        )
+        res = self.agree(claim, want)
+        dupes = [taken[i][0].ref for i in res.duplicates]
+        if dupes:
+            log.warning("acking %d samples another rank took first, without training", len(dupes))
+            self.effects.ack_duplicates(self.reader, dupes)
+            taken = [x for i, x in enumerate(taken) if i not in set(res.duplicates)]
+        return res.all_ready, res.any_ended, taken
 
     def _sort(self, g: int, ledger: StepLedger, taken: list[tuple[Message, int]], got: Collected) -> None:
         """Keep, drop or evict each taken sample (fates of the last two in the ledger); drops and evictions

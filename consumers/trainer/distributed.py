@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from consumers.trainer.rank_agreement import RankInfo, RankRoles, consumer_name, rank_info
+from consumers.trainer.roles import RankInfo, RankRoles, consumer_name, rank_info
 from rollstream.weights.tensors import unique_tensors
 from schemas import decode_payload, encode_payload
 
@@ -368,6 +368,11 @@ class DataParallel:
         if not self.roles.agreed:
             return value
         return decode_payload(self.broadcast_bytes(encode_payload(value) if self.rank == src else None, src))
+
+    def broadcast_if_sharded(self, value: Any) -> Any:
+        """Rank 0's msgpack-able `value` on every rank under fsdp, where every rank runs the same decode in
+        step (the weights are sharded); `value` itself otherwise (rank 0 alone runs it)."""
+        return self.broadcast_plain(value) if self.roles.sharded else value
 
     def barrier(self) -> None:
         """Wait until every rank gets here (a no-op in a world of one)."""

@@ -26,6 +26,7 @@ import redis
 from torch import nn
 
 from consumers.trainer.distributed import DataParallel
+from consumers.trainer.leaser import Leaser
 from consumers.trainer.ledger import (
     StepLedger,
     commit_steps,
@@ -62,7 +63,6 @@ from rollstream.pacing.budget import consume, current_budget, grant_budget
 from rollstream.pacing.counters import leases
 from rollstream.pacing.expiry import LeaseExpiry, RevokedWatch
 from rollstream.pacing.fence import FloodFence
-from rollstream.pacing.leaser import Leaser
 from rollstream.topology.replication import acks_of, execute_replicated
 from rollstream.weights.store import (
     Probe,
@@ -100,7 +100,7 @@ class TrainerEffects:
         self.can_fail_over = cfg.run.redis.replicated or can_fail_over(r)
 
     def start_leaser(self) -> None:
-        """Rank 0: start leasing the current budget to the producers that ask (rollstream/pacing/leaser.py
+        """Rank 0: start leasing the current budget to the producers that ask (consumers/trainer/leaser.py
         Leaser), until `stop_leaser`."""
         if self.leaser is None:
             names = producer_names(self.cfg.rollout.num_producers)

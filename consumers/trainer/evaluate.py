@@ -26,9 +26,8 @@ def validate(
     task = build_task(cfg)
     prompts = build_prompt_source(cfg, task).val_prompts()
     limit = cfg.data.max_response_length
-    if dp.roles.sharded:
-        rows = dp.broadcast_plain([[p.uid, p.text, p.answer] for p in recent_prompts])
-        recent_prompts = [Prompt(uid=u, text=t, answer=a) for u, t, a in rows]
+    rows = dp.broadcast_if_sharded([[p.uid, p.text, p.answer] for p in recent_prompts])  # fsdp: rank 0's
+    recent_prompts = [Prompt(uid=u, text=t, answer=a) for u, t, a in rows]
     batch = cfg.data.val_batch_size  # None: each set in one batch
     turns = cfg.rollout.multi_turn.max_turns if cfg.rollout.multi_turn.enable else 1
     metrics = evaluate(policy, task, prompts, limit, batch or max(len(prompts), 1), turns)

@@ -52,7 +52,8 @@ before it grants its budget.
 
 Modules: `budget` (every write of the pacing, as Lua scripts the trainer runs: grants, leases, top-ups, the
 consumed bitmaps; the producer's own `want` and published count), `counters` (what status, producers and the
-audit read), `leaser` (the trainer's lease loop), `expiry` (fair shares and leases taken back: the expiry
-clock, the `revoked` bitmaps and the one reader of them), `fence` (producers that flood Redis: fenced,
-their lease taken back, their unread excess dropped).
+audit read), `expiry` (fair shares and leases taken back: the expiry clock, the `revoked` bitmaps and the one
+reader of them), `fence` (producers that flood Redis: fenced, their lease taken back, their unread excess
+dropped). The trainer's lease loop that runs them, the `Leaser` thread, is trainer-only code:
+consumers/trainer/leaser.py.
 """

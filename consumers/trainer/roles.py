@@ -1,27 +1,18 @@
-"""What data-parallel trainer ranks are and agree on (pure, no torch: the exchange is DataParallel's).
+"""What a data-parallel trainer rank is and does (pure, no torch: the collectives are DataParallel's).
 
 A rank's place comes from torchrun's environment (`rank_info`), its rollouts consumer name from that
 (`consumer_name`: stable across restarts, so a restarted rank re-reads its own pending entries), and what it
 does from its place and the strategy (`RankRoles`: rank 0 alone, or every rank together).
 
-Collecting a local update's samples goes in rounds. In each round every rank takes what its buffer holds
-(up to its share, `ppo_mini_batch_size / world_size` kept samples; stale ones it meets are taken too, to
-be dropped), polls once when that is not enough, and announces a `RoundClaim`: the sample ids it took
-this round (kept or to drop), how many it had kept before, and whether it must stop (stop requested, or
-in burst mode nothing left to read). `resolve_round` then runs, identically on every rank, over all
-ranks' claims in rank order: an id already claimed (this round by a lower rank, or in an earlier round or
-step by anyone) is a duplicate (a producer's retried XADD read by two ranks), handed back to its rank to
-ack without a fate; the rest are claimed. The round ends the collection when every rank has its share
-(all train), or when any rank must stop (all abandon the step, nothing acked). No rank ever waits in a
-collective for longer than one poll of the others, so a stop or a vanished peer is noticed within a
-round.
+Which rank does what is tested here, as the methods of RankRoles, and in distributed.py alone
+(tests/test_rank_roles.py); how ranks agree on a local update's samples is rounds.py's.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rollstream.keys import HEARTBEAT_FIELD, rank_heartbeat_field
@@ -41,8 +32,9 @@ class RankInfo:
 @dataclass(frozen=True)
 class RankRoles:
     """What a trainer rank does, decided once from its place and the strategy. Its flags are tested here and
-    in distributed.py alone (tests/test_layering.py): the rest of the trainer calls the methods, which say
-    what the step does (`only_main`, `with_whole_model`, `gather_if_sharded`, `if_several`, `stopping`, …).
+    in distributed.py alone (tests/test_rank_roles.py): the rest of the trainer calls the methods, which say
+    what the step does (`only_main`, `with_whole_model`, `gather_if_sharded`, `if_several`, `agreed_or`,
+    `stopping`, …).
     Rank 0 alone: `main`. Every rank together: `agreed` (several ranks: collectives communicate, collection
     rounds and the stop are agreed) and `sharded` (fsdp: reading the weights or optimizer state whole is a
     collective). `whole_model`: the ranks that take part in what needs the whole model."""
@@ -93,6 +85,16 @@ class RankRoles:
         """fn(*args) when there are several ranks (collectives communicate); None in a world of one."""
         return fn(*args) if self.agreed else None
 
+    def agreed_or(self, own: T, agree: Callable[..., T], *args: Any) -> T:
+        """In a world of one, this rank's `own` answer; with several ranks, the one they agree on:
+        agree(*args), a collective every rank calls (a collection round's outcome)."""
+        return agree(*args) if self.agreed else own
+
+    def expires_leases(self) -> bool:
+        """Whether lease expiries happen in this process: rank 0 runs the run's Leaser (started through
+        `only_main`), so its revoked-bit watch needs no re-read; the other ranks read again each pass."""
+        return self.main
+
     def stopping(self, own: bool, agreed: bool) -> bool:
         """Whether this rank stops now: a world of one obeys its `own` stop request at once; several ranks
         only a stop they `agreed` on (at a collection round or a step's end), so no rank leaves the others
@@ -126,48 +128,3 @@ def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
 def consumer_name(base: str, info: RankInfo) -> str:
     """The rollouts consumer name of a rank: `base` alone in a world of one, else `<base>-r<rank>`."""
     return base if info.world_size == 1 else f"{base}-r{info.rank}"
-
-
-@dataclass
-class RoundClaim:
-    """One rank's announcement in a collection round (msgpack-able via `to_plain`)."""
-
-    ended: bool  # this rank must stop: stop requested, or (burst) nothing left to read
-    kept_before: int  # samples it had kept in earlier rounds of this local update
-    taken: list[tuple[str, bool]] = field(default_factory=list)  # (sample_id, kept) taken this round
-
-    def to_plain(self) -> dict[str, Any]:
-        """The claim as plain values."""
-        return {"e": self.ended, "n": self.kept_before, "t": [[sid, kept] for sid, kept in self.taken]}
-
-    @classmethod
-    def from_plain(cls, d: dict[str, Any]) -> RoundClaim:
-        """Inverse of to_plain."""
-        return cls(bool(d["e"]), int(d["n"]), [(str(sid), bool(kept)) for sid, kept in d["t"]])
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    """The outcome of a round, the same on every rank."""
-
-    duplicates: list[int]  # indexes into this rank's `taken` that another claim got first
-    all_ready: bool  # every rank has its share of kept samples
-    any_ended: bool  # some rank must stop: every rank abandons the step
-
-
-def resolve_round(claims: list[RoundClaim], claimed: set[str], want: int, rank: int) -> RoundResult:
-    """Resolve one round's claims (rank order) against `claimed` (updated in place: the ids claimed by any
-    rank so far); `want` is each rank's share, `rank` the caller's."""
-    duplicates: list[int] = []
-    ready = True
-    for r, claim in enumerate(claims):
-        kept = claim.kept_before
-        for i, (sid, keep) in enumerate(claim.taken):
-            if sid in claimed:
-                if r == rank:
-                    duplicates.append(i)
-                continue
-            claimed.add(sid)
-            kept += keep
-        ready = ready and kept >= want
-    return RoundResult(duplicates, ready, any(c.ended for c in claims))
