@@ -61,7 +61,7 @@ def trainer_args(keys: Keys, redis_url: str, run_dir: Path, steps: int) -> list[
         f"trainer.total_training_steps={steps}", "trainer.test_freq=2", "data.val_size=4",
         "data.epoch_size=32",
         "bus.block_ms=100",
-        "rollout.num_producers=1",  # the FakeProducer is the run's one producer: its lease is the whole budget
+        "rollout.num_producers=1",  # the FakeProducer is the run's one producer: its lease is the budget
         "--name", "trainer",
     ]
 
