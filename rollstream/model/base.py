@@ -300,14 +300,8 @@ class BasePolicy(ABC):
             logits = self._response_logits(ids, mask, response_len, groups)  # [B,R,V]
         return logprobs_entropy(logits, ids[:, -response_len:], temperature)  # [B,R], [B,R] in float32
 
-    def log_probs(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        response_len: int,
-        temperature: float = 1.0,
-        groups: PromptGroups | None = None,
-    ) -> Tensor:
+    def log_probs(self, input_ids: Tensor, attention_mask: Tensor, response_len: int,
+                  temperature: float = 1.0, groups: PromptGroups | None = None) -> Tensor:
         """Per-token log-probs [B,R] of the last R tokens of a left-padded batch under logits /
         temperature (`groups`: as forward_logprobs_entropy)."""
         return self.forward_logprobs_entropy(input_ids, attention_mask, response_len, temperature, groups)[0]
