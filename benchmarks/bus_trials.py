@@ -279,7 +279,11 @@ def codec_round(r: redis.Redis, sample: RolloutSample, min_s: float, prefix: str
     Our decode reads the fields exactly as Redis returns them (bytes keys and values; arrays are viewed
     zero-copy); pickle decodes its own blob, which copies every array out of it."""
     # (the trainer's: benchmarks sit above it)
+    import torch
+
     from consumers.trainer.assembly import assemble_batch_from_rollout_samples as assemble
+
+    cpu = torch.device("cpu")
 
     # pickle is the baseline being measured here, never a read path: nothing it loads comes from the wire.
     pickle = importlib.import_module("pickle")
@@ -294,7 +298,7 @@ def codec_round(r: redis.Redis, sample: RolloutSample, min_s: float, prefix: str
         "decode_ours": _per_call_us(lambda: decode(fields), min_s),
         "decode_pickle": _per_call_us(lambda: pickle.loads(blob), min_s),
         "decode_assemble": _per_call_us(
-            lambda: assemble([decode_as(fields, RolloutSample) for _ in range(8)]), min_s
+            lambda: assemble([decode_as(fields, RolloutSample) for _ in range(8)])[0].padded(None, cpu), min_s
         )
         / 8,
     }

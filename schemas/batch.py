@@ -1,4 +1,6 @@
-"""`DataProto`: a verl-like, numpy-backed batch of rows (trajectories) with per-row arrays."""
+"""`DataProto`: a verl-like, numpy-backed batch of rows (trajectories) with per-row arrays: the padded
+batch a schema-1 rollout carried, still decoded (schemas/payload.py) and read into the ragged form
+(schemas/legacy.py `from_padded`); `object_array`: the per-row object arrays of every batch's non_tensors."""
 
 from __future__ import annotations
 
@@ -81,64 +83,3 @@ class DataProto:
         t = {k: f"{v.dtype}{list(v.shape)}" for k, v in self.tensors.items()}
         nt = {k: f"{v.dtype}{list(v.shape)}" for k, v in self.non_tensors.items()}
         return f"DataProto(len={len(self)}, tensors={t}, non_tensors={nt}, meta_info={list(self.meta_info)})"
-
-    @staticmethod
-    def concat(items: Sequence[DataProto]) -> DataProto:
-        """Concatenate batches row-wise (same keys required); meta_info comes from the first."""
-        if not items:
-            raise ValueError("DataProto.concat needs at least one batch")
-        first = items[0]
-        for i, item in enumerate(items[1:], start=1):
-            if (
-                item.tensors.keys() != first.tensors.keys()
-                or item.non_tensors.keys() != first.non_tensors.keys()
-            ):
-                raise ValueError(f"DataProto.concat: batch {i} has different keys than batch 0")
-        return DataProto(
-            {k: np.concatenate([it.tensors[k] for it in items], axis=0) for k in first.tensors},
-            {k: np.concatenate([it.non_tensors[k] for it in items], axis=0) for k in first.non_tensors},
-            first.meta_info,
-        )
-
-    def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
-        """Repeat rows: interleave gives r0,r0,…,r1,r1,…; otherwise the whole batch is tiled."""
-        if repeat_times < 1:
-            raise ValueError(f"repeat_times must be >= 1, got {repeat_times}")
-
-        def rep(arr: np.ndarray) -> np.ndarray:
-            """Repeat one array along its first dim."""
-            if interleave:
-                return np.repeat(arr, repeat_times, axis=0)
-            return np.tile(arr, (repeat_times,) + (1,) * (arr.ndim - 1))
-
-        return DataProto(
-            {k: rep(v) for k, v in self.tensors.items()},
-            {k: rep(v) for k, v in self.non_tensors.items()},
-            self.meta_info,
-        )
-
-    def select(
-        self, tensor_keys: Sequence[str] | None = None, non_tensor_keys: Sequence[str] | None = None
-    ) -> DataProto:
-        """Keep only the named keys (None keeps all of that group); KeyError for an unknown key."""
-        t = self.tensors if tensor_keys is None else {k: self.tensors[k] for k in tensor_keys}
-        nt = (
-            self.non_tensors if non_tensor_keys is None else {k: self.non_tensors[k] for k in non_tensor_keys}
-        )
-        return DataProto(t, nt, self.meta_info)
-
-    def __getitem__(self, index: slice | np.ndarray | Sequence[int]) -> DataProto:
-        """Rows by slice, integer index array or boolean mask (use [i:i+1] for a single row)."""
-        if isinstance(index, int | np.integer):
-            raise TypeError("DataProto[int] is not supported; use a slice [i:i+1] or an index array")
-        if not isinstance(index, slice):
-            index = np.asarray(index)
-            if index.size == 0:
-                index = index.astype(np.intp)
-            if index.dtype.kind not in "biu":
-                raise TypeError(f"DataProto index array must be int or bool, got {index.dtype}")
-        return DataProto(
-            {k: v[index] for k, v in self.tensors.items()},
-            {k: v[index] for k, v in self.non_tensors.items()},
-            self.meta_info,
-        )

@@ -11,7 +11,8 @@ One group of n trajectories (`RaggedBatch`):
   non_tensor_batch: `uid`, `raw_prompt`, ...); `meta_info`.
 
 Token ids travel in the narrowest dtype that holds the vocabulary (`ids_dtype`). Wire schema 5 sends exactly
-these arrays (schemas/ragged_wire.py); the trainer's assembly pads them once, per micro-batch (the layouts of
+these arrays (schemas/ragged_wire.py); the trainer pads the rows an update trains once (consumers/trainer/
+batch.py), its micro-batches views of them, and tells its forwards which rows share a prompt (the layouts of
 schemas 1 to 3 are read into this form by schemas/legacy.py). Every check here costs at most one pass over an
 array; failures are ValueError naming the field. No msgpack, no torch.
 """

@@ -6,6 +6,7 @@ import os
 import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -41,6 +42,22 @@ def keys(r: redis.Redis) -> Iterator[Keys]:
     k = Keys(f"t-{uuid.uuid4().hex[:12]}")
     yield k
     delete_run(r, k)
+
+
+def padded_arrays(batch: Any) -> dict[str, Any]:
+    """Every row of an assembled mini-batch padded as the learner pads the rows it trains
+    (consumers/trainer/batch.py `MiniBatch.padded`), as numpy arrays (views) under verl's names: schema 1's
+    padded layout, whose `prompts` and `responses` are the id columns either side of P."""
+    import torch
+
+    p = batch.padded(None, torch.device("cpu"))
+    P = p.ids.shape[1] - p.width
+    out = {"input_ids": p.ids.numpy(), "attention_mask": p.mask.numpy(), "prompts": p.ids[:, :P].numpy(),
+           "responses": p.ids[:, P:].numpy(), "response_mask": p.resp_mask.numpy(),
+           "rollout_log_probs": p.behave.numpy(), "rewards": batch.rewards.numpy()}
+    if p.scores is not None:
+        out["token_level_scores"] = p.scores.numpy()
+    return out
 
 
 #: The producers of a test run (a default config's two) and the one whose streams a test writes by default.

@@ -1,9 +1,11 @@
-"""Batch assembly: concat with padding, response_mask derivation, fully-async metric values."""
+"""Batch assembly: the samples' rows in order, padded once as the learner pads them (prompts left, responses
+right), response_mask derivation, fully-async metric values."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import padded_arrays
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from rollstream.testing.fakes import fake_rollout_sample
@@ -58,7 +60,7 @@ def test_metric_values_on_hand_built_samples() -> None:
     assert batch.meta_info["rollout_param_versions"] == [a.param_version, b.param_version]
     assert batch.meta_info["trajectory_param_versions"] == [1, 3, 3, 2]
     assert batch.meta_info["param_version_diversity"] == 3  # distinct end versions {1, 2, 3}
-    assert batch.meta_info["global_token_num"] == batch.tensors["attention_mask"].sum(-1).tolist()
+    assert batch.meta_info["global_token_num"] == padded_arrays(batch)["attention_mask"].sum(-1).tolist()
     assert all(type(x) is int for x in batch.meta_info["global_token_num"])
 
 
@@ -72,7 +74,7 @@ def test_different_widths_are_padded_left_for_prompts_right_for_responses() -> N
     short = _sample("s", 2, 3)
     long = _sample("long", 4, 5)
     batch, _ = assemble_batch_from_rollout_samples([short, long])
-    t = batch.tensors
+    t = padded_arrays(batch)
     assert t["prompts"].shape == (4, 4) and t["responses"].shape == (4, 5)
     assert t["input_ids"].shape == (4, 9) and t["rollout_log_probs"].shape == (4, 5)
     assert t["input_ids"].dtype == np.int64 and t["attention_mask"].dtype == np.int64

@@ -24,10 +24,11 @@ from rollstream.config import ConfigError, load_config  # noqa: E402
 from rollstream.model import (  # noqa: E402
     CharTokenizer,
     Completion,
+    PromptGroups,
     build_batch,
     build_policy,  # noqa: E402
 )
-from rollstream.model.base import resolve_dtype  # noqa: E402
+from rollstream.model.base import common_prefix_len, resolve_dtype  # noqa: E402
 from rollstream.model.chat import encode_prompt, encode_tool_result, render_tool_turn  # noqa: E402
 from rollstream.model.hf import HFPolicy, HFTokenizer  # noqa: E402
 from rollstream.tasks import ArithToolTask, Prompt, calculate  # noqa: E402
@@ -68,9 +69,12 @@ def load(path: Path, chunk: int = 0) -> HFPolicy:
     return policy
 
 
-def sampled(policy: HFPolicy, temperature: float) -> tuple[list[Completion], torch.Tensor, torch.Tensor, int]:
-    """Prompts (chat-rendered when the tokenizer has a template) x 6 samples, and their trainer batch;
-    responses cut to different lengths (a prefix keeps its log-probs) so the batch is padded on both sides."""
+def sampled(
+    policy: HFPolicy, temperature: float
+) -> tuple[list[Completion], torch.Tensor, torch.Tensor, int, PromptGroups]:
+    """Prompts (chat-rendered when the tokenizer has a template) x 6 samples, and their trainer batch with
+    its prompt groups (each prompt's 6 rows, as the trainer passes them); responses cut to different lengths
+    (a prefix keeps its log-probs) so the batch is padded on both sides."""
     prompts = [encode_prompt(policy.tokenizer, p) for p in PROMPTS]
     trajs = policy.generate(prompts, n=6, max_new_tokens=12, temperature=temperature,
                             generator=torch.Generator().manual_seed(0))
@@ -80,7 +84,8 @@ def sampled(policy: HFPolicy, temperature: float) -> tuple[list[Completion], tor
     ids, mask, R = build_batch(
         [t.prompt_ids for t in trajs], [t.response_ids for t in trajs], policy.tokenizer.pad_id
     )
-    return trajs, ids, mask, R
+    return trajs, ids, mask, R, PromptGroups.from_labels([i // 6 for i in range(len(trajs))],
+                                                         common_prefix_len(prompts))
 
 
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
@@ -91,12 +96,12 @@ def test_behaviour_log_probs_equal_the_trainers_recompute(
     """The HF twin of the tiny model's test: stored log-probs are those of softmax(logits / T), and the
     trainer's recompute (KV-cache-free, left-padded batch, chunked or not) gives them within 1e-5."""
     policy = load(model_dir, chunk)
-    trajs, ids, mask, R = sampled(policy, temperature)
+    trajs, ids, mask, R, groups = sampled(policy, temperature)
     # padding both sides
     assert len({len(t.prompt_ids) for t in trajs}) > 1 and len({len(t.response_ids) for t in trajs}) > 1
     with torch.no_grad():
-        at_t = policy.log_probs(ids, mask, R, temperature=temperature)
-        at_1 = policy.log_probs(ids, mask, R)
+        at_t = policy.log_probs(ids, mask, R, temperature=temperature, groups=groups)
+        at_1 = policy.log_probs(ids, mask, R, groups=groups)
     err = max(abs(at_t[i, j].item() - lp) for i, t in enumerate(trajs) for j, lp in enumerate(t.log_probs))
     off = max(abs(at_1[i, j].item() - lp) for i, t in enumerate(trajs) for j, lp in enumerate(t.log_probs))
     assert err < 1e-5
@@ -104,11 +109,11 @@ def test_behaviour_log_probs_equal_the_trainers_recompute(
 
 
 def _logprobs_and_grads(
-    policy: HFPolicy, ids: torch.Tensor, mask: torch.Tensor, R: int
+    policy: HFPolicy, ids: torch.Tensor, mask: torch.Tensor, R: int, groups: PromptGroups
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     policy.module.zero_grad(set_to_none=True)
     policy.train()
-    logp, ent = policy.forward_logprobs_entropy(ids, mask, R, temperature=0.8)
+    logp, ent = policy.forward_logprobs_entropy(ids, mask, R, temperature=0.8, groups=groups)
     ((logp * mask[:, -R:]).sum() + 0.1 * ent.sum()).backward()
     return logp.detach(), ent.detach(), [p.grad.clone() for p in policy.parameters()]  # type: ignore[union-attr]
 
@@ -118,12 +123,12 @@ def test_chunked_log_probs_and_gradient_checkpointing_change_no_number(
     model_dir: Path, checkpointing: bool
 ) -> None:
     base = load(model_dir, chunk=0)
-    _, ids, mask, R = sampled(base, 1.0)
-    want = _logprobs_and_grads(base, ids, mask, R)
+    _, ids, mask, R, groups = sampled(base, 1.0)
+    want = _logprobs_and_grads(base, ids, mask, R, groups)
     other = load(model_dir, chunk=5)  # 5 tokens per chunk: many chunks, a ragged last one
     if checkpointing:
         other.enable_gradient_checkpointing()
-    got = _logprobs_and_grads(other, ids, mask, R)
+    got = _logprobs_and_grads(other, ids, mask, R, groups)
     assert other._head_checked is True  # the hidden-state path was taken, not the full-logits fallback
     assert torch.allclose(got[0], want[0], atol=1e-5) and torch.allclose(got[1], want[1], atol=1e-5)
     assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got[2], want[2], strict=True))
@@ -279,10 +284,10 @@ def test_model_attn_implementation_reaches_every_policy_and_keeps_the_log_probs(
     assert policy.module.config._attn_implementation == "eager"
     default = build_policy(load_config(None, hf), device="cpu")
     assert default.module.config._attn_implementation == "sdpa"
-    trajs, ids, mask, R = sampled(policy, 0.7)  # type: ignore[arg-type]
+    trajs, ids, mask, R, groups = sampled(policy, 0.7)  # type: ignore[arg-type]
     with torch.no_grad():
-        eager = policy.log_probs(ids, mask, R, temperature=0.7)
-        sdpa = default.log_probs(ids, mask, R, temperature=0.7)
+        eager = policy.log_probs(ids, mask, R, temperature=0.7, groups=groups)
+        sdpa = default.log_probs(ids, mask, R, temperature=0.7, groups=groups)
     err = max(abs(eager[i, j].item() - lp) for i, t in enumerate(trajs) for j, lp in enumerate(t.log_probs))
     assert err < 1e-5
     assert torch.allclose(eager * mask[:, -R:], sdpa * mask[:, -R:], atol=1e-4)  # the same model either way
@@ -299,14 +304,14 @@ def test_eager_gqa_attention_is_eagers_without_copying_key_value_heads(model_dir
     assert gqa.module.config._attn_implementation == "eager_gqa"
     assert gqa.module.config.num_attention_heads == 2 * gqa.module.config.num_key_value_heads
     eager = build_policy(load_config(None, [*hf, "model.attn_implementation=eager"]), device="cpu")
-    trajs, ids, mask, R = sampled(gqa, 0.7)  # type: ignore[arg-type]
+    trajs, ids, mask, R, groups = sampled(gqa, 0.7)  # type: ignore[arg-type]
     with torch.no_grad():
-        got = gqa.log_probs(ids, mask, R, temperature=0.7)
+        got = gqa.log_probs(ids, mask, R, temperature=0.7, groups=groups)
     err = max(abs(got[i, j].item() - lp) for i, t in enumerate(trajs) for j, lp in enumerate(t.log_probs))
     assert err < 1e-5
     grads = []
     for policy in (gqa, eager):
-        logp, _ = policy.forward_logprobs_entropy(ids, mask, R, temperature=0.7)
+        logp, _ = policy.forward_logprobs_entropy(ids, mask, R, temperature=0.7, groups=groups)
         (logp * mask[:, -R:]).sum().backward()
         grads.append({n: p.grad.clone() for n, p in policy.module.named_parameters() if p.grad is not None})
         assert torch.allclose(logp.detach() * mask[:, -R:], got * mask[:, -R:], atol=1e-5)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.batch import MiniBatch, micro_slices
 from consumers.trainer.learner import Learner
-from consumers.trainer.minibatch import micro_slices
 from rollstream.config import ConfigError, load_config
 from rollstream.testing.fakes import fake_rollout_sample
-from schemas import DataProto, RolloutSample
+from schemas import RolloutSample
 
 BASE = ["run.device=cpu", "model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32",
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
@@ -35,8 +35,8 @@ def batches(seed: int) -> list[list[RolloutSample]]:
     ]
 
 
-def mini_batch(samples: list[RolloutSample]) -> DataProto:
-    """The samples as the trainer hands them to the learner: one padded mini-batch."""
+def mini_batch(samples: list[RolloutSample]) -> MiniBatch:
+    """The samples as the trainer hands them to the learner: one mini-batch (which the update pads once)."""
     return assemble_batch_from_rollout_samples(samples)[0]
 
 

@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import padded_arrays
 
 import consumers.trainer.learner as learner_module
 from consumers.trainer.advantages import token_rewards
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.batch import MiniBatch, Padded
 from consumers.trainer.learner import Learner
 from consumers.trainer.metrics import UPDATE_SKIPPED, EpochStats, epoch_metrics, merge_epochs
 from rollstream.config import PipelineConfig, load_config
@@ -22,7 +24,7 @@ from rollstream.model import BasePolicy
 from rollstream.rl.advantages import grpo_token_advantages, reinforce_pp_advantages
 from rollstream.rl.rollout_correction import rollout_correction
 from rollstream.testing.fakes import fake_rollout_sample
-from schemas import DataProto, RolloutSample
+from schemas import RolloutSample
 
 BASE = ["run.device=cpu", "model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.max_seq_len=32",
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
@@ -44,26 +46,27 @@ def mini_batch(seed: int) -> list[RolloutSample]:
     ]
 
 
-def plain_advantages(batch: DataProto, estimator: str, gamma: float) -> torch.Tensor:
+def plain_advantages(batch: MiniBatch, estimator: str, gamma: float) -> torch.Tensor:
     """The batch's advantages from its padded tensors: GRPO's (r - group mean) / (group std + 1e-6) per row
     [B], or the token-level estimator on the whole padded [B, W]."""
-    rewards = torch.from_numpy(batch.tensors["rewards"]).float()
+    t = padded_arrays(batch)
+    rewards = torch.from_numpy(t["rewards"]).float()
     if estimator == "grpo":
         groups = rewards.reshape(-1, 4)
         return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).reshape(-1)
-    mask = torch.from_numpy(batch.tensors["response_mask"]).float()
+    mask = torch.from_numpy(t["response_mask"]).float()
     per_token = token_rewards(rewards, mask, None)
     if estimator == "reinforce_plus_plus":
         return reinforce_pp_advantages(per_token, mask, gamma=gamma)
     return grpo_token_advantages(per_token, mask, [4] * 4, gamma=gamma)
 
 
-def plain_step(policy: BasePolicy, optimizer: torch.optim.Optimizer, batch: DataProto, adv: torch.Tensor,
+def plain_step(policy: BasePolicy, optimizer: torch.optim.Optimizer, batch: MiniBatch, adv: torch.Tensor,
                clip: float, clip_grad: float, temperature: float) -> tuple[float, float]:
     """One full-batch step: a forward over every row of the padded batch, the bypass-mode clipped PPO loss
     averaged over the response tokens, backward, the gradient norm clipped, AdamW; returns (the loss, the
     gradient norm before clipping)."""
-    t = batch.tensors
+    t = padded_arrays(batch)
     ids, mask = torch.from_numpy(t["input_ids"]), torch.from_numpy(t["attention_mask"])
     resp = torch.from_numpy(t["response_mask"]).float()
     behave = torch.from_numpy(t["rollout_log_probs"]).float()
@@ -116,7 +119,7 @@ def test_update_equals_the_plain_full_batch_step(estimator: str, rows: str) -> N
     learner, policy, optimizer, forwarded = learner_and_plain_copy(cfg)
     for seed in (1, 11):
         batch, _ = assemble_batch_from_rollout_samples(mini_batch(seed))
-        lens = batch.tensors["response_mask"].sum(-1)
+        lens = padded_arrays(batch)["response_mask"].sum(-1)
         assert lens.min() < lens.max() // 2  # responses of varied lengths
         metrics = learner.update(batch)
         adv = plain_advantages(batch, estimator, cfg.algorithm.gamma)
@@ -131,11 +134,21 @@ def test_update_equals_the_plain_full_batch_step(estimator: str, rows: str) -> N
     assert sum(forwarded) == (16 if rows == "skip" else 32)  # skip: 8 of each update's 16 rows
 
 
-def test_micro_batches_are_row_views_of_the_mini_batch_at_their_own_widths() -> None:
-    """The forward of each micro-batch reads the assembled mini-batch's own memory (no copy), its rows cut
-    to their widest prompt and response."""
+def test_micro_batches_are_row_views_of_the_mini_batch_at_their_own_widths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The forward of each micro-batch reads the memory of the one padded mini-batch the update built (no
+    copy), its rows cut to their widest prompt and response."""
     learner = Learner(load_config(None, BASE))
     batch, _ = assemble_batch_from_rollout_samples(mini_batch(3))
+    built: list[Padded] = []  # every padded tensor set the update builds
+    pad = MiniBatch.padded
+
+    def padded(self: MiniBatch, *args: Any) -> Padded:
+        built.append(pad(self, *args))
+        return built[-1]
+
+    monkeypatch.setattr(MiniBatch, "padded", padded)
     seen: list[tuple[int, tuple[int, ...], int]] = []
     forward = learner.policy.forward_logprobs_entropy
 
@@ -145,13 +158,14 @@ def test_micro_batches_are_row_views_of_the_mini_batch_at_their_own_widths() -> 
 
     learner.policy.forward_logprobs_entropy = recording  # type: ignore[method-assign]
     learner.update(batch)
-    mask = batch.tensors["attention_mask"]
-    P = batch.tensors["prompts"].shape[1]
+    assert len(built) == 1  # padded once
+    mask = built[0].mask
+    P = mask.shape[1] - built[0].width
     want = []
     for lo in range(0, 16, 5):
         rows = mask[lo : lo + 5]
         p, r = int(rows[:, :P].sum(-1).max()), int(rows[:, P:].sum(-1).max())
-        want.append((batch.tensors["input_ids"].ctypes.data, (len(rows), p + r), r))
+        want.append((built[0].ids.untyped_storage().data_ptr(), (len(rows), p + r), r))
     assert seen == want
     assert len({w for _, _, w in seen}) > 1  # the micro-batches' widths differ
 
@@ -218,7 +232,7 @@ def test_an_update_of_several_epochs_keeps_the_rejection_of_the_weights_before_i
     learner = Learner(cfg)
     learner.begin_step(1)
     batch, _ = assemble_batch_from_rollout_samples(mini_batch(5))
-    t = batch.tensors
+    t = padded_arrays(batch)
     ids, mask = torch.from_numpy(t["input_ids"]), torch.from_numpy(t["attention_mask"])
     resp = torch.from_numpy(t["response_mask"]).float()
 
@@ -232,8 +246,12 @@ def test_an_update_of_several_epochs_keeps_the_rejection_of_the_weights_before_i
     with torch.no_grad():
         own = learner.policy.log_probs(ids, mask, resp.shape[1], cfg.rollout.temperature)
     noise = torch.rand(resp.shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    t["rollout_log_probs"] = ((own + noise) * resp).numpy()
-    behave = torch.from_numpy(t["rollout_log_probs"])
+    behave = (own + noise) * resp
+    rows = [(b, start, end) for b in batch.batches
+            for start, end in zip(b.response_offsets()[:-1], b.response_offsets()[1:], strict=True)]
+    for j, (b, start, end) in enumerate(rows):  # into the samples' own log-probs, which the update pads
+        b.tokens["rollout_log_probs"][start:end] = behave[j, : end - start].numpy()
+
     before = rejection()
     masks: list[torch.Tensor] = []  # the mask argument of every micro-batch's loss, epoch after epoch
     loss = learner_module.ppo_loss

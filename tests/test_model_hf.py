@@ -9,7 +9,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rollstream.model import CharTokenizer, Completion, Tokenizer, build_batch, load_policy  # noqa: E402
+from rollstream.model import (  # noqa: E402
+    CharTokenizer,
+    Completion,
+    PromptGroups,
+    Tokenizer,
+    build_batch,
+    load_policy,
+)
 from rollstream.model.hf import HFPolicy  # noqa: E402
 from rollstream.testing.hf_tiny import make_tiny_hf_model  # noqa: E402
 
@@ -123,18 +130,20 @@ def test_rows_sharing_a_prompt_score_as_the_full_forward(model_dir: Path, prefix
     ids, mask, R = build_batch(
         [t.prompt_ids for t in trajs], [t.response_ids for t in trajs], policy.tokenizer.pad_id
     )
+    # each prompt's 4 rows, as the ragged form numbers them and the trainer passes them
+    groups = PromptGroups.from_labels([i // 4 for i in range(len(trajs))], common_prefix_len(prompts))
     calls: list[int] = []
     hook = policy.module.model.embed_tokens.register_forward_hook(lambda m, a, o: calls.append(a[0].numel()))
     policy.logprob_chunk_size = 5
     with torch.no_grad():
-        policy.forward_logprobs_entropy(ids, mask, R)  # the chunked head's one-time check against the logits
+        policy.forward_logprobs_entropy(ids, mask, R, groups=groups)  # the chunked head's one-time check
     results = []
     for shared, chunk in [(True, 0), (False, 0), (True, 5)]:
         policy._checkpointing = not shared  # the full forward, as under gradient checkpointing
         policy.logprob_chunk_size = chunk
         policy.module.zero_grad()
         calls.clear()
-        lp, ent = policy.forward_logprobs_entropy(ids, mask, R)
+        lp, ent = policy.forward_logprobs_entropy(ids, mask, R, groups=groups)
         ((lp + 0.1 * ent) * mask[:, -R:]).sum().backward()
         results.append((lp.detach(), ent.detach(), _grads(policy), sum(calls)))
     hook.remove()

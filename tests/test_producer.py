@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import redis
 import torch
-from conftest import P0
+from conftest import P0, padded_arrays
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from producers.watchdog import GenerationHung
@@ -129,7 +129,7 @@ def build_blob(cfg: PipelineConfig, seed: int) -> bytes:
 
 def padded(s: RolloutSample) -> dict[str, np.ndarray]:
     """The sample's tensors as the trainer pads them (the producer publishes them ragged)."""
-    return assemble_batch_from_rollout_samples([s])[0].tensors
+    return padded_arrays(assemble_batch_from_rollout_samples([s])[0])
 
 
 def masked_logprob_error(policy: Any, s: RolloutSample) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from conftest import padded_arrays
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -147,7 +148,7 @@ def _direct(
     B = len(rows)
     out = {k: np.zeros((B, P + R), np.int64) for k in ("input_ids", "attention_mask")}
     out.update(
-        {"response_mask": np.zeros((B, R), np.int64), "rollout_log_probs": np.zeros((B, R), np.float32)}
+        {"response_mask": np.zeros((B, R), np.float32), "rollout_log_probs": np.zeros((B, R), np.float32)}
     )
     if samples[0][1] is not None:
         out["token_level_scores"] = np.zeros((B, R), np.float32)
@@ -218,8 +219,9 @@ def test_encode_decode_assemble_equals_a_direct_padded_build(
         samples.append(got)
     want = _direct(groups)
     batch, _ = assemble_batch_from_rollout_samples(samples)
-    assert set(batch.tensors) == set(want)
-    for key, arr in batch.tensors.items():
+    got = padded_arrays(batch)
+    assert set(got) == set(want)
+    for key, arr in got.items():
         ref = want[key]
         assert arr.dtype == ref.dtype and arr.shape == ref.shape, key
         np.testing.assert_array_equal(arr, ref, err_msg=key)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from conftest import P0, PRODUCERS
+from conftest import P0, PRODUCERS, padded_arrays
 
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
 from rollstream.keys import COMMITTED_STEP_FIELD, DROPPED_STALE_FIELD, HEARTBEAT_FIELD, TRAINER_GROUP, Keys
@@ -71,9 +71,10 @@ def as_schema_1(sample: RolloutSample) -> dict[str, Any]:
     payload."""
     fields: dict[str, Any] = encode(sample)
     body = decode_payload(bytes(fields.pop("payload")))
-    padded = assemble_batch_from_rollout_samples([sample])[0]
-    tensors = {k: v.astype(np.int64) if v.dtype.kind in "iu" else v for k, v in padded.tensors.items()}
-    body["full_batch"] = DataProto(tensors, padded.non_tensors)
+    padded = padded_arrays(assemble_batch_from_rollout_samples([sample])[0])
+    tensors = {k: v.astype(np.int64) if v.dtype.kind in "iu" or k == "response_mask" else v
+               for k, v in padded.items()}
+    body["full_batch"] = DataProto(tensors, dict(sample.full_batch.non_tensors))
     body["schema_version"] = 1
     fields = {k: v for k, v in fields.items() if not k.startswith("a")}  # the payload holds every array now
     fields["schema"], fields["payload"] = b"1", encode_payload(body)

@@ -68,16 +68,18 @@ def _token_advantages(
 
 def minibatch_advantages(
     algorithm: AlgorithmConfig,
-    resp_mask: torch.Tensor,
+    resp_mask: torch.Tensor | None,
     groups: list[int],
     rewards: torch.Tensor,
     scores: torch.Tensor | None,
     reduce: Callable[[list[float]], list[float]],
 ) -> tuple[torch.Tensor, float]:
     """The mini-batch's advantages (on the CPU), GRPO per sample group [B] or token-level [B, W] over
-    `resp_mask` [B, W] (read only then), and their mean over the response tokens (outcome: over the
-    samples); `reduce` sums REINFORCE++'s batch statistics over ranks."""
+    `resp_mask` [B, W] (read only then: None will do for GRPO's), and their mean over the response tokens
+    (outcome: over the samples); `reduce` sums REINFORCE++'s batch statistics over ranks."""
     if algorithm.adv_estimator != "grpo":
+        if resp_mask is None:
+            raise ValueError(f"adv_estimator={algorithm.adv_estimator} needs the padded response mask")
         mask = resp_mask.cpu()
         adv = _token_advantages(rewards, mask, scores, groups, algorithm, reduce)
         n_tok = float(mask.sum())

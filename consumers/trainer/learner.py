@@ -3,11 +3,12 @@
 
   begin_step(g)  at the first local update of global step g: freeze a copy of the weights (version g-1)
                  as the proximal policy; it is pinned for the step's K local updates (decoupled mode)
-  update(batch)  one mini-batch, the one padded batch the assembly built -> advantages over it ([B], or
-                 [B, W] token-level) -> the trained rows (zero-advantage ones left out: index-selected) ->
+  update(batch)  one mini-batch, the samples' ragged rows -> outcome advantages [B] from their rewards ->
+                 the trained rows (zero-advantage ones left out) padded once into one tensor set
+                 (consumers/trainer/batch.py; token-level advantages [B, W] are taken over it) ->
                  micro-batches: row views of actor.micro_batch_size rows, each without its all-padding
-                 columns -> prox/ref log-probs (no grad, per micro-batch, back at their rows of [B, W]) ->
-                 rollout correction over the mini-batch (IS weights, rejection, mismatch metrics:
+                 columns -> prox/ref log-probs (no grad, per micro-batch, written into its rows of the
+                 [B, W]) -> rollout correction over the mini-batch (IS weights, rejection, mismatch metrics:
                  rollstream/rl/rollout_correction.py) -> actor.ppo_epochs times (once by default): per
                  micro-batch forward -> loss x its share -> backward (gradients accumulate) -> clip -> AdamW
                  step; returns its metrics (consumers/trainer/metrics.py: built from what it measured)
@@ -37,10 +38,10 @@ import torch
 from torch.autograd.graph import increment_version
 
 from consumers.trainer.advantages import minibatch_advantages
+from consumers.trainer.batch import MiniBatch, Padded, Prepared
 from consumers.trainer.distributed import DataParallel, RankInfo
 from consumers.trainer.master import MasterWeights
 from consumers.trainer.metrics import EpochStats, UpdateStats, update_metrics
-from consumers.trainer.minibatch import Padded, Prepared, micro_slices, padded_tensors, placed
 from rollstream.config import PipelineConfig
 from rollstream.model import BasePolicy, build_policy
 from rollstream.model.base import resolve_device
@@ -55,7 +56,6 @@ from rollstream.rl.rollout_correction import (
 from rollstream.weights.fingerprint import policy_probe
 from rollstream.weights.store import Probe
 from rollstream.weights.tensors import load_init, load_tensors_into, unique_state
-from schemas import DataProto
 
 log = logging.getLogger(__name__)
 
@@ -177,46 +177,47 @@ class Learner:
         return self._prox_is_policy and len(micro) == 1
 
     def _before_update(
-        self, micro: list[Padded], slices: list[slice], like: torch.Tensor, temp: float
+        self, mini: Padded, micro: list[Padded], temp: float
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, float]:
         """The log-probs taken before the update's losses: the frozen ones (`_frozen_logprobs`) and, when the
         update reuses its forward, that forward (train mode, with grad; its detached log-probs are the
-        proximal ones). Returns (proximal or old log-probs, reference log-probs: each shaped like `like`
-        [B, W] or None, the forward's (log-probs, entropy) or None, seconds spent on the frozen copies);
-        leaves the policy in train mode."""
+        proximal ones). Returns (proximal or old log-probs, reference log-probs: each laid out as the
+        trained rows [kept, W] or None, the forward's (log-probs, entropy) or None, seconds spent on the
+        frozen copies); leaves the policy in train mode."""
         reuse = self._reuses_forward(micro)
         t0 = time.perf_counter()
-        old_parts, ref_parts = self._frozen_logprobs(micro, temp, skip_prox=reuse)
+        old, ref = self._frozen_logprobs(mini, micro, temp, skip_prox=reuse)
         t_old = time.perf_counter() - t0
         self.policy.train()
-        ref = placed(ref_parts, slices, like)
         if not reuse:
-            return placed(old_parts, slices, like), ref, None, t_old
+            return old, ref, None, t_old
         m = micro[0]
         with self.dp.forward_through(self.policy, self.train_module):
-            ahead = self.policy.forward_logprobs_entropy(m.ids, m.mask, m.resp_mask.shape[1], temp)
-        return placed([ahead[0].detach()], slices, like), ref, ahead, t_old
+            ahead = self.policy.forward_logprobs_entropy(m.ids, m.mask, m.width, temp, groups=m.groups)
+        old = torch.zeros_like(mini.behave)
+        m.view(old).copy_(ahead[0].detach())
+        return old, ref, ahead, t_old
 
     def _frozen_logprobs(
-        self, micro: list[Padded], temp: float, skip_prox: bool = False
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per micro-batch, without grad: the log-probs rollout correction compares with the behaviour's (the
-        proximal policy's unless `skip_prox`; in bypass mode with rejection the policy's own before the
-        update; else none) and the reference policy's (when kl_loss_coef > 0). Each [b, w] (the micro-batch's
-        own response width)."""
+        self, mini: Padded, micro: list[Padded], temp: float, skip_prox: bool = False
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Without grad, laid out as the trained rows [kept, W] (each micro-batch's [b, w] written into its
+        view as computed): the log-probs rollout correction compares with the behaviour's (the proximal
+        policy's unless `skip_prox`; in bypass mode with rejection the policy's own before the update; else
+        none) and the reference policy's (when kl_loss_coef > 0); None for one not taken (or no rows)."""
         old = None if skip_prox else self.prox
         if old is None and self.algorithm.rollout_correction.rollout_rs is not None:
             old = self.policy
             self.policy.eval()  # as the frozen copies run (update() puts it back in train mode)
-        old_parts, ref_parts = [], []
+        old_logp = torch.zeros_like(mini.behave) if old is not None and micro else None
+        ref_logp = torch.zeros_like(mini.behave) if self.ref is not None and micro else None
         with torch.no_grad():
             for m in micro:
-                w = m.resp_mask.shape[1]
-                if old is not None:
-                    old_parts.append(old.log_probs(m.ids, m.mask, w, temp))
-                if self.ref is not None:
-                    ref_parts.append(self.ref.log_probs(m.ids, m.mask, w, temp))
-        return old_parts, ref_parts
+                if old is not None and old_logp is not None:
+                    m.view(old_logp).copy_(old.log_probs(m.ids, m.mask, m.width, temp, groups=m.groups))
+                if self.ref is not None and ref_logp is not None:
+                    m.view(ref_logp).copy_(self.ref.log_probs(m.ids, m.mask, m.width, temp, groups=m.groups))
+        return old_logp, ref_logp
 
     def _step(self, loss: float) -> tuple[float, bool]:
         """Clip the accumulated gradients and take the optimizer step (on the float32 copies, then refreshing
@@ -272,25 +273,24 @@ class Learner:
         weights, factor = normalize_is_weights(out.weights, resp_mask, level, (weight_sum, count))
         return Correction(weights, out.mask, out.metrics), factor
 
-    def _advantages(
-        self, mini: Padded, groups: list[int], rewards: torch.Tensor, scores: torch.Tensor | None
-    ) -> tuple[torch.Tensor, float]:
-        """The mini-batch's advantages on the device (`minibatch_advantages`) and their mean."""
-        adv, mean = minibatch_advantages(
-            self.algorithm, mini.resp_mask, groups, rewards, scores, self.dp.all_reduce_sum
-        )
-        return adv.to(self.device), mean
-
-    def _trained_rows(self, mini: Padded, adv: torch.Tensor) -> tuple[Padded, torch.Tensor]:
-        """The rows this update forwards and their advantages: all of them, or (actor.zero_advantage_rows skip
-        / drop, outcome advantages; the config checked that nothing else in the step sees them) those whose
-        advantage is not exactly 0, copied out of the mini-batch."""
-        if self.actor.zero_advantage_rows == "train":
-            return mini, adv
-        keep = adv != 0
-        if bool(keep.all()):
-            return mini, adv
-        return mini.rows(keep), adv[keep]
+    def _trained(self, batch: MiniBatch) -> tuple[Padded, torch.Tensor, float]:
+        """The update's trained rows padded once, their advantages on the device and the advantages' mean
+        (`minibatch_advantages`). Outcome advantages [B] come from the rows' rewards before any padding, so
+        the rows actor.zero_advantage_rows skip / drop leave out (those whose advantage is exactly 0; the
+        config checked that nothing else in the step sees them) are never padded; token-level ones [B, W]
+        are taken over the padded rows (every row: the config trains them all)."""
+        algorithm, reduce = self.algorithm, self.dp.all_reduce_sum
+        if algorithm.adv_estimator != "grpo":
+            mini = batch.padded(None, self.device)
+            adv, mean = minibatch_advantages(algorithm, mini.resp_mask, batch.group_sizes, batch.rewards,
+                                             mini.scores, reduce)
+            return mini, adv.to(self.device), mean
+        adv, mean = minibatch_advantages(algorithm, None, batch.group_sizes, batch.rewards, None, reduce)
+        keep = None if self.actor.zero_advantage_rows == "train" else adv != 0
+        if keep is not None and bool(keep.all()):
+            keep = None
+        mini = batch.padded(keep, self.device)
+        return mini, (adv if keep is None else adv[keep]).to(self.device), mean
 
     def _accumulate(
         self, p: Prepared, first: bool, ahead: tuple[torch.Tensor, torch.Tensor] | None
@@ -307,14 +307,15 @@ class Learner:
             self.policy.module.zero_grad(set_to_none=True)  # the module's gradients, moved at the step
         micro_pg: list[tuple[dict[str, float], float, float]] = []  # ppo_loss's, share, token share
         loss = ent = kl = t_update = 0.0
-        current: list[torch.Tensor] = []  # bypass without rejection: the mismatch metrics' trainer log-probs
-        for i, (m, rows) in enumerate(zip(p.micro, p.slices, strict=True)):
-            w = m.resp_mask.shape[1]  # the micro-batch's own widest response: [b, w] views of the [kept, W]
-            m_resp, m_behave = p.loss_mask[rows, :w], m.behave
-            m_adv = p.adv[rows] if p.adv.ndim == 1 else p.adv[rows, :w]
-            m_w = p.is_w[rows, :w] if p.is_w is not None else None
-            prox_logp = p.old[rows, :w] if self.prox is not None and p.old is not None else None
-            ref_logp = p.ref[rows, :w] if p.ref is not None else None
+        # bypass without rejection: the mismatch metrics' trainer log-probs [kept, W], as the micro-batches
+        # compute them
+        now = torch.zeros_like(p.mini.behave) if first and p.correction is None and p.micro else None
+        for i, m in enumerate(p.micro):
+            # [b, w] views of the [kept, W] (w: the micro-batch's own widest response)
+            m_resp, m_behave, m_adv = m.view(p.loss_mask), m.behave, m.view(p.adv)
+            m_w = m.view(p.is_w) if p.is_w is not None else None
+            prox_logp = m.view(p.old) if self.prox is not None and p.old is not None else None
+            ref_logp = m.view(p.ref) if p.ref is not None else None
             count = agg_count(m_resp, mode)
             share = count / p.total if p.total > 0 else 0.0  # of this rank's loss
             ent_share = count / p.trained_total if p.trained_total > 0 else 0.0  # of the trained rows' mean
@@ -328,9 +329,10 @@ class Learner:
                 self.dp.accumulating(self.train_module, last=i + 1 == len(p.micro)),
             ):
                 # [b, w] each: the forward run ahead (one micro-batch) or this micro-batch's own
-                logp, entropy = ahead or self.policy.forward_logprobs_entropy(m.ids, m.mask, w, p.temp)
-                if first and p.correction is None:
-                    current.append(logp.detach())
+                logp, entropy = ahead or self.policy.forward_logprobs_entropy(m.ids, m.mask, m.width, p.temp,
+                                                                             groups=m.groups)
+                if now is not None:
+                    m.view(now).copy_(logp.detach())
                 m_loss, pg_metrics = ppo_loss(
                     logp,
                     prox_logp,
@@ -358,9 +360,8 @@ class Learner:
         # the mismatch metrics against the policy's log-probs as it trained on them first
         mismatch = None
         if first:
-            now = placed(current, p.slices, p.resp_mask)
             trained_corr = p.correction or (
-                rollout_correction(now, p.behave, p.resp_mask) if now is not None else None
+                rollout_correction(now, p.mini.behave, p.mini.resp_mask) if now is not None else None
             )
             mismatch = trained_corr.metrics if trained_corr is not None else {}
         if p.left_out:
@@ -368,22 +369,20 @@ class Learner:
         return EpochStats(micro_pg, loss, ent, ent_coef, kl if self.ref is not None else None,
                           self.actor.kl_loss_coef, t_update, mismatch)
 
-    def update(self, batch: DataProto) -> dict[str, float]:
-        """One local update on a mini-batch, the one padded batch the assembly built: actor.ppo_epochs
-        optimizer steps (one by default), trained in micro-batches that are views of actor.micro_batch_size
-        of its rows; returns its actor/critic/length/timing metrics, built from what it measured by
-        consumers/trainer/metrics.py update_metrics."""
-        mini, rewards, scores = padded_tensors(batch, self.device)  # [B, P+W] ids, [B, W] masks (W: widest)
-        all_rows, all_resp = len(rewards), mini.resp_mask
-
-        # 1. advantages over the mini-batch: GRPO per sample group [B] (outcome), or per token [B, W]; then
-        #    the rows trained, and their micro-batches: row views, each without its all-padding columns
-        adv, adv_mean = self._advantages(mini, list(batch.meta_info["group_sizes"]), rewards, scores)
-        trained, adv = self._trained_rows(mini, adv)
-        resp_mask, behave = trained.resp_mask, trained.behave  # [kept, W]
-        kept = len(resp_mask)
-        slices = micro_slices(kept, self.actor.micro_batch_size)
-        micro = [trained.rows(rows).trimmed() for rows in slices]
+    def update(self, batch: MiniBatch) -> dict[str, float]:
+        """One local update on a mini-batch (the samples' rows the assembly took): actor.ppo_epochs optimizer
+        steps (one by default) on its trained rows, padded once, in micro-batches that are row views of
+        actor.micro_batch_size of them; returns its actor/critic/length/timing metrics, built from what it
+        measured by consumers/trainer/metrics.py update_metrics."""
+        # 1. advantages: GRPO per sample group [B] (outcome), from the rows' rewards; the rows trained
+        #    (zero-advantage ones left out) padded once [kept, P+W] (W: their widest response), per-token
+        #    advantages [B, W] taken over that; their micro-batches: row views, each without its all-padding
+        #    columns
+        t0 = time.perf_counter()
+        mini, adv, adv_mean = self._trained(batch)
+        t_pad = time.perf_counter() - t0
+        micro = mini.micro_batches(self.actor.micro_batch_size)
+        resp_mask, behave = mini.resp_mask, mini.behave  # [kept, W]
 
         # 2. the trainer's log-probs before this update (no grad), per micro-batch: proximal (decoupled; in
         #    bypass mode with rejection, the policy itself) and reference (KL); then rollout correction over
@@ -392,21 +391,22 @@ class Learner:
         temp = self.cfg.rollout.temperature  # log-probs of the distribution producers sampled from
         #    (the step's first update on one micro-batch: the proximal log-probs are its own forward's)
         t0 = time.perf_counter()
-        old, ref, ahead, t_old = self._before_update(micro, slices, resp_mask, temp)
+        old, ref, ahead, t_old = self._before_update(mini, micro, temp)
         t_before = time.perf_counter() - t0 - t_old
         correction, norm_factor = self._correct(old, behave, resp_mask) if old is not None else (None, None)
         loss_mask = correction.mask.to(resp_mask.dtype) if correction is not None else resp_mask  # [kept, W]
         mode: AggMode = self.actor.loss_agg_mode
         # rows left out count in what the loss divides by, as if trained (skip: loss_mask is resp_mask there,
-        # no correction), or not (drop: the groups with reward variance are the batch); the metrics' means
-        # are over the trained rows
-        total = agg_count(all_resp if self.actor.zero_advantage_rows == "skip" else loss_mask, mode)
+        # no correction; each row's loss tokens as one column [B, 1] count as its mask's row does), or not
+        # (drop: the groups with reward variance are the batch); the metrics' means are over the trained rows
+        skip = self.actor.zero_advantage_rows == "skip"
+        total = agg_count(batch.response_tokens[:, None] if skip else loss_mask, mode)
         every_total, ranks = self._dp_count(total)
+        kept = len(mini)
         prepared = Prepared(
-            micro=micro, slices=slices, adv=adv, resp_mask=resp_mask, behave=behave, old=old, ref=ref,
-            correction=correction, loss_mask=loss_mask,
+            mini=mini, micro=micro, adv=adv, old=old, ref=ref, correction=correction, loss_mask=loss_mask,
             total=total, trained_total=agg_count(loss_mask, mode), tokens=float(loss_mask.sum()),
-            every_total=every_total, ranks=ranks, left_out=kept < all_rows, temp=temp,
+            every_total=every_total, ranks=ranks, left_out=kept < len(batch), temp=temp,
         )
 
         # 3. per epoch: per micro-batch forward, loss x its share, backward (gradients accumulate); then
@@ -421,9 +421,9 @@ class Learner:
 
         # 4. metrics: what the update measured, named in one place (consumers/trainer/metrics.py)
         return update_metrics(UpdateStats(
-            epochs=epochs, rows=all_rows, kept=kept, before_s=t_before,
+            epochs=epochs, rows=len(batch), kept=kept, pad_s=t_pad, before_s=t_before,
             old_logprob_s=t_old if self.prox is not None or self.ref is not None else None,
-            norm_factor=norm_factor, lr=float(self.optimizer.param_groups[0]["lr"]), rewards=rewards,
-            adv_mean=adv_mean, row_tokens=mini.mask.sum(-1).double().cpu(), resp_mask=all_resp.cpu(),
+            norm_factor=norm_factor, lr=float(self.optimizer.param_groups[0]["lr"]), rewards=batch.rewards,
+            adv_mean=adv_mean, row_tokens=batch.row_tokens, response_tokens=batch.response_tokens,
             max_response_length=self.cfg.data.max_response_length,
         ))

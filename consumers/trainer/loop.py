@@ -18,6 +18,7 @@ import redis
 
 from consumers.trainer import step_report
 from consumers.trainer.assembly import assemble_batch_from_rollout_samples
+from consumers.trainer.batch import MiniBatch
 from consumers.trainer.checkpoint import checkpoint_writer, restore_newest, restore_rng_plain, rng_plain
 from consumers.trainer.collect import Collected, Collector, rollouts_reader
 from consumers.trainer.distributed import DataParallel, RankInfo
@@ -33,7 +34,7 @@ from rollstream.config import PipelineConfig
 from rollstream.keys import Keys
 from rollstream.model.base import resolve_device
 from rollstream.tasks import Prompt
-from schemas import SKIPPED, TRAINED, DataProto, RolloutSample, ValidateMetrics
+from schemas import SKIPPED, TRAINED, RolloutSample, ValidateMetrics
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ class Trainer:
             return None
         return got
 
-    def _record_update(self, g: int, local: int, ledger: StepLedger, got: Collected, batch: DataProto,
+    def _record_update(self, g: int, local: int, ledger: StepLedger, got: Collected, batch: MiniBatch,
                        batch_metrics: dict[str, float], learned: dict[str, float],
                        times: tuple[float, float]) -> None:
         """(2) After local update `local` of step g: its samples' fates into the ledger, its `local_update`

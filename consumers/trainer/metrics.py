@@ -18,7 +18,7 @@ from consumers.trainer.staleness import (
     dropped_metrics,
     filter_groups_metrics,
 )
-from rollstream.rl.metrics import length_metrics, reward_metrics, staleness_metrics
+from rollstream.rl.metrics import response_length_metrics, reward_metrics, staleness_metrics
 from rollstream.rl.rollout_correction import PREFIX
 from schemas import RolloutSample
 
@@ -58,6 +58,7 @@ class UpdateStats:
     epochs: list[EpochStats]
     rows: int  # rows of the mini-batch
     kept: int  # rows trained (zero-advantage rows left out: fewer)
+    pad_s: float  # seconds padding the trained rows (MiniBatch.padded)
     before_s: float  # seconds of the forward run ahead and the rollout correction, before the epochs
     old_logprob_s: float | None  # seconds of the frozen copies' log-probs (None without prox or ref)
     norm_factor: float | None  # the IS weights' batch normalisation factor (None when not normalised)
@@ -65,7 +66,7 @@ class UpdateStats:
     rewards: torch.Tensor  # [B] on the CPU
     adv_mean: float  # the advantages' mean
     row_tokens: torch.Tensor  # [B] float64 on the CPU: each row's prompt + response tokens
-    resp_mask: torch.Tensor  # [B, W] on the CPU: every row's response mask
+    response_tokens: torch.Tensor  # [B] float64 on the CPU: each row's loss tokens (its response mask's sum)
     max_response_length: int  # data.max_response_length
 
 
@@ -121,7 +122,7 @@ def update_metrics(u: UpdateStats) -> dict[str, float]:
     metrics."""
     left_out = u.kept < u.rows
     metrics = merge_epochs([epoch_metrics(e, left_out, u.norm_factor) for e in u.epochs])
-    metrics["timing_s/update_actor"] += u.before_s
+    metrics["timing_s/update_actor"] += u.pad_s + u.before_s
     if left_out:
         metrics["actor/trained_row_fraction"] = u.kept / u.rows
     tokens = u.row_tokens
@@ -139,14 +140,15 @@ def update_metrics(u: UpdateStats) -> dict[str, float]:
     if u.old_logprob_s is not None:
         metrics["timing_s/old_log_prob"] = u.old_logprob_s
     metrics.update(reward_metrics(u.rewards))
-    metrics.update(length_metrics(u.resp_mask, u.max_response_length))
+    metrics.update(response_length_metrics(u.response_tokens, u.max_response_length))
     return metrics
 
 
 @dataclass(frozen=True)
 class UpdateTimings:
-    """A local update's seconds: waiting for and taking its samples (`gen`), padding them (`assemble`), and
-    moving them out of Redis (`transport`, the reader's since the last update: collect.py)."""
+    """A local update's seconds: waiting for and taking its samples (`gen`), assembling their rows and the
+    batch's metrics (`assemble`; the padding is the update's, in timing_s/update_actor), and moving them
+    out of Redis (`transport`, the reader's since the last update: collect.py)."""
 
     gen: float
     assemble: float

@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollstream.model.base import BasePolicy, Completion, build_batch, left_pad, resolve_device, resolve_dtype
+from rollstream.model.base import BasePolicy, Completion, left_pad, resolve_device, resolve_dtype
 from rollstream.model.gpt import GPT, GPTConfig, KVCache
 from rollstream.model.lora import apply_lora
+from rollstream.model.scoring import PromptGroups, build_batch, pad_right
 from rollstream.model.tiny import TinyPolicy
 from rollstream.model.tokenizer import CharTokenizer, Tokenizer
 
@@ -22,6 +23,7 @@ __all__ = [
     "CharTokenizer",
     "GPTConfig",
     "KVCache",
+    "PromptGroups",
     "TinyPolicy",
     "Tokenizer",
     "Completion",
@@ -29,6 +31,7 @@ __all__ = [
     "build_policy",
     "left_pad",
     "load_policy",
+    "pad_right",
 ]
 
 

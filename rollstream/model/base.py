@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from rollstream.model.fast_dtype import fast_cpu_dtype
 from rollstream.model.logprobs import chunked_logprobs_entropy, logprobs_entropy
 from rollstream.model.sampling import check_generate_args, sample_tokens
+from rollstream.model.scoring import PromptGroups
 from rollstream.model.tokenizer import Tokenizer
 from rollstream.weights.tensors import load_bytes_into, module_bytes
 
@@ -101,36 +102,6 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor
     return ids, mask
 
 
-def build_batch(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
-) -> tuple[Tensor, Tensor, int]:
-    """Trainer batch: left-padded prompts then right-padded responses -> (ids [B,T], mask [B,T], R)."""
-    if len(prompts) != len(responses):
-        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    p_ids, p_mask = left_pad(prompts, pad_id)
-    R = max((len(r) for r in responses), default=0)
-    r_ids = torch.full((len(responses), R), pad_id, dtype=torch.long)
-    r_mask = torch.zeros((len(responses), R), dtype=torch.long)
-    for i, r in enumerate(responses):
-        r_ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-        r_mask[i, : len(r)] = 1
-    return torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), R
-
-
-def shared_prompts(ids: Tensor, mask: Tensor, response_len: int) -> tuple[Tensor, Tensor, Tensor] | None:
-    """For a trainer batch (left-padded prompts, then R response columns): (each distinct prompt's ids [U,P],
-    mask [U,P], the distinct prompt of every row [B]) when rows share prompts (U <= B/2, as GRPO's n samples
-    of a prompt do), else None."""
-    P = ids.shape[1] - response_len
-    if P < 1 or ids.shape[0] < 2:
-        return None
-    p_mask = mask[:, :P]
-    uniq, inverse = torch.unique(torch.cat([ids[:, :P] * p_mask, p_mask], 1), dim=0, return_inverse=True)
-    if 2 * uniq.shape[0] > ids.shape[0]:
-        return None
-    return uniq[:, :P], uniq[:, P:], inverse
-
-
 class BasePolicy(ABC):
     """The policy interface the producer and trainer use: generate, log_probs, weights as bytes."""
 
@@ -171,11 +142,14 @@ class BasePolicy(ABC):
         return None
 
     @abstractmethod
-    def _response_logits(self, ids: Tensor, mask: Tensor, response_len: int) -> Tensor:
-        """Full forward of ids/mask [B,T] -> logits [B,R,V] predicting ids[:, -R:]."""
+    def _response_logits(
+        self, ids: Tensor, mask: Tensor, response_len: int, groups: PromptGroups | None = None
+    ) -> Tensor:
+        """Forward of ids/mask [B,T] -> logits [B,R,V] predicting ids[:, -R:]; `groups`: the rows that share
+        a prompt (a backend may run each prompt once)."""
 
     def _response_hidden(
-        self, ids: Tensor, mask: Tensor, response_len: int
+        self, ids: Tensor, mask: Tensor, response_len: int, groups: PromptGroups | None = None
     ) -> tuple[Tensor, Tensor, Tensor | None] | None:
         """Final hidden states [B,R,H] predicting ids[:, -R:] with the output head's weight [V,H] and bias
         [V] (or None); None when the backend only gives logits (then log-probs are not chunked)."""
@@ -297,12 +271,18 @@ class BasePolicy(ABC):
 
     # ---- scoring ---------------------------------------------------------------------------------
     def forward_logprobs_entropy(
-        self, input_ids: Tensor, attention_mask: Tensor, response_len: int, temperature: float = 1.0
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        response_len: int,
+        temperature: float = 1.0,
+        groups: PromptGroups | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Per-token log-prob and entropy [B,R] of the last R tokens under softmax(logits / temperature)
         (the sampling distribution, as verl's actor computes it); grad follows torch grad mode. With
         `logprob_chunk_size` > 0 and a backend giving hidden states, the output head runs chunk by chunk
-        (rollstream.model.logprobs): same numbers, peak memory O(chunk x vocab)."""
+        (rollstream.model.logprobs): same numbers, peak memory O(chunk x vocab). `groups` (the rows that
+        share a prompt, on the batch's device): the HF backend runs each shared prompt once."""
         if response_len < 1 or response_len >= input_ids.shape[1]:
             raise ValueError(f"response_len {response_len} must be in [1, {input_ids.shape[1] - 1}]")
         if not temperature > 0:
@@ -310,22 +290,21 @@ class BasePolicy(ABC):
         ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
         with self.compute():
             if self.logprob_chunk_size > 0:
-                head = self._response_hidden(ids, mask, response_len)
+                head = self._response_hidden(ids, mask, response_len, groups)
                 if head is not None:
                     hidden, weight, bias = head
                     labels = ids[:, -response_len:]
                     return chunked_logprobs_entropy(
                         hidden, weight, bias, labels, temperature, self.logprob_chunk_size
                     )
-            logits = self._response_logits(ids, mask, response_len)  # [B,R,V]
+            logits = self._response_logits(ids, mask, response_len, groups)  # [B,R,V]
         return logprobs_entropy(logits, ids[:, -response_len:], temperature)  # [B,R], [B,R] in float32
 
-    def log_probs(
-        self, input_ids: Tensor, attention_mask: Tensor, response_len: int, temperature: float = 1.0
-    ) -> Tensor:
+    def log_probs(self, input_ids: Tensor, attention_mask: Tensor, response_len: int,
+                  temperature: float = 1.0, groups: PromptGroups | None = None) -> Tensor:
         """Per-token log-probs [B,R] of the last R tokens of a left-padded batch under logits /
-        temperature."""
-        return self.forward_logprobs_entropy(input_ids, attention_mask, response_len, temperature)[0]
+        temperature (`groups`: as forward_logprobs_entropy)."""
+        return self.forward_logprobs_entropy(input_ids, attention_mask, response_len, temperature, groups)[0]
 
     # ---- weights and modes -----------------------------------------------------------------------
     def state_dict_bytes(self) -> bytes:

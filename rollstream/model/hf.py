@@ -15,16 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rollstream.model import attention
-from rollstream.model.base import (
-    SHARED_PREFIX_MIN,
-    BasePolicy,
-    common_prefix_len,
-    left_pad,
-    resolve_device,
-    shared_prompts,
-)
+from rollstream.model.base import SHARED_PREFIX_MIN, BasePolicy, resolve_device
 from rollstream.model.chat import check_system_prompt
 from rollstream.model.gpt import positions_from_mask
+from rollstream.model.scoring import PromptGroups
 
 __all__ = ["HFPolicy", "HFTokenizer"]
 
@@ -178,9 +172,11 @@ class HFPolicy(BasePolicy):
         cache.batch_select_indices(rows)
         return cache
 
-    def _response_logits(self, ids: Tensor, mask: Tensor, response_len: int) -> Tensor:
+    def _response_logits(
+        self, ids: Tensor, mask: Tensor, response_len: int, groups: PromptGroups | None = None
+    ) -> Tensor:
         """Logits [B,R,V] predicting the last R tokens (a shared prompt runs once: `_shared_forward`)."""
-        shared = self._shared_forward(ids, mask, response_len, hidden=False)
+        shared = self._shared_forward(ids, mask, response_len, False, groups)
         if shared is not None:
             return shared
         logits = self._forward(ids, mask, positions_from_mask(mask), None, response_len + 1).logits
@@ -195,25 +191,28 @@ class HFPolicy(BasePolicy):
         except TypeError:  # older transformers
             return DynamicCache()
 
-    def _shared_forward(self, ids: Tensor, mask: Tensor, response_len: int, hidden: bool) -> Tensor | None:
+    def _shared_forward(
+        self, ids: Tensor, mask: Tensor, response_len: int, hidden: bool, groups: PromptGroups | None
+    ) -> Tensor | None:
         """Logits [B,R,V] (or the body's final hidden states [B,R,H] when `hidden`) predicting the last R
-        tokens, each distinct prompt run once: when rows share prompts (GRPO's n samples: `shared_prompts`),
-        the prompts go into a KV cache, the cache is repeated to their rows, and only the R response tokens of
-        each row run on it. Same numbers and gradient as the full forward (the repeated cache sums its rows'
-        gradients) on fewer tokens: 16 prompts x 8 samples of 45 + 12 tokens run 2,256 instead of 7,296. None
-        when no prompt is shared, or under gradient checkpointing in training (it turns the cache off)."""
-        groups = shared_prompts(ids, mask, response_len)
-        if groups is None or (self._checkpointing and torch.is_grad_enabled()):
-            return None
-        p_ids, p_mask, rows = groups
+        tokens, each distinct prompt run once: when `groups` says rows share prompts (GRPO's n samples, as
+        the ragged form carries them), the prompts go into a KV cache, the cache is repeated to their rows,
+        and only the R response tokens of each row run on it. Same numbers and gradient as the full forward
+        (the repeated cache sums its rows' gradients) on fewer tokens: 16 prompts x 8 samples of 45 + 12
+        tokens run 2,256 instead of 7,296. None when no prompt is shared (or no groups are given), or under
+        gradient checkpointing in training (it turns the cache off)."""
         P = ids.shape[1] - response_len
+        if groups is None or not groups.shares or P < 1 or (self._checkpointing and torch.is_grad_enabled()):
+            return None
+        rows = groups.of_row
+        p_ids, p_mask = ids[groups.first, :P], mask[groups.first, :P]  # [U, P]: each distinct prompt once
         model: Any = self.module
         net = model.base_model if hidden else model
         cache = self._new_cache()
         common: dict[str, Any] = {self._cache_arg: cache, "use_cache": True}
         if not hidden and self._has_logits_to_keep:
             common["logits_to_keep"] = 1
-        p_ids, p_mask = self._common_prefix_into(net, common, p_ids, p_mask)
+        p_ids, p_mask = self._common_prefix_into(net, common, p_ids, p_mask, groups.prefix_len)
         L = p_mask.shape[1]  # the cache's columns: a common prefix (when run apart) and the prompts' own
         p_pos = positions_from_mask(p_mask)[:, L - p_ids.shape[1] :]
         first = net(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, **common)
@@ -236,22 +235,29 @@ class HFPolicy(BasePolicy):
         common[self._cache_arg].batch_select_indices(to_rows)
 
     def _common_prefix_into(
-        self, net: Any, common: dict[str, Any], p_ids: Tensor, p_mask: Tensor
+        self, net: Any, common: dict[str, Any], p_ids: Tensor, p_mask: Tensor, prefix_len: int
     ) -> tuple[Tensor, Tensor]:
         """The distinct prompts [U,P] (left-padded) of a shared forward: when they all start with the same
-        SHARED_PREFIX_MIN+ tokens (a chat template's system turn), run that prefix once into the cache (its
-        rows repeated to the U prompts; their gradients sum) and return the prompts' own tokens [U,S] with
-        the cache's mask [U,C+S] (the padding hole between prefix and suffix is masked); else as given."""
-        tokens = [row[m.bool()].tolist() for row, m in zip(p_ids, p_mask, strict=True)]
-        C = common_prefix_len(tokens) if len(tokens) > 1 else 0
-        if C < SHARED_PREFIX_MIN:
+        `prefix_len` >= SHARED_PREFIX_MIN tokens (a chat template's system turn), run that prefix once into
+        the cache (its rows repeated to the U prompts; their gradients sum) and return the prompts' own
+        tokens [U,S] (columns of p_ids: the S after the prefix of the longest prompt) with the cache's mask
+        [U,C+S] (the prefix, then each prompt's own tokens: what the columns hold of a shorter prompt's prefix
+        is masked, a hole attention and positions skip); else as given."""
+        U, P = p_ids.shape
+        C = prefix_len
+        if C < SHARED_PREFIX_MIN or U < 2:
             return p_ids, p_mask
-        self._prefix_into(net, common, p_ids.new_tensor(tokens[0][:C]), len(tokens))
-        s_ids, s_mask = (t.to(p_ids.device) for t in left_pad([t[C:] for t in tokens], self.tokenizer.pad_id))
-        return s_ids, torch.cat([s_mask.new_ones((len(tokens), C)), s_mask], 1)
+        lens = p_mask.sum(-1)  # [U] each prompt's length
+        start = P - int(lens[0])
+        self._prefix_into(net, common, p_ids[0, start : start + C], U)
+        S = int(lens.max()) - C  # the widest prompt's own tokens
+        cols = torch.arange(P - S, P, device=p_ids.device)
+        own = cols[None, :] >= (P - (lens - C))[:, None]  # [U, S]: a prompt's tokens after the prefix
+        s_mask = p_mask[:, P - S :] * own
+        return p_ids[:, P - S :], torch.cat([s_mask.new_ones((U, C)), s_mask], 1)
 
     def _response_hidden(
-        self, ids: Tensor, mask: Tensor, response_len: int
+        self, ids: Tensor, mask: Tensor, response_len: int, groups: PromptGroups | None = None
     ) -> tuple[Tensor, Tensor, Tensor | None] | None:
         """Final hidden states [B,R,H] before the output head, with the head's weight [V,H] and bias; None
         when this model's logits are not plain `lm_head(hidden)` (soft-capping, scaling: checked once)."""
@@ -260,7 +266,7 @@ class HFPolicy(BasePolicy):
         base = getattr(model, "base_model", None)
         if self._head_checked is False or not isinstance(head, nn.Linear) or base is None or base is model:
             return None
-        hidden = self._shared_forward(ids, mask, response_len, hidden=True)
+        hidden = self._shared_forward(ids, mask, response_len, True, groups)
         if hidden is None:
             out = base(
                 input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from rollstream.model.base import BasePolicy, resolve_device
 from rollstream.model.gpt import GPT, GPTConfig, KVCache, positions_from_mask
+from rollstream.model.scoring import PromptGroups
 from rollstream.model.tokenizer import CharTokenizer, Tokenizer
 
 
@@ -67,7 +68,10 @@ class TinyPolicy(BasePolicy):
         cache.select(rows)
         return cache
 
-    def _response_logits(self, ids: Tensor, mask: Tensor, response_len: int) -> Tensor:
-        """Logits [B,R,V] predicting the last R tokens (only those positions go through the head)."""
+    def _response_logits(
+        self, ids: Tensor, mask: Tensor, response_len: int, groups: PromptGroups | None = None
+    ) -> Tensor:
+        """Logits [B,R,V] predicting the last R tokens (only those positions go through the head; every row
+        runs its whole prompt, `groups` or not)."""
         logits = self.module(ids, 0, None, positions_from_mask(mask), mask, logits_to_keep=response_len + 1)
         return logits[:, :-1]

@@ -36,9 +36,17 @@ def length_metrics(
 ) -> dict[str, float]:
     """Response length mean/max/min and `clip_ratio` from a mask [B, T]: the share of responses that used
     all `max_response_length` allowed tokens (the configured limit, not the batch's padded width T)."""
+    return response_length_metrics(
+        response_mask.detach().to(torch.float64).sum(dim=-1), max_response_length, prefix
+    )
+
+
+def response_length_metrics(
+    lengths: torch.Tensor, max_response_length: int, prefix: str = "response_length"
+) -> dict[str, float]:
+    """length_metrics of the responses' lengths [B] (float64: each row's loss tokens)."""
     if max_response_length < 1:
         raise ValueError(f"max_response_length must be >= 1, got {max_response_length}")
-    lengths = response_mask.detach().to(torch.float64).sum(dim=-1)  # [B]
     out = summary_stats(lengths, prefix)
     if out:
         out[f"{prefix}/clip_ratio"] = float((lengths >= max_response_length).to(torch.float64).mean())

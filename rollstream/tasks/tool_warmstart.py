@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from rollstream.config import PipelineConfig
-from rollstream.model import BasePolicy, build_batch, build_policy
+from rollstream.model import BasePolicy, build_batch, build_policy, pad_right
 from rollstream.model.chat import encode_prompt, encode_tool_result
 from rollstream.model.lora import LoRALinear
 from rollstream.tasks import Prompt, build_prompt_source, build_task, holdout_key
@@ -86,10 +86,7 @@ def trace_loss(policy: BasePolicy, p_ids: list[list[int]], r_ids: list[list[int]
     """Mean cross-entropy over the trained tokens of the traces (teacher forcing; tool tokens masked)."""
     ids, attn, R = build_batch(p_ids, r_ids, policy.tokenizer.pad_id)
     logp, _ = policy.forward_logprobs_entropy(ids, attn, R)  # [B, R]
-    weight = torch.zeros(len(masks), R)
-    for i, m in enumerate(masks):
-        weight[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
-    weight = weight.to(logp.device)
+    weight = pad_right(masks, R).to(logp.device)  # [B, R]
     return -(logp * weight).sum() / weight.sum()
 
 
