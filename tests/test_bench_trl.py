@@ -1,6 +1,6 @@
-"""The TRL GRPOTrainer baseline (benchmarks/trl_grpo.py): its settings mirror the SmolLM2 config, the reward
-TRL computes is ours on a fixed set of responses, TRL renders our prompts into our ids, and the script runs a
-step end to end on a tiny model built here. The TRL tests skip when the bench-trl extra is not installed."""
+"""The TRL GRPOTrainer baseline (benchmarks/trl_grpo.py, trl_mirror.py): its settings mirror the SmolLM2
+config, the reward TRL computes is ours on a fixed set of responses, TRL renders our prompts into our ids, and
+the script runs a step end to end on a tiny model built here. The TRL tests skip without bench-trl."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.trl_grpo import ahead_levels, default_threads, lora_settings, time_to, trl_settings
+from benchmarks.trl_mirror import ahead_levels, default_threads, lora_settings, time_to, trl_settings
 from rollstream.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +68,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @needs_trl
 @TRL_WARNINGS
 def test_the_reward_trl_computes_is_ours_on_fixed_responses(tiny_model: Path, tmp_path: Path) -> None:
-    from benchmarks.trl_grpo import build_trainer, training_rows
+    from benchmarks.trl_grpo import build_trainer
+    from benchmarks.trl_mirror import training_rows
     from rollstream.model.chat import encode_prompt
     from rollstream.tasks import Prompt
 
@@ -112,5 +113,6 @@ def test_the_script_runs_a_step_end_to_end(tiny_model: Path, tmp_path: Path) -> 
     assert 0.0 <= last["held_out_acc"] <= 1.0 and last["wall_s"] > first["wall_s"]
     assert step["step"] == 1 and step["generate_s"] > 0 and step["update_s"] > 0
     assert step["step_s"] == pytest.approx(step["generate_s"] + step["update_s"], abs=0.01)
+    assert step["generate_cpu_s"] > 0 and step["update_cpu_s"] > 0
     assert 0.0 <= step["reward_mean"] <= 1.0 and step["torch_threads"] == 2
     assert "TRL per step" in done.stdout and "| 50% |" in done.stdout
