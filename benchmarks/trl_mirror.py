@@ -161,9 +161,10 @@ def time_to(points: Sequence[tuple[float, float]], level: float) -> float | None
 
 def ahead_levels(ours: Sequence[tuple[float, float]], theirs: Sequence[tuple[float, float]]) -> list[float]:
     """The accuracy levels the peer's curve reaches before ours does (or ours never does): every running
-    best of `theirs` (the first time it shows) checked against our first time at or above it."""
-    out, best = [], -math.inf
-    for _, acc in theirs:
+    best of `theirs` above its first reading (version 0: nothing trained yet, and the clock counts only
+    start-up there), checked against our first time at or above it."""
+    out, best = [], theirs[0][1] if theirs else -math.inf
+    for _, acc in theirs[1:]:
         if acc > best:
             best = acc
             ours_s, theirs_s = time_to(ours, acc), time_to(theirs, acc)

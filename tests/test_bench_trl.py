@@ -55,6 +55,8 @@ def test_time_to_a_level_and_the_levels_the_peer_reaches_first() -> None:
     assert ahead_levels(ours, [(0.0, 0.25), (500.0, 0.44), (900.0, 0.505)]) == []
     # the peer reaches 48 % at 150 s, before our 200 s; 65 % we never reach
     assert ahead_levels(ours, [(0.0, 0.25), (150.0, 0.48), (300.0, 0.4), (1000.0, 0.65)]) == [0.48, 0.65]
+    # version 0 is no lead: the peer's model loads faster than our pipeline starts
+    assert ahead_levels([(60.0, 0.23), (300.0, 0.4)], [(12.0, 0.23), (900.0, 0.3)]) == []
 
 
 @pytest.fixture(scope="module")
