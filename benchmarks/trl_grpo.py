@@ -270,8 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local folder: never ask the hub
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     try:
-        import peft  # noqa: F401
-        import trl  # noqa: F401
+        import peft
+        import trl
     except ImportError:
         print(f"trl_grpo: TRL or peft is not installed ({INSTALL_HINT})")
         return 2
@@ -287,7 +287,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer, policy, bench.task, bench.val = build_trainer(cfg, bench, max_steps, workdir, bench.scores)
         bench.policy = policy
         torch.set_num_threads(threads)
-        import peft as peft_mod
         import transformers
 
         bench.write({"event": "settings", "config": a.config, "overrides": list(a.overrides),
@@ -296,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "grpo_config": {k: v for k, v in trl_settings(cfg, max_steps, "").items()
                                      if k != "output_dir"},
                      "lora": lora_settings(cfg), "eval_every": a.eval_every, "limit_s": a.limit_s,
-                     "versions": {"trl": trl.__version__, "peft": peft_mod.__version__,
+                     "versions": {"trl": trl.__version__, "peft": peft.__version__,
                                   "transformers": transformers.__version__, "torch": torch.__version__},
                      "cannot_mirror": list(CANNOT_MIRROR)})
         bench.evaluate(0)
