@@ -170,6 +170,16 @@ class BasePolicy(ABC):
         when the backend cannot (generate then prefills whole prompts)."""
         return None
 
+    def _cache_kv(self, cache: Any) -> list[tuple[Tensor, Tensor]]:
+        """The keys and values a cache holds, per layer, [B, heads, T, head_dim] each (continuous batching:
+        rollstream/model/rows.py); backends without it refuse."""
+        raise ValueError(f"continuous generation is not supported by {type(self).__name__}")
+
+    def _cache_of(self, kv: list[tuple[Tensor, Tensor]], room: int) -> Any:
+        """A cache holding the keys and values `kv` (as `_cache_kv` gives them) with room for `room` more
+        positions."""
+        raise ValueError(f"continuous generation is not supported by {type(self).__name__}")
+
     @abstractmethod
     def _response_logits(self, ids: Tensor, mask: Tensor, response_len: int) -> Tensor:
         """Full forward of ids/mask [B,T] -> logits [B,R,V] predicting ids[:, -R:]."""

@@ -178,6 +178,24 @@ class HFPolicy(BasePolicy):
         cache.batch_select_indices(rows)
         return cache
 
+    def _cache_kv(self, cache: Any) -> list[tuple[Tensor, Tensor]]:
+        """The DynamicCache's keys and values per layer (ValueError for a cache whose layers do not hold every
+        position, as sliding-window ones do: continuous batching moves whole rows of columns)."""
+        layers = getattr(cache, "layers", None)
+        if layers is None:  # transformers before 4.56
+            return list(zip(cache.key_cache, cache.value_cache, strict=True))
+        if any(getattr(layer, "is_sliding", False) for layer in layers):
+            raise ValueError("continuous generation needs a model whose every layer caches all positions "
+                             f"({type(self.module).__name__} has sliding-window layers)")
+        return [(layer.keys, layer.values) for layer in layers]
+
+    def _cache_of(self, kv: list[tuple[Tensor, Tensor]], room: int) -> Any:
+        """A DynamicCache of these keys/values (it grows as it decodes: `room` is not needed)."""
+        cache = self._new_cache()
+        for layer, (k, v) in enumerate(kv):
+            cache.update(k, v, layer)
+        return cache
+
     def _response_logits(self, ids: Tensor, mask: Tensor, response_len: int) -> Tensor:
         """Logits [B,R,V] predicting the last R tokens (a shared prompt runs once: `_shared_forward`)."""
         shared = self._shared_forward(ids, mask, response_len, hidden=False)
