@@ -5,6 +5,7 @@ leave while the others decode on; a weight swap re-prefills the rows in flight u
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,7 +37,11 @@ def tiny(position: str, eos: int | None = None, seed: int = 0) -> TinyPolicy:
     tok = CharTokenizer() if eos is None else EosTokenizer(eos)
     cfg = GPTConfig(vocab_size=CharTokenizer().vocab_size, d_model=32, n_layer=2, n_head=4, max_seq_len=64,
                     position=position)  # type: ignore[arg-type]
-    policy = TinyPolicy.from_config(cfg, seed=seed, device="cpu", tokenizer=tok)
+    return vary(TinyPolicy.from_config(cfg, seed=seed, device="cpu", tokenizer=tok), seed)
+
+
+def vary(policy: BasePolicy, seed: int) -> Any:
+    """`policy` with its matrices redrawn from `seed` with std 0.5 (its greedy rows then vary); returned."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for w in policy.module.parameters():
