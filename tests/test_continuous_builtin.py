@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,16 @@ from schemas import RolloutSample, decode
 PIPELINE = Path(__file__).resolve().parents[1] / "pipeline.yaml"
 TINY = ["run.device=cpu", "model.d_model=32", "model.n_layer=2", "model.n_head=2", "model.max_seq_len=64",
         "rollout.continuous=true", "rollout.stats_every_s=60"]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread: on a shared box a tiny model's many small ops otherwise wait on each other's threads
+    (100x slower at load 12 on 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def config(keys: Keys, *overrides: str) -> PipelineConfig:

@@ -4,6 +4,7 @@ leave while the others decode on; a weight swap re-prefills the rows in flight u
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,20 @@ import pytest
 import torch
 
 from rollstream.model import BasePolicy, CharTokenizer, Completion, GPTConfig, TinyPolicy
-from rollstream.model.rows import RowBatch
+from rollstream.model.rows import TRIM_MIN, RowBatch
 
-PROMPTS = ["12+3=", "7*8=", "100-1=", "5=", "99*9=", "3-1="]
+#: six prompts sharing a 5-token prefix (bos + "sum ")
+PROMPTS = ["sum 12+3=", "sum 7*8=", "sum 100-1=", "sum 5=", "sum 99*9=", "sum 3-1="]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread: on a shared box a tiny model's many small ops otherwise wait on each other's threads
+    (100x slower at load 12 on 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 class EosTokenizer(CharTokenizer):
@@ -90,8 +102,10 @@ def run_admitting(
     return occupancy
 
 
-@pytest.mark.parametrize("position", ["learned", "rope"])
-def test_greedy_rows_admitted_mid_batch_decode_what_per_row_generation_does(position: str) -> None:
+@pytest.mark.parametrize(("position", "compact_at"), [("learned", 0.125), ("rope", 0.125), ("rope", 1.0)])
+def test_greedy_rows_admitted_mid_batch_decode_what_per_row_generation_does(
+    position: str, compact_at: float
+) -> None:
     budget = 14
     plain = tiny(position)
     prompts = [plain.tokenizer.encode(p, add_bos=True) for p in PROMPTS]
@@ -101,7 +115,7 @@ def test_greedy_rows_admitted_mid_batch_decode_what_per_row_generation_does(posi
     lengths = {len(w.response_ids) for w in want}
     assert len(lengths) >= 3 and any(w.finished for w in want) and not all(w.finished for w in want)
 
-    batch = RowBatch(policy)
+    batch = RowBatch(policy, compact_at=compact_at)  # 1.0: new rows always go into finished rows' slots
     rows = [Completion(prompt_ids=list(p)) for p in prompts]
     occupancy = run_admitting(batch, rows, budgets, admit_at=[0, 0, 2, 3, 3, 7])
     for got, ref in zip(rows, want, strict=True):
@@ -112,14 +126,35 @@ def test_greedy_rows_admitted_mid_batch_decode_what_per_row_generation_does(posi
     assert batch.busy_s > 0 and 0 < batch.row_s <= batch.busy_s * max(occupancy)
 
 
+@pytest.mark.parametrize("compact_at", [0.125, 1.0])
+def test_a_long_running_batch_keeps_only_the_columns_its_rows_use(compact_at: float) -> None:
+    policy = tiny("rope")
+    prompts = [policy.tokenizer.encode(PROMPTS[k % len(PROMPTS)], add_bos=True) for k in range(24)]
+    budgets = [6 + k % 5 for k in range(24)]
+    want = [policy.generate([p], 1, b, greedy=True)[0] for p, b in zip(prompts, budgets, strict=True)]
+    batch = RowBatch(policy, compact_at=compact_at)
+    rows = [Completion(prompt_ids=list(p)) for p in prompts]
+    widths = []
+    for step in range(24 * 3 + 12):  # a row every 3 steps: ~3 in flight, 84 steps in all
+        if step % 3 == 0 and step // 3 < len(rows):
+            batch.submit(rows[step // 3], budgets[step // 3], 0.0)
+        batch.step()
+        widths.append(batch.columns)
+    assert batch.in_flight == 0
+    for got, ref in zip(rows, want, strict=True):
+        assert got.response_ids == ref.response_ids
+    longest = max(len(p) for p in prompts) + max(budgets)
+    assert max(widths) <= longest + 3 + TRIM_MIN  # never the 84 steps' worth of columns
+
+
 def test_an_hf_model_with_a_shared_chat_prefix_admits_rows_mid_batch(tmp_path: Path) -> None:
     policy = tiny_hf(tmp_path / "llama")
     prompts = [ids_of(policy, p) for p in PROMPTS]
     budgets = [12, 5, 9, 15, 7, 11]
     want = [policy.generate([p], 1, b, greedy=True)[0] for p, b in zip(prompts, budgets, strict=True)]
-    batch = RowBatch(policy)
+    batch = RowBatch(policy, compact_at=1.0)  # new rows go into finished rows' slots
     rows = [Completion(prompt_ids=list(p)) for p in prompts]
-    run_admitting(batch, rows, budgets, admit_at=[0, 2, 2, 2, 5, 6])  # 3 rows prefilled together at step 2
+    run_admitting(batch, rows, budgets, admit_at=[0, 2, 2, 2, 7, 8])  # 3 rows prefilled together at step 2
     for got, ref in zip(rows, want, strict=True):
         assert got.response_ids == ref.response_ids
         assert max(abs(a - b) for a, b in zip(got.log_probs, ref.log_probs, strict=True)) < 1e-5

@@ -10,6 +10,7 @@ ids computed from the attention mask, so a left-padded batch gives the same numb
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -143,6 +144,10 @@ class BasePolicy(ABC):
     #: Compute dtype of every forward pass (torch.autocast over the weights' own dtype); None computes in the
     #: weights' dtype. bfloat16 over float32 weights keeps float32 master weights at bfloat16 matmul speed.
     autocast_dtype: torch.dtype | None = None
+    #: Seconds `generate` spent in its prefill and decode steps, and unfinished rows x seconds over them
+    #: (their ratio: the mean rows in flight; the generation benchmark's occupancy)
+    busy_s: float = 0.0
+    row_s: float = 0.0
 
     def compute(self) -> contextlib.AbstractContextManager[Any]:
         """The context forward passes run in: torch.autocast to `autocast_dtype` on the policy's device, or
@@ -169,6 +174,11 @@ class BasePolicy(ABC):
         its cache repeated to the B rows -> (logits [B,V] of the next token, cache of prefix + ids); None
         when the backend cannot (generate then prefills whole prompts)."""
         return None
+
+    def _extend(self, cache: Any, ids: Tensor, mask: Tensor) -> Tensor:
+        """ids [B,T] (left-padded) after the cache's columns, mask [B, Tcache+T] -> logits [B,V] of the next
+        token (continuous batching: rows prefilled after a cached prefix); backends without it refuse."""
+        raise ValueError(f"continuous generation is not supported by {type(self).__name__}")
 
     def _cache_kv(self, cache: Any) -> list[tuple[Tensor, Tensor]]:
         """The keys and values a cache holds, per layer, [B, heads, T, head_dim] each (continuous batching:
@@ -235,6 +245,7 @@ class BasePolicy(ABC):
         alive = list(range(len(trajs)))
         was_training = self.module.training
         self.module.eval()
+        since = (time.perf_counter(), len(trajs))  # when the step being timed began, and its unfinished rows
         try:
             with torch.no_grad(), self.compute():
                 seq, seq_mask, logits, cache = self._prefill_prompts(prompts, max_new_tokens)
@@ -243,6 +254,7 @@ class BasePolicy(ABC):
                     seq, seq_mask, logits = seq[rows], seq_mask[rows], logits[rows]
                     cache = self._select_cache(cache, rows)
                 for step in range(max_new_tokens):
+                    since = self._timed(since, sum(1 for j in alive if j >= 0))
                     tok, logp = sample_tokens(logits, temperature, top_p, generator, greedy, top_k)  # [b]
                     keep: list[int] = []
                     for j, (t, lp) in enumerate(zip(tok.tolist(), logp.tolist(), strict=True)):
@@ -280,8 +292,17 @@ class BasePolicy(ABC):
                             continue
                     logits = self._decode(tok[:, None], seq_mask, cache)
         finally:
+            self._timed(since, 0)
             self.module.train(was_training)
         return trajs
+
+    def _timed(self, since: tuple[float, int], rows: int) -> tuple[float, int]:
+        """Count the step that began at `since` (time, unfinished rows) into busy_s / row_s; the next one
+        begins now with `rows` unfinished."""
+        now = time.perf_counter()
+        self.busy_s += now - since[0]
+        self.row_s += (now - since[0]) * since[1]
+        return now, rows
 
     def _prefill_prompts(
         self, prompts: list[list[int]], max_new_tokens: int

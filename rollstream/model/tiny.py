@@ -67,6 +67,12 @@ class TinyPolicy(BasePolicy):
         cache.select(rows)
         return cache
 
+    def _extend(self, cache: Any, ids: Tensor, mask: Tensor) -> Tensor:
+        """ids [B,T] after the cache (mask [B, length+T]); logits [B,V] of the next token."""
+        assert isinstance(cache, KVCache)
+        pos = positions_from_mask(mask)[:, -ids.shape[1] :]
+        return self.module(ids, cache.length, cache, pos, mask, logits_to_keep=1)[:, -1]
+
     def _cache_kv(self, cache: Any) -> list[tuple[Tensor, Tensor]]:
         """The filled positions of the cache, per layer."""
         assert isinstance(cache, KVCache)
