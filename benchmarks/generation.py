@@ -6,15 +6,16 @@ of generation time (`rollout.n` x `prompts_per_dispatch` rows per batch), and en
 second (generation + scoring + encode + publish). The namespace's keys are deleted afterwards.
 Run: `rollstream bench generation pipeline.yaml [key=value ...] [--dispatches N] [--redis-url URL]`.
 
-Engines side by side (`--engines builtin vllm vllm-dispatch`): the same model, config and prompts through each
-`rollout.name` in one run, one after the other, each also timed loading a newly published version into
-the running engine (the swap); `vllm` serves continuously (`rollout.vllm.continuous`), `vllm-dispatch` one
-batch per dispatch. For vLLM also: the engine's busy share of the wall clock and its mean occupancy (rows in
-flight over the rows a dispatch holds) while busy. `--preset llama-tail` gives a long-tailed response length
-(a random model over a 57-token vocabulary ends a row with probability ~1/57 per token: median ~40 tokens,
-~3 % reach the 192-token cap). `--preset qwen2-76m` builds a random Qwen2 of that shape (hidden 768, 12
-layers, 12 heads, 4 KV heads, BPE tokenizer) in a temp dir and benchmarks it with 64 prompts x 8 samples x
-32 tokens per dispatch (override any of it with key=value).
+Engines side by side (`--engines builtin builtin-continuous vllm vllm-dispatch`): the same model, config and
+prompts through each `rollout.name` in one run, one after the other, each also timed loading a newly published
+version into the running engine (the swap); `vllm` serves continuously (`rollout.vllm.continuous`),
+`vllm-dispatch` one batch per dispatch, `builtin` one batch per dispatch and `builtin-continuous` one running
+batch (`rollout.continuous`). Also: the engine's busy share of the wall clock, its mean occupancy (rows in
+flight over the rows a dispatch holds) while busy, and the published responses' lengths. `--preset llama-tail`
+gives a long-tailed response length (a random model over a 57-token vocabulary ends a row with probability
+~1/57 per token: median ~40 tokens, ~3 % reach the 192-token cap). `--preset qwen2-76m` builds a random
+Qwen2 of that shape (hidden 768, 12 layers, 12 heads, 4 KV heads, BPE tokenizer) in a temp dir and benchmarks
+it with 64 prompts x 8 samples x 32 tokens per dispatch (override any of it with key=value).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from rollstream.weights.store import (
     publish_module_weights,
     publish_weights,
 )
+from schemas import RolloutSample, decode
 
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -75,6 +77,9 @@ def unthrottled_producer(
         return build(ctx)
     return build(ctx, policy=policy)
 
+
+#: The engines `--engines` compares: rollout.name, with its continuous or per-dispatch generation.
+ENGINES = ("builtin", "builtin-continuous", "vllm", "vllm-dispatch")
 
 #: The engine comparison's dispatch: 64 prompts x 8 samples x 32 tokens (512 rows).
 DISPATCH_512x32 = [
@@ -151,7 +156,8 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
         producer = unthrottled_producer(cfg, r, keys, weights_dir=weights_dir)
         producer.run(max_dispatches=warmup)
         c0 = dict(vars(producer.counters))
-        engine = producer.policy
+        engine = producer.continuous.engine if producer.continuous is not None else producer.policy
+        first = r.xlen(keys.rollouts_of("rollout_00"))
         busy0, row0 = getattr(engine, "busy_s", 0.0), getattr(engine, "row_s", 0.0)
         t0 = time.perf_counter()
         producer.run(max_dispatches=dispatches)
@@ -162,6 +168,8 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
         tokens, gen_s = c1["tokens"] - c0["tokens"], c1["gen_s"] - c0["gen_s"]
         samples = c1["published"] - c0["published"]
         swap_s = _swap_s(producer, r, keys, weights_dir)
+        lengths = _response_lengths(r, keys, first)
+        cap = cfg.data.max_response_length
         return {
             "gen_tokens_per_s": tokens / gen_s,
             "wall_tokens_per_s": tokens / wall_s,
@@ -175,6 +183,11 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
             "dispatches": dispatches,
             "rows_per_batch": cfg.rollout.n * cfg.rollout.prompts_per_dispatch,
             "max_new_tokens": cfg.data.max_response_length,
+            "response_len_mean": sum(lengths) / max(1, len(lengths)),
+            "response_len_p10": _quantile(lengths, 0.1),
+            "response_len_p50": _quantile(lengths, 0.5),
+            "response_len_p90": _quantile(lengths, 0.9),
+            "response_len_at_cap": sum(1 for n in lengths if n >= cap) / max(1, len(lengths)),
             "swap_s": swap_s,
             "engine": cfg.rollout.name,
             "device": str(getattr(producer.policy, "device", cfg.run.device)),
@@ -186,6 +199,21 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
         tmp.cleanup()
 
 
+def _response_lengths(r: redis.Redis, keys: Keys, first: int) -> list[int]:
+    """The response length of every row rollout_00 published from its `first` sample on, sorted."""
+    entries: Any = r.xrange(keys.rollouts_of("rollout_00"))
+    samples = [decode(fields) for _, fields in entries[first:]]
+    return sorted(out["response_length"] for s in samples if isinstance(s, RolloutSample)
+                  for out in s.agent_loop_output_list)
+
+
+def _quantile(sorted_values: Sequence[int], q: float) -> float:
+    """The q-quantile of sorted values (nearest rank; nan when empty)."""
+    if not sorted_values:
+        return float("nan")
+    return float(sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))])
+
+
 def compare_engines(
     cfg: PipelineConfig, redis_url: str, dispatches: int, warmup: int, engines: Sequence[str]
 ) -> dict[str, dict[str, Any]]:
@@ -194,7 +222,9 @@ def compare_engines(
     for name in engines:
         engine, _, mode = name.partition("-")
         vllm = cfg.rollout.vllm.model_copy(update={"continuous": mode != "dispatch"})
-        rollout = cfg.rollout.model_copy(update={"name": engine, "vllm": vllm})
+        rollout = cfg.rollout.model_copy(
+            update={"name": engine, "vllm": vllm, "continuous": engine == "builtin" and mode == "continuous"}
+        )
         ecfg = cfg.model_copy(update={"rollout": rollout})
         out[name] = bench_generation(ecfg, redis_url, dispatches, warmup)
         gc.collect()
@@ -211,9 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--redis-url", default=DEFAULT_URL, help="Redis to run against (a throwaway namespace)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured dispatches first (engine warm-up)")
-    p.add_argument("--engines", nargs="+", choices=("builtin", "vllm", "vllm-dispatch"), default=None,
+    p.add_argument("--engines", nargs="+", choices=ENGINES, default=None,
                    help="compare these rollout.name values on the same config in one run (vllm-dispatch: "
-                        "vLLM with rollout.vllm.continuous=false)")
+                        "vLLM with rollout.vllm.continuous=false; builtin-continuous: the built-in engine "
+                        "with rollout.continuous=true)")
     p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -264,6 +295,11 @@ def _print_comparison(results: dict[str, dict[str, Any]], as_json: bool) -> int:
         "swap_s",
         "tokens",
         "samples",
+        "response_len_mean",
+        "response_len_p10",
+        "response_len_p50",
+        "response_len_p90",
+        "response_len_at_cap",
     ]
     print(f"{'':20s} " + " ".join(f"{n:>12s}" for n in names))
     for row in rows:
