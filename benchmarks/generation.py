@@ -2,8 +2,9 @@
 
 A throwaway run namespace gets version 0 (the config's initial weights) and an unlimited lease; the
 producer runs `warmup` dispatches, then `dispatches` measured ones. Reported: generated tokens per second
-of generation time (`rollout.n` x `prompts_per_dispatch` rows per batch), and end-to-end samples per
-second (generation + scoring + encode + publish). The namespace's keys are deleted afterwards.
+of generation time (`rollout.n` x `prompts_per_dispatch` rows per batch) and per CPU second of the process
+(steadier than the wall clock on a shared box), and end-to-end samples per second (generation + scoring +
+encode + publish). The namespace's keys are deleted afterwards.
 Run: `rollstream bench generation pipeline.yaml [key=value ...] [--dispatches N] [--redis-url URL]`.
 
 Engines side by side (`--engines builtin builtin-continuous vllm vllm-dispatch`): the same model, config and
@@ -11,11 +12,13 @@ prompts through each `rollout.name` in one run, one after the other, each also t
 version into the running engine (the swap); `vllm` serves continuously (`rollout.vllm.continuous`),
 `vllm-dispatch` one batch per dispatch, `builtin` one batch per dispatch and `builtin-continuous` one running
 batch (`rollout.continuous`). Also: the engine's busy share of the wall clock, its mean occupancy (rows in
-flight over the rows a dispatch holds) while busy, and the published responses' lengths. `--preset llama-tail`
-gives a long-tailed response length (a random model over a 57-token vocabulary ends a row with probability
-~1/57 per token: median ~40 tokens, ~3 % reach the 192-token cap). `--preset qwen2-76m` builds a random
-Qwen2 of that shape (hidden 768, 12 layers, 12 heads, 4 KV heads, BPE tokenizer) in a temp dir and benchmarks
-it with 64 prompts x 8 samples x 32 tokens per dispatch (override any of it with key=value).
+flight over the rows a dispatch holds) while busy, the share of the rows it computes that are still in flight
+(the built-in engines decode finished rows until they drop them), and the published responses' lengths.
+`--preset llama-tail` gives a long-tailed response length (a random model over a 57-token vocabulary ends a
+row with probability ~1/57 per token: median ~40 tokens, ~3 % reach the 192-token cap). `--preset qwen2-76m`
+builds a random Qwen2 of that shape (hidden 768, 12 layers, 12 heads, 4 KV heads, BPE tokenizer) in a temp
+dir and benchmarks it with 64 prompts x 8 samples x 32 tokens per dispatch (override any of it with
+key=value).
 """
 
 from __future__ import annotations
@@ -159,10 +162,12 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
         engine = producer.continuous.engine if producer.continuous is not None else producer.policy
         first = r.xlen(keys.rollouts_of("rollout_00"))
         busy0, row0 = getattr(engine, "busy_s", 0.0), getattr(engine, "row_s", 0.0)
-        t0 = time.perf_counter()
+        batch0 = getattr(engine, "batch_row_s", row0)  # vLLM's batch holds only rows in flight
+        t0, cpu0 = time.perf_counter(), time.process_time()
         producer.run(max_dispatches=dispatches)
-        wall_s = time.perf_counter() - t0
+        wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
         busy, row_s = getattr(engine, "busy_s", 0.0) - busy0, getattr(engine, "row_s", 0.0) - row0
+        batch_s = getattr(engine, "batch_row_s", row0 + row_s) - batch0
         rows = cfg.rollout.n * cfg.rollout.prompts_per_dispatch
         c1 = vars(producer.counters)
         tokens, gen_s = c1["tokens"] - c0["tokens"], c1["gen_s"] - c0["gen_s"]
@@ -173,11 +178,13 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
         return {
             "gen_tokens_per_s": tokens / gen_s,
             "wall_tokens_per_s": tokens / wall_s,
+            "cpu_tokens_per_s": tokens / cpu_s,
             "samples_per_s": samples / wall_s,
             "trajectories_per_s": samples * cfg.rollout.n / wall_s,
             "gen_share": gen_s / wall_s,
             "engine_busy_share": busy / wall_s if busy else float("nan"),
             "engine_occupancy": row_s / (busy * rows) if busy else float("nan"),
+            "engine_live_share": row_s / batch_s if batch_s else float("nan"),
             "tokens": tokens,
             "samples": samples,
             "dispatches": dispatches,
@@ -287,11 +294,13 @@ def _print_comparison(results: dict[str, dict[str, Any]], as_json: bool) -> int:
     rows = [
         "gen_tokens_per_s",
         "wall_tokens_per_s",
+        "cpu_tokens_per_s",
         "samples_per_s",
         "trajectories_per_s",
         "gen_share",
         "engine_busy_share",
         "engine_occupancy",
+        "engine_live_share",
         "swap_s",
         "tokens",
         "samples",
@@ -304,8 +313,10 @@ def _print_comparison(results: dict[str, dict[str, Any]], as_json: bool) -> int:
     print(f"{'':20s} " + " ".join(f"{n:>12s}" for n in names))
     for row in rows:
         print(f"{row:20s} " + " ".join(f"{results[n][row]:12.4g}" for n in names))
-    base, wall = results[names[0]]["gen_tokens_per_s"], results[names[0]]["wall_tokens_per_s"]
+    first = results[names[0]]
     for n in names[1:]:
-        print(f"tokens/s {n} / {names[0]}: {results[n]['gen_tokens_per_s'] / base:.2f}x while generating, "
-              f"{results[n]['wall_tokens_per_s'] / wall:.2f}x over the wall clock")
+        gen, wall, cpu = (results[n][k] / first[k]
+                          for k in ("gen_tokens_per_s", "wall_tokens_per_s", "cpu_tokens_per_s"))
+        print(f"tokens/s {n} / {names[0]}: {gen:.2f}x while generating, {wall:.2f}x over the wall clock, "
+              f"{cpu:.2f}x per CPU second")
     return 0

@@ -169,10 +169,10 @@ class Producer(Publishing):
             if generate is not None:
                 raise ValueError("rollout.continuous=true runs the built-in engine's own running batch: it "
                                  "cannot use a generate function given to the producer")
-            from producers.continuous import ContinuousLoop
-            from rollstream.model.rows import RowBatch
+            from producers.continuous import ContinuousLoop, builtin_engine
 
-            self.continuous = ContinuousLoop(self, RowBatch(cast(BasePolicy, self.policy), self.generator))
+            rows = builtin_engine(cfg, cast(BasePolicy, self.policy), self.generator)
+            self.continuous = ContinuousLoop(self, rows)
         self.generate: GenerateFn = generate or self.agent_loop
         self.metrics = Publisher(ctx.r, nomkstream=True)
         self.counters = Counters()

@@ -144,10 +144,12 @@ class BasePolicy(ABC):
     #: Compute dtype of every forward pass (torch.autocast over the weights' own dtype); None computes in the
     #: weights' dtype. bfloat16 over float32 weights keeps float32 master weights at bfloat16 matmul speed.
     autocast_dtype: torch.dtype | None = None
-    #: Seconds `generate` spent in its prefill and decode steps, and unfinished rows x seconds over them
-    #: (their ratio: the mean rows in flight; the generation benchmark's occupancy)
+    #: Seconds `generate` spent in its prefill and decode steps, unfinished rows x seconds over them (their
+    #: ratio: the mean rows in flight; the generation benchmark's occupancy), and batch rows x seconds
+    #: (finished rows too: they are decoded until dropped)
     busy_s: float = 0.0
     row_s: float = 0.0
+    batch_row_s: float = 0.0
 
     def compute(self) -> contextlib.AbstractContextManager[Any]:
         """The context forward passes run in: torch.autocast to `autocast_dtype` on the policy's device, or
@@ -245,7 +247,7 @@ class BasePolicy(ABC):
         alive = list(range(len(trajs)))
         was_training = self.module.training
         self.module.eval()
-        since = (time.perf_counter(), len(trajs))  # when the step being timed began, and its unfinished rows
+        since = (time.perf_counter(), len(trajs), len(trajs))  # a step began: when, unfinished and batch rows
         try:
             with torch.no_grad(), self.compute():
                 seq, seq_mask, logits, cache = self._prefill_prompts(prompts, max_new_tokens)
@@ -254,7 +256,7 @@ class BasePolicy(ABC):
                     seq, seq_mask, logits = seq[rows], seq_mask[rows], logits[rows]
                     cache = self._select_cache(cache, rows)
                 for step in range(max_new_tokens):
-                    since = self._timed(since, sum(1 for j in alive if j >= 0))
+                    since = self._timed(since, sum(1 for j in alive if j >= 0), len(alive))
                     tok, logp = sample_tokens(logits, temperature, top_p, generator, greedy, top_k)  # [b]
                     keep: list[int] = []
                     for j, (t, lp) in enumerate(zip(tok.tolist(), logp.tolist(), strict=True)):
@@ -292,17 +294,18 @@ class BasePolicy(ABC):
                             continue
                     logits = self._decode(tok[:, None], seq_mask, cache)
         finally:
-            self._timed(since, 0)
+            self._timed(since, 0, 0)
             self.module.train(was_training)
         return trajs
 
-    def _timed(self, since: tuple[float, int], rows: int) -> tuple[float, int]:
-        """Count the step that began at `since` (time, unfinished rows) into busy_s / row_s; the next one
-        begins now with `rows` unfinished."""
+    def _timed(self, since: tuple[float, int, int], rows: int, batch: int) -> tuple[float, int, int]:
+        """Count the step that began at `since` (time, unfinished rows, batch rows) into busy_s / row_s /
+        batch_row_s; the next one begins now with `rows` unfinished of `batch`."""
         now = time.perf_counter()
         self.busy_s += now - since[0]
         self.row_s += (now - since[0]) * since[1]
-        return now, rows
+        self.batch_row_s += (now - since[0]) * since[2]
+        return now, rows, batch
 
     def _prefill_prompts(
         self, prompts: list[list[int]], max_new_tokens: int

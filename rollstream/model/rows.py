@@ -98,6 +98,7 @@ class RowBatch:
         self._prefix_kv: KV | None = None
         self.busy_s = 0.0  #: seconds spent in steps
         self.row_s = 0.0  #: rows decoding x seconds, summed over steps (busy_s x mean rows decoding)
+        self.batch_row_s = 0.0  #: batch rows x seconds (finished rows too: decoded until dropped or replaced)
 
     @property
     def max_seq_len(self) -> int | None:
@@ -134,13 +135,14 @@ class RowBatch:
                 live = self.decoding
                 if self._waiting and (len(self._waiting) >= min(self.admit_rows, max(1, live))):
                     self._admit()
-                rows = self.decoding
+                rows, batch = self.decoding, len(self._rows)
                 done = self._sample() if self._rows else []
         finally:
             module.train(was_training)
         dt = time.perf_counter() - t0
         self.busy_s += dt
         self.row_s += rows * dt
+        self.batch_row_s += batch * dt
         return done
 
     @property
@@ -329,7 +331,8 @@ class RowBatch:
             if not self._waiting:
                 self._clear()
             return done
-        if b - live >= self.compact_at * b:  # drop the finished rows (a copy of the cache)
+        if b - live >= self.compact_at * b and not self._waiting:  # drop the finished rows (a copy of the
+            # cache), unless rows wait to be admitted: they will take the slots in place
             keep = alive.nonzero().squeeze(-1)
             tokens, alive = tokens[keep], alive[keep]
             self._rebuild(None, None, None, [])
