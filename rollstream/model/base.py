@@ -228,8 +228,8 @@ class BasePolicy(ABC):
         on_chunk: Callable[[], bool] | None = None,
         top_k: int = -1,
     ) -> list[Completion]:
-        """Sample n responses per prompt in one left-padded KV-cached batch; prompt-major order. Each prompt
-        is prefilled once and its cache shared by its n rows.
+        """Sample n responses per prompt in one left-padded KV-cached batch; prompt-major order. Each distinct
+        prompt is prefilled once and its cache shared by its rows (its n samples, and equal prompts).
 
         Sampling uses softmax(logits / temperature) with top-k (-1: all tokens) and top-p (argmax when
         `greedy` or temperature == 0); stored log-probs are those of softmax(logits / temperature) (see
@@ -250,9 +250,14 @@ class BasePolicy(ABC):
         since = (time.perf_counter(), len(trajs), len(trajs))  # a step began: when, unfinished and batch rows
         try:
             with torch.no_grad(), self.compute():
-                seq, seq_mask, logits, cache = self._prefill_prompts(prompts, max_new_tokens)
-                if n > 1:  # the n samples of a prompt share its prefill: rows [U] -> [U*n], prompt-major
-                    rows = torch.arange(len(prompts), device=self.device).repeat_interleave(n)
+                # each distinct prompt is prefilled once: the agent loops pass a group's n rows as n equal
+                # prompts (n=1), and the n samples of a prompt share its prefill: rows [U] -> [P*n]
+                distinct: dict[tuple[int, ...], int] = {}
+                of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+                firsts = [list(p) for p in distinct]
+                seq, seq_mask, logits, cache = self._prefill_prompts(firsts, max_new_tokens)
+                if n > 1 or len(distinct) < len(prompts):
+                    rows = torch.tensor(of, device=self.device).repeat_interleave(n)
                     seq, seq_mask, logits = seq[rows], seq_mask[rows], logits[rows]
                     cache = self._select_cache(cache, rows)
                 for step in range(max_new_tokens):
