@@ -331,8 +331,8 @@ class RowBatch:
             if not self._waiting:
                 self._clear()
             return done
-        if b - live >= self.compact_at * b and not self._waiting:  # drop the finished rows (a copy of the
-            # cache), unless rows wait to be admitted: they will take the slots in place
+        if b - live >= self.compact_at * b:  # drop the finished rows (a copy of the cache): decoding them on
+            # until waiting rows take their slots cost more (SmolLM2 on a CPU)
             keep = alive.nonzero().squeeze(-1)
             tokens, alive = tokens[keep], alive[keep]
             self._rebuild(None, None, None, [])
