@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 import torch
+from conftest import one_version_rows
 from test_rows import vary
 
 from producers.agent import GenerationSettings, run_agent_loop
@@ -34,15 +34,7 @@ PIPELINE = Path(__file__).resolve().parents[1] / "pipeline.yaml"
 TINY = ["run.device=cpu", "model.d_model=32", "model.n_layer=2", "model.n_head=2", "model.max_seq_len=64",
         "rollout.continuous=true", "rollout.stats_every_s=60"]
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One torch thread: on a shared box a tiny model's many small ops otherwise wait on each other's threads
-    (100x slower at load 12 on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def config(keys: Keys, *overrides: str) -> PipelineConfig:
@@ -104,18 +96,10 @@ def test_groups_enter_as_rows_finish_and_publish_once_each_in_seq_order(r: redis
     assert all(s.param_version == 0 for s in swapped)  # stamped with the version admitted under
     assert samples[-1].param_version == 1 and set(samples[-1].param_version_start) == {1}
     compared = 0  # every behaviour log-prob of a row one version generated is that version's
-    for s in samples:
-        b = s.full_batch
-        po, ro, plen = b.prompt_offsets(), b.response_offsets(), b.row_prompt_lens()
-        for i in range(len(b)):
-            if s.param_version_start[i] != s.param_version_end[i] or ro[i] == ro[i + 1]:
-                continue
-            policy = v0 if s.param_version_start[i] == 0 else v1
-            prompt = [int(t) for t in b.prompt_ids[po[i] : po[i] + plen[i]]]
-            response = [int(t) for t in b.response_ids[ro[i] : ro[i + 1]]]
-            got = torch.from_numpy(b.tokens["rollout_log_probs"][ro[i] : ro[i + 1]].astype("float32"))
-            assert float((recompute(policy, prompt, response, 1.5) - got).abs().max()) < 1e-4
-            compared += 1
+    for version, prompt, response, got in one_version_rows(samples):
+        policy = v0 if version == 0 else v1
+        assert float((recompute(policy, prompt, response, 1.5) - got).abs().max()) < 1e-4
+        compared += 1
     assert compared >= 10
 
 

@@ -4,7 +4,6 @@ leave while the others decode on; a weight swap re-prefills the rows in flight u
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +16,7 @@ from rollstream.model.rows import TRIM_MIN, RowBatch
 #: six prompts sharing a 5-token prefix (bos + "sum ")
 PROMPTS = ["sum 12+3=", "sum 7*8=", "sum 100-1=", "sum 5=", "sum 99*9=", "sum 3-1="]
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One torch thread: on a shared box a tiny model's many small ops otherwise wait on each other's threads
-    (100x slower at load 12 on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class EosTokenizer(CharTokenizer):

@@ -144,9 +144,8 @@ class BasePolicy(ABC):
     #: Compute dtype of every forward pass (torch.autocast over the weights' own dtype); None computes in the
     #: weights' dtype. bfloat16 over float32 weights keeps float32 master weights at bfloat16 matmul speed.
     autocast_dtype: torch.dtype | None = None
-    #: Seconds `generate` spent in its prefill and decode steps, unfinished rows x seconds over them (their
-    #: ratio: the mean rows in flight; the generation benchmark's occupancy), and batch rows x seconds
-    #: (finished rows too: they are decoded until dropped)
+    #: Seconds `generate` spent in its steps; unfinished rows and batch rows (finished ones are decoded until
+    #: dropped) x seconds over them: the generation benchmark's occupancy and live share
     busy_s: float = 0.0
     row_s: float = 0.0
     batch_row_s: float = 0.0
@@ -178,18 +177,15 @@ class BasePolicy(ABC):
         return None
 
     def _extend(self, cache: Any, ids: Tensor, mask: Tensor) -> Tensor:
-        """ids [B,T] (left-padded) after the cache's columns, mask [B, Tcache+T] -> logits [B,V] of the next
-        token (continuous batching: rows prefilled after a cached prefix); backends without it refuse."""
+        """ids [B,T] after the cache's columns (mask [B, cached+T]) -> logits [B,V] of the next token."""
         raise ValueError(f"continuous generation is not supported by {type(self).__name__}")
 
     def _cache_kv(self, cache: Any) -> list[tuple[Tensor, Tensor]]:
-        """The keys and values a cache holds, per layer, [B, heads, T, head_dim] each (continuous batching:
-        rollstream/model/rows.py); backends without it refuse."""
+        """The cache's keys and values per layer, [B, heads, T, head_dim] each (rollstream/model/rows.py)."""
         raise ValueError(f"continuous generation is not supported by {type(self).__name__}")
 
     def _cache_of(self, kv: list[tuple[Tensor, Tensor]], room: int) -> Any:
-        """A cache holding the keys and values `kv` (as `_cache_kv` gives them) with room for `room` more
-        positions."""
+        """A cache holding `kv` (as `_cache_kv` gives it) with room for `room` more positions."""
         raise ValueError(f"continuous generation is not supported by {type(self).__name__}")
 
     @abstractmethod
@@ -304,8 +300,7 @@ class BasePolicy(ABC):
         return trajs
 
     def _timed(self, since: tuple[float, int, int], rows: int, batch: int) -> tuple[float, int, int]:
-        """Count the step that began at `since` (time, unfinished rows, batch rows) into busy_s / row_s /
-        batch_row_s; the next one begins now with `rows` unfinished of `batch`."""
+        """Count the step begun at `since` (time, unfinished, batch rows); the next begins now with these."""
         now = time.perf_counter()
         self.busy_s += now - since[0]
         self.row_s += (now - since[0]) * since[1]
