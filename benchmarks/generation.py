@@ -2,19 +2,23 @@
 
 A throwaway run namespace gets version 0 (the config's initial weights) and an unlimited lease; the
 producer runs `warmup` dispatches, then `dispatches` measured ones. Reported: generated tokens per second
-of generation time (`rollout.n` x `prompts_per_dispatch` rows per batch), and end-to-end samples per
-second (generation + scoring + encode + publish). The namespace's keys are deleted afterwards.
+of generation time (`rollout.n` x `prompts_per_dispatch` rows per batch) and per CPU second of the process
+(steadier than the wall clock on a shared box), and end-to-end samples per second (generation + scoring +
+encode + publish). The namespace's keys are deleted afterwards.
 Run: `rollstream bench generation pipeline.yaml [key=value ...] [--dispatches N] [--redis-url URL]`.
 
-Engines side by side (`--engines builtin vllm vllm-dispatch`): the same model, config and prompts through each
-`rollout.name` in one run, one after the other, each also timed loading a newly published version into
-the running engine (the swap); `vllm` serves continuously (`rollout.vllm.continuous`), `vllm-dispatch` one
-batch per dispatch. For vLLM also: the engine's busy share of the wall clock and its mean occupancy (rows in
-flight over the rows a dispatch holds) while busy. `--preset llama-tail` gives a long-tailed response length
-(a random model over a 57-token vocabulary ends a row with probability ~1/57 per token: median ~40 tokens,
-~3 % reach the 192-token cap). `--preset qwen2-76m` builds a random Qwen2 of that shape (hidden 768, 12
-layers, 12 heads, 4 KV heads, BPE tokenizer) in a temp dir and benchmarks it with 64 prompts x 8 samples x
-32 tokens per dispatch (override any of it with key=value).
+Engines side by side (`--engines builtin builtin-continuous vllm vllm-dispatch`): the same model, config and
+prompts through each `rollout.name` in one run, one after the other, each also timed loading a newly published
+version into the running engine (the swap); `vllm` serves continuously (`rollout.vllm.continuous`),
+`vllm-dispatch` one batch per dispatch, `builtin` one batch per dispatch and `builtin-continuous` one running
+batch (`rollout.continuous`). Also: the engine's busy share of the wall clock, its mean occupancy (rows in
+flight over the rows a dispatch holds) while busy, the share of the rows it computes that are still in flight
+(the built-in engines decode finished rows until they drop them), and the published responses' lengths.
+`--preset llama-tail` gives a long-tailed response length (a random model over a 57-token vocabulary ends a
+row with probability ~1/57 per token: median ~40 tokens, ~3 % reach the 192-token cap). `--preset qwen2-76m`
+builds a random Qwen2 of that shape (hidden 768, 12 layers, 12 heads, 4 KV heads, BPE tokenizer) in a temp
+dir and benchmarks it with 64 prompts x 8 samples x 32 tokens per dispatch (override any of it with
+key=value).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from rollstream.weights.store import (
     publish_module_weights,
     publish_weights,
 )
+from schemas import RolloutSample, decode
 
 DEFAULT_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -75,6 +80,9 @@ def unthrottled_producer(
         return build(ctx)
     return build(ctx, policy=policy)
 
+
+#: The engines `--engines` compares: rollout.name, with its continuous or per-dispatch generation.
+ENGINES = ("builtin", "builtin-continuous", "vllm", "vllm-dispatch")
 
 #: The engine comparison's dispatch: 64 prompts x 8 samples x 32 tokens (512 rows).
 DISPATCH_512x32 = [
@@ -151,30 +159,42 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
         producer = unthrottled_producer(cfg, r, keys, weights_dir=weights_dir)
         producer.run(max_dispatches=warmup)
         c0 = dict(vars(producer.counters))
-        engine = producer.policy
+        engine = producer.continuous.engine if producer.continuous is not None else producer.policy
+        first = r.xlen(keys.rollouts_of("rollout_00"))
         busy0, row0 = getattr(engine, "busy_s", 0.0), getattr(engine, "row_s", 0.0)
-        t0 = time.perf_counter()
+        batch0 = getattr(engine, "batch_row_s", row0)  # vLLM's batch holds only rows in flight
+        t0, cpu0 = time.perf_counter(), time.process_time()
         producer.run(max_dispatches=dispatches)
-        wall_s = time.perf_counter() - t0
+        wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
         busy, row_s = getattr(engine, "busy_s", 0.0) - busy0, getattr(engine, "row_s", 0.0) - row0
+        batch_s = getattr(engine, "batch_row_s", row0 + row_s) - batch0
         rows = cfg.rollout.n * cfg.rollout.prompts_per_dispatch
         c1 = vars(producer.counters)
         tokens, gen_s = c1["tokens"] - c0["tokens"], c1["gen_s"] - c0["gen_s"]
         samples = c1["published"] - c0["published"]
         swap_s = _swap_s(producer, r, keys, weights_dir)
+        lengths = _response_lengths(r, keys, first)
+        cap = cfg.data.max_response_length
         return {
             "gen_tokens_per_s": tokens / gen_s,
             "wall_tokens_per_s": tokens / wall_s,
+            "cpu_tokens_per_s": tokens / cpu_s,
             "samples_per_s": samples / wall_s,
             "trajectories_per_s": samples * cfg.rollout.n / wall_s,
             "gen_share": gen_s / wall_s,
             "engine_busy_share": busy / wall_s if busy else float("nan"),
             "engine_occupancy": row_s / (busy * rows) if busy else float("nan"),
+            "engine_live_share": row_s / batch_s if batch_s else float("nan"),
             "tokens": tokens,
             "samples": samples,
             "dispatches": dispatches,
             "rows_per_batch": cfg.rollout.n * cfg.rollout.prompts_per_dispatch,
             "max_new_tokens": cfg.data.max_response_length,
+            "response_len_mean": sum(lengths) / max(1, len(lengths)),
+            "response_len_p10": _quantile(lengths, 0.1),
+            "response_len_p50": _quantile(lengths, 0.5),
+            "response_len_p90": _quantile(lengths, 0.9),
+            "response_len_at_cap": sum(1 for n in lengths if n >= cap) / max(1, len(lengths)),
             "swap_s": swap_s,
             "engine": cfg.rollout.name,
             "device": str(getattr(producer.policy, "device", cfg.run.device)),
@@ -186,6 +206,21 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
         tmp.cleanup()
 
 
+def _response_lengths(r: redis.Redis, keys: Keys, first: int) -> list[int]:
+    """The response length of every row rollout_00 published from its `first` sample on, sorted."""
+    entries: Any = r.xrange(keys.rollouts_of("rollout_00"))
+    samples = [decode(fields) for _, fields in entries[first:]]
+    return sorted(out["response_length"] for s in samples if isinstance(s, RolloutSample)
+                  for out in s.agent_loop_output_list)
+
+
+def _quantile(sorted_values: Sequence[int], q: float) -> float:
+    """The q-quantile of sorted values (nearest rank; nan when empty)."""
+    if not sorted_values:
+        return float("nan")
+    return float(sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))])
+
+
 def compare_engines(
     cfg: PipelineConfig, redis_url: str, dispatches: int, warmup: int, engines: Sequence[str]
 ) -> dict[str, dict[str, Any]]:
@@ -194,7 +229,9 @@ def compare_engines(
     for name in engines:
         engine, _, mode = name.partition("-")
         vllm = cfg.rollout.vllm.model_copy(update={"continuous": mode != "dispatch"})
-        rollout = cfg.rollout.model_copy(update={"name": engine, "vllm": vllm})
+        rollout = cfg.rollout.model_copy(
+            update={"name": engine, "vllm": vllm, "continuous": engine == "builtin" and mode == "continuous"}
+        )
         ecfg = cfg.model_copy(update={"rollout": rollout})
         out[name] = bench_generation(ecfg, redis_url, dispatches, warmup)
         gc.collect()
@@ -211,9 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--redis-url", default=DEFAULT_URL, help="Redis to run against (a throwaway namespace)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured dispatches first (engine warm-up)")
-    p.add_argument("--engines", nargs="+", choices=("builtin", "vllm", "vllm-dispatch"), default=None,
+    p.add_argument("--engines", nargs="+", choices=ENGINES, default=None,
                    help="compare these rollout.name values on the same config in one run (vllm-dispatch: "
-                        "vLLM with rollout.vllm.continuous=false)")
+                        "vLLM with rollout.vllm.continuous=false; builtin-continuous: the built-in engine "
+                        "with rollout.continuous=true)")
     p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -256,20 +294,29 @@ def _print_comparison(results: dict[str, dict[str, Any]], as_json: bool) -> int:
     rows = [
         "gen_tokens_per_s",
         "wall_tokens_per_s",
+        "cpu_tokens_per_s",
         "samples_per_s",
         "trajectories_per_s",
         "gen_share",
         "engine_busy_share",
         "engine_occupancy",
+        "engine_live_share",
         "swap_s",
         "tokens",
         "samples",
+        "response_len_mean",
+        "response_len_p10",
+        "response_len_p50",
+        "response_len_p90",
+        "response_len_at_cap",
     ]
     print(f"{'':20s} " + " ".join(f"{n:>12s}" for n in names))
     for row in rows:
         print(f"{row:20s} " + " ".join(f"{results[n][row]:12.4g}" for n in names))
-    base, wall = results[names[0]]["gen_tokens_per_s"], results[names[0]]["wall_tokens_per_s"]
+    first = results[names[0]]
     for n in names[1:]:
-        print(f"tokens/s {n} / {names[0]}: {results[n]['gen_tokens_per_s'] / base:.2f}x while generating, "
-              f"{results[n]['wall_tokens_per_s'] / wall:.2f}x over the wall clock")
+        gen, wall, cpu = (results[n][k] / first[k]
+                          for k in ("gen_tokens_per_s", "wall_tokens_per_s", "cpu_tokens_per_s"))
+        print(f"tokens/s {n} / {names[0]}: {gen:.2f}x while generating, {wall:.2f}x over the wall clock, "
+              f"{cpu:.2f}x per CPU second")
     return 0

@@ -1,5 +1,5 @@
-"""Continuous generation (`rollout.vllm.continuous`, the vLLM engine, single-turn): one engine per producer
-stays busy.
+"""Continuous generation (`rollout.vllm.continuous` on the vLLM engine, `rollout.continuous` on the built-in
+one: rollstream/model/rows.py): one engine per producer stays busy.
 
 The per-dispatch loop (producers/worker.py) generates `prompts_per_dispatch` x n rows as one batch: the engine
 runs ever fewer rows through the batch's long tail, then idles while the producer scores, publishes and waits
@@ -23,7 +23,14 @@ What stays as in the per-dispatch loop:
 - Any error (a lost connection included) drops what is in flight; the producer's own handling then resyncs
   from Redis (the prompts are dispatched again), as for a dispatch.
 
-Measured with `VLLMPolicy.busy_s` / `row_s` (engine busy time, rows in flight x time): see BENCHMARKS.md,
+The tool agent (built-in engine): a row whose turn ends with a complete tool call (`tool_cut`, as the
+per-dispatch agent loop cuts it) runs the tool and goes back into the engine at once as its next turn
+(prompt + everything so far), up to `max_turns`, while the others decode on; the group is done when every
+row's last turn is. Each turn starts on the version loaded when it entered the engine and records its own
+swaps, so a trajectory's `turn_versions`, first and last versions are those of its tokens, as in the
+per-dispatch loop.
+
+Measured with the engines' `busy_s` / `row_s` (engine busy time, rows in flight x time): see BENCHMARKS.md,
 "Continuous generation".
 """
 
@@ -37,15 +44,21 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from producers.agent import version_of_last_token
 from producers.rollout import Trajectory, prepare_single_generation_data
-from rollstream.model import Completion
+from rollstream.model import Completion, Tokenizer
+from rollstream.model.chat import encode_tool_result
+from rollstream.model.rows import RowBatch
 from rollstream.pacing.budget import ask_lease
 from rollstream.pacing.counters import lease_of
-from rollstream.tasks import Prompt
+from rollstream.tasks import Prompt, Task
+from rollstream.tasks.episode import tool_cut
 
 if TYPE_CHECKING:
+    import torch
+
     from producers.agent import GenerationSettings
-    from producers.engines.vllm import VLLMPolicy
     from producers.weight_sync import WeightSync
+    from rollstream.config import PipelineConfig
+    from rollstream.model import BasePolicy
     from rollstream.runtime.process import WorkerContext
     from rollstream.tasks import PromptSource
 
@@ -58,11 +71,31 @@ BURST_WAIT_S = 0.25
 #: Most groups admitted and not yet published, in dispatches' worth (`prompts_per_dispatch`): finished groups
 #: wait for a long one before them to be published in order; the engine keeps admitting up to this bound.
 MAX_WAITING_DISPATCHES = 4
+#: The built-in engine prefills new groups together once this share of a dispatch's prompts waits: one
+#: SmolLM2 group's prompt alone cost one core ~75 ms, in a batch of 4 ~30 ms a prompt (BENCHMARKS.md,
+#: Generation), while the rows held back cost a CPU nothing (its decode cost is per row).
+ADMIT_SHARE = 1 / 8
+
+
+@dataclass
+class Turn:
+    """A row's turn in the engine: its completion, the version it entered under, the version loaded at each of
+    its swap points (aligned with `row.swap_points`), when it entered."""
+
+    row: Completion
+    version: int
+    versions: list[int] = field(default_factory=list)
+    since: float = field(default_factory=time.perf_counter)
+
+    def version_of(self, kept: int) -> int:
+        """The version that generated token `kept` - 1 of this turn."""
+        return version_of_last_token(self.row, kept, self.version, self.versions)
 
 
 @dataclass
 class Group:
-    """One leased prompt in the engine: its n rows, the version admitted under, the cursor around it."""
+    """One leased prompt in the engine: its n trajectories, the version admitted under, the cursor around it,
+    and the turn each unfinished row has in the engine."""
 
     seq: int
     sample_id: str
@@ -71,27 +104,56 @@ class Group:
     version: int
     before: tuple[int, int]  # the shard's cursor at this prompt
     after: tuple[int, int]  # and just past it (saved with its publish)
-    rows: list[Completion]
-    #: per row, the version loaded at each of its swap points (aligned with `rows[i].swap_points`)
-    versions: list[list[int]] = field(default_factory=list)
-    done: int = 0
+    trajs: list[Trajectory] = field(default_factory=list)
+    turns: dict[int, Turn] = field(default_factory=dict)  # row -> its turn in the engine
 
     @property
     def ready(self) -> bool:
-        """Every row finished (eos or its token budget)."""
-        return self.done == len(self.rows)
+        """Every row's last turn finished (eos, its token budget, or no next turn)."""
+        return not self.turns
 
-    def trajectories(self) -> list[Trajectory]:
-        """The rows as Trajectories, each stamped with the versions that made its first and last token."""
-        out = []
-        for row, versions in zip(self.rows, self.versions, strict=True):
-            t = Trajectory(prompt_ids=row.prompt_ids, num_turns=1, finished=row.finished)
-            t.extend(row.response_ids, row.log_probs, generated=True)
-            if row.response_ids:
-                t.version_start = version_of_last_token(row, 1, self.version, versions)
-                t.version_end = version_of_last_token(row, len(row.response_ids), self.version, versions)
-            out.append(t)
-        return out
+    def end_turn(self, i: int, task: Task | None, tok: Tokenizer) -> bool:
+        """Add row i's finished turn to its trajectory (cut after its first complete tool call when `task`
+        runs the tool agent; then the tool's result follows it); True when the row goes on with another
+        turn."""
+        turn, t = self.turns.pop(i), self.trajs[i]
+        ids = turn.row.response_ids
+        cut = tool_cut(task, tok, ids) if task is not None else None
+        kept = len(ids) if cut is None else cut
+        if kept:
+            if t.version_start < 0:
+                t.version_start = turn.version_of(1)
+            t.version_end = turn.version_of(kept)
+            t.turn_versions.append([turn.version_of(1), t.version_end])
+        t.extend(ids[:kept], turn.row.log_probs[:kept], generated=True)
+        t.num_turns += 1
+        t.processing_time_s += time.perf_counter() - turn.since
+        if cut is None or task is None:
+            t.finished = turn.row.finished
+            return False
+        c0 = time.perf_counter()
+        result = task.tool(tok.decode(ids[:kept])) or ""
+        t.tool_call_s.append(time.perf_counter() - c0)
+        t.processing_time_s += t.tool_call_s[-1]
+        t.extend(encode_tool_result(tok, result), None, generated=False)
+        return True
+
+
+class RowEngine(Protocol):
+    """What the loop drives: an engine that rows enter and leave one at a time (producers/engines/vllm.py
+    VLLMPolicy, rollstream/model/rows.py RowBatch)."""
+
+    tokenizer: Tokenizer
+
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int | None: ...
+    def submit(self, row: Completion, max_new_tokens: int, temperature: float, top_p: float = 1.0,
+               top_k: int = -1) -> None: ...
+    def step(self) -> list[Completion]: ...
+    def resume(self, swapped: bool) -> None: ...
+    def abort(self) -> None: ...
 
 
 class Host(Protocol):
@@ -101,6 +163,8 @@ class Host(Protocol):
     ctx: WorkerContext
     name: str
     settings: GenerationSettings
+    task: Task
+    multi_turn: bool
     source: PromptSource
     weights: WeightSync
     leased: int
@@ -117,10 +181,17 @@ class Host(Protocol):
     def _add_idle(self, seconds: float) -> None: ...
 
 
-class ContinuousLoop:
-    """The continuous generation loop of one producer on its vLLM engine (module docstring)."""
+def builtin_engine(cfg: PipelineConfig, policy: BasePolicy, generator: torch.Generator) -> RowBatch:
+    """The built-in engine's running batch for the loop (`rollout.continuous`): new rows prefilled together
+    once ADMIT_SHARE of a dispatch's rows wait."""
+    ro = cfg.rollout
+    return RowBatch(policy, generator, admit_rows=ro.n * max(1, round(ro.prompts_per_dispatch * ADMIT_SHARE)))
 
-    def __init__(self, producer: Host, engine: VLLMPolicy) -> None:
+
+class ContinuousLoop:
+    """The continuous generation loop of one producer on its engine (module docstring)."""
+
+    def __init__(self, producer: Host, engine: RowEngine) -> None:
         self.p = producer
         self.engine = engine
         cfg = producer.ctx.cfg
@@ -128,6 +199,8 @@ class ContinuousLoop:
         self.capacity = cfg.rollout.prompts_per_dispatch  # groups in the engine at once
         self.settings = producer.settings
         self.pending: deque[Group] = deque()  # admitted, in seq order, until published
+        self.live: dict[int, tuple[Group, int]] = {}  # id of a turn's completion in the engine -> its row
+        self.tool_task = producer.task if producer.multi_turn else None  # the tool agent's task, or None
         self.steps = 0
         self.asked = -1  # the lease total last asked for
         self.newer_waiting = False  # without partial rollout: a newer version waits for the engine to drain
@@ -182,9 +255,9 @@ class ContinuousLoop:
         self.engine.resume(swapped)
         if swapped:
             for group in self.pending:
-                for row, versions in zip(group.rows, group.versions, strict=True):
-                    if len(row.swap_points) > len(versions):
-                        versions.append(version)
+                for turn in group.turns.values():
+                    if len(turn.row.swap_points) > len(turn.versions):
+                        turn.versions.append(version)
 
     def _admit(self, room_left: int | None) -> None:
         """Fill the engine up to `prompts_per_dispatch` x n rows with leased prompts' groups (at most
@@ -218,29 +291,45 @@ class ContinuousLoop:
             (epoch, _, prompt), sid = items[0], ids[0]
             self._start_group(Group(
                 seq=self.p.next_seq - 1, sample_id=sid, epoch=epoch, prompt=prompt, version=version,
-                before=before, after=self.p.source.cursor, rows=[],
+                before=before, after=self.p.source.cursor,
             ))
 
     def _start_group(self, group: Group) -> None:
         """Put a group's n rows into the engine."""
-        request = prepare_single_generation_data(group.prompt, self.n, False, self.engine.tokenizer)
-        s = self.settings
-        for ids in request.rows:
-            row = Completion(prompt_ids=list(ids))
-            group.rows.append(row)
-            group.versions.append([])
-            self.engine.submit(row, s.max_new_tokens, s.temperature, s.top_p, s.top_k)
+        multi_turn = self.tool_task is not None
+        request = prepare_single_generation_data(group.prompt, self.n, multi_turn, self.engine.tokenizer)
+        group.trajs = [Trajectory(prompt_ids=list(ids)) for ids in request.rows]
         self.pending.append(group)
+        for i in range(len(group.trajs)):
+            self._start_turn(group, i)
+
+    def _start_turn(self, group: Group, i: int) -> bool:
+        """Put row i's next turn (its prompt + everything so far) into the engine, under the loaded version;
+        False when its context has no room left (the row ends unfinished)."""
+        t, s = group.trajs[i], self.settings
+        limit = self.engine.max_seq_len
+        history = t.prompt_ids + t.response_ids
+        max_new = min(s.max_new_tokens, s.max_new_tokens if limit is None else limit - len(history))
+        if max_new <= 0:
+            return False
+        row = Completion(prompt_ids=history)
+        group.turns[i] = Turn(row, self.p.weights.version)
+        self.live[id(row)] = (group, i)
+        self.engine.submit(row, max_new, s.temperature, s.top_p, s.top_k)
+        return True
 
     def _step(self) -> None:
-        """One engine step; count each finished row to its group."""
+        """One engine step; each finished turn goes to its trajectory, and a tool call's row into the engine
+        again for its next turn (up to max_turns)."""
         t0 = time.perf_counter()
-        finished = {id(row) for row in self.engine.step()}
+        finished = self.engine.step()
         self.steps += 1
         self.busy_since_publish += time.perf_counter() - t0
-        if finished:
-            for group in self.pending:
-                group.done += sum(1 for row in group.rows if id(row) in finished)
+        tok = self.engine.tokenizer
+        for row in finished:
+            group, i = self.live.pop(id(row))
+            if group.end_turn(i, self.tool_task, tok) and group.trajs[i].num_turns < self.settings.max_turns:
+                self._start_turn(group, i)
 
     def _publish_ready(self) -> int:
         """Publish, in seq order, every finished group at the head of the queue; returns how many."""
@@ -249,7 +338,7 @@ class ContinuousLoop:
             group = self.pending[0]
             gen_s, self.busy_since_publish = self.busy_since_publish, 0.0
             self.p._finish(
-                [group.sample_id], [(group.epoch, 0, group.prompt)], group.version, group.trajectories(),
+                [group.sample_id], [(group.epoch, 0, group.prompt)], group.version, group.trajs,
                 gen_s, self.p._status(False), group.before, after=group.after,
             )
             self.pending.popleft()
@@ -269,6 +358,7 @@ class ContinuousLoop:
         """Abort every row in the engine and forget the unpublished groups (they stay leased: the producer's
         resync dispatches them again)."""
         self.engine.abort()
+        self.live.clear()
         if self.pending:
             first = self.pending[0]
             self.p.source.cursor = first.before

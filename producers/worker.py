@@ -165,6 +165,14 @@ class Producer(Publishing):
                 from producers.continuous import ContinuousLoop
 
                 self.continuous = ContinuousLoop(self, engine)
+        elif engine is None and cfg.rollout.continuous:
+            if generate is not None:
+                raise ValueError("rollout.continuous=true runs the built-in engine's own running batch: it "
+                                 "cannot use a generate function given to the producer")
+            from producers.continuous import ContinuousLoop, builtin_engine
+
+            rows = builtin_engine(cfg, cast(BasePolicy, self.policy), self.generator)
+            self.continuous = ContinuousLoop(self, rows)
         self.generate: GenerateFn = generate or self.agent_loop
         self.metrics = Publisher(ctx.r, nomkstream=True)
         self.counters = Counters()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis
@@ -14,6 +14,11 @@ import redis
 from consumers.trainer.leaser import Leaser
 from rollstream.bus import delete_run
 from rollstream.keys import Keys, producer_names
+
+if TYPE_CHECKING:
+    import torch
+
+    from schemas import RolloutSample
 
 REDIS_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -74,3 +79,34 @@ def leasing(r: redis.Redis, keys: Keys) -> Iterator[Leaser]:
     leaser.stop.set()
     assert leaser.thread is not None
     leaser.thread.join(timeout=5)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for the test: on a shared box a tiny model's many small ops otherwise wait on each
+    other's threads (100x slower at load 12 on 2 cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def one_version_rows(
+    samples: Iterable[RolloutSample],
+) -> Iterator[tuple[int, list[int], list[int], torch.Tensor]]:
+    """Each non-empty row of these samples that one version generated: (that version, its prompt ids, its
+    response ids, its behaviour log-probs [R] float32)."""
+    import torch
+
+    for s in samples:
+        b = s.full_batch
+        po, ro, plen = b.prompt_offsets(), b.response_offsets(), b.row_prompt_lens()
+        for i in range(len(b)):
+            if s.param_version_start[i] != s.param_version_end[i] or ro[i] == ro[i + 1]:
+                continue
+            prompt = [int(t) for t in b.prompt_ids[po[i] : po[i] + plen[i]]]
+            response = [int(t) for t in b.response_ids[ro[i] : ro[i + 1]]]
+            got = torch.from_numpy(b.tokens["rollout_log_probs"][ro[i] : ro[i + 1]].astype("float32"))
+            yield s.param_version_start[i], prompt, response, got

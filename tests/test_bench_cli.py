@@ -76,6 +76,21 @@ def test_generation_runs_through_the_cli(
     assert set(r.scan_iter(match="rs:{bench-gen-*")) == before  # the throwaway namespace is deleted
 
 
+def test_generation_compares_per_dispatch_and_continuous_built_in_generation(
+    r: redis.Redis, redis_url: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "generation", "pipeline.yaml", *TINY_MODEL, "rollout.n=4",
+            "rollout.prompts_per_dispatch=4", "--dispatches", "2", "--warmup", "1",
+            "--engines", "builtin", "builtin-continuous", "--json", "--redis-url", redis_url]
+    assert main(argv) == 0
+    res = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    for name in ("builtin", "builtin-continuous"):
+        got = res[name]
+        assert got["samples"] == 8 and got["tokens"] > 0 and got["cpu_tokens_per_s"] > 0
+        assert 0 < got["engine_occupancy"] <= 1 and 0 < got["engine_live_share"] <= 1
+        assert 1 <= got["response_len_p50"] <= got["response_len_p90"] <= got["max_new_tokens"]
+
+
 def test_aggregator_runs_through_the_cli_and_the_worker_folds_records(
     r: redis.Redis, redis_url: str, capfd: pytest.CaptureFixture[str]
 ) -> None:

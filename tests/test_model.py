@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -136,6 +137,26 @@ def test_generate_is_deterministic_with_seed_and_generator() -> None:
 
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+def test_equal_prompts_are_prefilled_once_and_sample_as_one_prompts_n_rows() -> None:
+    policy = make_policy()
+    prefilled: list[int] = []
+    prefill = policy._prefill_prompts
+
+    def counting(prompts: list[list[int]], max_new_tokens: int) -> Any:
+        prefilled.append(len(prompts))
+        return prefill(prompts, max_new_tokens)
+
+    policy._prefill_prompts = counting  # type: ignore[method-assign]
+    a, b = encoded()[:2]
+    rows = policy.generate([a, a, a, b, b], 1, 8, generator=torch.Generator().manual_seed(0))
+    assert prefilled == [2]  # what the agent loops pass: a group's rows as equal prompts
+    assert [r.prompt_ids for r in rows] == [a, a, a, b, b]
+    assert len({tuple(r.response_ids) for r in rows[:3]}) == 3  # each row samples its own tokens
+    greedy = policy.generate([a, a, b], 1, 8, greedy=True)
+    alone = [policy.generate([p], 1, 8, greedy=True)[0] for p in (a, b)]
+    assert [r.response_ids for r in greedy] == [alone[0].response_ids] * 2 + [alone[1].response_ids]
 
 
 @pytest.mark.parametrize("position", ["learned", "rope", "learned+rope"])

@@ -129,6 +129,22 @@ class PipelineConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _continuous(self) -> PipelineConfig:
+        if not self.rollout.continuous:
+            return self
+        if self.rollout.name == "vllm":
+            raise ValueError(
+                "rollout.continuous=true is the built-in engine's continuous generation; with "
+                "rollout.name=vllm set rollout.vllm.continuous (default true) instead"
+            )
+        if self.bench.latency_model.enable:
+            raise ValueError(
+                "rollout.continuous=true with bench.latency_model.enable: the latency model replaces the "
+                "engine's generation per dispatch, so there is no running batch to admit rows into"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _lora(self) -> PipelineConfig:
         rank = self.model.lora_rank
         if not rank:

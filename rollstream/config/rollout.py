@@ -74,6 +74,12 @@ class RolloutConfig(Section):
         default_factory=VLLMConfig, description="vLLM engine settings (rollout.name=vllm)"
     )
 
+    continuous: bool = Field(
+        False,
+        description="Built-in engine: keep rollout.prompts_per_dispatch prompts in one running batch, "
+                    "admitting leased prompts (and the tool agent's next turns) as rows finish and "
+                    "publishing each group once scored (vLLM's own: rollout.vllm.continuous)",
+    )
     n: int = Field(8, ge=1, description="Trajectories per prompt (GRPO group size)")
     num_producers: int = Field(2, ge=1, description="Producer processes started by `rollstream run`")
     prompts_per_dispatch: int = Field(

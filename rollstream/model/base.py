@@ -10,6 +10,7 @@ ids computed from the attention mask, so a left-padded batch gives the same numb
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -114,6 +115,11 @@ class BasePolicy(ABC):
     #: Compute dtype of every forward pass (torch.autocast over the weights' own dtype); None computes in the
     #: weights' dtype. bfloat16 over float32 weights keeps float32 master weights at bfloat16 matmul speed.
     autocast_dtype: torch.dtype | None = None
+    #: Seconds `generate` spent in its steps; unfinished rows and batch rows (finished ones are decoded until
+    #: dropped) x seconds over them: the generation benchmark's occupancy and live share
+    busy_s: float = 0.0
+    row_s: float = 0.0
+    batch_row_s: float = 0.0
 
     def compute(self) -> contextlib.AbstractContextManager[Any]:
         """The context forward passes run in: torch.autocast to `autocast_dtype` on the policy's device, or
@@ -140,6 +146,18 @@ class BasePolicy(ABC):
         its cache repeated to the B rows -> (logits [B,V] of the next token, cache of prefix + ids); None
         when the backend cannot (generate then prefills whole prompts)."""
         return None
+
+    def _extend(self, cache: Any, ids: Tensor, mask: Tensor) -> Tensor:
+        """ids [B,T] after the cache's columns (mask [B, cached+T]) -> logits [B,V] of the next token."""
+        raise ValueError(f"continuous generation is not supported by {type(self).__name__}")
+
+    def _cache_kv(self, cache: Any) -> list[tuple[Tensor, Tensor]]:
+        """The cache's keys and values per layer, [B, heads, T, head_dim] each (rollstream/model/rows.py)."""
+        raise ValueError(f"continuous generation is not supported by {type(self).__name__}")
+
+    def _cache_of(self, kv: list[tuple[Tensor, Tensor]], room: int) -> Any:
+        """A cache holding `kv` (as `_cache_kv` gives it) with room for `room` more positions."""
+        raise ValueError(f"continuous generation is not supported by {type(self).__name__}")
 
     @abstractmethod
     def _response_logits(
@@ -180,8 +198,8 @@ class BasePolicy(ABC):
         on_chunk: Callable[[], bool] | None = None,
         top_k: int = -1,
     ) -> list[Completion]:
-        """Sample n responses per prompt in one left-padded KV-cached batch; prompt-major order. Each prompt
-        is prefilled once and its cache shared by its n rows.
+        """Sample n responses per prompt in one left-padded KV-cached batch; prompt-major order. Each distinct
+        prompt is prefilled once and its cache shared by its rows (its n samples, and equal prompts).
 
         Sampling uses softmax(logits / temperature) with top-k (-1: all tokens) and top-p (argmax when
         `greedy` or temperature == 0); stored log-probs are those of softmax(logits / temperature) (see
@@ -199,14 +217,21 @@ class BasePolicy(ABC):
         alive = list(range(len(trajs)))
         was_training = self.module.training
         self.module.eval()
+        since = (time.perf_counter(), len(trajs), len(trajs))  # a step began: when, unfinished and batch rows
         try:
             with torch.no_grad(), self.compute():
-                seq, seq_mask, logits, cache = self._prefill_prompts(prompts, max_new_tokens)
-                if n > 1:  # the n samples of a prompt share its prefill: rows [U] -> [U*n], prompt-major
-                    rows = torch.arange(len(prompts), device=self.device).repeat_interleave(n)
+                # each distinct prompt is prefilled once: the agent loops pass a group's n rows as n equal
+                # prompts (n=1), and the n samples of a prompt share its prefill: rows [U] -> [P*n]
+                distinct: dict[tuple[int, ...], int] = {}
+                of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+                firsts = [list(p) for p in distinct]
+                seq, seq_mask, logits, cache = self._prefill_prompts(firsts, max_new_tokens)
+                if n > 1 or len(distinct) < len(prompts):
+                    rows = torch.tensor(of, device=self.device).repeat_interleave(n)
                     seq, seq_mask, logits = seq[rows], seq_mask[rows], logits[rows]
                     cache = self._select_cache(cache, rows)
                 for step in range(max_new_tokens):
+                    since = self._timed(since, sum(1 for j in alive if j >= 0), len(alive))
                     tok, logp = sample_tokens(logits, temperature, top_p, generator, greedy, top_k)  # [b]
                     keep: list[int] = []
                     for j, (t, lp) in enumerate(zip(tok.tolist(), logp.tolist(), strict=True)):
@@ -244,8 +269,17 @@ class BasePolicy(ABC):
                             continue
                     logits = self._decode(tok[:, None], seq_mask, cache)
         finally:
+            self._timed(since, 0, 0)
             self.module.train(was_training)
         return trajs
+
+    def _timed(self, since: tuple[float, int, int], rows: int, batch: int) -> tuple[float, int, int]:
+        """Count the step begun at `since` (time, unfinished, batch rows); the next begins now with these."""
+        now = time.perf_counter()
+        self.busy_s += now - since[0]
+        self.row_s += (now - since[0]) * since[1]
+        self.batch_row_s += (now - since[0]) * since[2]
+        return now, rows, batch
 
     def _prefill_prompts(
         self, prompts: list[list[int]], max_new_tokens: int

@@ -172,6 +172,34 @@ class HFPolicy(BasePolicy):
         cache.batch_select_indices(rows)
         return cache
 
+    def _extend(self, cache: Any, ids: Tensor, mask: Tensor) -> Tensor:
+        """ids [B,T] after the cache (mask [B, cached+T]); logits [B,V] of the next token."""
+        pos = positions_from_mask(mask)[:, -ids.shape[1] :]
+        return self._forward(ids, mask, pos, cache, 1).logits[:, -1]
+
+    def _cache_kv(self, cache: Any) -> list[tuple[Tensor, Tensor]]:
+        """The DynamicCache's keys and values per layer (ValueError for a cache whose layers do not hold every
+        position, as sliding-window ones do: continuous batching moves whole rows of columns)."""
+        layers = getattr(cache, "layers", None)
+        if layers is None:  # transformers before 4.56
+            return list(zip(cache.key_cache, cache.value_cache, strict=True))
+        if any(getattr(layer, "is_sliding", False) for layer in layers):
+            raise ValueError("continuous generation needs a model whose every layer caches all positions "
+                             f"({type(self.module).__name__} has sliding-window layers)")
+        return [(layer.keys, layer.values) for layer in layers]
+
+    def _cache_of(self, kv: list[tuple[Tensor, Tensor]], room: int) -> Any:
+        """A DynamicCache holding these very tensors (no copy; it grows as it decodes: no `room` needed)."""
+        cache = self._new_cache()
+        layers = getattr(cache, "layers", None)
+        for layer, (k, v) in enumerate(kv):
+            if layers is None or len(layers) <= layer:  # transformers before 4.56, or a cache without config
+                cache.update(k, v, layer)
+                continue
+            layers[layer].lazy_initialization(k, v)
+            layers[layer].keys, layers[layer].values = k, v
+        return cache
+
     def _response_logits(
         self, ids: Tensor, mask: Tensor, response_len: int, groups: PromptGroups | None = None
     ) -> Tensor:

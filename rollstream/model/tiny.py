@@ -68,6 +68,27 @@ class TinyPolicy(BasePolicy):
         cache.select(rows)
         return cache
 
+    def _extend(self, cache: Any, ids: Tensor, mask: Tensor) -> Tensor:
+        """ids [B,T] after the cache (mask [B, length+T]); logits [B,V] of the next token."""
+        assert isinstance(cache, KVCache)
+        pos = positions_from_mask(mask)[:, -ids.shape[1] :]
+        return self.module(ids, cache.length, cache, pos, mask, logits_to_keep=1)[:, -1]
+
+    def _cache_kv(self, cache: Any) -> list[tuple[Tensor, Tensor]]:
+        """The filled positions of the cache, per layer."""
+        assert isinstance(cache, KVCache)
+        n = cache.length
+        return [(k[:, :, :n], v[:, :, :n]) for k, v in zip(cache.k, cache.v, strict=True)]
+
+    def _cache_of(self, kv: list[tuple[Tensor, Tensor]], room: int) -> Any:
+        """A KVCache of these keys/values with `room` positions free after them."""
+        batch, _, length, _ = kv[0][0].shape
+        cache = self.module.new_cache(batch, length + room)
+        for layer, (k, v) in enumerate(kv):
+            cache.update(layer, k, v, 0)
+        cache.length = length
+        return cache
+
     def _response_logits(
         self, ids: Tensor, mask: Tensor, response_len: int, groups: PromptGroups | None = None
     ) -> Tensor:
