@@ -111,7 +111,7 @@ class MiniBatch:
 
         # the tokens every distinct prompt starts with (one row of each label)
         firsts = np.flatnonzero(np.r_[True, labels[1:] != labels[:-1]]) if labels.size else labels
-        distinct = [prompts[0][p_start[i] : p_start[i] + p_len[i]].tolist() for i in firsts]
+        distinct = [prompts[0][p_start[i] : p_start[i] + p_len[i]] for i in firsts]
         return Padded(
             ids=ids.to(device), mask=mask.to(device),
             resp_mask=per_token(RESPONSE_MASK, absent=1).to(device), behave=per_token(LOG_PROBS).to(device),

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -79,16 +80,18 @@ SHARED_PREFIX_MIN = 4
 COMPACT_DEAD_FRACTION = 0.125
 
 
-def common_prefix_len(rows: Sequence[Sequence[int]]) -> int:
+def common_prefix_len(rows: Sequence[Sequence[int]] | Sequence[np.ndarray]) -> int:
     """Length of the longest prefix every row starts with, leaving every row at least one token of its own."""
     if not rows:
         return 0
-    n = min(len(r) for r in rows) - 1
-    first = rows[0]
-    for i in range(max(n, 0)):
-        if any(r[i] != first[i] for r in rows):
-            return i
-    return max(n, 0)
+    n = max(min(len(r) for r in rows) - 1, 0)
+    first = np.asarray(rows[0][:n])
+    for r in rows[1:]:
+        differs = np.flatnonzero(np.asarray(r[:n]) != first)
+        if differs.size:
+            n = int(differs[0])
+            first = first[:n]
+    return n
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
