@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -110,3 +110,18 @@ def one_version_rows(
             response = [int(t) for t in b.response_ids[ro[i] : ro[i + 1]]]
             got = torch.from_numpy(b.tokens["rollout_log_probs"][ro[i] : ro[i + 1]].astype("float32"))
             yield s.param_version_start[i], prompt, response, got
+
+
+def publish_during_steps(engine: Any, at_step: int, publish: Callable[[], Any]) -> list[int]:
+    """Wrap a continuous engine's `step` (until `del engine.step`): each step first notes the rows in flight
+    (the list returned), and the `at_step`-th calls `publish` (the trainer publishing a version mid-run)."""
+    step, occupancy = engine.step, []
+
+    def stepping() -> Any:
+        occupancy.append(engine.in_flight)
+        if len(occupancy) == at_step:
+            publish()
+        return step()
+
+    engine.step = stepping
+    return occupancy

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 import torch
-from conftest import one_version_rows
+from conftest import one_version_rows, publish_during_steps
 from test_rows import vary
 
 from producers.agent import GenerationSettings, run_agent_loop
@@ -70,18 +70,12 @@ def test_groups_enter_as_rows_finish_and_publish_once_each_in_seq_order(r: redis
     producer = Producer(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=r), policy=build_policy(cfg))
     assert producer.continuous is not None
     engine: Any = producer.continuous.engine
-    steps, occupancy = [0], []
-    step = engine.step
-
-    def stepping() -> list[Any]:  # the trainer publishes version 1 after the engine's 8th step
-        steps[0] += 1
-        occupancy.append(engine.in_flight)
-        if steps[0] == 8:
-            publish(r, keys, 1, v1)
-        return step()
-
-    engine.step = stepping
-    assert producer.run(max_dispatches=3) == 3  # 9 prompts, counted as 3 dispatches of 3
+    # the trainer publishes version 1 at the engine's 8th step
+    occupancy = publish_during_steps(engine, 8, lambda: publish(r, keys, 1, v1))
+    try:
+        assert producer.run(max_dispatches=3) == 3  # 9 prompts, counted as 3 dispatches of 3
+    finally:
+        del engine.step
     samples = published(r, keys)
     assert [s.sample_id for s in samples] == [f"rollout_00-{k}" for k in range(9)]  # in seq order, once each
     assert int(r.get(keys.producer_published("rollout_00")) or 0) == 9

@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import REDIS_URL, one_version_rows  # noqa: E402
+from conftest import REDIS_URL, one_version_rows, publish_during_steps  # noqa: E402
 
 from producers.agent import GenerationSettings, run_agent_loop  # noqa: E402
 from producers.engines import EngineError, EngineStartError  # noqa: E402
@@ -368,18 +368,9 @@ def test_continuous_generation_admits_as_rows_finish_and_publishes_in_order(
     producer = Producer(WorkerContext(cfg=cfg, name="rollout_00", keys=keys, r=r), policy=engine)
     assert producer.continuous is not None
     newer = every_tensor_changed(model_dir, seed=3)
-    steps, occupancy = [0], []
-    step = engine.step
-
-    def stepping() -> list[Any]:  # the trainer publishes version 1 after the engine's 8th step
-        steps[0] += 1
-        occupancy.append(engine.in_flight)
-        if steps[0] == 8:
-            publish_module_weights(r, keys, 1, newer.module, global_step=1, inline_max_bytes=0,
-                                   file_dir=tmp_path, probe=probe_of(newer))
-        return step()
-
-    engine.step = stepping  # type: ignore[method-assign]
+    occupancy = publish_during_steps(  # the trainer publishes version 1 at the engine's 8th step
+        engine, 8, lambda: publish_module_weights(r, keys, 1, newer.module, global_step=1, inline_max_bytes=0,
+                                                  file_dir=tmp_path, probe=probe_of(newer)))
     try:
         assert producer.run(max_dispatches=3) == 3  # 9 prompts, counted as 3 dispatches of 3
     finally:
