@@ -221,13 +221,12 @@ class LeaseExpiry:
         self.timeout_s, self.max_outstanding, self.probation = timeout_s, max_outstanding, probation
         self.every_s = min(every_s, timeout_s / 4)
         self.clock = clock or time.monotonic
-        self.caps: dict[str, int] = {}  # producer -> the most lease total it may reach (probation)
+        self.caps: dict[str, int] = {}  # producer -> the most lease total it may reach while on probation
         self.shares: dict[str, int] = {}  # producer -> the most unfinished prompts it may hold (fair share)
         self.expired: dict[str, int] = {}  # producer -> prompts taken back from it over this process
         self.dispatch_s: dict[str, float] = {}  # producer -> its mean time between two progress steps
         self._progress: dict[str, tuple[int, float]] = {}  # producer -> (most progress seen, since when)
         self._steps: dict[str, int] = {}  # producer -> progress steps seen (0: the first look)
-        self._probation: dict[str, int] = {}  # producer -> lease cap while on probation
         self._next = 0.0
 
     def deadline_s(self, producer: str) -> float:
@@ -259,7 +258,7 @@ class LeaseExpiry:
                 dt = now - best[1]
                 self.dispatch_s[p] = dt if p not in self.dispatch_s else 0.5 * (self.dispatch_s[p] + dt)
             if best is not None:
-                self._probation.pop(p, None)  # progress again: off probation
+                self.caps.pop(p, None)  # progress again: off probation
             self._steps[p] = steps
             self._progress[p] = (progress, now)
         out = []
@@ -268,7 +267,7 @@ class LeaseExpiry:
             if unfinished <= 0 or now - since < self.deadline_s(p):
                 continue  # nothing unfinished, or not long enough
             taken, added = expire_lease(r, keys, p, self.max_outstanding)
-            self._probation[p] = snap.lease[p] + self.probation
+            self.caps[p] = snap.lease[p] + self.probation
             self._progress[p] = (progress, now)
             snap.done[p] += taken
             if taken:
@@ -288,5 +287,4 @@ class LeaseExpiry:
         # a share of the whole budget caps nothing (the budget does): only producers that share it are capped;
         # the lease script counts each share against the producer's consumed bits as they are at the lease
         self.shares = {p: share for p, share in shares.items() if share < self.max_outstanding}
-        self.caps = dict(self._probation)
         return out
