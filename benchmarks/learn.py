@@ -15,7 +15,8 @@ run`: embedded Redis, producers, trainer, aggregator under supervisord) once per
 Each run is watched (`rollstream watch`'s reader) until val/acc >= --target or --limit-s, the clock starting
 before `rollstream run` (process start-up included, warm start excluded: it is shared). Writes per seed
 `learn-s<seed>.png` (val/acc vs seconds and vs samples trained, both modes) and prints a markdown table of
-time and samples to each --report level (first validation at or above it), with the async/sync ratios.
+time and samples to each --report level (first validation at or above it), with the async/sync ratios, then
+who waits for whom in each run (`rollstream bench waits`: the trainer's phases and the producers' idle share).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.waits import Waits, format_waits, run_waits
 from rollstream.config import load_config
 from rollstream.ops.progress import Curve, watch_run
 from rollstream.ops.run_target import open_run
@@ -210,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     cfg = load_config(args.config, args.overrides)  # refuse a bad config before starting anything
     runs: list[ModeRun] = []
+    waits: list[Waits] = []
     for seed in args.seeds:
         base = [*args.overrides, f"run.seed={seed}", f"run.dir={out_dir}"]
         init = []
@@ -225,6 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             run = ModeRun(seed, mode, curve, steps)
             seed_runs.append(run)
+            try:
+                waits.append(run_waits(out_dir / f"learn-{mode}-s{seed}"))
+            except (OSError, ValueError) as e:  # no step recorded: the table says nothing of this run
+                print(f"no wait profile: {e}", file=sys.stderr)
             print(f"seed {seed} {mode}: {args.target:.0%} after {_fmt(curve.reached_s, '.0f')} s / "
                   f"{_fmt(curve.reached_samples, '.0f')} samples; best {_fmt(curve.best('val/acc'), '.3f')} "
                   f"at step {steps}", file=sys.stderr, flush=True)
@@ -235,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps([r.summary() for r in runs], indent=1))
     else:
         print("\n\n".join(format_table(runs, acc) for acc in (args.report or [args.target])))
+        if waits:
+            print("\nWho waits for whom (seconds a version, averaged over each run's steps):\n")
+            print(format_waits(waits))
     return 0
 
 

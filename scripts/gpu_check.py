@@ -5,6 +5,7 @@
     labelled
     bash scripts/gpu_check.sh --steps 5 rollout.n=16   # key=value overrides go to `rollstream run`
     bash scripts/gpu_check.sh --engine vllm        # producers generate with vLLM (the `vllm` extra on CUDA)
+    bash scripts/gpu_check.sh --engine vllm --lora-rank 8   # LoRA: each version reaches vLLM merged
 
 What runs: a Qwen2-architecture model (random init, `--hidden-size`, `--layers`) with a byte-level BPE
 tokenizer and chat template built locally (rollstream.testing.hf_tiny; nothing is downloaded) is saved to a
@@ -93,8 +94,13 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--engine", choices=("builtin", "vllm"), default="builtin", help="rollout.name of the producers"
     )
+    p.add_argument(
+        "--lora-rank", type=int, default=0, help="LoRA rank to train (model.lora_rank; 0: the whole model)"
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides for `rollstream run`")
     args = p.parse_args(argv)
+    if args.lora_rank < 0:
+        p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
 
     if torch.cuda.is_available():
         device, label = "cuda", f"cuda ({torch.cuda.get_device_name(0)}, torch {torch.__version__})"
@@ -117,13 +123,16 @@ def main(argv: list[str]) -> int:
 
 def check(work: Path, device: str, label: str, args: argparse.Namespace) -> int:
     """Build the model, run the pipeline, print figures, stop, audit."""
-    print(f"gpu_check: device {label}, engine {args.engine}", flush=True)
+    lora = f", LoRA rank {args.lora_rank}" if args.lora_rank else ""
+    print(f"gpu_check: device {label}, engine {args.engine}{lora}", flush=True)
     model = make_tiny_hf_model(work / "model", seed=0, hidden_size=args.hidden_size, arch="qwen2",
                                tokenizer="bpe", chat_template=True, num_layers=args.layers)
     name = f"gpu-check-{int(time.time())}"
     run_args = ["pipeline.yaml", "model.backend=hf", f"model.hf_path={model}", *RUN,
                 f"trainer.total_training_steps={args.steps}", f"run.device={device}", f"run.dir={work}",
                 f"run.name={name}", f"rollout.name={args.engine}", *args.overrides]
+    if args.lora_rank:  # LoRA's scale alpha / rank = 2, as the SmolLM2 config trains it
+        run_args += [f"model.lora_rank={args.lora_rank}", f"model.lora_alpha={2 * args.lora_rank}"]
     run_dir = work / name
     t0 = time.perf_counter()
     ok = True

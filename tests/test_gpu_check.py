@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh: refuses to pretend without a GPU, and with --allow-cpu runs the same
-pipeline check on the CPU (small settings here), printing the rates and a clean audit."""
+pipeline check on the CPU (small settings here, LoRA rank 4), printing the rates, the swap check and a clean
+audit."""
 
 from __future__ import annotations
 
@@ -50,10 +51,10 @@ def test_without_a_gpu_it_refuses_unless_allowed(tmp_path: Path) -> None:
     refused = gpu_check(*SMALL, tmp_path=tmp_path)
     assert refused.returncode == 2 and "--allow-cpu" in refused.stderr
 
-    ran = gpu_check("--allow-cpu", *SMALL, tmp_path=tmp_path)
+    ran = gpu_check("--allow-cpu", "--lora-rank", "4", *SMALL, tmp_path=tmp_path)  # the LoRA path
     out = ran.stdout
     assert ran.returncode == 0, out + ran.stderr[-3000:]
-    assert "CPU fallback" in out and "not GPU figures" in out
+    assert "CPU fallback" in out and "not GPU figures" in out and "LoRA rank 4" in out
     assert "samples/s" in out and "tokens/s" in out and "max |diff|" in out
     assert (
         "trained 8 " in out

@@ -270,9 +270,11 @@ class Trainer:
         unchanged. Rank 0 alone; under fsdp every rank decodes in step (the weights are sharded)."""
         rng = rng_plain()  # validation leaves the RNG as it found it: the checkpoint took it before
         policy, recent = self.learner.policy, list(self.recent)
+        t0 = time.perf_counter()
         metrics = self.dp.roles.with_whole_model(validate, self.cfg, policy, self.dp, recent)
         restore_rng_plain(rng)
         if metrics:
+            metrics["timing_s/validate"] = time.perf_counter() - t0  # the step's time the trainer spent on it
             ev = ValidateMetrics(param_version=version, global_step=version, metrics=metrics)
             self.dp.roles.only_main(self.effects.emit_validation, ev)
 
