@@ -8,7 +8,9 @@
 Each RUN_DIR is a copy of a finished `runs/demo/` holding `records.jsonl`, `logs/trainer*.log` and `demo.log`
 (demo.sh's output, with its progress line). Seconds count from demo.sh's start (model build included): the
 progress line's elapsed seconds when validation 0 first shows, against the trainer log's time of that
-validation, place the start; every validation is then placed by its trainer-log time. Samples are
+validation, place the start; every validation is then placed by its trainer-log time. A run folder of
+`rollstream bench learn` (no demo.log) counts from its supervisord's first log line: bench learn's own clock
+starts about 2 s before it, at `rollstream run`. Samples are
 RolloutSamples trained (a prompt's group each): global step x the run's `data.train_batch_size` (from its
 `pipeline.resolved.yaml`).
 """
@@ -28,21 +30,24 @@ from benchmarks.learn import plot_val_curves
 TITLE = "SmolLM2-135M-Instruct, reasoning-gym basic_arithmetic (+ - *, 2 terms, 1-2 digits)"
 _VALIDATION = re.compile(r"^(\S+ \S+) INFO trainer \S+: validation of version (\d+)", re.M)
 _FIRST_VAL = re.compile(r"val/acc \d\.\d+ \(best[^\n]*?(\d+)/\d+s")
+_LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"
 
 
 def curve(run_dir: Path) -> list[tuple[float, int, float]]:
     """(seconds since demo.sh started, samples trained, val/acc) of each validation of one run."""
     batch = int(yaml.safe_load((run_dir / "pipeline.resolved.yaml").read_text())["data"]["train_batch_size"])
     log = next((run_dir / "logs").glob("trainer*.log")).read_text()
-    when = {
-        int(m.group(2)): datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        for m in _VALIDATION.finditer(log)
-    }
-    watch = (run_dir / "demo.log").read_text().replace("\r", "\n")
-    first = _FIRST_VAL.search(watch)
-    if first is None or 0 not in when:
-        raise SystemExit(f"{run_dir}: no validation of version 0 in demo.log and the trainer log")
-    start = when[0] - int(first.group(1))
+    when = {int(m.group(2)): datetime.strptime(m.group(1), _LOG_TIME).timestamp()
+            for m in _VALIDATION.finditer(log)}
+    if not (run_dir / "demo.log").exists():  # a bench learn run: its supervisord's start
+        first_line = (run_dir / "logs" / "supervisord.log").read_text()[:23]
+        start = datetime.strptime(first_line, _LOG_TIME).timestamp()
+    else:
+        watch = (run_dir / "demo.log").read_text().replace("\r", "\n")
+        first = _FIRST_VAL.search(watch)
+        if first is None or 0 not in when:
+            raise SystemExit(f"{run_dir}: no validation of version 0 in demo.log and the trainer log")
+        start = when[0] - int(first.group(1))
     records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line]
     return [
         (when[int(r["step"])] - start, int(r["step"]) * batch, float(r["val/acc"]))
