@@ -118,7 +118,7 @@ class RolloutConfig(Section):
         None,
         gt=0,
         description="Swap check: most mean |log-prob difference| per probe token between the trainer and a "
-                    "producer's engine after a weight swap (null: 1e-3 in float32, 5e-2 in bfloat16, 2e-2 in "
+                    "producer's engine after a weight swap (null: 1e-3 in float32, 0.15 in bfloat16, 2e-2 in "
                     "float16); over it the swap failed",
     )
     stats_every_s: float = Field(

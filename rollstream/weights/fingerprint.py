@@ -28,8 +28,11 @@ MIN_COMPARED = 4
 #: Seed of the probe's token ids (fixed: every host draws the same sequence for a vocabulary size).
 PROBE_SEED = 20261204
 #: Default bound on the mean absolute log-prob difference per probe token, by the engine's dtype: float32
-#: engines agree with transformers to ~1e-6 (measured 4.8e-7); bf16 and fp16 round every activation.
-DEFAULT_MAX_DIFF = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 2e-2}
+#: engines agree with transformers to ~1e-6 (measured 4.8e-7); bf16 and fp16 round every activation, so two
+#: kernels of one bfloat16 model differ: on SmolLM2-135M (30 layers) transformers' eager against its sdpa
+#: attention read 0.046, either against float32 0.054-0.072, and vLLM's CPU engine against the trainer 0.061
+#: (BENCHMARKS.md, Real model); 0.15 leaves twice that (a stale tied head read 0.27).
+DEFAULT_MAX_DIFF = {"float32": 1e-3, "bfloat16": 0.15, "float16": 2e-2}
 
 
 #: The swap check's metrics in a producer's stats and in the records (consumers/aggregator/fold.py): the
