@@ -73,7 +73,11 @@ def main(argv: list[str]) -> int:
         points = curve(Path(run_dir))
         print(label, [(round(s), n, v) for s, n, v in points])
         curves.append((label, points))
-    xlabels = ("seconds since demo.sh started (model build included)", "samples trained (one prompt's group)")
+    demo = any((Path(spec.split("=", 1)[1]) / "demo.log").exists() for spec in argv[1:])
+    clock = "seconds since the run's start"
+    if demo:
+        clock = "seconds since demo.sh started (model build included)"
+    xlabels = (clock, "samples trained (one prompt's group)")
     plot_val_curves(curves, float(options["--target"]), Path(argv[0]), options["--title"], xlabels,
                     options["--start-level"] or None)
     return 0
