@@ -11,7 +11,8 @@ one markdown row per run, averaged over its training steps in [--from-step, --to
   validate         `timing_s/validate` (trainer-side held-out validation, every trainer.test_freq steps)
   other            the rest: assembly, publish, checkpoint, the commit and grant
   producers idle   the producers' idle share of the same span (`producer/idle_ratio`, waiting for a lease or a
-                   new version), weighted by step time: the trainer's turn
+                   new version), weighted by step time over the steps that report it ("-": none do): the
+                   trainer's turn
   staleness        mean of `training/off_policy/staleness/mean` (trained step minus sampling version)
 
 A synchronous run's step is the producers' generation (trainer waits) plus the trainer's own work; an
@@ -41,16 +42,18 @@ class Waits:
     update_s: float
     validate_s: float
     other_s: float
-    producer_idle: float
+    producer_idle: float | None
     staleness: float
 
     def row(self) -> str:
         """This run as a markdown table row (the header is HEADER)."""
+        idle = "-" if self.producer_idle is None else f"{self.producer_idle:.0%}"
         return (f"| {self.name} | {self.versions} | {self.step_s:.1f} | {self.trainer_wait_s:.1f} "
                 f"| {self.update_s:.1f} | {self.validate_s:.1f} | {self.other_s:.1f} "
-                f"| {self.producer_idle:.0%} | {self.staleness:.2f} |")
+                f"| {idle} | {self.staleness:.2f} |")
 
 
+#: The table's header (markdown), one column per Waits field.
 HEADER = ("| run | versions | s / version | trainer waits | update | validate | other | producers idle "
           "| staleness |\n|---|---|---|---|---|---|---|---|---|")
 
@@ -63,7 +66,8 @@ def run_waits(
     records = [(g, m) for g, m in records_from_jsonl(run_dir / "records.jsonl")
                if g >= max(1, from_step) and (to_step is None or g <= to_step) and "timing_s/step" in m]
     if not records:
-        raise ValueError(f"{run_dir}: no training step in records.jsonl from step {from_step} to {to_step}")
+        last = "the last" if to_step is None else f"step {to_step}"
+        raise ValueError(f"{run_dir}: no training step in records.jsonl from step {from_step} to {last}")
     n = len(records)
 
     def total(key: str) -> float:
@@ -71,8 +75,11 @@ def run_waits(
 
     keys = ("timing_s/step", "timing_s/gen", "timing_s/update_actor", "timing_s/validate")
     step, wait, update, val = (total(k) for k in keys)
-    idle_s = sum(m.get("producer/idle_ratio", 0.0) * m["timing_s/step"] for _, m in records)
-    idle = idle_s / step if step else 0.0
+    # over the steps with a producer window only: a step without one says nothing of the producers
+    windowed = [(m["producer/idle_ratio"], m["timing_s/step"])
+                for _, m in records if "producer/idle_ratio" in m]
+    windowed_s = sum(s for _, s in windowed)
+    idle = sum(r * s for r, s in windowed) / windowed_s if windowed_s else None
     stale = [m["training/off_policy/staleness/mean"] for _, m in records
              if "training/off_policy/staleness/mean" in m]
     return Waits(name or run_dir.name, n, step / n, wait / n, update / n, val / n,

@@ -130,9 +130,10 @@ def check(work: Path, device: str, label: str, args: argparse.Namespace) -> int:
     name = f"gpu-check-{int(time.time())}"
     run_args = ["pipeline.yaml", "model.backend=hf", f"model.hf_path={model}", *RUN,
                 f"trainer.total_training_steps={args.steps}", f"run.device={device}", f"run.dir={work}",
-                f"run.name={name}", f"rollout.name={args.engine}", *args.overrides]
-    if args.lora_rank:  # LoRA's scale alpha / rank = 2, as the SmolLM2 config trains it
+                f"run.name={name}", f"rollout.name={args.engine}"]
+    if args.lora_rank:  # alpha / rank = 2, as the SmolLM2 config trains it (the overrides follow: theirs win)
         run_args += [f"model.lora_rank={args.lora_rank}", f"model.lora_alpha={2 * args.lora_rank}"]
+    run_args += args.overrides
     run_dir = work / name
     t0 = time.perf_counter()
     ok = True

@@ -11,11 +11,11 @@ from benchmarks import waits
 
 
 def _write_records(run: Path, steps: list[dict[str, float]]) -> Path:
-    """records.jsonl as the aggregator writes it: record 0 (validation only), then one record per step."""
+    """records.jsonl as the aggregator's sink writes it (flat, "step" first): record 0 (validation only), then
+    one record per step."""
     run.mkdir(parents=True)
-    lines = [{"global_step": 0, "metrics": {"val/acc": 0.2, "training/global_step": 0.0}}]
-    lines += [{"global_step": g, "metrics": {"training/global_step": float(g), **m}}
-              for g, m in enumerate(steps, start=1)]
+    lines = [{"step": 0, "val/acc": 0.2, "training/global_step": 0.0}]
+    lines += [{"step": g, "training/global_step": float(g), **m} for g, m in enumerate(steps, start=1)]
     (run / "records.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return run
 
@@ -48,6 +48,15 @@ def test_the_cli_prints_one_row_a_run_and_names_a_run_without_steps(
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("| run | versions | s / version | trainer waits")
     assert out[2] == "| learn-async-s0 | 1 | 12.0 | 0.5 | 9.0 | 0.0 | 2.5 | 35% | 2.00 |"
+
+    # a step without a producer window leaves the idle share to the others; none at all prints "-"
+    quiet = _write_records(tmp_path / "learn-quiet", [
+        {"timing_s/step": 10.0, "timing_s/gen": 1.0, "timing_s/update_actor": 8.0,
+         "producer/idle_ratio": 0.5},
+        {"timing_s/step": 10.0, "timing_s/gen": 1.0, "timing_s/update_actor": 8.0},
+    ])
+    assert waits.run_waits(quiet).producer_idle == 0.5
+    assert waits.run_waits(quiet, from_step=2).row().endswith("| - | nan |")
 
     empty = _write_records(tmp_path / "learn-none", [])
     assert waits.main([str(empty)]) == 2

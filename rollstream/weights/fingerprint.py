@@ -31,7 +31,8 @@ PROBE_SEED = 20261204
 #: engines agree with transformers to ~1e-6 (measured 4.8e-7); bf16 and fp16 round every activation, so two
 #: kernels of one bfloat16 model differ: on SmolLM2-135M (30 layers) transformers' eager against its sdpa
 #: attention read 0.046, either against float32 0.054-0.072, and vLLM's CPU engine against the trainer 0.061
-#: (BENCHMARKS.md, Real model); 0.15 leaves twice that (a stale tied head read 0.27).
+#: (BENCHMARKS.md, Real model); 0.15 leaves twice that. In bfloat16 the check catches gross errors (a stale
+#: tied head read 0.27 on a tiny float32 model), not a version one step stale: float32 checks that.
 DEFAULT_MAX_DIFF = {"float32": 1e-3, "bfloat16": 0.15, "float16": 2e-2}
 
 
