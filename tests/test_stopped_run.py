@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -76,6 +77,12 @@ def test_readme_inspection_commands_work_after_stop_and_change_nothing(tmp_path:
     assert json.loads(record.stdout)["event"]["global_step"] == 2
     sample = rollstream("inspect", "rollouts:rollout_00", "-1", *args, timeout_s=120)
     assert sample.returncode == 0 and '"sample_id"' in sample.stdout, sample.stderr
+    # piped into a reader that is gone before it writes (`… | head` once head has its lines): a quiet exit 0,
+    # not "redis not reachable"
+    cli = shlex.join([sys.executable, "-m", "rollstream.cli", "inspect", "rollouts:rollout_00", "-1", *args])
+    piped = subprocess.run(["bash", "-c", f"set -o pipefail; {cli} | true"], capture_output=True, text=True,
+                           timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert piped.returncode == 0 and "not reachable" not in piped.stderr, piped.stderr
     # nothing more can come: it returns
     tail = rollstream("tail", "metrics", *args, "--count", "3", timeout_s=120)
     assert tail.returncode == 0 and len(tail.stdout.strip().splitlines()) == 3, tail.stdout + tail.stderr
