@@ -24,6 +24,7 @@ key=value).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -43,6 +44,7 @@ from rollstream.bus import connect, delete_run, setup_run
 from rollstream.config import PipelineConfig, load_config
 from rollstream.keys import Keys, producer_names
 from rollstream.model import build_policy
+from rollstream.model.base import EngineClock
 from rollstream.pacing.budget import lease_outright
 from rollstream.runtime.process import WorkerContext
 from rollstream.testing.hf_tiny import make_tiny_hf_model
@@ -161,13 +163,13 @@ def bench_generation(cfg: PipelineConfig, redis_url: str, dispatches: int, warmu
         c0 = dict(vars(producer.counters))
         engine = producer.continuous.engine if producer.continuous is not None else producer.policy
         first = r.xlen(keys.rollouts_of("rollout_00"))
-        busy0, row0 = getattr(engine, "busy_s", 0.0), getattr(engine, "row_s", 0.0)
-        batch0 = getattr(engine, "batch_row_s", row0)  # vLLM's batch holds only rows in flight
+        clock: EngineClock = engine.clock
+        before = dataclasses.replace(clock)
         t0, cpu0 = time.perf_counter(), time.process_time()
         producer.run(max_dispatches=dispatches)
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
-        busy, row_s = getattr(engine, "busy_s", 0.0) - busy0, getattr(engine, "row_s", 0.0) - row0
-        batch_s = getattr(engine, "batch_row_s", row0 + row_s) - batch0
+        busy, row_s = clock.busy_s - before.busy_s, clock.row_s - before.row_s
+        batch_s = clock.batch_row_s - before.batch_row_s
         rows = cfg.rollout.n * cfg.rollout.prompts_per_dispatch
         c1 = vars(producer.counters)
         tokens, gen_s = c1["tokens"] - c0["tokens"], c1["gen_s"] - c0["gen_s"]

@@ -30,7 +30,7 @@ row's last turn is. Each turn starts on the version loaded when it entered the e
 swaps, so a trajectory's `turn_versions`, first and last versions are those of its tokens, as in the
 per-dispatch loop.
 
-Measured with the engines' `busy_s` / `row_s` (engine busy time, rows in flight x time): see BENCHMARKS.md,
+Measured with the engines' `clock` (EngineClock: engine busy time, rows in flight x time): see BENCHMARKS.md,
 "Continuous generation".
 """
 
@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from producers.agent import version_of_last_token
 from producers.rollout import Trajectory, prepare_single_generation_data
 from rollstream.model import Completion, Tokenizer
+from rollstream.model.base import EngineClock
 from rollstream.model.chat import encode_tool_result
 from rollstream.model.rows import RowBatch
 from rollstream.pacing.budget import ask_lease
@@ -144,6 +145,7 @@ class RowEngine(Protocol):
     VLLMPolicy, rollstream/model/rows.py RowBatch)."""
 
     tokenizer: Tokenizer
+    clock: EngineClock  # what its steps took (the generation benchmark reads it)
 
     @property
     def in_flight(self) -> int: ...

@@ -114,7 +114,7 @@ def test_greedy_rows_admitted_mid_batch_decode_what_per_row_generation_does(
         assert max(abs(a - b) for a, b in zip(got.log_probs, ref.log_probs, strict=True)) < 1e-5
     assert max(occupancy) >= 4  # rows really shared the batch, and left it as they finished
     assert occupancy[-1] < max(occupancy) and batch.in_flight == 0
-    assert batch.busy_s > 0 and 0 < batch.row_s <= batch.busy_s * max(occupancy)
+    assert batch.clock.busy_s > 0 and 0 < batch.clock.row_s <= batch.clock.busy_s * max(occupancy)
 
 
 @pytest.mark.parametrize("compact_at", [0.125, 1.0])

@@ -51,7 +51,7 @@ from producers.engines import EngineError, EngineStartError
 from producers.engines.lora_merge import LoRAMerger
 from rollstream.config import PipelineConfig
 from rollstream.model import Completion, Tokenizer
-from rollstream.model.base import resolve_dtype
+from rollstream.model.base import EngineClock, resolve_dtype
 from rollstream.model.hf import HFTokenizer
 from rollstream.model.sampling import check_generate_args
 from rollstream.weights.store import iter_weight_tensors
@@ -295,8 +295,7 @@ class VLLMPolicy:
         self._ids = itertools.count()
         self._live: dict[str, _Request] = {}  # request id -> row, while in the engine
         self._paused: list[_Request] = []  # rows aborted by a weight load, to resubmit
-        self.busy_s = 0.0  #: seconds spent in engine steps (generation and continuous serving alike)
-        self.row_s = 0.0  #: rows in the engine x seconds, summed over steps (busy_s x mean rows in flight)
+        self.clock = EngineClock()  #: what engine steps took (generation and continuous serving alike)
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig, seed: int) -> VLLMPolicy:
@@ -415,9 +414,7 @@ class VLLMPolicy:
         """One engine step; returns the rows that finished in it (eos or their token budget)."""
         rows, t0 = len(self._live), time.perf_counter()
         done = self._collect(self.llm.llm_engine.step())
-        dt = time.perf_counter() - t0
-        self.busy_s += dt
-        self.row_s += rows * dt
+        self.clock.add(time.perf_counter() - t0, rows)  # its batch holds only rows in flight
         return done
 
     def resume(self, swapped: bool) -> None:

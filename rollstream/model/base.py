@@ -80,6 +80,22 @@ SHARED_PREFIX_MIN = 4
 COMPACT_DEAD_FRACTION = 0.125
 
 
+@dataclass
+class EngineClock:
+    """What a generation engine's steps took, for the generation benchmark's busy share, occupancy and live
+    share: seconds in steps, and rows x seconds over them (one clock per engine: `engine.clock`)."""
+
+    busy_s: float = 0.0  #: seconds spent in steps
+    row_s: float = 0.0  #: rows still generating x seconds (busy_s x mean rows in flight)
+    batch_row_s: float = 0.0  #: rows the batch computes x seconds (finished rows too, decoded until dropped)
+
+    def add(self, seconds: float, rows: int, batch: int | None = None) -> None:
+        """Count one step of `seconds` over `rows` generating in a batch of `batch` rows (None: `rows`)."""
+        self.busy_s += seconds
+        self.row_s += seconds * rows
+        self.batch_row_s += seconds * (rows if batch is None else batch)
+
+
 def common_prefix_len(rows: Sequence[Sequence[int]] | Sequence[np.ndarray]) -> int:
     """Length of the longest prefix every row starts with, leaving every row at least one token of its own."""
     if not rows:
@@ -118,11 +134,14 @@ class BasePolicy(ABC):
     #: Compute dtype of every forward pass (torch.autocast over the weights' own dtype); None computes in the
     #: weights' dtype. bfloat16 over float32 weights keeps float32 master weights at bfloat16 matmul speed.
     autocast_dtype: torch.dtype | None = None
-    #: Seconds `generate` spent in its steps; unfinished rows and batch rows (finished ones are decoded until
-    #: dropped) x seconds over them: the generation benchmark's occupancy and live share
-    busy_s: float = 0.0
-    row_s: float = 0.0
-    batch_row_s: float = 0.0
+
+    @property
+    def clock(self) -> EngineClock:
+        """What `generate`'s steps took (EngineClock), this policy's own, made at first use."""
+        clock = self.__dict__.get("_clock")
+        if clock is None:
+            clock = self.__dict__["_clock"] = EngineClock()
+        return clock
 
     def compute(self) -> contextlib.AbstractContextManager[Any]:
         """The context forward passes run in: torch.autocast to `autocast_dtype` on the policy's device, or
@@ -279,9 +298,7 @@ class BasePolicy(ABC):
     def _timed(self, since: tuple[float, int, int], rows: int, batch: int) -> tuple[float, int, int]:
         """Count the step begun at `since` (time, unfinished, batch rows); the next begins now with these."""
         now = time.perf_counter()
-        self.busy_s += now - since[0]
-        self.row_s += (now - since[0]) * since[1]
-        self.batch_row_s += (now - since[0]) * since[2]
+        self.clock.add(now - since[0], since[1], since[2])
         return now, rows, batch
 
     def _prefill_prompts(

@@ -22,8 +22,8 @@ nothing but the attention over them). A step:
 The owner loads new weights into the policy and then calls `resume(True)` (the continuous loop does, after
 every load): every row in flight records a swap point and is prefilled again (prompt + tokens so far) under
 the new weights, as the built-in sampler's re-prefill does, and the kept prefix is dropped. Greedy rows
-decode the tokens per-row generation does (`tests/test_rows.py`); `busy_s` / `row_s` measure time in steps
-and rows in flight over it (occupancy).
+decode the tokens per-row generation does (`tests/test_rows.py`); `clock` measures time in steps and rows in
+flight over it (occupancy).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from rollstream.model.base import (
     SHARED_PREFIX_MIN,
     BasePolicy,
     Completion,
+    EngineClock,
     common_prefix_len,
     left_pad,
 )
@@ -96,9 +97,7 @@ class RowBatch:
         self._room = 0  # columns the cache takes before it must be rebuilt
         self._prefix: list[int] = []  # tokens every prompt so far started with, and their keys/values [1,...]
         self._prefix_kv: KV | None = None
-        self.busy_s = 0.0  #: seconds spent in steps
-        self.row_s = 0.0  #: rows decoding x seconds, summed over steps (busy_s x mean rows decoding)
-        self.batch_row_s = 0.0  #: batch rows x seconds (finished rows too: decoded until dropped or replaced)
+        self.clock = EngineClock()  #: what the steps took (rows decoding, and batch rows: finished ones too)
 
     @property
     def max_seq_len(self) -> int | None:
@@ -139,10 +138,7 @@ class RowBatch:
                 done = self._sample() if self._rows else []
         finally:
             module.train(was_training)
-        dt = time.perf_counter() - t0
-        self.busy_s += dt
-        self.row_s += rows * dt
-        self.batch_row_s += batch * dt
+        self.clock.add(time.perf_counter() - t0, rows, batch)
         return done
 
     @property
