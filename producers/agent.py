@@ -135,6 +135,34 @@ def version_of_last_token(traj: Completion, kept: int, start: int, swaps: list[i
     return swaps[seen - 1] if seen else start
 
 
+def end_turn(t: Trajectory, g: Completion, task: Task | None, tok: Tokenizer, start: int, swaps: list[int],
+             turn_s: float) -> bool:
+    """Add a finished turn to trajectory `t`: completion `g`, begun under version `start` with the versions
+    loaded at its swap points `swaps`, `turn_s` seconds; cut after its first complete tool call when `task`
+    runs the tool agent, the tool then run and its result appended. True when a tool was called (another turn
+    may follow)."""
+    cut = tool_cut(task, tok, g.response_ids) if task is not None else None
+    kept = len(g.response_ids) if cut is None else cut
+    if kept:
+        first = version_of_last_token(g, 1, start, swaps)
+        if t.version_start < 0:
+            t.version_start = first
+        t.version_end = version_of_last_token(g, kept, start, swaps)
+        t.turn_versions.append([first, t.version_end])
+    t.extend(g.response_ids[:kept], g.log_probs[:kept], generated=True)
+    t.num_turns += 1
+    t.processing_time_s += turn_s
+    if cut is None or task is None:
+        t.finished = g.finished
+        return False
+    c0 = time.perf_counter()
+    result = task.tool(tok.decode(g.response_ids[:kept])) or ""
+    t.tool_call_s.append(time.perf_counter() - c0)
+    t.processing_time_s += t.tool_call_s[-1]
+    t.extend(encode_tool_result(tok, result), None, generated=False)
+    return True
+
+
 def run_agent_loop(
     policy: GeneratingPolicy,
     task: Task,
@@ -166,30 +194,8 @@ def run_agent_loop(
         out, start, swaps = _generate_turn(policy, histories, max_new, settings, weights, generator)
         turn_s = time.perf_counter() - t0
 
-        next_active: list[int] = []
-        for i, g in zip(active, out, strict=True):
-            t = trajs[i]
-            cut = tool_cut(task, tok, g.response_ids) if agent == AGENT_TOOL else None
-            kept = len(g.response_ids) if cut is None else cut
-            if kept:
-                if t.version_start < 0:
-                    t.version_start = start
-                t.version_end = version_of_last_token(g, kept, start, swaps)
-                t.turn_versions.append([version_of_last_token(g, 1, start, swaps), t.version_end])
-            t.extend(g.response_ids[:kept], g.log_probs[:kept], generated=True)
-            t.num_turns += 1
-            t.processing_time_s += turn_s
-            if cut is None:
-                t.finished = g.finished
-                continue
-            call_text = tok.decode(g.response_ids[:kept])
-            c0 = time.perf_counter()
-            result = task.tool(call_text) or ""
-            call_s = time.perf_counter() - c0
-            t.tool_call_s.append(call_s)
-            t.processing_time_s += call_s
-            t.extend(encode_tool_result(tok, result), None, generated=False)
-            if turn + 1 < max_turns:
-                next_active.append(i)
-        active = next_active
+        tool_task = task if agent == AGENT_TOOL else None
+        called = [i for i, g in zip(active, out, strict=True)
+                  if end_turn(trajs[i], g, tool_task, tok, start, swaps, turn_s)]
+        active = called if turn + 1 < max_turns else []
     return trajs

@@ -42,16 +42,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from producers.agent import version_of_last_token
+from producers.agent import end_turn
 from producers.rollout import Trajectory, prepare_single_generation_data
 from rollstream.model import Completion, Tokenizer
 from rollstream.model.base import EngineClock
-from rollstream.model.chat import encode_tool_result
 from rollstream.model.rows import RowBatch
 from rollstream.pacing.budget import ask_lease
 from rollstream.pacing.counters import lease_of
 from rollstream.tasks import Prompt, Task
-from rollstream.tasks.episode import tool_cut
 
 if TYPE_CHECKING:
     import torch
@@ -88,10 +86,6 @@ class Turn:
     versions: list[int] = field(default_factory=list)
     since: float = field(default_factory=time.perf_counter)
 
-    def version_of(self, kept: int) -> int:
-        """The version that generated token `kept` - 1 of this turn."""
-        return version_of_last_token(self.row, kept, self.version, self.versions)
-
 
 @dataclass
 class Group:
@@ -114,30 +108,11 @@ class Group:
         return not self.turns
 
     def end_turn(self, i: int, task: Task | None, tok: Tokenizer) -> bool:
-        """Add row i's finished turn to its trajectory (cut after its first complete tool call when `task`
-        runs the tool agent; then the tool's result follows it); True when the row goes on with another
-        turn."""
-        turn, t = self.turns.pop(i), self.trajs[i]
-        ids = turn.row.response_ids
-        cut = tool_cut(task, tok, ids) if task is not None else None
-        kept = len(ids) if cut is None else cut
-        if kept:
-            if t.version_start < 0:
-                t.version_start = turn.version_of(1)
-            t.version_end = turn.version_of(kept)
-            t.turn_versions.append([turn.version_of(1), t.version_end])
-        t.extend(ids[:kept], turn.row.log_probs[:kept], generated=True)
-        t.num_turns += 1
-        t.processing_time_s += time.perf_counter() - turn.since
-        if cut is None or task is None:
-            t.finished = turn.row.finished
-            return False
-        c0 = time.perf_counter()
-        result = task.tool(tok.decode(ids[:kept])) or ""
-        t.tool_call_s.append(time.perf_counter() - c0)
-        t.processing_time_s += t.tool_call_s[-1]
-        t.extend(encode_tool_result(tok, result), None, generated=False)
-        return True
+        """Add row i's finished turn to its trajectory (producers/agent.py end_turn, as the per-dispatch agent
+        loop does); True when the row goes on with another turn (it called the tool)."""
+        turn = self.turns.pop(i)
+        return end_turn(self.trajs[i], turn.row, task, tok, turn.version, turn.versions,
+                        time.perf_counter() - turn.since)
 
 
 class RowEngine(Protocol):
@@ -311,7 +286,7 @@ class ContinuousLoop:
         t, s = group.trajs[i], self.settings
         limit = self.engine.max_seq_len
         history = t.prompt_ids + t.response_ids
-        max_new = min(s.max_new_tokens, s.max_new_tokens if limit is None else limit - len(history))
+        max_new = s.max_new_tokens if limit is None else min(s.max_new_tokens, limit - len(history))
         if max_new <= 0:
             return False
         row = Completion(prompt_ids=history)
